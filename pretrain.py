@@ -1,0 +1,368 @@
+"""pretrain.py -- self-pretraining (SPT): masked reconstruction on the task's own training split.
+
+Amos et al. (ICLR 2024) and Coser et al. (Sec. 2): each non-padding position is masked independently with the
+task's ratio (ListOps 10%), masked tokens are replaced by <mask>, and a per-position linear head reconstructs
+them; the loss is the cross-entropy on masked positions only, divided by their number in the batch. No
+external data is used. finetune.py then starts from the checkpoint with the best validation loss.
+
+    python pretrain.py --task listops                  # CPU: small model, ~10 min on 2 cores, data made first
+    python pretrain.py --task listops --preset paper   # GPU: the paper's model (6 x 512, 8 heads), 100 epochs
+
+Reads  data/<task>/{train,val}.pt  (made by data.py; made here if missing)
+Writes out/<task>/pretrain.pt (best validation masked loss), out/<task>/pretrain_last.pt (latest, for --resume),
+       out/<task>/pretrain_log.jsonl (every logged figure)
+Expect (CPU preset, ListOps): validation masked loss from ~2.8 (log of the vocabulary) to ~1.4.
+
+This file also holds what both training stages share: the command-line flags, the presets, the device and
+dtype choice, the learning-rate schedule and the training loop itself (finetune.py imports them).
+"""
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+
+import data
+from model import ModelConfig, Transformer, checkpoint_dict, count_params
+
+# ----------------------------------------------------------------------------------------------------------
+# Presets: the paper's settings (shared/paper_facts.md, Sec. 5; Amos et al. configs) and a CPU size that
+# finishes in minutes. `--preset auto` picks "paper" on CUDA and "cpu" elsewhere; any flag overrides a preset.
+# ----------------------------------------------------------------------------------------------------------
+PRESETS = {
+    "listops": {
+        "paper": dict(model=dict(n_layers=6, d_model=512, n_heads=8, d_mlp=2048),
+                      data=dict(n_train=96000, n_val=2000, n_test=2000),
+                      pretrain=dict(batch_size=32, lr=1e-3, warmup=2000, epochs=100, eval_every=3000),
+                      finetune=dict(batch_size=32, lr=1e-4, warmup=2000, epochs=100, eval_every=3000)),
+        "cpu": dict(model=dict(n_layers=2, d_model=64, n_heads=4, d_mlp=128),
+                    data=dict(n_train=10000, n_val=1000, n_test=1000),
+                    pretrain=dict(batch_size=16, lr=1e-3, warmup=50, epochs=1, max_steps=450, eval_every=150),
+                    finetune=dict(batch_size=16, lr=1e-3, warmup=50, epochs=1, max_steps=450, eval_every=150)),
+    },
+}
+MASK_RATIO = {"listops": 0.10}  # Amos et al.; Coser et al. Sec. 2 (pixels 50%, Text/Retrieval 15%)
+
+
+def build_parser(stage, description):
+    """The flags every stage shares (defaults of None are filled from the preset by `resolve`)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--task", required=True, choices=data.TASKS, help="which data set")
+    p.add_argument("--data_dir", default="data", help="root of data/<task>/*.pt")
+    p.add_argument("--out_dir", default="out", help="root of out/<task>/ checkpoints and logs")
+    p.add_argument("--preset", default="auto", choices=("auto", "cpu", "paper"),
+                   help="model and training size; auto = paper on CUDA, cpu otherwise")
+    p.add_argument("--epochs", type=int, default=None, help="passes over the training split")
+    p.add_argument("--max_steps", type=int, default=None, help="cap on optimizer steps (0 = no cap)")
+    p.add_argument("--batch_size", type=int, default=None, help="sequences per step")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate of AdamW")
+    p.add_argument("--warmup", type=int, default=None, help="linear warm-up steps, then constant")
+    p.add_argument("--weight_decay", type=float, default=0.0, help="AdamW decoupled weight decay")
+    p.add_argument("--grad_clip", type=float, default=0.0, help="clip the gradient norm (0 = off)")
+    p.add_argument("--eval_every", type=int, default=None, help="steps between validations and checkpoints")
+    p.add_argument("--log_every", type=int, default=10, help="steps between log lines")
+    p.add_argument("--seed", type=int, default=0, help="training seed: init, batch order, masks")
+    p.add_argument("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
+                   help="auto = bf16 autocast where supported (CUDA), else fp32")
+    p.add_argument("--resume", action="store_true", help=f"continue from out/<task>/{stage}*_last.pt")
+    return p
+
+
+def resolve(args, stage):
+    """Fill unset flags from the preset; pick device and dtype. Returns args (modified) and the model preset."""
+    args.device = pick_device(args.device)
+    if args.preset == "auto":
+        args.preset = "paper" if args.device.type == "cuda" else "cpu"
+    preset = PRESETS[args.task][args.preset]
+    for key, value in {"max_steps": 0, **preset[stage]}.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    args.dtype, reason = pick_dtype(args.dtype, args.device)
+    print(f"device {args.device}, dtype {str(args.dtype).replace('torch.', '')} ({reason}), preset {args.preset}")
+    return args, preset
+
+
+def pick_device(name):
+    """'auto' -> cuda if available, else mps, else cpu; any other string is passed to torch.device."""
+    if name != "auto":
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def pick_dtype(name, device):
+    """(dtype, reason): bf16 autocast only on CUDA devices that support it; fp16 is never used (NaN-prone)."""
+    if name == "fp32":
+        return torch.float32, "asked for"
+    supported = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    if name == "bf16":
+        if not supported:
+            raise ValueError(f"--dtype bf16 asked for, but {device} does not support bf16; use --dtype fp32")
+        return torch.bfloat16, "asked for"
+    return (torch.bfloat16, "CUDA with bf16") if supported else (torch.float32, f"no bf16 autocast on {device.type}")
+
+
+def autocast(args):
+    """Mixed-precision context for the forward pass (a no-op in fp32)."""
+    if args.dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(args.device.type, dtype=args.dtype)
+
+
+def get_lr(step, lr, warmup):
+    """Linear warm-up from lr/warmup to lr over `warmup` steps, then constant (Amos et al., constant_warmup)."""
+    return lr * min(1.0, (step + 1) / max(1, warmup))
+
+
+def prepare_data(args, preset):
+    """Load train/val/test of args.task, making them first with the preset's sizes if they are missing."""
+    if not os.path.exists(os.path.join(args.data_dir, args.task, "train.pt")):
+        print(f"{args.data_dir}/{args.task}/train.pt not found: preparing it (preset {args.preset})")
+        data.PREPARE[args.task](args.data_dir, **preset["data"])
+    splits = {s: data.load_split(args.data_dir, args.task, s) for s in data.SPLITS}
+    if args.device.type == "cuda":  # LRA splits fit in GPU memory: no host-to-device copy per step
+        for s in splits.values():
+            for key in ("tokens", "lengths", "labels"):
+                s[key] = s[key].to(args.device)
+    return splits
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Masked reconstruction (the SPT objective)
+# ----------------------------------------------------------------------------------------------------------
+
+def mask_batch(tokens, lengths, ratio, mask_id, generator):
+    """Choose masked positions and replace them by <mask>.
+
+    tokens (B, L) int64, lengths (B,) int64 -> (inputs (B, L) with masked ids = mask_id, masked (B, L) bool).
+    Every real position is masked independently with probability `ratio` (no spans, no 80/10/10, as in Amos
+    et al.); padding is never masked; a sequence that drew no mask gets one at a random real position, so each
+    sequence contributes to the loss. `generator` (on tokens' device) makes the masks reproducible.
+    """
+    B, L = tokens.shape
+    valid = torch.arange(L, device=tokens.device)[None, :] < lengths[:, None]
+    u = torch.rand(B, L, generator=generator, device=tokens.device)
+    masked = (u < ratio) & valid
+    # The real position with the smallest u is the one to force-mask in rows that drew none.
+    forced = F.one_hot(u.masked_fill(~valid, 2.0).argmin(dim=1), L).bool()
+    masked = masked | (forced & ~masked.any(dim=1, keepdim=True))
+    return tokens.masked_fill(masked, mask_id), masked
+
+
+def reconstruction_loss(outputs, targets, kind="ce"):
+    """Mean reconstruction loss over the M masked positions (Coser et al., Sec. 2, L_SPT).
+
+    outputs (M, n_rec); targets (M,) int64 for "ce" (cross-entropy over the vocabulary), (M, n_rec) float for
+    "mse" (1/2 ||r - u||^2) and "l1". Normalized by M, the number of masked positions in the batch; M = 0 gives 0.
+    """
+    if outputs.shape[0] == 0:
+        return outputs.sum() * 0.0  # no masked position: a zero that still has a graph, not 0/0 = NaN
+    if kind == "ce":
+        return F.cross_entropy(outputs.float(), targets)
+    diff = outputs.float() - targets
+    if kind == "mse":
+        return 0.5 * diff.pow(2).sum(dim=-1).mean()
+    if kind == "l1":
+        return diff.abs().sum(dim=-1).mean()
+    raise ValueError(f"unknown reconstruction loss {kind!r}")
+
+
+def mask_generator(args, seed):
+    return torch.Generator(device=args.device).manual_seed(seed)
+
+
+@torch.no_grad()
+def evaluate_reconstruction(model, split, args):
+    """Validation masked loss and masked-token accuracy, with the same masks at every evaluation (seed fixed)."""
+    model.eval()
+    g = mask_generator(args, 12345)
+    loss_sum, correct, count = 0.0, 0, 0
+    for idx in data.batch_indices(split["lengths"], args.batch_size, shuffle=False):
+        tokens, lengths, _ = data.get_batch(split, idx.to(split["lengths"].device), args.device)
+        inputs, masked = mask_batch(tokens, lengths, args.mask_ratio, split["meta"]["mask_id"], g)
+        with autocast(args):
+            out = model.reconstruct(inputs, lengths, masked)
+        targets = tokens[masked]
+        loss_sum += F.cross_entropy(out.float(), targets, reduction="sum").item()
+        correct += (out.argmax(-1) == targets).sum().item()
+        count += targets.numel()
+    model.train()
+    return {"val_loss": loss_sum / count, "val_acc": correct / count}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The training loop (shared with finetune.py)
+# ----------------------------------------------------------------------------------------------------------
+
+def plain_config(args):
+    """The run's flags as a JSON- and weights_only-safe dict (devices and dtypes become strings)."""
+    return {k: (str(v) if isinstance(v, (torch.device, torch.dtype)) else v) for k, v in vars(args).items()}
+
+
+def run_record(args):
+    """Plain-type description of the run: its settings and what produced it (stored in checkpoints)."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return dict(config=plain_config(args), git_commit=commit, torch_version=str(torch.__version__), python=platform.python_version(),
+                device_name=torch.cuda.get_device_name() if args.device.type == "cuda" else platform.processor())
+
+
+def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better):
+    """Optimize `model` on splits["train"], evaluating and checkpointing every args.eval_every steps.
+
+    loss_fn(idx (B,) index tensor, step int) -> scalar loss; eval_fn() -> dict of metrics with a "val_..." key
+    named by extra["metric"]. paths: dict(best=..., last=..., log=...). The best checkpoint (by that metric)
+    and the last one are written atomically; with args.resume the run continues from paths["last"] exactly
+    (model, optimizer, step, epoch, position in the epoch, best metric, RNG state).
+    Returns the metrics dict of the best evaluation.
+    """
+    metric = extra["metric"]
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.999),
+                            weight_decay=args.weight_decay, fused=args.device.type == "cuda")
+    n_batches = math.ceil(len(splits["train"]["labels"]) / args.batch_size)
+    total = args.epochs * n_batches if not args.max_steps else min(args.max_steps, args.epochs * n_batches)
+    state = dict(step=0, epoch=0, batch_in_epoch=0, best=None, best_metrics=None)
+    if args.resume and os.path.exists(paths["last"]):
+        ck = data.load_pt(paths["last"], map_location=args.device)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        state = ck["state"]
+        torch.set_rng_state(ck["rng_state"].cpu())
+        print(f"resumed from {paths['last']} at step {state['step']} (epoch {state['epoch']})")
+    elif args.resume:
+        print(f"--resume: {paths['last']} not found, starting from scratch")
+    print(f"{count_params(model):,} trainable parameters; {total} steps ({n_batches} per epoch)")
+    record = run_record(args)
+
+    def save(path, metrics):
+        save_dict = checkpoint_dict(model, optimizer=opt.state_dict(), state=dict(state), metrics=metrics,
+                                    rng_state=torch.get_rng_state(), **record, **extra)
+        data.save_atomic(save_dict, path)
+
+    def log(entry):
+        with open(paths["log"], "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+    if not args.resume:
+        open(paths["log"], "w").close()
+    t_last, tokens_since, loss_since, steps_since = time.time(), 0, torch.zeros((), device=args.device), 0
+    t_start, start_step = time.time(), state["step"]
+    model.train()
+    while state["step"] < total:
+        batches = data.batch_indices(splits["train"]["lengths"].cpu(), args.batch_size, shuffle=True,
+                                     seed=args.seed, epoch=state["epoch"])
+        for i in range(state["batch_in_epoch"], len(batches)):
+            step = state["step"]
+            lr = get_lr(step, args.lr, args.warmup)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            idx = batches[i]
+            loss = loss_fn(idx, step)
+            loss.backward()
+            if args.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            state["step"], state["batch_in_epoch"] = step + 1, i + 1
+            loss_since += loss.detach()
+            steps_since += 1
+            tokens_since += int(splits["train"]["lengths"][idx.to(splits["train"]["lengths"].device)].sum())
+            done = state["step"] >= total
+            if state["step"] % args.log_every == 0 or done:
+                mean_loss = loss_since.item() / steps_since  # the only host sync of the loop
+                if not math.isfinite(mean_loss):
+                    raise FloatingPointError(
+                        f"non-finite loss between steps {step + 2 - steps_since} and {step + 1}; the last good "
+                        f"checkpoint is {paths['last']} (use --resume after lowering --lr)")
+                dt = time.time() - t_last
+                eta = (time.time() - t_start) / (state["step"] - start_step) * (total - state["step"])
+                print(f"step {state['step']:6d}/{total} | epoch {state['epoch']} | loss {mean_loss:.4f} | "
+                      f"lr {lr:.2e} | {1000 * dt / steps_since:.0f} ms/step | {tokens_since / dt:,.0f} tok/s | "
+                      f"ETA {eta / 60:.1f} min")
+                log(dict(step=state["step"], epoch=state["epoch"], loss=mean_loss, lr=lr,
+                         ms_per_step=1000 * dt / steps_since, tokens_per_s=tokens_since / dt))
+                t_last, tokens_since, loss_since, steps_since = time.time(), 0, torch.zeros_like(loss_since), 0
+            end_of_epoch = i + 1 == len(batches)
+            if state["step"] % args.eval_every == 0 or done or end_of_epoch:
+                metrics = eval_fn()
+                value = metrics[metric]
+                improved = state["best"] is None or (value > state["best"] if higher_is_better else value < state["best"])
+                if improved:
+                    state["best"], state["best_metrics"] = value, metrics
+                print(f"eval at step {state['step']}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+                      + (" (best)" if improved else ""))
+                log(dict(step=state["step"], epoch=state["epoch"], **metrics))
+                if end_of_epoch:
+                    state["epoch"], state["batch_in_epoch"] = state["epoch"] + 1, 0
+                if improved:
+                    save(paths["best"], metrics)
+                save(paths["last"], metrics)
+                t_last = time.time()  # do not count evaluation time in the next ms/step
+            if done:
+                break
+    print(f"finished {state['step']} steps in {(time.time() - t_start) / 60:.1f} min; "
+          f"best {metric} {state['best']:.4f}")
+    return state["best_metrics"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Self-pretraining
+# ----------------------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    p = build_parser("pretrain", __doc__.split("\n")[0])
+    p.add_argument("--mask_ratio", type=float, default=None, help="fraction of positions masked (task default)")
+    args, preset = resolve(p.parse_args(argv), "pretrain")
+    torch.manual_seed(args.seed)
+    if args.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if args.mask_ratio is None:
+        args.mask_ratio = MASK_RATIO[args.task]
+    splits = prepare_data(args, preset)
+    meta = splits["train"]["meta"]
+    cfg = ModelConfig(vocab_size=meta["vocab_size"], max_len=meta["max_len"], n_rec=meta["vocab_size"],
+                      **preset["model"])
+    model = Transformer(cfg).to(args.device)
+    out = os.path.join(args.out_dir, args.task)
+    os.makedirs(out, exist_ok=True)
+    paths = dict(best=os.path.join(out, "pretrain.pt"), last=os.path.join(out, "pretrain_last.pt"),
+                 log=os.path.join(out, "pretrain_log.jsonl"))
+    train_split = splits["train"]
+    g = mask_generator(args, 0)
+
+    def loss_fn(idx, step):
+        tokens, lengths, _ = data.get_batch(train_split, idx.to(train_split["lengths"].device), args.device)
+        g.manual_seed(args.seed * 1_000_003 + step)  # masks differ per step, reproducible for --resume
+        inputs, masked = mask_batch(tokens, lengths, args.mask_ratio, meta["mask_id"], g)
+        with autocast(args):
+            out = model.reconstruct(inputs, lengths, masked)
+        return reconstruction_loss(out, tokens[masked], "ce")
+
+    extra = dict(stage="pretrain", task=args.task, data_meta=meta, metric="val_loss", format_version=1)
+    print(f"self-pretraining {args.task}: {cfg}")
+    best = train(model, splits, args, loss_fn, lambda: evaluate_reconstruction(model, splits["val"], args),
+                 paths, extra, higher_is_better=False)
+    print(f"best validation masked loss {best['val_loss']:.4f} (masked-token accuracy {best['val_acc']:.3f}); "
+          f"wrote {paths['best']}")
+    dirs = ("" if args.data_dir == "data" else f" --data_dir {args.data_dir}") + \
+        ("" if args.out_dir == "out" else f" --out_dir {args.out_dir}")
+    print(f"next: python finetune.py --task {args.task} --init {paths['best']}{dirs}\n"
+          f"  and python finetune.py --task {args.task} --init scratch{dirs}   (the baseline)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
