@@ -271,8 +271,10 @@ def _meta(task, vocab, max_len, n_classes, source, seed, sizes):
 
 
 def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, seed=0, max_len=2000,
-                    truncate=False):
+                    truncate=False, min_length=500, max_length=2000):
     """Write data/listops/{train,val,test}.pt from the LRA TSVs, generating them first if absent.
+
+    min_length < length < max_length bounds the generated expressions (LRA: 500 and 2000; tests use less).
 
     Returns the dict of split sizes. Errors from the reader name the file and line.
     """
@@ -281,7 +283,7 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
     if not all(os.path.exists(p) for p in tsv.values()):
         print(f"no LRA ListOps files in {task_dir}/ (basic_{{train,val,test}}.tsv): generating "
               f"{n_train}/{n_val}/{n_test} expressions with seed {seed}")
-        rows = generate_listops(n_train + n_val + n_test, seed)
+        rows = generate_listops(n_train + n_val + n_test, seed, min_length, max_length)
         for s, part in zip(SPLITS, (rows[:n_train], rows[n_train:n_train + n_val], rows[n_train + n_val:])):
             write_listops_tsv(tsv[s], part)
     parsed = {s: read_listops_tsv(tsv[s]) for s in SPLITS}

@@ -40,6 +40,7 @@ class ModelConfig:
     pooling: str = "mean"      # "mean" or "max" over non-padding positions
     n_classes: int = 0         # > 0 adds the classification head (finetuning)
     n_rec: int = 0             # > 0 adds the per-position reconstruction head with this many outputs (SPT)
+    init_std: float = 0.02     # std of the normal init of every Linear and Embedding weight (see init_weights)
 
 
 def sinusoidal_positions(n_pos, d_model, base=10000.0):
@@ -155,7 +156,7 @@ class Transformer(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model) if cfg.layernorm else nn.Identity()
         self.rec_head = nn.Linear(cfg.d_model, cfg.n_rec) if cfg.n_rec > 0 else None
         self.cls_head = nn.Linear(cfg.d_model, cfg.n_classes) if cfg.n_classes > 0 else None
-        init_weights(self)
+        init_weights(self, cfg.init_std)
 
     def encode(self, x, lengths=None, need_weights=False):
         """Hidden states Z (B, L, d_model) and, with need_weights, the list of attention probs per layer."""

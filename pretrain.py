@@ -73,6 +73,9 @@ def build_parser(stage, description):
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
                    help="auto = bf16 autocast where supported (CUDA), else fp32")
     p.add_argument("--resume", action="store_true", help=f"continue from out/<task>/{stage}*_last.pt")
+    g = p.add_argument_group("model size (overrides the preset; a finetune from a checkpoint uses its own)")
+    for name in ("n_layers", "d_model", "n_heads", "d_mlp"):
+        g.add_argument(f"--{name}", type=int, default=None)
     return p
 
 
@@ -82,6 +85,8 @@ def resolve(args, stage):
     if args.preset == "auto":
         args.preset = "paper" if args.device.type == "cuda" else "cpu"
     preset = PRESETS[args.task][args.preset]
+    preset = dict(preset, model={k: v if getattr(args, k) is None else getattr(args, k)
+                                 for k, v in preset["model"].items()})
     for key, value in {"max_steps": 0, **preset[stage]}.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
@@ -260,6 +265,10 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
     if not args.resume:
         open(paths["log"], "w").close()
     t_last, tokens_since, loss_since, steps_since = time.time(), 0, torch.zeros((), device=args.device), 0
+    if state["step"] == 0:  # the starting point, so the log shows how far training moved the metric
+        metrics = eval_fn()
+        print("eval at step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        log(dict(step=0, epoch=0, **metrics))
     t_start, start_step = time.time(), state["step"]
     model.train()
     while state["step"] < total:

@@ -1,0 +1,419 @@
+"""test_all.py -- the project's tests (pytest, CPU, a few minutes).
+
+    python -m pytest -q test_all.py            # everything
+    python -m pytest -q test_all.py -k listops # one group
+
+Numerics are checked against independent computations (brute-force loops, numpy, autograd); every test can fail.
+"""
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import data
+import finetune
+import pretrain
+from model import ModelConfig, Transformer, checkpoint_dict, sinusoidal_positions
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Fixtures: a tiny ListOps data set in the real release format, and tiny models
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def listops_dir(tmp_path_factory):
+    """data/listops with short generated expressions (20 < length < 120) in the LRA release format."""
+    root = str(tmp_path_factory.mktemp("data"))
+    data.prepare_listops(root, n_train=96, n_val=32, n_test=32, seed=1, max_len=128, min_length=20, max_length=120)
+    return root
+
+
+def tiny_cfg(**kw):
+    base = dict(vocab_size=17, max_len=64, d_model=16, n_layers=2, n_heads=4, d_mlp=32)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+TINY = ["--n_layers", "1", "--d_model", "16", "--n_heads", "2", "--d_mlp", "32", "--batch_size", "8",
+        "--log_every", "2", "--device", "cpu"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# ListOps: generator, evaluator, reader
+# ----------------------------------------------------------------------------------------------------------
+
+def brute_force_value(tree):
+    """Independent evaluation of a generated tree: unroll the left-nested pairs, apply numpy reductions."""
+    if not isinstance(tree, tuple):
+        return tree
+    node, end = tree
+    assert end == "]"
+    args = []
+    while isinstance(node, tuple):   # ((((op, a1), a2), a3) -> op, [a1, a2, a3])
+        node, child = node
+        args.append(brute_force_value(child))
+    args = args[::-1]
+    return {"[MIN": min(args), "[MAX": max(args), "[MED": int(np.median(args)),
+            "[SM": int(np.sum(args)) % 10}[node]
+
+
+def tree_depth(tree):
+    """Nesting depth counted like the generator: a leaf at the top is depth 1, an op's children one deeper."""
+    if not isinstance(tree, tuple):
+        return 1
+    node, _ = tree
+    depths = []
+    while isinstance(node, tuple):
+        node, child = node
+        depths.append(tree_depth(child))
+    return 1 + max(depths)
+
+
+def test_listops_eval_matches_brute_force_on_thousands_of_trees():
+    rng = random.Random(0)
+    n_even_med, max_seen_depth = 0, 0
+    for _ in range(4000):
+        tree, length = data.generate_listops_tree(rng)
+        src = data.listops_tree_to_string(tree)
+        assert data.eval_listops(src) == brute_force_value(tree)
+        tokens = [t for t in src.split() if t not in "()"]
+        assert len(tokens) == length
+        max_seen_depth = max(max_seen_depth, tree_depth(tree))
+        assert tree_depth(tree) <= 10
+        n_even_med += src.count("[MED")  # counted below with explicit even-length cases as well
+    assert max_seen_depth == 10, "depth-10 nesting never generated"
+    # Medians of even-length lists: the integer part of the mean of the two middle values.
+    assert data.eval_listops("[MED 1 2 3 4 ]") == 2
+    assert data.eval_listops("[MED 9 0 ]") == 4
+    assert data.eval_listops("( ( ( [MED 7 ) 8 ) ] )") == 7
+    assert data.eval_listops("[SM 9 9 9 ]") == 7
+    deep = "[MAX " * 9 + "5 " + "] " * 9
+    assert data.eval_listops(deep) == 5
+
+
+def test_generated_listops_respects_length_bounds_and_is_reproducible():
+    rows = data.generate_listops(60, seed=3)
+    assert rows == data.generate_listops(60, seed=3)
+    assert rows != data.generate_listops(60, seed=4)
+    assert len({s for s, _ in rows}) == 60
+    for src, label in rows:
+        n = len([t for t in src.split() if t not in "()"])
+        assert 500 < n < 2000
+        assert label == data.eval_listops(src)
+
+
+def test_listops_reader_tolerates_crlf_and_missing_final_newline(tmp_path):
+    p = tmp_path / "x.tsv"
+    p.write_bytes(b"Target\tSource\r\n9\t( ( [MAX 2 ) 9 ) ]\r\n2\t[MIN 4 2 ]")  # columns swapped on purpose
+    sources, labels = data.read_listops_tsv(str(p))
+    assert labels == [9, 2] and sources[1] == "[MIN 4 2 ]"
+
+
+@pytest.mark.parametrize("content, message", [
+    ("Source\n[MAX 1 ]\n", "missing column 'Target'"),
+    ("Source\tTarget\n[MAX 1 2 ]\t12\n", "outside 0..9"),
+    ("Source\tTarget\n[MAX 1 2 ]\tx\n", "not an integer"),
+    ("Source\tTarget\n[MAX 1 2 ]\t2\n[FOO 1 ]\t1\n", r"line 3: unknown ListOps token '\[FOO'"),
+    ("Source\tTarget\n[MAX 1 2 ]\t1\n", "evaluates to 2"),
+    ("Source\tTarget\n[MAX 1 2 ]\t2\textra\n", "expected 2 tab-separated fields"),
+])
+def test_listops_reader_errors_name_file_and_line(tmp_path, content, message):
+    p = tmp_path / "bad.tsv"
+    p.write_text(content)
+    with pytest.raises(ValueError, match=message) as e:
+        data.read_listops_tsv(str(p))
+    assert str(p) in str(e.value)
+
+
+def test_encode_tokens_length_limit_and_unknown_token(capsys):
+    vocab = data.LISTOPS_VOCAB
+    with pytest.raises(ValueError, match="sample 1 has 5 tokens > max_len 4"):
+        data.encode_tokens([["1"], ["[MAX", "1", "2", "3", "]"]], vocab, 4, truncate=False, where="f.tsv")
+    tokens, lengths = data.encode_tokens([["1"], ["[MAX", "1", "2", "3", "]"]], vocab, 4, truncate=True, where="f")
+    assert "truncated 1 of 2" in capsys.readouterr().out
+    assert lengths.tolist() == [1, 4] and tokens[1].tolist() == [vocab.index(t) for t in ["[MAX", "1", "2", "3"]]
+    with pytest.raises(ValueError, match="unknown token '7x'"):
+        data.encode_tokens([["7x"]], vocab, 4, truncate=False, where="f")
+    with pytest.raises(ValueError, match="sample 0 is empty"):
+        data.encode_tokens([[]], vocab, 4, truncate=False, where="f")
+
+
+def test_prepared_listops_files(listops_dir):
+    train = data.load_split(listops_dir, "listops", "train")
+    meta = train["meta"]
+    assert meta["vocab"][data.PAD_ID] == "<pad>" and meta["vocab"][data.MASK_ID] == "<mask>"
+    assert meta["split_sizes"] == {"train": 96, "val": 32, "test": 32} and len(meta["sha256"]) == 64
+    # Decoding the tensors gives back the TSV expressions without parentheses, and labels match.
+    sources, labels = data.read_listops_tsv(os.path.join(listops_dir, "listops", "basic_train.tsv"))
+    for i in (0, 50, 95):
+        ids = train["tokens"][i, :train["lengths"][i]].tolist()
+        assert " ".join(meta["vocab"][j] for j in ids) == " ".join(t for t in sources[i].split() if t not in "()")
+        assert (train["tokens"][i, train["lengths"][i]:] == data.PAD_ID).all()
+    assert train["labels"].tolist() == labels
+    with pytest.raises(FileNotFoundError, match="python data.py --task listops"):
+        data.load_split(listops_dir + "/nowhere", "listops", "train")
+
+
+def test_batches_cover_the_split_once_and_are_seeded():
+    lengths = torch.randint(1, 100, (103,))
+    b1 = data.batch_indices(lengths, 8, shuffle=True, seed=0, epoch=0)
+    assert sorted(torch.cat(b1).tolist()) == list(range(103))
+    assert all(torch.equal(x, y) for x, y in zip(b1, data.batch_indices(lengths, 8, shuffle=True, seed=0, epoch=0)))
+    b2 = data.batch_indices(lengths, 8, shuffle=True, seed=0, epoch=1)
+    assert not all(torch.equal(x, y) for x, y in zip(b1, b2))
+    ev = torch.cat(data.batch_indices(lengths, 8, shuffle=False))
+    assert torch.equal(lengths[ev], lengths.sort(stable=True).values)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Model
+# ----------------------------------------------------------------------------------------------------------
+
+def test_sinusoidal_positions_closed_form():
+    P = sinusoidal_positions(50, 8)
+    t, i = 17, 3  # column 2i = 6 is sin, 2i+1 = 7 is cos of t / 10000^(6/8)
+    assert torch.isclose(P[t, 6], torch.tensor(np.sin(t / 10000 ** (6 / 8)), dtype=torch.float32))
+    assert torch.isclose(P[t, 7], torch.tensor(np.cos(t / 10000 ** (6 / 8)), dtype=torch.float32))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_fast_and_explicit_attention_agree(causal, padded):
+    torch.manual_seed(0)
+    model = Transformer(tiny_cfg(causal=causal, n_rec=17)).eval()
+    for p in model.parameters():  # larger weights than the init, so attention is far from uniform
+        p.data.normal_(0, 0.3)
+    x = torch.randint(2, 17, (3, 20))
+    lengths = torch.tensor([20, 13, 5]) if padded else None
+    z_fast, _ = model.encode(x, lengths)
+    z_slow, probs = model.encode(x, lengths, need_weights=True)
+    valid = torch.ones(3, 20, dtype=torch.bool) if lengths is None else torch.arange(20)[None] < lengths[:, None]
+    assert torch.allclose(z_fast[valid], z_slow[valid], atol=1e-5)
+    assert len(probs) == 2 and probs[0].shape == (3, 4, 20, 20)
+    assert torch.allclose(probs[0].sum(-1), torch.ones(3, 4, 20))
+    if padded:
+        assert probs[0][1, :, :, 13:].abs().max() == 0  # no attention to padded keys
+    if causal:
+        assert torch.triu(probs[0], diagonal=1).abs().max() == 0
+
+
+def test_explicit_attention_matches_a_loop():
+    """The explicit path against a per-head, per-query loop written from the definition."""
+    torch.manual_seed(1)
+    cfg = tiny_cfg(n_layers=1)
+    attn = Transformer(cfg).blocks[0].attn
+    for p in attn.parameters():
+        p.data.normal_(0, 0.3)
+    x = torch.randn(2, 7, 16)
+    y, probs = attn(x, need_weights=True)
+    d_h = 4
+    q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    out = torch.zeros(2, 7, 16)
+    for b in range(2):
+        for h in range(4):
+            sl = slice(h * d_h, (h + 1) * d_h)
+            for i in range(7):
+                s = torch.stack([q[b, i, sl] @ k[b, j, sl] / d_h ** 0.5 for j in range(7)])
+                a = torch.exp(s - s.max()) / torch.exp(s - s.max()).sum()
+                assert torch.allclose(probs[b, h, i], a, atol=1e-6)
+                out[b, i, sl] = (a[:, None] * v[b, :, sl]).sum(0)
+    assert torch.allclose(y, attn.o_proj(out), atol=1e-5)
+
+
+def test_outputs_ignore_padded_positions():
+    torch.manual_seed(0)
+    model = Transformer(tiny_cfg(n_classes=3)).eval()
+    x = torch.randint(2, 17, (2, 12))
+    lengths = torch.tensor([12, 7])
+    x2 = x.clone()
+    x2[1, 7:] = torch.randint(2, 17, (5,))
+    z1, _ = model.encode(x, lengths)
+    z2, _ = model.encode(x2, lengths)
+    assert torch.equal(z1[1, :7], z2[1, :7])
+    assert torch.allclose(model.classify(x, lengths), model.classify(x2, lengths))
+    # ...and a sequence padded to a longer batch gives the same logits as on its own
+    assert torch.allclose(model.classify(x[1:, :7], None), model.classify(x, lengths)[1:], atol=1e-6)
+
+
+def test_minimal_model_has_no_layernorm_and_no_mlp():
+    model = Transformer(tiny_cfg(n_layers=1, n_heads=1, layernorm=False, mlp=False, n_classes=2))
+    names = [n for n, _ in model.named_parameters()]
+    assert not any("ln" in n or "mlp" in n for n in names)
+    assert {"blocks.0.attn.q_proj.weight", "blocks.0.attn.k_proj.weight"} <= set(names)
+
+
+def test_max_len_is_enforced():
+    model = Transformer(tiny_cfg(max_len=8, n_classes=2))
+    with pytest.raises(ValueError, match="exceeds the model's max_len 8"):
+        model.classify(torch.ones(1, 9, dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Masked reconstruction
+# ----------------------------------------------------------------------------------------------------------
+
+def test_mask_batch_masks_only_real_tokens_at_least_one_each():
+    tokens = torch.randint(2, 17, (64, 30))
+    lengths = torch.randint(1, 31, (64,))
+    g = torch.Generator().manual_seed(0)
+    inputs, masked = pretrain.mask_batch(tokens, lengths, 0.1, data.MASK_ID, g)
+    valid = torch.arange(30)[None] < lengths[:, None]
+    assert not (masked & ~valid).any()
+    assert masked.sum(1).min() >= 1
+    assert torch.equal(inputs[masked], torch.full_like(inputs[masked], data.MASK_ID))
+    assert torch.equal(inputs[~masked], tokens[~masked])
+    big = pretrain.mask_batch(torch.randint(2, 17, (200, 500)), torch.full((200,), 500), 0.1, 1, g)[1]
+    assert abs(big.float().mean().item() - 0.1) < 0.005
+
+
+def test_reconstruction_loss_is_ce_over_masked_positions_only():
+    torch.manual_seed(0)
+    model = Transformer(tiny_cfg(n_rec=17)).eval()
+    tokens = torch.randint(2, 17, (3, 10))
+    lengths = torch.tensor([10, 6, 3])
+    masked = torch.zeros(3, 10, dtype=torch.bool)
+    masked[0, [1, 4]] = masked[1, 5] = masked[2, 0] = True
+    inputs = tokens.masked_fill(masked, data.MASK_ID)
+    loss = pretrain.reconstruction_loss(model.reconstruct(inputs, lengths, masked), tokens[masked])
+    # Brute force: full per-position logits, -log softmax at each masked position, mean over the 4 of them.
+    z, _ = model.encode(inputs, lengths)
+    logits = model.rec_head(z)
+    terms = [-torch.log_softmax(logits[b, t], -1)[tokens[b, t]] for b, t in masked.nonzero().tolist()]
+    assert torch.allclose(loss, torch.stack(terms).mean(), atol=1e-6)
+    # Padding positions do not change the loss at all.
+    inputs2 = inputs.clone()
+    inputs2[2, 3:] = 5
+    loss2 = pretrain.reconstruction_loss(model.reconstruct(inputs2, lengths, masked), tokens[masked])
+    assert torch.allclose(loss, loss2, atol=1e-6)
+    # MSE and L1 closed forms, and no NaN when nothing is masked.
+    r, u = torch.randn(5, 3), torch.randn(5, 3)
+    assert torch.allclose(pretrain.reconstruction_loss(r, u, "mse"), 0.5 * ((r - u) ** 2).sum(1).mean())
+    assert torch.allclose(pretrain.reconstruction_loss(r, u, "l1"), (r - u).abs().sum(1).mean())
+    empty = pretrain.reconstruction_loss(torch.zeros(0, 17, requires_grad=True), torch.zeros(0, dtype=torch.long))
+    assert empty.item() == 0.0
+
+
+def test_lr_schedule_is_linear_warmup_then_constant():
+    assert pretrain.get_lr(0, 1.0, 10) == pytest.approx(0.1)
+    assert pretrain.get_lr(9, 1.0, 10) == pytest.approx(1.0)
+    assert pretrain.get_lr(500, 1.0, 10) == 1.0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checkpoints and the pretrain -> finetune hand-off
+# ----------------------------------------------------------------------------------------------------------
+
+def test_checkpoint_round_trip_weights_only(tmp_path):
+    torch.manual_seed(0)
+    model = Transformer(tiny_cfg(n_classes=4)).eval()
+    path = str(tmp_path / "c.pt")
+    data.save_atomic(checkpoint_dict(model, task="listops", step=3), path)
+    ck = data.load_pt(path)
+    model2 = Transformer(ModelConfig(**ck["model_config"])).eval()
+    model2.load_state_dict(ck["model"])
+    x = torch.randint(2, 17, (2, 9))
+    assert torch.equal(model.classify(x), model2.classify(x))
+    assert not os.path.exists(path + ".tmp")
+
+
+def test_bad_checkpoint_files_are_refused(tmp_path):
+    empty = tmp_path / "empty.pt"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match="empty.pt: the file is empty"):
+        data.load_pt(str(empty))
+    good = tmp_path / "good.pt"
+    torch.save({"a": torch.ones(3)}, str(good))
+    trunc = tmp_path / "trunc.pt"
+    trunc.write_bytes(good.read_bytes()[:40])
+    with pytest.raises(ValueError, match="trunc.pt: cannot be loaded"):
+        data.load_pt(str(trunc))
+    evil = tmp_path / "evil.pt"
+    torch.save({"obj": random.Random(0)}, str(evil))  # an arbitrary pickled object
+    with pytest.raises(ValueError, match="evil.pt: cannot be loaded as a weights-only"):
+        data.load_pt(str(evil))
+
+
+def test_pretrain_then_finetune_end_to_end(listops_dir, tmp_path):
+    out = str(tmp_path / "out")
+    common = ["--task", "listops", "--data_dir", listops_dir, "--out_dir", out] + TINY
+    pretrain.main(common + ["--max_steps", "6", "--eval_every", "3"])
+    ck = data.load_pt(os.path.join(out, "listops", "pretrain.pt"))
+    assert ck["stage"] == "pretrain" and ck["data_meta"]["vocab"] == data.LISTOPS_VOCAB
+    log = [json.loads(x) for x in open(os.path.join(out, "listops", "pretrain_log.jsonl"))]
+    assert [e["step"] for e in log if "val_loss" in e] == [0, 3, 6]
+    # pretrain -> finetune transfers every backbone tensor exactly; only the heads differ
+    meta = data.load_split(listops_dir, "listops", "train")["meta"]
+    model = finetune.model_from_pretrained(os.path.join(out, "listops", "pretrain.pt"), meta, 10, "listops", "cpu")
+    sd = model.state_dict()
+    for key, value in ck["model"].items():
+        if key.startswith("rec_head."):
+            assert key not in sd
+        else:
+            assert torch.equal(sd[key], value), key
+    assert set(sd) - set(ck["model"]) == {"cls_head.weight", "cls_head.bias"}
+    finetune.main(common + ["--init", os.path.join(out, "listops", "pretrain.pt"), "--max_steps", "4",
+                            "--eval_every", "2"])
+    finetune.main(common + ["--init", "scratch", "--max_steps", "4", "--eval_every", "2"])
+    for name in ("spt", "scratch"):
+        res = json.load(open(os.path.join(out, "listops", f"finetune_{name}.json")))
+        assert 0 <= res["test_acc"] <= 1 and res["init"] != "" and [e["step"] for e in res["evals"]] == [0, 2, 4]
+
+
+def test_finetune_refuses_checkpoints_of_another_task_or_shape(listops_dir, tmp_path):
+    meta = data.load_split(listops_dir, "listops", "train")["meta"]
+    model = Transformer(tiny_cfg(n_rec=17))
+    path = str(tmp_path / "other.pt")
+    data.save_atomic(checkpoint_dict(model, task="text", data_meta=meta), path)
+    with pytest.raises(ValueError, match="checkpoint of task 'text'"):
+        finetune.model_from_pretrained(path, meta, 10, "listops", "cpu")
+    sd = checkpoint_dict(model, task="listops", data_meta=meta)
+    sd["model"]["blocks.0.attn.q_proj.weight"] = torch.zeros(8, 8)
+    data.save_atomic(sd, path)
+    with pytest.raises(ValueError, match=r"blocks.0.attn.q_proj.weight has shape \(8, 8\)"):
+        finetune.model_from_pretrained(path, meta, 10, "listops", "cpu")
+    sd = checkpoint_dict(model, task="listops", data_meta=meta)
+    sd["model"]["blocks.0.extra.weight"] = torch.zeros(2)
+    data.save_atomic(sd, path)
+    with pytest.raises(ValueError, match="unexpected.*blocks.0.extra.weight"):
+        finetune.model_from_pretrained(path, meta, 10, "listops", "cpu")
+
+
+def test_same_seed_same_losses_and_exact_resume(listops_dir, tmp_path):
+    def run(out, steps, extra=()):
+        pretrain.main(["--task", "listops", "--data_dir", listops_dir, "--out_dir", out, "--max_steps", str(steps),
+                       "--eval_every", "4", "--epochs", "5"] + TINY + list(extra))
+        log = [json.loads(x) for x in open(os.path.join(out, "listops", "pretrain_log.jsonl"))]
+        return [e["loss"] for e in log if "loss" in e], data.load_pt(os.path.join(out, "listops", "pretrain_last.pt"))
+    a_losses, a = run(str(tmp_path / "a"), 16)
+    b_losses, _ = run(str(tmp_path / "b"), 16)
+    assert a_losses == b_losses
+    c_losses, _ = run(str(tmp_path / "c"), 16, ["--seed", "1"])
+    assert c_losses != a_losses
+    # Interrupted after 8 steps (a step limit), then resumed to 16: bit-identical weights to the full run.
+    run(str(tmp_path / "d"), 8)
+    _, d = run(str(tmp_path / "d"), 16, ["--resume"])
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], d["model"][key]), key
+    assert d["state"]["step"] == 16
+
+
+def test_data_command_line(tmp_path):
+    root = str(tmp_path)
+    data.main(["--task", "listops", "--data_dir", root, "--n_train", "8", "--n_val", "4", "--n_test", "4"])
+    d = data.load_split(root, "listops", "val")
+    assert len(d["labels"]) == 4 and int(d["lengths"].min()) > 500
+
+
+def test_readme_quickstart_matches_ci():
+    """The README's quickstart commands are exactly the lines .ci/run executes."""
+    readme = open(os.path.join(os.path.dirname(__file__), "README.md")).read()
+    block = readme.split("## Quickstart")[1].split("```bash\n")[1].split("```")[0]
+    commands = [line for line in block.splitlines() if line.strip()]
+    ci = open(os.path.join(os.path.dirname(__file__), ".ci", "run")).read().splitlines()
+    assert len(commands) == 2
+    for command in commands:
+        assert command in ci, f"README command not run by .ci/run: {command}"
