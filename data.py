@@ -22,6 +22,7 @@ Sections: 1. file helpers  2. ListOps  3. batching (shared by every stage)  4. c
 import argparse
 import csv
 import hashlib
+import math
 import os
 import random
 import statistics
@@ -302,10 +303,50 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 3. Loading splits and batching (used by pretrain.py and finetune.py)
+# 3. Synthetic 2-D trajectories (the minimal task of Coser et al., Sec. 4; our design, shared/notes)
+# ----------------------------------------------------------------------------------------------------------
+# The paper gives no generator, so this is ours. A token is one 2-D step d_t = s_t (cos th_t, sin th_t) of a
+# heading random walk th_t = th_0 + sum_{u<=t} (omega + e_u). The class is the sign of the turning rate omega
+# (1 = turning left). Because th_0 is uniform on [0, 2 pi), every statistic linear in the tokens (their mean,
+# any fixed weighted sum) has the same distribution in both classes: rotating a trajectory by 180 degrees maps
+# it to another of the same class with the opposite sign of every token. The label lives only in how
+# neighbouring tokens relate (the sign of the cross product d_t x d_{t+1}), which attention must learn to look at.
+
+def generate_trajectories(n, seed, length=100, omega_range=(0.05, 0.30), heading_noise=0.05, speed_noise=0.1):
+    """`n` trajectories -> (values (n, length, 2) float32 steps, labels (n,) int64 in {0, 1}).
+
+    |omega| ~ U(omega_range) rad/step with sign + for class 1 and - for class 0; heading noise e_u ~ N(0,
+    heading_noise^2) rad; speed s_t ~ N(1, speed_noise^2); th_0 ~ U[0, 2 pi). Reproducible from `seed`.
+    """
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, 2, (n,), generator=g)
+    lo, hi = omega_range
+    omega = (lo + (hi - lo) * torch.rand(n, generator=g)) * (2.0 * labels - 1.0)             # (n,)
+    turns = omega[:, None] + heading_noise * torch.randn(n, length, generator=g)              # (n, length)
+    theta = 2 * math.pi * torch.rand(n, 1, generator=g) + torch.cumsum(turns, dim=1)          # (n, length)
+    speed = 1.0 + speed_noise * torch.randn(n, length, generator=g)
+    values = torch.stack([speed * torch.cos(theta), speed * torch.sin(theta)], dim=-1)        # (n, length, 2)
+    return values.float(), labels.long()
+
+
+def prepare_synthetic(data_dir="data", n_train=5000, n_val=1000, n_test=1000, seed=0, length=100, **_):
+    """Write data/synthetic/{train,val,test}.pt (continuous values (N, length, 2), all of full length)."""
+    sizes = dict(train=n_train, val=n_val, test=n_test)
+    for i, s in enumerate(SPLITS):
+        values, labels = generate_trajectories(sizes[s], seed * 3 + i, length)
+        meta = dict(task="synthetic", kind="continuous", d_input=2, max_len=length, n_classes=2,
+                    source=f"generate_trajectories(seed={seed * 3 + i})", seed=seed, split_sizes=sizes)
+        save_atomic(dict(values=values, lengths=torch.full((sizes[s],), length), labels=labels, meta=meta),
+                    os.path.join(data_dir, "synthetic", f"{s}.pt"))
+    print(f"wrote {data_dir}/synthetic/{{train,val,test}}.pt: {n_train}/{n_val}/{n_test} trajectories of {length} steps")
+    return sizes
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 4. Loading splits and batching (used by pretrain.py and finetune.py)
 # ----------------------------------------------------------------------------------------------------------
 
-PREPARE = {"listops": prepare_listops}
+PREPARE = {"listops": prepare_listops, "synthetic": prepare_synthetic}
 TASKS = tuple(PREPARE)
 
 
@@ -316,9 +357,11 @@ def load_split(data_dir, task, split):
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: run `python data.py --task {task} --data_dir {data_dir}`")
     d = load_pt(path)
-    for key in ("tokens", "lengths", "labels", "meta"):
+    for key in ("lengths", "labels", "meta"):
         if key not in d:
             raise ValueError(f"{path}: missing field {key!r}; expected a file written by data.py")
+    if ("tokens" in d) == ("values" in d):
+        raise ValueError(f"{path}: expected exactly one of 'tokens' (discrete) or 'values' (continuous)")
     if d["meta"].get("task") != task:
         raise ValueError(f"{path}: holds task {d['meta'].get('task')!r}, expected {task!r}")
     return d
@@ -347,16 +390,30 @@ def batch_indices(lengths, batch_size, shuffle, seed=0, epoch=0, bucket=50):
 def get_batch(split, idx, device):
     """Gather the sequences `idx` (B,) from a loaded split and trim padding to the longest one.
 
-    Returns tokens (B, L_batch) int64, lengths (B,) int64, labels (B,) int64 on `device`.
+    Returns x, lengths (B,) int64, labels (B,) int64 on `device`, where x is tokens (B, L_batch) int64 for a
+    discrete task or values (B, L_batch, C) float32 for a continuous one. `split["lengths"]` stays on the CPU
+    so that L_batch is known without waiting for the GPU; the other tensors may live on the GPU already.
     """
     lengths = split["lengths"][idx]
     L = int(lengths.max())
-    tokens = split["tokens"][idx, :L].long()
-    return tokens.to(device, non_blocking=True), lengths.to(device), split["labels"][idx].to(device)
+    idx = _to_device(idx, split["labels"].device)
+    if "tokens" in split:
+        x = split["tokens"][idx, :L].long()
+    else:
+        x = split["values"][idx, :L].float()
+    return x.to(device), _to_device(lengths, device), split["labels"][idx].to(device)
+
+
+def _to_device(t, device):
+    """CPU tensor -> device; to CUDA through pinned memory, so the copy does not wait for queued GPU work."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 4. Command line
+# 5. Command line
 # ----------------------------------------------------------------------------------------------------------
 
 def main(argv=None):

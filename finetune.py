@@ -44,8 +44,13 @@ def model_from_pretrained(path, meta, n_classes, task, device):
     if ck["data_meta"].get("vocab") != meta.get("vocab"):
         raise ValueError(f"{path}: the checkpoint's vocabulary differs from data/{task}'s")
     cfg = config_from_dict(dict(ck["model_config"], n_rec=0, n_classes=n_classes), path)
-    model = Transformer(cfg)
     state = unwrapped_state_dict(ck["model"])
+    if cfg.vocab_size == 0 and cfg.d_input == meta["d_input"] + 1:
+        # SPT on continuous inputs added a mask-indicator channel; finetuning has none: drop its weights.
+        cfg.d_input = meta["d_input"]
+        state["embed.weight"] = state["embed.weight"][:, :cfg.d_input]
+        print(f"sliced the mask-indicator column off embed.weight ({cfg.d_input + 1} -> {cfg.d_input} inputs)")
+    model = Transformer(cfg)
     new = sorted(set(model.state_dict()) - set(state))
     dropped = sorted(set(state) - set(model.state_dict()))
     bad_new = [k for k in new if not k.startswith("cls_head.")]
@@ -69,10 +74,10 @@ def evaluate_accuracy(model, split, args):
     """Classification accuracy and mean cross-entropy over a whole split."""
     model.eval()
     correct, loss_sum = 0, 0.0
-    for idx in data.batch_indices(split["lengths"].cpu(), args.batch_size, shuffle=False):
-        tokens, lengths, labels = data.get_batch(split, idx.to(split["lengths"].device), args.device)
+    for idx in data.batch_indices(split["lengths"], args.batch_size, shuffle=False):
+        x, lengths, labels = data.get_batch(split, idx, args.device)
         with autocast(args):
-            logits = model.classify(tokens, lengths)
+            logits = model.classify(x, lengths)
         loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum").item()
         correct += (logits.argmax(-1) == labels).sum().item()
     model.train()
@@ -92,8 +97,8 @@ def main(argv=None):
     splits = prepare_data(args, preset)
     meta = splits["train"]["meta"]
     if args.init == "scratch":
-        cfg = ModelConfig(vocab_size=meta["vocab_size"], max_len=meta["max_len"], n_classes=meta["n_classes"],
-                          **preset["model"])
+        inputs = dict(vocab_size=meta["vocab_size"]) if meta["kind"] == "tokens" else dict(d_input=meta["d_input"])
+        cfg = ModelConfig(**inputs, max_len=meta["max_len"], n_classes=meta["n_classes"], **preset["model"])
         model = Transformer(cfg).to(args.device)
     else:
         model = model_from_pretrained(args.init, meta, meta["n_classes"], args.task, args.device)
@@ -104,9 +109,9 @@ def main(argv=None):
     train_split = splits["train"]
 
     def loss_fn(idx, step):
-        tokens, lengths, labels = data.get_batch(train_split, idx.to(train_split["lengths"].device), args.device)
+        x, lengths, labels = data.get_batch(train_split, idx, args.device)
         with autocast(args):
-            logits = model.classify(tokens, lengths)
+            logits = model.classify(x, lengths)
         return F.cross_entropy(logits.float(), labels)
 
     def eval_fn():
@@ -122,7 +127,7 @@ def main(argv=None):
     model.load_state_dict(data.load_pt(paths["best"], map_location=args.device)["model"])
     test = evaluate_accuracy(model, splits["test"], args)
     n_sub = min(len(train_split["labels"]), len(splits["val"]["labels"]))  # a subset keeps this cheap on CPU
-    train_acc = evaluate_accuracy(model, {k: train_split[k][:n_sub] for k in ("tokens", "lengths", "labels")},
+    train_acc = evaluate_accuracy(model, {k: v[:n_sub] for k, v in train_split.items() if k != "meta"},
                                   args)["acc"]
     log = [json.loads(line) for line in open(paths["log"])]
     result = dict(task=args.task, init=args.init, name=args.name, seed=args.seed, preset=args.preset,

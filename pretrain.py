@@ -48,7 +48,15 @@ PRESETS = {
                     finetune=dict(batch_size=16, lr=1e-3, warmup=50, epochs=1, max_steps=450, eval_every=150)),
     },
 }
-MASK_RATIO = {"listops": 0.10}  # Amos et al.; Coser et al. Sec. 2 (pixels 50%, Text/Retrieval 15%)
+# The minimal model of Coser et al. Sec. 4: one layer, one head, no LayerNorm, no MLP (width ours: 32).
+_SYNTHETIC = dict(model=dict(n_layers=1, d_model=32, n_heads=1, d_mlp=32, layernorm=False, mlp=False),
+                  data=dict(n_train=5000, n_val=1000, n_test=1000),
+                  pretrain=dict(batch_size=64, lr=1e-3, warmup=0, epochs=15, eval_every=500),
+                  finetune=dict(batch_size=64, lr=1e-3, warmup=0, epochs=15, eval_every=500))
+PRESETS["synthetic"] = {"paper": _SYNTHETIC, "cpu": _SYNTHETIC}
+# Masking ratios: Amos et al.; Coser et al. Sec. 2 (pixels 50%, Text/Retrieval 15%, ListOps 10%).
+MASK_RATIO = {"listops": 0.10, "synthetic": 0.50}
+MODEL_SIZE_FLAGS = ("n_layers", "d_model", "n_heads", "d_mlp")
 
 
 def build_parser(stage, description):
@@ -74,7 +82,7 @@ def build_parser(stage, description):
                    help="auto = bf16 autocast where supported (CUDA), else fp32")
     p.add_argument("--resume", action="store_true", help=f"continue from out/<task>/{stage}*_last.pt")
     g = p.add_argument_group("model size (overrides the preset; a finetune from a checkpoint uses its own)")
-    for name in ("n_layers", "d_model", "n_heads", "d_mlp"):
+    for name in MODEL_SIZE_FLAGS:
         g.add_argument(f"--{name}", type=int, default=None)
     return p
 
@@ -85,8 +93,8 @@ def resolve(args, stage):
     if args.preset == "auto":
         args.preset = "paper" if args.device.type == "cuda" else "cpu"
     preset = PRESETS[args.task][args.preset]
-    preset = dict(preset, model={k: v if getattr(args, k) is None else getattr(args, k)
-                                 for k, v in preset["model"].items()})
+    preset = dict(preset, model={**preset["model"], **{k: getattr(args, k) for k in MODEL_SIZE_FLAGS
+                                                       if getattr(args, k) is not None}})
     for key, value in {"max_steps": 0, **preset[stage]}.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
@@ -138,8 +146,9 @@ def prepare_data(args, preset):
     splits = {s: data.load_split(args.data_dir, args.task, s) for s in data.SPLITS}
     if args.device.type == "cuda":  # LRA splits fit in GPU memory: no host-to-device copy per step
         for s in splits.values():
-            for key in ("tokens", "lengths", "labels"):
-                s[key] = s[key].to(args.device)
+            for key in ("tokens", "values", "labels"):  # lengths stay on the CPU (see data.get_batch)
+                if key in s:
+                    s[key] = s[key].to(args.device)
     return splits
 
 
@@ -147,22 +156,27 @@ def prepare_data(args, preset):
 # Masked reconstruction (the SPT objective)
 # ----------------------------------------------------------------------------------------------------------
 
-def mask_batch(tokens, lengths, ratio, mask_id, generator):
-    """Choose masked positions and replace them by <mask>.
+def mask_batch(x, lengths, ratio, mask_id, generator):
+    """Choose masked positions and hide them from the model.
 
-    tokens (B, L) int64, lengths (B,) int64 -> (inputs (B, L) with masked ids = mask_id, masked (B, L) bool).
-    Every real position is masked independently with probability `ratio` (no spans, no 80/10/10, as in Amos
-    et al.); padding is never masked; a sequence that drew no mask gets one at a random real position, so each
-    sequence contributes to the loss. `generator` (on tokens' device) makes the masks reproducible.
+    x: tokens (B, L) int64 or values (B, L, C) float; lengths (B,) int64.
+    Returns (inputs, masked (B, L) bool). Every real position is masked independently with probability `ratio`
+    (no spans, no 80/10/10, as in Amos et al.); padding is never masked; a sequence that drew no mask gets one
+    at a random real position, so each sequence contributes to the loss. Tokens: masked ids become `mask_id`,
+    inputs (B, L). Values: masked values become 0 and a mask-indicator channel is appended, inputs (B, L, C+1)
+    (Amos et al.; the channel is sliced off at finetuning). `generator` makes the masks reproducible.
     """
-    B, L = tokens.shape
-    valid = torch.arange(L, device=tokens.device)[None, :] < lengths[:, None]
-    u = torch.rand(B, L, generator=generator, device=tokens.device)
+    B, L = x.shape[:2]
+    valid = torch.arange(L, device=x.device)[None, :] < lengths[:, None]
+    u = torch.rand(B, L, generator=generator, device=x.device)
     masked = (u < ratio) & valid
     # The real position with the smallest u is the one to force-mask in rows that drew none.
     forced = F.one_hot(u.masked_fill(~valid, 2.0).argmin(dim=1), L).bool()
     masked = masked | (forced & ~masked.any(dim=1, keepdim=True))
-    return tokens.masked_fill(masked, mask_id), masked
+    if x.dtype == torch.long:
+        return x.masked_fill(masked, mask_id), masked
+    indicator = masked[..., None].to(x.dtype)                                  # (B, L, 1)
+    return torch.cat([x * (1 - indicator), indicator], dim=-1), masked
 
 
 def reconstruction_loss(outputs, targets, kind="ce"):
@@ -189,21 +203,26 @@ def mask_generator(args, seed):
 
 @torch.no_grad()
 def evaluate_reconstruction(model, split, args):
-    """Validation masked loss and masked-token accuracy, with the same masks at every evaluation (seed fixed)."""
+    """Validation masked loss (and masked-token accuracy for tokens), with the same masks at every evaluation."""
     model.eval()
     g = mask_generator(args, 12345)
     loss_sum, correct, count = 0.0, 0, 0
     for idx in data.batch_indices(split["lengths"], args.batch_size, shuffle=False):
-        tokens, lengths, _ = data.get_batch(split, idx.to(split["lengths"].device), args.device)
-        inputs, masked = mask_batch(tokens, lengths, args.mask_ratio, split["meta"]["mask_id"], g)
+        x, lengths, _ = data.get_batch(split, idx, args.device)
+        inputs, masked = mask_batch(x, lengths, args.mask_ratio, split["meta"].get("mask_id"), g)
         with autocast(args):
             out = model.reconstruct(inputs, lengths, masked)
-        targets = tokens[masked]
-        loss_sum += F.cross_entropy(out.float(), targets, reduction="sum").item()
-        correct += (out.argmax(-1) == targets).sum().item()
-        count += targets.numel()
+        targets = x[masked]
+        n = targets.shape[0]
+        loss_sum += reconstruction_loss(out, targets, args.rec_loss).item() * n
+        if args.rec_loss == "ce":
+            correct += (out.argmax(-1) == targets).sum().item()
+        count += n
     model.train()
-    return {"val_loss": loss_sum / count, "val_acc": correct / count}
+    metrics = {"val_loss": loss_sum / count}
+    if args.rec_loss == "ce":
+        metrics["val_acc"] = correct / count
+    return metrics
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -272,7 +291,7 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
     t_start, start_step = time.time(), state["step"]
     model.train()
     while state["step"] < total:
-        batches = data.batch_indices(splits["train"]["lengths"].cpu(), args.batch_size, shuffle=True,
+        batches = data.batch_indices(splits["train"]["lengths"], args.batch_size, shuffle=True,
                                      seed=args.seed, epoch=state["epoch"])
         for i in range(state["batch_in_epoch"], len(batches)):
             step = state["step"]
@@ -289,7 +308,7 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
             state["step"], state["batch_in_epoch"] = step + 1, i + 1
             loss_since += loss.detach()
             steps_since += 1
-            tokens_since += int(splits["train"]["lengths"][idx.to(splits["train"]["lengths"].device)].sum())
+            tokens_since += int(splits["train"]["lengths"][idx].sum())
             done = state["step"] >= total
             if state["step"] % args.log_every == 0 or done:
                 mean_loss = loss_since.item() / steps_since  # the only host sync of the loop
@@ -335,6 +354,8 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
 def main(argv=None):
     p = build_parser("pretrain", __doc__.split("\n")[0])
     p.add_argument("--mask_ratio", type=float, default=None, help="fraction of positions masked (task default)")
+    p.add_argument("--rec_loss", default="mse", choices=("mse", "l1"),
+                   help="reconstruction loss for continuous inputs (tokens always use cross-entropy)")
     args, preset = resolve(p.parse_args(argv), "pretrain")
     torch.manual_seed(args.seed)
     if args.device.type == "cuda":
@@ -343,8 +364,13 @@ def main(argv=None):
         args.mask_ratio = MASK_RATIO[args.task]
     splits = prepare_data(args, preset)
     meta = splits["train"]["meta"]
-    cfg = ModelConfig(vocab_size=meta["vocab_size"], max_len=meta["max_len"], n_rec=meta["vocab_size"],
-                      **preset["model"])
+    if meta["kind"] == "tokens":
+        args.rec_loss = "ce"  # cross-entropy over the vocabulary
+        cfg = ModelConfig(vocab_size=meta["vocab_size"], max_len=meta["max_len"], n_rec=meta["vocab_size"],
+                          **preset["model"])
+    else:  # continuous values: one extra input channel for the mask indicator, regress every channel
+        cfg = ModelConfig(d_input=meta["d_input"] + 1, max_len=meta["max_len"], n_rec=meta["d_input"],
+                          **preset["model"])
     model = Transformer(cfg).to(args.device)
     out = os.path.join(args.out_dir, args.task)
     os.makedirs(out, exist_ok=True)
@@ -354,19 +380,18 @@ def main(argv=None):
     g = mask_generator(args, 0)
 
     def loss_fn(idx, step):
-        tokens, lengths, _ = data.get_batch(train_split, idx.to(train_split["lengths"].device), args.device)
+        x, lengths, _ = data.get_batch(train_split, idx, args.device)
         g.manual_seed(args.seed * 1_000_003 + step)  # masks differ per step, reproducible for --resume
-        inputs, masked = mask_batch(tokens, lengths, args.mask_ratio, meta["mask_id"], g)
+        inputs, masked = mask_batch(x, lengths, args.mask_ratio, meta.get("mask_id"), g)
         with autocast(args):
             out = model.reconstruct(inputs, lengths, masked)
-        return reconstruction_loss(out, tokens[masked], "ce")
+        return reconstruction_loss(out, x[masked], args.rec_loss)
 
     extra = dict(stage="pretrain", task=args.task, data_meta=meta, metric="val_loss", format_version=1)
     print(f"self-pretraining {args.task}: {cfg}")
     best = train(model, splits, args, loss_fn, lambda: evaluate_reconstruction(model, splits["val"], args),
                  paths, extra, higher_is_better=False)
-    print(f"best validation masked loss {best['val_loss']:.4f} (masked-token accuracy {best['val_acc']:.3f}); "
-          f"wrote {paths['best']}")
+    print(f"best validation masked loss {best['val_loss']:.4f}; wrote {paths['best']}")
     dirs = ("" if args.data_dir == "data" else f" --data_dir {args.data_dir}") + \
         ("" if args.out_dir == "out" else f" --out_dir {args.out_dir}")
     print(f"next: python finetune.py --task {args.task} --init {paths['best']}{dirs}\n"

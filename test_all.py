@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import analyze
 import data
 import finetune
 import pretrain
@@ -417,3 +418,160 @@ def test_readme_quickstart_matches_ci():
     assert len(commands) == 2
     for command in commands:
         assert command in ci, f"README command not run by .ci/run: {command}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Proposition 1 (analyze.py prop1)
+# ----------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def prop1_setup():
+    """Small AR(1) sample, a fixed random linear classifier and random labels (float64)."""
+    n, length, dim, k = 64, 7, 5, 3
+    x, _ = analyze.ar1_tokens(n, length, dim, rho=0.7, seed=3)
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(dim, k, generator=g, dtype=torch.float64)
+    y = torch.randint(k, (n,), generator=g)
+    dirs = [torch.randn(length, length, generator=g, dtype=torch.float64) for _ in range(4)]
+    return x, w, y, dirs
+
+
+def test_prop1_losses_match_per_token_loops(prop1_setup):
+    x, w, y, dirs = prop1_setup
+    d, a = dirs[0], torch.tensor(0.9, dtype=torch.float64)
+    n, length, _ = x.shape
+    attn = torch.softmax(a * d, dim=-1)
+    o = torch.stack([torch.stack([sum(attn[i, j] * x[m, j] for j in range(length)) for i in range(length)])
+                     for m in range(n)])
+    sup = torch.nn.functional.cross_entropy(o.mean(1) @ w, y)
+    spt = sum(((x[:, i] - o[:, i]) ** 2).sum(-1).mean() for i in range(length)) / (2 * length)
+    got_sup, got_spt = analyze.prop1_losses(x, d, a, w, y)
+    assert torch.allclose(got_sup, sup, rtol=1e-12) and torch.allclose(got_spt, spt, rtol=1e-12)
+
+
+def test_prop1_supervised_derivative_zero_for_zero_column_sums(prop1_setup):
+    x, w, y, dirs = prop1_setup
+    for d in [analyze.column_centred(d) for d in dirs] + [analyze.band_direction(x.shape[1], 1)]:
+        assert d.sum(0).abs().max() < 1e-12
+        d_sup, d_spt = analyze.prop1_derivatives(x, d, w, y)
+        assert abs(d_sup) < 1e-12
+        assert abs(d_spt) > 1e-4          # reconstruction does see the direction
+
+
+def test_prop1_closed_form_matches_autograd(prop1_setup):
+    x, w, y, dirs = prop1_setup
+    for d in [analyze.column_centred(d) for d in dirs] + [analyze.band_direction(x.shape[1], 2)]:
+        _, d_spt = analyze.prop1_derivatives(x, d, w, y)
+        assert analyze.rel_err(analyze.closed_form_spt_derivative(x, d), d_spt) < 1e-6
+        assert analyze.rel_err(analyze.exact_spt_derivative(x, d), d_spt) < 1e-6
+    # uncentred iid tokens too: the identity does not need centring, C is the uncentred second moment
+    x_raw = torch.randn(32, 6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(5)) + 0.7
+    d = analyze.column_centred(torch.randn(6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(6)))
+    _, d_spt = analyze.prop1_derivatives(x_raw, d, w[:4], y[:32])
+    assert analyze.rel_err(analyze.closed_form_spt_derivative(x_raw, d), d_spt) < 1e-6
+
+
+def test_prop1_nonzero_column_sums(prop1_setup):
+    x, w, y, dirs = prop1_setup
+    for d in dirs:                         # generic directions: 1^T D != 0
+        d_sup, d_spt = analyze.prop1_derivatives(x, d, w, y)
+        assert abs(d_sup) > 1e-6
+        assert analyze.rel_err(analyze.exact_spt_derivative(x, d), d_spt) < 1e-6
+        assert analyze.rel_err(analyze.closed_form_spt_derivative(x, d), d_spt) > 1e-3   # paper form needs 1^T D = 0
+
+
+def test_prop1_cls_pooling_has_nonzero_supervised_derivative(prop1_setup):
+    x, w, y, dirs = prop1_setup
+    d_sup, _ = analyze.prop1_derivatives(x, analyze.column_centred(dirs[0]), w, y, pooling="cls")
+    assert abs(d_sup) > 1e-6
+
+
+@pytest.mark.parametrize("a0", [0.0, 0.8])
+def test_prop1_autograd_matches_finite_difference(prop1_setup, a0):
+    x, w, y, dirs = prop1_setup
+    for d in (dirs[1], analyze.column_centred(dirs[1])):
+        auto = analyze.prop1_derivatives(x, d, w, y, a0=a0)
+        eps = 1e-5
+        plus = analyze.prop1_losses(x, d, torch.tensor(a0 + eps, dtype=torch.float64), w, y)
+        minus = analyze.prop1_losses(x, d, torch.tensor(a0 - eps, dtype=torch.float64), w, y)
+        for k in range(2):
+            fd = ((plus[k] - minus[k]) / (2 * eps)).item()
+            assert abs(auto[k] - fd) < 1e-6 * max(abs(fd), 1e-3)
+
+
+def test_prop1_main_writes_png_and_json(tmp_path):
+    analyze.main(["prop1", "--out", str(tmp_path)])
+    png, js = tmp_path / "prop1.png", tmp_path / "prop1.json"
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+    rows = json.loads(js.read_text())["rows"]
+    assert len(rows) >= 5
+    for r in rows:
+        if "population" in r["case"]:      # population C: only up to sampling error
+            assert 1e-6 < r["rel_err_paper"] < 0.2
+            continue
+        assert r["rel_err_exact"] < 1e-6
+        if r["max_abs_col_sum"] < 1e-12:
+            assert r["rel_err_paper"] < 1e-6
+            if r["pooling"] == "mean":
+                assert abs(r["dsup"]) < 1e-12
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Synthetic trajectories
+# ----------------------------------------------------------------------------------------------------------
+
+def _logistic_accuracy(feat_train, y_train, feat_val, y_val, steps=300):
+    """Accuracy of a logistic regression fitted by full-batch LBFGS (features standardized)."""
+    mu, sd = feat_train.mean(0), feat_train.std(0) + 1e-8
+    a, b = (feat_train - mu) / sd, (feat_val - mu) / sd
+    w = torch.zeros(a.shape[1] + 1, requires_grad=True)
+    opt = torch.optim.LBFGS([w], max_iter=steps)
+
+    def closure():
+        opt.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(a @ w[:-1] + w[-1], y_train.float())
+        loss.backward()
+        return loss
+    opt.step(closure)
+    return ((b @ w[:-1] + w[-1] > 0).long() == y_val).float().mean().item()
+
+
+def test_synthetic_label_is_invisible_to_linear_statistics_but_in_neighbour_interactions():
+    x_tr, y_tr = data.generate_trajectories(4000, seed=0)
+    x_va, y_va = data.generate_trajectories(2000, seed=1)
+    assert x_tr.shape == (4000, 100, 2) and set(y_tr.tolist()) == {0, 1}
+    assert torch.equal(x_tr, data.generate_trajectories(4000, seed=0)[0])
+    # A linear classifier on the mean-pooled tokens is at chance ...
+    acc_mean = _logistic_accuracy(x_tr.mean(1), y_tr, x_va.mean(1), y_va)
+    assert 0.45 < acc_mean < 0.55, acc_mean
+    # ... and on the full flattened sequence too (every linear statistic of the tokens) ...
+    acc_flat = _logistic_accuracy(x_tr.flatten(1), y_tr, x_va.flatten(1), y_va, steps=100)
+    assert acc_flat < 0.58, acc_flat
+    # ... while the mean cross product of neighbouring steps d_t x d_{t+1} gives the label.
+    def cross(x):
+        return (x[:, :-1, 0] * x[:, 1:, 1] - x[:, :-1, 1] * x[:, 1:, 0]).mean(1, keepdim=True)
+    assert _logistic_accuracy(cross(x_tr), y_tr, cross(x_va), y_va) > 0.97
+
+
+def test_synthetic_pretrain_finetune_slices_the_mask_channel(tmp_path):
+    root, out = str(tmp_path / "data"), str(tmp_path / "out")
+    data.prepare_synthetic(root, n_train=64, n_val=32, n_test=32, length=20)
+    common = ["--task", "synthetic", "--data_dir", root, "--out_dir", out, "--batch_size", "16", "--device", "cpu"]
+    pretrain.main(common + ["--max_steps", "3", "--eval_every", "3"])
+    ck = data.load_pt(os.path.join(out, "synthetic", "pretrain.pt"))
+    assert ck["model_config"]["d_input"] == 3 and ck["model_config"]["layernorm"] is False
+    meta = data.load_split(root, "synthetic", "train")["meta"]
+    model = finetune.model_from_pretrained(os.path.join(out, "synthetic", "pretrain.pt"), meta, 2, "synthetic", "cpu")
+    assert model.cfg.d_input == 2
+    assert torch.equal(model.embed.weight, ck["model"]["embed.weight"][:, :2])
+    assert torch.equal(model.blocks[0].attn.k_proj.weight, ck["model"]["blocks.0.attn.k_proj.weight"])
+    finetune.main(common + ["--init", os.path.join(out, "synthetic", "pretrain.pt"), "--max_steps", "3"])
+    assert json.load(open(os.path.join(out, "synthetic", "finetune_spt.json")))["test_acc"] >= 0
+
+
+def test_continuous_masking_zeroes_values_and_adds_an_indicator():
+    x = torch.randn(4, 10, 2)
+    inputs, masked = pretrain.mask_batch(x, torch.tensor([10, 10, 5, 1]), 0.5, None, torch.Generator().manual_seed(0))
+    assert inputs.shape == (4, 10, 3)
+    assert torch.equal(inputs[..., 2], masked.float())
+    assert (inputs[masked][:, :2] == 0).all() and torch.equal(inputs[~masked][:, :2], x[~masked])
+    assert masked[3].tolist() == [True] + [False] * 9  # length 1: its only real position is forced
