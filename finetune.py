@@ -107,11 +107,13 @@ def main(argv=None):
     stem = os.path.join(out, f"finetune_{args.name}")
     paths = dict(best=stem + ".pt", last=stem + "_last.pt", log=stem + "_log.jsonl")
     train_split = splits["train"]
+    # torch.compile (opt-in) wraps the method used in training; checkpoints always hold the plain `model`.
+    classify = torch.compile(model.classify) if args.compile else model.classify
 
     def loss_fn(idx, step):
         x, lengths, labels = data.get_batch(train_split, idx, args.device)
         with autocast(args):
-            logits = model.classify(x, lengths)
+            logits = classify(x, lengths)
         return F.cross_entropy(logits.float(), labels)
 
     def eval_fn():

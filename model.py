@@ -15,6 +15,7 @@ LayerNorm and the MLP can be switched off, which gives the paper's minimal one-l
 Checkpoint helpers (`checkpoint_dict`, `model_from_checkpoint`) live here too, since a checkpoint is a model.
 """
 import math
+import os
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -253,3 +254,197 @@ def config_from_dict(d, where="checkpoint"):
 def checkpoint_dict(model, **extra):
     """The checkpoint schema: model (state dict), model_config (dict) and whatever plain fields `extra` holds."""
     return dict(model=unwrapped_state_dict(model.state_dict()), model_config=asdict(model.cfg), **extra)
+
+
+def flops_per_token(cfg, L):
+    """Training FLOPs per token (forward + backward) of the Transformer at sequence length L.
+
+    6 x (weights used per token) for the matrix multiplies, plus 12 x n_layers x d_model x L for the attention
+    scores and their product with V (the usual estimate, Chowdhery et al. 2022, PaLM App. B).
+    """
+    per_layer = 4 * cfg.d_model ** 2 + (2 * cfg.d_model * cfg.d_mlp if cfg.mlp else 0)
+    return 6 * cfg.n_layers * per_layer + 12 * cfg.n_layers * cfg.d_model * L
+
+
+# Dense bf16 peak FLOP/s of common GPUs (vendor data sheets); an unknown GPU gets no MFU rather than a wrong one.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
+                   "L4": 121e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "A6000": 155e12}
+
+
+def peak_flops(device, dtype):
+    """Peak FLOP/s for MFU, or None (CPU, fp32, or a GPU not in PEAK_BF16_FLOPS)."""
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Benchmark: python model.py --bench   (issue: performance; figures in the README)
+# ----------------------------------------------------------------------------------------------------------
+
+BENCH_SIZES = {  # name: (L, d_model, n_layers, n_heads, d_mlp, batch)
+    "cpu": (1024, 128, 4, 4, 256, 8),
+    "listops-paper": (2048, 512, 6, 8, 2048, 32),
+    "text-paper": (4096, 512, 6, 8, 2048, 32),
+}
+
+
+class ReferenceEncoder(nn.Module):
+    """torch.nn.TransformerEncoder with our sizes (pre-norm, GELU, same MLP width), embedding, PE and head."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.register_buffer("pe", sinusoidal_positions(cfg.max_len, cfg.d_model), persistent=False)
+        layer = nn.TransformerEncoderLayer(cfg.d_model, cfg.n_heads, cfg.d_mlp, dropout=0.0, activation="gelu",
+                                           batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, cfg.n_layers, norm=nn.LayerNorm(cfg.d_model),
+                                             enable_nested_tensor=False)
+        self.rec_head = nn.Linear(cfg.d_model, cfg.n_rec)
+
+    def reconstruct(self, x, lengths, positions):
+        z = self.encoder(self.embed(x) + self.pe[:x.shape[1]])
+        return self.rec_head(z[positions])
+
+
+def _bench_one(variant, size, device, dtype, steps, repeats, compile_model):
+    """Median seconds per SPT training step (masked reconstruction, fwd + bwd + AdamW) and peak memory."""
+    import time
+    import pretrain  # the masking and loss of the real training step
+    import data
+    L, d, n_layers, n_heads, d_mlp, B = size
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=32, max_len=L, d_model=d, n_layers=n_layers, n_heads=n_heads, d_mlp=d_mlp, n_rec=32)
+    model = (ReferenceEncoder(cfg) if variant == "torch.nn.TransformerEncoder" else Transformer(cfg)).to(device)
+    fwd = torch.compile(model) if compile_model else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    split = dict(tokens=torch.randint(2, 32, (8 * B, L), dtype=torch.uint8), lengths=torch.full((8 * B,), L),
+                 labels=torch.zeros(8 * B, dtype=torch.long))
+    if device.type == "cuda":
+        split = {k: (v if k == "lengths" else v.to(device)) for k, v in split.items()}
+    g = torch.Generator(device=device).manual_seed(0)
+    fixed = data.get_batch(split, torch.arange(B), device)
+    fixed_inputs, fixed_masked = pretrain.mask_batch(fixed[0], fixed[1], 0.15, 1, g)
+    need_weights = variant == "ours, explicit attention"
+    if need_weights:  # the explicit path, as a training step would run it if it were used
+        fwd.reconstruct = lambda x, lengths, pos: model.rec_head(model.encode(x, lengths, need_weights=True)[0][pos])
+
+    def step(i):
+        if variant == "ours, fused + data path":
+            x, lengths, _ = data.get_batch(split, data.batch_indices(split["lengths"], B, True, 0, i)[0], device)
+            inputs, masked = pretrain.mask_batch(x, lengths, 0.15, 1, g)
+        else:
+            x, lengths, inputs, masked = fixed[0], fixed[1], fixed_inputs, fixed_masked
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            out = fwd.reconstruct(inputs, lengths, masked)
+        loss = torch.nn.functional.cross_entropy(out.float(), x[masked])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for i in range(3):  # warm-up (and compilation), not timed
+        step(i)
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        for i in range(steps):
+            step(i)
+        sync()
+        times.append((time.perf_counter() - t0) / steps)
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    times.sort()
+    return times[len(times) // 2], peak, flops_per_token(cfg, L)
+
+
+def _bench_worker(args, queue):
+    """Run one variant in a fresh process (CPU peak memory = growth of its resident set), report via queue."""
+    import resource
+    torch.set_num_threads(args[-1])
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        sec, peak, fpt = _bench_one(*args[:-1])
+        peak = peak if peak is not None else (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024
+        queue.put((sec, peak, fpt, None))
+    except torch.OutOfMemoryError:
+        queue.put((None, None, None, "out of memory"))
+
+
+def bench(argv=None):
+    """Time our fused path, our explicit path and torch.nn.TransformerEncoder on the same SPT training step."""
+    import argparse
+    import json
+    import multiprocessing as mp
+    import platform
+    p = argparse.ArgumentParser(description="benchmark one SPT training step (python model.py --bench)")
+    p.add_argument("--bench", action="store_true")
+    p.add_argument("--size", default="cpu", choices=BENCH_SIZES, help="(L, d_model, layers, heads, MLP, batch)")
+    p.add_argument("--L", type=int, default=None, help="override the sequence length of --size")
+    p.add_argument("--batch", type=int, default=None, help="override the batch size of --size")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"))
+    p.add_argument("--steps", type=int, default=5, help="timed steps per repeat")
+    p.add_argument("--repeats", type=int, default=5, help="the median over repeats is reported")
+    p.add_argument("--variants", default="fused,explicit,reference,data", help="comma-separated subset")
+    p.add_argument("--compile", action="store_true", help="also time our fused path under torch.compile")
+    p.add_argument("--json", default=None, help="write the figures to this file")
+    a = p.parse_args(argv)
+    import pretrain
+    device = pretrain.pick_device(a.device)
+    dtype, reason = pretrain.pick_dtype(a.dtype, device)
+    L, d, nl, nh, dm, B = BENCH_SIZES[a.size]
+    size = (a.L or L, d, nl, nh, dm, a.batch or B)
+    names = {"fused": "ours, fused attention", "explicit": "ours, explicit attention",
+             "reference": "torch.nn.TransformerEncoder", "data": "ours, fused + data path"}
+    runs = [(names[v], False) for v in a.variants.split(",")] + ([("ours, fused + torch.compile", True)]
+                                                                  if a.compile else [])
+    print(f"benchmark: L={size[0]} d_model={d} layers={nl} heads={nh} MLP={dm} batch={size[5]} | {device} "
+          f"{torch.cuda.get_device_name() if device.type == 'cuda' else platform.processor() or platform.machine()}"
+          f" | {str(dtype).replace('torch.', '')} ({reason}) | torch {torch.__version__} | median of {a.repeats} x "
+          f"{a.steps} steps after 3 warm-up steps")
+    peak_fl = peak_flops(device, dtype)
+    ctx = mp.get_context("spawn")
+    results = {}
+    for name, comp in runs:
+        variant = "ours, fused attention" if comp else name
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_bench_worker, args=((variant, size, device, dtype, a.steps, a.repeats, comp,
+                                                        torch.get_num_threads()), queue))
+        proc.start()
+        sec, peak, fpt, err = queue.get()
+        proc.join()
+        tok_s = None if sec is None else size[0] * size[5] / sec
+        mfu = None if (sec is None or peak_fl is None) else tok_s * fpt / peak_fl
+        results[name] = dict(ms_per_step=None if sec is None else 1000 * sec, tokens_per_s=tok_s,
+                             peak_memory_mb=None if peak is None else peak / 2 ** 20, mfu=mfu, error=err)
+        print(f"  {name:32s} " + (err if err else f"{1000 * sec:9.1f} ms/step {tok_s:12,.0f} tok/s "
+                                                  f"peak {peak / 2 ** 20:9.1f} MiB" +
+                                                  (f"  MFU {100 * mfu:.1f}%" if mfu is not None else "")))
+    ref, ours = results.get("torch.nn.TransformerEncoder"), results.get("ours, fused attention")
+    out = dict(size=dict(zip(("L", "d_model", "n_layers", "n_heads", "d_mlp", "batch"), size)), device=str(device),
+               device_name=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
+               dtype=str(dtype), torch=torch.__version__, steps=a.steps, repeats=a.repeats, results=results)
+    if ref and ours and ref["tokens_per_s"] and ours["tokens_per_s"]:
+        out["speed_ratio_fused_vs_reference"] = ours["tokens_per_s"] / ref["tokens_per_s"]
+        print(f"  speed ratio, ours fused / torch.nn.TransformerEncoder: {out['speed_ratio_fused_vs_reference']:.2f}")
+    data_run = results.get("ours, fused + data path")
+    if data_run and ours and data_run["ms_per_step"] and ours["ms_per_step"]:
+        out["data_path_overhead"] = data_run["ms_per_step"] / ours["ms_per_step"] - 1
+        print(f"  data path overhead (batching + masking per step): {100 * out['data_path_overhead']:+.1f}%")
+    if a.json:
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+    if "--bench" in sys.argv:
+        bench(sys.argv[1:])
+    else:
+        print("model.py defines the model; run `python model.py --bench --help` for the benchmark")

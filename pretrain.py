@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import data
-from model import ModelConfig, Transformer, checkpoint_dict, count_params
+from model import ModelConfig, Transformer, checkpoint_dict, count_params, flops_per_token, peak_flops
 
 # ----------------------------------------------------------------------------------------------------------
 # Presets: the paper's settings (shared/paper_facts.md, Sec. 5; Amos et al. configs) and a CPU size that
@@ -81,6 +81,7 @@ def build_parser(stage, description):
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
                    help="auto = bf16 autocast where supported (CUDA), else fp32")
     p.add_argument("--resume", action="store_true", help=f"continue from out/<task>/{stage}*_last.pt")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (opt-in; needs a working Triton)")
     g = p.add_argument_group("model size (overrides the preset; a finetune from a checkpoint uses its own)")
     for name in MODEL_SIZE_FLAGS:
         g.add_argument(f"--{name}", type=int, default=None)
@@ -284,6 +285,7 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
     if not args.resume:
         open(paths["log"], "w").close()
     t_last, tokens_since, loss_since, steps_since = time.time(), 0, torch.zeros((), device=args.device), 0
+    flops_since, peak = 0.0, peak_flops(args.device, args.dtype)  # for MFU (None: not reported)
     if state["step"] == 0:  # the starting point, so the log shows how far training moved the metric
         metrics = eval_fn()
         print("eval at step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
@@ -308,7 +310,10 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
             state["step"], state["batch_in_epoch"] = step + 1, i + 1
             loss_since += loss.detach()
             steps_since += 1
-            tokens_since += int(splits["train"]["lengths"][idx].sum())
+            batch_lengths = splits["train"]["lengths"][idx]  # on the CPU: no device sync
+            tokens_since += int(batch_lengths.sum())
+            L_batch = int(batch_lengths.max())
+            flops_since += flops_per_token(model.cfg, L_batch) * len(idx) * L_batch
             done = state["step"] >= total
             if state["step"] % args.log_every == 0 or done:
                 mean_loss = loss_since.item() / steps_since  # the only host sync of the loop
@@ -318,12 +323,14 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
                         f"checkpoint is {paths['last']} (use --resume after lowering --lr)")
                 dt = time.time() - t_last
                 eta = (time.time() - t_start) / (state["step"] - start_step) * (total - state["step"])
+                mfu = None if peak is None else flops_since / dt / peak
                 print(f"step {state['step']:6d}/{total} | epoch {state['epoch']} | loss {mean_loss:.4f} | "
                       f"lr {lr:.2e} | {1000 * dt / steps_since:.0f} ms/step | {tokens_since / dt:,.0f} tok/s | "
-                      f"ETA {eta / 60:.1f} min")
+                      + (f"MFU {100 * mfu:.1f}% | " if mfu is not None else "") + f"ETA {eta / 60:.1f} min")
                 log(dict(step=state["step"], epoch=state["epoch"], loss=mean_loss, lr=lr,
-                         ms_per_step=1000 * dt / steps_since, tokens_per_s=tokens_since / dt))
+                         ms_per_step=1000 * dt / steps_since, tokens_per_s=tokens_since / dt, mfu=mfu))
                 t_last, tokens_since, loss_since, steps_since = time.time(), 0, torch.zeros_like(loss_since), 0
+                flops_since = 0.0
             end_of_epoch = i + 1 == len(batches)
             if state["step"] % args.eval_every == 0 or done or end_of_epoch:
                 metrics = eval_fn()
@@ -378,13 +385,15 @@ def main(argv=None):
                  log=os.path.join(out, "pretrain_log.jsonl"))
     train_split = splits["train"]
     g = mask_generator(args, 0)
+    # torch.compile (opt-in) wraps the method used in training; checkpoints always hold the plain `model`.
+    reconstruct = torch.compile(model.reconstruct) if args.compile else model.reconstruct
 
     def loss_fn(idx, step):
         x, lengths, _ = data.get_batch(train_split, idx, args.device)
         g.manual_seed(args.seed * 1_000_003 + step)  # masks differ per step, reproducible for --resume
         inputs, masked = mask_batch(x, lengths, args.mask_ratio, meta.get("mask_id"), g)
         with autocast(args):
-            out = model.reconstruct(inputs, lengths, masked)
+            out = reconstruct(inputs, lengths, masked)
         return reconstruction_loss(out, x[masked], args.rec_loss)
 
     extra = dict(stage="pretrain", task=args.task, data_meta=meta, metric="val_loss", format_version=1)

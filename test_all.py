@@ -575,3 +575,24 @@ def test_continuous_masking_zeroes_values_and_adds_an_indicator():
     assert torch.equal(inputs[..., 2], masked.float())
     assert (inputs[masked][:, :2] == 0).all() and torch.equal(inputs[~masked][:, :2], x[~masked])
     assert masked[3].tolist() == [True] + [False] * 9  # length 1: its only real position is forced
+
+
+def test_training_never_calls_the_explicit_attention_path(listops_dir, tmp_path, monkeypatch):
+    import model as model_module
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("explicit attention called during training")
+    monkeypatch.setattr(model_module.Attention, "explicit_attention", forbidden)
+    out = str(tmp_path / "out")
+    common = ["--task", "listops", "--data_dir", listops_dir, "--out_dir", out, "--max_steps", "2"] + TINY
+    pretrain.main(common)
+    finetune.main(common + ["--init", "scratch"])
+    with pytest.raises(AssertionError, match="explicit attention called"):  # the patch is live
+        Transformer(tiny_cfg()).encode(torch.ones(1, 4, dtype=torch.long), need_weights=True)
+
+
+def test_flops_per_token_counts_the_matmuls():
+    cfg = tiny_cfg(n_layers=2, d_model=16, d_mlp=32)
+    # per layer: Q, K, V, O (4 d^2) + MLP (2 d d_mlp) weights, x 6 for fwd+bwd; attention 12 n_layers d L
+    assert pytest.approx(6 * 2 * (4 * 256 + 2 * 16 * 32) + 12 * 2 * 16 * 100) == \
+        __import__("model").flops_per_token(cfg, 100)
