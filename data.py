@@ -387,15 +387,17 @@ def batch_indices(lengths, batch_size, shuffle, seed=0, epoch=0, bucket=50):
     return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
 
 
-def get_batch(split, idx, device):
+def get_batch(split, idx, device, multiple=64):
     """Gather the sequences `idx` (B,) from a loaded split and trim padding to the longest one.
 
     Returns x, lengths (B,) int64, labels (B,) int64 on `device`, where x is tokens (B, L_batch) int64 for a
-    discrete task or values (B, L_batch, C) float32 for a continuous one. `split["lengths"]` stays on the CPU
-    so that L_batch is known without waiting for the GPU; the other tensors may live on the GPU already.
+    discrete task or values (B, L_batch, C) float32 for a continuous one. L_batch is the longest length rounded
+    up to a `multiple` (at most the stored width): few distinct shapes, so GPU kernels chosen per shape are
+    reused. `split["lengths"]` stays on the CPU so L_batch is known without waiting for the GPU.
     """
     lengths = split["lengths"][idx]
-    L = int(lengths.max())
+    width = split["tokens" if "tokens" in split else "values"].shape[1]
+    L = min(-(-int(lengths.max()) // multiple) * multiple, width)
     idx = _to_device(idx, split["labels"].device)
     if "tokens" in split:
         x = split["tokens"][idx, :L].long()

@@ -333,6 +333,7 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
                 flops_since = 0.0
             end_of_epoch = i + 1 == len(batches)
             if state["step"] % args.eval_every == 0 or done or end_of_epoch:
+                t_eval = time.time()
                 metrics = eval_fn()
                 value = metrics[metric]
                 improved = state["best"] is None or (value > state["best"] if higher_is_better else value < state["best"])
@@ -346,7 +347,7 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
                 if improved:
                     save(paths["best"], metrics)
                 save(paths["last"], metrics)
-                t_last = time.time()  # do not count evaluation time in the next ms/step
+                t_last += time.time() - t_eval  # evaluation time does not count in ms/step and tokens/s
             if done:
                 break
     print(f"finished {state['step']} steps in {(time.time() - t_start) / 60:.1f} min; "
