@@ -1,19 +1,26 @@
-"""analyze.py -- numerical checks of the theory in Coser et al. (2026), one subcommand per result.
+"""analyze.py -- what self-pretraining does to attention, and the theory behind it (Coser et al. 2026).
 
-    python analyze.py prop1                       # Proposition 1: the blind spot of mean pooling at uniform attention
-    python analyze.py prop1 --out out/analysis    # where prop1.png and prop1.json go (the default)
+    python analyze.py prop1                     # Proposition 1 checked numerically (CPU, seconds)
+    python analyze.py attention --ckpt out/synthetic/pretrain_init.pt out/synthetic/pretrain.pt \
+                                       out/synthetic/finetune_spt.pt     # maps, PE-only probe, W_Q^T W_K
+    python analyze.py curves --run_dir out/synthetic                      # proximity over training (--snapshots)
 
-Everything here runs on CPU in float64 in a few seconds; no data files or checkpoints are needed.
+Reads checkpoints (*.pt) and the task's validation split only; trains nothing. Writes PNG figures (matplotlib
+Agg) and JSON numbers into --out (default out/analysis).
 
-Sections: 1. Proposition 1  2. command line
+Sections: 1. Proposition 1  2. attention after self-pretraining  3. command line
 """
 import argparse
 import json
+import math
 import os
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+import data
+from model import Transformer, config_from_dict, param_group, unwrapped_state_dict
 
 # ----------------------------------------------------------------------------------------------------------
 # 1. Proposition 1 (Coser et al., Prop. 1): gradients of the two losses at uniform attention
@@ -207,7 +214,190 @@ def run_prop1(args):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 2. Command line
+# 2. Attention after self-pretraining (Coser et al., Sec. 4): maps, PE-only probe, W_Q^T W_K, proximity
+# ----------------------------------------------------------------------------------------------------------
+# Everything below reads checkpoints written by pretrain.py / finetune.py (their _init.pt holds the weights at
+# step 0) and the task's validation split; it trains nothing.
+
+def load_model(path):
+    """(model in eval mode on the CPU, checkpoint dict) from any checkpoint of this project."""
+    ck = data.load_pt(path)
+    model = Transformer(config_from_dict(ck["model_config"], path))
+    model.load_state_dict(unwrapped_state_dict(ck["model"]))
+    return model.eval(), ck
+
+
+def model_inputs(model, x):
+    """An SPT model of continuous inputs expects a mask-indicator channel: append zeros (nothing masked)."""
+    if x.dtype != torch.long and x.shape[-1] == model.cfg.d_input - 1:
+        return torch.cat([x, torch.zeros_like(x[..., :1])], dim=-1)
+    return x
+
+
+@torch.no_grad()
+def attention_maps(model, x, lengths=None):
+    """Softmax attention probabilities averaged over the batch: a list over layers of (H, L, L) tensors."""
+    _, probs = model.encode(model_inputs(model, x), lengths, need_weights=True)
+    return [p.mean(0) for p in probs]
+
+
+@torch.no_grad()
+def pe_probe(model, length, layer=0):
+    """The PE-only probe: X = 0, only the sinusoidal encodings P (L, d) through layer `layer`'s W_Q, W_K.
+
+    scores_h = (P W_Q,h^T)(P W_K,h^T)^T / sqrt(d_head) per head h (biases left out, as in the paper's
+    P W_Q^T W_K P^T / sqrt(d)); P goes through the block's first LayerNorm when the model has one.
+    Returns (scores (H, L, L), softmax probabilities (H, L, L)).
+    """
+    block = model.blocks[layer]
+    attn = block.attn
+    p = block.ln1(model.pe[:length])                                            # (L, d_model)
+    q = (p @ attn.q_proj.weight.T).view(length, attn.n_heads, attn.d_head).transpose(0, 1)  # (H, L, d_head)
+    k = (p @ attn.k_proj.weight.T).view(length, attn.n_heads, attn.d_head).transpose(0, 1)
+    scores = q @ k.transpose(1, 2) / math.sqrt(attn.d_head)
+    return scores, scores.softmax(-1)
+
+
+@torch.no_grad()
+def qk_product(model, layer=0, head=0):
+    """W_Q,h^T W_K,h (d_model, d_model): the bilinear form that scores a query against a key for head h."""
+    attn = model.blocks[layer].attn
+    rows = slice(head * attn.d_head, (head + 1) * attn.d_head)
+    return attn.q_proj.weight[rows].T @ attn.k_proj.weight[rows]
+
+
+def attention_stats(probs, band=3):
+    """Proximity statistics of attention probabilities (..., L, L), averaged over rows and leading dims.
+
+    entropy (nats; log L for uniform attention), band_mass = attention within |i - j| <= band,
+    mean_distance = sum_j A_ij |i - j| (L/3 roughly for uniform attention, 0 for attending to oneself).
+    """
+    L = probs.shape[-1]
+    dist = (torch.arange(L)[:, None] - torch.arange(L)[None, :]).abs().to(probs.dtype)
+    entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
+    return dict(entropy=entropy.mean().item(), uniform_entropy=math.log(L),
+                band_mass=(probs * (dist <= band)).sum(-1).mean().item(), band=band,
+                mean_distance=(probs * dist).sum(-1).mean().item())
+
+
+def relative_displacement(init_sd, sd):
+    """||W - W_init|| / ||W_init|| per parameter group (model.PARAM_GROUPS), over the groups both share."""
+    num, den = {}, {}
+    for name, w0 in init_sd.items():
+        if name in sd and sd[name].shape == w0.shape:
+            g = param_group(name)
+            num[g] = num.get(g, 0.0) + (sd[name].float() - w0.float()).pow(2).sum().item()
+            den[g] = den.get(g, 0.0) + w0.float().pow(2).sum().item()
+    return {g: math.sqrt(num[g]) / math.sqrt(den[g]) for g in num if den[g] > 0}
+
+
+def correlation(a, b):
+    a, b = a.flatten() - a.mean(), b.flatten() - b.mean()
+    return (a @ b / (a.norm() * b.norm())).item()
+
+
+def analyze_checkpoints(paths, data_dir, n=64, band=3):
+    """Attention maps, PE probes and statistics for each checkpoint in `paths` (a dict label -> path).
+
+    Uses the first `n` validation sequences of the checkpoints' task. Returns (results dict of plain numbers,
+    maps: label -> dict(attention=list of (H, L, L), probe=(H, L, L), qk=(d, d))).
+    """
+    results, maps, init_sd = {}, {}, None
+    for label, path in paths.items():
+        model, ck = load_model(path)
+        split = data.load_split(data_dir, ck["task"], "val")
+        x, lengths, _ = data.get_batch(split, torch.arange(min(n, len(split["labels"]))), "cpu", multiple=1)
+        attn = attention_maps(model, x, None if bool((lengths == x.shape[1]).all()) else lengths)
+        _, probe = pe_probe(model, x.shape[1])
+        stats = attention_stats(attn[0], band)
+        stats["probe"] = attention_stats(probe, band)
+        stats["probe_corr_with_attention"] = correlation(probe, attn[0])
+        stats["stage"], stats["path"] = ck.get("stage"), path
+        if init_sd is None:
+            init_sd = {k: v for k, v in unwrapped_state_dict(ck["model"]).items()}
+            init_qk = qk_product(model)
+        else:
+            stats["displacement_from_first"] = relative_displacement(init_sd, model.state_dict())
+            w_qk = qk_product(model)
+            stats["displacement_from_first"]["W_Q^T W_K"] = ((w_qk - init_qk).norm() / init_qk.norm()).item()
+        results[label] = stats
+        maps[label] = dict(attention=attn, probe=probe, qk=qk_product(model))
+    return results, maps
+
+
+def plot_maps(maps, key, path, title):
+    """One heatmap per checkpoint (layer 0, head 0) of maps[label][key], side by side."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(maps), figsize=(4 * len(maps), 3.8), squeeze=False)
+    for ax, (label, m) in zip(axes[0], maps.items()):
+        img = m[key][0][0] if key == "attention" else (m[key][0] if key == "probe" else m[key])
+        im = ax.imshow(img.numpy(), cmap="viridis" if key != "qk" else "RdBu_r")
+        ax.set_title(label)
+        ax.set_xlabel("key position j" if key != "qk" else "key feature")
+        ax.set_ylabel("query position i" if key != "qk" else "query feature")
+        fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def cmd_attention(args):
+    paths = {os.path.splitext(os.path.basename(p))[0]: p for p in args.ckpt}
+    results, maps = analyze_checkpoints(paths, args.data_dir, args.n, args.band)
+    os.makedirs(args.out, exist_ok=True)
+    plot_maps(maps, "attention", os.path.join(args.out, "attention.png"),
+              "softmax attention, layer 0 head 0, mean over validation sequences")
+    plot_maps(maps, "probe", os.path.join(args.out, "pe_probe.png"),
+              "PE-only probe: softmax(P W_Q^T W_K P^T / sqrt(d_head)), X = 0")
+    plot_maps(maps, "qk", os.path.join(args.out, "qk_product.png"), "W_Q^T W_K, layer 0 head 0")
+    with open(os.path.join(args.out, "attention.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    for label, r in results.items():
+        disp = r.get("displacement_from_first", {})
+        print(f"{label:24s} entropy {r['entropy']:.2f} (uniform {r['uniform_entropy']:.2f}) | band mass "
+              f"(|i-j|<={r['band']}) {r['band_mass']:.2f} | mean distance {r['mean_distance']:.1f} | PE probe: "
+              f"entropy {r['probe']['entropy']:.2f}, corr with attention {r['probe_corr_with_attention']:.3f}"
+              + ("" if not disp else " | displacement W_Q {W_Q:.2f} W_K {W_K:.2f} W_Q^T W_K {qk:.2f}".format(
+                  W_Q=disp.get("W_Q", float("nan")), W_K=disp.get("W_K", float("nan")), qk=disp["W_Q^T W_K"])))
+    print(f"wrote attention.png, pe_probe.png, qk_product.png, attention.json in {args.out}")
+
+
+def cmd_curves(args):
+    """Proximity statistics over training, from the snapshots of a run (pretrain.py --snapshots)."""
+    import glob
+    import re
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    files = glob.glob(os.path.join(args.run_dir, f"{args.stage}_step*.pt"))
+    steps = sorted((int(re.search(r"_step(\d+)\.pt$", f).group(1)), f) for f in files)
+    if not steps:
+        raise FileNotFoundError(f"no {args.stage}_step*.pt in {args.run_dir}: run {args.stage}.py with --snapshots")
+    init = os.path.join(args.run_dir, f"{args.stage}_init.pt")
+    paths = {"step0": init, **{f"step{s}": f for s, f in steps}}
+    results, _ = analyze_checkpoints(paths, args.data_dir, args.n, args.band)
+    xs = [0] + [s for s, _ in steps]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for ax, key, label in zip(axes, ("entropy", "band_mass", "mean_distance"),
+                              ("attention entropy (nats)", f"band mass |i-j|<={args.band}", "mean attended distance")):
+        ax.plot(xs, [r[key] for r in results.values()], marker="o")
+        ax.set(xlabel="training step", ylabel=label)
+    axes[0].axhline(results["step0"]["uniform_entropy"], ls="--", color="gray", label="log L (uniform)")
+    axes[0].legend()
+    fig.suptitle(f"proximity of attention over {args.stage} ({args.run_dir})")
+    fig.tight_layout()
+    os.makedirs(args.out, exist_ok=True)
+    fig.savefig(os.path.join(args.out, f"curves_{args.stage}.png"), dpi=110)
+    with open(os.path.join(args.out, f"curves_{args.stage}.json"), "w") as f:
+        json.dump(dict(steps=xs, stats=list(results.values())), f, indent=1)
+    print(f"wrote {os.path.join(args.out, f'curves_{args.stage}.png')}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 3. Command line
 # ----------------------------------------------------------------------------------------------------------
 
 def main(argv=None):
@@ -217,6 +407,22 @@ def main(argv=None):
     s.add_argument("--out", default="out/analysis", help="folder for prop1.png and prop1.json")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=cmd_prop1)
+    s = sub.add_parser("attention", help="attention maps, PE-only probe, W_Q^T W_K and proximity statistics")
+    s.add_argument("--ckpt", nargs="+", required=True, help="checkpoints, e.g. out/synthetic/pretrain_init.pt "
+                   "out/synthetic/pretrain.pt out/synthetic/finetune_spt.pt (the first is the reference)")
+    s.add_argument("--data_dir", default="data")
+    s.add_argument("--n", type=int, default=64, help="validation sequences averaged over")
+    s.add_argument("--band", type=int, default=3, help="k of the band mass |i - j| <= k")
+    s.add_argument("--out", default="out/analysis")
+    s.set_defaults(func=cmd_attention)
+    s = sub.add_parser("curves", help="proximity statistics over training from --snapshots checkpoints")
+    s.add_argument("--run_dir", required=True, help="folder with <stage>_init.pt and <stage>_step*.pt")
+    s.add_argument("--stage", default="pretrain", choices=("pretrain", "finetune_spt", "finetune_scratch"))
+    s.add_argument("--data_dir", default="data")
+    s.add_argument("--n", type=int, default=64)
+    s.add_argument("--band", type=int, default=3)
+    s.add_argument("--out", default="out/analysis")
+    s.set_defaults(func=cmd_curves)
     args = p.parse_args(argv)
     args.func(args)
 

@@ -16,6 +16,7 @@ Expect (CPU preset, ListOps, ~7 min each): about 0.2-0.4 accuracy; the paper siz
 with SPT versus ~0.40 from scratch (Coser et al. Table 2).
 """
 import json
+import math
 import os
 import sys
 import time
@@ -24,16 +25,18 @@ import torch
 import torch.nn.functional as F
 
 import data
-from model import ModelConfig, Transformer, config_from_dict, unwrapped_state_dict
+from model import FREEZE, INHERIT, ModelConfig, Transformer, config_from_dict, param_group, unwrapped_state_dict
 from pretrain import autocast, build_parser, plain_config, prepare_data, resolve, train
 
 
-def model_from_pretrained(path, meta, n_classes, task, device):
+def model_from_pretrained(path, meta, n_classes, task, device, inherit="all"):
     """A classification model whose backbone is copied from the SPT checkpoint at `path`.
 
     Checks that the checkpoint is a pretraining checkpoint of `task` with the same vocabulary as the data.
     Only `cls_head.*` may be new and only `rec_head.*` may be dropped: anything else (or a shape mismatch)
-    raises ValueError naming the keys. Prints the new and dropped keys.
+    raises ValueError naming the keys. Prints the new and dropped keys. `inherit` (a key of model.INHERIT)
+    selects the parameter groups copied; the others keep their fresh initialization (hybrid initialization,
+    Coser et al. Table 3).
     """
     ck = data.load_pt(path, map_location="cpu")
     for key in ("model", "model_config", "task", "data_meta"):
@@ -58,14 +61,22 @@ def model_from_pretrained(path, meta, n_classes, task, device):
     if bad_new or bad_dropped:
         raise ValueError(f"{path}: checkpoint does not match the model: missing {bad_new}, unexpected {bad_dropped}")
     merged = model.state_dict()
+    inherited = INHERIT[inherit]
+    counts = {}
     for key in merged:
+        group = param_group(key)
+        counts.setdefault(group, [0, group in inherited and key in state])[0] += merged[key].numel()
+        if key in state and group not in inherited:
+            continue  # hybrid initialization: this group stays freshly initialized
         if key in state:
             if state[key].shape != merged[key].shape:
                 raise ValueError(f"{path}: {key} has shape {tuple(state[key].shape)}, "
                                  f"the model expects {tuple(merged[key].shape)}")
             merged[key] = state[key]
     model.load_state_dict(merged, strict=True)
-    print(f"loaded {len(merged) - len(new)} tensors from {path}; new: {new}; dropped: {dropped}")
+    print(f"--inherit {inherit}: " + ", ".join(f"{g} ({n:,}) {'from SPT' if inh else 'fresh'}"
+                                               for g, (n, inh) in counts.items()))
+    print(f"checkpoint {path}: new keys {new}; dropped keys {dropped}")
     return model.to(device)
 
 
@@ -89,7 +100,13 @@ def main(argv=None):
     p = build_parser("finetune", __doc__.split("\n")[0])
     p.add_argument("--init", required=True, help="'scratch' or the path of a pretrain.py checkpoint")
     p.add_argument("--name", default=None, help="run name in out/<task>/finetune_<name>.* (default spt/scratch)")
+    p.add_argument("--inherit", default="all", choices=tuple(INHERIT),
+                   help="parameter groups taken from the SPT checkpoint; the rest is freshly initialized")
+    p.add_argument("--freeze", default="none", choices=tuple(FREEZE),
+                   help="parameter groups kept at their initial values during finetuning")
     args, preset = resolve(p.parse_args(argv), "finetune")
+    if args.init == "scratch" and args.inherit != "all":
+        p.error("--inherit selects groups of an SPT checkpoint: give --init PATH")
     args.name = args.name or ("scratch" if args.init == "scratch" else "spt")
     torch.manual_seed(args.seed)
     if args.device.type == "cuda":
@@ -101,11 +118,16 @@ def main(argv=None):
         cfg = ModelConfig(**inputs, max_len=meta["max_len"], n_classes=meta["n_classes"], **preset["model"])
         model = Transformer(cfg).to(args.device)
     else:
-        model = model_from_pretrained(args.init, meta, meta["n_classes"], args.task, args.device)
+        model = model_from_pretrained(args.init, meta, meta["n_classes"], args.task, args.device, args.inherit)
+    frozen = [n for n, p in model.named_parameters() if param_group(n) in FREEZE[args.freeze]]
+    for n, p in model.named_parameters():
+        p.requires_grad_(n not in frozen)  # frozen tensors get no gradient and are not given to AdamW
+    if frozen:
+        print(f"--freeze {args.freeze}: {len(frozen)} tensors frozen")
     out = os.path.join(args.out_dir, args.task)
     os.makedirs(out, exist_ok=True)
     stem = os.path.join(out, f"finetune_{args.name}")
-    paths = dict(best=stem + ".pt", last=stem + "_last.pt", log=stem + "_log.jsonl")
+    paths = dict(best=stem + ".pt", last=stem + "_last.pt", init=stem + "_init.pt", log=stem + "_log.jsonl")
     train_split = splits["train"]
     # torch.compile (opt-in) wraps the method used in training; checkpoints always hold the plain `model`.
     classify = torch.compile(model.classify) if args.compile else model.classify
@@ -133,6 +155,7 @@ def main(argv=None):
                                   args)["acc"]
     log = [json.loads(line) for line in open(paths["log"])]
     result = dict(task=args.task, init=args.init, name=args.name, seed=args.seed, preset=args.preset,
+                  steps_per_epoch=math.ceil(len(train_split["labels"]) / args.batch_size),
                   best_val_acc=best["val_acc"], test_acc=test["acc"], train_acc=train_acc, train_acc_subset=n_sub,
                   evals=[e for e in log if "val_acc" in e], wall_time_s=time.time() - t0,
                   config=plain_config(args))

@@ -219,6 +219,36 @@ def init_weights(model, std=0.02):
             nn.init.zeros_(m.bias)
 
 
+# Parameter groups of Coser et al. Table 3, by parameter name (used by --inherit, --freeze and the analyses).
+PARAM_GROUPS = {
+    "W_Q": lambda n: ".attn.q_proj." in n,
+    "W_K": lambda n: ".attn.k_proj." in n,
+    "W_V": lambda n: ".attn.v_proj." in n,
+    "W_O": lambda n: ".attn.o_proj." in n,
+    "mlp": lambda n: ".mlp." in n,
+    "embed": lambda n: n.startswith("embed."),                       # the input encoder
+    "norm": lambda n: ".ln1." in n or ".ln2." in n or n.startswith("ln_f."),
+    "head": lambda n: n.startswith(("cls_head.", "rec_head.")),
+}
+
+
+_BACKBONE = ("W_Q", "W_K", "W_V", "W_O", "mlp", "embed", "norm")
+# finetune.py --inherit: which groups come from the SPT checkpoint (Coser et al. Table 3); the rest is fresh.
+INHERIT = {"all": _BACKBONE, "qk": ("W_Q", "W_K"), "attn": ("W_Q", "W_K", "W_V", "W_O"),
+           "qk+embed+norm": ("W_Q", "W_K", "embed", "norm"),
+           "all-but-qk": tuple(g for g in _BACKBONE if g not in ("W_Q", "W_K"))}
+# finetune.py --freeze: groups kept at their initial values during finetuning (Coser et al. Sec. 3, Table 3).
+FREEZE = {"none": (), "attn": ("W_Q", "W_K", "W_V", "W_O"), "attn+mlp": ("W_Q", "W_K", "W_V", "W_O", "mlp")}
+
+
+def param_group(name):
+    """The group (a key of PARAM_GROUPS) a parameter name belongs to; every parameter has exactly one."""
+    groups = [g for g, member in PARAM_GROUPS.items() if member(name)]
+    if len(groups) != 1:
+        raise ValueError(f"parameter {name!r} is in groups {groups}, expected exactly one")
+    return groups[0]
+
+
 def count_params(model):
     """Number of trainable parameters."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)

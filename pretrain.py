@@ -81,6 +81,7 @@ def build_parser(stage, description):
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
                    help="auto = bf16 autocast where supported (CUDA), else fp32")
     p.add_argument("--resume", action="store_true", help=f"continue from out/<task>/{stage}*_last.pt")
+    p.add_argument("--snapshots", action="store_true", help="also keep a checkpoint at every evaluation")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (opt-in; needs a working Triton)")
     g = p.add_argument_group("model size (overrides the preset; a finetune from a checkpoint uses its own)")
     for name in MODEL_SIZE_FLAGS:
@@ -282,14 +283,15 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
         with open(paths["log"], "a") as f:
             f.write(json.dumps(entry) + "\n")
 
-    if not args.resume:
-        open(paths["log"], "w").close()
+    if state["step"] == 0:
+        open(paths["log"], "w").close()  # a fresh run starts a fresh log; a resumed one appends
     t_last, tokens_since, loss_since, steps_since = time.time(), 0, torch.zeros((), device=args.device), 0
     flops_since, peak = 0.0, peak_flops(args.device, args.dtype)  # for MFU (None: not reported)
     if state["step"] == 0:  # the starting point, so the log shows how far training moved the metric
         metrics = eval_fn()
         print("eval at step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         log(dict(step=0, epoch=0, **metrics))
+        save(paths["init"], metrics)  # the initial weights, for the analyses (displacement, attention at init)
     t_start, start_step = time.time(), state["step"]
     model.train()
     while state["step"] < total:
@@ -347,6 +349,8 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
                 if improved:
                     save(paths["best"], metrics)
                 save(paths["last"], metrics)
+                if args.snapshots:  # a copy per evaluation, for curves over training (analyze.py curves)
+                    save(paths["last"].replace("_last.pt", f"_step{state['step']}.pt"), metrics)
                 t_last += time.time() - t_eval  # evaluation time does not count in ms/step and tokens/s
             if done:
                 break
@@ -383,7 +387,7 @@ def main(argv=None):
     out = os.path.join(args.out_dir, args.task)
     os.makedirs(out, exist_ok=True)
     paths = dict(best=os.path.join(out, "pretrain.pt"), last=os.path.join(out, "pretrain_last.pt"),
-                 log=os.path.join(out, "pretrain_log.jsonl"))
+                 init=os.path.join(out, "pretrain_init.pt"), log=os.path.join(out, "pretrain_log.jsonl"))
     train_split = splits["train"]
     g = mask_generator(args, 0)
     # torch.compile (opt-in) wraps the method used in training; checkpoints always hold the plain `model`.

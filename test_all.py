@@ -596,3 +596,126 @@ def test_flops_per_token_counts_the_matmuls():
     # per layer: Q, K, V, O (4 d^2) + MLP (2 d d_mlp) weights, x 6 for fwd+bwd; attention 12 n_layers d L
     assert pytest.approx(6 * 2 * (4 * 256 + 2 * 16 * 32) + 12 * 2 * 16 * 100) == \
         __import__("model").flops_per_token(cfg, 100)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Hybrid initialization, freezing, attention analyses, ablations
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def synthetic_run(tmp_path_factory):
+    """A tiny synthetic data set and a 6-step SPT run on it (with its init checkpoint)."""
+    root = tmp_path_factory.mktemp("syn")
+    data_dir, out = str(root / "data"), str(root / "out")
+    data.prepare_synthetic(data_dir, n_train=64, n_val=32, n_test=32, length=20)
+    pretrain.main(["--task", "synthetic", "--data_dir", data_dir, "--out_dir", out, "--batch_size", "16",
+                   "--max_steps", "6", "--eval_every", "3", "--lr", "1e-2", "--device", "cpu", "--snapshots"])
+    return data_dir, out
+
+
+def test_every_parameter_is_in_exactly_one_group():
+    import model as model_module
+    for cfg in (tiny_cfg(n_classes=3, n_rec=17), tiny_cfg(layernorm=False, mlp=False, n_classes=2)):
+        groups = {model_module.param_group(n) for n, _ in Transformer(cfg).named_parameters()}
+        assert groups <= set(model_module.PARAM_GROUPS)
+    with pytest.raises(ValueError, match="expected exactly one"):
+        model_module.param_group("something.else")
+
+
+def test_inherit_qk_copies_only_w_q_and_w_k(synthetic_run):
+    data_dir, out = synthetic_run
+    ckpt = os.path.join(out, "synthetic", "pretrain.pt")
+    sd = data.load_pt(ckpt)["model"]
+    meta = data.load_split(data_dir, "synthetic", "train")["meta"]
+    torch.manual_seed(5)
+    hybrid = finetune.model_from_pretrained(ckpt, meta, 2, "synthetic", "cpu", inherit="qk")
+    torch.manual_seed(5)
+    full = finetune.model_from_pretrained(ckpt, meta, 2, "synthetic", "cpu", inherit="all")
+    torch.manual_seed(5)
+    fresh = Transformer(hybrid.cfg)
+    for name, value in hybrid.state_dict().items():
+        if ".q_proj." in name or ".k_proj." in name:
+            assert torch.equal(value, sd[name]), name
+        else:
+            assert torch.equal(value, fresh.state_dict()[name]), name
+    assert torch.equal(full.blocks[0].attn.v_proj.weight, sd["blocks.0.attn.v_proj.weight"])
+    assert not torch.equal(hybrid.blocks[0].attn.v_proj.weight, sd["blocks.0.attn.v_proj.weight"])
+
+
+def test_frozen_groups_stay_bit_identical(synthetic_run, tmp_path):
+    data_dir, out = synthetic_run
+    out2 = str(tmp_path)
+    finetune.main(["--task", "synthetic", "--data_dir", data_dir, "--out_dir", out2, "--init", "scratch",
+                   "--freeze", "attn", "--max_steps", "5", "--lr", "1e-2", "--device", "cpu"])
+    before = data.load_pt(os.path.join(out2, "synthetic", "finetune_scratch_init.pt"))["model"]
+    after = data.load_pt(os.path.join(out2, "synthetic", "finetune_scratch_last.pt"))["model"]
+    for name in before:
+        if ".attn." in name:
+            assert torch.equal(before[name], after[name]), name
+    assert not torch.equal(before["cls_head.weight"], after["cls_head.weight"])
+
+
+def test_attention_stats_closed_forms():
+    L = 9
+    uniform = torch.full((L, L), 1.0 / L)
+    s = analyze.attention_stats(uniform, band=1)
+    assert s["entropy"] == pytest.approx(np.log(L))
+    assert s["mean_distance"] == pytest.approx((L * L - 1) / (3 * L))  # E|i - j| for i, j uniform on 0..L-1
+    assert s["band_mass"] == pytest.approx((3 * L - 2) / L / L)        # 3 neighbours, 2 at the two ends
+    s = analyze.attention_stats(torch.eye(L), band=1)
+    assert s["entropy"] == pytest.approx(0.0, abs=1e-6) and s["mean_distance"] == 0 and s["band_mass"] == 1
+
+
+def test_pe_probe_equals_attention_on_zero_input_without_biases():
+    torch.manual_seed(0)
+    m = Transformer(tiny_cfg(vocab_size=0, d_input=2, n_layers=1, n_heads=2, layernorm=False, mlp=False,
+                             n_classes=2)).eval()
+    for p in m.parameters():
+        p.data.normal_(0, 0.3)
+    for lin in (m.embed, m.blocks[0].attn.q_proj, m.blocks[0].attn.k_proj):
+        lin.bias.data.zero_()
+    scores, probe = analyze.pe_probe(m, 16)
+    _, probs = m.encode(torch.zeros(1, 16, 2), need_weights=True)
+    assert torch.allclose(probe, probs[0][0], atol=1e-6)
+    # and the scores are P W_Q^T W_K P^T / sqrt(d_head) for head 0, written out
+    P, Wq, Wk = m.pe[:16], m.blocks[0].attn.q_proj.weight[:8], m.blocks[0].attn.k_proj.weight[:8]
+    assert torch.allclose(scores[0], P @ Wq.T @ Wk @ P.T / np.sqrt(8), atol=1e-5)
+    assert torch.allclose(analyze.qk_product(m, 0, 0), Wq.T @ Wk)
+
+
+def test_relative_displacement_by_group():
+    a = {"blocks.0.attn.q_proj.weight": torch.ones(2, 2), "embed.weight": torch.ones(4)}
+    b = {"blocks.0.attn.q_proj.weight": 2 * torch.ones(2, 2), "embed.weight": torch.ones(4)}
+    assert analyze.relative_displacement(a, b) == {"W_Q": pytest.approx(1.0), "embed": 0.0}
+
+
+def test_analyze_attention_and_curves_write_figures(synthetic_run, tmp_path):
+    data_dir, out = synthetic_run
+    run = os.path.join(out, "synthetic")
+    analyze.main(["attention", "--ckpt", os.path.join(run, "pretrain_init.pt"), os.path.join(run, "pretrain.pt"),
+                  "--data_dir", data_dir, "--out", str(tmp_path)])
+    res = json.load(open(tmp_path / "attention.json"))
+    assert res["pretrain_init"]["uniform_entropy"] == pytest.approx(np.log(20))
+    assert "W_Q^T W_K" in res["pretrain"]["displacement_from_first"]
+    analyze.main(["curves", "--run_dir", run, "--data_dir", data_dir, "--out", str(tmp_path)])
+    curves = json.load(open(tmp_path / "curves_pretrain.json"))
+    assert curves["steps"] == [0, 3, 4, 6]  # step 0, then every eval: step 3, the epoch end at 4, step 6
+    for name in ("attention.png", "pe_probe.png", "qk_product.png", "curves_pretrain.png"):
+        assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_ablate_synthetic_and_init_run_and_resume(synthetic_run, tmp_path, capsys):
+    data_dir, _ = synthetic_run
+    argv = ["--seeds", "2", "--data_dir", data_dir, "--out_dir", str(tmp_path), "--max_steps", "2", "--device", "cpu"]
+    import ablate
+    ablate.main(["synthetic"] + argv)
+    res = json.load(open(tmp_path / "ablate" / "synthetic.json"))
+    assert {(r["seed"], r["name"]) for r in res["runs"]} == {(s, n) for s in (0, 1)
+                                                            for n in ("spt", "scratch", "scratch_lr3x")}
+    assert "SPT, then finetune" in open(tmp_path / "ablate" / "synthetic.md").read()
+    capsys.readouterr()
+    ablate.main(["synthetic"] + argv)  # everything is read back, nothing retrained
+    assert capsys.readouterr().out.count("read back") == 6
+    ablate.main(["init"] + argv)
+    table = open(tmp_path / "ablate" / "init.md").read()
+    assert "SPT, inherit qk" in table and "0.607 +- 0.012" in table
