@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 import data
 from model import FREEZE, INHERIT, ModelConfig, Transformer, config_from_dict, param_group, unwrapped_state_dict
-from pretrain import autocast, build_parser, plain_config, prepare_data, resolve, train
+from pretrain import (autocast, build_parser, global_sum, local_rows, plain_config, prepare_data, resolve, train,
+                      wrap)
 
 
 def model_from_pretrained(path, meta, n_classes, task, device, inherit="all"):
@@ -84,13 +85,16 @@ def model_from_pretrained(path, meta, n_classes, task, device, inherit="all"):
 def evaluate_accuracy(model, split, args):
     """Classification accuracy and mean cross-entropy over a whole split."""
     model.eval()
-    correct, loss_sum = 0, 0.0
-    for idx in data.batch_indices(split["lengths"], args.batch_size, shuffle=False):
+    sums = torch.zeros(2, dtype=torch.float64, device=args.device)  # correct, loss sum
+    for i, idx in enumerate(data.batch_indices(split["lengths"], args.batch_size, shuffle=False)):
+        if i % args.world_size != args.rank:
+            continue  # under torchrun each rank evaluates every N-th batch; the sums are reduced below
         x, lengths, labels = data.get_batch(split, idx, args.device)
         with autocast(args):
             logits = model.classify(x, lengths)
-        loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum").item()
-        correct += (logits.argmax(-1) == labels).sum().item()
+        sums[0] += (logits.argmax(-1) == labels).sum()
+        sums[1] += F.cross_entropy(logits.float(), labels, reduction="sum").double()
+    correct, loss_sum = global_sum(sums, args).tolist()
     model.train()
     n = len(split["labels"])
     return {"acc": correct / n, "loss": loss_sum / n}
@@ -129,14 +133,13 @@ def main(argv=None):
     stem = os.path.join(out, f"finetune_{args.name}")
     paths = dict(best=stem + ".pt", last=stem + "_last.pt", init=stem + "_init.pt", log=stem + "_log.jsonl")
     train_split = splits["train"]
-    # torch.compile (opt-in) wraps the method used in training; checkpoints always hold the plain `model`.
-    classify = torch.compile(model.classify) if args.compile else model.classify
+    net = wrap(model, args)
 
     def loss_fn(idx, step):
-        x, lengths, labels = data.get_batch(train_split, idx, args.device)
+        x, lengths, labels = local_rows(args, *data.get_batch(train_split, idx, args.device))
         with autocast(args):
-            logits = classify(x, lengths)
-        return F.cross_entropy(logits.float(), labels)
+            logits = net(x, lengths)
+        return F.cross_entropy(logits.float(), labels, reduction="sum"), torch.tensor(len(labels), device=x.device)
 
     def eval_fn():
         val = evaluate_accuracy(model, splits["val"], args)
@@ -159,9 +162,12 @@ def main(argv=None):
                   best_val_acc=best["val_acc"], test_acc=test["acc"], train_acc=train_acc, train_acc_subset=n_sub,
                   evals=[e for e in log if "val_acc" in e], wall_time_s=time.time() - t0,
                   config=plain_config(args))
-    with open(stem + ".json.tmp", "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(stem + ".json.tmp", stem + ".json")
+    if args.rank == 0:
+        with open(stem + ".json.tmp", "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(stem + ".json.tmp", stem + ".json")
+    if args.world_size > 1:
+        torch.distributed.destroy_process_group()
     print(f"{args.task} ({args.name}): best validation accuracy {best['val_acc']:.4f}, test accuracy "
           f"{test['acc']:.4f}, train accuracy {train_acc:.4f}; wrote {stem}.json")
 

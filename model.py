@@ -159,6 +159,10 @@ class Transformer(nn.Module):
         self.cls_head = nn.Linear(cfg.d_model, cfg.n_classes) if cfg.n_classes > 0 else None
         init_weights(self, cfg.init_std)
 
+    def forward(self, x, lengths=None, positions=None):
+        """Reconstruction outputs at `positions` if given (SPT), else class logits (finetuning)."""
+        return self.classify(x, lengths) if positions is None else self.reconstruct(x, lengths, positions)
+
     def encode(self, x, lengths=None, need_weights=False):
         """Hidden states Z (B, L, d_model) and, with need_weights, the list of attention probs per layer."""
         L = x.shape[1]

@@ -27,7 +27,9 @@ import time
 from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 
 import data
 from model import ModelConfig, Transformer, checkpoint_dict, count_params, flops_per_token, peak_flops
@@ -92,6 +94,7 @@ def build_parser(stage, description):
 def resolve(args, stage):
     """Fill unset flags from the preset; pick device and dtype. Returns args (modified) and the model preset."""
     args.device = pick_device(args.device)
+    setup_distributed(args)
     if args.preset == "auto":
         args.preset = "paper" if args.device.type == "cuda" else "cpu"
     preset = PRESETS[args.task][args.preset]
@@ -103,6 +106,45 @@ def resolve(args, stage):
     args.dtype, reason = pick_dtype(args.dtype, args.device)
     print(f"device {args.device}, dtype {str(args.dtype).replace('torch.', '')} ({reason}), preset {args.preset}")
     return args, preset
+
+
+def setup_distributed(args):
+    """Join the process group when started by torchrun (WORLD_SIZE > 1); sets args.rank and args.world_size.
+
+    torchrun --standalone --nproc_per_node=N pretrain.py ... runs N copies; each computes the same global batch
+    and trains on its rows rank::N, DistributedDataParallel averages the gradients, and only rank 0 prints and
+    writes files. NCCL on CUDA (one GPU per process, LOCAL_RANK), gloo on CPU.
+    """
+    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args.rank = int(os.environ.get("RANK", "0"))
+    if args.world_size > 1:
+        if args.device.type == "cuda":
+            args.device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(args.device)
+        dist.init_process_group("nccl" if args.device.type == "cuda" else "gloo")
+        if args.rank != 0:
+            sys.stdout = open(os.devnull, "w")  # one copy of every message: rank 0's
+
+
+def global_sum(t, args):
+    """Sum of a tensor over all ranks (itself when not distributed)."""
+    if args.world_size > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def wrap(model, args):
+    """The module the training step calls: DistributedDataParallel under torchrun, torch.compile if asked.
+
+    Checkpoints always hold the plain `model`, so they load anywhere.
+    """
+    net = DistributedDataParallel(model) if args.world_size > 1 else model
+    return torch.compile(net) if args.compile else net
+
+
+def local_rows(args, *tensors):
+    """This rank's share of a global batch: rows rank, rank + N, ... (all rows when not distributed)."""
+    return [t[args.rank::args.world_size] for t in tensors]
 
 
 def pick_device(name):
@@ -207,19 +249,21 @@ def mask_generator(args, seed):
 def evaluate_reconstruction(model, split, args):
     """Validation masked loss (and masked-token accuracy for tokens), with the same masks at every evaluation."""
     model.eval()
-    g = mask_generator(args, 12345)
-    loss_sum, correct, count = 0.0, 0, 0
-    for idx in data.batch_indices(split["lengths"], args.batch_size, shuffle=False):
+    sums = torch.zeros(3, dtype=torch.float64, device=args.device)  # loss sum, correct, count
+    for i, idx in enumerate(data.batch_indices(split["lengths"], args.batch_size, shuffle=False)):
+        if i % args.world_size != args.rank:
+            continue  # under torchrun each rank evaluates every N-th batch; the sums are reduced below
         x, lengths, _ = data.get_batch(split, idx, args.device)
+        g = mask_generator(args, 12345 + i)  # the same masks at every evaluation
         inputs, masked = mask_batch(x, lengths, args.mask_ratio, split["meta"].get("mask_id"), g)
         with autocast(args):
             out = model.reconstruct(inputs, lengths, masked)
         targets = x[masked]
-        n = targets.shape[0]
-        loss_sum += reconstruction_loss(out, targets, args.rec_loss).item() * n
+        sums[0] += reconstruction_loss(out, targets, args.rec_loss).double() * targets.shape[0]
         if args.rec_loss == "ce":
-            correct += (out.argmax(-1) == targets).sum().item()
-        count += n
+            sums[1] += (out.argmax(-1) == targets).sum()
+        sums[2] += targets.shape[0]
+    loss_sum, correct, count = global_sum(sums, args).tolist()
     model.train()
     metrics = {"val_loss": loss_sum / count}
     if args.rec_loss == "ce":
@@ -250,7 +294,8 @@ def run_record(args):
 def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better):
     """Optimize `model` on splits["train"], evaluating and checkpointing every args.eval_every steps.
 
-    loss_fn(idx (B,) index tensor, step int) -> scalar loss; eval_fn() -> dict of metrics with a "val_..." key
+    loss_fn(idx (B,) global batch indices, step int) -> (sum of the loss over this rank's items, their count);
+    the step minimizes (sum over ranks) / (count over ranks). eval_fn() -> dict of metrics with a "val_..." key
     named by extra["metric"]. paths: dict(best=..., last=..., log=...). The best checkpoint (by that metric)
     and the last one are written atomically; with args.resume the run continues from paths["last"] exactly
     (model, optimizer, step, epoch, position in the epoch, best metric, RNG state).
@@ -275,15 +320,19 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
     record = run_record(args)
 
     def save(path, metrics):
+        if args.rank != 0:
+            return
         save_dict = checkpoint_dict(model, optimizer=opt.state_dict(), state=dict(state), metrics=metrics,
                                     rng_state=torch.get_rng_state(), **record, **extra)
         data.save_atomic(save_dict, path)
 
     def log(entry):
+        if args.rank != 0:
+            return
         with open(paths["log"], "a") as f:
             f.write(json.dumps(entry) + "\n")
 
-    if state["step"] == 0:
+    if state["step"] == 0 and args.rank == 0:
         open(paths["log"], "w").close()  # a fresh run starts a fresh log; a resumed one appends
     t_last, tokens_since, loss_since, steps_since = time.time(), 0, torch.zeros((), device=args.device), 0
     flops_since, peak = 0.0, peak_flops(args.device, args.dtype)  # for MFU (None: not reported)
@@ -303,8 +352,11 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
             for group in opt.param_groups:
                 group["lr"] = lr
             idx = batches[i]
-            loss = loss_fn(idx, step)
-            loss.backward()
+            loss_sum, count = loss_fn(idx, step)
+            count = global_sum(count.detach().to(torch.float32), args)
+            # DDP averages gradients over ranks, hence x world_size: the gradient is that of sum / count overall
+            (loss_sum * args.world_size / count).backward()
+            loss = global_sum(loss_sum.detach(), args) / count
             if args.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             opt.step()
@@ -356,6 +408,8 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
                 break
     print(f"finished {state['step']} steps in {(time.time() - t_start) / 60:.1f} min; "
           f"best {metric} {state['best']:.4f}")
+    if args.world_size > 1:
+        dist.barrier()  # rank 0 has written its checkpoints before anyone reads them
     return state["best_metrics"]
 
 
@@ -390,16 +444,17 @@ def main(argv=None):
                  init=os.path.join(out, "pretrain_init.pt"), log=os.path.join(out, "pretrain_log.jsonl"))
     train_split = splits["train"]
     g = mask_generator(args, 0)
-    # torch.compile (opt-in) wraps the method used in training; checkpoints always hold the plain `model`.
-    reconstruct = torch.compile(model.reconstruct) if args.compile else model.reconstruct
+    net = wrap(model, args)
 
     def loss_fn(idx, step):
         x, lengths, _ = data.get_batch(train_split, idx, args.device)
         g.manual_seed(args.seed * 1_000_003 + step)  # masks differ per step, reproducible for --resume
         inputs, masked = mask_batch(x, lengths, args.mask_ratio, meta.get("mask_id"), g)
+        x, lengths, inputs, masked = local_rows(args, x, lengths, inputs, masked)  # this rank's rows
         with autocast(args):
-            out = reconstruct(inputs, lengths, masked)
-        return reconstruction_loss(out, x[masked], args.rec_loss)
+            out = net(inputs, lengths, masked)
+        n = masked.sum()
+        return reconstruction_loss(out, x[masked], args.rec_loss) * n, n
 
     extra = dict(stage="pretrain", task=args.task, data_meta=meta, metric="val_loss", format_version=1)
     print(f"self-pretraining {args.task}: {cfg}")
@@ -408,6 +463,8 @@ def main(argv=None):
     print(f"best validation masked loss {best['val_loss']:.4f}; wrote {paths['best']}")
     dirs = ("" if args.data_dir == "data" else f" --data_dir {args.data_dir}") + \
         ("" if args.out_dir == "out" else f" --out_dir {args.out_dir}")
+    if args.world_size > 1:
+        dist.destroy_process_group()
     print(f"next: python finetune.py --task {args.task} --init {paths['best']}{dirs}\n"
           f"  and python finetune.py --task {args.task} --init scratch{dirs}   (the baseline)")
 

@@ -719,3 +719,27 @@ def test_ablate_synthetic_and_init_run_and_resume(synthetic_run, tmp_path, capsy
     ablate.main(["init"] + argv)
     table = open(tmp_path / "ablate" / "init.md").read()
     assert "SPT, inherit qk" in table and "0.607 +- 0.012" in table
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Distributed data parallel (torchrun, gloo on CPU)
+# ----------------------------------------------------------------------------------------------------------
+
+def test_two_process_ddp_matches_one_process(listops_dir, tmp_path):
+    """torchrun with 2 CPU processes (gloo) trains the same weights as 1 process with the same global batch."""
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    args = ["--task", "listops", "--data_dir", listops_dir, "--max_steps", "4", "--eval_every", "2"] + TINY
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    pretrain.main(args + ["--out_dir", str(tmp_path / "one")])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(here, "pretrain.py")] + args + ["--out_dir", str(tmp_path / "two")]
+    proc = subprocess.run(cmd, cwd=here, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one = data.load_pt(str(tmp_path / "one" / "listops" / "pretrain_last.pt"))
+    two = data.load_pt(str(tmp_path / "two" / "listops" / "pretrain_last.pt"))
+    for key in one["model"]:
+        assert torch.allclose(one["model"][key], two["model"][key], atol=1e-5), key
+    assert one["metrics"]["val_loss"] == pytest.approx(two["metrics"]["val_loss"], rel=1e-5)
+    assert proc.stdout.count("eval at step 2") == 1  # only rank 0 prints
