@@ -84,6 +84,8 @@ def build_parser(stage, description):
                    help="auto = bf16 autocast where supported (CUDA), else fp32")
     p.add_argument("--resume", action="store_true", help=f"continue from out/<task>/{stage}*_last.pt")
     p.add_argument("--snapshots", action="store_true", help="also keep a checkpoint at every evaluation")
+    p.add_argument("--skip_nonfinite", action="store_true",
+                   help="skip steps whose loss is NaN/inf (checked every step) instead of stopping the run")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (opt-in; needs a working Triton)")
     g = p.add_argument_group("model size (overrides the preset; a finetune from a checkpoint uses its own)")
     for name in MODEL_SIZE_FLAGS:
@@ -291,6 +293,23 @@ def run_record(args):
                 device_name=torch.cuda.get_device_name() if args.device.type == "cuda" else platform.processor())
 
 
+def load_for_resume(candidates, device):
+    """The first of `candidates` (newest first) that loads; a damaged one is reported and skipped."""
+    for path in candidates:
+        if not os.path.exists(path):
+            print(f"--resume: {path} not found")
+            continue
+        try:
+            ck = data.load_pt(path, map_location=device)
+        except ValueError as e:
+            print(f"--resume: {e}; falling back to the previous checkpoint")
+            continue
+        print(f"--resume: continuing from {path}")
+        return ck
+    print("--resume: no usable checkpoint, starting from scratch")
+    return None
+
+
 def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better):
     """Optimize `model` on splits["train"], evaluating and checkpointing every args.eval_every steps.
 
@@ -307,15 +326,14 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
     n_batches = math.ceil(len(splits["train"]["labels"]) / args.batch_size)
     total = args.epochs * n_batches if not args.max_steps else min(args.max_steps, args.epochs * n_batches)
     state = dict(step=0, epoch=0, batch_in_epoch=0, best=None, best_metrics=None)
-    if args.resume and os.path.exists(paths["last"]):
-        ck = data.load_pt(paths["last"], map_location=args.device)
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
-        state = ck["state"]
-        torch.set_rng_state(ck["rng_state"].cpu())
-        print(f"resumed from {paths['last']} at step {state['step']} (epoch {state['epoch']})")
-    elif args.resume:
-        print(f"--resume: {paths['last']} not found, starting from scratch")
+    if args.resume:
+        ck = load_for_resume([paths["last"], paths["best"]], args.device)
+        if ck is not None:
+            model.load_state_dict(ck["model"])
+            opt.load_state_dict(ck["optimizer"])
+            state = ck["state"]
+            torch.set_rng_state(ck["rng_state"].cpu())
+            print(f"resumed at step {state['step']} (epoch {state['epoch']})")
     print(f"{count_params(model):,} trainable parameters; {total} steps ({n_batches} per epoch)")
     record = run_record(args)
 
@@ -331,6 +349,11 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
             return
         with open(paths["log"], "a") as f:
             f.write(json.dumps(entry) + "\n")
+
+    def check_finite(value, first, last):
+        if not math.isfinite(value):
+            raise FloatingPointError(f"non-finite loss between steps {first} and {last}; the last good checkpoint "
+                                     f"is {paths['last']} (--resume after lowering --lr, or --skip_nonfinite)")
 
     if state["step"] == 0 and args.rank == 0:
         open(paths["log"], "w").close()  # a fresh run starts a fresh log; a resumed one appends
@@ -357,9 +380,14 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
             # DDP averages gradients over ranks, hence x world_size: the gradient is that of sum / count overall
             (loss_sum * args.world_size / count).backward()
             loss = global_sum(loss_sum.detach(), args) / count
+            if args.skip_nonfinite and not torch.isfinite(loss):  # a host sync, only with this flag
+                print(f"step {step + 1}: non-finite loss, update skipped")
+                opt.zero_grad(set_to_none=True)
+                loss = torch.zeros_like(loss)
+                state["skipped"] = state.get("skipped", 0) + 1
             if args.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-            opt.step()
+            opt.step()  # after a skipped step every gradient is None, so AdamW changes nothing
             opt.zero_grad(set_to_none=True)
             state["step"], state["batch_in_epoch"] = step + 1, i + 1
             loss_since += loss.detach()
@@ -371,10 +399,7 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
             done = state["step"] >= total
             if state["step"] % args.log_every == 0 or done:
                 mean_loss = loss_since.item() / steps_since  # the only host sync of the loop
-                if not math.isfinite(mean_loss):
-                    raise FloatingPointError(
-                        f"non-finite loss between steps {step + 2 - steps_since} and {step + 1}; the last good "
-                        f"checkpoint is {paths['last']} (use --resume after lowering --lr)")
+                check_finite(mean_loss, state["step"] - steps_since + 1, state["step"])
                 dt = time.time() - t_last
                 eta = (time.time() - t_start) / (state["step"] - start_step) * (total - state["step"])
                 mfu = None if peak is None else flops_since / dt / peak
@@ -387,6 +412,8 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
                 flops_since = 0.0
             end_of_epoch = i + 1 == len(batches)
             if state["step"] % args.eval_every == 0 or done or end_of_epoch:
+                if steps_since:  # never checkpoint weights that a NaN/inf step may have reached
+                    check_finite(loss_since.item(), state["step"] - steps_since + 1, state["step"])
                 t_eval = time.time()
                 metrics = eval_fn()
                 value = metrics[metric]

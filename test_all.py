@@ -743,3 +743,41 @@ def test_two_process_ddp_matches_one_process(listops_dir, tmp_path):
         assert torch.allclose(one["model"][key], two["model"][key], atol=1e-5), key
     assert one["metrics"]["val_loss"] == pytest.approx(two["metrics"]["val_loss"], rel=1e-5)
     assert proc.stdout.count("eval at step 2") == 1  # only rank 0 prints
+
+
+def test_nonfinite_loss_stops_the_run_or_is_skipped(listops_dir, tmp_path, monkeypatch):
+    out = str(tmp_path)
+    args = ["--task", "listops", "--data_dir", listops_dir, "--out_dir", out, "--max_steps", "6", "--eval_every",
+            "2", "--log_every", "1"] + TINY[:-4] + ["--device", "cpu"]
+    original = pretrain.reconstruction_loss
+    calls = {"n": 0}
+
+    def poisoned(outputs, targets, kind="ce"):  # the 4th training step returns NaN (evaluations run no_grad)
+        calls["n"] += torch.is_grad_enabled()
+        loss = original(outputs, targets, kind)
+        return loss * float("nan") if calls["n"] == 4 and torch.is_grad_enabled() else loss
+    monkeypatch.setattr(pretrain, "reconstruction_loss", poisoned)
+    with pytest.raises(FloatingPointError, match="non-finite loss between steps 4 and 4"):
+        pretrain.main(args)
+    last = data.load_pt(os.path.join(out, "listops", "pretrain_last.pt"))
+    assert last["state"]["step"] == 2 and all(torch.isfinite(v).all() for v in last["model"].values())
+    calls["n"] = 0
+    pretrain.main(args + ["--skip_nonfinite"])
+    last = data.load_pt(os.path.join(out, "listops", "pretrain_last.pt"))
+    assert last["state"]["step"] == 6 and last["state"]["skipped"] == 1
+    assert all(torch.isfinite(v).all() for v in last["model"].values())
+
+
+def test_resume_falls_back_when_the_last_checkpoint_is_damaged(listops_dir, tmp_path, capsys):
+    out = str(tmp_path)
+    args = ["--task", "listops", "--data_dir", listops_dir, "--out_dir", out, "--eval_every", "2"] + TINY
+    pretrain.main(args + ["--max_steps", "4"])
+    last = os.path.join(out, "listops", "pretrain_last.pt")
+    with open(last, "r+b") as f:
+        f.truncate(100)
+    capsys.readouterr()
+    pretrain.main(args + ["--max_steps", "6", "--resume"])
+    text = capsys.readouterr().out
+    assert "pretrain_last.pt: cannot be loaded" in text and "falling back" in text
+    assert "continuing from" in text and "pretrain.pt" in text
+    assert data.load_pt(last)["state"]["step"] == 6
