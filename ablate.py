@@ -3,6 +3,7 @@
     python ablate.py synthetic            # minimal model on synthetic trajectories: scratch vs SPT (CPU, ~10 min)
     python ablate.py init                 # hybrid initialization and freezing (Table 3), on the synthetic task
     python ablate.py synthetic --seeds 3  # fewer seeds
+    python ablate.py report               # the README's Results section, from the JSON/Markdown written above
 
 Each run calls pretrain.main / finetune.main in-process with its own out folder
 out/ablate/<experiment>/seed<s>/, and is resumable: a finished finetuning (its .json exists) is read back, an
@@ -155,7 +156,43 @@ def experiment_init(args):
     write_outputs("init", runs, "\n".join(rows), args)
 
 
-EXPERIMENTS = {"synthetic": experiment_synthetic, "init": experiment_init}
+def report(args):
+    """Rewrite the README's Results section from out/ablate/*.md and copy the analysis figures to figures/.
+
+    The section sits between the markers <!-- results:start --> and <!-- results:end -->; nothing in it is
+    typed by hand. Figures come from out/analysis/ (python analyze.py ...) and are copied so the README can
+    show them.
+    """
+    import shutil
+    here = os.path.dirname(os.path.abspath(__file__))
+    parts = []
+    for name, title in (("synthetic", "Synthetic trajectories: from scratch versus SPT (Coser et al. Sec. 4)"),
+                        ("init", "Hybrid initialization and freezing (Coser et al. Table 3), synthetic task")):
+        path = os.path.join(args.out_dir, "ablate", name + ".md")
+        if os.path.exists(path):
+            with open(path) as f:
+                parts.append(f"### {title}\n\n`python ablate.py {name}`\n\n" + f.read().strip())
+    figures = [f for f in sorted(os.listdir(os.path.join(args.out_dir, "analysis")))
+               if f.endswith(".png")] if os.path.isdir(os.path.join(args.out_dir, "analysis")) else []
+    os.makedirs(os.path.join(here, "figures"), exist_ok=True)
+    for f in figures:
+        shutil.copy(os.path.join(args.out_dir, "analysis", f), os.path.join(here, "figures", f))
+    if figures:
+        parts.append("### Figures\n\n" + "\n\n".join(f"![{f}](figures/{f})" for f in figures))
+    readme_path = os.path.join(here, "README.md")
+    with open(readme_path) as f:
+        readme = f.read()
+    start, end = "<!-- results:start -->", "<!-- results:end -->"
+    if start not in readme or end not in readme:
+        raise ValueError(f"{readme_path}: markers {start} and {end} not found")
+    body = "\n\n".join(parts) if parts else "No results yet: run the experiments above."
+    readme = readme.split(start)[0] + start + "\n" + body + "\n" + end + readme.split(end)[1]
+    with open(readme_path, "w") as f:
+        f.write(readme)
+    print(f"rewrote the Results section of {readme_path} ({len(parts)} parts, {len(figures)} figures)")
+
+
+EXPERIMENTS = {"synthetic": experiment_synthetic, "init": experiment_init, "report": report}
 
 
 def main(argv=None):

@@ -11,7 +11,9 @@ external data is used. finetune.py then starts from the checkpoint with the best
 Reads  data/<task>/{train,val}.pt  (made by data.py; made here if missing)
 Writes out/<task>/pretrain.pt (best validation masked loss), out/<task>/pretrain_last.pt (latest, for --resume),
        out/<task>/pretrain_log.jsonl (every logged figure)
-Expect (CPU preset, ListOps): validation masked loss from ~2.8 (log of the vocabulary) to ~1.4.
+Expect (CPU preset, ListOps, ~10 min on 2 cores): validation masked loss from 2.84 (log of the vocabulary) to
+2.64, the entropy of the token frequencies. Going further needs attention to neighbours (the proximity bias);
+at L ~ 1000 that takes longer than the CPU budget (a plateau; see README). Synthetic task: 0.51 -> 0.03 in 1 min.
 
 This file also holds what both training stages share: the command-line flags, the presets, the device and
 dtype choice, the learning-rate schedule and the training loop itself (finetune.py imports them).
