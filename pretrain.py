@@ -7,6 +7,7 @@ external data is used. finetune.py then starts from the checkpoint with the best
 
     python pretrain.py --task listops                  # CPU: small model, ~10 min on 2 cores, data made first
     python pretrain.py --task listops --preset paper   # GPU: the paper's model (6 x 512, 8 heads), 100 epochs
+    python pretrain.py --task ucr/GunPoint             # a UCR time series data set (~20 s), MSE on 50% masked steps
 
 Reads  data/<task>/{train,val}.pt  (made by data.py; made here if missing)
 Writes out/<task>/pretrain.pt (best validation masked loss), out/<task>/pretrain_last.pt (latest, for --resume),
@@ -14,6 +15,7 @@ Writes out/<task>/pretrain.pt (best validation masked loss), out/<task>/pretrain
 Expect (CPU preset, ListOps, ~10 min on 2 cores): validation masked loss from 2.84 (log of the vocabulary) to
 2.64, the entropy of the token frequencies. Going further needs attention to neighbours (the proximity bias);
 at L ~ 1000 that takes longer than the CPU budget (a plateau; see README). Synthetic task: 0.51 -> 0.03 in 1 min.
+UCR GunPoint (values z-normalized per series): 0.57 -> about 0.07 in 100 steps.
 
 This file also holds what both training stages share: the command-line flags, the presets, the device and
 dtype choice, the learning-rate schedule and the training loop itself (finetune.py imports them).
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import data
-from model import ModelConfig, Transformer, checkpoint_dict, count_params, flops_per_token, peak_flops
+from model import POSITIONS, ModelConfig, Transformer, checkpoint_dict, count_params, flops_per_token, peak_flops
 
 # ----------------------------------------------------------------------------------------------------------
 # Presets: the paper's settings (shared/paper_facts.md, Sec. 5; Amos et al. configs) and a CPU size that
@@ -58,8 +60,20 @@ _SYNTHETIC = dict(model=dict(n_layers=1, d_model=32, n_heads=1, d_mlp=32, layern
                   pretrain=dict(batch_size=64, lr=1e-3, warmup=0, epochs=15, eval_every=500),
                   finetune=dict(batch_size=64, lr=1e-3, warmup=0, epochs=15, eval_every=500))
 PRESETS["synthetic"] = {"paper": _SYNTHETIC, "cpu": _SYNTHETIC}
-# Masking ratios: Amos et al.; Coser et al. Sec. 2 (pixels 50%, Text/Retrieval 15%, ListOps 10%).
-MASK_RATIO = {"listops": 0.10, "synthetic": 0.50}
+# One entry for every UCR data set (task ucr/<Name>; the paper gives no sizes): a small model, max_len from the
+# data. 50 epochs each: on GunPoint (40 training series of length 150, 2 steps per epoch) SPT takes ~19 s and a
+# finetuning ~17 s on one CPU core; larger data sets take proportionally more steps per epoch. Our lr choice,
+# seeds 0 and 1 on GunPoint: SPT at 3e-3 reaches in 100 steps the validation masked loss that 1e-3 reaches in
+# 200; after it, finetuning leaves the chance plateau within 100 steps (test acc 0.88, 0.79), while from scratch
+# it is still on it at 100 steps (0.49, 0.51; in one 400-step run it left it after ~120 steps, test acc 0.94).
+_UCR = dict(model=dict(n_layers=2, d_model=64, n_heads=4, d_mlp=128),
+            data=dict(val_fraction=0.2),
+            pretrain=dict(batch_size=32, lr=3e-3, warmup=20, epochs=50, eval_every=1000),
+            finetune=dict(batch_size=32, lr=1e-3, warmup=20, epochs=50, eval_every=1000))
+PRESETS["ucr"] = {"paper": _UCR, "cpu": _UCR}
+# Masking ratios: Amos et al.; Coser et al. Sec. 2 (pixels 50%, Text/Retrieval 15%, ListOps 10%). UCR: the paper
+# gives none; 50% as for pixels, the other continuous signal.
+MASK_RATIO = {"listops": 0.10, "synthetic": 0.50, "ucr": 0.50}
 MODEL_SIZE_FLAGS = ("n_layers", "d_model", "n_heads", "d_mlp")
 
 
@@ -92,6 +106,8 @@ def build_parser(stage, description):
     g = p.add_argument_group("model size (overrides the preset; a finetune from a checkpoint uses its own)")
     for name in MODEL_SIZE_FLAGS:
         g.add_argument(f"--{name}", type=int, default=None)
+    g.add_argument("--pos", default=None, choices=POSITIONS,
+                   help="positional encoding (default sinusoidal, the paper's); alibi/rope/fire are relative")
     return p
 
 
@@ -101,8 +117,8 @@ def resolve(args, stage):
     setup_distributed(args)
     if args.preset == "auto":
         args.preset = "paper" if args.device.type == "cuda" else "cpu"
-    preset = PRESETS[args.task][args.preset]
-    preset = dict(preset, model={**preset["model"], **{k: getattr(args, k) for k in MODEL_SIZE_FLAGS
+    preset = PRESETS[data.task_family(args.task)][args.preset]
+    preset = dict(preset, model={**preset["model"], **{k: getattr(args, k) for k in MODEL_SIZE_FLAGS + ("pos",)
                                                        if getattr(args, k) is not None}})
     for key, value in {"max_steps": 0, **preset[stage]}.items():
         if getattr(args, key, None) is None:
@@ -190,7 +206,7 @@ def prepare_data(args, preset):
     """Load train/val/test of args.task, making them first with the preset's sizes if they are missing."""
     if not os.path.exists(os.path.join(args.data_dir, args.task, "train.pt")):
         print(f"{args.data_dir}/{args.task}/train.pt not found: preparing it (preset {args.preset})")
-        data.PREPARE[args.task](args.data_dir, **preset["data"])
+        data.prepare(args.task, args.data_dir, **preset["data"])
     splits = {s: data.load_split(args.data_dir, args.task, s) for s in data.SPLITS}
     if args.device.type == "cuda":  # LRA splits fit in GPU memory: no host-to-device copy per step
         for s in splits.values():
@@ -456,7 +472,7 @@ def main(argv=None):
     if args.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if args.mask_ratio is None:
-        args.mask_ratio = MASK_RATIO[args.task]
+        args.mask_ratio = MASK_RATIO[data.task_family(args.task)]
     splits = prepare_data(args, preset)
     meta = splits["train"]["meta"]
     if meta["kind"] == "tokens":

