@@ -150,14 +150,17 @@ def experiment_init(args):
             name = "init_" + label.replace(", ", "_").replace(" ", "_").replace("+", "-")
             result = run_finetune("synthetic", run_dir, seed, name, init or ckpt, common, extra)
             runs.append(dict(seed=seed, row=label, best_val_acc=result["best_val_acc"], test_acc=result["test_acc"],
-                             train_acc=result["train_acc"]))
+                             train_acc=result["train_acc"], plateau_exit_epoch=plateau_exit_epoch(result)))
     rows = ["| init of the finetuned model | synthetic val acc (ours) | synthetic train acc (ours) | "
-            "paper CIFAR10 | paper PathFinder |", "|---|---|---|---|---|"]
+            "epoch val acc >= 0.9 (runs) | paper CIFAR10 | paper PathFinder |", "|---|---|---|---|---|---|"]
     for label, _, _ in grid:
         rs = [r for r in runs if r["row"] == label]
         name = label if label.startswith("scratch") else f"SPT, inherit {label}"
+        exits = [r["plateau_exit_epoch"] for r in rs]
         rows.append(f"| {name} | {mean_std([r['best_val_acc'] for r in rs])} | "
-                    f"{mean_std([r['train_acc'] for r in rs])} | {PAPER_TABLE3[label][0]} | {PAPER_TABLE3[label][1]} |")
+                    f"{mean_std([r['train_acc'] for r in rs])} | {mean_std(exits)} "
+                    f"({sum(e is not None for e in exits)}/{len(rs)}) | {PAPER_TABLE3[label][0]} | "
+                    f"{PAPER_TABLE3[label][1]} |")
     rows.append(f"\nOne layer, one head, no LayerNorm, no MLP (so `attn+mlp` freezing equals `attn`); seeds: "
                 f"{args.seeds}; preset {args.preset}; command: python ablate.py init. The paper's columns are "
                 f"CIFAR10 and PathFinder, which this table does not run yet.")

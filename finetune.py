@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import data
 from model import FREEZE, INHERIT, ModelConfig, Transformer, config_from_dict, param_group, unwrapped_state_dict
-from pretrain import (autocast, build_parser, global_sum, local_rows, plain_config, prepare_data, resolve, train,
+from pretrain import (autocast, build_parser, global_sum, local_rows, prepare_data, resolve, run_record, train,
                       wrap)
 
 
@@ -161,7 +161,7 @@ def main(argv=None):
                   steps_per_epoch=math.ceil(len(train_split["labels"]) / args.batch_size),
                   best_val_acc=best["val_acc"], test_acc=test["acc"], train_acc=train_acc, train_acc_subset=n_sub,
                   evals=[e for e in log if "val_acc" in e], wall_time_s=time.time() - t0,
-                  config=plain_config(args))
+                  data_sha256=meta.get("sha256"), **run_record(args))
     if args.rank == 0:
         with open(stem + ".json.tmp", "w") as f:
             json.dump(result, f, indent=1)

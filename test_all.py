@@ -1120,3 +1120,23 @@ def test_fire_bias_is_learned_and_unknown_positions_are_refused():
     assert bias.shape == (4, 7, 7) and torch.allclose(bias, bias.transpose(1, 2))
     with pytest.raises(ValueError, match="pos is 'learned'"):
         Transformer(tiny_cfg(pos="learned"))
+
+
+def test_checkpoints_of_compiled_or_ddp_models_load_into_a_plain_one(listops_dir, tmp_path):
+    """State dicts with torch.compile ('_orig_mod.') and DDP ('module.') prefixes load for finetuning."""
+    meta = data.load_split(listops_dir, "listops", "train")["meta"]
+    model = Transformer(tiny_cfg(n_rec=17))
+    ck = checkpoint_dict(model, task="listops", data_meta=meta)
+    ck["model"] = {f"_orig_mod.module.{k}": v for k, v in ck["model"].items()}
+    path = str(tmp_path / "wrapped.pt")
+    data.save_atomic(ck, path)
+    loaded = finetune.model_from_pretrained(path, meta, 10, "listops", "cpu")
+    assert torch.equal(loaded.blocks[1].attn.q_proj.weight, model.blocks[1].attn.q_proj.weight)
+
+
+def test_finetune_result_records_what_produced_it(listops_dir, tmp_path):
+    finetune.main(["--task", "listops", "--data_dir", listops_dir, "--out_dir", str(tmp_path), "--init", "scratch",
+                   "--max_steps", "1"] + TINY)
+    res = json.load(open(tmp_path / "listops" / "finetune_scratch.json"))
+    assert res["torch_version"] == str(torch.__version__) and len(res["data_sha256"]) == 64
+    assert res["config"]["seed"] == 0 and "git_commit" in res and res["device_name"] is not None
