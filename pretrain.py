@@ -421,11 +421,14 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
                 dt = time.time() - t_last
                 eta = (time.time() - t_start) / (state["step"] - start_step) * (total - state["step"])
                 mfu = None if peak is None else flops_since / dt / peak
+                mem = torch.cuda.max_memory_allocated(args.device) / 2 ** 30 if args.device.type == "cuda" else None
                 print(f"step {state['step']:6d}/{total} | epoch {state['epoch']} | loss {mean_loss:.4f} | "
                       f"lr {lr:.2e} | {1000 * dt / steps_since:.0f} ms/step | {tokens_since / dt:,.0f} tok/s | "
-                      + (f"MFU {100 * mfu:.1f}% | " if mfu is not None else "") + f"ETA {eta / 60:.1f} min")
+                      + (f"MFU {100 * mfu:.1f}% | " if mfu is not None else "")
+                      + (f"peak {mem:.1f} GiB | " if mem is not None else "") + f"ETA {eta / 60:.1f} min")
                 log(dict(step=state["step"], epoch=state["epoch"], loss=mean_loss, lr=lr,
-                         ms_per_step=1000 * dt / steps_since, tokens_per_s=tokens_since / dt, mfu=mfu))
+                         ms_per_step=1000 * dt / steps_since, tokens_per_s=tokens_since / dt, mfu=mfu,
+                         peak_memory_gib=mem))
                 t_last, tokens_since, loss_since, steps_since = time.time(), 0, torch.zeros_like(loss_since), 0
                 flops_since = 0.0
             end_of_epoch = i + 1 == len(batches)
