@@ -10,7 +10,7 @@ Every task of the study ends up in the same on-disk form, a dict saved with torc
                                       source file, sha256, split sizes, seed (see `_meta`, `prepare_ucr`)
 
 Commands:
-    python data.py --task listops                       # LRA sizes 96k/2k/2k (generates them if needed, ~3 min)
+    python data.py --task listops                       # LRA sizes 96k/2k/2k (generates them if needed, ~8 min)
     python data.py --task listops --n_train 20000       # a smaller set, as pretrain.py's CPU preset makes
     python data.py --task ucr/GunPoint                  # one UCR data set (found locally, or downloaded)
 

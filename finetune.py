@@ -43,6 +43,8 @@ def model_from_pretrained(path, meta, n_classes, task, device, inherit="all"):
     for key in ("model", "model_config", "task", "data_meta"):
         if key not in ck:
             raise ValueError(f"{path}: missing field {key!r}; not a checkpoint written by pretrain.py")
+    if ck.get("stage") != "pretrain":
+        raise ValueError(f"{path}: a {ck.get('stage')!r} checkpoint; --init takes one written by pretrain.py")
     if ck["task"] != task:
         raise ValueError(f"{path}: checkpoint of task {ck['task']!r}, but --task is {task!r}")
     if ck["data_meta"].get("vocab") != meta.get("vocab"):
@@ -139,7 +141,7 @@ def main(argv=None):
         x, lengths, labels = local_rows(args, *data.get_batch(train_split, idx, args.device))
         with autocast(args):
             logits = net(x, lengths)
-        return F.cross_entropy(logits.float(), labels, reduction="sum"), torch.tensor(len(labels), device=x.device)
+        return F.cross_entropy(logits.float(), labels, reduction="sum"), torch.ones_like(labels).sum()
 
     def eval_fn():
         val = evaluate_accuracy(model, splits["val"], args)

@@ -8,11 +8,13 @@
 The attention module keeps W_Q, W_K, W_V, W_O as four separate Linear layers (`q_proj`, `k_proj`, `v_proj`,
 `o_proj`) so that the ablations of Coser et al. (Table 3) can inherit or freeze them one by one. It has two
 paths that compute the same thing:
-  * fast: torch.nn.functional.scaled_dot_product_attention (fused kernels, no L x L tensor in our code);
+  * fast: torch.nn.functional.scaled_dot_product_attention (fused kernels, no L x L tensor in our code, except
+    the (B, H, L, L) bias mask of ALiBi/FIRE when a batch is padded);
   * explicit: softmax(Q K^T / sqrt(d_head)) written out, returning the attention probabilities for analysis.
 LayerNorm and the MLP can be switched off, which gives the paper's minimal one-layer, one-head model (Sec. 4).
 
-Checkpoint helpers (`checkpoint_dict`, `model_from_checkpoint`) live here too, since a checkpoint is a model.
+Checkpoint helpers (`checkpoint_dict`, `unwrapped_state_dict`, `config_from_dict`) live here too, since a
+checkpoint is a model; `python model.py --bench` is the benchmark (see README, Performance).
 """
 import math
 import os
@@ -306,13 +308,14 @@ PARAM_GROUPS = {
 }
 
 
-_BACKBONE = ("W_Q", "W_K", "W_V", "W_O", "mlp", "embed", "norm")
+_BACKBONE = ("W_Q", "W_K", "W_V", "W_O", "mlp", "embed", "norm", "posenc")
 # finetune.py --inherit: which groups come from the SPT checkpoint (Coser et al. Table 3); the rest is fresh.
 INHERIT = {"all": _BACKBONE, "qk": ("W_Q", "W_K"), "attn": ("W_Q", "W_K", "W_V", "W_O"),
            "qk+embed+norm": ("W_Q", "W_K", "embed", "norm"),
            "all-but-qk": tuple(g for g in _BACKBONE if g not in ("W_Q", "W_K"))}
 # finetune.py --freeze: groups kept at their initial values during finetuning (Coser et al. Sec. 3, Table 3).
-FREEZE = {"none": (), "attn": ("W_Q", "W_K", "W_V", "W_O"), "attn+mlp": ("W_Q", "W_K", "W_V", "W_O", "mlp")}
+FREEZE = {"none": (), "attn": ("W_Q", "W_K", "W_V", "W_O", "posenc"),
+          "attn+mlp": ("W_Q", "W_K", "W_V", "W_O", "posenc", "mlp")}
 
 
 def param_group(name):

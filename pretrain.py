@@ -158,7 +158,8 @@ def wrap(model, args):
 
     Checkpoints always hold the plain `model`, so they load anywhere.
     """
-    net = DistributedDataParallel(model) if args.world_size > 1 else model
+    # broadcast_buffers=False: the only buffers (positions, ALiBi slopes) are constants
+    net = DistributedDataParallel(model, broadcast_buffers=False) if args.world_size > 1 else model
     return torch.compile(net) if args.compile else net
 
 
@@ -204,10 +205,17 @@ def get_lr(step, lr, warmup):
 
 def prepare_data(args, preset):
     """Load train/val/test of args.task, making them first with the preset's sizes if they are missing."""
-    if not os.path.exists(os.path.join(args.data_dir, args.task, "train.pt")):
+    if args.rank == 0 and not os.path.exists(os.path.join(args.data_dir, args.task, "train.pt")):
         print(f"{args.data_dir}/{args.task}/train.pt not found: preparing it (preset {args.preset})")
         data.prepare(args.task, args.data_dir, **preset["data"])
+    if args.world_size > 1:
+        dist.barrier()  # under torchrun only rank 0 writes the data; the others wait for it
     splits = {s: data.load_split(args.data_dir, args.task, s) for s in data.SPLITS}
+    wanted = preset.get("data", {}).get("n_train")
+    have = splits["train"]["meta"].get("split_sizes", {}).get("train")
+    if wanted and have and have < wanted:
+        print(f"warning: {args.data_dir}/{args.task} holds {have} training sequences, the {args.preset} preset "
+              f"expects {wanted}: run `python data.py --task {args.task}` (or another --data_dir) for the full set")
     if args.device.type == "cuda":  # LRA splits fit in GPU memory: no host-to-device copy per step
         for s in splits.values():
             for key in ("tokens", "values", "labels"):  # lengths stay on the CPU (see data.get_batch)
@@ -351,6 +359,8 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
             opt.load_state_dict(ck["optimizer"])
             state = ck["state"]
             torch.set_rng_state(ck["rng_state"].cpu())
+            if args.device.type == "cuda" and ck.get("cuda_rng_state") is not None:
+                torch.cuda.set_rng_state(ck["cuda_rng_state"].cpu(), args.device)
             print(f"resumed at step {state['step']} (epoch {state['epoch']})")
     print(f"{count_params(model):,} trainable parameters; {total} steps ({n_batches} per epoch)")
     record = run_record(args)
@@ -358,8 +368,9 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
     def save(path, metrics):
         if args.rank != 0:
             return
+        cuda_rng = torch.cuda.get_rng_state(args.device) if args.device.type == "cuda" else None
         save_dict = checkpoint_dict(model, optimizer=opt.state_dict(), state=dict(state), metrics=metrics,
-                                    rng_state=torch.get_rng_state(), **record, **extra)
+                                    rng_state=torch.get_rng_state(), cuda_rng_state=cuda_rng, **record, **extra)
         data.save_atomic(save_dict, path)
 
     def log(entry):
@@ -416,11 +427,11 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
             flops_since += flops_per_token(model.cfg, L_batch) * len(idx) * L_batch
             done = state["step"] >= total
             if state["step"] % args.log_every == 0 or done:
-                mean_loss = loss_since.item() / steps_since  # the only host sync of the loop
+                mean_loss = loss_since.item() / steps_since  # host sync (the others: see README, Performance)
                 check_finite(mean_loss, state["step"] - steps_since + 1, state["step"])
                 dt = time.time() - t_last
                 eta = (time.time() - t_start) / (state["step"] - start_step) * (total - state["step"])
-                mfu = None if peak is None else flops_since / dt / peak
+                mfu = None if peak is None else flops_since / dt / (peak * args.world_size)  # per GPU
                 mem = torch.cuda.max_memory_allocated(args.device) / 2 ** 30 if args.device.type == "cuda" else None
                 print(f"step {state['step']:6d}/{total} | epoch {state['epoch']} | loss {mean_loss:.4f} | "
                       f"lr {lr:.2e} | {1000 * dt / steps_since:.0f} ms/step | {tokens_since / dt:,.0f} tok/s | "

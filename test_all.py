@@ -369,15 +369,18 @@ def test_finetune_refuses_checkpoints_of_another_task_or_shape(listops_dir, tmp_
     meta = data.load_split(listops_dir, "listops", "train")["meta"]
     model = Transformer(tiny_cfg(n_rec=17))
     path = str(tmp_path / "other.pt")
-    data.save_atomic(checkpoint_dict(model, task="text", data_meta=meta), path)
+    data.save_atomic(checkpoint_dict(model, stage="pretrain", task="text", data_meta=meta), path)
     with pytest.raises(ValueError, match="checkpoint of task 'text'"):
         finetune.model_from_pretrained(path, meta, 10, "listops", "cpu")
-    sd = checkpoint_dict(model, task="listops", data_meta=meta)
+    data.save_atomic(checkpoint_dict(model, stage="finetune", task="listops", data_meta=meta), path)
+    with pytest.raises(ValueError, match="a 'finetune' checkpoint; --init takes one written by pretrain.py"):
+        finetune.model_from_pretrained(path, meta, 10, "listops", "cpu")
+    sd = checkpoint_dict(model, stage="pretrain", task="listops", data_meta=meta)
     sd["model"]["blocks.0.attn.q_proj.weight"] = torch.zeros(8, 8)
     data.save_atomic(sd, path)
     with pytest.raises(ValueError, match=r"blocks.0.attn.q_proj.weight has shape \(8, 8\)"):
         finetune.model_from_pretrained(path, meta, 10, "listops", "cpu")
-    sd = checkpoint_dict(model, task="listops", data_meta=meta)
+    sd = checkpoint_dict(model, stage="pretrain", task="listops", data_meta=meta)
     sd["model"]["blocks.0.extra.weight"] = torch.zeros(2)
     data.save_atomic(sd, path)
     with pytest.raises(ValueError, match="unexpected.*blocks.0.extra.weight"):
@@ -1126,7 +1129,7 @@ def test_checkpoints_of_compiled_or_ddp_models_load_into_a_plain_one(listops_dir
     """State dicts with torch.compile ('_orig_mod.') and DDP ('module.') prefixes load for finetuning."""
     meta = data.load_split(listops_dir, "listops", "train")["meta"]
     model = Transformer(tiny_cfg(n_rec=17))
-    ck = checkpoint_dict(model, task="listops", data_meta=meta)
+    ck = checkpoint_dict(model, stage="pretrain", task="listops", data_meta=meta)
     ck["model"] = {f"_orig_mod.module.{k}": v for k, v in ck["model"].items()}
     path = str(tmp_path / "wrapped.pt")
     data.save_atomic(ck, path)
@@ -1140,3 +1143,16 @@ def test_finetune_result_records_what_produced_it(listops_dir, tmp_path):
     res = json.load(open(tmp_path / "listops" / "finetune_scratch.json"))
     assert res["torch_version"] == str(torch.__version__) and len(res["data_sha256"]) == 64
     assert res["config"]["seed"] == 0 and "git_commit" in res and res["device_name"] is not None
+
+
+def test_inherit_all_copies_fire_and_freeze_attn_freezes_it(tmp_path):
+    meta = dict(task="synthetic", kind="continuous", d_input=2, max_len=20, n_classes=2)
+    model = Transformer(tiny_cfg(vocab_size=0, d_input=3, max_len=20, pos="fire", n_rec=2))
+    for p in model.parameters():
+        p.data.normal_(0, 0.3)
+    path = str(tmp_path / "fire.pt")
+    data.save_atomic(checkpoint_dict(model, stage="pretrain", task="synthetic", data_meta=meta), path)
+    loaded = finetune.model_from_pretrained(path, meta, 2, "synthetic", "cpu", inherit="all")
+    assert torch.equal(loaded.blocks[0].attn.fire.log_c, model.blocks[0].attn.fire.log_c)
+    import model as model_module
+    assert "posenc" in model_module.FREEZE["attn"]
