@@ -751,6 +751,18 @@ def test_two_process_ddp_matches_one_process(listops_dir, tmp_path):
         assert torch.allclose(one["model"][key], two["model"][key], atol=1e-5), key
     assert one["metrics"]["val_loss"] == pytest.approx(two["metrics"]["val_loss"], rel=1e-5)
     assert proc.stdout.count("eval at step 2") == 1  # only rank 0 prints
+    # finetune.py under torchrun: same weights and the same (reduced) validation accuracy as one process
+    ft = ["--task", "listops", "--data_dir", listops_dir, "--init", "scratch", "--max_steps", "3"] + TINY
+    finetune.main(ft + ["--out_dir", str(tmp_path / "one")])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(here, "finetune.py")] + ft + ["--out_dir", str(tmp_path / "two")]
+    proc = subprocess.run(cmd, cwd=here, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = (data.load_pt(str(tmp_path / d / "listops" / "finetune_scratch_last.pt")) for d in ("one", "two"))
+    for key in one["model"]:
+        assert torch.allclose(one["model"][key], two["model"][key], atol=1e-5), key
+    res = [json.load(open(tmp_path / d / "listops" / "finetune_scratch.json")) for d in ("one", "two")]
+    assert res[0]["best_val_acc"] == res[1]["best_val_acc"] and res[0]["test_acc"] == res[1]["test_acc"]
 
 
 def test_nonfinite_loss_stops_the_run_or_is_skipped(listops_dir, tmp_path, monkeypatch):
