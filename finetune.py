@@ -115,9 +115,6 @@ def main(argv=None):
     if args.init == "scratch" and args.inherit != "all":
         p.error("--inherit selects groups of an SPT checkpoint: give --init PATH")
     args.name = args.name or ("scratch" if args.init == "scratch" else "spt")
-    torch.manual_seed(args.seed)
-    if args.device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     splits = prepare_data(args, preset)
     meta = splits["train"]["meta"]
     if args.init == "scratch":

@@ -124,6 +124,9 @@ def resolve(args, stage):
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     args.dtype, reason = pick_dtype(args.dtype, args.device)
+    torch.manual_seed(args.seed)  # the model's initialization
+    if args.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     print(f"device {args.device}, dtype {str(args.dtype).replace('torch.', '')} ({reason}), preset {args.preset}")
     return args, preset
 
@@ -482,9 +485,6 @@ def main(argv=None):
     p.add_argument("--rec_loss", default="mse", choices=("mse", "l1"),
                    help="reconstruction loss for continuous inputs (tokens always use cross-entropy)")
     args, preset = resolve(p.parse_args(argv), "pretrain")
-    torch.manual_seed(args.seed)
-    if args.device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if args.mask_ratio is None:
         args.mask_ratio = MASK_RATIO[data.task_family(args.task)]
     splits = prepare_data(args, preset)
