@@ -31,10 +31,16 @@ from pretrain import (autocast, build_parser, global_sum, local_rows, prepare_da
                       wrap)
 
 
+def input_kind(meta):
+    """What a model's input encoder takes: ("tokens", vocab size) or (kind, channels) from a data meta dict."""
+    return (meta["kind"], meta["vocab_size"]) if meta["kind"] == "tokens" else (meta["kind"], meta["d_input"])
+
+
 def model_from_pretrained(path, meta, n_classes, task, device, inherit="all"):
     """A classification model whose backbone is copied from the SPT checkpoint at `path`.
 
-    Checks that the checkpoint is a pretraining checkpoint of `task` with the same vocabulary as the data.
+    Checks that the checkpoint is a pretraining checkpoint of `task`, or of another task with the same kind of
+    input (a dataset swap, e.g. SPT on PathFinder and finetuning on Image), and the same vocabulary.
     Only `cls_head.*` may be new and only `rec_head.*` may be dropped: anything else (or a shape mismatch)
     raises ValueError naming the keys. Prints the new and dropped keys. `inherit` (a key of model.INHERIT)
     selects the parameter groups copied; the others keep their fresh initialization (hybrid initialization,
@@ -46,11 +52,15 @@ def model_from_pretrained(path, meta, n_classes, task, device, inherit="all"):
             raise ValueError(f"{path}: missing field {key!r}; not a checkpoint written by pretrain.py")
     if ck.get("stage") != "pretrain":
         raise ValueError(f"{path}: a {ck.get('stage')!r} checkpoint; --init takes one written by pretrain.py")
-    if ck["task"] != task:
-        raise ValueError(f"{path}: checkpoint of task {ck['task']!r}, but --task is {task!r}")
+    if ck["task"] != task:  # a dataset swap (Coser et al. Sec. 3): allowed when the inputs are of one kind
+        if input_kind(ck["data_meta"]) != input_kind(meta):
+            raise ValueError(f"{path}: checkpoint of task {ck['task']!r} with inputs {input_kind(ck['data_meta'])}, "
+                             f"but --task {task!r} has {input_kind(meta)}; a dataset swap needs the same kind")
+        print(f"dataset swap: SPT on {ck['task']}, finetuning on {task}")
     if ck["data_meta"].get("vocab") != meta.get("vocab"):
         raise ValueError(f"{path}: the checkpoint's vocabulary differs from data/{task}'s")
-    cfg = config_from_dict(dict(ck["model_config"], n_rec=0, n_classes=n_classes), path)
+    cfg = config_from_dict(dict(ck["model_config"], n_rec=0, n_classes=n_classes,
+                                max_len=max(ck["model_config"]["max_len"], meta["max_len"])), path)
     state = unwrapped_state_dict(ck["model"])
     if cfg.vocab_size == 0 and cfg.d_input == meta["d_input"] + 1:
         # SPT on continuous inputs added a mask-indicator channel; finetuning has none: drop its weights.
@@ -154,8 +164,8 @@ def main(argv=None):
     model.load_state_dict(data.load_pt(paths["best"], map_location=args.device)["model"])
     test = evaluate_accuracy(model, splits["test"], args)
     n_sub = min(len(train_split["labels"]), len(splits["val"]["labels"]))  # a subset keeps this cheap on CPU
-    train_acc = evaluate_accuracy(model, {k: v[:n_sub] for k, v in train_split.items() if k != "meta"},
-                                  args)["acc"]
+    subset = {k: (v if k == "meta" else v[:n_sub]) for k, v in train_split.items()}
+    train_acc = evaluate_accuracy(model, subset, args)["acc"]
     log = [json.loads(line) for line in open(paths["log"])]
     result = dict(task=args.task, init=args.init, name=args.name, seed=args.seed, preset=args.preset,
                   steps_per_epoch=math.ceil(len(train_split["labels"]) / args.batch_size),

