@@ -872,12 +872,18 @@ def _fetch(folder, marker, url, archive, prefix, download, sha256, what):
               f"or pass --data_dir pointing at a folder that has it.")
     if not download:
         raise FileNotFoundError(f"{what} not found: {os.path.join(folder, marker)} does not exist. {manual}")
-    if not os.path.exists(archive):
+    downloaded = not os.path.exists(archive)
+    if downloaded:
         digest = download_file(url, archive, sha256, manual)
     else:
         digest = sha256_of(archive)
         print(f"using the archive already at {archive} (sha256 {digest})")
-    extract_tar(archive, folder, prefix)
+    try:
+        extract_tar(archive, folder, prefix)
+    except ValueError:
+        if downloaded:  # not what we asked for: do not keep it, or every later run would reuse it
+            os.remove(archive)
+        raise
     return dict(url=url, sha256=digest)
 
 
@@ -972,7 +978,7 @@ def prepare_retrieval(data_dir="data", max_len=4000, download=True, url=LRA_URL,
 
 CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 CIFAR_MEAN, CIFAR_STD = 122.6 / 255, 61.0 / 255  # Amos et al. / s4 grayscale CIFAR normalization
-FASHION_DIRS = ("/usr/share/fashion-mnist", "/usr/share/dataset-fashion-mnist")  # Debian dataset-fashion-mnist
+FASHION_DIRS = ("/usr/share/datasets/fashion-mnist",)  # where Debian/Ubuntu package dataset-fashion-mnist puts it
 
 
 class _ArraysOnly(pickle.Unpickler):

@@ -1303,7 +1303,7 @@ def write_idx(path, array):
         f.write(header + array.astype(np.uint8).tobytes())
 
 
-def test_fashion_mnist_idx_padded_to_1024_pixels(tmp_path):
+def test_fashion_mnist_idx_padded_to_1024_pixels(tmp_path, monkeypatch):
     root = str(tmp_path)
     folder = os.path.join(root, "fashion_mnist")
     os.makedirs(folder)
@@ -1325,6 +1325,7 @@ def test_fashion_mnist_idx_padded_to_1024_pixels(tmp_path):
         f.write(bytes([0, 0, 8, 1, 0, 0, 0, 9, 1, 2]))
     with pytest.raises(ValueError, match="2 data bytes, the header announces"):
         data.read_idx(os.path.join(folder, "bad"))
+    monkeypatch.setattr(data, "FASHION_DIRS", ())   # this machine may have the Debian package installed
     with pytest.raises(FileNotFoundError, match="dataset-fashion-mnist"):
         data.find_fashion_mnist(str(tmp_path / "elsewhere"))
 
@@ -1405,3 +1406,49 @@ def test_local_attention_matches_the_explicit_band_and_keeps_memory_linear():
         assert probs[0][0][:, far].abs().max() == 0   # layer 0, batch row 0: (H, L, L)
     with pytest.raises(ValueError, match="local attention"):
         Transformer(tiny_cfg(attn_window=8, pos="alibi"))
+
+
+def test_lra_and_imdb_archives_download_from_a_local_server(http_root, tmp_path, capsys):
+    """The LRA release (a tar.gz with an outer and an inner copy) and the IMDb tar.gz, served on 127.0.0.1."""
+    import hashlib
+    import io
+    import tarfile
+    www, base_url = http_root
+
+    def make_tar(path, files):
+        with tarfile.open(path, "w:gz") as tar:
+            for name, text in files.items():
+                blob = text.encode("utf-8")
+                info = tarfile.TarInfo(name)
+                info.size = len(blob)
+                tar.addfile(info, io.BytesIO(blob))
+
+    src = tmp_path / "aan"
+    write_aan(str(src))
+    inner = {f"lra_release/lra_release/tsv_data/{p.name}": p.read_text(encoding="utf-8") for p in src.iterdir()}
+    outer = {"lra_release/tsv_data/new_aan_pairs.train.tsv": "0\tx\ty\tthe outer copy\tz\n"}
+    make_tar(www / "lra_release.gz", {**outer, **inner})
+    digest = hashlib.sha256((www / "lra_release.gz").read_bytes()).hexdigest()
+    root = str(tmp_path / "data")
+    with pytest.raises(ValueError, match=f"sha256 {digest}, expected 00"):
+        data.prepare_retrieval(root, url=base_url.replace("/aeon-toolkit", "/lra_release.gz"), sha256="00")
+    assert not os.path.exists(os.path.join(root, "lra_release.gz")) and \
+        not os.path.exists(os.path.join(root, "lra_release.gz.part"))
+    with pytest.raises(ConnectionError, match="Download .* by hand and extract lra_release/lra_release/tsv_data/"):
+        data.prepare_retrieval(root, url=base_url + "/missing.gz")
+    sizes = data.prepare_retrieval(root, url=base_url.replace("/aeon-toolkit", "/lra_release.gz"), sha256=digest)
+    assert sizes == {"train": 8, "val": 8, "test": 8}   # the inner copy, not the one-line outer one
+    assert data.load_split(root, "retrieval", "train")["meta"]["download"]["sha256"] == digest
+    # IMDb: the archive's top folder is aclImdb/.
+    imdb = tmp_path / "imdb"
+    write_aclimdb(str(imdb))
+    make_tar(www / "aclImdb_v1.tar.gz", {str(p.relative_to(imdb)): p.read_text(encoding="utf-8")
+                                         for p in imdb.rglob("*.txt")})
+    capsys.readouterr()
+    sizes = data.prepare_text(root, url=base_url.replace("/aeon-toolkit", "/aclImdb_v1.tar.gz"), max_len=64)
+    assert sizes == {"train": 12, "val": 12, "test": 12} and "downloaded" in capsys.readouterr().out
+    # A file that is not a tar archive is refused by name.
+    (www / "junk.gz").write_bytes(b"<html>not an archive</html>")
+    with pytest.raises(ValueError, match="not a readable tar archive"):
+        data.prepare_image(str(tmp_path / "d2"), url=base_url.replace("/aeon-toolkit", "/junk.gz"))
+    assert os.listdir(tmp_path / "d2" / "image") == []   # the junk download is not kept for the next run
