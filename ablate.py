@@ -1,20 +1,22 @@
 """ablate.py -- the study's experiments as named grids of runs, over seeds, with a table beside the paper.
 
-    python ablate.py synthetic            # minimal model on synthetic trajectories: scratch vs SPT (CPU, ~10 min)
-    python ablate.py init                 # hybrid initialization and freezing (Table 3), on the synthetic task
+    python ablate.py synthetic            # minimal model on synthetic trajectories: scratch vs SPT (CPU, ~8 min)
+    python ablate.py init                 # hybrid initialization and freezing (Table 3), synthetic task (~25 min)
+    python ablate.py init --task pathfinder   # ... on PathFinder (CPU: generated 32x32 images, a 1-layer model)
     python ablate.py posenc               # ALiBi, RoPE, FIRE from scratch versus sinusoidal + SPT (synthetic)
-    python ablate.py synthetic --seeds 3  # fewer seeds
     python ablate.py ucr                  # UCR time series: scratch vs SPT on the data sets found locally
     python ablate.py ucr --download       # ... fetching the missing ones (GunPoint, ECG200, ECG5000, ECGFiveDays)
-    python ablate.py report               # the README's Results section, from the JSON/Markdown written above
+    python ablate.py swap                 # dataset swap PathFinder <-> Image (CPU: Fashion-MNIST stands in)
+    python ablate.py duration             # SPT for 1, 3, 10 epochs (CPU, synthetic) / 1, 10, 100, 200 (paper)
+    python ablate.py main --preset paper  # the LRA table: scratch vs SPT on every task whose data is here (GPU)
+    python ablate.py synthetic --seeds 3  # fewer seeds;  --max_steps N caps every run (a quick look)
+    python ablate.py report               # the README's Results section, from the Markdown written above
 
 Each run calls pretrain.main / finetune.main in-process with its own out folder
-out/ablate/<experiment>/seed<s>/, and is resumable: a finished finetuning (its .json exists) is read back, an
-interrupted one continues with --resume. Writes out/ablate/<experiment>.json (every run) and
-out/ablate/<experiment>.md (mean +- std over seeds, beside the paper's numbers where it has some).
-
-Not yet here (they need the LRA data sources still to come): `main` (LRA table), `swap`, `duration`, and
-Table 3 / the position study on CIFAR10 and PathFinder; `init` and `posenc` run on the synthetic task.
+out/ablate/<task>/<model>/seed<s>/, so experiments on the same task and model share their SPT runs. Every run is
+resumable: a finished finetuning (its .json exists) is read back, an interrupted one continues with --resume.
+Writes out/ablate/<experiment>.json (every run) and out/ablate/<experiment>.md (mean +- std over seeds, beside
+the paper's numbers where it has some). The CPU preset is the default here; --preset paper needs a GPU.
 """
 import argparse
 import json
@@ -38,21 +40,41 @@ PAPER_TABLE3 = {"scratch": ("0.486 +- 0.003", "0.672 +- 0.002"), "all": ("0.603 
 # ECG5000 and ECGFiveDays, two more ECG problems of the archive, small enough for a CPU).
 UCR_DATASETS = ("GunPoint", "ECG200", "ECG5000", "ECGFiveDays")
 PAPER_UCR = {"scratch": 0.921, "spt": 0.951}
+# Coser et al. Table 2 (peak validation accuracy): from scratch, +SPT (Amos et al.), +SPT (Coser et al.).
+PAPER_MAIN = {"image": (0.499, 0.740, 0.720), "pathfinder": (0.670, 0.880, 0.850), "listops": (0.402, 0.590, 0.560),
+              "retrieval": (0.776, 0.880, 0.880), "text": (0.653, 0.890, 0.890)}
+LRA_TASKS = ("listops", "text", "retrieval", "image", "pathfinder")
+# The tasks --task accepts for init, posenc and duration; Table 3 is a one-layer model on the LRA pixel tasks.
+ABLATION_TASKS = ("synthetic", "pathfinder", "image", "fashion_mnist")
 
 
-def run_pretrain(task, run_dir, seed, common):
+def common_flags(args, task):
+    """Flags every run of an experiment shares; a one-layer model for Table 3 and the position study on LRA
+    tasks (the synthetic preset is one layer already)."""
+    flags = ["--data_dir", args.data_dir, "--preset", args.preset, "--device", args.device,
+             "--max_steps", str(args.max_steps)]
+    return flags + (["--n_layers", "1"] if task != "synthetic" else [])
+
+
+def run_dir(args, task, seed, model="1layer"):
+    """out/ablate/<task>[/<model>]/seed<s>: experiments with the same task and model share their SPT runs."""
+    parts = [args.out_dir, "ablate", task] + ([] if task == "synthetic" else [model])
+    return os.path.join(*parts, f"seed{seed}")
+
+
+def run_pretrain(task, folder, seed, common):
     """SPT for one seed (resumes or reads back a finished run); returns the checkpoint path."""
-    pretrain.main(["--task", task, "--out_dir", run_dir, "--seed", str(seed), "--resume"] + common)
-    return os.path.join(run_dir, task, "pretrain.pt")
+    pretrain.main(["--task", task, "--out_dir", folder, "--seed", str(seed), "--resume"] + common)
+    return os.path.join(folder, task, "pretrain.pt")
 
 
-def run_finetune(task, run_dir, seed, name, init, common, extra=()):
+def run_finetune(task, folder, seed, name, init, common, extra=()):
     """One finetuning run; returns its result dict (read back if it already finished)."""
-    path = os.path.join(run_dir, task, f"finetune_{name}.json")
+    path = os.path.join(folder, task, f"finetune_{name}.json")
     if os.path.exists(path):
         print(f"read back {path}")
     else:
-        finetune.main(["--task", task, "--out_dir", run_dir, "--seed", str(seed), "--init", init, "--name", name,
+        finetune.main(["--task", task, "--out_dir", folder, "--seed", str(seed), "--init", init, "--name", name,
                        "--resume"] + common + list(extra))
     with open(path) as f:
         return json.load(f)
@@ -93,18 +115,17 @@ def experiment_synthetic(args):
     epoch at which validation accuracy first reaches 0.9 (the end of the plateau), and attention statistics at
     init and after SPT (entropy, band mass, mean attended distance, PE-only probe correlation).
     """
-    common = ["--data_dir", args.data_dir, "--preset", args.preset, "--device", args.device,
-              "--max_steps", str(args.max_steps)]
+    common = common_flags(args, "synthetic")
     runs = []
     for seed in range(args.seeds):
-        run_dir = os.path.join(args.out_dir, "ablate", "synthetic", f"seed{seed}")
-        ckpt = run_pretrain("synthetic", run_dir, seed, common + ["--snapshots"])
+        folder = run_dir(args, "synthetic", seed)
+        ckpt = run_pretrain("synthetic", folder, seed, common + ["--snapshots"])
         stats, _ = analyze.analyze_checkpoints({"init": ckpt.replace("pretrain.pt", "pretrain_init.pt"),
                                                 "spt": ckpt}, args.data_dir)
         lr = pretrain.PRESETS["synthetic"][args.preset]["finetune"]["lr"]
         for name, init, extra in (("spt", ckpt, ()), ("scratch", "scratch", ()),
                                   ("scratch_lr3x", "scratch", ("--lr", str(3 * lr)))):
-            result = run_finetune("synthetic", run_dir, seed, name, init, common, extra)
+            result = run_finetune("synthetic", folder, seed, name, init, common, extra)
             runs.append(dict(seed=seed, name=name, best_val_acc=result["best_val_acc"], test_acc=result["test_acc"],
                              train_acc=result["train_acc"], plateau_exit_epoch=plateau_exit_epoch(result),
                              attention_init=stats["init"], attention_spt=stats["spt"]))
@@ -135,23 +156,23 @@ def experiment_synthetic(args):
 
 
 def experiment_init(args):
-    """Coser et al. Table 3 on the synthetic task: hybrid initialization (--inherit) and freezing (--freeze)."""
-    common = ["--data_dir", args.data_dir, "--preset", args.preset, "--device", args.device,
-              "--max_steps", str(args.max_steps)]
+    """Coser et al. Table 3: hybrid initialization (--inherit) and freezing (--freeze) of a one-layer model, on
+    args.task (synthetic, or an LRA pixel task: PathFinder, Image, or its stand-in Fashion-MNIST)."""
+    task, common = args.task, common_flags(args, args.task)
     grid = [("scratch", "scratch", ()), *[(k, None, ("--inherit", k)) for k in
                                            ("all", "qk", "attn", "qk+embed+norm", "all-but-qk")],
             ("scratch, attn frozen", "scratch", ("--freeze", "attn")),
             ("scratch, attn+mlp frozen", "scratch", ("--freeze", "attn+mlp"))]
     runs = []
     for seed in range(args.seeds):
-        run_dir = os.path.join(args.out_dir, "ablate", "synthetic", f"seed{seed}")  # shares SPT with `synthetic`
-        ckpt = run_pretrain("synthetic", run_dir, seed, common + ["--snapshots"])
+        folder = run_dir(args, task, seed)  # shares SPT with `synthetic` / `posenc`
+        ckpt = run_pretrain(task, folder, seed, common + ["--snapshots"] * (task == "synthetic"))
         for label, init, extra in grid:
             name = "init_" + label.replace(", ", "_").replace(" ", "_").replace("+", "-")
-            result = run_finetune("synthetic", run_dir, seed, name, init or ckpt, common, extra)
+            result = run_finetune(task, folder, seed, name, init or ckpt, common, extra)
             runs.append(dict(seed=seed, row=label, best_val_acc=result["best_val_acc"], test_acc=result["test_acc"],
                              train_acc=result["train_acc"], plateau_exit_epoch=plateau_exit_epoch(result)))
-    rows = ["| init of the finetuned model | synthetic val acc (ours) | synthetic train acc (ours) | "
+    rows = [f"| init of the finetuned model | {task} val acc (ours) | {task} train acc (ours) | "
             "epoch val acc >= 0.9 (runs) | paper CIFAR10 | paper PathFinder |", "|---|---|---|---|---|---|"]
     for label, _, _ in grid:
         rs = [r for r in runs if r["row"] == label]
@@ -161,10 +182,140 @@ def experiment_init(args):
                     f"{mean_std([r['train_acc'] for r in rs])} | {mean_std(exits)} "
                     f"({sum(e is not None for e in exits)}/{len(rs)}) | {PAPER_TABLE3[label][0]} | "
                     f"{PAPER_TABLE3[label][1]} |")
-    rows.append(f"\nOne layer, one head, no LayerNorm, no MLP (so `attn+mlp` freezing equals `attn`); seeds: "
-                f"{args.seeds}; preset {args.preset}; command: python ablate.py init. The paper's columns are "
-                f"CIFAR10 and PathFinder, which this table does not run yet.")
-    write_outputs("init", runs, "\n".join(rows), args)
+    model = "one layer, one head, no LayerNorm, no MLP (so `attn+mlp` freezing equals `attn`)" \
+        if task == "synthetic" else "one layer, otherwise the preset's model"
+    rows.append(f"\n{describe_data(args, task)}; {model}; seeds: {args.seeds}; preset {args.preset}; "
+                f"command: python ablate.py init --task {task}" + max_steps_note(args))
+    write_outputs("init" if task == "synthetic" else f"init_{task}", runs, "\n".join(rows), args)
+
+
+def describe_data(args, task):
+    """A short description of the data a table was made on (generated PathFinder and stand-ins say so)."""
+    meta = data.load_split(args.data_dir, task, "train")["meta"]
+    sizes = meta.get("split_sizes", {})
+    what = {"fashion_mnist": "Fashion-MNIST padded to 32x32 (the offline stand-in for CIFAR10)",
+            "image": "CIFAR10 grayscale", "synthetic": "synthetic trajectories"}.get(task, task)
+    if meta.get("generated"):
+        what = f"PathFinder {meta['resolution']}x{meta['resolution']} from our generator"
+    return f"Data: {what}, {sizes.get('train')}/{sizes.get('val')}/{sizes.get('test')} train/val/test"
+
+
+def max_steps_note(args):
+    return f"; every run capped at {args.max_steps} steps" if args.max_steps else ""
+
+
+def image_task(args):
+    """The Image side of `swap`: CIFAR10 when its data is here (prepared, or the python files in
+    <data_dir>/image/), else the Fashion-MNIST stand-in when installed; FileNotFoundError saying how otherwise."""
+    if os.path.exists(os.path.join(args.data_dir, "image", "train.pt")) or \
+            os.path.exists(os.path.join(args.data_dir, "image", "cifar-10-batches-py", "test_batch")) or args.download:
+        return "image"
+    try:
+        data.find_fashion_mnist(args.data_dir)
+        print("CIFAR10 not found: the Image side of this experiment uses the Fashion-MNIST stand-in")
+        return "fashion_mnist"
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"neither CIFAR10 ({args.data_dir}/image/cifar-10-batches-py/, or pass --download) "
+                                f"nor the stand-in is here. {e}") from None
+
+
+def experiment_swap(args):
+    """Coser et al. Sec. 3, dataset swap: SPT on PathFinder then finetuning on Image, and the reverse, against
+    from scratch and same-task SPT; train and validation accuracy (both are pixel tasks of length 1024)."""
+    image, runs = image_task(args), []
+    tasks = ("pathfinder", image)
+    for seed in range(args.seeds):
+        ckpts = {}
+        for task in tasks:
+            ckpts[task] = run_pretrain(task, run_dir(args, task, seed, "preset"), seed,
+                                       common_flags(args, "synthetic"))  # the task's preset model, all layers
+        for target in tasks:
+            folder = run_dir(args, target, seed, "preset")
+            for source in ("scratch",) + tasks:
+                name = "scratch" if source == "scratch" else f"spt_from_{source}"
+                result = run_finetune(target, folder, seed, name, ckpts.get(source, "scratch"),
+                                      common_flags(args, "synthetic"))
+                runs.append(dict(seed=seed, target=target, source=source, best_val_acc=result["best_val_acc"],
+                                 train_acc=result["train_acc"], test_acc=result["test_acc"]))
+    paper = {(image, "scratch"): "0.69 / 0.48", (image, "pathfinder"): "0.84 / 0.56",
+             ("pathfinder", image): "training fit improves markedly"}
+    rows = ["| finetuned on | initialization | train acc | val acc | paper (CIFAR10) train / val |",
+            "|---|---|---|---|---|"]
+    for target in tasks:
+        for source in ("scratch",) + tasks:
+            rs = [r for r in runs if r["target"] == target and r["source"] == source]
+            init = "from scratch" if source == "scratch" else f"SPT on {source}"
+            rows.append(f"| {target} | {init} | {mean_std([r['train_acc'] for r in rs])} | "
+                        f"{mean_std([r['best_val_acc'] for r in rs])} | {paper.get((target, source), '-')} |")
+    rows.append(f"\n{describe_data(args, 'pathfinder')}. {describe_data(args, image)}. Train accuracy on a "
+                f"training subset of the validation split's size. Seeds: {args.seeds}; preset {args.preset}; "
+                f"command: python ablate.py swap" + max_steps_note(args))
+    write_outputs("swap", runs, "\n".join(rows), args)
+
+
+def experiment_duration(args):
+    """Coser et al. Sec. 3, pretraining duration: SPT for each of --durations epochs, then finetuning.
+    The paper: CIFAR10 and ListOps get most of the gain after 1-10 epochs; PathFinder needs 100-200."""
+    task, common = args.task, common_flags(args, "synthetic")
+    durations = args.durations or ((1, 10, 100, 200) if args.preset == "paper" else (1, 3, 10))
+    runs = []
+    for seed in range(args.seeds):
+        folder = run_dir(args, task, seed, "preset")
+        result = run_finetune(task, folder, seed, "scratch", "scratch", common)
+        runs.append(dict(seed=seed, epochs=0, best_val_acc=result["best_val_acc"], train_acc=result["train_acc"]))
+        for epochs in durations:
+            spt_dir = os.path.join(folder, f"spt_{epochs}ep")
+            ckpt = run_pretrain(task, spt_dir, seed, common + ["--epochs", str(epochs)])
+            result = run_finetune(task, spt_dir, seed, "spt", ckpt, common)
+            runs.append(dict(seed=seed, epochs=epochs, best_val_acc=result["best_val_acc"],
+                             train_acc=result["train_acc"]))
+    rows = ["| SPT epochs | val acc | train acc |", "|---|---|---|"]
+    for epochs in (0,) + tuple(durations):
+        rs = [r for r in runs if r["epochs"] == epochs]
+        rows.append(f"| {epochs or 'none (from scratch)'} | {mean_std([r['best_val_acc'] for r in rs])} | "
+                    f"{mean_std([r['train_acc'] for r in rs])} |")
+    rows.append(f"\n{describe_data(args, task)}; the preset's model. Paper: CIFAR10 and ListOps get most of the "
+                f"gain after 1-10 SPT epochs, PathFinder needs 100-200. Seeds: {args.seeds}; preset {args.preset}; "
+                f"command: python ablate.py duration --task {task}" + max_steps_note(args))
+    write_outputs("duration" if task == "synthetic" else f"duration_{task}", runs, "\n".join(rows), args)
+
+
+def experiment_main(args):
+    """Coser et al. Table 2: from scratch versus SPT on every LRA task of --tasks whose data is here (or can be
+    made: ListOps and PathFinder are generated on the CPU preset; --download fetches the others). Peak
+    validation accuracy, as the paper reports."""
+    runs, skipped, done = [], [], []
+    for task in args.tasks:
+        preset = pretrain.PRESETS[task][args.preset]
+        if not os.path.exists(os.path.join(args.data_dir, task, "train.pt")):
+            try:
+                data.prepare(task, args.data_dir, **preset["data"],
+                             **({} if task == "listops" else dict(download=args.download)))
+            except (FileNotFoundError, ConnectionError) as e:
+                skipped.append((task, str(e).split(". ")[0]))
+                continue
+        done.append(task)
+        for seed in range(args.seeds):
+            folder = run_dir(args, task, seed, "preset")
+            common = common_flags(args, "synthetic")
+            ckpt = run_pretrain(task, folder, seed, common)
+            for name, init in (("scratch", "scratch"), ("spt", ckpt)):
+                result = run_finetune(task, folder, seed, name, init, common)
+                runs.append(dict(task=task, seed=seed, name=name, best_val_acc=result["best_val_acc"],
+                                 train_acc=result["train_acc"], test_acc=result["test_acc"]))
+    rows = ["| task | from scratch (ours) | SPT (ours) | paper: from scratch | +SPT (Amos) | +SPT (Coser) |",
+            "|---|---|---|---|---|---|"]
+    for task in done:
+        acc = {n: mean_std([r["best_val_acc"] for r in runs if r["task"] == task and r["name"] == n])
+               for n in ("scratch", "spt")}
+        paper = PAPER_MAIN.get(task, ("-",) * 3)
+        rows.append(f"| {task} | {acc['scratch']} | {acc['spt']} | " + " | ".join(map(str, paper)) + " |")
+    notes = "Peak validation accuracy. " + " ".join(describe_data(args, t) + "." for t in done)
+    if skipped:
+        notes += " Skipped: " + "; ".join(f"{t} ({why})" for t, why in skipped) + "."
+    rows.append(f"\n{notes} Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py main "
+                f"--preset {args.preset}" + max_steps_note(args))
+    write_outputs(f"main_{args.preset}", runs, "\n".join(rows), args)
 
 
 def experiment_ucr(args):
@@ -204,10 +355,10 @@ def experiment_ucr(args):
     for name in found:
         task = f"ucr/{name}"
         for seed in range(args.seeds):
-            run_dir = os.path.join(args.out_dir, "ablate", "ucr", f"seed{seed}")
-            ckpt = run_pretrain(task, run_dir, seed, common)
+            folder = os.path.join(args.out_dir, "ablate", "ucr", f"seed{seed}")
+            ckpt = run_pretrain(task, folder, seed, common)
             for run_name, init in (("spt", ckpt), ("scratch", "scratch")):
-                result = run_finetune(task, run_dir, seed, run_name, init, common)
+                result = run_finetune(task, folder, seed, run_name, init, common)
                 runs.append(dict(dataset=name, seed=seed, name=run_name, best_val_acc=result["best_val_acc"],
                                  test_acc=result["test_acc"], train_acc=result["train_acc"]))
     parts = []
@@ -239,25 +390,24 @@ def experiment_ucr(args):
 
 def experiment_posenc(args):
     """Coser et al. Sec. 4 (relative positions from scratch): sinusoidal, ALiBi, RoPE and FIRE trained from
-    scratch on the synthetic task, beside sinusoidal + SPT (the `spt` run of `python ablate.py synthetic`)."""
-    common = ["--data_dir", args.data_dir, "--preset", args.preset, "--device", args.device,
-              "--max_steps", str(args.max_steps)]
+    scratch on args.task, beside sinusoidal + SPT (shared with `python ablate.py synthetic` / `init`)."""
+    task, common = args.task, common_flags(args, args.task)
     paper = {"sinusoidal": ("0.501", "-"), "alibi": ("0.564", "0.500"), "rope": ("tested, no number", "-"),
              "fire": ("tested, no number", "-")}
     runs = []
     for seed in range(args.seeds):
-        run_dir = os.path.join(args.out_dir, "ablate", "synthetic", f"seed{seed}")  # shares runs with `synthetic`
-        ckpt = run_pretrain("synthetic", run_dir, seed, common + ["--snapshots"])
+        folder = run_dir(args, task, seed)
+        ckpt = run_pretrain(task, folder, seed, common + ["--snapshots"] * (task == "synthetic"))
         for pos in ("sinusoidal", "alibi", "rope", "fire"):
             name = "scratch" if pos == "sinusoidal" else f"scratch_{pos}"
-            result = run_finetune("synthetic", run_dir, seed, name, "scratch", common,
+            result = run_finetune(task, folder, seed, name, "scratch", common,
                                   () if pos == "sinusoidal" else ("--pos", pos))
             runs.append(dict(seed=seed, pos=pos, best_val_acc=result["best_val_acc"], test_acc=result["test_acc"],
                              plateau_exit_epoch=plateau_exit_epoch(result)))
-        result = run_finetune("synthetic", run_dir, seed, "spt", ckpt, common)
+        result = run_finetune(task, folder, seed, "spt", ckpt, common)
         runs.append(dict(seed=seed, pos="sinusoidal + SPT", best_val_acc=result["best_val_acc"],
                          test_acc=result["test_acc"], plateau_exit_epoch=plateau_exit_epoch(result)))
-    rows = ["| positions | synthetic val acc | test acc | epoch val acc >= 0.9 (runs) | paper CIFAR10 | "
+    rows = [f"| positions | {task} val acc | test acc | epoch val acc >= 0.9 (runs) | paper CIFAR10 | "
             "paper PathFinder |", "|---|---|---|---|---|---|"]
     for pos in ("sinusoidal", "alibi", "rope", "fire", "sinusoidal + SPT"):
         rs = [r for r in runs if r["pos"] == pos]
@@ -266,9 +416,10 @@ def experiment_posenc(args):
         label = pos if pos.endswith("SPT") else f"{pos}, from scratch"
         rows.append(f"| {label} | {mean_std([r['best_val_acc'] for r in rs])} | {mean_std([r['test_acc'] for r in rs])}"
                     f" | {mean_std(exits)} ({sum(e is not None for e in exits)}/{len(rs)}) | {p[0]} | {p[1]} |")
-    rows.append(f"\nOne layer, one head, no LayerNorm, no MLP; ALiBi symmetric in |i - j|, FIRE on |i - j| (our "
-                f"encoder is bidirectional). Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py posenc")
-    write_outputs("posenc", runs, "\n".join(rows), args)
+    rows.append(f"\n{describe_data(args, task)}; one layer; ALiBi symmetric in |i - j|, FIRE on |i - j| (our "
+                f"encoder is bidirectional). Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py "
+                f"posenc --task {task}" + max_steps_note(args))
+    write_outputs("posenc" if task == "synthetic" else f"posenc_{task}", runs, "\n".join(rows), args)
 
 
 def report(args):
@@ -280,15 +431,22 @@ def report(args):
     """
     import shutil
     here = os.path.dirname(os.path.abspath(__file__))
+    titles = {"main": "LRA: from scratch versus SPT (Coser et al. Table 2)",
+              "synthetic": "Synthetic trajectories: from scratch versus SPT (Coser et al. Sec. 4)",
+              "init": "Hybrid initialization and freezing (Coser et al. Table 3)",
+              "posenc": "Relative positions from scratch versus SPT (Coser et al. Sec. 4)",
+              "swap": "Dataset swap between PathFinder and Image (Coser et al. Sec. 3)",
+              "duration": "Pretraining duration (Coser et al. Sec. 3)",
+              "ucr": "UCR time series: from scratch versus SPT (Coser et al. Sec. 5), test accuracy"}
+    folder = os.path.join(args.out_dir, "ablate")
     parts = []
-    for name, title in (("synthetic", "Synthetic trajectories: from scratch versus SPT (Coser et al. Sec. 4)"),
-                        ("init", "Hybrid initialization and freezing (Coser et al. Table 3), synthetic task"),
-                        ("posenc", "Relative positions from scratch versus SPT, synthetic task"),
-                        ("ucr", "UCR time series: from scratch versus SPT (Coser et al. Sec. 5), test accuracy")):
-        path = os.path.join(args.out_dir, "ablate", name + ".md")
-        if os.path.exists(path):
-            with open(path) as f:
-                parts.append(f"### {title}\n\n`python ablate.py {name}`\n\n" + f.read().strip())
+    names = [n for n in os.listdir(folder) if n.endswith(".md")] if os.path.isdir(folder) else []
+    order = list(titles)  # the order of the paper's story: LRA, mechanism, ablations, time series
+    for name in sorted((n for n in names if n[:-3].partition("_")[0] in titles),
+                       key=lambda n: (order.index(n[:-3].partition("_")[0]), n)):
+        stem, _, variant = name[:-3].partition("_")
+        with open(os.path.join(folder, name)) as f:
+            parts.append(f"### {titles[stem]}" + (f": {variant}" if variant else "") + "\n\n" + f.read().strip())
     figures = [f for f in sorted(os.listdir(os.path.join(args.out_dir, "analysis")))
                if f.endswith(".png")] if os.path.isdir(os.path.join(args.out_dir, "analysis")) else []
     os.makedirs(os.path.join(here, "figures"), exist_ok=True)
@@ -310,7 +468,8 @@ def report(args):
 
 
 EXPERIMENTS = {"synthetic": experiment_synthetic, "init": experiment_init, "posenc": experiment_posenc,
-               "ucr": experiment_ucr, "report": report}
+               "ucr": experiment_ucr, "swap": experiment_swap, "duration": experiment_duration,
+               "main": experiment_main, "report": report}
 
 
 def main(argv=None):
@@ -324,7 +483,11 @@ def main(argv=None):
     p.add_argument("--device", default="auto")
     p.add_argument("--max_steps", type=int, default=0, help="cap every run's steps (quick looks, tests; 0 = none)")
     p.add_argument("--datasets", nargs="+", default=UCR_DATASETS, help="ucr: the UCR data sets to run")
-    p.add_argument("--download", action="store_true", help="ucr: download data sets not found locally")
+    p.add_argument("--download", action="store_true", help="ucr, main, swap: download data not found locally")
+    p.add_argument("--task", default="synthetic", choices=ABLATION_TASKS, help="init, posenc, duration: the task")
+    p.add_argument("--tasks", nargs="+", default=LRA_TASKS, choices=LRA_TASKS + ("pathx",), help="main: LRA tasks")
+    p.add_argument("--durations", type=int, nargs="+", default=None,
+                   help="duration: SPT epochs to compare (default 1 3 10 on cpu, 1 10 100 200 on paper)")
     args = p.parse_args(argv)
     EXPERIMENTS[args.experiment](args)
 

@@ -36,6 +36,17 @@ def input_kind(meta):
     return (meta["kind"], meta["vocab_size"]) if meta["kind"] == "tokens" else (meta["kind"], meta["d_input"])
 
 
+def hybrid_state_dict(fresh, pretrained, groups):
+    """Hybrid initialization (Coser et al. Table 3): the state dict that takes every tensor whose parameter
+    group (model.param_group) is in `groups` from `pretrained` and every other tensor from `fresh`.
+
+    fresh, pretrained: state dicts (name -> tensor); a name missing from `pretrained` (a new head) stays fresh.
+    Returns a new dict with the keys of `fresh`; neither input is modified.
+    """
+    return {name: pretrained[name] if name in pretrained and param_group(name) in groups else tensor
+            for name, tensor in fresh.items()}
+
+
 def model_from_pretrained(path, meta, n_classes, task, device, inherit="all"):
     """A classification model whose backbone is copied from the SPT checkpoint at `path`.
 
@@ -74,20 +85,16 @@ def model_from_pretrained(path, meta, n_classes, task, device, inherit="all"):
     bad_dropped = [k for k in dropped if not k.startswith("rec_head.")]
     if bad_new or bad_dropped:
         raise ValueError(f"{path}: checkpoint does not match the model: missing {bad_new}, unexpected {bad_dropped}")
-    merged = model.state_dict()
-    inherited = INHERIT[inherit]
-    counts = {}
-    for key in merged:
-        group = param_group(key)
-        counts.setdefault(group, [0, group in inherited and key in state])[0] += merged[key].numel()
-        if key in state and group not in inherited:
-            continue  # hybrid initialization: this group stays freshly initialized
-        if key in state:
-            if state[key].shape != merged[key].shape:
-                raise ValueError(f"{path}: {key} has shape {tuple(state[key].shape)}, "
-                                 f"the model expects {tuple(merged[key].shape)}")
-            merged[key] = state[key]
+    for key in set(state) & set(model.state_dict()):
+        if state[key].shape != model.state_dict()[key].shape:
+            raise ValueError(f"{path}: {key} has shape {tuple(state[key].shape)}, "
+                             f"the model expects {tuple(model.state_dict()[key].shape)}")
+    merged = hybrid_state_dict(model.state_dict(), state, INHERIT[inherit])
     model.load_state_dict(merged, strict=True)
+    counts = {}
+    for key, tensor in merged.items():  # parameter count per group, and where the group came from
+        group = param_group(key)
+        counts.setdefault(group, [0, group in INHERIT[inherit] and key in state])[0] += tensor.numel()
     print(f"--inherit {inherit}: " + ", ".join(f"{g} ({n:,}) {'from SPT' if inh else 'fresh'}"
                                                for g, (n, inh) in counts.items()))
     print(f"checkpoint {path}: new keys {new}; dropped keys {dropped}")

@@ -7,6 +7,7 @@ Numerics are checked against independent computations (brute-force loops, numpy,
 """
 import http.server
 import json
+import math
 import os
 import random
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 import analyze
 import data
 import finetune
+import model as model_lib
 import pretrain
 from model import ModelConfig, Transformer, checkpoint_dict, sinusoidal_positions
 
@@ -600,7 +602,7 @@ def test_flops_per_token_counts_the_matmuls():
     cfg = tiny_cfg(n_layers=2, d_model=16, d_mlp=32)
     # per layer: Q, K, V, O (4 d^2) + MLP (2 d d_mlp) weights, x 6 for fwd+bwd; attention 12 n_layers d L
     assert pytest.approx(6 * 2 * (4 * 256 + 2 * 16 * 32) + 12 * 2 * 16 * 100) == \
-        __import__("model").flops_per_token(cfg, 100)
+        model_lib.flops_per_token(cfg, 100)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1109,7 +1111,7 @@ def test_alibi_bias_is_minus_slope_times_distance():
     torch.manual_seed(0)
     m = Transformer(tiny_cfg(pos="alibi", n_layers=1, n_heads=2, n_classes=2))
     bias = m.blocks[0].attn._position_bias(5, "cpu")
-    slopes = __import__("model").alibi_slopes(2)
+    slopes = model_lib.alibi_slopes(2)
     for h in range(2):
         for i in range(5):
             for j in range(5):
@@ -1132,7 +1134,7 @@ def test_fire_bias_is_learned_and_unknown_positions_are_refused():
     m = Transformer(tiny_cfg(pos="fire", n_layers=1, n_classes=2))
     names = [n for n, _ in m.named_parameters()]
     assert any(".attn.fire." in n for n in names)
-    assert __import__("model").param_group("blocks.0.attn.fire.log_c") == "posenc"
+    assert model_lib.param_group("blocks.0.attn.fire.log_c") == "posenc"
     bias = m.blocks[0].attn._position_bias(7, "cpu")
     # below the learned threshold (32) the normalizer is constant, so the bias depends on |i - j| only
     assert bias.shape == (4, 7, 7) and torch.allclose(bias, bias.transpose(1, 2))
@@ -1452,3 +1454,157 @@ def test_lra_and_imdb_archives_download_from_a_local_server(http_root, tmp_path,
     with pytest.raises(ValueError, match="not a readable tar archive"):
         data.prepare_image(str(tmp_path / "d2"), url=base_url.replace("/aeon-toolkit", "/junk.gz"))
     assert os.listdir(tmp_path / "d2" / "image") == []   # the junk download is not kept for the next run
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Exercises (README, "Exercises"): one test per function a teacher can blank out. Each calls its function
+# through the module, so `test_every_exercise_test_fails_on_a_blanked_function` can swap in a stub.
+#   python -m pytest test_all.py -k exercise_masking
+# ----------------------------------------------------------------------------------------------------------
+
+def test_exercise_masking():
+    """pretrain.mask_batch: Bernoulli masking of real positions, <mask> ids, at least one per sequence."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(2, 17, (400, 50))
+    lengths = torch.randint(1, 51, (400,))
+    inputs, masked = pretrain.mask_batch(x, lengths, 0.3, 1, g)
+    valid = torch.arange(50)[None] < lengths[:, None]
+    assert masked.dtype == torch.bool and masked.shape == (400, 50)
+    assert not (masked & ~valid).any(), "padding must never be masked"
+    assert masked.any(dim=1).all(), "every sequence needs at least one masked position"
+    assert (inputs[masked] == 1).all() and torch.equal(inputs[~masked], x[~masked])
+    rate = masked.sum().item() / valid.sum().item()
+    assert 0.28 < rate < 0.33, f"masked fraction {rate}, expected about 0.3"
+    _, none = pretrain.mask_batch(x[:5], lengths[:5], 0.0, 1, g)      # ratio 0: exactly the forced one
+    assert none.sum(dim=1).tolist() == [1] * 5
+    values = torch.randn(3, 8, 2)
+    inputs, masked = pretrain.mask_batch(values, torch.tensor([8, 8, 4]), 0.5, None, g)
+    assert inputs.shape == (3, 8, 3) and torch.equal(inputs[..., 2], masked.float())
+    assert (inputs[masked][:, :2] == 0).all() and torch.equal(inputs[~masked][:, :2], values[~masked])
+
+
+def test_exercise_reconstruction_loss():
+    """pretrain.reconstruction_loss: mean over the M masked positions; closed forms."""
+    logits = torch.zeros(5, 4)                                   # uniform over 4 classes: log 4 each
+    assert abs(pretrain.reconstruction_loss(logits, torch.tensor([0, 1, 2, 3, 0]), "ce").item() - math.log(4)) < 1e-6
+    logits = torch.tensor([[2.0, 0.0], [0.0, 0.0]])
+    want = (-math.log(math.exp(2) / (math.exp(2) + 1)) + math.log(2)) / 2
+    assert abs(pretrain.reconstruction_loss(logits, torch.tensor([0, 1]), "ce").item() - want) < 1e-6
+    out, target = torch.tensor([[1.0, 2.0], [0.0, 0.0]]), torch.tensor([[0.0, 0.0], [0.0, 1.0]])
+    assert abs(pretrain.reconstruction_loss(out, target, "mse").item() - (0.5 * 5 + 0.5 * 1) / 2) < 1e-6
+    assert abs(pretrain.reconstruction_loss(out, target, "l1").item() - (3 + 1) / 2) < 1e-6
+    assert pretrain.reconstruction_loss(torch.zeros(0, 4, requires_grad=True), torch.zeros(0, dtype=torch.long),
+                                        "ce").item() == 0.0
+
+
+def test_exercise_explicit_attention():
+    """model.Attention.explicit_attention: softmax(Q K^T / sqrt(d_head)) V, checked against a loop."""
+    torch.manual_seed(0)
+    attn = model_lib.Attention(tiny_cfg(d_model=8, n_heads=2))
+    q, k, v = torch.randn(3, 1, 2, 5, 4).unbind(0)                   # (B=1, H=2, L=5, d_head=4)
+    mask = torch.tensor([True, True, True, False, False])[None, None, None, :]   # keys 3, 4 are padding
+    y, probs = attn.explicit_attention(q, k, v, mask)
+    for h in range(2):
+        for i in range(5):
+            scores = [float(q[0, h, i] @ k[0, h, j]) / 2.0 if j < 3 else -math.inf for j in range(5)]
+            z = sum(math.exp(s) for s in scores)
+            p = [math.exp(s) / z for s in scores]
+            assert all(abs(probs[0, h, i, j].item() - p[j]) < 1e-5 for j in range(5))
+            want = sum(p[j] * v[0, h, j] for j in range(5))
+            assert torch.allclose(y[0, h, i], want, atol=1e-5)
+
+
+def test_exercise_sinusoidal_positions():
+    """model.sinusoidal_positions: P[t, 2i] = sin(t / 10000^(2i/d)), P[t, 2i+1] = cos(t / 10000^(2i/d))."""
+    P = model_lib.sinusoidal_positions(12, 6)
+    assert P.shape == (12, 6)
+    for t in range(12):
+        for i in range(3):
+            angle = t / 10000 ** (2 * i / 6)
+            assert abs(P[t, 2 * i].item() - math.sin(angle)) < 1e-5
+            assert abs(P[t, 2 * i + 1].item() - math.cos(angle)) < 1e-5
+
+
+def test_exercise_pe_probe():
+    """analyze.pe_probe: scores P W_Q,h^T W_K,h P^T / sqrt(d_head) per head and their row softmax."""
+    torch.manual_seed(0)
+    model = Transformer(tiny_cfg(n_layers=1, layernorm=False, mlp=False, init_std=0.5))
+    scores, probs = analyze.pe_probe(model, 10)
+    P = model.pe[:10].double()
+    wq, wk = model.blocks[0].attn.q_proj.weight.double(), model.blocks[0].attn.k_proj.weight.double()
+    for h in range(4):
+        rows = slice(4 * h, 4 * h + 4)
+        want = (P @ wq[rows].T) @ (P @ wk[rows].T).T / 2.0
+        assert torch.allclose(scores[h].double(), want, atol=1e-4)
+        assert torch.allclose(probs[h].double(), torch.softmax(want, -1), atol=1e-5)
+
+
+def test_exercise_prop1_derivative():
+    """analyze.closed_form_spt_derivative: -(1/L^2) <Dbar, C>_F equals the autograd derivative at 0 of an
+    independently written reconstruction loss, for a direction with zero column sums."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 6, 3, dtype=torch.float64)
+    d = torch.randn(6, 6, dtype=torch.float64)
+    d = d - d.mean(0, keepdim=True)                                  # zero column sums
+    a = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    o = torch.einsum("ij,njd->nid", torch.softmax(a * d, -1), x)
+    loss = sum(((x[:, i] - o[:, i]) ** 2).sum(-1).mean() for i in range(6)) / (2 * 6)
+    (grad,) = torch.autograd.grad(loss, a)
+    assert abs(analyze.closed_form_spt_derivative(x, d) - grad.item()) < 1e-10
+
+
+def test_exercise_hybrid_initialization():
+    """finetune.hybrid_state_dict: the listed parameter groups from SPT, everything else fresh."""
+    names = ["embed.weight", "blocks.0.attn.q_proj.weight", "blocks.0.attn.k_proj.bias",
+             "blocks.0.attn.v_proj.weight", "blocks.0.mlp.0.weight", "ln_f.weight", "cls_head.weight"]
+    fresh = {n: torch.zeros(2) for n in names}
+    spt = {n: torch.ones(2) for n in names if n != "cls_head.weight"}
+    merged = finetune.hybrid_state_dict(fresh, spt, ("W_Q", "W_K"))
+    assert [n for n in names if merged[n][0] == 1] == ["blocks.0.attn.q_proj.weight", "blocks.0.attn.k_proj.bias"]
+    merged = finetune.hybrid_state_dict(fresh, spt, tuple(g for g in model_lib.INHERIT["all-but-qk"]))
+    assert [n for n in names if merged[n][0] == 1] == ["embed.weight", "blocks.0.attn.v_proj.weight",
+                                                       "blocks.0.mlp.0.weight", "ln_f.weight"]
+    assert set(merged) == set(fresh) and fresh["embed.weight"][0] == 0   # inputs untouched
+
+
+def test_exercise_mean_pooling():
+    """model.Transformer.pool: the mean over each sequence's real positions, padding ignored."""
+    model = Transformer(tiny_cfg())
+    z = torch.randn(3, 7, 16)
+    lengths = torch.tensor([7, 2, 5])
+    pooled = model.pool(z, lengths)
+    for b in range(3):
+        want = sum(z[b, t] for t in range(lengths[b])) / lengths[b]
+        assert torch.allclose(pooled[b], want, atol=1e-6)
+
+
+EXERCISES = {  # name: (object holding the function, its attribute name, the grading test)
+    "masking": (pretrain, "mask_batch", test_exercise_masking),
+    "reconstruction_loss": (pretrain, "reconstruction_loss", test_exercise_reconstruction_loss),
+    "explicit_attention": (model_lib.Attention, "explicit_attention", test_exercise_explicit_attention),
+    "sinusoidal_positions": (model_lib, "sinusoidal_positions", test_exercise_sinusoidal_positions),
+    "pe_probe": (analyze, "pe_probe", test_exercise_pe_probe),
+    "prop1_derivative": (analyze, "closed_form_spt_derivative", test_exercise_prop1_derivative),
+    "hybrid_initialization": (finetune, "hybrid_state_dict", test_exercise_hybrid_initialization),
+    "mean_pooling": (Transformer, "pool", test_exercise_mean_pooling),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXERCISES))
+def test_every_exercise_test_fails_on_a_blanked_function(name, monkeypatch):
+    """The test of the tests: with the function's body replaced by `raise NotImplementedError`, its grading
+    test must fail (and it passes with the project's code: it runs on its own above)."""
+    owner, attribute, grading_test = EXERCISES[name]
+
+    def blanked(*args, **kwargs):
+        raise NotImplementedError
+
+    monkeypatch.setattr(owner, attribute, blanked)
+    with pytest.raises((NotImplementedError, AssertionError)):
+        grading_test()
+
+
+def test_readme_lists_every_exercise():
+    readme = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")).read()
+    missing = [n for n in EXERCISES if f"-k exercise_{n}" not in readme]
+    assert not missing, f"README.md has no exercise entry for {missing}"
