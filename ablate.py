@@ -452,6 +452,9 @@ def report(args):
     os.makedirs(os.path.join(here, "figures"), exist_ok=True)
     for f in figures:
         shutil.copy(os.path.join(args.out_dir, "analysis", f), os.path.join(here, "figures", f))
+    samples = os.path.join(args.data_dir, "pathfinder", "samples.png")  # written by data.py --generate
+    if os.path.exists(samples):
+        shutil.copy(samples, os.path.join(here, "figures", "pathfinder_samples.png"))
     if figures:
         parts.append("### Figures\n\n" + "\n\n".join(f"![{f}](figures/{f})" for f in figures))
     readme_path = os.path.join(here, "README.md")
