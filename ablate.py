@@ -51,8 +51,8 @@ ABLATION_TASKS = ("synthetic", "pathfinder", "image", "fashion_mnist")
 def common_flags(args, task):
     """Flags every run of an experiment shares; a one-layer model for Table 3 and the position study on LRA
     tasks (the synthetic preset is one layer already)."""
-    flags = ["--data_dir", args.data_dir, "--preset", args.preset, "--device", args.device,
-             "--max_steps", str(args.max_steps)]
+    flags = ["--data_dir", args.data_dir, "--preset", args.preset, "--device", args.device]
+    flags += ["--max_steps", str(args.max_steps)] if args.max_steps else []  # 0: the preset's own budget
     return flags + (["--n_layers", "1"] if task != "synthetic" else [])
 
 
@@ -326,8 +326,7 @@ def experiment_ucr(args):
     fetches them first. Per data set and seed: SPT, then finetune; and finetune from scratch. Accuracy is on
     the archive's TEST split, with the weights of the best validation accuracy (validation: 20% of TRAIN).
     """
-    common = ["--data_dir", args.data_dir, "--preset", args.preset, "--device", args.device,
-              "--max_steps", str(args.max_steps)]
+    common = common_flags(args, "synthetic")  # the UCR preset's model (no one-layer override)
     found, skipped = [], []
     for name in args.datasets:
         task = f"ucr/{name}"
@@ -484,7 +483,8 @@ def main(argv=None):
     p.add_argument("--data_dir", default="data")
     p.add_argument("--out_dir", default="out")
     p.add_argument("--device", default="auto")
-    p.add_argument("--max_steps", type=int, default=0, help="cap every run's steps (quick looks, tests; 0 = none)")
+    p.add_argument("--max_steps", type=int, default=0,
+                   help="cap every run's steps (quick looks, tests); 0 = the preset's own budget")
     p.add_argument("--datasets", nargs="+", default=UCR_DATASETS, help="ucr: the UCR data sets to run")
     p.add_argument("--download", action="store_true", help="ucr, main, swap: download data not found locally")
     p.add_argument("--task", default="synthetic", choices=ABLATION_TASKS, help="init, posenc, duration: the task")
