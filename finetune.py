@@ -2,11 +2,16 @@
 
 The model is rebuilt from the checkpoint's own model_config; the backbone (input encoder, blocks, final
 LayerNorm) is loaded strictly, the reconstruction head is dropped and a fresh classification head is added
-on top of mean pooling. Cross-entropy on the labels; validation accuracy every epoch (and every --eval_every
-steps); the test accuracy is that of the best-validation model (Amos et al.; Coser et al. Table 2).
+on top of mean pooling (a dual-encoder head for Retrieval). Cross-entropy on the labels; validation accuracy
+every epoch (and every --eval_every steps); the test accuracy is that of the best-validation model (Amos et
+al.; Coser et al. Table 2). --inherit and --freeze select parameter groups (Coser et al. Table 3); a checkpoint
+of another task with the same kind of input is a dataset swap (Sec. 3).
 
-    python finetune.py --task listops --init out/listops/pretrain.pt     # SPT, then finetune
+    python finetune.py --task listops --init out/listops/pretrain.pt     # SPT, then finetune (CPU ~9 min)
     python finetune.py --task listops --init scratch                     # the from-scratch baseline
+    python finetune.py --task synthetic --init out/synthetic/pretrain.pt --inherit qk    # only W_Q, W_K from SPT
+    python finetune.py --task image --init out/pathfinder/pretrain.pt    # dataset swap (both 1024 pixels)
+    (on a GPU the same commands use the paper preset; `python ablate.py main --preset paper` runs the grid)
 
 Reads  data/<task>/{train,val,test}.pt and the --init checkpoint
 Writes out/<task>/finetune_<name>.pt (best validation accuracy), finetune_<name>_last.pt (for --resume),

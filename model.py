@@ -15,6 +15,11 @@ LayerNorm and the MLP can be switched off, which gives the paper's minimal one-l
 
 Checkpoint helpers (`checkpoint_dict`, `unwrapped_state_dict`, `config_from_dict`) live here too, since a
 checkpoint is a model; `python model.py --bench` is the benchmark (see README, Performance).
+
+    python model.py --bench                                     # CPU: L 1024, d 128, 4 layers; ~3 min on 2 cores
+    python model.py --bench --size listops-paper --dtype bf16   # GPU: the ListOps paper size, ~1 min
+Expect on the CPU: the fused path at least as fast as torch.nn.TransformerEncoder (ratio printed), memory
+linear in L. The settings a reader will want to change are the fields of ModelConfig, right below.
 """
 import math
 import os
@@ -539,8 +544,9 @@ def bench(argv=None):
     import json
     import multiprocessing as mp
     import platform
-    p = argparse.ArgumentParser(description="benchmark one SPT training step (python model.py --bench)")
-    p.add_argument("--bench", action="store_true")
+    p = argparse.ArgumentParser(description="model.py defines the model; with --bench it times one SPT training "
+                                            "step of our model against torch.nn.TransformerEncoder")
+    p.add_argument("--bench", action="store_true", help="run the benchmark")
     p.add_argument("--size", default="cpu", choices=BENCH_SIZES, help="(L, d_model, layers, heads, MLP, batch)")
     p.add_argument("--L", type=int, default=None, help="override the sequence length of --size")
     p.add_argument("--batch", type=int, default=None, help="override the batch size of --size")
@@ -603,7 +609,7 @@ def bench(argv=None):
 
 if __name__ == "__main__":
     import sys
-    if "--bench" in sys.argv:
+    if {"--bench", "-h", "--help"} & set(sys.argv):
         bench(sys.argv[1:])
     else:
         print("model.py defines the model; run `python model.py --bench --help` for the benchmark")

@@ -1,24 +1,31 @@
 """pretrain.py -- self-pretraining (SPT): masked reconstruction on the task's own training split.
 
-Amos et al. (ICLR 2024) and Coser et al. (Sec. 2): each non-padding position is masked independently with the
-task's ratio (ListOps 10%), masked tokens are replaced by <mask>, and a per-position linear head reconstructs
-them; the loss is the cross-entropy on masked positions only, divided by their number in the batch. No
-external data is used. finetune.py then starts from the checkpoint with the best validation loss.
+Amos et al. (ICLR 2024) and Coser et al. (Sec. 2): each real position is masked independently with the task's
+ratio (MASK_RATIO below: ListOps 10%, Text/Retrieval 15%, pixels 50%); masked tokens become <mask>, masked
+values and pixels become 0 plus a mask-indicator input channel; a per-position linear head reconstructs them,
+and the loss (cross-entropy for tokens; MSE, L1 or 256-way cross-entropy for pixels) is taken at the masked
+positions only, divided by their number. No external data is used. finetune.py then starts from the
+checkpoint with the best validation loss.
 
-    python pretrain.py --task listops                  # CPU: small model, ~10 min on 2 cores, data made first
+    python pretrain.py --task listops                  # CPU: 2 x 64 model, 450 steps, ~10 min on 2 cores (data first)
     python pretrain.py --task listops --preset paper   # GPU: the paper's model (6 x 512, 8 heads), 100 epochs
-    python pretrain.py --task ucr/GunPoint             # a UCR time series data set (~20 s), MSE on 50% masked steps
+    python pretrain.py --task synthetic --snapshots    # the minimal model on trajectories, ~1 min on CPU
+    python pretrain.py --task pathfinder               # CPU: 4000 generated images, 150 steps, a few minutes
+    python pretrain.py --task ucr/GunPoint             # a UCR time series data set, ~20 s
+    torchrun --standalone --nproc_per_node=8 pretrain.py --task text   # several GPUs (DDP)
 
 Reads  data/<task>/{train,val}.pt  (made by data.py; made here if missing)
-Writes out/<task>/pretrain.pt (best validation masked loss), out/<task>/pretrain_last.pt (latest, for --resume),
-       out/<task>/pretrain_log.jsonl (every logged figure)
+Writes out/<task>/pretrain.pt (best validation masked loss), pretrain_init.pt (the initial weights),
+       pretrain_last.pt (latest, for --resume), pretrain_log.jsonl (every logged figure)
 Expect (CPU preset, ListOps, ~10 min on 2 cores): validation masked loss from 2.84 (log of the vocabulary) to
 2.64, the entropy of the token frequencies. Going further needs attention to neighbours (the proximity bias);
 at L ~ 1000 that takes longer than the CPU budget (a plateau; see README). Synthetic task: 0.51 -> 0.03 in 1 min.
 UCR GunPoint (values z-normalized per series): 0.57 -> about 0.07 in 100 steps.
 
-This file also holds what both training stages share: the command-line flags, the presets, the device and
-dtype choice, the learning-rate schedule and the training loop itself (finetune.py imports them).
+The settings a reader will want to change are right below: PRESETS (model size, batch, learning rate, epochs
+or steps per task, for the CPU and for the paper) and MASK_RATIO. This file also holds what both training
+stages share: the command-line flags, the device and dtype choice, the learning-rate schedule and the training
+loop itself (finetune.py imports them).
 """
 import argparse
 import json
