@@ -114,7 +114,7 @@ PRESETS.update({
     # PathX: max pooling and local attention in windows of 4096 (Amos et al.'s PathX config)
     "pathx": {"paper": _lra(dict(n_layers=4, d_model=128, n_heads=4, d_mlp=128, pooling="max", attn_window=4096),
                             {}, 32, 200, 200, 1e-3, 5e-4, 5000, 5000),
-              "cpu": _cpu(dict(generate_if_missing=200), steps=20, batch=2, pooling="max", attn_window=1024)},
+              "cpu": _cpu(dict(generate_if_missing=200), steps=20, batch=2, pooling="max", attn_window=256)},
 })
 # Masking ratios: Amos et al.; Coser et al. Sec. 2 (pixels 50%, Text/Retrieval 15%, ListOps 10%). UCR: the paper
 # gives none; 50% as for pixels, the other continuous signal.

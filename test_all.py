@@ -1833,5 +1833,5 @@ def test_pathx_runs_a_few_steps_with_local_attention(tmp_path):
               "--device", "cpu"]
     pretrain.main(common)
     ck = data.load_pt(os.path.join(out, "pathx", "pretrain.pt"))
-    assert ck["model_config"]["attn_window"] == 1024 and ck["model_config"]["pooling"] == "max"
+    assert ck["model_config"]["attn_window"] == 256 and ck["model_config"]["pooling"] == "max"
     finetune.main(common + ["--init", os.path.join(out, "pathx", "pretrain.pt")])
