@@ -1835,3 +1835,41 @@ def test_pathx_runs_a_few_steps_with_local_attention(tmp_path):
     ck = data.load_pt(os.path.join(out, "pathx", "pretrain.pt"))
     assert ck["model_config"]["attn_window"] == 256 and ck["model_config"]["pooling"] == "max"
     finetune.main(common + ["--init", os.path.join(out, "pathx", "pretrain.pt")])
+
+
+def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run, tmp_path, monkeypatch, capsys):
+    """swap (PathFinder <-> the Fashion-MNIST stand-in), duration and main, 2 steps per run, then the report."""
+    import shutil
+    import ablate
+    root, out = str(tmp_path / "data"), str(tmp_path / "out")
+    data.prepare_pathfinder(root, generate=40)
+    folder = tmp_path / "fashion"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for prefix, n in (("train", 40), ("t10k", 10)):
+        write_idx(str(folder / f"{prefix}-images-idx3-ubyte"), rng.integers(0, 256, (n, 28, 28)))
+        write_idx(str(folder / f"{prefix}-labels-idx1-ubyte"), rng.integers(0, 10, n))
+    monkeypatch.setattr(data, "FASHION_DIRS", (str(folder),))
+    data.prepare_fashion_mnist(root, n_val=10)
+    argv = ["--seeds", "1", "--data_dir", root, "--out_dir", out, "--max_steps", "2", "--device", "cpu"]
+    ablate.main(["swap"] + argv)
+    runs = json.load(open(os.path.join(out, "ablate", "swap.json")))["runs"]
+    assert {(r["target"], r["source"]) for r in runs} == {(t, s) for t in ("pathfinder", "fashion_mnist")
+                                                          for s in ("scratch", "pathfinder", "fashion_mnist")}
+    assert "Fashion-MNIST padded to 32x32 (the offline stand-in for CIFAR10)" in \
+        open(os.path.join(out, "ablate", "swap.md")).read()
+    shutil.copytree(os.path.join(synthetic_run[0], "synthetic"), os.path.join(root, "synthetic"))
+    ablate.main(["duration", "--durations", "1", "2"] + argv)
+    runs = json.load(open(os.path.join(out, "ablate", "duration.json")))["runs"]
+    assert sorted(r["epochs"] for r in runs) == [0, 1, 2]
+    shutil.copytree(os.path.join(listops_dir, "listops"), os.path.join(root, "listops"))
+    ablate.main(["main", "--tasks", "listops", "text", "pathfinder"] + argv)
+    table = open(os.path.join(out, "ablate", "main_cpu.md")).read()
+    assert "| listops |" in table and "| pathfinder |" in table and "Skipped: text" in table
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- results:start -->\nold\n<!-- results:end -->\nend\n")
+    monkeypatch.setattr(ablate, "__file__", str(tmp_path / "ablate.py"))
+    ablate.main(["report", "--out_dir", out, "--data_dir", root])
+    text = readme.read_text()
+    assert text.index("LRA: from scratch") < text.index("Dataset swap") < text.index("Pretraining duration")
+    assert "old" not in text and (tmp_path / "figures" / "pathfinder_samples.png").exists()
