@@ -1737,14 +1737,14 @@ def batch_indices(lengths, batch_size, shuffle, seed=0, epoch=0, bucket=50):
 def get_batch(split, idx, device, multiple=64):
     """Gather the sequences `idx` (B,) from a loaded split and trim padding to the longest one.
 
-    Returns x, lengths, labels (B,) int64 on `device`, where x is
+    Returns x and labels (B,) int64 on `device`, lengths on the CPU (pinned for CUDA), where x is
       tokens (B, L_batch) int64                  discrete tasks, lengths (B,)
       tokens (B, 2, L_batch) int64               document pairs (Retrieval), lengths (B, 2)
       values (B, L_batch, C) float32             continuous tasks, lengths (B,)
       values (B, L_batch, 1) float32             pixel tasks: (pixels / 255 - pixel_mean) / pixel_std
     L_batch is the longest length rounded up to a `multiple` (at most the stored width): few distinct shapes, so
-    GPU kernels chosen per shape are reused. `split["lengths"]` stays on the CPU so L_batch is known without
-    waiting for the GPU.
+    GPU kernels chosen per shape are reused. Lengths stay on the CPU, so L_batch and the model's has-padding
+    check are known without waiting for the GPU.
     """
     lengths = split["lengths"][idx]
     key = next(k for k in INPUT_KEYS if k in split)
@@ -1758,7 +1758,9 @@ def get_batch(split, idx, device, multiple=64):
     else:
         meta = split["meta"]
         x = ((split["pixels"][idx, :L].float() / 255 - meta["pixel_mean"]) / meta["pixel_std"])[..., None]
-    return x.to(device), _to_device(lengths, device), split["labels"][idx].to(device)
+    if torch.device(device).type == "cuda":
+        lengths = lengths.pin_memory()  # the model copies them to the GPU without waiting (model.on)
+    return x.to(device), lengths, split["labels"][idx].to(device)
 
 
 def _to_device(t, device):

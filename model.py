@@ -247,11 +247,17 @@ class Block(nn.Module):
         return x, probs
 
 
+def on(t, device):
+    """`t` on `device`; from pinned CPU memory without waiting for queued GPU work (non_blocking)."""
+    return t.to(device, non_blocking=True)
+
+
 class Transformer(nn.Module):
     """The encoder of the study plus its two heads. See the module docstring for the layout.
 
     Inputs: tokens (B, L) int64 for discrete tasks, or values (B, L, d_input) float for continuous ones;
-    lengths (B,) int64 real length of each sequence (None = no padding).
+    lengths (B,) int64 real length of each sequence (None = no padding), on any device: on the CPU (as
+    data.get_batch returns them) the has-padding check needs no GPU synchronisation.
     """
 
     def __init__(self, cfg):
@@ -285,8 +291,9 @@ class Transformer(nn.Module):
         if L > self.cfg.max_len:
             raise ValueError(f"sequence length {L} exceeds the model's max_len {self.cfg.max_len}")
         # One check per forward (not per layer): with no padding the attention runs without any mask.
+        # lengths on the CPU (as data.get_batch returns them) make this check free; on the GPU it would wait.
         padded = lengths is not None and not bool((lengths >= L).all())
-        valid = torch.arange(L, device=x.device)[None, :] < lengths[:, None] if padded else None
+        valid = torch.arange(L, device=x.device)[None, :] < on(lengths, x.device)[:, None] if padded else None
         h = self.embed(x)                                                 # (B, L, d_model)
         if self.cfg.pos == "sinusoidal":
             h = h + self.pe[:L]
@@ -300,6 +307,7 @@ class Transformer(nn.Module):
         """Mean (or max) pooling over non-padding positions: (B, L, d) -> (B, d)."""
         if lengths is None:
             return z.mean(dim=1) if self.cfg.pooling == "mean" else z.max(dim=1).values
+        lengths = on(lengths, z.device)
         valid = (torch.arange(z.shape[1], device=z.device)[None, :] < lengths[:, None])[..., None]  # (B, L, 1)
         if self.cfg.pooling == "mean":
             return (z * valid).sum(dim=1) / lengths[:, None].to(z.dtype)

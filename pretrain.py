@@ -288,7 +288,7 @@ def mask_batch(x, lengths, ratio, mask_id, generator):
     (Amos et al.; the channel is sliced off at finetuning). `generator` makes the masks reproducible.
     """
     B, L = x.shape[:2]
-    valid = torch.arange(L, device=x.device)[None, :] < lengths[:, None]
+    valid = torch.arange(L, device=x.device)[None, :] < lengths.to(x.device, non_blocking=True)[:, None]
     u = torch.rand(B, L, generator=generator, device=x.device)
     masked = (u < ratio) & valid
     # The real position with the smallest u is the one to force-mask in rows that drew none.
