@@ -1,4 +1,4 @@
-"""analyze.py -- what self-pretraining does to attention, and the theory behind it (Coser et al. 2026).
+r"""analyze.py -- what self-pretraining does to attention, and the theory behind it (Coser et al. 2026).
 
     python analyze.py prop1                     # Proposition 1 checked numerically (CPU, seconds)
     python analyze.py attention --ckpt out/synthetic/pretrain_init.pt out/synthetic/pretrain.pt \
@@ -408,12 +408,12 @@ def main(argv=None):
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("prop1", help="Proposition 1: derivatives of L_sup and L_SPT at uniform attention")
     s.add_argument("--out", default="out/analysis", help="folder for prop1.png and prop1.json")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0, help="seed of the random tokens and directions")
     s.set_defaults(func=cmd_prop1)
     s = sub.add_parser("attention", help="attention maps, PE-only probe, W_Q^T W_K and proximity statistics")
     s.add_argument("--ckpt", nargs="+", required=True, help="checkpoints, e.g. out/synthetic/pretrain_init.pt "
                    "out/synthetic/pretrain.pt out/synthetic/finetune_spt.pt (the first is the reference)")
-    s.add_argument("--data_dir", default="data")
+    s.add_argument("--data_dir", default="data", help="root of data/<task>/ (the validation split is read)")
     s.add_argument("--n", type=int, default=64, help="validation sequences averaged over")
     s.add_argument("--band", type=int, default=3, help="k of the band mass |i - j| <= k")
     s.add_argument("--out", default="out/analysis")
@@ -421,7 +421,7 @@ def main(argv=None):
     s = sub.add_parser("curves", help="proximity statistics over training from --snapshots checkpoints")
     s.add_argument("--run_dir", required=True, help="folder with <stage>_init.pt and <stage>_step*.pt")
     s.add_argument("--stage", default="pretrain", choices=("pretrain", "finetune_spt", "finetune_scratch"))
-    s.add_argument("--data_dir", default="data")
+    s.add_argument("--data_dir", default="data", help="root of data/<task>/ (the validation split is read)")
     s.add_argument("--n", type=int, default=64)
     s.add_argument("--band", type=int, default=3)
     s.add_argument("--out", default="out/analysis")

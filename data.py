@@ -40,6 +40,7 @@ import random
 import re
 import shutil
 import statistics
+import sys
 import tarfile
 import urllib.request
 import zipfile
@@ -392,7 +393,7 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 3. Synthetic 2-D trajectories (the minimal task of Coser et al., Sec. 4; our design, shared/notes)
+# 3. Synthetic 2-D trajectories (the minimal task of Coser et al., Sec. 4; our design, see the README)
 # ----------------------------------------------------------------------------------------------------------
 # The paper gives no generator, so this is ours. A token is one 2-D step d_t = s_t (cos th_t, sin th_t) of a
 # heading random walk th_t = th_0 + sum_{u<=t} (omega + e_u). The class is the sign of the turning rate omega
@@ -1100,6 +1101,7 @@ def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, **_):
     (same input kind and length). 55k/5k train/val (seed 42), 10k test; normalized with the training set's own
     mean and std."""
     folder = find_fashion_mnist(data_dir)
+    print(f"Fashion-MNIST: reading the IDX files in {folder}")
     arrays = {}
     for split, prefix in (("train", "train"), ("test", "t10k")):
         images = read_idx(_idx_path(folder, f"{prefix}-images-idx3-ubyte"))
@@ -1811,5 +1813,14 @@ def main(argv=None):
         prepare(a.task, a.data_dir, **given, **fetch)
 
 
+def run_cli(main_fn):
+    """Run a script's main(); a missing-data or download error is printed as one message (it already says
+    what to fetch and where), without a traceback, and the exit status is 1."""
+    try:
+        main_fn(sys.argv[1:])
+    except (FileNotFoundError, FileExistsError, ConnectionError) as e:
+        sys.exit(f"error: {e}")
+
+
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -10,13 +10,15 @@ of another task with the same kind of input is a dataset swap (Sec. 3).
     python finetune.py --task listops --init out/listops/pretrain.pt     # SPT, then finetune (CPU ~9 min)
     python finetune.py --task listops --init scratch                     # the from-scratch baseline
     python finetune.py --task synthetic --init out/synthetic/pretrain.pt --inherit qk    # only W_Q, W_K from SPT
+                                                                         # (run name spt_inherit-qk)
     python finetune.py --task image --init out/pathfinder/pretrain.pt    # dataset swap (both 1024 pixels)
     (on a GPU the same commands use the paper preset; `python ablate.py main --preset paper` runs the grid)
 
 Reads  data/<task>/{train,val,test}.pt and the --init checkpoint
 Writes out/<task>/finetune_<name>.pt (best validation accuracy), finetune_<name>_last.pt (for --resume),
-       finetune_<name>.json (accuracy per evaluation, best validation and test accuracy, init, seed, wall time),
-       finetune_<name>_log.jsonl.  <name> defaults to "spt" or "scratch".
+       finetune_<name>_init.pt (the weights finetuning started from), finetune_<name>_log.jsonl and
+       finetune_<name>.json (accuracy per evaluation, best validation and test accuracy, init, seed, wall time).
+       <name> defaults to "spt" or "scratch", with "_inherit-<groups>" / "_freeze-<groups>" when those are set.
 Expect (CPU preset, ListOps, ~9 min each on 2 cores): ~0.17-0.18 accuracy, near the most frequent class (450
 steps do not leave the attention plateau); the paper reports ~0.56-0.59 with SPT versus ~0.40 from scratch at
 the paper size on one GPU (Coser et al. Table 2; not yet run here). Synthetic task: 0.999 (SPT) vs 0.52, 1 min.
@@ -24,7 +26,6 @@ the paper size on one GPU (Coser et al. Table 2; not yet run here). Synthetic ta
 import json
 import math
 import os
-import sys
 import time
 
 import torch
@@ -136,7 +137,10 @@ def main(argv=None):
     args, preset = resolve(p.parse_args(argv), "finetune")
     if args.init == "scratch" and args.inherit != "all":
         p.error("--inherit selects groups of an SPT checkpoint: give --init PATH")
-    args.name = args.name or ("scratch" if args.init == "scratch" else "spt")
+    if args.name is None:  # a default that never overwrites the plain SPT run with an ablation
+        args.name = ("scratch" if args.init == "scratch" else "spt") + \
+            ("" if args.inherit == "all" else f"_inherit-{args.inherit}") + \
+            ("" if args.freeze == "none" else f"_freeze-{args.freeze}")
     splits = prepare_data(args, preset)
     meta = splits["train"]["meta"]
     if args.init == "scratch":
@@ -195,4 +199,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    data.run_cli(main)

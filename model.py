@@ -346,7 +346,7 @@ def init_weights(model, std=0.02):
     | Linear biases                            | 0               |
     | Embedding weights                        | N(0, std^2)     |
     | LayerNorm weight / bias                  | 1 / 0           |
-    std = 0.02 as in GPT-2 and in the measured synthetic-task design (shared/notes/synthetic_task.md).
+    std = 0.02 as in GPT-2; measured to show the synthetic-task effect (README, the mechanism section).
     At this scale Q K^T / sqrt(d_head) is near 0 at init, i.e. attention is near uniform (Coser et al., Sec. 4).
     """
     for m in model.modules():
@@ -553,16 +553,18 @@ def bench(argv=None):
     import multiprocessing as mp
     import platform
     p = argparse.ArgumentParser(description="model.py defines the model; with --bench it times one SPT training "
-                                            "step of our model against torch.nn.TransformerEncoder")
+                                            "step of our model against torch.nn.TransformerEncoder",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--bench", action="store_true", help="run the benchmark")
     p.add_argument("--size", default="cpu", choices=BENCH_SIZES, help="(L, d_model, layers, heads, MLP, batch)")
     p.add_argument("--L", type=int, default=None, help="override the sequence length of --size")
     p.add_argument("--batch", type=int, default=None, help="override the batch size of --size")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"))
+    p.add_argument("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"), help="auto = bf16 on CUDA")
     p.add_argument("--steps", type=int, default=5, help="timed steps per repeat")
     p.add_argument("--repeats", type=int, default=5, help="the median over repeats is reported")
-    p.add_argument("--variants", default="fused,explicit,reference,data", help="comma-separated subset")
+    p.add_argument("--variants", default="fused,explicit,reference,data",
+                   help="comma-separated subset of fused, explicit, reference (torch.nn.TransformerEncoder), data")
     p.add_argument("--compile", action="store_true", help="also time our fused path under torch.compile")
     p.add_argument("--json", default=None, help="write the figures to this file")
     a = p.parse_args(argv)

@@ -10,7 +10,7 @@ checkpoint with the best validation loss.
     python pretrain.py --task listops                  # CPU: 2 x 64 model, 450 steps, ~10 min on 2 cores (data first)
     python pretrain.py --task listops --preset paper   # GPU: the paper's model (6 x 512, 8 heads), 100 epochs
     python pretrain.py --task synthetic --snapshots    # the minimal model on trajectories, ~1 min on CPU
-    python pretrain.py --task pathfinder               # CPU: 4000 generated images, 150 steps, a few minutes
+    python pretrain.py --task pathfinder               # CPU: 150 steps, ~2 min (4000 images generated if none)
     python pretrain.py --task ucr/GunPoint             # a UCR time series data set, ~20 s
     torchrun --standalone --nproc_per_node=8 pretrain.py --task text   # several GPUs (DDP)
 
@@ -46,7 +46,7 @@ import data
 from model import POSITIONS, ModelConfig, Transformer, checkpoint_dict, count_params, flops_per_token, peak_flops
 
 # ----------------------------------------------------------------------------------------------------------
-# Presets: the paper's settings (shared/paper_facts.md, Sec. 5; Amos et al. configs) and a CPU size that
+# Presets: the paper's settings (Coser et al. Sec. 5; Amos et al.'s configs, README table) and a CPU size that
 # finishes in minutes. `--preset auto` picks "paper" on CUDA and "cpu" elsewhere; any flag overrides a preset.
 # ----------------------------------------------------------------------------------------------------------
 PRESETS = {
@@ -81,7 +81,7 @@ PRESETS["ucr"] = {"paper": _UCR, "cpu": _UCR}
 
 
 def _lra(model, data, batch, pt_epochs, ft_epochs, pt_lr, ft_lr, pt_warmup, ft_warmup, ft_batch=None):
-    """A paper-size preset (shared/paper_facts.md Sec. 5, Amos et al. configs): evaluate every epoch."""
+    """A paper-size preset (Coser et al. Sec. 5, Amos et al.'s configs): evaluate at the end of every epoch."""
     return dict(model=model, data=data,
                 pretrain=dict(batch_size=batch, lr=pt_lr, warmup=pt_warmup, epochs=pt_epochs, eval_every=10**9),
                 finetune=dict(batch_size=ft_batch or batch, lr=ft_lr, warmup=ft_warmup, epochs=ft_epochs,
@@ -89,8 +89,8 @@ def _lra(model, data, batch, pt_epochs, ft_epochs, pt_lr, ft_lr, pt_warmup, ft_w
 
 
 def _cpu(data, steps=200, batch=16, **model):
-    """A CPU preset: a 2-layer model (d_model 64 unless overridden) for `steps` steps, evaluated at the start
-    and the end; minutes on 2 cores."""
+    """A CPU preset: a 2-layer model (d_model 64 unless overridden) for `steps` steps, evaluated at step 0,
+    every `steps` steps and at the end of each epoch; minutes on 2 cores."""
     run = dict(batch_size=batch, lr=1e-3, warmup=20, epochs=1000, max_steps=steps, eval_every=steps)
     return dict(model=dict(dict(n_layers=2, d_model=64, n_heads=4, d_mlp=128), **model), data=data,
                 pretrain=run, finetune=run)
@@ -597,4 +597,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    data.run_cli(main)

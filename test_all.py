@@ -657,8 +657,8 @@ def test_frozen_groups_stay_bit_identical(synthetic_run, tmp_path):
     out2 = str(tmp_path)
     finetune.main(["--task", "synthetic", "--data_dir", data_dir, "--out_dir", out2, "--init", "scratch",
                    "--freeze", "attn", "--max_steps", "5", "--lr", "1e-2", "--device", "cpu"])
-    before = data.load_pt(os.path.join(out2, "synthetic", "finetune_scratch_init.pt"))["model"]
-    after = data.load_pt(os.path.join(out2, "synthetic", "finetune_scratch_last.pt"))["model"]
+    before = data.load_pt(os.path.join(out2, "synthetic", "finetune_scratch_freeze-attn_init.pt"))["model"]
+    after = data.load_pt(os.path.join(out2, "synthetic", "finetune_scratch_freeze-attn_last.pt"))["model"]
     for name in before:
         if ".attn." in name:
             assert torch.equal(before[name], after[name]), name
