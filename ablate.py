@@ -1,13 +1,13 @@
 """ablate.py -- the study's experiments as named grids of runs, over seeds, with a table beside the paper.
 
-    python ablate.py synthetic            # minimal model on synthetic trajectories: scratch vs SPT (CPU, ~8 min)
-    python ablate.py init                 # hybrid initialization and freezing (Table 3), synthetic task (~25 min)
+    python ablate.py synthetic            # minimal model on synthetic trajectories: scratch vs SPT (CPU, ~12 min)
+    python ablate.py init                 # hybrid initialization and freezing (Table 3), synthetic task (~27 min)
     python ablate.py init --task pathfinder   # ... on PathFinder (CPU: generated 32x32 images, a 1-layer model)
-    python ablate.py posenc               # ALiBi, RoPE, FIRE from scratch versus sinusoidal + SPT (synthetic)
+    python ablate.py posenc               # ALiBi, RoPE, FIRE from scratch versus sinusoidal + SPT (synthetic, ~11 min)
     python ablate.py ucr                  # UCR time series: scratch vs SPT on the data sets found locally
     python ablate.py ucr --download       # ... fetching the missing ones (GunPoint, ECG200, ECG5000, ECGFiveDays)
-    python ablate.py swap                 # dataset swap PathFinder <-> Image (CPU: Fashion-MNIST stands in)
-    python ablate.py duration             # SPT for 1, 3, 10 epochs (CPU, synthetic) / 1, 10, 100, 200 (paper)
+    python ablate.py swap --seeds 1       # dataset swap PathFinder <-> Image (CPU: Fashion-MNIST stands in, ~50 min)
+    python ablate.py duration             # SPT for 1, 3, 10 epochs (CPU, synthetic, ~19 min) / 1, 10, 100, 200 (paper)
     python ablate.py main --preset paper  # the LRA table: scratch vs SPT on every task whose data is here (GPU)
     python ablate.py synthetic --seeds 3  # fewer seeds;  --max_steps N caps every run (a quick look)
     python ablate.py report               # the README's Results section, from the Markdown written above
