@@ -48,12 +48,12 @@ LRA_TASKS = ("listops", "text", "retrieval", "image", "pathfinder")
 ABLATION_TASKS = ("synthetic", "pathfinder", "image", "fashion_mnist")
 
 
-def common_flags(args, task):
-    """Flags every run of an experiment shares; a one-layer model for Table 3 and the position study on LRA
-    tasks (the synthetic preset is one layer already)."""
+def common_flags(args, one_layer=False):
+    """Flags every run of an experiment shares; `one_layer` for Table 3 and the position study on LRA tasks
+    (the synthetic preset is one layer already)."""
     flags = ["--data_dir", args.data_dir, "--preset", args.preset, "--device", args.device]
     flags += ["--max_steps", str(args.max_steps)] if args.max_steps else []  # 0: the preset's own budget
-    return flags + (["--n_layers", "1"] if task != "synthetic" else [])
+    return flags + (["--n_layers", "1"] if one_layer else [])
 
 
 def run_dir(args, task, seed, model="1layer"):
@@ -115,7 +115,7 @@ def experiment_synthetic(args):
     epoch at which validation accuracy first reaches 0.9 (the end of the plateau), and attention statistics at
     init and after SPT (entropy, band mass, mean attended distance, PE-only probe correlation).
     """
-    common = common_flags(args, "synthetic")
+    common = common_flags(args)
     runs = []
     for seed in range(args.seeds):
         folder = run_dir(args, "synthetic", seed)
@@ -158,7 +158,7 @@ def experiment_synthetic(args):
 def experiment_init(args):
     """Coser et al. Table 3: hybrid initialization (--inherit) and freezing (--freeze) of a one-layer model, on
     args.task (synthetic, or an LRA pixel task: PathFinder, Image, or its stand-in Fashion-MNIST)."""
-    task, common = args.task, common_flags(args, args.task)
+    task, common = args.task, common_flags(args, one_layer=args.task != "synthetic")
     grid = [("scratch", "scratch", ()), *[(k, None, ("--inherit", k)) for k in
                                            ("all", "qk", "attn", "qk+embed+norm", "all-but-qk")],
             ("scratch, attn frozen", "scratch", ("--freeze", "attn")),
@@ -228,13 +228,13 @@ def experiment_swap(args):
         ckpts = {}
         for task in tasks:
             ckpts[task] = run_pretrain(task, run_dir(args, task, seed, "preset"), seed,
-                                       common_flags(args, "synthetic"))  # the task's preset model, all layers
+                                       common_flags(args))  # the task's preset model, all layers
         for target in tasks:
             folder = run_dir(args, target, seed, "preset")
             for source in ("scratch",) + tasks:
                 name = "scratch" if source == "scratch" else f"spt_from_{source}"
                 result = run_finetune(target, folder, seed, name, ckpts.get(source, "scratch"),
-                                      common_flags(args, "synthetic"))
+                                      common_flags(args))
                 runs.append(dict(seed=seed, target=target, source=source, best_val_acc=result["best_val_acc"],
                                  train_acc=result["train_acc"], test_acc=result["test_acc"]))
     paper = {(image, "scratch"): "0.69 / 0.48", (image, "pathfinder"): "0.84 / 0.56",
@@ -256,7 +256,7 @@ def experiment_swap(args):
 def experiment_duration(args):
     """Coser et al. Sec. 3, pretraining duration: SPT for each of --durations epochs, then finetuning.
     The paper: CIFAR10 and ListOps get most of the gain after 1-10 epochs; PathFinder needs 100-200."""
-    task, common = args.task, common_flags(args, "synthetic")
+    task, common = args.task, common_flags(args)
     durations = args.durations or ((1, 10, 100, 200) if args.preset == "paper" else (1, 3, 10))
     runs = []
     for seed in range(args.seeds):
@@ -297,7 +297,7 @@ def experiment_main(args):
         done.append(task)
         for seed in range(args.seeds):
             folder = run_dir(args, task, seed, "preset")
-            common = common_flags(args, "synthetic")
+            common = common_flags(args)
             ckpt = run_pretrain(task, folder, seed, common)
             for name, init in (("scratch", "scratch"), ("spt", ckpt)):
                 result = run_finetune(task, folder, seed, name, init, common)
@@ -326,7 +326,7 @@ def experiment_ucr(args):
     fetches them first. Per data set and seed: SPT, then finetune; and finetune from scratch. Accuracy is on
     the archive's TEST split, with the weights of the best validation accuracy (validation: 20% of TRAIN).
     """
-    common = common_flags(args, "synthetic")  # the UCR preset's model (no one-layer override)
+    common = common_flags(args)  # the UCR preset's model
     found, skipped = [], []
     for name in args.datasets:
         task = f"ucr/{name}"
@@ -390,7 +390,7 @@ def experiment_ucr(args):
 def experiment_posenc(args):
     """Coser et al. Sec. 4 (relative positions from scratch): sinusoidal, ALiBi, RoPE and FIRE trained from
     scratch on args.task, beside sinusoidal + SPT (shared with `python ablate.py synthetic` / `init`)."""
-    task, common = args.task, common_flags(args, args.task)
+    task, common = args.task, common_flags(args, one_layer=args.task != "synthetic")
     paper = {"sinusoidal": ("0.501", "-"), "alibi": ("0.564", "0.500"), "rope": ("tested, no number", "-"),
              "fire": ("tested, no number", "-")}
     runs = []

@@ -85,17 +85,18 @@ def model_from_pretrained(path, meta, n_classes, task, device, inherit="all"):
         state["embed.weight"] = state["embed.weight"][:, :cfg.d_input]
         print(f"sliced the mask-indicator column off embed.weight ({cfg.d_input + 1} -> {cfg.d_input} inputs)")
     model = Transformer(cfg)
-    new = sorted(set(model.state_dict()) - set(state))
-    dropped = sorted(set(state) - set(model.state_dict()))
+    fresh = model.state_dict()
+    new = sorted(set(fresh) - set(state))
+    dropped = sorted(set(state) - set(fresh))
     bad_new = [k for k in new if not k.startswith("cls_head.")]
     bad_dropped = [k for k in dropped if not k.startswith("rec_head.")]
     if bad_new or bad_dropped:
         raise ValueError(f"{path}: checkpoint does not match the model: missing {bad_new}, unexpected {bad_dropped}")
-    for key in set(state) & set(model.state_dict()):
-        if state[key].shape != model.state_dict()[key].shape:
+    for key in set(state) & set(fresh):
+        if state[key].shape != fresh[key].shape:
             raise ValueError(f"{path}: {key} has shape {tuple(state[key].shape)}, "
-                             f"the model expects {tuple(model.state_dict()[key].shape)}")
-    merged = hybrid_state_dict(model.state_dict(), state, INHERIT[inherit])
+                             f"the model expects {tuple(fresh[key].shape)}")
+    merged = hybrid_state_dict(fresh, state, INHERIT[inherit])
     model.load_state_dict(merged, strict=True)
     counts = {}
     for key, tensor in merged.items():  # parameter count per group, and where the group came from
