@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 import data
-from model import Transformer, config_from_dict, param_group, unwrapped_state_dict
+from finetune import param_group
+from model import Transformer, config_from_dict, unwrapped_state_dict
 
 # ----------------------------------------------------------------------------------------------------------
 # 1. Proposition 1 (Coser et al., Prop. 1): gradients of the two losses at uniform attention
@@ -284,7 +285,7 @@ def attention_stats(probs, band=3):
 
 
 def relative_displacement(init_sd, sd):
-    """||W - W_init|| / ||W_init|| per parameter group (model.PARAM_GROUPS), over the groups both share."""
+    """||W - W_init|| / ||W_init|| per parameter group (finetune.PARAM_GROUPS), over the groups both share."""
     num, den = {}, {}
     for name, w0 in init_sd.items():
         if name in sd and sd[name].shape == w0.shape:

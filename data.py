@@ -86,6 +86,21 @@ def load_pt(path, map_location="cpu"):
         raise ValueError(f"{path}: cannot be loaded as a weights-only checkpoint ({type(e).__name__}: {e})") from e
 
 
+def load_newest(candidates, map_location="cpu", who="load"):
+    """The first of `candidates` (paths, newest first) that loads with load_pt, or None; a missing or damaged
+    file is reported (prefixed by `who`) and skipped, so a run resumes from its previous checkpoint."""
+    for path in candidates:
+        try:
+            ck = load_pt(path, map_location=map_location)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"{who}: {e}; trying the previous checkpoint")
+            continue
+        print(f"{who}: continuing from {path}")
+        return ck
+    print(f"{who}: no usable checkpoint, starting from scratch")
+    return None
+
+
 def sha256_of(path):
     """Hex sha256 of a file, read in 1 MiB chunks (recorded in the metadata so results can name their data)."""
     h = hashlib.sha256()
@@ -1712,6 +1727,22 @@ def load_split(data_dir, task, split):
     if d["meta"].get("task") != task:
         raise ValueError(f"{path}: holds task {d['meta'].get('task')!r}, expected {task!r}")
     return d
+
+
+def load_splits(data_dir, task, device="cpu", expect_n_train=None):
+    """{split: load_split(...)} for train, val and test, with inputs and labels on `device` (LRA splits fit in
+    GPU memory: no host-to-device copy per step); lengths stay on the CPU (see get_batch). Warns when the
+    training split holds fewer than `expect_n_train` sequences (a preset's size)."""
+    splits = {s: load_split(data_dir, task, s) for s in SPLITS}
+    have = splits["train"]["meta"].get("split_sizes", {}).get("train")
+    if expect_n_train and have and have < expect_n_train:
+        print(f"warning: {data_dir}/{task} holds {have} training sequences, the preset expects {expect_n_train}: "
+              f"run `python data.py --task {task}` (or another --data_dir) for the full set")
+    for split in splits.values():
+        for key in INPUT_KEYS + ("labels",):
+            if key in split:
+                split[key] = split[key].to(device)
+    return splits
 
 
 def batch_indices(lengths, batch_size, shuffle, seed=0, epoch=0, bucket=50):

@@ -32,9 +32,41 @@ import torch
 import torch.nn.functional as F
 
 import data
-from model import FREEZE, INHERIT, ModelConfig, Transformer, config_from_dict, param_group, unwrapped_state_dict
+from model import ModelConfig, Transformer, config_from_dict, unwrapped_state_dict
 from pretrain import (autocast, build_parser, global_sum, local_rows, prepare_data, resolve, run_record, train,
                       wrap)
+
+
+# Parameter groups of Coser et al. Table 3, by parameter name (used by --inherit, --freeze and analyze.py).
+PARAM_GROUPS = {
+    "W_Q": lambda n: ".attn.q_proj." in n,
+    "W_K": lambda n: ".attn.k_proj." in n,
+    "W_V": lambda n: ".attn.v_proj." in n,
+    "W_O": lambda n: ".attn.o_proj." in n,
+    "mlp": lambda n: ".mlp." in n,
+    "embed": lambda n: n.startswith("embed."),                       # the input encoder
+    "norm": lambda n: ".ln1." in n or ".ln2." in n or n.startswith("ln_f."),
+    "head": lambda n: n.startswith(("cls_head.", "rec_head.")),
+    "posenc": lambda n: ".attn.fire." in n,                          # FIRE's learned position bias
+}
+
+
+_BACKBONE = ("W_Q", "W_K", "W_V", "W_O", "mlp", "embed", "norm", "posenc")
+# finetune.py --inherit: which groups come from the SPT checkpoint (Coser et al. Table 3); the rest is fresh.
+INHERIT = {"all": _BACKBONE, "qk": ("W_Q", "W_K"), "attn": ("W_Q", "W_K", "W_V", "W_O"),
+           "qk+embed+norm": ("W_Q", "W_K", "embed", "norm"),
+           "all-but-qk": tuple(g for g in _BACKBONE if g not in ("W_Q", "W_K"))}
+# finetune.py --freeze: groups kept at their initial values during finetuning (Coser et al. Sec. 3, Table 3).
+FREEZE = {"none": (), "attn": ("W_Q", "W_K", "W_V", "W_O", "posenc"),
+          "attn+mlp": ("W_Q", "W_K", "W_V", "W_O", "posenc", "mlp")}
+
+
+def param_group(name):
+    """The group (a key of PARAM_GROUPS) a parameter name belongs to; every parameter has exactly one."""
+    groups = [g for g, member in PARAM_GROUPS.items() if member(name)]
+    if len(groups) != 1:
+        raise ValueError(f"parameter {name!r} is in groups {groups}, expected exactly one")
+    return groups[0]
 
 
 def input_kind(meta):
@@ -44,7 +76,7 @@ def input_kind(meta):
 
 def hybrid_state_dict(fresh, pretrained, groups):
     """Hybrid initialization (Coser et al. Table 3): the state dict that takes every tensor whose parameter
-    group (model.param_group) is in `groups` from `pretrained` and every other tensor from `fresh`.
+    group (param_group) is in `groups` from `pretrained` and every other tensor from `fresh`.
 
     fresh, pretrained: state dicts (name -> tensor); a name missing from `pretrained` (a new head) stays fresh.
     Returns a new dict with the keys of `fresh`; neither input is modified.
@@ -59,7 +91,7 @@ def model_from_pretrained(path, meta, n_classes, task, device, inherit="all"):
     Checks that the checkpoint is a pretraining checkpoint of `task`, or of another task with the same kind of
     input (a dataset swap, e.g. SPT on PathFinder and finetuning on Image), and the same vocabulary.
     Only `cls_head.*` may be new and only `rec_head.*` may be dropped: anything else (or a shape mismatch)
-    raises ValueError naming the keys. Prints the new and dropped keys. `inherit` (a key of model.INHERIT)
+    raises ValueError naming the keys. Prints the new and dropped keys. `inherit` (a key of INHERIT)
     selects the parameter groups copied; the others keep their fresh initialization (hybrid initialization,
     Coser et al. Table 3).
     """

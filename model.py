@@ -359,38 +359,6 @@ def init_weights(model, std=0.02):
             nn.init.zeros_(m.bias)
 
 
-# Parameter groups of Coser et al. Table 3, by parameter name (used by --inherit, --freeze and the analyses).
-PARAM_GROUPS = {
-    "W_Q": lambda n: ".attn.q_proj." in n,
-    "W_K": lambda n: ".attn.k_proj." in n,
-    "W_V": lambda n: ".attn.v_proj." in n,
-    "W_O": lambda n: ".attn.o_proj." in n,
-    "mlp": lambda n: ".mlp." in n,
-    "embed": lambda n: n.startswith("embed."),                       # the input encoder
-    "norm": lambda n: ".ln1." in n or ".ln2." in n or n.startswith("ln_f."),
-    "head": lambda n: n.startswith(("cls_head.", "rec_head.")),
-    "posenc": lambda n: ".attn.fire." in n,                          # FIRE's learned position bias
-}
-
-
-_BACKBONE = ("W_Q", "W_K", "W_V", "W_O", "mlp", "embed", "norm", "posenc")
-# finetune.py --inherit: which groups come from the SPT checkpoint (Coser et al. Table 3); the rest is fresh.
-INHERIT = {"all": _BACKBONE, "qk": ("W_Q", "W_K"), "attn": ("W_Q", "W_K", "W_V", "W_O"),
-           "qk+embed+norm": ("W_Q", "W_K", "embed", "norm"),
-           "all-but-qk": tuple(g for g in _BACKBONE if g not in ("W_Q", "W_K"))}
-# finetune.py --freeze: groups kept at their initial values during finetuning (Coser et al. Sec. 3, Table 3).
-FREEZE = {"none": (), "attn": ("W_Q", "W_K", "W_V", "W_O", "posenc"),
-          "attn+mlp": ("W_Q", "W_K", "W_V", "W_O", "posenc", "mlp")}
-
-
-def param_group(name):
-    """The group (a key of PARAM_GROUPS) a parameter name belongs to; every parameter has exactly one."""
-    groups = [g for g, member in PARAM_GROUPS.items() if member(name)]
-    if len(groups) != 1:
-        raise ValueError(f"parameter {name!r} is in groups {groups}, expected exactly one")
-    return groups[0]
-
-
 def count_params(model):
     """Number of trainable parameters."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -455,11 +423,11 @@ def peak_flops(device, dtype):
 # Benchmark: python model.py --bench   (issue: performance; figures in the README)
 # ----------------------------------------------------------------------------------------------------------
 
-BENCH_SIZES = {  # name: (L, d_model, n_layers, n_heads, d_mlp, batch)
-    "cpu": (1024, 128, 4, 4, 256, 8),
-    "listops-paper": (2048, 512, 6, 8, 2048, 32),
-    "text-paper": (4096, 512, 6, 8, 2048, 32),
-}
+BENCH_SIZES = {"cpu": (1024, 128, 4, 4, 256, 8),  # name: (L, d_model, n_layers, n_heads, d_mlp, batch)
+               "listops-paper": (2048, 512, 6, 8, 2048, 32), "text-paper": (4096, 512, 6, 8, 2048, 32)}
+BENCH_VARIANTS = {"fused": "ours, fused attention", "explicit": "ours, explicit attention",
+                  "reference": "torch.nn.TransformerEncoder", "data": "ours, fused + data path",
+                  "compile": "ours, fused + torch.compile"}
 
 
 class ReferenceEncoder(nn.Module):
@@ -467,149 +435,134 @@ class ReferenceEncoder(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.embed, self.rec_head = nn.Embedding(cfg.vocab_size, cfg.d_model), nn.Linear(cfg.d_model, cfg.n_rec)
         self.register_buffer("pe", sinusoidal_positions(cfg.max_len, cfg.d_model), persistent=False)
         layer = nn.TransformerEncoderLayer(cfg.d_model, cfg.n_heads, cfg.d_mlp, dropout=0.0, activation="gelu",
                                            batch_first=True, norm_first=True)
-        self.encoder = nn.TransformerEncoder(layer, cfg.n_layers, norm=nn.LayerNorm(cfg.d_model),
-                                             enable_nested_tensor=False)
-        self.rec_head = nn.Linear(cfg.d_model, cfg.n_rec)
+        self.encoder = nn.TransformerEncoder(layer, cfg.n_layers, nn.LayerNorm(cfg.d_model), enable_nested_tensor=False)
 
     def reconstruct(self, x, lengths, positions):
-        z = self.encoder(self.embed(x) + self.pe[:x.shape[1]])
-        return self.rec_head(z[positions])
+        return self.rec_head(self.encoder(self.embed(x) + self.pe[:x.shape[1]])[positions])
 
 
-def _bench_one(variant, size, device, dtype, steps, repeats, compile_model):
-    """Median seconds per SPT training step (masked reconstruction, fwd + bwd + AdamW) and peak memory."""
+def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
+    """Put on `queue` the median seconds per SPT training step (masked reconstruction, forward + backward +
+    AdamW) of one BENCH_VARIANTS key, its peak memory (bytes) and FLOPs per token; None if out of memory.
+    Runs in a fresh process: on the CPU, peak memory = growth of the process's resident set."""
+    import resource
     import time
-    import pretrain  # the masking and loss of the real training step
     import data
+    import pretrain  # the masking of the real training step
+    torch.set_num_threads(threads)
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
     L, d, n_layers, n_heads, d_mlp, B = size
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=32, max_len=L, d_model=d, n_layers=n_layers, n_heads=n_heads, d_mlp=d_mlp, n_rec=32)
-    model = (ReferenceEncoder(cfg) if variant == "torch.nn.TransformerEncoder" else Transformer(cfg)).to(device)
-    fwd = torch.compile(model) if compile_model else model
+    model = (ReferenceEncoder(cfg) if variant == "reference" else Transformer(cfg)).to(device)
+    net = torch.compile(model) if variant == "compile" else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    split = dict(tokens=torch.randint(2, 32, (8 * B, L), dtype=torch.uint8), lengths=torch.full((8 * B,), L),
-                 labels=torch.zeros(8 * B, dtype=torch.long))
-    if device.type == "cuda":
-        split = {k: (v if k == "lengths" else v.to(device)) for k, v in split.items()}
+    split = dict(tokens=torch.randint(2, 32, (8 * B, L), dtype=torch.uint8).to(device),
+                 lengths=torch.full((8 * B,), L), labels=torch.zeros(8 * B, dtype=torch.long, device=device))
     g = torch.Generator(device=device).manual_seed(0)
-    fixed = data.get_batch(split, torch.arange(B), device)
-    fixed_inputs, fixed_masked = pretrain.mask_batch(fixed[0], fixed[1], 0.15, 1, g)
-    need_weights = variant == "ours, explicit attention"
-    if need_weights:  # the explicit path, as a training step would run it if it were used
-        fwd.reconstruct = lambda x, lengths, pos: model.rec_head(model.encode(x, lengths, need_weights=True)[0][pos])
 
-    def step(i):
-        if variant == "ours, fused + data path":
-            x, lengths, _ = data.get_batch(split, data.batch_indices(split["lengths"], B, True, 0, i)[0], device)
-            inputs, masked = pretrain.mask_batch(x, lengths, 0.15, 1, g)
-        else:
-            x, lengths, inputs, masked = fixed[0], fixed[1], fixed_inputs, fixed_masked
+    def batch(i):  # the data path of a training step: gather a batch, trim its padding, mask it
+        x, lengths, _ = data.get_batch(split, data.batch_indices(split["lengths"], B, True, 0, i)[0], device)
+        return (x, lengths) + pretrain.mask_batch(x, lengths, 0.15, 1, g)
+
+    def step(i, fixed=batch(0)):
+        x, lengths, inputs, masked = batch(i) if variant == "data" else fixed
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            out = fwd.reconstruct(inputs, lengths, masked)
-        loss = torch.nn.functional.cross_entropy(out.float(), x[masked])
-        loss.backward()
+            if variant == "explicit":  # the step as it would run if it asked for the attention weights
+                out = model.rec_head(model.encode(inputs, lengths, need_weights=True)[0][masked])
+            else:
+                out = net.reconstruct(inputs, lengths, masked)
+        F.cross_entropy(out.float(), x[masked]).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for i in range(3):  # warm-up (and compilation), not timed
-        step(i)
-    sync()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for r in range(repeats):
-        t0 = time.perf_counter()
-        for i in range(steps):
+    try:
+        for i in range(3):  # warm-up (and compilation), not timed
             step(i)
         sync()
-        times.append((time.perf_counter() - t0) / steps)
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
-    times.sort()
-    return times[len(times) // 2], peak, flops_per_token(cfg, L)
-
-
-def _bench_worker(args, queue):
-    """Run one variant in a fresh process (CPU peak memory = growth of its resident set), report via queue."""
-    import resource
-    torch.set_num_threads(args[-1])
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    try:
-        sec, peak, fpt = _bench_one(*args[:-1])
-        peak = peak if peak is not None else (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024
-        queue.put((sec, peak, fpt, None))
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for i in range(steps):
+                step(i)
+            sync()
+            times.append((time.perf_counter() - t0) / steps)
     except torch.OutOfMemoryError:
-        queue.put((None, None, None, "out of memory"))
+        return queue.put(None)
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else \
+        (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024
+    queue.put((sorted(times)[len(times) // 2], peak, flops_per_token(cfg, L)))
 
 
 def bench(argv=None):
-    """Time our fused path, our explicit path and torch.nn.TransformerEncoder on the same SPT training step."""
+    """Time each variant (our fused and explicit paths, torch.nn.TransformerEncoder, ...) on the same SPT step,
+    each in its own process; print ms/step, tokens/s, peak memory, MFU, the ratio fused / reference and the
+    data path's overhead. Returns the figures as a dict (also written to --json)."""
     import argparse
     import json
-    import multiprocessing as mp
+    import multiprocessing
     import platform
+    import pretrain
     p = argparse.ArgumentParser(description="model.py defines the model; with --bench it times one SPT training "
-                                            "step of our model against torch.nn.TransformerEncoder",
+                                "step of our model against torch.nn.TransformerEncoder",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--bench", action="store_true", help="run the benchmark")
-    p.add_argument("--size", default="cpu", choices=BENCH_SIZES, help="(L, d_model, layers, heads, MLP, batch)")
+    p.add_argument("--size", default="cpu", help=f"one of {', '.join(BENCH_SIZES)}, or L,d_model,layers,heads,MLP,batch")
     p.add_argument("--L", type=int, default=None, help="override the sequence length of --size")
-    p.add_argument("--batch", type=int, default=None, help="override the batch size of --size")
     p.add_argument("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"), help="auto = bf16 on CUDA")
     p.add_argument("--steps", type=int, default=5, help="timed steps per repeat")
     p.add_argument("--repeats", type=int, default=5, help="the median over repeats is reported")
-    p.add_argument("--variants", default="fused,explicit,reference,data",
-                   help="comma-separated subset of fused, explicit, reference (torch.nn.TransformerEncoder), data")
-    p.add_argument("--compile", action="store_true", help="also time our fused path under torch.compile")
+    p.add_argument("--variants", default="fused,explicit,reference,data", help=f"any of {', '.join(BENCH_VARIANTS)}")
     p.add_argument("--json", default=None, help="write the figures to this file")
     a = p.parse_args(argv)
-    import pretrain
+    try:
+        size = BENCH_SIZES.get(a.size) or tuple(int(v) for v in a.size.split(","))
+        assert len(size) == 6 and set(a.variants.split(",")) <= set(BENCH_VARIANTS)
+    except (ValueError, AssertionError):
+        p.error(f"--size {a.size} --variants {a.variants}: expected a size name or six integers, and variants of "
+                f"{', '.join(BENCH_VARIANTS)}")
+    size = (a.L or size[0],) + size[1:]
     device = pretrain.pick_device(a.device)
     dtype, reason = pretrain.pick_dtype(a.dtype, device)
-    L, d, nl, nh, dm, B = BENCH_SIZES[a.size]
-    size = (a.L or L, d, nl, nh, dm, a.batch or B)
-    names = {"fused": "ours, fused attention", "explicit": "ours, explicit attention",
-             "reference": "torch.nn.TransformerEncoder", "data": "ours, fused + data path"}
-    runs = [(names[v], False) for v in a.variants.split(",")] + ([("ours, fused + torch.compile", True)]
-                                                                  if a.compile else [])
-    print(f"benchmark: L={size[0]} d_model={d} layers={nl} heads={nh} MLP={dm} batch={size[5]} | {device} "
-          f"{torch.cuda.get_device_name() if device.type == 'cuda' else platform.processor() or platform.machine()}"
-          f" | {str(dtype).replace('torch.', '')} ({reason}) | torch {torch.__version__} | median of {a.repeats} x "
-          f"{a.steps} steps after 3 warm-up steps")
-    peak_fl = peak_flops(device, dtype)
-    ctx = mp.get_context("spawn")
-    results = {}
-    for name, comp in runs:
-        variant = "ours, fused attention" if comp else name
-        queue = ctx.Queue()
-        proc = ctx.Process(target=_bench_worker, args=((variant, size, device, dtype, a.steps, a.repeats, comp,
-                                                        torch.get_num_threads()), queue))
-        proc.start()
-        sec, peak, fpt, err = queue.get()
-        proc.join()
-        tok_s = None if sec is None else size[0] * size[5] / sec
-        mfu = None if (sec is None or peak_fl is None) else tok_s * fpt / peak_fl
-        results[name] = dict(ms_per_step=None if sec is None else 1000 * sec, tokens_per_s=tok_s,
-                             peak_memory_mb=None if peak is None else peak / 2 ** 20, mfu=mfu, error=err)
-        print(f"  {name:32s} " + (err if err else f"{1000 * sec:9.1f} ms/step {tok_s:12,.0f} tok/s "
-                                                  f"peak {peak / 2 ** 20:9.1f} MiB" +
-                                                  (f"  MFU {100 * mfu:.1f}%" if mfu is not None else "")))
-    ref, ours = results.get("torch.nn.TransformerEncoder"), results.get("ours, fused attention")
+    name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or platform.machine()
+    print(f"benchmark: L, d_model, layers, heads, MLP, batch = {size} | {device} {name} | {str(dtype)[6:]} "
+          f"({reason}) | torch {torch.__version__} | median of {a.repeats} x {a.steps} steps after 3 warm-up steps")
     out = dict(size=dict(zip(("L", "d_model", "n_layers", "n_heads", "d_mlp", "batch"), size)), device=str(device),
-               device_name=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
-               dtype=str(dtype), torch=torch.__version__, steps=a.steps, repeats=a.repeats, results=results)
-    if ref and ours and ref["tokens_per_s"] and ours["tokens_per_s"]:
-        out["speed_ratio_fused_vs_reference"] = ours["tokens_per_s"] / ref["tokens_per_s"]
+               device_name=name, dtype=str(dtype), torch=torch.__version__, steps=a.steps, repeats=a.repeats)
+    ctx, peak_fl, res = multiprocessing.get_context("spawn"), peak_flops(device, dtype), {}
+    for v in a.variants.split(","):
+        queue = ctx.Queue()
+        proc = ctx.Process(target=time_spt_step, args=(v, size, device, dtype, a.steps, a.repeats,
+                                                       torch.get_num_threads(), queue))
+        proc.start()
+        result = queue.get()
+        proc.join()
+        if result is None:
+            res[v] = dict(error="out of memory")
+            print(f"  {BENCH_VARIANTS[v]:30s} out of memory")
+            continue
+        sec, peak, fpt = result
+        mfu = None if peak_fl is None else size[0] * size[5] / sec * fpt / peak_fl
+        res[v] = dict(ms_per_step=1000 * sec, tokens_per_s=size[0] * size[5] / sec, peak_memory_mb=peak / 2 ** 20,
+                      mfu=mfu)
+        print(f"  {BENCH_VARIANTS[v]:30s} {1000 * sec:9.1f} ms/step {res[v]['tokens_per_s']:12,.0f} tok/s peak "
+              f"{peak / 2 ** 20:9.1f} MiB" + (f"  MFU {100 * mfu:.1f}%" if mfu is not None else ""))
+    ms = {k: r.get("ms_per_step") for k, r in res.items()}
+    if ms.get("fused") and ms.get("reference"):  # the ratio of tokens/s = inverse ratio of step times
+        out["speed_ratio_fused_vs_reference"] = ms["reference"] / ms["fused"]
         print(f"  speed ratio, ours fused / torch.nn.TransformerEncoder: {out['speed_ratio_fused_vs_reference']:.2f}")
-    data_run = results.get("ours, fused + data path")
-    if data_run and ours and data_run["ms_per_step"] and ours["ms_per_step"]:
-        out["data_path_overhead"] = data_run["ms_per_step"] / ours["ms_per_step"] - 1
+    if ms.get("fused") and ms.get("data"):
+        out["data_path_overhead"] = ms["data"] / ms["fused"] - 1
         print(f"  data path overhead (batching + masking per step): {100 * out['data_path_overhead']:+.1f}%")
+    out["results"] = res
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as f:

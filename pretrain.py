@@ -221,11 +221,8 @@ def pick_device(name):
     """'auto' -> cuda if available, else mps, else cpu; any other string is passed to torch.device."""
     if name != "auto":
         return torch.device(name)
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
 
 
 def pick_dtype(name, device):
@@ -242,9 +239,7 @@ def pick_dtype(name, device):
 
 def autocast(args):
     """Mixed-precision context for the forward pass (a no-op in fp32)."""
-    if args.dtype == torch.float32:
-        return nullcontext()
-    return torch.autocast(args.device.type, dtype=args.dtype)
+    return nullcontext() if args.dtype == torch.float32 else torch.autocast(args.device.type, dtype=args.dtype)
 
 
 def get_lr(step, lr, warmup):
@@ -253,24 +248,13 @@ def get_lr(step, lr, warmup):
 
 
 def prepare_data(args, preset):
-    """Load train/val/test of args.task, making them first with the preset's sizes if they are missing."""
+    """Load train/val/test of args.task onto the device (data.load_splits), making them first if missing."""
     if args.rank == 0 and not os.path.exists(os.path.join(args.data_dir, args.task, "train.pt")):
         print(f"{args.data_dir}/{args.task}/train.pt not found: preparing it (preset {args.preset})")
         data.prepare(args.task, args.data_dir, **preset["data"])
     if args.world_size > 1:
         dist.barrier()  # under torchrun only rank 0 writes the data; the others wait for it
-    splits = {s: data.load_split(args.data_dir, args.task, s) for s in data.SPLITS}
-    wanted = preset.get("data", {}).get("n_train")
-    have = splits["train"]["meta"].get("split_sizes", {}).get("train")
-    if wanted and have and have < wanted:
-        print(f"warning: {args.data_dir}/{args.task} holds {have} training sequences, the {args.preset} preset "
-              f"expects {wanted}: run `python data.py --task {args.task}` (or another --data_dir) for the full set")
-    if args.device.type == "cuda":  # LRA splits fit in GPU memory: no host-to-device copy per step
-        for s in splits.values():
-            for key in ("tokens", "values", "labels"):  # lengths stay on the CPU (see data.get_batch)
-                if key in s:
-                    s[key] = s[key].to(args.device)
-    return splits
+    return data.load_splits(args.data_dir, args.task, args.device, preset["data"].get("n_train"))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -386,23 +370,6 @@ def run_record(args):
                 device_name=torch.cuda.get_device_name() if args.device.type == "cuda" else platform.processor())
 
 
-def load_for_resume(candidates, device):
-    """The first of `candidates` (newest first) that loads; a damaged one is reported and skipped."""
-    for path in candidates:
-        if not os.path.exists(path):
-            print(f"--resume: {path} not found")
-            continue
-        try:
-            ck = data.load_pt(path, map_location=device)
-        except ValueError as e:
-            print(f"--resume: {e}; falling back to the previous checkpoint")
-            continue
-        print(f"--resume: continuing from {path}")
-        return ck
-    print("--resume: no usable checkpoint, starting from scratch")
-    return None
-
-
 def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better):
     """Optimize `model` on splits["train"], evaluating and checkpointing every args.eval_every steps.
 
@@ -420,7 +387,7 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
     total = args.epochs * n_batches if not args.max_steps else min(args.max_steps, args.epochs * n_batches)
     state = dict(step=0, epoch=0, batch_in_epoch=0, best=None, best_metrics=None)
     if args.resume:
-        ck = load_for_resume([paths["last"], paths["best"]], args.device)
+        ck = data.load_newest([paths["last"], paths["best"]], args.device, "--resume")
         if ck is not None:
             model.load_state_dict(ck["model"])
             opt.load_state_dict(ck["optimizer"])

@@ -600,6 +600,41 @@ def test_training_never_calls_the_explicit_attention_path(listops_dir, tmp_path,
         Transformer(tiny_cfg()).encode(torch.ones(1, 4, dtype=torch.long), need_weights=True)
 
 
+def test_bench_reports_figures_computed_from_its_own_timings(tmp_path):
+    path = str(tmp_path / "bench.json")
+    out = model_lib.bench(["--bench", "--size", "64,16,1,2,32,2", "--steps", "1", "--repeats", "1", "--variants",
+                           "fused,reference,data", "--device", "cpu", "--json", path])
+    r = out["results"]
+    assert set(r) == {"fused", "reference", "data"} and out["size"]["L"] == 64 and out["size"]["batch"] == 2
+    assert out["speed_ratio_fused_vs_reference"] == pytest.approx(r["reference"]["ms_per_step"] /
+                                                                  r["fused"]["ms_per_step"])
+    assert out["data_path_overhead"] == pytest.approx(r["data"]["ms_per_step"] / r["fused"]["ms_per_step"] - 1)
+    assert r["fused"]["tokens_per_s"] == pytest.approx(64 * 2 / (r["fused"]["ms_per_step"] / 1000))
+    with open(path) as f:
+        assert json.load(f) == json.loads(json.dumps(out))
+    for bad in (["--variants", "fused,fast"], ["--size", "64,16"]):
+        with pytest.raises(SystemExit):
+            model_lib.bench(["--bench"] + bad)
+
+
+def test_load_splits_moves_every_input_kind_and_keeps_lengths_on_the_cpu(tmp_path, capsys):
+    # pixels too: get_batch indexes them with an index on the labels' device (a CUDA-only failure otherwise)
+    folder = os.path.join(str(tmp_path), "fashion_mnist")
+    os.makedirs(folder)
+    for prefix, n in (("train", 12), ("t10k", 6)):
+        write_idx(os.path.join(folder, f"{prefix}-images-idx3-ubyte"), np.zeros((n, 28, 28)))
+        write_idx(os.path.join(folder, f"{prefix}-labels-idx1-ubyte"), np.arange(n) % 10)
+    data.prepare_fashion_mnist(str(tmp_path), n_val=4)
+    data.prepare_synthetic(str(tmp_path), n_train=8, n_val=4, n_test=4, length=10)
+    for task in ("fashion_mnist", "synthetic"):
+        splits = data.load_splits(str(tmp_path), task, "meta", expect_n_train=10 ** 6)
+        for s in splits.values():
+            key = next(k for k in data.INPUT_KEYS if k in s)
+            assert s[key].device.type == "meta" and s["labels"].device.type == "meta"
+            assert s["lengths"].device.type == "cpu"
+        assert "the preset expects 1000000" in capsys.readouterr().out
+
+
 def test_flops_per_token_counts_the_matmuls():
     cfg = tiny_cfg(n_layers=2, d_model=16, d_mlp=32)
     # per layer: Q, K, V, O (4 d^2) + MLP (2 d d_mlp) weights, x 6 for fwd+bwd; attention 12 n_layers d L
@@ -623,13 +658,12 @@ def synthetic_run(tmp_path_factory):
 
 
 def test_every_parameter_is_in_exactly_one_group():
-    import model as model_module
     for cfg in (tiny_cfg(n_classes=3, n_rec=17), tiny_cfg(layernorm=False, mlp=False, n_classes=2),
                 tiny_cfg(pos="fire", n_classes=2)):
-        groups = {model_module.param_group(n) for n, _ in Transformer(cfg).named_parameters()}
-        assert groups <= set(model_module.PARAM_GROUPS)
+        groups = {finetune.param_group(n) for n, _ in Transformer(cfg).named_parameters()}
+        assert groups <= set(finetune.PARAM_GROUPS)
     with pytest.raises(ValueError, match="expected exactly one"):
-        model_module.param_group("something.else")
+        finetune.param_group("something.else")
 
 
 def test_inherit_qk_copies_only_w_q_and_w_k(synthetic_run):
@@ -803,7 +837,7 @@ def test_resume_falls_back_when_the_last_checkpoint_is_damaged(listops_dir, tmp_
     capsys.readouterr()
     pretrain.main(args + ["--max_steps", "6", "--resume"])
     text = capsys.readouterr().out
-    assert "pretrain_last.pt: cannot be loaded" in text and "falling back" in text
+    assert "pretrain_last.pt: cannot be loaded" in text and "trying the previous checkpoint" in text
     assert "continuing from" in text and "pretrain.pt" in text
     assert data.load_pt(last)["state"]["step"] == 6
 
@@ -1136,7 +1170,7 @@ def test_fire_bias_is_learned_and_unknown_positions_are_refused():
     m = Transformer(tiny_cfg(pos="fire", n_layers=1, n_classes=2))
     names = [n for n, _ in m.named_parameters()]
     assert any(".attn.fire." in n for n in names)
-    assert model_lib.param_group("blocks.0.attn.fire.log_c") == "posenc"
+    assert finetune.param_group("blocks.0.attn.fire.log_c") == "posenc"
     bias = m.blocks[0].attn._position_bias(7, "cpu")
     # below the learned threshold (32) the normalizer is constant, so the bias depends on |i - j| only
     assert bias.shape == (4, 7, 7) and torch.allclose(bias, bias.transpose(1, 2))
@@ -1173,8 +1207,7 @@ def test_inherit_all_copies_fire_and_freeze_attn_freezes_it(tmp_path):
     data.save_atomic(checkpoint_dict(model, stage="pretrain", task="synthetic", data_meta=meta), path)
     loaded = finetune.model_from_pretrained(path, meta, 2, "synthetic", "cpu", inherit="all")
     assert torch.equal(loaded.blocks[0].attn.fire.log_c, model.blocks[0].attn.fire.log_c)
-    import model as model_module
-    assert "posenc" in model_module.FREEZE["attn"]
+    assert "posenc" in finetune.FREEZE["attn"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1561,7 +1594,7 @@ def test_exercise_hybrid_initialization():
     spt = {n: torch.ones(2) for n in names if n != "cls_head.weight"}
     merged = finetune.hybrid_state_dict(fresh, spt, ("W_Q", "W_K"))
     assert [n for n in names if merged[n][0] == 1] == ["blocks.0.attn.q_proj.weight", "blocks.0.attn.k_proj.bias"]
-    merged = finetune.hybrid_state_dict(fresh, spt, tuple(g for g in model_lib.INHERIT["all-but-qk"]))
+    merged = finetune.hybrid_state_dict(fresh, spt, tuple(g for g in finetune.INHERIT["all-but-qk"]))
     assert [n for n in names if merged[n][0] == 1] == ["embed.weight", "blocks.0.attn.v_proj.weight",
                                                        "blocks.0.mlp.0.weight", "ln_f.weight"]
     assert set(merged) == set(fresh) and fresh["embed.weight"][0] == 0   # inputs untouched
