@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import data
 from finetune import param_group
 from model import Transformer, config_from_dict, unwrapped_state_dict
+from pretrain import single_sequences
 
 # ----------------------------------------------------------------------------------------------------------
 # 1. Proposition 1 (Coser et al., Prop. 1): gradients of the two losses at uniform attention
@@ -239,10 +240,15 @@ def model_inputs(model, x):
 
 
 @torch.no_grad()
-def attention_maps(model, x, lengths=None):
-    """Softmax attention probabilities averaged over the batch: a list over layers of (H, L, L) tensors."""
-    _, probs = model.encode(model_inputs(model, x), lengths, need_weights=True)
-    return [p.mean(0) for p in probs]
+def attention_maps(model, x, lengths=None, chunk=4):
+    """Softmax attention probabilities averaged over the batch: a list over layers of (H, L, L) tensors.
+    `chunk` sequences at a time, so memory holds chunk x H x L x L per layer, not B x H x L x L (paper sizes)."""
+    sums = None
+    for i in range(0, len(x), chunk):
+        part = None if lengths is None else lengths[i:i + chunk]
+        _, probs = model.encode(model_inputs(model, x[i:i + chunk]), part, need_weights=True)
+        sums = [p.sum(0) for p in probs] if sums is None else [s + p.sum(0) for s, p in zip(sums, probs)]
+    return [s / len(x) for s in sums]
 
 
 @torch.no_grad()
@@ -311,6 +317,7 @@ def analyze_checkpoints(paths, data_dir, n=64, band=3):
         model, ck = load_model(path)
         split = data.load_split(data_dir, ck["task"], "val")
         x, lengths, _ = data.get_batch(split, torch.arange(min(n, len(split["labels"]))), "cpu", multiple=1)
+        x, lengths = single_sequences(x, lengths)  # Retrieval: each document of a pair on its own
         attn = attention_maps(model, x, None if bool((lengths == x.shape[1]).all()) else lengths)
         _, probe = pe_probe(model, x.shape[1])
         stats = attention_stats(attn[0], band)

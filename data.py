@@ -1745,13 +1745,15 @@ def load_splits(data_dir, task, device="cpu", expect_n_train=None):
     return splits
 
 
-def batch_indices(lengths, batch_size, shuffle, seed=0, epoch=0, bucket=50):
+def batch_indices(lengths, batch_size, shuffle, seed=0, epoch=0, bucket=50, min_rows=1):
     """The batches of one epoch, as a list of index tensors (B,) into the split.
 
     With `shuffle`, the order is a permutation seeded by (seed, epoch), so a resumed run sees the same batches.
     To keep padding small, each window of `bucket` batches is sorted by length before it is cut into batches,
     and the batches are then shuffled. Without `shuffle` (evaluation) the split is simply sorted by length.
-    The last batch may be smaller than `batch_size`. Document pairs (lengths (N, 2)) sort by their longer one.
+    The last batch may be smaller than `batch_size`; with `shuffle`, one smaller than `min_rows` (under torchrun:
+    the number of ranks, each of which needs a row) joins the batch before it. Document pairs (lengths (N, 2))
+    sort by their longer one.
     """
     if lengths.dim() == 2:
         lengths = lengths.max(dim=1).values
@@ -1764,6 +1766,8 @@ def batch_indices(lengths, batch_size, shuffle, seed=0, epoch=0, bucket=50):
     window = batch_size * bucket
     chunks = [c[torch.argsort(lengths[c], stable=True)] for c in torch.split(perm, window)]
     batches = list(torch.split(torch.cat(chunks), batch_size))
+    if len(batches) > 1 and len(batches[-1]) < min_rows:
+        batches[-2:] = [torch.cat(batches[-2:])]
     return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
 
 

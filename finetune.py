@@ -24,7 +24,6 @@ steps do not leave the attention plateau); the paper reports ~0.56-0.59 with SPT
 the paper size on one GPU (Coser et al. Table 2; not yet run here). Synthetic task: 0.999 (SPT) vs 0.52, 1 min.
 """
 import json
-import math
 import os
 import time
 
@@ -33,7 +32,7 @@ import torch.nn.functional as F
 
 import data
 from model import ModelConfig, Transformer, config_from_dict, unwrapped_state_dict
-from pretrain import (autocast, build_parser, global_sum, local_rows, prepare_data, resolve, run_record, train,
+from pretrain import (accumulator_dtype, autocast, build_parser, global_sum, local_rows, prepare_data, resolve, run_record, train,
                       wrap)
 
 
@@ -144,7 +143,7 @@ def model_from_pretrained(path, meta, n_classes, task, device, inherit="all"):
 def evaluate_accuracy(model, split, args):
     """Classification accuracy and mean cross-entropy over a whole split."""
     model.eval()
-    sums = torch.zeros(2, dtype=torch.float64, device=args.device)  # correct, loss sum
+    sums = torch.zeros(2, dtype=accumulator_dtype(args.device), device=args.device)  # correct, loss sum
     for i, idx in enumerate(data.batch_indices(split["lengths"], args.batch_size, shuffle=False)):
         if i % args.world_size != args.rank:
             continue  # under torchrun each rank evaluates every N-th batch; the sums are reduced below
@@ -152,7 +151,7 @@ def evaluate_accuracy(model, split, args):
         with autocast(args):
             logits = model.classify(x, lengths)
         sums[0] += (logits.argmax(-1) == labels).sum()
-        sums[1] += F.cross_entropy(logits.float(), labels, reduction="sum").double()
+        sums[1] += F.cross_entropy(logits.float(), labels, reduction="sum").to(sums.dtype)
     correct, loss_sum = global_sum(sums, args).tolist()
     model.train()
     n = len(split["labels"])
@@ -217,7 +216,8 @@ def main(argv=None):
     train_acc = evaluate_accuracy(model, subset, args)["acc"]
     log = [json.loads(line) for line in open(paths["log"])]
     result = dict(task=args.task, init=args.init, name=args.name, seed=args.seed, preset=args.preset,
-                  steps_per_epoch=math.ceil(len(train_split["labels"]) / args.batch_size),
+                  steps_per_epoch=len(data.batch_indices(train_split["lengths"], args.batch_size, True,
+                                                         min_rows=args.world_size)),
                   best_val_acc=best["val_acc"], test_acc=test["acc"], train_acc=train_acc, train_acc_subset=n_sub,
                   evals=[e for e in log if "val_acc" in e], wall_time_s=time.time() - t0,
                   data_sha256=meta.get("sha256"), **run_record(args))
@@ -226,6 +226,7 @@ def main(argv=None):
             json.dump(result, f, indent=1)
         os.replace(stem + ".json.tmp", stem + ".json")
     if args.world_size > 1:
+        torch.distributed.barrier()  # the JSON exists before any rank goes on (ablate.py reads it back)
         torch.distributed.destroy_process_group()
     print(f"{args.task} ({args.name}): best validation accuracy {best['val_acc']:.4f}, test accuracy "
           f"{test['acc']:.4f}, train accuracy {train_acc:.4f}; wrote {stem}.json")

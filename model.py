@@ -23,6 +23,7 @@ linear in L. The settings a reader will want to change are the fields of ModelCo
 """
 import math
 import os
+import re
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -188,7 +189,8 @@ class Attention(nn.Module):
         `window` positions and each block attends to itself and its two neighbour blocks.
 
         q, k, v (B, H, L, d_head), valid (B, L) bool or None -> y (B, H, L, d_head). The scores are
-        (B, H, L / window, window, 3 window): memory linear in L. Same result as the explicit path (tested).
+        (B L / window, H, window, 3 window), the blocks folded into the batch: memory linear in L. Same result as
+        the explicit path (tested).
         """
         B, H, L, d = q.shape
         w, pad = self.window, -L % self.window
@@ -204,11 +206,15 @@ class Attention(nn.Module):
 
         k, v = with_neighbours(k), with_neighbours(v)
         keys = with_neighbours(key_ok.view(B, 1, n, w, 1)).transpose(-1, -2)         # (B, 1, n, 1, 3w)
-        queries = key_ok.view(B, 1, n, w, 1)
-        mask = keys | ~queries  # padded queries see their whole window, so no row is empty (output ignored)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        return y.view(B, H, n * w, d)[:, :, :L]
+        # Padded queries see their whole window, so that no row is empty (their output is ignored).
+        mask = keys if valid is None else keys | ~key_ok.view(B, 1, n, w, 1)        # (B, 1, n, 1 or w, 3w)
+
+        def fold(t):  # (B, H, n, ...) -> (B n, H, ...): 4-D inputs, which the fused CUDA kernels require
+            return t.transpose(1, 2).flatten(0, 1)
+
+        y = F.scaled_dot_product_attention(fold(q), fold(k), fold(v), attn_mask=fold(mask),
+                                           dropout_p=self.dropout if self.training else 0.0)  # (B n, H, w, d)
+        return y.view(B, n, H, w, d).transpose(1, 2).reshape(B, H, n * w, d)[:, :, :L]
 
     def explicit_attention(self, q, k, v, mask):
         """softmax(Q K^T / sqrt(d_head) + mask) V written out. q, k, v: (B, H, L, d_head); mask: bool (True =
@@ -248,8 +254,9 @@ class Block(nn.Module):
 
 
 def on(t, device):
-    """`t` on `device`; from pinned CPU memory without waiting for queued GPU work (non_blocking)."""
-    return t.to(device, non_blocking=True)
+    """`t` on `device`; from pinned CPU memory without waiting for queued GPU work (non_blocking). Only pinned
+    memory is copied asynchronously: elsewhere (e.g. MPS) an asynchronous copy may be read before it lands."""
+    return t.to(device, non_blocking=t.is_pinned())
 
 
 class Transformer(nn.Module):
@@ -407,16 +414,21 @@ def flops_per_token(cfg, L):
 
 
 # Dense bf16 peak FLOP/s of common GPUs (vendor data sheets); an unknown GPU gets no MFU rather than a wrong one.
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
-                   "L4": 121e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "A6000": 155e12}
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H100 PCIe": 756e12, "A100": 312e12, "L40S": 362e12,
+                   "A10": 125e12, "L4": 121e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "A6000": 155e12}
 
 
 def peak_flops(device, dtype):
     """Peak FLOP/s for MFU, or None (CPU, fp32, or a GPU not in PEAK_BF16_FLOPS)."""
     if device.type != "cuda" or dtype != torch.bfloat16:
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+    return peak_flops_of(torch.cuda.get_device_name(device))
+
+
+def peak_flops_of(name):
+    """PEAK_BF16_FLOPS of a GPU name: the longest key found in it as whole words ("A10" is not "A10G")."""
+    found = [k for k in PEAK_BF16_FLOPS if re.search(rf"(^|\W){re.escape(k)}($|\W)", name)]
+    return PEAK_BF16_FLOPS[max(found, key=len)] if found else None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -480,13 +492,13 @@ def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     try:
         for i in range(3):  # warm-up (and compilation), not timed
             step(i)
         sync()
         if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.reset_peak_memory_stats(device)
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -496,7 +508,7 @@ def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
             times.append((time.perf_counter() - t0) / steps)
     except torch.OutOfMemoryError:
         return queue.put(None)
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else \
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
         (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024
     queue.put((sorted(times)[len(times) // 2], peak, flops_per_token(cfg, L)))
 
@@ -532,7 +544,7 @@ def bench(argv=None):
     size = (a.L or size[0],) + size[1:]
     device = pretrain.pick_device(a.device)
     dtype, reason = pretrain.pick_dtype(a.dtype, device)
-    name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or platform.machine()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     print(f"benchmark: L, d_model, layers, heads, MLP, batch = {size} | {device} {name} | {str(dtype)[6:]} "
           f"({reason}) | torch {torch.__version__} | median of {a.repeats} x {a.steps} steps after 3 warm-up steps")
     out = dict(size=dict(zip(("L", "d_model", "n_layers", "n_heads", "d_mlp", "batch"), size)), device=str(device),

@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 from contextlib import nullcontext
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import data
-from model import POSITIONS, ModelConfig, Transformer, checkpoint_dict, count_params, flops_per_token, peak_flops
+from model import (POSITIONS, ModelConfig, Transformer, checkpoint_dict, count_params, flops_per_token, on,
+                   peak_flops)
 
 # ----------------------------------------------------------------------------------------------------------
 # Presets: the paper's settings (Coser et al. Sec. 5; Amos et al.'s configs, README table) and a CPU size that
@@ -171,8 +173,8 @@ def resolve(args, stage):
             setattr(args, key, value)
     args.dtype, reason = pick_dtype(args.dtype, args.device)
     torch.manual_seed(args.seed)  # the model's initialization
-    if args.device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if args.device.type == "cuda":  # TF32 matmuls, unless exact fp32 was asked for
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.dtype != torch.float32
     print(f"device {args.device}, dtype {str(args.dtype).replace('torch.', '')} ({reason}), preset {args.preset}")
     return args, preset
 
@@ -190,7 +192,8 @@ def setup_distributed(args):
         if args.device.type == "cuda":
             args.device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             torch.cuda.set_device(args.device)
-        dist.init_process_group("nccl" if args.device.type == "cuda" else "gloo")
+        # A long timeout: the other ranks wait at a barrier while rank 0 prepares (or downloads) the data.
+        dist.init_process_group("nccl" if args.device.type == "cuda" else "gloo", timeout=timedelta(hours=3))
         if args.rank != 0:
             sys.stdout = open(os.devnull, "w")  # one copy of every message: rank 0's
 
@@ -220,7 +223,10 @@ def local_rows(args, *tensors):
 def pick_device(name):
     """'auto' -> cuda if available, else mps, else cpu; any other string is passed to torch.device."""
     if name != "auto":
-        return torch.device(name)
+        device = torch.device(name)
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)  # cuda:N: torch.cuda calls without a device argument mean this one
+        return device
     mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
     return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
 
@@ -235,6 +241,11 @@ def pick_dtype(name, device):
             raise ValueError(f"--dtype bf16 asked for, but {device} does not support bf16; use --dtype fp32")
         return torch.bfloat16, "asked for"
     return (torch.bfloat16, "CUDA with bf16") if supported else (torch.float32, f"no bf16 autocast on {device.type}")
+
+
+def accumulator_dtype(device):
+    """float64 for evaluation sums, except on MPS, which has no float64."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def autocast(args):
@@ -272,7 +283,7 @@ def mask_batch(x, lengths, ratio, mask_id, generator):
     (Amos et al.; the channel is sliced off at finetuning). `generator` makes the masks reproducible.
     """
     B, L = x.shape[:2]
-    valid = torch.arange(L, device=x.device)[None, :] < lengths.to(x.device, non_blocking=True)[:, None]
+    valid = torch.arange(L, device=x.device)[None, :] < on(lengths, x.device)[:, None]
     u = torch.rand(B, L, generator=generator, device=x.device)
     masked = (u < ratio) & valid
     # The real position with the smallest u is the one to force-mask in rows that drew none.
@@ -328,7 +339,7 @@ def mask_generator(args, seed):
 def evaluate_reconstruction(model, split, args):
     """Validation masked loss (and masked-token accuracy for tokens), with the same masks at every evaluation."""
     model.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=args.device)  # loss sum, correct, count
+    sums = torch.zeros(3, dtype=accumulator_dtype(args.device), device=args.device)  # loss sum, correct, count
     for i, idx in enumerate(data.batch_indices(split["lengths"], args.batch_size, shuffle=False)):
         if i % args.world_size != args.rank:
             continue  # under torchrun each rank evaluates every N-th batch; the sums are reduced below
@@ -338,7 +349,7 @@ def evaluate_reconstruction(model, split, args):
         with autocast(args):
             out = model.reconstruct(inputs, lengths, masked)
         targets = targets_at(x, masked, args.rec_loss, split["meta"])
-        sums[0] += reconstruction_loss(out, targets, args.rec_loss).double() * targets.shape[0]
+        sums[0] += reconstruction_loss(out, targets, args.rec_loss).to(sums.dtype) * targets.shape[0]
         if args.rec_loss == "ce":
             sums[1] += (out.argmax(-1) == targets).sum()
         sums[2] += targets.shape[0]
@@ -367,7 +378,7 @@ def run_record(args):
     except (OSError, subprocess.SubprocessError):
         commit = None
     return dict(config=plain_config(args), git_commit=commit, torch_version=str(torch.__version__), python=platform.python_version(),
-                device_name=torch.cuda.get_device_name() if args.device.type == "cuda" else platform.processor())
+                device_name=torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else platform.processor())
 
 
 def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better):
@@ -383,7 +394,10 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
     metric = extra["metric"]
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.999),
                             weight_decay=args.weight_decay, fused=args.device.type == "cuda")
-    n_batches = math.ceil(len(splits["train"]["labels"]) / args.batch_size)
+    def epoch_batches(epoch):  # seeded by (seed, epoch), so a resumed run sees the same batches
+        return data.batch_indices(splits["train"]["lengths"], args.batch_size, shuffle=True, seed=args.seed,
+                                  epoch=epoch, min_rows=args.world_size)
+    n_batches = len(epoch_batches(0))  # the same for every epoch
     total = args.epochs * n_batches if not args.max_steps else min(args.max_steps, args.epochs * n_batches)
     state = dict(step=0, epoch=0, batch_in_epoch=0, best=None, best_metrics=None)
     if args.resume:
@@ -430,8 +444,7 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
     t_start, start_step = time.time(), state["step"]
     model.train()
     while state["step"] < total:
-        batches = data.batch_indices(splits["train"]["lengths"], args.batch_size, shuffle=True,
-                                     seed=args.seed, epoch=state["epoch"])
+        batches = epoch_batches(state["epoch"])
         for i in range(state["batch_in_epoch"], len(batches)):
             step = state["step"]
             lr = get_lr(step, args.lr, args.warmup)

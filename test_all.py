@@ -1393,6 +1393,19 @@ def test_lra_tasks_pretrain_then_finetune_a_few_steps(tmp_path, task, extra):
     assert 0 <= result["test_acc"] <= 1 and len(result["evals"]) >= 2
     if task == "retrieval":   # the dual-encoder head sees [u, v, u*v, u-v]
         assert data.load_pt(os.path.join(out, task, "finetune_spt.pt"))["model"]["cls_head.0.weight"].shape[1] == 64
+    # the attention analysis reads every task's checkpoints (Retrieval: each document of a pair on its own)
+    stats, maps = analyze.analyze_checkpoints({"spt": os.path.join(out, task, "pretrain.pt")}, root, n=5)
+    assert 0 < stats["spt"]["band_mass"] <= 1 and maps["spt"]["attention"][0].shape[-1] == maps["spt"]["probe"].shape[-1]
+
+
+def test_attention_maps_averaged_in_chunks_equal_the_whole_batch_mean():
+    torch.manual_seed(0)
+    model = Transformer(tiny_cfg(init_std=0.3)).eval()
+    x, lengths = torch.randint(2, 17, (5, 12)), torch.tensor([12, 7, 12, 3, 9])
+    whole = [p.mean(0) for p in model.encode(x, lengths, need_weights=True)[1]]
+    for chunk in (1, 2, 5):
+        for a, b in zip(analyze.attention_maps(model, x, lengths, chunk=chunk), whole):
+            assert torch.allclose(a, b, atol=1e-6)
 
 
 def test_pixel_ce_targets_are_the_raw_intensities():
@@ -1424,7 +1437,9 @@ def test_dataset_swap_between_tasks_of_one_input_kind(tmp_path, capsys):
         finetune.main(["--task", "text", "--init", ckpt] + common)
 
 
-def test_local_attention_matches_the_explicit_band_and_keeps_memory_linear():
+def test_local_attention_matches_the_explicit_band_and_keeps_memory_linear(monkeypatch):
+    sdpa, ranks = F.scaled_dot_product_attention, []
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, *a, **kw: ranks.append(q.dim()) or sdpa(q, *a, **kw))
     torch.manual_seed(0)
     cfg = tiny_cfg(attn_window=8, init_std=0.3, max_len=64)
     model = Transformer(cfg).eval()
@@ -1439,8 +1454,17 @@ def test_local_attention_matches_the_explicit_band_and_keeps_memory_linear():
         i, j = torch.meshgrid(torch.arange(L), torch.arange(L), indexing="ij")
         far = ((i // 8) - (j // 8)).abs() > 1
         assert probs[0][0][:, far].abs().max() == 0   # layer 0, batch row 0: (H, L, L)
+    assert ranks and set(ranks) == {4}  # blocks folded into the batch: the fused CUDA kernels take 4-D only
     with pytest.raises(ValueError, match="local attention"):
         Transformer(tiny_cfg(attn_window=8, pos="alibi"))
+
+
+def test_a_last_batch_smaller_than_the_ranks_joins_the_one_before():
+    lengths = torch.arange(1, 11)
+    for min_rows, sizes in ((1, [2, 4, 4]), (2, [2, 4, 4]), (3, [4, 6])):
+        batches = data.batch_indices(lengths, 4, shuffle=True, seed=1, min_rows=min_rows)
+        assert sorted(len(b) for b in batches) == sizes
+        assert sorted(torch.cat(batches).tolist()) == list(range(10))  # every sequence exactly once
 
 
 def test_lra_and_imdb_archives_download_from_a_local_server(http_root, tmp_path, capsys):
