@@ -242,7 +242,7 @@ def model_inputs(model, x):
 @torch.no_grad()
 def attention_maps(model, x, lengths=None, chunk=4):
     """Softmax attention probabilities averaged over the batch: a list over layers of (H, L, L) tensors.
-    `chunk` sequences at a time, so memory holds chunk x H x L x L per layer, not B x H x L x L (paper sizes)."""
+    `chunk` sequences at a time, so memory holds layers x chunk x H x L x L, not layers x B x H x L x L."""
     sums = None
     for i in range(0, len(x), chunk):
         part = None if lengths is None else lengths[i:i + chunk]
@@ -309,7 +309,7 @@ def correlation(a, b):
 def analyze_checkpoints(paths, data_dir, n=64, band=3):
     """Attention maps, PE probes and statistics for each checkpoint in `paths` (a dict label -> path).
 
-    Uses the first `n` validation sequences of the checkpoints' task. Returns (results dict of plain numbers,
+    Uses the first `n` validation sequences of the checkpoints' task (Retrieval: the 2n documents of n pairs). Returns (results dict of plain numbers,
     maps: label -> dict(attention=list of (H, L, L), probe=(H, L, L), qk=(d, d))).
     """
     results, maps, init_sd = {}, {}, None

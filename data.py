@@ -93,7 +93,7 @@ def load_newest(candidates, map_location="cpu", who="load"):
         try:
             ck = load_pt(path, map_location=map_location)
         except (FileNotFoundError, ValueError) as e:
-            print(f"{who}: {e}; trying the previous checkpoint")
+            print(f"{who}: {e}; skipped")
             continue
         print(f"{who}: continuing from {path}")
         return ck
@@ -1752,8 +1752,8 @@ def batch_indices(lengths, batch_size, shuffle, seed=0, epoch=0, bucket=50, min_
     To keep padding small, each window of `bucket` batches is sorted by length before it is cut into batches,
     and the batches are then shuffled. Without `shuffle` (evaluation) the split is simply sorted by length.
     The last batch may be smaller than `batch_size`; with `shuffle`, one smaller than `min_rows` (under torchrun:
-    the number of ranks, each of which needs a row) joins the batch before it. Document pairs (lengths (N, 2))
-    sort by their longer one.
+    the number of ranks, each of which needs a row) joins the batch before it, so in that case a DDP run's
+    batches differ from a single process's. Document pairs (lengths (N, 2)) sort by their longer one.
     """
     if lengths.dim() == 2:
         lengths = lengths.max(dim=1).values

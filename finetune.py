@@ -32,8 +32,8 @@ import torch.nn.functional as F
 
 import data
 from model import ModelConfig, Transformer, config_from_dict, unwrapped_state_dict
-from pretrain import (accumulator_dtype, autocast, build_parser, global_sum, local_rows, prepare_data, resolve, run_record, train,
-                      wrap)
+from pretrain import (accumulator_dtype, autocast, build_parser, epoch_batches, global_sum, local_rows, prepare_data,
+                      resolve, run_record, train, wrap)
 
 
 # Parameter groups of Coser et al. Table 3, by parameter name (used by --inherit, --freeze and analyze.py).
@@ -216,8 +216,7 @@ def main(argv=None):
     train_acc = evaluate_accuracy(model, subset, args)["acc"]
     log = [json.loads(line) for line in open(paths["log"])]
     result = dict(task=args.task, init=args.init, name=args.name, seed=args.seed, preset=args.preset,
-                  steps_per_epoch=len(data.batch_indices(train_split["lengths"], args.batch_size, True,
-                                                         min_rows=args.world_size)),
+                  steps_per_epoch=len(epoch_batches(train_split, args, 0)),
                   best_val_acc=best["val_acc"], test_acc=test["acc"], train_acc=train_acc, train_acc_subset=n_sub,
                   evals=[e for e in log if "val_acc" in e], wall_time_s=time.time() - t0,
                   data_sha256=meta.get("sha256"), **run_record(args))

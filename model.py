@@ -414,8 +414,9 @@ def flops_per_token(cfg, L):
 
 
 # Dense bf16 peak FLOP/s of common GPUs (vendor data sheets); an unknown GPU gets no MFU rather than a wrong one.
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H100 PCIe": 756e12, "A100": 312e12, "L40S": 362e12,
-                   "A10": 125e12, "L4": 121e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "A6000": 155e12}
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "A100": 312e12,
+                   "L40S": 362e12, "A10": 125e12, "L4": 121e12, "RTX 4090": 165e12, "RTX 3090": 71e12,
+                   "A6000": 155e12}
 
 
 def peak_flops(device, dtype):
@@ -459,7 +460,7 @@ class ReferenceEncoder(nn.Module):
 
 def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
     """Put on `queue` the median seconds per SPT training step (masked reconstruction, forward + backward +
-    AdamW) of one BENCH_VARIANTS key, its peak memory (bytes) and FLOPs per token; None if out of memory.
+    AdamW) of one BENCH_VARIANTS key, its peak memory (bytes) and FLOPs per token, or an error message (str).
     Runs in a fresh process: on the CPU, peak memory = growth of the process's resident set."""
     import resource
     import time
@@ -471,7 +472,8 @@ def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=32, max_len=L, d_model=d, n_layers=n_layers, n_heads=n_heads, d_mlp=d_mlp, n_rec=32)
     model = (ReferenceEncoder(cfg) if variant == "reference" else Transformer(cfg)).to(device)
-    net = torch.compile(model) if variant == "compile" else model
+    # torch.compile compiles the module's forward only, so the method the step calls is compiled itself
+    reconstruct = torch.compile(model.reconstruct) if variant == "compile" else model.reconstruct
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     split = dict(tokens=torch.randint(2, 32, (8 * B, L), dtype=torch.uint8).to(device),
                  lengths=torch.full((8 * B,), L), labels=torch.zeros(8 * B, dtype=torch.long, device=device))
@@ -481,13 +483,15 @@ def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
         x, lengths, _ = data.get_batch(split, data.batch_indices(split["lengths"], B, True, 0, i)[0], device)
         return (x, lengths) + pretrain.mask_batch(x, lengths, 0.15, 1, g)
 
-    def step(i, fixed=batch(0)):
+    fixed = batch(0)
+
+    def step(i):
         x, lengths, inputs, masked = batch(i) if variant == "data" else fixed
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             if variant == "explicit":  # the step as it would run if it asked for the attention weights
                 out = model.rec_head(model.encode(inputs, lengths, need_weights=True)[0][masked])
             else:
-                out = net.reconstruct(inputs, lengths, masked)
+                out = reconstruct(inputs, lengths, masked)
         F.cross_entropy(out.float(), x[masked]).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -506,8 +510,9 @@ def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
                 step(i)
             sync()
             times.append((time.perf_counter() - t0) / steps)
-    except torch.OutOfMemoryError:
-        return queue.put(None)
+    except Exception as e:  # out of memory, a missing compiler, ...: reported, so the parent never waits forever
+        queue.put("out of memory" if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {e}")
+        return
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
         (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024
     queue.put((sorted(times)[len(times) // 2], peak, flops_per_token(cfg, L)))
@@ -535,17 +540,17 @@ def bench(argv=None):
     p.add_argument("--variants", default="fused,explicit,reference,data", help=f"any of {', '.join(BENCH_VARIANTS)}")
     p.add_argument("--json", default=None, help="write the figures to this file")
     a = p.parse_args(argv)
-    try:
-        size = BENCH_SIZES.get(a.size) or tuple(int(v) for v in a.size.split(","))
-        assert len(size) == 6 and set(a.variants.split(",")) <= set(BENCH_VARIANTS)
-    except (ValueError, AssertionError):
-        p.error(f"--size {a.size} --variants {a.variants}: expected a size name or six integers, and variants of "
-                f"{', '.join(BENCH_VARIANTS)}")
+    size = BENCH_SIZES.get(a.size) or tuple(int(v) for v in a.size.split(",") if v.strip().isdigit())
+    if len(size) != 6 or size[1] % size[3]:
+        p.error(f"--size {a.size}: expected one of {', '.join(BENCH_SIZES)} or six positive integers "
+                "L,d_model,layers,heads,MLP,batch with d_model divisible by heads")
+    if not set(a.variants.split(",")) <= set(BENCH_VARIANTS):
+        p.error(f"--variants {a.variants}: expected a comma-separated subset of {', '.join(BENCH_VARIANTS)}")
     size = (a.L or size[0],) + size[1:]
     device = pretrain.pick_device(a.device)
     dtype, reason = pretrain.pick_dtype(a.dtype, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
-    print(f"benchmark: L, d_model, layers, heads, MLP, batch = {size} | {device} {name} | {str(dtype)[6:]} "
+    print(f"benchmark: L, d_model, layers, heads, MLP, batch = {size} | {device} {name} | {str(dtype).replace('torch.', '')} "
           f"({reason}) | torch {torch.__version__} | median of {a.repeats} x {a.steps} steps after 3 warm-up steps")
     out = dict(size=dict(zip(("L", "d_model", "n_layers", "n_heads", "d_mlp", "batch"), size)), device=str(device),
                device_name=name, dtype=str(dtype), torch=torch.__version__, steps=a.steps, repeats=a.repeats)
@@ -560,9 +565,9 @@ def bench(argv=None):
         proc.join()
         if i == 0:
             continue
-        if result is None:
-            res[v] = dict(error="out of memory")
-            print(f"  {BENCH_VARIANTS[v]:30s} out of memory")
+        if isinstance(result, str):
+            res[v] = dict(error=result)
+            print(f"  {BENCH_VARIANTS[v]:30s} {result}")
             continue
         sec, peak, fpt = result
         mfu = None if peak_fl is None else size[0] * size[5] / sec * fpt / peak_fl

@@ -192,8 +192,7 @@ def setup_distributed(args):
         if args.device.type == "cuda":
             args.device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             torch.cuda.set_device(args.device)
-        # A long timeout: the other ranks wait at a barrier while rank 0 prepares (or downloads) the data.
-        dist.init_process_group("nccl" if args.device.type == "cuda" else "gloo", timeout=timedelta(hours=3))
+        dist.init_process_group("nccl" if args.device.type == "cuda" else "gloo")
         if args.rank != 0:
             sys.stdout = open(os.devnull, "w")  # one copy of every message: rank 0's
 
@@ -221,11 +220,12 @@ def local_rows(args, *tensors):
 
 
 def pick_device(name):
-    """'auto' -> cuda if available, else mps, else cpu; any other string is passed to torch.device."""
+    """'auto' -> cuda if available, else mps, else cpu; any other string is passed to torch.device (and
+    cuda:N becomes the current GPU, so that torch.cuda calls without a device argument mean it)."""
     if name != "auto":
         device = torch.device(name)
         if device.type == "cuda" and device.index is not None:
-            torch.cuda.set_device(device)  # cuda:N: torch.cuda calls without a device argument mean this one
+            torch.cuda.set_device(device)
         return device
     mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
     return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
@@ -264,7 +264,9 @@ def prepare_data(args, preset):
         print(f"{args.data_dir}/{args.task}/train.pt not found: preparing it (preset {args.preset})")
         data.prepare(args.task, args.data_dir, **preset["data"])
     if args.world_size > 1:
-        dist.barrier()  # under torchrun only rank 0 writes the data; the others wait for it
+        # Only rank 0 writes the data and the others wait; a download may take hours, so this barrier has a group
+        # (and a timeout) of its own, not the training collectives' default.
+        dist.barrier(group=dist.new_group(backend="gloo", timeout=timedelta(hours=3)))
     return data.load_splits(args.data_dir, args.task, args.device, preset["data"].get("n_train"))
 
 
@@ -381,6 +383,13 @@ def run_record(args):
                 device_name=torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else platform.processor())
 
 
+def epoch_batches(split, args, epoch):
+    """The training batches (index tensors) of one epoch, seeded by (seed, epoch) so that a resumed run sees
+    the same ones; under torchrun every batch has at least one row per rank (data.batch_indices)."""
+    return data.batch_indices(split["lengths"], args.batch_size, shuffle=True, seed=args.seed, epoch=epoch,
+                              min_rows=args.world_size)
+
+
 def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better):
     """Optimize `model` on splits["train"], evaluating and checkpointing every args.eval_every steps.
 
@@ -394,10 +403,7 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
     metric = extra["metric"]
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.999),
                             weight_decay=args.weight_decay, fused=args.device.type == "cuda")
-    def epoch_batches(epoch):  # seeded by (seed, epoch), so a resumed run sees the same batches
-        return data.batch_indices(splits["train"]["lengths"], args.batch_size, shuffle=True, seed=args.seed,
-                                  epoch=epoch, min_rows=args.world_size)
-    n_batches = len(epoch_batches(0))  # the same for every epoch
+    n_batches = len(epoch_batches(splits["train"], args, 0))  # the same for every epoch
     total = args.epochs * n_batches if not args.max_steps else min(args.max_steps, args.epochs * n_batches)
     state = dict(step=0, epoch=0, batch_in_epoch=0, best=None, best_metrics=None)
     if args.resume:
@@ -444,7 +450,7 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
     t_start, start_step = time.time(), state["step"]
     model.train()
     while state["step"] < total:
-        batches = epoch_batches(state["epoch"])
+        batches = epoch_batches(splits["train"], args, state["epoch"])
         for i in range(state["batch_in_epoch"], len(batches)):
             step = state["step"]
             lr = get_lr(step, args.lr, args.warmup)

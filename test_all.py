@@ -612,7 +612,7 @@ def test_bench_reports_figures_computed_from_its_own_timings(tmp_path):
     assert r["fused"]["tokens_per_s"] == pytest.approx(64 * 2 / (r["fused"]["ms_per_step"] / 1000))
     with open(path) as f:
         assert json.load(f) == json.loads(json.dumps(out))
-    for bad in (["--variants", "fused,fast"], ["--size", "64,16"]):
+    for bad in (["--variants", "fused,fast"], ["--size", "64,16"], ["--size", "64,15,1,2,32,2"]):
         with pytest.raises(SystemExit):
             model_lib.bench(["--bench"] + bad)
 
@@ -633,6 +633,15 @@ def test_load_splits_moves_every_input_kind_and_keeps_lengths_on_the_cpu(tmp_pat
             assert s[key].device.type == "meta" and s["labels"].device.type == "meta"
             assert s["lengths"].device.type == "cpu"
         assert "the preset expects 1000000" in capsys.readouterr().out
+
+
+def test_gpu_peak_flops_are_matched_by_whole_names():
+    assert model_lib.peak_flops_of("NVIDIA H100 80GB HBM3") == 989e12
+    assert model_lib.peak_flops_of("NVIDIA H100 PCIe") == 756e12     # the longest matching name wins
+    assert model_lib.peak_flops_of("NVIDIA L40S") == 362e12 and model_lib.peak_flops_of("NVIDIA L4") == 121e12
+    assert model_lib.peak_flops_of("NVIDIA A100-SXM4-80GB") == 312e12
+    assert model_lib.peak_flops_of("NVIDIA A10G") is None and model_lib.peak_flops_of("NVIDIA L40") is None
+    assert model_lib.peak_flops(torch.device("cpu"), torch.bfloat16) is None
 
 
 def test_flops_per_token_counts_the_matmuls():
@@ -837,7 +846,7 @@ def test_resume_falls_back_when_the_last_checkpoint_is_damaged(listops_dir, tmp_
     capsys.readouterr()
     pretrain.main(args + ["--max_steps", "6", "--resume"])
     text = capsys.readouterr().out
-    assert "pretrain_last.pt: cannot be loaded" in text and "trying the previous checkpoint" in text
+    assert "pretrain_last.pt: cannot be loaded" in text and "skipped" in text
     assert "continuing from" in text and "pretrain.pt" in text
     assert data.load_pt(last)["state"]["step"] == 6
 
@@ -1443,7 +1452,7 @@ def test_local_attention_matches_the_explicit_band_and_keeps_memory_linear(monke
     torch.manual_seed(0)
     cfg = tiny_cfg(attn_window=8, init_std=0.3, max_len=64)
     model = Transformer(cfg).eval()
-    for L, lengths in ((50, [50, 37, 3]), (64, [64, 64, 64]), (20, [20, 9, 1])):
+    for L, lengths in ((50, [50, 37, 3]), (64, [64, 64, 64]), (20, [20, 9, 1]), (50, [50, 50, 50])):
         x = torch.randint(2, 17, (3, L))
         lengths = torch.tensor(lengths)
         fast, _ = model.encode(x, lengths)
