@@ -240,10 +240,11 @@ def model_inputs(model, x):
 
 
 @torch.no_grad()
-def attention_maps(model, x, lengths=None, chunk=4):
+def attention_maps(model, x, lengths=None, chunk=None):
     """Softmax attention probabilities averaged over the batch: a list over layers of (H, L, L) tensors.
-    `chunk` sequences at a time, so memory holds layers x chunk x H x L x L, not layers x B x H x L x L."""
-    sums = None
+    `chunk` sequences at a time (default: as many as keep chunk x L x L under 2^24), so that memory holds
+    layers x chunk x H x L x L numbers, not layers x B x H x L x L (at L = 4096 one sequence at a time)."""
+    chunk, sums = chunk or max(1, 2 ** 24 // x.shape[1] ** 2), None
     for i in range(0, len(x), chunk):
         part = None if lengths is None else lengths[i:i + chunk]
         _, probs = model.encode(model_inputs(model, x[i:i + chunk]), part, need_weights=True)
