@@ -151,7 +151,7 @@ def experiment_synthetic(args):
                 f"{mean_std([r['attention_spt']['probe_corr_with_attention'] for r in spt])} | "
                 f"the same diagonal band |")
     rows.append(f"\nlog L = {spt[0]['attention_init']['uniform_entropy']:.2f} nats (uniform attention over 100 steps). "
-                f"Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py synthetic")
+                f"Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py synthetic" + max_steps_note(args))
     write_outputs("synthetic", runs, "\n".join(rows), args)
 
 
@@ -314,7 +314,7 @@ def experiment_main(args):
     if skipped:
         notes += " Skipped: " + "; ".join(f"{t} ({why})" for t, why in skipped) + "."
     rows.append(f"\n{notes} Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py main "
-                f"--preset {args.preset}" + max_steps_note(args))
+                f"--preset {args.preset} --tasks {' '.join(args.tasks)}" + max_steps_note(args))
     write_outputs(f"main_{args.preset}", runs, "\n".join(rows), args)
 
 
@@ -383,7 +383,8 @@ def experiment_ucr(args):
     notes = "Test accuracy on the archive's TEST split (the paper does not say which split its numbers are on). "
     if skipped:
         notes += "Skipped: " + "; ".join(f"{name} ({why})" for name, why in skipped) + ". "
-    parts.append(notes + f"Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py ucr")
+    parts.append(notes + f"Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py ucr"
+                 + max_steps_note(args))
     write_outputs("ucr", runs, "\n\n".join(parts), args)
 
 
@@ -477,7 +478,11 @@ EXPERIMENTS = {"synthetic": experiment_synthetic, "init": experiment_init, "pose
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("experiment", choices=tuple(EXPERIMENTS))
+    p.add_argument("experiment", choices=tuple(EXPERIMENTS),
+                   help="synthetic: scratch vs SPT on the minimal model (Sec. 4); init: hybrid initialization and "
+                        "freezing (Table 3); posenc: ALiBi, RoPE, FIRE from scratch vs SPT (Sec. 4); ucr: UCR time "
+                        "series (Sec. 5); swap: dataset swap PathFinder <-> Image (Sec. 3); duration: SPT epochs "
+                        "(Sec. 3); main: the LRA table (Table 2); report: the README's Results from out/ablate/")
     p.add_argument("--seeds", type=int, default=5, help="runs per row, seeds 0..N-1")
     p.add_argument("--preset", default="cpu", choices=("cpu", "paper"), help="every run's preset (paper: GPU)")
     p.add_argument("--data_dir", default="data", help="root of data/<task>/ (made there when missing)")

@@ -1818,7 +1818,7 @@ def main(argv=None):
     p.add_argument("--task", required=True, choices=TASKS)
     p.add_argument("--data_dir", default="data", help="root folder; raw files are looked for in <data_dir>/<task>")
     p.add_argument("--seed", type=int, default=None, help="seed of the generator or of the validation split (not "
-                                                          "of training); default: 0, or 42 for image/pathfinder")
+                                                          "of training); unset: 0, or 42 for image/pathfinder")
     p.add_argument("--n_train", type=int, default=96000, help="ListOps: generated training expressions (LRA: 96000)")
     p.add_argument("--n_val", type=int, default=2000, help="ListOps: generated validation expressions")
     p.add_argument("--n_test", type=int, default=2000, help="ListOps: generated test expressions")

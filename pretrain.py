@@ -127,7 +127,9 @@ MODEL_SIZE_FLAGS = ("n_layers", "d_model", "n_heads", "d_mlp")
 
 def build_parser(stage, description):
     """The flags every stage shares (defaults of None are filled from the preset by `resolve`)."""
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                epilog="A default of None means the preset's value (pretrain.PRESETS; the README's "
+                                       "table in Stage 2).")
     p.add_argument("--task", required=True, choices=data.TASKS, help="which data set")
     p.add_argument("--data_dir", default="data", help="root of data/<task>/*.pt")
     p.add_argument("--out_dir", default="out", help="root of out/<task>/ checkpoints and logs")
@@ -152,8 +154,9 @@ def build_parser(stage, description):
                    help="skip steps whose loss is NaN/inf (checked every step) instead of stopping the run")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (opt-in; needs a working Triton)")
     g = p.add_argument_group("model size (overrides the preset; a finetune from a checkpoint uses its own)")
-    for name in MODEL_SIZE_FLAGS:
-        g.add_argument(f"--{name}", type=int, default=None)
+    for name, what in zip(MODEL_SIZE_FLAGS, ("Transformer blocks", "width of the residual stream",
+                                              "attention heads (must divide d_model)", "hidden width of the MLP")):
+        g.add_argument(f"--{name}", type=int, default=None, help=what)
     g.add_argument("--pos", default=None, choices=POSITIONS,
                    help="positional encoding (default sinusoidal, the paper's); alibi/rope/fire are relative")
     return p
