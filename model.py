@@ -478,9 +478,10 @@ def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
     split = dict(tokens=torch.randint(2, 32, (8 * B, L), dtype=torch.uint8).to(device),
                  lengths=torch.full((8 * B,), L), labels=torch.zeros(8 * B, dtype=torch.long, device=device))
     g = torch.Generator(device=device).manual_seed(0)
+    batches = data.batch_indices(split["lengths"], B, True)  # once per epoch, as in the training loop
 
     def batch(i):  # the data path of a training step: gather a batch, trim its padding, mask it
-        x, lengths, _ = data.get_batch(split, data.batch_indices(split["lengths"], B, True, 0, i)[0], device)
+        x, lengths, _ = data.get_batch(split, batches[i % len(batches)], device)
         return (x, lengths) + pretrain.mask_batch(x, lengths, 0.15, 1, g)
 
     fixed = batch(0)
