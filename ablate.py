@@ -28,6 +28,7 @@ import analyze
 import data
 import finetune
 import pretrain
+from model import INIT_SCHEMES
 
 # Coser et al. Table 3 (one-layer model, val acc, mean +- std over 5 seeds): CIFAR10, PathFinder.
 PAPER_TABLE3 = {"scratch": ("0.486 +- 0.003", "0.672 +- 0.002"), "all": ("0.603 +- 0.005", "0.705 +- 0.004"),
@@ -51,14 +52,16 @@ ABLATION_TASKS = ("synthetic", "pathfinder", "image", "fashion_mnist")
 def common_flags(args, one_layer=False):
     """Flags every run of an experiment shares; `one_layer` for Table 3 and the position study on LRA tasks
     (the synthetic preset is one layer already)."""
-    flags = ["--data_dir", args.data_dir, "--preset", args.preset, "--device", args.device]
+    flags = ["--data_dir", args.data_dir, "--preset", args.preset, "--device", args.device,
+             "--init_scheme", args.init_scheme]
     flags += ["--max_steps", str(args.max_steps)] if args.max_steps else []  # 0: the preset's own budget
     return flags + (["--n_layers", "1"] if one_layer else [])
 
 
 def run_dir(args, task, seed, model="1layer"):
-    """out/ablate/<task>[/<model>]/seed<s>: experiments with the same task and model share their SPT runs."""
-    parts = [args.out_dir, "ablate", task] + ([] if task == "synthetic" else [model])
+    """out/ablate/<init scheme>/<task>[/<model>]/seed<s>: experiments with the same scheme, task and model share
+    their SPT runs."""
+    parts = [args.out_dir, "ablate", args.init_scheme, task] + ([] if task == "synthetic" else [model])
     return os.path.join(*parts, f"seed{seed}")
 
 
@@ -99,10 +102,14 @@ def mean_std(values):
 
 
 def write_outputs(name, runs, table, args):
+    """out/ablate/<name>[_init-<scheme>].{json,md}: every run, and the table (the scheme is in the name unless it
+    is the default, reference)."""
+    if args.init_scheme != "reference":
+        name += f"_init-{args.init_scheme}"
     os.makedirs(os.path.join(args.out_dir, "ablate"), exist_ok=True)
     stem = os.path.join(args.out_dir, "ablate", name)
     with open(stem + ".json", "w") as f:
-        json.dump(dict(experiment=name, seeds=args.seeds, runs=runs), f, indent=1)
+        json.dump(dict(experiment=name, seeds=args.seeds, init_scheme=args.init_scheme, runs=runs), f, indent=1)
     with open(stem + ".md", "w") as f:
         f.write(table + "\n")
     print("\n" + table + f"\n\nwrote {stem}.json and {stem}.md")
@@ -151,7 +158,7 @@ def experiment_synthetic(args):
                 f"{mean_std([r['attention_spt']['probe_corr_with_attention'] for r in spt])} | "
                 f"the same diagonal band |")
     rows.append(f"\nlog L = {spt[0]['attention_init']['uniform_entropy']:.2f} nats (uniform attention over 100 steps). "
-                f"Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py synthetic" + max_steps_note(args))
+                f"Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py synthetic" + run_note(args))
     write_outputs("synthetic", runs, "\n".join(rows), args)
 
 
@@ -185,7 +192,7 @@ def experiment_init(args):
     model = "one layer, one head, no LayerNorm, no MLP (so `attn+mlp` freezing equals `attn`)" \
         if task == "synthetic" else "one layer, otherwise the preset's model"
     rows.append(f"\n{describe_data(args, task)}; {model}; seeds: {args.seeds}; preset {args.preset}; "
-                f"command: python ablate.py init --task {task}" + max_steps_note(args))
+                f"command: python ablate.py init --task {task}" + run_note(args))
     write_outputs("init" if task == "synthetic" else f"init_{task}", runs, "\n".join(rows), args)
 
 
@@ -200,8 +207,16 @@ def describe_data(args, task):
     return f"Data: {what}, {sizes.get('train')}/{sizes.get('val')}/{sizes.get('test')} train/val/test"
 
 
-def max_steps_note(args):
-    return f"; every run capped at {args.max_steps} steps" if args.max_steps else ""
+INIT_NOTES = {"reference": "Amos et al.'s code: PyTorch defaults, W_Q = W_K = W_V = W_O at init",
+              "torch": "PyTorch defaults, independent W_Q, W_K, W_V, W_O", "normal": "N(0, 0.02) for every weight"}
+
+
+def run_note(args):
+    """The end of a table's footer: the --init_scheme flag of its command (when not the default), the scheme in
+    words, and the step cap if one was set."""
+    flag = "" if args.init_scheme == "reference" else f" --init_scheme {args.init_scheme}"
+    cap = f"; every run capped at {args.max_steps} steps" if args.max_steps else ""
+    return f"{flag}; init scheme {args.init_scheme} ({INIT_NOTES[args.init_scheme]}){cap}"
 
 
 def image_task(args):
@@ -249,7 +264,7 @@ def experiment_swap(args):
                         f"{mean_std([r['best_val_acc'] for r in rs])} | {paper.get((target, source), '-')} |")
     rows.append(f"\n{describe_data(args, 'pathfinder')}. {describe_data(args, image)}. Train accuracy on a "
                 f"training subset of the validation split's size. Seeds: {args.seeds}; preset {args.preset}; "
-                f"command: python ablate.py swap" + max_steps_note(args))
+                f"command: python ablate.py swap" + run_note(args))
     write_outputs("swap", runs, "\n".join(rows), args)
 
 
@@ -276,7 +291,7 @@ def experiment_duration(args):
                     f"{mean_std([r['train_acc'] for r in rs])} |")
     rows.append(f"\n{describe_data(args, task)}; the preset's model. Paper: CIFAR10 and ListOps get most of the "
                 f"gain after 1-10 SPT epochs, PathFinder needs 100-200. Seeds: {args.seeds}; preset {args.preset}; "
-                f"command: python ablate.py duration --task {task}" + max_steps_note(args))
+                f"command: python ablate.py duration --task {task}" + run_note(args))
     write_outputs("duration" if task == "synthetic" else f"duration_{task}", runs, "\n".join(rows), args)
 
 
@@ -314,7 +329,7 @@ def experiment_main(args):
     if skipped:
         notes += " Skipped: " + "; ".join(f"{t} ({why})" for t, why in skipped) + "."
     rows.append(f"\n{notes} Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py main "
-                f"--preset {args.preset} --tasks {' '.join(args.tasks)}" + max_steps_note(args))
+                f"--preset {args.preset} --tasks {' '.join(args.tasks)}" + run_note(args))
     write_outputs(f"main_{args.preset}", runs, "\n".join(rows), args)
 
 
@@ -354,7 +369,7 @@ def experiment_ucr(args):
     for name in found:
         task = f"ucr/{name}"
         for seed in range(args.seeds):
-            folder = os.path.join(args.out_dir, "ablate", "ucr", f"seed{seed}")
+            folder = os.path.join(args.out_dir, "ablate", args.init_scheme, "ucr", f"seed{seed}")
             ckpt = run_pretrain(task, folder, seed, common)
             for run_name, init in (("spt", ckpt), ("scratch", "scratch")):
                 result = run_finetune(task, folder, seed, run_name, init, common)
@@ -384,7 +399,7 @@ def experiment_ucr(args):
     if skipped:
         notes += "Skipped: " + "; ".join(f"{name} ({why})" for name, why in skipped) + ". "
     parts.append(notes + f"Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py ucr"
-                 + max_steps_note(args))
+                 + run_note(args))
     write_outputs("ucr", runs, "\n\n".join(parts), args)
 
 
@@ -418,7 +433,7 @@ def experiment_posenc(args):
                     f" | {mean_std(exits)} ({sum(e is not None for e in exits)}/{len(rs)}) | {p[0]} | {p[1]} |")
     rows.append(f"\n{describe_data(args, task)}; one layer; ALiBi symmetric in |i - j|, FIRE on |i - j| (our "
                 f"encoder is bidirectional). Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py "
-                f"posenc --task {task}" + max_steps_note(args))
+                f"posenc --task {task}" + run_note(args))
     write_outputs("posenc" if task == "synthetic" else f"posenc_{task}", runs, "\n".join(rows), args)
 
 
@@ -484,6 +499,8 @@ def main(argv=None):
                         "series (Sec. 5); swap: dataset swap PathFinder <-> Image (Sec. 3); duration: SPT epochs "
                         "(Sec. 3); main: the LRA table (Table 2); report: the README's Results from out/ablate/")
     p.add_argument("--seeds", type=int, default=5, help="runs per row, seeds 0..N-1")
+    p.add_argument("--init_scheme", default="reference", choices=INIT_SCHEMES,
+                   help="every run's initialization (model.init_weights); reference = Amos et al.'s code")
     p.add_argument("--preset", default="cpu", choices=("cpu", "paper"), help="every run's preset (paper: GPU)")
     p.add_argument("--data_dir", default="data", help="root of data/<task>/ (made there when missing)")
     p.add_argument("--out_dir", default="out", help="runs go to <out_dir>/ablate/<task>/<model>/seed<s>/")

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 import data
 from model import ModelConfig, Transformer, config_from_dict, unwrapped_state_dict
-from pretrain import (accumulator_dtype, autocast, build_parser, epoch_batches, global_sum, local_rows, prepare_data,
+from pretrain import (MODEL_FLAGS, accumulator_dtype, autocast, build_parser, epoch_batches, global_sum, local_rows, prepare_data,
                       resolve, run_record, train, wrap)
 
 
@@ -181,6 +181,12 @@ def main(argv=None):
         model = Transformer(cfg).to(args.device)
     else:
         model = model_from_pretrained(args.init, meta, meta["n_classes"], args.task, args.device, args.inherit)
+    if args.init != "scratch":  # the checkpoint's initialization scheme is the run's (fresh heads/groups use it)
+        for flag, field in MODEL_FLAGS.items():
+            given = getattr(args, flag)
+            if flag.startswith("init_") and given is not None and given != getattr(model.cfg, field):
+                p.error(f"--{flag} {given}: the checkpoint {args.init} was initialized with {field}="
+                        f"{getattr(model.cfg, field)!r}, and finetuning keeps it (drop --{flag})")
     frozen = [n for n, p in model.named_parameters() if param_group(n) in FREEZE[args.freeze]]
     for n, p in model.named_parameters():
         p.requires_grad_(n not in frozen)  # frozen tensors get no gradient and are not given to AdamW
@@ -204,7 +210,7 @@ def main(argv=None):
         return {"val_acc": val["acc"], "val_loss": val["loss"]}
 
     extra = dict(stage="finetune", task=args.task, data_meta=meta, init=args.init, metric="val_acc",
-                 format_version=1)
+                 tiebreak="val_loss", format_version=1)
     print(f"finetuning {args.task} from {args.init}: {model.cfg}")
     t0 = time.time()
     best = train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better=True)
@@ -217,6 +223,9 @@ def main(argv=None):
     log = [json.loads(line) for line in open(paths["log"])]
     result = dict(task=args.task, init=args.init, name=args.name, seed=args.seed, preset=args.preset,
                   steps_per_epoch=len(epoch_batches(train_split, args, 0)),
+                  init_scheme=model.cfg.init, init_scale=model.cfg.init_scale,
+                  init_std=model.cfg.init_std if model.cfg.init == "normal" else None,
+                  best_step=best["step"], best_epoch=best["epoch"],
                   best_val_acc=best["val_acc"], test_acc=test["acc"], train_acc=train_acc, train_acc_subset=n_sub,
                   evals=[e for e in log if "val_acc" in e], wall_time_s=time.time() - t0,
                   data_sha256=meta.get("sha256"), **run_record(args))
@@ -227,7 +236,8 @@ def main(argv=None):
     if args.world_size > 1:
         torch.distributed.barrier()  # the JSON exists before any rank goes on (ablate.py reads it back)
         torch.distributed.destroy_process_group()
-    print(f"{args.task} ({args.name}): best validation accuracy {best['val_acc']:.4f}, test accuracy "
+    print(f"{args.task} ({args.name}, init {model.cfg.init}): best validation accuracy {best['val_acc']:.4f} "
+          f"(step {best['step']}, the weights tested), test accuracy "
           f"{test['acc']:.4f}, train accuracy {train_acc:.4f}; wrote {stem}.json")
 
 

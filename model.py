@@ -6,7 +6,8 @@
     -> reconstruction head (per position, self-pretraining)  and/or  mean pooling + classification head
 
 The attention module keeps W_Q, W_K, W_V, W_O as four separate Linear layers (`q_proj`, `k_proj`, `v_proj`,
-`o_proj`) so that the ablations of Coser et al. (Table 3) can inherit or freeze them one by one. It has two
+`o_proj`) so that the ablations of Coser et al. (Table 3) can inherit or freeze them one by one (under the default
+initialization, "reference", the four start equal, as in Amos et al.'s code: see init_weights). It has two
 paths that compute the same thing:
   * fast: torch.nn.functional.scaled_dot_product_attention (fused kernels, no L x L tensor in our code, except
     the (B, H, L, L) bias mask of ALiBi/FIRE when a batch is padded);
@@ -52,7 +53,10 @@ class ModelConfig:
     attn_window: int = 0       # > 0: local attention, blocks of this many positions see their neighbour blocks
     n_classes: int = 0         # > 0 adds the classification head (finetuning)
     n_rec: int = 0             # > 0 adds the per-position reconstruction head with this many outputs (SPT)
-    init_std: float = 0.02     # std of the normal init of every Linear and Embedding weight (see init_weights)
+    init: str = "reference"    # initialization scheme (INIT_SCHEMES, init_weights): "reference" = Amos et al.'s
+                               # code (PyTorch defaults, W_Q = W_K = W_V = W_O at init), "torch", "normal"
+    init_std: float = 0.02     # std of every Linear and Embedding weight under init "normal"
+    init_scale: float = 1.0    # multiplies every initialized Linear/Embedding tensor (ablate.py initscale)
 
 
 def sinusoidal_positions(n_pos, d_model, base=10000.0):
@@ -286,7 +290,7 @@ class Transformer(nn.Module):
                                           nn.Linear(cfg.d_model, cfg.n_classes))
         else:
             self.cls_head = nn.Linear(cfg.d_model, cfg.n_classes) if cfg.n_classes > 0 else None
-        init_weights(self, cfg.init_std)
+        init_weights(self, cfg)
 
     def forward(self, x, lengths=None, positions=None):
         """Reconstruction outputs at `positions` if given (SPT), else class logits (finetuning)."""
@@ -344,26 +348,55 @@ class Transformer(nn.Module):
         return self.rec_head(z[positions])
 
 
-def init_weights(model, std=0.02):
-    """The single initialization of the project (applied by Transformer.__init__):
+INIT_SCHEMES = ("reference", "torch", "normal")
 
-    | tensor                                   | init            |
-    | Linear weights (W_Q, W_K, W_V, W_O, MLP, | N(0, std^2)     |
-    |   input encoder, heads)                  |                 |
-    | Linear biases                            | 0               |
-    | Embedding weights                        | N(0, std^2)     |
-    | LayerNorm weight / bias                  | 1 / 0           |
-    std = 0.02 as in GPT-2; measured to show the synthetic-task effect (README, the mechanism section).
-    At this scale Q K^T / sqrt(d_head) is near 0 at init, i.e. attention is near uniform (Coser et al., Sec. 4).
+
+def init_weights(model, cfg):
+    """Initialize `model` in place by the scheme cfg.init (applied by Transformer.__init__), tensor by tensor:
+
+    | tensor                               | "reference" (default)      | "torch"          | "normal"         |
+    | Linear weight (W_Q, W_K, W_V, W_O,   | U(-1/sqrt(d_in),           | as "reference"   | N(0, init_std^2) |
+    |   MLP, continuous input encoder,     |   1/sqrt(d_in)): std       |                  |                  |
+    |   heads, FIRE's MLP)                 |   1/sqrt(3 d_in)           |                  |                  |
+    | Linear bias                          | U(-1/sqrt(d_in), ...)      | as "reference"   | 0                |
+    | Embedding (token input encoder)      | N(0, 1)                    | N(0, 1)          | N(0, init_std^2) |
+    | W_Q, W_K, W_V, W_O of one layer      | equal (one draw, copied)   | independent      | independent      |
+    | LayerNorm weight / bias              | 1 / 0                      | 1 / 0            | 1 / 0            |
+    Then every Linear weight and bias and every Embedding weight is multiplied by cfg.init_scale (1 = as above).
+
+    "reference" is the initialization of the code the paper's LRA numbers come from (Amos et al., repository
+    not-from-scratch, attention layer MultiheadAttentionFlash): PyTorch's default initialization, with the four
+    projections built as `clones(nn.Linear(d, d), 4)`, i.e. `copy.deepcopy` of ONE layer, so that W_Q, W_K, W_V
+    and W_O (and their biases) are identical at initialization and only training makes them differ. With
+    W_Q = W_K the scores at init are a Gram matrix, which already leans towards nearby positions (sinusoidal
+    p_i . p_j peaks at i = j). "torch" is PyTorch's defaults with independent projections; "normal" is the GPT-2
+    style N(0, 0.02) under which attention starts almost exactly uniform (the premise of Coser et al.'s
+    Proposition 1). Raises ValueError for an unknown scheme.
     """
+    if cfg.init not in INIT_SCHEMES:
+        raise ValueError(f"ModelConfig.init is {cfg.init!r}, expected one of {INIT_SCHEMES}")
     for m in model.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, 0.0, std)
-            if getattr(m, "bias", None) is not None:
-                nn.init.zeros_(m.bias)
+            if cfg.init == "normal":
+                nn.init.normal_(m.weight, 0.0, cfg.init_std)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+            else:
+                m.reset_parameters()  # PyTorch's own default (kaiming-uniform a = sqrt 5; Embedding N(0, 1))
+            if cfg.init_scale != 1.0:
+                with torch.no_grad():
+                    for p in m.parameters(recurse=False):
+                        p.mul_(cfg.init_scale)
         elif isinstance(m, nn.LayerNorm):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
+    if cfg.init == "reference":  # clones(): the four projections start as copies of one layer
+        for m in model.modules():
+            if isinstance(m, Attention):
+                with torch.no_grad():
+                    for proj in (m.k_proj, m.v_proj, m.o_proj):
+                        proj.weight.copy_(m.q_proj.weight)
+                        proj.bias.copy_(m.q_proj.bias)
 
 
 def count_params(model):
@@ -390,12 +423,13 @@ def unwrapped_state_dict(state_dict):
 
 
 def config_from_dict(d, where="checkpoint"):
-    """ModelConfig from a plain dict; raises ValueError naming unknown fields."""
+    """ModelConfig from a plain dict; raises ValueError naming unknown fields. A checkpoint that records no `init`
+    was written before the schemes existed, when N(0, init_std) was the only initialization: it gets "normal"."""
     known = {f.name for f in fields(ModelConfig)}
     unknown = set(d) - known
     if unknown:
         raise ValueError(f"{where}: unknown model_config fields {sorted(unknown)}")
-    return ModelConfig(**d)
+    return ModelConfig(**{"init": "normal", **d})
 
 
 def checkpoint_dict(model, **extra):

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import data
-from model import (POSITIONS, ModelConfig, Transformer, checkpoint_dict, count_params, flops_per_token, on,
+from model import (INIT_SCHEMES, POSITIONS, ModelConfig, Transformer, checkpoint_dict, count_params, flops_per_token, on,
                    peak_flops)
 
 # ----------------------------------------------------------------------------------------------------------
@@ -159,7 +159,19 @@ def build_parser(stage, description):
         g.add_argument(f"--{name}", type=int, default=None, help=what)
     g.add_argument("--pos", default=None, choices=POSITIONS,
                    help="positional encoding (default sinusoidal, the paper's); alibi/rope/fire are relative")
+    g.add_argument("--init_scheme", default=None, choices=INIT_SCHEMES,
+                   help="initialization (model.init_weights; default reference = Amos et al.'s code: PyTorch "
+                        "defaults, W_Q = W_K = W_V = W_O at init); torch = independent projections; normal = "
+                        "N(0, --init_std)")
+    g.add_argument("--init_std", type=float, default=None, help="std of --init_scheme normal (default 0.02)")
+    g.add_argument("--init_scale", type=float, default=None,
+                   help="multiply every initialized Linear/Embedding tensor by this (default 1)")
     return p
+
+
+# Flags that set ModelConfig fields (flag name -> field name); None means the preset's (or ModelConfig's) value.
+MODEL_FLAGS = {**{k: k for k in MODEL_SIZE_FLAGS}, "pos": "pos", "init_scheme": "init", "init_std": "init_std",
+               "init_scale": "init_scale"}
 
 
 def resolve(args, stage):
@@ -169,8 +181,8 @@ def resolve(args, stage):
     if args.preset == "auto":
         args.preset = "paper" if args.device.type == "cuda" else "cpu"
     preset = PRESETS[data.task_family(args.task)][args.preset]
-    preset = dict(preset, model={**preset["model"], **{k: getattr(args, k) for k in MODEL_SIZE_FLAGS + ("pos",)
-                                                       if getattr(args, k) is not None}})
+    preset = dict(preset, model={**preset["model"], **{field: getattr(args, flag) for flag, field in MODEL_FLAGS.items()
+                                                       if getattr(args, flag) is not None}})
     for key, value in {"max_steps": 0, **preset[stage]}.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
@@ -401,7 +413,7 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
     named by extra["metric"]. paths: dict(best=..., last=..., log=...). The best checkpoint (by that metric)
     and the last one are written atomically; with args.resume the run continues from paths["last"] exactly
     (model, optimizer, step, epoch, position in the epoch, best metric, RNG state).
-    Returns the metrics dict of the best evaluation.
+    Returns the metrics dict of the best evaluation (is_better decides ties), with its "step" and "epoch".
     """
     metric = extra["metric"]
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.999),
@@ -504,10 +516,10 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
                     check_finite(loss_since.item(), state["step"] - steps_since + 1, state["step"])
                 t_eval = time.time()
                 metrics = eval_fn()
-                value = metrics[metric]
-                improved = state["best"] is None or (value > state["best"] if higher_is_better else value < state["best"])
+                improved = is_better(metrics, state, metric, higher_is_better, extra.get("tiebreak"))
                 if improved:
-                    state["best"], state["best_metrics"] = value, metrics
+                    state["best"], state["best_metrics"] = metrics[metric], metrics
+                    state["best_step"], state["best_epoch"] = state["step"], state["step"] / n_batches
                 print(f"eval at step {state['step']}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
                       + (" (best)" if improved else ""))
                 log(dict(step=state["step"], epoch=state["epoch"], **metrics))
@@ -525,7 +537,23 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
           f"best {metric} {state['best']:.4f}")
     if args.world_size > 1:
         dist.barrier()  # rank 0 has written its checkpoints before anyone reads them
-    return state["best_metrics"]
+    return dict(state["best_metrics"], step=state.get("best_step"), epoch=state.get("best_epoch"))
+
+
+def is_better(metrics, state, metric, higher_is_better, tiebreak=None):
+    """Whether an evaluation's `metrics` beat the best so far (state["best_metrics"]) on `metric`.
+
+    A tie on `metric` (frequent for accuracy on a small validation split: 10 series give 11 values) is broken by
+    `tiebreak`, a loss (lower is better), and failing that goes to the later evaluation, so that a tie never keeps
+    the model of an early step merely because it came first.
+    """
+    best = state["best_metrics"]
+    if best is None:
+        return True
+    value, ref = metrics[metric], best[metric]
+    if value != ref:
+        return value > ref if higher_is_better else value < ref
+    return tiebreak is None or metrics[tiebreak] <= best[tiebreak]
 
 
 # ----------------------------------------------------------------------------------------------------------
