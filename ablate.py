@@ -441,6 +441,99 @@ def experiment_posenc(args):
     write_outputs("posenc" if task == "synthetic" else f"posenc_{task}", runs, "\n".join(rows), args)
 
 
+def experiment_initscale(args):
+    """Beyond the paper: where is the from-scratch plateau in (initialization scale, sequence length), and does SPT
+    remove it everywhere? The minimal model of `synthetic`, on trajectories of each --lengths, initialized by each
+    --kinds ("reference": W_Q = W_K = W_V = W_O at init, "torch": independent) times each --scales (multiples of
+    the PyTorch default scale; Embedding/Linear tensors multiplied, model.init_weights), per seed: from scratch,
+    and SPT then finetuning, with one budget for every cell (--n_train, --epochs). Records the best validation
+    accuracy, the epoch at which it first reaches 0.9 (the end of the plateau) and the attention entropy at init
+    divided by log L (1 = uniform attention, the premise of Proposition 1), of the from-scratch model at init.
+    Writes out/ablate/initscale.{json,md} and the phase diagram out/analysis/initscale.png.
+    """
+    if args.quick:
+        args.scales, args.lengths, args.n_train, args.epochs = [0.25, 1.0], [50, 100], 500, 4
+    budget = ["--epochs", str(args.epochs), "--batch_size", str(args.batch_size), "--eval_every", "100000"]
+    runs = []
+    for length in args.lengths:
+        data_dir = os.path.join(args.data_dir, "initscale", f"L{length}")
+        if not os.path.exists(os.path.join(data_dir, "synthetic", "train.pt")):
+            data.prepare_synthetic(data_dir, n_train=args.n_train, n_val=args.n_val, n_test=args.n_val, length=length)
+        for kind in args.kinds:
+            for scale in args.scales:
+                common = ["--data_dir", data_dir, "--preset", args.preset, "--device", args.device,
+                          "--init_scheme", kind, "--init_scale", str(scale)] + budget
+                common += ["--max_steps", str(args.max_steps)] if args.max_steps else []
+                for seed in range(args.seeds):
+                    folder = os.path.join(args.out_dir, "ablate", "initscale", kind, f"x{scale:g}", f"L{length}",
+                                          f"seed{seed}")
+                    scratch = run_finetune("synthetic", folder, seed, "scratch", "scratch", common)
+                    ckpt = run_pretrain("synthetic", folder, seed, common)
+                    spt = run_finetune("synthetic", folder, seed, "spt", ckpt, common)
+                    stats, _ = analyze.analyze_checkpoints(
+                        {"init": os.path.join(folder, "synthetic", "finetune_scratch_init.pt")}, data_dir, n=32)
+                    for stage, result in (("scratch", scratch), ("spt", spt)):
+                        runs.append(dict(kind=kind, scale=scale, length=length, seed=seed, stage=stage,
+                                         best_val_acc=result["best_val_acc"], best_step=result["best_step"],
+                                         plateau_exit_epoch=plateau_exit_epoch(result),
+                                         entropy_at_init=stats["init"]["entropy"] / stats["init"]["uniform_entropy"]))
+    stages = {"scratch": "from scratch", "spt": "SPT, then finetune"}
+    rows = ["| init | scale | L | entropy at init / log L | val acc, from scratch | epoch >= 0.9 (runs) | "
+            "val acc, SPT then finetune | epoch >= 0.9 (runs) |", "|---|---|---|---|---|---|---|---|"]
+    for kind in args.kinds:
+        for scale in args.scales:
+            for length in args.lengths:
+                cell = [r for r in runs if (r["kind"], r["scale"], r["length"]) == (kind, scale, length)]
+                row = f"| {kind} | {scale:g} | {length} | " \
+                      f"{mean_std([r['entropy_at_init'] for r in cell if r['stage'] == 'scratch'])} |"
+                for stage in stages:
+                    rs = [r for r in cell if r["stage"] == stage]
+                    exits = [r["plateau_exit_epoch"] for r in rs]
+                    row += f" {mean_std([r['best_val_acc'] for r in rs])} | {mean_std(exits)} " \
+                           f"({sum(e is not None for e in exits)}/{len(rs)}) |"
+                rows.append(row)
+    rows.append(f"\nBudget per stage and cell: {args.epochs} epochs of {args.n_train} trajectories (batch "
+                f"{args.batch_size}), validation on {args.n_val}; the synthetic preset's model otherwise (one layer, "
+                f"one head, no LayerNorm, no MLP, lr 1e-3). Scale 1 = PyTorch's default init; `reference` ties W_Q, "
+                f"W_K, W_V, W_O at init as Amos et al.'s code does, `torch` draws them independently. Entropy of the "
+                f"from-scratch model's attention at init on 32 validation trajectories. Seeds: {args.seeds}; command: "
+                f"python ablate.py initscale" + (" --quick" if args.quick else "") +
+                (f"; every run capped at {args.max_steps} steps" if args.max_steps else ""))
+    os.makedirs(os.path.join(args.out_dir, "analysis"), exist_ok=True)
+    plot_initscale(runs, args, os.path.join(args.out_dir, "analysis", "initscale.png"))
+    write_outputs("initscale", runs, "\n".join(rows), args)
+
+
+def plot_initscale(runs, args, path):
+    """Phase diagram: mean best validation accuracy over (init scale, sequence length), one panel per init kind
+    (rows) and stage (columns: from scratch, SPT then finetune), each cell annotated with its mean."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(len(args.kinds), 2, figsize=(9, 3.2 * len(args.kinds)), squeeze=False)
+    for row, kind in enumerate(args.kinds):
+        for col, (stage, title) in enumerate((("scratch", "from scratch"), ("spt", "SPT, then finetune"))):
+            grid = [[sum(r["best_val_acc"] for r in rs) / len(rs) if rs else float("nan")
+                     for rs in ([r for r in runs if (r["kind"], r["stage"], r["scale"], r["length"]) ==
+                                 (kind, stage, scale, length)] for scale in args.scales)]
+                    for length in args.lengths]
+            ax = axes[row][col]
+            im = ax.imshow(grid, vmin=0.5, vmax=1.0, cmap="viridis", origin="lower", aspect="auto")
+            for i, line in enumerate(grid):
+                for j, value in enumerate(line):
+                    ax.text(j, i, f"{value:.2f}", ha="center", va="center", color="w" if value < 0.8 else "k")
+            ax.set_xticks(range(len(args.scales)), [f"{s:g}" for s in args.scales])
+            ax.set_yticks(range(len(args.lengths)), [str(L) for L in args.lengths])
+            ax.set_xlabel("init scale (x PyTorch default)")
+            ax.set_ylabel("sequence length L")
+            ax.set_title(f"{kind}: {title}")
+            fig.colorbar(im, ax=ax, fraction=0.046, label="val acc")
+    fig.suptitle(f"Synthetic trajectories: best validation accuracy, mean of {args.seeds} seed(s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def report(args):
     """Rewrite the README's Results section from out/ablate/*.md and copy the analysis figures to figures/.
 
@@ -491,7 +584,7 @@ def report(args):
 
 EXPERIMENTS = {"synthetic": experiment_synthetic, "init": experiment_init, "posenc": experiment_posenc,
                "ucr": experiment_ucr, "swap": experiment_swap, "duration": experiment_duration,
-               "main": experiment_main, "report": report}
+               "main": experiment_main, "initscale": experiment_initscale, "report": report}
 
 
 def main(argv=None):
@@ -517,6 +610,17 @@ def main(argv=None):
     p.add_argument("--tasks", nargs="+", default=LRA_TASKS, choices=LRA_TASKS + ("pathx",), help="main: LRA tasks")
     p.add_argument("--durations", type=int, nargs="+", default=None,
                    help="duration: SPT epochs to compare (default 1 3 10 on cpu, 1 10 100 200 on paper)")
+    g = p.add_argument_group("initscale: the grid and its budget")
+    g.add_argument("--kinds", nargs="+", default=["reference", "torch"], choices=("reference", "torch"),
+                   help="tied (reference) or independent (torch) projections at init")
+    g.add_argument("--scales", type=float, nargs="+", default=[0.125, 0.25, 0.5, 1.0, 2.0],
+                   help="init scales, multiples of the PyTorch default")
+    g.add_argument("--lengths", type=int, nargs="+", default=[100, 200, 400], help="trajectory lengths L")
+    g.add_argument("--n_train", type=int, default=2000, help="training trajectories per length")
+    g.add_argument("--n_val", type=int, default=500, help="validation (and test) trajectories per length")
+    g.add_argument("--epochs", type=int, default=10, help="epochs of each stage (SPT, finetuning, from scratch)")
+    g.add_argument("--batch_size", type=int, default=32, help="trajectories per step")
+    g.add_argument("--quick", action="store_true", help="a small grid in a few minutes (scales 0.25 1, L 50 100)")
     args = p.parse_args(argv)
     EXPERIMENTS[args.experiment](args)
 
