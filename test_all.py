@@ -778,6 +778,125 @@ def test_ablate_synthetic_and_init_run_and_resume(synthetic_run, tmp_path, capsy
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Initialization schemes (model.init_weights) and the init-scale experiment
+# ----------------------------------------------------------------------------------------------------------
+
+def _uniform_std(d_in):
+    return 1 / math.sqrt(3 * d_in)  # std of U(-1/sqrt(d_in), 1/sqrt(d_in)), PyTorch's nn.Linear default
+
+
+@pytest.mark.parametrize("scheme", ["reference", "torch", "normal"])
+def test_init_schemes_give_the_documented_statistics(scheme):
+    torch.manual_seed(0)
+    d, d_mlp = 128, 256
+    model = Transformer(ModelConfig(vocab_size=300, d_model=d, n_layers=2, n_heads=4, d_mlp=d_mlp, n_classes=3,
+                                    init=scheme, init_std=0.05))
+    attn, mlp = model.blocks[0].attn, model.blocks[0].mlp
+    want = {"embed": 1.0, "W_Q": _uniform_std(d), "W_O": _uniform_std(d), "mlp_in": _uniform_std(d),
+            "mlp_out": _uniform_std(d_mlp), "head": _uniform_std(d)} if scheme != "normal" else \
+        dict.fromkeys(("embed", "W_Q", "W_O", "mlp_in", "mlp_out", "head"), 0.05)
+    got = {"embed": model.embed.weight, "W_Q": attn.q_proj.weight, "W_O": attn.o_proj.weight,
+           "mlp_in": mlp[0].weight, "mlp_out": mlp[2].weight, "head": model.cls_head.weight}
+    for name, tensor in got.items():
+        assert abs(tensor.std().item() / want[name] - 1) < 0.08, (name, tensor.std().item(), want[name])
+        assert abs(tensor.mean().item()) < 0.1 * want[name]
+    bias = attn.q_proj.bias
+    if scheme == "normal":
+        assert not bias.any()
+    else:  # U(-1/sqrt(d), 1/sqrt(d)): inside the bound, and not all zero
+        assert bias.abs().max() <= 1 / math.sqrt(d) and bias.abs().max() > 0.5 / math.sqrt(d)
+    assert torch.equal(model.blocks[0].ln1.weight, torch.ones(d)) and not model.blocks[0].ln1.bias.any()
+    projections = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+    tied = all(torch.equal(p.weight, attn.q_proj.weight) and torch.equal(p.bias, attn.q_proj.bias)
+               for p in projections)
+    assert tied == (scheme == "reference")
+    # the two layers are separate draws under every scheme
+    assert not torch.equal(model.blocks[1].attn.q_proj.weight, attn.q_proj.weight)
+
+
+def test_init_scale_multiplies_every_initialized_tensor_but_not_layernorm():
+    cfg = dict(vocab_size=50, d_model=32, n_layers=1, n_heads=2, d_mlp=64, n_classes=2)
+    torch.manual_seed(3)
+    base = Transformer(ModelConfig(**cfg)).state_dict()
+    torch.manual_seed(3)
+    scaled = Transformer(ModelConfig(**cfg, init_scale=0.25)).state_dict()
+    for key, value in base.items():
+        factor = 1.0 if ".ln" in key or key.startswith("ln_f") else 0.25
+        assert torch.allclose(scaled[key], factor * value), key
+
+
+def test_reference_projections_part_after_one_optimizer_step():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(d_input=2, max_len=16, d_model=16, n_layers=1, n_heads=2, n_classes=2))
+    attn = model.blocks[0].attn
+    assert torch.equal(attn.q_proj.weight, attn.k_proj.weight) and torch.equal(attn.v_proj.weight, attn.o_proj.weight)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    F.cross_entropy(model(torch.randn(8, 16, 2)), torch.randint(0, 2, (8,))).backward()
+    opt.step()
+    weights = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight]
+    assert all(not torch.equal(a, b) for i, a in enumerate(weights) for b in weights[i + 1:])
+
+
+def test_unknown_init_scheme_and_old_checkpoints(tmp_path):
+    with pytest.raises(ValueError, match="ModelConfig.init is 'xavier'"):
+        Transformer(tiny_cfg(init="xavier"))
+    # a checkpoint written before the schemes existed records no `init`: it was N(0, init_std)
+    assert model_lib.config_from_dict(vars(tiny_cfg(init="torch"))).init == "torch"
+    old = {k: v for k, v in vars(tiny_cfg()).items() if k != "init"}
+    assert model_lib.config_from_dict(old).init == "normal"
+
+
+def test_checkpoints_record_the_scheme_and_finetuning_keeps_it(synthetic_run, tmp_path, capsys):
+    data_dir, _ = synthetic_run
+    out = str(tmp_path)
+    flags = ["--task", "synthetic", "--data_dir", data_dir, "--out_dir", out, "--batch_size", "16",
+             "--max_steps", "2", "--device", "cpu"]
+    pretrain.main(flags + ["--init_scheme", "torch", "--init_scale", "0.5"])
+    ck = data.load_pt(os.path.join(out, "synthetic", "pretrain.pt"))
+    assert ck["model_config"]["init"] == "torch" and ck["model_config"]["init_scale"] == 0.5
+    finetune.main(flags + ["--init", os.path.join(out, "synthetic", "pretrain.pt")])
+    result = json.load(open(os.path.join(out, "synthetic", "finetune_spt.json")))
+    assert (result["init_scheme"], result["init_scale"]) == ("torch", 0.5)
+    assert data.load_pt(os.path.join(out, "synthetic", "finetune_spt.pt"))["model_config"]["init"] == "torch"
+    assert "init torch" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # finetuning from a checkpoint keeps its scheme: a different one is an error
+        finetune.main(flags + ["--init", os.path.join(out, "synthetic", "pretrain.pt"), "--init_scheme", "normal"])
+    assert "initialized with init='torch'" in capsys.readouterr().err
+    finetune.main(flags + ["--init", "scratch"])  # from scratch: the default scheme
+    assert json.load(open(os.path.join(out, "synthetic", "finetune_scratch.json")))["init_scheme"] == "reference"
+
+
+def test_ties_in_validation_accuracy_go_to_the_lower_loss_then_the_later_evaluation():
+    state = dict(best_metrics=dict(val_acc=0.9, val_loss=0.30))
+    better = lambda **m: pretrain.is_better(m, state, "val_acc", True, "val_loss")  # noqa: E731
+    assert better(val_acc=0.95, val_loss=0.9) and not better(val_acc=0.85, val_loss=0.01)
+    assert better(val_acc=0.9, val_loss=0.20) and better(val_acc=0.9, val_loss=0.30)
+    assert not better(val_acc=0.9, val_loss=0.31)
+    assert pretrain.is_better(dict(val_loss=1.0), dict(best_metrics=None), "val_loss", False)
+    assert pretrain.is_better(dict(val_loss=1.0), dict(best_metrics=dict(val_loss=1.0)), "val_loss", False)
+
+
+def test_ablate_initscale_runs_its_grid_and_writes_table_and_figure(tmp_path):
+    import ablate
+    argv = ["initscale", "--seeds", "1", "--scales", "0.5", "1", "--lengths", "12", "20", "--n_train", "32",
+            "--n_val", "16", "--epochs", "1", "--batch_size", "16", "--data_dir", str(tmp_path / "data"),
+            "--out_dir", str(tmp_path / "out"), "--device", "cpu"]
+    ablate.main(argv)
+    res = json.load(open(tmp_path / "out" / "ablate" / "initscale.json"))
+    cells = {(r["kind"], r["scale"], r["length"], r["stage"]) for r in res["runs"]}
+    assert cells == {(k, s, L, st) for k in ("reference", "torch") for s in (0.5, 1.0) for L in (12, 20)
+                     for st in ("scratch", "spt")}
+    assert all(0 < r["entropy_at_init"] <= 1 + 1e-6 for r in res["runs"])
+    table = open(tmp_path / "out" / "ablate" / "initscale.md").read()
+    assert "| reference | 0.5 | 12 |" in table and "| torch | 1 | 20 |" in table
+    assert (tmp_path / "out" / "analysis" / "initscale.png").stat().st_size > 10_000
+    ck = data.load_pt(str(tmp_path / "out" / "ablate" / "initscale" / "torch" / "x0.5" / "L20" / "seed0" /
+                          "synthetic" / "pretrain.pt"))
+    assert (ck["model_config"]["init"], ck["model_config"]["init_scale"], ck["model_config"]["max_len"]) == \
+        ("torch", 0.5, 20)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Distributed data parallel (torchrun, gloo on CPU)
 # ----------------------------------------------------------------------------------------------------------
 
