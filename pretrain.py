@@ -161,6 +161,17 @@ def build_parser(stage, description):
     for name, what in zip(MODEL_SIZE_FLAGS, ("Transformer blocks", "width of the residual stream",
                                               "attention heads (must divide d_model)", "hidden width of the MLP")):
         g.add_argument(f"--{name}", type=int, default=None, help=what)
+    d = p.add_argument_group("data (used when data/<task>/ is made, and checked against it when it exists)")
+    d.add_argument("--max_len", type=int, default=None,
+                   help="longest sequence kept (Text, Retrieval: bytes per document; ListOps); None = the preset's")
+    d.add_argument("--resolution", type=int, default=None, help="PathFinder/PathX image side (32 / 128)")
+    d.add_argument("--difficulty", default=None, choices=("easy", "intermediate", "hard"),
+                   help="PathFinder/PathX contour length 6 / 9 / 14 (default hard)")
+    d.add_argument("--download", action="store_true",
+                   help="download missing data (IMDb 80 MB, CIFAR-10 170 MB, LRA release 8.2 GB, UCR); without it a "
+                        "stage stops and says what to fetch")
+    d.add_argument("--accept_data", action="store_true",
+                   help="train on data/<task>/ even if its settings differ from the preset's (a warning, not an error)")
     g.add_argument("--pos", default=None, choices=POSITIONS,
                    help="positional encoding (default sinusoidal, the paper's); alibi/rope/fire are relative")
     g.add_argument("--init_scheme", default=None, choices=INIT_SCHEMES,
@@ -277,16 +288,57 @@ def get_lr(step, lr, warmup):
     return lr * min(1.0, (step + 1) / max(1, warmup))
 
 
+# Data settings every preset of a task implies without naming them (data.prepare_pathfinder's defaults).
+IMPLIED_DATA = {"pathfinder": dict(resolution=32, difficulty="hard"), "pathx": dict(resolution=128, difficulty="hard")}
+DOWNLOADED = ("text", "retrieval", "image", "pathfinder", "pathx", "ucr")  # task families fetched from the web
+
+
+def data_settings(args, preset):
+    """The data settings of this run: the preset's (pretrain.PRESETS[...]["data"]), overridden by the data flags."""
+    settings = dict(IMPLIED_DATA.get(data.task_family(args.task), {}), **preset["data"])
+    for key in ("max_len", "resolution", "difficulty"):
+        if getattr(args, key, None) is not None:
+            settings[key] = getattr(args, key)
+    return settings
+
+
 def prepare_data(args, preset):
-    """Load train/val/test of args.task onto the device (data.load_splits), making them first if missing."""
+    """Load train/val/test of args.task onto the device (data.load_splits), making them first if missing.
+
+    Missing data that must be downloaded is fetched only with --download (a paper run never starts an 8 GB
+    download unasked). Every data setting the preset and flags imply (data_settings) is compared with the
+    prepared data's meta: a mismatch is a ValueError naming both values and the command that prepares the data
+    as the run expects, unless --accept_data (then a warning).
+    """
+    settings, family = data_settings(args, preset), data.task_family(args.task)
     if args.rank == 0 and not os.path.exists(os.path.join(args.data_dir, args.task, "train.pt")):
         print(f"{args.data_dir}/{args.task}/train.pt not found: preparing it (preset {args.preset})")
-        data.prepare(args.task, args.data_dir, **preset["data"])
+        data.prepare(args.task, args.data_dir, **settings,
+                     **(dict(download=args.download) if family in DOWNLOADED else {}))
     if args.world_size > 1:
         # Only rank 0 writes the data and the others wait; a download may take hours, so this barrier has a group
         # (and a timeout) of its own, not the training collectives' default.
         dist.barrier(group=dist.new_group(backend="gloo", timeout=timedelta(hours=3)))
-    return data.load_splits(args.data_dir, args.task, args.device, preset["data"].get("n_train"))
+    splits = data.load_splits(args.data_dir, args.task, args.device)
+    meta = splits["train"]["meta"]
+    wrong = data.data_mismatches(meta, settings)
+    if wrong:
+        what = "; ".join(f"{key}: the run expects {want!r}, the data has {found!r}" for key, want, found in wrong)
+        fix = (f"prepare the data this run expects in another folder: "
+               f"`{data.prepare_command(args.task, args.data_dir + '_' + args.preset, settings)}` and pass "
+               f"--data_dir {args.data_dir}_{args.preset}; or pass --accept_data to train on the data as it is")
+        if not args.accept_data:
+            raise ValueError(f"{args.data_dir}/{args.task} was prepared with other settings than preset "
+                             f"{args.preset} and the flags imply ({what}). To fix: {fix}")
+        print(f"warning: --accept_data: training on {args.data_dir}/{args.task} as it is ({what})")
+    print(f"data {args.data_dir}/{args.task}: " + ", ".join(
+        f"{s} {len(splits[s]['labels'])} (sha256 {splits[s]['meta']['file_sha256'][:12]})" for s in data.SPLITS))
+    return splits
+
+
+def data_hashes(splits):
+    """{split: sha256 of its .pt file} (data.load_splits), recorded in checkpoints and results."""
+    return {s: split["meta"]["file_sha256"] for s, split in splits.items()}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -427,15 +479,18 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
     total = args.epochs * n_batches if not args.max_steps else min(args.max_steps, args.epochs * n_batches)
     state = dict(step=0, epoch=0, batch_in_epoch=0, best=None, best_metrics=None)
     if args.resume:
-        ck = data.load_newest([paths["last"], paths["best"]], args.device, "--resume")
+        # Loaded on the CPU: load_state_dict copies onto the model's device, and the CPU copy is freed right after
+        # (mapped to the GPU it would hold a second copy of weights and AdamW state for the whole run).
+        ck = data.load_newest([paths["last"], paths["best"]], "cpu", "--resume")
         if ck is not None:
             model.load_state_dict(ck["model"])
             opt.load_state_dict(ck["optimizer"])
             state = ck["state"]
-            torch.set_rng_state(ck["rng_state"].cpu())
+            torch.set_rng_state(ck["rng_state"])
             if args.device.type == "cuda" and ck.get("cuda_rng_state") is not None:
-                torch.cuda.set_rng_state(ck["cuda_rng_state"].cpu(), args.device)
+                torch.cuda.set_rng_state(ck["cuda_rng_state"], args.device)
             print(f"resumed at step {state['step']} (epoch {state['epoch']})")
+            del ck
     print(f"{count_params(model):,} trainable parameters; {total} steps ({n_batches} per epoch)")
     record = run_record(args)
 
@@ -455,8 +510,10 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
 
     def check_finite(value, first, last):
         if not math.isfinite(value):
-            raise FloatingPointError(f"non-finite loss between steps {first} and {last}; the last good checkpoint "
-                                     f"is {paths['last']} (--resume after lowering --lr, or --skip_nonfinite)")
+            where = f"the last good checkpoint is {paths['last']} (--resume after lowering --lr)" \
+                if os.path.exists(paths["last"]) else "no checkpoint was written yet (rerun with a lower --lr)"
+            raise FloatingPointError(f"non-finite loss between steps {first} and {last}; {where}, "
+                                     f"or --skip_nonfinite to skip such steps")
 
     if state["step"] == 0 and args.rank == 0:
         open(paths["log"], "w").close()  # a fresh run starts a fresh log; a resumed one appends
@@ -605,7 +662,8 @@ def main(argv=None):
         n = masked.sum()
         return reconstruction_loss(out, targets_at(x, masked, args.rec_loss, meta), args.rec_loss) * n, n
 
-    extra = dict(stage="pretrain", task=args.task, data_meta=meta, metric="val_loss", format_version=1)
+    extra = dict(stage="pretrain", task=args.task, data_meta=meta, data_sha256=data_hashes(splits), metric="val_loss",
+                 format_version=1)
     print(f"self-pretraining {args.task}: {cfg}")
     best = train(model, splits, args, loss_fn, lambda: evaluate_reconstruction(model, splits["val"], args),
                  paths, extra, higher_is_better=False)

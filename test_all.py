@@ -38,6 +38,14 @@ def listops_dir(tmp_path_factory):
     return root
 
 
+@pytest.fixture(autouse=True)
+def tiny_data_is_accepted(request, monkeypatch):
+    """The fixtures' data sets are tiny on purpose, so their sizes differ from every preset's: the stages' check
+    of the data against the preset (pretrain.prepare_data) is off, except in the tests that test it."""
+    if not request.node.name.startswith("test_data_settings"):
+        monkeypatch.setattr(data, "data_mismatches", lambda meta, settings: [])
+
+
 def tiny_cfg(**kw):
     base = dict(vocab_size=17, max_len=64, d_model=16, n_layers=2, n_heads=4, d_mlp=32)
     base.update(kw)
@@ -627,12 +635,12 @@ def test_load_splits_moves_every_input_kind_and_keeps_lengths_on_the_cpu(tmp_pat
     data.prepare_fashion_mnist(str(tmp_path), n_val=4)
     data.prepare_synthetic(str(tmp_path), n_train=8, n_val=4, n_test=4, length=10)
     for task in ("fashion_mnist", "synthetic"):
-        splits = data.load_splits(str(tmp_path), task, "meta", expect_n_train=10 ** 6)
-        for s in splits.values():
+        splits = data.load_splits(str(tmp_path), task, "meta")
+        for name, s in splits.items():
             key = next(k for k in data.INPUT_KEYS if k in s)
             assert s[key].device.type == "meta" and s["labels"].device.type == "meta"
             assert s["lengths"].device.type == "cpu"
-        assert "the preset expects 1000000" in capsys.readouterr().out
+            assert s["meta"]["file_sha256"] == data.sha256_of(os.path.join(str(tmp_path), task, f"{name}.pt"))
 
 
 def test_gpu_peak_flops_are_matched_by_whole_names():
@@ -662,7 +670,8 @@ def synthetic_run(tmp_path_factory):
     data_dir, out = str(root / "data"), str(root / "out")
     data.prepare_synthetic(data_dir, n_train=64, n_val=32, n_test=32, length=20)
     pretrain.main(["--task", "synthetic", "--data_dir", data_dir, "--out_dir", out, "--batch_size", "16",
-                   "--max_steps", "6", "--eval_every", "3", "--lr", "1e-2", "--device", "cpu", "--snapshots"])
+                   "--max_steps", "6", "--eval_every", "3", "--lr", "1e-2", "--device", "cpu", "--snapshots",
+                   "--accept_data"])  # tiny on purpose
     return data_dir, out
 
 
@@ -905,7 +914,8 @@ def test_two_process_ddp_matches_one_process(listops_dir, tmp_path):
     import subprocess
     import sys
     here = os.path.dirname(os.path.abspath(__file__))
-    args = ["--task", "listops", "--data_dir", listops_dir, "--max_steps", "4", "--eval_every", "2"] + TINY
+    args = ["--task", "listops", "--data_dir", listops_dir, "--max_steps", "4", "--eval_every", "2",
+            "--accept_data"] + TINY  # the subprocesses do not see this file's patch of the data check
     env = dict(os.environ, OMP_NUM_THREADS="1")
     pretrain.main(args + ["--out_dir", str(tmp_path / "one")])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -919,7 +929,8 @@ def test_two_process_ddp_matches_one_process(listops_dir, tmp_path):
     assert one["metrics"]["val_loss"] == pytest.approx(two["metrics"]["val_loss"], rel=1e-5)
     assert proc.stdout.count("eval at step 2") == 1  # only rank 0 prints
     # finetune.py under torchrun: same weights and the same (reduced) validation accuracy as one process
-    ft = ["--task", "listops", "--data_dir", listops_dir, "--init", "scratch", "--max_steps", "3"] + TINY
+    ft = ["--task", "listops", "--data_dir", listops_dir, "--init", "scratch", "--max_steps", "3",
+          "--accept_data"] + TINY
     finetune.main(ft + ["--out_dir", str(tmp_path / "one")])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.join(here, "finetune.py")] + ft + ["--out_dir", str(tmp_path / "two")]
@@ -968,6 +979,102 @@ def test_resume_falls_back_when_the_last_checkpoint_is_damaged(listops_dir, tmp_
     assert "pretrain_last.pt: cannot be loaded" in text and "skipped" in text
     assert "continuing from" in text and "pretrain.pt" in text
     assert data.load_pt(last)["state"]["step"] == 6
+
+
+def test_resume_with_every_checkpoint_broken_stops_with_the_reasons_and_keeps_the_log(listops_dir, tmp_path,
+                                                                                       monkeypatch):
+    out = str(tmp_path)
+    args = ["--task", "listops", "--data_dir", listops_dir, "--out_dir", out, "--eval_every", "2"] + TINY
+    pretrain.main(args + ["--max_steps", "4"])
+    folder = os.path.join(out, "listops")
+    for name in ("pretrain_last.pt", "pretrain.pt"):
+        with open(os.path.join(folder, name), "r+b") as f:
+            f.truncate(100)
+    log_before = open(os.path.join(folder, "pretrain_log.jsonl")).read()
+    with pytest.raises(ValueError, match="no checkpoint could be loaded: .*pretrain_last.pt.*pretrain.pt"):
+        pretrain.main(args + ["--max_steps", "6", "--resume"])
+    assert open(os.path.join(folder, "pretrain_log.jsonl")).read() == log_before  # not truncated
+    # a resume is read onto the CPU (then copied into the model), never mapped onto the training device
+    seen = []
+    original = data.load_newest
+    monkeypatch.setattr(data, "load_newest", lambda paths, where, who: seen.append(where) or original(paths, where, who))
+    pretrain.main(args + ["--max_steps", "2", "--out_dir", str(tmp_path / "fresh"), "--resume"])  # nothing yet: fresh
+    assert seen == ["cpu"]
+
+
+def test_nonfinite_loss_before_any_checkpoint_names_no_missing_file(listops_dir, tmp_path, monkeypatch):
+    original = pretrain.reconstruction_loss
+    monkeypatch.setattr(pretrain, "reconstruction_loss", lambda o, t, kind="ce": original(o, t, kind) * float("nan")
+                        if torch.is_grad_enabled() else original(o, t, kind))
+    with pytest.raises(FloatingPointError) as err:
+        pretrain.main(["--task", "listops", "--data_dir", listops_dir, "--out_dir", str(tmp_path), "--max_steps", "4",
+                       "--log_every", "1"] + TINY[:-4] + ["--device", "cpu"])
+    assert "no checkpoint was written yet" in str(err.value) and "pretrain_last.pt" not in str(err.value)
+
+
+def test_data_settings_of_the_preset_are_checked_against_the_data(tmp_path, capsys):
+    data_dir = str(tmp_path / "data")
+    data.prepare_synthetic(data_dir, n_train=64, n_val=32, n_test=32, length=20)
+    args = ["--task", "synthetic", "--data_dir", data_dir, "--out_dir", str(tmp_path / "out"), "--max_steps", "1",
+            "--device", "cpu"]
+    with pytest.raises(ValueError) as err:
+        pretrain.main(args)  # the synthetic preset is 5000/1000/1000 trajectories
+    message = str(err.value)
+    assert "n_train: the run expects 5000, the data has 64" in message and "n_test: the run expects 1000" in message
+    assert f"python data.py --task synthetic --data_dir {data_dir}_cpu --n_train 5000" in message
+    with pytest.raises(ValueError, match="max_len: the run expects 30, the data has 20"):
+        finetune.main(args + ["--init", "scratch", "--max_len", "30"])
+    capsys.readouterr()
+    pretrain.main(args + ["--accept_data"])
+    assert "warning: --accept_data: training on" in capsys.readouterr().out
+    assert data.data_mismatches({"max_len": 4096, "split_sizes": {"train": 10}}, {"max_len": 4096, "n_train": 10,
+                                                                                  "generate_if_missing": 5}) == []
+    assert data.data_mismatches({"difficulty": "easy"}, {"difficulty": "hard", "resolution": 32}) == \
+        [("difficulty", "hard", "easy")]  # resolution: not recorded, not compared
+
+
+def test_stages_never_download_unasked(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "download_file", lambda *a, **k: pytest.fail("a download was started"))
+    for task in ("text", "image", "ucr/ECG200"):
+        with pytest.raises(FileNotFoundError):
+            pretrain.main(["--task", task, "--data_dir", str(tmp_path), "--out_dir", str(tmp_path / "out"),
+                           "--device", "cpu", "--max_steps", "1"])
+
+
+def test_finetuning_checks_that_spt_used_its_data(tmp_path, capsys):
+    data_dir, out = str(tmp_path / "data"), str(tmp_path / "out")
+    data.prepare_synthetic(data_dir, n_train=32, n_val=16, n_test=16, length=12)
+    flags = ["--task", "synthetic", "--data_dir", data_dir, "--out_dir", out, "--max_steps", "1", "--device", "cpu",
+             "--batch_size", "16"]
+    pretrain.main(flags)
+    ckpt = os.path.join(out, "synthetic", "pretrain.pt")
+    finetune.main(flags + ["--init", ckpt])
+    res = json.load(open(os.path.join(out, "synthetic", "finetune_spt.json")))
+    assert res["spt_data"] == "same" and res["spt_data_sha256"] == res["data_sha256"]
+    data.prepare_synthetic(data_dir, n_train=32, n_val=16, n_test=16, length=12, seed=1)  # other data, same task
+    with pytest.raises(ValueError, match="was pretrained on synthetic data whose train.pt has sha256"):
+        finetune.main(flags + ["--init", ckpt])
+    finetune.main(flags + ["--init", ckpt, "--allow_other_data", "--name", "other"])
+    assert json.load(open(os.path.join(out, "synthetic", "finetune_other.json")))["spt_data"] == "other"
+    old = {k: v for k, v in data.load_pt(ckpt).items() if k != "data_sha256"}  # written before hashes were recorded
+    assert finetune.check_spt_data(old, ckpt, "synthetic", res["data_sha256"]) == "unknown"
+    assert "records no data sha256" in capsys.readouterr().out
+
+
+def test_command_line_data_errors_are_one_line_without_traceback(tmp_path):
+    import subprocess
+    import sys
+    folder = tmp_path / "synthetic"
+    folder.mkdir()
+    for s in data.SPLITS:
+        (folder / f"{s}.pt").write_bytes(b"not a checkpoint")
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, os.path.join(here, "finetune.py"), "--task", "synthetic", "--init", "scratch",
+                           "--data_dir", str(tmp_path), "--device", "cpu"], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert proc.stderr.startswith(f"error: {folder / 'train.pt'}: cannot be loaded")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1322,7 +1429,8 @@ def test_finetune_result_records_what_produced_it(listops_dir, tmp_path):
     finetune.main(["--task", "listops", "--data_dir", listops_dir, "--out_dir", str(tmp_path), "--init", "scratch",
                    "--max_steps", "1"] + TINY)
     res = json.load(open(tmp_path / "listops" / "finetune_scratch.json"))
-    assert res["torch_version"] == str(torch.__version__) and len(res["data_sha256"]) == 64
+    assert res["torch_version"] == str(torch.__version__)
+    assert {s: data.sha256_of(os.path.join(listops_dir, "listops", f"{s}.pt")) for s in data.SPLITS} == res["data_sha256"]
     assert res["config"]["seed"] == 0 and "git_commit" in res and res["device_name"] is not None
 
 
@@ -1560,7 +1668,8 @@ def test_dataset_swap_between_tasks_of_one_input_kind(tmp_path, capsys):
     pretrain.main(["--task", "fashion_mnist"] + common)
     ckpt = os.path.join(out, "fashion_mnist", "pretrain.pt")
     finetune.main(["--task", "image", "--init", ckpt] + common)
-    assert "dataset swap: SPT on fashion_mnist, finetuning on image" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "dataset swap: SPT on fashion_mnist (train sha256 " in out and "finetuning on image (train sha256" in out
     with pytest.raises(ValueError, match="a dataset swap needs the same kind"):
         finetune.main(["--task", "text", "--init", ckpt] + common)
 
@@ -2058,3 +2167,243 @@ def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run
     text = readme.read_text()
     assert text.index("LRA: from scratch") < text.index("Dataset swap") < text.index("Pretraining duration")
     assert "old" not in text and (tmp_path / "figures" / "pathfinder_samples.png").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Input validation (issue 15): readers
+# ----------------------------------------------------------------------------------------------------------
+
+LFS_POINTER = ("version https://git-lfs.github.com/spec/v1\n"
+               "oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\nsize 80741843\n")
+ANNEX_KEY = "SHA256E-s80741843--4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393"
+POINTER_MESSAGES = {
+    "lfs": r"a Git LFS pointer \(133 bytes of text\), not the data.*`git lfs pull` in that clone, or download",
+    "annex-link": r"a git-annex link \(a broken symlink to \.\./\.git/annex/objects/.*\), not the data.*"
+                  r"`git annex get` in that clone, or download",
+    "annex-file": r"a git-annex link \(a file holding the path /annex/objects/SHA256E.*\), not the data.*"
+                  r"`git annex get` in that clone, or download"}
+
+
+def put_stand_in(path, kind):
+    """Replace `path` by what a clone without the data holds: a Git LFS pointer, a broken git-annex symlink, or
+    an unlocked git-annex pointer file (one line: /annex/objects/<key>)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if os.path.lexists(path):
+        os.remove(path)
+    if kind == "lfs":
+        with open(path, "w") as f:
+            f.write(LFS_POINTER)
+    elif kind == "annex-link":
+        os.symlink(f"../.git/annex/objects/Pq/Z1/{ANNEX_KEY}/{ANNEX_KEY}", path)
+    else:
+        with open(path, "w") as f:
+            f.write(f"/annex/objects/{ANNEX_KEY}\n")
+
+
+def _pointer_case(tmp_path, reader, kind):
+    """(the stand-in's path, a call that reads it) for one reader; the other files it reads are real."""
+    root = str(tmp_path)
+    if reader == "imdb":
+        write_aclimdb(os.path.join(root, "text"), n=3)
+        path = os.path.join(root, "text", "aclImdb", "train", "pos", "1_8.txt")
+        put_stand_in(path, kind)
+        return path, lambda: data.read_imdb(os.path.join(root, "text", "aclImdb"), "train")
+    if reader in ("pathfinder_meta", "pathfinder_png"):
+        pf = os.path.join(root, "pathfinder32", "curv_contour_length_14")
+        data.write_pathfinder_release(pf, np.full((6, 32, 32), 7, dtype=np.uint8), [0, 1] * 3, per_folder=3)
+        path = os.path.join(pf, "metadata", "1.npy") if reader == "pathfinder_meta" else \
+            os.path.join(pf, "imgs", "1", "sample_2.png")
+        put_stand_in(path, kind)
+        return path, lambda: data.read_pathfinder_release(pf)
+    name, read = {"listops": ("basic_train.tsv", data.read_listops_tsv),
+                  "aan": ("new_aan_pairs.train.tsv", data.read_aan_tsv),
+                  "ucr_tsv": ("Toy_TRAIN.tsv", data.read_ucr_tsv), "ucr_txt": ("Toy_TRAIN.txt", data.read_ucr_txt),
+                  "ucr_ts": ("Toy_TRAIN.ts", data.read_ucr_ts),
+                  "ucr_2015": ("Toy_TRAIN", lambda p: data.UCR_READERS[""](p)),
+                  "cifar": ("data_batch_1", data.read_cifar_batch),
+                  "idx": ("train-images-idx3-ubyte.gz", data.read_idx)}[reader]
+    path = os.path.join(root, "raw", name)
+    put_stand_in(path, kind)
+    return path, lambda: read(path)
+
+
+@pytest.mark.parametrize("kind", ["lfs", "annex-link", "annex-file"])
+@pytest.mark.parametrize("reader", ["listops", "aan", "ucr_tsv", "ucr_txt", "ucr_ts", "ucr_2015", "cifar", "idx",
+                                    "imdb", "pathfinder_meta", "pathfinder_png"])
+def test_every_reader_refuses_lfs_pointers_and_annex_links(tmp_path, reader, kind):
+    path, read = _pointer_case(tmp_path, reader, kind)
+    with pytest.raises(ValueError, match=POINTER_MESSAGES[kind]) as e:
+        read()
+    assert str(e.value).startswith(f"{path}: ")
+
+
+def test_prepare_names_annex_links_instead_of_looking_elsewhere_or_downloading(tmp_path, monkeypatch):
+    """A folder of broken annex links counts as found: the reader names the link, no download or fallback."""
+    root = str(tmp_path)
+    for split in ("train", "eval", "test"):
+        put_stand_in(os.path.join(root, "retrieval", f"new_aan_pairs.{split}.tsv"), "annex-link")
+    with pytest.raises(ValueError, match=r"new_aan_pairs.train.tsv: a git-annex link"):
+        data.prepare_retrieval(root, download=False)
+    for split in ("TRAIN", "TEST"):
+        put_stand_in(os.path.join(root, "ucr", "Toy", f"Toy_{split}.tsv"), "annex-link")
+    with pytest.raises(ValueError, match=r"Toy_TRAIN.tsv: a git-annex link"):
+        data.prepare_ucr(root, "Toy", download=False)
+    for stem in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                 "t10k-labels-idx1-ubyte"):
+        put_stand_in(os.path.join(root, "fashion_mnist", stem + ".gz"), "annex-link")
+    monkeypatch.setattr(data, "FASHION_DIRS", ())
+    with pytest.raises(ValueError, match=r"train-images-idx3-ubyte.gz: a git-annex link"):
+        data.prepare_fashion_mnist(root)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        put_stand_in(os.path.join(root, "image", "cifar-10-batches-py", name), "annex-link")
+    with pytest.raises(ValueError, match=r"data_batch_1: a git-annex link"):
+        data.prepare_image(root, download=False)
+
+
+def test_annex_links_with_content_and_small_real_files_are_data(tmp_path):
+    """A git-annex symlink whose content is present is read through; a short real file is not a pointer."""
+    objects = tmp_path / ".git" / "annex" / "objects" / "ab"
+    objects.mkdir(parents=True)
+    (objects / "Toy_TRAIN.tsv").write_text("1\t0.5\t1.5\n2\t3\t4\n")
+    link = tmp_path / "Toy_TRAIN.tsv"
+    os.symlink(os.path.join(".git", "annex", "objects", "ab", "Toy_TRAIN.tsv"), link)
+    series, labels, _ = data.read_ucr_tsv(str(link))
+    assert labels == ["1", "2"] and series[1].tolist() == [3, 4]
+    data.check_not_a_pointer(str(link))
+    short = tmp_path / "neg.txt"
+    short.write_text("version 2 of this film is worse; see /annex/objects/ in the credits")
+    data.check_not_a_pointer(str(short))
+    data.check_not_a_pointer(str(tmp_path / "no_such_file"))   # missing: the caller's own error names it
+
+
+@pytest.mark.parametrize("reader, content, message", [
+    ("tsv", "1\t0.5\t1.5\n\t2.0\t3.0\n", r"line 2: field 1 \(the label\) is empty"),   # a line starting with a tab
+    ("tsv", "1\t0.5\t1.5\n \t2.0\t3.0\n", r"line 2: field 1 \(the label\) is empty"),
+    ("txt", "1,0.5,1.5\n,2.0,3.0\n", r"line 2: field 1 \(the label\) is empty"),
+    ("txt", "1\t0.5\t1.5\n\t2.0\t3.0\n", r"line 2: field 1 \(the label\) is empty"),
+])
+def test_ucr_empty_label_field_is_refused_not_shifted(tmp_path, reader, content, message):
+    p = tmp_path / f"bad.{reader}"
+    p.write_text(content)
+    with pytest.raises(ValueError, match=message) as e:
+        getattr(data, f"read_ucr_{reader}")(str(p))
+    assert str(e.value).startswith(f"{p}, line 2")
+
+
+def test_ucr_ts_equal_length_without_series_length_checks_every_row(tmp_path):
+    p = tmp_path / "x.ts"
+    p.write_text("@problemName X\n@equalLength true\n@classLabel true 1 2\n@data\n1,2,3:1\n4,5,6:2\n7,8:1\n")
+    with pytest.raises(ValueError, match=r"x.ts, line 7: 2 values, but @equalLength true and the first series "
+                                         r"\(line 5\) has 3"):
+        data.read_ucr_ts(str(p))
+    p.write_text("@problemName X\n@equalLength true\n@classLabel true 1 2\n@data\n1,2,3:1\n4,5,?:2\n")
+    series, labels, _ = data.read_ucr_ts(str(p))
+    assert labels == ["1", "2"] and [len(x) for x in series] == [3, 3]
+
+
+def test_ucr_2015_archive_files_without_extension(tmp_path, capsys):
+    root = str(tmp_path)
+    train = "".join(f"{1 if i % 2 else -1},{i * 0.1:.2f},{1 + i},{2 - i * 0.5},{i % 3}\n" for i in range(10))
+    test = "1,0.5,1.5,2.5,0\n-1,3,2,1,0\n"
+    folder = write_ucr(os.path.join(root, "ucr", "ECG200"), "ECG200", "", train, test)
+    found = data.find_ucr("ECG200", root)
+    assert found == dict(train=os.path.join(folder, "ECG200_TRAIN"), test=os.path.join(folder, "ECG200_TEST"),
+                         found_in="data_dir")
+    sizes = data.prepare_ucr(root, "ECG200", val_fraction=0.2, download=False)
+    assert sizes == {"train": 8, "val": 2, "test": 2}
+    d = data.load_split(root, "ucr/ECG200", "test")
+    assert d["labels"].tolist() == [1, 0] and d["meta"]["label_names"] == ["-1", "1"]
+    assert "ucr/ECG200 train: 8 examples, classes 0:50% 1:50%" in capsys.readouterr().out
+    assert "_TRAIN and" in data.ucr_missing_message("X", "f") and "no extension" in data.ucr_missing_message("X", "f")
+
+
+def _write_listops_release(folder, rows_by_split):
+    for s, rows in rows_by_split.items():
+        data.write_listops_tsv(os.path.join(folder, f"basic_{s}.tsv"), rows)
+
+
+def test_listops_release_sub_folders_are_found_and_split_balance_is_reported(tmp_path, capsys):
+    root = str(tmp_path)
+    rows = data.generate_listops(80, seed=3, min_length=5, max_length=40)
+    labels = [y for _, y in rows]
+    top = max(set(labels), key=labels.count)
+    one_class = [r for r in rows if r[1] == top][:4]
+    rest = [r for r in rows if r not in one_class]
+    release = os.path.join(root, "listops", "lra_release", "lra_release", "listops-1000")
+    splits = {"train": rest[:50], "val": one_class, "test": rest[50:]}
+    _write_listops_release(release, splits)
+    # Small generator sizes, so that the old behaviour (generating instead of reading) is quick and visible.
+    sizes = data.prepare_listops(root, n_train=10, n_val=5, n_test=5, max_len=64, min_length=5, max_length=40)
+    out = capsys.readouterr().out
+    assert sizes == {s: len(splits[s]) for s in data.SPLITS}
+    assert f"ListOps: reading basic_{{train,val,test}}.tsv in {release}/" in out
+    assert not os.path.exists(os.path.join(root, "listops", "basic_train.tsv"))   # nothing generated
+    for s in data.SPLITS:
+        d = data.load_split(root, "listops", s)
+        assert d["labels"].tolist() == [y for _, y in splits[s]]
+        assert d["meta"]["source"] == os.path.join(release, f"basic_{s}.tsv")
+    train = [y for _, y in splits["train"]]
+    want = " ".join(f"{c}:{100 * train.count(c) / len(train):.0f}%" for c in range(10))
+    assert f"listops train: {len(train)} examples, classes {want}" in out
+    assert f"warning: listops val: every example is of class {top} (one class only)" in out
+    assert "warning: listops val: class balance differs strongly from train's (total variation distance" in out
+    assert "warning: listops train" not in out
+    # Two folders holding the files: which data set is meant is unclear, so refuse and list both.
+    other = os.path.join(root, "listops", "listops-1000")
+    _write_listops_release(other, splits)
+    with pytest.raises(ValueError, match="in 2 folders") as e:
+        data.prepare_listops(root, n_train=10, n_val=5, n_test=5, max_len=64, min_length=5, max_length=40)
+    assert f"{other}/" in str(e.value) and f"{release}/" in str(e.value)
+    import shutil
+    shutil.rmtree(os.path.join(root, "listops", "lra_release"))
+    os.remove(os.path.join(other, "basic_test.tsv"))
+    with pytest.raises(FileNotFoundError, match=r"incomplete LRA ListOps release: .*listops-1000/ holds "
+                                                r"basic_train, basic_val.tsv but not basic_test.tsv"):
+        data.prepare_listops(root, n_train=10, n_val=5, n_test=5, max_len=64, min_length=5, max_length=40)
+
+
+def test_report_balance_counts_fractions_and_warnings(capsys):
+    f = data.report_balance({"train": [0, 1, 1, 0], "val": [1, 1, 1, 1], "test": torch.tensor([0, 1, 0, 1])}, 2, "t")
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["t train: 4 examples, classes 0:50% 1:50%", "t val: 4 examples, classes 0:0% 1:100%",
+                   "warning: t val: every example is of class 1 (one class only)",
+                   "warning: t val: class balance differs strongly from train's (total variation distance 0.50 > 0.2)",
+                   "t test: 4 examples, classes 0:50% 1:50%"]
+    assert f["val"].tolist() == [0.0, 1.0]
+
+
+def _save_toy(tmp_path, **tensors):
+    meta = tensors.pop("meta", dict(task="toy", n_classes=2))
+    data.save_atomic(dict(tensors, meta=meta), str(tmp_path / "toy" / "train.pt"))
+    return str(tmp_path / "toy" / "train.pt")
+
+
+TOKENS = torch.ones(3, 4, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("tensors, message", [
+    (dict(tokens=TOKENS, lengths=torch.tensor([4, 0, 2]), labels=torch.tensor([0, 1, 1])),
+     r"train.pt, row 1: length 0, expected 1..4 \(the width of tokens"),
+    (dict(tokens=TOKENS, lengths=torch.tensor([5, 1, 2]), labels=torch.tensor([0, 1, 1])),
+     r"train.pt, row 0: length 5, expected 1..4"),
+    (dict(pixels=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 2, 1])),
+     r"train.pt, row 1: label 2, expected 0..1 \(meta n_classes 2\)"),
+    (dict(values=torch.zeros(3, 4, 1), lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([-1, 0, 1]),
+          meta=dict(task="toy")), r"train.pt, row 0: label -1, expected >= 0"),
+    (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1])),
+     r"train.pt: first dimensions disagree: tokens \(3, 4\), lengths \(3,\), labels \(2,\)"),
+    (dict(tokens=torch.ones(3, 2, 4, dtype=torch.int16), lengths=torch.tensor([[4, 4], [2, 0], [1, 1]]),
+          labels=torch.tensor([0, 1, 1])), r"train.pt, row 1, document 1: length 0, expected 1..4"),
+    (dict(tokens=torch.ones(3, 2, 4, dtype=torch.int16), lengths=torch.tensor([4, 4, 4]),
+          labels=torch.tensor([0, 1, 1])), r"lengths \(3,\) and labels \(3,\), expected \(3, 2\) and \(3,\)"),
+    (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0.0, 1.0, 1.0])),
+     r"train.pt: labels are torch.float32, expected integers"),
+])
+def test_load_split_refuses_tensors_that_disagree(tmp_path, tensors, message):
+    _save_toy(tmp_path, tokens=torch.ones(3, 2, 4, dtype=torch.int16), lengths=torch.tensor([[4, 1], [2, 3], [1, 1]]),
+              labels=torch.tensor([0, 1, 1]))
+    assert data.load_split(str(tmp_path), "toy", "train")["lengths"].shape == (3, 2)   # consistent: loads
+    path = _save_toy(tmp_path, **tensors)
+    with pytest.raises(ValueError, match=message) as e:
+        data.load_split(str(tmp_path), "toy", "train")
+    assert str(e.value).startswith(path)
