@@ -460,8 +460,8 @@ def find_listops(task_dir):
         if len(have) == len(SPLITS):
             full.append(folder)
         elif have and sub:
-            partial.append(f"{folder}/ holds basic_{', basic_'.join(have)}.tsv but not "
-                           f"basic_{', basic_'.join(s for s in SPLITS if s not in have)}.tsv")
+            partial.append(f"{folder}/ holds {', '.join(f'basic_{s}.tsv' for s in have)} but not "
+                           f"{', '.join(f'basic_{s}.tsv' for s in SPLITS if s not in have)}")
     if len(full) > 1:
         raise ValueError(f"ListOps files basic_{{train,val,test}}.tsv in {len(full)} folders: "
                          f"{', '.join(f + '/' for f in full)}; keep only one of them (those directly in {task_dir}/ "

@@ -404,6 +404,17 @@ def targets_at(x, masked, rec_loss, meta):
     return targets
 
 
+def token_frequency_entropy(split):
+    """Entropy (nats) of the token frequencies over the real positions of a token split: the masked loss of a
+    model that ignores the context and predicts every masked token from the unigram distribution of the data.
+    Reconstruction loss below it needs attention to the context (for ListOps: the proximity bias)."""
+    tokens, lengths = single_sequences(split["tokens"], split["lengths"])
+    valid = torch.arange(tokens.shape[1])[None, :] < lengths[:, None]
+    counts = torch.bincount(tokens.cpu()[valid], minlength=split["meta"]["vocab_size"]).double()
+    p = counts[counts > 0] / counts.sum()
+    return -(p * p.log()).sum().item()
+
+
 def mask_generator(args, seed):
     return torch.Generator(device=args.device).manual_seed(seed)
 
@@ -667,7 +678,14 @@ def main(argv=None):
     print(f"self-pretraining {args.task}: {cfg}")
     best = train(model, splits, args, loss_fn, lambda: evaluate_reconstruction(model, splits["val"], args),
                  paths, extra, higher_is_better=False)
-    print(f"best validation masked loss {best['val_loss']:.4f}; wrote {paths['best']}")
+    print(f"best validation masked loss {best['val_loss']:.4f} (step {best['step']}); wrote {paths['best']}")
+    if meta["kind"] == "tokens":
+        h = token_frequency_entropy(train_split)
+        where = "below it: the model uses the context" if best["val_loss"] < h - 0.02 else \
+            "at it: the model predicts masked tokens from their frequencies only, not yet from the context " \
+            "(the plateau that attention to neighbours ends)"
+        print(f"the token-frequency entropy of {args.task}'s training data is {h:.4f} nats; the validation masked "
+              f"loss is {where}")
     dirs = ("" if args.data_dir == "data" else f" --data_dir {args.data_dir}") + \
         ("" if args.out_dir == "out" else f" --out_dir {args.out_dir}")
     if args.world_size > 1:

@@ -270,6 +270,18 @@ def test_max_len_is_enforced():
 # Masked reconstruction
 # ----------------------------------------------------------------------------------------------------------
 
+def test_token_frequency_entropy_is_that_of_the_real_positions(listops_dir):
+    split = data.load_split(listops_dir, "listops", "train")
+    counts = {}
+    for row, n in zip(split["tokens"].tolist(), split["lengths"].tolist()):
+        for t in row[:n]:
+            counts[t] = counts.get(t, 0) + 1
+    total = sum(counts.values())
+    want = -sum(c / total * math.log(c / total) for c in counts.values())
+    assert pretrain.token_frequency_entropy(split) == pytest.approx(want, rel=1e-9)
+    assert 0 not in counts  # padding is not a real position
+
+
 def test_mask_batch_masks_only_real_tokens_at_least_one_each():
     tokens = torch.randint(2, 17, (64, 30))
     lengths = torch.randint(1, 31, (64,))
@@ -2358,7 +2370,7 @@ def test_listops_release_sub_folders_are_found_and_split_balance_is_reported(tmp
     shutil.rmtree(os.path.join(root, "listops", "lra_release"))
     os.remove(os.path.join(other, "basic_test.tsv"))
     with pytest.raises(FileNotFoundError, match=r"incomplete LRA ListOps release: .*listops-1000/ holds "
-                                                r"basic_train, basic_val.tsv but not basic_test.tsv"):
+                                                r"basic_train.tsv, basic_val.tsv but not basic_test.tsv"):
         data.prepare_listops(root, n_train=10, n_val=5, n_test=5, max_len=64, min_length=5, max_length=40)
 
 
