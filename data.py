@@ -2074,9 +2074,10 @@ def main(argv=None):
     p.add_argument("--data_dir", default="data", help="root folder; raw files are looked for in <data_dir>/<task>")
     p.add_argument("--seed", type=int, default=None, help="seed of the generator or of the validation split (not "
                                                           "of training); unset: 0, or 42 for image/pathfinder")
-    p.add_argument("--n_train", type=int, default=96000, help="ListOps: generated training expressions (LRA: 96000)")
-    p.add_argument("--n_val", type=int, default=2000, help="ListOps: generated validation expressions")
-    p.add_argument("--n_test", type=int, default=2000, help="ListOps: generated test expressions")
+    p.add_argument("--n_train", type=int, default=None,
+                   help="ListOps, synthetic: generated training sequences (default: LRA's 96000; synthetic 5000)")
+    p.add_argument("--n_val", type=int, default=None, help="ListOps, synthetic: validation sequences (2000; 1000)")
+    p.add_argument("--n_test", type=int, default=None, help="ListOps, synthetic: test sequences (2000; 1000)")
     p.add_argument("--max_len", type=int, default=None,
                    help="longest sequence kept: ListOps 2000 (longer is an error unless --truncate); Text 4096 and "
                         "Retrieval 4000 bytes per document (longer documents are cut, and counted)")
@@ -2093,8 +2094,11 @@ def main(argv=None):
     family = task_family(a.task)
     given = {k: v for k, v in dict(seed=a.seed, max_len=a.max_len, resolution=a.resolution).items() if v is not None}
     fetch = dict(download=not a.no_download, sha256=a.sha256)
+    sizes = {k: v for k, v in dict(n_train=a.n_train, n_val=a.n_val, n_test=a.n_test).items() if v is not None}
     if family == "listops":
-        prepare(a.task, a.data_dir, n_train=a.n_train, n_val=a.n_val, n_test=a.n_test, truncate=a.truncate, **given)
+        prepare(a.task, a.data_dir, truncate=a.truncate, **sizes, **given)
+    elif family == "synthetic":
+        prepare(a.task, a.data_dir, **sizes, **given)
     elif family == "ucr":
         prepare(a.task, a.data_dir, val_fraction=a.val_fraction, **given, **fetch)
     elif family in ("pathfinder", "pathx"):

@@ -1034,6 +1034,9 @@ def test_data_settings_of_the_preset_are_checked_against_the_data(tmp_path, caps
     message = str(err.value)
     assert "n_train: the run expects 5000, the data has 64" in message and "n_test: the run expects 1000" in message
     assert f"python data.py --task synthetic --data_dir {data_dir}_cpu --n_train 5000" in message
+    command = message.split("`")[1].split()  # the suggested command prepares data the run accepts
+    data.main(command[2:])
+    pretrain.main(args[:3] + [f"{data_dir}_cpu"] + args[4:])
     with pytest.raises(ValueError, match="max_len: the run expects 30, the data has 20"):
         finetune.main(args + ["--init", "scratch", "--max_len", "30"])
     capsys.readouterr()
