@@ -1174,6 +1174,13 @@ CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 CIFAR_MEAN, CIFAR_STD = 122.6 / 255, 61.0 / 255  # Amos et al. / s4 grayscale CIFAR normalization
 FASHION_DIRS = ("/usr/share/datasets/fashion-mnist",)  # where Debian/Ubuntu package dataset-fashion-mnist puts it
 FASHION_URL = "https://github.com/zalandoresearch/fashion-mnist"  # the data set's home (links to the IDX files)
+# Where that page downloads the four gzipped IDX files from, and the MD5 checksums it publishes for them (the only
+# checksums the authors give; the sha256 of each file is computed, printed and recorded in the meta).
+FASHION_DOWNLOAD_URL = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com"
+FASHION_MD5 = {"train-images-idx3-ubyte.gz": "8d4fb7e6c68d591d4c3dfef9ec88bf0d",
+               "train-labels-idx1-ubyte.gz": "25c81989df183df01b3e8a0aad5dffbe",
+               "t10k-images-idx3-ubyte.gz": "bef4ecab320f06d8554ea6380940ec79",
+               "t10k-labels-idx1-ubyte.gz": "bb300cfdad3c16e7a12a480ee83cd310"}
 
 
 class _ArraysOnly(pickle.Unpickler):
@@ -1289,12 +1296,42 @@ def _idx_path(folder, stem):
                 None)  # lexists: a broken git-annex link is found, and read_idx says what it is
 
 
-def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, **_):
+def download_fashion_mnist(folder, base_url=FASHION_DOWNLOAD_URL, md5=None, timeout=60):
+    """Download the four gzipped IDX files <base_url>/<name> into `folder` (data.download_file: `.part`, then
+    renamed) and check each against its published MD5 (`md5`: name -> hex). Returns {name: sha256}.
+
+    Raises ConnectionError (unreachable, 404, cut) or ValueError for a checksum mismatch, naming the file and both
+    checksums; a file that fails its check is deleted. A file already in `folder` is checked, not fetched again.
+    """
+    digests = {}
+    for name, want in (md5 or FASHION_MD5).items():
+        dest = os.path.join(folder, name)
+        if not os.path.exists(dest):
+            download_file(f"{base_url}/{name}", dest, timeout=timeout,
+                          manual=f"Download it from {FASHION_URL} into {folder}/, or on Debian/Ubuntu: apt install "
+                                 f"dataset-fashion-mnist")
+        got = hashlib.md5(open(dest, "rb").read()).hexdigest()
+        if got != want:
+            _remove_if_there(dest)
+            raise ValueError(f"{dest}: MD5 {got}, expected the published {want}; the file was deleted")
+        digests[name] = sha256_of(dest)
+        print(f"{dest}: MD5 as published; sha256 {digests[name]}")
+    return digests
+
+
+def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, download=True, url=FASHION_DOWNLOAD_URL, **_):
     """Write data/fashion_mnist/{train,val,test}.pt: Fashion-MNIST (Xiao et al. 2017; 28x28 grayscale, 10
     classes) padded with 2 black pixels per side to 32x32 = 1024 pixels, the offline stand-in for the Image task
     (same input kind and length). 55k/5k train/val (seed 42), 10k test; normalized with the training set's own
-    mean and std."""
-    folder = find_fashion_mnist(data_dir)
+    mean and std. The IDX files are found (find_fashion_mnist: data/fashion_mnist/, then the Debian package's
+    folder), else downloaded from `url` with `download` (download_fashion_mnist), else FileNotFoundError."""
+    try:
+        folder = find_fashion_mnist(data_dir)
+    except FileNotFoundError as e:
+        if not download:
+            raise FileNotFoundError(f"{e}; or download them: python data.py --task fashion_mnist") from None
+        folder = os.path.join(data_dir, "fashion_mnist")
+        download_fashion_mnist(folder, url)
     print(f"Fashion-MNIST: reading the IDX files in {folder}")
     arrays = {}
     for split, prefix in (("train", "train"), ("test", "t10k")):
@@ -1306,8 +1343,9 @@ def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, **_):
         arrays[split] = (np.pad(images, ((0, 0), (2, 2), (2, 2))), labels)
     splits = _pixel_splits(*arrays["train"], *arrays["test"], n_val, seed)
     train01 = splits["train"]["pixels"].float() / 255
+    files = {name: os.path.join(folder, name) for name in FASHION_MD5}
     meta = _pixel_meta("fashion_mnist", 1024, 10, float(train01.mean()), float(train01.std()), folder, seed,
-                       stand_in_for="image")
+                       stand_in_for="image", sha256={n: sha256_of(p) for n, p in files.items() if os.path.exists(p)})
     return _save_splits(os.path.join(data_dir, "fashion_mnist"), splits, meta)
 
 

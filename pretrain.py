@@ -169,7 +169,8 @@ def build_parser(stage, description):
     d.add_argument("--difficulty", default=None, choices=("easy", "intermediate", "hard"),
                    help="PathFinder/PathX contour length 6 / 9 / 14 (default hard)")
     d.add_argument("--download", action="store_true",
-                   help="download missing data (IMDb 80 MB, CIFAR-10 170 MB, LRA release 8.2 GB, UCR); without it a "
+                   help="download missing data (IMDb 80 MB, CIFAR-10 170 MB, Fashion-MNIST 30 MB, LRA release 8.2 GB, "
+                        "UCR); without it a "
                         "stage stops and says what to fetch")
     d.add_argument("--accept_data", action="store_true",
                    help="train on data/<task>/ even if its settings differ from the preset's (a warning, not an error)")
@@ -291,7 +292,7 @@ def get_lr(step, lr, warmup):
 
 # Data settings every preset of a task implies without naming them (data.prepare_pathfinder's defaults).
 IMPLIED_DATA = {"pathfinder": dict(resolution=32, difficulty="hard"), "pathx": dict(resolution=128, difficulty="hard")}
-DOWNLOADED = ("text", "retrieval", "image", "pathfinder", "pathx", "ucr")  # task families fetched from the web
+DOWNLOADED = ("text", "retrieval", "image", "fashion_mnist", "pathfinder", "pathx", "ucr")  # task families fetched from the web
 
 
 def data_settings(args, preset):

@@ -1616,6 +1616,38 @@ def test_fashion_mnist_idx_padded_to_1024_pixels(tmp_path, monkeypatch):
         data.find_fashion_mnist(str(tmp_path / "elsewhere"))
 
 
+def test_fashion_mnist_downloads_from_a_local_server_and_checks_the_published_md5(http_root, tmp_path, monkeypatch,
+                                                                                  capsys):
+    import hashlib
+    www, _ = http_root
+    base = http_root[1].replace("/aeon-toolkit", "/fm")
+    (www / "fm").mkdir()
+    rng = np.random.default_rng(1)
+    arrays = {"train-images-idx3-ubyte.gz": rng.integers(0, 256, (20, 28, 28)),
+              "train-labels-idx1-ubyte.gz": rng.integers(0, 10, 20),
+              "t10k-images-idx3-ubyte.gz": rng.integers(0, 256, (6, 28, 28)),
+              "t10k-labels-idx1-ubyte.gz": np.arange(6)}
+    for name, array in arrays.items():
+        write_idx(str(www / "fm" / name), array)
+    md5 = {name: hashlib.md5((www / "fm" / name).read_bytes()).hexdigest() for name in arrays}
+    monkeypatch.setattr(data, "FASHION_DIRS", ())   # this machine may have the Debian package installed
+    monkeypatch.setattr(data, "FASHION_MD5", md5)   # the test's files, with their own checksums
+    root = str(tmp_path / "data")
+    with pytest.raises(FileNotFoundError, match="python data.py --task fashion_mnist"):
+        data.prepare_fashion_mnist(root, n_val=4, download=False)
+    wrong = dict(md5, **{"t10k-labels-idx1-ubyte.gz": "0" * 32})
+    with pytest.raises(ValueError, match="t10k-labels-idx1-ubyte.gz: MD5 .*, expected the published 0000"):
+        data.download_fashion_mnist(os.path.join(root, "fashion_mnist"), base, wrong)
+    assert not os.path.exists(os.path.join(root, "fashion_mnist", "t10k-labels-idx1-ubyte.gz"))  # deleted
+    assert data.prepare_fashion_mnist(root, n_val=4, url=base) == {"train": 16, "val": 4, "test": 6}
+    meta = data.load_split(root, "fashion_mnist", "test")["meta"]
+    assert meta["sha256"] == {n: hashlib.sha256((www / "fm" / n).read_bytes()).hexdigest() for n in arrays}
+    assert not any(name.endswith(".part") for name in os.listdir(os.path.join(root, "fashion_mnist")))
+    assert "MD5 as published" in capsys.readouterr().out
+    with pytest.raises(ConnectionError, match="apt install dataset-fashion-mnist"):
+        data.download_fashion_mnist(str(tmp_path / "other"), base + "/missing")
+
+
 def _lra_fixture(task, root):
     """Write `task`'s raw files in the real format under root and return the extra data flags, if any."""
     if task == "text":
