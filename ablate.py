@@ -24,6 +24,8 @@ import math
 import os
 import sys
 
+import torch
+
 import analyze
 import data
 import finetune
@@ -202,6 +204,13 @@ def experiment_init(args):
     write_outputs("init" if task == "synthetic" else f"init_{task}", runs, "\n".join(rows), args)
 
 
+def majority_rate(args, task):
+    """The validation accuracy of always predicting the most frequent validation class: the level a row must
+    clear before it says anything about SPT."""
+    labels = data.load_split(args.data_dir, task, "val")["labels"]
+    return torch.bincount(labels).max().item() / len(labels)
+
+
 def describe_data(args, task):
     """A short description of the data a table was made on (generated PathFinder and stand-ins say so)."""
     meta = data.load_split(args.data_dir, task, "train")["meta"]
@@ -324,13 +333,19 @@ def experiment_main(args):
                 result = run_finetune(task, folder, seed, name, init, common)
                 runs.append(dict(task=task, seed=seed, name=name, best_val_acc=result["best_val_acc"],
                                  train_acc=result["train_acc"], test_acc=result["test_acc"]))
-    rows = ["| task | from scratch (ours) | SPT (ours) | paper: from scratch | +SPT (Amos) | +SPT (Coser) |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| task | from scratch (ours) | SPT (ours) | majority class (val) | above it? | paper: from scratch | "
+            "+SPT (Amos) | +SPT (Coser) |", "|---|---|---|---|---|---|---|---|"]
     for task in done:
-        acc = {n: mean_std([r["best_val_acc"] for r in runs if r["task"] == task and r["name"] == n])
-               for n in ("scratch", "spt")}
+        accs = {n: [r["best_val_acc"] for r in runs if r["task"] == task and r["name"] == n] for n in ("scratch", "spt")}
+        majority = majority_rate(args, task)
+        above = {n: sum(v) / len(v) > majority + 0.01 for n, v in accs.items()}
+        verdict = "; ".join(f"{n}: {'yes' if above[n] else 'no'}" for n in accs) + \
+            ("" if any(above.values()) else " (a pipeline check, not a result)")
         paper = PAPER_MAIN.get(task, ("-",) * 3)
-        rows.append(f"| {task} | {acc['scratch']} | {acc['spt']} | " + " | ".join(map(str, paper)) + " |")
+        rows.append(f"| {task} | {mean_std(accs['scratch'])} | {mean_std(accs['spt'])} | {majority:.3f} | {verdict} | "
+                    + " | ".join(map(str, paper)) + " |")
+        print(f"{task}: scratch {mean_std(accs['scratch'])}, SPT {mean_std(accs['spt'])}, majority class of the "
+              f"validation split {majority:.3f}: " + verdict)
     notes = "Peak validation accuracy. " + " ".join(describe_data(args, t) + "." for t in done)
     if skipped:
         notes += " Skipped: " + "; ".join(f"{t} ({why})" for t, why in skipped) + "."

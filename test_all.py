@@ -2207,6 +2207,9 @@ def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run
     ablate.main(["main", "--tasks", "listops", "text", "pathfinder"] + argv)
     table = open(os.path.join(out, "ablate", "main_cpu.md")).read()
     assert "| listops |" in table and "| pathfinder |" in table and "Skipped: text" in table
+    val = data.load_split(root, "listops", "val")["labels"]
+    majority = max(val.tolist().count(c) for c in set(val.tolist())) / len(val)  # counted without torch
+    assert f"| {majority:.3f} | scratch: " in table and "| majority class (val) | above it? |" in table
     readme = tmp_path / "README.md"
     readme.write_text("intro\n<!-- results:start -->\nold\n<!-- results:end -->\nend\n")
     monkeypatch.setattr(ablate, "__file__", str(tmp_path / "ablate.py"))
