@@ -562,6 +562,7 @@ def report(args):
     here = os.path.dirname(os.path.abspath(__file__))
     titles = {"main": "LRA: from scratch versus SPT (Coser et al. Table 2)",
               "synthetic": "Synthetic trajectories: from scratch versus SPT (Coser et al. Sec. 4)",
+              "initscale": "Beyond the paper: the from-scratch plateau over init scale and sequence length",
               "init": "Hybrid initialization and freezing (Coser et al. Table 3)",
               "posenc": "Relative positions from scratch versus SPT (Coser et al. Sec. 4)",
               "swap": "Dataset swap between PathFinder and Image (Coser et al. Sec. 3)",
