@@ -61,7 +61,7 @@ def common_flags(args, one_layer=False):
     """Flags every run of an experiment shares; `one_layer` for Table 3 and the position study on LRA tasks
     (the synthetic preset is one layer already)."""
     flags = ["--data_dir", args.data_dir, "--preset", args.preset, "--device", args.device,
-             "--init_scheme", args.init_scheme]
+             "--init_scheme", args.init_scheme] + (["--download"] if args.download else [])
     flags += ["--max_steps", str(args.max_steps)] if args.max_steps else []  # 0: the preset's own budget
     return flags + (["--n_layers", "1"] if one_layer else [])
 
@@ -109,10 +109,10 @@ def mean_std(values):
     return f"{m:.3f} +- {s:.3f}" + ("" if len(values) > 1 else " (1 seed)")
 
 
-def write_outputs(name, runs, table, args):
+def write_outputs(name, runs, table, args, scheme_in_name=True):
     """out/ablate/<name>[_init-<scheme>].{json,md}: every run, and the table (the scheme is in the name unless it
     is the default, reference)."""
-    if args.init_scheme != "reference":
+    if scheme_in_name and args.init_scheme != "reference":
         name += f"_init-{args.init_scheme}"
     os.makedirs(os.path.join(args.out_dir, "ablate"), exist_ok=True)
     stem = os.path.join(args.out_dir, "ablate", name)
@@ -217,8 +217,10 @@ def describe_data(args, task):
     sizes = meta.get("split_sizes", {})
     what = {"fashion_mnist": "Fashion-MNIST padded to 32x32 (the offline stand-in for CIFAR10)",
             "image": "CIFAR10 grayscale", "synthetic": "synthetic trajectories"}.get(task, task)
-    if meta.get("generated"):
+    if meta.get("generated") and "resolution" in meta:
         what = f"PathFinder {meta['resolution']}x{meta['resolution']} from our generator"
+    elif meta.get("generated") and task == "listops":
+        what = "ListOps from our generator"
     return f"Data: {what}, {sizes.get('train')}/{sizes.get('val')}/{sizes.get('test')} train/val/test"
 
 
@@ -473,12 +475,13 @@ def experiment_initscale(args):
     budget = ["--epochs", str(args.epochs), "--batch_size", str(args.batch_size), "--eval_every", "100000"]
     runs = []
     for length in args.lengths:
-        data_dir = os.path.join(args.data_dir, "initscale", f"L{length}")
+        # its own data per length and size (the stages check it against the synthetic preset's: --accept_data)
+        data_dir = os.path.join(args.data_dir, "initscale", f"L{length}_n{args.n_train}_{args.n_val}")
         if not os.path.exists(os.path.join(data_dir, "synthetic", "train.pt")):
             data.prepare_synthetic(data_dir, n_train=args.n_train, n_val=args.n_val, n_test=args.n_val, length=length)
         for kind in args.kinds:
             for scale in args.scales:
-                common = ["--data_dir", data_dir, "--preset", args.preset, "--device", args.device,
+                common = ["--data_dir", data_dir, "--preset", args.preset, "--device", args.device, "--accept_data",
                           "--init_scheme", kind, "--init_scale", str(scale)] + budget
                 common += ["--max_steps", str(args.max_steps)] if args.max_steps else []
                 for seed in range(args.seeds):
@@ -518,7 +521,7 @@ def experiment_initscale(args):
                 (f"; every run capped at {args.max_steps} steps" if args.max_steps else ""))
     os.makedirs(os.path.join(args.out_dir, "analysis"), exist_ok=True)
     plot_initscale(runs, args, os.path.join(args.out_dir, "analysis", "initscale.png"))
-    write_outputs("initscale", runs, "\n".join(rows), args)
+    write_outputs("initscale", runs, "\n".join(rows), args, scheme_in_name=False)  # its own schemes: --kinds
 
 
 def plot_initscale(runs, args, path):
@@ -618,7 +621,7 @@ def main(argv=None):
                    help="every run's initialization (model.init_weights); reference = Amos et al.'s code")
     p.add_argument("--preset", default="cpu", choices=("cpu", "paper"), help="every run's preset (paper: GPU)")
     p.add_argument("--data_dir", default="data", help="root of data/<task>/ (made there when missing)")
-    p.add_argument("--out_dir", default="out", help="runs go to <out_dir>/ablate/<task>/<model>/seed<s>/")
+    p.add_argument("--out_dir", default="out", help="runs go to <out_dir>/ablate/<init scheme>/<task>/<model>/seed<s>/")
     p.add_argument("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
     p.add_argument("--max_steps", type=int, default=0,
                    help="cap every run's steps (quick looks, tests); 0 = the preset's own budget")

@@ -510,6 +510,7 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
     Returns the dict of split sizes. Errors from the reader name the file and line.
     """
     task_dir = os.path.join(data_dir, "listops")
+    marker = os.path.join(task_dir, "generated.json")
     folder = find_listops(task_dir)
     tsv = {s: os.path.join(folder or task_dir, f"basic_{s}.tsv") for s in SPLITS}
     if folder is None:
@@ -519,6 +520,8 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
         rows = generate_listops(n_train + n_val + n_test, seed, min_length, max_length)
         for s, part in zip(SPLITS, (rows[:n_train], rows[n_train:n_train + n_val], rows[n_train + n_val:])):
             write_listops_tsv(tsv[s], part)
+        with open(marker, "w") as f:  # tells our generated TSVs from the release's (whose sizes are not a setting)
+            json.dump(dict(n_train=n_train, n_val=n_val, n_test=n_test, seed=seed), f)
     else:
         print(f"ListOps: reading basic_{{train,val,test}}.tsv in {folder}/")
     parsed = {s: read_listops_tsv(tsv[s]) for s in SPLITS}
@@ -530,6 +533,7 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
         tokens, lengths = encode_tokens(token_lists, LISTOPS_VOCAB, max_len, truncate, tsv[s])
         meta = _meta("listops", LISTOPS_VOCAB, max_len, 10, tsv[s], seed, sizes)
         meta["sha256"] = sha256_of(tsv[s])
+        meta["generated"] = os.path.dirname(tsv[s]) == task_dir and os.path.exists(marker)
         save_atomic(dict(tokens=tokens, lengths=lengths, labels=torch.tensor(labels, dtype=torch.int64),
                          meta=meta), os.path.join(task_dir, f"{s}.pt"))
         print(f"wrote {os.path.join(task_dir, s + '.pt')}: {len(labels)} sequences, "
@@ -570,7 +574,7 @@ def prepare_synthetic(data_dir="data", n_train=5000, n_val=1000, n_test=1000, se
     for i, s in enumerate(SPLITS):
         values, labels = generate_trajectories(sizes[s], seed * 3 + i, length)
         meta = dict(task="synthetic", kind="continuous", d_input=2, max_len=length, n_classes=2,
-                    source=f"generate_trajectories(seed={seed * 3 + i})", seed=seed, split_sizes=sizes)
+                    source=f"generate_trajectories(seed={seed * 3 + i})", seed=seed, split_sizes=sizes, generated=True)
         save_atomic(dict(values=values, lengths=torch.full((sizes[s],), length), labels=labels, meta=meta),
                     os.path.join(data_dir, "synthetic", f"{s}.pt"))
     print(f"wrote {data_dir}/synthetic/{{train,val,test}}.pt: {n_train}/{n_val}/{n_test} trajectories of {length} steps")
@@ -2017,12 +2021,15 @@ DATA_FLAGS = {"max_len": "--max_len", "n_train": "--n_train", "n_val": "--n_val"
 
 def data_mismatches(meta, settings):
     """[(setting, wanted, found)] for every DATA_SETTINGS key of `settings` whose value differs from what the
-    prepared data's `meta` records (a setting the meta does not record, e.g. a size of real release data whose
-    meta has no split_sizes, is not compared). Used by the stages, so a run never trains on data made with other
-    settings than it says (e.g. Text at max_len 1024 under the paper preset's 4096)."""
+    prepared data's `meta` records. Not compared: a setting the meta does not record, and split sizes of data we
+    did not generate (meta["generated"] false: the LRA ListOps release has its own sizes, whatever the preset
+    would generate). Used by the stages, so a run never trains on data made with other settings than it says
+    (e.g. Text at max_len 1024 under the paper preset's 4096)."""
     out = []
     for key, want in settings.items():
         if key not in DATA_SETTINGS or want is None:
+            continue
+        if key in ("n_train", "n_val", "n_test") and not meta.get("generated"):
             continue
         found = meta
         for part in DATA_SETTINGS[key]:
@@ -2033,8 +2040,11 @@ def data_mismatches(meta, settings):
 
 
 def prepare_command(task, data_dir, settings):
-    """The `python data.py` command that prepares `task` with `settings` (the DATA_FLAGS among them)."""
+    """The `python data.py` command that prepares `task` with `settings` (the DATA_FLAGS among them, and
+    --generate N for a preset that generates PathFinder images when none are there)."""
     flags = "".join(f" {DATA_FLAGS[k]} {v}" for k, v in settings.items() if k in DATA_FLAGS and v is not None)
+    if settings.get("generate_if_missing"):
+        flags += f" --generate {settings['generate_if_missing']}"
     return f"python data.py --task {task} --data_dir {data_dir}{flags}"
 
 

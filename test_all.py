@@ -42,12 +42,13 @@ def listops_dir(tmp_path_factory):
 def tiny_data_is_accepted(request, monkeypatch):
     """The fixtures' data sets are tiny on purpose, so their sizes differ from every preset's: the stages' check
     of the data against the preset (pretrain.prepare_data) is off, except in the tests that test it."""
-    if not request.node.name.startswith("test_data_settings"):
+    if not request.node.name.startswith(("test_data_settings", "test_ablate_initscale")):
         monkeypatch.setattr(data, "data_mismatches", lambda meta, settings: [])
 
 
 def tiny_cfg(**kw):
-    base = dict(vocab_size=17, max_len=64, d_model=16, n_layers=2, n_heads=4, d_mlp=32)
+    # independent W_Q, W_K, W_V, W_O: numerical tests of attention must tell them apart ("reference" ties them)
+    base = dict(vocab_size=17, max_len=64, d_model=16, n_layers=2, n_heads=4, d_mlp=32, init="torch")
     base.update(kw)
     return ModelConfig(**base)
 
@@ -1037,13 +1038,26 @@ def test_data_settings_of_the_preset_are_checked_against_the_data(tmp_path, caps
     command = message.split("`")[1].split()  # the suggested command prepares data the run accepts
     data.main(command[2:])
     pretrain.main(args[:3] + [f"{data_dir}_cpu"] + args[4:])
-    with pytest.raises(ValueError, match="max_len: the run expects 30, the data has 20"):
+    with pytest.raises(ValueError, match="--max_len does not apply to --task synthetic"):
         finetune.main(args + ["--init", "scratch", "--max_len", "30"])
     capsys.readouterr()
     pretrain.main(args + ["--accept_data"])
     assert "warning: --accept_data: training on" in capsys.readouterr().out
     assert data.data_mismatches({"max_len": 4096, "split_sizes": {"train": 10}}, {"max_len": 4096, "n_train": 10,
                                                                                   "generate_if_missing": 5}) == []
+    # real data (not generated) keeps its own split sizes: the LRA ListOps release under the CPU preset
+    rows = data.generate_listops(24, seed=3, min_length=5, max_length=40)
+    release = tmp_path / "lra" / "listops" / "listops-1000"
+    release.mkdir(parents=True)
+    for s, part in zip(data.SPLITS, (rows[:16], rows[16:20], rows[20:])):
+        data.write_listops_tsv(str(release / f"basic_{s}.tsv"), part)
+    pretrain.main(["--task", "listops", "--data_dir", str(tmp_path / "lra"), "--out_dir", str(tmp_path / "out"),
+                   "--max_steps", "1", "--device", "cpu", "--n_layers", "1", "--d_model", "16"])
+    assert data.load_split(str(tmp_path / "lra"), "listops", "train")["meta"]["generated"] is False
+    with pytest.raises(ValueError, match="--resolution does not apply to --task synthetic"):
+        pretrain.main(args + ["--resolution", "32"])
+    with pytest.raises(ValueError, match="--init_std sets the std of --init_scheme normal"):
+        pretrain.main(args + ["--accept_data", "--init_std", "0.1"])
     assert data.data_mismatches({"difficulty": "easy"}, {"difficulty": "hard", "resolution": 32}) == \
         [("difficulty", "hard", "easy")]  # resolution: not recorded, not compared
 
@@ -1683,7 +1697,7 @@ def test_lra_tasks_pretrain_then_finetune_a_few_steps(tmp_path, task, extra):
 
 def test_attention_maps_averaged_in_chunks_equal_the_whole_batch_mean():
     torch.manual_seed(0)
-    model = Transformer(tiny_cfg(init_std=0.3)).eval()
+    model = Transformer(tiny_cfg(init="normal", init_std=0.3)).eval()
     x, lengths = torch.randint(2, 17, (5, 12)), torch.tensor([12, 7, 12, 3, 9])
     whole = [p.mean(0) for p in model.encode(x, lengths, need_weights=True)[1]]
     for chunk in (1, 2, 5):
@@ -1725,7 +1739,7 @@ def test_local_attention_matches_the_explicit_band_and_keeps_memory_linear(monke
     sdpa, ranks = F.scaled_dot_product_attention, []
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, *a, **kw: ranks.append(q.dim()) or sdpa(q, *a, **kw))
     torch.manual_seed(0)
-    cfg = tiny_cfg(attn_window=8, init_std=0.3, max_len=64)
+    cfg = tiny_cfg(attn_window=8, init="normal", init_std=0.3, max_len=64)
     model = Transformer(cfg).eval()
     for L, lengths in ((50, [50, 37, 3]), (64, [64, 64, 64]), (20, [20, 9, 1]), (50, [50, 50, 50])):
         x = torch.randint(2, 17, (3, L))
@@ -1869,7 +1883,7 @@ def test_exercise_sinusoidal_positions():
 def test_exercise_pe_probe():
     """analyze.pe_probe: scores P W_Q,h^T W_K,h P^T / sqrt(d_head) per head and their row softmax."""
     torch.manual_seed(0)
-    model = Transformer(tiny_cfg(n_layers=1, layernorm=False, mlp=False, init_std=0.5))
+    model = Transformer(tiny_cfg(n_layers=1, layernorm=False, mlp=False, init="normal", init_std=0.5))  # W_Q != W_K
     scores, probs = analyze.pe_probe(model, 10)
     P = model.pe[:10].double()
     wq, wk = model.blocks[0].attn.q_proj.weight.double(), model.blocks[0].attn.k_proj.weight.double()
