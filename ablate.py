@@ -69,7 +69,9 @@ def common_flags(args, one_layer=False):
 def run_dir(args, task, seed, model="1layer"):
     """out/ablate/<init scheme>/<task>[/<model>]/seed<s>: experiments with the same scheme, task and model share
     their SPT runs."""
-    parts = [args.out_dir, "ablate", args.init_scheme, task] + ([] if task == "synthetic" else [model])
+    if task == "synthetic" and args.length != 100:  # a longer-trajectory variant has runs of its own
+        task = f"synthetic_L{args.length}"
+    parts = [args.out_dir, "ablate", args.init_scheme, task] + ([] if task.startswith("synthetic") else [model])
     return os.path.join(*parts, f"seed{seed}")
 
 
@@ -112,6 +114,8 @@ def mean_std(values):
 def write_outputs(name, runs, table, args, scheme_in_name=True):
     """out/ablate/<name>[_init-<scheme>].{json,md}: every run, and the table (the scheme is in the name unless it
     is the default, reference)."""
+    if getattr(args, "length", 100) != 100 and name != "initscale":
+        name += f"_L{args.length}"
     if scheme_in_name and args.init_scheme != "reference":
         name += f"_init-{args.init_scheme}"
     os.makedirs(os.path.join(args.out_dir, "ablate"), exist_ok=True)
@@ -165,7 +169,7 @@ def experiment_synthetic(args):
                 f"{mean_std([r['attention_init']['probe_corr_with_attention'] for r in spt])} | "
                 f"{mean_std([r['attention_spt']['probe_corr_with_attention'] for r in spt])} | "
                 f"the same diagonal band |")
-    rows.append(f"\nlog L = {spt[0]['attention_init']['uniform_entropy']:.2f} nats (uniform attention over 100 steps). "
+    rows.append(f"\nlog L = {spt[0]['attention_init']['uniform_entropy']:.2f} nats (uniform attention over {args.length} steps). "
                 f"Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py synthetic" + run_note(args))
     write_outputs("synthetic", runs, "\n".join(rows), args)
 
@@ -216,7 +220,7 @@ def describe_data(args, task):
     meta = data.load_split(args.data_dir, task, "train")["meta"]
     sizes = meta.get("split_sizes", {})
     what = {"fashion_mnist": "Fashion-MNIST padded to 32x32 (the offline stand-in for CIFAR10)",
-            "image": "CIFAR10 grayscale", "synthetic": "synthetic trajectories"}.get(task, task)
+            "image": "CIFAR10 grayscale", "synthetic": f"synthetic trajectories of {meta['max_len']} steps"}.get(task, task)
     if meta.get("generated") and "resolution" in meta:
         what = f"PathFinder {meta['resolution']}x{meta['resolution']} from our generator"
     elif meta.get("generated") and task == "listops":
@@ -232,6 +236,7 @@ def run_note(args):
     """The end of a table's footer: the --init_scheme flag of its command (when not the default), the scheme in
     words, and the step cap if one was set."""
     flag = "" if args.init_scheme == "reference" else f" --init_scheme {args.init_scheme}"
+    flag += f" --length {args.length}" if args.length != 100 else ""
     cap = f"; every run capped at {args.max_steps} steps" if args.max_steps else ""
     return f"{flag}; init scheme {args.init_scheme} ({INIT_NOTES[args.init_scheme]}){cap}"
 
@@ -629,6 +634,9 @@ def main(argv=None):
     p.add_argument("--download", action="store_true", help="ucr, main, swap: download data not found locally")
     p.add_argument("--task", default="synthetic", choices=ABLATION_TASKS, help="init, posenc, duration: the task")
     p.add_argument("--tasks", nargs="+", default=LRA_TASKS, choices=LRA_TASKS + ("pathx",), help="main: LRA tasks")
+    p.add_argument("--length", type=int, default=100,
+                   help="synthetic, init, posenc, duration on the synthetic task: trajectory length (a harder variant "
+                        "than the paper's 100; data in <data_dir>/synthetic_L<length>/, runs and tables of its own)")
     p.add_argument("--durations", type=int, nargs="+", default=None,
                    help="duration: SPT epochs to compare (default 1 3 10 on cpu, 1 10 100 200 on paper)")
     g = p.add_argument_group("initscale: the grid and its budget")
@@ -643,6 +651,13 @@ def main(argv=None):
     g.add_argument("--batch_size", type=int, default=32, help="trajectories per step")
     g.add_argument("--quick", action="store_true", help="a small grid in a few minutes (scales 0.25 1, L 50 100)")
     args = p.parse_args(argv)
+    if args.length != 100:
+        if args.experiment not in ("synthetic", "init", "posenc", "duration") or args.task != "synthetic":
+            p.error("--length applies to the synthetic task (experiments synthetic, init, posenc, duration)")
+        args.data_dir = os.path.join(args.data_dir, f"synthetic_L{args.length}")
+        if not os.path.exists(os.path.join(args.data_dir, "synthetic", "train.pt")):
+            sizes = pretrain.PRESETS["synthetic"][args.preset]["data"]
+            data.prepare_synthetic(args.data_dir, length=args.length, **sizes)
     EXPERIMENTS[args.experiment](args)
 
 

@@ -2129,6 +2129,7 @@ def main(argv=None):
     p.add_argument("--max_len", type=int, default=None,
                    help="longest sequence kept: ListOps 2000 (longer is an error unless --truncate); Text 4096 and "
                         "Retrieval 4000 bytes per document (longer documents are cut, and counted)")
+    p.add_argument("--length", type=int, default=None, help="synthetic: trajectory length (default 100)")
     p.add_argument("--truncate", action="store_true", help="ListOps: cut longer sequences (counted), not fail")
     p.add_argument("--val_fraction", type=float, default=0.2, help="UCR: share of TRAIN held out for validation")
     p.add_argument("--generate", type=int, default=None,
@@ -2146,7 +2147,7 @@ def main(argv=None):
     if family == "listops":
         prepare(a.task, a.data_dir, truncate=a.truncate, **sizes, **given)
     elif family == "synthetic":
-        prepare(a.task, a.data_dir, **sizes, **given)
+        prepare(a.task, a.data_dir, **sizes, **given, **({} if a.length is None else dict(length=a.length)))
     elif family == "ucr":
         prepare(a.task, a.data_dir, val_fraction=a.val_fraction, **given, **fetch)
     elif family in ("pathfinder", "pathx"):

@@ -898,6 +898,20 @@ def test_ties_in_validation_accuracy_go_to_the_lower_loss_then_the_later_evaluat
     assert pretrain.is_better(dict(val_loss=1.0), dict(best_metrics=dict(val_loss=1.0)), "val_loss", False)
 
 
+def test_ablate_length_variant_has_its_own_data_runs_and_tables(tmp_path):
+    import ablate
+    argv = ["--length", "16", "--seeds", "1", "--max_steps", "2", "--data_dir", str(tmp_path / "data"),
+            "--out_dir", str(tmp_path / "out"), "--device", "cpu"]
+    ablate.main(["synthetic"] + argv)
+    assert data.load_split(str(tmp_path / "data" / "synthetic_L16"), "synthetic", "val")["meta"]["max_len"] == 16
+    table = open(tmp_path / "out" / "ablate" / "synthetic_L16.md").read()
+    assert "command: python ablate.py synthetic --length 16;" in table and "over 16 steps" in table
+    assert (tmp_path / "out" / "ablate" / "reference" / "synthetic_L16" / "seed0" / "synthetic" / "pretrain.pt").exists()
+    assert not (tmp_path / "out" / "ablate" / "synthetic.md").exists()
+    with pytest.raises(SystemExit):
+        ablate.main(["ucr"] + argv)
+
+
 def test_ablate_initscale_runs_its_grid_and_writes_table_and_figure(tmp_path):
     import ablate
     argv = ["initscale", "--seeds", "1", "--scales", "0.5", "1", "--lengths", "12", "20", "--n_train", "32",
