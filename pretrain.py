@@ -19,7 +19,7 @@ Writes out/<task>/pretrain.pt (best validation masked loss), pretrain_init.pt (t
        pretrain_last.pt (latest, for --resume), pretrain_log.jsonl (every logged figure)
 Expect (CPU preset, ListOps, ~10 min on 2 cores): validation masked loss from ~2.95 at init to 2.64, the entropy
 of the token frequencies (the last lines compute it from the data and say where the loss stands against it). Going further needs attention to neighbours (the proximity bias);
-at L ~ 1000 that takes longer than the CPU budget (a plateau; see README). Synthetic task: 0.51 -> 0.03 in 1 min.
+at L ~ 1000 that takes longer than the CPU budget (a plateau; see README). Synthetic task: 0.66 -> 0.03 in 1 min.
 UCR GunPoint (values z-normalized per series): 500 steps, ~40 s on one core.
 
 The settings a reader will want to change are right below: PRESETS (model size, batch, learning rate, epochs
