@@ -169,6 +169,10 @@ def experiment_synthetic(args):
                 f"{mean_std([r['attention_init']['probe_corr_with_attention'] for r in spt])} | "
                 f"{mean_std([r['attention_spt']['probe_corr_with_attention'] for r in spt])} | "
                 f"the same diagonal band |")
+    for group, paper in (("W_Q", "looks like its random init"), ("W_K", "looks like its random init"),
+                         ("W_Q^T W_K", "organized (the proximity bias)")):
+        rows.append(f"| relative displacement of {group} after SPT, norm(W - W_init) / norm(W_init) | 0 | "
+                    f"{mean_std([r['attention_spt']['displacement_from_first'][group] for r in spt])} | {paper} |")
     rows.append(f"\nlog L = {spt[0]['attention_init']['uniform_entropy']:.2f} nats (uniform attention over {args.length} steps). "
                 f"Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py synthetic" + run_note(args))
     write_outputs("synthetic", runs, "\n".join(rows), args)

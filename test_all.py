@@ -787,7 +787,10 @@ def test_ablate_synthetic_and_init_run_and_resume(synthetic_run, tmp_path, capsy
     res = json.load(open(tmp_path / "ablate" / "synthetic.json"))
     assert {(r["seed"], r["name"]) for r in res["runs"]} == {(s, n) for s in (0, 1)
                                                             for n in ("spt", "scratch", "scratch_lr3x")}
-    assert "SPT, then finetune" in open(tmp_path / "ablate" / "synthetic.md").read()
+    table = open(tmp_path / "ablate" / "synthetic.md").read()
+    assert "SPT, then finetune" in table and "| relative displacement of W_Q^T W_K after SPT" in table
+    disp = [r["attention_spt"]["displacement_from_first"]["W_Q"] for r in res["runs"] if r["name"] == "spt"]
+    assert f"| {sum(disp) / 2:.3f} +- " in table  # the mean over the 2 seeds, as computed by analyze.py
     capsys.readouterr()
     ablate.main(["synthetic"] + argv)  # everything is read back, nothing retrained
     assert capsys.readouterr().out.count("read back") == 6
