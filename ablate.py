@@ -303,18 +303,21 @@ def experiment_duration(args):
     for seed in range(args.seeds):
         folder = run_dir(args, task, seed, "preset")
         result = run_finetune(task, folder, seed, "scratch", "scratch", common)
-        runs.append(dict(seed=seed, epochs=0, best_val_acc=result["best_val_acc"], train_acc=result["train_acc"]))
+        runs.append(dict(seed=seed, epochs=0, best_val_acc=result["best_val_acc"], train_acc=result["train_acc"],
+                         plateau_exit_epoch=plateau_exit_epoch(result)))
         for epochs in durations:
             spt_dir = os.path.join(folder, f"spt_{epochs}ep")
             ckpt = run_pretrain(task, spt_dir, seed, common + ["--epochs", str(epochs)])
             result = run_finetune(task, spt_dir, seed, "spt", ckpt, common)
             runs.append(dict(seed=seed, epochs=epochs, best_val_acc=result["best_val_acc"],
-                             train_acc=result["train_acc"]))
-    rows = ["| SPT epochs | val acc | train acc |", "|---|---|---|"]
+                             train_acc=result["train_acc"], plateau_exit_epoch=plateau_exit_epoch(result)))
+    rows = ["| SPT epochs | val acc | train acc | finetuning epoch val acc >= 0.9 (runs) |", "|---|---|---|---|"]
     for epochs in (0,) + tuple(durations):
         rs = [r for r in runs if r["epochs"] == epochs]
+        exits = [r["plateau_exit_epoch"] for r in rs]
         rows.append(f"| {epochs or 'none (from scratch)'} | {mean_std([r['best_val_acc'] for r in rs])} | "
-                    f"{mean_std([r['train_acc'] for r in rs])} |")
+                    f"{mean_std([r['train_acc'] for r in rs])} | {mean_std(exits)} "
+                    f"({sum(e is not None for e in exits)}/{len(rs)}) |")
     rows.append(f"\n{describe_data(args, task)}; the preset's model. Paper: CIFAR10 and ListOps get most of the "
                 f"gain after 1-10 SPT epochs, PathFinder needs 100-200. Seeds: {args.seeds}; preset {args.preset}; "
                 f"command: python ablate.py duration --task {task}" + run_note(args))
@@ -406,18 +409,20 @@ def experiment_ucr(args):
             for run_name, init in (("spt", ckpt), ("scratch", "scratch")):
                 result = run_finetune(task, folder, seed, run_name, init, common)
                 runs.append(dict(dataset=name, seed=seed, name=run_name, best_val_acc=result["best_val_acc"],
-                                 test_acc=result["test_acc"], train_acc=result["train_acc"]))
+                                 test_acc=result["test_acc"], train_acc=result["train_acc"],
+                                 best_step=result.get("best_step")))
     parts = []
     for name in found:
         meta = data.load_split(args.data_dir, f"ucr/{name}", "train")["meta"]
         sizes = meta["split_sizes"]
         rows = [f"**{name}** ({sizes['train']} train / {sizes['val']} validation series from TRAIN, "
                 f"{sizes['test']} test, length <= {meta['max_len']}, {meta['n_classes']} classes)", "",
-                "| run | test acc | val acc | train acc |", "|---|---|---|---|"]
+                "| run | test acc | val acc | train acc | step of the tested weights, per seed |", "|---|---|---|---|---|"]
         for run_name, label in (("scratch", "from scratch"), ("spt", "SPT, then finetune")):
             rs = [r for r in runs if r["dataset"] == name and r["name"] == run_name]
             rows.append(f"| {label} | {mean_std([r['test_acc'] for r in rs])} | "
-                        f"{mean_std([r['best_val_acc'] for r in rs])} | {mean_std([r['train_acc'] for r in rs])} |")
+                        f"{mean_std([r['best_val_acc'] for r in rs])} | {mean_std([r['train_acc'] for r in rs])} | "
+                        + ", ".join(str(r["best_step"]) for r in rs) + " |")
         parts.append("\n".join(rows))
 
     def mean_over_datasets(run_name):  # per seed: the mean test accuracy over the data sets, then mean +- std

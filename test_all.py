@@ -1389,6 +1389,8 @@ def test_ablate_ucr_runs_what_it_finds_and_skips_the_rest(tmp_path, capsys):
     assert {(r["dataset"], r["name"]) for r in res["runs"]} == {("GunPoint", "spt"), ("GunPoint", "scratch")}
     table = open(tmp_path / "out" / "ablate" / "ucr.md").read()
     assert "**GunPoint** (40 train / 10 validation" in table and "| 0.921 | 0.951 |" in table
+    steps = [r["best_step"] for r in res["runs"] if r["name"] == "scratch"]
+    assert steps[0] in (0, 2) and f"| {steps[0]} |" in table  # the step whose weights gave the test accuracy
     assert "Skipped: ECG200" in table
     ablate.main(argv)  # resumable: the finished runs are read back
     assert capsys.readouterr().out.count("read back") == 2
@@ -2234,6 +2236,7 @@ def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run
     ablate.main(["duration", "--durations", "1", "2"] + argv)
     runs = json.load(open(os.path.join(out, "ablate", "duration.json")))["runs"]
     assert sorted(r["epochs"] for r in runs) == [0, 1, 2]
+    assert "| finetuning epoch val acc >= 0.9 (runs) |" in open(os.path.join(out, "ablate", "duration.md")).read()
     shutil.copytree(os.path.join(listops_dir, "listops"), os.path.join(root, "listops"))
     ablate.main(["main", "--tasks", "listops", "text", "pathfinder"] + argv)
     table = open(os.path.join(out, "ablate", "main_cpu.md")).read()
