@@ -487,12 +487,18 @@ def experiment_initscale(args):
     if args.quick:
         args.scales, args.lengths, args.n_train, args.epochs = [0.25, 1.0], [50, 100], 500, 4
     budget = ["--epochs", str(args.epochs), "--batch_size", str(args.batch_size), "--eval_every", "100000"]
-    runs = []
+    data_dirs = {}
     for length in args.lengths:
         # its own data per length and size (the stages check it against the synthetic preset's: --accept_data)
-        data_dir = os.path.join(args.data_dir, "initscale", f"L{length}_n{args.n_train}_{args.n_val}")
-        if not os.path.exists(os.path.join(data_dir, "synthetic", "train.pt")):
-            data.prepare_synthetic(data_dir, n_train=args.n_train, n_val=args.n_val, n_test=args.n_val, length=length)
+        data_dirs[length] = os.path.join(args.data_dir, "initscale", f"L{length}_n{args.n_train}_{args.n_val}")
+        if not os.path.exists(os.path.join(data_dirs[length], "synthetic", "train.pt")):
+            data.prepare_synthetic(data_dirs[length], n_train=args.n_train, n_val=args.n_val, n_test=args.n_val,
+                                   length=length)
+    if args.jobs > 1 and len(args.kinds) > 1:
+        run_kinds_in_parallel(args)  # then the loop below only reads the finished runs back
+    runs = []
+    for length in args.lengths:
+        data_dir = data_dirs[length]
         for kind in args.kinds:
             for scale in args.scales:
                 common = ["--data_dir", data_dir, "--preset", args.preset, "--device", args.device, "--accept_data",
@@ -536,6 +542,30 @@ def experiment_initscale(args):
     os.makedirs(os.path.join(args.out_dir, "analysis"), exist_ok=True)
     plot_initscale(runs, args, os.path.join(args.out_dir, "analysis", "initscale.png"))
     write_outputs("initscale", runs, "\n".join(rows), args, scheme_in_name=False)  # its own schemes: --kinds
+
+
+def run_kinds_in_parallel(args):
+    """Run each init kind of `initscale` in a process of its own (`--jobs` at a time, one thread each: two jobs
+    with two threads each on two cores run several times slower); raises if one fails."""
+    import subprocess
+    grid = ["--scales", *map(str, args.scales), "--lengths", *map(str, args.lengths), "--n_train", str(args.n_train),
+            "--n_val", str(args.n_val), "--epochs", str(args.epochs), "--batch_size", str(args.batch_size),
+            "--seeds", str(args.seeds), "--data_dir", args.data_dir, "--out_dir", args.out_dir, "--preset", args.preset,
+            "--device", args.device, "--max_steps", str(args.max_steps), "--jobs", "1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    pending, running = list(args.kinds), []
+    while pending or running:
+        while pending and len(running) < args.jobs:
+            kind = pending.pop(0)
+            log = os.path.join(args.out_dir, "ablate", f"initscale_{kind}.log")
+            os.makedirs(os.path.dirname(log), exist_ok=True)
+            print(f"initscale: {kind} in a process of its own, log {log}")
+            running.append((kind, subprocess.Popen([sys.executable, os.path.abspath(__file__), "initscale", "--kinds",
+                                                    kind] + grid, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                                   env=env)))
+        kind, proc = running.pop(0)
+        if proc.wait() != 0:
+            raise RuntimeError(f"initscale --kinds {kind} failed (exit {proc.returncode}); see its log")
 
 
 def plot_initscale(runs, args, path):
@@ -659,6 +689,7 @@ def main(argv=None):
     g.add_argument("--epochs", type=int, default=10, help="epochs of each stage (SPT, finetuning, from scratch)")
     g.add_argument("--batch_size", type=int, default=32, help="trajectories per step")
     g.add_argument("--quick", action="store_true", help="a small grid in a few minutes (scales 0.25 1, L 50 100)")
+    g.add_argument("--jobs", type=int, default=2, help="processes run at once, one per init kind (one thread each)")
     args = p.parse_args(argv)
     if args.length != 100:
         if args.experiment not in ("synthetic", "init", "posenc", "duration") or args.task != "synthetic":

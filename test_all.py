@@ -929,6 +929,8 @@ def test_ablate_initscale_runs_its_grid_and_writes_table_and_figure(tmp_path):
     table = open(tmp_path / "out" / "ablate" / "initscale.md").read()
     assert "| reference | 0.5 | 12 |" in table and "| torch | 1 | 20 |" in table
     assert (tmp_path / "out" / "analysis" / "initscale.png").stat().st_size > 10_000
+    for kind in ("reference", "torch"):  # each kind ran in a process of its own (--jobs 2, the default)
+        assert "self-pretraining synthetic" in (tmp_path / "out" / "ablate" / f"initscale_{kind}.log").read_text()
     ck = data.load_pt(str(tmp_path / "out" / "ablate" / "initscale" / "torch" / "x0.5" / "L20" / "seed0" /
                           "synthetic" / "pretrain.pt"))
     assert (ck["model_config"]["init"], ck["model_config"]["init_scale"], ck["model_config"]["max_len"]) == \
