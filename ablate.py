@@ -10,10 +10,15 @@
     python ablate.py duration             # SPT for 1, 3, 10 epochs (CPU, synthetic, ~19 min) / 1, 10, 100, 200 (paper)
     python ablate.py main --preset paper  # the LRA table: scratch vs SPT on every task whose data is here (GPU)
     python ablate.py synthetic --seeds 3  # fewer seeds;  --max_steps N caps every run (a quick look)
+    python ablate.py synthetic --length 200   # the harder variant: trajectories of 200 steps (tables *_L200)
+    python ablate.py synthetic --init_scheme normal   # under N(0, 0.02) (tables *_init-normal)
+    python ablate.py initscale --seeds 2  # beyond the paper: init scale x length x tied/independent (~75 min)
     python ablate.py report               # the README's Results section, from the Markdown written above
 
-Each run calls pretrain.main / finetune.main in-process with its own out folder
-out/ablate/<task>/<model>/seed<s>/, so experiments on the same task and model share their SPT runs. Every run is
+Each run calls pretrain.main / finetune.main in-process (initscale: one process per init kind, --jobs) with its
+own out folder out/ablate/<init scheme>/<task>[/<model>]/seed<s>/ (initscale:
+out/ablate/initscale/<kind>/x<scale>/L<length>/seed<s>/), so experiments on the same scheme, task and model
+share their SPT runs. Every run is
 resumable: a finished finetuning (its .json exists) is read back, an interrupted one continues with --resume.
 Writes out/ablate/<experiment>.json (every run) and out/ablate/<experiment>.md (mean +- std over seeds, beside
 the paper's numbers where it has some). The CPU preset is the default here; --preset paper needs a GPU.
@@ -659,7 +664,8 @@ def main(argv=None):
                    help="synthetic: scratch vs SPT on the minimal model (Sec. 4); init: hybrid initialization and "
                         "freezing (Table 3); posenc: ALiBi, RoPE, FIRE from scratch vs SPT (Sec. 4); ucr: UCR time "
                         "series (Sec. 5); swap: dataset swap PathFinder <-> Image (Sec. 3); duration: SPT epochs "
-                        "(Sec. 3); main: the LRA table (Table 2); report: the README's Results from out/ablate/")
+                        "(Sec. 3); main: the LRA table (Table 2); initscale: from scratch and SPT over init scale x length x "
+                        "tied/independent projections (beyond the paper); report: the README's Results from out/ablate/")
     p.add_argument("--seeds", type=int, default=5, help="runs per row, seeds 0..N-1")
     p.add_argument("--init_scheme", default="reference", choices=INIT_SCHEMES,
                    help="every run's initialization (model.init_weights); reference = Amos et al.'s code")
@@ -688,7 +694,7 @@ def main(argv=None):
     g.add_argument("--n_val", type=int, default=500, help="validation (and test) trajectories per length")
     g.add_argument("--epochs", type=int, default=10, help="epochs of each stage (SPT, finetuning, from scratch)")
     g.add_argument("--batch_size", type=int, default=32, help="trajectories per step")
-    g.add_argument("--quick", action="store_true", help="a small grid in a few minutes (scales 0.25 1, L 50 100)")
+    g.add_argument("--quick", action="store_true", help="a small grid (scales 0.25 1, L 50 100, 4 epochs of 500): ~1 min with --seeds 1")
     g.add_argument("--jobs", type=int, default=2, help="processes run at once, one per init kind (one thread each)")
     args = p.parse_args(argv)
     if args.length != 100:

@@ -18,7 +18,7 @@ Commands (pretrain.py and finetune.py run these themselves when data/<task>/ is 
     python data.py --task text                         # IMDb, data/text/aclImdb/ (downloaded if absent, 84 MB)
     python data.py --task retrieval                    # AAN pairs, data/retrieval/new_aan_pairs.*.tsv (LRA release)
     python data.py --task image                        # CIFAR-10, data/image/cifar-10-batches-py/ (downloaded, 163 MB)
-    python data.py --task fashion_mnist                # the offline stand-in for Image (apt install dataset-fashion-mnist)
+    python data.py --task fashion_mnist                # stand-in for Image (found, else downloaded, 30 MB)
     python data.py --task pathfinder --generate 2000   # our PathFinder generator, in the LRA release layout
     python data.py --task pathx                        # PathFinder 128x128 from data/pathx/pathfinder128/ (LRA release)
 
@@ -423,7 +423,8 @@ def encode_tokens(token_lists, vocab, max_len, truncate, where):
         if len(toks) > max_len:
             if not truncate:
                 raise ValueError(f"{where}: sample {i} has {len(toks)} tokens > max_len {max_len} "
-                                 f"(raise --max_len, or pass --truncate to cut long sequences)")
+                                 f"(raise --max_len, or prepare with `python data.py --task listops --truncate` "
+                                 f"to cut long sequences)")
             toks, n_cut = toks[:max_len], n_cut + 1
         try:
             out[i, :len(toks)] = [index[t] for t in toks]
@@ -2158,11 +2159,11 @@ def main(argv=None):
 
 def run_cli(main_fn):
     """Run a script's main(); a data, download or file error (FileNotFoundError, FileExistsError, ConnectionError,
-    ValueError: they name the file, line and field, and what to do) is printed as one line, without a traceback,
+    ValueError: they name the file, line and field, and what to do) or a non-finite loss (FloatingPointError) is printed as one line, without a traceback,
     and the exit status is 1. SPT_TRACEBACK=1 in the environment shows the traceback instead."""
     try:
         main_fn(sys.argv[1:])
-    except (FileNotFoundError, FileExistsError, ConnectionError, ValueError) as e:
+    except (FileNotFoundError, FileExistsError, ConnectionError, ValueError, FloatingPointError) as e:
         if os.environ.get("SPT_TRACEBACK"):
             raise
         sys.exit("error: " + " ".join(str(e).split()))  # one line, even for a library's multi-line message

@@ -19,8 +19,8 @@ Writes out/<task>/finetune_<name>.pt (best validation accuracy), finetune_<name>
        finetune_<name>_init.pt (the weights finetuning started from), finetune_<name>_log.jsonl and
        finetune_<name>.json (accuracy per evaluation, best validation and test accuracy, init, seed, wall time).
        <name> defaults to "spt" or "scratch", with "_inherit-<groups>" / "_freeze-<groups>" when those are set.
-Expect (CPU preset, ListOps, ~9 min each on 2 cores): ~0.17-0.18 accuracy, near the most frequent class (450
-steps do not leave the attention plateau); the paper reports ~0.56-0.59 with SPT versus ~0.40 from scratch at
+Expect (CPU preset, ListOps, ~9 min each on 2 cores; measured under the former N(0, 0.02) init): ~0.17-0.18
+accuracy, near the most frequent class (450 steps do not leave the attention plateau); the paper reports ~0.56-0.59 with SPT versus ~0.40 from scratch at
 the paper size on one GPU (Coser et al. Table 2; not yet run here). Synthetic task (L 100, reference init): 0.999
 (SPT) and 1.000 from scratch, 1 min each; from scratch leaves the plateau later (epoch ~4.4 vs ~3), and in the
 init-scale grid it stays on it at small init scales and longer trajectories (README, Results).
@@ -222,8 +222,8 @@ def main(argv=None):
         for flag, field in MODEL_FLAGS.items():
             given = getattr(args, flag)
             if flag.startswith("init_") and given is not None and given != getattr(model.cfg, field):
-                p.error(f"--{flag} {given}: the checkpoint {args.init} was initialized with {field}="
-                        f"{getattr(model.cfg, field)!r}, and finetuning keeps it (drop --{flag})")
+                raise ValueError(f"--{flag} {given}: the checkpoint {args.init} was initialized with {field}="
+                                 f"{getattr(model.cfg, field)!r}, and finetuning keeps it (drop --{flag})")
     frozen = [n for n, p in model.named_parameters() if param_group(n) in FREEZE[args.freeze]]
     for n, p in model.named_parameters():
         p.requires_grad_(n not in frozen)  # frozen tensors get no gradient and are not given to AdamW

@@ -71,7 +71,7 @@ _SYNTHETIC = dict(model=dict(n_layers=1, d_model=32, n_heads=1, d_mlp=32, layern
                   finetune=dict(batch_size=64, lr=1e-3, warmup=0, epochs=15, eval_every=500))
 PRESETS["synthetic"] = {"paper": _SYNTHETIC, "cpu": _SYNTHETIC}
 # One entry for every UCR data set (task ucr/<Name>; the paper gives no sizes): a small model, max_len from the
-# data. A budget in steps, not epochs: GunPoint's 32 training series are one batch, so 50 epochs would be 50 steps
+# data. A budget in steps, not epochs: GunPoint's 40 training series are 2 batches, so 50 epochs would be 100 steps
 # and from scratch would be measured before it had its chance (under the reference init it leaves chance level
 # after ~100-150 steps and reaches validation accuracy 1.0 by ~200; seeds 0 and 1 at 1000 steps: test acc 0.967
 # and 0.960 both from scratch and after SPT). 500 steps per stage (~40 s on one idle core for GunPoint); validation
@@ -170,7 +170,7 @@ def build_parser(stage, description):
     d.add_argument("--difficulty", default=None, choices=("easy", "intermediate", "hard"),
                    help="PathFinder/PathX contour length 6 / 9 / 14 (default hard)")
     d.add_argument("--download", action="store_true",
-                   help="download missing data (IMDb 80 MB, CIFAR-10 170 MB, Fashion-MNIST 30 MB, LRA release 8.2 GB, "
+                   help="download missing data (IMDb 84 MB, CIFAR-10 163 MB, Fashion-MNIST 30 MB, LRA release 8.2 GB, "
                         "UCR); without it a "
                         "stage stops and says what to fetch")
     d.add_argument("--accept_data", action="store_true",
