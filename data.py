@@ -2001,7 +2001,8 @@ def load_split(data_dir, task, split):
 def load_splits(data_dir, task, device="cpu"):
     """{split: load_split(...)} for train, val and test, with inputs and labels on `device` (LRA splits fit in
     GPU memory: no host-to-device copy per step); lengths stay on the CPU (see get_batch). Each split's
-    meta["file_sha256"] is the sha256 of its .pt file, so checkpoints and results name the exact data."""
+    meta["file_sha256"] is the sha256 of its .pt file, so checkpoints and results name the exact data (a read of
+    every split file per run and rank: seconds, ~3 GB at the PathX paper size)."""
     splits = {s: load_split(data_dir, task, s) for s in SPLITS}
     for s, split in splits.items():
         split["meta"] = dict(split["meta"], file_sha256=sha256_of(os.path.join(data_dir, task, f"{s}.pt")))
