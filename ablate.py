@@ -12,7 +12,7 @@
     python ablate.py synthetic --seeds 3  # fewer seeds;  --max_steps N caps every run (a quick look)
     python ablate.py synthetic --length 200   # the harder variant: trajectories of 200 steps (tables *_L200)
     python ablate.py synthetic --init_scheme normal   # under N(0, 0.02) (tables *_init-normal)
-    python ablate.py initscale --seeds 2  # beyond the paper: init scale x length x tied/independent (~75 min)
+    python ablate.py initscale            # beyond the paper: init scale x length x tied/independent, 2 seeds (~1 h)
     python ablate.py report               # the README's Results section, from the Markdown written above
 
 Each run calls pretrain.main / finetune.main in-process (initscale: one process per init kind, --jobs) with its
@@ -666,7 +666,8 @@ def main(argv=None):
                         "series (Sec. 5); swap: dataset swap PathFinder <-> Image (Sec. 3); duration: SPT epochs "
                         "(Sec. 3); main: the LRA table (Table 2); initscale: from scratch and SPT over init scale x length x "
                         "tied/independent projections (beyond the paper); report: the README's Results from out/ablate/")
-    p.add_argument("--seeds", type=int, default=5, help="runs per row, seeds 0..N-1")
+    p.add_argument("--seeds", type=int, default=None,
+                   help="runs per row, seeds 0..N-1 (default 5; initscale 2, which keeps its grid near an hour)")
     p.add_argument("--init_scheme", default="reference", choices=INIT_SCHEMES,
                    help="every run's initialization (model.init_weights); reference = Amos et al.'s code")
     p.add_argument("--preset", default="cpu", choices=("cpu", "paper"), help="every run's preset (paper: GPU)")
@@ -697,6 +698,8 @@ def main(argv=None):
     g.add_argument("--quick", action="store_true", help="a small grid (scales 0.25 1, L 50 100, 4 epochs of 500): ~1 min with --seeds 1")
     g.add_argument("--jobs", type=int, default=2, help="processes run at once, one per init kind (one thread each)")
     args = p.parse_args(argv)
+    if args.seeds is None:
+        args.seeds = 2 if args.experiment == "initscale" else 5
     if args.length != 100:
         if args.experiment not in ("synthetic", "init", "posenc", "duration") or args.task != "synthetic":
             p.error("--length applies to the synthetic task (experiments synthetic, init, posenc, duration)")
