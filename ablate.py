@@ -329,6 +329,78 @@ def experiment_duration(args):
     write_outputs("duration" if task == "synthetic" else f"duration_{task}", runs, "\n".join(rows), args)
 
 
+# PathFinder on the CPU (issue: which configuration learns above chance?): from scratch, one seed each, about the
+# same CPU time per configuration (a 2-layer step costs about two 1-layer steps).
+PF_CONFIGS = ((1, "easy"), (1, "intermediate"), (1, "hard"), (2, "easy"))
+
+
+def experiment_pfcurves(args):
+    """Beyond the paper's tables: PathFinder 32x32 learning curves on the CPU, from scratch, for each (layers,
+    difficulty) of PF_CONFIGS on --n_images generated images (80/10/10), --pf_steps steps for one layer (half for
+    two), validation every --pf_eval_every steps. Writes out/ablate/pfcurves.{json,md} and the figure
+    out/analysis/pathfinder_curves.png (validation accuracy against CPU minutes)."""
+    runs = []
+    for layers, difficulty in PF_CONFIGS:
+        data_dir = os.path.join(args.data_dir, "pfcurves", f"{difficulty}_n{args.n_images}")
+        if not os.path.exists(os.path.join(data_dir, "pathfinder", "train.pt")):
+            data.prepare_pathfinder(data_dir, difficulty=difficulty, generate=args.n_images)
+        steps = args.pf_steps // layers
+        folder = os.path.join(args.out_dir, "ablate", args.init_scheme, "pfcurves", f"{layers}layer_{difficulty}",
+                              "seed0")
+        common = ["--data_dir", data_dir, "--accept_data", "--preset", args.preset, "--device", args.device,
+                  "--init_scheme", args.init_scheme, "--n_layers", str(layers), "--difficulty", difficulty,
+                  "--max_steps", str(steps), "--epochs", "1000", "--eval_every", str(args.pf_eval_every),
+                  "--no-eval_each_epoch"]
+        result = run_finetune("pathfinder", folder, 0, "scratch", "scratch", common)
+        runs.append(dict(layers=layers, difficulty=difficulty, steps=steps, best_val_acc=result["best_val_acc"],
+                         test_acc=result["test_acc"], train_acc=result["train_acc"], wall_time_s=result["wall_time_s"],
+                         evals=result["evals"], majority=majority_rate(argparse.Namespace(data_dir=data_dir),
+                                                                      "pathfinder")))
+    rows = ["| layers | difficulty (contour length) | steps | CPU minutes | best val acc | test acc | train acc | "
+            "majority class (val) |", "|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        rows.append(f"| {r['layers']} | {r['difficulty']} ({data.PATHFINDER_DIFFICULTY[r['difficulty']][1]}) | "
+                    f"{r['steps']} | {r['wall_time_s'] / 60:.1f} | {r['best_val_acc']:.3f} | {r['test_acc']:.3f} | "
+                    f"{r['train_acc']:.3f} | {r['majority']:.3f} |")
+    rows.append(f"\nFrom scratch, seed 0; PathFinder 32x32 from our generator, {args.n_images} images per difficulty "
+                f"(80/10/10); the CPU preset's model (d_model 32) with the number of layers shown; batch 16, lr 1e-3. "
+                f"CPU minutes: the run's wall time on one thread (evaluations included). Command: python ablate.py "
+                f"pfcurves" + run_note(args))
+    os.makedirs(os.path.join(args.out_dir, "analysis"), exist_ok=True)
+    plot_curves({f"{r['layers']} layer(s), {r['difficulty']}": r for r in runs},
+                os.path.join(args.out_dir, "analysis", "pathfinder_curves.png"),
+                "PathFinder 32x32 from scratch on the CPU", x="minutes")
+    write_outputs("pfcurves", runs, "\n".join(rows), args)
+
+
+def plot_curves(curves, path, title, x="epoch", probe=None):
+    """Validation accuracy curves, one line per entry of `curves` ({label: result dict with "evals", or a list of
+    them: their mean}); x "epoch" (from the step) or "minutes" (the run's wall time spread evenly over its
+    steps). `probe`: an extra dashed curve (label, result)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    items = list(curves.items()) + ([probe] if probe else [])
+    for i, (label, results) in enumerate(items):
+        results = results if isinstance(results, list) else [results]
+        steps = [e["step"] for e in results[0]["evals"]]
+        accs = [sum(r["evals"][j]["val_acc"] for r in results) / len(results) for j in range(len(steps))]
+        r0 = results[0]
+        xs = [s / r0["steps_per_epoch"] for s in steps] if x == "epoch" else \
+            [s / max(steps[-1], 1) * r0["wall_time_s"] / 60 for s in steps]
+        ax.plot(xs, accs, "--" if probe and i == len(items) - 1 else "-", marker=".", label=label +
+                (f" (mean of {len(results)})" if len(results) > 1 else ""))
+    ax.set_xlabel("epoch" if x == "epoch" else "CPU minutes (one thread)")
+    ax.set_ylabel("validation accuracy")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def experiment_main(args):
     """Coser et al. Table 2: from scratch versus SPT on every LRA task of --tasks whose data is here (or can be
     made: ListOps and PathFinder are generated on the CPU preset; --download fetches the others). Peak
@@ -617,6 +689,7 @@ def report(args):
               "initscale": "Beyond the paper: the from-scratch plateau over init scale and sequence length",
               "init": "Hybrid initialization and freezing (Coser et al. Table 3)",
               "posenc": "Relative positions from scratch versus SPT (Coser et al. Sec. 4)",
+              "pfcurves": "PathFinder on the CPU: which configuration learns above chance (from scratch)",
               "swap": "Dataset swap between PathFinder and Image (Coser et al. Sec. 3)",
               "duration": "Pretraining duration (Coser et al. Sec. 3)",
               "ucr": "UCR time series: from scratch versus SPT (Coser et al. Sec. 5), test accuracy"}
@@ -654,7 +727,7 @@ def report(args):
 
 EXPERIMENTS = {"synthetic": experiment_synthetic, "init": experiment_init, "posenc": experiment_posenc,
                "ucr": experiment_ucr, "swap": experiment_swap, "duration": experiment_duration,
-               "main": experiment_main, "initscale": experiment_initscale, "report": report}
+               "main": experiment_main, "initscale": experiment_initscale, "pfcurves": experiment_pfcurves, "report": report}
 
 
 def main(argv=None):
@@ -685,6 +758,9 @@ def main(argv=None):
                         "than the paper's 100; data in <data_dir>/synthetic_L<length>/, runs and tables of its own)")
     p.add_argument("--durations", type=int, nargs="+", default=None,
                    help="duration: SPT epochs to compare (default 1 3 10 on cpu, 1 10 100 200 on paper)")
+    p.add_argument("--n_images", type=int, default=20000, help="pfcurves: generated PathFinder images per difficulty")
+    p.add_argument("--pf_steps", type=int, default=4000, help="pfcurves: steps of a 1-layer run (2 layers: half)")
+    p.add_argument("--pf_eval_every", type=int, default=250, help="pfcurves: steps between validations")
     g = p.add_argument_group("initscale: the grid and its budget")
     g.add_argument("--kinds", nargs="+", default=["reference", "torch"], choices=("reference", "torch"),
                    help="tied (reference) or independent (torch) projections at init")

@@ -1324,12 +1324,20 @@ def download_fashion_mnist(folder, base_url=FASHION_DOWNLOAD_URL, md5=None, time
     return digests
 
 
-def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, download=True, url=FASHION_DOWNLOAD_URL, **_):
+def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, download=True, url=FASHION_DOWNLOAD_URL,
+                          resolution=32, n_train=None, **_):
     """Write data/fashion_mnist/{train,val,test}.pt: Fashion-MNIST (Xiao et al. 2017; 28x28 grayscale, 10
     classes) padded with 2 black pixels per side to 32x32 = 1024 pixels, the offline stand-in for the Image task
     (same input kind and length). 55k/5k train/val (seed 42), 10k test; normalized with the training set's own
     mean and std. The IDX files are found (find_fashion_mnist: data/fashion_mnist/, then the Debian package's
-    folder), else downloaded from `url` with `download` (download_fashion_mnist), else FileNotFoundError."""
+    folder), else downloaded from `url` with `download` (download_fashion_mnist), else FileNotFoundError.
+
+    For CPU budgets (ablate.py's Fashion-MNIST experiments): `resolution` 16 averages each 2x2 block of the padded
+    image (rounded to uint8; L = 256), and `n_train` keeps the first n_train training images of the seeded split
+    (a training subset, printed with the count left out); validation and test are unchanged by it. Raises
+    ValueError for another resolution or an n_train outside 1..55000 - n_val."""
+    if resolution not in (32, 16):
+        raise ValueError(f"Fashion-MNIST resolution {resolution}: expected 32 (the padded 28x28) or 16 (2x2 means)")
     try:
         folder = find_fashion_mnist(data_dir)
     except FileNotFoundError as e:
@@ -1345,12 +1353,25 @@ def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, download=True, u
         if images.shape[1:] != (28, 28) or len(images) != len(labels):
             raise ValueError(f"{folder}: {prefix} images {images.shape} and labels {labels.shape}, expected "
                              f"(N, 28, 28) and (N,)")
-        arrays[split] = (np.pad(images, ((0, 0), (2, 2), (2, 2))), labels)
+        images = np.pad(images, ((0, 0), (2, 2), (2, 2)))
+        if resolution == 16:  # the mean of each 2x2 block, rounded half up
+            blocks = images.reshape(len(images), 16, 2, 16, 2).astype(np.uint16).sum(axis=(2, 4))
+            images = ((blocks + 2) // 4).astype(np.uint8)
+        arrays[split] = (images, labels)
     splits = _pixel_splits(*arrays["train"], *arrays["test"], n_val, seed)
+    if n_train is not None:
+        available = len(splits["train"]["labels"])
+        if not 1 <= n_train <= available:
+            raise ValueError(f"Fashion-MNIST n_train {n_train}: expected 1..{available} (the training split "
+                             f"after {n_val} validation images)")
+        splits["train"] = {k: v[:n_train] for k, v in splits["train"].items()}
+        print(f"Fashion-MNIST: a training subset of {n_train} images ({available - n_train} of the split left out)")
     train01 = splits["train"]["pixels"].float() / 255
     files = {name: os.path.join(folder, name) for name in FASHION_MD5}
-    meta = _pixel_meta("fashion_mnist", 1024, 10, float(train01.mean()), float(train01.std()), folder, seed,
-                       stand_in_for="image", sha256={n: sha256_of(p) for n, p in files.items() if os.path.exists(p)})
+    meta = _pixel_meta("fashion_mnist", resolution * resolution, 10, float(train01.mean()), float(train01.std()),
+                       folder, seed, stand_in_for="image", resolution=resolution,
+                       train_subset=n_train is not None,
+                       sha256={n: sha256_of(p) for n, p in files.items() if os.path.exists(p)})
     return _save_splits(os.path.join(data_dir, "fashion_mnist"), splits, meta)
 
 
@@ -2125,8 +2146,10 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=None, help="seed of the generator or of the validation split (not "
                                                           "of training); unset: 0, or 42 for image/pathfinder")
     p.add_argument("--n_train", type=int, default=None,
-                   help="ListOps, synthetic: generated training sequences (default: LRA's 96000; synthetic 5000)")
-    p.add_argument("--n_val", type=int, default=None, help="ListOps, synthetic: validation sequences (2000; 1000)")
+                   help="ListOps, synthetic: generated training sequences (default: LRA's 96000; synthetic 5000); "
+                        "fashion_mnist: a training subset (default: all 55000)")
+    p.add_argument("--n_val", type=int, default=None, help="ListOps, synthetic: validation sequences (2000; 1000); fashion_mnist: validation "
+                                                          "images held out of TRAIN (5000)")
     p.add_argument("--n_test", type=int, default=None, help="ListOps, synthetic: test sequences (2000; 1000)")
     p.add_argument("--max_len", type=int, default=None,
                    help="longest sequence kept: ListOps 2000 (longer is an error unless --truncate); Text 4096 and "
@@ -2136,7 +2159,8 @@ def main(argv=None):
     p.add_argument("--val_fraction", type=float, default=0.2, help="UCR: share of TRAIN held out for validation")
     p.add_argument("--generate", type=int, default=None,
                    help="PathFinder/PathX: generate this many images with our generator (release layout)")
-    p.add_argument("--resolution", type=int, default=None, help="PathFinder/PathX: image side (32 / 128)")
+    p.add_argument("--resolution", type=int, default=None, help="PathFinder/PathX: image side (32 / 128); fashion_mnist: 32 (padded "
+                                                               "28x28) or 16 (2x2 means)")
     p.add_argument("--difficulty", default="hard", choices=("easy", "intermediate", "hard"),
                    help="PathFinder/PathX: contour length 6 / 9 / 14")
     p.add_argument("--no_download", action="store_true", help="fail instead of downloading missing data")
@@ -2154,6 +2178,8 @@ def main(argv=None):
         prepare(a.task, a.data_dir, val_fraction=a.val_fraction, **given, **fetch)
     elif family in ("pathfinder", "pathx"):
         prepare(a.task, a.data_dir, generate=a.generate, difficulty=a.difficulty, **given, **fetch)
+    elif family == "fashion_mnist":
+        prepare(a.task, a.data_dir, **{k: v for k, v in sizes.items() if k != "n_test"}, **given, **fetch)
     else:
         prepare(a.task, a.data_dir, **given, **fetch)
 
