@@ -62,11 +62,34 @@ LRA_TASKS = ("listops", "text", "retrieval", "image", "pathfinder")
 ABLATION_TASKS = ("synthetic", "pathfinder", "image", "fashion_mnist")
 
 
-def common_flags(args, one_layer=False):
+# Fashion-MNIST on the CPU (init, duration, posenc with --task fashion_mnist, preset cpu): L 1024 costs ~250 ms a
+# step on one core, so a 5-seed Table 3 would get ~400 steps a run. Instead: 16x16 images (2x2 means, L 256), a
+# training subset of 5000 and 10 epochs per stage. The budget was chosen from a from-scratch curve alone, before any SPT
+# row was run (README, Results: the figure of every row's curve, and a from-scratch probe run for twice as long).
+FASHION_CPU = dict(resolution=16, n_train=5000, n_val=1000, epochs=10)
+
+
+def task_data_dir(args, task):
+    """Where a task's data is for this experiment: <data_dir>, or for Fashion-MNIST at the CPU budget its own folder
+    <data_dir>/fashion_mnist_r16_n5000 (prepared when missing)."""
+    if task != "fashion_mnist" or args.preset != "cpu" or getattr(args, "fashion_full", False):
+        return args.data_dir
+    folder = os.path.join(args.data_dir, f"fashion_mnist_r{FASHION_CPU['resolution']}_n{FASHION_CPU['n_train']}")
+    if not os.path.exists(os.path.join(folder, "fashion_mnist", "train.pt")):
+        data.prepare_fashion_mnist(folder, resolution=FASHION_CPU["resolution"], n_train=FASHION_CPU["n_train"],
+                                   n_val=FASHION_CPU["n_val"], download=args.download)
+    return folder
+
+
+def common_flags(args, one_layer=False, task=None):
     """Flags every run of an experiment shares; `one_layer` for Table 3 and the position study on LRA tasks
-    (the synthetic preset is one layer already)."""
-    flags = ["--data_dir", args.data_dir, "--preset", args.preset, "--device", args.device,
+    (the synthetic preset is one layer already); `task` fashion_mnist adds its CPU budget (FASHION_CPU)."""
+    data_dir = task_data_dir(args, task)
+    flags = ["--data_dir", data_dir, "--preset", args.preset, "--device", args.device,
              "--init_scheme", args.init_scheme] + (["--download"] if args.download else [])
+    if data_dir != args.data_dir:  # its own resolution and subset: not the preset's data (said in every table)
+        flags += ["--accept_data", "--epochs", str(FASHION_CPU["epochs"]), "--max_steps", "0",
+                  "--eval_every", str(10 ** 9)]
     flags += ["--max_steps", str(args.max_steps)] if args.max_steps else []  # 0: the preset's own budget
     return flags + (["--n_layers", "1"] if one_layer else [])
 
@@ -183,25 +206,56 @@ def experiment_synthetic(args):
     write_outputs("synthetic", runs, "\n".join(rows), args)
 
 
+def budget_probe(args, task, common):
+    """(probe result or None, plateau-exit threshold, footer text). At the Fashion-MNIST CPU budget: a from-scratch
+    run (seed 0) for twice the budget's epochs, which shows whether from scratch had stopped rising within the
+    budget; the plateau's end is then the first epoch at 0.9 x the probe's best validation accuracy. Elsewhere:
+    no probe, threshold 0.9 (the synthetic task's)."""
+    if task_data_dir(args, task) == args.data_dir:
+        return None, 0.9, ""
+    probe = run_finetune(task, run_dir(args, task, 0), 0, "scratch_probe", "scratch",
+                         common + ["--epochs", str(2 * FASHION_CPU["epochs"])])
+    at_budget = max(e["val_acc"] for e in probe["evals"] if e["step"] <= FASHION_CPU["epochs"] *
+                    probe["steps_per_epoch"])
+    threshold = round(0.9 * probe["best_val_acc"], 2)
+    return probe, threshold, (
+        f"; budget per stage: {FASHION_CPU['epochs']} epochs (batch 16, lr 1e-3), validation every epoch. Probe, "
+        f"from scratch for {2 * FASHION_CPU['epochs']} epochs (seed 0): best val acc {at_budget:.3f} within the "
+        f"budget, {probe['best_val_acc']:.3f} within twice it; plateau exit = first epoch with val acc >= "
+        f"{threshold:.2f} (0.9 x the probe's best)")
+
+
 def experiment_init(args):
     """Coser et al. Table 3: hybrid initialization (--inherit) and freezing (--freeze) of a one-layer model, on
-    args.task (synthetic, or an LRA pixel task: PathFinder, Image, or its stand-in Fashion-MNIST)."""
-    task, common = args.task, common_flags(args, one_layer=args.task != "synthetic")
+    args.task (synthetic, or an LRA pixel task: PathFinder, Image, or its stand-in Fashion-MNIST).
+
+    Besides accuracy: the plateau-exit epoch of every row, the relative displacement of W_Q, W_K and W_Q^T W_K
+    during SPT (analyze.relative_displacement), and on pixel tasks a figure of every row's validation curve
+    (out/analysis/init_<task>_curves.png) with a from-scratch probe run (seed 0) for twice the budget, which
+    shows whether from scratch had stopped rising within it.
+    """
+    task, common = args.task, common_flags(args, one_layer=args.task != "synthetic", task=args.task)
+    data_dir = task_data_dir(args, task)
     grid = [("scratch", "scratch", ()), *[(k, None, ("--inherit", k)) for k in
                                            ("all", "qk", "attn", "qk+embed+norm", "all-but-qk")],
             ("scratch, attn frozen", "scratch", ("--freeze", "attn")),
             ("scratch, attn+mlp frozen", "scratch", ("--freeze", "attn+mlp"))]
-    runs = []
+    runs, results = [], {}
+    probe, threshold, budget = budget_probe(args, task, common)
     for seed in range(args.seeds):
-        folder = run_dir(args, task, seed)  # shares SPT with `synthetic` / `posenc`
+        folder = run_dir(args, task, seed)  # shares SPT with `synthetic` / `posenc` / `duration`
         ckpt = run_pretrain(task, folder, seed, common + ["--snapshots"] * (task == "synthetic"))
+        stats, _ = analyze.analyze_checkpoints({"init": ckpt.replace("pretrain.pt", "pretrain_init.pt"),
+                                                "spt": ckpt}, data_dir, n=32)
         for label, init, extra in grid:
             name = "init_" + label.replace(", ", "_").replace(" ", "_").replace("+", "-")
             result = run_finetune(task, folder, seed, name, init or ckpt, common, extra)
+            results.setdefault(label, []).append(result)
             runs.append(dict(seed=seed, row=label, best_val_acc=result["best_val_acc"], test_acc=result["test_acc"],
-                             train_acc=result["train_acc"], plateau_exit_epoch=plateau_exit_epoch(result)))
+                             train_acc=result["train_acc"], plateau_exit_epoch=plateau_exit_epoch(result, threshold),
+                             displacement=stats["spt"]["displacement_from_first"]))
     rows = [f"| init of the finetuned model | {task} val acc (ours) | {task} train acc (ours) | "
-            "epoch val acc >= 0.9 (runs) | paper CIFAR10 | paper PathFinder |", "|---|---|---|---|---|---|"]
+            f"epoch val acc >= {threshold:g} (runs) | paper CIFAR10 | paper PathFinder |", "|---|---|---|---|---|---|"]
     for label, _, _ in grid:
         rs = [r for r in runs if r["row"] == label]
         name = label if label.startswith("scratch") else f"SPT, inherit {label}"
@@ -210,9 +264,19 @@ def experiment_init(args):
                     f"{mean_std([r['train_acc'] for r in rs])} | {mean_std(exits)} "
                     f"({sum(e is not None for e in exits)}/{len(rs)}) | {PAPER_TABLE3[label][0]} | "
                     f"{PAPER_TABLE3[label][1]} |")
+    spt = [r for r in runs if r["row"] == "all"]
+    rows += ["", "| during SPT: norm(W - W_init) / norm(W_init) | W_Q | W_K | W_Q^T W_K |", "|---|---|---|---|",
+             "| ours | " + " | ".join(mean_std([r["displacement"][g] for r in spt]) for g in ("W_Q", "W_K", "W_Q^T W_K"))
+             + " |", "| paper (Sec. 4, synthetic task) | looks like its init | looks like its init | organized |"]
     model = "one layer, one head, no LayerNorm, no MLP (so `attn+mlp` freezing equals `attn`)" \
         if task == "synthetic" else "one layer, otherwise the preset's model"
-    rows.append(f"\n{describe_data(args, task)}; {model}; seeds: {args.seeds}; preset {args.preset}; "
+    if task != "synthetic":
+        os.makedirs(os.path.join(args.out_dir, "analysis"), exist_ok=True)
+        plot_curves({("SPT, inherit " + k if not k.startswith("scratch") else k): v for k, v in results.items()},
+                    os.path.join(args.out_dir, "analysis", f"init_{task}_curves.png"),
+                    f"Table 3 on {task}: validation accuracy per epoch",
+                    probe=("from scratch, probe for twice the budget (seed 0)", probe) if probe else None)
+    rows.append(f"\n{describe_data(args, task)}; {model}{budget}; seeds: {args.seeds}; preset {args.preset}; "
                 f"command: python ablate.py init --task {task}" + run_note(args))
     write_outputs("init" if task == "synthetic" else f"init_{task}", runs, "\n".join(rows), args)
 
@@ -220,15 +284,18 @@ def experiment_init(args):
 def majority_rate(args, task):
     """The validation accuracy of always predicting the most frequent validation class: the level a row must
     clear before it says anything about SPT."""
-    labels = data.load_split(args.data_dir, task, "val")["labels"]
+    labels = data.load_split(task_data_dir(args, task), task, "val")["labels"]
     return torch.bincount(labels).max().item() / len(labels)
 
 
 def describe_data(args, task):
     """A short description of the data a table was made on (generated PathFinder and stand-ins say so)."""
-    meta = data.load_split(args.data_dir, task, "train")["meta"]
+    meta = data.load_split(task_data_dir(args, task), task, "train")["meta"]
     sizes = meta.get("split_sizes", {})
-    what = {"fashion_mnist": "Fashion-MNIST padded to 32x32 (the offline stand-in for CIFAR10)",
+    side = meta.get("resolution", 32)
+    what = {"fashion_mnist": "Fashion-MNIST padded to 32x32 (the offline stand-in for CIFAR10)" + (
+                f", averaged to {side}x{side}" if side != 32 else "") + (
+                ", a training subset" if meta.get("train_subset") else ""),
             "image": "CIFAR10 grayscale", "synthetic": f"synthetic trajectories of {meta['max_len']} steps"}.get(task, task)
     if meta.get("generated") and "resolution" in meta:
         what = f"PathFinder {meta['resolution']}x{meta['resolution']} from our generator"
@@ -301,29 +368,48 @@ def experiment_swap(args):
 
 def experiment_duration(args):
     """Coser et al. Sec. 3, pretraining duration: SPT for each of --durations epochs, then finetuning.
-    The paper: CIFAR10 and ListOps get most of the gain after 1-10 epochs; PathFinder needs 100-200."""
-    task, common = args.task, common_flags(args)
+    The paper: CIFAR10 and ListOps get most of the gain after 1-10 epochs; PathFinder needs 100-200.
+
+    Fashion-MNIST on the CPU uses Table 3's one-layer model and budget (FASHION_CPU) and shares its runs: from
+    scratch is `init`'s scratch row, and SPT for FASHION_CPU["epochs"] epochs is its `inherit all` row.
+    """
+    task = args.task
+    shared = task_data_dir(args, task) != args.data_dir  # Fashion-MNIST at the CPU budget
+    common = common_flags(args, one_layer=shared, task=task)
+    _, threshold, budget = budget_probe(args, task, common)
     durations = args.durations or ((1, 10, 100, 200) if args.preset == "paper" else (1, 3, 10))
     runs = []
     for seed in range(args.seeds):
-        folder = run_dir(args, task, seed, "preset")
-        result = run_finetune(task, folder, seed, "scratch", "scratch", common)
+        folder = run_dir(args, task, seed, "1layer" if shared else "preset")
+        result = run_finetune(task, folder, seed, "init_scratch" if shared else "scratch", "scratch", common)
         runs.append(dict(seed=seed, epochs=0, best_val_acc=result["best_val_acc"], train_acc=result["train_acc"],
-                         plateau_exit_epoch=plateau_exit_epoch(result)))
+                         plateau_exit_epoch=plateau_exit_epoch(result, threshold)))
         for epochs in durations:
-            spt_dir = os.path.join(folder, f"spt_{epochs}ep")
-            ckpt = run_pretrain(task, spt_dir, seed, common + ["--epochs", str(epochs)])
-            result = run_finetune(task, spt_dir, seed, "spt", ckpt, common)
+            if shared and epochs == FASHION_CPU["epochs"]:
+                ckpt = run_pretrain(task, folder, seed, common)
+                result = run_finetune(task, folder, seed, "init_all", ckpt, common, ("--inherit", "all"))
+            else:
+                spt_dir = os.path.join(folder, f"spt_{epochs}ep")
+                ckpt = run_pretrain(task, spt_dir, seed, common + ["--epochs", str(epochs)])
+                result = run_finetune(task, spt_dir, seed, "spt", ckpt, common)
+            stats, _ = analyze.analyze_checkpoints({"init": ckpt.replace("pretrain.pt", "pretrain_init.pt"),
+                                                    "spt": ckpt}, task_data_dir(args, task), n=32)
             runs.append(dict(seed=seed, epochs=epochs, best_val_acc=result["best_val_acc"],
-                             train_acc=result["train_acc"], plateau_exit_epoch=plateau_exit_epoch(result)))
-    rows = ["| SPT epochs | val acc | train acc | finetuning epoch val acc >= 0.9 (runs) |", "|---|---|---|---|"]
+                             train_acc=result["train_acc"], plateau_exit_epoch=plateau_exit_epoch(result, threshold),
+                             displacement=stats["spt"]["displacement_from_first"]))
+    rows = [f"| SPT epochs | val acc | train acc | finetuning epoch val acc >= {threshold:g} (runs) | W_Q displacement | "
+            "W_K displacement | W_Q^T W_K displacement |", "|---|---|---|---|---|---|---|"]
     for epochs in (0,) + tuple(durations):
         rs = [r for r in runs if r["epochs"] == epochs]
         exits = [r["plateau_exit_epoch"] for r in rs]
+        moved = " | ".join(mean_std([r["displacement"][g] for r in rs]) if epochs else "0"
+                           for g in ("W_Q", "W_K", "W_Q^T W_K"))
         rows.append(f"| {epochs or 'none (from scratch)'} | {mean_std([r['best_val_acc'] for r in rs])} | "
                     f"{mean_std([r['train_acc'] for r in rs])} | {mean_std(exits)} "
-                    f"({sum(e is not None for e in exits)}/{len(rs)}) |")
-    rows.append(f"\n{describe_data(args, task)}; the preset's model. Paper: CIFAR10 and ListOps get most of the "
+                    f"({sum(e is not None for e in exits)}/{len(rs)}) | {moved} |")
+    model = "Table 3's one-layer model (runs shared with `ablate.py init`)" if shared else "the preset's model"
+    rows.append(f"\n{describe_data(args, task)}; {model}{budget}. Displacement: norm(W - W_init) / norm(W_init) during SPT. "
+                f"Paper: CIFAR10 and ListOps get most of the "
                 f"gain after 1-10 SPT epochs, PathFinder needs 100-200. Seeds: {args.seeds}; preset {args.preset}; "
                 f"command: python ablate.py duration --task {task}" + run_note(args))
     write_outputs("duration" if task == "synthetic" else f"duration_{task}", runs, "\n".join(rows), args)
