@@ -1,32 +1,32 @@
-"""ablate.py -- the study's experiments as named grids of runs, over seeds, with a table beside the paper.
+"""ablate.py -- the study's experiments as named grids of runs over seeds, each with a table beside the paper;
+the benchmark; and the README's Results and Performance sections, generated from what they wrote.
 
     python ablate.py synthetic            # minimal model on synthetic trajectories: scratch vs SPT (CPU, ~12 min)
     python ablate.py init                 # hybrid initialization and freezing (Table 3), synthetic task (~27 min)
-    python ablate.py init --task pathfinder   # ... on PathFinder (CPU: generated 32x32 images, a 1-layer model)
+    python ablate.py init --task fashion_mnist   # ... on real images at a CPU budget (~60 min on 2 cores)
+    python ablate.py duration --task fashion_mnist   # SPT for 1, 3, 10 epochs on real images (shares init's runs)
     python ablate.py posenc               # ALiBi, RoPE, FIRE from scratch versus sinusoidal + SPT (synthetic, ~11 min)
+    python ablate.py swap --seeds 3       # dataset swap PathFinder <-> Image (CPU: Fashion-MNIST stands in)
+    python ablate.py pfcurves             # PathFinder on the CPU: which configuration learns (~70 CPU minutes)
     python ablate.py ucr                  # UCR time series: scratch vs SPT on the data sets found locally
-    python ablate.py ucr --download       # ... fetching the missing ones (GunPoint, ECG200, ECG5000, ECGFiveDays)
-    python ablate.py swap --seeds 1       # dataset swap PathFinder <-> Image (CPU: Fashion-MNIST stands in, ~50 min)
-    python ablate.py duration             # SPT for 1, 3, 10 epochs (CPU, synthetic, ~19 min) / 1, 10, 100, 200 (paper)
     python ablate.py main --preset paper  # the LRA table: scratch vs SPT on every task whose data is here (GPU)
-    python ablate.py synthetic --seeds 3  # fewer seeds;  --max_steps N caps every run (a quick look)
+    python ablate.py initscale            # beyond the paper: init scale x length x tied/independent, 2 seeds (~1 h)
     python ablate.py synthetic --length 200   # the harder variant: trajectories of 200 steps (tables *_L200)
     python ablate.py synthetic --init_scheme normal   # under N(0, 0.02) (tables *_init-normal)
-    python ablate.py initscale            # beyond the paper: init scale x length x tied/independent, 2 seeds (~1 h)
-    python ablate.py report               # the README's Results section, from the Markdown written above
+    python ablate.py bench                # one SPT step: ours (fused, explicit) vs torch.nn.TransformerEncoder
+    python ablate.py report               # the README's Results and Performance, from the tables written above
 
-Each run calls pretrain.main / finetune.main in-process (initscale: one process per init kind, --jobs) with its
-own out folder out/ablate/<init scheme>/<task>[/<model>]/seed<s>/ (initscale:
-out/ablate/initscale/<kind>/x<scale>/L<length>/seed<s>/), so experiments on the same scheme, task and model
-share their SPT runs. Every run is
-resumable: a finished finetuning (its .json exists) is read back, an interrupted one continues with --resume.
-Writes out/ablate/<experiment>.json (every run) and out/ablate/<experiment>.md (mean +- std over seeds, beside
-the paper's numbers where it has some). The CPU preset is the default here; --preset paper needs a GPU.
+`python ablate.py <experiment> --help` lists each one's own flags. Each run calls pretrain.main / finetune.main
+in-process with its own out folder out/ablate/<init scheme>/<task>[/<model>]/seed<s>/, so experiments on the
+same scheme, task and model share their runs. Every run is resumable: a finished finetuning (its .json exists)
+is read back, an interrupted one continues with --resume. Writes out/ablate/<experiment>.json (every run) and
+.md (mean +- std over seeds, beside the paper's numbers). The CPU preset is the default; --preset paper: a GPU.
 """
 import argparse
 import json
 import math
 import os
+import subprocess
 import sys
 
 import torch
@@ -34,6 +34,7 @@ import torch
 import analyze
 import data
 import finetune
+import model as model_lib
 import pretrain
 from model import INIT_SCHEMES
 
@@ -60,19 +61,23 @@ PAPER_MAIN = {"image": (0.499, 0.740, 0.720), "pathfinder": (0.670, 0.880, 0.850
 LRA_TASKS = ("listops", "text", "retrieval", "image", "pathfinder")
 # The tasks --task accepts for init, posenc and duration; Table 3 is a one-layer model on the LRA pixel tasks.
 ABLATION_TASKS = ("synthetic", "pathfinder", "image", "fashion_mnist")
-
-
 # Fashion-MNIST on the CPU (init, duration, posenc with --task fashion_mnist, preset cpu): L 1024 costs ~250 ms a
-# step on one core, so a 5-seed Table 3 would get ~400 steps a run. Instead: 16x16 images (2x2 means, L 256), a
-# training subset of 5000 and 10 epochs per stage. The budget was chosen from a from-scratch curve alone, before any SPT
-# row was run (README, Results: the figure of every row's curve, and a from-scratch probe run for twice as long).
+# step on one core, so a 5-seed Table 3 within an hour on 2 cores would get ~400 steps a run. Instead: 16x16 images
+# (2x2 means, L 256), a training subset of 5000 and 10 epochs per stage, chosen from a from-scratch curve alone
+# before any SPT row was run; each table reports a from-scratch probe run for twice the budget beside it.
 FASHION_CPU = dict(resolution=16, n_train=5000, n_val=1000, epochs=10)
+INIT_NOTES = {"reference": "Amos et al.'s code: PyTorch defaults, W_Q = W_K = W_V = W_O at init",
+              "torch": "PyTorch defaults, independent W_Q, W_K, W_V, W_O", "normal": "N(0, 0.02) for every weight"}
 
+
+# ----------------------------------------------------------------------------------------------------------
+# Runs, rows and tables shared by the experiments
+# ----------------------------------------------------------------------------------------------------------
 
 def task_data_dir(args, task):
     """Where a task's data is for this experiment: <data_dir>, or for Fashion-MNIST at the CPU budget its own folder
     <data_dir>/fashion_mnist_r16_n5000 (prepared when missing)."""
-    if task != "fashion_mnist" or args.preset != "cpu" or getattr(args, "fashion_full", False):
+    if task != "fashion_mnist" or args.preset != "cpu":
         return args.data_dir
     folder = os.path.join(args.data_dir, f"fashion_mnist_r{FASHION_CPU['resolution']}_n{FASHION_CPU['n_train']}")
     if not os.path.exists(os.path.join(folder, "fashion_mnist", "train.pt")):
@@ -87,16 +92,16 @@ def common_flags(args, one_layer=False, task=None):
     data_dir = task_data_dir(args, task)
     flags = ["--data_dir", data_dir, "--preset", args.preset, "--device", args.device,
              "--init_scheme", args.init_scheme] + (["--download"] if args.download else [])
-    if data_dir != args.data_dir:  # its own resolution and subset: not the preset's data (said in every table)
-        flags += ["--accept_data", "--epochs", str(FASHION_CPU["epochs"]), "--max_steps", "0",
-                  "--eval_every", str(10 ** 9)]
+    if data_dir != args.data_dir:  # its own resolution and training subset (said in every table)
+        flags += ["--resolution", str(FASHION_CPU["resolution"]), "--epochs", str(FASHION_CPU["epochs"]),
+                  "--max_steps", "0", "--eval_every", str(10 ** 9)]
     flags += ["--max_steps", str(args.max_steps)] if args.max_steps else []  # 0: the preset's own budget
     return flags + (["--n_layers", "1"] if one_layer else [])
 
 
 def run_dir(args, task, seed, model="1layer"):
     """out/ablate/<init scheme>/<task>[/<model>]/seed<s>: experiments with the same scheme, task and model share
-    their SPT runs."""
+    their runs."""
     if task == "synthetic" and args.length != 100:  # a longer-trajectory variant has runs of its own
         task = f"synthetic_L{args.length}"
     parts = [args.out_dir, "ablate", args.init_scheme, task] + ([] if task.startswith("synthetic") else [model])
@@ -106,12 +111,12 @@ def run_dir(args, task, seed, model="1layer"):
 def run_pretrain(task, folder, seed, common):
     """SPT for one seed (resumes or reads back a finished run); returns the checkpoint path."""
     pretrain.main(["--task", task, "--out_dir", folder, "--seed", str(seed), "--resume"] + common)
-    return os.path.join(folder, task, "pretrain.pt")
+    return data.run_paths(folder, task, "pretrain")["best"]
 
 
 def run_finetune(task, folder, seed, name, init, common, extra=()):
     """One finetuning run; returns its result dict (read back if it already finished)."""
-    path = os.path.join(folder, task, f"finetune_{name}.json")
+    path = data.run_paths(folder, task, "finetune", name)["json"]
     if os.path.exists(path):
         print(f"read back {path}")
     else:
@@ -121,16 +126,24 @@ def run_finetune(task, folder, seed, name, init, common, extra=()):
         return json.load(f)
 
 
+def spt_displacement(task, ckpt, data_dir):
+    """norm(W - W_init) / norm(W_init) of W_Q, W_K, W_Q^T W_K, ... during the SPT run of checkpoint `ckpt`, and
+    the attention statistics at init and after SPT (analyze.analyze_checkpoints on 32 validation sequences)."""
+    init = data.run_paths(os.path.dirname(os.path.dirname(ckpt)), task, "pretrain")["init"]
+    stats, _ = analyze.analyze_checkpoints({"init": init, "spt": ckpt}, data_dir, n=32)
+    return stats
+
+
 def plateau_exit_epoch(result, threshold=0.9):
     """First epoch (fractional, from the step) at which validation accuracy reached `threshold`, or None."""
-    steps_per_epoch = result["steps_per_epoch"]
     for e in result["evals"]:
         if e["val_acc"] >= threshold:
-            return e["step"] / steps_per_epoch
+            return e["step"] / result["steps_per_epoch"]
     return None
 
 
 def mean_std(values):
+    """"m +- s" over the values that are not None (s: sample std), "(1 seed)" for one, "-" for none."""
     values = [v for v in values if v is not None]
     if not values:
         return "-"
@@ -139,71 +152,66 @@ def mean_std(values):
     return f"{m:.3f} +- {s:.3f}" + ("" if len(values) > 1 else " (1 seed)")
 
 
+def cells(rs, *keys):
+    """Table cells: mean_std of each key over the runs rs; key "exit" gives the plateau-exit epoch with the number of
+    runs that got there."""
+    out = []
+    for key in keys:
+        if key == "exit":
+            exits = [r["plateau_exit_epoch"] for r in rs]
+            out.append(f"{mean_std(exits)} ({sum(e is not None for e in exits)}/{len(rs)})")
+        else:
+            out.append(mean_std([r[key] for r in rs]))
+    return " | ".join(out)
+
+
+def summary(seed, result, threshold=0.9, **fields):
+    """One run's line in <experiment>.json: the figures the tables use, plus `fields`."""
+    return dict(seed=seed, best_val_acc=result["best_val_acc"], test_acc=result["test_acc"],
+                train_acc=result["train_acc"], plateau_exit_epoch=plateau_exit_epoch(result, threshold), **fields)
+
+
 def write_outputs(name, runs, table, args, scheme_in_name=True):
-    """out/ablate/<name>[_init-<scheme>].{json,md}: every run, and the table (the scheme is in the name unless it
-    is the default, reference)."""
-    if getattr(args, "length", 100) != 100 and name != "initscale":
+    """out/ablate/<name>[_L<length>][_init-<scheme>].{json,md}: every run, and the table (the scheme is in the name
+    unless it is the default, reference)."""
+    if getattr(args, "length", 100) != 100:
         name += f"_L{args.length}"
     if scheme_in_name and args.init_scheme != "reference":
         name += f"_init-{args.init_scheme}"
-    os.makedirs(os.path.join(args.out_dir, "ablate"), exist_ok=True)
     stem = os.path.join(args.out_dir, "ablate", name)
-    with open(stem + ".json", "w") as f:
-        json.dump(dict(experiment=name, seeds=args.seeds, init_scheme=args.init_scheme, runs=runs), f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(table + "\n")
+    data.save_atomic(dict(experiment=name, seeds=args.seeds, init_scheme=args.init_scheme, runs=runs), stem + ".json")
+    data.save_atomic(table + "\n", stem + ".md")
     print("\n" + table + f"\n\nwrote {stem}.json and {stem}.md")
 
 
-def experiment_synthetic(args):
-    """Coser et al. Sec. 4: one layer, one head, no LayerNorm, no MLP, on 2-D trajectories of length 100.
+def majority_rate(data_dir, task):
+    """The validation accuracy of always predicting the most frequent validation class: the level a row must
+    clear before it says anything about SPT."""
+    labels = data.load_split(data_dir, task, "val")["labels"]
+    return torch.bincount(labels).max().item() / len(labels)
 
-    Per seed: SPT, then finetune; from scratch at the same lr and at a 3x larger one. Reports accuracy, the
-    epoch at which validation accuracy first reaches 0.9 (the end of the plateau), and attention statistics at
-    init and after SPT (entropy, band mass, mean attended distance, PE-only probe correlation).
-    """
-    common = common_flags(args)
-    runs = []
-    for seed in range(args.seeds):
-        folder = run_dir(args, "synthetic", seed)
-        ckpt = run_pretrain("synthetic", folder, seed, common + ["--snapshots"])
-        stats, _ = analyze.analyze_checkpoints({"init": ckpt.replace("pretrain.pt", "pretrain_init.pt"),
-                                                "spt": ckpt}, args.data_dir)
-        lr = pretrain.PRESETS["synthetic"][args.preset]["finetune"]["lr"]
-        for name, init, extra in (("spt", ckpt, ()), ("scratch", "scratch", ()),
-                                  ("scratch_lr3x", "scratch", ("--lr", str(3 * lr)))):
-            result = run_finetune("synthetic", folder, seed, name, init, common, extra)
-            runs.append(dict(seed=seed, name=name, best_val_acc=result["best_val_acc"], test_acc=result["test_acc"],
-                             train_acc=result["train_acc"], plateau_exit_epoch=plateau_exit_epoch(result),
-                             attention_init=stats["init"], attention_spt=stats["spt"]))
-    rows = ["| run | val acc | test acc | train acc | epoch val acc >= 0.9 (runs that got there) |",
-            "|---|---|---|---|---|"]
-    for name, label in (("scratch", "from scratch, lr 1x"), ("scratch_lr3x", "from scratch, lr 3x"),
-                        ("spt", "SPT, then finetune")):
-        rs = [r for r in runs if r["name"] == name]
-        exits = [r["plateau_exit_epoch"] for r in rs]
-        rows.append(f"| {label} | {mean_std([r['best_val_acc'] for r in rs])} | "
-                    f"{mean_std([r['test_acc'] for r in rs])} | {mean_std([r['train_acc'] for r in rs])} | "
-                    f"{mean_std(exits)} ({sum(e is not None for e in exits)}/{len(rs)}) |")
-    spt = [r for r in runs if r["name"] == "spt"]
-    rows += ["", "| attention (layer 0, head 0, validation mean) | at init | after SPT | paper (Sec. 4) |",
-             "|---|---|---|---|"]
-    for key, label, paper in (("entropy", "entropy (nats)", "near maximal at init"),
-                              ("band_mass", "band mass, abs(i-j) <= 3", "diagonally dominated after SPT"),
-                              ("mean_distance", "mean attended distance", "temporal neighbours after SPT")):
-        rows.append(f"| {label} | {mean_std([r['attention_init'][key] for r in spt])} | "
-                    f"{mean_std([r['attention_spt'][key] for r in spt])} | {paper} |")
-    rows.append(f"| PE-only probe: correlation with the attention map | "
-                f"{mean_std([r['attention_init']['probe_corr_with_attention'] for r in spt])} | "
-                f"{mean_std([r['attention_spt']['probe_corr_with_attention'] for r in spt])} | "
-                f"the same diagonal band |")
-    for group, paper in (("W_Q", "looks like its random init"), ("W_K", "looks like its random init"),
-                         ("W_Q^T W_K", "organized (the proximity bias)")):
-        rows.append(f"| relative displacement of {group} after SPT, norm(W - W_init) / norm(W_init) | 0 | "
-                    f"{mean_std([r['attention_spt']['displacement_from_first'][group] for r in spt])} | {paper} |")
-    rows.append(f"\nlog L = {spt[0]['attention_init']['uniform_entropy']:.2f} nats (uniform attention over {args.length} steps). "
-                f"Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py synthetic" + run_note(args))
-    write_outputs("synthetic", runs, "\n".join(rows), args)
+
+def describe_data(data_dir, task):
+    """A short description of the data a table was made on (generated PathFinder and stand-ins say so)."""
+    meta = data.load_split(data_dir, task, "train")["meta"]
+    sizes, side = meta.get("split_sizes", {}), meta.get("resolution", 32)
+    what = {"fashion_mnist": "Fashion-MNIST padded to 32x32 (the offline stand-in for CIFAR10)"
+            + (f", averaged to {side}x{side}" if side != 32 else "") + (", a training subset" if meta.get("train_subset") else ""),
+            "image": "CIFAR10 grayscale", "synthetic": f"synthetic trajectories of {meta['max_len']} steps"}.get(task, task)
+    if meta.get("generated") and "resolution" in meta:
+        what = f"PathFinder {meta['resolution']}x{meta['resolution']} from our generator"
+    elif meta.get("generated") and task == "listops":
+        what = "ListOps from our generator"
+    return f"Data: {what}, {sizes.get('train')}/{sizes.get('val')}/{sizes.get('test')} train/val/test"
+
+
+def run_note(args):
+    """The end of a table's footer: the --init_scheme / --length flags of its command (when not the default), the
+    scheme in words, and the step cap if one was set."""
+    flag = "" if args.init_scheme == "reference" else f" --init_scheme {args.init_scheme}"
+    flag += f" --length {args.length}" if args.length != 100 else ""
+    cap = f"; every run capped at {args.max_steps} steps" if args.max_steps else ""
+    return f"{flag}; init scheme {args.init_scheme} ({INIT_NOTES[args.init_scheme]}){cap}"
 
 
 def budget_probe(args, task, common):
@@ -225,145 +233,101 @@ def budget_probe(args, task, common):
         f"{threshold:.2f} (0.9 x the probe's best)")
 
 
+def displacement_rows(rs, paper=False):
+    """Table rows of the relative displacement of W_Q, W_K and W_Q^T W_K during SPT over runs rs (r["displacement"])."""
+    rows = ["| during SPT: norm(W - W_init) / norm(W_init) | W_Q | W_K | W_Q^T W_K |", "|---|---|---|---|",
+            "| ours | " + " | ".join(mean_std([r["displacement"][g] for r in rs]) for g in ("W_Q", "W_K", "W_Q^T W_K"))
+            + " |"]
+    return rows + (["| paper (Sec. 4, synthetic task) | looks like its init | looks like its init | organized |"]
+                   if paper else [])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The experiments
+# ----------------------------------------------------------------------------------------------------------
+
+def experiment_synthetic(args):
+    """Coser et al. Sec. 4: one layer, one head, no LayerNorm, no MLP, on 2-D trajectories of length 100.
+
+    Per seed: SPT, then finetune; from scratch at the same lr and at a 3x larger one. Reports accuracy, the
+    epoch at which validation accuracy first reaches 0.9 (the end of the plateau), and attention statistics at
+    init and after SPT (entropy, band mass, mean attended distance, PE-only probe correlation, displacement).
+    """
+    common, runs = common_flags(args), []
+    for seed in range(args.seeds):
+        ckpt = run_pretrain("synthetic", run_dir(args, "synthetic", seed), seed, common + ["--snapshots"])
+        stats = spt_displacement("synthetic", ckpt, args.data_dir)
+        lr = pretrain.PRESETS["synthetic"][args.preset]["finetune"]["lr"]
+        for name, init, extra in (("spt", ckpt, ()), ("scratch", "scratch", ()),
+                                  ("scratch_lr3x", "scratch", ("--lr", str(3 * lr)))):
+            result = run_finetune("synthetic", run_dir(args, "synthetic", seed), seed, name, init, common, extra)
+            runs.append(summary(seed, result, name=name, attention_init=stats["init"], attention_spt=stats["spt"]))
+    rows = ["| run | val acc | test acc | train acc | epoch val acc >= 0.9 (runs that got there) |",
+            "|---|---|---|---|---|"]
+    for name, label in (("scratch", "from scratch, lr 1x"), ("scratch_lr3x", "from scratch, lr 3x"),
+                        ("spt", "SPT, then finetune")):
+        rows.append(f"| {label} | " + cells([r for r in runs if r["name"] == name], "best_val_acc", "test_acc",
+                                            "train_acc", "exit") + " |")
+    spt = [r for r in runs if r["name"] == "spt"]
+    rows += ["", "| attention (layer 0, head 0, validation mean) | at init | after SPT | paper (Sec. 4) |",
+             "|---|---|---|---|"]
+    for key, label, paper in (("entropy", "entropy (nats)", "near maximal at init"),
+                              ("band_mass", "band mass, abs(i-j) <= 3", "diagonally dominated after SPT"),
+                              ("mean_distance", "mean attended distance", "temporal neighbours after SPT"),
+                              ("probe_corr_with_attention", "PE-only probe: correlation with the attention map",
+                               "the same diagonal band")):
+        rows.append(f"| {label} | {mean_std([r['attention_init'][key] for r in spt])} | "
+                    f"{mean_std([r['attention_spt'][key] for r in spt])} | {paper} |")
+    for group, paper in (("W_Q", "looks like its random init"), ("W_K", "looks like its random init"),
+                         ("W_Q^T W_K", "organized (the proximity bias)")):
+        rows.append(f"| relative displacement of {group} after SPT, norm(W - W_init) / norm(W_init) | 0 | "
+                    f"{mean_std([r['attention_spt']['displacement_from_first'][group] for r in spt])} | {paper} |")
+    rows.append(f"\nlog L = {spt[0]['attention_init']['uniform_entropy']:.2f} nats (uniform attention over "
+                f"{args.length} steps). Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py synthetic"
+                + run_note(args))
+    write_outputs("synthetic", runs, "\n".join(rows), args)
+
+
 def experiment_init(args):
     """Coser et al. Table 3: hybrid initialization (--inherit) and freezing (--freeze) of a one-layer model, on
     args.task (synthetic, or an LRA pixel task: PathFinder, Image, or its stand-in Fashion-MNIST).
 
     Besides accuracy: the plateau-exit epoch of every row, the relative displacement of W_Q, W_K and W_Q^T W_K
-    during SPT (analyze.relative_displacement), and on pixel tasks a figure of every row's validation curve
-    (out/analysis/init_<task>_curves.png) with a from-scratch probe run (seed 0) for twice the budget, which
-    shows whether from scratch had stopped rising within it.
+    during SPT, and on pixel tasks a figure of every row's validation curve (out/analysis/init_<task>_curves.png)
+    with the from-scratch probe of budget_probe.
     """
     task, common = args.task, common_flags(args, one_layer=args.task != "synthetic", task=args.task)
-    data_dir = task_data_dir(args, task)
     grid = [("scratch", "scratch", ()), *[(k, None, ("--inherit", k)) for k in
                                            ("all", "qk", "attn", "qk+embed+norm", "all-but-qk")],
             ("scratch, attn frozen", "scratch", ("--freeze", "attn")),
             ("scratch, attn+mlp frozen", "scratch", ("--freeze", "attn+mlp"))]
-    runs, results = [], {}
     probe, threshold, budget = budget_probe(args, task, common)
+    runs, results = [], {}
     for seed in range(args.seeds):
         folder = run_dir(args, task, seed)  # shares SPT with `synthetic` / `posenc` / `duration`
         ckpt = run_pretrain(task, folder, seed, common + ["--snapshots"] * (task == "synthetic"))
-        stats, _ = analyze.analyze_checkpoints({"init": ckpt.replace("pretrain.pt", "pretrain_init.pt"),
-                                                "spt": ckpt}, data_dir, n=32)
+        moved = spt_displacement(task, ckpt, task_data_dir(args, task))["spt"]["displacement_from_first"]
         for label, init, extra in grid:
             name = "init_" + label.replace(", ", "_").replace(" ", "_").replace("+", "-")
             result = run_finetune(task, folder, seed, name, init or ckpt, common, extra)
-            results.setdefault(label, []).append(result)
-            runs.append(dict(seed=seed, row=label, best_val_acc=result["best_val_acc"], test_acc=result["test_acc"],
-                             train_acc=result["train_acc"], plateau_exit_epoch=plateau_exit_epoch(result, threshold),
-                             displacement=stats["spt"]["displacement_from_first"]))
+            results.setdefault(label if label.startswith("scratch") else f"SPT, inherit {label}", []).append(result)
+            runs.append(summary(seed, result, threshold, row=label, displacement=moved))
     rows = [f"| init of the finetuned model | {task} val acc (ours) | {task} train acc (ours) | "
             f"epoch val acc >= {threshold:g} (runs) | paper CIFAR10 | paper PathFinder |", "|---|---|---|---|---|---|"]
     for label, _, _ in grid:
-        rs = [r for r in runs if r["row"] == label]
         name = label if label.startswith("scratch") else f"SPT, inherit {label}"
-        exits = [r["plateau_exit_epoch"] for r in rs]
-        rows.append(f"| {name} | {mean_std([r['best_val_acc'] for r in rs])} | "
-                    f"{mean_std([r['train_acc'] for r in rs])} | {mean_std(exits)} "
-                    f"({sum(e is not None for e in exits)}/{len(rs)}) | {PAPER_TABLE3[label][0]} | "
-                    f"{PAPER_TABLE3[label][1]} |")
-    spt = [r for r in runs if r["row"] == "all"]
-    rows += ["", "| during SPT: norm(W - W_init) / norm(W_init) | W_Q | W_K | W_Q^T W_K |", "|---|---|---|---|",
-             "| ours | " + " | ".join(mean_std([r["displacement"][g] for r in spt]) for g in ("W_Q", "W_K", "W_Q^T W_K"))
-             + " |", "| paper (Sec. 4, synthetic task) | looks like its init | looks like its init | organized |"]
+        rows.append(f"| {name} | " + cells([r for r in runs if r["row"] == label], "best_val_acc", "train_acc", "exit")
+                    + f" | {PAPER_TABLE3[label][0]} | {PAPER_TABLE3[label][1]} |")
+    rows += [""] + displacement_rows([r for r in runs if r["row"] == "all"], paper=True)
     model = "one layer, one head, no LayerNorm, no MLP (so `attn+mlp` freezing equals `attn`)" \
         if task == "synthetic" else "one layer, otherwise the preset's model"
     if task != "synthetic":
-        os.makedirs(os.path.join(args.out_dir, "analysis"), exist_ok=True)
-        plot_curves({("SPT, inherit " + k if not k.startswith("scratch") else k): v for k, v in results.items()},
-                    os.path.join(args.out_dir, "analysis", f"init_{task}_curves.png"),
-                    f"Table 3 on {task}: validation accuracy per epoch",
-                    probe=("from scratch, probe for twice the budget (seed 0)", probe) if probe else None)
-    rows.append(f"\n{describe_data(args, task)}; {model}{budget}; seeds: {args.seeds}; preset {args.preset}; "
+        analyze.plot_curves(results, os.path.join(args.out_dir, "analysis", f"init_{task}_curves.png"),
+                            f"Table 3 on {task}: validation accuracy per epoch",
+                            probe=("from scratch, probe for twice the budget (seed 0)", probe) if probe else None)
+    rows.append(f"\n{describe_data(task_data_dir(args, task), task)}; {model}{budget}; seeds: {args.seeds}; preset {args.preset}; "
                 f"command: python ablate.py init --task {task}" + run_note(args))
     write_outputs("init" if task == "synthetic" else f"init_{task}", runs, "\n".join(rows), args)
-
-
-def majority_rate(args, task):
-    """The validation accuracy of always predicting the most frequent validation class: the level a row must
-    clear before it says anything about SPT."""
-    labels = data.load_split(task_data_dir(args, task), task, "val")["labels"]
-    return torch.bincount(labels).max().item() / len(labels)
-
-
-def describe_data(args, task):
-    """A short description of the data a table was made on (generated PathFinder and stand-ins say so)."""
-    meta = data.load_split(task_data_dir(args, task), task, "train")["meta"]
-    sizes = meta.get("split_sizes", {})
-    side = meta.get("resolution", 32)
-    what = {"fashion_mnist": "Fashion-MNIST padded to 32x32 (the offline stand-in for CIFAR10)" + (
-                f", averaged to {side}x{side}" if side != 32 else "") + (
-                ", a training subset" if meta.get("train_subset") else ""),
-            "image": "CIFAR10 grayscale", "synthetic": f"synthetic trajectories of {meta['max_len']} steps"}.get(task, task)
-    if meta.get("generated") and "resolution" in meta:
-        what = f"PathFinder {meta['resolution']}x{meta['resolution']} from our generator"
-    elif meta.get("generated") and task == "listops":
-        what = "ListOps from our generator"
-    return f"Data: {what}, {sizes.get('train')}/{sizes.get('val')}/{sizes.get('test')} train/val/test"
-
-
-INIT_NOTES = {"reference": "Amos et al.'s code: PyTorch defaults, W_Q = W_K = W_V = W_O at init",
-              "torch": "PyTorch defaults, independent W_Q, W_K, W_V, W_O", "normal": "N(0, 0.02) for every weight"}
-
-
-def run_note(args):
-    """The end of a table's footer: the --init_scheme flag of its command (when not the default), the scheme in
-    words, and the step cap if one was set."""
-    flag = "" if args.init_scheme == "reference" else f" --init_scheme {args.init_scheme}"
-    flag += f" --length {args.length}" if args.length != 100 else ""
-    cap = f"; every run capped at {args.max_steps} steps" if args.max_steps else ""
-    return f"{flag}; init scheme {args.init_scheme} ({INIT_NOTES[args.init_scheme]}){cap}"
-
-
-def image_task(args):
-    """The Image side of `swap`: CIFAR10 when its data is here (prepared, or the python files in
-    <data_dir>/image/), else the Fashion-MNIST stand-in when installed; FileNotFoundError saying how otherwise."""
-    if os.path.exists(os.path.join(args.data_dir, "image", "train.pt")) or \
-            os.path.exists(os.path.join(args.data_dir, "image", "cifar-10-batches-py", "test_batch")) or args.download:
-        return "image"
-    try:
-        data.find_fashion_mnist(args.data_dir)
-        print("CIFAR10 not found: the Image side of this experiment uses the Fashion-MNIST stand-in")
-        return "fashion_mnist"
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"neither CIFAR10 ({args.data_dir}/image/cifar-10-batches-py/, or pass --download) "
-                                f"nor the stand-in is here. {e}") from None
-
-
-def experiment_swap(args):
-    """Coser et al. Sec. 3, dataset swap: SPT on PathFinder then finetuning on Image, and the reverse, against
-    from scratch and same-task SPT; train and validation accuracy (both are pixel tasks of length 1024)."""
-    image, runs = image_task(args), []
-    tasks = ("pathfinder", image)
-    for seed in range(args.seeds):
-        ckpts = {}
-        for task in tasks:
-            ckpts[task] = run_pretrain(task, run_dir(args, task, seed, "preset"), seed,
-                                       common_flags(args))  # the task's preset model, all layers
-        for target in tasks:
-            folder = run_dir(args, target, seed, "preset")
-            for source in ("scratch",) + tasks:
-                name = "scratch" if source == "scratch" else f"spt_from_{source}"
-                result = run_finetune(target, folder, seed, name, ckpts.get(source, "scratch"),
-                                      common_flags(args))
-                runs.append(dict(seed=seed, target=target, source=source, best_val_acc=result["best_val_acc"],
-                                 train_acc=result["train_acc"], test_acc=result["test_acc"]))
-    paper = {(image, "scratch"): "0.69 / 0.48", (image, "pathfinder"): "0.84 / 0.56",
-             ("pathfinder", image): "training fit improves markedly"}
-    rows = ["| finetuned on | initialization | train acc | val acc | paper (CIFAR10) train / val |",
-            "|---|---|---|---|---|"]
-    for target in tasks:
-        for source in ("scratch",) + tasks:
-            rs = [r for r in runs if r["target"] == target and r["source"] == source]
-            init = "from scratch" if source == "scratch" else f"SPT on {source}"
-            rows.append(f"| {target} | {init} | {mean_std([r['train_acc'] for r in rs])} | "
-                        f"{mean_std([r['best_val_acc'] for r in rs])} | {paper.get((target, source), '-')} |")
-    rows.append(f"\n{describe_data(args, 'pathfinder')}. {describe_data(args, image)}. Train accuracy on a "
-                f"training subset of the validation split's size. Seeds: {args.seeds}; preset {args.preset}; "
-                f"command: python ablate.py swap" + run_note(args))
-    write_outputs("swap", runs, "\n".join(rows), args)
 
 
 def experiment_duration(args):
@@ -382,8 +346,7 @@ def experiment_duration(args):
     for seed in range(args.seeds):
         folder = run_dir(args, task, seed, "1layer" if shared else "preset")
         result = run_finetune(task, folder, seed, "init_scratch" if shared else "scratch", "scratch", common)
-        runs.append(dict(seed=seed, epochs=0, best_val_acc=result["best_val_acc"], train_acc=result["train_acc"],
-                         plateau_exit_epoch=plateau_exit_epoch(result, threshold)))
+        runs.append(summary(seed, result, threshold, epochs=0))
         for epochs in durations:
             if shared and epochs == FASHION_CPU["epochs"]:
                 ckpt = run_pretrain(task, folder, seed, common)
@@ -392,56 +355,109 @@ def experiment_duration(args):
                 spt_dir = os.path.join(folder, f"spt_{epochs}ep")
                 ckpt = run_pretrain(task, spt_dir, seed, common + ["--epochs", str(epochs)])
                 result = run_finetune(task, spt_dir, seed, "spt", ckpt, common)
-            stats, _ = analyze.analyze_checkpoints({"init": ckpt.replace("pretrain.pt", "pretrain_init.pt"),
-                                                    "spt": ckpt}, task_data_dir(args, task), n=32)
-            runs.append(dict(seed=seed, epochs=epochs, best_val_acc=result["best_val_acc"],
-                             train_acc=result["train_acc"], plateau_exit_epoch=plateau_exit_epoch(result, threshold),
-                             displacement=stats["spt"]["displacement_from_first"]))
-    rows = [f"| SPT epochs | val acc | train acc | finetuning epoch val acc >= {threshold:g} (runs) | W_Q displacement | "
-            "W_K displacement | W_Q^T W_K displacement |", "|---|---|---|---|---|---|---|"]
+            moved = spt_displacement(task, ckpt, task_data_dir(args, task))["spt"]["displacement_from_first"]
+            runs.append(summary(seed, result, threshold, epochs=epochs, displacement=moved))
+    rows = [f"| SPT epochs | val acc | train acc | finetuning epoch val acc >= {threshold:g} (runs) | W_Q displacement "
+            "| W_K displacement | W_Q^T W_K displacement |", "|---|---|---|---|---|---|---|"]
     for epochs in (0,) + tuple(durations):
         rs = [r for r in runs if r["epochs"] == epochs]
-        exits = [r["plateau_exit_epoch"] for r in rs]
         moved = " | ".join(mean_std([r["displacement"][g] for r in rs]) if epochs else "0"
                            for g in ("W_Q", "W_K", "W_Q^T W_K"))
-        rows.append(f"| {epochs or 'none (from scratch)'} | {mean_std([r['best_val_acc'] for r in rs])} | "
-                    f"{mean_std([r['train_acc'] for r in rs])} | {mean_std(exits)} "
-                    f"({sum(e is not None for e in exits)}/{len(rs)}) | {moved} |")
+        rows.append(f"| {epochs or 'none (from scratch)'} | {cells(rs, 'best_val_acc', 'train_acc', 'exit')} | {moved} |")
     model = "Table 3's one-layer model (runs shared with `ablate.py init`)" if shared else "the preset's model"
-    rows.append(f"\n{describe_data(args, task)}; {model}{budget}. Displacement: norm(W - W_init) / norm(W_init) during SPT. "
-                f"Paper: CIFAR10 and ListOps get most of the "
-                f"gain after 1-10 SPT epochs, PathFinder needs 100-200. Seeds: {args.seeds}; preset {args.preset}; "
-                f"command: python ablate.py duration --task {task}" + run_note(args))
+    rows.append(f"\n{describe_data(task_data_dir(args, task), task)}; {model}{budget}. Displacement: norm(W - W_init) / norm(W_init) "
+                f"during SPT. Paper: CIFAR10 and ListOps get most of the gain after 1-10 SPT epochs, PathFinder needs "
+                f"100-200. Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py duration --task {task}"
+                + run_note(args))
     write_outputs("duration" if task == "synthetic" else f"duration_{task}", runs, "\n".join(rows), args)
 
 
-# PathFinder on the CPU (issue: which configuration learns above chance?): from scratch, one seed each, about the
-# same CPU time per configuration (a 2-layer step costs about two 1-layer steps).
-PF_CONFIGS = ((1, "easy"), (1, "intermediate"), (1, "hard"), (2, "easy"))
+def image_task(args):
+    """The Image side of `swap`: CIFAR10 when its data is here (prepared, or the python files in
+    <data_dir>/image/), else the Fashion-MNIST stand-in when installed; FileNotFoundError saying how otherwise."""
+    if os.path.exists(os.path.join(args.data_dir, "image", "train.pt")) or \
+            os.path.exists(os.path.join(args.data_dir, "image", "cifar-10-batches-py", "test_batch")) or args.download:
+        return "image"
+    try:
+        data.find_fashion_mnist(args.data_dir)
+        print("CIFAR10 not found: the Image side of this experiment uses the Fashion-MNIST stand-in")
+        return "fashion_mnist"
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"neither CIFAR10 ({args.data_dir}/image/cifar-10-batches-py/, or pass --download) "
+                                f"nor the stand-in is here. {e}") from None
+
+
+def pathfinder_data(args, difficulty, n_images):
+    """The PathFinder data folder of pfcurves and swap: <data_dir>/pfcurves/<difficulty>_n<n_images>/ (generated
+    when missing); with n_images None, <data_dir> itself (the preset's data)."""
+    if n_images is None:
+        return args.data_dir
+    folder = os.path.join(args.data_dir, "pfcurves", f"{difficulty}_n{n_images}")
+    if not os.path.exists(os.path.join(folder, "pathfinder", "train.pt")):
+        data.prepare_pathfinder(folder, difficulty=difficulty, generate=n_images)
+    return folder
+
+
+def experiment_swap(args):
+    """Coser et al. Sec. 3, dataset swap: SPT on PathFinder then finetuning on Image, and the reverse, against
+    from scratch and same-task SPT; train and validation accuracy (both are pixel tasks of length 1024). The
+    PathFinder side takes --difficulty, --n_images and the budget --steps (pfcurves: which configuration learns)."""
+    image, runs = image_task(args), []
+    tasks = ("pathfinder", image)
+    pf_dir = pathfinder_data(args, args.difficulty, args.n_images)
+    budget = ["--max_steps", str(args.steps), "--eval_every", str(args.steps)] if args.steps else []
+    flags = {"pathfinder": common_flags(args) + budget + (["--data_dir", pf_dir, "--accept_data", "--difficulty",
+                                                           args.difficulty] if pf_dir != args.data_dir else []),
+             image: common_flags(args) + budget}
+    for seed in range(args.seeds):
+        ckpts = {task: run_pretrain(task, run_dir(args, task, seed, "preset"), seed, flags[task]) for task in tasks}
+        for target in tasks:
+            for source in ("scratch",) + tasks:
+                name = "scratch" if source == "scratch" else f"spt_from_{source}"
+                result = run_finetune(target, run_dir(args, target, seed, "preset"), seed, name,
+                                      ckpts.get(source, "scratch"), flags[target])
+                runs.append(summary(seed, result, target=target, source=source))
+    paper = {(image, "scratch"): "0.69 / 0.48", (image, "pathfinder"): "0.84 / 0.56",
+             ("pathfinder", image): "training fit improves markedly"}
+    rows = ["| finetuned on | initialization | train acc | val acc | majority class (val) | paper (CIFAR10) train / val |",
+            "|---|---|---|---|---|---|"]
+    for target in tasks:
+        majority = majority_rate(pf_dir if target == "pathfinder" else args.data_dir, target)
+        for source in ("scratch",) + tasks:
+            rs = [r for r in runs if r["target"] == target and r["source"] == source]
+            init = "from scratch" if source == "scratch" else f"SPT on {source}"
+            rows.append(f"| {target} | {init} | {cells(rs, 'train_acc', 'best_val_acc')} | {majority:.3f} | "
+                        f"{paper.get((target, source), '-')} |")
+    pf = describe_data(pf_dir, "pathfinder")
+    steps = f"{args.steps} steps per stage (batch 16)" if args.steps else "the preset's budget"
+    rows.append(f"\n{pf}, difficulty {args.difficulty}. {describe_data(args.data_dir, image)}. The preset's model, {steps}. "
+                f"Train accuracy on a training subset of the validation split's size. Seeds: {args.seeds}; preset "
+                f"{args.preset}; command: python ablate.py swap" + (f" --difficulty {args.difficulty} --n_images "
+                f"{args.n_images}" if args.n_images else "") + (f" --steps {args.steps}" if args.steps else "")
+                + run_note(args))
+    write_outputs("swap", runs, "\n".join(rows), args)
 
 
 def experiment_pfcurves(args):
     """Beyond the paper's tables: PathFinder 32x32 learning curves on the CPU, from scratch, for each (layers,
-    difficulty) of PF_CONFIGS on --n_images generated images (80/10/10), --pf_steps steps for one layer (half for
-    two), validation every --pf_eval_every steps. Writes out/ablate/pfcurves.{json,md} and the figure
-    out/analysis/pathfinder_curves.png (validation accuracy against CPU minutes)."""
+    difficulty) of --configs on --n_images generated images (80/10/10), --steps steps for one layer (half for two:
+    about the same CPU time), validation every --eval_every steps. Writes out/ablate/pfcurves.{json,md} and the
+    figure out/analysis/pathfinder_curves.png (validation accuracy against CPU minutes)."""
     runs = []
-    for layers, difficulty in PF_CONFIGS:
-        data_dir = os.path.join(args.data_dir, "pfcurves", f"{difficulty}_n{args.n_images}")
-        if not os.path.exists(os.path.join(data_dir, "pathfinder", "train.pt")):
-            data.prepare_pathfinder(data_dir, difficulty=difficulty, generate=args.n_images)
-        steps = args.pf_steps // layers
+    for config in args.configs:
+        layers, difficulty = int(config.split(":")[0]), config.split(":")[1]
+        data_dir = pathfinder_data(args, difficulty, args.n_images)
+        steps = args.steps // layers
         folder = os.path.join(args.out_dir, "ablate", args.init_scheme, "pfcurves", f"{layers}layer_{difficulty}",
                               "seed0")
         common = ["--data_dir", data_dir, "--accept_data", "--preset", args.preset, "--device", args.device,
                   "--init_scheme", args.init_scheme, "--n_layers", str(layers), "--difficulty", difficulty,
-                  "--max_steps", str(steps), "--epochs", "1000", "--eval_every", str(args.pf_eval_every),
+                  "--max_steps", str(steps), "--epochs", "1000", "--eval_every", str(args.eval_every),
                   "--no-eval_each_epoch"]
         result = run_finetune("pathfinder", folder, 0, "scratch", "scratch", common)
-        runs.append(dict(layers=layers, difficulty=difficulty, steps=steps, best_val_acc=result["best_val_acc"],
-                         test_acc=result["test_acc"], train_acc=result["train_acc"], wall_time_s=result["wall_time_s"],
-                         evals=result["evals"], majority=majority_rate(argparse.Namespace(data_dir=data_dir),
-                                                                      "pathfinder")))
+        runs.append(summary(0, result, layers=layers, difficulty=difficulty, steps=steps, evals=result["evals"],
+                            wall_time_s=result["wall_time_s"], steps_per_epoch=result["steps_per_epoch"],
+                            majority=majority_rate(data_dir, "pathfinder")))
     rows = ["| layers | difficulty (contour length) | steps | CPU minutes | best val acc | test acc | train acc | "
             "majority class (val) |", "|---|---|---|---|---|---|---|---|"]
     for r in runs:
@@ -449,48 +465,19 @@ def experiment_pfcurves(args):
                     f"{r['steps']} | {r['wall_time_s'] / 60:.1f} | {r['best_val_acc']:.3f} | {r['test_acc']:.3f} | "
                     f"{r['train_acc']:.3f} | {r['majority']:.3f} |")
     rows.append(f"\nFrom scratch, seed 0; PathFinder 32x32 from our generator, {args.n_images} images per difficulty "
-                f"(80/10/10); the CPU preset's model (d_model 32) with the number of layers shown; batch 16, lr 1e-3. "
-                f"CPU minutes: the run's wall time on one thread (evaluations included). Command: python ablate.py "
-                f"pfcurves" + run_note(args))
-    os.makedirs(os.path.join(args.out_dir, "analysis"), exist_ok=True)
-    plot_curves({f"{r['layers']} layer(s), {r['difficulty']}": r for r in runs},
-                os.path.join(args.out_dir, "analysis", "pathfinder_curves.png"),
-                "PathFinder 32x32 from scratch on the CPU", x="minutes")
+                f"(80/10/10); the CPU preset's model (d_model 32, 2 heads) with the number of layers shown; batch 16, "
+                f"lr 1e-3. CPU minutes: the run's wall time on one thread, evaluations included. Command: python "
+                f"ablate.py pfcurves" + run_note(args))
+    analyze.plot_curves({f"{r['layers']} layer(s), {r['difficulty']}": r for r in runs},
+                        os.path.join(args.out_dir, "analysis", "pathfinder_curves.png"),
+                        "PathFinder 32x32 from scratch on the CPU", x="minutes")
     write_outputs("pfcurves", runs, "\n".join(rows), args)
-
-
-def plot_curves(curves, path, title, x="epoch", probe=None):
-    """Validation accuracy curves, one line per entry of `curves` ({label: result dict with "evals", or a list of
-    them: their mean}); x "epoch" (from the step) or "minutes" (the run's wall time spread evenly over its
-    steps). `probe`: an extra dashed curve (label, result)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
-    items = list(curves.items()) + ([probe] if probe else [])
-    for i, (label, results) in enumerate(items):
-        results = results if isinstance(results, list) else [results]
-        steps = [e["step"] for e in results[0]["evals"]]
-        accs = [sum(r["evals"][j]["val_acc"] for r in results) / len(results) for j in range(len(steps))]
-        r0 = results[0]
-        xs = [s / r0["steps_per_epoch"] for s in steps] if x == "epoch" else \
-            [s / max(steps[-1], 1) * r0["wall_time_s"] / 60 for s in steps]
-        ax.plot(xs, accs, "--" if probe and i == len(items) - 1 else "-", marker=".", label=label +
-                (f" (mean of {len(results)})" if len(results) > 1 else ""))
-    ax.set_xlabel("epoch" if x == "epoch" else "CPU minutes (one thread)")
-    ax.set_ylabel("validation accuracy")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def experiment_main(args):
     """Coser et al. Table 2: from scratch versus SPT on every LRA task of --tasks whose data is here (or can be
     made: ListOps and PathFinder are generated on the CPU preset; --download fetches the others). Peak
-    validation accuracy, as the paper reports."""
+    validation accuracy, as the paper reports, beside the majority-class rate of each validation split."""
     runs, skipped, done = [], [], []
     for task in args.tasks:
         preset = pretrain.PRESETS[task][args.preset]
@@ -503,27 +490,23 @@ def experiment_main(args):
                 continue
         done.append(task)
         for seed in range(args.seeds):
-            folder = run_dir(args, task, seed, "preset")
-            common = common_flags(args)
+            folder, common = run_dir(args, task, seed, "preset"), common_flags(args)
             ckpt = run_pretrain(task, folder, seed, common)
             for name, init in (("scratch", "scratch"), ("spt", ckpt)):
-                result = run_finetune(task, folder, seed, name, init, common)
-                runs.append(dict(task=task, seed=seed, name=name, best_val_acc=result["best_val_acc"],
-                                 train_acc=result["train_acc"], test_acc=result["test_acc"]))
+                runs.append(summary(seed, run_finetune(task, folder, seed, name, init, common), task=task, name=name))
     rows = ["| task | from scratch (ours) | SPT (ours) | majority class (val) | above it? | paper: from scratch | "
             "+SPT (Amos) | +SPT (Coser) |", "|---|---|---|---|---|---|---|---|"]
     for task in done:
         accs = {n: [r["best_val_acc"] for r in runs if r["task"] == task and r["name"] == n] for n in ("scratch", "spt")}
-        majority = majority_rate(args, task)
+        majority = majority_rate(args.data_dir, task)
         above = {n: sum(v) / len(v) > majority + 0.01 for n, v in accs.items()}
         verdict = "; ".join(f"{n}: {'yes' if above[n] else 'no'}" for n in accs) + \
             ("" if any(above.values()) else " (a pipeline check, not a result)")
-        paper = PAPER_MAIN.get(task, ("-",) * 3)
         rows.append(f"| {task} | {mean_std(accs['scratch'])} | {mean_std(accs['spt'])} | {majority:.3f} | {verdict} | "
-                    + " | ".join(map(str, paper)) + " |")
+                    + " | ".join(map(str, PAPER_MAIN.get(task, ("-",) * 3))) + " |")
         print(f"{task}: scratch {mean_std(accs['scratch'])}, SPT {mean_std(accs['spt'])}, majority class of the "
               f"validation split {majority:.3f}: " + verdict)
-    notes = "Peak validation accuracy. " + " ".join(describe_data(args, t) + "." for t in done)
+    notes = "Peak validation accuracy. " + " ".join(describe_data(args.data_dir, t) + "." for t in done)
     if skipped:
         notes += " Skipped: " + "; ".join(f"{t} ({why})" for t, why in skipped) + "."
     rows.append(f"\n{notes} Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py main "
@@ -539,8 +522,7 @@ def experiment_ucr(args):
     fetches them first. Per data set and seed: SPT, then finetune; and finetune from scratch. Accuracy is on
     the archive's TEST split, with the weights of the best validation accuracy (validation: 20% of TRAIN).
     """
-    common = common_flags(args)  # the UCR preset's model
-    found, skipped = [], []
+    common, found, skipped = common_flags(args), [], []  # the UCR preset's model
     for name in args.datasets:
         task = f"ucr/{name}"
         if task not in data.TASKS:
@@ -565,15 +547,12 @@ def experiment_ucr(args):
     print(f"UCR data sets to run: {found}")
     runs = []
     for name in found:
-        task = f"ucr/{name}"
         for seed in range(args.seeds):
             folder = os.path.join(args.out_dir, "ablate", args.init_scheme, "ucr", f"seed{seed}")
-            ckpt = run_pretrain(task, folder, seed, common)
+            ckpt = run_pretrain(f"ucr/{name}", folder, seed, common)
             for run_name, init in (("spt", ckpt), ("scratch", "scratch")):
-                result = run_finetune(task, folder, seed, run_name, init, common)
-                runs.append(dict(dataset=name, seed=seed, name=run_name, best_val_acc=result["best_val_acc"],
-                                 test_acc=result["test_acc"], train_acc=result["train_acc"],
-                                 best_step=result.get("best_step")))
+                result = run_finetune(f"ucr/{name}", folder, seed, run_name, init, common)
+                runs.append(summary(seed, result, dataset=name, name=run_name, best_step=result.get("best_step")))
     parts = []
     for name in found:
         meta = data.load_split(args.data_dir, f"ucr/{name}", "train")["meta"]
@@ -583,8 +562,7 @@ def experiment_ucr(args):
                 "| run | test acc | val acc | train acc | step of the tested weights, per seed |", "|---|---|---|---|---|"]
         for run_name, label in (("scratch", "from scratch"), ("spt", "SPT, then finetune")):
             rs = [r for r in runs if r["dataset"] == name and r["name"] == run_name]
-            rows.append(f"| {label} | {mean_std([r['test_acc'] for r in rs])} | "
-                        f"{mean_std([r['best_val_acc'] for r in rs])} | {mean_std([r['train_acc'] for r in rs])} | "
+            rows.append(f"| {label} | {cells(rs, 'test_acc', 'best_val_acc', 'train_acc')} | "
                         + ", ".join(str(r["best_step"]) for r in rs) + " |")
         parts.append("\n".join(rows))
 
@@ -598,15 +576,14 @@ def experiment_ucr(args):
     notes = "Test accuracy on the archive's TEST split (the paper does not say which split its numbers are on). "
     if skipped:
         notes += "Skipped: " + "; ".join(f"{name} ({why})" for name, why in skipped) + ". "
-    parts.append(notes + f"Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py ucr"
-                 + run_note(args))
+    parts.append(notes + f"Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py ucr" + run_note(args))
     write_outputs("ucr", runs, "\n\n".join(parts), args)
 
 
 def experiment_posenc(args):
     """Coser et al. Sec. 4 (relative positions from scratch): sinusoidal, ALiBi, RoPE and FIRE trained from
     scratch on args.task, beside sinusoidal + SPT (shared with `python ablate.py synthetic` / `init`)."""
-    task, common = args.task, common_flags(args, one_layer=args.task != "synthetic")
+    task, common = args.task, common_flags(args, one_layer=args.task != "synthetic", task=args.task)
     paper = {"sinusoidal": ("0.501", "-"), "alibi": ("0.564", "0.500"), "rope": ("tested, no number", "-"),
              "fire": ("tested, no number", "-")}
     runs = []
@@ -617,21 +594,16 @@ def experiment_posenc(args):
             name = "scratch" if pos == "sinusoidal" else f"scratch_{pos}"
             result = run_finetune(task, folder, seed, name, "scratch", common,
                                   () if pos == "sinusoidal" else ("--pos", pos))
-            runs.append(dict(seed=seed, pos=pos, best_val_acc=result["best_val_acc"], test_acc=result["test_acc"],
-                             plateau_exit_epoch=plateau_exit_epoch(result)))
-        result = run_finetune(task, folder, seed, "spt", ckpt, common)
-        runs.append(dict(seed=seed, pos="sinusoidal + SPT", best_val_acc=result["best_val_acc"],
-                         test_acc=result["test_acc"], plateau_exit_epoch=plateau_exit_epoch(result)))
+            runs.append(summary(seed, result, pos=pos))
+        runs.append(summary(seed, run_finetune(task, folder, seed, "spt", ckpt, common), pos="sinusoidal + SPT"))
     rows = [f"| positions | {task} val acc | test acc | epoch val acc >= 0.9 (runs) | paper CIFAR10 | "
             "paper PathFinder |", "|---|---|---|---|---|---|"]
     for pos in ("sinusoidal", "alibi", "rope", "fire", "sinusoidal + SPT"):
-        rs = [r for r in runs if r["pos"] == pos]
-        exits = [r["plateau_exit_epoch"] for r in rs]
         p = paper.get(pos, ("0.740 (Amos, full model)", "0.880 (Amos)"))
         label = pos if pos.endswith("SPT") else f"{pos}, from scratch"
-        rows.append(f"| {label} | {mean_std([r['best_val_acc'] for r in rs])} | {mean_std([r['test_acc'] for r in rs])}"
-                    f" | {mean_std(exits)} ({sum(e is not None for e in exits)}/{len(rs)}) | {p[0]} | {p[1]} |")
-    rows.append(f"\n{describe_data(args, task)}; one layer; ALiBi symmetric in |i - j|, FIRE on |i - j| (our "
+        rows.append(f"| {label} | " + cells([r for r in runs if r["pos"] == pos], "best_val_acc", "test_acc", "exit")
+                    + f" | {p[0]} | {p[1]} |")
+    rows.append(f"\n{describe_data(task_data_dir(args, task), task)}; one layer; ALiBi symmetric in |i - j|, FIRE on |i - j| (our "
                 f"encoder is bidirectional). Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py "
                 f"posenc --task {task}" + run_note(args))
     write_outputs("posenc" if task == "synthetic" else f"posenc_{task}", runs, "\n".join(rows), args)
@@ -641,60 +613,44 @@ def experiment_initscale(args):
     """Beyond the paper: where is the from-scratch plateau in (initialization scale, sequence length), and does SPT
     remove it everywhere? The minimal model of `synthetic`, on trajectories of each --lengths, initialized by each
     --kinds ("reference": W_Q = W_K = W_V = W_O at init, "torch": independent) times each --scales (multiples of
-    the PyTorch default scale; Embedding/Linear tensors multiplied, model.init_weights), per seed: from scratch,
-    and SPT then finetuning, with one budget for every cell (--n_train, --epochs). Records the best validation
-    accuracy, the epoch at which it first reaches 0.9 (the end of the plateau) and the attention entropy at init
-    divided by log L (1 = uniform attention, the premise of Proposition 1), of the from-scratch model at init.
-    Writes out/ablate/initscale.{json,md} and the phase diagram out/analysis/initscale.png.
+    the PyTorch default scale; model.init_weights), per seed: from scratch, and SPT then finetuning, with one
+    budget for every cell (--n_train, --epochs). Records the best validation accuracy, the plateau-exit epoch (val
+    acc >= 0.9) and the attention entropy at init / log L (1 = uniform, the premise of Proposition 1) of the
+    from-scratch model. Writes out/ablate/initscale.{json,md} and the phase diagram out/analysis/initscale.png.
     """
     if args.quick:
         args.scales, args.lengths, args.n_train, args.epochs = [0.25, 1.0], [50, 100], 500, 4
     budget = ["--epochs", str(args.epochs), "--batch_size", str(args.batch_size), "--eval_every", "100000"]
+    budget += ["--max_steps", str(args.max_steps)] if args.max_steps else []
     data_dirs = {}
-    for length in args.lengths:
-        # its own data per length and size (the stages check it against the synthetic preset's: --accept_data)
+    for length in args.lengths:  # its own data per length and size (not the synthetic preset's: --accept_data)
         data_dirs[length] = os.path.join(args.data_dir, "initscale", f"L{length}_n{args.n_train}_{args.n_val}")
         if not os.path.exists(os.path.join(data_dirs[length], "synthetic", "train.pt")):
             data.prepare_synthetic(data_dirs[length], n_train=args.n_train, n_val=args.n_val, n_test=args.n_val,
                                    length=length)
-    if args.jobs > 1 and len(args.kinds) > 1:
-        run_kinds_in_parallel(args)  # then the loop below only reads the finished runs back
+    if args.jobs > 1 and len(args.kinds) > 1:  # one process per kind; the loop below then reads the runs back
+        run_in_parallel("initscale", args, "--kinds", args.kinds)
     runs = []
-    for length in args.lengths:
-        data_dir = data_dirs[length]
-        for kind in args.kinds:
-            for scale in args.scales:
-                common = ["--data_dir", data_dir, "--preset", args.preset, "--device", args.device, "--accept_data",
-                          "--init_scheme", kind, "--init_scale", str(scale)] + budget
-                common += ["--max_steps", str(args.max_steps)] if args.max_steps else []
-                for seed in range(args.seeds):
-                    folder = os.path.join(args.out_dir, "ablate", "initscale", kind, f"x{scale:g}", f"L{length}",
-                                          f"seed{seed}")
-                    scratch = run_finetune("synthetic", folder, seed, "scratch", "scratch", common)
-                    ckpt = run_pretrain("synthetic", folder, seed, common)
-                    spt = run_finetune("synthetic", folder, seed, "spt", ckpt, common)
-                    stats, _ = analyze.analyze_checkpoints(
-                        {"init": os.path.join(folder, "synthetic", "finetune_scratch_init.pt")}, data_dir, n=32)
-                    for stage, result in (("scratch", scratch), ("spt", spt)):
-                        runs.append(dict(kind=kind, scale=scale, length=length, seed=seed, stage=stage,
-                                         best_val_acc=result["best_val_acc"], best_step=result["best_step"],
-                                         plateau_exit_epoch=plateau_exit_epoch(result),
-                                         entropy_at_init=stats["init"]["entropy"] / stats["init"]["uniform_entropy"]))
-    stages = {"scratch": "from scratch", "spt": "SPT, then finetune"}
+    for length, kind, scale, seed in ((L, k, s, seed) for L in args.lengths for k in args.kinds for s in args.scales
+                                      for seed in range(args.seeds)):
+        common = ["--data_dir", data_dirs[length], "--preset", args.preset, "--device", args.device, "--accept_data",
+                  "--init_scheme", kind, "--init_scale", str(scale)] + budget
+        folder = os.path.join(args.out_dir, "ablate", "initscale", kind, f"x{scale:g}", f"L{length}", f"seed{seed}")
+        scratch = run_finetune("synthetic", folder, seed, "scratch", "scratch", common)
+        spt = run_finetune("synthetic", folder, seed, "spt", run_pretrain("synthetic", folder, seed, common), common)
+        at_init = data.run_paths(folder, "synthetic", "finetune", "scratch")["init"]
+        stats = analyze.analyze_checkpoints({"init": at_init}, data_dirs[length], n=32)[0]["init"]
+        for stage, result in (("scratch", scratch), ("spt", spt)):
+            runs.append(summary(seed, result, kind=kind, scale=scale, length=length, stage=stage,
+                                best_step=result["best_step"], entropy_at_init=stats["entropy"] / stats["uniform_entropy"]))
     rows = ["| init | scale | L | entropy at init / log L | val acc, from scratch | epoch >= 0.9 (runs) | "
             "val acc, SPT then finetune | epoch >= 0.9 (runs) |", "|---|---|---|---|---|---|---|---|"]
-    for kind in args.kinds:
-        for scale in args.scales:
-            for length in args.lengths:
-                cell = [r for r in runs if (r["kind"], r["scale"], r["length"]) == (kind, scale, length)]
-                row = f"| {kind} | {scale:g} | {length} | " \
-                      f"{mean_std([r['entropy_at_init'] for r in cell if r['stage'] == 'scratch'])} |"
-                for stage in stages:
-                    rs = [r for r in cell if r["stage"] == stage]
-                    exits = [r["plateau_exit_epoch"] for r in rs]
-                    row += f" {mean_std([r['best_val_acc'] for r in rs])} | {mean_std(exits)} " \
-                           f"({sum(e is not None for e in exits)}/{len(rs)}) |"
-                rows.append(row)
+    for kind, scale, length in ((k, s, L) for k in args.kinds for s in args.scales for L in args.lengths):
+        cell = [r for r in runs if (r["kind"], r["scale"], r["length"]) == (kind, scale, length)]
+        rows.append(f"| {kind} | {scale:g} | {length} | "
+                    f"{mean_std([r['entropy_at_init'] for r in cell if r['stage'] == 'scratch'])} | "
+                    + " | ".join(cells([r for r in cell if r["stage"] == stage], "best_val_acc", "exit")
+                                 for stage in ("scratch", "spt")) + " |")
     rows.append(f"\nBudget per stage and cell: {args.epochs} epochs of {args.n_train} trajectories (batch "
                 f"{args.batch_size}), validation on {args.n_val}; the synthetic preset's model otherwise (one layer, "
                 f"one head, no LayerNorm, no MLP, lr 1e-3). Scale 1 = PyTorch's default init; `reference` ties W_Q, "
@@ -702,175 +658,363 @@ def experiment_initscale(args):
                 f"from-scratch model's attention at init on 32 validation trajectories. Seeds: {args.seeds}; command: "
                 f"python ablate.py initscale" + (" --quick" if args.quick else "") +
                 (f"; every run capped at {args.max_steps} steps" if args.max_steps else ""))
-    os.makedirs(os.path.join(args.out_dir, "analysis"), exist_ok=True)
-    plot_initscale(runs, args, os.path.join(args.out_dir, "analysis", "initscale.png"))
+    analyze.plot_initscale(runs, args.kinds, args.scales, args.lengths, args.seeds,
+                           os.path.join(args.out_dir, "analysis", "initscale.png"))
     write_outputs("initscale", runs, "\n".join(rows), args, scheme_in_name=False)  # its own schemes: --kinds
 
 
-def run_kinds_in_parallel(args):
-    """Run each init kind of `initscale` in a process of its own (`--jobs` at a time, one thread each: two jobs
-    with two threads each on two cores run several times slower); raises if one fails."""
-    import subprocess
-    grid = ["--scales", *map(str, args.scales), "--lengths", *map(str, args.lengths), "--n_train", str(args.n_train),
-            "--n_val", str(args.n_val), "--epochs", str(args.epochs), "--batch_size", str(args.batch_size),
-            "--seeds", str(args.seeds), "--data_dir", args.data_dir, "--out_dir", args.out_dir, "--preset", args.preset,
-            "--device", args.device, "--max_steps", str(args.max_steps), "--jobs", "1"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    pending, running = list(args.kinds), []
+def run_in_parallel(experiment, args, flag, values):
+    """Run `python ablate.py <experiment>` once per value of `flag` (e.g. --kinds reference), --jobs processes at
+    a time with one thread each (two jobs with two threads each on two cores run several times slower), each
+    with the same flags otherwise (args.argv) and its log in out/ablate/<experiment>_<value>.log; raises
+    RuntimeError naming the log of one that fails."""
+    argv = [a for a in args.argv if a != experiment]
+    pending, running = list(values), []
     while pending or running:
         while pending and len(running) < args.jobs:
-            kind = pending.pop(0)
-            log = os.path.join(args.out_dir, "ablate", f"initscale_{kind}.log")
+            value = pending.pop(0)
+            log = os.path.join(args.out_dir, "ablate", f"{experiment}_{value}.log")
             os.makedirs(os.path.dirname(log), exist_ok=True)
-            print(f"initscale: {kind} in a process of its own, log {log}")
-            running.append((kind, subprocess.Popen([sys.executable, os.path.abspath(__file__), "initscale", "--kinds",
-                                                    kind] + grid, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                                                   env=env)))
-        kind, proc = running.pop(0)
+            print(f"{experiment}: {flag} {value} in a process of its own, log {log}")
+            cmd = [sys.executable, os.path.abspath(__file__), experiment] + argv + [flag, str(value), "--jobs", "1"]
+            running.append((value, log, subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                                         env=dict(os.environ, OMP_NUM_THREADS="1"))))
+        value, log, proc = running.pop(0)
         if proc.wait() != 0:
-            raise RuntimeError(f"initscale --kinds {kind} failed (exit {proc.returncode}); see its log")
+            raise RuntimeError(f"{experiment} {flag} {value} failed (exit {proc.returncode}); see {log}")
 
 
-def plot_initscale(runs, args, path):
-    """Phase diagram: mean best validation accuracy over (init scale, sequence length), one panel per init kind
-    (rows) and stage (columns: from scratch, SPT then finetune), each cell annotated with its mean."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(len(args.kinds), 2, figsize=(9, 3.2 * len(args.kinds)), squeeze=False)
-    for row, kind in enumerate(args.kinds):
-        for col, (stage, title) in enumerate((("scratch", "from scratch"), ("spt", "SPT, then finetune"))):
-            grid = [[sum(r["best_val_acc"] for r in rs) / len(rs) if rs else float("nan")
-                     for rs in ([r for r in runs if (r["kind"], r["stage"], r["scale"], r["length"]) ==
-                                 (kind, stage, scale, length)] for scale in args.scales)]
-                    for length in args.lengths]
-            ax = axes[row][col]
-            im = ax.imshow(grid, vmin=0.5, vmax=1.0, cmap="viridis", origin="lower", aspect="auto")
-            for i, line in enumerate(grid):
-                for j, value in enumerate(line):
-                    ax.text(j, i, f"{value:.2f}", ha="center", va="center", color="w" if value < 0.8 else "k")
-            ax.set_xticks(range(len(args.scales)), [f"{s:g}" for s in args.scales])
-            ax.set_yticks(range(len(args.lengths)), [str(L) for L in args.lengths])
-            ax.set_xlabel("init scale (x PyTorch default)")
-            ax.set_ylabel("sequence length L")
-            ax.set_title(f"{kind}: {title}")
-            fig.colorbar(im, ax=ax, fraction=0.046, label="val acc")
-    fig.suptitle(f"Synthetic trajectories: best validation accuracy, mean of {args.seeds} seed(s)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+# ----------------------------------------------------------------------------------------------------------
+# The benchmark: one SPT training step, our model against torch.nn.TransformerEncoder (README, Performance)
+# ----------------------------------------------------------------------------------------------------------
+
+BENCH_SIZES = {"cpu": (1024, 128, 4, 4, 256, 8),  # name: (L, d_model, n_layers, n_heads, d_mlp, batch)
+               "listops-paper": (2048, 512, 6, 8, 2048, 32), "text-paper": (4096, 512, 6, 8, 2048, 32)}
+BENCH_VARIANTS = {"fused": "ours, fused attention", "explicit": "ours, explicit attention",
+                  "reference": "torch.nn.TransformerEncoder", "data": "ours, fused + data path",
+                  "compile": "ours, fused + torch.compile"}
+
+
+class ReferenceEncoder(torch.nn.Module):
+    """torch.nn.TransformerEncoder with our sizes (pre-norm, GELU, same MLP width), embedding, PE and head."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        nn = torch.nn
+        self.embed, self.rec_head = nn.Embedding(cfg.vocab_size, cfg.d_model), nn.Linear(cfg.d_model, cfg.n_rec)
+        self.register_buffer("pe", model_lib.sinusoidal_positions(cfg.max_len, cfg.d_model), persistent=False)
+        layer = nn.TransformerEncoderLayer(cfg.d_model, cfg.n_heads, cfg.d_mlp, dropout=0.0, activation="gelu",
+                                           batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, cfg.n_layers, nn.LayerNorm(cfg.d_model), enable_nested_tensor=False)
+
+    def reconstruct(self, x, lengths, positions):
+        return self.rec_head(self.encoder(self.embed(x) + self.pe[:x.shape[1]])[positions])
+
+
+def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
+    """Put on `queue` the median seconds per SPT training step (masked reconstruction, forward + backward +
+    AdamW) of one BENCH_VARIANTS key, its peak memory (bytes) and FLOPs per token, or an error message (str).
+    Runs in a fresh process: on the CPU, peak memory = growth of the process's resident set."""
+    import resource
+    import time
+    torch.set_num_threads(threads)
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    L, d, n_layers, n_heads, d_mlp, B = size
+    torch.manual_seed(0)
+    cfg = model_lib.ModelConfig(vocab_size=32, max_len=L, d_model=d, n_layers=n_layers, n_heads=n_heads, d_mlp=d_mlp,
+                                n_rec=32)
+    model = (ReferenceEncoder(cfg) if variant == "reference" else model_lib.Transformer(cfg)).to(device)
+    # torch.compile compiles the module's forward only, so the method the step calls is compiled itself
+    reconstruct = torch.compile(model.reconstruct) if variant == "compile" else model.reconstruct
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    split = dict(tokens=torch.randint(2, 32, (8 * B, L), dtype=torch.uint8).to(device),
+                 lengths=torch.full((8 * B,), L), labels=torch.zeros(8 * B, dtype=torch.long, device=device))
+    g = torch.Generator(device=device).manual_seed(0)
+    batches = data.batch_indices(split["lengths"], B, True)  # once per epoch, as in the training loop
+
+    def batch(i):  # the data path of a training step: gather a batch, trim its padding, mask it
+        x, lengths, _ = data.get_batch(split, batches[i % len(batches)], device)
+        return (x, lengths) + pretrain.mask_batch(x, lengths, 0.15, 1, g)
+
+    fixed = batch(0)
+
+    def step(i):
+        x, lengths, inputs, masked = batch(i) if variant == "data" else fixed
+        with model_lib.autocast(device, dtype):
+            if variant == "explicit":  # the step as it would run if it asked for the attention weights
+                out = model.rec_head(model.encode(inputs, lengths, need_weights=True)[0][masked])
+            else:
+                out = reconstruct(inputs, lengths, masked)
+        torch.nn.functional.cross_entropy(out.float(), x[masked]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    try:
+        for i in range(3):  # warm-up (and compilation), not timed
+            step(i)
+        sync()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for i in range(steps):
+                step(i)
+            sync()
+            times.append((time.perf_counter() - t0) / steps)
+    except Exception as e:  # out of memory, a missing compiler, ...: reported, so the parent never waits forever
+        queue.put("out of memory" if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {e}")
+        return
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
+        (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024
+    queue.put((sorted(times)[len(times) // 2], peak, model_lib.flops_per_token(cfg, L)))
+
+
+def bench(args):
+    """Time each of --variants on the same SPT step, each in its own process (an untimed one first: the first
+    process of a run is measurably slower); print ms/step, tokens/s, peak memory, MFU, the ratio fused /
+    reference and the data path's overhead. Writes out/bench/<name>.json and .md (README, Performance, via
+    `report`) and returns the figures as a dict."""
+    import multiprocessing
+    import platform
+    size = BENCH_SIZES.get(args.size) or tuple(int(v) for v in args.size.split(",") if v.strip().isdigit())
+    if len(size) != 6 or size[1] % size[3]:
+        raise ValueError(f"--size {args.size}: expected one of {', '.join(BENCH_SIZES)} or six positive integers "
+                         "L,d_model,layers,heads,MLP,batch with d_model divisible by heads")
+    if not set(args.variants.split(",")) <= set(BENCH_VARIANTS):
+        raise ValueError(f"--variants {args.variants}: expected a comma-separated subset of {', '.join(BENCH_VARIANTS)}")
+    size = (args.L or size[0],) + size[1:]
+    device = model_lib.pick_device(args.device)
+    dtype, reason = model_lib.pick_dtype(args.dtype, device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    print(f"benchmark: L, d_model, layers, heads, MLP, batch = {size} | {device} {name} | {str(dtype)[6:]} "
+          f"({reason}) | torch {torch.__version__} | median of {args.repeats} x {args.steps} steps after 3 warm-up steps")
+    out = dict(size=dict(zip(("L", "d_model", "n_layers", "n_heads", "d_mlp", "batch"), size)), device=str(device),
+               device_name=name, dtype=str(dtype), torch=torch.__version__, steps=args.steps, repeats=args.repeats,
+               threads=torch.get_num_threads())
+    ctx, peak_fl, res = multiprocessing.get_context("spawn"), model_lib.peak_flops(device, dtype), {}
+    variants = args.variants.split(",")
+    for i, v in enumerate(variants[:1] + variants):  # i = 0: the untimed first process
+        queue = ctx.Queue()
+        proc = ctx.Process(target=time_spt_step, args=(v, size, device, dtype, args.steps if i else 1,
+                                                       args.repeats if i else 1, torch.get_num_threads(), queue))
+        proc.start()
+        result = queue.get()
+        proc.join()
+        if i == 0:
+            continue
+        if isinstance(result, str):
+            res[v] = dict(error=result)
+            print(f"  {BENCH_VARIANTS[v]:30s} {result}")
+            continue
+        sec, peak, fpt = result
+        mfu = None if peak_fl is None else size[0] * size[5] / sec * fpt / peak_fl
+        res[v] = dict(ms_per_step=1000 * sec, tokens_per_s=size[0] * size[5] / sec, peak_memory_mb=peak / 2 ** 20,
+                      mfu=mfu)
+        print(f"  {BENCH_VARIANTS[v]:30s} {1000 * sec:9.1f} ms/step {res[v]['tokens_per_s']:12,.0f} tok/s peak "
+              f"{peak / 2 ** 20:9.1f} MiB" + (f"  MFU {100 * mfu:.1f}%" if mfu is not None else ""))
+    ms = {k: r.get("ms_per_step") for k, r in res.items()}
+    if ms.get("fused") and ms.get("reference"):  # the ratio of tokens/s = inverse ratio of step times
+        out["speed_ratio_fused_vs_reference"] = ms["reference"] / ms["fused"]
+        print(f"  speed ratio, ours fused / torch.nn.TransformerEncoder: {out['speed_ratio_fused_vs_reference']:.2f}")
+    if ms.get("fused") and ms.get("data"):
+        out["data_path_overhead"] = ms["data"] / ms["fused"] - 1
+        print(f"  data path overhead (batching + masking per step): {100 * out['data_path_overhead']:+.1f}%")
+    out["results"] = res
+    stem = os.path.join(args.out_dir, "bench", args.name or f"{args.size.replace(',', 'x')}_L{size[0]}_{device.type}")
+    data.save_atomic(out, stem + ".json")
+    data.save_atomic(bench_table(out) + "\n", stem + ".md")
+    print(f"wrote {stem}.json and {stem}.md")
+    return out
+
+
+def bench_table(out):
+    """The Markdown table of one benchmark run (what `report` puts in the README's Performance section)."""
+    s = out["size"]
+    rows = [f"**L {s['L']}, d_model {s['d_model']}, {s['n_layers']} layers, {s['n_heads']} heads, MLP {s['d_mlp']}, "
+            f"batch {s['batch']}**; {out['device_name'] or out['device']}, {out['dtype'][6:]}, torch {out['torch']}, "
+            f"{out.get('threads', '?')} threads; median of {out['repeats']} x {out['steps']} steps", "",
+            "| variant | ms/step | tokens/s | peak memory | MFU |", "|---|---|---|---|---|"]
+    for v, r in out["results"].items():
+        if "error" in r:
+            rows.append(f"| {BENCH_VARIANTS[v]} | {r['error']} | | | |")
+        else:
+            rows.append(f"| {BENCH_VARIANTS[v]} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | "
+                        f"{r['peak_memory_mb']:,.0f} MiB | " + (f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-") + " |")
+    if "speed_ratio_fused_vs_reference" in out:
+        rows.append(f"\nSpeed ratio, ours fused / torch.nn.TransformerEncoder, same run: "
+                    f"**{out['speed_ratio_fused_vs_reference']:.2f}**.")
+    if "data_path_overhead" in out:
+        rows.append(f"Data path (batch gathering, padding trim, masking) against a pre-built batch: "
+                    f"**{100 * out['data_path_overhead']:+.1f}%**.")
+    return "\n".join(rows)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The README's Results and Performance sections, generated
+# ----------------------------------------------------------------------------------------------------------
+
+TITLES = {"main": "LRA: from scratch versus SPT (Coser et al. Table 2)",
+          "synthetic": "Synthetic trajectories: from scratch versus SPT (Coser et al. Sec. 4)",
+          "initscale": "Beyond the paper: the from-scratch plateau over init scale and sequence length",
+          "init": "Hybrid initialization and freezing (Coser et al. Table 3)",
+          "posenc": "Relative positions from scratch versus SPT (Coser et al. Sec. 4)",
+          "pfcurves": "PathFinder on the CPU: which configuration learns above chance (from scratch)",
+          "swap": "Dataset swap between PathFinder and Image (Coser et al. Sec. 3)",
+          "duration": "Pretraining duration (Coser et al. Sec. 3)",
+          "ucr": "UCR time series: from scratch versus SPT (Coser et al. Sec. 5), test accuracy"}
 
 
 def report(args):
-    """Rewrite the README's Results section from out/ablate/*.md and copy the analysis figures to figures/.
+    """Rewrite the README's Results section from out/ablate/*.md (in the order of TITLES: the paper's story) with
+    the figures of out/analysis/ (copied to figures/), and its Performance tables from out/bench/*.md.
 
-    The section sits between the markers <!-- results:start --> and <!-- results:end -->; nothing in it is
-    typed by hand. Figures come from out/analysis/ (python analyze.py ...) and are copied so the README can
-    show them.
+    Each section sits between markers (<!-- results:start --> ... <!-- results:end -->, <!-- performance:start -->
+    ... <!-- performance:end -->); nothing between them is typed by hand. Raises ValueError if a marker is missing.
     """
     import shutil
     here = os.path.dirname(os.path.abspath(__file__))
-    titles = {"main": "LRA: from scratch versus SPT (Coser et al. Table 2)",
-              "synthetic": "Synthetic trajectories: from scratch versus SPT (Coser et al. Sec. 4)",
-              "initscale": "Beyond the paper: the from-scratch plateau over init scale and sequence length",
-              "init": "Hybrid initialization and freezing (Coser et al. Table 3)",
-              "posenc": "Relative positions from scratch versus SPT (Coser et al. Sec. 4)",
-              "pfcurves": "PathFinder on the CPU: which configuration learns above chance (from scratch)",
-              "swap": "Dataset swap between PathFinder and Image (Coser et al. Sec. 3)",
-              "duration": "Pretraining duration (Coser et al. Sec. 3)",
-              "ucr": "UCR time series: from scratch versus SPT (Coser et al. Sec. 5), test accuracy"}
-    folder = os.path.join(args.out_dir, "ablate")
-    parts = []
+    folder, parts = os.path.join(args.out_dir, "ablate"), []
     names = [n for n in os.listdir(folder) if n.endswith(".md")] if os.path.isdir(folder) else []
-    order = list(titles)  # the order of the paper's story: LRA, mechanism, ablations, time series
-    for name in sorted((n for n in names if n[:-3].partition("_")[0] in titles),
-                       key=lambda n: (order.index(n[:-3].partition("_")[0]), n)):
+    for name in sorted((n for n in names if n[:-3].partition("_")[0] in TITLES),
+                       key=lambda n: (list(TITLES).index(n[:-3].partition("_")[0]), n)):
         stem, _, variant = name[:-3].partition("_")
         with open(os.path.join(folder, name)) as f:
-            parts.append(f"### {titles[stem]}" + (f": {variant}" if variant else "") + "\n\n" + f.read().strip())
-    figures = [f for f in sorted(os.listdir(os.path.join(args.out_dir, "analysis")))
-               if f.endswith(".png")] if os.path.isdir(os.path.join(args.out_dir, "analysis")) else []
+            parts.append(f"### {TITLES[stem]}" + (f": {variant}" if variant else "") + "\n\n" + f.read().strip())
+    analysis = os.path.join(args.out_dir, "analysis")
+    figures = sorted(os.path.relpath(os.path.join(d, f), analysis) for d, _, fs in os.walk(analysis)
+                     for f in fs if f.endswith(".png")) if os.path.isdir(analysis) else []
     os.makedirs(os.path.join(here, "figures"), exist_ok=True)
-    for f in figures:
-        shutil.copy(os.path.join(args.out_dir, "analysis", f), os.path.join(here, "figures", f))
+    for f in figures:  # out/analysis/a/b.png -> figures/a_b.png
+        shutil.copy(os.path.join(analysis, f), os.path.join(here, "figures", f.replace(os.sep, "_")))
     samples = os.path.join(args.data_dir, "pathfinder", "samples.png")  # written by data.py --generate
     if os.path.exists(samples):
         shutil.copy(samples, os.path.join(here, "figures", "pathfinder_samples.png"))
     if figures:
-        parts.append("### Figures\n\n" + "\n\n".join(f"![{f}](figures/{f})" for f in figures))
+        parts.append("### Figures\n\n" + "\n\n".join(f"![{f}](figures/{f.replace(os.sep, '_')})" for f in figures))
+    bench_dir = os.path.join(args.out_dir, "bench")
+    tables = [open(os.path.join(bench_dir, n)).read().strip() for n in sorted(os.listdir(bench_dir))
+              if n.endswith(".md")] if os.path.isdir(bench_dir) else []
     readme_path = os.path.join(here, "README.md")
     with open(readme_path) as f:
         readme = f.read()
-    start, end = "<!-- results:start -->", "<!-- results:end -->"
-    if start not in readme or end not in readme:
-        raise ValueError(f"{readme_path}: markers {start} and {end} not found")
-    body = "\n\n".join(parts) if parts else "No results yet: run the experiments above."
-    readme = readme.split(start)[0] + start + "\n" + body + "\n" + end + readme.split(end)[1]
-    with open(readme_path, "w") as f:
-        f.write(readme)
-    print(f"rewrote the Results section of {readme_path} ({len(parts)} parts, {len(figures)} figures)")
+    for marker, body in (("results", "\n\n".join(parts) or "No results yet: run the experiments above."),
+                         ("performance", "\n\n".join(tables) or "No benchmark yet: run `python ablate.py bench`.")):
+        start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
+        if start not in readme or end not in readme:
+            raise ValueError(f"{readme_path}: markers {start} and {end} not found")
+        readme = readme.split(start)[0] + start + "\n" + body + "\n" + end + readme.split(end)[1]
+    data.save_atomic(readme, readme_path)
+    print(f"rewrote the Results ({len(parts)} parts, {len(figures)} figures) and Performance ({len(tables)} "
+          f"tables) sections of {readme_path}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Command line: one subcommand per experiment, each with its own flags
+# ----------------------------------------------------------------------------------------------------------
+
+def build_parser():
+    """The parser: `python ablate.py <experiment> [its flags]`."""
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    runs = argparse.ArgumentParser(add_help=False)  # the flags of every experiment that trains
+    runs.add_argument("--seeds", type=int, default=5, help="runs per row, seeds 0..N-1")
+    runs.add_argument("--preset", default="cpu", choices=("cpu", "paper"), help="every run's preset (paper: GPU)")
+    runs.add_argument("--data_dir", default="data", help="root of data/<task>/ (made there when missing)")
+    runs.add_argument("--out_dir", default="out", help="runs go to <out_dir>/ablate/<init scheme>/<task>/...")
+    runs.add_argument("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
+    runs.add_argument("--max_steps", type=int, default=0, help="cap every run's steps (quick looks, tests); 0 = none")
+    scheme = argparse.ArgumentParser(add_help=False)
+    scheme.add_argument("--init_scheme", default="reference", choices=INIT_SCHEMES,
+                        help="every run's initialization (model.init_weights); reference = Amos et al.'s code")
+    fetch = argparse.ArgumentParser(add_help=False)
+    fetch.add_argument("--download", action="store_true", help="download data not found locally")
+    task = argparse.ArgumentParser(add_help=False)
+    task.add_argument("--task", default="synthetic", choices=ABLATION_TASKS, help="the task")
+    task.add_argument("--length", type=int, default=100,
+                      help="synthetic task: trajectory length (a harder variant than the paper's 100; data in "
+                           "<data_dir>/synthetic_L<length>/, runs and tables of their own)")
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=fmt)
+    sub = p.add_subparsers(dest="experiment", required=True)
+    common = (runs, scheme, fetch)
+
+    def add(name, help, parents=common, **defaults):
+        s = sub.add_parser(name, parents=parents, help=help, description=help, formatter_class=fmt)
+        s.set_defaults(**{"length": 100, "download": False, "init_scheme": "reference", **defaults})
+        return s
+
+    add("synthetic", "scratch vs SPT on the minimal model (Sec. 4)", common + (task,))
+    add("init", "hybrid initialization and freezing (Table 3)", common + (task,))
+    add("posenc", "ALiBi, RoPE, FIRE from scratch vs SPT (Sec. 4)", common + (task,))
+    s = add("duration", "SPT epochs before finetuning (Sec. 3)", common + (task,))
+    s.add_argument("--durations", type=int, nargs="+", default=None,
+                   help="SPT epochs to compare (default 1 3 10 on cpu, 1 10 100 200 on paper)")
+    s = add("swap", "dataset swap PathFinder <-> Image (Sec. 3)")
+    s.add_argument("--difficulty", default="hard", choices=tuple(data.PATHFINDER_DIFFICULTY), help="PathFinder side")
+    s.add_argument("--n_images", type=int, default=None,
+                   help="PathFinder images generated (data/pfcurves/<difficulty>_n<N>/); default: the preset's data")
+    s.add_argument("--steps", type=int, default=0, help="steps per stage for every run; 0 = the preset's")
+    s = add("pfcurves", "PathFinder learning curves on the CPU: which configuration learns above chance",
+            (runs, scheme), seeds=1)
+    s.add_argument("--configs", nargs="+", default=["1:easy", "1:intermediate", "1:hard", "2:easy"],
+                   help="layers:difficulty of each curve")
+    s.add_argument("--n_images", type=int, default=20000, help="generated images per difficulty")
+    s.add_argument("--steps", type=int, default=3000, help="steps of a 1-layer run (2 layers: half)")
+    s.add_argument("--eval_every", type=int, default=250, help="steps between validations")
+    s = add("main", "the LRA table (Table 2)")
+    s.add_argument("--tasks", nargs="+", default=LRA_TASKS, choices=LRA_TASKS + ("pathx",), help="LRA tasks")
+    s = add("ucr", "UCR time series (Sec. 5)")
+    s.add_argument("--datasets", nargs="+", default=UCR_DATASETS + UCR_OFFLINE, help="the UCR data sets to run")
+    s = add("initscale", "from scratch and SPT over init scale x length x tied/independent (beyond the paper)",
+            (runs,), seeds=2)
+    s.add_argument("--kinds", nargs="+", default=["reference", "torch"], choices=("reference", "torch"),
+                   help="tied (reference) or independent (torch) projections at init")
+    s.add_argument("--scales", type=float, nargs="+", default=[0.125, 0.25, 0.5, 1.0, 2.0],
+                   help="init scales, multiples of the PyTorch default")
+    s.add_argument("--lengths", type=int, nargs="+", default=[100, 200, 400], help="trajectory lengths L")
+    s.add_argument("--n_train", type=int, default=2000, help="training trajectories per length")
+    s.add_argument("--n_val", type=int, default=500, help="validation (and test) trajectories per length")
+    s.add_argument("--epochs", type=int, default=10, help="epochs of each stage (SPT, finetuning, from scratch)")
+    s.add_argument("--batch_size", type=int, default=32, help="trajectories per step")
+    s.add_argument("--quick", action="store_true", help="a small grid (scales 0.25 1, L 50 100, 4 epochs of 500)")
+    s.add_argument("--jobs", type=int, default=2, help="processes run at once, one per init kind (one thread each)")
+    s = sub.add_parser("bench", help="time one SPT step: ours (fused, explicit) vs torch.nn.TransformerEncoder",
+                       formatter_class=fmt)
+    s.add_argument("--size", default="cpu", help=f"one of {', '.join(BENCH_SIZES)}, or L,d_model,layers,heads,MLP,batch")
+    s.add_argument("--L", type=int, default=None, help="override the sequence length of --size")
+    s.add_argument("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
+    s.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"), help="auto = bf16 on CUDA")
+    s.add_argument("--steps", type=int, default=5, help="timed steps per repeat")
+    s.add_argument("--repeats", type=int, default=5, help="the median over repeats is reported")
+    s.add_argument("--variants", default="fused,explicit,reference,data", help=f"any of {', '.join(BENCH_VARIANTS)}")
+    s.add_argument("--out_dir", default="out", help="writes <out_dir>/bench/<name>.{json,md}")
+    s.add_argument("--name", default=None, help="file name of the result (default: size, L and device type)")
+    s = sub.add_parser("report", help="the README's Results (out/ablate/, out/analysis/) and Performance (out/bench/)",
+                       formatter_class=fmt)
+    s.add_argument("--out_dir", default="out", help="where the experiments wrote")
+    s.add_argument("--data_dir", default="data", help="where data.py --generate left pathfinder/samples.png")
+    return p
 
 
 EXPERIMENTS = {"synthetic": experiment_synthetic, "init": experiment_init, "posenc": experiment_posenc,
                "ucr": experiment_ucr, "swap": experiment_swap, "duration": experiment_duration,
-               "main": experiment_main, "initscale": experiment_initscale, "pfcurves": experiment_pfcurves, "report": report}
+               "main": experiment_main, "initscale": experiment_initscale, "pfcurves": experiment_pfcurves,
+               "bench": bench, "report": report}
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("experiment", choices=tuple(EXPERIMENTS),
-                   help="synthetic: scratch vs SPT on the minimal model (Sec. 4); init: hybrid initialization and "
-                        "freezing (Table 3); posenc: ALiBi, RoPE, FIRE from scratch vs SPT (Sec. 4); ucr: UCR time "
-                        "series (Sec. 5); swap: dataset swap PathFinder <-> Image (Sec. 3); duration: SPT epochs "
-                        "(Sec. 3); main: the LRA table (Table 2); initscale: from scratch and SPT over init scale x length x "
-                        "tied/independent projections (beyond the paper); report: the README's Results from out/ablate/")
-    p.add_argument("--seeds", type=int, default=None,
-                   help="runs per row, seeds 0..N-1 (default 5; initscale 2, which keeps its grid near an hour)")
-    p.add_argument("--init_scheme", default="reference", choices=INIT_SCHEMES,
-                   help="every run's initialization (model.init_weights); reference = Amos et al.'s code")
-    p.add_argument("--preset", default="cpu", choices=("cpu", "paper"), help="every run's preset (paper: GPU)")
-    p.add_argument("--data_dir", default="data", help="root of data/<task>/ (made there when missing)")
-    p.add_argument("--out_dir", default="out", help="runs go to <out_dir>/ablate/<init scheme>/<task>/<model>/seed<s>/")
-    p.add_argument("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
-    p.add_argument("--max_steps", type=int, default=0,
-                   help="cap every run's steps (quick looks, tests); 0 = the preset's own budget")
-    p.add_argument("--datasets", nargs="+", default=UCR_DATASETS + UCR_OFFLINE, help="ucr: the UCR data sets to run")
-    p.add_argument("--download", action="store_true", help="ucr, main, swap: download data not found locally")
-    p.add_argument("--task", default="synthetic", choices=ABLATION_TASKS, help="init, posenc, duration: the task")
-    p.add_argument("--tasks", nargs="+", default=LRA_TASKS, choices=LRA_TASKS + ("pathx",), help="main: LRA tasks")
-    p.add_argument("--length", type=int, default=100,
-                   help="synthetic, init, posenc, duration on the synthetic task: trajectory length (a harder variant "
-                        "than the paper's 100; data in <data_dir>/synthetic_L<length>/, runs and tables of its own)")
-    p.add_argument("--durations", type=int, nargs="+", default=None,
-                   help="duration: SPT epochs to compare (default 1 3 10 on cpu, 1 10 100 200 on paper)")
-    p.add_argument("--n_images", type=int, default=20000, help="pfcurves: generated PathFinder images per difficulty")
-    p.add_argument("--pf_steps", type=int, default=4000, help="pfcurves: steps of a 1-layer run (2 layers: half)")
-    p.add_argument("--pf_eval_every", type=int, default=250, help="pfcurves: steps between validations")
-    g = p.add_argument_group("initscale: the grid and its budget")
-    g.add_argument("--kinds", nargs="+", default=["reference", "torch"], choices=("reference", "torch"),
-                   help="tied (reference) or independent (torch) projections at init")
-    g.add_argument("--scales", type=float, nargs="+", default=[0.125, 0.25, 0.5, 1.0, 2.0],
-                   help="init scales, multiples of the PyTorch default")
-    g.add_argument("--lengths", type=int, nargs="+", default=[100, 200, 400], help="trajectory lengths L")
-    g.add_argument("--n_train", type=int, default=2000, help="training trajectories per length")
-    g.add_argument("--n_val", type=int, default=500, help="validation (and test) trajectories per length")
-    g.add_argument("--epochs", type=int, default=10, help="epochs of each stage (SPT, finetuning, from scratch)")
-    g.add_argument("--batch_size", type=int, default=32, help="trajectories per step")
-    g.add_argument("--quick", action="store_true", help="a small grid (scales 0.25 1, L 50 100, 4 epochs of 500): ~1 min with --seeds 1")
-    g.add_argument("--jobs", type=int, default=2, help="processes run at once, one per init kind (one thread each)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = build_parser()
     args = p.parse_args(argv)
-    if args.seeds is None:
-        args.seeds = 2 if args.experiment == "initscale" else 5
-    if args.length != 100:
-        if args.experiment not in ("synthetic", "init", "posenc", "duration") or args.task != "synthetic":
+    args.argv = argv
+    if getattr(args, "length", 100) != 100:
+        if args.task != "synthetic":
             p.error("--length applies to the synthetic task (experiments synthetic, init, posenc, duration)")
         args.data_dir = os.path.join(args.data_dir, f"synthetic_L{args.length}")
         if not os.path.exists(os.path.join(args.data_dir, "synthetic", "train.pt")):
-            sizes = pretrain.PRESETS["synthetic"][args.preset]["data"]
-            data.prepare_synthetic(args.data_dir, length=args.length, **sizes)
+            data.prepare_synthetic(args.data_dir, length=args.length, **pretrain.PRESETS["synthetic"][args.preset]["data"])
     EXPERIMENTS[args.experiment](args)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    data.run_cli(main)

@@ -15,7 +15,6 @@ correlation 0.87 -> ~0.98 (under --init_scheme normal: 4.61 -> ~2.2, 0.07 -> ~0.
 Sections: 1. Proposition 1  2. attention after self-pretraining  3. command line
 """
 import argparse
-import json
 import math
 import os
 
@@ -24,9 +23,8 @@ import torch
 import torch.nn.functional as F
 
 import data
-from finetune import param_group
-from model import Transformer, config_from_dict, unwrapped_state_dict
-from pretrain import single_sequences
+from data import single_sequences
+from model import Transformer, config_from_dict, param_group, unwrapped_state_dict
 
 # ----------------------------------------------------------------------------------------------------------
 # 1. Proposition 1 (Coser et al., Prop. 1): gradients of the two losses at uniform attention
@@ -189,7 +187,13 @@ def plot_prop1(x, w, y, d, path, a_max=3.0, n_points=121):
         ax.axvline(0, color="gray", lw=0.5)
     fig.suptitle("Coser et al. Prop. 1: band direction (column-centred), AR(1) tokens")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
+
+
+def save_figure(fig, path, dpi=110):
+    """Write a matplotlib figure as PNG atomically (data.save_atomic) and close it."""
+    import matplotlib.pyplot as plt
+    data.save_atomic(lambda f: fig.savefig(f, format="png", dpi=dpi), path)
     plt.close(fig)
 
 
@@ -214,8 +218,7 @@ def run_prop1(args):
           f"{rows[-1]['dsup']:.2e}, not zero: the blind spot does not hold for [CLS] pooling here.")
     os.makedirs(args.out, exist_ok=True)
     plot_prop1(x, w, y, band_direction(settings["length"]), os.path.join(args.out, "prop1.png"))
-    with open(os.path.join(args.out, "prop1.json"), "w") as f:
-        json.dump(dict(settings=settings, rows=rows), f, indent=1)
+    data.save_atomic(dict(settings=settings, rows=rows), os.path.join(args.out, "prop1.json"))
     print(f"wrote {os.path.join(args.out, 'prop1.png')} and prop1.json")
 
 
@@ -293,7 +296,7 @@ def attention_stats(probs, band=3):
 
 
 def relative_displacement(init_sd, sd):
-    """||W - W_init|| / ||W_init|| per parameter group (finetune.PARAM_GROUPS), over the groups both share."""
+    """||W - W_init|| / ||W_init|| per parameter group (model.PARAM_GROUPS), over the groups both share."""
     num, den = {}, {}
     for name, w0 in init_sd.items():
         if name in sd and sd[name].shape == w0.shape:
@@ -353,8 +356,7 @@ def plot_maps(maps, key, path, title):
         fig.colorbar(im, ax=ax, fraction=0.046)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def cmd_attention(args):
@@ -366,8 +368,7 @@ def cmd_attention(args):
     plot_maps(maps, "probe", os.path.join(args.out, "pe_probe.png"),
               "PE-only probe: softmax(P W_Q^T W_K P^T / sqrt(d_head)), X = 0")
     plot_maps(maps, "qk", os.path.join(args.out, "qk_product.png"), "W_Q^T W_K, layer 0 head 0")
-    with open(os.path.join(args.out, "attention.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    data.save_atomic(results, os.path.join(args.out, "attention.json"))
     for label, r in results.items():
         disp = r.get("displacement_from_first", {})
         print(f"{label:24s} entropy {r['entropy']:.2f} (uniform {r['uniform_entropy']:.2f}) | band mass "
@@ -385,12 +386,14 @@ def cmd_curves(args):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    files = glob.glob(os.path.join(args.run_dir, f"{args.stage}_step*.pt"))
+    stage, _, name = args.stage.partition("_")
+    run = data.run_paths(os.path.dirname(os.path.abspath(args.run_dir)), os.path.basename(os.path.abspath(args.run_dir)),
+                         stage, name or None)
+    files = glob.glob(run["snapshot"].format(step="*"))
     steps = sorted((int(re.search(r"_step(\d+)\.pt$", f).group(1)), f) for f in files)
     if not steps:
-        raise FileNotFoundError(f"no {args.stage}_step*.pt in {args.run_dir}: run {args.stage}.py with --snapshots")
-    init = os.path.join(args.run_dir, f"{args.stage}_init.pt")
-    paths = {"step0": init, **{f"step{s}": f for s, f in steps}}
+        raise FileNotFoundError(f"no {args.stage}_step*.pt in {args.run_dir}: run {stage}.py with --snapshots")
+    paths = {"step0": run["init"], **{f"step{s}": f for s, f in steps}}
     results, _ = analyze_checkpoints(paths, args.data_dir, args.n, args.band)
     xs = [0] + [s for s, _ in steps]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
@@ -403,14 +406,74 @@ def cmd_curves(args):
     fig.suptitle(f"proximity of attention over {args.stage} ({args.run_dir})")
     fig.tight_layout()
     os.makedirs(args.out, exist_ok=True)
-    fig.savefig(os.path.join(args.out, f"curves_{args.stage}.png"), dpi=110)
-    with open(os.path.join(args.out, f"curves_{args.stage}.json"), "w") as f:
-        json.dump(dict(steps=xs, stats=list(results.values())), f, indent=1)
+    save_figure(fig, os.path.join(args.out, f"curves_{args.stage}.png"))
+    data.save_atomic(dict(steps=xs, stats=list(results.values())), os.path.join(args.out, f"curves_{args.stage}.json"))
     print(f"wrote {os.path.join(args.out, f'curves_{args.stage}.png')}")
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 3. Command line
+# 3. Figures of the experiments (ablate.py): learning curves and the init-scale phase diagram
+# ----------------------------------------------------------------------------------------------------------
+
+def plot_curves(curves, path, title, x="epoch", probe=None):
+    """ablate.py's learning-curve figures: validation accuracy, one line per entry of `curves` ({label: result dict with "evals", or a list of
+    them: their mean}); x "epoch" (from the step) or "minutes" (the run's wall time spread evenly over its
+    steps). `probe`: an extra dashed curve (label, result)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    items = list(curves.items()) + ([probe] if probe else [])
+    for i, (label, results) in enumerate(items):
+        results = results if isinstance(results, list) else [results]
+        steps = [e["step"] for e in results[0]["evals"]]
+        accs = [sum(r["evals"][j]["val_acc"] for r in results) / len(results) for j in range(len(steps))]
+        r0 = results[0]
+        xs = [s / r0["steps_per_epoch"] for s in steps] if x == "epoch" else \
+            [s / max(steps[-1], 1) * r0["wall_time_s"] / 60 for s in steps]
+        ax.plot(xs, accs, "--" if probe and i == len(items) - 1 else "-", marker=".", label=label +
+                (f" (mean of {len(results)})" if len(results) > 1 else ""))
+    ax.set_xlabel("epoch" if x == "epoch" else "CPU minutes (one thread)")
+    ax.set_ylabel("validation accuracy")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def plot_initscale(runs, kinds, scales, lengths, seeds, path):
+    """ablate.py initscale's phase diagram: mean best validation accuracy over (init scale, sequence length), one
+    panel per init kind (rows) and stage (columns: from scratch, SPT then finetune), each cell annotated with its
+    mean. runs: dicts with kind, stage, scale, length, best_val_acc."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(len(kinds), 2, figsize=(9, 3.2 * len(kinds)), squeeze=False)
+    for row, kind in enumerate(kinds):
+        for col, (stage, title) in enumerate((("scratch", "from scratch"), ("spt", "SPT, then finetune"))):
+            grid = [[sum(r["best_val_acc"] for r in rs) / len(rs) if rs else float("nan")
+                     for rs in ([r for r in runs if (r["kind"], r["stage"], r["scale"], r["length"]) ==
+                                 (kind, stage, scale, length)] for scale in scales)]
+                    for length in lengths]
+            ax = axes[row][col]
+            im = ax.imshow(grid, vmin=0.5, vmax=1.0, cmap="viridis", origin="lower", aspect="auto")
+            for i, line in enumerate(grid):
+                for j, value in enumerate(line):
+                    ax.text(j, i, f"{value:.2f}", ha="center", va="center", color="w" if value < 0.8 else "k")
+            ax.set_xticks(range(len(scales)), [f"{s:g}" for s in scales])
+            ax.set_yticks(range(len(lengths)), [str(L) for L in lengths])
+            ax.set_xlabel("init scale (x PyTorch default)")
+            ax.set_ylabel("sequence length L")
+            ax.set_title(f"{kind}: {title}")
+            fig.colorbar(im, ax=ax, fraction=0.046, label="val acc")
+    fig.suptitle(f"Synthetic trajectories: best validation accuracy, mean of {seeds} seed(s)")
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 4. Command line
 # ----------------------------------------------------------------------------------------------------------
 
 def main(argv=None):

@@ -22,9 +22,11 @@ Commands (pretrain.py and finetune.py run these themselves when data/<task>/ is 
     python data.py --task pathfinder --generate 2000   # our PathFinder generator, in the LRA release layout
     python data.py --task pathx                        # PathFinder 128x128 from data/pathx/pathfinder128/ (LRA release)
 
-Sections, one per source: 1. file helpers and downloads  2. ListOps  3. synthetic trajectories  4. UCR time
-series  5. Text and Retrieval  6. Image and Fashion-MNIST  7. PathFinder and PathX  8. loading and batching
-(shared by every stage)  9. command line
+Sections: 0. what every stage reads, the contract (special ids, the atomic write and checkpoint loading, a run's
+file names, task names, loading, checking and batching splits); then one per source: 1. file helpers and
+downloads  2. ListOps  3. synthetic trajectories  4. UCR time series  5. Text and Retrieval  6. Image and
+Fashion-MNIST  7. PathFinder and PathX; 8. any task by name (prepare: a flag that does not apply to the task is
+an error) and the data settings the stages check against the prepared data  9. command line
 """
 import argparse
 import csv
@@ -32,6 +34,8 @@ import gzip
 import hashlib
 import http.client
 import importlib.util
+import inspect
+import io
 import json
 import math
 import os
@@ -49,25 +53,44 @@ import numpy as np
 import torch
 from PIL import Image  # Pillow: installed with matplotlib, which needs it
 
+# ----------------------------------------------------------------------------------------------------------
+# 0. What every stage reads (the contract)
+# ----------------------------------------------------------------------------------------------------------
+# What pretrain.py, finetune.py, analyze.py and ablate.py rely on: the special ids and split names, the one
+# atomic write and the checkpoint readers, the file names of a training run, the task names, and the loaded
+# splits (in the form of the module docstring) with their batching. Sections 1-8 make data/<task>/*.pt;
+# nothing in this section depends on how.
+
 PAD_ID, MASK_ID = 0, 1  # the two special ids, the same for every discrete task; real tokens start at 2
 SPLITS = ("train", "val", "test")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# 1. File helpers and downloads (standard library only: urllib, hashlib, tarfile, zipfile)
-# ----------------------------------------------------------------------------------------------------------
+def save_atomic(obj, path, fsync=True):
+    """Write `obj` to `path` so that a crash never leaves a half-written file under the final name: the one
+    atomic write of the project (checkpoints, data splits, results JSON, tables, figures, the README).
 
-def save_atomic(obj, path):
-    """torch.save `obj` to `path` so that a crash never leaves a half-written file under the final name.
-
-    Writes `path + '.tmp'`, flushes and fsyncs it, then renames it over `path` (rename is atomic on POSIX).
+    obj: for a .json path, anything json.dump takes (indent 1); a str (written as UTF-8 text); bytes; a callable
+    write(f) that writes to a binary file object (a figure's savefig, a PIL image's save); else anything
+    torch.save takes. Writes `<path>.<pid>.tmp`, flushes and (with `fsync`) fsyncs it, then renames it over `path`
+    (rename is atomic on POSIX). fsync=False (the generated PathFinder images, ~3 ms a file saved) still never
+    leaves a partial file after a crash of the process; only after a power loss could a renamed file be empty.
     """
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
+    tmp = f"{path}.{os.getpid()}.tmp"  # per process: two writers of one file never share a temporary
     with open(tmp, "wb") as f:
-        torch.save(obj, f)
+        if path.endswith(".json"):
+            f.write(json.dumps(obj, indent=1).encode())
+        elif isinstance(obj, str):
+            f.write(obj.encode())
+        elif isinstance(obj, bytes):
+            f.write(obj)
+        elif callable(obj):
+            obj(f)
+        else:
+            torch.save(obj, f)
         f.flush()
-        os.fsync(f.fileno())
+        if fsync:
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -110,6 +133,204 @@ def load_newest(candidates, map_location="cpu", who="load"):
     raise ValueError(f"{who}: no checkpoint could be loaded: " + "; ".join(str(e) for _, e in reasons) +
                      ". Remove them (or run without --resume) to start over")
 
+
+def run_paths(out_dir, task, stage, name=None):
+    """The files of one training run under <out_dir>/<task>/: the .pt hand-off between the stages
+    (data/<task>/*.pt -> out/<task>/pretrain.pt -> out/<task>/finetune_<name>.pt).
+
+    stage "pretrain": pretrain.pt (best validation masked loss: what finetune.py --init takes), pretrain_last.pt
+    (latest, for --resume), pretrain_init.pt (the initial weights), pretrain_log.jsonl (every logged figure) and
+    snapshot, a format string with {step} (pretrain_step<N>.pt, with --snapshots).
+    stage "finetune" (name: the run name, e.g. "spt", "scratch"): finetune_<name>.pt, _last.pt, _init.pt,
+    _log.jsonl, snapshot, and json: finetune_<name>.json (accuracies, settings, provenance).
+    Returns a dict of those paths (nothing is created). Raises ValueError for another stage or a missing name.
+    """
+    if stage not in ("pretrain", "finetune") or (stage == "finetune") != bool(name):
+        raise ValueError(f"run_paths: stage {stage!r} with name {name!r}; expected 'pretrain', or 'finetune' "
+                         f"with a run name")
+    stem = os.path.join(out_dir, task, "pretrain" if stage == "pretrain" else f"finetune_{name}")
+    paths = dict(best=stem + ".pt", last=stem + "_last.pt", init=stem + "_init.pt", log=stem + "_log.jsonl",
+                 snapshot=stem + "_step{step}.pt")
+    return dict(paths, json=stem + ".json") if stage == "finetune" else paths
+
+
+class TaskNames(tuple):
+    """The --task choices: the task families (the keys of PREPARE, section 8), with ucr/<Name> for any UCR data
+    set name (letters, digits, _ -) in place of ucr.
+
+    A tuple whose `in` also accepts every ucr/<Name>, so argparse's `choices=TASKS` takes ucr/GunPoint and its
+    error message lists every form.
+    """
+
+    def __contains__(self, task):
+        family, _, name = str(task).partition("/")
+        if name:
+            return family == "ucr" and re.fullmatch(r"[A-Za-z0-9_-]+", name) is not None  # no '..' or '/'
+        return family != "ucr" and tuple.__contains__(self, task)
+
+
+# The task families, ucr/<Name> standing for the UCR one (PREPARE, below, has one prepare function for each).
+TASKS = TaskNames(("listops", "synthetic", "text", "retrieval", "image", "fashion_mnist", "pathfinder", "pathx",
+                  "ucr/<Name>"))
+
+
+def task_family(task):
+    """The key of a task in PREPARE and in pretrain.py's presets: 'ucr/GunPoint' -> 'ucr', 'listops' -> 'listops'."""
+    return task.partition("/")[0]
+
+
+INPUT_KEYS = ("tokens", "values", "pixels")  # discrete ids, continuous values, raw 8-bit pixel intensities
+
+
+def check_split(d, path):
+    """Check that the tensors of a loaded split agree; raise ValueError naming `path` (and the first bad row)
+    unless: tokens (N, L) or (N, 2, L) / values (N, L, C) / pixels (N, L), lengths (N,) or (N, 2) for pairs,
+    labels (N,), lengths and labels integers, every length in 1..L (a zero length would make mean pooling
+    divide by 0), every label in 0..n_classes-1 when meta gives n_classes (else >= 0)."""
+    key = next(k for k in INPUT_KEYS if k in d)
+    x, lengths, labels = d[key], d["lengths"], d["labels"]
+    for name, t in ((key, x), ("lengths", lengths), ("labels", labels)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{path}: {name} is a {type(t).__name__}, expected a tensor")
+    dims = {"tokens": (2, 3), "values": (3,), "pixels": (2,)}[key]
+    if x.dim() not in dims:
+        forms = {2: "(N, L)", 3: "(N, 2, L)" if key == "tokens" else "(N, L, C)"}
+        raise ValueError(f"{path}: {key} has shape {tuple(x.shape)}, expected {' or '.join(forms[n] for n in dims)}")
+    pair = key == "tokens" and x.dim() == 3
+    n = x.shape[0]
+    if lengths.dim() == 0 or labels.dim() == 0 or lengths.shape[0] != n or labels.shape[0] != n:
+        raise ValueError(f"{path}: first dimensions disagree: {key} {tuple(x.shape)}, lengths "
+                         f"{tuple(lengths.shape)}, labels {tuple(labels.shape)}; expected one row per example in each")
+    want = tuple(x.shape[:2]) if pair else (n,)
+    if tuple(lengths.shape) != want or labels.dim() != 1:
+        raise ValueError(f"{path}: lengths {tuple(lengths.shape)} and labels {tuple(labels.shape)}, expected "
+                         f"{want} and ({n},) for {key} {tuple(x.shape)}")
+    for name, t in (("lengths", lengths), ("labels", labels)):
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise ValueError(f"{path}: {name} are {t.dtype}, expected integers")
+    width = x.shape[2] if pair else x.shape[1]
+    bad = torch.nonzero((lengths < 1) | (lengths > width))
+    if len(bad):
+        where = f"row {int(bad[0, 0])}, document {int(bad[0, 1])}" if pair else f"row {int(bad[0, 0])}"
+        raise ValueError(f"{path}, {where}: length {int(lengths[tuple(bad[0])])}, expected 1..{width} (the "
+                         f"width of {key}; a zero length has no position to pool)")
+    n_classes = d["meta"].get("n_classes")
+    bad = torch.nonzero((labels < 0) | (labels >= n_classes) if n_classes is not None else labels < 0)
+    if len(bad):
+        i = int(bad[0, 0])
+        raise ValueError(f"{path}, row {i}: label {int(labels[i])}, expected "
+                         + (f"0..{n_classes - 1} (meta n_classes {n_classes})" if n_classes is not None else ">= 0"))
+
+
+def load_split(data_dir, task, split):
+    """Load data/<task>/<split>.pt -> dict(tokens | values | pixels, lengths, labels, meta). Raises FileNotFoundError naming
+    the expected path and the command that makes it, or ValueError if the file is not this task's data or its
+    tensors disagree (`check_split`: shapes, lengths in 1..L, labels in 0..n_classes-1)."""
+    path = os.path.join(data_dir, task, f"{split}.pt")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found: run `python data.py --task {task} --data_dir {data_dir}`")
+    d = load_pt(path)
+    for key in ("lengths", "labels", "meta"):
+        if key not in d:
+            raise ValueError(f"{path}: missing field {key!r}; expected a file written by data.py")
+    if sum(key in d for key in INPUT_KEYS) != 1:
+        raise ValueError(f"{path}: expected exactly one of {INPUT_KEYS} (see the data.py docstring)")
+    if d["meta"].get("task") != task:
+        raise ValueError(f"{path}: holds task {d['meta'].get('task')!r}, expected {task!r}")
+    check_split(d, path)
+    return d
+
+
+def load_splits(data_dir, task, device="cpu"):
+    """{split: load_split(...)} for train, val and test, with inputs and labels on `device` (LRA splits fit in
+    GPU memory: no host-to-device copy per step); lengths stay on the CPU (see get_batch). Each split's
+    meta["file_sha256"] is the sha256 of its .pt file, so checkpoints and results name the exact data (a read of
+    every split file per run and rank: seconds, ~3 GB at the PathX paper size)."""
+    splits = {s: load_split(data_dir, task, s) for s in SPLITS}
+    for s, split in splits.items():
+        split["meta"] = dict(split["meta"], file_sha256=sha256_of(os.path.join(data_dir, task, f"{s}.pt")))
+    for split in splits.values():
+        for key in INPUT_KEYS + ("labels",):
+            if key in split:
+                split[key] = split[key].to(device)
+    return splits
+
+
+def single_sequences(x, lengths):
+    """Document pairs (Retrieval: tokens (B, 2, L), lengths (B, 2)) -> 2B sequences (2B, L), (2B,), so that
+    SPT masks and reconstructs each document on its own (and the analyses look at each); any other batch is
+    returned as it is."""
+    if lengths.dim() == 2:
+        return x.flatten(0, 1), lengths.flatten()
+    return x, lengths
+
+
+def batch_indices(lengths, batch_size, shuffle, seed=0, epoch=0, bucket=50, min_rows=1):
+    """The batches of one epoch, as a list of index tensors (B,) into the split.
+
+    With `shuffle`, the order is a permutation seeded by (seed, epoch), so a resumed run sees the same batches.
+    To keep padding small, each window of `bucket` batches is sorted by length before it is cut into batches,
+    and the batches are then shuffled. Without `shuffle` (evaluation) the split is simply sorted by length.
+    The last batch may be smaller than `batch_size`; with `shuffle`, one smaller than `min_rows` (under torchrun:
+    the number of ranks, each of which needs a row) joins the batch before it, so in that case a DDP run's
+    batches differ from a single process's. Document pairs (lengths (N, 2)) sort by their longer one.
+    """
+    if lengths.dim() == 2:
+        lengths = lengths.max(dim=1).values
+    n = len(lengths)
+    if not shuffle:
+        order = torch.argsort(lengths, stable=True)
+        return list(torch.split(order, batch_size))
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    perm = torch.randperm(n, generator=g)
+    window = batch_size * bucket
+    chunks = [c[torch.argsort(lengths[c], stable=True)] for c in torch.split(perm, window)]
+    batches = list(torch.split(torch.cat(chunks), batch_size))
+    if len(batches) > 1 and len(batches[-1]) < min_rows:
+        batches[-2:] = [torch.cat(batches[-2:])]
+    return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
+
+
+def get_batch(split, idx, device, multiple=64):
+    """Gather the sequences `idx` (B,) from a loaded split and trim padding to the longest one.
+
+    Returns x and labels (B,) int64 on `device`, lengths on the CPU (pinned for CUDA), where x is
+      tokens (B, L_batch) int64                  discrete tasks, lengths (B,)
+      tokens (B, 2, L_batch) int64               document pairs (Retrieval), lengths (B, 2)
+      values (B, L_batch, C) float32             continuous tasks, lengths (B,)
+      values (B, L_batch, 1) float32             pixel tasks: (pixels / 255 - pixel_mean) / pixel_std
+    L_batch is the longest length rounded up to a `multiple` (at most the stored width): few distinct shapes, so
+    GPU kernels chosen per shape are reused. Lengths stay on the CPU, so L_batch and the model's has-padding
+    check are known without waiting for the GPU.
+    """
+    lengths = split["lengths"][idx]
+    key = next(k for k in INPUT_KEYS if k in split)
+    width = split[key].shape[2 if split[key].dim() == 3 and key == "tokens" else 1]
+    L = min(-(-int(lengths.max()) // multiple) * multiple, width)
+    idx = _to_device(idx, split["labels"].device)
+    if key == "tokens":
+        x = split["tokens"][idx, ..., :L].long()
+    elif key == "values":
+        x = split["values"][idx, :L].float()
+    else:
+        meta = split["meta"]
+        x = ((split["pixels"][idx, :L].float() / 255 - meta["pixel_mean"]) / meta["pixel_std"])[..., None]
+    if torch.device(device).type == "cuda":
+        lengths = lengths.pin_memory()  # the model copies them to the GPU without waiting (model.on)
+    return x.to(device), lengths, split["labels"][idx].to(device)
+
+
+def _to_device(t, device):
+    """CPU tensor -> device; to CUDA through pinned memory, so the copy does not wait for queued GPU work."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 1. File helpers and downloads (standard library only: urllib, hashlib, tarfile, zipfile)
+# ----------------------------------------------------------------------------------------------------------
 
 def sha256_of(path):
     """Hex sha256 of a file, read in 1 MiB chunks (recorded in the metadata so results can name their data)."""
@@ -353,14 +574,16 @@ def generate_listops(n, seed, min_length=500, max_length=2000, **tree_kwargs):
 
 
 def write_listops_tsv(path, rows):
-    """Write (source, label) rows in the LRA release format: header 'Source<TAB>Target', tab-separated."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", newline="") as f:
-        w = csv.writer(f, delimiter="\t", lineterminator="\n")
+    """Write (source, label) rows in the LRA release format: header 'Source<TAB>Target', tab-separated
+    (save_atomic; streamed through the file object, so the text is never held in memory a second time)."""
+    def write(f):
+        text = io.TextIOWrapper(f, encoding="utf-8", newline="")
+        w = csv.writer(text, delimiter="\t", lineterminator="\n")
         w.writerow(["Source", "Target"])
         w.writerows(rows)
-    os.replace(tmp, path)
+        text.flush()
+        text.detach()  # leave f open for save_atomic's fsync
+    save_atomic(write, path)
 
 
 def read_listops_tsv(path):
@@ -521,8 +744,8 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
         rows = generate_listops(n_train + n_val + n_test, seed, min_length, max_length)
         for s, part in zip(SPLITS, (rows[:n_train], rows[n_train:n_train + n_val], rows[n_train + n_val:])):
             write_listops_tsv(tsv[s], part)
-        with open(marker, "w") as f:  # tells our generated TSVs from the release's (whose sizes are not a setting)
-            json.dump(dict(n_train=n_train, n_val=n_val, n_test=n_test, seed=seed), f)
+        # the marker tells our generated TSVs from the release's (whose sizes are not a setting)
+        save_atomic(dict(n_train=n_train, n_val=n_val, n_test=n_test, seed=seed), marker)
     else:
         print(f"ListOps: reading basic_{{train,val,test}}.tsv in {folder}/")
     parsed = {s: read_listops_tsv(tsv[s]) for s in SPLITS}
@@ -569,7 +792,7 @@ def generate_trajectories(n, seed, length=100, omega_range=(0.05, 0.30), heading
     return values.float(), labels.long()
 
 
-def prepare_synthetic(data_dir="data", n_train=5000, n_val=1000, n_test=1000, seed=0, length=100, **_):
+def prepare_synthetic(data_dir="data", n_train=5000, n_val=1000, n_test=1000, seed=0, length=100):
     """Write data/synthetic/{train,val,test}.pt (continuous values (N, length, 2), all of full length)."""
     sizes = dict(train=n_train, val=n_val, test=n_test)
     for i, s in enumerate(SPLITS):
@@ -932,7 +1155,7 @@ def download_ucr(name, folder, base_url=UCR_URL, sha256=None, timeout=60):
 
 
 def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, download=True, base_url=UCR_URL,
-                sha256=None, **_):
+                sha256=None):
     """Write data/ucr/<name>/{train,val,test}.pt for the UCR data set `name` (task `ucr/<name>`).
 
     The files are looked for with `find_ucr` (data_dir/ucr/<name>/, then installed packages), and downloaded
@@ -1093,7 +1316,7 @@ def _save_splits(task_dir, splits, meta):
     return sizes
 
 
-def prepare_text(data_dir="data", max_len=4096, download=True, url=IMDB_URL, sha256=None, **_):
+def prepare_text(data_dir="data", max_len=4096, download=True, url=IMDB_URL, sha256=None):
     """Write data/text/{train,val,test}.pt from the IMDb reviews in data/text/aclImdb/ (downloaded if absent).
 
     tokens (N, max_len) int16 bytes + 2; val and test are both the IMDb test set (LRA; Amos et al.). Returns the
@@ -1149,7 +1372,7 @@ def read_aan_tsv(path):
     return docs1, docs2, labels
 
 
-def prepare_retrieval(data_dir="data", max_len=4000, download=True, url=LRA_URL, sha256=None, **_):
+def prepare_retrieval(data_dir="data", max_len=4000, download=True, url=LRA_URL, sha256=None):
     """Write data/retrieval/{train,val,test}.pt from new_aan_pairs.{train,eval,test}.tsv in data/retrieval/
     (extracted from the LRA release, downloaded if absent). tokens (N, 2, max_len) int16, lengths (N, 2): each
     document byte-encoded and truncated on its own. Returns the split sizes."""
@@ -1228,7 +1451,10 @@ def to_grayscale(rgb):
 
 
 def _split_off_val(n, n_val, seed):
-    """A fixed random split of range(n) into (train indices, val indices) with `n_val` for validation."""
+    """A fixed random split of range(n) into (train indices, val indices) with `n_val` for validation; ValueError
+    unless 1 <= n_val < n (a validation split that would leave no training example)."""
+    if not 1 <= n_val < n:
+        raise ValueError(f"n_val {n_val}: expected 1..{n - 1} for {n} training examples (the rest are trained on)")
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     return perm[n_val:].sort().values, perm[:n_val].sort().values
 
@@ -1249,7 +1475,7 @@ def _pixel_meta(task, L, n_classes, mean, std, source, seed, **more):
                 pixel_std=std, source=source, seed=seed, **more)
 
 
-def prepare_image(data_dir="data", n_val=5000, seed=42, download=True, url=CIFAR_URL, sha256=None, **_):
+def prepare_image(data_dir="data", n_val=5000, seed=42, download=True, url=CIFAR_URL, sha256=None):
     """Write data/image/{train,val,test}.pt from data/image/cifar-10-batches-py/ (downloaded if absent):
     grayscale, 1024 pixels per image, 45k/5k train/val (seed 42, as s4 / Amos et al.) and the 10k test set."""
     task_dir = os.path.join(data_dir, "image")
@@ -1325,7 +1551,7 @@ def download_fashion_mnist(folder, base_url=FASHION_DOWNLOAD_URL, md5=None, time
 
 
 def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, download=True, url=FASHION_DOWNLOAD_URL,
-                          resolution=32, n_train=None, **_):
+                          resolution=32, n_train=None):
     """Write data/fashion_mnist/{train,val,test}.pt: Fashion-MNIST (Xiao et al. 2017; 28x28 grayscale, 10
     classes) padded with 2 black pixels per side to 32x32 = 1024 pixels, the offline stand-in for the Image task
     (same input kind and length). 55k/5k train/val (seed 42), 10k test; normalized with the training set's own
@@ -1735,8 +1961,8 @@ def write_pathfinder_release(root, images, labels, per_folder=1000, contour_leng
     PLAIN TEXT despite the extension, like the release. The columns after the label follow the generator's
     `accumulate_meta` and hold PATHFINDER_SETTINGS[R] values, `contour_length` (the difficulty: 6, 9, 14) and
     contour_length // 3; n_paddle_contrasts is 1 (one contrast). Readers use only the first four columns.
-    Every file is written as <name>.tmp and then renamed, so an interrupted run never leaves a half-written
-    file under its final name. Raises ValueError for mismatched shapes, a non-uint8 array, an unknown
+    Every file is written with save_atomic (<name>.tmp, then renamed), so an interrupted run never leaves a
+    half-written file under its final name. Raises ValueError for mismatched shapes, a non-uint8 array, an unknown
     resolution, labels outside {0, 1} or per_folder < 1.
     """
     images, labels = np.asarray(images), np.asarray(labels)
@@ -1757,14 +1983,11 @@ def write_pathfinder_release(root, images, labels, per_folder=1000, contour_leng
         lines = []
         for i in range(min(per_folder, len(images) - k * per_folder)):
             j = k * per_folder + i
-            path = os.path.join(root, folder, f"sample_{i}.png")
-            Image.fromarray(images[j]).save(path + ".tmp", format="PNG")   # a 2-D uint8 array -> mode "L"
-            os.replace(path + ".tmp", path)
+            # a 2-D uint8 array -> mode "L"
+            save_atomic(lambda f: Image.fromarray(images[j]).save(f, format="PNG"),
+                        os.path.join(root, folder, f"sample_{i}.png"), fsync=False)  # thousands of small files
             lines.append(f"{folder} sample_{i}.png {i} {int(labels[j])} {extra}\n")
-        meta = os.path.join(root, "metadata", f"{k}.npy")
-        with open(meta + ".tmp", "w") as f:
-            f.writelines(lines)
-        os.replace(meta + ".tmp", meta)
+        save_atomic("".join(lines), os.path.join(root, "metadata", f"{k}.npy"))
 
 
 def read_pathfinder_release(root):
@@ -1834,7 +2057,7 @@ def save_pathfinder_grid(images, labels, path, n=16):
     """Save the first `n` images as a PNG grid titled "connected" (label 1) / "not connected" (label 0).
 
     images: uint8 (N, R, R); labels: (N,). Drawn with matplotlib's Agg canvas (no pyplot, no global backend
-    change), grey scale 0..255, one image pixel = one block, ready for a README. Written as <path>.tmp, renamed.
+    change), grey scale 0..255, one image pixel = one block, ready for a README. Written with save_atomic.
     Raises ValueError if there is no image to show.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -1856,12 +2079,11 @@ def save_pathfinder_grid(images, labels, path, n=16):
     res = images.shape[1]
     fig.suptitle(f"PathFinder {res}x{res}: are the two marker dots on the same contour?", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path + ".tmp", format="png", dpi=100)
-    os.replace(path + ".tmp", path)
+    save_atomic(lambda f: fig.savefig(f, format="png", dpi=100), path)
 
 
 def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=42, generate=None,
-                       generate_if_missing=None, download=True, url=LRA_URL, sha256=None, task="pathfinder", **_):
+                       generate_if_missing=None, download=True, url=LRA_URL, sha256=None, task="pathfinder"):
     """Write data/<task>/{train,val,test}.pt from the PathFinder release folder
     data/<task>/pathfinder<resolution>/<difficulty folder>/ (PATHFINDER_DIFFICULTY).
 
@@ -1890,8 +2112,7 @@ def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=4
         write_pathfinder_release(root, images, labels, contour_length=contour_length)
         save_pathfinder_grid(images, labels, os.path.join(task_dir, "samples.png"))
         print(f"generated {generate} images in {root}; a look at 16 of them: {task_dir}/samples.png")
-        with open(marker, "w") as f:
-            json.dump(dict(n=generate, seed=seed, resolution=resolution, contour_length=contour_length), f)
+        save_atomic(dict(n=generate, seed=seed, resolution=resolution, contour_length=contour_length), marker)
     elif not os.path.isdir(os.path.join(root, "metadata")):
         prefix = f"{LRA_INNER}pathfinder{resolution}/{sub}/"
         fetched = _fetch(root, "metadata", url, os.path.join(data_dir, "lra_release.gz"), prefix, download,
@@ -1912,126 +2133,96 @@ def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=4
     return _save_splits(task_dir, splits, meta)
 
 
-def prepare_pathx(data_dir="data", resolution=128, **kwargs):
-    """PathX: PathFinder at 128 x 128 (L = 16384), the hard set (LRA). See prepare_pathfinder."""
-    return prepare_pathfinder(data_dir, resolution=resolution, task="pathx", **kwargs)
+def prepare_pathx(data_dir="data", resolution=128, difficulty="hard", seed=42, generate=None,
+                  generate_if_missing=None, download=True, url=LRA_URL, sha256=None):
+    """PathX: PathFinder at 128 x 128 (L = 16384), the hard set (LRA), in data/pathx/. See prepare_pathfinder."""
+    return prepare_pathfinder(data_dir, resolution=resolution, difficulty=difficulty, seed=seed, generate=generate,
+                              generate_if_missing=generate_if_missing, download=download, url=url, sha256=sha256,
+                              task="pathx")
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 8. Loading splits and batching (used by pretrain.py and finetune.py)
+# 8. Any task by name: prepare, and the data settings the stages check against the prepared data
 # ----------------------------------------------------------------------------------------------------------
 
 PREPARE = {"listops": prepare_listops, "synthetic": prepare_synthetic, "ucr": prepare_ucr, "text": prepare_text,
            "retrieval": prepare_retrieval, "image": prepare_image, "fashion_mnist": prepare_fashion_mnist,
            "pathfinder": prepare_pathfinder, "pathx": prepare_pathx}
+assert sorted(map(task_family, TASKS)) == sorted(PREPARE), "TASKS (section 0) and PREPARE name other task families"
+
+# How prepare's errors spell a keyword: as the data.py flag that sets it (--no_download sets download=False); a
+# keyword that no flag sets (url, base_url, min_length, max_length, generate_if_missing) by its name.
+CLI_FLAGS = dict({k: f"--{k}" for k in ("seed", "n_train", "n_val", "n_test", "max_len", "length", "truncate",
+                                        "val_fraction", "generate", "resolution", "difficulty", "sha256")},
+                 download="--no_download")
 
 
-class TaskNames(tuple):
-    """The --task choices: the names of PREPARE, and ucr/<Name> for any UCR data set name (letters, digits, _ -).
-
-    A tuple whose `in` also accepts every ucr/<Name>, so argparse's `choices=TASKS` takes ucr/GunPoint and its
-    error message lists every form.
-    """
-
-    def __contains__(self, task):
-        family, _, name = str(task).partition("/")
-        if name:
-            return family == "ucr" and re.fullmatch(r"[A-Za-z0-9_-]+", name) is not None  # no '..' or '/'
-        return family != "ucr" and tuple.__contains__(self, task)
-
-
-TASKS = TaskNames([t for t in PREPARE if t != "ucr"] + ["ucr/<Name>"])
-
-
-def task_family(task):
-    """The key of a task in PREPARE and in pretrain.py's presets: 'ucr/GunPoint' -> 'ucr', 'listops' -> 'listops'."""
-    return task.partition("/")[0]
+def prepare_keywords(task):
+    """The keywords that prepare(task, data_dir, ...) takes: the parameters of the task family's prepare
+    function (inspect.signature), less data_dir and what prepare fills in itself (the UCR data set name, taken
+    from ucr/<Name>; PathFinder's task, which prepare_pathx sets)."""
+    params = inspect.signature(PREPARE[task_family(task)]).parameters.values()
+    return tuple(q.name for q in params if q.kind in (q.POSITIONAL_OR_KEYWORD, q.KEYWORD_ONLY)
+                 and q.name not in ("data_dir", "name", "task"))
 
 
 def prepare(task, data_dir="data", **kwargs):
     """Write data/<task>/{train,val,test}.pt for any task: PREPARE[task_family(task)](data_dir, **kwargs), with
-    the data set name as well for ucr/<Name>. Returns the dict of split sizes."""
+    the data set name as well for ucr/<Name>. Returns the dict of split sizes.
+
+    A keyword that the task's prepare function does not take (`prepare_keywords`) is a ValueError naming it (as
+    its data.py flag, CLI_FLAGS) and the task, and listing what the task takes, before anything is read or
+    written: a setting that does not apply is never silently ignored."""
+    takes = prepare_keywords(task)
+    wrong = [k for k in kwargs if k not in takes]
+    if wrong:
+        spell = lambda k: CLI_FLAGS.get(k, k)  # noqa: E731
+        raise ValueError(f"{', '.join(map(spell, wrong))} {'does' if len(wrong) == 1 else 'do'} not apply to "
+                         f"--task {task} (it takes: {', '.join(map(spell, takes))})")
     family, _, name = task.partition("/")
     if family == "ucr":
-        return prepare_ucr(data_dir, name, **kwargs)
+        return PREPARE["ucr"](data_dir, name, **kwargs)
     return PREPARE[family](data_dir, **kwargs)
 
 
-INPUT_KEYS = ("tokens", "values", "pixels")  # discrete ids, continuous values, raw 8-bit pixel intensities
+# What the stages (pretrain.py, finetune.py) pass: data settings every preset of a task implies without naming
+# them (prepare_pathfinder's defaults), the stage flags that change a task's data and the tasks each applies to,
+# and the task families whose data is fetched from the web (only with --download).
+IMPLIED_DATA = {"pathfinder": dict(resolution=32, difficulty="hard"), "pathx": dict(resolution=128, difficulty="hard")}
+STAGE_DATA_FLAGS = {"max_len": ("listops", "text", "retrieval"), "resolution": ("pathfinder", "pathx", "fashion_mnist"),
+                    "difficulty": ("pathfinder", "pathx")}
+DOWNLOADED = ("text", "retrieval", "image", "fashion_mnist", "pathfinder", "pathx", "ucr")
 
 
-def check_split(d, path):
-    """Check that the tensors of a loaded split agree; raise ValueError naming `path` (and the first bad row)
-    unless: tokens (N, L) or (N, 2, L) / values (N, L, C) / pixels (N, L), lengths (N,) or (N, 2) for pairs,
-    labels (N,), lengths and labels integers, every length in 1..L (a zero length would make mean pooling
-    divide by 0), every label in 0..n_classes-1 when meta gives n_classes (else >= 0)."""
-    key = next(k for k in INPUT_KEYS if k in d)
-    x, lengths, labels = d[key], d["lengths"], d["labels"]
-    for name, t in ((key, x), ("lengths", lengths), ("labels", labels)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{path}: {name} is a {type(t).__name__}, expected a tensor")
-    dims = {"tokens": (2, 3), "values": (3,), "pixels": (2,)}[key]
-    if x.dim() not in dims:
-        forms = {2: "(N, L)", 3: "(N, 2, L)" if key == "tokens" else "(N, L, C)"}
-        raise ValueError(f"{path}: {key} has shape {tuple(x.shape)}, expected {' or '.join(forms[n] for n in dims)}")
-    pair = key == "tokens" and x.dim() == 3
-    n = x.shape[0]
-    if lengths.dim() == 0 or labels.dim() == 0 or lengths.shape[0] != n or labels.shape[0] != n:
-        raise ValueError(f"{path}: first dimensions disagree: {key} {tuple(x.shape)}, lengths "
-                         f"{tuple(lengths.shape)}, labels {tuple(labels.shape)}; expected one row per example in each")
-    want = tuple(x.shape[:2]) if pair else (n,)
-    if tuple(lengths.shape) != want or labels.dim() != 1:
-        raise ValueError(f"{path}: lengths {tuple(lengths.shape)} and labels {tuple(labels.shape)}, expected "
-                         f"{want} and ({n},) for {key} {tuple(x.shape)}")
-    for name, t in (("lengths", lengths), ("labels", labels)):
-        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-            raise ValueError(f"{path}: {name} are {t.dtype}, expected integers")
-    width = x.shape[2] if pair else x.shape[1]
-    bad = torch.nonzero((lengths < 1) | (lengths > width))
-    if len(bad):
-        where = f"row {int(bad[0, 0])}, document {int(bad[0, 1])}" if pair else f"row {int(bad[0, 0])}"
-        raise ValueError(f"{path}, {where}: length {int(lengths[tuple(bad[0])])}, expected 1..{width} (the "
-                         f"width of {key}; a zero length has no position to pool)")
-    n_classes = d["meta"].get("n_classes")
-    bad = torch.nonzero((labels < 0) | (labels >= n_classes) if n_classes is not None else labels < 0)
-    if len(bad):
-        i = int(bad[0, 0])
-        raise ValueError(f"{path}, row {i}: label {int(labels[i])}, expected "
-                         + (f"0..{n_classes - 1} (meta n_classes {n_classes})" if n_classes is not None else ">= 0"))
+def expected_settings(task, preset_data, flags):
+    """The data settings a run expects: IMPLIED_DATA, the preset's data dict, then the stage's data flags
+    (flags: {name: value or None}, names of STAGE_DATA_FLAGS). Raises ValueError naming a flag that was given for
+    a task it does not apply to."""
+    family = task_family(task)
+    settings = dict(IMPLIED_DATA.get(family, {}), **preset_data)
+    for key, value in flags.items():
+        if value is not None:
+            if family not in STAGE_DATA_FLAGS[key]:
+                raise ValueError(f"--{key} does not apply to --task {task} (only to {', '.join(STAGE_DATA_FLAGS[key])})")
+            settings[key] = value
+    return settings
 
 
-def load_split(data_dir, task, split):
-    """Load data/<task>/<split>.pt -> dict(tokens | values | pixels, lengths, labels, meta). Raises FileNotFoundError naming
-    the expected path and the command that makes it, or ValueError if the file is not this task's data or its
-    tensors disagree (`check_split`: shapes, lengths in 1..L, labels in 0..n_classes-1)."""
-    path = os.path.join(data_dir, task, f"{split}.pt")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} not found: run `python data.py --task {task} --data_dir {data_dir}`")
-    d = load_pt(path)
-    for key in ("lengths", "labels", "meta"):
-        if key not in d:
-            raise ValueError(f"{path}: missing field {key!r}; expected a file written by data.py")
-    if sum(key in d for key in INPUT_KEYS) != 1:
-        raise ValueError(f"{path}: expected exactly one of {INPUT_KEYS} (see the data.py docstring)")
-    if d["meta"].get("task") != task:
-        raise ValueError(f"{path}: holds task {d['meta'].get('task')!r}, expected {task!r}")
-    check_split(d, path)
-    return d
-
-
-def load_splits(data_dir, task, device="cpu"):
-    """{split: load_split(...)} for train, val and test, with inputs and labels on `device` (LRA splits fit in
-    GPU memory: no host-to-device copy per step); lengths stay on the CPU (see get_batch). Each split's
-    meta["file_sha256"] is the sha256 of its .pt file, so checkpoints and results name the exact data (a read of
-    every split file per run and rank: seconds, ~3 GB at the PathX paper size)."""
-    splits = {s: load_split(data_dir, task, s) for s in SPLITS}
-    for s, split in splits.items():
-        split["meta"] = dict(split["meta"], file_sha256=sha256_of(os.path.join(data_dir, task, f"{s}.pt")))
-    for split in splits.values():
-        for key in INPUT_KEYS + ("labels",):
-            if key in split:
-                split[key] = split[key].to(device)
-    return splits
+def check_settings(meta, settings, task, data_dir, preset, accept=False):
+    """Compare the prepared data's meta with the settings the run expects (data_mismatches). A mismatch is a
+    ValueError naming both values and the `python data.py` command that prepares the expected data in another
+    folder (<data_dir>_<preset>), unless `accept` (--accept_data): then a printed warning."""
+    wrong = data_mismatches(meta, settings)
+    if not wrong:
+        return
+    what = "; ".join(f"{key}: the run expects {want!r}, the data has {found!r}" for key, want, found in wrong)
+    if accept:
+        print(f"warning: --accept_data: training on {data_dir}/{task} as it is ({what})")
+        return
+    raise ValueError(f"{data_dir}/{task} was prepared with other settings than preset {preset} and the flags imply "
+                     f"({what}). To fix: prepare the data this run expects in another folder: "
+                     f"`{prepare_command(task, data_dir + '_' + preset, settings)}` and pass --data_dir "
+                     f"{data_dir}_{preset}; or pass --accept_data to train on the data as it is")
 
 
 # The data settings a preset or a stage's flags can imply, and where the prepared data's meta records each one.
@@ -2071,117 +2262,53 @@ def prepare_command(task, data_dir, settings):
     return f"python data.py --task {task} --data_dir {data_dir}{flags}"
 
 
-def batch_indices(lengths, batch_size, shuffle, seed=0, epoch=0, bucket=50, min_rows=1):
-    """The batches of one epoch, as a list of index tensors (B,) into the split.
-
-    With `shuffle`, the order is a permutation seeded by (seed, epoch), so a resumed run sees the same batches.
-    To keep padding small, each window of `bucket` batches is sorted by length before it is cut into batches,
-    and the batches are then shuffled. Without `shuffle` (evaluation) the split is simply sorted by length.
-    The last batch may be smaller than `batch_size`; with `shuffle`, one smaller than `min_rows` (under torchrun:
-    the number of ranks, each of which needs a row) joins the batch before it, so in that case a DDP run's
-    batches differ from a single process's. Document pairs (lengths (N, 2)) sort by their longer one.
-    """
-    if lengths.dim() == 2:
-        lengths = lengths.max(dim=1).values
-    n = len(lengths)
-    if not shuffle:
-        order = torch.argsort(lengths, stable=True)
-        return list(torch.split(order, batch_size))
-    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
-    perm = torch.randperm(n, generator=g)
-    window = batch_size * bucket
-    chunks = [c[torch.argsort(lengths[c], stable=True)] for c in torch.split(perm, window)]
-    batches = list(torch.split(torch.cat(chunks), batch_size))
-    if len(batches) > 1 and len(batches[-1]) < min_rows:
-        batches[-2:] = [torch.cat(batches[-2:])]
-    return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
-
-
-def get_batch(split, idx, device, multiple=64):
-    """Gather the sequences `idx` (B,) from a loaded split and trim padding to the longest one.
-
-    Returns x and labels (B,) int64 on `device`, lengths on the CPU (pinned for CUDA), where x is
-      tokens (B, L_batch) int64                  discrete tasks, lengths (B,)
-      tokens (B, 2, L_batch) int64               document pairs (Retrieval), lengths (B, 2)
-      values (B, L_batch, C) float32             continuous tasks, lengths (B,)
-      values (B, L_batch, 1) float32             pixel tasks: (pixels / 255 - pixel_mean) / pixel_std
-    L_batch is the longest length rounded up to a `multiple` (at most the stored width): few distinct shapes, so
-    GPU kernels chosen per shape are reused. Lengths stay on the CPU, so L_batch and the model's has-padding
-    check are known without waiting for the GPU.
-    """
-    lengths = split["lengths"][idx]
-    key = next(k for k in INPUT_KEYS if k in split)
-    width = split[key].shape[2 if split[key].dim() == 3 and key == "tokens" else 1]
-    L = min(-(-int(lengths.max()) // multiple) * multiple, width)
-    idx = _to_device(idx, split["labels"].device)
-    if key == "tokens":
-        x = split["tokens"][idx, ..., :L].long()
-    elif key == "values":
-        x = split["values"][idx, :L].float()
-    else:
-        meta = split["meta"]
-        x = ((split["pixels"][idx, :L].float() / 255 - meta["pixel_mean"]) / meta["pixel_std"])[..., None]
-    if torch.device(device).type == "cuda":
-        lengths = lengths.pin_memory()  # the model copies them to the GPU without waiting (model.on)
-    return x.to(device), lengths, split["labels"][idx].to(device)
-
-
-def _to_device(t, device):
-    """CPU tensor -> device; to CUDA through pinned memory, so the copy does not wait for queued GPU work."""
-    device = torch.device(device)
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # 9. Command line
 # ----------------------------------------------------------------------------------------------------------
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Prepare a task's data as data/<task>/{train,val,test}.pt",
+    """Prepare one task with the flags given: only those are passed to `prepare` (every other setting is the
+    prepare function's default), and a flag that does not apply to the task is a ValueError naming both."""
+    p = argparse.ArgumentParser(description="Prepare a task's data as data/<task>/{train,val,test}.pt. A flag that "
+                                            "does not apply to the task is an error.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    UNSET = argparse.SUPPRESS  # a flag not given is not set at all: the task's own default (in parentheses) holds
     p.add_argument("--task", required=True, choices=TASKS)
     p.add_argument("--data_dir", default="data", help="root folder; raw files are looked for in <data_dir>/<task>")
-    p.add_argument("--seed", type=int, default=None, help="seed of the generator or of the validation split (not "
-                                                          "of training); unset: 0, or 42 for image/pathfinder")
-    p.add_argument("--n_train", type=int, default=None,
-                   help="ListOps, synthetic: generated training sequences (default: LRA's 96000; synthetic 5000); "
-                        "fashion_mnist: a training subset (default: all 55000)")
-    p.add_argument("--n_val", type=int, default=None, help="ListOps, synthetic: validation sequences (2000; 1000); fashion_mnist: validation "
-                                                          "images held out of TRAIN (5000)")
-    p.add_argument("--n_test", type=int, default=None, help="ListOps, synthetic: test sequences (2000; 1000)")
-    p.add_argument("--max_len", type=int, default=None,
-                   help="longest sequence kept: ListOps 2000 (longer is an error unless --truncate); Text 4096 and "
-                        "Retrieval 4000 bytes per document (longer documents are cut, and counted)")
-    p.add_argument("--length", type=int, default=None, help="synthetic: trajectory length (default 100)")
-    p.add_argument("--truncate", action="store_true", help="ListOps: cut longer sequences (counted), not fail")
-    p.add_argument("--val_fraction", type=float, default=0.2, help="UCR: share of TRAIN held out for validation")
-    p.add_argument("--generate", type=int, default=None,
-                   help="PathFinder/PathX: generate this many images with our generator (release layout)")
-    p.add_argument("--resolution", type=int, default=None, help="PathFinder/PathX: image side (32 / 128); fashion_mnist: 32 (padded "
-                                                               "28x28) or 16 (2x2 means)")
-    p.add_argument("--difficulty", default="hard", choices=("easy", "intermediate", "hard"),
-                   help="PathFinder/PathX: contour length 6 / 9 / 14")
-    p.add_argument("--no_download", action="store_true", help="fail instead of downloading missing data")
-    p.add_argument("--sha256", default=None, help="expected sha256 of the downloaded archive (checked if given)")
+    p.add_argument("--seed", type=int, default=UNSET,
+                   help="listops, synthetic, ucr, image, fashion_mnist, pathfinder, pathx: seed of the generator or "
+                        "of the validation split (not of training) (0; 42 for image, fashion_mnist, pathfinder, pathx)")
+    p.add_argument("--n_train", type=int, default=UNSET,
+                   help="listops, synthetic: generated training sequences (LRA's 96000; synthetic 5000); "
+                        "fashion_mnist: a training subset (all 55000)")
+    p.add_argument("--n_val", type=int, default=UNSET,
+                   help="listops, synthetic: validation sequences (2000; 1000); image, fashion_mnist: validation "
+                        "images held out of TRAIN (5000)")
+    p.add_argument("--n_test", type=int, default=UNSET, help="listops, synthetic: test sequences (2000; 1000)")
+    p.add_argument("--max_len", type=int, default=UNSET,
+                   help="longest sequence kept: listops 2000 (longer is an error unless --truncate); text 4096 and "
+                        "retrieval 4000 bytes per document (longer documents are cut, and counted)")
+    p.add_argument("--length", type=int, default=UNSET, help="synthetic: trajectory length (100)")
+    p.add_argument("--truncate", action="store_true", default=UNSET,
+                   help="listops: cut longer sequences (counted), not fail")
+    p.add_argument("--val_fraction", type=float, default=UNSET,
+                   help="ucr: share of TRAIN held out for validation (0.2)")
+    p.add_argument("--generate", type=int, default=UNSET,
+                   help="pathfinder, pathx: generate this many images with our generator (release layout)")
+    p.add_argument("--resolution", type=int, default=UNSET,
+                   help="pathfinder, pathx: image side (32; 128); fashion_mnist: 32 (padded 28x28) or 16 (2x2 means)")
+    p.add_argument("--difficulty", default=UNSET, choices=tuple(PATHFINDER_DIFFICULTY),
+                   help="pathfinder, pathx: contour length 6 / 9 / 14 (hard)")
+    p.add_argument("--no_download", dest="download", action="store_false", default=UNSET,
+                   help="ucr, text, retrieval, image, fashion_mnist, pathfinder, pathx: fail instead of downloading "
+                        "missing data")
+    p.add_argument("--sha256", default=UNSET,
+                   help="ucr, text, retrieval, image, pathfinder, pathx: expected sha256 of the downloaded archive "
+                        "(checked if given; fashion_mnist checks the published MD5s)")
     a = p.parse_args(argv)
-    family = task_family(a.task)
-    given = {k: v for k, v in dict(seed=a.seed, max_len=a.max_len, resolution=a.resolution).items() if v is not None}
-    fetch = dict(download=not a.no_download, sha256=a.sha256)
-    sizes = {k: v for k, v in dict(n_train=a.n_train, n_val=a.n_val, n_test=a.n_test).items() if v is not None}
-    if family == "listops":
-        prepare(a.task, a.data_dir, truncate=a.truncate, **sizes, **given)
-    elif family == "synthetic":
-        prepare(a.task, a.data_dir, **sizes, **given, **({} if a.length is None else dict(length=a.length)))
-    elif family == "ucr":
-        prepare(a.task, a.data_dir, val_fraction=a.val_fraction, **given, **fetch)
-    elif family in ("pathfinder", "pathx"):
-        prepare(a.task, a.data_dir, generate=a.generate, difficulty=a.difficulty, **given, **fetch)
-    elif family == "fashion_mnist":
-        prepare(a.task, a.data_dir, **{k: v for k, v in sizes.items() if k != "n_test"}, **given, **fetch)
-    else:
-        prepare(a.task, a.data_dir, **given, **fetch)
+    given = {k: v for k, v in vars(a).items() if k not in ("task", "data_dir")}  # only the flags given
+    assert set(given) <= set(CLI_FLAGS), f"a data.py flag missing from CLI_FLAGS: {set(given) - set(CLI_FLAGS)}"
+    prepare(a.task, a.data_dir, **given)
 
 
 def run_cli(main_fn):

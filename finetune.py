@@ -26,32 +26,18 @@ the paper size on one GPU (Coser et al. Table 2; not yet run here). Synthetic ta
 init-scale grid it stays on it at small init scales and longer trajectories (README, Results).
 """
 import json
-import os
 import time
 
 import torch
 import torch.nn.functional as F
 
 import data
-from model import ModelConfig, Transformer, config_from_dict, unwrapped_state_dict
-from pretrain import (MODEL_FLAGS, accumulator_dtype, autocast, build_parser, data_hashes, epoch_batches, global_sum,
-                      local_rows, prepare_data, resolve, run_record, train, wrap)
+from model import ModelConfig, Transformer, autocast, config_from_dict, param_group, unwrapped_state_dict
+from pretrain import (MODEL_FLAGS, build_parser, data_hashes, epoch_batches, evaluate, local_rows, prepare_data, resolve,
+                      run_record, train, wrap)
 
 
-# Parameter groups of Coser et al. Table 3, by parameter name (used by --inherit, --freeze and analyze.py).
-PARAM_GROUPS = {
-    "W_Q": lambda n: ".attn.q_proj." in n,
-    "W_K": lambda n: ".attn.k_proj." in n,
-    "W_V": lambda n: ".attn.v_proj." in n,
-    "W_O": lambda n: ".attn.o_proj." in n,
-    "mlp": lambda n: ".mlp." in n,
-    "embed": lambda n: n.startswith("embed."),                       # the input encoder
-    "norm": lambda n: ".ln1." in n or ".ln2." in n or n.startswith("ln_f."),
-    "head": lambda n: n.startswith(("cls_head.", "rec_head.")),
-    "posenc": lambda n: ".attn.fire." in n,                          # FIRE's learned position bias
-}
-
-
+# The groups are model.PARAM_GROUPS (W_Q, W_K, W_V, W_O, mlp, embed, norm, head, posenc), by parameter name.
 _BACKBONE = ("W_Q", "W_K", "W_V", "W_O", "mlp", "embed", "norm", "posenc")
 # finetune.py --inherit: which groups come from the SPT checkpoint (Coser et al. Table 3); the rest is fresh.
 INHERIT = {"all": _BACKBONE, "qk": ("W_Q", "W_K"), "attn": ("W_Q", "W_K", "W_V", "W_O"),
@@ -60,14 +46,6 @@ INHERIT = {"all": _BACKBONE, "qk": ("W_Q", "W_K"), "attn": ("W_Q", "W_K", "W_V",
 # finetune.py --freeze: groups kept at their initial values during finetuning (Coser et al. Sec. 3, Table 3).
 FREEZE = {"none": (), "attn": ("W_Q", "W_K", "W_V", "W_O", "posenc"),
           "attn+mlp": ("W_Q", "W_K", "W_V", "W_O", "posenc", "mlp")}
-
-
-def param_group(name):
-    """The group (a key of PARAM_GROUPS) a parameter name belongs to; every parameter has exactly one."""
-    groups = [g for g, member in PARAM_GROUPS.items() if member(name)]
-    if len(groups) != 1:
-        raise ValueError(f"parameter {name!r} is in groups {groups}, expected exactly one")
-    return groups[0]
 
 
 def input_kind(meta):
@@ -168,38 +146,34 @@ def model_from_pretrained(path, meta, n_classes, task, device, inherit="all"):
     return model.to(device)
 
 
-@torch.no_grad()
 def evaluate_accuracy(model, split, args):
-    """Classification accuracy and mean cross-entropy over a whole split."""
-    model.eval()
-    sums = torch.zeros(2, dtype=accumulator_dtype(args.device), device=args.device)  # correct, loss sum
-    for i, idx in enumerate(data.batch_indices(split["lengths"], args.batch_size, shuffle=False)):
-        if i % args.world_size != args.rank:
-            continue  # under torchrun each rank evaluates every N-th batch; the sums are reduced below
+    """Classification accuracy and mean cross-entropy over a whole split (pretrain.evaluate: sharded under
+    torchrun): {"acc": float, "loss": float}."""
+    def batch_sums(i, idx):  # correct, loss sum
         x, lengths, labels = data.get_batch(split, idx, args.device)
-        with autocast(args):
+        with autocast(args.device, args.dtype):
             logits = model.classify(x, lengths)
-        sums[0] += (logits.argmax(-1) == labels).sum()
-        sums[1] += F.cross_entropy(logits.float(), labels, reduction="sum").to(sums.dtype)
-    correct, loss_sum = global_sum(sums, args).tolist()
-    model.train()
+        return torch.stack([(logits.argmax(-1) == labels).sum().float(),
+                            F.cross_entropy(logits.float(), labels, reduction="sum")])
+
+    correct, loss_sum = evaluate(model, split, args, batch_sums, 2)
     n = len(split["labels"])
     return {"acc": correct / n, "loss": loss_sum / n}
 
 
 def main(argv=None):
-    p = build_parser("finetune", __doc__.split("\n")[0])
-    p.add_argument("--init", required=True, help="'scratch' or the path of a pretrain.py checkpoint")
-    p.add_argument("--name", default=None, help="run name in out/<task>/finetune_<name>.* (default spt/scratch)")
-    p.add_argument("--inherit", default="all", choices=tuple(INHERIT),
+    parser = build_parser("finetune", __doc__.split("\n")[0])
+    parser.add_argument("--init", required=True, help="'scratch' or the path of a pretrain.py checkpoint")
+    parser.add_argument("--name", default=None, help="run name in out/<task>/finetune_<name>.* (default spt/scratch)")
+    parser.add_argument("--inherit", default="all", choices=tuple(INHERIT),
                    help="parameter groups taken from the SPT checkpoint; the rest is freshly initialized")
-    p.add_argument("--freeze", default="none", choices=tuple(FREEZE),
+    parser.add_argument("--freeze", default="none", choices=tuple(FREEZE),
                    help="parameter groups kept at their initial values during finetuning")
-    p.add_argument("--allow_other_data", action="store_true",
+    parser.add_argument("--allow_other_data", action="store_true",
                    help="finetune even if the SPT checkpoint was pretrained on other data of the same task")
-    args, preset = resolve(p.parse_args(argv), "finetune")
+    args, preset = resolve(parser.parse_args(argv), "finetune")
     if args.init == "scratch" and args.inherit != "all":
-        p.error("--inherit selects groups of an SPT checkpoint: give --init PATH")
+        parser.error("--inherit selects groups of an SPT checkpoint: give --init PATH")
     if args.name is None:  # a default that never overwrites the plain SPT run with an ablation
         args.name = ("scratch" if args.init == "scratch" else "spt") + \
             ("" if args.inherit == "all" else f"_inherit-{args.inherit}") + \
@@ -224,21 +198,18 @@ def main(argv=None):
             if flag.startswith("init_") and given is not None and given != getattr(model.cfg, field):
                 raise ValueError(f"--{flag} {given}: the checkpoint {args.init} was initialized with {field}="
                                  f"{getattr(model.cfg, field)!r}, and finetuning keeps it (drop --{flag})")
-    frozen = [n for n, p in model.named_parameters() if param_group(n) in FREEZE[args.freeze]]
-    for n, p in model.named_parameters():
-        p.requires_grad_(n not in frozen)  # frozen tensors get no gradient and are not given to AdamW
+    frozen = [n for n, param in model.named_parameters() if param_group(n) in FREEZE[args.freeze]]
+    for n, param in model.named_parameters():
+        param.requires_grad_(n not in frozen)  # frozen tensors get no gradient and are not given to AdamW
     if frozen:
         print(f"--freeze {args.freeze}: {len(frozen)} tensors frozen")
-    out = os.path.join(args.out_dir, args.task)
-    os.makedirs(out, exist_ok=True)
-    stem = os.path.join(out, f"finetune_{args.name}")
-    paths = dict(best=stem + ".pt", last=stem + "_last.pt", init=stem + "_init.pt", log=stem + "_log.jsonl")
+    paths = data.run_paths(args.out_dir, args.task, "finetune", args.name)
     train_split = splits["train"]
     net = wrap(model, args)
 
     def loss_fn(idx, step):
         x, lengths, labels = local_rows(args, *data.get_batch(train_split, idx, args.device))
-        with autocast(args):
+        with autocast(args.device, args.dtype):
             logits = net(x, lengths)
         return F.cross_entropy(logits.float(), labels, reduction="sum"), torch.ones_like(labels).sum()
 
@@ -267,15 +238,13 @@ def main(argv=None):
                   evals=[e for e in log if "val_acc" in e], wall_time_s=time.time() - t0,
                   data_sha256=data_hashes(splits), source_sha256=meta.get("sha256"), **provenance, **run_record(args))
     if args.rank == 0:
-        with open(stem + ".json.tmp", "w") as f:
-            json.dump(result, f, indent=1)
-        os.replace(stem + ".json.tmp", stem + ".json")
+        data.save_atomic(result, paths["json"])
     if args.world_size > 1:
         torch.distributed.barrier()  # the JSON exists before any rank goes on (ablate.py reads it back)
         torch.distributed.destroy_process_group()
     print(f"{args.task} ({args.name}, init {model.cfg.init}): best validation accuracy {best['val_acc']:.4f} "
           f"(step {best['step']}, the weights tested), test accuracy "
-          f"{test['acc']:.4f}, train accuracy {train_acc:.4f}; wrote {stem}.json")
+          f"{test['acc']:.4f}, train accuracy {train_acc:.4f}; wrote {paths['json']}")
 
 
 if __name__ == "__main__":

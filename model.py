@@ -14,17 +14,15 @@ paths that compute the same thing:
   * explicit: softmax(Q K^T / sqrt(d_head)) written out, returning the attention probabilities for analysis.
 LayerNorm and the MLP can be switched off, which gives the paper's minimal one-layer, one-head model (Sec. 4).
 
-Checkpoint helpers (`checkpoint_dict`, `unwrapped_state_dict`, `config_from_dict`) live here too, since a
-checkpoint is a model; `python model.py --bench` is the benchmark (see README, Performance).
-
-    python model.py --bench                                     # CPU: L 1024, d 128, 4 layers; ~3 min on 2 cores
-    python model.py --bench --size listops-paper --dtype bf16   # GPU: the ListOps paper size, ~1 min
-Expect on the CPU: the fused path at least as fast as torch.nn.TransformerEncoder (ratio printed), memory
-linear in L. The settings a reader will want to change are the fields of ModelConfig, right below.
+The parameter groups of Coser et al. Table 3 (PARAM_GROUPS: W_Q, W_K, ..., by attribute name), the
+initialization schemes and the checkpoint helpers (`checkpoint_dict`, `unwrapped_state_dict`,
+`config_from_dict`) live here too, since a checkpoint is a model. This file is a library: it imports no stage.
+The benchmark that times it is `python ablate.py bench` (README, Performance). The settings a reader will want
+to change are the fields of ModelConfig, right below.
 """
 import math
-import os
 import re
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -348,6 +346,30 @@ class Transformer(nn.Module):
         return self.rec_head(z[positions])
 
 
+# Parameter groups of Coser et al. Table 3, by the attribute names above (finetune.py --inherit and --freeze;
+# analyze.py's displacement per group).
+PARAM_GROUPS = {
+    "W_Q": lambda n: ".attn.q_proj." in n,
+    "W_K": lambda n: ".attn.k_proj." in n,
+    "W_V": lambda n: ".attn.v_proj." in n,
+    "W_O": lambda n: ".attn.o_proj." in n,
+    "mlp": lambda n: ".mlp." in n,
+    "embed": lambda n: n.startswith("embed."),                       # the input encoder
+    "norm": lambda n: ".ln1." in n or ".ln2." in n or n.startswith("ln_f."),
+    "head": lambda n: n.startswith(("cls_head.", "rec_head.")),
+    "posenc": lambda n: ".attn.fire." in n,                          # FIRE's learned position bias
+}
+
+
+def param_group(name):
+    """The group (a key of PARAM_GROUPS) of a parameter name of Transformer; raises ValueError unless the name
+    is in exactly one group."""
+    groups = [g for g, member in PARAM_GROUPS.items() if member(name)]
+    if len(groups) != 1:
+        raise ValueError(f"parameter {name!r} is in groups {groups}, expected exactly one")
+    return groups[0]
+
+
 INIT_SCHEMES = ("reference", "torch", "normal")
 
 
@@ -437,6 +459,10 @@ def checkpoint_dict(model, **extra):
     return dict(model=unwrapped_state_dict(model.state_dict()), model_config=asdict(model.cfg), **extra)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Running the model: device, dtype and mixed precision, FLOPs and the GPU peaks behind MFU
+# ----------------------------------------------------------------------------------------------------------
+
 def flops_per_token(cfg, L):
     """Training FLOPs per token (forward + backward) of the Transformer at sequence length L.
 
@@ -445,6 +471,40 @@ def flops_per_token(cfg, L):
     """
     per_layer = 4 * cfg.d_model ** 2 + (2 * cfg.d_model * cfg.d_mlp if cfg.mlp else 0)
     return 6 * cfg.n_layers * per_layer + 12 * cfg.n_layers * cfg.d_model * L
+
+
+def pick_device(name):
+    """'auto' -> cuda if available, else mps, else cpu; any other string is passed to torch.device (and
+    cuda:N becomes the current GPU, so that torch.cuda calls without a device argument mean it)."""
+    if name != "auto":
+        device = torch.device(name)
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)
+        return device
+    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
+
+
+def pick_dtype(name, device):
+    """(dtype, reason): bf16 autocast only on CUDA devices that support it; fp16 is never used (NaN-prone)."""
+    if name == "fp32":
+        return torch.float32, "asked for"
+    supported = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    if name == "bf16":
+        if not supported:
+            raise ValueError(f"--dtype bf16 asked for, but {device} does not support bf16; use --dtype fp32")
+        return torch.bfloat16, "asked for"
+    return (torch.bfloat16, "CUDA with bf16") if supported else (torch.float32, f"no bf16 autocast on {device.type}")
+
+
+def accumulator_dtype(device):
+    """float64 for evaluation sums, except on MPS, which has no float64."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def autocast(device, dtype):
+    """Mixed-precision context for the forward pass on `device` in `dtype` (a no-op in fp32)."""
+    return nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
 
 
 # Dense bf16 peak FLOP/s of common GPUs (vendor data sheets); an unknown GPU gets no MFU rather than a wrong one.
@@ -464,170 +524,3 @@ def peak_flops_of(name):
     """PEAK_BF16_FLOPS of a GPU name: the longest key found in it as whole words ("A10" is not "A10G")."""
     found = [k for k in PEAK_BF16_FLOPS if re.search(rf"(^|\W){re.escape(k)}($|\W)", name)]
     return PEAK_BF16_FLOPS[max(found, key=len)] if found else None
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Benchmark: python model.py --bench   (issue: performance; figures in the README)
-# ----------------------------------------------------------------------------------------------------------
-
-BENCH_SIZES = {"cpu": (1024, 128, 4, 4, 256, 8),  # name: (L, d_model, n_layers, n_heads, d_mlp, batch)
-               "listops-paper": (2048, 512, 6, 8, 2048, 32), "text-paper": (4096, 512, 6, 8, 2048, 32)}
-BENCH_VARIANTS = {"fused": "ours, fused attention", "explicit": "ours, explicit attention",
-                  "reference": "torch.nn.TransformerEncoder", "data": "ours, fused + data path",
-                  "compile": "ours, fused + torch.compile"}
-
-
-class ReferenceEncoder(nn.Module):
-    """torch.nn.TransformerEncoder with our sizes (pre-norm, GELU, same MLP width), embedding, PE and head."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.embed, self.rec_head = nn.Embedding(cfg.vocab_size, cfg.d_model), nn.Linear(cfg.d_model, cfg.n_rec)
-        self.register_buffer("pe", sinusoidal_positions(cfg.max_len, cfg.d_model), persistent=False)
-        layer = nn.TransformerEncoderLayer(cfg.d_model, cfg.n_heads, cfg.d_mlp, dropout=0.0, activation="gelu",
-                                           batch_first=True, norm_first=True)
-        self.encoder = nn.TransformerEncoder(layer, cfg.n_layers, nn.LayerNorm(cfg.d_model), enable_nested_tensor=False)
-
-    def reconstruct(self, x, lengths, positions):
-        return self.rec_head(self.encoder(self.embed(x) + self.pe[:x.shape[1]])[positions])
-
-
-def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
-    """Put on `queue` the median seconds per SPT training step (masked reconstruction, forward + backward +
-    AdamW) of one BENCH_VARIANTS key, its peak memory (bytes) and FLOPs per token, or an error message (str).
-    Runs in a fresh process: on the CPU, peak memory = growth of the process's resident set."""
-    import resource
-    import time
-    import data
-    import pretrain  # the masking of the real training step
-    torch.set_num_threads(threads)
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
-    L, d, n_layers, n_heads, d_mlp, B = size
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=32, max_len=L, d_model=d, n_layers=n_layers, n_heads=n_heads, d_mlp=d_mlp, n_rec=32)
-    model = (ReferenceEncoder(cfg) if variant == "reference" else Transformer(cfg)).to(device)
-    # torch.compile compiles the module's forward only, so the method the step calls is compiled itself
-    reconstruct = torch.compile(model.reconstruct) if variant == "compile" else model.reconstruct
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    split = dict(tokens=torch.randint(2, 32, (8 * B, L), dtype=torch.uint8).to(device),
-                 lengths=torch.full((8 * B,), L), labels=torch.zeros(8 * B, dtype=torch.long, device=device))
-    g = torch.Generator(device=device).manual_seed(0)
-    batches = data.batch_indices(split["lengths"], B, True)  # once per epoch, as in the training loop
-
-    def batch(i):  # the data path of a training step: gather a batch, trim its padding, mask it
-        x, lengths, _ = data.get_batch(split, batches[i % len(batches)], device)
-        return (x, lengths) + pretrain.mask_batch(x, lengths, 0.15, 1, g)
-
-    fixed = batch(0)
-
-    def step(i):
-        x, lengths, inputs, masked = batch(i) if variant == "data" else fixed
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            if variant == "explicit":  # the step as it would run if it asked for the attention weights
-                out = model.rec_head(model.encode(inputs, lengths, need_weights=True)[0][masked])
-            else:
-                out = reconstruct(inputs, lengths, masked)
-        F.cross_entropy(out.float(), x[masked]).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    try:
-        for i in range(3):  # warm-up (and compilation), not timed
-            step(i)
-        sync()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for i in range(steps):
-                step(i)
-            sync()
-            times.append((time.perf_counter() - t0) / steps)
-    except Exception as e:  # out of memory, a missing compiler, ...: reported, so the parent never waits forever
-        queue.put("out of memory" if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {e}")
-        return
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
-        (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024
-    queue.put((sorted(times)[len(times) // 2], peak, flops_per_token(cfg, L)))
-
-
-def bench(argv=None):
-    """Time each variant (our fused and explicit paths, torch.nn.TransformerEncoder, ...) on the same SPT step,
-    each in its own process; print ms/step, tokens/s, peak memory, MFU, the ratio fused / reference and the
-    data path's overhead. Returns the figures as a dict (also written to --json)."""
-    import argparse
-    import json
-    import multiprocessing
-    import platform
-    import pretrain
-    p = argparse.ArgumentParser(description="model.py defines the model; with --bench it times one SPT training "
-                                "step of our model against torch.nn.TransformerEncoder",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--bench", action="store_true", help="run the benchmark")
-    p.add_argument("--size", default="cpu", help=f"one of {', '.join(BENCH_SIZES)}, or L,d_model,layers,heads,MLP,batch")
-    p.add_argument("--L", type=int, default=None, help="override the sequence length of --size")
-    p.add_argument("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
-    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"), help="auto = bf16 on CUDA")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per repeat")
-    p.add_argument("--repeats", type=int, default=5, help="the median over repeats is reported")
-    p.add_argument("--variants", default="fused,explicit,reference,data", help=f"any of {', '.join(BENCH_VARIANTS)}")
-    p.add_argument("--json", default=None, help="write the figures to this file")
-    a = p.parse_args(argv)
-    size = BENCH_SIZES.get(a.size) or tuple(int(v) for v in a.size.split(",") if v.strip().isdigit())
-    if len(size) != 6 or size[1] % size[3]:
-        p.error(f"--size {a.size}: expected one of {', '.join(BENCH_SIZES)} or six positive integers "
-                "L,d_model,layers,heads,MLP,batch with d_model divisible by heads")
-    if not set(a.variants.split(",")) <= set(BENCH_VARIANTS):
-        p.error(f"--variants {a.variants}: expected a comma-separated subset of {', '.join(BENCH_VARIANTS)}")
-    size = (a.L or size[0],) + size[1:]
-    device = pretrain.pick_device(a.device)
-    dtype, reason = pretrain.pick_dtype(a.dtype, device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
-    print(f"benchmark: L, d_model, layers, heads, MLP, batch = {size} | {device} {name} | {str(dtype).replace('torch.', '')} "
-          f"({reason}) | torch {torch.__version__} | median of {a.repeats} x {a.steps} steps after 3 warm-up steps")
-    out = dict(size=dict(zip(("L", "d_model", "n_layers", "n_heads", "d_mlp", "batch"), size)), device=str(device),
-               device_name=name, dtype=str(dtype), torch=torch.__version__, steps=a.steps, repeats=a.repeats)
-    ctx, peak_fl, res = multiprocessing.get_context("spawn"), peak_flops(device, dtype), {}
-    variants = a.variants.split(",")
-    for i, v in enumerate(variants[:1] + variants):  # i = 0: the first process of a run is measurably slower
-        queue = ctx.Queue()                          # (cold caches), so an untimed one goes first
-        proc = ctx.Process(target=time_spt_step, args=(v, size, device, dtype, a.steps if i else 1,
-                                                       a.repeats if i else 1, torch.get_num_threads(), queue))
-        proc.start()
-        result = queue.get()
-        proc.join()
-        if i == 0:
-            continue
-        if isinstance(result, str):
-            res[v] = dict(error=result)
-            print(f"  {BENCH_VARIANTS[v]:30s} {result}")
-            continue
-        sec, peak, fpt = result
-        mfu = None if peak_fl is None else size[0] * size[5] / sec * fpt / peak_fl
-        res[v] = dict(ms_per_step=1000 * sec, tokens_per_s=size[0] * size[5] / sec, peak_memory_mb=peak / 2 ** 20,
-                      mfu=mfu)
-        print(f"  {BENCH_VARIANTS[v]:30s} {1000 * sec:9.1f} ms/step {res[v]['tokens_per_s']:12,.0f} tok/s peak "
-              f"{peak / 2 ** 20:9.1f} MiB" + (f"  MFU {100 * mfu:.1f}%" if mfu is not None else ""))
-    ms = {k: r.get("ms_per_step") for k, r in res.items()}
-    if ms.get("fused") and ms.get("reference"):  # the ratio of tokens/s = inverse ratio of step times
-        out["speed_ratio_fused_vs_reference"] = ms["reference"] / ms["fused"]
-        print(f"  speed ratio, ours fused / torch.nn.TransformerEncoder: {out['speed_ratio_fused_vs_reference']:.2f}")
-    if ms.get("fused") and ms.get("data"):
-        out["data_path_overhead"] = ms["data"] / ms["fused"] - 1
-        print(f"  data path overhead (batching + masking per step): {100 * out['data_path_overhead']:+.1f}%")
-    out["results"] = res
-    if a.json:
-        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
-    return out
-
-
-if __name__ == "__main__":
-    import sys
-    if {"--bench", "-h", "--help"} & set(sys.argv):
-        bench(sys.argv[1:])
-    else:
-        print("model.py defines the model; run `python model.py --bench --help` for the benchmark")

@@ -1,31 +1,23 @@
 """pretrain.py -- self-pretraining (SPT): masked reconstruction on the task's own training split.
 
 Amos et al. (ICLR 2024) and Coser et al. (Sec. 2): each real position is masked independently with the task's
-ratio (MASK_RATIO below: ListOps 10%, Text/Retrieval 15%, pixels 50%); masked tokens become <mask>, masked
-values and pixels become 0 plus a mask-indicator input channel; a per-position linear head reconstructs them,
-and the loss (cross-entropy for tokens; MSE, L1 or 256-way cross-entropy for pixels) is taken at the masked
-positions only, divided by their number. No external data is used. finetune.py then starts from the
-checkpoint with the best validation loss.
+ratio (MASK_RATIO: ListOps 10%, Text/Retrieval 15%, pixels 50%); masked tokens become <mask>, masked values and
+pixels become 0 plus a mask-indicator input channel; a per-position linear head reconstructs them, and the loss
+(cross-entropy for tokens; MSE, L1 or 256-way cross-entropy for pixels) is taken at the masked positions only,
+divided by their number. No external data is used. finetune.py then starts from the best-validation checkpoint.
 
-    python pretrain.py --task listops                  # CPU: 2 x 64 model, 450 steps, ~10 min on 2 cores (data first)
+    python pretrain.py --task listops                  # CPU: 2 x 64 model, 450 steps, ~10 min on 2 cores
     python pretrain.py --task listops --preset paper   # GPU: the paper's model (6 x 512, 8 heads), 100 epochs
     python pretrain.py --task synthetic --snapshots    # the minimal model on trajectories, ~1 min on CPU
-    python pretrain.py --task pathfinder               # CPU: 150 steps, ~2 min (4000 images generated if none)
     python pretrain.py --task ucr/GunPoint             # a UCR time series data set, ~40 s
     torchrun --standalone --nproc_per_node=8 pretrain.py --task text   # several GPUs (DDP)
 
-Reads  data/<task>/{train,val}.pt  (made by data.py; made here if missing)
-Writes out/<task>/pretrain.pt (best validation masked loss), pretrain_init.pt (the initial weights),
-       pretrain_last.pt (latest, for --resume), pretrain_log.jsonl (every logged figure)
-Expect (CPU preset, ListOps, ~10 min on 2 cores): validation masked loss from ~2.95 at init to 2.64, the entropy
-of the token frequencies (the last lines compute it from the data and say where the loss stands against it). Going further needs attention to neighbours (the proximity bias);
-at L ~ 1000 that takes longer than the CPU budget (a plateau; see README). Synthetic task: 0.66 -> 0.03 in 1 min.
-UCR GunPoint (values z-normalized per series): 500 steps, ~40 s on one core.
+Reads data/<task>/{train,val}.pt (made by data.py; here if missing). Writes out/<task>/pretrain.pt, _last.pt,
+_init.pt, _log.jsonl (data.run_paths). Expect (CPU, ListOps): validation masked loss ~2.95 -> 2.64, the entropy of
+the token frequencies (the last lines compute it and say where the loss stands): a plateau that only attention to
+neighbours (the proximity bias) ends, longer than the CPU budget. Synthetic: 0.66 -> 0.03 in 1 min.
 
-The settings a reader will want to change are right below: PRESETS (model size, batch, learning rate, epochs
-or steps per task, for the CPU and for the paper) and MASK_RATIO. This file also holds what both training
-stages share: the command-line flags, the device and dtype choice, the learning-rate schedule and the training
-loop itself (finetune.py imports them).
+Reading order: the presets, the SPT objective, main; then the engine both stages share (flags, device, the loop).
 """
 import argparse
 import json
@@ -35,7 +27,6 @@ import platform
 import subprocess
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import asdict
 from datetime import timedelta
 
@@ -45,13 +36,11 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import data
-from model import (INIT_SCHEMES, POSITIONS, ModelConfig, Transformer, checkpoint_dict, config_from_dict, count_params,
-                   flops_per_token, on, peak_flops)
+from model import (INIT_SCHEMES, POSITIONS, ModelConfig, Transformer, accumulator_dtype, autocast, checkpoint_dict,
+                   config_from_dict, count_params, flops_per_token, on, peak_flops, pick_device, pick_dtype)
 
-# ----------------------------------------------------------------------------------------------------------
-# Presets: the paper's settings (Coser et al. Sec. 5; Amos et al.'s configs, README table) and a CPU size that
-# finishes in minutes. `--preset auto` picks "paper" on CUDA and "cpu" elsewhere; any flag overrides a preset.
-# ----------------------------------------------------------------------------------------------------------
+# Presets per task: "paper" (Coser et al. Sec. 5; Amos et al.'s configs) and "cpu" (minutes on 2 cores). --preset
+# auto picks paper on CUDA, cpu elsewhere; any flag overrides. eval_every 10**9: validate at the end of each epoch.
 PRESETS = {
     "listops": {
         "paper": dict(model=dict(n_layers=6, d_model=512, n_heads=8, d_mlp=2048),
@@ -61,70 +50,241 @@ PRESETS = {
         "cpu": dict(model=dict(n_layers=2, d_model=64, n_heads=4, d_mlp=128),
                     data=dict(n_train=10000, n_val=1000, n_test=1000),
                     pretrain=dict(batch_size=16, lr=1e-3, warmup=50, epochs=1, max_steps=450, eval_every=150),
-                    finetune=dict(batch_size=16, lr=1e-3, warmup=50, epochs=1, max_steps=450, eval_every=150)),
-    },
-}
-# The minimal model of Coser et al. Sec. 4: one layer, one head, no LayerNorm, no MLP (width ours: 32).
-_SYNTHETIC = dict(model=dict(n_layers=1, d_model=32, n_heads=1, d_mlp=32, layernorm=False, mlp=False),
-                  data=dict(n_train=5000, n_val=1000, n_test=1000),
-                  pretrain=dict(batch_size=64, lr=1e-3, warmup=0, epochs=15, eval_every=500),
-                  finetune=dict(batch_size=64, lr=1e-3, warmup=0, epochs=15, eval_every=500))
-PRESETS["synthetic"] = {"paper": _SYNTHETIC, "cpu": _SYNTHETIC}
-# One entry for every UCR data set (task ucr/<Name>; the paper gives no sizes): a small model, max_len from the
-# data. A budget in steps, not epochs: GunPoint's 40 training series are 2 batches, so 50 epochs would be 100 steps
-# and from scratch would be measured before it had its chance (under the reference init it leaves chance level
-# after ~100-150 steps and reaches validation accuracy 1.0 by ~200; seeds 0 and 1 at 1000 steps: test acc 0.967
-# and 0.960 both from scratch and after SPT). 500 steps per stage (~40 s on one idle core for GunPoint); validation
-# every 20 steps, not at the end of every (one- or two-step) epoch.
-_UCR = dict(model=dict(n_layers=2, d_model=64, n_heads=4, d_mlp=128),
-            data=dict(val_fraction=0.2),
-            pretrain=dict(batch_size=32, lr=3e-3, warmup=20, epochs=10**6, max_steps=500, eval_every=20,
-                          eval_each_epoch=False),
-            finetune=dict(batch_size=32, lr=1e-3, warmup=20, epochs=10**6, max_steps=500, eval_every=20,
-                          eval_each_epoch=False))
-PRESETS["ucr"] = {"paper": _UCR, "cpu": _UCR}
-
-
-def _lra(model, data, batch, pt_epochs, ft_epochs, pt_lr, ft_lr, pt_warmup, ft_warmup, ft_batch=None):
-    """A paper-size preset (Coser et al. Sec. 5, Amos et al.'s configs): evaluate at the end of every epoch."""
-    return dict(model=model, data=data,
-                pretrain=dict(batch_size=batch, lr=pt_lr, warmup=pt_warmup, epochs=pt_epochs, eval_every=10**9),
-                finetune=dict(batch_size=ft_batch or batch, lr=ft_lr, warmup=ft_warmup, epochs=ft_epochs,
-                              eval_every=10**9))
-
-
-def _cpu(data, steps=200, batch=16, **model):
-    """A CPU preset: a 2-layer model (d_model 64 unless overridden) for `steps` steps, evaluated at step 0,
-    every `steps` steps and at the end of each epoch; minutes on 2 cores."""
-    run = dict(batch_size=batch, lr=1e-3, warmup=20, epochs=1000, max_steps=steps, eval_every=steps)
-    return dict(model=dict(dict(n_layers=2, d_model=64, n_heads=4, d_mlp=128), **model), data=data,
-                pretrain=run, finetune=run)
-
-
-_IMAGE = _lra(dict(n_layers=3, d_model=64, n_heads=4, d_mlp=128), {}, 32, 50, 200, 1e-3, 1e-3, 2500, 2000, 50)
-PRESETS.update({
-    "text": {"paper": _lra(dict(n_layers=6, d_model=512, n_heads=8, d_mlp=2048), dict(max_len=4096),
-                           32, 32, 65, 1e-3, 1e-4, 5000, 2000),
-             "cpu": _cpu(dict(max_len=1024))},
-    "retrieval": {"paper": _lra(dict(n_layers=4, d_model=128, n_heads=4, d_mlp=512, pair=True), dict(max_len=4000),
-                                32, 32, 32, 1e-3, 1e-4, 2000, 5000),
-                  "cpu": _cpu(dict(max_len=1000), pair=True)},
+                    finetune=dict(batch_size=16, lr=1e-3, warmup=50, epochs=1, max_steps=450, eval_every=150))},
+    # The minimal model of Coser et al. Sec. 4: one layer, one head, no LayerNorm, no MLP (width ours: 32).
+    "synthetic": {
+        "paper": dict(model=dict(n_layers=1, d_model=32, n_heads=1, d_mlp=32, layernorm=False, mlp=False),
+                      data=dict(n_train=5000, n_val=1000, n_test=1000),
+                      pretrain=dict(batch_size=64, lr=1e-3, warmup=0, epochs=15, eval_every=500),
+                      finetune=dict(batch_size=64, lr=1e-3, warmup=0, epochs=15, eval_every=500)),
+        "cpu": dict(model=dict(n_layers=1, d_model=32, n_heads=1, d_mlp=32, layernorm=False, mlp=False),
+                    data=dict(n_train=5000, n_val=1000, n_test=1000),
+                    pretrain=dict(batch_size=64, lr=1e-3, warmup=0, epochs=15, eval_every=500),
+                    finetune=dict(batch_size=64, lr=1e-3, warmup=0, epochs=15, eval_every=500))},
+    # Every UCR data set (task ucr/<Name>; the paper gives no sizes). A budget in steps, not epochs: GunPoint's 40
+    # training series are 2 batches, and from scratch leaves chance level only after ~100-150 steps.
+    "ucr": {
+        "paper": dict(model=dict(n_layers=2, d_model=64, n_heads=4, d_mlp=128), data=dict(val_fraction=0.2),
+                      pretrain=dict(batch_size=32, lr=3e-3, warmup=20, epochs=10**6, max_steps=500, eval_every=20,
+                                    eval_each_epoch=False),
+                      finetune=dict(batch_size=32, lr=1e-3, warmup=20, epochs=10**6, max_steps=500, eval_every=20,
+                                    eval_each_epoch=False)),
+        "cpu": dict(model=dict(n_layers=2, d_model=64, n_heads=4, d_mlp=128), data=dict(val_fraction=0.2),
+                    pretrain=dict(batch_size=32, lr=3e-3, warmup=20, epochs=10**6, max_steps=500, eval_every=20,
+                                  eval_each_epoch=False),
+                    finetune=dict(batch_size=32, lr=1e-3, warmup=20, epochs=10**6, max_steps=500, eval_every=20,
+                                  eval_each_epoch=False))},
+    "text": {
+        "paper": dict(model=dict(n_layers=6, d_model=512, n_heads=8, d_mlp=2048), data=dict(max_len=4096),
+                      pretrain=dict(batch_size=32, lr=1e-3, warmup=5000, epochs=32, eval_every=10**9),
+                      finetune=dict(batch_size=32, lr=1e-4, warmup=2000, epochs=65, eval_every=10**9)),
+        "cpu": dict(model=dict(n_layers=2, d_model=64, n_heads=4, d_mlp=128), data=dict(max_len=1024),
+                    pretrain=dict(batch_size=16, lr=1e-3, warmup=20, epochs=1000, max_steps=200, eval_every=200),
+                    finetune=dict(batch_size=16, lr=1e-3, warmup=20, epochs=1000, max_steps=200, eval_every=200))},
+    "retrieval": {
+        "paper": dict(model=dict(n_layers=4, d_model=128, n_heads=4, d_mlp=512, pair=True), data=dict(max_len=4000),
+                      pretrain=dict(batch_size=32, lr=1e-3, warmup=2000, epochs=32, eval_every=10**9),
+                      finetune=dict(batch_size=32, lr=1e-4, warmup=5000, epochs=32, eval_every=10**9)),
+        "cpu": dict(model=dict(n_layers=2, d_model=64, n_heads=4, d_mlp=128, pair=True), data=dict(max_len=1000),
+                    pretrain=dict(batch_size=16, lr=1e-3, warmup=20, epochs=1000, max_steps=200, eval_every=200),
+                    finetune=dict(batch_size=16, lr=1e-3, warmup=20, epochs=1000, max_steps=200, eval_every=200))},
     # Pixel tasks on the CPU: L = 1024 makes attention the cost, so a narrower model (d_model 32) and 150 steps.
-    "image": {"paper": _IMAGE, "cpu": _cpu({}, steps=150, d_model=32, n_heads=2, d_mlp=64)},
-    "fashion_mnist": {"paper": _IMAGE,  # the offline stand-in for Image: the same sizes
-                      "cpu": _cpu({}, steps=150, d_model=32, n_heads=2, d_mlp=64)},
-    "pathfinder": {"paper": _lra(dict(n_layers=4, d_model=128, n_heads=8, d_mlp=128), {}, 32, 50, 200,
-                                 1e-3, 5e-4, 2500, 5000),
-                   "cpu": _cpu(dict(generate_if_missing=4000), steps=150, d_model=32, n_heads=2, d_mlp=64)},
+    "image": {
+        "paper": dict(model=dict(n_layers=3, d_model=64, n_heads=4, d_mlp=128), data=dict(),
+                      pretrain=dict(batch_size=32, lr=1e-3, warmup=2500, epochs=50, eval_every=10**9),
+                      finetune=dict(batch_size=50, lr=1e-3, warmup=2000, epochs=200, eval_every=10**9)),
+        "cpu": dict(model=dict(n_layers=2, d_model=32, n_heads=2, d_mlp=64), data=dict(),
+                    pretrain=dict(batch_size=16, lr=1e-3, warmup=20, epochs=1000, max_steps=150, eval_every=150),
+                    finetune=dict(batch_size=16, lr=1e-3, warmup=20, epochs=1000, max_steps=150, eval_every=150))},
+    "fashion_mnist": {  # the offline stand-in for Image: the same sizes
+        "paper": dict(model=dict(n_layers=3, d_model=64, n_heads=4, d_mlp=128), data=dict(),
+                      pretrain=dict(batch_size=32, lr=1e-3, warmup=2500, epochs=50, eval_every=10**9),
+                      finetune=dict(batch_size=50, lr=1e-3, warmup=2000, epochs=200, eval_every=10**9)),
+        "cpu": dict(model=dict(n_layers=2, d_model=32, n_heads=2, d_mlp=64), data=dict(),
+                    pretrain=dict(batch_size=16, lr=1e-3, warmup=20, epochs=1000, max_steps=150, eval_every=150),
+                    finetune=dict(batch_size=16, lr=1e-3, warmup=20, epochs=1000, max_steps=150, eval_every=150))},
+    "pathfinder": {
+        "paper": dict(model=dict(n_layers=4, d_model=128, n_heads=8, d_mlp=128), data=dict(),
+                      pretrain=dict(batch_size=32, lr=1e-3, warmup=2500, epochs=50, eval_every=10**9),
+                      finetune=dict(batch_size=32, lr=5e-4, warmup=5000, epochs=200, eval_every=10**9)),
+        "cpu": dict(model=dict(n_layers=2, d_model=32, n_heads=2, d_mlp=64), data=dict(generate_if_missing=4000),
+                    pretrain=dict(batch_size=16, lr=1e-3, warmup=20, epochs=1000, max_steps=150, eval_every=150),
+                    finetune=dict(batch_size=16, lr=1e-3, warmup=20, epochs=1000, max_steps=150, eval_every=150))},
     # PathX: max pooling and local attention in windows of 4096 (Amos et al.'s PathX config)
-    "pathx": {"paper": _lra(dict(n_layers=4, d_model=128, n_heads=4, d_mlp=128, pooling="max", attn_window=4096),
-                            {}, 32, 200, 200, 1e-3, 5e-4, 5000, 5000),
-              "cpu": _cpu(dict(generate_if_missing=200), steps=20, batch=2, pooling="max", attn_window=256)},
-})
+    "pathx": {
+        "paper": dict(model=dict(n_layers=4, d_model=128, n_heads=4, d_mlp=128, pooling="max", attn_window=4096),
+                      data=dict(), pretrain=dict(batch_size=32, lr=1e-3, warmup=5000, epochs=200, eval_every=10**9),
+                      finetune=dict(batch_size=32, lr=5e-4, warmup=5000, epochs=200, eval_every=10**9)),
+        "cpu": dict(model=dict(n_layers=2, d_model=64, n_heads=4, d_mlp=128, pooling="max", attn_window=256),
+                    data=dict(generate_if_missing=200),
+                    pretrain=dict(batch_size=2, lr=1e-3, warmup=20, epochs=1000, max_steps=20, eval_every=20),
+                    finetune=dict(batch_size=2, lr=1e-3, warmup=20, epochs=1000, max_steps=20, eval_every=20))},
+}
 # Masking ratios: Amos et al.; Coser et al. Sec. 2 (pixels 50%, Text/Retrieval 15%, ListOps 10%). UCR: the paper
 # gives none; 50% as for pixels, the other continuous signal.
 MASK_RATIO = {"listops": 0.10, "synthetic": 0.50, "ucr": 0.50, "text": 0.15, "retrieval": 0.15, "image": 0.50,
               "fashion_mnist": 0.50, "pathfinder": 0.50, "pathx": 0.50}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The SPT objective: masked reconstruction (Coser et al. Sec. 2, L_SPT)
+# ----------------------------------------------------------------------------------------------------------
+
+def mask_batch(x, lengths, ratio, mask_id, generator):
+    """Choose masked positions and hide them from the model.
+
+    x: tokens (B, L) int64 or values (B, L, C) float; lengths (B,) int64.
+    Returns (inputs, masked (B, L) bool). Every real position is masked independently with probability `ratio`
+    (no spans, no 80/10/10, as in Amos et al.); padding is never masked; a sequence that drew no mask gets one
+    at a random real position, so each sequence contributes to the loss. Tokens: masked ids become `mask_id`,
+    inputs (B, L). Values: masked values become 0 and a mask-indicator channel is appended, inputs (B, L, C+1)
+    (Amos et al.; the channel is sliced off at finetuning). `generator` makes the masks reproducible.
+    """
+    B, L = x.shape[:2]
+    valid = torch.arange(L, device=x.device)[None, :] < on(lengths, x.device)[:, None]
+    u = torch.rand(B, L, generator=generator, device=x.device)
+    masked = (u < ratio) & valid
+    # The real position with the smallest u is the one to force-mask in rows that drew none.
+    forced = F.one_hot(u.masked_fill(~valid, 2.0).argmin(dim=1), L).bool()
+    masked = masked | (forced & ~masked.any(dim=1, keepdim=True))
+    if x.dtype == torch.long:
+        return x.masked_fill(masked, mask_id), masked
+    indicator = masked[..., None].to(x.dtype)                                  # (B, L, 1)
+    return torch.cat([x * (1 - indicator), indicator], dim=-1), masked
+
+
+def reconstruction_loss(outputs, targets, kind="ce"):
+    """Mean reconstruction loss over the M masked positions (Coser et al., Sec. 2, L_SPT).
+
+    outputs (M, n_rec); targets (M,) int64 for "ce" (cross-entropy over the vocabulary), (M, n_rec) float for
+    "mse" (1/2 ||r - u||^2) and "l1". Normalized by M, the number of masked positions in the batch; M = 0 gives 0.
+    """
+    if outputs.shape[0] == 0:
+        return outputs.sum() * 0.0  # no masked position: a zero that still has a graph, not 0/0 = NaN
+    if kind == "ce":
+        return F.cross_entropy(outputs.float(), targets)
+    diff = outputs.float() - targets
+    if kind == "mse":
+        return 0.5 * diff.pow(2).sum(dim=-1).mean()
+    if kind == "l1":
+        return diff.abs().sum(dim=-1).mean()
+    raise ValueError(f"unknown reconstruction loss {kind!r}")
+
+
+def targets_at(x, masked, rec_loss, meta):
+    """Reconstruction targets at the masked positions: token ids (M,), values (M, C), or for pixel tasks with
+    the cross-entropy loss the raw intensity class 0..255 (M,), undoing the normalization of data.get_batch."""
+    targets = x[masked]
+    if rec_loss == "ce" and meta["kind"] == "pixels":
+        pixels = (targets[:, 0] * meta["pixel_std"] + meta["pixel_mean"]) * 255
+        return pixels.round().long().clamp(0, 255)
+    return targets
+
+
+def spt_loss_fn(net, split, args):
+    """The training step's loss_fn for `train`: (idx (B,), step) -> (sum of the masked loss over this rank's
+    masked positions, their number). Masks differ per step and are reproducible (seeded by seed and step), so a
+    resumed run draws the same ones. Retrieval: each document of a pair is masked on its own."""
+    meta, g = split["meta"], mask_generator(args, 0)
+
+    def loss_fn(idx, step):
+        x, lengths = data.single_sequences(*data.get_batch(split, idx, args.device)[:2])
+        g.manual_seed(args.seed * 1_000_003 + step)
+        inputs, masked = mask_batch(x, lengths, args.mask_ratio, meta.get("mask_id"), g)
+        x, lengths, inputs, masked = local_rows(args, x, lengths, inputs, masked)  # this rank's rows
+        with autocast(args.device, args.dtype):
+            out = net(inputs, lengths, masked)
+        n = masked.sum()
+        return reconstruction_loss(out, targets_at(x, masked, args.rec_loss, meta), args.rec_loss) * n, n
+    return loss_fn
+
+
+def evaluate_reconstruction(model, split, args):
+    """Validation masked loss (and masked-token accuracy for tokens), with the same masks at every evaluation."""
+    meta = split["meta"]
+
+    def batch_sums(i, idx):  # loss sum, correct, count
+        x, lengths = data.single_sequences(*data.get_batch(split, idx, args.device)[:2])
+        inputs, masked = mask_batch(x, lengths, args.mask_ratio, meta.get("mask_id"), mask_generator(args, 12345 + i))
+        with autocast(args.device, args.dtype):
+            out = model.reconstruct(inputs, lengths, masked)
+        targets = targets_at(x, masked, args.rec_loss, meta)
+        n = torch.tensor(float(targets.shape[0]), device=out.device)
+        correct = (out.argmax(-1) == targets).sum() if args.rec_loss == "ce" else torch.zeros((), device=out.device)
+        return torch.stack([reconstruction_loss(out, targets, args.rec_loss) * n, correct.float(), n])
+
+    loss_sum, correct, count = evaluate(model, split, args, batch_sums, 3)
+    return {"val_loss": loss_sum / count, **({"val_acc": correct / count} if args.rec_loss == "ce" else {})}
+
+
+def token_frequency_entropy(split, chunk=4096):
+    """Entropy (nats) of the token frequencies over the real positions of a token split: the masked loss of a
+    model that ignores the context and predicts every masked token from the unigram distribution of the data.
+    Reconstruction loss below it needs attention to the context (for ListOps: the proximity bias). Counted on
+    the split's device, `chunk` sequences at a time (no copy of the split)."""
+    tokens, lengths = data.single_sequences(split["tokens"], split["lengths"])
+    counts = torch.zeros(split["meta"]["vocab_size"], dtype=torch.float64, device=tokens.device)
+    for start in range(0, len(tokens), chunk):
+        rows, n = tokens[start:start + chunk], on(lengths[start:start + chunk], tokens.device)
+        valid = torch.arange(tokens.shape[1], device=tokens.device)[None, :] < n[:, None]
+        counts += torch.bincount(rows[valid], minlength=len(counts)).double()
+    p = counts[counts > 0] / counts.sum()
+    return -(p * p.log()).sum().item()
+
+
+def main(argv=None):
+    """Self-pretraining: python pretrain.py --task TASK [flags]; writes data.run_paths(out_dir, task, "pretrain")."""
+    parser = build_parser("pretrain", __doc__.split("\n")[0])
+    parser.add_argument("--mask_ratio", type=float, default=None, help="fraction of positions masked (task default)")
+    parser.add_argument("--rec_loss", default="mse", choices=("mse", "l1", "ce"),
+                   help="reconstruction loss for continuous inputs: MSE (the paper's), L1, or for pixel tasks "
+                        "ce = 256-way cross-entropy over the raw intensity (Amos et al.'s code); tokens always "
+                        "use cross-entropy over the vocabulary")
+    args, preset = resolve(parser.parse_args(argv), "pretrain")
+    if args.mask_ratio is None:
+        args.mask_ratio = MASK_RATIO[data.task_family(args.task)]
+    splits = prepare_data(args, preset)
+    meta = splits["train"]["meta"]
+    if meta["kind"] == "tokens":
+        args.rec_loss = "ce"  # cross-entropy over the vocabulary
+        cfg = ModelConfig(vocab_size=meta["vocab_size"], max_len=meta["max_len"], n_rec=meta["vocab_size"],
+                          **preset["model"])
+    else:  # continuous values: one extra input channel for the mask indicator
+        if args.rec_loss == "ce" and meta["kind"] != "pixels":
+            parser.error(f"--rec_loss ce needs 8-bit pixels; {args.task} has continuous values (use mse or l1)")
+        n_rec = 256 if args.rec_loss == "ce" else meta["d_input"]  # 256 intensity classes, or regress each channel
+        cfg = ModelConfig(d_input=meta["d_input"] + 1, max_len=meta["max_len"], n_rec=n_rec, **preset["model"])
+    model = Transformer(cfg).to(args.device)
+    paths = data.run_paths(args.out_dir, args.task, "pretrain")
+    extra = dict(stage="pretrain", task=args.task, data_meta=meta, data_sha256=data_hashes(splits), metric="val_loss",
+                 format_version=1)
+    print(f"self-pretraining {args.task}: {cfg}")
+    best = train(model, splits, args, spt_loss_fn(wrap(model, args), splits["train"], args),
+                 lambda: evaluate_reconstruction(model, splits["val"], args), paths, extra, higher_is_better=False)
+    print(f"best validation masked loss {best['val_loss']:.4f} (step {best['step']}); wrote {paths['best']}")
+    if meta["kind"] == "tokens" and args.rank == 0:
+        h = token_frequency_entropy(splits["train"])
+        gap = best["val_loss"] - h
+        where = "below it: the model uses the context" if gap < -0.02 else \
+            "at it: the model predicts masked tokens from their frequencies only, not yet from the context " \
+            "(the plateau that attention to neighbours ends)" if gap <= 0.02 else \
+            f"above it by {gap:.3f}: the model has not yet learned even the token frequencies (train longer)"
+        print(f"the token-frequency entropy of {args.task}'s training data is {h:.4f} nats; the validation masked "
+              f"loss is {where}")
+    dirs = ("" if args.data_dir == "data" else f" --data_dir {args.data_dir}") + \
+        ("" if args.out_dir == "out" else f" --out_dir {args.out_dir}")
+    if args.world_size > 1:
+        dist.destroy_process_group()
+    print(f"next: python finetune.py --task {args.task} --init {paths['best']}{dirs}\n"
+          f"  and python finetune.py --task {args.task} --init scratch{dirs}   (the baseline)")
+
+
+# ==========================================================================================================
+# The engine shared with finetune.py (a first reading can stop here): flags and presets, device and dtype,
+# torchrun, the data check, the training loop with its logging and evaluate-and-checkpoint parts, and the
+# sharded evaluation both stages use.
+# ==========================================================================================================
+
 MODEL_SIZE_FLAGS = ("n_layers", "d_model", "n_heads", "d_mlp")
 
 
@@ -166,7 +326,8 @@ def build_parser(stage, description):
     d = p.add_argument_group("data (used when data/<task>/ is made, and checked against it when it exists)")
     d.add_argument("--max_len", type=int, default=None,
                    help="longest sequence kept (Text, Retrieval: bytes per document; ListOps); None = the preset's")
-    d.add_argument("--resolution", type=int, default=None, help="PathFinder/PathX image side (32 / 128)")
+    d.add_argument("--resolution", type=int, default=None,
+                   help="PathFinder/PathX image side (32 / 128); Fashion-MNIST 32 or 16 (2x2 means)")
     d.add_argument("--difficulty", default=None, choices=("easy", "intermediate", "hard"),
                    help="PathFinder/PathX contour length 6 / 9 / 14 (default hard)")
     d.add_argument("--download", action="store_true",
@@ -255,93 +416,30 @@ def local_rows(args, *tensors):
     return [t[args.rank::args.world_size] for t in tensors]
 
 
-def pick_device(name):
-    """'auto' -> cuda if available, else mps, else cpu; any other string is passed to torch.device (and
-    cuda:N becomes the current GPU, so that torch.cuda calls without a device argument mean it)."""
-    if name != "auto":
-        device = torch.device(name)
-        if device.type == "cuda" and device.index is not None:
-            torch.cuda.set_device(device)
-        return device
-    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
-    return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
-
-
-def pick_dtype(name, device):
-    """(dtype, reason): bf16 autocast only on CUDA devices that support it; fp16 is never used (NaN-prone)."""
-    if name == "fp32":
-        return torch.float32, "asked for"
-    supported = device.type == "cuda" and torch.cuda.is_bf16_supported()
-    if name == "bf16":
-        if not supported:
-            raise ValueError(f"--dtype bf16 asked for, but {device} does not support bf16; use --dtype fp32")
-        return torch.bfloat16, "asked for"
-    return (torch.bfloat16, "CUDA with bf16") if supported else (torch.float32, f"no bf16 autocast on {device.type}")
-
-
-def accumulator_dtype(device):
-    """float64 for evaluation sums, except on MPS, which has no float64."""
-    return torch.float32 if device.type == "mps" else torch.float64
-
-
-def autocast(args):
-    """Mixed-precision context for the forward pass (a no-op in fp32)."""
-    return nullcontext() if args.dtype == torch.float32 else torch.autocast(args.device.type, dtype=args.dtype)
-
-
 def get_lr(step, lr, warmup):
     """Linear warm-up from lr/warmup to lr over `warmup` steps, then constant (Amos et al., constant_warmup)."""
     return lr * min(1.0, (step + 1) / max(1, warmup))
-
-
-# Data settings every preset of a task implies without naming them (data.prepare_pathfinder's defaults).
-IMPLIED_DATA = {"pathfinder": dict(resolution=32, difficulty="hard"), "pathx": dict(resolution=128, difficulty="hard")}
-DATA_FLAG_TASKS = {"max_len": ("listops", "text", "retrieval"), "resolution": ("pathfinder", "pathx"),
-                   "difficulty": ("pathfinder", "pathx")}  # the tasks whose data each data flag changes
-DOWNLOADED = ("text", "retrieval", "image", "fashion_mnist", "pathfinder", "pathx", "ucr")  # task families fetched from the web
-
-
-def data_settings(args, preset):
-    """The data settings of this run: the preset's (pretrain.PRESETS[...]["data"]), overridden by the data flags."""
-    family = data.task_family(args.task)
-    settings = dict(IMPLIED_DATA.get(family, {}), **preset["data"])
-    for key, families in DATA_FLAG_TASKS.items():
-        if getattr(args, key, None) is not None:
-            if family not in families:
-                raise ValueError(f"--{key} does not apply to --task {args.task} (only to {', '.join(families)})")
-            settings[key] = getattr(args, key)
-    return settings
 
 
 def prepare_data(args, preset):
     """Load train/val/test of args.task onto the device (data.load_splits), making them first if missing.
 
     Missing data that must be downloaded is fetched only with --download (a paper run never starts an 8 GB
-    download unasked). Every data setting the preset and flags imply (data_settings) is compared with the
-    prepared data's meta: a mismatch is a ValueError naming both values and the command that prepares the data
-    as the run expects, unless --accept_data (then a warning).
+    download unasked). Every data setting the preset and flags imply (data.expected_settings) is compared with
+    the prepared data's meta (data.check_settings: an error naming both values and the command that prepares
+    the data as the run expects, unless --accept_data).
     """
-    settings, family = data_settings(args, preset), data.task_family(args.task)
+    settings = data.expected_settings(args.task, preset["data"], {k: getattr(args, k) for k in data.STAGE_DATA_FLAGS})
     if args.rank == 0 and not os.path.exists(os.path.join(args.data_dir, args.task, "train.pt")):
         print(f"{args.data_dir}/{args.task}/train.pt not found: preparing it (preset {args.preset})")
         data.prepare(args.task, args.data_dir, **settings,
-                     **(dict(download=args.download) if family in DOWNLOADED else {}))
+                     **(dict(download=args.download) if data.task_family(args.task) in data.DOWNLOADED else {}))
     if args.world_size > 1:
         # Only rank 0 writes the data and the others wait; a download may take hours, so this barrier has a group
         # (and a timeout) of its own, not the training collectives' default.
         dist.barrier(group=dist.new_group(backend="gloo", timeout=timedelta(hours=3)))
     splits = data.load_splits(args.data_dir, args.task, args.device)
-    meta = splits["train"]["meta"]
-    wrong = data.data_mismatches(meta, settings)
-    if wrong:
-        what = "; ".join(f"{key}: the run expects {want!r}, the data has {found!r}" for key, want, found in wrong)
-        fix = (f"prepare the data this run expects in another folder: "
-               f"`{data.prepare_command(args.task, args.data_dir + '_' + args.preset, settings)}` and pass "
-               f"--data_dir {args.data_dir}_{args.preset}; or pass --accept_data to train on the data as it is")
-        if not args.accept_data:
-            raise ValueError(f"{args.data_dir}/{args.task} was prepared with other settings than preset "
-                             f"{args.preset} and the flags imply ({what}). To fix: {fix}")
-        print(f"warning: --accept_data: training on {args.data_dir}/{args.task} as it is ({what})")
+    data.check_settings(splits["train"]["meta"], settings, args.task, args.data_dir, args.preset, args.accept_data)
     print(f"data {args.data_dir}/{args.task}: " + ", ".join(
         f"{s} {len(splits[s]['labels'])} (sha256 {splits[s]['meta']['file_sha256'][:12]})" for s in data.SPLITS))
     return splits
@@ -352,117 +450,26 @@ def data_hashes(splits):
     return {s: split["meta"]["file_sha256"] for s, split in splits.items()}
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Masked reconstruction (the SPT objective)
-# ----------------------------------------------------------------------------------------------------------
-
-def mask_batch(x, lengths, ratio, mask_id, generator):
-    """Choose masked positions and hide them from the model.
-
-    x: tokens (B, L) int64 or values (B, L, C) float; lengths (B,) int64.
-    Returns (inputs, masked (B, L) bool). Every real position is masked independently with probability `ratio`
-    (no spans, no 80/10/10, as in Amos et al.); padding is never masked; a sequence that drew no mask gets one
-    at a random real position, so each sequence contributes to the loss. Tokens: masked ids become `mask_id`,
-    inputs (B, L). Values: masked values become 0 and a mask-indicator channel is appended, inputs (B, L, C+1)
-    (Amos et al.; the channel is sliced off at finetuning). `generator` makes the masks reproducible.
-    """
-    B, L = x.shape[:2]
-    valid = torch.arange(L, device=x.device)[None, :] < on(lengths, x.device)[:, None]
-    u = torch.rand(B, L, generator=generator, device=x.device)
-    masked = (u < ratio) & valid
-    # The real position with the smallest u is the one to force-mask in rows that drew none.
-    forced = F.one_hot(u.masked_fill(~valid, 2.0).argmin(dim=1), L).bool()
-    masked = masked | (forced & ~masked.any(dim=1, keepdim=True))
-    if x.dtype == torch.long:
-        return x.masked_fill(masked, mask_id), masked
-    indicator = masked[..., None].to(x.dtype)                                  # (B, L, 1)
-    return torch.cat([x * (1 - indicator), indicator], dim=-1), masked
-
-
-def reconstruction_loss(outputs, targets, kind="ce"):
-    """Mean reconstruction loss over the M masked positions (Coser et al., Sec. 2, L_SPT).
-
-    outputs (M, n_rec); targets (M,) int64 for "ce" (cross-entropy over the vocabulary), (M, n_rec) float for
-    "mse" (1/2 ||r - u||^2) and "l1". Normalized by M, the number of masked positions in the batch; M = 0 gives 0.
-    """
-    if outputs.shape[0] == 0:
-        return outputs.sum() * 0.0  # no masked position: a zero that still has a graph, not 0/0 = NaN
-    if kind == "ce":
-        return F.cross_entropy(outputs.float(), targets)
-    diff = outputs.float() - targets
-    if kind == "mse":
-        return 0.5 * diff.pow(2).sum(dim=-1).mean()
-    if kind == "l1":
-        return diff.abs().sum(dim=-1).mean()
-    raise ValueError(f"unknown reconstruction loss {kind!r}")
-
-
-def single_sequences(x, lengths):
-    """Document pairs (Retrieval: tokens (B, 2, L), lengths (B, 2)) -> 2B sequences (2B, L), (2B,), so that
-    SPT masks and reconstructs each document on its own; any other batch is returned as it is."""
-    if lengths.dim() == 2:
-        return x.flatten(0, 1), lengths.flatten()
-    return x, lengths
-
-
-def targets_at(x, masked, rec_loss, meta):
-    """Reconstruction targets at the masked positions: token ids (M,), values (M, C), or for pixel tasks with
-    the cross-entropy loss the raw intensity class 0..255 (M,), undoing the normalization of data.get_batch."""
-    targets = x[masked]
-    if rec_loss == "ce" and meta["kind"] == "pixels":
-        pixels = (targets[:, 0] * meta["pixel_std"] + meta["pixel_mean"]) * 255
-        return pixels.round().long().clamp(0, 255)
-    return targets
-
-
-def token_frequency_entropy(split, chunk=4096):
-    """Entropy (nats) of the token frequencies over the real positions of a token split: the masked loss of a
-    model that ignores the context and predicts every masked token from the unigram distribution of the data.
-    Reconstruction loss below it needs attention to the context (for ListOps: the proximity bias). Counted on
-    the split's device, `chunk` sequences at a time (no copy of the split)."""
-    tokens, lengths = single_sequences(split["tokens"], split["lengths"])
-    counts = torch.zeros(split["meta"]["vocab_size"], dtype=torch.float64, device=tokens.device)
-    for start in range(0, len(tokens), chunk):
-        rows, n = tokens[start:start + chunk], on(lengths[start:start + chunk], tokens.device)
-        valid = torch.arange(tokens.shape[1], device=tokens.device)[None, :] < n[:, None]
-        counts += torch.bincount(rows[valid], minlength=len(counts)).double()
-    p = counts[counts > 0] / counts.sum()
-    return -(p * p.log()).sum().item()
-
-
 def mask_generator(args, seed):
     return torch.Generator(device=args.device).manual_seed(seed)
 
 
 @torch.no_grad()
-def evaluate_reconstruction(model, split, args):
-    """Validation masked loss (and masked-token accuracy for tokens), with the same masks at every evaluation."""
+def evaluate(model, split, args, batch_sums, n_sums):
+    """Sums of per-batch statistics over a whole split, in eval mode: the evaluation loop of both stages.
+
+    batch_sums(i, idx) -> tensor (n_sums,) of one batch's sums (i: the batch's number, idx (B,) its rows; batches
+    sorted by length, data.batch_indices). Under torchrun each rank takes every N-th batch and the sums are
+    reduced over ranks. Returns a list of n_sums floats (one host synchronisation, at the end).
+    """
     model.eval()
-    sums = torch.zeros(3, dtype=accumulator_dtype(args.device), device=args.device)  # loss sum, correct, count
+    sums = torch.zeros(n_sums, dtype=accumulator_dtype(args.device), device=args.device)
     for i, idx in enumerate(data.batch_indices(split["lengths"], args.batch_size, shuffle=False)):
-        if i % args.world_size != args.rank:
-            continue  # under torchrun each rank evaluates every N-th batch; the sums are reduced below
-        x, lengths = single_sequences(*data.get_batch(split, idx, args.device)[:2])
-        g = mask_generator(args, 12345 + i)  # the same masks at every evaluation
-        inputs, masked = mask_batch(x, lengths, args.mask_ratio, split["meta"].get("mask_id"), g)
-        with autocast(args):
-            out = model.reconstruct(inputs, lengths, masked)
-        targets = targets_at(x, masked, args.rec_loss, split["meta"])
-        sums[0] += reconstruction_loss(out, targets, args.rec_loss).to(sums.dtype) * targets.shape[0]
-        if args.rec_loss == "ce":
-            sums[1] += (out.argmax(-1) == targets).sum()
-        sums[2] += targets.shape[0]
-    loss_sum, correct, count = global_sum(sums, args).tolist()
+        if i % args.world_size == args.rank:
+            sums += batch_sums(i, idx).to(sums.dtype)
     model.train()
-    metrics = {"val_loss": loss_sum / count}
-    if args.rec_loss == "ce":
-        metrics["val_acc"] = correct / count
-    return metrics
+    return global_sum(sums, args).tolist()
 
-
-# ----------------------------------------------------------------------------------------------------------
-# The training loop (shared with finetune.py)
-# ----------------------------------------------------------------------------------------------------------
 
 def plain_config(args):
     """The run's flags as a JSON- and weights_only-safe dict (devices and dtypes become strings)."""
@@ -476,8 +483,9 @@ def run_record(args):
                                 cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None
-    return dict(config=plain_config(args), git_commit=commit, torch_version=str(torch.__version__), python=platform.python_version(),
-                device_name=torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else platform.processor())
+    device = torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else platform.processor()
+    return dict(config=plain_config(args), git_commit=commit, torch_version=str(torch.__version__),
+                python=platform.python_version(), device_name=device)
 
 
 def epoch_batches(split, args, epoch):
@@ -493,140 +501,184 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
 
     loss_fn(idx (B,) global batch indices, step int) -> (sum of the loss over this rank's items, their count);
     the step minimizes (sum over ranks) / (count over ranks). eval_fn() -> dict of metrics with a "val_..." key
-    named by extra["metric"]. paths: dict(best=..., last=..., log=...). The best checkpoint (by that metric)
-    and the last one are written atomically; with args.resume the run continues from paths["last"] exactly
-    (model, optimizer, step, epoch, position in the epoch, best metric, RNG state).
+    named by extra["metric"]. paths: data.run_paths(...). The best checkpoint (by that metric) and the last one
+    are written atomically; with args.resume the run continues from paths["last"] exactly (model, optimizer,
+    step, epoch, position in the epoch, best metric, RNG state).
     Returns the metrics dict of the best evaluation (is_better decides ties), with its "step" and "epoch".
     """
-    metric = extra["metric"]
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.999),
                             weight_decay=args.weight_decay, fused=args.device.type == "cuda")
     n_batches = len(epoch_batches(splits["train"], args, 0))  # the same for every epoch
     total = args.epochs * n_batches if not args.max_steps else min(args.max_steps, args.epochs * n_batches)
     state = dict(step=0, epoch=0, batch_in_epoch=0, best=None, best_metrics=None, n_batches=n_batches)
     if args.resume:
-        # Loaded on the CPU: load_state_dict copies onto the model's device, and the CPU copy is freed right after
-        # (mapped to the GPU it would hold a second copy of weights and AdamW state for the whole run).
-        ck = data.load_newest([paths["last"], paths["best"]], "cpu", "--resume")
-        if ck is not None:
-            check_resumable(ck, model.cfg, n_batches)
-            model.load_state_dict(ck["model"])
-            opt.load_state_dict(ck["optimizer"])
-            state = ck["state"]
-            torch.set_rng_state(ck["rng_state"])
-            if args.device.type == "cuda" and ck.get("cuda_rng_state") is not None:
-                torch.cuda.set_rng_state(ck["cuda_rng_state"], args.device)
-            print(f"resumed at step {state['step']} (epoch {state['epoch']})")
-            del ck
+        state = resume(model, opt, paths, n_batches, args) or state
     print(f"{count_params(model):,} trainable parameters; {total} steps ({n_batches} per epoch)")
-    record = run_record(args)
-
-    def save(path, metrics):
-        if args.rank != 0:
-            return
-        cuda_rng = torch.cuda.get_rng_state(args.device) if args.device.type == "cuda" else None
-        save_dict = checkpoint_dict(model, optimizer=opt.state_dict(), state=dict(state), metrics=metrics,
-                                    rng_state=torch.get_rng_state(), cuda_rng_state=cuda_rng, **record, **extra)
-        data.save_atomic(save_dict, path)
-
-    def log(entry):
-        if args.rank != 0:
-            return
-        with open(paths["log"], "a") as f:
-            f.write(json.dumps(entry) + "\n")
-
-    def check_finite(value, first, last):
-        if not math.isfinite(value):
-            where = f"the last good checkpoint is {paths['last']} (--resume after lowering --lr)" \
-                if os.path.exists(paths["last"]) else "no checkpoint was written yet (rerun with a lower --lr)"
-            raise FloatingPointError(f"non-finite loss between steps {first} and {last}; {where}, "
-                                     f"or --skip_nonfinite to skip such steps")
-
-    if state["step"] == 0 and args.rank == 0:
-        open(paths["log"], "w").close()  # a fresh run starts a fresh log; a resumed one appends
-    t_last, tokens_since, loss_since, steps_since = time.time(), 0, torch.zeros((), device=args.device), 0
-    flops_since, peak = 0.0, peak_flops(args.device, args.dtype)  # for MFU (None: not reported)
-    if state["step"] == 0:  # the starting point, so the log shows how far training moved the metric
-        metrics = eval_fn()
+    run = dict(model=model, opt=opt, state=state, args=args, paths=paths, extra=extra, record=run_record(args),
+               eval_fn=eval_fn, higher_is_better=higher_is_better, total=total)
+    if state["step"] == 0:
+        if args.rank == 0:
+            os.makedirs(os.path.dirname(os.path.abspath(paths["log"])), exist_ok=True)
+            open(paths["log"], "w").close()  # a fresh run starts a fresh log; a resumed one appends
+        metrics = eval_fn()  # the starting point, so the log shows how far training moved the metric
         print("eval at step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-        log(dict(step=0, epoch=0, **metrics))
-        save(paths["init"], metrics)  # the initial weights, for the analyses (displacement, attention at init)
-    t_start, start_step = time.time(), state["step"]
+        append_log(run, dict(step=0, epoch=0, **metrics))
+        save_checkpoint(run, paths["init"], metrics)  # the initial weights, for the analyses
+    meter = new_meter(args)
+    run["t_start"], run["start_step"] = time.time(), state["step"]
     model.train()
     while state["step"] < total:
         batches = epoch_batches(splits["train"], args, state["epoch"])
         for i in range(state["batch_in_epoch"], len(batches)):
-            step = state["step"]
-            lr = get_lr(step, args.lr, args.warmup)
+            lr = get_lr(state["step"], args.lr, args.warmup)
             for group in opt.param_groups:
                 group["lr"] = lr
-            idx = batches[i]
-            loss_sum, count = loss_fn(idx, step)
-            count = global_sum(count.detach().to(torch.float32), args)
-            # DDP averages gradients over ranks, hence x world_size: the gradient is that of sum / count overall
-            (loss_sum * args.world_size / count).backward()
-            loss = global_sum(loss_sum.detach(), args) / count
-            if args.skip_nonfinite and not torch.isfinite(loss):  # a host sync, only with this flag
-                print(f"step {step + 1}: non-finite loss, update skipped")
-                opt.zero_grad(set_to_none=True)
-                loss = torch.zeros_like(loss)
-                state["skipped"] = state.get("skipped", 0) + 1
-            if args.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-            opt.step()  # after a skipped step every gradient is None, so AdamW changes nothing
-            opt.zero_grad(set_to_none=True)
-            state["step"], state["batch_in_epoch"] = step + 1, i + 1
-            loss_since += loss.detach()
-            steps_since += 1
-            batch_lengths = splits["train"]["lengths"][idx]  # on the CPU: no device sync
-            tokens_since += int(batch_lengths.sum())
-            L_batch = int(batch_lengths.max())
-            flops_since += flops_per_token(model.cfg, L_batch) * batch_lengths.numel() * L_batch  # x2 for pairs
+            loss = optimizer_step(run, loss_fn, batches[i])
+            state["step"], state["batch_in_epoch"] = state["step"] + 1, i + 1
+            count_step(meter, loss, splits["train"]["lengths"][batches[i]], model.cfg)
             done = state["step"] >= total
             if state["step"] % args.log_every == 0 or done:
-                mean_loss = loss_since.item() / steps_since  # host sync (the others: see README, Performance)
-                check_finite(mean_loss, state["step"] - steps_since + 1, state["step"])
-                dt = time.time() - t_last
-                eta = (time.time() - t_start) / (state["step"] - start_step) * (total - state["step"])
-                mfu = None if peak is None else flops_since / dt / (peak * args.world_size)  # per GPU
-                mem = torch.cuda.max_memory_allocated(args.device) / 2 ** 30 if args.device.type == "cuda" else None
-                print(f"step {state['step']:6d}/{total} | epoch {state['epoch']} | loss {mean_loss:.4f} | "
-                      f"lr {lr:.2e} | {1000 * dt / steps_since:.0f} ms/step | {tokens_since / dt:,.0f} tok/s | "
-                      + (f"MFU {100 * mfu:.1f}% | " if mfu is not None else "")
-                      + (f"peak {mem:.1f} GiB | " if mem is not None else "") + f"ETA {eta / 60:.1f} min")
-                log(dict(step=state["step"], epoch=state["epoch"], loss=mean_loss, lr=lr,
-                         ms_per_step=1000 * dt / steps_since, tokens_per_s=tokens_since / dt, mfu=mfu,
-                         peak_memory_gib=mem))
-                t_last, tokens_since, loss_since, steps_since = time.time(), 0, torch.zeros_like(loss_since), 0
-                flops_since = 0.0
+                log_progress(run, meter, lr)
             end_of_epoch, epoch = i + 1 == len(batches), state["epoch"]
             if end_of_epoch:
                 state["epoch"], state["batch_in_epoch"] = epoch + 1, 0
             if state["step"] % args.eval_every == 0 or done or (end_of_epoch and args.eval_each_epoch):
-                if steps_since:  # never checkpoint weights that a NaN/inf step may have reached
-                    check_finite(loss_since.item(), state["step"] - steps_since + 1, state["step"])
                 t_eval = time.time()
-                metrics = eval_fn()
-                improved = is_better(metrics, state, metric, higher_is_better, extra.get("tiebreak"))
-                if improved:
-                    state["best"], state["best_metrics"] = metrics[metric], metrics
-                    state["best_step"], state["best_epoch"] = state["step"], state["step"] / n_batches
-                print(f"eval at step {state['step']}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-                      + (" (best)" if improved else ""))
-                log(dict(step=state["step"], epoch=epoch, **metrics))
-                if improved:
-                    save(paths["best"], metrics)
-                save(paths["last"], metrics)
-                if args.snapshots:  # a copy per evaluation, for curves over training (analyze.py curves)
-                    save(paths["last"].replace("_last.pt", f"_step{state['step']}.pt"), metrics)
-                t_last += time.time() - t_eval  # evaluation time does not count in ms/step and tokens/s
+                evaluate_and_checkpoint(run, meter, epoch)
+                meter["t_last"] += time.time() - t_eval  # evaluation time does not count in ms/step and tokens/s
             if done:
                 break
-    print(f"finished {state['step']} steps in {(time.time() - t_start) / 60:.1f} min; "
-          f"best {metric} {state['best']:.4f}")
+    print(f"finished {state['step']} steps in {(time.time() - run['t_start']) / 60:.1f} min; "
+          f"best {extra['metric']} {state['best']:.4f}")
     if args.world_size > 1:
         dist.barrier()  # rank 0 has written its checkpoints before anyone reads them
     return dict(state["best_metrics"], step=state.get("best_step"), epoch=state.get("best_epoch"))
+
+
+def optimizer_step(run, loss_fn, idx):
+    """One AdamW step on the global batch `idx`; returns the loss as a device tensor (no host synchronisation,
+    except with --skip_nonfinite)."""
+    args, opt, state = run["args"], run["opt"], run["state"]
+    loss_sum, count = loss_fn(idx, state["step"])
+    count = global_sum(count.detach().to(torch.float32), args)
+    # DDP averages gradients over ranks, hence x world_size: the gradient is that of sum / count overall
+    (loss_sum * args.world_size / count).backward()
+    loss = global_sum(loss_sum.detach(), args) / count
+    if args.skip_nonfinite and not torch.isfinite(loss):  # a host sync, only with this flag
+        print(f"step {state['step'] + 1}: non-finite loss, update skipped")
+        opt.zero_grad(set_to_none=True)
+        loss = torch.zeros_like(loss)
+        state["skipped"] = state.get("skipped", 0) + 1
+    if args.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(run["model"].parameters(), args.grad_clip)
+    opt.step()  # after a skipped step every gradient is None, so AdamW changes nothing
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def new_meter(args):
+    """What the next log line reports, summed since the last one: loss (a device tensor), steps, real tokens,
+    training FLOPs, and the wall-clock start."""
+    return dict(t_last=time.time(), loss=torch.zeros((), device=args.device), steps=0, tokens=0, flops=0.0)
+
+
+def count_step(meter, loss, batch_lengths, cfg):
+    """Add one step to the meter; batch_lengths (B,) live on the CPU, so this never waits for the device."""
+    meter["loss"] += loss.detach()
+    meter["steps"] += 1
+    meter["tokens"] += int(batch_lengths.sum())
+    L_batch = int(batch_lengths.max())
+    meter["flops"] += flops_per_token(cfg, L_batch) * batch_lengths.numel() * L_batch  # x2 for pairs
+
+
+def log_progress(run, meter, lr):
+    """Print and log the mean loss, ms/step, real tokens/s, MFU (GPUs in model.PEAK_BF16_FLOPS) and peak memory
+    since the last log line, with an ETA; raises FloatingPointError on a non-finite mean loss. The .item() here
+    is the loop's one regular host synchronisation."""
+    args, state = run["args"], run["state"]
+    mean_loss = meter["loss"].item() / meter["steps"]
+    check_finite(run, mean_loss, state["step"] - meter["steps"] + 1)
+    dt = time.time() - meter["t_last"]
+    eta = (time.time() - run["t_start"]) / (state["step"] - run["start_step"]) * (run["total"] - state["step"])
+    peak = peak_flops(args.device, args.dtype)
+    mfu = None if peak is None else meter["flops"] / dt / (peak * args.world_size)  # per GPU
+    mem = torch.cuda.max_memory_allocated(args.device) / 2 ** 30 if args.device.type == "cuda" else None
+    print(f"step {state['step']:6d}/{run['total']} | epoch {state['epoch']} | loss {mean_loss:.4f} | "
+          f"lr {lr:.2e} | {1000 * dt / meter['steps']:.0f} ms/step | {meter['tokens'] / dt:,.0f} tok/s | "
+          + (f"MFU {100 * mfu:.1f}% | " if mfu is not None else "")
+          + (f"peak {mem:.1f} GiB | " if mem is not None else "") + f"ETA {eta / 60:.1f} min")
+    append_log(run, dict(step=state["step"], epoch=state["epoch"], loss=mean_loss, lr=lr,
+                         ms_per_step=1000 * dt / meter["steps"], tokens_per_s=meter["tokens"] / dt, mfu=mfu,
+                         peak_memory_gib=mem))
+    meter.update(new_meter(args))
+
+
+def evaluate_and_checkpoint(run, meter, epoch):
+    """Evaluate (eval_fn), keep the best metrics (is_better), and write the best checkpoint (if improved), the
+    last one (for --resume) and with --snapshots a copy per evaluation. Never checkpoints weights that a
+    non-finite step since the last log line may have reached."""
+    args, state, paths, metric = run["args"], run["state"], run["paths"], run["extra"]["metric"]
+    if meter["steps"]:
+        check_finite(run, meter["loss"].item(), state["step"] - meter["steps"] + 1)
+    metrics = run["eval_fn"]()
+    improved = is_better(metrics, state, metric, run["higher_is_better"], run["extra"].get("tiebreak"))
+    if improved:
+        state["best"], state["best_metrics"] = metrics[metric], metrics
+        state["best_step"], state["best_epoch"] = state["step"], state["step"] / state["n_batches"]
+    print(f"eval at step {state['step']}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+          + (" (best)" if improved else ""))
+    append_log(run, dict(step=state["step"], epoch=epoch, **metrics))
+    if improved:
+        save_checkpoint(run, paths["best"], metrics)
+    save_checkpoint(run, paths["last"], metrics)
+    if args.snapshots:  # a copy per evaluation, for curves over training (analyze.py curves)
+        save_checkpoint(run, paths["snapshot"].format(step=state["step"]), metrics)
+
+
+def save_checkpoint(run, path, metrics):
+    """Write model, optimizer, loop state, RNG states, the run record and the stage's fields (rank 0 only)."""
+    args = run["args"]
+    if args.rank != 0:
+        return
+    cuda_rng = torch.cuda.get_rng_state(args.device) if args.device.type == "cuda" else None
+    data.save_atomic(checkpoint_dict(run["model"], optimizer=run["opt"].state_dict(), state=dict(run["state"]),
+                                     metrics=metrics, rng_state=torch.get_rng_state(), cuda_rng_state=cuda_rng,
+                                     **run["record"], **run["extra"]), path)
+
+
+def append_log(run, entry):
+    """One JSON line in paths["log"] (rank 0 only)."""
+    if run["args"].rank == 0:
+        with open(run["paths"]["log"], "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+
+def check_finite(run, value, first):
+    """FloatingPointError if `value` (a mean loss over steps first..now) is NaN or inf, saying what to do."""
+    if not math.isfinite(value):
+        last = run["paths"]["last"]
+        where = f"the last good checkpoint is {last} (--resume after lowering --lr)" if os.path.exists(last) \
+            else "no checkpoint was written yet (rerun with a lower --lr)"
+        raise FloatingPointError(f"non-finite loss between steps {first} and {run['state']['step']}; {where}, "
+                                 f"or --skip_nonfinite to skip such steps")
+
+
+def resume(model, opt, paths, n_batches, args):
+    """Load the newest of paths["last"], paths["best"] into model and optimizer and restore the RNG states;
+    returns the loop state, or None when there is nothing to resume (a fresh start)."""
+    # Loaded on the CPU: load_state_dict copies onto the model's device, and the CPU copy is freed right after
+    # (mapped to the GPU it would hold a second copy of weights and AdamW state for the whole run).
+    ck = data.load_newest([paths["last"], paths["best"]], "cpu", "--resume")
+    if ck is None:
+        return None
+    check_resumable(ck, model.cfg, n_batches)
+    model.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["optimizer"])
+    torch.set_rng_state(ck["rng_state"])
+    if args.device.type == "cuda" and ck.get("cuda_rng_state") is not None:
+        torch.cuda.set_rng_state(ck["cuda_rng_state"], args.device)
+    print(f"resumed at step {ck['state']['step']} (epoch {ck['state']['epoch']})")
+    return ck["state"]
 
 
 def check_resumable(ck, cfg, n_batches):
@@ -659,73 +711,6 @@ def is_better(metrics, state, metric, higher_is_better, tiebreak=None):
     if value != ref:
         return value > ref if higher_is_better else value < ref
     return tiebreak is None or metrics[tiebreak] <= best[tiebreak]
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Self-pretraining
-# ----------------------------------------------------------------------------------------------------------
-
-def main(argv=None):
-    p = build_parser("pretrain", __doc__.split("\n")[0])
-    p.add_argument("--mask_ratio", type=float, default=None, help="fraction of positions masked (task default)")
-    p.add_argument("--rec_loss", default="mse", choices=("mse", "l1", "ce"),
-                   help="reconstruction loss for continuous inputs: MSE (the paper's), L1, or for pixel tasks "
-                        "ce = 256-way cross-entropy over the raw intensity (Amos et al.'s code); tokens always "
-                        "use cross-entropy over the vocabulary")
-    args, preset = resolve(p.parse_args(argv), "pretrain")
-    if args.mask_ratio is None:
-        args.mask_ratio = MASK_RATIO[data.task_family(args.task)]
-    splits = prepare_data(args, preset)
-    meta = splits["train"]["meta"]
-    if meta["kind"] == "tokens":
-        args.rec_loss = "ce"  # cross-entropy over the vocabulary
-        cfg = ModelConfig(vocab_size=meta["vocab_size"], max_len=meta["max_len"], n_rec=meta["vocab_size"],
-                          **preset["model"])
-    else:  # continuous values: one extra input channel for the mask indicator
-        if args.rec_loss == "ce" and meta["kind"] != "pixels":
-            p.error(f"--rec_loss ce needs 8-bit pixels; {args.task} has continuous values (use mse or l1)")
-        n_rec = 256 if args.rec_loss == "ce" else meta["d_input"]  # 256 intensity classes, or regress each channel
-        cfg = ModelConfig(d_input=meta["d_input"] + 1, max_len=meta["max_len"], n_rec=n_rec, **preset["model"])
-    model = Transformer(cfg).to(args.device)
-    out = os.path.join(args.out_dir, args.task)
-    os.makedirs(out, exist_ok=True)
-    paths = dict(best=os.path.join(out, "pretrain.pt"), last=os.path.join(out, "pretrain_last.pt"),
-                 init=os.path.join(out, "pretrain_init.pt"), log=os.path.join(out, "pretrain_log.jsonl"))
-    train_split = splits["train"]
-    g = mask_generator(args, 0)
-    net = wrap(model, args)
-
-    def loss_fn(idx, step):
-        x, lengths = single_sequences(*data.get_batch(train_split, idx, args.device)[:2])
-        g.manual_seed(args.seed * 1_000_003 + step)  # masks differ per step, reproducible for --resume
-        inputs, masked = mask_batch(x, lengths, args.mask_ratio, meta.get("mask_id"), g)
-        x, lengths, inputs, masked = local_rows(args, x, lengths, inputs, masked)  # this rank's rows
-        with autocast(args):
-            out = net(inputs, lengths, masked)
-        n = masked.sum()
-        return reconstruction_loss(out, targets_at(x, masked, args.rec_loss, meta), args.rec_loss) * n, n
-
-    extra = dict(stage="pretrain", task=args.task, data_meta=meta, data_sha256=data_hashes(splits), metric="val_loss",
-                 format_version=1)
-    print(f"self-pretraining {args.task}: {cfg}")
-    best = train(model, splits, args, loss_fn, lambda: evaluate_reconstruction(model, splits["val"], args),
-                 paths, extra, higher_is_better=False)
-    print(f"best validation masked loss {best['val_loss']:.4f} (step {best['step']}); wrote {paths['best']}")
-    if meta["kind"] == "tokens" and args.rank == 0:
-        h = token_frequency_entropy(train_split)
-        gap = best["val_loss"] - h
-        where = "below it: the model uses the context" if gap < -0.02 else \
-            "at it: the model predicts masked tokens from their frequencies only, not yet from the context " \
-            "(the plateau that attention to neighbours ends)" if gap <= 0.02 else \
-            f"above it by {gap:.3f}: the model has not yet learned even the token frequencies (train longer)"
-        print(f"the token-frequency entropy of {args.task}'s training data is {h:.4f} nats; the validation masked "
-              f"loss is {where}")
-    dirs = ("" if args.data_dir == "data" else f" --data_dir {args.data_dir}") + \
-        ("" if args.out_dir == "out" else f" --out_dir {args.out_dir}")
-    if args.world_size > 1:
-        dist.destroy_process_group()
-    print(f"next: python finetune.py --task {args.task} --init {paths['best']}{dirs}\n"
-          f"  and python finetune.py --task {args.task} --init scratch{dirs}   (the baseline)")
 
 
 if __name__ == "__main__":

@@ -451,6 +451,48 @@ def test_readme_quickstart_matches_ci():
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Architecture: two libraries under a chain of stages, read from the sources
+# ----------------------------------------------------------------------------------------------------------
+
+STAGE_ORDER = {"data": 0, "model": 0, "pretrain": 1, "finetune": 2, "analyze": 3, "ablate": 4}
+
+
+def project_imports(source):
+    """The project modules (keys of STAGE_ORDER) that a source imports anywhere, functions included (ast)."""
+    import ast
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found & set(STAGE_ORDER)
+
+
+def test_imports_follow_the_order_data_model_pretrain_finetune_analyze_ablate():
+    here = os.path.dirname(os.path.abspath(__file__))
+    assert project_imports("def f():\n    from pretrain import train\n    import model as m\n") == {"pretrain", "model"}
+    for name, rank in STAGE_ORDER.items():
+        with open(os.path.join(here, name + ".py")) as f:
+            deps = project_imports(f.read())
+        if rank == 0:  # the two libraries import no stage, nor each other
+            assert deps == set(), (name, deps)
+        later = {d for d in deps if STAGE_ORDER[d] >= rank}
+        assert not later, f"{name}.py imports {later}, which come later in the order (or are itself)"
+
+
+def test_pretrain_reads_spt_first_and_the_engine_after():
+    import ast
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "pretrain.py")) as f:
+        source = f.read()
+    lines = {n.name: n.lineno for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)}
+    assert lines["mask_batch"] <= 150
+    assert lines["mask_batch"] < lines["reconstruction_loss"] < lines["main"] < lines["build_parser"] < lines["train"]
+    engine = source.index("# The engine shared with finetune.py (a first reading can stop here)")
+    assert source[:engine].count("\ndef ") == sum(1 for n, at in lines.items() if at < source[:engine].count("\n"))
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Proposition 1 (analyze.py prop1)
 # ----------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
@@ -622,20 +664,25 @@ def test_training_never_calls_the_explicit_attention_path(listops_dir, tmp_path,
 
 
 def test_bench_reports_figures_computed_from_its_own_timings(tmp_path):
-    path = str(tmp_path / "bench.json")
-    out = model_lib.bench(["--bench", "--size", "64,16,1,2,32,2", "--steps", "1", "--repeats", "1", "--variants",
-                           "fused,reference,data", "--device", "cpu", "--json", path])
+    import ablate
+    argv = ["bench", "--size", "64,16,1,2,32,2", "--steps", "1", "--repeats", "1", "--variants", "fused,reference,data",
+            "--device", "cpu", "--out_dir", str(tmp_path), "--name", "tiny"]
+    ablate.main(argv)
+    with open(tmp_path / "bench" / "tiny.json") as f:
+        out = json.load(f)
     r = out["results"]
     assert set(r) == {"fused", "reference", "data"} and out["size"]["L"] == 64 and out["size"]["batch"] == 2
     assert out["speed_ratio_fused_vs_reference"] == pytest.approx(r["reference"]["ms_per_step"] /
                                                                   r["fused"]["ms_per_step"])
     assert out["data_path_overhead"] == pytest.approx(r["data"]["ms_per_step"] / r["fused"]["ms_per_step"] - 1)
     assert r["fused"]["tokens_per_s"] == pytest.approx(64 * 2 / (r["fused"]["ms_per_step"] / 1000))
-    with open(path) as f:
-        assert json.load(f) == json.loads(json.dumps(out))
-    for bad in (["--variants", "fused,fast"], ["--size", "64,16"], ["--size", "64,15,1,2,32,2"]):
-        with pytest.raises(SystemExit):
-            model_lib.bench(["--bench"] + bad)
+    table = (tmp_path / "bench" / "tiny.md").read_text()
+    assert f"| ours, fused attention | {r['fused']['ms_per_step']:.1f} |" in table
+    assert f"**{out['speed_ratio_fused_vs_reference']:.2f}**" in table
+    for bad, message in ((["--variants", "fused,fast"], "--variants"), (["--size", "64,16"], "--size"),
+                         (["--size", "64,15,1,2,32,2"], "divisible")):
+        with pytest.raises(ValueError, match=message):
+            ablate.main(argv[:1] + bad)
 
 
 def test_load_splits_moves_every_input_kind_and_keeps_lengths_on_the_cpu(tmp_path, capsys):
@@ -691,10 +738,10 @@ def synthetic_run(tmp_path_factory):
 def test_every_parameter_is_in_exactly_one_group():
     for cfg in (tiny_cfg(n_classes=3, n_rec=17), tiny_cfg(layernorm=False, mlp=False, n_classes=2),
                 tiny_cfg(pos="fire", n_classes=2)):
-        groups = {finetune.param_group(n) for n, _ in Transformer(cfg).named_parameters()}
-        assert groups <= set(finetune.PARAM_GROUPS)
+        groups = {model_lib.param_group(n) for n, _ in Transformer(cfg).named_parameters()}
+        assert groups <= set(model_lib.PARAM_GROUPS)
     with pytest.raises(ValueError, match="expected exactly one"):
-        finetune.param_group("something.else")
+        model_lib.param_group("something.else")
 
 
 def test_inherit_qk_copies_only_w_q_and_w_k(synthetic_run):
@@ -1454,7 +1501,7 @@ def test_fire_bias_is_learned_and_unknown_positions_are_refused():
     m = Transformer(tiny_cfg(pos="fire", n_layers=1, n_classes=2))
     names = [n for n, _ in m.named_parameters()]
     assert any(".attn.fire." in n for n in names)
-    assert finetune.param_group("blocks.0.attn.fire.log_c") == "posenc"
+    assert model_lib.param_group("blocks.0.attn.fire.log_c") == "posenc"
     bias = m.blocks[0].attn._position_bias(7, "cpu")
     # below the learned threshold (32) the normalizer is constant, so the bias depends on |i - j| only
     assert bias.shape == (4, 7, 7) and torch.allclose(bias, bias.transpose(1, 2))
@@ -1559,7 +1606,7 @@ def test_retrieval_reads_aan_pairs_and_encodes_each_document_on_its_own(tmp_path
     # A batch of pairs: (B, 2, L) for the dual encoder, 2B single documents for SPT.
     x, lengths, _ = data.get_batch(d, torch.arange(3), "cpu")
     assert x.shape[:2] == (3, 2) and lengths.shape == (3, 2)
-    flat_x, flat_lengths = pretrain.single_sequences(x, lengths)
+    flat_x, flat_lengths = data.single_sequences(x, lengths)
     assert flat_x.shape[0] == 6 and torch.equal(flat_lengths, lengths.flatten())
 
 
@@ -1648,6 +1695,29 @@ def test_fashion_mnist_idx_padded_to_1024_pixels(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "FASHION_DIRS", ())   # this machine may have the Debian package installed
     with pytest.raises(FileNotFoundError, match="dataset-fashion-mnist"):
         data.find_fashion_mnist(str(tmp_path / "elsewhere"))
+
+
+def test_fashion_mnist_at_16x16_is_the_mean_of_2x2_blocks_and_keeps_a_counted_training_subset(tmp_path, capsys):
+    root = str(tmp_path)
+    folder = os.path.join(root, "fashion_mnist")
+    os.makedirs(folder)
+    rng = np.random.default_rng(3)
+    images = rng.integers(0, 256, (30, 28, 28))
+    write_idx(os.path.join(folder, "train-images-idx3-ubyte"), images)
+    write_idx(os.path.join(folder, "train-labels-idx1-ubyte"), rng.integers(0, 10, 30))
+    write_idx(os.path.join(folder, "t10k-images-idx3-ubyte"), images[:4])
+    write_idx(os.path.join(folder, "t10k-labels-idx1-ubyte"), np.arange(4))
+    assert data.prepare_fashion_mnist(root, n_val=5, resolution=16, n_train=12) == {"train": 12, "val": 5, "test": 4}
+    assert "a training subset of 12 images (13 of the split left out)" in capsys.readouterr().out
+    test = data.load_split(root, "fashion_mnist", "test")
+    assert test["meta"]["max_len"] == 256 and test["meta"]["resolution"] == 16 and test["meta"]["train_subset"]
+    padded = np.pad(images[:4], ((0, 0), (2, 2), (2, 2))).astype(float)
+    for n, i, j in ((0, 0, 0), (1, 7, 9), (3, 15, 15), (2, 1, 14)):  # a loop over blocks, rounded half up
+        block = padded[n, 2 * i:2 * i + 2, 2 * j:2 * j + 2]
+        assert test["pixels"][n, 16 * i + j].item() == int(math.floor(block.mean() + 0.5))
+    for bad, match in ((dict(resolution=8), "resolution 8"), (dict(n_train=26), "n_train 26: expected 1..25")):
+        with pytest.raises(ValueError, match=match):
+            data.prepare_fashion_mnist(root, n_val=5, **bad)
 
 
 def test_fashion_mnist_downloads_from_a_local_server_and_checks_the_published_md5(http_root, tmp_path, monkeypatch,
@@ -2246,12 +2316,66 @@ def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run
     majority = max(val.tolist().count(c) for c in set(val.tolist())) / len(val)  # counted without torch
     assert f"| {majority:.3f} | scratch: " in table and "| majority class (val) | above it? |" in table
     readme = tmp_path / "README.md"
-    readme.write_text("intro\n<!-- results:start -->\nold\n<!-- results:end -->\nend\n")
+    readme.write_text("intro\n<!-- results:start -->\nold\n<!-- results:end -->\nmid\n<!-- performance:start -->\n"
+                      "old too\n<!-- performance:end -->\nend\n")
     monkeypatch.setattr(ablate, "__file__", str(tmp_path / "ablate.py"))
+    os.makedirs(os.path.join(out, "bench"))
+    with open(os.path.join(out, "bench", "cpu.md"), "w") as f:
+        f.write("| variant | ms/step |\n| ours | 12.5 |\n")
     ablate.main(["report", "--out_dir", out, "--data_dir", root])
     text = readme.read_text()
     assert text.index("LRA: from scratch") < text.index("Dataset swap") < text.index("Pretraining duration")
+    assert text.index("Pretraining duration") < text.index("mid") < text.index("| ours | 12.5 |") < text.index("\nend\n")
     assert "old" not in text and (tmp_path / "figures" / "pathfinder_samples.png").exists()
+
+
+def test_ablate_fashion_mnist_budget_init_duration_and_pathfinder_curves(tmp_path, monkeypatch, capsys):
+    """init and duration on the Fashion-MNIST CPU budget (its own 16x16 subset, a probe, shared runs), pfcurves and
+    swap on generated PathFinder data, all fixture-sized."""
+    import ablate
+    folder = tmp_path / "fashion"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for prefix, n in (("train", 40), ("t10k", 10)):
+        write_idx(str(folder / f"{prefix}-images-idx3-ubyte"), rng.integers(0, 256, (n, 28, 28)))
+        write_idx(str(folder / f"{prefix}-labels-idx1-ubyte"), rng.integers(0, 10, n))
+    monkeypatch.setattr(data, "FASHION_DIRS", (str(folder),))
+    monkeypatch.setattr(ablate, "FASHION_CPU", dict(resolution=16, n_train=20, n_val=8, epochs=1))
+    root, out = str(tmp_path / "data"), str(tmp_path / "out")
+    argv = ["--seeds", "1", "--data_dir", root, "--out_dir", out, "--max_steps", "2", "--device", "cpu"]
+    ablate.main(["init", "--task", "fashion_mnist"] + argv)
+    meta = data.load_split(os.path.join(root, "fashion_mnist_r16_n20"), "fashion_mnist", "train")["meta"]
+    assert meta["max_len"] == 256 and meta["split_sizes"] == dict(train=20, val=8, test=10)
+    table = open(os.path.join(out, "ablate", "init_fashion_mnist.md")).read()
+    assert "averaged to 16x16, a training subset, 20/8/10 train/val/test" in table
+    assert "Probe, from scratch for 2 epochs (seed 0)" in table and "| during SPT: norm(W - W_init)" in table
+    res = json.load(open(os.path.join(out, "ablate", "init_fashion_mnist.json")))
+    spt_run = next(r for r in res["runs"] if r["row"] == "all")
+    assert f"| ours | {spt_run['displacement']['W_Q']:.3f} (1 seed) |" in table.replace(" +- 0.000", "")
+    assert os.path.getsize(os.path.join(out, "analysis", "init_fashion_mnist_curves.png")) > 10_000
+    ck = data.load_pt(os.path.join(out, "ablate", "reference", "fashion_mnist", "1layer", "seed0", "fashion_mnist",
+                                   "finetune_init_scratch.pt"))
+    assert ck["model_config"]["n_layers"] == 1 and ck["config"]["resolution"] == 16 and ck["config"]["epochs"] == 1
+    capsys.readouterr()
+    ablate.main(["duration", "--task", "fashion_mnist", "--durations", "1", "3"] + argv)
+    text = capsys.readouterr().out
+    assert "finetune_init_scratch.json" in text and "finetune_scratch_probe.json" in text  # shared with init
+    assert sorted(r["epochs"] for r in json.load(open(os.path.join(out, "ablate", "duration_fashion_mnist.json")))
+                  ["runs"]) == [0, 1, 3]
+    ablate.main(["pfcurves", "--configs", "1:easy", "2:hard", "--n_images", "40", "--steps", "4", "--eval_every",
+                 "2"] + argv)
+    table = open(os.path.join(out, "ablate", "pfcurves.md")).read()
+    assert "| 1 | easy (6) | 4 |" in table and "| 2 | hard (14) | 2 |" in table
+    assert os.path.getsize(os.path.join(out, "analysis", "pathfinder_curves.png")) > 10_000
+    with pytest.raises(ValueError, match="n_val 5000: expected 1..39 for 40 training examples"):
+        ablate.main(["swap", "--difficulty", "easy", "--n_images", "40", "--steps", "2"] + argv)
+    data.prepare_fashion_mnist(root, n_val=10)  # the swap's Image side at 32x32, as a user would prepare it
+    ablate.main(["swap", "--difficulty", "easy", "--n_images", "40", "--steps", "2"] + argv)
+    table = open(os.path.join(out, "ablate", "swap.md")).read()
+    assert "Data: PathFinder 32x32 from our generator, 32/4/4 train/val/test, difficulty easy" in table
+    assert "command: python ablate.py swap --difficulty easy --n_images 40 --steps 2" in table
+    with pytest.raises(SystemExit):  # each experiment takes only its own flags
+        ablate.main(["pfcurves", "--durations", "1"] + argv)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -2492,3 +2616,198 @@ def test_load_split_refuses_tensors_that_disagree(tmp_path, tensors, message):
     with pytest.raises(ValueError, match=message) as e:
         data.load_split(str(tmp_path), "toy", "train")
     assert str(e.value).startswith(path)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# data.py as a library: the contract on top, one atomic write, and flags that do not apply are errors
+# ----------------------------------------------------------------------------------------------------------
+import functools  # noqa: E402
+import inspect  # noqa: E402
+
+# Per task family: CLI flags that apply (and the keywords main must pass for them, nothing else), and one that does
+# not (with the task's name as it appears in the error).
+DATA_CLI_CASES = [
+    ("listops", ["--n_train", "8", "--n_val", "4", "--n_test", "4", "--seed", "1", "--max_len", "3000", "--truncate"],
+     dict(n_train=8, n_val=4, n_test=4, seed=1, max_len=3000, truncate=True), ["--length", "10"]),
+    ("synthetic", ["--n_train", "20", "--n_val", "5", "--n_test", "5", "--length", "10", "--seed", "2"],
+     dict(n_train=20, n_val=5, n_test=5, length=10, seed=2), ["--max_len", "50"]),
+    ("ucr/GunPoint", ["--val_fraction", "0.3", "--seed", "1", "--no_download", "--sha256", "ab"],
+     dict(val_fraction=0.3, seed=1, download=False, sha256="ab"), ["--n_train", "10"]),
+    ("text", ["--max_len", "64", "--no_download", "--sha256", "ab"], dict(max_len=64, download=False, sha256="ab"),
+     ["--seed", "1"]),
+    ("retrieval", ["--max_len", "40", "--no_download"], dict(max_len=40, download=False), ["--n_val", "3"]),
+    ("image", ["--n_val", "10", "--seed", "1", "--no_download", "--sha256", "ab"],
+     dict(n_val=10, seed=1, download=False, sha256="ab"), ["--resolution", "16"]),
+    ("fashion_mnist", ["--resolution", "16", "--n_train", "20", "--n_val", "5", "--seed", "1", "--no_download"],
+     dict(resolution=16, n_train=20, n_val=5, seed=1, download=False), ["--n_test", "5"]),
+    ("pathfinder", ["--resolution", "32", "--difficulty", "easy", "--seed", "1", "--generate", "10", "--no_download",
+                    "--sha256", "ab"],
+     dict(resolution=32, difficulty="easy", seed=1, generate=10, download=False, sha256="ab"), ["--max_len", "50"]),
+    ("pathx", ["--resolution", "128", "--difficulty", "hard", "--generate", "4"],
+     dict(resolution=128, difficulty="hard", generate=4), ["--truncate"]),
+]
+
+
+@pytest.mark.parametrize("task, good, passed, bad", DATA_CLI_CASES, ids=[c[0] for c in DATA_CLI_CASES])
+def test_data_cli_rejects_flags_that_do_not_apply_and_passes_exactly_the_flags_given(tmp_path, monkeypatch, task,
+                                                                                        good, passed, bad):
+    root = str(tmp_path / "d")
+    with pytest.raises(ValueError, match=rf"^{bad[0]} does not apply to --task {task} \(it takes: ") as e:
+        data.main(["--task", task, "--data_dir", root] + good + bad)
+    takes = str(e.value).split("(it takes: ")[1]
+    assert all(f in takes for f in good if f.startswith("--")), takes  # the flags that do apply are listed
+    assert not os.path.exists(root)  # refused before anything is read or written
+    family = data.task_family(task)
+    real, calls = data.PREPARE[family], []
+
+    @functools.wraps(real)  # the same signature, so prepare's check sees the real function's parameters
+    def spy(*args, **kwargs):
+        calls.append((args, kwargs))
+        return {}
+    monkeypatch.setitem(data.PREPARE, family, spy)
+    data.main(["--task", task, "--data_dir", root] + good)
+    data.main(["--task", task, "--data_dir", root])
+    assert calls[0] == ((root, "GunPoint") if family == "ucr" else (root,), passed)
+    assert calls[1][1] == {}  # no flag given: the prepare function's own defaults, nothing passed for them
+
+
+def test_data_cli_prepares_listops_and_synthetic_with_the_flags_given(tmp_path):
+    root = str(tmp_path)
+    data.main(["--task", "synthetic", "--data_dir", root, "--n_train", "20", "--n_val", "5", "--n_test", "5",
+               "--length", "10", "--seed", "3"])
+    d = {s: data.load_split(root, "synthetic", s) for s in data.SPLITS}
+    assert [len(d[s]["labels"]) for s in data.SPLITS] == [20, 5, 5] and d["train"]["values"].shape == (20, 10, 2)
+    assert d["train"]["meta"]["seed"] == 3
+    data.main(["--task", "listops", "--data_dir", root, "--n_train", "6", "--n_val", "3", "--n_test", "3",
+               "--max_len", "700", "--truncate", "--seed", "2"])
+    d = data.load_split(root, "listops", "train")
+    assert len(d["labels"]) == 6 and d["tokens"].shape[1] == 700 and int(d["lengths"].max()) == 700  # cut, not failed
+    assert json.load(open(os.path.join(root, "listops", "generated.json"))) == dict(n_train=6, n_val=3, n_test=3,
+                                                                                    seed=2)
+    with pytest.raises(SystemExit, match=r"^error: --max_len does not apply to --task synthetic \(it takes: --n_train, "
+                                         r"--n_val, --n_test, --seed, --length\)$"):
+        data.run_cli(lambda argv: data.main(["--task", "synthetic", "--data_dir", root, "--max_len", "50"]))
+
+
+def test_prepare_refuses_keywords_the_task_does_not_take(tmp_path):
+    root = str(tmp_path)
+    with pytest.raises(ValueError, match=r"^--max_len does not apply to --task synthetic \(it takes: --n_train, "
+                                         r"--n_val, --n_test, --seed, --length\)$"):
+        data.prepare("synthetic", root, max_len=5)
+    with pytest.raises(ValueError, match=r"^--max_len, url do not apply to --task synthetic"):
+        data.prepare("synthetic", root, n_train=4, max_len=5, url="x")
+    with pytest.raises(ValueError, match=r"^--no_download does not apply to --task listops"):
+        data.prepare("listops", root, download=False)
+    with pytest.raises(ValueError, match=r"^--length, --truncate do not apply to --task pathx \(it takes: --resolution"):
+        data.prepare("pathx", root, length=3, truncate=True)
+    with pytest.raises(ValueError, match=r"^name does not apply to --task ucr/GunPoint"):
+        data.prepare("ucr/GunPoint", root, name="Coffee")
+    assert os.listdir(root) == []
+    with pytest.raises(TypeError):  # the prepare functions themselves no longer swallow unknown keywords
+        data.prepare_synthetic(root, max_len=5)
+    # what the other stages pass still applies: every preset's data settings, and download where data is fetched
+    for task, presets in pretrain.PRESETS.items():
+        for preset in presets.values():
+            settings = dict(data.IMPLIED_DATA.get(task, {}), **preset["data"])
+            if task in data.DOWNLOADED:
+                settings["download"] = False
+            assert set(settings) <= set(data.prepare_keywords(task)), (task, settings)
+    assert data.prepare("synthetic", root, n_train=4, n_val=2, n_test=2, length=5) == dict(train=4, val=2, test=2)
+
+
+def test_tasks_are_the_families_of_prepare():
+    assert sorted(map(data.task_family, data.TASKS)) == sorted(data.PREPARE)
+    assert "ucr/GunPoint" in data.TASKS and "ucr" not in data.TASKS and "ucr/../x" not in data.TASKS
+    assert "synthetic" in data.TASKS and "nonsense" not in data.TASKS and isinstance(data.TASKS, tuple)
+    for task in data.TASKS:
+        assert "data_dir" not in data.prepare_keywords(task)
+        assert all(q.kind != q.VAR_KEYWORD for q in inspect.signature(data.PREPARE[data.task_family(task)])
+                   .parameters.values()), task  # no **kwargs: an unknown keyword cannot slip through
+
+
+def test_save_atomic_round_trips_every_kind_and_leaves_no_tmp(tmp_path):
+    d = tmp_path / "sub" / "dir"  # created
+    cases = {"a.json": {"x": [1, 2.5, None], "y": "z"}, "b.txt": "héllo\nworld", "c.bin": b"\x00\xffbytes",
+             "e.pt": dict(t=torch.arange(5), meta=dict(task="toy"))}
+    for name, obj in cases.items():
+        data.save_atomic(obj, str(d / name))
+    data.save_atomic(lambda f: f.write(b"from a callable"), str(d / "d.png"))
+    assert json.load(open(d / "a.json")) == cases["a.json"]
+    assert (d / "b.txt").read_text(encoding="utf-8") == cases["b.txt"] and (d / "c.bin").read_bytes() == cases["c.bin"]
+    assert (d / "d.png").read_bytes() == b"from a callable"
+    pt = data.load_pt(str(d / "e.pt"))
+    assert torch.equal(pt["t"], torch.arange(5)) and pt["meta"] == {"task": "toy"}
+    assert sorted(os.listdir(d)) == ["a.json", "b.txt", "c.bin", "d.png", "e.pt"]  # no .tmp left behind
+    data.save_atomic("second", str(d / "b.txt"))  # replaces
+    assert (d / "b.txt").read_text() == "second"
+
+    def broken(f):
+        f.write(b"half")
+        raise OSError("disk full")
+    with pytest.raises(OSError, match="disk full"):
+        data.save_atomic(broken, str(d / "b.txt"))
+    assert (d / "b.txt").read_text() == "second"  # a failed write never replaces the file
+
+
+def test_data_writers_go_through_save_atomic(tmp_path, monkeypatch):
+    written = []
+    real = data.save_atomic
+    monkeypatch.setattr(data, "save_atomic", lambda obj, path, **kw: (written.append(os.path.basename(path)),
+                                                                      real(obj, path, **kw))[1])
+    rows = [("( [MAX 2 9 ] )", 9), ("[MIN 3 4 ]", 3)]
+    data.write_listops_tsv(str(tmp_path / "basic_train.tsv"), rows)
+    assert data.read_listops_tsv(str(tmp_path / "basic_train.tsv")) == (["( [MAX 2 9 ] )", "[MIN 3 4 ]"], [9, 3])
+    assert (tmp_path / "basic_train.tsv").read_text() == "Source\tTarget\n( [MAX 2 9 ] )\t9\n[MIN 3 4 ]\t3\n"
+    images, labels = data.generate_pathfinder(3, 0, 32)
+    root = str(tmp_path / "pf")
+    data.write_pathfinder_release(root, images, labels, per_folder=2)
+    data.save_pathfinder_grid(images, labels, str(tmp_path / "grid.png"))
+    got, got_labels, skipped = data.read_pathfinder_release(root)
+    assert (got == images).all() and (got_labels == labels).all() and skipped == []
+    with Image.open(tmp_path / "grid.png") as im:
+        assert im.format == "PNG"
+    assert written == ["basic_train.tsv", "sample_0.png", "sample_1.png", "0.npy", "sample_0.png", "1.npy",
+                       "grid.png"]
+    assert [f for _, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".tmp")] == []
+
+
+def test_run_paths_names_the_files_of_a_run():
+    p = data.run_paths("out", "ucr/GunPoint", "pretrain")
+    j = lambda name: os.path.join("out", "ucr/GunPoint", name)  # noqa: E731
+    assert p == dict(best=j("pretrain.pt"), last=j("pretrain_last.pt"), init=j("pretrain_init.pt"),
+                     log=j("pretrain_log.jsonl"), snapshot=j("pretrain_step{step}.pt"))
+    f = data.run_paths("out", "listops", "finetune", "spt")
+    assert {k: os.path.basename(v) for k, v in f.items()} == dict(
+        best="finetune_spt.pt", last="finetune_spt_last.pt", init="finetune_spt_init.pt",
+        log="finetune_spt_log.jsonl", snapshot="finetune_spt_step{step}.pt", json="finetune_spt.json")
+    assert f["snapshot"].format(step=30) == os.path.join("out", "listops", "finetune_spt_step30.pt")
+    for args in (("eval",), ("finetune",), ("finetune", ""), ("pretrain", "spt")):
+        with pytest.raises(ValueError, match="run_paths: stage"):
+            data.run_paths("out", "listops", *args)
+
+
+DATA_CONTRACT = ("PAD_ID", "MASK_ID", "SPLITS", "save_atomic", "load_pt", "load_newest", "run_paths", "TaskNames",
+                 "TASKS", "task_family", "INPUT_KEYS", "check_split", "load_split", "load_splits", "single_sequences",
+                 "batch_indices", "get_batch", "_to_device")
+
+
+def test_data_py_defines_its_contract_before_any_source():
+    import ast
+    tree = ast.parse(open(data.__file__).read())
+    line = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            line.setdefault(node.name, node.lineno)
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                for name in ast.walk(target):
+                    if isinstance(name, ast.Name):
+                        line.setdefault(name.id, node.lineno)
+    assert set(DATA_CONTRACT) <= set(line), set(DATA_CONTRACT) - set(line)
+    first_source = min(n for name, n in line.items() if name in ("sha256_of", "download_file")
+                       or (name.startswith("prepare_") and name[8:] in data.PREPARE))
+    late = {name: line[name] for name in DATA_CONTRACT if line[name] > first_source}
+    assert not late, f"defined after the first source-specific code (line {first_source}): {late}"
+    assert line["PREPARE"] > max(line[f.__name__] for f in data.PREPARE.values())
+    doc = ast.get_docstring(tree)
+    assert "Sections: 0. what every stage reads" in doc and "9. command line" in doc
