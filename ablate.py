@@ -707,8 +707,9 @@ class ReferenceEncoder(torch.nn.Module):
                                            batch_first=True, norm_first=True)
         self.encoder = nn.TransformerEncoder(layer, cfg.n_layers, nn.LayerNorm(cfg.d_model), enable_nested_tensor=False)
 
-    def reconstruct(self, x, lengths, positions):
-        return self.rec_head(self.encoder(self.embed(x) + self.pe[:x.shape[1]])[positions])
+    def reconstruct(self, x, lengths, positions=True):
+        z = self.encoder(self.embed(x) + self.pe[:x.shape[1]])
+        return self.rec_head(z) if positions is True else self.rec_head(z[positions])
 
 
 def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
@@ -740,12 +741,12 @@ def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
 
     def step(i):
         x, lengths, inputs, masked = batch(i) if variant == "data" else fixed
-        with model_lib.autocast(device, dtype):
+        with model_lib.autocast(device, dtype):  # the training step's form (pretrain.spt_loss_fn)
             if variant == "explicit":  # the step as it would run if it asked for the attention weights
-                out = model.rec_head(model.encode(inputs, lengths, need_weights=True)[0][masked])
+                out = model.rec_head(model.encode(inputs, lengths, need_weights=True)[0])
             else:
-                out = reconstruct(inputs, lengths, masked)
-        torch.nn.functional.cross_entropy(out.float(), x[masked]).backward()
+                out = reconstruct(inputs, lengths, True)
+        pretrain.reconstruction_loss(out, x, "ce", masked).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 

@@ -291,7 +291,7 @@ class Transformer(nn.Module):
         init_weights(self, cfg)
 
     def forward(self, x, lengths=None, positions=None):
-        """Reconstruction outputs at `positions` if given (SPT), else class logits (finetuning)."""
+        """Reconstruction outputs if `positions` is given (SPT: see reconstruct), else class logits (finetuning)."""
         return self.classify(x, lengths) if positions is None else self.reconstruct(x, lengths, positions)
 
     def encode(self, x, lengths=None, need_weights=False):
@@ -337,13 +337,18 @@ class Transformer(nn.Module):
         z, _ = self.encode(x, lengths)
         return self.cls_head(self.pool(z, lengths))
 
-    def reconstruct(self, x, lengths, positions):
-        """Reconstruction outputs (M, n_rec) at the M positions where `positions` (B, L) bool is True.
+    def reconstruct(self, x, lengths, positions=True):
+        """Reconstruction outputs: with `positions` True, at every position, (B, L, n_rec); with a (B, L) bool
+        tensor, at the M positions where it is True, (M, n_rec).
 
-        Only the masked positions go through the head, which saves a (B, L, vocab) tensor.
+        The training step asks for every position (pretrain.spt_loss_fn): its output shape is then known without
+        looking at the mask, so on a GPU nothing waits for the device (selecting the M masked positions needs
+        their count, a host synchronisation every step). The price is the head on all B L positions, (B, L,
+        vocab) outputs: at the paper's Text size (32 x 4096 x 258) about 0.1 GB in fp32, against weights and
+        activations of several GB.
         """
         z, _ = self.encode(x, lengths)
-        return self.rec_head(z[positions])
+        return self.rec_head(z) if positions is True else self.rec_head(z[positions])
 
 
 # Parameter groups of Coser et al. Table 3, by the attribute names above (finetune.py --inherit and --freeze;

@@ -153,30 +153,35 @@ def mask_batch(x, lengths, ratio, mask_id, generator):
     return torch.cat([x * (1 - indicator), indicator], dim=-1), masked
 
 
-def reconstruction_loss(outputs, targets, kind="ce"):
+def reconstruction_loss(outputs, targets, kind="ce", mask=None):
     """Mean reconstruction loss over the M masked positions (Coser et al., Sec. 2, L_SPT).
 
-    outputs (M, n_rec); targets (M,) int64 for "ce" (cross-entropy over the vocabulary), (M, n_rec) float for
-    "mse" (1/2 ||r - u||^2) and "l1". Normalized by M, the number of masked positions in the batch; M = 0 gives 0.
+    Without `mask`: outputs (M, n_rec) at the masked positions; targets (M,) int64 for "ce" (cross-entropy over
+    the vocabulary), (M, n_rec) float for "mse" (1/2 ||r - u||^2) and "l1". With `mask` (B, L) bool: outputs
+    (B, L, n_rec) and targets (B, L) or (B, L, n_rec) at every position, and the loss of the positions where
+    `mask` is True (the training step's form: no data-dependent shape, so no host synchronisation on a GPU).
+    Normalized by M, the number of masked positions; M = 0 gives 0 (a zero with a graph, not 0/0 = NaN).
     """
-    if outputs.shape[0] == 0:
-        return outputs.sum() * 0.0  # no masked position: a zero that still has a graph, not 0/0 = NaN
     if kind == "ce":
-        return F.cross_entropy(outputs.float(), targets)
-    diff = outputs.float() - targets
-    if kind == "mse":
-        return 0.5 * diff.pow(2).sum(dim=-1).mean()
-    if kind == "l1":
-        return diff.abs().sum(dim=-1).mean()
-    raise ValueError(f"unknown reconstruction loss {kind!r}")
+        per = F.cross_entropy(outputs.float().flatten(0, -2), targets.flatten(), reduction="none")
+    elif kind in ("mse", "l1"):
+        diff = outputs.float() - targets
+        per = (0.5 * diff.pow(2) if kind == "mse" else diff.abs()).sum(dim=-1).flatten()
+    else:
+        raise ValueError(f"unknown reconstruction loss {kind!r}")
+    if mask is None:
+        return per.sum() / max(per.numel(), 1)
+    mask = mask.flatten().to(per.dtype)
+    return (per * mask).sum() / mask.sum().clamp(min=1)
 
 
 def targets_at(x, masked, rec_loss, meta):
-    """Reconstruction targets at the masked positions: token ids (M,), values (M, C), or for pixel tasks with
-    the cross-entropy loss the raw intensity class 0..255 (M,), undoing the normalization of data.get_batch."""
-    targets = x[masked]
+    """Reconstruction targets at the masked positions (`masked` (B, L) bool: (M,) or (M, C)) or, with masked
+    None, at every position ((B, L) or (B, L, C)): token ids, values, or for pixel tasks with the cross-entropy
+    loss the raw intensity class 0..255, undoing the normalization of data.get_batch."""
+    targets = x if masked is None else x[masked]
     if rec_loss == "ce" and meta["kind"] == "pixels":
-        pixels = (targets[:, 0] * meta["pixel_std"] + meta["pixel_mean"]) * 255
+        pixels = (targets[..., 0] * meta["pixel_std"] + meta["pixel_mean"]) * 255
         return pixels.round().long().clamp(0, 255)
     return targets
 
@@ -193,9 +198,9 @@ def spt_loss_fn(net, split, args):
         inputs, masked = mask_batch(x, lengths, args.mask_ratio, meta.get("mask_id"), g)
         x, lengths, inputs, masked = local_rows(args, x, lengths, inputs, masked)  # this rank's rows
         with autocast(args.device, args.dtype):
-            out = net(inputs, lengths, masked)
+            out = net(inputs, lengths, True)  # every position: (B, L, n_rec), no host synchronisation
         n = masked.sum()
-        return reconstruction_loss(out, targets_at(x, masked, args.rec_loss, meta), args.rec_loss) * n, n
+        return reconstruction_loss(out, targets_at(x, None, args.rec_loss, meta), args.rec_loss, masked) * n, n
     return loss_fn
 
 
@@ -207,11 +212,10 @@ def evaluate_reconstruction(model, split, args):
         x, lengths = data.single_sequences(*data.get_batch(split, idx, args.device)[:2])
         inputs, masked = mask_batch(x, lengths, args.mask_ratio, meta.get("mask_id"), mask_generator(args, 12345 + i))
         with autocast(args.device, args.dtype):
-            out = model.reconstruct(inputs, lengths, masked)
-        targets = targets_at(x, masked, args.rec_loss, meta)
-        n = torch.tensor(float(targets.shape[0]), device=out.device)
-        correct = (out.argmax(-1) == targets).sum() if args.rec_loss == "ce" else torch.zeros((), device=out.device)
-        return torch.stack([reconstruction_loss(out, targets, args.rec_loss) * n, correct.float(), n])
+            out = model.reconstruct(inputs, lengths, True)  # as in training: every position, then the mask
+        targets, n = targets_at(x, None, args.rec_loss, meta), masked.sum().float()
+        correct = ((out.argmax(-1) == targets) & masked).sum() if args.rec_loss == "ce" else torch.zeros_like(n)
+        return torch.stack([reconstruction_loss(out, targets, args.rec_loss, masked) * n, correct.float(), n])
 
     loss_sum, correct, count = evaluate(model, split, args, batch_sums, 3)
     return {"val_loss": loss_sum / count, **({"val_acc": correct / count} if args.rec_loss == "ce" else {})}
