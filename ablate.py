@@ -17,7 +17,7 @@ the benchmark; and the README's Results and Performance sections, generated from
     python ablate.py report               # the README's Results and Performance, from the tables written above
 
 `python ablate.py <experiment> --help` lists each one's own flags. Each run calls pretrain.main / finetune.main
-in-process with its own out folder out/ablate/<init scheme>/<task>[/<model>]/seed<s>/, so experiments on the
+in-process (initscale --jobs: one process per init kind) with its own out folder out/ablate/<init scheme>/<task>[/<model>]/seed<s>/, so experiments on the
 same scheme, task and model share their runs. Every run is resumable: a finished finetuning (its .json exists)
 is read back, an interrupted one continues with --resume. Writes out/ablate/<experiment>.json (every run) and
 .md (mean +- std over seeds, beside the paper's numbers). The CPU preset is the default; --preset paper: a GPU.
@@ -126,11 +126,12 @@ def run_finetune(task, folder, seed, name, init, common, extra=()):
         return json.load(f)
 
 
-def spt_displacement(task, ckpt, data_dir):
-    """norm(W - W_init) / norm(W_init) of W_Q, W_K, W_Q^T W_K, ... during the SPT run of checkpoint `ckpt`, and
-    the attention statistics at init and after SPT (analyze.analyze_checkpoints on 32 validation sequences)."""
-    init = data.run_paths(os.path.dirname(os.path.dirname(ckpt)), task, "pretrain")["init"]
-    stats, _ = analyze.analyze_checkpoints({"init": init, "spt": ckpt}, data_dir, n=32)
+def spt_displacement(task, folder, data_dir, n=64):
+    """The attention statistics at init and after the SPT run in `folder` (analyze.analyze_checkpoints on n
+    validation sequences), with the relative displacement norm(W - W_init) / norm(W_init) of W_Q, W_K,
+    W_Q^T W_K, ... during SPT under ["spt"]["displacement_from_first"]."""
+    paths = data.run_paths(folder, task, "pretrain")
+    stats, _ = analyze.analyze_checkpoints({"init": paths["init"], "spt": paths["best"]}, data_dir, n=n)
     return stats
 
 
@@ -256,7 +257,7 @@ def experiment_synthetic(args):
     common, runs = common_flags(args), []
     for seed in range(args.seeds):
         ckpt = run_pretrain("synthetic", run_dir(args, "synthetic", seed), seed, common + ["--snapshots"])
-        stats = spt_displacement("synthetic", ckpt, args.data_dir)
+        stats = spt_displacement("synthetic", run_dir(args, "synthetic", seed), args.data_dir)
         lr = pretrain.PRESETS["synthetic"][args.preset]["finetune"]["lr"]
         for name, init, extra in (("spt", ckpt, ()), ("scratch", "scratch", ()),
                                   ("scratch_lr3x", "scratch", ("--lr", str(3 * lr)))):
@@ -306,7 +307,7 @@ def experiment_init(args):
     for seed in range(args.seeds):
         folder = run_dir(args, task, seed)  # shares SPT with `synthetic` / `posenc` / `duration`
         ckpt = run_pretrain(task, folder, seed, common + ["--snapshots"] * (task == "synthetic"))
-        moved = spt_displacement(task, ckpt, task_data_dir(args, task))["spt"]["displacement_from_first"]
+        moved = spt_displacement(task, folder, task_data_dir(args, task))["spt"]["displacement_from_first"]
         for label, init, extra in grid:
             name = "init_" + label.replace(", ", "_").replace(" ", "_").replace("+", "-")
             result = run_finetune(task, folder, seed, name, init or ckpt, common, extra)
@@ -349,13 +350,14 @@ def experiment_duration(args):
         runs.append(summary(seed, result, threshold, epochs=0))
         for epochs in durations:
             if shared and epochs == FASHION_CPU["epochs"]:
+                spt_dir = folder
                 ckpt = run_pretrain(task, folder, seed, common)
                 result = run_finetune(task, folder, seed, "init_all", ckpt, common, ("--inherit", "all"))
             else:
                 spt_dir = os.path.join(folder, f"spt_{epochs}ep")
                 ckpt = run_pretrain(task, spt_dir, seed, common + ["--epochs", str(epochs)])
                 result = run_finetune(task, spt_dir, seed, "spt", ckpt, common)
-            moved = spt_displacement(task, ckpt, task_data_dir(args, task))["spt"]["displacement_from_first"]
+            moved = spt_displacement(task, spt_dir, task_data_dir(args, task))["spt"]["displacement_from_first"]
             runs.append(summary(seed, result, threshold, epochs=epochs, displacement=moved))
     rows = [f"| SPT epochs | val acc | train acc | finetuning epoch val acc >= {threshold:g} (runs) | W_Q displacement "
             "| W_K displacement | W_Q^T W_K displacement |", "|---|---|---|---|---|---|---|"]
@@ -853,6 +855,133 @@ def bench_table(out):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# The GPU path measured: a short real run of every paper preset on one CUDA GPU (README, Performance)
+# ----------------------------------------------------------------------------------------------------------
+
+GPU_TASKS = ("listops", "text", "retrieval", "image", "pathfinder", "pathx")
+# Training examples of the real data sets (data.py's table), for the projected wall time of a full preset.
+FULL_TRAIN = {"listops": 96000, "text": 25000, "retrieval": 147086, "image": 45000, "pathfinder": 160000,
+              "pathx": 160000}
+
+
+def gpu_data(task, folder, n):
+    """Stand-in data of a paper preset's shapes, for timing (the values do not change the speed): ListOps from
+    our generator (its real lengths, 500-2000 tokens); Text and Retrieval random bytes with lengths uniform in
+    [L/4, L] (shorter than the cap, as real documents: padding and bucketing are exercised); pixel tasks random
+    pixels at full length (1024; PathX 16384). n training examples, n/8 validation and test."""
+    if task == "listops":
+        return data.prepare_listops(folder, n_train=n, n_val=n // 8, n_test=n // 8)
+    g, sizes, splits = torch.Generator().manual_seed(0), dict(train=n, val=n // 8, test=n // 8), {}
+    for s, m in sizes.items():
+        if task in ("text", "retrieval"):
+            L = pretrain.PRESETS[task]["paper"]["data"]["max_len"]
+            shape = (m, 2) if task == "retrieval" else (m,)
+            lengths = torch.randint(L // 4, L + 1, shape, generator=g)
+            tokens = torch.randint(2, 258, shape + (L,), generator=g, dtype=torch.int16)
+            tokens[torch.arange(L) >= lengths[..., None]] = data.PAD_ID
+            splits[s] = dict(tokens=tokens, lengths=lengths, labels=torch.randint(0, 2, (m,), generator=g))
+        else:
+            L = 16384 if task == "pathx" else 1024
+            splits[s] = dict(pixels=torch.randint(0, 256, (m, L), generator=g, dtype=torch.uint8),
+                             lengths=torch.full((m,), L), labels=torch.randint(0, 10 if task == "image" else 2, (m,),
+                                                                                generator=g))
+    if task in ("text", "retrieval"):
+        meta = dict(data._meta(task, data.BYTE_VOCAB, L, 2, "random bytes (ablate.py gpu)", 0, {}), pair=task == "retrieval")
+    else:
+        meta = data._pixel_meta(task, L, 10 if task == "image" else 2, 0.5, 0.25, "random pixels (ablate.py gpu)", 0)
+    return data._save_splits(os.path.join(folder, task), splits, meta)
+
+
+def gpu_figures(log, warmup_lines=1):
+    """Median ms/step, real tokens/s, MFU and the peak memory (GiB) over a run's log lines (pretrain_log.jsonl
+    entries with ms_per_step), leaving out the first `warmup_lines` (kernel selection, compilation)."""
+    lines = [e for e in log if "ms_per_step" in e][warmup_lines:]
+    if not lines:
+        raise ValueError(f"no log lines with ms_per_step after the first {warmup_lines}: run more steps (--steps)")
+
+    def median(key):
+        values = sorted(e[key] for e in lines if e.get(key) is not None)
+        return values[len(values) // 2] if values else None
+    return dict(ms_per_step=median("ms_per_step"), tokens_per_s=median("tokens_per_s"), mfu=median("mfu"),
+                peak_memory_gib=max((e.get("peak_memory_gib") or 0) for e in lines))
+
+
+def gpu_run(task, stage, args):
+    """One timed run of `task`'s paper preset: pretrain.py, or finetune.py --init scratch (the same step as from an
+    SPT checkpoint), for args.steps steps on gpu_data in <out_dir>/gpu/<task>/ (made when missing), logging every
+    args.log_every steps; returns gpu_figures of its log. Runs on whatever device pick_device chooses (CUDA in
+    experiment_gpu; the tests run it on the CPU with tiny presets)."""
+    folder = os.path.join(args.out_dir, "gpu", task)
+    if not os.path.exists(os.path.join(folder, task, "train.pt")):
+        gpu_data(task, folder, args.n_train)
+    flags = ["--task", task, "--data_dir", folder, "--out_dir", folder, "--preset", "paper", "--accept_data",
+             "--max_steps", str(args.steps), "--eval_every", str(10 ** 9), "--no-eval_each_epoch",
+             "--log_every", str(args.log_every)] + (["--compile"] if args.compile else [])
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    if stage == "pretrain":
+        pretrain.main(flags)
+    else:
+        finetune.main(flags + ["--init", "scratch"])
+    with open(data.run_paths(folder, task, stage, None if stage == "pretrain" else "scratch")["log"]) as f:
+        return gpu_figures([json.loads(line) for line in f])
+
+
+def gpu_projection(task, stage, ms_per_step):
+    """(steps, hours) of the full paper preset of `task`'s `stage` at `ms_per_step`: FULL_TRAIN / batch steps per
+    epoch (rounded up) times the preset's epochs."""
+    run = pretrain.PRESETS[task]["paper"][stage]
+    steps = -(-FULL_TRAIN[task] // run["batch_size"]) * run["epochs"]
+    return steps, steps * ms_per_step / 3.6e6
+
+
+def experiment_gpu(args):
+    """Time every paper preset of --tasks on one CUDA GPU: per task a short real run of each stage (pretrain.py and
+    finetune.py --init scratch, --steps steps, bf16) on stand-in data of the preset's shapes (gpu_data), and the
+    figures of its log (gpu_figures), the full preset's projected hours (gpu_projection) and the whole of Table 2
+    (SPT + two finetunings for each LRA task). Writes out/bench/gpu.{json,md} (README, Performance, via report).
+    SystemExit at once on a machine without CUDA."""
+    if not torch.cuda.is_available():
+        raise SystemExit("ablate.py gpu times the paper presets on a CUDA GPU, and torch.cuda.is_available() is False "
+                         "here; on a CPU, python ablate.py bench times one SPT step instead")
+    results = []
+    for task in args.tasks:
+        for stage in ("pretrain", "finetune"):
+            figures = gpu_run(task, stage, args)
+            steps, hours = gpu_projection(task, stage, figures["ms_per_step"])
+            results.append(dict(task=task, stage=stage, full_steps=steps, projected_hours=hours, **figures))
+    out = dict(device_name=torch.cuda.get_device_name(), torch=torch.__version__, steps=args.steps,
+               compile=args.compile, date=__import__("datetime").date.today().isoformat(), results=results)
+    stem = os.path.join(args.out_dir, "bench", "gpu" + ("_compile" if args.compile else ""))
+    data.save_atomic(out, stem + ".json")
+    data.save_atomic(gpu_table(out) + "\n", stem + ".md")
+    print(gpu_table(out) + f"\n\nwrote {stem}.json and {stem}.md")
+    return out
+
+
+def gpu_table(out):
+    """The Markdown table of one `ablate.py gpu` run, with Table 2's projected total (every LRA task present:
+    SPT once, finetuning twice, from scratch and from SPT)."""
+    rows = [f"**Paper presets on one GPU**: {out['device_name']}, torch {out['torch']}, {out['date']}; {out['steps']} "
+            f"steps per stage on stand-in data of each preset's shapes" + (", torch.compile" if out["compile"] else "")
+            + "; figures: medians over the log lines after the first", "",
+            "| task | stage | ms/step | real tokens/s | MFU | peak memory | steps of the full preset | projected hours |",
+            "|---|---|---|---|---|---|---|---|"]
+    hours = {}
+    for r in out["results"]:
+        hours[(r["task"], r["stage"])] = r["projected_hours"]
+        rows.append(f"| {r['task']} | {r['stage']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | "
+                    + (f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-")
+                    + f" | {r['peak_memory_gib']:.1f} GiB | {r['full_steps']:,} | {r['projected_hours']:.1f} |")
+    lra = [t for t in LRA_TASKS if (t, "pretrain") in hours and (t, "finetune") in hours]
+    if lra:
+        total = sum(hours[(t, "pretrain")] + 2 * hours[(t, "finetune")] for t in lra)
+        rows.append(f"\nTable 2 on this GPU ({', '.join(lra)}: SPT, then finetuning from scratch and from SPT): "
+                    f"**{total:.0f} hours** ({total / 24:.1f} days) projected.")
+    return "\n".join(rows)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # The README's Results and Performance sections, generated
 # ----------------------------------------------------------------------------------------------------------
 
@@ -874,7 +1003,6 @@ def report(args):
     Each section sits between markers (<!-- results:start --> ... <!-- results:end -->, <!-- performance:start -->
     ... <!-- performance:end -->); nothing between them is typed by hand. Raises ValueError if a marker is missing.
     """
-    import shutil
     here = os.path.dirname(os.path.abspath(__file__))
     folder, parts = os.path.join(args.out_dir, "ablate"), []
     names = [n for n in os.listdir(folder) if n.endswith(".md")] if os.path.isdir(folder) else []
@@ -886,17 +1014,21 @@ def report(args):
     analysis = os.path.join(args.out_dir, "analysis")
     figures = sorted(os.path.relpath(os.path.join(d, f), analysis) for d, _, fs in os.walk(analysis)
                      for f in fs if f.endswith(".png")) if os.path.isdir(analysis) else []
-    os.makedirs(os.path.join(here, "figures"), exist_ok=True)
-    for f in figures:  # out/analysis/a/b.png -> figures/a_b.png
-        shutil.copy(os.path.join(analysis, f), os.path.join(here, "figures", f.replace(os.sep, "_")))
+    copies = {os.path.join(analysis, f): f.replace(os.sep, "_") for f in figures}  # a/b.png -> figures/a_b.png
     samples = os.path.join(args.data_dir, "pathfinder", "samples.png")  # written by data.py --generate
     if os.path.exists(samples):
-        shutil.copy(samples, os.path.join(here, "figures", "pathfinder_samples.png"))
+        copies[samples] = "pathfinder_samples.png"
+    for source, name in copies.items():
+        with open(source, "rb") as f:
+            data.save_atomic(f.read(), os.path.join(here, "figures", name))
     if figures:
         parts.append("### Figures\n\n" + "\n\n".join(f"![{f}](figures/{f.replace(os.sep, '_')})" for f in figures))
     bench_dir = os.path.join(args.out_dir, "bench")
-    tables = [open(os.path.join(bench_dir, n)).read().strip() for n in sorted(os.listdir(bench_dir))
-              if n.endswith(".md")] if os.path.isdir(bench_dir) else []
+    tables = []
+    for name in sorted(os.listdir(bench_dir)) if os.path.isdir(bench_dir) else []:
+        if name.endswith(".md"):
+            with open(os.path.join(bench_dir, name)) as f:
+                tables.append(f.read().strip())
     readme_path = os.path.join(here, "README.md")
     with open(readme_path) as f:
         readme = f.read()
@@ -916,38 +1048,42 @@ def report(args):
 # ----------------------------------------------------------------------------------------------------------
 
 def build_parser():
-    """The parser: `python ablate.py <experiment> [its flags]`."""
+    """The parser: `python ablate.py <experiment> [its flags]`; each subcommand gets its own copies of the flags
+    it takes (argparse parents would share one default between subcommands)."""
     fmt = argparse.ArgumentDefaultsHelpFormatter
-    runs = argparse.ArgumentParser(add_help=False)  # the flags of every experiment that trains
-    runs.add_argument("--seeds", type=int, default=5, help="runs per row, seeds 0..N-1")
-    runs.add_argument("--preset", default="cpu", choices=("cpu", "paper"), help="every run's preset (paper: GPU)")
-    runs.add_argument("--data_dir", default="data", help="root of data/<task>/ (made there when missing)")
-    runs.add_argument("--out_dir", default="out", help="runs go to <out_dir>/ablate/<init scheme>/<task>/...")
-    runs.add_argument("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
-    runs.add_argument("--max_steps", type=int, default=0, help="cap every run's steps (quick looks, tests); 0 = none")
-    scheme = argparse.ArgumentParser(add_help=False)
-    scheme.add_argument("--init_scheme", default="reference", choices=INIT_SCHEMES,
-                        help="every run's initialization (model.init_weights); reference = Amos et al.'s code")
-    fetch = argparse.ArgumentParser(add_help=False)
-    fetch.add_argument("--download", action="store_true", help="download data not found locally")
-    task = argparse.ArgumentParser(add_help=False)
-    task.add_argument("--task", default="synthetic", choices=ABLATION_TASKS, help="the task")
-    task.add_argument("--length", type=int, default=100,
-                      help="synthetic task: trajectory length (a harder variant than the paper's 100; data in "
-                           "<data_dir>/synthetic_L<length>/, runs and tables of their own)")
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=fmt)
     sub = p.add_subparsers(dest="experiment", required=True)
-    common = (runs, scheme, fetch)
 
-    def add(name, help, parents=common, **defaults):
-        s = sub.add_parser(name, parents=parents, help=help, description=help, formatter_class=fmt)
-        s.set_defaults(**{"length": 100, "download": False, "init_scheme": "reference", **defaults})
+    def add(name, help, flags=("seeds", "runs", "scheme", "download"), seeds=5):
+        s = sub.add_parser(name, help=help, description=help, formatter_class=fmt)
+        s.set_defaults(length=100, download=False, init_scheme="reference", seeds=1, max_steps=0)
+        if "seeds" in flags:
+            s.add_argument("--seeds", type=int, default=seeds, help="runs per row, seeds 0..N-1")
+        if "runs" in flags:
+            s.add_argument("--preset", default="cpu", choices=("cpu", "paper"), help="every run's preset (paper: GPU)")
+            s.add_argument("--data_dir", default="data", help="root of data/<task>/ (made there when missing)")
+            s.add_argument("--out_dir", default="out", help="runs go to <out_dir>/ablate/<init scheme>/<task>/...")
+            s.add_argument("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
+        if "max_steps" in flags or "seeds" in flags:
+            s.add_argument("--max_steps", type=int, default=0, help="cap every run's steps (quick looks); 0 = none")
+        if "scheme" in flags:
+            s.add_argument("--init_scheme", default="reference", choices=INIT_SCHEMES,
+                           help="every run's initialization (model.init_weights); reference = Amos et al.'s code")
+        if "download" in flags:
+            s.add_argument("--download", action="store_true", help="download data not found locally")
+        if "task" in flags:
+            s.add_argument("--task", default="synthetic", choices=ABLATION_TASKS, help="the task")
+        if "length" in flags:
+            s.add_argument("--length", type=int, default=100,
+                           help="synthetic task: trajectory length (a harder variant than the paper's 100; data in "
+                                "<data_dir>/synthetic_L<length>/, runs and tables of their own)")
         return s
 
-    add("synthetic", "scratch vs SPT on the minimal model (Sec. 4)", common + (task,))
-    add("init", "hybrid initialization and freezing (Table 3)", common + (task,))
-    add("posenc", "ALiBi, RoPE, FIRE from scratch vs SPT (Sec. 4)", common + (task,))
-    s = add("duration", "SPT epochs before finetuning (Sec. 3)", common + (task,))
+    trains = ("seeds", "runs", "scheme", "download")
+    add("synthetic", "scratch vs SPT on the minimal model (Sec. 4)", trains + ("length",))
+    add("init", "hybrid initialization and freezing (Table 3)", trains + ("task", "length"))
+    add("posenc", "ALiBi, RoPE, FIRE from scratch vs SPT (Sec. 4)", trains + ("task", "length"))
+    s = add("duration", "SPT epochs before finetuning (Sec. 3)", trains + ("task", "length"))
     s.add_argument("--durations", type=int, nargs="+", default=None,
                    help="SPT epochs to compare (default 1 3 10 on cpu, 1 10 100 200 on paper)")
     s = add("swap", "dataset swap PathFinder <-> Image (Sec. 3)")
@@ -955,8 +1091,8 @@ def build_parser():
     s.add_argument("--n_images", type=int, default=None,
                    help="PathFinder images generated (data/pfcurves/<difficulty>_n<N>/); default: the preset's data")
     s.add_argument("--steps", type=int, default=0, help="steps per stage for every run; 0 = the preset's")
-    s = add("pfcurves", "PathFinder learning curves on the CPU: which configuration learns above chance",
-            (runs, scheme), seeds=1)
+    s = add("pfcurves", "PathFinder learning curves on the CPU: which configuration learns above chance (seed 0)",
+            ("runs", "scheme"))
     s.add_argument("--configs", nargs="+", default=["1:easy", "1:intermediate", "1:hard", "2:easy"],
                    help="layers:difficulty of each curve")
     s.add_argument("--n_images", type=int, default=20000, help="generated images per difficulty")
@@ -967,7 +1103,7 @@ def build_parser():
     s = add("ucr", "UCR time series (Sec. 5)")
     s.add_argument("--datasets", nargs="+", default=UCR_DATASETS + UCR_OFFLINE, help="the UCR data sets to run")
     s = add("initscale", "from scratch and SPT over init scale x length x tied/independent (beyond the paper)",
-            (runs,), seeds=2)
+            ("seeds", "runs"), seeds=2)
     s.add_argument("--kinds", nargs="+", default=["reference", "torch"], choices=("reference", "torch"),
                    help="tied (reference) or independent (torch) projections at init")
     s.add_argument("--scales", type=float, nargs="+", default=[0.125, 0.25, 0.5, 1.0, 2.0],
@@ -990,6 +1126,15 @@ def build_parser():
     s.add_argument("--variants", default="fused,explicit,reference,data", help=f"any of {', '.join(BENCH_VARIANTS)}")
     s.add_argument("--out_dir", default="out", help="writes <out_dir>/bench/<name>.{json,md}")
     s.add_argument("--name", default=None, help="file name of the result (default: size, L and device type)")
+    s = sub.add_parser("gpu", help="time every paper preset on one CUDA GPU: ms/step, tokens/s, MFU, memory, hours",
+                       formatter_class=fmt)
+    s.add_argument("--tasks", nargs="+", default=list(GPU_TASKS), choices=GPU_TASKS, help="the presets to time")
+    s.add_argument("--steps", type=int, default=300, help="steps per stage and task (the first log interval is "
+                                                           "left out of the figures)")
+    s.add_argument("--log_every", type=int, default=50, help="steps per log line (one figure each)")
+    s.add_argument("--n_train", type=int, default=2000, help="training examples of the stand-in data")
+    s.add_argument("--compile", action="store_true", help="torch.compile the model (pretrain.py --compile)")
+    s.add_argument("--out_dir", default="out", help="runs in <out_dir>/gpu/<task>/, table in <out_dir>/bench/gpu.md")
     s = sub.add_parser("report", help="the README's Results (out/ablate/, out/analysis/) and Performance (out/bench/)",
                        formatter_class=fmt)
     s.add_argument("--out_dir", default="out", help="where the experiments wrote")
@@ -997,7 +1142,7 @@ def build_parser():
     return p
 
 
-EXPERIMENTS = {"synthetic": experiment_synthetic, "init": experiment_init, "posenc": experiment_posenc,
+EXPERIMENTS = {"gpu": experiment_gpu, "synthetic": experiment_synthetic, "init": experiment_init, "posenc": experiment_posenc,
                "ucr": experiment_ucr, "swap": experiment_swap, "duration": experiment_duration,
                "main": experiment_main, "initscale": experiment_initscale, "pfcurves": experiment_pfcurves,
                "bench": bench, "report": report}
@@ -1009,7 +1154,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     args.argv = argv
     if getattr(args, "length", 100) != 100:
-        if args.task != "synthetic":
+        if getattr(args, "task", "synthetic") != "synthetic":
             p.error("--length applies to the synthetic task (experiments synthetic, init, posenc, duration)")
         args.data_dir = os.path.join(args.data_dir, f"synthetic_L{args.length}")
         if not os.path.exists(os.path.join(args.data_dir, "synthetic", "train.pt")):

@@ -12,7 +12,8 @@ Expect: prop1 in ~10 s (supervised derivative ~1e-18, closed form to ~1e-14); at
 ~10 s: under the default reference init, entropy 4.58 -> ~2.3 nats, band mass 0.11 -> ~0.87, PE-only probe
 correlation 0.87 -> ~0.98 (under --init_scheme normal: 4.61 -> ~2.2, 0.07 -> ~0.88, ~0.997 after SPT).
 
-Sections: 1. Proposition 1  2. attention after self-pretraining  3. command line
+Sections: 1. Proposition 1  2. attention after self-pretraining  3. the figures of ablate.py's experiments
+(learning curves, the init-scale phase diagram)  4. command line
 """
 import argparse
 import math

@@ -19,9 +19,9 @@ Writes out/<task>/finetune_<name>.pt (best validation accuracy), finetune_<name>
        finetune_<name>_init.pt (the weights finetuning started from), finetune_<name>_log.jsonl and
        finetune_<name>.json (accuracy per evaluation, best validation and test accuracy, init, seed, wall time).
        <name> defaults to "spt" or "scratch", with "_inherit-<groups>" / "_freeze-<groups>" when those are set.
-Expect (CPU preset, ListOps, ~9 min each on 2 cores; measured under the former N(0, 0.02) init): ~0.17-0.18
-accuracy, near the most frequent class (450 steps do not leave the attention plateau); the paper reports ~0.56-0.59 with SPT versus ~0.40 from scratch at
-the paper size on one GPU (Coser et al. Table 2; not yet run here). Synthetic task (L 100, reference init): 0.999
+Expect (CPU preset, ListOps, ~9 min each on 2 cores; measured under --init_scheme normal): ~0.17-0.18
+accuracy, near the most frequent class (450 steps do not leave the attention plateau); the paper reports
+~0.56-0.59 with SPT versus ~0.40 from scratch at the paper size (Coser et al. Table 2; unmeasured here). Synthetic task (L 100, reference init): 0.999
 (SPT) and 1.000 from scratch, 1 min each; from scratch leaves the plateau later (epoch ~4.4 vs ~3), and in the
 init-scale grid it stays on it at small init scales and longer trajectories (README, Results).
 """

@@ -15,8 +15,9 @@ paths that compute the same thing:
 LayerNorm and the MLP can be switched off, which gives the paper's minimal one-layer, one-head model (Sec. 4).
 
 The parameter groups of Coser et al. Table 3 (PARAM_GROUPS: W_Q, W_K, ..., by attribute name), the
-initialization schemes and the checkpoint helpers (`checkpoint_dict`, `unwrapped_state_dict`,
-`config_from_dict`) live here too, since a checkpoint is a model. This file is a library: it imports no stage.
+initialization schemes, the checkpoint helpers (`checkpoint_dict`, `unwrapped_state_dict`, `config_from_dict`;
+a checkpoint is a model) and what running it needs (device, dtype, autocast, FLOPs per token, GPU peaks for
+MFU) live here too. This file is a library: it imports no stage.
 The benchmark that times it is `python ablate.py bench` (README, Performance). The settings a reader will want
 to change are the fields of ModelConfig, right below.
 """

@@ -213,9 +213,10 @@ def evaluate_reconstruction(model, split, args):
         inputs, masked = mask_batch(x, lengths, args.mask_ratio, meta.get("mask_id"), mask_generator(args, 12345 + i))
         with autocast(args.device, args.dtype):
             out = model.reconstruct(inputs, lengths, True)  # as in training: every position, then the mask
-        targets, n = targets_at(x, None, args.rec_loss, meta), masked.sum().float()
+        acc = accumulator_dtype(args.device)  # the sums in float64 (float32 on MPS), as the loop adds them
+        targets, n = targets_at(x, None, args.rec_loss, meta), masked.sum().to(acc)
         correct = ((out.argmax(-1) == targets) & masked).sum() if args.rec_loss == "ce" else torch.zeros_like(n)
-        return torch.stack([reconstruction_loss(out, targets, args.rec_loss, masked) * n, correct.float(), n])
+        return torch.stack([reconstruction_loss(out, targets, args.rec_loss, masked).to(acc) * n, correct.to(acc), n])
 
     loss_sum, correct, count = evaluate(model, split, args, batch_sums, 3)
     return {"val_loss": loss_sum / count, **({"val_acc": correct / count} if args.rec_loss == "ce" else {})}
@@ -284,9 +285,9 @@ def main(argv=None):
 
 
 # ==========================================================================================================
-# The engine shared with finetune.py (a first reading can stop here): flags and presets, device and dtype,
-# torchrun, the data check, the training loop with its logging and evaluate-and-checkpoint parts, and the
-# sharded evaluation both stages use.
+# The engine shared with finetune.py (a first reading can stop here): the flags, resolve (preset, device,
+# dtype), torchrun, the data check, the sharded evaluation both stages use, and the training loop with its
+# step, logging and evaluate-and-checkpoint parts.
 # ==========================================================================================================
 
 MODEL_SIZE_FLAGS = ("n_layers", "d_model", "n_heads", "d_mlp")
@@ -547,8 +548,10 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
             if end_of_epoch:
                 state["epoch"], state["batch_in_epoch"] = epoch + 1, 0
             if state["step"] % args.eval_every == 0 or done or (end_of_epoch and args.eval_each_epoch):
-                t_eval = time.time()
-                evaluate_and_checkpoint(run, meter, epoch)
+                if meter["steps"]:  # never checkpoint weights a NaN/inf step since the last log line may have reached
+                    check_finite(run, meter["loss"].item(), state["step"] - meter["steps"] + 1)
+                t_eval = time.time()  # after that wait for the queued training steps, which are training time
+                evaluate_and_checkpoint(run, epoch)
                 meter["t_last"] += time.time() - t_eval  # evaluation time does not count in ms/step and tokens/s
             if done:
                 break
@@ -617,13 +620,10 @@ def log_progress(run, meter, lr):
     meter.update(new_meter(args))
 
 
-def evaluate_and_checkpoint(run, meter, epoch):
+def evaluate_and_checkpoint(run, epoch):
     """Evaluate (eval_fn), keep the best metrics (is_better), and write the best checkpoint (if improved), the
-    last one (for --resume) and with --snapshots a copy per evaluation. Never checkpoints weights that a
-    non-finite step since the last log line may have reached."""
+    last one (for --resume) and with --snapshots a copy per evaluation."""
     args, state, paths, metric = run["args"], run["state"], run["paths"], run["extra"]["metric"]
-    if meter["steps"]:
-        check_finite(run, meter["loss"].item(), state["step"] - meter["steps"] + 1)
     metrics = run["eval_fn"]()
     improved = is_better(metrics, state, metric, run["higher_is_better"], run["extra"].get("tiebreak"))
     if improved:
@@ -682,7 +682,7 @@ def resume(model, opt, paths, n_batches, args):
     if args.device.type == "cuda" and ck.get("cuda_rng_state") is not None:
         torch.cuda.set_rng_state(ck["cuda_rng_state"], args.device)
     print(f"resumed at step {ck['state']['step']} (epoch {ck['state']['epoch']})")
-    return ck["state"]
+    return dict(ck["state"], n_batches=n_batches)  # older checkpoints recorded no n_batches
 
 
 def check_resumable(ck, cfg, n_batches):

@@ -733,6 +733,67 @@ def test_bench_reports_figures_computed_from_its_own_timings(tmp_path):
             ablate.main(argv[:1] + bad)
 
 
+def test_gpu_command_refuses_without_cuda_and_writes_its_table_from_fixture_numbers(tmp_path, monkeypatch):
+    import ablate
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="CUDA GPU, and torch.cuda.is_available\\(\\) is False"):
+        ablate.main(["gpu", "--out_dir", str(tmp_path)])
+    assert not (tmp_path / "bench").exists()
+    log = [dict(step=0, val_loss=3.0), dict(step=50, ms_per_step=900.0, tokens_per_s=1.0, mfu=0.01, peak_memory_gib=9),
+           dict(step=100, ms_per_step=30.0, tokens_per_s=2e6, mfu=0.30, peak_memory_gib=8.5),
+           dict(step=150, ms_per_step=32.0, tokens_per_s=1.9e6, mfu=0.28, peak_memory_gib=8.6),
+           dict(step=200, ms_per_step=31.0, tokens_per_s=2.1e6, mfu=0.29, peak_memory_gib=8.6)]
+    figures = ablate.gpu_figures(log)  # the first log line (kernel selection) is left out
+    assert figures == dict(ms_per_step=31.0, tokens_per_s=2e6, mfu=0.29, peak_memory_gib=8.6)
+    with pytest.raises(ValueError, match="no log lines"):
+        ablate.gpu_figures(log[:2])
+    steps, hours = ablate.gpu_projection("listops", "pretrain", 31.0)
+    assert steps == 96000 // 32 * 100 and hours == pytest.approx(300000 * 0.031 / 3600)
+    results = []
+    for task in ("listops", "text", "retrieval", "image", "pathfinder"):
+        for stage, ms in (("pretrain", 31.0), ("finetune", 20.0)):
+            steps, hours = ablate.gpu_projection(task, stage, ms)
+            results.append(dict(task=task, stage=stage, full_steps=steps, projected_hours=hours, **dict(
+                figures, ms_per_step=ms)))
+    table = ablate.gpu_table(dict(device_name="NVIDIA H200", torch="2.13.0", steps=300, compile=False,
+                                  date="2026-12-01", results=results))
+    total = sum(r["projected_hours"] * (1 if r["stage"] == "pretrain" else 2) for r in results)
+    assert "NVIDIA H200, torch 2.13.0, 2026-12-01" in table and f"**{total:.0f} hours**" in table
+    assert f"| text | finetune | 20.0 | 2,000,000 | 29.0% | 8.6 GiB | {-(-25000 // 32) * 65:,} |" in table
+
+
+def test_gpu_stand_in_data_has_the_paper_presets_shapes(tmp_path):
+    import ablate
+    for task, L in (("text", 4096), ("retrieval", 4000), ("image", 1024), ("pathx", 16384)):
+        ablate.gpu_data(task, str(tmp_path), 16)
+        split = data.load_split(str(tmp_path), task, "train")
+        assert split["meta"]["max_len"] == L and len(split["labels"]) == 16
+        lengths = split["lengths"]
+        if task in ("text", "retrieval"):
+            assert lengths.min() >= L // 4 and lengths.max() <= L and (split["tokens"][..., -1] == 0).any()
+            assert split["tokens"].shape == ((16, 2, L) if task == "retrieval" else (16, L))
+        else:
+            assert (lengths == L).all()
+
+
+def test_gpu_run_times_a_real_run_of_a_preset_from_its_log(tmp_path, monkeypatch):
+    """ablate.gpu_run end to end on the CPU, with the paper presets of two tasks shrunk to a fixture size."""
+    import ablate
+    for task in ("retrieval", "image"):
+        tiny = dict(model=dict(n_layers=1, d_model=16, n_heads=2, d_mlp=32, pair=task == "retrieval"),
+                    data=dict(max_len=64) if task == "retrieval" else {},
+                    pretrain=dict(batch_size=4, lr=1e-3, warmup=1, epochs=100, eval_every=10 ** 9),
+                    finetune=dict(batch_size=4, lr=1e-3, warmup=1, epochs=100, eval_every=10 ** 9))
+        monkeypatch.setitem(pretrain.PRESETS[task], "paper", tiny)
+        args = argparse.Namespace(out_dir=str(tmp_path), n_train=16, steps=6, log_every=2, compile=False)
+        for stage in ("pretrain", "finetune"):
+            figures = ablate.gpu_run(task, stage, args)
+            lines = [json.loads(x) for x in open(data.run_paths(str(tmp_path / "gpu" / task), task, stage,
+                                                                 None if stage == "pretrain" else "scratch")["log"])]
+            timed = sorted(e["ms_per_step"] for e in lines if "ms_per_step" in e)
+            assert len(timed) == 3 and figures["ms_per_step"] in timed and figures["mfu"] is None  # no MFU on CPU
+
+
 def test_load_splits_moves_every_input_kind_and_keeps_lengths_on_the_cpu(tmp_path, capsys):
     # pixels too: get_batch indexes them with an index on the labels' device (a CUDA-only failure otherwise)
     folder = os.path.join(str(tmp_path), "fashion_mnist")
@@ -2411,7 +2472,7 @@ def test_ablate_fashion_mnist_budget_init_duration_and_pathfinder_curves(tmp_pat
     assert sorted(r["epochs"] for r in json.load(open(os.path.join(out, "ablate", "duration_fashion_mnist.json")))
                   ["runs"]) == [0, 1, 3]
     ablate.main(["pfcurves", "--configs", "1:easy", "2:hard", "--n_images", "40", "--steps", "4", "--eval_every",
-                 "2"] + argv)
+                 "2", "--data_dir", root, "--out_dir", out, "--device", "cpu"])  # seed 0, its own step budget
     table = open(os.path.join(out, "ablate", "pfcurves.md")).read()
     assert "| 1 | easy (6) | 4 |" in table and "| 2 | hard (14) | 2 |" in table
     assert os.path.getsize(os.path.join(out, "analysis", "pathfinder_curves.png")) > 10_000
@@ -2422,8 +2483,11 @@ def test_ablate_fashion_mnist_budget_init_duration_and_pathfinder_curves(tmp_pat
     table = open(os.path.join(out, "ablate", "swap.md")).read()
     assert "Data: PathFinder 32x32 from our generator, 32/4/4 train/val/test, difficulty easy" in table
     assert "command: python ablate.py swap --difficulty easy --n_images 40 --steps 2" in table
-    with pytest.raises(SystemExit):  # each experiment takes only its own flags
-        ablate.main(["pfcurves", "--durations", "1"] + argv)
+    for wrong in (["pfcurves", "--durations", "1"], ["pfcurves", "--seeds", "2"], ["synthetic", "--task", "image"]):
+        with pytest.raises(SystemExit):  # each experiment takes only its own flags
+            ablate.main(wrong)
+    assert ablate.build_parser().parse_args(["synthetic"]).seeds == 5  # not initscale's 2: no shared defaults
+    assert ablate.build_parser().parse_args(["initscale"]).seeds == 2
 
 
 # ----------------------------------------------------------------------------------------------------------
