@@ -17,8 +17,8 @@ the benchmark; and the README's Results and Performance sections, generated from
     python ablate.py report               # the README's Results and Performance, from the tables written above
 
 `python ablate.py <experiment> --help` lists each one's own flags. Each run calls pretrain.main / finetune.main
-in-process (initscale --jobs: one process per init kind) with its own out folder out/ablate/<init scheme>/<task>[/<model>]/seed<s>/, so experiments on the
-same scheme, task and model share their runs. Every run is resumable: a finished finetuning (its .json exists)
+in-process (initscale --jobs: one process per init kind) with its own out folder
+out/ablate/<init scheme>/<task>[/<model>]/seed<s>/, so experiments on the same scheme, task and model share their runs. Every run is resumable: a finished finetuning (its .json exists)
 is read back, an interrupted one continues with --resume. Writes out/ablate/<experiment>.json (every run) and
 .md (mean +- std over seeds, beside the paper's numbers). The CPU preset is the default; --preset paper: a GPU.
 """
@@ -196,9 +196,10 @@ def describe_data(data_dir, task):
     """A short description of the data a table was made on (generated PathFinder and stand-ins say so)."""
     meta = data.load_split(data_dir, task, "train")["meta"]
     sizes, side = meta.get("split_sizes", {}), meta.get("resolution", 32)
-    what = {"fashion_mnist": "Fashion-MNIST padded to 32x32 (the offline stand-in for CIFAR10)"
-            + (f", averaged to {side}x{side}" if side != 32 else "") + (", a training subset" if meta.get("train_subset") else ""),
-            "image": "CIFAR10 grayscale", "synthetic": f"synthetic trajectories of {meta['max_len']} steps"}.get(task, task)
+    fashion = "Fashion-MNIST padded to 32x32 (the offline stand-in for CIFAR10)" + \
+        (f", averaged to {side}x{side}" if side != 32 else "") + (", a training subset" if meta.get("train_subset") else "")
+    what = {"fashion_mnist": fashion, "image": "CIFAR10 grayscale",
+            "synthetic": f"synthetic trajectories of {meta['max_len']} steps"}.get(task, task)
     if meta.get("generated") and "resolution" in meta:
         what = f"PathFinder {meta['resolution']}x{meta['resolution']} from our generator"
     elif meta.get("generated") and task == "listops":
@@ -326,8 +327,8 @@ def experiment_init(args):
         analyze.plot_curves(results, os.path.join(args.out_dir, "analysis", f"init_{task}_curves.png"),
                             f"Table 3 on {task}: validation accuracy per epoch",
                             probe=("from scratch, probe for twice the budget (seed 0)", probe) if probe else None)
-    rows.append(f"\n{describe_data(task_data_dir(args, task), task)}; {model}{budget}; seeds: {args.seeds}; preset {args.preset}; "
-                f"command: python ablate.py init --task {task}" + run_note(args))
+    rows.append(f"\n{describe_data(task_data_dir(args, task), task)}; {model}{budget}; seeds: {args.seeds}; preset "
+                f"{args.preset}; command: python ablate.py init --task {task}" + run_note(args))
     write_outputs("init" if task == "synthetic" else f"init_{task}", runs, "\n".join(rows), args)
 
 
@@ -365,12 +366,13 @@ def experiment_duration(args):
         rs = [r for r in runs if r["epochs"] == epochs]
         moved = " | ".join(mean_std([r["displacement"][g] for r in rs]) if epochs else "0"
                            for g in ("W_Q", "W_K", "W_Q^T W_K"))
-        rows.append(f"| {epochs or 'none (from scratch)'} | {cells(rs, 'best_val_acc', 'train_acc', 'exit')} | {moved} |")
+        rows.append(f"| {epochs or 'none (from scratch)'} | {cells(rs, 'best_val_acc', 'train_acc', 'exit')} | "
+                    f"{moved} |")
     model = "Table 3's one-layer model (runs shared with `ablate.py init`)" if shared else "the preset's model"
-    rows.append(f"\n{describe_data(task_data_dir(args, task), task)}; {model}{budget}. Displacement: norm(W - W_init) / norm(W_init) "
-                f"during SPT. Paper: CIFAR10 and ListOps get most of the gain after 1-10 SPT epochs, PathFinder needs "
-                f"100-200. Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py duration --task {task}"
-                + run_note(args))
+    rows.append(f"\n{describe_data(task_data_dir(args, task), task)}; {model}{budget}. Displacement: "
+                f"norm(W - W_init) / norm(W_init) during SPT. Paper: CIFAR10 and ListOps get most of the gain after "
+                f"1-10 SPT epochs, PathFinder needs 100-200. Seeds: {args.seeds}; preset {args.preset}; command: "
+                f"python ablate.py duration --task {task}" + run_note(args))
     write_outputs("duration" if task == "synthetic" else f"duration_{task}", runs, "\n".join(rows), args)
 
 
