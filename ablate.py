@@ -459,23 +459,40 @@ def experiment_pfcurves(args):
                   "--max_steps", str(steps), "--epochs", "1000", "--eval_every", str(args.eval_every),
                   "--no-eval_each_epoch"]
         result = run_finetune("pathfinder", folder, 0, "scratch", "scratch", common)
+        minutes = training_minutes(data.run_paths(folder, "pathfinder", "finetune", "scratch")["log"])
         runs.append(summary(0, result, layers=layers, difficulty=difficulty, steps=steps, evals=result["evals"],
-                            wall_time_s=result["wall_time_s"], steps_per_epoch=result["steps_per_epoch"],
-                            majority=majority_rate(data_dir, "pathfinder")))
+                            minutes=[minutes[e["step"]] for e in result["evals"]], wall_time_s=result["wall_time_s"],
+                            steps_per_epoch=result["steps_per_epoch"], majority=majority_rate(data_dir, "pathfinder")))
     rows = ["| layers | difficulty (contour length) | steps | CPU minutes | best val acc | test acc | train acc | "
             "majority class (val) |", "|---|---|---|---|---|---|---|---|"]
     for r in runs:
         rows.append(f"| {r['layers']} | {r['difficulty']} ({data.PATHFINDER_DIFFICULTY[r['difficulty']][1]}) | "
-                    f"{r['steps']} | {r['wall_time_s'] / 60:.1f} | {r['best_val_acc']:.3f} | {r['test_acc']:.3f} | "
+                    f"{r['steps']} | {r['minutes'][-1]:.1f} | {r['best_val_acc']:.3f} | {r['test_acc']:.3f} | "
                     f"{r['train_acc']:.3f} | {r['majority']:.3f} |")
     rows.append(f"\nFrom scratch, seed 0; PathFinder 32x32 from our generator, {args.n_images} images per difficulty "
                 f"(80/10/10); the CPU preset's model (d_model 32, 2 heads) with the number of layers shown; batch 16, "
-                f"lr 1e-3. CPU minutes: the run's wall time on one thread, evaluations included. Command: python "
+                f"lr 1e-3. CPU minutes: training time on one thread (evaluations excluded), summed from the run's log over "
+                f"every process that resumed it. Command: python "
                 f"ablate.py pfcurves" + run_note(args))
     analyze.plot_curves({f"{r['layers']} layer(s), {r['difficulty']}": r for r in runs},
                         os.path.join(args.out_dir, "analysis", "pathfinder_curves.png"),
                         "PathFinder 32x32 from scratch on the CPU", x="minutes")
     write_outputs("pfcurves", runs, "\n".join(rows), args)
+
+
+def training_minutes(log_path):
+    """{step: minutes of training up to it} for every evaluation step of a run's log (*_log.jsonl): the sum of
+    ms/step x steps of the log lines before it (evaluations excluded; a resumed run's log goes on, so its earlier
+    processes count)."""
+    minutes, total, last = {}, 0.0, 0
+    with open(log_path) as f:
+        for entry in map(json.loads, f):
+            if "ms_per_step" in entry:
+                total += entry["ms_per_step"] * max(0, entry["step"] - last) / 60000
+                last = entry["step"]
+            elif "val_acc" in entry or "val_loss" in entry:
+                minutes[entry["step"]] = total
+    return minutes
 
 
 def experiment_main(args):

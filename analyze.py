@@ -418,8 +418,8 @@ def cmd_curves(args):
 
 def plot_curves(curves, path, title, x="epoch", probe=None):
     """ablate.py's learning-curve figures: validation accuracy, one line per entry of `curves` ({label: result dict with "evals", or a list of
-    them: their mean}); x "epoch" (from the step) or "minutes" (the run's wall time spread evenly over its
-    steps). `probe`: an extra dashed curve (label, result)."""
+    them: their mean}); x "epoch" (from the step) or "minutes" (result["minutes"]: training minutes at each
+    evaluation). `probe`: an extra dashed curve (label, result)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -430,11 +430,10 @@ def plot_curves(curves, path, title, x="epoch", probe=None):
         steps = [e["step"] for e in results[0]["evals"]]
         accs = [sum(r["evals"][j]["val_acc"] for r in results) / len(results) for j in range(len(steps))]
         r0 = results[0]
-        xs = [s / r0["steps_per_epoch"] for s in steps] if x == "epoch" else \
-            [s / max(steps[-1], 1) * r0["wall_time_s"] / 60 for s in steps]
+        xs = [s / r0["steps_per_epoch"] for s in steps] if x == "epoch" else r0["minutes"]
         ax.plot(xs, accs, "--" if probe and i == len(items) - 1 else "-", marker=".", label=label +
                 (f" (mean of {len(results)})" if len(results) > 1 else ""))
-    ax.set_xlabel("epoch" if x == "epoch" else "CPU minutes (one thread)")
+    ax.set_xlabel("epoch" if x == "epoch" else "training minutes on one CPU thread (evaluations excluded)")
     ax.set_ylabel("validation accuracy")
     ax.set_title(title)
     ax.grid(alpha=0.3)

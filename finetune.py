@@ -220,8 +220,8 @@ def main(argv=None):
     extra = dict(stage="finetune", task=args.task, data_meta=meta, data_sha256=data_hashes(splits), init=args.init,
                  metric="val_acc", tiebreak="val_loss", format_version=1)
     print(f"finetuning {args.task} from {args.init}: {model.cfg}")
-    t0 = time.time()
     best = train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better=True)
+    t_trained = time.time()
     # Test accuracy of the best-validation weights, and train accuracy for the optimization-failure claim.
     model.load_state_dict(data.load_pt(paths["best"], map_location=args.device)["model"])
     test = evaluate_accuracy(model, splits["test"], args)
@@ -235,7 +235,7 @@ def main(argv=None):
                   init_std=model.cfg.init_std if model.cfg.init == "normal" else None,
                   best_step=best["step"], best_epoch=best["epoch"],
                   best_val_acc=best["val_acc"], test_acc=test["acc"], train_acc=train_acc, train_acc_subset=n_sub,
-                  evals=[e for e in log if "val_acc" in e], wall_time_s=time.time() - t0,
+                  evals=[e for e in log if "val_acc" in e], wall_time_s=best["elapsed_s"] + time.time() - t_trained,
                   data_sha256=data_hashes(splits), source_sha256=meta.get("sha256"), **provenance, **run_record(args))
     if args.rank == 0:
         data.save_atomic(result, paths["json"])

@@ -509,7 +509,8 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
     named by extra["metric"]. paths: data.run_paths(...). The best checkpoint (by that metric) and the last one
     are written atomically; with args.resume the run continues from paths["last"] exactly (model, optimizer,
     step, epoch, position in the epoch, best metric, RNG state).
-    Returns the metrics dict of the best evaluation (is_better decides ties), with its "step" and "epoch".
+    Returns the metrics dict of the best evaluation (is_better decides ties), with its "step" and "epoch", and
+    "elapsed_s": the wall-clock seconds of the whole run, over every process that resumed it.
     """
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.999),
                             weight_decay=args.weight_decay, fused=args.device.type == "cuda")
@@ -520,7 +521,8 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
         state = resume(model, opt, paths, n_batches, args) or state
     print(f"{count_params(model):,} trainable parameters; {total} steps ({n_batches} per epoch)")
     run = dict(model=model, opt=opt, state=state, args=args, paths=paths, extra=extra, record=run_record(args),
-               eval_fn=eval_fn, higher_is_better=higher_is_better, total=total)
+               eval_fn=eval_fn, higher_is_better=higher_is_better, total=total, t_process=time.time(),
+               elapsed0=state.get("elapsed_s", 0.0))  # seconds the run spent in earlier processes (--resume)
     if state["step"] == 0:
         if args.rank == 0:
             os.makedirs(os.path.dirname(os.path.abspath(paths["log"])), exist_ok=True)
@@ -559,7 +561,8 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
           f"best {extra['metric']} {state['best']:.4f}")
     if args.world_size > 1:
         dist.barrier()  # rank 0 has written its checkpoints before anyone reads them
-    return dict(state["best_metrics"], step=state.get("best_step"), epoch=state.get("best_epoch"))
+    return dict(state["best_metrics"], step=state.get("best_step"), epoch=state.get("best_epoch"),
+                elapsed_s=run["elapsed0"] + time.time() - run["t_process"])
 
 
 def optimizer_step(run, loss_fn, idx):
@@ -645,6 +648,7 @@ def save_checkpoint(run, path, metrics):
     if args.rank != 0:
         return
     cuda_rng = torch.cuda.get_rng_state(args.device) if args.device.type == "cuda" else None
+    run["state"]["elapsed_s"] = run["elapsed0"] + time.time() - run["t_process"]  # carried over a --resume
     data.save_atomic(checkpoint_dict(run["model"], optimizer=run["opt"].state_dict(), state=dict(run["state"]),
                                      metrics=metrics, rng_state=torch.get_rng_state(), cuda_rng_state=cuda_rng,
                                      **run["record"], **run["extra"]), path)

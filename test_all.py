@@ -473,11 +473,12 @@ def test_same_seed_same_losses_and_exact_resume(listops_dir, tmp_path):
     c_losses, _ = run(str(tmp_path / "c"), 16, ["--seed", "1"])
     assert c_losses != a_losses
     # Interrupted after 8 steps (a step limit), then resumed to 16: bit-identical weights to the full run.
-    run(str(tmp_path / "d"), 8)
+    _, first = run(str(tmp_path / "d"), 8)
     _, d = run(str(tmp_path / "d"), 16, ["--resume"])
     for key in a["model"]:
         assert torch.equal(a["model"][key], d["model"][key]), key
     assert d["state"]["step"] == 16
+    assert d["state"]["elapsed_s"] > first["state"]["elapsed_s"] > 0  # the run's time carries over the resume
 
 
 def test_data_command_line(tmp_path):
@@ -2475,6 +2476,12 @@ def test_ablate_fashion_mnist_budget_init_duration_and_pathfinder_curves(tmp_pat
                  "2", "--data_dir", root, "--out_dir", out, "--device", "cpu"])  # seed 0, its own step budget
     table = open(os.path.join(out, "ablate", "pfcurves.md")).read()
     assert "| 1 | easy (6) | 4 |" in table and "| 2 | hard (14) | 2 |" in table
+    run = next(r for r in json.load(open(os.path.join(out, "ablate", "pfcurves.json")))["runs"] if r["layers"] == 1)
+    lines = [json.loads(x) for x in open(os.path.join(out, "ablate", "reference", "pfcurves", "1layer_easy", "seed0",
+                                                      "pathfinder", "finetune_scratch_log.jsonl"))]
+    timed = [e for e in lines if "ms_per_step" in e]  # log_every 10 > 4 steps: one line, at the last step
+    assert len(timed) == 1 and timed[0]["step"] == 4 and run["minutes"][:2] == [0, 0]
+    assert run["minutes"][2] == pytest.approx(timed[0]["ms_per_step"] * 4 / 60000) and len(run["minutes"]) == 3
     assert os.path.getsize(os.path.join(out, "analysis", "pathfinder_curves.png")) > 10_000
     with pytest.raises(ValueError, match="n_val 5000: expected 1..39 for 40 training examples"):
         ablate.main(["swap", "--difficulty", "easy", "--n_images", "40", "--steps", "2"] + argv)
