@@ -442,6 +442,9 @@ def experiment_swap(args):
     write_outputs("swap", runs, "\n".join(rows), args)
 
 
+PF_CONFIGS = ["1:easy", "1:intermediate", "1:hard", "2:easy"]  # layers:difficulty; 2 layers get half the steps
+
+
 def experiment_pfcurves(args):
     """Beyond the paper's tables: PathFinder 32x32 learning curves on the CPU, from scratch, for each (layers,
     difficulty) of --configs on --n_images generated images (80/10/10), --steps steps for one layer (half for two:
@@ -472,11 +475,12 @@ def experiment_pfcurves(args):
     rows.append(f"\nFrom scratch, seed 0; PathFinder 32x32 from our generator, {args.n_images} images per difficulty "
                 f"(80/10/10); the CPU preset's model (d_model 32, 2 heads) with the number of layers shown; batch 16, "
                 f"lr 1e-3. CPU minutes: training time on one thread (evaluations excluded), summed from the run's log over "
-                f"every process that resumed it. Command: python "
-                f"ablate.py pfcurves" + run_note(args))
+                f"every process that resumed it. Command: python ablate.py pfcurves"
+                + ("" if args.configs == PF_CONFIGS else " --configs " + " ".join(args.configs)) + run_note(args))
     analyze.plot_curves({f"{r['layers']} layer(s), {r['difficulty']}": r for r in runs},
                         os.path.join(args.out_dir, "analysis", "pathfinder_curves.png"),
-                        "PathFinder 32x32 from scratch on the CPU", x="minutes")
+                        "PathFinder 32x32 from scratch on the CPU", x="minutes",
+                        hline=(0.5, "chance (balanced classes; each split's majority class is in the table)"))
     write_outputs("pfcurves", runs, "\n".join(rows), args)
 
 
@@ -1112,7 +1116,7 @@ def build_parser():
     s.add_argument("--steps", type=int, default=0, help="steps per stage for every run; 0 = the preset's")
     s = add("pfcurves", "PathFinder learning curves on the CPU: which configuration learns above chance (seed 0)",
             ("runs", "scheme"))
-    s.add_argument("--configs", nargs="+", default=["1:easy", "1:intermediate", "1:hard", "2:easy"],
+    s.add_argument("--configs", nargs="+", default=list(PF_CONFIGS),
                    help="layers:difficulty of each curve")
     s.add_argument("--n_images", type=int, default=20000, help="generated images per difficulty")
     s.add_argument("--steps", type=int, default=3000, help="steps of a 1-layer run (2 layers: half)")

@@ -416,10 +416,10 @@ def cmd_curves(args):
 # 3. Figures of the experiments (ablate.py): learning curves and the init-scale phase diagram
 # ----------------------------------------------------------------------------------------------------------
 
-def plot_curves(curves, path, title, x="epoch", probe=None):
+def plot_curves(curves, path, title, x="epoch", probe=None, hline=None):
     """ablate.py's learning-curve figures: validation accuracy, one line per entry of `curves` ({label: result dict with "evals", or a list of
     them: their mean}); x "epoch" (from the step) or "minutes" (result["minutes"]: training minutes at each
-    evaluation). `probe`: an extra dashed curve (label, result)."""
+    evaluation). `probe`: an extra dashed curve (label, result); `hline`: a dotted line (value, label)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -433,6 +433,8 @@ def plot_curves(curves, path, title, x="epoch", probe=None):
         xs = [s / r0["steps_per_epoch"] for s in steps] if x == "epoch" else r0["minutes"]
         ax.plot(xs, accs, "--" if probe and i == len(items) - 1 else "-", marker=".", label=label +
                 (f" (mean of {len(results)})" if len(results) > 1 else ""))
+    if hline is not None:  # (value, label), e.g. the majority-class rate
+        ax.axhline(hline[0], ls=":", color="gray", label=hline[1])
     ax.set_xlabel("epoch" if x == "epoch" else "training minutes on one CPU thread (evaluations excluded)")
     ax.set_ylabel("validation accuracy")
     ax.set_title(title)
