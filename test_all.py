@@ -1138,9 +1138,9 @@ def test_nonfinite_loss_stops_the_run_or_is_skipped(listops_dir, tmp_path, monke
     original = pretrain.reconstruction_loss
     calls = {"n": 0}
 
-    def poisoned(outputs, targets, kind="ce"):  # the 4th training step returns NaN (evaluations run no_grad)
+    def poisoned(outputs, targets, kind="ce", mask=None):  # the 4th training step returns NaN (evaluations: no_grad)
         calls["n"] += torch.is_grad_enabled()
-        loss = original(outputs, targets, kind)
+        loss = original(outputs, targets, kind, mask)
         return loss * float("nan") if calls["n"] == 4 and torch.is_grad_enabled() else loss
     monkeypatch.setattr(pretrain, "reconstruction_loss", poisoned)
     with pytest.raises(FloatingPointError, match="non-finite loss between steps 4 and 4"):
@@ -1192,8 +1192,8 @@ def test_resume_with_every_checkpoint_broken_stops_with_the_reasons_and_keeps_th
 
 def test_nonfinite_loss_before_any_checkpoint_names_no_missing_file(listops_dir, tmp_path, monkeypatch):
     original = pretrain.reconstruction_loss
-    monkeypatch.setattr(pretrain, "reconstruction_loss", lambda o, t, kind="ce": original(o, t, kind) * float("nan")
-                        if torch.is_grad_enabled() else original(o, t, kind))
+    monkeypatch.setattr(pretrain, "reconstruction_loss", lambda o, t, kind="ce", mask=None: original(o, t, kind, mask) * float("nan")
+                        if torch.is_grad_enabled() else original(o, t, kind, mask))
     with pytest.raises(FloatingPointError) as err:
         pretrain.main(["--task", "listops", "--data_dir", listops_dir, "--out_dir", str(tmp_path), "--max_steps", "4",
                        "--log_every", "1"] + TINY[:-4] + ["--device", "cpu"])
