@@ -1780,6 +1780,17 @@ def write_idx(path, array):
         f.write(header + array.astype(np.uint8).tobytes())
 
 
+def installed_fashion_mnist(tmp_path, monkeypatch):
+    """Fashion-MNIST as the Debian package installs it (40 training, 10 test images, random), found by data.py."""
+    folder = tmp_path / "fashion"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for prefix, n in (("train", 40), ("t10k", 10)):
+        write_idx(str(folder / f"{prefix}-images-idx3-ubyte"), rng.integers(0, 256, (n, 28, 28)))
+        write_idx(str(folder / f"{prefix}-labels-idx1-ubyte"), rng.integers(0, 10, n))
+    monkeypatch.setattr(data, "FASHION_DIRS", (str(folder),))
+
+
 def test_fashion_mnist_idx_padded_to_1024_pixels(tmp_path, monkeypatch):
     root = str(tmp_path)
     folder = os.path.join(root, "fashion_mnist")
@@ -2398,13 +2409,7 @@ def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run
     import ablate
     root, out = str(tmp_path / "data"), str(tmp_path / "out")
     data.prepare_pathfinder(root, generate=40)
-    folder = tmp_path / "fashion"
-    folder.mkdir()
-    rng = np.random.default_rng(0)
-    for prefix, n in (("train", 40), ("t10k", 10)):
-        write_idx(str(folder / f"{prefix}-images-idx3-ubyte"), rng.integers(0, 256, (n, 28, 28)))
-        write_idx(str(folder / f"{prefix}-labels-idx1-ubyte"), rng.integers(0, 10, n))
-    monkeypatch.setattr(data, "FASHION_DIRS", (str(folder),))
+    installed_fashion_mnist(tmp_path, monkeypatch)
     data.prepare_fashion_mnist(root, n_val=10)
     argv = ["--seeds", "1", "--data_dir", root, "--out_dir", out, "--max_steps", "2", "--device", "cpu"]
     ablate.main(["swap"] + argv)
@@ -2443,13 +2448,7 @@ def test_ablate_fashion_mnist_budget_init_duration_and_pathfinder_curves(tmp_pat
     """init and duration on the Fashion-MNIST CPU budget (its own 16x16 subset, a probe, shared runs), pfcurves and
     swap on generated PathFinder data, all fixture-sized."""
     import ablate
-    folder = tmp_path / "fashion"
-    folder.mkdir()
-    rng = np.random.default_rng(0)
-    for prefix, n in (("train", 40), ("t10k", 10)):
-        write_idx(str(folder / f"{prefix}-images-idx3-ubyte"), rng.integers(0, 256, (n, 28, 28)))
-        write_idx(str(folder / f"{prefix}-labels-idx1-ubyte"), rng.integers(0, 10, n))
-    monkeypatch.setattr(data, "FASHION_DIRS", (str(folder),))
+    installed_fashion_mnist(tmp_path, monkeypatch)
     monkeypatch.setattr(ablate, "FASHION_CPU", dict(resolution=16, n_train=20, n_val=8, epochs=1))
     root, out = str(tmp_path / "data"), str(tmp_path / "out")
     argv = ["--seeds", "1", "--data_dir", root, "--out_dir", out, "--max_steps", "2", "--device", "cpu"]
