@@ -115,15 +115,64 @@ def run_pretrain(task, folder, seed, common):
 
 
 def run_finetune(task, folder, seed, name, init, common, extra=()):
-    """One finetuning run; returns its result dict (read back if it already finished)."""
+    """One finetuning run; returns its result dict (read back if it already finished, after check_read_back)."""
     path = data.run_paths(folder, task, "finetune", name)["json"]
+    flags = ["--seed", str(seed)] + list(common) + list(extra)
     if os.path.exists(path):
-        print(f"read back {path}")
-    else:
-        finetune.main(["--task", task, "--out_dir", folder, "--seed", str(seed), "--init", init, "--name", name,
-                       "--resume"] + common + list(extra))
+        with open(path) as f:
+            result = json.load(f)
+        check_read_back(path, result, task, init, flags)
+        return result
+    finetune.main(["--task", task, "--out_dir", folder, "--init", init, "--name", name, "--resume"] + flags)
     with open(path) as f:
         return json.load(f)
+
+
+# Not compared flag by flag: the data (its sha256 is) and where a run ran.
+READ_BACK_SKIP = ("data_dir", "out_dir", "device", "download", "accept_data") + tuple(data.STAGE_DATA_FLAGS)
+
+
+def given_flags(argv):
+    """{flag: value} of an argv of `--flag value`, `--switch` (True) and `--no-switch` (False); the last one wins,
+    as in argparse."""
+    flags = {}
+    for i, token in enumerate(argv):
+        if token.startswith("--"):
+            value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else True
+            key = token[2:]
+            if value is True and key.startswith("no-"):
+                key, value = key[3:], False
+            flags[key] = value
+    return flags
+
+
+def check_read_back(path, result, task, init, argv):
+    """Raise ValueError unless the finished run `path` (its result dict) is the run an experiment asks for: the
+    same data (the sha256 of each split file under argv's --data_dir), the same initialization (scratch, or an SPT
+    checkpoint of the same data) and the same value of every other flag in argv. Experiments share run folders
+    (out/ablate/<scheme>/<task>/<model>/seed<s>); without this, one made with other data or another budget would
+    be read back as this one's."""
+    given = given_flags(argv)
+    data_dir, config = given.get("data_dir", "data"), result.get("config") or {}
+    here = {s: data.sha256_of(os.path.join(data_dir, task, f"{s}.pt")) for s in data.SPLITS}
+    problems = [f"{s}.pt sha256 {result['data_sha256'][s][:12]}... (here: {here[s][:12]}... in {data_dir})"
+                for s in data.SPLITS if (result.get("data_sha256") or {}).get(s, here[s]) != here[s]]
+    if (init == "scratch") != (result.get("init") == "scratch"):
+        problems.append(f"--init {result.get('init')} (asked: {init})")
+    elif init != "scratch" and result.get("spt_data_sha256") is not None:
+        spt = torch.load(init, map_location="cpu", weights_only=True, mmap=True).get("data_sha256")
+        if spt is not None and spt != result["spt_data_sha256"]:
+            problems.append(f"SPT on other data than {init}'s")
+    for key, value in given.items():
+        if key in config and key not in READ_BACK_SKIP:
+            saved = config[key]
+            wanted = value if isinstance(value, bool) or saved is None else type(saved)(value)
+            if wanted != saved:
+                problems.append(f"--{key} {saved} (asked: {value})")
+    if problems:
+        raise ValueError(f"{path} is a finished run made with " + "; ".join(problems) + ": another experiment with "
+                         f"other settings wrote this folder. Move it away (or pass another --out_dir) to run this one")
+    print(f"read back {path}")
 
 
 def spt_displacement(task, folder, data_dir, n=64):
@@ -413,12 +462,16 @@ def experiment_swap(args):
     flags = {"pathfinder": common_flags(args) + budget + (["--data_dir", pf_dir, "--accept_data", "--difficulty",
                                                            args.difficulty] if pf_dir != args.data_dir else []),
              image: common_flags(args) + budget}
+    # Run folders name what differs from `main`'s runs of the same task (the preset's data and budget).
+    model = {task: "preset" + (f"_steps{args.steps}" if args.steps else "") for task in tasks}
+    if pf_dir != args.data_dir:
+        model["pathfinder"] += f"_{args.difficulty}_n{args.n_images}"
     for seed in range(args.seeds):
-        ckpts = {task: run_pretrain(task, run_dir(args, task, seed, "preset"), seed, flags[task]) for task in tasks}
+        ckpts = {task: run_pretrain(task, run_dir(args, task, seed, model[task]), seed, flags[task]) for task in tasks}
         for target in tasks:
             for source in ("scratch",) + tasks:
                 name = "scratch" if source == "scratch" else f"spt_from_{source}"
-                result = run_finetune(target, run_dir(args, target, seed, "preset"), seed, name,
+                result = run_finetune(target, run_dir(args, target, seed, model[target]), seed, name,
                                       ckpts.get(source, "scratch"), flags[target])
                 runs.append(summary(seed, result, target=target, source=source))
     paper = {(image, "scratch"): "0.69 / 0.48", (image, "pathfinder"): "0.84 / 0.56",

@@ -518,7 +518,7 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
     total = args.epochs * n_batches if not args.max_steps else min(args.max_steps, args.epochs * n_batches)
     state = dict(step=0, epoch=0, batch_in_epoch=0, best=None, best_metrics=None, n_batches=n_batches)
     if args.resume:
-        state = resume(model, opt, paths, n_batches, args) or state
+        state = resume(model, opt, paths, n_batches, args, extra) or state
     print(f"{count_params(model):,} trainable parameters; {total} steps ({n_batches} per epoch)")
     run = dict(model=model, opt=opt, state=state, args=args, paths=paths, extra=extra, record=run_record(args),
                eval_fn=eval_fn, higher_is_better=higher_is_better, total=total, t_process=time.time(),
@@ -671,15 +671,16 @@ def check_finite(run, value, first):
                                  f"or --skip_nonfinite to skip such steps")
 
 
-def resume(model, opt, paths, n_batches, args):
+def resume(model, opt, paths, n_batches, args, extra):
     """Load the newest of paths["last"], paths["best"] into model and optimizer and restore the RNG states;
-    returns the loop state, or None when there is nothing to resume (a fresh start)."""
+    returns the loop state, or None when there is nothing to resume (a fresh start). ValueError (check_resumable)
+    when the checkpoint is of another run: model, data (extra["data_sha256"]) or schedule."""
     # Loaded on the CPU: load_state_dict copies onto the model's device, and the CPU copy is freed right after
     # (mapped to the GPU it would hold a second copy of weights and AdamW state for the whole run).
     ck = data.load_newest([paths["last"], paths["best"]], "cpu", "--resume")
     if ck is None:
         return None
-    check_resumable(ck, model.cfg, n_batches)
+    check_resumable(ck, model.cfg, n_batches, extra.get("data_sha256"), plain_config(args))
     model.load_state_dict(ck["model"])
     opt.load_state_dict(ck["optimizer"])
     torch.set_rng_state(ck["rng_state"])
@@ -689,12 +690,22 @@ def resume(model, opt, paths, n_batches, args):
     return dict(ck["state"], n_batches=n_batches)  # older checkpoints recorded no n_batches
 
 
-def check_resumable(ck, cfg, n_batches):
-    """Raise ValueError unless checkpoint `ck` continues a run of this model config and epoch length: resuming
-    with other model flags (size, --init_scheme, ...) would mislabel the weights, and another --batch_size (or
-    number of ranks) another epoch, whose position the checkpoint's batch counter would not mean."""
+# Flags a resumed run must share with its checkpoint (--epochs and --max_steps only say where to stop, and may grow).
+RESUME_SAME = ("lr", "warmup", "weight_decay", "grad_clip", "seed", "inherit", "freeze")
+
+
+def check_resumable(ck, cfg, n_batches, data_sha256=None, config=None):
+    """Raise ValueError unless checkpoint `ck` continues a run of this model config, epoch length, data and
+    schedule: resuming with other model flags (size, --init_scheme, ...) would mislabel the weights; another
+    --batch_size (or number of ranks) another epoch, whose position the checkpoint's batch counter would not mean;
+    other data (data_sha256: {split: sha256 of its .pt}, e.g. another --data_dir) would train one run on two data
+    sets; another value of a RESUME_SAME flag (config: plain_config of this run) another schedule than the
+    checkpoint's first part. Checkpoints older than these records skip the checks they lack."""
     saved = asdict(config_from_dict(ck["model_config"], "--resume checkpoint"))
     diff = {k: (v, getattr(cfg, k)) for k, v in saved.items() if getattr(cfg, k) != v}
+    saved_config = ck.get("config") or {}
+    diff.update({k: (saved_config[k], config[k]) for k in RESUME_SAME
+                 if config and k in saved_config and k in config and saved_config[k] != config[k]})
     if diff:
         raise ValueError("--resume: the checkpoint was made with " + ", ".join(
             f"{k}={old!r}" for k, (old, _) in diff.items()) + "; this run has " + ", ".join(
@@ -703,6 +714,12 @@ def check_resumable(ck, cfg, n_batches):
     if saved_batches is not None and saved_batches != n_batches:
         raise ValueError(f"--resume: the checkpoint's epochs have {saved_batches} batches, this run's {n_batches} "
                          f"(another --batch_size or number of processes): resume with the same ones")
+    saved_data = ck.get("data_sha256")
+    if saved_data and data_sha256 and saved_data != data_sha256:
+        split = next(s for s in saved_data if saved_data[s] != data_sha256.get(s))
+        raise ValueError(f"--resume: the checkpoint was trained on other data ({split}.pt sha256 "
+                         f"{saved_data[split][:12]}..., this run's {str(data_sha256.get(split))[:12]}...: another "
+                         f"--data_dir, or the data was made again): resume on the same data (or start a new --out_dir)")
 
 
 def is_better(metrics, state, metric, higher_is_better, tiebreak=None):

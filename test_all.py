@@ -12,6 +12,7 @@ import math
 import os
 import pickle
 import random
+import re
 
 import numpy as np
 import pytest
@@ -1152,6 +1153,43 @@ def test_nonfinite_loss_stops_the_run_or_is_skipped(listops_dir, tmp_path, monke
     last = data.load_pt(os.path.join(out, "listops", "pretrain_last.pt"))
     assert last["state"]["step"] == 6 and last["state"]["skipped"] == 1
     assert all(torch.isfinite(v).all() for v in last["model"].values())
+
+
+def test_resume_refuses_a_checkpoint_of_other_data_or_another_schedule(listops_dir, tmp_path):
+    out = str(tmp_path / "out")
+    args = ["--task", "listops", "--out_dir", out, "--eval_every", "2"] + TINY
+    pretrain.main(args + ["--data_dir", listops_dir, "--max_steps", "2"])
+    other = str(tmp_path / "other")  # the same sizes and lengths, other expressions
+    data.prepare_listops(other, n_train=96, n_val=32, n_test=32, seed=2, max_len=128, min_length=20, max_length=120)
+    with pytest.raises(ValueError, match=r"trained on other data \(train.pt sha256 .*another --data_dir"):
+        pretrain.main(args + ["--data_dir", other, "--max_steps", "4", "--resume"])
+    with pytest.raises(ValueError, match="made with lr=0.001; this run has lr=0.002"):
+        pretrain.main(args + ["--data_dir", listops_dir, "--max_steps", "4", "--resume", "--lr", "2e-3"])
+    pretrain.main(args + ["--data_dir", listops_dir, "--max_steps", "4", "--resume"])  # a longer run may resume
+    assert data.load_pt(os.path.join(out, "listops", "pretrain_last.pt"))["state"]["step"] == 4
+
+
+def test_ablate_reads_back_a_finished_run_only_if_it_is_the_run_asked_for(synthetic_run, tmp_path, capsys):
+    import ablate
+    data_dir, _ = synthetic_run
+    folder, common = str(tmp_path / "run"), ["--data_dir", data_dir, "--max_steps", "2", "--device", "cpu",
+                                             "--accept_data", "--no-eval_each_epoch"]
+    first = ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common)
+    capsys.readouterr()
+    assert ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common) == first
+    assert "read back" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"made with --max_steps 2 \(asked: 3\).*another experiment"):
+        ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common + ["--max_steps", "3"])
+    with pytest.raises(ValueError, match=r"--eval_each_epoch False \(asked: True\)"):
+        ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common + ["--eval_each_epoch"])
+    other = str(tmp_path / "other")
+    data.prepare_synthetic(other, n_train=64, n_val=32, n_test=32, length=20, seed=5)
+    with pytest.raises(ValueError, match=r"train.pt sha256 .*\(here: .* in " + re.escape(other)):
+        ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common + ["--data_dir", other])
+    spt = data.run_paths(synthetic_run[1], "synthetic", "pretrain")["best"]
+    with pytest.raises(ValueError, match="--init scratch"):
+        ablate.run_finetune("synthetic", folder, 0, "scratch", spt, common)
+    assert ablate.given_flags(["--a", "1", "--no-b", "--c", "--a", "2"]) == {"a": "2", "b": False, "c": True}
 
 
 def test_resume_falls_back_when_the_last_checkpoint_is_damaged(listops_dir, tmp_path, capsys):
