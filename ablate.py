@@ -171,7 +171,7 @@ def check_read_back(path, result, task, init, argv):
                 problems.append(f"--{key} {saved} (asked: {value})")
     if problems:
         raise ValueError(f"{path} is a finished run made with " + "; ".join(problems) + ": another experiment with "
-                         f"other settings wrote this folder. Move it away (or pass another --out_dir) to run this one")
+                         "other settings wrote this folder. Move it away (or pass another --out_dir) to run this one")
     print(f"read back {path}")
 
 
