@@ -17,7 +17,7 @@ the benchmark; and the README's Results and Performance sections, generated from
     python ablate.py report               # the README's Results and Performance, from the tables written above
 
 `python ablate.py <experiment> --help` lists each one's own flags. Each run calls pretrain.main / finetune.main
-in-process (initscale --jobs: one process per init kind) with its own out folder
+in-process (--jobs N: N seeds at once, a process each; initscale --jobs: one process per init kind) with its own out folder
 out/ablate/<init scheme>/<task>[/<model>]/seed<s>/, so experiments on the same scheme, task and model share their runs. Every run is resumable: a finished finetuning (its .json exists)
 is read back, an interrupted one continues with --resume. Writes out/ablate/<experiment>.json (every run) and
 .md (mean +- std over seeds, beside the paper's numbers). The CPU preset is the default; --preset paper: a GPU.
@@ -221,13 +221,31 @@ def summary(seed, result, threshold=0.9, **fields):
                 train_acc=result["train_acc"], plateau_exit_epoch=plateau_exit_epoch(result, threshold), **fields)
 
 
-def write_outputs(name, runs, table, args, scheme_in_name=True):
-    """out/ablate/<name>[_L<length>][_init-<scheme>].{json,md}: every run, and the table (the scheme is in the name
-    unless it is the default, reference)."""
+def seeds_here(args):
+    """The seeds this process runs. With --jobs N > 1, first every seed in a process of its own, N at a time with
+    one thread each (run_in_parallel, `--only_seed S`), so that the experiment's loop over range(args.seeds)
+    that follows reads their finished runs back and writes the table; in such a child (--only_seed S), [S]."""
+    if args.only_seed is not None:
+        return [args.only_seed]
+    if args.jobs > 1 and args.seeds > 1:
+        task = getattr(args, "task", "synthetic")
+        run_in_parallel(args.experiment, args, "--only_seed", range(args.seeds),
+                        output_name(args.experiment + ("" if task == "synthetic" else f"_{task}"), args) + "_seed")
+    return list(range(args.seeds))
+
+
+def output_name(name, args, scheme_in_name=True):
+    """<name>[_L<length>][_init-<scheme>]: an experiment's file name (the scheme unless it is the default)."""
     if getattr(args, "length", 100) != 100:
         name += f"_L{args.length}"
     if scheme_in_name and args.init_scheme != "reference":
         name += f"_init-{args.init_scheme}"
+    return name
+
+
+def write_outputs(name, runs, table, args, scheme_in_name=True):
+    """out/ablate/<output_name>.{json,md}: every run, and the table."""
+    name = output_name(name, args, scheme_in_name)
     stem = os.path.join(args.out_dir, "ablate", name)
     data.save_atomic(dict(experiment=name, seeds=args.seeds, init_scheme=args.init_scheme, runs=runs), stem + ".json")
     data.save_atomic(table + "\n", stem + ".md")
@@ -270,8 +288,8 @@ def budget_probe(args, task, common):
     run (seed 0) for twice the budget's epochs, which shows whether from scratch had stopped rising within the
     budget; the plateau's end is then the first epoch at 0.9 x the probe's best validation accuracy. Elsewhere:
     no probe, threshold 0.9 (the synthetic task's)."""
-    if task_data_dir(args, task) == args.data_dir:
-        return None, 0.9, ""
+    if task_data_dir(args, task) == args.data_dir or args.only_seed not in (None, 0):
+        return None, 0.9, ""  # (a --jobs child of another seed than 0 leaves the probe to seed 0's)
     probe = run_finetune(task, run_dir(args, task, 0), 0, "scratch_probe", "scratch",
                          common + ["--epochs", str(2 * FASHION_CPU["epochs"])])
     at_budget = max(e["val_acc"] for e in probe["evals"] if e["step"] <= FASHION_CPU["epochs"] *
@@ -305,7 +323,7 @@ def experiment_synthetic(args):
     init and after SPT (entropy, band mass, mean attended distance, PE-only probe correlation, displacement).
     """
     common, runs = common_flags(args), []
-    for seed in range(args.seeds):
+    for seed in seeds_here(args):
         ckpt = run_pretrain("synthetic", run_dir(args, "synthetic", seed), seed, common + ["--snapshots"])
         stats = spt_displacement("synthetic", run_dir(args, "synthetic", seed), args.data_dir)
         lr = pretrain.PRESETS["synthetic"][args.preset]["finetune"]["lr"]
@@ -313,6 +331,8 @@ def experiment_synthetic(args):
                                   ("scratch_lr3x", "scratch", ("--lr", str(3 * lr)))):
             result = run_finetune("synthetic", run_dir(args, "synthetic", seed), seed, name, init, common, extra)
             runs.append(summary(seed, result, name=name, attention_init=stats["init"], attention_spt=stats["spt"]))
+    if args.only_seed is not None:
+        return  # a child of --jobs: the parent writes the table
     rows = ["| run | val acc | test acc | train acc | epoch val acc >= 0.9 (runs that got there) |",
             "|---|---|---|---|---|"]
     for name, label in (("scratch", "from scratch, lr 1x"), ("scratch_lr3x", "from scratch, lr 3x"),
@@ -352,9 +372,10 @@ def experiment_init(args):
                                            ("all", "qk", "attn", "qk+embed+norm", "all-but-qk")],
             ("scratch, attn frozen", "scratch", ("--freeze", "attn")),
             ("scratch, attn+mlp frozen", "scratch", ("--freeze", "attn+mlp"))]
+    seeds = seeds_here(args)  # with --jobs: every seed's runs in processes of their own first
     probe, threshold, budget = budget_probe(args, task, common)
     runs, results = [], {}
-    for seed in range(args.seeds):
+    for seed in seeds:
         folder = run_dir(args, task, seed)  # shares SPT with `synthetic` / `posenc` / `duration`
         ckpt = run_pretrain(task, folder, seed, common + ["--snapshots"] * (task == "synthetic"))
         moved = spt_displacement(task, folder, task_data_dir(args, task))["spt"]["displacement_from_first"]
@@ -363,6 +384,8 @@ def experiment_init(args):
             result = run_finetune(task, folder, seed, name, init or ckpt, common, extra)
             results.setdefault(label if label.startswith("scratch") else f"SPT, inherit {label}", []).append(result)
             runs.append(summary(seed, result, threshold, row=label, displacement=moved))
+    if args.only_seed is not None:
+        return  # a child of --jobs: the parent writes the table
     rows = [f"| init of the finetuned model | {task} val acc (ours) | {task} train acc (ours) | "
             f"epoch val acc >= {threshold:g} (runs) | paper CIFAR10 | paper PathFinder |", "|---|---|---|---|---|---|"]
     for label, _, _ in grid:
@@ -391,10 +414,11 @@ def experiment_duration(args):
     task = args.task
     shared = task_data_dir(args, task) != args.data_dir  # Fashion-MNIST at the CPU budget
     common = common_flags(args, one_layer=shared, task=task)
-    _, threshold, budget = budget_probe(args, task, common)
     durations = args.durations or ((1, 10, 100, 200) if args.preset == "paper" else (1, 3, 10))
+    seeds = seeds_here(args)  # with --jobs: every seed's runs in processes of their own first
+    _, threshold, budget = budget_probe(args, task, common)
     runs = []
-    for seed in range(args.seeds):
+    for seed in seeds:
         folder = run_dir(args, task, seed, "1layer" if shared else "preset")
         result = run_finetune(task, folder, seed, "init_scratch" if shared else "scratch", "scratch", common)
         runs.append(summary(seed, result, threshold, epochs=0))
@@ -409,6 +433,8 @@ def experiment_duration(args):
                 result = run_finetune(task, spt_dir, seed, "spt", ckpt, common)
             moved = spt_displacement(task, spt_dir, task_data_dir(args, task))["spt"]["displacement_from_first"]
             runs.append(summary(seed, result, threshold, epochs=epochs, displacement=moved))
+    if args.only_seed is not None:
+        return  # a child of --jobs: the parent writes the table
     rows = [f"| SPT epochs | val acc | train acc | finetuning epoch val acc >= {threshold:g} (runs) | W_Q displacement "
             "| W_K displacement | W_Q^T W_K displacement |", "|---|---|---|---|---|---|---|"]
     for epochs in (0,) + tuple(durations):
@@ -466,7 +492,7 @@ def experiment_swap(args):
     model = {task: "preset" + (f"_steps{args.steps}" if args.steps else "") for task in tasks}
     if pf_dir != args.data_dir:
         model["pathfinder"] += f"_{args.difficulty}_n{args.n_images}"
-    for seed in range(args.seeds):
+    for seed in seeds_here(args):
         ckpts = {task: run_pretrain(task, run_dir(args, task, seed, model[task]), seed, flags[task]) for task in tasks}
         for target in tasks:
             for source in ("scratch",) + tasks:
@@ -474,6 +500,8 @@ def experiment_swap(args):
                 result = run_finetune(target, run_dir(args, target, seed, model[target]), seed, name,
                                       ckpts.get(source, "scratch"), flags[target])
                 runs.append(summary(seed, result, target=target, source=source))
+    if args.only_seed is not None:
+        return  # a child of --jobs: the parent writes the table
     paper = {(image, "scratch"): "0.69 / 0.48", (image, "pathfinder"): "0.84 / 0.56",
              ("pathfinder", image): "training fit improves markedly"}
     rows = ["| finetuned on | initialization | train acc | val acc | majority class (val) | paper (CIFAR10) train / val |",
@@ -557,7 +585,7 @@ def experiment_main(args):
     made: ListOps and PathFinder are generated on the CPU preset; --download fetches the others). Peak
     validation accuracy, as the paper reports, beside the majority-class rate of each validation split."""
     runs, skipped, done = [], [], []
-    for task in args.tasks:
+    for task in args.tasks:  # the data first (before any --jobs child could make the same files)
         preset = pretrain.PRESETS[task][args.preset]
         if not os.path.exists(os.path.join(args.data_dir, task, "train.pt")):
             try:
@@ -567,11 +595,15 @@ def experiment_main(args):
                 skipped.append((task, str(e).split(". ")[0]))
                 continue
         done.append(task)
-        for seed in range(args.seeds):
+    seeds = seeds_here(args)
+    for task in done:
+        for seed in seeds:
             folder, common = run_dir(args, task, seed, "preset"), common_flags(args)
             ckpt = run_pretrain(task, folder, seed, common)
             for name, init in (("scratch", "scratch"), ("spt", ckpt)):
                 runs.append(summary(seed, run_finetune(task, folder, seed, name, init, common), task=task, name=name))
+    if args.only_seed is not None:
+        return  # a child of --jobs: the parent writes the table
     rows = ["| task | from scratch (ours) | SPT (ours) | majority class (val) | above it? | paper: from scratch | "
             "+SPT (Amos) | +SPT (Coser) |", "|---|---|---|---|---|---|---|---|"]
     for task in done:
@@ -623,14 +655,19 @@ def experiment_ucr(args):
                                 data.ucr_missing_message(args.datasets[0], os.path.join(args.data_dir, "ucr",
                                                                                         args.datasets[0])))
     print(f"UCR data sets to run: {found}")
-    runs = []
+    for name in found:  # made here, before any --jobs child could make the same files
+        if not os.path.exists(os.path.join(args.data_dir, f"ucr/{name}", "train.pt")):
+            data.prepare(f"ucr/{name}", args.data_dir, **pretrain.PRESETS["ucr"][args.preset]["data"])
+    runs, seeds = [], seeds_here(args)
     for name in found:
-        for seed in range(args.seeds):
+        for seed in seeds:
             folder = os.path.join(args.out_dir, "ablate", args.init_scheme, "ucr", f"seed{seed}")
             ckpt = run_pretrain(f"ucr/{name}", folder, seed, common)
             for run_name, init in (("spt", ckpt), ("scratch", "scratch")):
                 result = run_finetune(f"ucr/{name}", folder, seed, run_name, init, common)
                 runs.append(summary(seed, result, dataset=name, name=run_name, best_step=result.get("best_step")))
+    if args.only_seed is not None:
+        return  # a child of --jobs: the parent writes the table
     parts = []
     for name in found:
         meta = data.load_split(args.data_dir, f"ucr/{name}", "train")["meta"]
@@ -665,7 +702,7 @@ def experiment_posenc(args):
     paper = {"sinusoidal": ("0.501", "-"), "alibi": ("0.564", "0.500"), "rope": ("tested, no number", "-"),
              "fire": ("tested, no number", "-")}
     runs = []
-    for seed in range(args.seeds):
+    for seed in seeds_here(args):
         folder = run_dir(args, task, seed)
         ckpt = run_pretrain(task, folder, seed, common + ["--snapshots"] * (task == "synthetic"))
         for pos in ("sinusoidal", "alibi", "rope", "fire"):
@@ -674,6 +711,8 @@ def experiment_posenc(args):
                                   () if pos == "sinusoidal" else ("--pos", pos))
             runs.append(summary(seed, result, pos=pos))
         runs.append(summary(seed, run_finetune(task, folder, seed, "spt", ckpt, common), pos="sinusoidal + SPT"))
+    if args.only_seed is not None:
+        return  # a child of --jobs: the parent writes the table
     rows = [f"| positions | {task} val acc | test acc | epoch val acc >= 0.9 (runs) | paper CIFAR10 | "
             "paper PathFinder |", "|---|---|---|---|---|---|"]
     for pos in ("sinusoidal", "alibi", "rope", "fire", "sinusoidal + SPT"):
@@ -741,17 +780,17 @@ def experiment_initscale(args):
     write_outputs("initscale", runs, "\n".join(rows), args, scheme_in_name=False)  # its own schemes: --kinds
 
 
-def run_in_parallel(experiment, args, flag, values):
+def run_in_parallel(experiment, args, flag, values, log_name=None):
     """Run `python ablate.py <experiment>` once per value of `flag` (e.g. --kinds reference), --jobs processes at
     a time with one thread each (two jobs with two threads each on two cores run several times slower), each
-    with the same flags otherwise (args.argv) and its log in out/ablate/<experiment>_<value>.log; raises
-    RuntimeError naming the log of one that fails."""
+    with the same flags otherwise (args.argv) and its log in out/ablate/<log_name or experiment + "_"><value>.log;
+    raises RuntimeError naming the log of one that fails."""
     argv = [a for a in args.argv if a != experiment]
     pending, running = list(values), []
     while pending or running:
         while pending and len(running) < args.jobs:
             value = pending.pop(0)
-            log = os.path.join(args.out_dir, "ablate", f"{experiment}_{value}.log")
+            log = os.path.join(args.out_dir, "ablate", f"{log_name or experiment + '_'}{value}.log")
             os.makedirs(os.path.dirname(log), exist_ok=True)
             print(f"{experiment}: {flag} {value} in a process of its own, log {log}")
             cmd = [sys.executable, os.path.abspath(__file__), experiment] + argv + [flag, str(value), "--jobs", "1"]
@@ -1130,11 +1169,15 @@ def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=fmt)
     sub = p.add_subparsers(dest="experiment", required=True)
 
-    def add(name, help, flags=("seeds", "runs", "scheme", "download"), seeds=5):
+    def add(name, help, flags=("seeds", "jobs", "runs", "scheme", "download"), seeds=5):
         s = sub.add_parser(name, help=help, description=help, formatter_class=fmt)
-        s.set_defaults(length=100, download=False, init_scheme="reference", seeds=1, max_steps=0)
+        s.set_defaults(length=100, download=False, init_scheme="reference", seeds=1, max_steps=0, only_seed=None)
         if "seeds" in flags:
             s.add_argument("--seeds", type=int, default=seeds, help="runs per row, seeds 0..N-1")
+        if "jobs" in flags:
+            s.add_argument("--jobs", type=int, default=1, help="seeds run at once, a process (one thread) each; the "
+                                                               "table is written once all have finished")
+            s.add_argument("--only_seed", type=int, default=None, help=argparse.SUPPRESS)  # a --jobs child
         if "runs" in flags:
             s.add_argument("--preset", default="cpu", choices=("cpu", "paper"), help="every run's preset (paper: GPU)")
             s.add_argument("--data_dir", default="data", help="root of data/<task>/ (made there when missing)")
@@ -1155,7 +1198,7 @@ def build_parser():
                                 "<data_dir>/synthetic_L<length>/, runs and tables of their own)")
         return s
 
-    trains = ("seeds", "runs", "scheme", "download")
+    trains = ("seeds", "jobs", "runs", "scheme", "download")
     add("synthetic", "scratch vs SPT on the minimal model (Sec. 4)", trains + ("length",))
     add("init", "hybrid initialization and freezing (Table 3)", trains + ("task", "length"))
     add("posenc", "ALiBi, RoPE, FIRE from scratch vs SPT (Sec. 4)", trains + ("task", "length"))

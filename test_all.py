@@ -1094,6 +1094,23 @@ def test_ablate_initscale_runs_its_grid_and_writes_table_and_figure(tmp_path):
         ("torch", 0.5, 20)
 
 
+def test_ablate_jobs_runs_each_seed_in_a_process_and_the_parent_writes_the_table(tmp_path, capsys):
+    import ablate
+    root, out = str(tmp_path / "data"), str(tmp_path / "out")
+    data.prepare_synthetic(root, **pretrain.PRESETS["synthetic"]["cpu"]["data"])  # the preset's sizes: children
+    argv = ["--seeds", "2", "--data_dir", root, "--out_dir", out, "--max_steps", "2", "--device", "cpu"]  # check them
+    ablate.main(["synthetic", "--jobs", "2"] + argv)
+    assert capsys.readouterr().out.count("read back") == 6  # every finetuning ran in a child
+    for seed in (0, 1):
+        log = (tmp_path / "out" / "ablate" / f"synthetic_seed{seed}.log").read_text()
+        assert f"seed{seed}/synthetic/finetune_scratch_lr3x.json" in log and f"seed{1 - seed}/" not in log
+        assert "synthetic.json" not in log  # a child writes no table
+    res = json.load(open(os.path.join(out, "ablate", "synthetic.json")))
+    assert sorted({r["seed"] for r in res["runs"]}) == [0, 1] and len(res["runs"]) == 6
+    with pytest.raises(SystemExit):  # experiments without a seed loop take no --jobs
+        ablate.main(["pfcurves", "--jobs", "2"])
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Distributed data parallel (torchrun, gloo on CPU)
 # ----------------------------------------------------------------------------------------------------------
