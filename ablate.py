@@ -1018,6 +1018,7 @@ def gpu_figures(log, warmup_lines=1):
         values = sorted(e[key] for e in lines if e.get(key) is not None)
         return values[len(values) // 2] if values else None
     return dict(ms_per_step=median("ms_per_step"), tokens_per_s=median("tokens_per_s"), mfu=median("mfu"),
+                real_fraction=median("real_fraction"),
                 peak_memory_gib=max((e.get("peak_memory_gib") or 0) for e in lines))
 
 
@@ -1080,12 +1081,14 @@ def gpu_table(out):
     rows = [f"**Paper presets on one GPU**: {out['device_name']}, torch {out['torch']}, {out['date']}; {out['steps']} "
             f"steps per stage on stand-in data of each preset's shapes" + (", torch.compile" if out["compile"] else "")
             + "; figures: medians over the log lines after the first", "",
-            "| task | stage | ms/step | real tokens/s | MFU | peak memory | steps of the full preset | projected hours |",
-            "|---|---|---|---|---|---|---|---|"]
+            "| task | stage | ms/step | real tokens/s | real / padded tokens | MFU | peak memory | steps of the full "
+            "preset | projected hours |", "|---|---|---|---|---|---|---|---|---|"]
     hours = {}
     for r in out["results"]:
         hours[(r["task"], r["stage"])] = r["projected_hours"]
+        real = r.get("real_fraction")
         rows.append(f"| {r['task']} | {r['stage']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | "
+                    + (f"{100 * real:.0f}%" if real is not None else "-") + " | "
                     + (f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-")
                     + f" | {r['peak_memory_gib']:.1f} GiB | {r['full_steps']:,} | {r['projected_hours']:.1f} |")
     lra = [t for t in LRA_TASKS if (t, "pretrain") in hours and (t, "finetune") in hours]
@@ -1094,6 +1097,38 @@ def gpu_table(out):
         rows.append(f"\nTable 2 on this GPU ({', '.join(lra)}: SPT, then finetuning from scratch and from SPT): "
                     f"**{total:.0f} hours** ({total / 24:.1f} days) projected.")
     return "\n".join(rows)
+
+
+def experiment_padding(args):
+    """The padding the training loop computes on: real tokens / padded tokens (data.real_fraction) over one epoch of
+    each --tasks training split found under --data_dir (ucr: every data set there), at the --preset's pretraining
+    batch size, for random batches (no bucketing), the loop's bucketing (data.batch_indices: windows of 50 batches
+    sorted by length) and a full sort by length (evaluation's order: the least padding of any batching into
+    batches of that size). Writes out/bench/padding.{json,md} (README, Performance, via report)."""
+    found = [t for t in args.tasks if t != "ucr"] + (sorted(f"ucr/{n}" for n in os.listdir(os.path.join(
+        args.data_dir, "ucr"))) if "ucr" in args.tasks and os.path.isdir(os.path.join(args.data_dir, "ucr")) else [])
+    results = []
+    for task in (t for t in found if os.path.exists(os.path.join(args.data_dir, t, "train.pt"))):
+        split = data.load_split(args.data_dir, task, "train")
+        lengths, width = split["lengths"], data.split_width(split)
+        batch = pretrain.PRESETS[data.task_family(task)][args.preset]["pretrain"]["batch_size"]
+        shares = {name: data.real_fraction(lengths, data.batch_indices(lengths, batch, **how), width)
+                  for name, how in (("random", dict(shuffle=True, bucket=1)), ("bucketed", dict(shuffle=True)),
+                                    ("sorted", dict(shuffle=False)))}
+        results.append(dict(task=task, n=len(lengths), batch_size=batch, width=width, source=split["meta"].get(
+            "source", ""), mean_length=float(lengths.float().mean()), **shares))
+    rows = [f"**Padding**, `python ablate.py padding --preset {args.preset}`: real tokens / padded tokens over one "
+            f"epoch of each training split under `{args.data_dir}/` (batches padded to the longest sequence rounded "
+            f"up to 64, as `data.get_batch`)", "",
+            "| task | training sequences | mean length / width | batch | random batches | bucketed (the loop's) | "
+            "sorted (the least possible) |", "|---|---|---|---|---|---|---|"]
+    rows += [f"| {r['task']} | {r['n']:,} | {r['mean_length']:.0f} / {r['width']} | {r['batch_size']} | "
+             f"{100 * r['random']:.1f}% | {100 * r['bucketed']:.1f}% | {100 * r['sorted']:.1f}% |" for r in results]
+    stem = os.path.join(args.out_dir, "bench", "padding")
+    data.save_atomic(dict(preset=args.preset, data_dir=args.data_dir, results=results), stem + ".json")
+    data.save_atomic("\n".join(rows) + "\n", stem + ".md")
+    print("\n".join(rows) + f"\n\nwrote {stem}.json and {stem}.md")
+    return results
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1254,6 +1289,12 @@ def build_parser():
     s.add_argument("--n_train", type=int, default=2000, help="training examples of the stand-in data")
     s.add_argument("--compile", action="store_true", help="torch.compile the model (pretrain.py --compile)")
     s.add_argument("--out_dir", default="out", help="runs in <out_dir>/gpu/<task>/, table in <out_dir>/bench/gpu.md")
+    s = sub.add_parser("padding", help="real tokens / padded tokens of the training batches: random, bucketed, "
+                                       "sorted", formatter_class=fmt)
+    s.add_argument("--tasks", nargs="+", default=list(LRA_TASKS) + ["pathx", "ucr"], help="tasks looked for")
+    s.add_argument("--preset", default="paper", choices=("cpu", "paper"), help="whose pretraining batch size")
+    s.add_argument("--data_dir", default="data", help="root of data/<task>/")
+    s.add_argument("--out_dir", default="out", help="writes <out_dir>/bench/padding.{json,md}")
     s = sub.add_parser("report", help="the README's Results (out/ablate/, out/analysis/) and Performance (out/bench/)",
                        formatter_class=fmt)
     s.add_argument("--out_dir", default="out", help="where the experiments wrote")
@@ -1264,7 +1305,7 @@ def build_parser():
 EXPERIMENTS = {"gpu": experiment_gpu, "synthetic": experiment_synthetic, "init": experiment_init, "posenc": experiment_posenc,
                "ucr": experiment_ucr, "swap": experiment_swap, "duration": experiment_duration,
                "main": experiment_main, "initscale": experiment_initscale, "pfcurves": experiment_pfcurves,
-               "bench": bench, "report": report}
+               "bench": bench, "padding": experiment_padding, "report": report}
 
 
 def main(argv=None):

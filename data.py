@@ -305,8 +305,7 @@ def get_batch(split, idx, device, multiple=64):
     """
     lengths = split["lengths"][idx]
     key = next(k for k in INPUT_KEYS if k in split)
-    width = split[key].shape[2 if split[key].dim() == 3 and key == "tokens" else 1]
-    L = min(-(-int(lengths.max()) // multiple) * multiple, width)
+    L = batch_width(lengths, split_width(split), multiple)
     idx = _to_device(idx, split["labels"].device)
     if key == "tokens":
         x = split["tokens"][idx, ..., :L].long()
@@ -318,6 +317,29 @@ def get_batch(split, idx, device, multiple=64):
     if torch.device(device).type == "cuda":
         lengths = lengths.pin_memory()  # the model copies them to the GPU without waiting (model.on)
     return x.to(device), lengths, split["labels"][idx].to(device)
+
+
+def split_width(split):
+    """The stored sequence width of a loaded split (its longest possible sequence), in positions."""
+    key = next(k for k in INPUT_KEYS if k in split)
+    return split[key].shape[2 if split[key].dim() == 3 and key == "tokens" else 1]
+
+
+def batch_width(lengths, width, multiple=64):
+    """L_batch of get_batch: the longest of `lengths` (B,) or (B, 2) rounded up to `multiple`, at most `width`."""
+    return min(-(-int(lengths.max()) // multiple) * multiple, width)
+
+
+def real_fraction(lengths, batches, width, multiple=64):
+    """Real tokens / padded tokens over `batches` (index tensors into `lengths`, as from batch_indices): what
+    share of the positions the model computes on are sequence, not padding (1.0 = no padding). A pair's two
+    documents are padded to the same L_batch."""
+    real = padded = 0
+    for idx in batches:
+        batch = lengths[idx]
+        real += int(batch.sum())
+        padded += batch.numel() * batch_width(batch, width, multiple)
+    return real / padded
 
 
 def _to_device(t, device):

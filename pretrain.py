@@ -531,7 +531,7 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
         print("eval at step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         append_log(run, dict(step=0, epoch=0, **metrics))
         save_checkpoint(run, paths["init"], metrics)  # the initial weights, for the analyses
-    meter = new_meter(args)
+    meter, width = new_meter(args), data.split_width(splits["train"])
     run["t_start"], run["start_step"] = time.time(), state["step"]
     model.train()
     while state["step"] < total:
@@ -542,7 +542,7 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
                 group["lr"] = lr
             loss = optimizer_step(run, loss_fn, batches[i])
             state["step"], state["batch_in_epoch"] = state["step"] + 1, i + 1
-            count_step(meter, loss, splits["train"]["lengths"][batches[i]], model.cfg)
+            count_step(meter, loss, splits["train"]["lengths"][batches[i]], model.cfg, width)
             done = state["step"] >= total
             if state["step"] % args.log_every == 0 or done:
                 log_progress(run, meter, lr)
@@ -588,22 +588,24 @@ def optimizer_step(run, loss_fn, idx):
 
 def new_meter(args):
     """What the next log line reports, summed since the last one: loss (a device tensor), steps, real tokens,
-    training FLOPs, and the wall-clock start."""
-    return dict(t_last=time.time(), loss=torch.zeros((), device=args.device), steps=0, tokens=0, flops=0.0)
+    padded tokens (the positions computed on), training FLOPs, and the wall-clock start."""
+    return dict(t_last=time.time(), loss=torch.zeros((), device=args.device), steps=0, tokens=0, padded=0, flops=0.0)
 
 
-def count_step(meter, loss, batch_lengths, cfg):
-    """Add one step to the meter; batch_lengths (B,) live on the CPU, so this never waits for the device."""
+def count_step(meter, loss, batch_lengths, cfg, width):
+    """Add one step to the meter; batch_lengths (B,) or (B, 2) live on the CPU, so this never waits for the
+    device. width: the split's stored width (data.batch_width gives the batch's padded length from it)."""
     meter["loss"] += loss.detach()
     meter["steps"] += 1
     meter["tokens"] += int(batch_lengths.sum())
+    meter["padded"] += batch_lengths.numel() * data.batch_width(batch_lengths, width)
     L_batch = int(batch_lengths.max())
     meter["flops"] += flops_per_token(cfg, L_batch) * batch_lengths.numel() * L_batch  # x2 for pairs
 
 
 def log_progress(run, meter, lr):
-    """Print and log the mean loss, ms/step, real tokens/s, MFU (GPUs in model.PEAK_BF16_FLOPS) and peak memory
-    since the last log line, with an ETA; raises FloatingPointError on a non-finite mean loss. The .item() here
+    """Print and log the mean loss, ms/step, real tokens/s, the real share of the padded tokens, MFU (GPUs in
+    model.PEAK_BF16_FLOPS) and peak memory since the last log line, with an ETA; raises FloatingPointError on a non-finite mean loss. The .item() here
     is the loop's one regular host synchronisation."""
     args, state = run["args"], run["state"]
     mean_loss = meter["loss"].item() / meter["steps"]
@@ -615,10 +617,12 @@ def log_progress(run, meter, lr):
     mem = torch.cuda.max_memory_allocated(args.device) / 2 ** 30 if args.device.type == "cuda" else None
     print(f"step {state['step']:6d}/{run['total']} | epoch {state['epoch']} | loss {mean_loss:.4f} | "
           f"lr {lr:.2e} | {1000 * dt / meter['steps']:.0f} ms/step | {meter['tokens'] / dt:,.0f} tok/s | "
+          f"{100 * meter['tokens'] / meter['padded']:.0f}% real | "
           + (f"MFU {100 * mfu:.1f}% | " if mfu is not None else "")
           + (f"peak {mem:.1f} GiB | " if mem is not None else "") + f"ETA {eta / 60:.1f} min")
     append_log(run, dict(step=state["step"], epoch=state["epoch"], loss=mean_loss, lr=lr,
-                         ms_per_step=1000 * dt / meter["steps"], tokens_per_s=meter["tokens"] / dt, mfu=mfu,
+                         ms_per_step=1000 * dt / meter["steps"], tokens_per_s=meter["tokens"] / dt,
+                         real_fraction=meter["tokens"] / meter["padded"], mfu=mfu,
                          peak_memory_gib=mem))
     meter.update(new_meter(args))
 

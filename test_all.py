@@ -373,6 +373,38 @@ def test_the_training_step_of_spt_never_waits_for_the_device(synthetic_run, list
             model.reconstruct(x.to("meta"), None, torch.ones(2, 4, dtype=torch.bool, device="meta"))
 
 
+def test_a_whole_optimizer_step_of_either_stage_never_waits_for_the_device(listops_dir, monkeypatch):
+    """pretrain.optimizer_step (loss, backward, gradient clipping, AdamW) and count_step on the meta device, for the
+    finetuning loss (classification through mean pooling of a padded batch) and the SPT loss: only the log lines
+    (log_progress) and evaluations read a value on the host."""
+    class NoGenerator:
+        def manual_seed(self, seed):
+            return self
+
+    monkeypatch.setattr(pretrain, "mask_generator", lambda args, seed: NoGenerator())
+    real_rand = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *shape, generator=None, device=None: real_rand(*shape).to(device))
+    split = data.load_split(listops_dir, "listops", "train")
+    model = Transformer(tiny_cfg(vocab_size=split["meta"]["vocab_size"], n_classes=10,
+                                 n_rec=split["meta"]["vocab_size"], max_len=128)).to("meta")
+    args = argparse.Namespace(device=torch.device("meta"), dtype=torch.float32, seed=0, mask_ratio=0.3, rec_loss="ce",
+                              rank=0, world_size=1, skip_nonfinite=False, grad_clip=1.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # fused=True on CUDA: its step counter stays there too
+    run = dict(args=args, opt=opt, state=dict(step=0), model=model)
+
+    def classification_loss(idx, step):  # finetune.py's loss_fn
+        x, lengths, labels = data.get_batch(split, idx, "meta")
+        return F.cross_entropy(model(x, lengths).float(), labels, reduction="sum"), torch.ones_like(labels).sum()
+    meter = pretrain.new_meter(args)
+    idx = next(b for b in data.batch_indices(split["lengths"], 8, shuffle=True) if len(set(split["lengths"][b].tolist())) > 1)
+    for loss_fn in (classification_loss, pretrain.spt_loss_fn(model, split, args)):
+        loss = pretrain.optimizer_step(run, loss_fn, idx)
+        pretrain.count_step(meter, loss, split["lengths"][idx], model.cfg, data.split_width(split))
+        assert loss.device.type == "meta" and meter["loss"].device.type == "meta"
+        assert opt.state and all(st["step"].device.type == "cpu" for st in opt.state.values())
+    assert meter["steps"] == 2 and 0 < meter["tokens"] < meter["padded"]
+
+
 def test_lr_schedule_is_linear_warmup_then_constant():
     assert pretrain.get_lr(0, 1.0, 10) == pytest.approx(0.1)
     assert pretrain.get_lr(9, 1.0, 10) == pytest.approx(1.0)
@@ -741,12 +773,13 @@ def test_gpu_command_refuses_without_cuda_and_writes_its_table_from_fixture_numb
     with pytest.raises(SystemExit, match="CUDA GPU, and torch.cuda.is_available\\(\\) is False"):
         ablate.main(["gpu", "--out_dir", str(tmp_path)])
     assert not (tmp_path / "bench").exists()
-    log = [dict(step=0, val_loss=3.0), dict(step=50, ms_per_step=900.0, tokens_per_s=1.0, mfu=0.01, peak_memory_gib=9),
-           dict(step=100, ms_per_step=30.0, tokens_per_s=2e6, mfu=0.30, peak_memory_gib=8.5),
-           dict(step=150, ms_per_step=32.0, tokens_per_s=1.9e6, mfu=0.28, peak_memory_gib=8.6),
-           dict(step=200, ms_per_step=31.0, tokens_per_s=2.1e6, mfu=0.29, peak_memory_gib=8.6)]
+    log = [dict(step=0, val_loss=3.0), dict(step=50, ms_per_step=900.0, tokens_per_s=1.0, mfu=0.01, peak_memory_gib=9,
+                                            real_fraction=0.5),
+           dict(step=100, ms_per_step=30.0, tokens_per_s=2e6, mfu=0.30, peak_memory_gib=8.5, real_fraction=0.91),
+           dict(step=150, ms_per_step=32.0, tokens_per_s=1.9e6, mfu=0.28, peak_memory_gib=8.6, real_fraction=0.93),
+           dict(step=200, ms_per_step=31.0, tokens_per_s=2.1e6, mfu=0.29, peak_memory_gib=8.6, real_fraction=0.92)]
     figures = ablate.gpu_figures(log)  # the first log line (kernel selection) is left out
-    assert figures == dict(ms_per_step=31.0, tokens_per_s=2e6, mfu=0.29, peak_memory_gib=8.6)
+    assert figures == dict(ms_per_step=31.0, tokens_per_s=2e6, mfu=0.29, peak_memory_gib=8.6, real_fraction=0.92)
     with pytest.raises(ValueError, match="no log lines"):
         ablate.gpu_figures(log[:2])
     steps, hours = ablate.gpu_projection("listops", "pretrain", 31.0)
@@ -761,7 +794,38 @@ def test_gpu_command_refuses_without_cuda_and_writes_its_table_from_fixture_numb
                                   date="2026-12-01", results=results))
     total = sum(r["projected_hours"] * (1 if r["stage"] == "pretrain" else 2) for r in results)
     assert "NVIDIA H200, torch 2.13.0, 2026-12-01" in table and f"**{total:.0f} hours**" in table
-    assert f"| text | finetune | 20.0 | 2,000,000 | 29.0% | 8.6 GiB | {-(-25000 // 32) * 65:,} |" in table
+    assert f"| text | finetune | 20.0 | 2,000,000 | 92% | 29.0% | 8.6 GiB | {-(-25000 // 32) * 65:,} |" in table
+
+
+def test_the_logged_real_share_of_padded_tokens_is_counted_from_the_batches_the_model_saw(listops_dir, tmp_path,
+                                                                                          monkeypatch):
+    widths, original = [], data.get_batch
+    monkeypatch.setattr(data, "get_batch", lambda split, idx, device, multiple=64: widths.append(
+        (len(split["labels"]), split["lengths"][idx].tolist(), original(split, idx, device, multiple)[0].shape[1]))
+        or original(split, idx, device, multiple))
+    pretrain.main(["--task", "listops", "--data_dir", listops_dir, "--out_dir", str(tmp_path), "--max_steps", "4",
+                   "--eval_every", "1000", "--no-eval_each_epoch", "--log_every", "4"] + TINY[:-4])
+    train = [(lengths, width) for n, lengths, width in widths if n == 96]  # the training split's 4 batches
+    assert len(train) == 4
+    want = sum(sum(lengths) for lengths, _ in train) / sum(len(lengths) * width for lengths, width in train)
+    log = [json.loads(x) for x in open(tmp_path / "listops" / "pretrain_log.jsonl")]
+    assert [e["real_fraction"] for e in log if "real_fraction" in e] == [pytest.approx(want)] and want < 1
+    split = data.load_split(listops_dir, "listops", "train")
+    batches = data.batch_indices(split["lengths"], 8, shuffle=True)
+    assert data.real_fraction(split["lengths"], batches, 128) == pytest.approx(
+        split["lengths"].sum().item() / sum(8 * min(128, -(-int(split["lengths"][b].max()) // 64) * 64) for b in batches))
+
+
+def test_padding_table_against_a_sort_by_hand(listops_dir, tmp_path):
+    import ablate
+    ablate.main(["padding", "--data_dir", listops_dir, "--out_dir", str(tmp_path)])
+    (r,) = json.load(open(tmp_path / "bench" / "padding.json"))["results"]  # listops only: no other data there
+    lengths = sorted(data.load_split(listops_dir, "listops", "train")["lengths"].tolist())
+    batches = [lengths[i:i + 32] for i in range(0, len(lengths), 32)]
+    assert r["sorted"] == pytest.approx(sum(lengths) / sum(len(b) * min(128, -(-max(b) // 64) * 64) for b in batches))
+    assert r["random"] <= r["bucketed"] <= r["sorted"] <= 1 and r["batch_size"] == 32
+    assert f"| listops | 96 | {r['mean_length']:.0f} / 128 | 32 | {100 * r['random']:.1f}% |" in \
+        open(tmp_path / "bench" / "padding.md").read()
 
 
 def test_gpu_stand_in_data_has_the_paper_presets_shapes(tmp_path):
