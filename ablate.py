@@ -809,7 +809,7 @@ BENCH_SIZES = {"cpu": (1024, 128, 4, 4, 256, 8),  # name: (L, d_model, n_layers,
                "listops-paper": (2048, 512, 6, 8, 2048, 32), "text-paper": (4096, 512, 6, 8, 2048, 32)}
 BENCH_VARIANTS = {"fused": "ours, fused attention", "explicit": "ours, explicit attention",
                   "reference": "torch.nn.TransformerEncoder", "data": "ours, fused + data path",
-                  "compile": "ours, fused + torch.compile"}
+                  "indexed": "ours, data path, masked positions selected", "compile": "ours, fused + torch.compile"}
 
 
 class ReferenceEncoder(torch.nn.Module):
@@ -857,13 +857,18 @@ def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
     fixed = batch(0)
 
     def step(i):
-        x, lengths, inputs, masked = batch(i) if variant == "data" else fixed
+        x, lengths, inputs, masked = batch(i) if variant in ("data", "indexed") else fixed
         with model_lib.autocast(device, dtype):  # the training step's form (pretrain.spt_loss_fn)
             if variant == "explicit":  # the step as it would run if it asked for the attention weights
                 out = model.rec_head(model.encode(inputs, lengths, need_weights=True)[0])
+            elif variant == "indexed":  # the step before 0588b7d: the head on the M masked positions only, which
+                out = reconstruct(inputs, lengths, masked)  # makes the host wait for M (boolean indexing) each step
             else:
                 out = reconstruct(inputs, lengths, True)
-        pretrain.reconstruction_loss(out, x, "ce", masked).backward()
+        if variant == "indexed":
+            pretrain.reconstruction_loss(out, x[masked], "ce").backward()
+        else:
+            pretrain.reconstruction_loss(out, x, "ce", masked).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -939,6 +944,10 @@ def bench(args):
     if ms.get("fused") and ms.get("data"):
         out["data_path_overhead"] = ms["data"] / ms["fused"] - 1
         print(f"  data path overhead (batching + masking per step): {100 * out['data_path_overhead']:+.1f}%")
+    if ms.get("data") and ms.get("indexed"):  # the per-step host wait that 0588b7d removed, on this machine
+        out["speedup_all_positions_vs_selected"] = ms["indexed"] / ms["data"]
+        print(f"  head on every position / on the selected masked positions: "
+              f"{out['speedup_all_positions_vs_selected']:.2f}x faster")
     out["results"] = res
     stem = os.path.join(args.out_dir, "bench", args.name or f"{args.size.replace(',', 'x')}_L{size[0]}_{device.type}")
     data.save_atomic(out, stem + ".json")
@@ -966,6 +975,9 @@ def bench_table(out):
     if "data_path_overhead" in out:
         rows.append(f"Data path (batch gathering, padding trim, masking) against a pre-built batch: "
                     f"**{100 * out['data_path_overhead']:+.1f}%**.")
+    if "speedup_all_positions_vs_selected" in out:
+        rows.append(f"The reconstruction head on every position (no host wait) against the masked positions selected "
+                    f"by boolean indexing (the step before 0588b7d): **{out['speedup_all_positions_vs_selected']:.2f}x**.")
     return "\n".join(rows)
 
 
