@@ -282,18 +282,34 @@ def qk_product(model, layer=0, head=0):
     return attn.q_proj.weight[rows].T @ attn.k_proj.weight[rows]
 
 
-def attention_stats(probs, band=3):
+def attention_stats(probs, band=3, side=None):
     """Proximity statistics of attention probabilities (..., L, L), averaged over rows and leading dims.
 
-    entropy (nats; log L for uniform attention), band_mass = attention within |i - j| <= band,
-    mean_distance = sum_j A_ij |i - j| (L/3 roughly for uniform attention, 0 for attending to oneself).
+    entropy (nats; log L for uniform attention), band_mass = attention within |i - j| <= band (uniform_band_mass:
+    its value for uniform attention), mean_distance = sum_j A_ij |i - j| (L/3 roughly for uniform attention, 0 for
+    attending to oneself). With `side` (an image of side x side pixels flattened row by row, L = side^2), the same
+    in the image's two dimensions: band_mass_2d = attention within the (2 band + 1)^2 pixels around the query
+    (Chebyshev distance <= band; the 1-D band misses the pixels above and below, `side` positions away), and
+    mean_distance_2d, the mean Euclidean distance in pixels.
     """
     L = probs.shape[-1]
-    dist = (torch.arange(L)[:, None] - torch.arange(L)[None, :]).abs().to(probs.dtype)
+    pos = torch.arange(L)
+    dist = (pos[:, None] - pos[None, :]).abs().to(probs.dtype)
     entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
-    return dict(entropy=entropy.mean().item(), uniform_entropy=math.log(L),
-                band_mass=(probs * (dist <= band)).sum(-1).mean().item(), band=band,
-                mean_distance=(probs * dist).sum(-1).mean().item())
+    stats = dict(entropy=entropy.mean().item(), uniform_entropy=math.log(L),
+                 band_mass=(probs * (dist <= band)).sum(-1).mean().item(), band=band,
+                 uniform_band_mass=(dist <= band).to(probs.dtype).mean().item(),
+                 mean_distance=(probs * dist).sum(-1).mean().item())
+    if side is not None:
+        if side * side != L:
+            raise ValueError(f"side {side}: an image of side x side pixels has {side * side} positions, not {L}")
+        dr = (pos[:, None] // side - pos[None, :] // side).abs().to(probs.dtype)
+        dc = (pos[:, None] % side - pos[None, :] % side).abs().to(probs.dtype)
+        near = torch.maximum(dr, dc) <= band
+        stats.update(band_mass_2d=(probs * near).sum(-1).mean().item(),
+                     uniform_band_mass_2d=near.to(probs.dtype).mean().item(),
+                     mean_distance_2d=(probs * torch.hypot(dr, dc)).sum(-1).mean().item())
+    return stats
 
 
 def relative_displacement(init_sd, sd):
@@ -326,8 +342,10 @@ def analyze_checkpoints(paths, data_dir, n=64, band=3):
         x, lengths = single_sequences(x, lengths)  # Retrieval: each document of a pair on its own
         attn = attention_maps(model, x, None if bool((lengths == x.shape[1]).all()) else lengths)
         _, probe = pe_probe(model, x.shape[1])
-        stats = attention_stats(attn[0], band)
-        stats["probe"] = attention_stats(probe, band)
+        side = math.isqrt(x.shape[1])  # pixel tasks: square images flattened row by row
+        side = side if (ck.get("data_meta") or {}).get("kind") == "pixels" and side * side == x.shape[1] else None
+        stats = attention_stats(attn[0], band, side)
+        stats["probe"] = attention_stats(probe, band, side)
         stats["probe_corr_with_attention"] = correlation(probe, attn[0])
         stats["stage"], stats["path"] = ck.get("stage"), path
         if init_sd is None:
@@ -373,7 +391,9 @@ def cmd_attention(args):
     for label, r in results.items():
         disp = r.get("displacement_from_first", {})
         print(f"{label:24s} entropy {r['entropy']:.2f} (uniform {r['uniform_entropy']:.2f}) | band mass "
-              f"(|i-j|<={r['band']}) {r['band_mass']:.2f} | mean distance {r['mean_distance']:.1f} | PE probe: "
+              f"(|i-j|<={r['band']}) {r['band_mass']:.2f} | mean distance {r['mean_distance']:.1f} | "
+              + (f"2-D band mass {r['band_mass_2d']:.2f} (uniform {r['uniform_band_mass_2d']:.2f}), mean distance "
+                 f"{r['mean_distance_2d']:.1f} px | " if "band_mass_2d" in r else "") + f"PE probe: "
               f"entropy {r['probe']['entropy']:.2f}, corr with attention {r['probe_corr_with_attention']:.3f}"
               + ("" if not disp else " | displacement W_Q {W_Q:.2f} W_K {W_K:.2f} W_Q^T W_K {qk:.2f}".format(
                   W_Q=disp.get("W_Q", float("nan")), W_K=disp.get("W_K", float("nan")), qk=disp["W_Q^T W_K"])))
