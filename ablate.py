@@ -80,7 +80,7 @@ def task_data_dir(args, task):
     if task != "fashion_mnist" or args.preset != "cpu":
         return args.data_dir
     folder = os.path.join(args.data_dir, f"fashion_mnist_r{FASHION_CPU['resolution']}_n{FASHION_CPU['n_train']}")
-    if not os.path.exists(os.path.join(folder, "fashion_mnist", "train.pt")):
+    if not os.path.exists(data.split_path(folder, "fashion_mnist")):
         data.prepare_fashion_mnist(folder, resolution=FASHION_CPU["resolution"], n_train=FASHION_CPU["n_train"],
                                    n_val=FASHION_CPU["n_val"], download=args.download)
     return folder
@@ -154,7 +154,7 @@ def check_read_back(path, result, task, init, argv):
     be read back as this one's."""
     given = given_flags(argv)
     data_dir, config = given.get("data_dir", "data"), result.get("config") or {}
-    here = {s: data.sha256_of(os.path.join(data_dir, task, f"{s}.pt")) for s in data.SPLITS}
+    here = {s: data.sha256_of(data.split_path(data_dir, task, s)) for s in data.SPLITS}
     problems = [f"{s}.pt sha256 {result['data_sha256'][s][:12]}... (here: {here[s][:12]}... in {data_dir})"
                 for s in data.SPLITS if (result.get("data_sha256") or {}).get(s, here[s]) != here[s]]
     if (init == "scratch") != (result.get("init") == "scratch"):
@@ -454,7 +454,7 @@ def experiment_duration(args):
 def image_task(args):
     """The Image side of `swap`: CIFAR10 when its data is here (prepared, or the python files in
     <data_dir>/image/), else the Fashion-MNIST stand-in when installed; FileNotFoundError saying how otherwise."""
-    if os.path.exists(os.path.join(args.data_dir, "image", "train.pt")) or \
+    if os.path.exists(data.split_path(args.data_dir, "image")) or \
             os.path.exists(os.path.join(args.data_dir, "image", "cifar-10-batches-py", "test_batch")) or args.download:
         return "image"
     try:
@@ -472,7 +472,7 @@ def pathfinder_data(args, difficulty, n_images):
     if n_images is None:
         return args.data_dir
     folder = os.path.join(args.data_dir, "pfcurves", f"{difficulty}_n{n_images}")
-    if not os.path.exists(os.path.join(folder, "pathfinder", "train.pt")):
+    if not os.path.exists(data.split_path(folder, "pathfinder")):
         data.prepare_pathfinder(folder, difficulty=difficulty, generate=n_images)
     return folder
 
@@ -587,7 +587,7 @@ def experiment_main(args):
     runs, skipped, done = [], [], []
     for task in args.tasks:  # the data first (before any --jobs child could make the same files)
         preset = pretrain.PRESETS[task][args.preset]
-        if not os.path.exists(os.path.join(args.data_dir, task, "train.pt")):
+        if not os.path.exists(data.split_path(args.data_dir, task)):
             try:
                 data.prepare(task, args.data_dir, **preset["data"],
                              **({} if task == "listops" else dict(download=args.download)))
@@ -637,7 +637,7 @@ def experiment_ucr(args):
         task = f"ucr/{name}"
         if task not in data.TASKS:
             raise ValueError(f"--datasets: {name!r} is not a UCR data set name (letters, digits, '_' and '-')")
-        if os.path.exists(os.path.join(args.data_dir, task, "train.pt")) or data.find_ucr(name, args.data_dir):
+        if os.path.exists(data.split_path(args.data_dir, task)) or data.find_ucr(name, args.data_dir):
             found.append(name)
         elif not args.download:
             skipped.append((name, "not found locally, no download attempted (pass --download)"))
@@ -656,7 +656,7 @@ def experiment_ucr(args):
                                                                                         args.datasets[0])))
     print(f"UCR data sets to run: {found}")
     for name in found:  # made here, before any --jobs child could make the same files
-        if not os.path.exists(os.path.join(args.data_dir, f"ucr/{name}", "train.pt")):
+        if not os.path.exists(data.split_path(args.data_dir, f"ucr/{name}")):
             data.prepare(f"ucr/{name}", args.data_dir, **pretrain.PRESETS["ucr"][args.preset]["data"])
     runs, seeds = [], seeds_here(args)
     for name in found:
@@ -742,7 +742,7 @@ def experiment_initscale(args):
     data_dirs = {}
     for length in args.lengths:  # its own data per length and size (not the synthetic preset's: --accept_data)
         data_dirs[length] = os.path.join(args.data_dir, "initscale", f"L{length}_n{args.n_train}_{args.n_val}")
-        if not os.path.exists(os.path.join(data_dirs[length], "synthetic", "train.pt")):
+        if not os.path.exists(data.split_path(data_dirs[length], "synthetic")):
             data.prepare_synthetic(data_dirs[length], n_train=args.n_train, n_val=args.n_val, n_test=args.n_val,
                                    length=length)
     if args.jobs > 1 and len(args.kinds) > 1:  # one process per kind; the loop below then reads the runs back
@@ -1040,7 +1040,7 @@ def gpu_run(task, stage, args):
     args.log_every steps; returns gpu_figures of its log. Runs on whatever device pick_device chooses (CUDA in
     experiment_gpu; the tests run it on the CPU with tiny presets)."""
     folder = os.path.join(args.out_dir, "gpu", task)
-    if not os.path.exists(os.path.join(folder, task, "train.pt")):
+    if not os.path.exists(data.split_path(folder, task)):
         gpu_data(task, folder, args.n_train)
     flags = ["--task", task, "--data_dir", folder, "--out_dir", folder, "--preset", "paper", "--accept_data",
              "--max_steps", str(args.steps), "--eval_every", str(10 ** 9), "--no-eval_each_epoch",
@@ -1120,7 +1120,7 @@ def experiment_padding(args):
     found = [t for t in args.tasks if t != "ucr"] + (sorted(f"ucr/{n}" for n in os.listdir(os.path.join(
         args.data_dir, "ucr"))) if "ucr" in args.tasks and os.path.isdir(os.path.join(args.data_dir, "ucr")) else [])
     results = []
-    for task in (t for t in found if os.path.exists(os.path.join(args.data_dir, t, "train.pt"))):
+    for task in (t for t in found if os.path.exists(data.split_path(args.data_dir, t))):
         split = data.load_split(args.data_dir, task, "train")
         lengths, width = split["lengths"], data.split_width(split)
         batch = pretrain.PRESETS[data.task_family(task)][args.preset]["pretrain"]["batch_size"]
@@ -1329,7 +1329,7 @@ def main(argv=None):
         if getattr(args, "task", "synthetic") != "synthetic":
             p.error("--length applies to the synthetic task (experiments synthetic, init, posenc, duration)")
         args.data_dir = os.path.join(args.data_dir, f"synthetic_L{args.length}")
-        if not os.path.exists(os.path.join(args.data_dir, "synthetic", "train.pt")):
+        if not os.path.exists(data.split_path(args.data_dir, "synthetic")):
             data.prepare_synthetic(args.data_dir, length=args.length, **pretrain.PRESETS["synthetic"][args.preset]["data"])
     EXPERIMENTS[args.experiment](args)
 

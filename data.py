@@ -23,7 +23,7 @@ Commands (pretrain.py and finetune.py run these themselves when data/<task>/ is 
     python data.py --task pathx                        # PathFinder 128x128 from data/pathx/pathfinder128/ (LRA release)
 
 Sections: 0. what every stage reads, the contract (special ids, the atomic write and checkpoint loading, a run's
-file names, task names, loading, checking and batching splits); then one per source: 1. file helpers and
+file names, task names, where a split lives, loading, checking and batching splits); then one per source: 1. file helpers and
 downloads  2. ListOps  3. synthetic trajectories  4. UCR time series  5. Text and Retrieval  6. Image and
 Fashion-MNIST  7. PathFinder and PathX; 8. any task by name (prepare: a flag that does not apply to the task is
 an error) and the data settings the stages check against the prepared data  9. command line
@@ -222,11 +222,17 @@ def check_split(d, path):
                          + (f"0..{n_classes - 1} (meta n_classes {n_classes})" if n_classes is not None else ">= 0"))
 
 
+def split_path(data_dir, task, split="train"):
+    """data/<task>/<split>.pt: where a prepared split lives (the data side of the .pt hand-off; run_paths is the
+    run side). `task` may be "ucr/<Name>"; nothing is created."""
+    return os.path.join(data_dir, task, f"{split}.pt")
+
+
 def load_split(data_dir, task, split):
     """Load data/<task>/<split>.pt -> dict(tokens | values | pixels, lengths, labels, meta). Raises FileNotFoundError naming
     the expected path and the command that makes it, or ValueError if the file is not this task's data or its
     tensors disagree (`check_split`: shapes, lengths in 1..L, labels in 0..n_classes-1)."""
-    path = os.path.join(data_dir, task, f"{split}.pt")
+    path = split_path(data_dir, task, split)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: run `python data.py --task {task} --data_dir {data_dir}`")
     d = load_pt(path)
@@ -248,7 +254,7 @@ def load_splits(data_dir, task, device="cpu"):
     every split file per run and rank: seconds, ~3 GB at the PathX paper size)."""
     splits = {s: load_split(data_dir, task, s) for s in SPLITS}
     for s, split in splits.items():
-        split["meta"] = dict(split["meta"], file_sha256=sha256_of(os.path.join(data_dir, task, f"{s}.pt")))
+        split["meta"] = dict(split["meta"], file_sha256=sha256_of(split_path(data_dir, task, s)))
     for split in splits.values():
         for key in INPUT_KEYS + ("labels",):
             if key in split:

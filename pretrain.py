@@ -435,7 +435,7 @@ def prepare_data(args, preset):
     the data as the run expects, unless --accept_data).
     """
     settings = data.expected_settings(args.task, preset["data"], {k: getattr(args, k) for k in data.STAGE_DATA_FLAGS})
-    if args.rank == 0 and not os.path.exists(os.path.join(args.data_dir, args.task, "train.pt")):
+    if args.rank == 0 and not os.path.exists(data.split_path(args.data_dir, args.task)):
         print(f"{args.data_dir}/{args.task}/train.pt not found: preparing it (preset {args.preset})")
         data.prepare(args.task, args.data_dir, **settings,
                      **(dict(download=args.download) if data.task_family(args.task) in data.DOWNLOADED else {}))
