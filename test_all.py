@@ -405,6 +405,21 @@ def test_a_whole_optimizer_step_of_either_stage_never_waits_for_the_device(listo
     assert meter["steps"] == 2 and 0 < meter["tokens"] < meter["padded"]
 
 
+def test_torch_compile_captures_the_whole_layer_stack_in_one_graph():
+    """What --compile gets (torch._dynamo.explain, no compiler needed): the breaks come only from the has-padding
+    check and the copy of the CPU lengths (encode, before the first layer; pool), so every layer's attention and the
+    head are in one graph."""
+    model = Transformer(tiny_cfg(vocab_size=20, n_layers=3, n_classes=3, n_rec=20, max_len=64))
+    x, lengths = torch.randint(2, 20, (4, 64)), torch.tensor([64, 50, 40, 64])
+    for fn, inputs in ((model.reconstruct, (x, lengths, True)), (model.classify, (x, lengths))):
+        explained = torch._dynamo.explain(fn)(*inputs)
+        sdpa = [sum("scaled_dot_product_attention" in str(n.target) for n in g.graph.nodes) for g in explained.graphs]
+        assert max(sdpa) == 3 == sum(sdpa), sdpa  # all three layers' attention in a single graph
+        assert {frame.name for b in explained.break_reasons for frame in b.user_stack[-1:]} <= {"encode", "on"}
+        assert explained.graph_break_count <= 4
+    torch._dynamo.reset()
+
+
 def test_lr_schedule_is_linear_warmup_then_constant():
     assert pretrain.get_lr(0, 1.0, 10) == pytest.approx(0.1)
     assert pretrain.get_lr(9, 1.0, 10) == pytest.approx(1.0)
