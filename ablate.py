@@ -128,47 +128,61 @@ def run_finetune(task, folder, seed, name, init, common, extra=()):
         return json.load(f)
 
 
-# Not compared flag by flag: the data (its sha256 is) and where a run ran.
-READ_BACK_SKIP = ("data_dir", "out_dir", "device", "download", "accept_data") + tuple(data.STAGE_DATA_FLAGS)
+# Not compared flag by flag: the data (its sha256 is), the SPT checkpoint (its data and step are), where and how a
+# run ran, and what it only printed or saved besides.
+READ_BACK_SKIP = ("data_dir", "out_dir", "device", "dtype", "download", "accept_data", "allow_other_data", "resume",
+                  "init", "name", "log_every", "snapshots", "compile") + tuple(data.STAGE_DATA_FLAGS)
 
 
-def given_flags(argv):
-    """{flag: value} of an argv of `--flag value`, `--switch` (True) and `--no-switch` (False); the last one wins,
-    as in argparse."""
-    flags = {}
-    for i, token in enumerate(argv):
-        if token.startswith("--"):
-            value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else True
-            key = token[2:]
-            if value is True and key.startswith("no-"):
-                key, value = key[3:], False
-            flags[key] = value
-    return flags
+def requested_run(stage, task, argv):
+    """The settings a pretrain.py / finetune.py command line `argv` (without --task) would run with, resolved from
+    the preset like the stage's own resolve (pretrain.fill_from_preset), without running anything: an
+    argparse.Namespace."""
+    parser = pretrain.pretrain_parser() if stage == "pretrain" else finetune.finetune_parser()
+    args = parser.parse_args(["--task", task] + list(argv))
+    if args.preset == "auto":  # as resolve does
+        args.preset = "paper" if model_lib.pick_device(args.device).type == "cuda" else "cpu"
+    pretrain.fill_from_preset(args, stage)
+    return args
+
+
+_SHA256 = {}  # (path, size, mtime) -> sha256: a --jobs parent reads back every run of every seed
+
+
+def split_sha256(data_dir, task):
+    """{split: sha256 of data/<task>/<split>.pt}, each file hashed once per version."""
+    out = {}
+    for s in data.SPLITS:
+        path = data.split_path(data_dir, task, s)
+        key = (os.path.abspath(path), os.path.getsize(path), os.path.getmtime(path))
+        out[s] = _SHA256[key] if key in _SHA256 else _SHA256.setdefault(key, data.sha256_of(path))
+    return out
 
 
 def check_read_back(path, result, task, init, argv):
-    """Raise ValueError unless the finished run `path` (its result dict) is the run an experiment asks for: the
-    same data (the sha256 of each split file under argv's --data_dir), the same initialization (scratch, or an SPT
-    checkpoint of the same data) and the same value of every other flag in argv. Experiments share run folders
-    (out/ablate/<scheme>/<task>/<model>/seed<s>); without this, one made with other data or another budget would
-    be read back as this one's."""
-    given = given_flags(argv)
-    data_dir, config = given.get("data_dir", "data"), result.get("config") or {}
-    here = {s: data.sha256_of(data.split_path(data_dir, task, s)) for s in data.SPLITS}
-    problems = [f"{s}.pt sha256 {result['data_sha256'][s][:12]}... (here: {here[s][:12]}... in {data_dir})"
+    """Raise ValueError unless the finished finetuning `path` (its result dict) is the run an experiment asks for
+    with `init` and the finetune.py flags `argv`: the same data (the sha256 of each split file), the same
+    initialization (scratch, or the same SPT checkpoint: its data and the step of its weights) and the same
+    resolved value of every setting outside READ_BACK_SKIP (requested_run: a flag left out means the preset's
+    value, which must then match too). Experiments share run folders (out/ablate/<scheme>/<task>/<model>/seed<s>);
+    without this a run made with other data or another budget would be read back as this one's."""
+    asked, config = requested_run("finetune", task, ["--init", init] + list(argv)), result.get("config") or {}
+    here = split_sha256(asked.data_dir, task)
+    problems = [f"{s}.pt sha256 {result['data_sha256'][s][:12]}... (here: {here[s][:12]}... in {asked.data_dir})"
                 for s in data.SPLITS if (result.get("data_sha256") or {}).get(s, here[s]) != here[s]]
     if (init == "scratch") != (result.get("init") == "scratch"):
         problems.append(f"--init {result.get('init')} (asked: {init})")
-    elif init != "scratch" and result.get("spt_data_sha256") is not None:
-        spt = torch.load(init, map_location="cpu", weights_only=True, mmap=True).get("data_sha256")
-        if spt is not None and spt != result["spt_data_sha256"]:
+    elif init != "scratch":
+        ck = torch.load(init, map_location="cpu", weights_only=True, mmap=True)
+        if None not in (ck.get("data_sha256"), result.get("spt_data_sha256")) and \
+                ck["data_sha256"] != result["spt_data_sha256"]:
             problems.append(f"SPT on other data than {init}'s")
-    for key, value in given.items():
-        if key in config and key not in READ_BACK_SKIP:
-            saved = config[key]
-            wanted = value if isinstance(value, bool) or saved is None else type(saved)(value)
-            if wanted != saved:
-                problems.append(f"--{key} {saved} (asked: {value})")
+        step = (ck.get("state") or {}).get("step")
+        if result.get("spt_step") is not None and step != result["spt_step"]:
+            problems.append(f"the SPT weights of step {result['spt_step']} (asked: {init}, step {step})")
+    for key, value in vars(asked).items():
+        if key in config and key not in READ_BACK_SKIP and config[key] != value:
+            problems.append(f"--{key} {config[key]} (asked: {value})")
     if problems:
         raise ValueError(f"{path} is a finished run made with " + "; ".join(problems) + ": another experiment with "
                          "other settings wrote this folder. Move it away (or pass another --out_dir) to run this one")
@@ -221,13 +235,20 @@ def summary(seed, result, threshold=0.9, **fields):
                 train_acc=result["train_acc"], plateau_exit_epoch=plateau_exit_epoch(result, threshold), **fields)
 
 
-def seeds_here(args):
+def seeds_here(args, *runs):
     """The seeds this process runs. With --jobs N > 1, first every seed in a process of its own, N at a time with
     one thread each (run_in_parallel, `--only_seed S`), so that the experiment's loop over range(args.seeds)
-    that follows reads their finished runs back and writes the table; in such a child (--only_seed S), [S]."""
+    that follows reads their finished runs back and writes the table; in such a child (--only_seed S), [S].
+    runs: (task, flags) of the experiment's runs; their data is made here first (pretrain.make_data), so that no
+    two children prepare the same files at once."""
     if args.only_seed is not None:
         return [args.only_seed]
     if args.jobs > 1 and args.seeds > 1:
+        for task, flags in runs:
+            asked = requested_run("pretrain", task, flags)
+            preset_data = pretrain.PRESETS[data.task_family(task)][asked.preset]["data"]
+            pretrain.make_data(task, asked.data_dir, data.expected_settings(
+                task, preset_data, {k: getattr(asked, k) for k in data.STAGE_DATA_FLAGS}), asked.download)
         task = getattr(args, "task", "synthetic")
         run_in_parallel(args.experiment, args, "--only_seed", range(args.seeds),
                         output_name(args.experiment + ("" if task == "synthetic" else f"_{task}"), args) + "_seed")
@@ -323,7 +344,7 @@ def experiment_synthetic(args):
     init and after SPT (entropy, band mass, mean attended distance, PE-only probe correlation, displacement).
     """
     common, runs = common_flags(args), []
-    for seed in seeds_here(args):
+    for seed in seeds_here(args, ("synthetic", common)):
         ckpt = run_pretrain("synthetic", run_dir(args, "synthetic", seed), seed, common + ["--snapshots"])
         stats = spt_displacement("synthetic", run_dir(args, "synthetic", seed), args.data_dir)
         lr = pretrain.PRESETS["synthetic"][args.preset]["finetune"]["lr"]
@@ -372,7 +393,7 @@ def experiment_init(args):
                                            ("all", "qk", "attn", "qk+embed+norm", "all-but-qk")],
             ("scratch, attn frozen", "scratch", ("--freeze", "attn")),
             ("scratch, attn+mlp frozen", "scratch", ("--freeze", "attn+mlp"))]
-    seeds = seeds_here(args)  # with --jobs: every seed's runs in processes of their own first
+    seeds = seeds_here(args, (task, common))  # with --jobs: every seed's runs in processes of their own first
     probe, threshold, budget = budget_probe(args, task, common)
     runs, results = [], {}
     for seed in seeds:
@@ -415,7 +436,7 @@ def experiment_duration(args):
     shared = task_data_dir(args, task) != args.data_dir  # Fashion-MNIST at the CPU budget
     common = common_flags(args, one_layer=shared, task=task)
     durations = args.durations or ((1, 10, 100, 200) if args.preset == "paper" else (1, 3, 10))
-    seeds = seeds_here(args)  # with --jobs: every seed's runs in processes of their own first
+    seeds = seeds_here(args, (task, common))  # with --jobs: every seed's runs in processes of their own first
     _, threshold, budget = budget_probe(args, task, common)
     runs = []
     for seed in seeds:
@@ -492,7 +513,7 @@ def experiment_swap(args):
     model = {task: "preset" + (f"_steps{args.steps}" if args.steps else "") for task in tasks}
     if pf_dir != args.data_dir:
         model["pathfinder"] += f"_{args.difficulty}_n{args.n_images}"
-    for seed in seeds_here(args):
+    for seed in seeds_here(args, *((task, flags[task]) for task in tasks)):
         ckpts = {task: run_pretrain(task, run_dir(args, task, seed, model[task]), seed, flags[task]) for task in tasks}
         for target in tasks:
             for source in ("scratch",) + tasks:
@@ -588,6 +609,9 @@ def experiment_main(args):
     for task in args.tasks:  # the data first (before any --jobs child could make the same files)
         preset = pretrain.PRESETS[task][args.preset]
         if not os.path.exists(data.split_path(args.data_dir, task)):
+            if args.only_seed is not None:  # a --jobs child: the parent made what could be made
+                skipped.append((task, "not prepared"))
+                continue
             try:
                 data.prepare(task, args.data_dir, **preset["data"],
                              **({} if task == "listops" else dict(download=args.download)))
@@ -702,7 +726,7 @@ def experiment_posenc(args):
     paper = {"sinusoidal": ("0.501", "-"), "alibi": ("0.564", "0.500"), "rope": ("tested, no number", "-"),
              "fire": ("tested, no number", "-")}
     runs = []
-    for seed in seeds_here(args):
+    for seed in seeds_here(args, (task, common)):
         folder = run_dir(args, task, seed)
         ckpt = run_pretrain(task, folder, seed, common + ["--snapshots"] * (task == "synthetic"))
         for pos in ("sinusoidal", "alibi", "rope", "fire"):
@@ -783,9 +807,11 @@ def experiment_initscale(args):
 def run_in_parallel(experiment, args, flag, values, log_name=None):
     """Run `python ablate.py <experiment>` once per value of `flag` (e.g. --kinds reference), --jobs processes at
     a time with one thread each (two jobs with two threads each on two cores run several times slower), each
-    with the same flags otherwise (args.argv) and its log in out/ablate/<log_name or experiment + "_"><value>.log;
-    raises RuntimeError naming the log of one that fails."""
-    argv = [a for a in args.argv if a != experiment]
+    with the same flags otherwise (args.argv) and its log in out/ablate/<log_name or experiment + "_"><value>.log.
+    Raises RuntimeError naming the log of the first one that fails, after stopping the others."""
+    import time
+    argv = list(args.argv)
+    del argv[argv.index(experiment)]  # the subcommand itself (a flag's value may be spelled the same)
     pending, running = list(values), []
     while pending or running:
         while pending and len(running) < args.jobs:
@@ -796,9 +822,13 @@ def run_in_parallel(experiment, args, flag, values, log_name=None):
             cmd = [sys.executable, os.path.abspath(__file__), experiment] + argv + [flag, str(value), "--jobs", "1"]
             running.append((value, log, subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                                                          env=dict(os.environ, OMP_NUM_THREADS="1"))))
-        value, log, proc = running.pop(0)
-        if proc.wait() != 0:
-            raise RuntimeError(f"{experiment} {flag} {value} failed (exit {proc.returncode}); see {log}")
+        time.sleep(0.2)
+        for value, log, proc in [r for r in running if r[2].poll() is not None]:
+            running.remove((value, log, proc))
+            if proc.returncode != 0:
+                for *_, other in running:
+                    other.terminate()
+                raise RuntimeError(f"{experiment} {flag} {value} failed (exit {proc.returncode}); see {log}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -946,8 +976,8 @@ def bench(args):
         print(f"  data path overhead (batching + masking per step): {100 * out['data_path_overhead']:+.1f}%")
     if ms.get("data") and ms.get("indexed"):  # the per-step host wait that 0588b7d removed, on this machine
         out["speedup_all_positions_vs_selected"] = ms["indexed"] / ms["data"]
-        print(f"  head on every position / on the selected masked positions: "
-              f"{out['speedup_all_positions_vs_selected']:.2f}x faster")
+        print(f"  step time, masked positions selected / head on every position: "
+              f"{out['speedup_all_positions_vs_selected']:.2f} (above 1: every position, without the host wait, is faster)")
     out["results"] = res
     stem = os.path.join(args.out_dir, "bench", args.name or f"{args.size.replace(',', 'x')}_L{size[0]}_{device.type}")
     data.save_atomic(out, stem + ".json")
@@ -976,8 +1006,9 @@ def bench_table(out):
         rows.append(f"Data path (batch gathering, padding trim, masking) against a pre-built batch: "
                     f"**{100 * out['data_path_overhead']:+.1f}%**.")
     if "speedup_all_positions_vs_selected" in out:
-        rows.append(f"The reconstruction head on every position (no host wait) against the masked positions selected "
-                    f"by boolean indexing (the step before 0588b7d): **{out['speedup_all_positions_vs_selected']:.2f}x**.")
+        rows.append(f"Step time with the masked positions selected by boolean indexing (the step before 0588b7d) / "
+                    f"with the reconstruction head on every position (no host wait): "
+                    f"**{out['speedup_all_positions_vs_selected']:.2f}** (above 1: the second is faster).")
     return "\n".join(rows)
 
 

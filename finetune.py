@@ -161,7 +161,9 @@ def evaluate_accuracy(model, split, args):
     return {"acc": correct / n, "loss": loss_sum / n}
 
 
-def main(argv=None):
+def finetune_parser():
+    """The flags of finetune.py: the shared ones (pretrain.build_parser), the initialization and the Table 3
+    groups."""
     parser = build_parser("finetune", __doc__.split("\n")[0])
     parser.add_argument("--init", required=True, help="'scratch' or the path of a pretrain.py checkpoint")
     parser.add_argument("--name", default=None, help="run name in out/<task>/finetune_<name>.* (default spt/scratch)")
@@ -171,6 +173,11 @@ def main(argv=None):
                    help="parameter groups kept at their initial values during finetuning")
     parser.add_argument("--allow_other_data", action="store_true",
                    help="finetune even if the SPT checkpoint was pretrained on other data of the same task")
+    return parser
+
+
+def main(argv=None):
+    parser = finetune_parser()
     args, preset = resolve(parser.parse_args(argv), "finetune")
     if args.init == "scratch" and args.inherit != "all":
         parser.error("--inherit selects groups of an SPT checkpoint: give --init PATH")
@@ -189,7 +196,7 @@ def main(argv=None):
         model = model_from_pretrained(args.init, meta, meta["n_classes"], args.task, args.device, args.inherit)
         # mmap: the tensors stay on disk, only the small fields are read
         ck = torch.load(args.init, map_location="cpu", weights_only=True, mmap=True)
-        provenance = dict(spt_task=ck["task"], spt_data_sha256=ck.get("data_sha256"),
+        provenance = dict(spt_task=ck["task"], spt_data_sha256=ck.get("data_sha256"), spt_step=(ck.get("state") or {}).get("step"),
                           spt_data=check_spt_data(ck, args.init, args.task, data_hashes(splits), args.allow_other_data))
         del ck
     if args.init != "scratch":  # the checkpoint's initialization scheme is the run's (fresh heads/groups use it)

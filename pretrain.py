@@ -237,14 +237,20 @@ def token_frequency_entropy(split, chunk=4096):
     return -(p * p.log()).sum().item()
 
 
-def main(argv=None):
-    """Self-pretraining: python pretrain.py --task TASK [flags]; writes data.run_paths(out_dir, task, "pretrain")."""
+def pretrain_parser():
+    """The flags of pretrain.py: the shared ones (build_parser) and the masking and the reconstruction loss."""
     parser = build_parser("pretrain", __doc__.split("\n")[0])
     parser.add_argument("--mask_ratio", type=float, default=None, help="fraction of positions masked (task default)")
     parser.add_argument("--rec_loss", default="mse", choices=("mse", "l1", "ce"),
                    help="reconstruction loss for continuous inputs: MSE (the paper's), L1, or for pixel tasks "
                         "ce = 256-way cross-entropy over the raw intensity (Amos et al.'s code); tokens always "
                         "use cross-entropy over the vocabulary")
+    return parser
+
+
+def main(argv=None):
+    """Self-pretraining: python pretrain.py --task TASK [flags]; writes data.run_paths(out_dir, task, "pretrain")."""
+    parser = pretrain_parser()
     args, preset = resolve(parser.parse_args(argv), "pretrain")
     if args.mask_ratio is None:
         args.mask_ratio = MASK_RATIO[data.task_family(args.task)]
@@ -364,12 +370,7 @@ def resolve(args, stage):
     setup_distributed(args)
     if args.preset == "auto":
         args.preset = "paper" if args.device.type == "cuda" else "cpu"
-    preset = PRESETS[data.task_family(args.task)][args.preset]
-    preset = dict(preset, model={**preset["model"], **{field: getattr(args, flag) for flag, field in MODEL_FLAGS.items()
-                                                       if getattr(args, flag) is not None}})
-    for key, value in {"max_steps": 0, "eval_each_epoch": True, **preset[stage]}.items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
+    preset = fill_from_preset(args, stage)
     if args.init_std is not None and (args.init_scheme or "reference") != "normal":
         raise ValueError(f"--init_std sets the std of --init_scheme normal; this run's scheme is "
                          f"{args.init_scheme or 'reference'} (pass --init_scheme normal, or drop --init_std)")
@@ -379,6 +380,19 @@ def resolve(args, stage):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.dtype != torch.float32
     print(f"device {args.device}, dtype {str(args.dtype).replace('torch.', '')} ({reason}), preset {args.preset}")
     return args, preset
+
+
+def fill_from_preset(args, stage):
+    """Set every schedule flag of `stage` left at None from the preset of args.task and args.preset ("cpu" or
+    "paper"); returns the preset, its model entry updated with the model flags given. No device, no side effect
+    beyond args (ablate.py resolves a run's settings with it without running it)."""
+    preset = PRESETS[data.task_family(args.task)][args.preset]
+    preset = dict(preset, model={**preset["model"], **{field: getattr(args, flag) for flag, field in MODEL_FLAGS.items()
+                                                       if getattr(args, flag) is not None}})
+    for key, value in {"max_steps": 0, "eval_each_epoch": True, **preset[stage]}.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    return preset
 
 
 def setup_distributed(args):
@@ -435,10 +449,8 @@ def prepare_data(args, preset):
     the data as the run expects, unless --accept_data).
     """
     settings = data.expected_settings(args.task, preset["data"], {k: getattr(args, k) for k in data.STAGE_DATA_FLAGS})
-    if args.rank == 0 and not os.path.exists(data.split_path(args.data_dir, args.task)):
-        print(f"{args.data_dir}/{args.task}/train.pt not found: preparing it (preset {args.preset})")
-        data.prepare(args.task, args.data_dir, **settings,
-                     **(dict(download=args.download) if data.task_family(args.task) in data.DOWNLOADED else {}))
+    if args.rank == 0:
+        make_data(args.task, args.data_dir, settings, args.download)
     if args.world_size > 1:
         # Only rank 0 writes the data and the others wait; a download may take hours, so this barrier has a group
         # (and a timeout) of its own, not the training collectives' default.
@@ -448,6 +460,15 @@ def prepare_data(args, preset):
     print(f"data {args.data_dir}/{args.task}: " + ", ".join(
         f"{s} {len(splits[s]['labels'])} (sha256 {splits[s]['meta']['file_sha256'][:12]})" for s in data.SPLITS))
     return splits
+
+
+def make_data(task, data_dir, settings, download):
+    """Prepare data/<task>/ with `settings` (data.expected_settings) unless its train.pt exists; downloads only
+    with `download`. (ablate.py --jobs calls it before starting the processes that would otherwise race to it.)"""
+    if not os.path.exists(data.split_path(data_dir, task)):
+        print(f"{data_dir}/{task}/train.pt not found: preparing it")
+        data.prepare(task, data_dir, **settings,
+                     **(dict(download=download) if data.task_family(task) in data.DOWNLOADED else {}))
 
 
 def data_hashes(splits):
@@ -695,7 +716,7 @@ def resume(model, opt, paths, n_batches, args, extra):
 
 
 # Flags a resumed run must share with its checkpoint (--epochs and --max_steps only say where to stop, and may grow).
-RESUME_SAME = ("lr", "warmup", "weight_decay", "grad_clip", "seed", "inherit", "freeze")
+RESUME_SAME = ("lr", "warmup", "weight_decay", "grad_clip", "seed", "mask_ratio", "rec_loss", "init", "inherit", "freeze")
 
 
 def check_resumable(ck, cfg, n_batches, data_sha256=None, config=None):

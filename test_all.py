@@ -355,7 +355,7 @@ def test_the_training_step_of_spt_never_waits_for_the_device(synthetic_run, list
 
     monkeypatch.setattr(pretrain, "mask_generator", lambda args, seed: NoGenerator())
     real_rand = torch.rand
-    monkeypatch.setattr(torch, "rand", lambda *shape, generator=None, device=None: real_rand(*shape).to(device))
+    monkeypatch.setattr(torch, "rand", lambda *shape, generator=None, device=None, **kw: real_rand(*shape, **kw).to(device))
     for data_dir, task in ((listops_dir, "listops"), (synthetic_run[0], "synthetic")):
         split = data.load_split(data_dir, task, "train")
         meta = split["meta"]
@@ -383,7 +383,7 @@ def test_a_whole_optimizer_step_of_either_stage_never_waits_for_the_device(listo
 
     monkeypatch.setattr(pretrain, "mask_generator", lambda args, seed: NoGenerator())
     real_rand = torch.rand
-    monkeypatch.setattr(torch, "rand", lambda *shape, generator=None, device=None: real_rand(*shape).to(device))
+    monkeypatch.setattr(torch, "rand", lambda *shape, generator=None, device=None, **kw: real_rand(*shape, **kw).to(device))
     split = data.load_split(listops_dir, "listops", "train")
     model = Transformer(tiny_cfg(vocab_size=split["meta"]["vocab_size"], n_classes=10,
                                  n_rec=split["meta"]["vocab_size"], max_len=128)).to("meta")
@@ -1194,14 +1194,15 @@ def test_ablate_initscale_runs_its_grid_and_writes_table_and_figure(tmp_path):
 def test_ablate_jobs_runs_each_seed_in_a_process_and_the_parent_writes_the_table(tmp_path, capsys):
     import ablate
     root, out = str(tmp_path / "data"), str(tmp_path / "out")
-    data.prepare_synthetic(root, **pretrain.PRESETS["synthetic"]["cpu"]["data"])  # the preset's sizes: children
-    argv = ["--seeds", "2", "--data_dir", root, "--out_dir", out, "--max_steps", "2", "--device", "cpu"]  # check them
+    argv = ["--seeds", "2", "--data_dir", root, "--out_dir", out, "--max_steps", "2", "--device", "cpu"]
     ablate.main(["synthetic", "--jobs", "2"] + argv)
-    assert capsys.readouterr().out.count("read back") == 6  # every finetuning ran in a child
+    printed = capsys.readouterr().out
+    assert printed.count("read back") == 6  # every finetuning ran in a child
+    assert "synthetic/train.pt not found: preparing it" in printed  # the data: made once, by the parent
     for seed in (0, 1):
         log = (tmp_path / "out" / "ablate" / f"synthetic_seed{seed}.log").read_text()
         assert f"seed{seed}/synthetic/finetune_scratch_lr3x.json" in log and f"seed{1 - seed}/" not in log
-        assert "synthetic.json" not in log  # a child writes no table
+        assert "synthetic.json" not in log and "preparing" not in log  # a child writes no table, makes no data
     res = json.load(open(os.path.join(out, "ablate", "synthetic.json")))
     assert sorted({r["seed"] for r in res["runs"]}) == [0, 1] and len(res["runs"]) == 6
     with pytest.raises(SystemExit):  # experiments without a seed loop take no --jobs
@@ -1300,10 +1301,21 @@ def test_ablate_reads_back_a_finished_run_only_if_it_is_the_run_asked_for(synthe
     data.prepare_synthetic(other, n_train=64, n_val=32, n_test=32, length=20, seed=5)
     with pytest.raises(ValueError, match=r"train.pt sha256 .*\(here: .* in " + re.escape(other)):
         ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common + ["--data_dir", other])
+    with pytest.raises(ValueError, match=r"--max_steps 2 \(asked: 0\)"):  # a flag left out: the preset's value
+        ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common[:2] + common[4:])
     spt = data.run_paths(synthetic_run[1], "synthetic", "pretrain")["best"]
     with pytest.raises(ValueError, match="--init scratch"):
         ablate.run_finetune("synthetic", folder, 0, "scratch", spt, common)
-    assert ablate.given_flags(["--a", "1", "--no-b", "--c", "--a", "2"]) == {"a": "2", "b": False, "c": True}
+    import shutil
+    mine = str(tmp_path / "spt.pt")
+    shutil.copy(spt, mine)
+    ablate.run_finetune("synthetic", folder, 0, "spt", mine, common)
+    ablate.run_finetune("synthetic", folder, 0, "spt", mine, common)  # read back
+    ck = data.load_pt(mine)
+    data.save_atomic(dict(ck, state=dict(ck["state"], step=ck["state"]["step"] + 5)), mine)  # SPT went on since
+    step = ck["state"]["step"]
+    with pytest.raises(ValueError, match=f"the SPT weights of step {step} \\(asked: .*spt.pt, step {step + 5}\\)"):
+        ablate.run_finetune("synthetic", folder, 0, "spt", mine, common)
 
 
 def test_resume_falls_back_when_the_last_checkpoint_is_damaged(listops_dir, tmp_path, capsys):
