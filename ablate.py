@@ -839,7 +839,8 @@ BENCH_SIZES = {"cpu": (1024, 128, 4, 4, 256, 8),  # name: (L, d_model, n_layers,
                "listops-paper": (2048, 512, 6, 8, 2048, 32), "text-paper": (4096, 512, 6, 8, 2048, 32)}
 BENCH_VARIANTS = {"fused": "ours, fused attention", "explicit": "ours, explicit attention",
                   "reference": "torch.nn.TransformerEncoder", "data": "ours, fused + data path",
-                  "indexed": "ours, data path, masked positions selected", "compile": "ours, fused + torch.compile"}
+                  "indexed": "ours, data path, masked positions selected",
+                  "padded": "ours, data path, lengths in [L/4, L], bucketed", "compile": "ours, fused + torch.compile"}
 
 
 class ReferenceEncoder(torch.nn.Module):
@@ -861,8 +862,10 @@ class ReferenceEncoder(torch.nn.Module):
 
 def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
     """Put on `queue` the median seconds per SPT training step (masked reconstruction, forward + backward +
-    AdamW) of one BENCH_VARIANTS key, its peak memory (bytes) and FLOPs per token, or an error message (str).
-    Runs in a fresh process: on the CPU, peak memory = growth of the process's resident set."""
+    AdamW) of one BENCH_VARIANTS key, its peak memory (bytes), and the real tokens and the training FLOPs of a
+    mean step, or an error message (str). Runs in a fresh process: on the CPU, peak memory = growth of the
+    process's resident set. Variant "padded" draws lengths uniform in [L/4, L] (as real documents: padded
+    batches, so the attention gets a key mask) and buckets them as the training loop does."""
     import resource
     import time
     torch.set_num_threads(threads)
@@ -875,8 +878,10 @@ def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
     # torch.compile compiles the module's forward only, so the method the step calls is compiled itself
     reconstruct = torch.compile(model.reconstruct) if variant == "compile" else model.reconstruct
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    split = dict(tokens=torch.randint(2, 32, (8 * B, L), dtype=torch.uint8).to(device),
-                 lengths=torch.full((8 * B,), L), labels=torch.zeros(8 * B, dtype=torch.long, device=device))
+    lengths = torch.randint(L // 4, L + 1, (8 * B,)) if variant == "padded" else torch.full((8 * B,), L)
+    tokens = torch.randint(2, 32, (8 * B, L), dtype=torch.uint8)
+    tokens[torch.arange(L) >= lengths[:, None]] = data.PAD_ID
+    split = dict(tokens=tokens.to(device), lengths=lengths, labels=torch.zeros(8 * B, dtype=torch.long, device=device))
     g = torch.Generator(device=device).manual_seed(0)
     batches = data.batch_indices(split["lengths"], B, True)  # once per epoch, as in the training loop
 
@@ -887,7 +892,7 @@ def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
     fixed = batch(0)
 
     def step(i):
-        x, lengths, inputs, masked = batch(i) if variant in ("data", "indexed") else fixed
+        x, lengths, inputs, masked = batch(i) if variant in ("data", "indexed", "padded") else fixed
         with model_lib.autocast(device, dtype):  # the training step's form (pretrain.spt_loss_fn)
             if variant == "explicit":  # the step as it would run if it asked for the attention weights
                 out = model.rec_head(model.encode(inputs, lengths, need_weights=True)[0])
@@ -921,7 +926,10 @@ def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
         return
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
         (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024
-    queue.put((sorted(times)[len(times) // 2], peak, model_lib.flops_per_token(cfg, L)))
+    timed = [batches[i % len(batches)] for i in range(steps)] if variant == "padded" else [torch.arange(B)] * steps
+    real = sum(int(lengths[b].sum()) for b in timed) / steps  # per step; FLOPs of the positions computed on:
+    flops = sum(model_lib.flops_per_token(cfg, int(lengths[b].max())) * len(b) * int(lengths[b].max()) for b in timed)
+    queue.put((sorted(times)[len(times) // 2], peak, real, flops / steps))
 
 
 def bench(args):
@@ -961,10 +969,9 @@ def bench(args):
             res[v] = dict(error=result)
             print(f"  {BENCH_VARIANTS[v]:30s} {result}")
             continue
-        sec, peak, fpt = result
-        mfu = None if peak_fl is None else size[0] * size[5] / sec * fpt / peak_fl
-        res[v] = dict(ms_per_step=1000 * sec, tokens_per_s=size[0] * size[5] / sec, peak_memory_mb=peak / 2 ** 20,
-                      mfu=mfu)
+        sec, peak, real, flops = result
+        mfu = None if peak_fl is None else flops / sec / peak_fl
+        res[v] = dict(ms_per_step=1000 * sec, tokens_per_s=real / sec, peak_memory_mb=peak / 2 ** 20, mfu=mfu)
         print(f"  {BENCH_VARIANTS[v]:30s} {1000 * sec:9.1f} ms/step {res[v]['tokens_per_s']:12,.0f} tok/s peak "
               f"{peak / 2 ** 20:9.1f} MiB" + (f"  MFU {100 * mfu:.1f}%" if mfu is not None else ""))
     ms = {k: r.get("ms_per_step") for k, r in res.items()}
@@ -974,6 +981,9 @@ def bench(args):
     if ms.get("fused") and ms.get("data"):
         out["data_path_overhead"] = ms["data"] / ms["fused"] - 1
         print(f"  data path overhead (batching + masking per step): {100 * out['data_path_overhead']:+.1f}%")
+    if ms.get("data") and ms.get("padded"):  # what real, padded batches cost per real token
+        out["padded_vs_full_tokens_per_s"] = res["padded"]["tokens_per_s"] / res["data"]["tokens_per_s"]
+        print(f"  real tokens/s, padded batches / full-length ones: {out['padded_vs_full_tokens_per_s']:.2f}")
     if ms.get("data") and ms.get("indexed"):  # the per-step host wait that 0588b7d removed, on this machine
         out["speedup_all_positions_vs_selected"] = ms["indexed"] / ms["data"]
         print(f"  step time, masked positions selected / head on every position: "
@@ -992,7 +1002,7 @@ def bench_table(out):
     rows = [f"**L {s['L']}, d_model {s['d_model']}, {s['n_layers']} layers, {s['n_heads']} heads, MLP {s['d_mlp']}, "
             f"batch {s['batch']}**; {out['device_name'] or out['device']}, {out['dtype'][6:]}, torch {out['torch']}, "
             f"{out.get('threads', '?')} threads; median of {out['repeats']} x {out['steps']} steps", "",
-            "| variant | ms/step | tokens/s | peak memory | MFU |", "|---|---|---|---|---|"]
+            "| variant | ms/step | real tokens/s | peak memory | MFU |", "|---|---|---|---|---|"]
     for v, r in out["results"].items():
         if "error" in r:
             rows.append(f"| {BENCH_VARIANTS[v]} | {r['error']} | | | |")
@@ -1005,6 +1015,9 @@ def bench_table(out):
     if "data_path_overhead" in out:
         rows.append(f"Data path (batch gathering, padding trim, masking) against a pre-built batch: "
                     f"**{100 * out['data_path_overhead']:+.1f}%**.")
+    if "padded_vs_full_tokens_per_s" in out:
+        rows.append(f"Real tokens/s of padded batches (lengths uniform in [L/4, L], bucketed: shorter batches, and a key "
+                    f"mask in the attention) / of full-length ones: **{out['padded_vs_full_tokens_per_s']:.2f}**.")
     if "speedup_all_positions_vs_selected" in out:
         rows.append(f"Step time with the masked positions selected by boolean indexing (the step before 0588b7d) / "
                     f"with the reconstruction head on every position (no host wait): "

@@ -763,13 +763,16 @@ def test_training_never_calls_the_explicit_attention_path(listops_dir, tmp_path,
 def test_bench_reports_figures_computed_from_its_own_timings(tmp_path):
     import ablate
     argv = ["bench", "--size", "64,16,1,2,32,2", "--steps", "1", "--repeats", "1", "--variants",
-            "fused,reference,data,indexed",
+            "fused,reference,data,indexed,padded",
             "--device", "cpu", "--out_dir", str(tmp_path), "--name", "tiny"]
     ablate.main(argv)
     with open(tmp_path / "bench" / "tiny.json") as f:
         out = json.load(f)
     r = out["results"]
-    assert set(r) == {"fused", "reference", "data", "indexed"} and out["size"]["L"] == 64 and out["size"]["batch"] == 2
+    assert set(r) == {"fused", "reference", "data", "indexed", "padded"} and out["size"]["L"] == 64
+    assert out["size"]["batch"] == 2 and out["padded_vs_full_tokens_per_s"] == pytest.approx(
+        r["padded"]["tokens_per_s"] / r["data"]["tokens_per_s"])
+    assert r["padded"]["tokens_per_s"] * r["padded"]["ms_per_step"] / 1000 < 64 * 2  # real tokens: fewer than L B
     assert out["speedup_all_positions_vs_selected"] == pytest.approx(r["indexed"]["ms_per_step"] /
                                                                      r["data"]["ms_per_step"])
     assert out["speed_ratio_fused_vs_reference"] == pytest.approx(r["reference"]["ms_per_step"] /
