@@ -344,11 +344,9 @@ def test_masked_loss_over_every_position_equals_the_loss_at_the_selected_positio
     assert pretrain.reconstruction_loss(r, u, "mse", torch.zeros(2, 5, dtype=torch.bool)).item() == 0.0
 
 
-def test_the_training_step_of_spt_never_waits_for_the_device(synthetic_run, listops_dir, monkeypatch):
-    """pretrain.spt_loss_fn and its backward on PyTorch's meta device (tensors with shapes and no values), with
-    the batch lengths on the CPU as data.get_batch keeps them: any op that needs a device value on the host
-    (.item(), boolean indexing, nonzero: on a GPU a wait every step) raises there. Only the random draws of the
-    masks are replaced (the meta device has no generator)."""
+@pytest.fixture
+def masks_on_meta(monkeypatch):
+    """The meta device has no random generator: the masks' draws are made on the CPU and moved there."""
     class NoGenerator:
         def manual_seed(self, seed):
             return self
@@ -356,6 +354,13 @@ def test_the_training_step_of_spt_never_waits_for_the_device(synthetic_run, list
     monkeypatch.setattr(pretrain, "mask_generator", lambda args, seed: NoGenerator())
     real_rand = torch.rand
     monkeypatch.setattr(torch, "rand", lambda *shape, generator=None, device=None, **kw: real_rand(*shape, **kw).to(device))
+
+
+def test_the_training_step_of_spt_never_waits_for_the_device(synthetic_run, listops_dir, masks_on_meta):
+    """pretrain.spt_loss_fn and its backward on PyTorch's meta device (tensors with shapes and no values), with
+    the batch lengths on the CPU as data.get_batch keeps them: any op that needs a device value on the host
+    (.item(), boolean indexing, nonzero: on a GPU a wait every step) raises there. Only the random draws of the
+    masks are replaced (the meta device has no generator)."""
     for data_dir, task in ((listops_dir, "listops"), (synthetic_run[0], "synthetic")):
         split = data.load_split(data_dir, task, "train")
         meta = split["meta"]
@@ -373,17 +378,10 @@ def test_the_training_step_of_spt_never_waits_for_the_device(synthetic_run, list
             model.reconstruct(x.to("meta"), None, torch.ones(2, 4, dtype=torch.bool, device="meta"))
 
 
-def test_a_whole_optimizer_step_of_either_stage_never_waits_for_the_device(listops_dir, monkeypatch):
+def test_a_whole_optimizer_step_of_either_stage_never_waits_for_the_device(listops_dir, masks_on_meta):
     """pretrain.optimizer_step (loss, backward, gradient clipping, AdamW) and count_step on the meta device, for the
     finetuning loss (classification through mean pooling of a padded batch) and the SPT loss: only the log lines
     (log_progress) and evaluations read a value on the host."""
-    class NoGenerator:
-        def manual_seed(self, seed):
-            return self
-
-    monkeypatch.setattr(pretrain, "mask_generator", lambda args, seed: NoGenerator())
-    real_rand = torch.rand
-    monkeypatch.setattr(torch, "rand", lambda *shape, generator=None, device=None, **kw: real_rand(*shape, **kw).to(device))
     split = data.load_split(listops_dir, "listops", "train")
     model = Transformer(tiny_cfg(vocab_size=split["meta"]["vocab_size"], n_classes=10,
                                  n_rec=split["meta"]["vocab_size"], max_len=128)).to("meta")
