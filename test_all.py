@@ -1208,6 +1208,13 @@ def test_ablate_jobs_runs_each_seed_in_a_process_and_the_parent_writes_the_table
     assert sorted({r["seed"] for r in res["runs"]}) == [0, 1] and len(res["runs"]) == 6
     with pytest.raises(SystemExit):  # experiments without a seed loop take no --jobs
         ablate.main(["pfcurves", "--jobs", "2"])
+    broken = tmp_path / "broken"
+    (broken / "synthetic").mkdir(parents=True)
+    for split in data.SPLITS:
+        (broken / "synthetic" / f"{split}.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(RuntimeError, match=r"synthetic --only_seed \d failed \(exit \d+\); see .*synthetic_seed\d.log"):
+        ablate.main(["synthetic", "--jobs", "2", "--seeds", "2", "--data_dir", str(broken), "--out_dir",
+                     str(tmp_path / "out2"), "--device", "cpu"])
 
 
 # ----------------------------------------------------------------------------------------------------------
