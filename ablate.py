@@ -155,7 +155,9 @@ def split_sha256(data_dir, task):
     for s in data.SPLITS:
         path = data.split_path(data_dir, task, s)
         key = (os.path.abspath(path), os.path.getsize(path), os.path.getmtime(path))
-        out[s] = _SHA256[key] if key in _SHA256 else _SHA256.setdefault(key, data.sha256_of(path))
+        if key not in _SHA256:
+            _SHA256[key] = data.sha256_of(path)
+        out[s] = _SHA256[key]
     return out
 
 
@@ -679,10 +681,7 @@ def experiment_ucr(args):
                                 data.ucr_missing_message(args.datasets[0], os.path.join(args.data_dir, "ucr",
                                                                                         args.datasets[0])))
     print(f"UCR data sets to run: {found}")
-    for name in found:  # made here, before any --jobs child could make the same files
-        if not os.path.exists(data.split_path(args.data_dir, f"ucr/{name}")):
-            data.prepare(f"ucr/{name}", args.data_dir, **pretrain.PRESETS["ucr"][args.preset]["data"])
-    runs, seeds = [], seeds_here(args)
+    runs, seeds = [], seeds_here(args, *((f"ucr/{name}", common) for name in found))
     for name in found:
         for seed in seeds:
             folder = os.path.join(args.out_dir, "ablate", args.init_scheme, "ucr", f"seed{seed}")

@@ -196,7 +196,8 @@ def main(argv=None):
         model = model_from_pretrained(args.init, meta, meta["n_classes"], args.task, args.device, args.inherit)
         # mmap: the tensors stay on disk, only the small fields are read
         ck = torch.load(args.init, map_location="cpu", weights_only=True, mmap=True)
-        provenance = dict(spt_task=ck["task"], spt_data_sha256=ck.get("data_sha256"), spt_step=(ck.get("state") or {}).get("step"),
+        provenance = dict(spt_task=ck["task"], spt_data_sha256=ck.get("data_sha256"),
+                          spt_step=(ck.get("state") or {}).get("step"),
                           spt_data=check_spt_data(ck, args.init, args.task, data_hashes(splits), args.allow_other_data))
         del ck
     if args.init != "scratch":  # the checkpoint's initialization scheme is the run's (fresh heads/groups use it)
