@@ -299,11 +299,18 @@ def main(argv=None):
 MODEL_SIZE_FLAGS = ("n_layers", "d_model", "n_heads", "d_mlp")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each flag's default, except None: those flags take the preset's value (resolve), which their
+    own help text names."""
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def build_parser(stage, description):
     """The flags every stage shares (defaults of None are filled from the preset by `resolve`)."""
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                epilog="A default of None means the preset's value (pretrain.PRESETS; the README's "
-                                       "table in Stage 2).")
+    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter,
+                                epilog="A flag shown without a default takes the preset's value (pretrain.PRESETS; "
+                                       "the README's table in Stage 2).")
     p.add_argument("--task", required=True, choices=data.TASKS, help="which data set")
     p.add_argument("--data_dir", default="data", help="root of data/<task>/*.pt")
     p.add_argument("--out_dir", default="out", help="root of out/<task>/ checkpoints and logs")
