@@ -194,7 +194,7 @@ def check_read_back(path, result, task, init, argv):
 def spt_displacement(task, folder, data_dir, n=64):
     """The attention statistics at init and after the SPT run in `folder` (analyze.analyze_checkpoints on n
     validation sequences), with the relative displacement norm(W - W_init) / norm(W_init) of W_Q, W_K,
-    W_Q^T W_K, ... during SPT under ["spt"]["displacement_from_first"]."""
+    W_Q^T W_K, ... during SPT under ["spt"]["displacement"]."""
     paths = data.run_paths(folder, task, "pretrain")
     stats, _ = analyze.analyze_checkpoints({"init": paths["init"], "spt": paths["best"]}, data_dir, n=n)
     return stats
@@ -375,7 +375,7 @@ def experiment_synthetic(args):
     for group, paper in (("W_Q", "looks like its random init"), ("W_K", "looks like its random init"),
                          ("W_Q^T W_K", "organized (the proximity bias)")):
         rows.append(f"| relative displacement of {group} after SPT, norm(W - W_init) / norm(W_init) | 0 | "
-                    f"{mean_std([r['attention_spt']['displacement_from_first'][group] for r in spt])} | {paper} |")
+                    f"{mean_std([r['attention_spt']['displacement'][group] for r in spt])} | {paper} |")
     rows.append(f"\nlog L = {spt[0]['attention_init']['uniform_entropy']:.2f} nats (uniform attention over "
                 f"{args.length} steps). Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py synthetic"
                 + run_note(args))
@@ -401,7 +401,7 @@ def experiment_init(args):
     for seed in seeds:
         folder = run_dir(args, task, seed)  # shares SPT with `synthetic` / `posenc` / `duration`
         ckpt = run_pretrain(task, folder, seed, common + ["--snapshots"] * (task == "synthetic"))
-        moved = spt_displacement(task, folder, task_data_dir(args, task))["spt"]["displacement_from_first"]
+        moved = spt_displacement(task, folder, task_data_dir(args, task))["spt"]["displacement"]
         for label, init, extra in grid:
             name = "init_" + label.replace(", ", "_").replace(" ", "_").replace("+", "-")
             result = run_finetune(task, folder, seed, name, init or ckpt, common, extra)
@@ -454,7 +454,7 @@ def experiment_duration(args):
                 spt_dir = os.path.join(folder, f"spt_{epochs}ep")
                 ckpt = run_pretrain(task, spt_dir, seed, common + ["--epochs", str(epochs)])
                 result = run_finetune(task, spt_dir, seed, "spt", ckpt, common)
-            moved = spt_displacement(task, spt_dir, task_data_dir(args, task))["spt"]["displacement_from_first"]
+            moved = spt_displacement(task, spt_dir, task_data_dir(args, task))["spt"]["displacement"]
             runs.append(summary(seed, result, threshold, epochs=epochs, displacement=moved))
     if args.only_seed is not None:
         return  # a child of --jobs: the parent writes the table

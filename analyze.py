@@ -246,15 +246,29 @@ def model_inputs(model, x):
 
 @torch.no_grad()
 def attention_maps(model, x, lengths=None, chunk=None):
-    """Softmax attention probabilities averaged over the batch: a list over layers of (H, L, L) tensors.
+    """Softmax attention of every layer averaged over a batch, and the mean entropy of its rows.
+
+    x: (B, L) tokens or (B, L, d_input) values; lengths: (B,) or None (all of length L). Returns (maps,
+    entropies), lists over layers of (H, L, L) and (H, L): maps[l][h, i] is the mean, over the sequences in
+    which position i is real (i < length), of their attention row i; entropies[l][h, i] is the mean of those
+    rows' entropies (nats). The entropy is taken row by row, before averaging: the entropy of the averaged map
+    is larger (entropy is concave) and would make attention look more uniform than any one sequence's is.
     `chunk` sequences at a time (default: as many as keep chunk x L x L under 2^24), so that memory holds
-    layers x chunk x H x L x L numbers, not layers x B x H x L x L (at L = 4096 one sequence at a time)."""
-    chunk, sums = chunk or max(1, 2 ** 24 // x.shape[1] ** 2), None
+    layers x chunk x H x L x L numbers, not layers x B x H x L x L (at L = 4096 one sequence at a time).
+    """
+    L = x.shape[1]
+    chunk, sums, ents = chunk or max(1, 2 ** 24 // L ** 2), None, None
+    real = torch.ones(len(x), L) if lengths is None else (torch.arange(L) < lengths[:, None]).float()  # (B, L)
     for i in range(0, len(x), chunk):
         part = None if lengths is None else lengths[i:i + chunk]
         _, probs = model.encode(model_inputs(model, x[i:i + chunk]), part, need_weights=True)
-        sums = [p.sum(0) for p in probs] if sums is None else [s + p.sum(0) for s, p in zip(sums, probs)]
-    return [s / len(x) for s in sums]
+        w = real[i:i + chunk, None, :]                                                    # (chunk, 1, L)
+        m = [(p * w[..., None]).sum(0) for p in probs]
+        e = [(-(p * p.clamp_min(1e-30).log()).sum(-1) * w).sum(0) for p in probs]
+        sums = m if sums is None else [s + a for s, a in zip(sums, m)]
+        ents = e if ents is None else [s + a for s, a in zip(ents, e)]
+    count = real.sum(0).clamp_min(1)  # sequences in which each position is real
+    return [s / count[:, None] for s in sums], [e / count for e in ents]
 
 
 @torch.no_grad()
@@ -282,24 +296,29 @@ def qk_product(model, layer=0, head=0):
     return attn.q_proj.weight[rows].T @ attn.k_proj.weight[rows]
 
 
-def attention_stats(probs, band=3, side=None):
+def attention_stats(probs, band=3, side=None, entropy=None):
     """Proximity statistics of attention probabilities (..., L, L), averaged over rows and leading dims.
 
-    entropy (nats; log L for uniform attention), band_mass = attention within |i - j| <= band (uniform_band_mass:
-    its value for uniform attention), mean_distance = sum_j A_ij |i - j| (L/3 roughly for uniform attention, 0 for
-    attending to oneself). With `side` (an image of side x side pixels flattened row by row, L = side^2), the same
+    entropy (nats; log L for uniform attention): the mean row entropy of `probs`, or, when `probs` is a mean over
+    sequences (attention_maps), the mean of `entropy` (..., L), the rows' entropies taken sequence by sequence
+    (then entropy_of_mean_map is the former, for comparison). band_mass = attention within |i - j| <= band
+    (uniform_band_mass: its value for uniform attention), mean_distance = sum_j A_ij |i - j| (L/3 roughly for
+    uniform attention, 0 for attending to oneself); both are linear in A, so a mean map gives the mean over
+    sequences. With `side` (an image of side x side pixels flattened row by row, L = side^2), the same
     in the image's two dimensions: band_mass_2d = attention within the (2 band + 1)^2 pixels around the query
     (Chebyshev distance <= band; the 1-D band misses the pixels above and below, `side` positions away), and
-    mean_distance_2d, the mean Euclidean distance in pixels.
+    mean_distance_2d, the mean Euclidean distance in pixels. Raises ValueError if side^2 != L.
     """
     L = probs.shape[-1]
     pos = torch.arange(L)
     dist = (pos[:, None] - pos[None, :]).abs().to(probs.dtype)
-    entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
-    stats = dict(entropy=entropy.mean().item(), uniform_entropy=math.log(L),
+    map_entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1).mean().item()
+    stats = dict(entropy=map_entropy if entropy is None else entropy.mean().item(), uniform_entropy=math.log(L),
                  band_mass=(probs * (dist <= band)).sum(-1).mean().item(), band=band,
                  uniform_band_mass=(dist <= band).to(probs.dtype).mean().item(),
                  mean_distance=(probs * dist).sum(-1).mean().item())
+    if entropy is not None:
+        stats["entropy_of_mean_map"] = map_entropy
     if side is not None:
         if side * side != L:
             raise ValueError(f"side {side}: an image of side x side pixels has {side * side} positions, not {L}")
@@ -331,33 +350,42 @@ def correlation(a, b):
 def analyze_checkpoints(paths, data_dir, n=64, band=3):
     """Attention maps, PE probes and statistics for each checkpoint in `paths` (a dict label -> path).
 
-    Uses the first `n` validation sequences of the checkpoints' task (Retrieval: the 2n documents of n pairs). Returns (results dict of plain numbers,
+    Uses the first `n` validation sequences of the checkpoints' task (Retrieval: the 2n documents of n pairs).
+    Each checkpoint's "displacement" is measured from the weights its own run started from (data.run_init_path,
+    named in "displacement_from"): for pretrain.pt the random init, for finetune_spt.pt the SPT weights with a
+    fresh head, for finetune_scratch.pt its own random init. Returns (results dict of plain numbers,
     maps: label -> dict(attention=list of (H, L, L), probe=(H, L, L), qk=(d, d))).
     """
-    results, maps, init_sd = {}, {}, None
+    results, maps = {}, {}
     for label, path in paths.items():
         model, ck = load_model(path)
         split = data.load_split(data_dir, ck["task"], "val")
         x, lengths, _ = data.get_batch(split, torch.arange(min(n, len(split["labels"]))), "cpu", multiple=1)
         x, lengths = single_sequences(x, lengths)  # Retrieval: each document of a pair on its own
-        attn = attention_maps(model, x, None if bool((lengths == x.shape[1]).all()) else lengths)
+        attn, entropies = attention_maps(model, x, None if bool((lengths == x.shape[1]).all()) else lengths)
         _, probe = pe_probe(model, x.shape[1])
         side = math.isqrt(x.shape[1])  # pixel tasks: square images flattened row by row
         side = side if (ck.get("data_meta") or {}).get("kind") == "pixels" and side * side == x.shape[1] else None
-        stats = attention_stats(attn[0], band, side)
+        stats = attention_stats(attn[0], band, side, entropy=entropies[0])
         stats["probe"] = attention_stats(probe, band, side)
         stats["probe_corr_with_attention"] = correlation(probe, attn[0])
         stats["stage"], stats["path"] = ck.get("stage"), path
-        if init_sd is None:
-            init_sd = {k: v for k, v in unwrapped_state_dict(ck["model"]).items()}
-            init_qk = qk_product(model)
-        else:
-            stats["displacement_from_first"] = relative_displacement(init_sd, model.state_dict())
-            w_qk = qk_product(model)
-            stats["displacement_from_first"]["W_Q^T W_K"] = ((w_qk - init_qk).norm() / init_qk.norm()).item()
+        start = data.run_init_path(path)  # the weights this checkpoint's own run started from
+        if start is not None and os.path.abspath(start) != os.path.abspath(path):
+            stats["displacement"] = displacement(load_model(start)[0], model)
+            stats["displacement_from"] = start
         results[label] = stats
         maps[label] = dict(attention=attn, probe=probe, qk=qk_product(model))
     return results, maps
+
+
+def displacement(start, model):
+    """norm(W - W_start) / norm(W_start) per parameter group (relative_displacement), and for layer 0's
+    W_Q^T W_K of head 0 (qk_product), from the model `start` to `model`."""
+    moved = relative_displacement(start.state_dict(), model.state_dict())
+    qk0, qk = qk_product(start), qk_product(model)
+    moved["W_Q^T W_K"] = ((qk - qk0).norm() / qk0.norm()).item()
+    return moved
 
 
 def plot_maps(maps, key, path, title):
@@ -389,7 +417,7 @@ def cmd_attention(args):
     plot_maps(maps, "qk", os.path.join(args.out, "qk_product.png"), "W_Q^T W_K, layer 0 head 0")
     data.save_atomic(results, os.path.join(args.out, "attention.json"))
     for label, r in results.items():
-        disp = r.get("displacement_from_first", {})
+        disp = r.get("displacement", {})
         print(f"{label:24s} entropy {r['entropy']:.2f} (uniform {r['uniform_entropy']:.2f}) | band mass "
               f"(|i-j|<={r['band']}) {r['band_mass']:.2f} | mean distance {r['mean_distance']:.1f} | "
               + (f"2-D band mass {r['band_mass_2d']:.2f} (uniform {r['uniform_band_mass_2d']:.2f}), mean distance "

@@ -154,6 +154,15 @@ def run_paths(out_dir, task, stage, name=None):
     return dict(paths, json=stem + ".json") if stage == "finetune" else paths
 
 
+def run_init_path(path):
+    """The `_init.pt` of the run a checkpoint of run_paths' naming belongs to (pretrain.pt, pretrain_last.pt and
+    pretrain_step<N>.pt -> pretrain_init.pt; finetune_<name>*.pt -> finetune_<name>_init.pt): the weights that
+    run started from. Returns None if that file does not exist."""
+    stem = re.sub(r"(_last|_step\d+|_init)$", "", os.path.splitext(path)[0])
+    init = stem + "_init.pt"
+    return init if os.path.exists(init) else None
+
+
 class TaskNames(tuple):
     """The --task choices: the task families (the keys of PREPARE, section 8), with ucr/<Name> for any UCR data
     set name (letters, digits, _ -) in place of ucr.
@@ -702,7 +711,9 @@ LISTOPS_DIRS = ("", "listops-1000", "lra_release/listops-1000", "lra_release/lra
 def find_listops(task_dir):
     """The folder of LISTOPS_DIRS under `task_dir` that holds all three basic_{train,val,test}.tsv, or None.
 
-    Raises ValueError listing the folders when more than one holds them (which one to use is not clear), and
+    The archive's two copies (lra_release/listops-1000 and lra_release/lra_release/listops-1000, when all of
+    lra_release is extracted here) count as one: the inner copy, which s4 uses. Raises ValueError listing the
+    folders when more than one other holds them (which one to use is not clear), and
     FileNotFoundError naming what is missing when none holds all three but a release sub-folder holds some.
     """
     full, partial = [], []
@@ -714,6 +725,10 @@ def find_listops(task_dir):
         elif have and sub:
             partial.append(f"{folder}/ holds {', '.join(f'basic_{s}.tsv' for s in have)} but not "
                            f"{', '.join(f'basic_{s}.tsv' for s in SPLITS if s not in have)}")
+    inner, outer = (os.path.join(task_dir, *d.split("/")) for d in LISTOPS_DIRS[:1:-1])
+    if inner in full and outer in full:  # the whole archive extracted here: its inner copy is the one s4 uses
+        print(f"ListOps: both release copies found; using the inner one, {inner}/ (as s4), not {outer}/")
+        full.remove(outer)
     if len(full) > 1:
         raise ValueError(f"ListOps files basic_{{train,val,test}}.tsv in {len(full)} folders: "
                          f"{', '.join(f + '/' for f in full)}; keep only one of them (those directly in {task_dir}/ "
@@ -765,15 +780,27 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
     marker = os.path.join(task_dir, "generated.json")
     folder = find_listops(task_dir)
     tsv = {s: os.path.join(folder or task_dir, f"basic_{s}.tsv") for s in SPLITS}
+    wanted = dict(n_train=n_train, n_val=n_val, n_test=n_test, seed=seed, min_length=min_length,
+                  max_length=max_length)
+    ours = folder == task_dir and os.path.exists(marker)  # TSVs our generator wrote (the release has no marker)
+    if ours:
+        made = dict(json.load(open(marker)))  # a marker from before min/max_length were recorded: LRA's
+        made = {k: made.get(k, dict(min_length=500, max_length=2000).get(k)) for k in wanted}
+        if made != wanted:
+            print(f"{marker}: the generated TSVs in {task_dir}/ were made with "
+                  + ", ".join(f"{k}={made[k]}" for k in wanted if made[k] != wanted[k]) + "; this call asks for "
+                  + ", ".join(f"{k}={wanted[k]}" for k in wanted if made[k] != wanted[k]) + ": generating them again")
+            folder = None
     if folder is None:
         print(f"no LRA ListOps files in {task_dir}/ (basic_{{train,val,test}}.tsv, also looked for in "
-              f"{', '.join(d + '/' for d in LISTOPS_DIRS if d)}): generating "
+              f"{', '.join(d + '/' for d in LISTOPS_DIRS if d)}) made with these settings: generating "
               f"{n_train}/{n_val}/{n_test} expressions with seed {seed}")
         rows = generate_listops(n_train + n_val + n_test, seed, min_length, max_length)
         for s, part in zip(SPLITS, (rows[:n_train], rows[n_train:n_train + n_val], rows[n_train + n_val:])):
             write_listops_tsv(tsv[s], part)
         # the marker tells our generated TSVs from the release's (whose sizes are not a setting)
-        save_atomic(dict(n_train=n_train, n_val=n_val, n_test=n_test, seed=seed), marker)
+        save_atomic(wanted, marker)
+        ours = True
     else:
         print(f"ListOps: reading basic_{{train,val,test}}.tsv in {folder}/")
     parsed = {s: read_listops_tsv(tsv[s]) for s in SPLITS}
@@ -783,9 +810,9 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
         sources, labels = parsed[s]
         token_lists = [[t for t in src.split() if t not in ("(", ")")] for src in sources]
         tokens, lengths = encode_tokens(token_lists, LISTOPS_VOCAB, max_len, truncate, tsv[s])
-        meta = _meta("listops", LISTOPS_VOCAB, max_len, 10, tsv[s], seed, sizes)
+        meta = _meta("listops", LISTOPS_VOCAB, max_len, 10, tsv[s], seed if ours else None, sizes)
         meta["sha256"] = sha256_of(tsv[s])
-        meta["generated"] = os.path.dirname(tsv[s]) == task_dir and os.path.exists(marker)
+        meta["generated"] = ours
         save_atomic(dict(tokens=tokens, lengths=lengths, labels=torch.tensor(labels, dtype=torch.int64),
                          meta=meta), os.path.join(task_dir, f"{s}.pt"))
         print(f"wrote {os.path.join(task_dir, s + '.pt')}: {len(labels)} sequences, "

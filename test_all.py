@@ -1027,7 +1027,7 @@ def test_analyze_attention_and_curves_write_figures(synthetic_run, tmp_path):
                   "--data_dir", data_dir, "--out", str(tmp_path)])
     res = json.load(open(tmp_path / "attention.json"))
     assert res["pretrain_init"]["uniform_entropy"] == pytest.approx(np.log(20))
-    assert "W_Q^T W_K" in res["pretrain"]["displacement_from_first"]
+    assert "W_Q^T W_K" in res["pretrain"]["displacement"]
     analyze.main(["curves", "--run_dir", run, "--data_dir", data_dir, "--out", str(tmp_path)])
     curves = json.load(open(tmp_path / "curves_pretrain.json"))
     assert curves["steps"] == [0, 3, 4, 6]  # step 0, then every eval: step 3, the epoch end at 4, step 6
@@ -1045,7 +1045,7 @@ def test_ablate_synthetic_and_init_run_and_resume(synthetic_run, tmp_path, capsy
                                                             for n in ("spt", "scratch", "scratch_lr3x")}
     table = open(tmp_path / "ablate" / "synthetic.md").read()
     assert "SPT, then finetune" in table and "| relative displacement of W_Q^T W_K after SPT" in table
-    disp = [r["attention_spt"]["displacement_from_first"]["W_Q"] for r in res["runs"] if r["name"] == "spt"]
+    disp = [r["attention_spt"]["displacement"]["W_Q"] for r in res["runs"] if r["name"] == "spt"]
     assert f"| {sum(disp) / 2:.3f} +- " in table  # the mean over the 2 seeds, as computed by analyze.py
     capsys.readouterr()
     ablate.main(["synthetic"] + argv)  # everything is read back, nothing retrained
@@ -1812,6 +1812,23 @@ def test_finetune_result_records_what_produced_it(listops_dir, tmp_path):
     assert res["config"]["seed"] == 0 and "git_commit" in res and res["device_name"] is not None
 
 
+def test_train_accuracy_scores_a_random_subset_not_the_first_rows_of_a_class_sorted_split():
+    # A UCR-like training split sorted by class (30 of class 0, then 30 of class 1) and a model that always
+    # answers 0: its first rows would score 1.0; the whole split scores 0.5, and a 20-row draw near that.
+    class AlwaysZero(torch.nn.Module):
+        def classify(self, x, lengths):
+            return torch.stack([torch.ones(len(x)), torch.zeros(len(x))], -1)
+    n = 60
+    split = dict(tokens=torch.zeros(n, 4, dtype=torch.int16), lengths=torch.full((n,), 4),
+                 labels=torch.arange(n) // 30, meta=dict(kind="tokens"))
+    args = argparse.Namespace(device=torch.device("cpu"), dtype=torch.float32, batch_size=7, world_size=1, rank=0)
+    acc, rows = finetune.train_accuracy(AlwaysZero(), split, n_val=10, args=args)
+    assert (acc, rows) == (0.5, 60)  # small splits are scored whole
+    acc, rows = finetune.train_accuracy(AlwaysZero(), split, n_val=10, args=args, at_least=20)
+    picked = torch.randperm(n, generator=torch.Generator().manual_seed(0))[:20]
+    assert rows == 20 and acc == pytest.approx((picked < 30).float().mean().item()) and 0.2 < acc < 0.8
+
+
 def test_inherit_all_copies_fire_and_freeze_attn_freezes_it(tmp_path):
     meta = dict(task="synthetic", kind="continuous", d_input=2, max_len=20, n_classes=2)
     model = Transformer(tiny_cfg(vocab_size=0, d_input=3, max_len=20, pos="fire", n_rec=2))
@@ -2078,14 +2095,50 @@ def test_lra_tasks_pretrain_then_finetune_a_few_steps(tmp_path, task, extra):
     assert 0 < stats["spt"]["band_mass"] <= 1 and maps["spt"]["attention"][0].shape[-1] == maps["spt"]["probe"].shape[-1]
 
 
-def test_attention_maps_averaged_in_chunks_equal_the_whole_batch_mean():
+def test_attention_maps_average_real_rows_and_take_entropy_per_sequence_in_any_chunks():
     torch.manual_seed(0)
     model = Transformer(tiny_cfg(init="normal", init_std=0.3)).eval()
     x, lengths = torch.randint(2, 17, (5, 12)), torch.tensor([12, 7, 12, 3, 9])
-    whole = [p.mean(0) for p in model.encode(x, lengths, need_weights=True)[1]]
+    probs = model.encode(x, lengths, need_weights=True)[1]
+    # Brute force: loop over layers, heads, query positions and the sequences in which that position is real.
     for chunk in (1, 2, 5):
-        for a, b in zip(analyze.attention_maps(model, x, lengths, chunk=chunk), whole):
-            assert torch.allclose(a, b, atol=1e-6)
+        maps, entropies = analyze.attention_maps(model, x, lengths, chunk=chunk)
+        for layer, p in enumerate(probs):
+            for h in range(p.shape[1]):
+                for i in range(12):
+                    rows = [p[b, h, i] for b in range(5) if i < lengths[b]]
+                    assert torch.allclose(maps[layer][h, i], sum(rows) / len(rows), atol=1e-6)
+                    ent = [-(r * r.clamp_min(1e-30).log()).sum() for r in rows]
+                    assert entropies[layer][h, i].item() == pytest.approx(sum(ent).item() / len(rows), abs=1e-5)
+    # Two sequences that each attend to one (different) key: each row has entropy 0, the averaged map log 2.
+    sharp = torch.zeros(2, 1, 2, 2)
+    sharp[0, :, :, 0], sharp[1, :, :, 1] = 1, 1
+    ent = -(sharp * sharp.clamp_min(1e-30).log()).sum(-1).mean(0)
+    s = analyze.attention_stats(sharp.mean(0), band=0, entropy=ent)
+    assert s["entropy"] == pytest.approx(0.0) and s["entropy_of_mean_map"] == pytest.approx(np.log(2))
+
+
+def test_displacement_is_measured_from_each_runs_own_init(synthetic_run, tmp_path):
+    data_dir, out = synthetic_run
+    run = os.path.join(out, "synthetic")
+    assert data.run_init_path(os.path.join(run, "pretrain_last.pt")) == os.path.join(run, "pretrain_init.pt")
+    assert data.run_init_path(os.path.join(run, "finetune_x_step40.pt")) is None  # no finetune_x_init.pt
+    # A checkpoint from a run of its own (other random weights) next to the SPT run's first checkpoint:
+    torch.manual_seed(5)
+    other = Transformer(analyze.load_model(os.path.join(run, "pretrain.pt"))[0].cfg)
+    ck = data.load_pt(os.path.join(run, "pretrain.pt"))
+    for stem, weights in (("finetune_other_init", other), ("finetune_other", other)):
+        data.save_atomic(dict(ck, model=weights.state_dict()), str(tmp_path / f"{stem}.pt"))
+    with torch.no_grad():
+        other.blocks[0].attn.q_proj.weight.mul_(3)  # the "trained" one: W_Q (weight and bias) tripled
+        other.blocks[0].attn.q_proj.bias.mul_(3)
+    data.save_atomic(dict(ck, model=other.state_dict()), str(tmp_path / "finetune_other.pt"))
+    res, _ = analyze.analyze_checkpoints({"first": os.path.join(run, "pretrain_init.pt"),
+                                          "other": str(tmp_path / "finetune_other.pt")}, data_dir, n=4)
+    assert "displacement" not in res["first"]
+    assert res["other"]["displacement_from"] == str(tmp_path / "finetune_other_init.pt")
+    assert res["other"]["displacement"]["W_Q"] == pytest.approx(2.0, rel=1e-5)  # not its distance to "first"
+    assert res["other"]["displacement"]["W_K"] == pytest.approx(0.0, abs=1e-7)
 
 
 def test_pixel_ce_targets_are_the_raw_intensities():
@@ -2821,7 +2874,26 @@ def _write_listops_release(folder, rows_by_split):
         data.write_listops_tsv(os.path.join(folder, f"basic_{s}.tsv"), rows)
 
 
+def test_listops_regenerates_its_own_tsvs_made_with_other_settings_and_records_their_seed(tmp_path, capsys):
+    root, small = str(tmp_path), dict(max_len=64, min_length=5, max_length=40)
+    assert data.prepare_listops(root, n_train=8, n_val=4, n_test=4, seed=0, **small) == dict(train=8, val=4, test=4)
+    first = data.load_split(root, "listops", "train")
+    capsys.readouterr()
+    # Same settings: the TSVs are read again, nothing is generated.
+    data.prepare_listops(root, n_train=8, n_val=4, n_test=4, seed=0, **small)
+    assert "generating" not in capsys.readouterr().out
+    # Another seed and size: the stale TSVs (ours: generated.json) are not reused under the new settings' name.
+    assert data.prepare_listops(root, n_train=12, n_val=4, n_test=4, seed=7, **small) == dict(train=12, val=4, test=4)
+    out = capsys.readouterr().out
+    assert "were made with n_train=8, seed=0; this call asks for n_train=12, seed=7: generating them again" in out
+    again = data.load_split(root, "listops", "train")
+    assert again["meta"]["seed"] == 7 and again["meta"]["generated"] and len(again["labels"]) == 12
+    assert not torch.equal(again["tokens"][:8, :16], first["tokens"][:8, :16])
+    assert json.load(open(os.path.join(root, "listops", "generated.json")))["seed"] == 7
+
+
 def test_listops_release_sub_folders_are_found_and_split_balance_is_reported(tmp_path, capsys):
+    import shutil
     root = str(tmp_path)
     rows = data.generate_listops(80, seed=3, min_length=5, max_length=40)
     labels = [y for _, y in rows]
@@ -2847,13 +2919,20 @@ def test_listops_release_sub_folders_are_found_and_split_balance_is_reported(tmp
     assert f"warning: listops val: every example is of class {top} (one class only)" in out
     assert "warning: listops val: class balance differs strongly from train's (total variation distance" in out
     assert "warning: listops train" not in out
+    assert d["meta"]["seed"] is None and not d["meta"]["generated"]  # the release's: no seed of ours
+    # The whole archive extracted (its outer duplicate too): the inner copy is read, as s4 does.
+    outer = os.path.join(root, "listops", "lra_release", "listops-1000")
+    _write_listops_release(outer, {"train": rest[:10], "val": rest[10:20], "test": rest[20:30]})
+    assert data.prepare_listops(root, n_train=10, n_val=5, n_test=5, max_len=64, min_length=5,
+                                max_length=40) == sizes
+    assert f"using the inner one, {release}/ (as s4), not {outer}/" in capsys.readouterr().out
+    shutil.rmtree(outer)
     # Two folders holding the files: which data set is meant is unclear, so refuse and list both.
     other = os.path.join(root, "listops", "listops-1000")
     _write_listops_release(other, splits)
     with pytest.raises(ValueError, match="in 2 folders") as e:
         data.prepare_listops(root, n_train=10, n_val=5, n_test=5, max_len=64, min_length=5, max_length=40)
     assert f"{other}/" in str(e.value) and f"{release}/" in str(e.value)
-    import shutil
     shutil.rmtree(os.path.join(root, "listops", "lra_release"))
     os.remove(os.path.join(other, "basic_test.tsv"))
     with pytest.raises(FileNotFoundError, match=r"incomplete LRA ListOps release: .*listops-1000/ holds "
@@ -2972,8 +3051,8 @@ def test_data_cli_prepares_listops_and_synthetic_with_the_flags_given(tmp_path):
                "--max_len", "700", "--truncate", "--seed", "2"])
     d = data.load_split(root, "listops", "train")
     assert len(d["labels"]) == 6 and d["tokens"].shape[1] == 700 and int(d["lengths"].max()) == 700  # cut, not failed
-    assert json.load(open(os.path.join(root, "listops", "generated.json"))) == dict(n_train=6, n_val=3, n_test=3,
-                                                                                    seed=2)
+    assert json.load(open(os.path.join(root, "listops", "generated.json"))) == dict(
+        n_train=6, n_val=3, n_test=3, seed=2, min_length=500, max_length=2000)
     with pytest.raises(SystemExit, match=r"^error: --max_len does not apply to --task synthetic \(it takes: --n_train, "
                                          r"--n_val, --n_test, --seed, --length\)$"):
         data.run_cli(lambda argv: data.main(["--task", "synthetic", "--data_dir", root, "--max_len", "50"]))
