@@ -298,9 +298,10 @@ def describe_data(data_dir, task):
 
 
 def run_note(args):
-    """The end of a table's footer: the --init_scheme / --length flags of its command (when not the default), the
-    scheme in words, and the step cap if one was set."""
-    flag = "" if args.init_scheme == "reference" else f" --init_scheme {args.init_scheme}"
+    """The end of a table's footer: the --seeds / --init_scheme / --length flags of its command (when not the
+    default), the scheme in words, and the step cap if one was set."""
+    flag = f" --seeds {args.seeds}" if args.seeds != getattr(args, "default_seeds", args.seeds) else ""
+    flag += "" if args.init_scheme == "reference" else f" --init_scheme {args.init_scheme}"
     flag += f" --length {args.length}" if args.length != 100 else ""
     cap = f"; every run capped at {args.max_steps} steps" if args.max_steps else ""
     return f"{flag}; init scheme {args.init_scheme} ({INIT_NOTES[args.init_scheme]}){cap}"
@@ -539,7 +540,8 @@ def experiment_swap(args):
     pf = describe_data(pf_dir, "pathfinder")
     steps = f"{args.steps} steps per stage (batch 16)" if args.steps else "the preset's budget"
     rows.append(f"\n{pf}, difficulty {args.difficulty}. {describe_data(args.data_dir, image)}. The preset's model, {steps}. "
-                f"Train accuracy on a training subset of the validation split's size. Seeds: {args.seeds}; preset "
+                f"Train accuracy on a fixed random subset of the training split (finetune.train_accuracy). "
+                f"Seeds: {args.seeds}; preset "
                 f"{args.preset}; command: python ablate.py swap" + (f" --difficulty {args.difficulty} --n_images "
                 f"{args.n_images}" if args.n_images else "") + (f" --steps {args.steps}" if args.steps else "")
                 + run_note(args))
@@ -1261,7 +1263,8 @@ def build_parser():
 
     def add(name, help, flags=("seeds", "jobs", "runs", "scheme", "download"), seeds=5):
         s = sub.add_parser(name, help=help, description=help, formatter_class=fmt)
-        s.set_defaults(length=100, download=False, init_scheme="reference", seeds=1, max_steps=0, only_seed=None)
+        s.set_defaults(length=100, download=False, init_scheme="reference", seeds=1, max_steps=0, only_seed=None,
+                       default_seeds=seeds)
         if "seeds" in flags:
             s.add_argument("--seeds", type=int, default=seeds, help="runs per row, seeds 0..N-1")
         if "jobs" in flags:

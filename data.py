@@ -1338,7 +1338,8 @@ def read_imdb(folder, split):
 
 def _fetch(folder, marker, url, archive, prefix, download, sha256, what, hint=""):
     """Make sure `marker` exists under `folder`: else download `url` to `archive` and extract `prefix` into
-    `folder`. Raises FileNotFoundError naming what is expected where (and `hint`) when download is False."""
+    `folder` (through `folder`.partial, so that an interrupted extraction never leaves `marker` over a partial
+    set). Raises FileNotFoundError naming what is expected where (and `hint`) when download is False."""
     if os.path.lexists(os.path.join(folder, marker)):  # lexists: a broken git-annex link is for the reader to name
         return None
     manual = (f"Download {url} by hand and extract {prefix}* into {folder}/ (expected: {folder}/{marker}), "
@@ -1351,12 +1352,22 @@ def _fetch(folder, marker, url, archive, prefix, download, sha256, what, hint=""
     else:
         digest = sha256_of(archive)
         print(f"using the archive already at {archive} (sha256 {digest})")
+    staging = folder.rstrip("/") + ".partial"  # extracted here first: `marker` appears only once all is there
+    shutil.rmtree(staging, ignore_errors=True)  # what an interrupted extraction left
     try:
-        extract_tar(archive, folder, prefix)
+        extract_tar(archive, staging, prefix)
     except ValueError:
         if downloaded:  # not what we asked for: do not keep it, or every later run would reuse it
             os.remove(archive)
         raise
+    first = marker.split("/")[0]
+    os.makedirs(folder, exist_ok=True)
+    for name in sorted(os.listdir(staging), key=lambda n: n == first):  # the marker's entry last
+        target = os.path.join(folder, name)
+        if os.path.isdir(target) and not os.path.islink(target):
+            shutil.rmtree(target)  # a partial copy from before staging existed
+        os.replace(os.path.join(staging, name), target)
+    os.rmdir(staging)
     return dict(url=url, sha256=digest)
 
 
@@ -1400,8 +1411,9 @@ def read_aan_tsv(path):
     """Read an LRA AAN file new_aan_pairs.<split>.tsv: no header, 5 tab-separated fields per line
     (label, id1, id2, text1, text2; label a float that must be 0 or 1).
 
-    Returns (docs1, docs2: lists of UTF-8 bytes, labels: list of int). Raises FileNotFoundError naming the path,
-    ValueError naming file and line for a wrong field count or a label that is not 0 or 1, or naming the file for
+    Lines end at a newline byte only (a bare carriage return inside a text is part of it). Returns (docs1, docs2:
+    lists of bytes as in the file, labels: list of int). Raises FileNotFoundError naming the path, ValueError
+    naming file and line for a wrong field count or a label that is not 0 or 1, or naming the file for
     a Git LFS pointer or git-annex link in place of it.
     """
     check_not_a_pointer(path, f"the LRA release {LRA_URL}, folder tsv_data/")
@@ -1409,9 +1421,9 @@ def read_aan_tsv(path):
         raise FileNotFoundError(f"{path}: no such file; expected the LRA release file tsv_data/"
                                 f"{os.path.basename(path)}")
     docs1, docs2, labels = [], [], []
-    with open(path, encoding="utf-8", newline="") as f:
+    with open(path, "rb") as f:  # bytes: only b"\n" ends a line (a text-mode read also splits at a bare \r)
         for line, text in enumerate(f, 1):
-            fields = text.rstrip("\r\n").split("\t")  # LRA reads these without quote handling
+            fields = text.rstrip(b"\r\n").split(b"\t")  # LRA reads these without quote handling
             if len(fields) != 5:
                 raise ValueError(f"{path}, line {line}: {len(fields)} tab-separated fields, expected 5 "
                                  f"(label, id1, id2, text1, text2)")
@@ -1420,10 +1432,10 @@ def read_aan_tsv(path):
             except ValueError:
                 label = None
             if label not in (0.0, 1.0):
-                raise ValueError(f"{path}, line {line}: label {fields[0]!r}, expected 0 or 1")
+                raise ValueError(f"{path}, line {line}: label {fields[0].decode(errors='replace')!r}, expected 0 or 1")
             labels.append(int(label))
-            docs1.append(fields[3].encode("utf-8"))
-            docs2.append(fields[4].encode("utf-8"))
+            docs1.append(fields[3])  # the model reads bytes: kept as they are in the file
+            docs2.append(fields[4])
     return docs1, docs2, labels
 
 
@@ -1505,20 +1517,25 @@ def to_grayscale(rgb):
     return np.clip(np.rint(luma), 0, 255).astype(np.uint8)
 
 
-def _split_off_val(n, n_val, seed):
-    """A fixed random split of range(n) into (train indices, val indices) with `n_val` for validation; ValueError
-    unless 1 <= n_val < n (a validation split that would leave no training example)."""
+def _split_off_val(n, n_val, seed, s4_order):
+    """A fixed random split of range(n) into (train indices, val indices) with `n_val` for validation, from a
+    permutation seeded with `seed`. s4_order: train = its first n - n_val, val = the rest, as s4's
+    torch.utils.data.random_split (so CIFAR10's validation images are s4's and Amos et al.'s); otherwise val =
+    its first n_val (Fashion-MNIST, which has no reference split; the README's tables were made with it).
+    ValueError unless 1 <= n_val < n (a validation split that would leave no training example)."""
     if not 1 <= n_val < n:
         raise ValueError(f"n_val {n_val}: expected 1..{n - 1} for {n} training examples (the rest are trained on)")
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    return perm[n_val:].sort().values, perm[:n_val].sort().values
+    train, val = (perm[:n - n_val], perm[n - n_val:]) if s4_order else (perm[n_val:], perm[:n_val])
+    return train.sort().values, val.sort().values
 
 
-def _pixel_splits(images, labels, test_images, test_labels, n_val, seed):
-    """uint8 images (N, H, W) -> {split: dict(pixels (n, H*W) uint8, lengths, labels)} with a seeded val split."""
+def _pixel_splits(images, labels, test_images, test_labels, n_val, seed, s4_order):
+    """uint8 images (N, H, W) -> {split: dict(pixels (n, H*W) uint8, lengths, labels)} with a seeded val split
+    (_split_off_val)."""
     pixels, test_pixels = torch.from_numpy(images).flatten(1), torch.from_numpy(test_images).flatten(1)
     labels, test_labels = torch.as_tensor(labels), torch.as_tensor(test_labels)
-    train, val = _split_off_val(len(labels), n_val, seed)
+    train, val = _split_off_val(len(labels), n_val, seed, s4_order)
     L = pixels.shape[1]
     return {"train": dict(pixels=pixels[train], lengths=torch.full((len(train),), L), labels=labels[train]),
             "val": dict(pixels=pixels[val], lengths=torch.full((len(val),), L), labels=labels[val]),
@@ -1541,7 +1558,7 @@ def prepare_image(data_dir="data", n_val=5000, seed=42, download=True, url=CIFAR
     test_rgb, test_labels = read_cifar_batch(os.path.join(folder, "test_batch"))
     images = to_grayscale(np.concatenate([p[0] for p in parts]))
     labels = np.concatenate([p[1] for p in parts])
-    splits = _pixel_splits(images, labels, to_grayscale(test_rgb), test_labels, n_val, seed)
+    splits = _pixel_splits(images, labels, to_grayscale(test_rgb), test_labels, n_val, seed, s4_order=True)
     meta = _pixel_meta("image", 1024, 10, CIFAR_MEAN, CIFAR_STD, folder, seed, download=fetched,
                        grayscale="ITU-R 601 luma", sha256=sha256_of(os.path.join(folder, "test_batch")))
     return _save_splits(task_dir, splits, meta)
@@ -1568,13 +1585,18 @@ def read_idx(path):
 
 def find_fashion_mnist(data_dir):
     """The folder holding Fashion-MNIST's four IDX files: <data_dir>/fashion_mnist/, then FASHION_DIRS."""
+    stems = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+    partial = []
     for folder in (os.path.join(data_dir, "fashion_mnist"),) + FASHION_DIRS:
-        if all(_idx_path(folder, stem) for stem in ("train-images-idx3-ubyte", "t10k-labels-idx1-ubyte")):
+        missing = [stem for stem in stems if not _idx_path(folder, stem)]
+        if not missing:
             return folder
+        if len(missing) < len(stems):
+            partial.append(f"{folder}/ lacks {', '.join(missing)}")
     raise FileNotFoundError(
-        f"Fashion-MNIST not found: expected train-images-idx3-ubyte(.gz), train-labels-idx1-ubyte(.gz), "
-        f"t10k-images-idx3-ubyte(.gz), t10k-labels-idx1-ubyte(.gz) in {os.path.join(data_dir, 'fashion_mnist')}/ "
-        f"or {' or '.join(FASHION_DIRS)}/ (Debian/Ubuntu: apt install dataset-fashion-mnist)")
+        f"Fashion-MNIST not found: expected {', '.join(s + '(.gz)' for s in stems)} in "
+        f"{os.path.join(data_dir, 'fashion_mnist')}/ or {' or '.join(FASHION_DIRS)}/ (Debian/Ubuntu: apt install "
+        f"dataset-fashion-mnist)" + "".join(f"; {p}" for p in partial))
 
 
 def _idx_path(folder, stem):
@@ -1639,7 +1661,7 @@ def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, download=True, u
             blocks = images.reshape(len(images), 16, 2, 16, 2).astype(np.uint16).sum(axis=(2, 4))
             images = ((blocks + 2) // 4).astype(np.uint8)
         arrays[split] = (images, labels)
-    splits = _pixel_splits(*arrays["train"], *arrays["test"], n_val, seed)
+    splits = _pixel_splits(*arrays["train"], *arrays["test"], n_val, seed, s4_order=False)
     if n_train is not None:
         available = len(splits["train"]["labels"])
         if not 1 <= n_train <= available:
@@ -2137,6 +2159,9 @@ def save_pathfinder_grid(images, labels, path, n=16):
     save_atomic(lambda f: fig.savefig(f, format="png", dpi=100), path)
 
 
+PATHFINDER_RELEASE_SIZE = 200_000  # images per resolution and difficulty in lra_release (160k/20k/20k)
+
+
 def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=42, generate=None,
                        generate_if_missing=None, download=True, url=LRA_URL, sha256=None, task="pathfinder"):
     """Write data/<task>/{train,val,test}.pt from the PathFinder release folder
@@ -2146,7 +2171,8 @@ def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=4
     first, replacing an earlier generated set; a folder of real release data is never overwritten); else the
     folder as it is; else, with `generate_if_missing=N` (the CPU presets), N generated images; else extracted from the LRA release (downloaded if absent; FileNotFoundError naming the
     folder when download is False). Empty or missing PNGs are skipped, counted and printed with their paths.
-    Split 80/10/10 (LRA: 160k/20k/20k of 200k) by a permutation seeded with `seed`; pixels (N, resolution^2)
+    Split 80/10/10 (LRA: 160k/20k/20k of 200k) by a permutation seeded with `seed`, for release data in s4's
+    order (train, val, test: torch random_split); pixels (N, resolution^2)
     uint8, normalized at batch time to [-1, 1] (mean 0.5, std 0.5, Amos et al.). Returns the split sizes.
     """
     if difficulty not in PATHFINDER_DIFFICULTY:
@@ -2164,23 +2190,37 @@ def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=4
                                   f"(use another --data_dir to generate)")
         shutil.rmtree(root, ignore_errors=True)
         images, labels = generate_pathfinder(generate, seed, resolution, contour_length)
-        write_pathfinder_release(root, images, labels, contour_length=contour_length)
+        partial = root + ".partial"  # renamed to `root` once complete: an interrupted run leaves no half set there
+        shutil.rmtree(partial, ignore_errors=True)
+        write_pathfinder_release(partial, images, labels, contour_length=contour_length)
+        save_atomic(dict(n=generate, seed=seed, resolution=resolution, contour_length=contour_length),
+                    os.path.join(partial, "generated.json"))
+        os.replace(partial, root)
         save_pathfinder_grid(images, labels, os.path.join(task_dir, "samples.png"))
         print(f"generated {generate} images in {root}; a look at 16 of them: {task_dir}/samples.png")
-        save_atomic(dict(n=generate, seed=seed, resolution=resolution, contour_length=contour_length), marker)
     elif not os.path.isdir(os.path.join(root, "metadata")):
         prefix = f"{LRA_INNER}pathfinder{resolution}/{sub}/"
         fetched = _fetch(root, "metadata", url, os.path.join(data_dir, "lra_release.gz"), prefix, download,
                          sha256, f"PathFinder {resolution}x{resolution} ({difficulty})",
                          f"Or generate a set with our generator: python data.py --task {task} --generate 2000")
     images, labels, skipped = read_pathfinder_release(root)
+    if images.shape[1] != resolution:
+        raise ValueError(f"{root}: images are {images.shape[1]}x{images.shape[2]}, expected {resolution}x{resolution} "
+                         f"(--resolution {resolution})")
+    if not os.path.exists(marker) and len(labels) + len(skipped) != PATHFINDER_RELEASE_SIZE:
+        print(f"warning: {root}: {len(labels) + len(skipped)} images listed in metadata/, the LRA release has "
+              f"{PATHFINDER_RELEASE_SIZE} per difficulty (an incomplete copy?)")
     if skipped:
         print(f"{root}: skipped {len(skipped)} images: " +
               "; ".join(f"{path} ({why})" for path, why in skipped[:20]) + (" ..." if len(skipped) > 20 else ""))
     n = len(labels)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     n_val = n_test = n // 10
-    parts = {"train": perm[n_val + n_test:], "val": perm[:n_val], "test": perm[n_val:n_val + n_test]}
+    if os.path.exists(marker):  # our generated sets: val, test, then train (the README's tables were made so)
+        parts = {"train": perm[n_val + n_test:], "val": perm[:n_val], "test": perm[n_val:n_val + n_test]}
+    else:  # release data: s4's random_split order (train, val, test), so val and test are s4's images
+        n_train = n - n_val - n_test
+        parts = {"train": perm[:n_train], "val": perm[n_train:n_train + n_val], "test": perm[n_train + n_val:]}
     pixels, labels, L = torch.from_numpy(images).flatten(1), torch.from_numpy(labels), resolution ** 2
     splits = {s: dict(pixels=pixels[i], lengths=torch.full((len(i),), L), labels=labels[i]) for s, i in parts.items()}
     meta = _pixel_meta(task, L, 2, 0.5, 0.5, root, seed, resolution=resolution, difficulty=difficulty,

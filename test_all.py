@@ -13,6 +13,7 @@ import os
 import pickle
 import random
 import re
+import tarfile
 
 import numpy as np
 import pytest
@@ -192,7 +193,7 @@ def test_batches_cover_the_split_once_and_are_seeded():
 
 def test_sinusoidal_positions_closed_form():
     P = sinusoidal_positions(50, 8)
-    t, i = 17, 3  # column 2i = 6 is sin, 2i+1 = 7 is cos of t / 10000^(6/8)
+    t = 17  # with i = 3: column 2i = 6 is sin, 2i+1 = 7 is cos of t / 10000^(6/8)
     assert torch.isclose(P[t, 6], torch.tensor(np.sin(t / 10000 ** (6 / 8)), dtype=torch.float32))
     assert torch.isclose(P[t, 7], torch.tensor(np.cos(t / 10000 ** (6 / 8)), dtype=torch.float32))
 
@@ -1909,6 +1910,13 @@ def test_retrieval_reads_aan_pairs_and_encodes_each_document_on_its_own(tmp_path
     assert flat_x.shape[0] == 6 and torch.equal(flat_lengths, lengths.flatten())
 
 
+def test_aan_reader_keeps_a_bare_carriage_return_inside_a_text_and_its_bytes_as_they_are(tmp_path):
+    path = tmp_path / "new_aan_pairs.train.tsv"
+    path.write_bytes(b"1\ta\tb\tline one\rstill one\tcaf\xc3\xa9 \xff\r\n0.0\tc\td\tx\ty\n")
+    docs1, docs2, labels = data.read_aan_tsv(str(path))
+    assert docs1 == [b"line one\rstill one", b"x"] and docs2 == [b"caf\xc3\xa9 \xff", b"y"] and labels == [1, 0]
+
+
 @pytest.mark.parametrize("line, message", [
     ("1\ta\tb\tonly four fields", "line 2: 4 tab-separated fields, expected 5"),
     ("2.0\ta\tb\tx\ty", "line 2: label '2.0', expected 0 or 1"),
@@ -2605,6 +2613,13 @@ def test_pathfinder_generate_command_prepare_and_train_a_few_steps(tmp_path, cap
     assert "skipped 1 images" in printed and "sample_5.png (missing file)" in printed
     assert sum(len(data.load_split(root, "pathfinder", s)["labels"]) for s in data.SPLITS) == 59
     os.remove(os.path.join(release, "generated.json"))
+    data.prepare_pathfinder(root)  # now counts as release data: its size is compared with the release's
+    assert f"warning: {release}: 60 images listed in metadata/, the LRA release has 200000" in capsys.readouterr().out
+    # ... and it is split as s4 splits the release: torch's random_split (train, val, test), seed 42.
+    images = torch.from_numpy(data.read_pathfinder_release(release)[0]).flatten(1)
+    parts = torch.utils.data.random_split(range(59), [49, 5, 5], generator=torch.Generator().manual_seed(42))
+    for s, part in zip(data.SPLITS, parts):
+        assert torch.equal(data.load_split(root, "pathfinder", s)["pixels"], images[part.indices])
     with pytest.raises(FileExistsError, match="not made by our generator"):
         data.prepare_pathfinder(root, generate=10)
     with pytest.raises(FileNotFoundError, match=r"pathfinder128/curv_contour_length_14.*--task pathx --generate"):
@@ -2613,6 +2628,52 @@ def test_pathfinder_generate_command_prepare_and_train_a_few_steps(tmp_path, cap
     pretrain.main(common + TINY + ["--rec_loss", "ce"])
     finetune.main(common + TINY + ["--init", os.path.join(out, "pathfinder", "pretrain.pt")])
     assert json.load(open(os.path.join(out, "pathfinder", "finetune_spt.json")))["task"] == "pathfinder"
+
+
+def test_cifar10_validation_split_is_s4s_random_split_and_fashion_mnist_keeps_its_own():
+    train, val = data._split_off_val(500, 50, 42, s4_order=True)
+    s4_train, s4_val = torch.utils.data.random_split(range(500), [450, 50], generator=torch.Generator().manual_seed(42))
+    assert train.tolist() == sorted(s4_train.indices) and val.tolist() == sorted(s4_val.indices)
+    train, val = data._split_off_val(500, 50, 42, s4_order=False)  # val = the permutation's first 50
+    assert val.tolist() == sorted(torch.randperm(500, generator=torch.Generator().manual_seed(42))[:50].tolist())
+    assert sorted(train.tolist() + val.tolist()) == list(range(500))
+
+
+def test_pathfinder_interrupted_generation_or_extraction_leaves_no_set_to_read(tmp_path, monkeypatch):
+    root = str(tmp_path)
+    release = os.path.join(root, "pathfinder", "pathfinder32", "curv_contour_length_14")
+    real_write = data.write_pathfinder_release
+
+    def interrupted(folder, images, labels, **kw):  # the first 10 images written, then the run is stopped
+        real_write(folder, images[:10], labels[:10], per_folder=5, **kw)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(data, "write_pathfinder_release", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        data.prepare_pathfinder(root, generate_if_missing=40)
+    assert not os.path.exists(release)  # only release.partial: nothing a later run would take for a whole set
+    monkeypatch.setattr(data, "write_pathfinder_release", real_write)
+    assert data.prepare_pathfinder(root, generate_if_missing=40) == {"train": 32, "val": 4, "test": 4}
+    assert not os.path.exists(release + ".partial")
+    # An extraction stopped midway (the marker metadata/ would exist early in a plain extraction):
+    archive = str(tmp_path / "lra_release.gz")
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(release, arcname=data.LRA_INNER + "pathfinder32/curv_contour_length_9")
+    real_extract = data.extract_tar
+
+    def stopped(archive, into, prefix):
+        real_extract(archive, into, prefix)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(data, "extract_tar", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        data.prepare_pathfinder(root, difficulty="intermediate", download=True)
+    assert not os.path.exists(os.path.join(root, "pathfinder", "pathfinder32", "curv_contour_length_9"))
+    monkeypatch.setattr(data, "extract_tar", real_extract)
+    assert data.prepare_pathfinder(root, difficulty="intermediate", download=True)["train"] == 32
+    # Images of another size than --resolution are refused, not read as a quarter of each image.
+    big = os.path.join(root, "pathfinder", "pathfinder32", "curv_baseline")
+    data.write_pathfinder_release(big, np.zeros((4, 64, 64), np.uint8), np.array([0, 1, 0, 1]))
+    with pytest.raises(ValueError, match="images are 64x64, expected 32x32"):
+        data.prepare_pathfinder(root, difficulty="easy")
 
 
 def test_pathx_runs_a_few_steps_with_local_attention(tmp_path):
