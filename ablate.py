@@ -323,7 +323,7 @@ def budget_probe(args, task, common):
         f"; budget per stage: {FASHION_CPU['epochs']} epochs (batch 16, lr 1e-3), validation every epoch. Probe, "
         f"from scratch for {2 * FASHION_CPU['epochs']} epochs (seed 0): best val acc {at_budget:.3f} within the "
         f"budget, {probe['best_val_acc']:.3f} within twice it; plateau exit = first epoch with val acc >= "
-        f"{threshold:.2f} (0.9 x the probe's best)")
+        f"{threshold:.2f} (0.9 x the probe's best, rounded)")
 
 
 def displacement_rows(rs, paper=False):
@@ -364,7 +364,7 @@ def experiment_synthetic(args):
         rows.append(f"| {label} | " + cells([r for r in runs if r["name"] == name], "best_val_acc", "test_acc",
                                             "train_acc", "exit") + " |")
     spt = [r for r in runs if r["name"] == "spt"]
-    rows += ["", "| attention (layer 0, head 0, validation mean) | at init | after SPT | paper (Sec. 4) |",
+    rows += ["", "| attention (layer 0, mean over validation sequences and heads) | at init | after SPT | paper (Sec. 4) |",
              "|---|---|---|---|"]
     for key, label, paper in (("entropy", "entropy (nats)", "near maximal at init"),
                               ("band_mass", "band mass, abs(i-j) <= 3", "diagonally dominated after SPT"),
@@ -785,6 +785,8 @@ def experiment_initscale(args):
         for stage, result in (("scratch", scratch), ("spt", spt)):
             runs.append(summary(seed, result, kind=kind, scale=scale, length=length, stage=stage,
                                 best_step=result["best_step"], entropy_at_init=stats["entropy"] / stats["uniform_entropy"]))
+    if args.child:
+        return  # a --jobs child (one kind): the parent writes the whole table
     rows = ["| init | scale | L | entropy at init / log L | val acc, from scratch | epoch >= 0.9 (runs) | "
             "val acc, SPT then finetune | epoch >= 0.9 (runs) |", "|---|---|---|---|---|---|---|---|"]
     for kind, scale, length in ((k, s, L) for k in args.kinds for s in args.scales for L in args.lengths):
@@ -820,7 +822,8 @@ def run_in_parallel(experiment, args, flag, values, log_name=None):
             log = os.path.join(args.out_dir, "ablate", f"{log_name or experiment + '_'}{value}.log")
             os.makedirs(os.path.dirname(log), exist_ok=True)
             print(f"{experiment}: {flag} {value} in a process of its own, log {log}")
-            cmd = [sys.executable, os.path.abspath(__file__), experiment] + argv + [flag, str(value), "--jobs", "1"]
+            cmd = [sys.executable, os.path.abspath(__file__), experiment] + argv + [flag, str(value), "--jobs", "1",
+                                                                                  "--child"]
             running.append((value, log, subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                                                          env=dict(os.environ, OMP_NUM_THREADS="1"))))
         time.sleep(0.2)
@@ -1264,13 +1267,14 @@ def build_parser():
     def add(name, help, flags=("seeds", "jobs", "runs", "scheme", "download"), seeds=5):
         s = sub.add_parser(name, help=help, description=help, formatter_class=fmt)
         s.set_defaults(length=100, download=False, init_scheme="reference", seeds=1, max_steps=0, only_seed=None,
-                       default_seeds=seeds)
+                       child=False, default_seeds=seeds)
         if "seeds" in flags:
             s.add_argument("--seeds", type=int, default=seeds, help="runs per row, seeds 0..N-1")
         if "jobs" in flags:
             s.add_argument("--jobs", type=int, default=1, help="seeds run at once, a process (one thread) each; the "
                                                                "table is written once all have finished")
-            s.add_argument("--only_seed", type=int, default=None, help=argparse.SUPPRESS)  # a --jobs child
+            s.add_argument("--only_seed", type=int, default=None, help=argparse.SUPPRESS)  # a --jobs child's seed
+            s.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a --jobs child: no table
         if "runs" in flags:
             s.add_argument("--preset", default="cpu", choices=("cpu", "paper"), help="every run's preset (paper: GPU)")
             s.add_argument("--data_dir", default="data", help="root of data/<task>/ (made there when missing)")
@@ -1327,6 +1331,7 @@ def build_parser():
     s.add_argument("--batch_size", type=int, default=32, help="trajectories per step")
     s.add_argument("--quick", action="store_true", help="a small grid (scales 0.25 1, L 50 100, 4 epochs of 500)")
     s.add_argument("--jobs", type=int, default=2, help="processes run at once, one per init kind (one thread each)")
+    s.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a --jobs child: no table
     s = sub.add_parser("bench", help="time one SPT step: ours (fused, explicit) vs torch.nn.TransformerEncoder",
                        formatter_class=fmt)
     s.add_argument("--size", default="cpu", help=f"one of {', '.join(BENCH_SIZES)}, or L,d_model,layers,heads,MLP,batch")

@@ -9,7 +9,7 @@ Reads checkpoints (*.pt) and the task's validation split only; trains nothing. W
 Agg) and JSON numbers into --out (default out/analysis). The same commands run on GPU checkpoints of the paper
 preset (pass --ckpt paths of any task; the maps are averaged over validation sequences).
 Expect: prop1 in ~10 s (supervised derivative ~1e-18, closed form to ~1e-14); attention on the synthetic run in
-~10 s: under the default reference init, entropy 4.58 -> ~2.3 nats, band mass 0.11 -> ~0.87, PE-only probe
+~10 s: under the default reference init, entropy 4.56 -> ~2.2 nats, band mass 0.11 -> ~0.87, PE-only probe
 correlation 0.87 -> ~0.98 (under --init_scheme normal: 4.61 -> ~2.2, 0.07 -> ~0.88, ~0.997 after SPT).
 
 Sections: 1. Proposition 1  2. attention after self-pretraining  3. the figures of ablate.py's experiments
@@ -381,9 +381,10 @@ def analyze_checkpoints(paths, data_dir, n=64, band=3):
 
 def displacement(start, model):
     """norm(W - W_start) / norm(W_start) per parameter group (relative_displacement), and for layer 0's
-    W_Q^T W_K of head 0 (qk_product), from the model `start` to `model`."""
+    W_Q,h^T W_K,h (qk_product) over all its heads h together, from the model `start` to `model`."""
     moved = relative_displacement(start.state_dict(), model.state_dict())
-    qk0, qk = qk_product(start), qk_product(model)
+    heads = range(model.blocks[0].attn.n_heads)
+    qk0, qk = (torch.stack([qk_product(m, 0, h) for h in heads]) for m in (start, model))
     moved["W_Q^T W_K"] = ((qk - qk0).norm() / qk0.norm()).item()
     return moved
 

@@ -77,21 +77,25 @@ def save_atomic(obj, path, fsync=True):
     """
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"  # per process: two writers of one file never share a temporary
-    with open(tmp, "wb") as f:
-        if path.endswith(".json"):
-            f.write(json.dumps(obj, indent=1).encode())
-        elif isinstance(obj, str):
-            f.write(obj.encode())
-        elif isinstance(obj, bytes):
-            f.write(obj)
-        elif callable(obj):
-            obj(f)
-        else:
-            torch.save(obj, f)
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            if path.endswith(".json"):
+                f.write(json.dumps(obj, indent=1).encode())
+            elif isinstance(obj, str):
+                f.write(obj.encode())
+            elif isinstance(obj, bytes):
+                f.write(obj)
+            elif callable(obj):
+                obj(f)
+            else:
+                torch.save(obj, f)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a failed or interrupted write leaves neither `path` changed nor the temporary behind
+        _remove_if_there(tmp)
+        raise
 
 
 def load_pt(path, map_location="cpu"):

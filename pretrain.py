@@ -547,6 +547,12 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
     state = dict(step=0, epoch=0, batch_in_epoch=0, best=None, best_metrics=None, n_batches=n_batches)
     if args.resume:
         state = resume(model, opt, paths, n_batches, args, extra) or state
+        if state["step"] > total:  # read back as this run, it would hand on weights trained longer than asked
+            raise ValueError(f"--resume: the checkpoint in {os.path.dirname(paths['last']) or '.'} is at step "
+                             f"{state['step']}, past this run's {total} steps (--epochs {args.epochs}, --max_steps "
+                             f"{args.max_steps}): give the budget it ran with, or start a new --out_dir")
+        if state["step"] > 0 and args.rank == 0:
+            truncate_log(paths["log"], state["step"])
     print(f"{count_params(model):,} trainable parameters; {total} steps ({n_batches} per epoch)")
     run = dict(model=model, opt=opt, state=state, args=args, paths=paths, extra=extra, record=run_record(args),
                eval_fn=eval_fn, higher_is_better=higher_is_better, total=total, t_process=time.time(),
@@ -686,6 +692,19 @@ def save_checkpoint(run, path, metrics):
                                      **run["record"], **run["extra"]), path)
 
 
+def truncate_log(path, step):
+    """Drop the log lines past `step` (what a stopped run logged after its last checkpoint, which the resumed run
+    logs again), so that each step appears once. Rewritten atomically; prints how many lines were dropped."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    keep = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    if len(keep) < len(lines):
+        data.save_atomic("".join(keep), path)
+        print(f"--resume: dropped {len(lines) - len(keep)} lines of {path} logged after step {step} (logged again)")
+
+
 def append_log(run, entry):
     """One JSON line in paths["log"] (rank 0 only)."""
     if run["args"].rank == 0:
@@ -723,7 +742,8 @@ def resume(model, opt, paths, n_batches, args, extra):
 
 
 # Flags a resumed run must share with its checkpoint (--epochs and --max_steps only say where to stop, and may grow).
-RESUME_SAME = ("lr", "warmup", "weight_decay", "grad_clip", "seed", "mask_ratio", "rec_loss", "init", "inherit", "freeze")
+RESUME_SAME = ("lr", "warmup", "weight_decay", "grad_clip", "seed", "mask_ratio", "rec_loss", "init", "inherit", "freeze",
+               "batch_size")
 
 
 def check_resumable(ck, cfg, n_batches, data_sha256=None, config=None):
@@ -762,7 +782,7 @@ def is_better(metrics, state, metric, higher_is_better, tiebreak=None):
     the model of an early step merely because it came first.
     """
     best = state["best_metrics"]
-    if best is None:
+    if best is None or not math.isfinite(best[metric]):  # a NaN best would otherwise never be replaced
         return True
     value, ref = metrics[metric], best[metric]
     if value != ref:

@@ -1164,7 +1164,7 @@ def test_ablate_length_variant_has_its_own_data_runs_and_tables(tmp_path):
     ablate.main(["synthetic"] + argv)
     assert data.load_split(str(tmp_path / "data" / "synthetic_L16"), "synthetic", "val")["meta"]["max_len"] == 16
     table = open(tmp_path / "out" / "ablate" / "synthetic_L16.md").read()
-    assert "command: python ablate.py synthetic --length 16;" in table and "over 16 steps" in table
+    assert "command: python ablate.py synthetic --seeds 1 --length 16;" in table and "over 16 steps" in table
     assert (tmp_path / "out" / "ablate" / "reference" / "synthetic_L16" / "seed0" / "synthetic" / "pretrain.pt").exists()
     assert not (tmp_path / "out" / "ablate" / "synthetic.md").exists()
     with pytest.raises(SystemExit):
@@ -1186,7 +1186,8 @@ def test_ablate_initscale_runs_its_grid_and_writes_table_and_figure(tmp_path):
     assert "| reference | 0.5 | 12 |" in table and "| torch | 1 | 20 |" in table
     assert (tmp_path / "out" / "analysis" / "initscale.png").stat().st_size > 10_000
     for kind in ("reference", "torch"):  # each kind ran in a process of its own (--jobs 2, the default)
-        assert "self-pretraining synthetic" in (tmp_path / "out" / "ablate" / f"initscale_{kind}.log").read_text()
+        log = (tmp_path / "out" / "ablate" / f"initscale_{kind}.log").read_text()
+        assert "self-pretraining synthetic" in log and "initscale.json" not in log  # the parent writes the table
     ck = data.load_pt(str(tmp_path / "out" / "ablate" / "initscale" / "torch" / "x0.5" / "L20" / "seed0" /
                           "synthetic" / "pretrain.pt"))
     assert (ck["model_config"]["init"], ck["model_config"]["init_scale"], ck["model_config"]["max_len"]) == \
@@ -1289,8 +1290,38 @@ def test_resume_refuses_a_checkpoint_of_other_data_or_another_schedule(listops_d
         pretrain.main(args + ["--data_dir", other, "--max_steps", "4", "--resume"])
     with pytest.raises(ValueError, match="made with lr=0.001; this run has lr=0.002"):
         pretrain.main(args + ["--data_dir", listops_dir, "--max_steps", "4", "--resume", "--lr", "2e-3"])
+    with pytest.raises(ValueError, match="made with batch_size=8; this run has batch_size=9"):
+        pretrain.main(args + ["--data_dir", listops_dir, "--max_steps", "4", "--resume", "--batch_size", "9"])
     pretrain.main(args + ["--data_dir", listops_dir, "--max_steps", "4", "--resume"])  # a longer run may resume
     assert data.load_pt(os.path.join(out, "listops", "pretrain_last.pt"))["state"]["step"] == 4
+    # A shorter one may not: the weights of step 4 would be read back as those of a 3-step run.
+    with pytest.raises(ValueError, match=r"is at step 4, past this run's 3 steps \(--epochs 1, --max_steps 3\)"):
+        pretrain.main(args + ["--data_dir", listops_dir, "--max_steps", "3", "--resume"])
+
+
+def test_resume_drops_the_log_lines_written_after_the_last_checkpoint(listops_dir, tmp_path, capsys):
+    def run(out, steps, extra=()):
+        pretrain.main(["--task", "listops", "--data_dir", listops_dir, "--out_dir", out, "--eval_every", "2",
+                       "--max_steps", str(steps)] + TINY + ["--log_every", "1"] + list(extra))
+        return os.path.join(out, "listops", "pretrain_log.jsonl")
+    steps_of = lambda log: [json.loads(line)["step"] for line in open(log)]  # noqa: E731
+    whole = steps_of(run(str(tmp_path / "a"), 6))
+    # A run stopped after logging step 5 but before step 6's checkpoint: its last checkpoint is step 4's.
+    log = run(str(tmp_path / "b"), 4)
+    step5 = [line for line in open(run(str(tmp_path / "a"), 6, ["--resume"])) if json.loads(line)["step"] == 5]
+    with open(log, "a") as f:
+        f.writelines(step5)
+    capsys.readouterr()
+    run(str(tmp_path / "b"), 6, ["--resume"])
+    assert f"dropped {len(step5)} lines of {log} logged after step 4" in capsys.readouterr().out
+    assert steps_of(log) == whole and whole.count(5) == len(step5) >= 1  # each step once, as in one run
+
+
+def test_a_nan_validation_metric_does_not_stay_best():
+    state = dict(best_metrics=dict(val_loss=float("nan")))
+    assert pretrain.is_better(dict(val_loss=3.0), state, "val_loss", higher_is_better=False)
+    state = dict(best_metrics=dict(val_loss=3.0))
+    assert not pretrain.is_better(dict(val_loss=float("nan")), state, "val_loss", higher_is_better=False)
 
 
 def test_ablate_reads_back_a_finished_run_only_if_it_is_the_run_asked_for(synthetic_run, tmp_path, capsys):
