@@ -44,7 +44,9 @@ INHERIT = {"all": _BACKBONE, "qk": ("W_Q", "W_K"), "attn": ("W_Q", "W_K", "W_V",
            "qk+embed+norm": ("W_Q", "W_K", "embed", "norm"),
            "all-but-qk": tuple(g for g in _BACKBONE if g not in ("W_Q", "W_K"))}
 # finetune.py --freeze: groups kept at their initial values during finetuning (Coser et al. Sec. 3, Table 3).
+# The paper's "attention frozen (MLP + head trained)" read two ways: attention only, or all but the MLP and head.
 FREEZE = {"none": (), "attn": ("W_Q", "W_K", "W_V", "W_O", "posenc"),
+          "attn+embed+norm": ("W_Q", "W_K", "W_V", "W_O", "posenc", "embed", "norm"),
           "attn+mlp": ("W_Q", "W_K", "W_V", "W_O", "posenc", "mlp")}
 
 

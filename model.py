@@ -49,6 +49,8 @@ class ModelConfig:
                                # "fire" (relative, inside attention), or "none"
     pooling: str = "mean"      # "mean" or "max" over non-padding positions
     pair: bool = False         # dual encoder (LRA Retrieval): classify a pair of documents from [u, v, u*v, u-v]
+    cls_mlp: bool = False      # Linear(d, d) + ReLU before the class layer: Amos et al.'s `sequence_nonelinear`
+                               # decoder (their Text and Image configs); False: one Linear (ListOps, PathFinder)
     attn_window: int = 0       # > 0: local attention, blocks of this many positions see their neighbour blocks
     n_classes: int = 0         # > 0 adds the classification head (finetuning)
     n_rec: int = 0             # > 0 adds the per-position reconstruction head with this many outputs (SPT)
@@ -286,6 +288,9 @@ class Transformer(nn.Module):
         self.rec_head = nn.Linear(cfg.d_model, cfg.n_rec) if cfg.n_rec > 0 else None
         if cfg.n_classes > 0 and cfg.pair:  # LRA's dual-encoder head on [u, v, u*v, u-v]
             self.cls_head = nn.Sequential(nn.Linear(4 * cfg.d_model, cfg.d_model), nn.GELU(),
+                                          nn.Linear(cfg.d_model, cfg.n_classes))
+        elif cfg.n_classes > 0 and cfg.cls_mlp:
+            self.cls_head = nn.Sequential(nn.Linear(cfg.d_model, cfg.d_model), nn.ReLU(),
                                           nn.Linear(cfg.d_model, cfg.n_classes))
         else:
             self.cls_head = nn.Linear(cfg.d_model, cfg.n_classes) if cfg.n_classes > 0 else None

@@ -75,9 +75,10 @@ PRESETS = {
                     finetune=dict(batch_size=32, lr=1e-3, warmup=20, epochs=10**6, max_steps=500, eval_every=20,
                                   eval_each_epoch=False))},
     "text": {
-        "paper": dict(model=dict(n_layers=6, d_model=512, n_heads=8, d_mlp=2048), data=dict(max_len=4096),
+        "paper": dict(model=dict(n_layers=6, d_model=512, n_heads=8, d_mlp=2048, cls_mlp=True), data=dict(max_len=4096),
                       pretrain=dict(batch_size=32, lr=1e-3, warmup=5000, epochs=32, eval_every=10**9),
-                      finetune=dict(batch_size=32, lr=1e-4, warmup=2000, epochs=65, eval_every=10**9)),
+                      finetune=dict(batch_size=32, lr=1e-4, warmup=2000, epochs=65, eval_every=10**9,
+                                    weight_decay=0.1)),
         "cpu": dict(model=dict(n_layers=2, d_model=64, n_heads=4, d_mlp=128), data=dict(max_len=1024),
                     pretrain=dict(batch_size=16, lr=1e-3, warmup=20, epochs=1000, max_steps=200, eval_every=200),
                     finetune=dict(batch_size=16, lr=1e-3, warmup=20, epochs=1000, max_steps=200, eval_every=200))},
@@ -90,14 +91,14 @@ PRESETS = {
                     finetune=dict(batch_size=16, lr=1e-3, warmup=20, epochs=1000, max_steps=200, eval_every=200))},
     # Pixel tasks on the CPU: L = 1024 makes attention the cost, so a narrower model (d_model 32) and 150 steps.
     "image": {
-        "paper": dict(model=dict(n_layers=3, d_model=64, n_heads=4, d_mlp=128), data=dict(),
+        "paper": dict(model=dict(n_layers=3, d_model=64, n_heads=4, d_mlp=128, cls_mlp=True), data=dict(),
                       pretrain=dict(batch_size=32, lr=1e-3, warmup=2500, epochs=50, eval_every=10**9),
                       finetune=dict(batch_size=50, lr=1e-3, warmup=2000, epochs=200, eval_every=10**9)),
         "cpu": dict(model=dict(n_layers=2, d_model=32, n_heads=2, d_mlp=64), data=dict(),
                     pretrain=dict(batch_size=16, lr=1e-3, warmup=20, epochs=1000, max_steps=150, eval_every=150),
                     finetune=dict(batch_size=16, lr=1e-3, warmup=20, epochs=1000, max_steps=150, eval_every=150))},
     "fashion_mnist": {  # the offline stand-in for Image: the same sizes
-        "paper": dict(model=dict(n_layers=3, d_model=64, n_heads=4, d_mlp=128), data=dict(),
+        "paper": dict(model=dict(n_layers=3, d_model=64, n_heads=4, d_mlp=128, cls_mlp=True), data=dict(),
                       pretrain=dict(batch_size=32, lr=1e-3, warmup=2500, epochs=50, eval_every=10**9),
                       finetune=dict(batch_size=50, lr=1e-3, warmup=2000, epochs=200, eval_every=10**9)),
         "cpu": dict(model=dict(n_layers=2, d_model=32, n_heads=2, d_mlp=64), data=dict(),
@@ -321,7 +322,8 @@ def build_parser(stage, description):
     p.add_argument("--batch_size", type=int, default=None, help="sequences per step")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate of AdamW")
     p.add_argument("--warmup", type=int, default=None, help="linear warm-up steps, then constant")
-    p.add_argument("--weight_decay", type=float, default=0.0, help="AdamW decoupled weight decay")
+    p.add_argument("--weight_decay", type=float, default=None,
+                   help="AdamW decoupled weight decay (the preset's: 0, but 0.1 for Text's paper finetuning)")
     p.add_argument("--grad_clip", type=float, default=0.0, help="clip the gradient norm (0 = off)")
     p.add_argument("--eval_every", type=int, default=None, help="steps between validations and checkpoints")
     p.add_argument("--eval_each_epoch", action=argparse.BooleanOptionalAction, default=None,
@@ -396,7 +398,7 @@ def fill_from_preset(args, stage):
     preset = PRESETS[data.task_family(args.task)][args.preset]
     preset = dict(preset, model={**preset["model"], **{field: getattr(args, flag) for flag, field in MODEL_FLAGS.items()
                                                        if getattr(args, flag) is not None}})
-    for key, value in {"max_steps": 0, "eval_each_epoch": True, **preset[stage]}.items():
+    for key, value in {"max_steps": 0, "eval_each_epoch": True, "weight_decay": 0.0, **preset[stage]}.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     return preset
@@ -639,8 +641,8 @@ def count_step(meter, loss, batch_lengths, cfg, width):
 
 def log_progress(run, meter, lr):
     """Print and log the mean loss, ms/step, real tokens/s, the real share of the padded tokens, MFU (GPUs in
-    model.PEAK_BF16_FLOPS) and peak memory since the last log line, with an ETA; raises FloatingPointError on a non-finite mean loss. The .item() here
-    is the loop's one regular host synchronisation."""
+    model.PEAK_BF16_FLOPS) and peak memory since the last log line, with an ETA; raises FloatingPointError on a
+    non-finite mean loss. The .item() here is the loop's one regular host synchronisation."""
     args, state = run["args"], run["state"]
     mean_loss = meter["loss"].item() / meter["steps"]
     check_finite(run, mean_loss, state["step"] - meter["steps"] + 1)
@@ -742,8 +744,8 @@ def resume(model, opt, paths, n_batches, args, extra):
 
 
 # Flags a resumed run must share with its checkpoint (--epochs and --max_steps only say where to stop, and may grow).
-RESUME_SAME = ("lr", "warmup", "weight_decay", "grad_clip", "seed", "mask_ratio", "rec_loss", "init", "inherit", "freeze",
-               "batch_size")
+RESUME_SAME = ("lr", "warmup", "weight_decay", "grad_clip", "seed", "mask_ratio", "rec_loss", "init", "inherit",
+               "freeze", "batch_size")
 
 
 def check_resumable(ck, cfg, n_batches, data_sha256=None, config=None):

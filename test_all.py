@@ -970,6 +970,13 @@ def test_frozen_groups_stay_bit_identical(synthetic_run, tmp_path):
         if ".attn." in name:
             assert torch.equal(before[name], after[name]), name
     assert not torch.equal(before["cls_head.weight"], after["cls_head.weight"])
+    assert not torch.equal(before["embed.weight"], after["embed.weight"])  # --freeze attn: the embedding trains
+    finetune.main(["--task", "synthetic", "--data_dir", data_dir, "--out_dir", out2, "--init", "scratch",
+                   "--freeze", "attn+embed+norm", "--max_steps", "5", "--lr", "1e-2", "--device", "cpu"])
+    run = os.path.join(out2, "synthetic", "finetune_scratch_freeze-attn+embed+norm")
+    before, after = (data.load_pt(run + suffix)["model"] for suffix in ("_init.pt", "_last.pt"))
+    moved = {name for name in before if not torch.equal(before[name], after[name])}
+    assert moved == {"cls_head.weight", "cls_head.bias"}  # no MLP in this model: only the head trains
 
 
 def test_attention_stats_closed_forms():
@@ -1315,6 +1322,29 @@ def test_resume_drops_the_log_lines_written_after_the_last_checkpoint(listops_di
     run(str(tmp_path / "b"), 6, ["--resume"])
     assert f"dropped {len(step5)} lines of {log} logged after step 4" in capsys.readouterr().out
     assert steps_of(log) == whole and whole.count(5) == len(step5) >= 1  # each step once, as in one run
+
+
+def test_paper_presets_take_amos_et_als_classification_head_and_text_weight_decay():
+    # Amos et al.'s configs: `sequence_nonelinear` (Linear d->d, ReLU, Linear) for Text and Image, a Linear for
+    # the others; AdamW weight decay 0.1 for Text's finetuning, 0 elsewhere.
+    for task, mlp_head, wd in (("text", True, 0.1), ("image", True, 0.0), ("listops", False, 0.0),
+                               ("pathfinder", False, 0.0)):
+        args = finetune.finetune_parser().parse_args(["--task", task, "--init", "scratch", "--preset", "paper"])
+        preset = pretrain.fill_from_preset(args, "finetune")
+        model = Transformer(ModelConfig(vocab_size=5, max_len=8, n_classes=3, **preset["model"]))
+        layers = [m for m in model.cls_head.modules() if not isinstance(m, torch.nn.Sequential)]
+        assert [type(m) for m in layers] == ([torch.nn.Linear, torch.nn.ReLU, torch.nn.Linear] if mlp_head
+                                             else [torch.nn.Linear]), task
+        assert args.weight_decay == wd, task
+        assert {model_lib.param_group(n) for n, _ in model.cls_head.named_parameters(prefix="cls_head")} == {"head"}
+    args = pretrain.pretrain_parser().parse_args(["--task", "text", "--preset", "paper"])
+    pretrain.fill_from_preset(args, "pretrain")
+    assert args.weight_decay == 0.0  # Text's pretraining weight decay is not in Amos et al.'s configs: 0
+    x = torch.randint(0, 5, (2, 8))
+    model = Transformer(ModelConfig(vocab_size=5, max_len=8, n_classes=3, cls_mlp=True, d_model=16, n_heads=2))
+    h = model.pool(model.encode(x)[0], None)
+    head = model.cls_head
+    assert torch.allclose(model.classify(x), head[2](torch.relu(head[0](h))), atol=1e-6)
 
 
 def test_a_nan_validation_metric_does_not_stay_best():
