@@ -830,14 +830,17 @@ def run_in_parallel(experiment, args, flag, values, log_name=None):
             print(f"{experiment}: {flag} {value} in a process of its own, log {log}")
             cmd = [sys.executable, os.path.abspath(__file__), experiment] + argv + [flag, str(value), "--jobs", "1",
                                                                                   "--child"]
-            running.append((value, log, subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                                                         env=dict(os.environ, OMP_NUM_THREADS="1"))))
+            out = open(log, "w")
+            running.append((value, log, out, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                                              env=dict(os.environ, OMP_NUM_THREADS="1"))))
         time.sleep(0.2)
-        for value, log, proc in [r for r in running if r[2].poll() is not None]:
-            running.remove((value, log, proc))
+        for value, log, out, proc in [r for r in running if r[3].poll() is not None]:
+            running.remove((value, log, out, proc))
+            out.close()
             if proc.returncode != 0:
-                for *_, other in running:
+                for *_, other_out, other in running:
                     other.terminate()
+                    other_out.close()
                 raise RuntimeError(f"{experiment} {flag} {value} failed (exit {proc.returncode}); see {log}")
 
 
@@ -1018,7 +1021,7 @@ def bench_table(out):
             rows.append(f"| {BENCH_VARIANTS[v]} | {r['error']} | | | |")
         else:
             rows.append(f"| {BENCH_VARIANTS[v]} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | "
-                        f"{r['peak_memory_mb']:,.0f} MiB | " + (f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-") + " |")
+                        f"{r['peak_memory_mb']:,.0f} MiB | " + (f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-") + " |")
     if "speed_ratio_fused_vs_reference" in out:
         rows.append(f"\nSpeed ratio, ours fused / torch.nn.TransformerEncoder, same run: "
                     f"**{out['speed_ratio_fused_vs_reference']:.2f}**.")

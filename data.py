@@ -424,14 +424,15 @@ def extract_tar(archive, into, prefix):
     `prefix` stripped (so lra_release/lra_release/tsv_data/x.tsv with that prefix becomes <into>/x.tsv).
 
     Uses tarfile's "data" filter: no absolute paths, links out of `into` or device files. Each file is written
-    as .part and renamed. Returns the number of files extracted; raises ValueError naming the archive if none
-    matched (a wrong archive) or if it is not a tar file.
+    as .part and renamed; links are not extracted (counted and printed). Returns the number of files extracted;
+    raises ValueError naming the archive if none matched (a wrong archive) or if it is not a tar file.
     """
-    n = 0
+    n = links = 0
     try:
         with tarfile.open(archive) as tar:
             for member in tar:  # streamed: a multi-GB archive is read once, front to back
                 if not member.isfile() or not member.name.startswith(prefix):
+                    links += member.name.startswith(prefix) and (member.issym() or member.islnk())
                     continue
                 member = tarfile.data_filter(member, into)
                 rel = member.name[len(prefix):].lstrip("/")
@@ -445,7 +446,8 @@ def extract_tar(archive, into, prefix):
         raise ValueError(f"{archive}: not a readable tar archive ({e})") from e
     if n == 0:
         raise ValueError(f"{archive}: holds no file under {prefix!r}; expected the archive named in the README")
-    print(f"extracted {n} files of {archive} under {prefix} into {into}")
+    print(f"extracted {n} files of {archive} under {prefix} into {into}"
+          + (f"; skipped {links} links (not extracted)" if links else ""))
     return n
 
 
@@ -1515,10 +1517,11 @@ def read_cifar_batch(path):
 
 
 def to_grayscale(rgb):
-    """ITU-R 601 luma, as LRA's tf.image.rgb_to_grayscale: 0.299 R + 0.587 G + 0.114 B, rounded.
+    """ITU-R 601 luma as s4 / Amos et al. compute it: torchvision's Grayscale on a PIL image is PIL's convert("L"),
+    (19595 R + 38470 G + 7471 B + 2^15) >> 16 in integers (0.299, 0.587, 0.114 in 16-bit fixed point, rounded).
     rgb uint8 (N, 3, H, W) -> uint8 (N, H, W)."""
-    luma = np.tensordot(np.array([0.299, 0.587, 0.114]), rgb.astype(np.float64), axes=([0], [1]))
-    return np.clip(np.rint(luma), 0, 255).astype(np.uint8)
+    r, g, b = (rgb[:, c].astype(np.uint32) for c in range(3))
+    return ((19595 * r + 38470 * g + 7471 * b + (1 << 15)) >> 16).astype(np.uint8)
 
 
 def _split_off_val(n, n_val, seed, s4_order):

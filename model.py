@@ -9,8 +9,9 @@ The attention module keeps W_Q, W_K, W_V, W_O as four separate Linear layers (`q
 `o_proj`) so that the ablations of Coser et al. (Table 3) can inherit or freeze them one by one (under the default
 initialization, "reference", the four start equal, as in Amos et al.'s code: see init_weights). It has two
 paths that compute the same thing:
-  * fast: torch.nn.functional.scaled_dot_product_attention (fused kernels, no L x L tensor in our code, except
-    the (B, H, L, L) bias mask of ALiBi/FIRE when a batch is padded);
+  * fast: torch.nn.functional.scaled_dot_product_attention (fused kernels; our code builds an L x L tensor only
+    for ALiBi/FIRE, their (H, L, L) bias ((B, H, L, L) in a padded batch), and for causal attention in a padded
+    batch, a (B, 1, L, L) mask);
   * explicit: softmax(Q K^T / sqrt(d_head)) written out, returning the attention probabilities for analysis.
 LayerNorm and the MLP can be switched off, which gives the paper's minimal one-layer, one-head model (Sec. 4).
 
@@ -448,9 +449,8 @@ def unwrapped_state_dict(state_dict):
     """A state dict with torch.compile / DDP prefixes removed, so it loads into a plain Transformer."""
     out = {}
     for key, value in state_dict.items():
-        for prefix in WRAPPER_PREFIXES:
-            while key.startswith(prefix):
-                key = key[len(prefix):]
+        while key.startswith(WRAPPER_PREFIXES):  # in any order and number (module._orig_mod., _orig_mod.module.)
+            key = key[len(next(p for p in WRAPPER_PREFIXES if key.startswith(p))):]
         out[key] = value
     return out
 
@@ -477,11 +477,13 @@ def checkpoint_dict(model, **extra):
 def flops_per_token(cfg, L):
     """Training FLOPs per token (forward + backward) of the Transformer at sequence length L.
 
-    6 x (weights used per token) for the matrix multiplies, plus 12 x n_layers x d_model x L for the attention
-    scores and their product with V (the usual estimate, Chowdhery et al. 2022, PaLM App. B).
+    6 x (weights used per token) for the matrix multiplies, plus 12 x n_layers x d_model x keys for the attention
+    scores and their product with V (the usual estimate, Chowdhery et al. 2022, PaLM App. B), where a query sees
+    keys = L positions, or under local attention (attn_window w) at most its block and two neighbours, 3 w.
     """
     per_layer = 4 * cfg.d_model ** 2 + (2 * cfg.d_model * cfg.d_mlp if cfg.mlp else 0)
-    return 6 * cfg.n_layers * per_layer + 12 * cfg.n_layers * cfg.d_model * L
+    keys = min(L, 3 * cfg.attn_window) if cfg.attn_window else L
+    return 6 * cfg.n_layers * per_layer + 12 * cfg.n_layers * cfg.d_model * keys
 
 
 def pick_device(name):

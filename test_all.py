@@ -912,6 +912,15 @@ def test_flops_per_token_counts_the_matmuls():
     # per layer: Q, K, V, O (4 d^2) + MLP (2 d d_mlp) weights, x 6 for fwd+bwd; attention 12 n_layers d L
     assert pytest.approx(6 * 2 * (4 * 256 + 2 * 16 * 32) + 12 * 2 * 16 * 100) == \
         model_lib.flops_per_token(cfg, 100)
+    # Local attention (window w): a query scores its block and the two neighbours, 3 w keys, not L.
+    local = tiny_cfg(n_layers=2, d_model=16, d_mlp=32, attn_window=20)
+    assert model_lib.flops_per_token(local, 100) == model_lib.flops_per_token(cfg, 60)
+    assert model_lib.flops_per_token(local, 30) == model_lib.flops_per_token(cfg, 30)  # L < 3 w: all L keys
+
+
+def test_unwrapped_state_dict_strips_wrapper_prefixes_in_any_order():
+    sd = {"module._orig_mod.embed.weight": 1, "_orig_mod.module.ln_f.bias": 2, "module.x": 3, "y": 4}
+    assert model_lib.unwrapped_state_dict(sd) == {"embed.weight": 1, "ln_f.bias": 2, "x": 3, "y": 4}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -2689,6 +2698,14 @@ def test_pathfinder_generate_command_prepare_and_train_a_few_steps(tmp_path, cap
     pretrain.main(common + TINY + ["--rec_loss", "ce"])
     finetune.main(common + TINY + ["--init", os.path.join(out, "pathfinder", "pretrain.pt")])
     assert json.load(open(os.path.join(out, "pathfinder", "finetune_spt.json")))["task"] == "pathfinder"
+
+
+def test_grayscale_is_pils_convert_l_as_torchvision_grayscale():
+    rgb = np.random.default_rng(0).integers(0, 256, (5, 3, 8, 8), dtype=np.uint8)
+    rgb[0, :, 0, :4] = [[255, 0, 0, 255], [255, 0, 255, 0], [255, 255, 0, 0]]  # white and corners of the cube
+    ours = data.to_grayscale(rgb)
+    pil = np.stack([np.asarray(Image.fromarray(im.transpose(1, 2, 0)).convert("L")) for im in rgb])
+    assert np.array_equal(ours, pil) and ours[0, 0, 0] == 255
 
 
 def test_cifar10_validation_split_is_s4s_random_split_and_fashion_mnist_keeps_its_own():
