@@ -1276,7 +1276,7 @@ def build_parser():
     def add(name, help, flags=("seeds", "jobs", "runs", "scheme", "download"), seeds=5):
         s = sub.add_parser(name, help=help, description=help, formatter_class=fmt)
         s.set_defaults(length=100, download=False, init_scheme="reference", seeds=1, max_steps=0, only_seed=None,
-                       child=False, default_seeds=seeds)
+                       child=False, default_seeds=seeds if "seeds" in flags else 1)  # run_note: no --seeds flag
         if "seeds" in flags:
             s.add_argument("--seeds", type=int, default=seeds, help="runs per row, seeds 0..N-1")
         if "jobs" in flags:

@@ -432,7 +432,8 @@ def extract_tar(archive, into, prefix):
         with tarfile.open(archive) as tar:
             for member in tar:  # streamed: a multi-GB archive is read once, front to back
                 if not member.isfile() or not member.name.startswith(prefix):
-                    links += member.name.startswith(prefix) and (member.issym() or member.islnk())
+                    if member.name.startswith(prefix) and (member.issym() or member.islnk()):
+                        links += 1
                     continue
                 member = tarfile.data_filter(member, into)
                 rel = member.name[len(prefix):].lstrip("/")
@@ -731,7 +732,8 @@ def find_listops(task_dir):
         elif have and sub:
             partial.append(f"{folder}/ holds {', '.join(f'basic_{s}.tsv' for s in have)} but not "
                            f"{', '.join(f'basic_{s}.tsv' for s in SPLITS if s not in have)}")
-    inner, outer = (os.path.join(task_dir, *d.split("/")) for d in LISTOPS_DIRS[:1:-1])
+    inner = os.path.join(task_dir, "lra_release", "lra_release", "listops-1000")
+    outer = os.path.join(task_dir, "lra_release", "listops-1000")
     if inner in full and outer in full:  # the whole archive extracted here: its inner copy is the one s4 uses
         print(f"ListOps: both release copies found; using the inner one, {inner}/ (as s4), not {outer}/")
         full.remove(outer)
@@ -790,18 +792,20 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
                   max_length=max_length)
     ours = folder == task_dir and os.path.exists(marker)  # TSVs our generator wrote (the release has no marker)
     if ours:
-        made = dict(json.load(open(marker)))  # a marker from before min/max_length were recorded: LRA's
-        made = {k: made.get(k, dict(min_length=500, max_length=2000).get(k)) for k in wanted}
-        if made != wanted:
+        made = dict(min_length=500, max_length=2000)  # LRA's: a marker from before these were recorded
+        made.update(json.load(open(marker)))
+        if any(made.get(k) != wanted[k] for k in wanted):
+            differ = [k for k in wanted if made.get(k) != wanted[k]]
             print(f"{marker}: the generated TSVs in {task_dir}/ were made with "
-                  + ", ".join(f"{k}={made[k]}" for k in wanted if made[k] != wanted[k]) + "; this call asks for "
-                  + ", ".join(f"{k}={wanted[k]}" for k in wanted if made[k] != wanted[k]) + ": generating them again")
+                  + ", ".join(f"{k}={made.get(k)}" for k in differ) + "; this call asks for "
+                  + ", ".join(f"{k}={wanted[k]}" for k in differ) + ": generating them again")
             folder = None
     if folder is None:
         print(f"no LRA ListOps files in {task_dir}/ (basic_{{train,val,test}}.tsv, also looked for in "
               f"{', '.join(d + '/' for d in LISTOPS_DIRS if d)}) made with these settings: generating "
               f"{n_train}/{n_val}/{n_test} expressions with seed {seed}")
         rows = generate_listops(n_train + n_val + n_test, seed, min_length, max_length)
+        _remove_if_there(marker)  # until all three are written, no marker vouches for a mix of old and new TSVs
         for s, part in zip(SPLITS, (rows[:n_train], rows[n_train:n_train + n_val], rows[n_train + n_val:])):
             write_listops_tsv(tsv[s], part)
         # the marker tells our generated TSVs from the release's (whose sizes are not a setting)
@@ -1368,7 +1372,8 @@ def _fetch(folder, marker, url, archive, prefix, download, sha256, what, hint=""
         raise
     first = marker.split("/")[0]
     os.makedirs(folder, exist_ok=True)
-    for name in sorted(os.listdir(staging), key=lambda n: n == first):  # the marker's entry last
+    # Moved in name order, except the entry holding the marker, which goes last (key False sorts before True).
+    for name in sorted(os.listdir(staging), key=lambda n: n == first):
         target = os.path.join(folder, name)
         if os.path.isdir(target) and not os.path.islink(target):
             shutil.rmtree(target)  # a partial copy from before staging existed
@@ -1567,7 +1572,8 @@ def prepare_image(data_dir="data", n_val=5000, seed=42, download=True, url=CIFAR
     labels = np.concatenate([p[1] for p in parts])
     splits = _pixel_splits(images, labels, to_grayscale(test_rgb), test_labels, n_val, seed, s4_order=True)
     meta = _pixel_meta("image", 1024, 10, CIFAR_MEAN, CIFAR_STD, folder, seed, download=fetched,
-                       grayscale="ITU-R 601 luma", sha256=sha256_of(os.path.join(folder, "test_batch")))
+                       grayscale="ITU-R 601 luma, PIL convert('L')", split_order="s4 random_split",
+                       sha256=sha256_of(os.path.join(folder, "test_batch")))
     return _save_splits(task_dir, splits, meta)
 
 
@@ -2231,6 +2237,7 @@ def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=4
     pixels, labels, L = torch.from_numpy(images).flatten(1), torch.from_numpy(labels), resolution ** 2
     splits = {s: dict(pixels=pixels[i], lengths=torch.full((len(i),), L), labels=labels[i]) for s, i in parts.items()}
     meta = _pixel_meta(task, L, 2, 0.5, 0.5, root, seed, resolution=resolution, difficulty=difficulty,
+                       split_order="val, test, train" if os.path.exists(marker) else "s4 random_split",
                        generated=os.path.exists(marker), skipped=[p for p, _ in skipped], download=fetched)
     return _save_splits(task_dir, splits, meta)
 

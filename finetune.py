@@ -94,7 +94,7 @@ def check_spt_data(ck, path, task, hashes, allow_other_data=False):
     return "other"
 
 
-def model_from_pretrained(path, meta, n_classes, task, device, inherit="all"):
+def model_from_pretrained(path, meta, n_classes, task, device, inherit="all", cls_mlp=False):
     """A classification model whose backbone is copied from the SPT checkpoint at `path`.
 
     Checks that the checkpoint is a pretraining checkpoint of `task`, or of another task with the same kind of
@@ -102,7 +102,7 @@ def model_from_pretrained(path, meta, n_classes, task, device, inherit="all"):
     Only `cls_head.*` may be new and only `rec_head.*` may be dropped: anything else (or a shape mismatch)
     raises ValueError naming the keys. Prints the new and dropped keys. `inherit` (a key of INHERIT)
     selects the parameter groups copied; the others keep their fresh initialization (hybrid initialization,
-    Coser et al. Table 3).
+    Coser et al. Table 3). `cls_mlp` (the finetuning preset's) chooses the new classification head.
     """
     ck = data.load_pt(path, map_location="cpu")
     for key in ("model", "model_config", "task", "data_meta"):
@@ -116,7 +116,7 @@ def model_from_pretrained(path, meta, n_classes, task, device, inherit="all"):
                              f"but --task {task!r} has {input_kind(meta)}; a dataset swap needs the same kind")
     if ck["data_meta"].get("vocab") != meta.get("vocab"):
         raise ValueError(f"{path}: the checkpoint's vocabulary differs from data/{task}'s")
-    cfg = config_from_dict(dict(ck["model_config"], n_rec=0, n_classes=n_classes,
+    cfg = config_from_dict(dict(ck["model_config"], n_rec=0, n_classes=n_classes, cls_mlp=cls_mlp,
                                 max_len=max(ck["model_config"]["max_len"], meta["max_len"])), path)
     state = unwrapped_state_dict(ck["model"])
     if cfg.vocab_size == 0 and cfg.d_input == meta["d_input"] + 1:
@@ -214,7 +214,8 @@ def main(argv=None):
         model = Transformer(cfg).to(args.device)
         provenance = {}
     else:
-        model = model_from_pretrained(args.init, meta, meta["n_classes"], args.task, args.device, args.inherit)
+        model = model_from_pretrained(args.init, meta, meta["n_classes"], args.task, args.device, args.inherit,
+                                      cls_mlp=preset["model"].get("cls_mlp", False))
         # mmap: the tensors stay on disk, only the small fields are read
         ck = torch.load(args.init, map_location="cpu", weights_only=True, mmap=True)
         provenance = dict(spt_task=ck["task"], spt_data_sha256=ck.get("data_sha256"),

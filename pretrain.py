@@ -257,15 +257,16 @@ def main(argv=None):
         args.mask_ratio = MASK_RATIO[data.task_family(args.task)]
     splits = prepare_data(args, preset)
     meta = splits["train"]["meta"]
+    backbone = {k: v for k, v in preset["model"].items() if k != "cls_mlp"}  # the class head is finetune.py's
     if meta["kind"] == "tokens":
         args.rec_loss = "ce"  # cross-entropy over the vocabulary
         cfg = ModelConfig(vocab_size=meta["vocab_size"], max_len=meta["max_len"], n_rec=meta["vocab_size"],
-                          **preset["model"])
+                          **backbone)
     else:  # continuous values: one extra input channel for the mask indicator
         if args.rec_loss == "ce" and meta["kind"] != "pixels":
             parser.error(f"--rec_loss ce needs 8-bit pixels; {args.task} has continuous values (use mse or l1)")
         n_rec = 256 if args.rec_loss == "ce" else meta["d_input"]  # 256 intensity classes, or regress each channel
-        cfg = ModelConfig(d_input=meta["d_input"] + 1, max_len=meta["max_len"], n_rec=n_rec, **preset["model"])
+        cfg = ModelConfig(d_input=meta["d_input"] + 1, max_len=meta["max_len"], n_rec=n_rec, **backbone)
     model = Transformer(cfg).to(args.device)
     paths = data.run_paths(args.out_dir, args.task, "pretrain")
     extra = dict(stage="pretrain", task=args.task, data_meta=meta, data_sha256=data_hashes(splits), metric="val_loss",
@@ -701,7 +702,8 @@ def truncate_log(path, step):
         return
     with open(path) as f:
         lines = f.readlines()
-    keep = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    # A last line without its newline is one the stopped run did not finish writing: dropped too.
+    keep = [line for line in lines if line.endswith("\n") and json.loads(line).get("step", 0) <= step]
     if len(keep) < len(lines):
         data.save_atomic("".join(keep), path)
         print(f"--resume: dropped {len(lines) - len(keep)} lines of {path} logged after step {step} (logged again)")

@@ -1327,9 +1327,10 @@ def test_resume_drops_the_log_lines_written_after_the_last_checkpoint(listops_di
     step5 = [line for line in open(run(str(tmp_path / "a"), 6, ["--resume"])) if json.loads(line)["step"] == 5]
     with open(log, "a") as f:
         f.writelines(step5)
+        f.write('{"step": 6, "epoch": 0, "lo')  # and a line cut short by the stop
     capsys.readouterr()
     run(str(tmp_path / "b"), 6, ["--resume"])
-    assert f"dropped {len(step5)} lines of {log} logged after step 4" in capsys.readouterr().out
+    assert f"dropped {len(step5) + 1} lines of {log} logged after step 4" in capsys.readouterr().out
     assert steps_of(log) == whole and whole.count(5) == len(step5) >= 1  # each step once, as in one run
 
 
@@ -1354,6 +1355,23 @@ def test_paper_presets_take_amos_et_als_classification_head_and_text_weight_deca
     h = model.pool(model.encode(x)[0], None)
     head = model.cls_head
     assert torch.allclose(model.classify(x), head[2](torch.relu(head[0](h))), atol=1e-6)
+
+
+def test_the_paper_presets_mlp_head_is_finetunings_not_in_the_spt_checkpoint(tmp_path, monkeypatch):
+    # SPT under the Image-like paper preset records no classification head (so its checkpoints, and those made
+    # before the head existed, resume alike); finetuning from it gets the preset's MLP head.
+    root, out = str(tmp_path / "data"), str(tmp_path / "out")
+    installed_fashion_mnist(tmp_path, monkeypatch)
+    data.prepare_fashion_mnist(root, n_val=10)
+    common = ["--task", "fashion_mnist", "--preset", "paper", "--data_dir", root, "--out_dir", out, "--max_steps",
+              "1", "--eval_every", "1", "--n_layers", "1", "--d_model", "16", "--n_heads", "2", "--d_mlp", "16",
+              "--device", "cpu"]
+    pretrain.main(common)
+    spt = os.path.join(out, "fashion_mnist", "pretrain.pt")
+    assert data.load_pt(spt)["model_config"]["cls_mlp"] is False
+    finetune.main(common + ["--init", spt])
+    head = {k for k in data.load_pt(os.path.join(out, "fashion_mnist", "finetune_spt.pt"))["model"] if "cls_head" in k}
+    assert head == {"cls_head.0.weight", "cls_head.0.bias", "cls_head.2.weight", "cls_head.2.bias"}
 
 
 def test_a_nan_validation_metric_does_not_stay_best():
