@@ -722,8 +722,11 @@ def experiment_ucr(args):
     notes = "Test accuracy on the archive's TEST split (the paper does not say which split its numbers are on). "
     if skipped:
         notes += "Skipped: " + "; ".join(f"{name} ({why})" for name, why in skipped) + ". "
-    parts.append(notes + f"Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py ucr" + run_note(args))
-    write_outputs("ucr", runs, "\n\n".join(parts), args)
+    default = list(args.datasets) == list(UCR_DATASETS + UCR_OFFLINE)  # other --datasets: a table of their own
+    flag = "" if default else " --datasets " + " ".join(args.datasets)
+    parts.append(notes + f"Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py ucr{flag}"
+                 + run_note(args))
+    write_outputs("ucr" if default else "ucr_" + "_".join(args.datasets), runs, "\n\n".join(parts), args)
 
 
 def experiment_posenc(args):

@@ -1804,9 +1804,13 @@ def test_ablate_ucr_runs_what_it_finds_and_skips_the_rest(tmp_path, capsys):
     for name in ("ECG200", "ECG5000", "ECGFiveDays"):
         assert f"skipping UCR {name}: not found" in text and "no download attempted" in text
     assert "downloading" not in text
-    res = json.load(open(tmp_path / "out" / "ablate" / "ucr.json"))
+    # Not the default --datasets: a table of its own (ucr.md is the default list's), named in its footer.
+    stem = tmp_path / "out" / "ablate" / ("ucr_" + "_".join(ablate.UCR_DATASETS))
+    assert not (tmp_path / "out" / "ablate" / "ucr.md").exists()
+    res = json.load(open(f"{stem}.json"))
     assert {(r["dataset"], r["name"]) for r in res["runs"]} == {("GunPoint", "spt"), ("GunPoint", "scratch")}
-    table = open(tmp_path / "out" / "ablate" / "ucr.md").read()
+    table = open(f"{stem}.md").read()
+    assert "command: python ablate.py ucr --datasets " + " ".join(ablate.UCR_DATASETS) + " --seeds 1;" in table
     assert "**GunPoint** (40 train / 10 validation" in table and "| 0.921 | 0.951 |" in table
     steps = [r["best_step"] for r in res["runs"] if r["name"] == "scratch"]
     assert steps[0] in (0, 2) and f"| {steps[0]} |" in table  # the step whose weights gave the test accuracy
