@@ -794,8 +794,8 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
     if ours:
         made = dict(min_length=500, max_length=2000)  # LRA's: a marker from before these were recorded
         made.update(json.load(open(marker)))
-        if any(made.get(k) != wanted[k] for k in wanted):
-            differ = [k for k in wanted if made.get(k) != wanted[k]]
+        differ = [k for k in wanted if made.get(k) != wanted[k]]
+        if differ:
             print(f"{marker}: the generated TSVs in {task_dir}/ were made with "
                   + ", ".join(f"{k}={made.get(k)}" for k in differ) + "; this call asks for "
                   + ", ".join(f"{k}={wanted[k]}" for k in differ) + ": generating them again")
@@ -2220,7 +2220,8 @@ def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=4
     if images.shape[1] != resolution:
         raise ValueError(f"{root}: images are {images.shape[1]}x{images.shape[2]}, expected {resolution}x{resolution} "
                          f"(--resolution {resolution})")
-    if not os.path.exists(marker) and len(labels) + len(skipped) != PATHFINDER_RELEASE_SIZE:
+    generated = os.path.exists(marker)
+    if not generated and len(labels) + len(skipped) != PATHFINDER_RELEASE_SIZE:
         print(f"warning: {root}: {len(labels) + len(skipped)} images listed in metadata/, the LRA release has "
               f"{PATHFINDER_RELEASE_SIZE} per difficulty (an incomplete copy?)")
     if skipped:
@@ -2229,7 +2230,7 @@ def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=4
     n = len(labels)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     n_val = n_test = n // 10
-    if os.path.exists(marker):  # our generated sets: val, test, then train (the README's tables were made so)
+    if generated:  # our generated sets: val, test, then train (the README's tables were made so)
         parts = {"train": perm[n_val + n_test:], "val": perm[:n_val], "test": perm[n_val:n_val + n_test]}
     else:  # release data: s4's random_split order (train, val, test), so val and test are s4's images
         n_train = n - n_val - n_test
@@ -2237,8 +2238,8 @@ def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=4
     pixels, labels, L = torch.from_numpy(images).flatten(1), torch.from_numpy(labels), resolution ** 2
     splits = {s: dict(pixels=pixels[i], lengths=torch.full((len(i),), L), labels=labels[i]) for s, i in parts.items()}
     meta = _pixel_meta(task, L, 2, 0.5, 0.5, root, seed, resolution=resolution, difficulty=difficulty,
-                       split_order="val, test, train" if os.path.exists(marker) else "s4 random_split",
-                       generated=os.path.exists(marker), skipped=[p for p, _ in skipped], download=fetched)
+                       split_order="val, test, train" if generated else "s4 random_split", generated=generated,
+                       skipped=[p for p, _ in skipped], download=fetched)
     return _save_splits(task_dir, splits, meta)
 
 

@@ -554,8 +554,6 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
             raise ValueError(f"--resume: the checkpoint in {os.path.dirname(paths['last']) or '.'} is at step "
                              f"{state['step']}, past this run's {total} steps (--epochs {args.epochs}, --max_steps "
                              f"{args.max_steps}): give the budget it ran with, or start a new --out_dir")
-        if state["step"] > 0 and args.rank == 0:
-            truncate_log(paths["log"], state["step"])
     print(f"{count_params(model):,} trainable parameters; {total} steps ({n_batches} per epoch)")
     run = dict(model=model, opt=opt, state=state, args=args, paths=paths, extra=extra, record=run_record(args),
                eval_fn=eval_fn, higher_is_better=higher_is_better, total=total, t_process=time.time(),
@@ -727,9 +725,10 @@ def check_finite(run, value, first):
 
 
 def resume(model, opt, paths, n_batches, args, extra):
-    """Load the newest of paths["last"], paths["best"] into model and optimizer and restore the RNG states;
-    returns the loop state, or None when there is nothing to resume (a fresh start). ValueError (check_resumable)
-    when the checkpoint is of another run: model, data (extra["data_sha256"]) or schedule."""
+    """Load the newest of paths["last"], paths["best"] into model and optimizer, restore the RNG states and drop
+    the log lines past the checkpoint (truncate_log); returns the loop state, or None when there is nothing to
+    resume (a fresh start). ValueError (check_resumable) when the checkpoint is of another run: model, data
+    (extra["data_sha256"]) or schedule."""
     # Loaded on the CPU: load_state_dict copies onto the model's device, and the CPU copy is freed right after
     # (mapped to the GPU it would hold a second copy of weights and AdamW state for the whole run).
     ck = data.load_newest([paths["last"], paths["best"]], "cpu", "--resume")
@@ -741,6 +740,8 @@ def resume(model, opt, paths, n_batches, args, extra):
     torch.set_rng_state(ck["rng_state"])
     if args.device.type == "cuda" and ck.get("cuda_rng_state") is not None:
         torch.cuda.set_rng_state(ck["cuda_rng_state"], args.device)
+    if args.rank == 0:
+        truncate_log(paths["log"], ck["state"]["step"])
     print(f"resumed at step {ck['state']['step']} (epoch {ck['state']['epoch']})")
     return dict(ck["state"], n_batches=n_batches)  # older checkpoints recorded no n_batches
 
