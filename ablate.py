@@ -138,14 +138,13 @@ READ_BACK_SKIP = ("data_dir", "out_dir", "device", "dtype", "download", "accept_
 
 def requested_run(stage, task, argv):
     """The settings a pretrain.py / finetune.py command line `argv` (without --task) would run with, resolved from
-    the preset like the stage's own resolve (pretrain.fill_from_preset), without running anything: an
-    argparse.Namespace."""
+    the preset like the stage's own resolve (pretrain.fill_from_preset), without running anything: (an
+    argparse.Namespace, the preset's model fields updated with the model flags given)."""
     parser = pretrain.pretrain_parser() if stage == "pretrain" else finetune.finetune_parser()
     args = parser.parse_args(["--task", task] + list(argv))
     if args.preset == "auto":  # as resolve does
         args.preset = "paper" if model_lib.pick_device(args.device).type == "cuda" else "cpu"
-    pretrain.fill_from_preset(args, stage)
-    return args
+    return args, pretrain.fill_from_preset(args, stage)["model"]
 
 
 _SHA256 = {}  # (path, size, mtime) -> sha256: a --jobs parent reads back every run of every seed
@@ -168,9 +167,10 @@ def check_read_back(path, result, task, init, argv):
     with `init` and the finetune.py flags `argv`: the same data (the sha256 of each split file), the same
     initialization (scratch, or the same SPT checkpoint: its data and the step of its weights) and the same
     resolved value of every setting outside READ_BACK_SKIP (requested_run: a flag left out means the preset's
-    value, which must then match too). Experiments share run folders (out/ablate/<scheme>/<task>/<model>/seed<s>);
+    value, which must then match too; so must the model fields the preset implies, read from the run's
+    checkpoint). Experiments share run folders (out/ablate/<scheme>/<task>/<model>/seed<s>);
     without this a run made with other data or another budget would be read back as this one's."""
-    asked, config = requested_run("finetune", task, ["--init", init] + list(argv)), result.get("config") or {}
+    (asked, model), config = requested_run("finetune", task, ["--init", init] + list(argv)), result.get("config") or {}
     here = split_sha256(asked.data_dir, task)
     problems = [f"{s}.pt sha256 {result['data_sha256'][s][:12]}... (here: {here[s][:12]}... in {asked.data_dir})"
                 for s in data.SPLITS if (result.get("data_sha256") or {}).get(s, here[s]) != here[s]]
@@ -187,6 +187,14 @@ def check_read_back(path, result, task, init, argv):
     for key, value in vars(asked).items():
         if key in config and key not in READ_BACK_SKIP and config[key] != value:
             problems.append(f"--{key} {config[key]} (asked: {value})")
+    # The model the preset implies beyond the flags (e.g. its cls_mlp head), from the run's own checkpoint; after
+    # SPT the backbone is the checkpoint's (its step is checked above) and only the new head is finetuning's.
+    weights = os.path.splitext(path)[0] + ".pt"
+    built = torch.load(weights, map_location="cpu", weights_only=True, mmap=True)["model_config"] \
+        if os.path.exists(weights) else {}
+    for field, value in model.items():
+        if field in built and built[field] != value and (init == "scratch" or field == "cls_mlp"):
+            problems.append(f"model {field}={built[field]!r} (the preset asks {value!r})")
     if problems:
         raise ValueError(f"{path} is a finished run made with " + "; ".join(problems) + ": another experiment with "
                          "other settings wrote this folder. Move it away (or pass another --out_dir) to run this one")
@@ -249,7 +257,7 @@ def seeds_here(args, *runs):
         return [args.only_seed]
     if args.jobs > 1 and args.seeds > 1:
         for task, flags in runs:
-            asked = requested_run("pretrain", task, flags)
+            asked, _ = requested_run("pretrain", task, flags)
             preset_data = pretrain.PRESETS[data.task_family(task)][asked.preset]["data"]
             pretrain.make_data(task, asked.data_dir, data.expected_settings(
                 task, preset_data, {k: getattr(asked, k) for k in data.STAGE_DATA_FLAGS}), asked.download)

@@ -1381,7 +1381,8 @@ def test_a_nan_validation_metric_does_not_stay_best():
     assert not pretrain.is_better(dict(val_loss=float("nan")), state, "val_loss", higher_is_better=False)
 
 
-def test_ablate_reads_back_a_finished_run_only_if_it_is_the_run_asked_for(synthetic_run, tmp_path, capsys):
+def test_ablate_reads_back_a_finished_run_only_if_it_is_the_run_asked_for(synthetic_run, tmp_path, capsys,
+                                                                          monkeypatch):
     import ablate
     data_dir, _ = synthetic_run
     folder, common = str(tmp_path / "run"), ["--data_dir", data_dir, "--max_steps", "2", "--device", "cpu",
@@ -1413,6 +1414,15 @@ def test_ablate_reads_back_a_finished_run_only_if_it_is_the_run_asked_for(synthe
     step = ck["state"]["step"]
     with pytest.raises(ValueError, match=f"the SPT weights of step {step} \\(asked: .*spt.pt, step {step + 5}\\)"):
         ablate.run_finetune("synthetic", folder, 0, "spt", mine, common)
+    data.save_atomic(ck, mine)
+    # A model field the preset implies without a flag (here its head) is compared with the run's checkpoint.
+    monkeypatch.setitem(pretrain.PRESETS["synthetic"], "cpu", dict(pretrain.PRESETS["synthetic"]["cpu"], model=dict(
+        pretrain.PRESETS["synthetic"]["cpu"]["model"], cls_mlp=True, d_mlp=64)))
+    with pytest.raises(ValueError, match=r"model d_mlp=32 \(the preset asks 64\); model cls_mlp=False \(the preset "
+                                         r"asks True\)"):
+        ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common)
+    with pytest.raises(ValueError, match=r"made with model cls_mlp=False \(the preset asks True\):"):
+        ablate.run_finetune("synthetic", folder, 0, "spt", mine, common)  # the backbone is the SPT checkpoint's
 
 
 def test_resume_falls_back_when_the_last_checkpoint_is_damaged(listops_dir, tmp_path, capsys):
@@ -2880,6 +2890,48 @@ def test_ablate_fashion_mnist_budget_init_duration_and_pathfinder_curves(tmp_pat
             ablate.main(wrong)
     assert ablate.build_parser().parse_args(["synthetic"]).seeds == 5  # not initscale's 2: no shared defaults
     assert ablate.build_parser().parse_args(["initscale"]).seeds == 2
+
+
+def test_ablate_frozen_freezes_every_layer_and_measures_how_far_each_group_moved(listops_dir, tmp_path, monkeypatch,
+                                                                                   capsys):
+    """frozen (Coser et al. Sec. 3): the preset's 2-layer model with every layer's attention frozen moves W_Q...W_O
+    by exactly 0 and its MLP by the amount recomputed here from the two checkpoint files; LRA tasks share main's
+    from-scratch and SPT runs."""
+    import shutil
+    import ablate
+    installed_fashion_mnist(tmp_path, monkeypatch)
+    monkeypatch.setattr(ablate, "FASHION_CPU", dict(resolution=16, n_train=20, n_val=8, epochs=1))
+    root, out = str(tmp_path / "data"), str(tmp_path / "out")
+    argv = ["--seeds", "1", "--data_dir", root, "--out_dir", out, "--max_steps", "3", "--device", "cpu"]
+    ablate.main(["frozen"] + argv)  # default on the cpu preset: Fashion-MNIST at its CPU budget
+    res = json.load(open(os.path.join(out, "ablate", "frozen_cpu.json")))
+    rows = {r["row"]: r for r in res["runs"]}
+    assert set(rows) == {"SPT stage (masked reconstruction)", "from scratch", "from scratch, attn frozen",
+                         "from scratch, attn+embed+norm frozen", "SPT, then finetuned"}
+    for row, still in (("from scratch, attn frozen", ("W_Q", "W_K", "W_V", "W_O", "W_Q^T W_K")),
+                       ("from scratch, attn+embed+norm frozen", ("W_Q", "W_K", "W_V", "W_O", "embed"))):
+        assert all(rows[row]["displacement"][g] == 0.0 for g in still) and rows[row]["displacement"]["mlp"] > 0
+    assert rows["from scratch"]["displacement"]["W_Q"] > 0 and rows["from scratch, attn frozen"]["displacement"]["embed"] > 0
+    run = os.path.join(out, "ablate", "reference", "fashion_mnist", "preset_r16_n20", "seed0", "fashion_mnist")
+    start, kept = (data.load_pt(os.path.join(run, f"finetune_scratch_freeze-attn{s}.pt"))["model"] for s in ("_init", ""))
+    mlp = [k for k in start if ".mlp." in k]
+    moved = math.sqrt(sum((kept[k].double() - start[k].double()).pow(2).sum().item() for k in mlp)) / \
+        math.sqrt(sum(start[k].double().pow(2).sum().item() for k in mlp))
+    assert rows["from scratch, attn frozen"]["displacement"]["mlp"] == pytest.approx(moved, rel=1e-5)
+    assert len({k.split(".")[1] for k in mlp}) == 2  # the preset's two layers, not Table 3's one
+    table = open(os.path.join(out, "ablate", "frozen_cpu.md")).read()
+    assert "| fashion_mnist | from scratch, attn frozen |" in table and "| 0.535 |" in table
+    assert "| 0.535 (?) |" in table and "| 0.720 (Table 2) |" in table and "Probe, from scratch for 2 epochs" in table
+    assert "command: python ablate.py frozen --preset cpu --tasks fashion_mnist --seeds 1" in table
+    shutil.copytree(os.path.join(listops_dir, "listops"), os.path.join(root, "listops"))
+    ablate.main(["main", "--tasks", "listops"] + argv)
+    capsys.readouterr()
+    ablate.main(["frozen", "--tasks", "listops", "text"] + argv)
+    text = capsys.readouterr().out
+    assert os.path.join("listops", "preset", "seed0", "listops", "finetune_scratch.json") in text  # main's, read back
+    table = open(os.path.join(out, "ablate", "frozen_cpu.md")).read()
+    assert "| listops | from scratch, attn frozen |" in table and "| 0.40 (unchanged) |" in table
+    assert "Skipped: text" in table and "fashion_mnist" not in table
 
 
 # ----------------------------------------------------------------------------------------------------------
