@@ -602,7 +602,7 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
 
 def optimizer_step(run, loss_fn, idx):
     """One AdamW step on the global batch `idx`; returns the loss as a device tensor (no host synchronisation,
-    except with --skip_nonfinite)."""
+    except with --skip_nonfinite), or None for a step that flag skipped."""
     args, opt, state = run["args"], run["opt"], run["state"]
     loss_sum, count = loss_fn(idx, state["step"])
     count = global_sum(count.detach().to(torch.float32), args)
@@ -612,7 +612,7 @@ def optimizer_step(run, loss_fn, idx):
     if args.skip_nonfinite and not torch.isfinite(loss):  # a host sync, only with this flag
         print(f"step {state['step'] + 1}: non-finite loss, update skipped")
         opt.zero_grad(set_to_none=True)
-        loss = torch.zeros_like(loss)
+        loss = None  # left out of the logged mean loss, and counted
         state["skipped"] = state.get("skipped", 0) + 1
     if args.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(run["model"].parameters(), args.grad_clip)
@@ -622,15 +622,21 @@ def optimizer_step(run, loss_fn, idx):
 
 
 def new_meter(args):
-    """What the next log line reports, summed since the last one: loss (a device tensor), steps, real tokens,
-    padded tokens (the positions computed on), training FLOPs, and the wall-clock start."""
-    return dict(t_last=time.time(), loss=torch.zeros((), device=args.device), steps=0, tokens=0, padded=0, flops=0.0)
+    """What the next log line reports, summed since the last one: loss (a device tensor), steps, steps skipped
+    (--skip_nonfinite: not in the loss), real tokens, padded tokens (the positions computed on), training FLOPs,
+    and the wall-clock start."""
+    return dict(t_last=time.time(), loss=torch.zeros((), device=args.device), steps=0, skipped=0, tokens=0, padded=0,
+                flops=0.0)
 
 
 def count_step(meter, loss, batch_lengths, cfg, width):
     """Add one step to the meter; batch_lengths (B,) or (B, 2) live on the CPU, so this never waits for the
-    device. width: the split's stored width (data.batch_width gives the batch's padded length from it)."""
-    meter["loss"] += loss.detach()
+    device. width: the split's stored width (data.batch_width gives the batch's padded length from it). loss None:
+    a skipped step (optimizer_step)."""
+    if loss is None:
+        meter["skipped"] += 1
+    else:
+        meter["loss"] += loss.detach()
     meter["steps"] += 1
     meter["tokens"] += int(batch_lengths.sum())
     meter["padded"] += batch_lengths.numel() * data.batch_width(batch_lengths, width)
@@ -641,16 +647,21 @@ def count_step(meter, loss, batch_lengths, cfg, width):
 def log_progress(run, meter, lr):
     """Print and log the mean loss, ms/step, real tokens/s, the real share of the padded tokens, MFU (GPUs in
     model.PEAK_BF16_FLOPS) and peak memory since the last log line, with an ETA; raises FloatingPointError on a
-    non-finite mean loss. The .item() here is the loop's one regular host synchronisation."""
+    non-finite mean loss. The .item() here is the loop's one regular host synchronisation. Steps skipped by
+    --skip_nonfinite are left out of the mean and counted (loss None if every step was)."""
     args, state = run["args"], run["state"]
-    mean_loss = meter["loss"].item() / meter["steps"]
-    check_finite(run, mean_loss, state["step"] - meter["steps"] + 1)
+    counted = meter["steps"] - meter["skipped"]
+    mean_loss = meter["loss"].item() / counted if counted else None
+    if counted:
+        check_finite(run, mean_loss, state["step"] - meter["steps"] + 1)
     dt = time.time() - meter["t_last"]
     eta = (time.time() - run["t_start"]) / (state["step"] - run["start_step"]) * (run["total"] - state["step"])
     peak = peak_flops(args.device, args.dtype)
     mfu = None if peak is None else meter["flops"] / dt / (peak * args.world_size)  # per GPU
     mem = torch.cuda.max_memory_allocated(args.device) / 2 ** 30 if args.device.type == "cuda" else None
-    print(f"step {state['step']:6d}/{run['total']} | epoch {state['epoch']} | loss {mean_loss:.4f} | "
+    loss = "-" if mean_loss is None else f"{mean_loss:.4f}"
+    skipped = f" ({meter['skipped']} skipped)" if meter["skipped"] else ""
+    print(f"step {state['step']:6d}/{run['total']} | epoch {state['epoch']} | loss {loss}{skipped} | "
           f"lr {lr:.2e} | {1000 * dt / meter['steps']:.0f} ms/step | {meter['tokens'] / dt:,.0f} tok/s | "
           f"{100 * meter['tokens'] / meter['padded']:.0f}% real | "
           + (f"MFU {100 * mfu:.1f}% | " if mfu is not None else "")
@@ -658,7 +669,7 @@ def log_progress(run, meter, lr):
     append_log(run, dict(step=state["step"], epoch=state["epoch"], loss=mean_loss, lr=lr,
                          ms_per_step=1000 * dt / meter["steps"], tokens_per_s=meter["tokens"] / dt,
                          real_fraction=meter["tokens"] / meter["padded"], mfu=mfu,
-                         peak_memory_gib=mem))
+                         peak_memory_gib=mem, **({"skipped": meter["skipped"]} if meter["skipped"] else {})))
     meter.update(new_meter(args))
 
 

@@ -1294,6 +1294,10 @@ def test_nonfinite_loss_stops_the_run_or_is_skipped(listops_dir, tmp_path, monke
     last = data.load_pt(os.path.join(out, "listops", "pretrain_last.pt"))
     assert last["state"]["step"] == 6 and last["state"]["skipped"] == 1
     assert all(torch.isfinite(v).all() for v in last["model"].values())
+    lines = [json.loads(x) for x in open(os.path.join(out, "listops", "pretrain_log.jsonl")) if '"lr"' in x]
+    lines = lines[-6:]  # the second run's (--log_every 1): the skipped step has no loss, not a loss of 0
+    assert [e["step"] for e in lines] == [1, 2, 3, 4, 5, 6] and lines[3]["loss"] is None and lines[3]["skipped"] == 1
+    assert all(math.isfinite(e["loss"]) and e["loss"] > 0 and "skipped" not in e for e in lines[:3] + lines[4:])
 
 
 def test_resume_refuses_a_checkpoint_of_other_data_or_another_schedule(listops_dir, tmp_path):
