@@ -1298,6 +1298,11 @@ def test_nonfinite_loss_stops_the_run_or_is_skipped(listops_dir, tmp_path, monke
     lines = lines[-6:]  # the second run's (--log_every 1): the skipped step has no loss, not a loss of 0
     assert [e["step"] for e in lines] == [1, 2, 3, 4, 5, 6] and lines[3]["loss"] is None and lines[3]["skipped"] == 1
     assert all(math.isfinite(e["loss"]) and e["loss"] > 0 and "skipped" not in e for e in lines[:3] + lines[4:])
+    calls["n"] = 0  # logged in pairs: step 4's line is the mean of step 3's loss alone, not half of it
+    pretrain.main(args + ["--skip_nonfinite", "--log_every", "2"])  # the last --log_every counts
+    pairs = [json.loads(x) for x in open(os.path.join(out, "listops", "pretrain_log.jsonl")) if '"lr"' in x][-3:]
+    assert [e["step"] for e in pairs] == [2, 4, 6] and pairs[1]["skipped"] == 1
+    assert pairs[1]["loss"] == pytest.approx(lines[2]["loss"], rel=1e-5)  # the same step 3 as with --log_every 1
 
 
 def test_resume_refuses_a_checkpoint_of_other_data_or_another_schedule(listops_dir, tmp_path):
@@ -2913,29 +2918,43 @@ def test_ablate_frozen_freezes_every_layer_and_measures_how_far_each_group_moved
     assert set(rows) == {"SPT stage (masked reconstruction)", "from scratch", "from scratch, attn frozen",
                          "from scratch, attn+embed+norm frozen", "SPT, then finetuned"}
     for row, still in (("from scratch, attn frozen", ("W_Q", "W_K", "W_V", "W_O", "W_Q^T W_K")),
-                       ("from scratch, attn+embed+norm frozen", ("W_Q", "W_K", "W_V", "W_O", "embed"))):
+                       ("from scratch, attn+embed+norm frozen", ("W_Q", "W_K", "W_V", "W_O", "W_Q^T W_K", "embed"))):
         assert all(rows[row]["displacement"][g] == 0.0 for g in still) and rows[row]["displacement"]["mlp"] > 0
     assert rows["from scratch"]["displacement"]["W_Q"] > 0 and rows["from scratch, attn frozen"]["displacement"]["embed"] > 0
     run = os.path.join(out, "ablate", "reference", "fashion_mnist", "preset_r16_n20", "seed0", "fashion_mnist")
-    start, kept = (data.load_pt(os.path.join(run, f"finetune_scratch_freeze-attn{s}.pt"))["model"] for s in ("_init", ""))
-    mlp = [k for k in start if ".mlp." in k]
-    moved = math.sqrt(sum((kept[k].double() - start[k].double()).pow(2).sum().item() for k in mlp)) / \
-        math.sqrt(sum(start[k].double().pow(2).sum().item() for k in mlp))
-    assert rows["from scratch, attn frozen"]["displacement"]["mlp"] == pytest.approx(moved, rel=1e-5)
-    assert len({k.split(".")[1] for k in mlp}) == 2  # the preset's two layers, not Table 3's one
+    def moved(start, kept, group):  # norm(W - W_start) / norm(W_start) over the group's tensors of every layer
+        start, kept = (data.load_pt(os.path.join(run, f))["model"] for f in (start, kept))
+        names = [k for k in start if group in k]
+        return math.sqrt(sum((kept[k].double() - start[k].double()).pow(2).sum().item() for k in names)) / \
+            math.sqrt(sum(start[k].double().pow(2).sum().item() for k in names)), names
+    mlp, names = moved("finetune_scratch_freeze-attn_init.pt", "finetune_scratch_freeze-attn.pt", ".mlp.")
+    assert rows["from scratch, attn frozen"]["displacement"]["mlp"] == pytest.approx(mlp, rel=1e-5)
+    assert len({k.split(".")[1] for k in names}) == 2  # the preset's two layers, not Table 3's one
+    # After SPT: from the SPT weights (finetune_spt_init.pt), not from the random init before SPT.
+    q, _ = moved("finetune_spt_init.pt", "finetune_spt.pt", ".q_proj.")
+    assert rows["SPT, then finetuned"]["displacement"]["W_Q"] == pytest.approx(q, rel=1e-5)
+    assert q != pytest.approx(moved("pretrain_init.pt", "finetune_spt.pt", ".q_proj.")[0], rel=1e-3)
     table = open(os.path.join(out, "ablate", "frozen_cpu.md")).read()
     assert "| fashion_mnist | from scratch, attn frozen |" in table and "| 0.535 |" in table
     assert "| 0.535 (?) |" in table and "| 0.720 (Table 2) |" in table and "Probe, from scratch for 2 epochs" in table
     assert "command: python ablate.py frozen --preset cpu --tasks fashion_mnist --seeds 1" in table
+    assert "| 0.503 (Sec. 3; Table 2: 0.499) |" in table and "stands beside the paper's CIFAR10" in table
     shutil.copytree(os.path.join(listops_dir, "listops"), os.path.join(root, "listops"))
     ablate.main(["main", "--tasks", "listops"] + argv)
     capsys.readouterr()
     ablate.main(["frozen", "--tasks", "listops", "text"] + argv)
     text = capsys.readouterr().out
     assert os.path.join("listops", "preset", "seed0", "listops", "finetune_scratch.json") in text  # main's, read back
-    table = open(os.path.join(out, "ablate", "frozen_cpu.md")).read()
+    table = open(os.path.join(out, "ablate", "frozen_cpu_listops_text.md")).read()  # the default table stays
     assert "| listops | from scratch, attn frozen |" in table and "| 0.40 (unchanged) |" in table
-    assert "Skipped: text" in table and "fashion_mnist" not in table
+    assert "Skipped: text" in table and "fashion_mnist" not in table and "CIFAR10" not in table
+    assert "| fashion_mnist |" in open(os.path.join(out, "ablate", "frozen_cpu.md")).read()
+    with pytest.raises(FileNotFoundError, match=r"no data for any task of --tasks: text \("):
+        ablate.main(["frozen", "--tasks", "text"] + argv)
+    # A finished run whose weights are gone is not read back: its model cannot be checked.
+    os.remove(os.path.join(run, "finetune_scratch.pt"))
+    with pytest.raises(FileNotFoundError, match=r"finetune_scratch.json is a finished run without its weights"):
+        ablate.main(["frozen"] + argv)
 
 
 # ----------------------------------------------------------------------------------------------------------
