@@ -212,6 +212,13 @@ def spt_displacement(task, folder, data_dir, n=64):
     return stats
 
 
+def spt_gradients(task, folder, data_dir):
+    """analyze.loss_gradients at init and after the SPT run in `folder`: {"init": ..., "spt": ...}, each
+    {loss: {"prop1_share": per layer, "grad_norm": per group}} for L_sup and L_SPT."""
+    paths = data.run_paths(folder, task, "pretrain")
+    return {when: analyze.loss_gradients(paths[key], data_dir) for when, key in (("init", "init"), ("spt", "best"))}
+
+
 def plateau_exit_epoch(result, threshold=0.9):
     """First epoch (fractional, from the step) at which validation accuracy reached `threshold`, or None."""
     for e in result["evals"]:
@@ -362,11 +369,13 @@ def experiment_synthetic(args):
     for seed in seeds_here(args, ("synthetic", common)):
         ckpt = run_pretrain("synthetic", run_dir(args, "synthetic", seed), seed, common + ["--snapshots"])
         stats = spt_displacement("synthetic", run_dir(args, "synthetic", seed), args.data_dir)
+        grads = spt_gradients("synthetic", run_dir(args, "synthetic", seed), args.data_dir)
         lr = pretrain.PRESETS["synthetic"][args.preset]["finetune"]["lr"]
         for name, init, extra in (("spt", ckpt, ()), ("scratch", "scratch", ()),
                                   ("scratch_lr3x", "scratch", ("--lr", str(3 * lr)))):
             result = run_finetune("synthetic", run_dir(args, "synthetic", seed), seed, name, init, common, extra)
-            runs.append(summary(seed, result, name=name, attention_init=stats["init"], attention_spt=stats["spt"]))
+            runs.append(summary(seed, result, name=name, attention_init=stats["init"], attention_spt=stats["spt"],
+                                gradients=grads))
     if args.only_seed is not None:
         return  # a child of --jobs: the parent writes the table
     rows = ["| run | val acc | test acc | train acc | epoch val acc >= 0.9 (runs that got there) |",
@@ -389,8 +398,14 @@ def experiment_synthetic(args):
                          ("W_Q^T W_K", "organized (the proximity bias)")):
         rows.append(f"| relative displacement of {group} after SPT, norm(W - W_init) / norm(W_init) | 0 | "
                     f"{mean_std([r['attention_spt']['displacement'][group] for r in spt])} | {paper} |")
+    for loss, paper in (("L_sup", "0 at uniform attention (Prop. 1)"), ("L_SPT", "not 0 (Prop. 1)")):
+        rows.append(f"| share of {loss}'s score gradient along Prop. 1's directions (analyze.py gradients) | "
+                    + " | ".join(mean_std([r["gradients"][when][loss]["prop1_share"][0] for r in spt])
+                                 for when in ("init", "spt")) + f" | {paper} |")
     rows.append(f"\nlog L = {spt[0]['attention_init']['uniform_entropy']:.2f} nats (uniform attention over "
-                f"{args.length} steps). Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py synthetic"
+                f"{args.length} steps). Share along Prop. 1's directions: of the gradient of the loss with respect "
+                f"to the attention scores, the part along the directions with zero column sums (0 exactly when every "
+                f"query's row of it is the same), on 64 training sequences. Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py synthetic"
                 + run_note(args))
     write_outputs("synthetic", runs, "\n".join(rows), args)
 
@@ -728,7 +743,8 @@ def experiment_frozen(args):
             folder = run_dir(args, task, seed, model[task])
             ckpt = run_pretrain(task, folder, seed, common[task])
             runs.append(dict(task=task, seed=seed, row="SPT stage (masked reconstruction)",
-                             displacement=trained_displacement(folder, task, "pretrain")))
+                             displacement=trained_displacement(folder, task, "pretrain"),
+                             gradients=spt_gradients(task, folder, task_data_dir(args, task))))
             for label, init, extra in FROZEN_ROWS:
                 name = ("scratch" if init else "spt") + ("" if not extra else "_freeze-" + extra[1].replace("+", "-"))
                 result = run_finetune(task, folder, seed, name, init or ckpt, common[task], extra)
@@ -754,6 +770,14 @@ def experiment_frozen(args):
             rs = [r for r in runs if r["task"] == task and r["row"] == label]
             rows.append(f"| {task} | {label} | " + " | ".join(
                 mean_std([r["displacement"].get(g) for r in rs]) for g in MOVED_GROUPS) + " |")
+    rows += ["", "| task | layer | share of L_sup's score gradient along Prop. 1's directions: at init | after SPT "
+             "| share of L_SPT's: at init | after SPT |", "|---|---|---|---|---|---|"]
+    for task in done:
+        rs = [r for r in runs if r["task"] == task and r["row"] == "SPT stage (masked reconstruction)"]
+        for layer in range(len(rs[0]["gradients"]["init"]["L_sup"]["prop1_share"])):
+            rows.append(f"| {task} | {layer} | " + " | ".join(
+                mean_std([r["gradients"][when][loss]["prop1_share"][layer] for r in rs])
+                for loss in ("L_sup", "L_SPT") for when in ("init", "spt")) + " |")
     notes = " ".join(describe_data(task_data_dir(args, t), t) + probes[t][2] + "." for t in done)
     if skipped:
         notes += " Skipped: " + "; ".join(f"{t} ({why})" for t, why in skipped) + "."
@@ -762,7 +786,10 @@ def experiment_frozen(args):
                 f"head trained\") may mean `attn` or `attn+embed+norm`: its number stands beside both, (?) beside the "
                 f"second. Second table: each run from the weights it started from (SPT, then finetuned: from the SPT "
                 f"weights with a fresh head) to the weights it kept; W_Q^T W_K is layer 0's, over its heads; the other "
-                f"groups pooled over layers (one norm ratio); a frozen group moves 0. Seeds: {args.seeds}; preset "
+                f"groups pooled over layers (one norm ratio); a frozen group moves 0. Third table (analyze.py "
+                f"gradients, 64 training sequences): of each loss's gradient with respect to the attention scores, the "
+                f"share along the directions with zero column sums, which Prop. 1 says L_sup's lacks at uniform "
+                f"attention in the minimal model (one layer, no LayerNorm, no MLP). Seeds: {args.seeds}; preset "
                 f"{args.preset}; command: python ablate.py frozen --preset {args.preset} --tasks {' '.join(args.tasks)}"
                 + run_note(args))
     # other --tasks than the preset's default: a table of their own, not the default one overwritten

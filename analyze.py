@@ -1,6 +1,7 @@
 r"""analyze.py -- what self-pretraining does to attention, and the theory behind it (Coser et al. 2026).
 
     python analyze.py prop1                     # Proposition 1 checked numerically (CPU, seconds)
+    python analyze.py gradients --ckpt out/synthetic/pretrain_init.pt out/synthetic/pretrain.pt   # ... in the model
     python analyze.py attention --ckpt out/synthetic/pretrain_init.pt out/synthetic/pretrain.pt \
                                        out/synthetic/finetune_spt.pt     # maps, PE-only probe, W_Q^T W_K
     python analyze.py curves --run_dir out/synthetic                      # proximity over training (--snapshots)
@@ -12,7 +13,7 @@ Expect: prop1 in ~10 s (supervised derivative ~1e-18, closed form to ~1e-14); at
 ~10 s: under the default reference init, entropy 4.56 -> ~2.2 nats, band mass 0.11 -> ~0.87, PE-only probe
 correlation 0.87 -> ~0.98 (under --init_scheme normal: 4.61 -> ~2.2, 0.07 -> ~0.88, ~0.997 after SPT).
 
-Sections: 1. Proposition 1  2. attention after self-pretraining  3. the figures of ablate.py's experiments
+Sections: 1. Proposition 1 (1b: in the model)  2. attention after self-pretraining  3. the figures of ablate.py's experiments
 (learning curves, the init-scale phase diagram)  4. command line
 """
 import argparse
@@ -221,6 +222,115 @@ def run_prop1(args):
     plot_prop1(x, w, y, band_direction(settings["length"]), os.path.join(args.out, "prop1.png"))
     data.save_atomic(dict(settings=settings, rows=rows), os.path.join(args.out, "prop1.json"))
     print(f"wrote {os.path.join(args.out, 'prop1.png')} and prop1.json")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 1b. Proposition 1 in the model itself: where each loss's gradient points at the attention scores
+# ----------------------------------------------------------------------------------------------------------
+# The directions of Prop. 1 are the score directions D with zero column sums. A score gradient G = dL/dS (L x L)
+# has <G, D> = 0 for all of them exactly when every row of G is the same (G = 1 g^T): a change that raises key j's
+# score for every query alike, a key salience with no query-key interaction and so no proximity. The share of
+# ||G||^2 along Prop. 1's directions is ||G - 1 gbar^T||^2 / ||G||^2, gbar the mean row. Prop. 1 says it is 0 for
+# L_sup in the minimal model (one layer, no LayerNorm, no MLP, mean pooling, a linear head) at uniform attention;
+# an MLP after the attention, LayerNorm, or attention that is not uniform make it positive. This measures it, for
+# both losses, in any SPT checkpoint (pretrain_init.pt: at init; pretrain.pt: after SPT).
+
+def prop1_share(grad, lengths=None):
+    """The share of the score gradients' squared norm along Prop. 1's directions (zero column sums), pooled.
+
+    grad: (B, H, L, L) dL/dS of one layer; lengths: (B,) real lengths or None. Only real query rows count, and
+    the mean row is taken over them (padded keys have zero gradient, padded queries feed nothing). Returns
+    sum ||G_bh - 1 gbar_bh^T||^2 / sum ||G_bh||^2 over sequences b and heads h (0 if the gradient is 0).
+    """
+    B, H, L, _ = grad.shape
+    real = torch.ones(B, L, dtype=grad.dtype) if lengths is None else \
+        (torch.arange(L)[None, :] < lengths[:, None]).to(grad.dtype)
+    w = real[:, None, :, None]                                                      # (B, 1, L, 1) query rows
+    mean_row = (grad * w).sum(2, keepdim=True) / w.sum(2, keepdim=True)            # (B, H, 1, L)
+    total = (grad.pow(2) * w).sum()
+    return ((grad - mean_row).pow(2) * w).sum().item() / total.item() if total > 0 else 0.0
+
+
+def score_gradient(probs, probs_grad):
+    """dL/dS from the attention probabilities P = softmax(S) (rows) and dL/dP, both (..., L, L): the softmax
+    backward, dS_ij = P_ij (dP_ij - sum_k P_ik dP_ik)."""
+    return probs * (probs_grad - (probs * probs_grad).sum(-1, keepdim=True))
+
+
+def loss_gradients(path, data_dir, n=64, chunk=16, seed=0):
+    """Prop. 1 in the model of an SPT checkpoint (pretrain.py's: it has the reconstruction head; a fresh linear or
+    MLP class head of the finetuning kind is drawn with `seed`): on the first n training sequences, for L_sup
+    (cross-entropy of the labels through mean pooling, what finetuning minimizes) and L_SPT (the run's masked
+    reconstruction: its mask ratio and loss, masks drawn with `seed`), both summed over sequences, returns
+    {loss: {"prop1_share": [per layer], "grad_norm": {group: ||dL/dW|| / n}}} (prop1_share, model.PARAM_GROUPS).
+
+    Raises ValueError for a checkpoint of another stage or a Retrieval (pair) model.
+    """
+    import pretrain  # the masking and the loss of the SPT stage itself
+    ck = data.load_pt(path)
+    cfg, meta = ck["model_config"], ck["data_meta"]
+    if ck.get("stage") != "pretrain" or cfg.get("pair"):
+        raise ValueError(f"{path}: a checkpoint of pretrain.py (not {ck.get('stage')!r}) of a one-sequence task is "
+                         f"needed (its reconstruction head; a pair model pools two documents)")
+    with torch.random.fork_rng():  # the fresh head from `seed`, the caller's random state left as it was
+        torch.manual_seed(seed)
+        model = Transformer(config_from_dict(dict(cfg, n_classes=meta["n_classes"]), path))
+    missing, unexpected = model.load_state_dict(unwrapped_state_dict(ck["model"]), strict=False)
+    if unexpected or any(not k.startswith("cls_head.") for k in missing):
+        raise ValueError(f"{path}: weights {missing or unexpected} do not fit its own model_config")
+    model.eval()  # dropout off; gradients still flow
+    split = data.load_split(data_dir, ck["task"], "train")
+    run = ck.get("config") or {}
+    ratio = run.get("mask_ratio") or pretrain.MASK_RATIO[data.task_family(ck["task"])]
+    kind = run.get("rec_loss") or ("ce" if meta["kind"] == "tokens" else "mse")
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for loss_name in ("L_sup", "L_SPT"):
+        model.zero_grad(set_to_none=True)
+        num, den = None, None
+        for i in range(0, min(n, len(split["labels"])), chunk):
+            idx = torch.arange(i, min(i + chunk, n, len(split["labels"])))
+            x, lengths, labels = data.get_batch(split, idx, "cpu", multiple=1)
+            if loss_name == "L_sup":
+                inputs = model_inputs(model, x)
+            else:
+                inputs, masked = pretrain.mask_batch(x, lengths, ratio, meta.get("mask_id"), g)
+            z, probs = model.encode(inputs, lengths, need_weights=True)
+            for p in probs:
+                p.retain_grad()
+            if loss_name == "L_sup":
+                loss = F.cross_entropy(model.cls_head(model.pool(z, lengths)), labels, reduction="sum")
+            else:
+                targets = pretrain.targets_at(x, None, kind, meta)
+                loss = pretrain.reconstruction_loss(model.rec_head(z), targets, kind, masked) * masked.sum()
+            loss.backward()
+            shares = [prop1_share(score_gradient(p.detach(), p.grad), lengths) for p in probs]
+            totals = [score_gradient(p.detach(), p.grad).pow(2).sum().item() for p in probs]
+            # pooled over chunks: the along-share times the total, summed, over the totals summed
+            num = [a * t + b for a, t, b in zip(shares, totals, num or [0.0] * len(probs))]
+            den = [t + b for t, b in zip(totals, den or [0.0] * len(probs))]
+        norms = {}
+        for name, param in model.named_parameters():
+            if param.grad is not None:
+                group = param_group(name)
+                norms[group] = norms.get(group, 0.0) + param.grad.pow(2).sum().item()
+        out[loss_name] = dict(prop1_share=[a / b if b > 0 else 0.0 for a, b in zip(num, den)],
+                              grad_norm={k: math.sqrt(v) / n for k, v in norms.items()})
+    return out
+
+
+def cmd_gradients(args):
+    results = {}
+    for path in args.ckpt:
+        results[path] = res = loss_gradients(path, args.data_dir, args.n, seed=args.seed)
+        print(f"{path}: share of the score gradient along Prop. 1's directions (zero column sums), per layer; "
+              f"|dL/dW_Q| / |dL/dW_V|:")
+        for loss_name, r in res.items():
+            ratio = r["grad_norm"]["W_Q"] / r["grad_norm"]["W_V"] if r["grad_norm"].get("W_V") else float("nan")
+            print(f"  {loss_name:5s} " + " ".join(f"{s:.3g}" for s in r["prop1_share"]) + f";  {ratio:.3g}")
+    os.makedirs(args.out, exist_ok=True)
+    data.save_atomic(dict(n=args.n, seed=args.seed, results=results), os.path.join(args.out, "gradients.json"))
+    print(f"wrote {os.path.join(args.out, 'gradients.json')}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -535,6 +645,15 @@ def main(argv=None):
     s.add_argument("--out", default="out/analysis", help="folder for prop1.png and prop1.json")
     s.add_argument("--seed", type=int, default=0, help="seed of the random tokens and directions")
     s.set_defaults(func=cmd_prop1)
+    s = sub.add_parser("gradients", formatter_class=fmt, help="Proposition 1 in the model: the share of each loss's "
+                       "score gradient along Prop. 1's directions, at init and after SPT")
+    s.add_argument("--ckpt", nargs="+", required=True, help="pretrain.py checkpoints, e.g. out/synthetic/pretrain_init.pt "
+                   "out/synthetic/pretrain.pt")
+    s.add_argument("--data_dir", default="data", help="root of data/<task>/ (the training split is read)")
+    s.add_argument("--n", type=int, default=64, help="training sequences summed over")
+    s.add_argument("--seed", type=int, default=0, help="seed of the fresh class head and of the masks")
+    s.add_argument("--out", default="out/analysis", help="folder for gradients.json")
+    s.set_defaults(func=cmd_gradients)
     s = sub.add_parser("attention", formatter_class=fmt, help="attention maps, PE-only probe, W_Q^T W_K and proximity statistics")
     s.add_argument("--ckpt", nargs="+", required=True, help="checkpoints, e.g. out/synthetic/pretrain_init.pt "
                    "out/synthetic/pretrain.pt out/synthetic/finetune_spt.pt (the first is the reference)")

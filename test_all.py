@@ -1052,6 +1052,53 @@ def test_analyze_attention_and_curves_write_figures(synthetic_run, tmp_path):
         assert (tmp_path / name).stat().st_size > 1000
 
 
+def test_score_gradient_is_the_softmax_backward_and_prop1_share_the_zero_column_sum_projection():
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(2, 3, 5, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(2, 3, 5, 5, generator=g, dtype=torch.float64)
+    probs = s.softmax(-1)
+    (probs * r).sum().backward()  # dL/dP = r
+    assert torch.allclose(analyze.score_gradient(probs.detach(), r), s.grad, atol=1e-12)
+    grad, lengths = torch.randn(2, 3, 5, 5, generator=g, dtype=torch.float64), torch.tensor([5, 3])
+    along = total = 0.0
+    for b in range(2):  # brute force: per column, minus the mean over the real query rows
+        n = int(lengths[b])
+        for h in range(3):
+            for j in range(5):
+                col = [grad[b, h, i, j].item() for i in range(n)]
+                along += sum((c - sum(col) / n) ** 2 for c in col)
+                total += sum(c ** 2 for c in col)
+    assert analyze.prop1_share(grad, lengths) == pytest.approx(along / total, rel=1e-12)
+    same_rows = grad[:, :, :1].expand(-1, -1, 5, -1)  # G = 1 g^T: no component along Prop. 1's directions
+    assert analyze.prop1_share(same_rows) == pytest.approx(0.0, abs=1e-15)
+
+
+def test_prop1_holds_in_the_minimal_model_at_uniform_attention_and_not_with_an_mlp(synthetic_run, tmp_path):
+    """analyze.loss_gradients: with W_Q = W_K = 0 attention is exactly uniform; then in the one-layer model without
+    LayerNorm or MLP the supervised score gradient has no component along Prop. 1's directions, the reconstruction
+    one does, and an MLP after the attention breaks the premise (the supervised one gets a component too)."""
+    data_dir, out = synthetic_run
+    ck = data.load_pt(os.path.join(out, "synthetic", "pretrain_init.pt"))
+    assert ck["model_config"]["mlp"] is False and ck["model_config"]["layernorm"] is False
+    uniform = {k: (torch.zeros_like(v) if ".q_proj." in k or ".k_proj." in k else v) for k, v in ck["model"].items()}
+    path = str(tmp_path / "uniform.pt")
+    data.save_atomic(dict(ck, model=uniform), path)
+    res = analyze.loss_gradients(path, data_dir, n=32)
+    assert res["L_sup"]["prop1_share"][0] < 1e-9 < 0.1 < res["L_SPT"]["prop1_share"][0]
+    assert res["L_sup"]["grad_norm"]["W_V"] > 0  # the supervised loss does train the values
+    cfg = dict(ck["model_config"], mlp=True, layernorm=True, n_layers=2)
+    deep = Transformer(model_lib.config_from_dict(cfg, "test")).state_dict()
+    deep = {k: (torch.zeros_like(v) if ".q_proj." in k or ".k_proj." in k else v) for k, v in deep.items()}
+    path = str(tmp_path / "mlp.pt")
+    data.save_atomic(dict(ck, model=deep, model_config=cfg), path)
+    res = analyze.loss_gradients(path, data_dir, n=32)
+    assert len(res["L_sup"]["prop1_share"]) == 2 and res["L_sup"]["prop1_share"][0] > 1e-3
+    path = str(tmp_path / "finetune_x.pt")
+    data.save_atomic(dict(ck, stage="finetune"), path)
+    with pytest.raises(ValueError, match=r"a checkpoint of pretrain.py \(not 'finetune'\)"):
+        analyze.loss_gradients(path, data_dir)
+
+
 def test_ablate_synthetic_and_init_run_and_resume(synthetic_run, tmp_path, capsys):
     data_dir, _ = synthetic_run
     argv = ["--seeds", "2", "--data_dir", data_dir, "--out_dir", str(tmp_path), "--max_steps", "2", "--device", "cpu"]
@@ -1064,6 +1111,9 @@ def test_ablate_synthetic_and_init_run_and_resume(synthetic_run, tmp_path, capsy
     assert "SPT, then finetune" in table and "| relative displacement of W_Q^T W_K after SPT" in table
     disp = [r["attention_spt"]["displacement"]["W_Q"] for r in res["runs"] if r["name"] == "spt"]
     assert f"| {sum(disp) / 2:.3f} +- " in table  # the mean over the 2 seeds, as computed by analyze.py
+    share = [r["gradients"]["init"]["L_SPT"]["prop1_share"][0] for r in res["runs"] if r["name"] == "spt"]
+    assert f"| share of L_SPT's score gradient along Prop. 1's directions (analyze.py gradients) | " \
+           f"{sum(share) / 2:.3f} +- " in table and 0 < share[0] <= 1
     capsys.readouterr()
     ablate.main(["synthetic"] + argv)  # everything is read back, nothing retrained
     assert capsys.readouterr().out.count("read back") == 6
@@ -2939,6 +2989,9 @@ def test_ablate_frozen_freezes_every_layer_and_measures_how_far_each_group_moved
     assert "| 0.535 (?) |" in table and "| 0.720 (Table 2) |" in table and "Probe, from scratch for 2 epochs" in table
     assert "command: python ablate.py frozen --preset cpu --tasks fashion_mnist --seeds 1" in table
     assert "| 0.503 (Sec. 3; Table 2: 0.499) |" in table and "stands beside the paper's CIFAR10" in table
+    spt_stage = rows["SPT stage (masked reconstruction)"]["gradients"]
+    assert len(spt_stage["init"]["L_sup"]["prop1_share"]) == 2  # a share per layer of the preset's model
+    assert f"| fashion_mnist | 1 | {spt_stage['init']['L_sup']['prop1_share'][1]:.3f} (1 seed) |" in table
     shutil.copytree(os.path.join(listops_dir, "listops"), os.path.join(root, "listops"))
     ablate.main(["main", "--tasks", "listops"] + argv)
     capsys.readouterr()
