@@ -2991,7 +2991,7 @@ def test_ablate_frozen_freezes_every_layer_and_measures_how_far_each_group_moved
     assert "| 0.503 (Sec. 3; Table 2: 0.499) |" in table and "stands beside the paper's CIFAR10" in table
     spt_stage = rows["SPT stage (masked reconstruction)"]["gradients"]
     assert len(spt_stage["init"]["L_sup"]["prop1_share"]) == 2  # a share per layer of the preset's model
-    assert f"| fashion_mnist | 1 | {spt_stage['init']['L_sup']['prop1_share'][1]:.3f} (1 seed) |" in table
+    assert f"| fashion_mnist | 1 | {spt_stage['init']['L_sup']['prop1_share'][1]:.3f} +- 0.000 (1 seed) |" in table
     shutil.copytree(os.path.join(listops_dir, "listops"), os.path.join(root, "listops"))
     ablate.main(["main", "--tasks", "listops"] + argv)
     capsys.readouterr()
