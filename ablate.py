@@ -930,24 +930,30 @@ def experiment_initscale(args):
         spt = run_finetune("synthetic", folder, seed, "spt", run_pretrain("synthetic", folder, seed, common), common)
         at_init = data.run_paths(folder, "synthetic", "finetune", "scratch")["init"]
         stats = analyze.analyze_checkpoints({"init": at_init}, data_dirs[length], n=32)[0]["init"]
+        share = analyze.loss_gradients(data.run_paths(folder, "synthetic", "pretrain")["init"], data_dirs[length],
+                                       n=32)["L_sup"]["prop1_share"][0]  # the same init distribution (SPT's draw)
         for stage, result in (("scratch", scratch), ("spt", spt)):
             runs.append(summary(seed, result, kind=kind, scale=scale, length=length, stage=stage,
-                                best_step=result["best_step"], entropy_at_init=stats["entropy"] / stats["uniform_entropy"]))
+                                best_step=result["best_step"], entropy_at_init=stats["entropy"] / stats["uniform_entropy"],
+                                sup_share_at_init=share))
     if args.child:
         return  # a --jobs child (one kind): the parent writes the whole table
-    rows = ["| init | scale | L | entropy at init / log L | val acc, from scratch | epoch >= 0.9 (runs) | "
-            "val acc, SPT then finetune | epoch >= 0.9 (runs) |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| init | scale | L | entropy at init / log L | L_sup's score-gradient share along Prop. 1's directions "
+            "at init | val acc, from scratch | epoch >= 0.9 (runs) | val acc, SPT then finetune | epoch >= 0.9 (runs) |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for kind, scale, length in ((k, s, L) for k in args.kinds for s in args.scales for L in args.lengths):
         cell = [r for r in runs if (r["kind"], r["scale"], r["length"]) == (kind, scale, length)]
         rows.append(f"| {kind} | {scale:g} | {length} | "
                     f"{mean_std([r['entropy_at_init'] for r in cell if r['stage'] == 'scratch'])} | "
+                    f"{mean_std([r['sup_share_at_init'] for r in cell if r['stage'] == 'scratch'])} | "
                     + " | ".join(cells([r for r in cell if r["stage"] == stage], "best_val_acc", "exit")
                                  for stage in ("scratch", "spt")) + " |")
     rows.append(f"\nBudget per stage and cell: {args.epochs} epochs of {args.n_train} trajectories (batch "
                 f"{args.batch_size}), validation on {args.n_val}; the synthetic preset's model otherwise (one layer, "
                 f"one head, no LayerNorm, no MLP, lr 1e-3). Scale 1 = PyTorch's default init; `reference` ties W_Q, "
                 f"W_K, W_V, W_O at init as Amos et al.'s code does, `torch` draws them independently. Entropy of the "
-                f"from-scratch model's attention at init on 32 validation trajectories. Seeds: {args.seeds}; command: "
+                f"from-scratch model's attention at init on 32 validation trajectories; the gradient share (analyze.py "
+                f"gradients, 0 at uniform attention by Prop. 1) at the SPT run's init, on 32 training trajectories. Seeds: {args.seeds}; command: "
                 f"python ablate.py initscale" + (" --quick" if args.quick else "") +
                 (f"; every run capped at {args.max_steps} steps" if args.max_steps else ""))
     analyze.plot_initscale(runs, args.kinds, args.scales, args.lengths, args.seeds,

@@ -1247,7 +1247,10 @@ def test_ablate_initscale_runs_its_grid_and_writes_table_and_figure(tmp_path):
     cells = {(r["kind"], r["scale"], r["length"], r["stage"]) for r in res["runs"]}
     assert cells == {(k, s, L, st) for k in ("reference", "torch") for s in (0.5, 1.0) for L in (12, 20)
                      for st in ("scratch", "spt")}
-    assert all(0 < r["entropy_at_init"] <= 1 + 1e-6 for r in res["runs"])
+    assert all(0 < r["entropy_at_init"] <= 1 + 1e-6 and 0 <= r["sup_share_at_init"] <= 1 for r in res["runs"])
+    small = [r["sup_share_at_init"] for r in res["runs"] if r["scale"] == 0.5]
+    large = [r["sup_share_at_init"] for r in res["runs"] if r["scale"] == 1.0]
+    assert max(small) < min(large)  # more uniform attention at a smaller init: closer to Prop. 1's zero
     table = open(tmp_path / "out" / "ablate" / "initscale.md").read()
     assert "| reference | 0.5 | 12 |" in table and "| torch | 1 | 20 |" in table
     assert (tmp_path / "out" / "analysis" / "initscale.png").stat().st_size > 10_000
