@@ -257,14 +257,15 @@ def score_gradient(probs, probs_grad):
     return probs * (probs_grad - (probs * probs_grad).sum(-1, keepdim=True))
 
 
-def loss_gradients(path, data_dir, n=64, chunk=16, seed=0):
+def loss_gradients(path, data_dir, n=64, chunk=None, seed=0):
     """Prop. 1 in the model of an SPT checkpoint (pretrain.py's: it has the reconstruction head; a fresh linear or
     MLP class head of the finetuning kind is drawn with `seed`): on the first n training sequences, for L_sup
     (cross-entropy of the labels through mean pooling, what finetuning minimizes) and L_SPT (the run's masked
     reconstruction: its mask ratio and loss, masks drawn with `seed`), both summed over sequences, returns
     {loss: {"prop1_share": [per layer], "grad_norm": {group: ||dL/dW|| / n}}} (prop1_share, model.PARAM_GROUPS).
 
-    Raises ValueError for a checkpoint of another stage or a Retrieval (pair) model.
+    `chunk` sequences at a time (default: at most 16, fewer at long L: chunk x L^2 <= 2^24 scores per head and
+    layer, as attention_maps). Raises ValueError for a checkpoint of another stage or a Retrieval (pair) model.
     """
     import pretrain  # the masking and the loss of the SPT stage itself
     ck = data.load_pt(path)
@@ -284,6 +285,7 @@ def loss_gradients(path, data_dir, n=64, chunk=16, seed=0):
     ratio = run.get("mask_ratio") or pretrain.MASK_RATIO[data.task_family(ck["task"])]
     kind = run.get("rec_loss") or ("ce" if meta["kind"] == "tokens" else "mse")
     g = torch.Generator().manual_seed(seed)
+    chunk = chunk or max(1, min(16, 2 ** 24 // data.split_width(split) ** 2))
     out = {}
     for loss_name in ("L_sup", "L_SPT"):
         model.zero_grad(set_to_none=True)

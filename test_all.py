@@ -1085,6 +1085,11 @@ def test_prop1_holds_in_the_minimal_model_at_uniform_attention_and_not_with_an_m
     data.save_atomic(dict(ck, model=uniform), path)
     res = analyze.loss_gradients(path, data_dir, n=32)
     assert res["L_sup"]["prop1_share"][0] < 1e-9 < 0.1 < res["L_SPT"]["prop1_share"][0]
+    whole = analyze.loss_gradients(os.path.join(out, "synthetic", "pretrain_init.pt"), data_dir, n=32, chunk=32)
+    parts = analyze.loss_gradients(os.path.join(out, "synthetic", "pretrain_init.pt"), data_dir, n=32, chunk=5)
+    assert parts["L_sup"]["prop1_share"][0] == pytest.approx(whole["L_sup"]["prop1_share"][0], rel=1e-4)
+    assert parts["L_sup"]["grad_norm"]["W_Q"] == pytest.approx(whole["L_sup"]["grad_norm"]["W_Q"], rel=1e-4)
+    assert 0 < whole["L_sup"]["prop1_share"][0] < 1  # the trained init is not uniform: not 0
     assert res["L_sup"]["grad_norm"]["W_V"] > 0  # the supervised loss does train the values
     cfg = dict(ck["model_config"], mlp=True, layernorm=True, n_layers=2)
     deep = Transformer(model_lib.config_from_dict(cfg, "test")).state_dict()
