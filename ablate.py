@@ -213,10 +213,16 @@ def spt_displacement(task, folder, data_dir, n=64):
 
 
 def spt_gradients(task, folder, data_dir):
-    """analyze.loss_gradients at init and after the SPT run in `folder`: {"init": ..., "spt": ...}, each
-    {loss: {"prop1_share": per layer, "grad_norm": per group}} for L_sup and L_SPT."""
-    paths = data.run_paths(folder, task, "pretrain")
-    return {when: analyze.loss_gradients(paths[key], data_dir) for when, key in (("init", "init"), ("spt", "best"))}
+    """analyze.loss_gradients of each loss on the model that loss trains, at init and after SPT, from the runs in
+    `folder`: {"init": {"L_sup": of finetune_scratch_init.pt (from-scratch training's start), "L_SPT": of
+    pretrain_init.pt}, "spt": {"L_sup": of finetune_spt_init.pt (the SPT weights and the fresh head finetuning
+    starts from), "L_SPT": of pretrain.pt}}, each {"prop1_share": per layer, "grad_norm": per group}."""
+    pre = data.run_paths(folder, task, "pretrain")
+    sup = {when: data.run_paths(folder, task, "finetune", name)["init"] for when, name in (("init", "scratch"),
+                                                                                          ("spt", "spt"))}
+    return {when: {"L_sup": analyze.loss_gradients(sup[when], data_dir)["L_sup"],
+                   "L_SPT": analyze.loss_gradients(pre[key], data_dir)["L_SPT"]}
+            for when, key in (("init", "init"), ("spt", "best"))}
 
 
 def plateau_exit_epoch(result, threshold=0.9):
@@ -369,11 +375,12 @@ def experiment_synthetic(args):
     for seed in seeds_here(args, ("synthetic", common)):
         ckpt = run_pretrain("synthetic", run_dir(args, "synthetic", seed), seed, common + ["--snapshots"])
         stats = spt_displacement("synthetic", run_dir(args, "synthetic", seed), args.data_dir)
-        grads = spt_gradients("synthetic", run_dir(args, "synthetic", seed), args.data_dir)
         lr = pretrain.PRESETS["synthetic"][args.preset]["finetune"]["lr"]
-        for name, init, extra in (("spt", ckpt, ()), ("scratch", "scratch", ()),
-                                  ("scratch_lr3x", "scratch", ("--lr", str(3 * lr)))):
-            result = run_finetune("synthetic", run_dir(args, "synthetic", seed), seed, name, init, common, extra)
+        results = {name: run_finetune("synthetic", run_dir(args, "synthetic", seed), seed, name, init, common, extra)
+                   for name, init, extra in (("spt", ckpt, ()), ("scratch", "scratch", ()),
+                                             ("scratch_lr3x", "scratch", ("--lr", str(3 * lr))))}
+        grads = spt_gradients("synthetic", run_dir(args, "synthetic", seed), args.data_dir)  # needs both inits
+        for name, result in results.items():
             runs.append(summary(seed, result, name=name, attention_init=stats["init"], attention_spt=stats["spt"],
                                 gradients=grads))
     if args.only_seed is not None:
@@ -405,7 +412,8 @@ def experiment_synthetic(args):
     rows.append(f"\nlog L = {spt[0]['attention_init']['uniform_entropy']:.2f} nats (uniform attention over "
                 f"{args.length} steps). Share along Prop. 1's directions: of the gradient of the loss with respect "
                 f"to the attention scores, the part along the directions with zero column sums (0 exactly when every "
-                f"query's row of it is the same), on 64 training sequences. Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py synthetic"
+                f"query's row of it is the same), on 64 training sequences, each loss on the model it trains (L_sup: at the "
+                f"start of from-scratch training, and after SPT at the start of finetuning, its fresh head included). Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py synthetic"
                 + run_note(args))
     write_outputs("synthetic", runs, "\n".join(rows), args)
 
@@ -742,14 +750,14 @@ def experiment_frozen(args):
         for seed in seeds:
             folder = run_dir(args, task, seed, model[task])
             ckpt = run_pretrain(task, folder, seed, common[task])
-            runs.append(dict(task=task, seed=seed, row="SPT stage (masked reconstruction)",
-                             displacement=trained_displacement(folder, task, "pretrain"),
-                             gradients=spt_gradients(task, folder, task_data_dir(args, task))))
             for label, init, extra in FROZEN_ROWS:
                 name = ("scratch" if init else "spt") + ("" if not extra else "_freeze-" + extra[1].replace("+", "-"))
                 result = run_finetune(task, folder, seed, name, init or ckpt, common[task], extra)
                 runs.append(summary(seed, result, probes[task][1], task=task, row=label,
                                     displacement=trained_displacement(folder, task, "finetune", name)))
+            runs.append(dict(task=task, seed=seed, row="SPT stage (masked reconstruction)",
+                             displacement=trained_displacement(folder, task, "pretrain"),
+                             gradients=spt_gradients(task, folder, task_data_dir(args, task))))
     if args.only_seed is not None:
         return  # a child of --jobs: the parent writes the table
     rows = ["| task | init of the finetuned model | val acc | train acc | test acc | majority class (val) | "
@@ -789,7 +797,8 @@ def experiment_frozen(args):
                 f"groups pooled over layers (one norm ratio); a frozen group moves 0. Third table (analyze.py "
                 f"gradients, 64 training sequences): of each loss's gradient with respect to the attention scores, the "
                 f"share along the directions with zero column sums, which Prop. 1 says L_sup's lacks at uniform "
-                f"attention in the minimal model (one layer, no LayerNorm, no MLP). Seeds: {args.seeds}; preset "
+                f"attention in the minimal model (one layer, no LayerNorm, no MLP); L_sup at the start of from-scratch "
+                f"training and, after SPT, at the start of finetuning. Seeds: {args.seeds}; preset "
                 f"{args.preset}; command: python ablate.py frozen --preset {args.preset} --tasks {' '.join(args.tasks)}"
                 + run_note(args))
     # other --tasks than the preset's default: a table of their own, not the default one overwritten
@@ -930,8 +939,7 @@ def experiment_initscale(args):
         spt = run_finetune("synthetic", folder, seed, "spt", run_pretrain("synthetic", folder, seed, common), common)
         at_init = data.run_paths(folder, "synthetic", "finetune", "scratch")["init"]
         stats = analyze.analyze_checkpoints({"init": at_init}, data_dirs[length], n=32)[0]["init"]
-        share = analyze.loss_gradients(data.run_paths(folder, "synthetic", "pretrain")["init"], data_dirs[length],
-                                       n=32)["L_sup"]["prop1_share"][0]  # the same init distribution (SPT's draw)
+        share = analyze.loss_gradients(at_init, data_dirs[length], n=32)["L_sup"]["prop1_share"][0]
         for stage, result in (("scratch", scratch), ("spt", spt)):
             runs.append(summary(seed, result, kind=kind, scale=scale, length=length, stage=stage,
                                 best_step=result["best_step"], entropy_at_init=stats["entropy"] / stats["uniform_entropy"],
@@ -952,8 +960,8 @@ def experiment_initscale(args):
                 f"{args.batch_size}), validation on {args.n_val}; the synthetic preset's model otherwise (one layer, "
                 f"one head, no LayerNorm, no MLP, lr 1e-3). Scale 1 = PyTorch's default init; `reference` ties W_Q, "
                 f"W_K, W_V, W_O at init as Amos et al.'s code does, `torch` draws them independently. Entropy of the "
-                f"from-scratch model's attention at init on 32 validation trajectories; the gradient share (analyze.py "
-                f"gradients, 0 at uniform attention by Prop. 1) at the SPT run's init, on 32 training trajectories. Seeds: {args.seeds}; command: "
+                f"from-scratch model's attention at init on 32 validation trajectories, and its gradient share (analyze.py "
+                f"gradients, 0 at uniform attention by Prop. 1) on 32 training trajectories. Seeds: {args.seeds}; command: "
                 f"python ablate.py initscale" + (" --quick" if args.quick else "") +
                 (f"; every run capped at {args.max_steps} steps" if args.max_steps else ""))
     analyze.plot_initscale(runs, args.kinds, args.scales, args.lengths, args.seeds,

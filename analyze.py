@@ -258,41 +258,45 @@ def score_gradient(probs, probs_grad):
 
 
 def loss_gradients(path, data_dir, n=64, chunk=None, seed=0):
-    """Prop. 1 in the model of an SPT checkpoint (pretrain.py's: it has the reconstruction head; a fresh linear or
-    MLP class head of the finetuning kind is drawn with `seed`): on the first n training sequences, for L_sup
-    (cross-entropy of the labels through mean pooling, what finetuning minimizes) and L_SPT (the run's masked
-    reconstruction: its mask ratio and loss, masks drawn with `seed`), both summed over sequences, returns
-    {loss: {"prop1_share": [per layer], "grad_norm": {group: ||dL/dW|| / n}}} (prop1_share, model.PARAM_GROUPS).
+    """Prop. 1 in the model of a checkpoint: on its task's first n training sequences, the attention-score
+    gradients of L_sup (cross-entropy of the labels through mean pooling, what finetuning minimizes) and, for a
+    checkpoint of pretrain.py, of L_SPT (the run's masked reconstruction: its mask ratio and loss, masks drawn with
+    `seed`), each summed over the sequences. A finetuning checkpoint (e.g. finetune_scratch_init.pt, the model
+    from-scratch training starts from) is scored on its own class head; a pretrain.py one gets a fresh linear class
+    head drawn with `seed` and zeros in its mask-indicator channel (pass finetune_spt_init.pt for the head
+    finetuning after SPT really starts from). Returns {loss: {"prop1_share": [per layer], "grad_norm": {group:
+    ||dL/dW|| / sequences}}} (prop1_share; model.PARAM_GROUPS).
 
     `chunk` sequences at a time (default: at most 16, fewer at long L: chunk x L^2 <= 2^24 scores per head and
-    layer, as attention_maps). Raises ValueError for a checkpoint of another stage or a Retrieval (pair) model.
+    layer, as attention_maps). Raises ValueError for a Retrieval (pair) model, whose head pools two documents, and
+    for local attention (attn_window), whose zeros outside the window are not Prop. 1's uniform attention.
     """
     import pretrain  # the masking and the loss of the SPT stage itself
     ck = data.load_pt(path)
     cfg, meta = ck["model_config"], ck["data_meta"]
-    if ck.get("stage") != "pretrain" or cfg.get("pair"):
-        raise ValueError(f"{path}: a checkpoint of pretrain.py (not {ck.get('stage')!r}) of a one-sequence task is "
-                         f"needed (its reconstruction head; a pair model pools two documents)")
-    with torch.random.fork_rng():  # the fresh head from `seed`, the caller's random state left as it was
+    if cfg.get("pair") or (cfg.get("attn_window") and cfg["attn_window"] < meta["max_len"]):
+        raise ValueError(f"{path}: a pair model (Retrieval) or one with local attention; Prop. 1's measure needs "
+                         f"one sequence through full attention")
+    with torch.random.fork_rng():  # a fresh head from `seed`, the caller's random state left as it was
         torch.manual_seed(seed)
         model = Transformer(config_from_dict(dict(cfg, n_classes=meta["n_classes"]), path))
     missing, unexpected = model.load_state_dict(unwrapped_state_dict(ck["model"]), strict=False)
     if unexpected or any(not k.startswith("cls_head.") for k in missing):
         raise ValueError(f"{path}: weights {missing or unexpected} do not fit its own model_config")
-    model.eval()  # dropout off; gradients still flow
+    model.eval()  # dropout off (0 in every preset anyway); gradients still flow
     split = data.load_split(data_dir, ck["task"], "train")
     run = ck.get("config") or {}
     ratio = run.get("mask_ratio") or pretrain.MASK_RATIO[data.task_family(ck["task"])]
     kind = run.get("rec_loss") or ("ce" if meta["kind"] == "tokens" else "mse")
     g = torch.Generator().manual_seed(seed)
     chunk = chunk or max(1, min(16, 2 ** 24 // data.split_width(split) ** 2))
+    count = min(n, len(split["labels"]))
     out = {}
-    for loss_name in ("L_sup", "L_SPT"):
+    for loss_name in ("L_sup", "L_SPT") if model.rec_head is not None else ("L_sup",):
         model.zero_grad(set_to_none=True)
         num, den = None, None
-        for i in range(0, min(n, len(split["labels"])), chunk):
-            idx = torch.arange(i, min(i + chunk, n, len(split["labels"])))
-            x, lengths, labels = data.get_batch(split, idx, "cpu", multiple=1)
+        for i in range(0, count, chunk):
+            x, lengths, labels = data.get_batch(split, torch.arange(i, min(i + chunk, count)), "cpu", multiple=1)
             if loss_name == "L_sup":
                 inputs = model_inputs(model, x)
             else:
@@ -306,18 +310,18 @@ def loss_gradients(path, data_dir, n=64, chunk=None, seed=0):
                 targets = pretrain.targets_at(x, None, kind, meta)
                 loss = pretrain.reconstruction_loss(model.rec_head(z), targets, kind, masked) * masked.sum()
             loss.backward()
-            shares = [prop1_share(score_gradient(p.detach(), p.grad), lengths) for p in probs]
-            totals = [score_gradient(p.detach(), p.grad).pow(2).sum().item() for p in probs]
-            # pooled over chunks: the along-share times the total, summed, over the totals summed
-            num = [a * t + b for a, t, b in zip(shares, totals, num or [0.0] * len(probs))]
-            den = [t + b for t, b in zip(totals, den or [0.0] * len(probs))]
+            grads = [score_gradient(p.detach(), p.grad) for p in probs]
+            totals = [G.pow(2).sum().item() for G in grads]
+            # pooled over chunks: each chunk's share times its total, summed, over the totals summed
+            num = [prop1_share(G, lengths) * t + b for G, t, b in zip(grads, totals, num or [0.0] * len(grads))]
+            den = [t + b for t, b in zip(totals, den or [0.0] * len(grads))]
         norms = {}
         for name, param in model.named_parameters():
             if param.grad is not None:
                 group = param_group(name)
                 norms[group] = norms.get(group, 0.0) + param.grad.pow(2).sum().item()
         out[loss_name] = dict(prop1_share=[a / b if b > 0 else 0.0 for a, b in zip(num, den)],
-                              grad_norm={k: math.sqrt(v) / n for k, v in norms.items()})
+                              grad_norm={k: math.sqrt(v) / count for k, v in norms.items()})
     return out
 
 
@@ -327,7 +331,7 @@ def cmd_gradients(args):
         results[path] = res = loss_gradients(path, args.data_dir, args.n, seed=args.seed)
         print(f"{path}: share of the score gradient along Prop. 1's directions (zero column sums), per layer; "
               f"|dL/dW_Q| / |dL/dW_V|:")
-        for loss_name, r in res.items():
+        for loss_name, r in res.items():  # (L_SPT only for a pretrain.py checkpoint)
             ratio = r["grad_norm"]["W_Q"] / r["grad_norm"]["W_V"] if r["grad_norm"].get("W_V") else float("nan")
             print(f"  {loss_name:5s} " + " ".join(f"{s:.3g}" for s in r["prop1_share"]) + f";  {ratio:.3g}")
     os.makedirs(args.out, exist_ok=True)
@@ -649,8 +653,8 @@ def main(argv=None):
     s.set_defaults(func=cmd_prop1)
     s = sub.add_parser("gradients", formatter_class=fmt, help="Proposition 1 in the model: the share of each loss's "
                        "score gradient along Prop. 1's directions, at init and after SPT")
-    s.add_argument("--ckpt", nargs="+", required=True, help="pretrain.py checkpoints, e.g. out/synthetic/pretrain_init.pt "
-                   "out/synthetic/pretrain.pt")
+    s.add_argument("--ckpt", nargs="+", required=True, help="checkpoints, e.g. out/synthetic/pretrain_init.pt "
+                   "out/synthetic/pretrain.pt (L_sup and L_SPT) or out/synthetic/finetune_scratch_init.pt (L_sup)")
     s.add_argument("--data_dir", default="data", help="root of data/<task>/ (the training split is read)")
     s.add_argument("--n", type=int, default=64, help="training sequences summed over")
     s.add_argument("--seed", type=int, default=0, help="seed of the fresh class head and of the masks")
