@@ -221,7 +221,7 @@ def spt_gradients(task, folder, data_dir):
     sup = {when: data.run_paths(folder, task, "finetune", name)["init"] for when, name in (("init", "scratch"),
                                                                                           ("spt", "spt"))}
     return {when: {"L_sup": analyze.loss_gradients(sup[when], data_dir)["L_sup"],
-                   "L_SPT": analyze.loss_gradients(pre[key], data_dir)["L_SPT"]}
+                   "L_SPT": analyze.loss_gradients(pre[key], data_dir, losses=("L_SPT",))["L_SPT"]}
             for when, key in (("init", "init"), ("spt", "best"))}
 
 
@@ -412,8 +412,9 @@ def experiment_synthetic(args):
     rows.append(f"\nlog L = {spt[0]['attention_init']['uniform_entropy']:.2f} nats (uniform attention over "
                 f"{args.length} steps). Share along Prop. 1's directions: of the gradient of the loss with respect "
                 f"to the attention scores, the part along the directions with zero column sums (0 exactly when every "
-                f"query's row of it is the same), on 64 training sequences, each loss on the model it trains (L_sup: at the "
-                f"start of from-scratch training, and after SPT at the start of finetuning, its fresh head included). Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py synthetic"
+                f"query's row of it is the same), on 64 training sequences, each loss on the model it trains (L_sup: "
+                f"at the start of from-scratch training, and after SPT at the start of finetuning, its fresh head "
+                f"included). Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py synthetic"
                 + run_note(args))
     write_outputs("synthetic", runs, "\n".join(rows), args)
 

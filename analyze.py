@@ -257,7 +257,7 @@ def score_gradient(probs, probs_grad):
     return probs * (probs_grad - (probs * probs_grad).sum(-1, keepdim=True))
 
 
-def loss_gradients(path, data_dir, n=64, chunk=None, seed=0):
+def loss_gradients(path, data_dir, n=64, chunk=None, seed=0, losses=("L_sup", "L_SPT")):
     """Prop. 1 in the model of a checkpoint: on its task's first n training sequences, the attention-score
     gradients of L_sup (cross-entropy of the labels through mean pooling, what finetuning minimizes) and, for a
     checkpoint of pretrain.py, of L_SPT (the run's masked reconstruction: its mask ratio and loss, masks drawn with
@@ -268,7 +268,8 @@ def loss_gradients(path, data_dir, n=64, chunk=None, seed=0):
     ||dL/dW|| / sequences}}} (prop1_share; model.PARAM_GROUPS).
 
     `chunk` sequences at a time (default: at most 16, fewer at long L: chunk x L^2 <= 2^24 scores per head and
-    layer, as attention_maps). Raises ValueError for a Retrieval (pair) model, whose head pools two documents, and
+    layer, as attention_maps); `losses` the ones wanted (L_SPT is left out anyway where the checkpoint has no
+    reconstruction head). Raises ValueError for a Retrieval (pair) model, whose head pools two documents, and
     for local attention (attn_window), whose zeros outside the window are not Prop. 1's uniform attention.
     """
     import pretrain  # the masking and the loss of the SPT stage itself
@@ -292,9 +293,9 @@ def loss_gradients(path, data_dir, n=64, chunk=None, seed=0):
     chunk = chunk or max(1, min(16, 2 ** 24 // data.split_width(split) ** 2))
     count = min(n, len(split["labels"]))
     out = {}
-    for loss_name in ("L_sup", "L_SPT") if model.rec_head is not None else ("L_sup",):
+    for loss_name in [name for name in losses if name == "L_sup" or model.rec_head is not None]:
         model.zero_grad(set_to_none=True)
-        num, den = None, None
+        num, den = [0.0] * model.cfg.n_layers, [0.0] * model.cfg.n_layers  # per layer, summed over chunks
         for i in range(0, count, chunk):
             x, lengths, labels = data.get_batch(split, torch.arange(i, min(i + chunk, count)), "cpu", multiple=1)
             if loss_name == "L_sup":
@@ -313,8 +314,8 @@ def loss_gradients(path, data_dir, n=64, chunk=None, seed=0):
             grads = [score_gradient(p.detach(), p.grad) for p in probs]
             totals = [G.pow(2).sum().item() for G in grads]
             # pooled over chunks: each chunk's share times its total, summed, over the totals summed
-            num = [prop1_share(G, lengths) * t + b for G, t, b in zip(grads, totals, num or [0.0] * len(grads))]
-            den = [t + b for t, b in zip(totals, den or [0.0] * len(grads))]
+            num = [a + prop1_share(G, lengths) * t for a, G, t in zip(num, grads, totals)]
+            den = [a + t for a, t in zip(den, totals)]
         norms = {}
         for name, param in model.named_parameters():
             if param.grad is not None:
