@@ -423,11 +423,15 @@ def extract_tar(archive, into, prefix):
     """Extract the members of the .tar(.gz) `archive` whose path starts with `prefix` into `into`, with
     `prefix` stripped (so lra_release/lra_release/tsv_data/x.tsv with that prefix becomes <into>/x.tsv).
 
-    Uses tarfile's "data" filter: no absolute paths, links out of `into` or device files. Each file is written
-    as .part and renamed; links are not extracted (counted and printed). Returns the number of files extracted;
-    raises ValueError naming the archive if none matched (a wrong archive) or if it is not a tar file.
+    Only regular files are extracted, each read with `extractfile` and written by us as .part, then renamed:
+    links are not extracted (counted and printed), device files and modes never reach the disk. tarfile's
+    extraction filters apply to `extract`/`extractall` only, so the one remaining hazard, a member whose path
+    leaves `into` ("../x", or through a symlink already there), is checked here, on every Python version.
+    Returns the number of files extracted; raises ValueError naming the archive if none matched (a wrong
+    archive), if it is not a tar file, or naming the member that would be written outside `into`.
     """
     n = links = 0
+    root = os.path.realpath(into)
     try:
         with tarfile.open(archive) as tar:
             for member in tar:  # streamed: a multi-GB archive is read once, front to back
@@ -435,9 +439,11 @@ def extract_tar(archive, into, prefix):
                     if member.name.startswith(prefix) and (member.issym() or member.islnk()):
                         links += 1
                     continue
-                member = tarfile.data_filter(member, into)
                 rel = member.name[len(prefix):].lstrip("/")
                 path = os.path.join(into, rel)
+                if os.path.commonpath([root, os.path.realpath(path)]) != root:
+                    raise ValueError(f"{archive}: member {member.name!r} would be written outside {into}; "
+                                     "refusing the archive (nothing outside it was written)")
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 with tar.extractfile(member) as src, open(path + ".part", "wb") as dst:
                     shutil.copyfileobj(src, dst)

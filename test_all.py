@@ -7,6 +7,7 @@ Numerics are checked against independent computations (brute-force loops, numpy,
 """
 import argparse
 import http.server
+import io
 import json
 import math
 import os
@@ -2441,6 +2442,39 @@ def test_lra_and_imdb_archives_download_from_a_local_server(http_root, tmp_path,
     with pytest.raises(ValueError, match="not a readable tar archive"):
         data.prepare_image(str(tmp_path / "d2"), url=base_url.replace("/aeon-toolkit", "/junk.gz"))
     assert os.listdir(tmp_path / "d2" / "image") == []   # the junk download is not kept for the next run
+
+
+def test_extract_tar_refuses_a_member_outside_its_folder_and_skips_links(tmp_path, capsys):
+    """data.extract_tar: "../" and a symlink already in the folder cannot write outside it; links are counted."""
+    def make_tar(path, names, link=None):
+        with tarfile.open(path, "w") as tar:
+            for name in names:
+                info = tarfile.TarInfo(name)
+                info.size = 2
+                tar.addfile(info, io.BytesIO(b"ok"))
+            if link:
+                info = tarfile.TarInfo(link)
+                info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
+                tar.addfile(info)
+    into = tmp_path / "into"
+    into.mkdir()
+    good = str(tmp_path / "good.tar")
+    make_tar(good, ["pre/a.txt", "pre/sub/b.txt", "other/c.txt"], link="pre/link")
+    assert data.extract_tar(good, str(into), "pre/") == 2
+    assert (into / "a.txt").read_bytes() == b"ok" and (into / "sub" / "b.txt").exists()
+    assert not (into / "link").exists() and "skipped 1 links" in capsys.readouterr().out
+    dotdot = str(tmp_path / "dotdot.tar")
+    make_tar(dotdot, ["pre/../../evil.txt"])
+    with pytest.raises(ValueError, match=r"dotdot.tar: member 'pre/../../evil.txt' would be written outside"):
+        data.extract_tar(dotdot, str(into), "pre/")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.symlink(outside, into / "escape")          # a symlink left in the folder by something else
+    through = str(tmp_path / "through.tar")
+    make_tar(through, ["pre/escape/evil.txt"])
+    with pytest.raises(ValueError, match="would be written outside"):
+        data.extract_tar(through, str(into), "pre/")
+    assert not (tmp_path / "evil.txt").exists() and os.listdir(outside) == []
 
 
 # ----------------------------------------------------------------------------------------------------------
