@@ -262,9 +262,9 @@ def loss_gradients(path, data_dir, n=64, chunk=None, seed=0, losses=("L_sup", "L
     gradients of L_sup (cross-entropy of the labels through mean pooling, what finetuning minimizes) and, for a
     checkpoint of pretrain.py, of L_SPT (the run's masked reconstruction: its mask ratio and loss, masks drawn with
     `seed`), each summed over the sequences. A finetuning checkpoint (e.g. finetune_scratch_init.pt, the model
-    from-scratch training starts from) is scored on its own class head; a pretrain.py one gets a fresh linear class
-    head drawn with `seed` and zeros in its mask-indicator channel (pass finetune_spt_init.pt for the head
-    finetuning after SPT really starts from). Returns {loss: {"prop1_share": [per layer], "grad_norm": {group:
+    from-scratch training starts from) is scored on its own class head; a pretrain.py one gets a fresh class head of
+    its preset's kind (linear, or the MLP head of Text/Image `paper`) drawn with `seed` and zeros in its
+    mask-indicator channel (pass finetune_spt_init.pt for the head finetuning after SPT really starts from). Returns {loss: {"prop1_share": [per layer], "grad_norm": {group:
     ||dL/dW|| / sequences}}} (prop1_share; model.PARAM_GROUPS).
 
     `chunk` sequences at a time (default: at most 16, fewer at long L: chunk x L^2 <= 2^24 scores per head and
@@ -278,6 +278,10 @@ def loss_gradients(path, data_dir, n=64, chunk=None, seed=0, losses=("L_sup", "L
     if cfg.get("pair") or (cfg.get("attn_window") and cfg["attn_window"] < meta["max_len"]):
         raise ValueError(f"{path}: a pair model (Retrieval) or one with local attention; Prop. 1's measure needs "
                          f"one sequence through full attention")
+    run = ck.get("config") or {}
+    if ck.get("stage") == "pretrain":  # no class head: the one finetuning would give it (its preset's, as finetune.py)
+        preset = pretrain.PRESETS[data.task_family(ck["task"])].get(run.get("preset"), {})
+        cfg = dict(cfg, cls_mlp=preset.get("model", {}).get("cls_mlp", False))
     with torch.random.fork_rng():  # a fresh head from `seed`, the caller's random state left as it was
         torch.manual_seed(seed)
         model = Transformer(config_from_dict(dict(cfg, n_classes=meta["n_classes"]), path))
@@ -286,7 +290,6 @@ def loss_gradients(path, data_dir, n=64, chunk=None, seed=0, losses=("L_sup", "L
         raise ValueError(f"{path}: weights {missing or unexpected} do not fit its own model_config")
     model.eval()  # dropout off (0 in every preset anyway); gradients still flow
     split = data.load_split(data_dir, ck["task"], "train")
-    run = ck.get("config") or {}
     ratio = run.get("mask_ratio") or pretrain.MASK_RATIO[data.task_family(ck["task"])]
     kind = run.get("rec_loss") or ("ce" if meta["kind"] == "tokens" else "mse")
     g = torch.Generator().manual_seed(seed)

@@ -1084,7 +1084,8 @@ def test_score_gradient_is_the_softmax_backward_and_prop1_share_the_zero_column_
     assert analyze.prop1_share(G[None, None]) == pytest.approx((residual.norm() / G.norm()).item() ** 2, rel=1e-12)
 
 
-def test_prop1_holds_in_the_minimal_model_at_uniform_attention_and_not_with_an_mlp(synthetic_run, tmp_path):
+def test_prop1_holds_in_the_minimal_model_at_uniform_attention_and_not_with_an_mlp(synthetic_run, tmp_path,
+                                                                                    monkeypatch):
     """analyze.loss_gradients: with W_Q = W_K = 0 attention is exactly uniform; then in the one-layer model without
     LayerNorm or MLP the supervised score gradient has no component along Prop. 1's directions, the reconstruction
     one does, and an MLP after the attention breaks the premise (the supervised one gets a component too)."""
@@ -1118,6 +1119,14 @@ def test_prop1_holds_in_the_minimal_model_at_uniform_attention_and_not_with_an_m
     data.save_atomic(dict(ck, stage="finetune", model=model.state_dict(), model_config=cfg), path)
     res = analyze.loss_gradients(path, data_dir, n=32)
     assert set(res) == {"L_sup"} and res["L_sup"]["grad_norm"]["W_Q"] == 0.0
+    # A pretrain.py checkpoint gets the class head finetuning would give it: its preset's (here made the MLP head).
+    heads = []
+    monkeypatch.setattr(analyze, "Transformer", lambda cfg: heads.append(cfg.cls_mlp) or Transformer(cfg))
+    linear = analyze.loss_gradients(os.path.join(out, "synthetic", "pretrain_init.pt"), data_dir, n=8)
+    monkeypatch.setitem(pretrain.PRESETS["synthetic"][ck["config"]["preset"]]["model"], "cls_mlp", True)
+    mlp = analyze.loss_gradients(os.path.join(out, "synthetic", "pretrain_init.pt"), data_dir, n=8)
+    assert heads == [False, True] and mlp["L_sup"]["prop1_share"] != linear["L_sup"]["prop1_share"]
+    assert mlp["L_SPT"] == linear["L_SPT"]  # the head does not enter the reconstruction loss
     local = str(tmp_path / "local.pt")
     data.save_atomic(dict(ck, model_config=dict(ck["model_config"], attn_window=8)), local)
     with pytest.raises(ValueError, match="local attention"):
