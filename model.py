@@ -103,7 +103,9 @@ def rope(x, base=10000.0):
 class FIRE(nn.Module):
     """FIRE, functional interpolation for relative positions (Li et al. 2023, Eq. 5): a learned bias
     b_h(i, j) = MLP(psi(|i - j|) / psi(max(threshold, i + 1)))_h with psi(x) = log(c x + 1), c and threshold
-    learned. The paper's causal i - j becomes |i - j| here, since our encoder is bidirectional."""
+    learned. The paper's causal i - j becomes |i - j| here, since our encoder is bidirectional; so for keys after
+    the query (j > i) the MLP's input can exceed 1 (up to psi(L - 1) / psi(threshold) at i = 0), where causal FIRE
+    keeps it in [0, 1]. That range matters for length generalization, not at the one length a run trains on."""
 
     def __init__(self, n_heads, hidden=32):
         super().__init__()
