@@ -416,7 +416,7 @@ def qk_product(model, layer=0, head=0):
     return attn.q_proj.weight[rows].T @ attn.k_proj.weight[rows]
 
 
-def attention_stats(probs, band=3, side=None, entropy=None):
+def attention_stats(probs, band=3, side=None, entropy=None, lengths=None):
     """Proximity statistics of attention probabilities (..., L, L), averaged over rows and leading dims.
 
     entropy (nats; log L for uniform attention): the mean row entropy of `probs`, or, when `probs` is a mean over
@@ -428,15 +428,34 @@ def attention_stats(probs, band=3, side=None, entropy=None):
     in the image's two dimensions: band_mass_2d = attention within the (2 band + 1)^2 pixels around the query
     (Chebyshev distance <= band; the 1-D band misses the pixels above and below, `side` positions away), and
     mean_distance_2d, the mean Euclidean distance in pixels. Raises ValueError if side^2 != L.
+
+    `lengths` (B,): the real lengths of the sequences an attention_maps mean was taken over (padded batches).
+    Row i of that map is the mean over the sequences real at i, so each row is weighted by their count: every
+    statistic is then the mean over real (sequence, query) pairs, and the uniform references are those of
+    uniform attention over each sequence's own n real keys (log n; its band mass), not over L.
     """
     L = probs.shape[-1]
     pos = torch.arange(L)
     dist = (pos[:, None] - pos[None, :]).abs().to(probs.dtype)
-    map_entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1).mean().item()
-    stats = dict(entropy=map_entropy if entropy is None else entropy.mean().item(), uniform_entropy=math.log(L),
-                 band_mass=(probs * (dist <= band)).sum(-1).mean().item(), band=band,
-                 uniform_band_mass=(dist <= band).to(probs.dtype).mean().item(),
-                 mean_distance=(probs * dist).sum(-1).mean().item())
+    if lengths is None:
+        real = torch.ones(1, L, dtype=probs.dtype)                       # (sequences, L): which rows and keys
+    else:
+        real = (pos < lengths[:, None]).to(probs.dtype)
+    weight = real.sum(0)                                                 # (L,): sequences real at each row
+
+    def mean(per_row):  # (..., L) per query row -> the mean over real (sequence, row) pairs and leading dims
+        return ((per_row * weight).sum(-1) / weight.sum()).mean().item()
+
+    def uniform(near):  # band mass of uniform attention over each sequence's real keys, over its real rows
+        per_row = (real @ near.to(probs.dtype).T) / real.sum(1, keepdim=True)         # (sequences, L)
+        return ((per_row * real).sum() / real.sum()).item()
+    n = real.sum(1)
+    map_entropy = mean(-(probs * probs.clamp_min(1e-30).log()).sum(-1))
+    stats = dict(entropy=map_entropy if entropy is None else mean(entropy),
+                 uniform_entropy=((n * n.log()).sum() / n.sum()).item(),
+                 band_mass=mean((probs * (dist <= band)).sum(-1)), band=band,
+                 uniform_band_mass=uniform(dist <= band),
+                 mean_distance=mean((probs * dist).sum(-1)))
     if entropy is not None:
         stats["entropy_of_mean_map"] = map_entropy
     if side is not None:
@@ -445,9 +464,8 @@ def attention_stats(probs, band=3, side=None, entropy=None):
         dr = (pos[:, None] // side - pos[None, :] // side).abs().to(probs.dtype)
         dc = (pos[:, None] % side - pos[None, :] % side).abs().to(probs.dtype)
         near = torch.maximum(dr, dc) <= band
-        stats.update(band_mass_2d=(probs * near).sum(-1).mean().item(),
-                     uniform_band_mass_2d=near.to(probs.dtype).mean().item(),
-                     mean_distance_2d=(probs * torch.hypot(dr, dc)).sum(-1).mean().item())
+        stats.update(band_mass_2d=mean((probs * near).sum(-1)), uniform_band_mass_2d=uniform(near),
+                     mean_distance_2d=mean((probs * torch.hypot(dr, dc)).sum(-1)))
     return stats
 
 
@@ -482,13 +500,16 @@ def analyze_checkpoints(paths, data_dir, n=64, band=3):
         split = data.load_split(data_dir, ck["task"], "val")
         x, lengths, _ = data.get_batch(split, torch.arange(min(n, len(split["labels"]))), "cpu", multiple=1)
         x, lengths = single_sequences(x, lengths)  # Retrieval: each document of a pair on its own
-        attn, entropies = attention_maps(model, x, None if bool((lengths == x.shape[1]).all()) else lengths)
-        _, probe = pe_probe(model, x.shape[1])
+        padded = None if bool((lengths == x.shape[1]).all()) else lengths
+        attn, entropies = attention_maps(model, x, padded)
         side = math.isqrt(x.shape[1])  # pixel tasks: square images flattened row by row
         side = side if (ck.get("data_meta") or {}).get("kind") == "pixels" and side * side == x.shape[1] else None
-        stats = attention_stats(attn[0], band, side, entropy=entropies[0])
-        stats["probe"] = attention_stats(probe, band, side)
-        stats["probe_corr_with_attention"] = correlation(probe, attn[0])
+        stats = attention_stats(attn[0], band, side, entropy=entropies[0], lengths=padded)
+        probe = None
+        if model.cfg.pos == "sinusoidal":  # the probe feeds the absolute encodings P; other schemes have none
+            _, probe = pe_probe(model, x.shape[1])
+            stats["probe"] = attention_stats(probe, band, side)
+            stats["probe_corr_with_attention"] = correlation(probe, attn[0])
         stats["stage"], stats["path"] = ck.get("stage"), path
         start = data.run_init_path(path)  # the weights this checkpoint's own run started from
         if start is not None and os.path.abspath(start) != os.path.abspath(path):
@@ -533,8 +554,10 @@ def cmd_attention(args):
     os.makedirs(args.out, exist_ok=True)
     plot_maps(maps, "attention", os.path.join(args.out, "attention.png"),
               "softmax attention, layer 0 head 0, mean over validation sequences")
-    plot_maps(maps, "probe", os.path.join(args.out, "pe_probe.png"),
-              "PE-only probe: softmax(P W_Q^T W_K P^T / sqrt(d_head)), X = 0")
+    probes = {label: m for label, m in maps.items() if m["probe"] is not None}  # sinusoidal positions only
+    if probes:
+        plot_maps(probes, "probe", os.path.join(args.out, "pe_probe.png"),
+                  "PE-only probe: softmax(P W_Q^T W_K P^T / sqrt(d_head)), X = 0")
     plot_maps(maps, "qk", os.path.join(args.out, "qk_product.png"), "W_Q^T W_K, layer 0 head 0")
     data.save_atomic(results, os.path.join(args.out, "attention.json"))
     for label, r in results.items():
@@ -542,11 +565,12 @@ def cmd_attention(args):
         print(f"{label:24s} entropy {r['entropy']:.2f} (uniform {r['uniform_entropy']:.2f}) | band mass "
               f"(|i-j|<={r['band']}) {r['band_mass']:.2f} | mean distance {r['mean_distance']:.1f} | "
               + (f"2-D band mass {r['band_mass_2d']:.2f} (uniform {r['uniform_band_mass_2d']:.2f}), mean distance "
-                 f"{r['mean_distance_2d']:.1f} px | " if "band_mass_2d" in r else "") + f"PE probe: "
-              f"entropy {r['probe']['entropy']:.2f}, corr with attention {r['probe_corr_with_attention']:.3f}"
+                 f"{r['mean_distance_2d']:.1f} px | " if "band_mass_2d" in r else "")
+              + (f"PE probe: entropy {r['probe']['entropy']:.2f}, corr with attention "
+                 f"{r['probe_corr_with_attention']:.3f}" if "probe" in r else "PE probe: none (no absolute positions)")
               + ("" if not disp else " | displacement W_Q {W_Q:.2f} W_K {W_K:.2f} W_Q^T W_K {qk:.2f}".format(
                   W_Q=disp.get("W_Q", float("nan")), W_K=disp.get("W_K", float("nan")), qk=disp["W_Q^T W_K"])))
-    print(f"wrote attention.png, pe_probe.png, qk_product.png, attention.json in {args.out}")
+    print(f"wrote attention.png, {'pe_probe.png, ' if probes else ''}qk_product.png, attention.json in {args.out}")
 
 
 def cmd_curves(args):

@@ -2324,6 +2324,50 @@ def test_attention_maps_average_real_rows_and_take_entropy_per_sequence_in_any_c
     assert s["entropy"] == pytest.approx(0.0) and s["entropy_of_mean_map"] == pytest.approx(np.log(2))
 
 
+def test_attention_stats_of_a_padded_batch_are_means_over_real_rows_against_each_sequence_alone():
+    """analyze.attention_stats(..., lengths): the statistics of attention_maps' padded mean equal the mean, over
+    every real (sequence, query) pair, of each sequence's own statistics computed alone at its own length, and
+    exactly uniform attention (W_Q = W_K = 0) reads as uniform (entropy log n, the band mass of n real keys)."""
+    torch.manual_seed(0)
+    for zero_qk in (True, False):
+        model = Transformer(tiny_cfg(n_layers=1, init="normal", init_std=0.3)).eval()
+        if zero_qk:
+            with torch.no_grad():
+                for proj in (model.blocks[0].attn.q_proj, model.blocks[0].attn.k_proj):
+                    proj.weight.zero_(), proj.bias.zero_()
+        lengths = torch.tensor([20, 13, 7, 20, 4])
+        x = torch.randint(2, 17, (5, 20)) * (torch.arange(20) < lengths[:, None])
+        maps, entropies = analyze.attention_maps(model, x, lengths)
+        s = analyze.attention_stats(maps[0], band=2, side=None, entropy=entropies[0], lengths=lengths)
+        alone = []   # brute force: each sequence unpadded, on its own, its statistics weighted by its length
+        for b, n in enumerate(lengths.tolist()):
+            m, e = analyze.attention_maps(model, x[b:b + 1, :n])
+            alone.append((n, analyze.attention_stats(m[0], band=2, entropy=e[0])))
+        total = lengths.sum().item()
+        for key in ("entropy", "uniform_entropy", "band_mass", "uniform_band_mass", "mean_distance"):
+            assert s[key] == pytest.approx(sum(n * a[key] for n, a in alone) / total, rel=1e-5), key
+        if zero_qk:
+            assert s["entropy"] == pytest.approx(s["uniform_entropy"], rel=1e-6)
+            assert s["band_mass"] == pytest.approx(s["uniform_band_mass"], rel=1e-6)
+            assert s["uniform_entropy"] < np.log(20)  # not the reference of length-20 sequences
+    # Without padding, lengths changes nothing.
+    probs = torch.softmax(torch.randn(2, 9, 9), -1)
+    assert analyze.attention_stats(probs, band=1, lengths=torch.tensor([9, 9])) == analyze.attention_stats(probs, band=1)
+
+
+def test_attention_analysis_of_a_model_without_absolute_positions_has_no_pe_probe(synthetic_run, tmp_path):
+    """analyze.py attention on a RoPE checkpoint (ablate.py posenc): the maps and statistics, and no PE-only probe
+    (there are no absolute encodings to feed), instead of a crash."""
+    data_dir, out = synthetic_run
+    ck = data.load_pt(os.path.join(out, "synthetic", "pretrain.pt"))
+    path = str(tmp_path / "rope.pt")
+    data.save_atomic(dict(ck, model_config=dict(ck["model_config"], pos="rope")), path)
+    analyze.main(["attention", "--ckpt", path, "--data_dir", data_dir, "--out", str(tmp_path)])
+    res = json.load(open(tmp_path / "attention.json"))["rope"]
+    assert "probe" not in res and 0 < res["band_mass"] <= 1
+    assert (tmp_path / "attention.png").exists() and not (tmp_path / "pe_probe.png").exists()
+
+
 def test_displacement_is_measured_from_each_runs_own_init(synthetic_run, tmp_path):
     data_dir, out = synthetic_run
     run = os.path.join(out, "synthetic")
