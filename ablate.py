@@ -162,18 +162,48 @@ def split_sha256(data_dir, task):
     return out
 
 
+_META = {}  # (path, size, mtime) -> the meta of a split file
+
+
+def split_meta(data_dir, task):
+    """The meta dict of data/<task>/train.pt, read once per version of the file."""
+    path = data.split_path(data_dir, task)
+    key = (os.path.abspath(path), os.path.getsize(path), os.path.getmtime(path))
+    if key not in _META:
+        _META[key] = data.load_split(data_dir, task, "train")["meta"]
+    return _META[key]
+
+
 def check_read_back(path, result, task, init, argv):
     """Raise ValueError unless the finished finetuning `path` (its result dict) is the run an experiment asks for
     with `init` and the finetune.py flags `argv`: the same data (the sha256 of each split file), the same
     initialization (scratch, or the same SPT checkpoint: its data and the step of its weights) and the same
     resolved value of every setting outside READ_BACK_SKIP (requested_run: a flag left out means the preset's
-    value, which must then match too; so must the model fields the preset implies, read from the run's
-    checkpoint). Experiments share run folders (out/ablate/<scheme>/<task>/<model>/seed<s>);
-    without this a run made with other data or another budget would be read back as this one's."""
+    value, which must then match too; the model fields the preset and the flags imply are compared with the
+    run's checkpoint instead of as flags). Experiments share run folders (out/ablate/<scheme>/<task>/<model>/
+    seed<s>); without this a run made with other data or another budget would be read back as this one's.
+
+    Runs written before the sha256 and the SPT step were recorded (results without data_sha256 / spt_step) are
+    checked by what they do record, and the read-back line says so: the meta of their data (the run's checkpoint
+    holds it: task, sizes, length, seed, source) against the data here, and the path of their SPT checkpoint,
+    which must be the one asked for and no newer than the run's own start (_init.pt).
+    """
     (asked, model), config = requested_run("finetune", task, ["--init", init] + list(argv)), result.get("config") or {}
-    here = split_sha256(asked.data_dir, task)
-    problems = [f"{s}.pt sha256 {result['data_sha256'][s][:12]}... (here: {here[s][:12]}... in {asked.data_dir})"
-                for s in data.SPLITS if (result.get("data_sha256") or {}).get(s, here[s]) != here[s]]
+    weights = os.path.splitext(path)[0] + ".pt"
+    if not os.path.exists(weights):
+        raise FileNotFoundError(f"{path} is a finished run without its weights {weights}, so its model cannot be "
+                                f"checked (nor analysed): move the folder away (or pass another --out_dir) to rerun it")
+    built = torch.load(weights, map_location="cpu", weights_only=True, mmap=True)
+    problems, older = [], []
+    if result.get("data_sha256"):
+        here = split_sha256(asked.data_dir, task)
+        problems += [f"{s}.pt sha256 {result['data_sha256'][s][:12]}... (here: {here[s][:12]}... in {asked.data_dir})"
+                     for s in data.SPLITS if result["data_sha256"].get(s, here[s]) != here[s]]
+    else:
+        older.append("its data by meta (no sha256 recorded)")
+        then, here = built.get("data_meta") or {}, split_meta(asked.data_dir, task)
+        problems += [f"data {k}={then[k]!r} (here: {here[k]!r} in {asked.data_dir})"
+                     for k in sorted(set(then) & set(here)) if then[k] != here[k]]
     if (init == "scratch") != (result.get("init") == "scratch"):
         problems.append(f"--init {result.get('init')} (asked: {init})")
     elif init != "scratch":
@@ -182,25 +212,29 @@ def check_read_back(path, result, task, init, argv):
                 ck["data_sha256"] != result["spt_data_sha256"]:
             problems.append(f"SPT on other data than {init}'s")
         step = (ck.get("state") or {}).get("step")
-        if result.get("spt_step") is not None and step != result["spt_step"]:
-            problems.append(f"the SPT weights of step {result['spt_step']} (asked: {init}, step {step})")
+        if result.get("spt_step") is not None:
+            if step != result["spt_step"]:
+                problems.append(f"the SPT weights of step {result['spt_step']} (asked: {init}, step {step})")
+        else:
+            older.append("its SPT checkpoint by path (no step recorded)")
+            start = data.run_init_path(weights)
+            if os.path.realpath(result.get("init") or "") != os.path.realpath(init):
+                problems.append(f"--init {result.get('init')} (asked: {init})")
+            elif start and os.path.exists(start) and os.path.getmtime(init) > os.path.getmtime(start):
+                problems.append(f"an SPT checkpoint {init} that was written after this run started")
     for key, value in vars(asked).items():
-        if key in config and key not in READ_BACK_SKIP and config[key] != value:
+        if key in config and key not in READ_BACK_SKIP and key not in pretrain.MODEL_FLAGS and config[key] != value:
             problems.append(f"--{key} {config[key]} (asked: {value})")
-    # The model the preset implies beyond the flags (e.g. its cls_mlp head), from the run's own checkpoint; after
-    # SPT the backbone is the checkpoint's (its step is checked above) and only the new head is finetuning's.
-    weights = os.path.splitext(path)[0] + ".pt"
-    if not os.path.exists(weights):
-        raise FileNotFoundError(f"{path} is a finished run without its weights {weights}, so its model cannot be "
-                                f"checked (nor analysed): move the folder away (or pass another --out_dir) to rerun it")
-    built = torch.load(weights, map_location="cpu", weights_only=True, mmap=True)["model_config"]
+    # The model the preset and the flags imply, from the run's own checkpoint; after SPT the backbone is the
+    # checkpoint's (checked above) and only the new head is finetuning's.
     for field, value in model.items():
-        if field in built and built[field] != value and (init == "scratch" or field == "cls_mlp"):
-            problems.append(f"model {field}={built[field]!r} (the preset asks {value!r})")
+        if field in built["model_config"] and built["model_config"][field] != value and \
+                (init == "scratch" or field == "cls_mlp"):
+            problems.append(f"model {field}={built['model_config'][field]!r} (the preset asks {value!r})")
     if problems:
         raise ValueError(f"{path} is a finished run made with " + "; ".join(problems) + ": another experiment with "
                          "other settings wrote this folder. Move it away (or pass another --out_dir) to run this one")
-    print(f"read back {path}")
+    print(f"read back {path}" + (f" (an older run: checked {' and '.join(older)})" if older else ""))
 
 
 def spt_displacement(task, folder, data_dir, n=64):

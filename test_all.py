@@ -1519,6 +1519,31 @@ def test_ablate_reads_back_a_finished_run_only_if_it_is_the_run_asked_for(synthe
         ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common)
     with pytest.raises(ValueError, match=r"made with model cls_mlp=False \(the preset asks True\):"):
         ablate.run_finetune("synthetic", folder, 0, "spt", mine, common)  # the backbone is the SPT checkpoint's
+    monkeypatch.undo()
+    # A model flag typed with the preset's own value is the same run as the flag left out (compared as resolved).
+    assert ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common + ["--n_layers", "1"]) == first
+    # Older runs recorded no data sha256 and no SPT step: their data's meta and their SPT checkpoint's path count.
+    for name in ("scratch", "spt"):
+        path = data.run_paths(folder, "synthetic", "finetune", name)["json"]
+        result = json.load(open(path))
+        json.dump(dict(result, data_sha256=None, spt_step=None), open(path, "w"))
+    started = os.path.getmtime(data.run_paths(folder, "synthetic", "finetune", "spt")["init"])
+    os.utime(mine, (started - 60, started - 60))  # as written before the run (save_atomic above rewrote it)
+    capsys.readouterr()
+    ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common)
+    ablate.run_finetune("synthetic", folder, 0, "spt", mine, common)
+    printed = capsys.readouterr().out
+    assert "an older run: checked its data by meta (no sha256 recorded))\n" in printed
+    assert "checked its data by meta (no sha256 recorded) and its SPT checkpoint by path (no step recorded)" in printed
+    with pytest.raises(ValueError, match=r"made with data seed=0 \(here: 5 in "):
+        ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common + ["--data_dir", other])
+    again = str(tmp_path / "spt_again.pt")
+    shutil.copy(mine, again)  # the same weights under another path: not the checkpoint this run recorded
+    with pytest.raises(ValueError, match=r"made with --init .*spt.pt \(asked: .*spt_again.pt\)"):
+        ablate.run_finetune("synthetic", folder, 0, "spt", again, common)
+    os.utime(mine, (started + 60, started + 60))  # the SPT checkpoint was rewritten after this run started
+    with pytest.raises(ValueError, match=r"an SPT checkpoint .*spt.pt that was written after this run started"):
+        ablate.run_finetune("synthetic", folder, 0, "spt", mine, common)
 
 
 def test_resume_falls_back_when_the_last_checkpoint_is_damaged(listops_dir, tmp_path, capsys):
