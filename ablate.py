@@ -226,10 +226,10 @@ def check_read_back(path, result, task, init, argv):
         if key in config and key not in READ_BACK_SKIP and key not in pretrain.MODEL_FLAGS and config[key] != value:
             problems.append(f"--{key} {config[key]} (asked: {value})")
     # The model the preset and the flags imply, from the run's own checkpoint; after SPT the backbone is the
-    # checkpoint's (checked above) and only the new head is finetuning's.
+    # checkpoint's (checked above) and only what finetuning sets itself (finetune.FINETUNE_FIELDS) is compared.
     for field, value in model.items():
         if field in built["model_config"] and built["model_config"][field] != value and \
-                (init == "scratch" or field == "cls_mlp"):
+                (init == "scratch" or field in finetune.FINETUNE_FIELDS):
             problems.append(f"model {field}={built['model_config'][field]!r} (the preset asks {value!r})")
     if problems:
         raise ValueError(f"{path} is a finished run made with " + "; ".join(problems) + ": another experiment with "
@@ -1470,9 +1470,9 @@ def build_parser():
         s.set_defaults(length=100, download=False, init_scheme="reference", seeds=1, max_steps=0, only_seed=None,
                        child=False, default_seeds=seeds if "seeds" in flags else 1)  # run_note: no --seeds flag
         if "seeds" in flags:
-            s.add_argument("--seeds", type=int, default=seeds, help="runs per row, seeds 0..N-1")
+            s.add_argument("--seeds", type=pretrain.POSITIVE, default=seeds, help="runs per row, seeds 0..N-1")
         if "jobs" in flags:
-            s.add_argument("--jobs", type=int, default=1, help="seeds run at once, a process (one thread) each; the "
+            s.add_argument("--jobs", type=pretrain.POSITIVE, default=1, help="seeds run at once, a process (one thread) each; the "
                                                                "table is written once all have finished")
             s.add_argument("--only_seed", type=int, default=None, help=argparse.SUPPRESS)  # a --jobs child's seed
             s.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a --jobs child: no table
@@ -1482,7 +1482,7 @@ def build_parser():
             s.add_argument("--out_dir", default="out", help="runs go to <out_dir>/ablate/<init scheme>/<task>/...")
             s.add_argument("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
         if "max_steps" in flags or "seeds" in flags:
-            s.add_argument("--max_steps", type=int, default=0, help="cap every run's steps (quick looks); 0 = none")
+            s.add_argument("--max_steps", type=pretrain.NON_NEGATIVE, default=0, help="cap every run's steps (quick looks); 0 = none")
         if "scheme" in flags:
             s.add_argument("--init_scheme", default="reference", choices=INIT_SCHEMES,
                            help="every run's initialization (model.init_weights); reference = Amos et al.'s code")

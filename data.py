@@ -256,8 +256,34 @@ def load_split(data_dir, task, split):
         raise ValueError(f"{path}: expected exactly one of {INPUT_KEYS} (see the data.py docstring)")
     if d["meta"].get("task") != task:
         raise ValueError(f"{path}: holds task {d['meta'].get('task')!r}, expected {task!r}")
+    check_meta(d, path)
     check_split(d, path)
     return d
+
+
+# The meta fields the stages read, by kind of input (and the tensor each kind is stored as).
+META_FIELDS = {"tokens": ("tokens", ("vocab_size",)), "continuous": ("values", ("d_input",)),
+               "pixels": ("pixels", ("pixel_mean", "pixel_std"))}
+PER_FILE_META = ("source", "sha256")  # the only meta fields that differ between the splits of one preparation
+
+
+def check_meta(d, path):
+    """Raise ValueError naming `path` and the field unless meta has what the stages read: kind (tokens, continuous
+    or pixels, matching the tensor stored), max_len and n_classes (integers), and per kind vocab_size / d_input /
+    pixel_mean and pixel_std."""
+    meta, kind = d["meta"], d["meta"].get("kind")
+    if kind not in META_FIELDS:
+        raise ValueError(f"{path}: meta kind is {kind!r}, expected one of {tuple(META_FIELDS)}")
+    tensor, fields = META_FIELDS[kind]
+    if tensor not in d:
+        raise ValueError(f"{path}: meta kind {kind!r} is stored as {tensor!r}, but the file holds "
+                         f"{[k for k in INPUT_KEYS if k in d]}")
+    for field in ("max_len", "n_classes") + fields:
+        if field not in meta:
+            raise ValueError(f"{path}: meta has no {field!r}; expected a file written by data.py (its docstring)")
+    for field in ("max_len", "n_classes"):
+        if not isinstance(meta[field], int) or meta[field] < 1:
+            raise ValueError(f"{path}: meta {field} is {meta[field]!r}, expected a positive integer")
 
 
 def load_splits(data_dir, task, device="cpu"):
@@ -266,6 +292,15 @@ def load_splits(data_dir, task, device="cpu"):
     meta["file_sha256"] is the sha256 of its .pt file, so checkpoints and results name the exact data (a read of
     every split file per run and rank: seconds, ~3 GB at the PathX paper size)."""
     splits = {s: load_split(data_dir, task, s) for s in SPLITS}
+    train = splits["train"]["meta"]
+    for s in SPLITS[1:]:  # one preparation: a re-preparation stopped midway would mix old and new splits
+        meta = splits[s]["meta"]
+        differ = sorted(k for k in set(train) | set(meta) if k not in PER_FILE_META and train.get(k) != meta.get(k))
+        if differ:
+            raise ValueError(f"{split_path(data_dir, task, s)} and {split_path(data_dir, task)} are not of one "
+                             f"preparation: " + "; ".join(f"{k} {meta.get(k)!r} against {train.get(k)!r}"
+                                                          for k in differ[:3])
+                             + f"; prepare all three again (`python data.py --task {task} --data_dir {data_dir}`)")
     for s, split in splits.items():
         split["meta"] = dict(split["meta"], file_sha256=sha256_of(split_path(data_dir, task, s)))
     for split in splits.values():

@@ -26,6 +26,7 @@ accuracy, near the most frequent class (450 steps do not leave the attention pla
 init-scale grid it stays on it at small init scales and longer trajectories (README, Results).
 """
 import json
+import os
 import time
 
 import torch
@@ -45,9 +46,16 @@ INHERIT = {"all": _BACKBONE, "qk": ("W_Q", "W_K"), "attn": ("W_Q", "W_K", "W_V",
            "all-but-qk": tuple(g for g in _BACKBONE if g not in ("W_Q", "W_K"))}
 # finetune.py --freeze: groups kept at their initial values during finetuning (Coser et al. Sec. 3, Table 3).
 # The paper's "attention frozen (MLP + head trained)" read two ways: attention only, or all but the MLP and head.
+# Freezing "attn" also freezes FIRE's learned position bias (posenc), which shapes the attention scores; inheriting
+# "attn" is Table 3's row, the four matrices W_Q, W_K, W_V, W_O (sinusoidal positions have no posenc weights).
 FREEZE = {"none": (), "attn": ("W_Q", "W_K", "W_V", "W_O", "posenc"),
           "attn+embed+norm": ("W_Q", "W_K", "W_V", "W_O", "posenc", "embed", "norm"),
           "attn+mlp": ("W_Q", "W_K", "W_V", "W_O", "posenc", "mlp")}
+
+
+# ModelConfig fields without weights that finetuning takes from its own task's preset, not from the SPT
+# checkpoint: they differ only in a dataset swap (PathFinder -> PathX: max pooling, local attention).
+FINETUNE_FIELDS = ("cls_mlp", "pooling", "attn_window")
 
 
 def input_kind(meta):
@@ -94,7 +102,7 @@ def check_spt_data(ck, path, task, hashes, allow_other_data=False):
     return "other"
 
 
-def model_from_pretrained(path, meta, n_classes, task, device, inherit="all", cls_mlp=False):
+def model_from_pretrained(path, meta, n_classes, task, device, inherit="all", head=None):
     """A classification model whose backbone is copied from the SPT checkpoint at `path`.
 
     Checks that the checkpoint is a pretraining checkpoint of `task`, or of another task with the same kind of
@@ -102,7 +110,10 @@ def model_from_pretrained(path, meta, n_classes, task, device, inherit="all", cl
     Only `cls_head.*` may be new and only `rec_head.*` may be dropped: anything else (or a shape mismatch)
     raises ValueError naming the keys. Prints the new and dropped keys. `inherit` (a key of INHERIT)
     selects the parameter groups copied; the others keep their fresh initialization (hybrid initialization,
-    Coser et al. Table 3). `cls_mlp` (the finetuning preset's) chooses the new classification head.
+    Coser et al. Table 3). `head` ({field: value} of FINETUNE_FIELDS, the finetuning preset's; None: the
+    checkpoint's) sets what holds no weights and belongs to the finetuning task: the class head's kind, the pooling
+    and local attention's window (a PathFinder checkpoint finetuned on PathX pools and attends as PathX). Whether
+    the model reads document pairs (Retrieval) comes from the finetuning data's meta; changed fields are printed.
     """
     ck = data.load_pt(path, map_location="cpu")
     for key in ("model", "model_config", "task", "data_meta"):
@@ -116,7 +127,12 @@ def model_from_pretrained(path, meta, n_classes, task, device, inherit="all", cl
                              f"but --task {task!r} has {input_kind(meta)}; a dataset swap needs the same kind")
     if ck["data_meta"].get("vocab") != meta.get("vocab"):
         raise ValueError(f"{path}: the checkpoint's vocabulary differs from data/{task}'s")
-    cfg = config_from_dict(dict(ck["model_config"], n_rec=0, n_classes=n_classes, cls_mlp=cls_mlp,
+    task_fields = dict(head or {}, pair=bool(meta.get("pair")))
+    changed = {k: (ck["model_config"].get(k), v) for k, v in task_fields.items() if ck["model_config"].get(k, v) != v}
+    if changed:
+        print(f"finetuning {task} from a checkpoint of {ck['task']}: " + ", ".join(
+            f"{k} {then!r} -> {now!r}" for k, (then, now) in changed.items()) + " (the finetuning task's)")
+    cfg = config_from_dict(dict(ck["model_config"], n_rec=0, n_classes=n_classes, **task_fields,
                                 max_len=max(ck["model_config"]["max_len"], meta["max_len"])), path)
     state = unwrapped_state_dict(ck["model"])
     if cfg.vocab_size == 0 and cfg.d_input == meta["d_input"] + 1:
@@ -202,8 +218,12 @@ def main(argv=None):
     args, preset = resolve(parser.parse_args(argv), "finetune")
     if args.init == "scratch" and args.inherit != "all":
         parser.error("--inherit selects groups of an SPT checkpoint: give --init PATH")
-    if args.name is None:  # a default that never overwrites the plain SPT run with an ablation
-        args.name = ("scratch" if args.init == "scratch" else "spt") + \
+    if args.name is None:  # a default that never overwrites the plain SPT run with an ablation or a dataset swap
+        swap = None
+        if args.init != "scratch" and os.path.exists(args.init):
+            swap = torch.load(args.init, map_location="cpu", weights_only=True, mmap=True).get("task")
+            swap = None if swap in (None, args.task) else swap.replace("/", "-")
+        args.name = ("scratch" if args.init == "scratch" else "spt") + (f"_from_{swap}" if swap else "") + \
             ("" if args.inherit == "all" else f"_inherit-{args.inherit}") + \
             ("" if args.freeze == "none" else f"_freeze-{args.freeze}")
     splits = prepare_data(args, preset)
@@ -215,7 +235,7 @@ def main(argv=None):
         provenance = {}
     else:
         model = model_from_pretrained(args.init, meta, meta["n_classes"], args.task, args.device, args.inherit,
-                                      cls_mlp=preset["model"].get("cls_mlp", False))
+                                      head={k: preset["model"].get(k, getattr(ModelConfig, k)) for k in FINETUNE_FIELDS})
         # mmap: the tensors stay on disk, only the small fields are read
         ck = torch.load(args.init, map_location="cpu", weights_only=True, mmap=True)
         provenance = dict(spt_task=ck["task"], spt_data_sha256=ck.get("data_sha256"),

@@ -241,7 +241,8 @@ def token_frequency_entropy(split, chunk=4096):
 def pretrain_parser():
     """The flags of pretrain.py: the shared ones (build_parser) and the masking and the reconstruction loss."""
     parser = build_parser("pretrain", __doc__.split("\n")[0])
-    parser.add_argument("--mask_ratio", type=float, default=None, help="fraction of positions masked (task default)")
+    parser.add_argument("--mask_ratio", type=number_at_least(float, 0.0, high=1.0), default=None,
+                        help="fraction of positions masked (task default)")
     parser.add_argument("--rec_loss", default="mse", choices=("mse", "l1", "ce"),
                    help="reconstruction loss for continuous inputs: MSE (the paper's), L1, or for pixel tasks "
                         "ce = 256-way cross-entropy over the raw intensity (Amos et al.'s code); tokens always "
@@ -308,6 +309,26 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default is None else super()._get_help_string(action)
 
 
+def number_at_least(kind, low, strict=False, high=None):
+    """An argparse type: a `kind` (int or float) >= low (> low if strict; <= high if given), else a one-line usage
+    error naming the flag and what it expects (argparse adds the flag's name), instead of a traceback steps later."""
+    expected = f"{'>' if strict else '>='} {low}" + (f" and <= {high}" if high is not None else "")
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}")
+        if not (value > low if strict else value >= low) or (high is not None and not value <= high):
+            raise argparse.ArgumentTypeError(f"{text} is out of range: expected {expected}")  # NaN fails both
+        return value
+    parse.__name__ = f"{kind.__name__} {expected}"
+    return parse
+
+
+POSITIVE, NON_NEGATIVE = number_at_least(int, 1), number_at_least(int, 0)
+
+
 def build_parser(stage, description):
     """The flags every stage shares (defaults of None are filled from the preset by `resolve`)."""
     p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter,
@@ -318,19 +339,19 @@ def build_parser(stage, description):
     p.add_argument("--out_dir", default="out", help="root of out/<task>/ checkpoints and logs")
     p.add_argument("--preset", default="auto", choices=("auto", "cpu", "paper"),
                    help="model and training size; auto = paper on CUDA, cpu otherwise")
-    p.add_argument("--epochs", type=int, default=None, help="passes over the training split")
-    p.add_argument("--max_steps", type=int, default=None, help="cap on optimizer steps (0 = no cap)")
-    p.add_argument("--batch_size", type=int, default=None, help="sequences per step")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate of AdamW")
-    p.add_argument("--warmup", type=int, default=None, help="linear warm-up steps, then constant")
-    p.add_argument("--weight_decay", type=float, default=None,
+    p.add_argument("--epochs", type=POSITIVE, default=None, help="passes over the training split")
+    p.add_argument("--max_steps", type=NON_NEGATIVE, default=None, help="cap on optimizer steps (0 = no cap)")
+    p.add_argument("--batch_size", type=POSITIVE, default=None, help="sequences per step")
+    p.add_argument("--lr", type=number_at_least(float, 0.0, strict=True), default=None, help="peak learning rate of AdamW")
+    p.add_argument("--warmup", type=NON_NEGATIVE, default=None, help="linear warm-up steps, then constant")
+    p.add_argument("--weight_decay", type=number_at_least(float, 0.0), default=None,
                    help="AdamW decoupled weight decay (the preset's: 0, but 0.1 for Text's paper finetuning)")
-    p.add_argument("--grad_clip", type=float, default=0.0, help="clip the gradient norm (0 = off)")
-    p.add_argument("--eval_every", type=int, default=None, help="steps between validations and checkpoints")
+    p.add_argument("--grad_clip", type=number_at_least(float, 0.0), default=0.0, help="clip the gradient norm (0 = off)")
+    p.add_argument("--eval_every", type=POSITIVE, default=None, help="steps between validations and checkpoints")
     p.add_argument("--eval_each_epoch", action=argparse.BooleanOptionalAction, default=None,
                    help="also validate (and checkpoint) at the end of every epoch (default: yes, except on UCR, "
                         "whose epochs are a few steps)")
-    p.add_argument("--log_every", type=int, default=10, help="steps between log lines")
+    p.add_argument("--log_every", type=POSITIVE, default=10, help="steps between log lines")
     p.add_argument("--seed", type=int, default=0, help="training seed: init, batch order, masks")
     p.add_argument("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
@@ -338,16 +359,16 @@ def build_parser(stage, description):
     p.add_argument("--resume", action="store_true", help=f"continue from out/<task>/{stage}*_last.pt")
     p.add_argument("--snapshots", action="store_true", help="also keep a checkpoint at every evaluation")
     p.add_argument("--skip_nonfinite", action="store_true",
-                   help="skip steps whose loss is NaN/inf (checked every step) instead of stopping the run")
+                   help="skip steps whose loss or gradient is NaN/inf (checked every step) instead of stopping the run")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (opt-in; needs a working Triton)")
     g = p.add_argument_group("model size (overrides the preset; a finetune from a checkpoint uses its own)")
     for name, what in zip(MODEL_SIZE_FLAGS, ("Transformer blocks", "width of the residual stream",
                                               "attention heads (must divide d_model)", "hidden width of the MLP")):
-        g.add_argument(f"--{name}", type=int, default=None, help=what)
+        g.add_argument(f"--{name}", type=POSITIVE, default=None, help=what)
     d = p.add_argument_group("data (used when data/<task>/ is made, and checked against it when it exists)")
-    d.add_argument("--max_len", type=int, default=None,
+    d.add_argument("--max_len", type=POSITIVE, default=None,
                    help="longest sequence kept (Text, Retrieval: bytes per document; ListOps); None = the preset's")
-    d.add_argument("--resolution", type=int, default=None,
+    d.add_argument("--resolution", type=POSITIVE, default=None,
                    help="PathFinder/PathX image side (32 / 128); Fashion-MNIST 32 or 16 (2x2 means)")
     d.add_argument("--difficulty", default=None, choices=("easy", "intermediate", "hard"),
                    help="PathFinder/PathX contour length 6 / 9 / 14 (default hard)")
@@ -363,8 +384,8 @@ def build_parser(stage, description):
                    help="initialization (model.init_weights; default reference = Amos et al.'s code: PyTorch "
                         "defaults, W_Q = W_K = W_V = W_O at init); torch = independent projections; normal = "
                         "N(0, --init_std)")
-    g.add_argument("--init_std", type=float, default=None, help="std of --init_scheme normal (default 0.02)")
-    g.add_argument("--init_scale", type=float, default=None,
+    g.add_argument("--init_std", type=number_at_least(float, 0.0, strict=True), default=None, help="std of --init_scheme normal (default 0.02)")
+    g.add_argument("--init_scale", type=number_at_least(float, 0.0, strict=True), default=None,
                    help="multiply every initialized Linear/Embedding tensor by this (default 1)")
     return p
 
@@ -381,7 +402,8 @@ def resolve(args, stage):
     if args.preset == "auto":
         args.preset = "paper" if args.device.type == "cuda" else "cpu"
     preset = fill_from_preset(args, stage)
-    if args.init_std is not None and (args.init_scheme or "reference") != "normal":
+    if args.init_std is not None and (args.init_scheme or "reference") != "normal" and \
+            getattr(args, "init", "scratch") == "scratch":  # finetuning from a checkpoint: its scheme (finetune.py)
         raise ValueError(f"--init_std sets the std of --init_scheme normal; this run's scheme is "
                          f"{args.init_scheme or 'reference'} (pass --init_scheme normal, or drop --init_std)")
     args.dtype, reason = pick_dtype(args.dtype, args.device)
@@ -609,8 +631,11 @@ def optimizer_step(run, loss_fn, idx):
     # DDP averages gradients over ranks, hence x world_size: the gradient is that of sum / count overall
     (loss_sum * args.world_size / count).backward()
     loss = global_sum(loss_sum.detach(), args) / count
-    if args.skip_nonfinite and not torch.isfinite(loss):  # a host sync, only with this flag
-        print(f"step {state['step'] + 1}: non-finite loss, update skipped")
+    if args.skip_nonfinite:  # a host sync, only with this flag: a finite loss can still have an inf/NaN gradient
+        grads = [p.grad for p in run["model"].parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else loss.new_zeros(())
+    if args.skip_nonfinite and not (torch.isfinite(loss) & torch.isfinite(norm)):
+        print(f"step {state['step'] + 1}: non-finite loss or gradient, update skipped")
         opt.zero_grad(set_to_none=True)
         loss = None  # left out of the logged mean loss, and counted
         state["skipped"] = state.get("skipped", 0) + 1
@@ -677,6 +702,12 @@ def evaluate_and_checkpoint(run, epoch):
     """Evaluate (eval_fn), keep the best metrics (is_better), and write the best checkpoint (if improved), the
     last one (for --resume) and with --snapshots a copy per evaluation."""
     args, state, paths, metric = run["args"], run["state"], run["paths"], run["extra"]["metric"]
+    params = list(run["model"].parameters())
+    if not bool(torch.stack([torch.isfinite(p).all() for p in params]).all()):  # one host sync per evaluation
+        bad = [n for n, p in run["model"].named_parameters() if not torch.isfinite(p).all()]
+        raise FloatingPointError(f"non-finite weights at step {state['step']} ({bad[0]}" + (
+            f" and {len(bad) - 1} more" if len(bad) > 1 else "") + "): a gradient was NaN or inf although the loss "
+            f"was finite, and none of them is checkpointed; {last_good(run)}, or --skip_nonfinite to skip such steps")
     metrics = run["eval_fn"]()
     improved = is_better(metrics, state, metric, run["higher_is_better"], run["extra"].get("tiebreak"))
     if improved:
@@ -728,11 +759,15 @@ def append_log(run, entry):
 def check_finite(run, value, first):
     """FloatingPointError if `value` (a mean loss over steps first..now) is NaN or inf, saying what to do."""
     if not math.isfinite(value):
-        last = run["paths"]["last"]
-        where = f"the last good checkpoint is {last} (--resume after lowering --lr)" if os.path.exists(last) \
-            else "no checkpoint was written yet (rerun with a lower --lr)"
-        raise FloatingPointError(f"non-finite loss between steps {first} and {run['state']['step']}; {where}, "
-                                 f"or --skip_nonfinite to skip such steps")
+        raise FloatingPointError(f"non-finite loss between steps {first} and {run['state']['step']}; "
+                                 f"{last_good(run)}, or --skip_nonfinite to skip such steps")
+
+
+def last_good(run):
+    """Where a run stopped by non-finite numbers can go on from (what the error says to do)."""
+    last = run["paths"]["last"]
+    return f"the last good checkpoint is {last} (--resume after lowering --lr)" if os.path.exists(last) \
+        else "no checkpoint was written yet (rerun with a lower --lr)"
 
 
 def resume(model, opt, paths, n_batches, args, extra):

@@ -1392,6 +1392,41 @@ def test_nonfinite_loss_stops_the_run_or_is_skipped(listops_dir, tmp_path, monke
     assert pairs[1]["loss"] == pytest.approx(lines[2]["loss"], rel=1e-5)  # the same step 3 as with --log_every 1
 
 
+class _NaNGradient(torch.autograd.Function):
+    """Identity forward, NaN backward: a finite loss whose gradient is not."""
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+def test_a_nonfinite_gradient_behind_a_finite_loss_is_never_checkpointed_or_is_skipped(listops_dir, tmp_path,
+                                                                                         monkeypatch):
+    out = str(tmp_path)
+    args = ["--task", "listops", "--data_dir", listops_dir, "--out_dir", out, "--max_steps", "6", "--eval_every",
+            "2", "--log_every", "1"] + TINY[:-4] + ["--device", "cpu"]
+    original, calls = pretrain.reconstruction_loss, {"n": 0}
+
+    def poisoned(outputs, targets, kind="ce", mask=None):  # the 4th training step: finite loss, NaN gradient
+        calls["n"] += torch.is_grad_enabled()
+        loss = original(outputs, targets, kind, mask)
+        return _NaNGradient.apply(loss) if calls["n"] == 4 and torch.is_grad_enabled() else loss
+    monkeypatch.setattr(pretrain, "reconstruction_loss", poisoned)
+    with pytest.raises(FloatingPointError, match=r"non-finite weights at step 4 \(.* more\): a gradient was NaN"):
+        pretrain.main(args)
+    for name in ("pretrain_last.pt", "pretrain.pt"):
+        ck = data.load_pt(os.path.join(out, "listops", name))
+        assert ck["state"]["step"] == 2 and all(torch.isfinite(v).all() for v in ck["model"].values())
+    calls["n"] = 0
+    pretrain.main(args + ["--skip_nonfinite"])
+    last = data.load_pt(os.path.join(out, "listops", "pretrain_last.pt"))
+    assert last["state"]["step"] == 6 and last["state"]["skipped"] == 1
+    assert all(torch.isfinite(v).all() for v in last["model"].values())
+
+
 def test_resume_refuses_a_checkpoint_of_other_data_or_another_schedule(listops_dir, tmp_path):
     out = str(tmp_path / "out")
     args = ["--task", "listops", "--out_dir", out, "--eval_every", "2"] + TINY
@@ -2440,10 +2475,21 @@ def test_dataset_swap_between_tasks_of_one_input_kind(tmp_path, capsys):
     pretrain.main(["--task", "fashion_mnist"] + common)
     ckpt = os.path.join(out, "fashion_mnist", "pretrain.pt")
     finetune.main(["--task", "image", "--init", ckpt] + common)
-    out = capsys.readouterr().out
-    assert "dataset swap: SPT on fashion_mnist (train sha256 " in out and "finetuning on image (train sha256" in out
+    printed = capsys.readouterr().out
+    assert "dataset swap: SPT on fashion_mnist (train sha256 " in printed and "finetuning on image (train sha256" in printed
+    assert os.path.exists(os.path.join(out, "image", "finetune_spt_from_fashion_mnist.json"))  # not image's own spt
+    assert not os.path.exists(os.path.join(out, "image", "finetune_spt.json"))
     with pytest.raises(ValueError, match="a dataset swap needs the same kind"):
         finetune.main(["--task", "text", "--init", ckpt] + common)
+    # Text <-> Retrieval (bytes both): the finetuning data decides whether the model reads document pairs.
+    _lra_fixture("retrieval", root)
+    for source, target in (("text", "retrieval"), ("retrieval", "text")):
+        pretrain.main(["--task", source] + common)
+        finetune.main(["--task", target, "--init", os.path.join(out, source, "pretrain.pt")] + common)
+        assert f"pair {source == 'retrieval'} -> {target == 'retrieval'} (the finetuning task's)" in capsys.readouterr().out
+        ck = data.load_pt(os.path.join(out, target, f"finetune_spt_from_{source}.pt"))
+        assert ck["model_config"]["pair"] == (target == "retrieval")
+        assert ("cls_head.0.weight" in ck["model"]) == (target == "retrieval")  # the dual-encoder head, or a Linear
 
 
 def test_local_attention_matches_the_explicit_band_and_keeps_memory_linear(monkeypatch):
@@ -2520,6 +2566,20 @@ def test_lra_and_imdb_archives_download_from_a_local_server(http_root, tmp_path,
     with pytest.raises(ValueError, match="not a readable tar archive"):
         data.prepare_image(str(tmp_path / "d2"), url=base_url.replace("/aeon-toolkit", "/junk.gz"))
     assert os.listdir(tmp_path / "d2" / "image") == []   # the junk download is not kept for the next run
+
+
+@pytest.mark.parametrize("flag, value, expected", [
+    ("--epochs", "0", ">= 1"), ("--max_steps", "-1", ">= 0"), ("--batch_size", "0", ">= 1"),
+    ("--eval_every", "0", ">= 1"), ("--log_every", "0", ">= 1"), ("--lr", "0", "> 0.0"), ("--lr", "nan", "> 0.0"),
+    ("--n_layers", "0", ">= 1"), ("--mask_ratio", "1.5", ">= 0.0 and <= 1.0"), ("--batch_size", "x", "not an integer")])
+def test_a_numeric_flag_out_of_range_is_a_usage_error_naming_it(flag, value, expected, capsys):
+    """Out-of-range numbers stop at parsing with one line naming the flag (they used to fail steps later with a
+    ZeroDivisionError or TypeError, or, for --mask_ratio 1.5, run with every position masked)."""
+    with pytest.raises(SystemExit):
+        pretrain.pretrain_parser().parse_args(["--task", "synthetic", flag, value])
+    err = capsys.readouterr().err
+    assert f"argument {flag}: {value}" in err.replace("'", "") and expected in err
+    assert getattr(pretrain.pretrain_parser().parse_args(["--task", "synthetic", flag, "1"]), flag[2:]) == 1
 
 
 def test_extract_tar_refuses_a_member_outside_its_folder_and_skips_links(tmp_path, capsys):
@@ -2995,6 +3055,12 @@ def test_pathx_runs_a_few_steps_with_local_attention(tmp_path):
     ck = data.load_pt(os.path.join(out, "pathx", "pretrain.pt"))
     assert ck["model_config"]["attn_window"] == 256 and ck["model_config"]["pooling"] == "max"
     finetune.main(common + ["--init", os.path.join(out, "pathx", "pretrain.pt")])
+    # A PathFinder checkpoint (mean pooling, full attention) finetuned on PathX pools and attends as PathX does.
+    data.prepare_pathfinder(root, generate=20)
+    pretrain.main(["--task", "pathfinder"] + common[2:])
+    finetune.main(common + ["--init", os.path.join(out, "pathfinder", "pretrain.pt")])
+    cfg = data.load_pt(os.path.join(out, "pathx", "finetune_spt_from_pathfinder.pt"))["model_config"]
+    assert cfg["pooling"] == "max" and cfg["attn_window"] == 256 and cfg["max_len"] == 16384
 
 
 def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run, tmp_path, monkeypatch, capsys):
@@ -3378,13 +3444,37 @@ def test_report_balance_counts_fractions_and_warnings(capsys):
     assert f["val"].tolist() == [0.0, 1.0]
 
 
+def _toy_meta(tensors, **fields):
+    """A complete meta for the toy tensors (data.check_meta's fields for their kind), updated with `fields`."""
+    key = next(k for k in data.INPUT_KEYS if k in tensors)
+    kind = {"tokens": dict(kind="tokens", vocab_size=17), "values": dict(kind="continuous", d_input=1),
+            "pixels": dict(kind="pixels", pixel_mean=0.5, pixel_std=0.5)}[key]
+    return dict(task="toy", n_classes=2, max_len=tensors[key].shape[-1 if key != "values" else 1], **kind, **fields)
+
+
 def _save_toy(tmp_path, **tensors):
-    meta = tensors.pop("meta", dict(task="toy", n_classes=2))
+    meta = tensors.pop("meta", None) or _toy_meta(tensors)
     data.save_atomic(dict(tensors, meta=meta), str(tmp_path / "toy" / "train.pt"))
     return str(tmp_path / "toy" / "train.pt")
 
 
 TOKENS = torch.ones(3, 4, dtype=torch.uint8)
+
+
+def test_load_splits_refuses_splits_of_two_preparations(tmp_path):
+    """A re-preparation stopped after train.pt (here: a larger training set) leaves the old val.pt beside it; ListOps
+    and the generators draw all splits from one seeded stream, so the old validation rows could be in the new
+    training split. load_splits names both files and the differing field."""
+    import shutil
+    root = str(tmp_path)
+    data.prepare_synthetic(root, n_train=64, n_val=16, n_test=16, length=12)
+    assert set(data.load_splits(root, "synthetic")) == set(data.SPLITS)  # one preparation: loads
+    shutil.copy(data.split_path(root, "synthetic", "val"), tmp_path / "old_val.pt")
+    data.prepare_synthetic(root, n_train=80, n_val=16, n_test=16, length=12)
+    shutil.copy(tmp_path / "old_val.pt", data.split_path(root, "synthetic", "val"))
+    with pytest.raises(ValueError, match=r"val.pt and .*train.pt are not of one preparation: split_sizes "
+                                         r"\{'train': 64, .*\} against \{'train': 80, .*prepare all three again"):
+        data.load_splits(root, "synthetic")
 
 
 @pytest.mark.parametrize("tensors, message", [
@@ -3394,8 +3484,19 @@ TOKENS = torch.ones(3, 4, dtype=torch.uint8)
      r"train.pt, row 0: length 5, expected 1..4"),
     (dict(pixels=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 2, 1])),
      r"train.pt, row 1: label 2, expected 0..1 \(meta n_classes 2\)"),
-    (dict(values=torch.zeros(3, 4, 1), lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([-1, 0, 1]),
-          meta=dict(task="toy")), r"train.pt, row 0: label -1, expected >= 0"),
+    (dict(values=torch.zeros(3, 4, 1), lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([-1, 0, 1])),
+     r"train.pt, row 0: label -1, expected 0..1"),
+    (dict(values=torch.zeros(3, 4, 1), lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 0, 1]),
+          meta=dict(task="toy", kind="continuous", max_len=4, n_classes=2)),
+     r"train.pt: meta has no 'd_input'; expected a file written by data.py"),
+    (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 0, 1]),
+          meta=dict(task="toy", max_len=4, n_classes=2, vocab_size=17)), r"train.pt: meta kind is None, expected one of"),
+    (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 0, 1]),
+          meta=dict(task="toy", kind="pixels", max_len=4, n_classes=2, pixel_mean=0.5, pixel_std=0.5)),
+     r"train.pt: meta kind 'pixels' is stored as 'pixels', but the file holds \['tokens'\]"),
+    (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 0, 1]),
+          meta=dict(task="toy", kind="tokens", max_len=4, n_classes=0, vocab_size=17)),
+     r"train.pt: meta n_classes is 0, expected a positive integer"),
     (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1])),
      r"train.pt: first dimensions disagree: tokens \(3, 4\), lengths \(3,\), labels \(2,\)"),
     (dict(tokens=torch.ones(3, 2, 4, dtype=torch.int16), lengths=torch.tensor([[4, 4], [2, 0], [1, 1]]),
