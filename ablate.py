@@ -326,10 +326,12 @@ def output_name(name, args, scheme_in_name=True):
 
 
 def write_outputs(name, runs, table, args, scheme_in_name=True):
-    """out/ablate/<output_name>.{json,md}: every run, and the table."""
+    """out/ablate/<output_name>.{json,md}: every run, and the table. init_scheme: --init_scheme, or for an
+    experiment with schemes of its own (scheme_in_name False: initscale's --kinds) the list of them."""
     name = output_name(name, args, scheme_in_name)
     stem = os.path.join(args.out_dir, "ablate", name)
-    data.save_atomic(dict(experiment=name, seeds=args.seeds, init_scheme=args.init_scheme, runs=runs), stem + ".json")
+    scheme = args.init_scheme if scheme_in_name else sorted({r["kind"] for r in runs if "kind" in r})
+    data.save_atomic(dict(experiment=name, seeds=args.seeds, init_scheme=scheme, runs=runs), stem + ".json")
     data.save_atomic(table + "\n", stem + ".md")
     print("\n" + table + f"\n\nwrote {stem}.json and {stem}.md")
 
@@ -381,8 +383,9 @@ def budget_probe(args, task, common, model="1layer"):
     return probe, threshold, (
         f"; budget per stage: {FASHION_CPU['epochs']} epochs (batch 16, lr 1e-3), validation every epoch. Probe, "
         f"from scratch for {2 * FASHION_CPU['epochs']} epochs (seed 0): best val acc {at_budget:.3f} within the "
-        f"budget, {probe['best_val_acc']:.3f} within twice it; plateau exit = first epoch with val acc >= "
-        f"{threshold:.2f} (0.9 x the probe's best, rounded)")
+        f"budget, {probe['best_val_acc']:.3f} within twice it; the epoch column = first epoch with val acc >= "
+        f"{threshold:.2f} (0.9 x the probe's best, rounded): on these images from scratch rises without a plateau "
+        f"to leave, so it is the time to near-final accuracy, and its mean leaves out the runs that never get there")
 
 
 def displacement_rows(rs, paper=False):
