@@ -482,10 +482,14 @@ def flops_per_token(cfg, L):
     6 x (weights used per token) for the matrix multiplies, plus 12 x n_layers x d_model x keys for the attention
     scores and their product with V (the usual estimate, Chowdhery et al. 2022, PaLM App. B), where a query sees
     keys = L positions, or under local attention (attn_window w) at most its block and two neighbours, 3 w.
+    The weights used per token: W_Q, W_K, W_V, W_O and the MLP of every layer, the continuous input encoder
+    (d_input x d_model; a token embedding is a lookup) and the reconstruction head, which the SPT step applies at
+    every position (n_rec x d_model; 0 when finetuning, whose class head runs once per sequence, left out).
     """
     per_layer = 4 * cfg.d_model ** 2 + (2 * cfg.d_model * cfg.d_mlp if cfg.mlp else 0)
+    per_position = (cfg.d_input if cfg.vocab_size == 0 else 0) * cfg.d_model + cfg.n_rec * cfg.d_model
     keys = min(L, 3 * cfg.attn_window) if cfg.attn_window else L
-    return 6 * cfg.n_layers * per_layer + 12 * cfg.n_layers * cfg.d_model * keys
+    return 6 * (cfg.n_layers * per_layer + per_position) + 12 * cfg.n_layers * cfg.d_model * keys
 
 
 def pick_device(name):

@@ -913,6 +913,16 @@ def test_flops_per_token_counts_the_matmuls():
     # per layer: Q, K, V, O (4 d^2) + MLP (2 d d_mlp) weights, x 6 for fwd+bwd; attention 12 n_layers d L
     assert pytest.approx(6 * 2 * (4 * 256 + 2 * 16 * 32) + 12 * 2 * 16 * 100) == \
         model_lib.flops_per_token(cfg, 100)
+    # Against PyTorch's own count of the matmuls of a forward and backward pass (explicit attention, so that the
+    # scores are plain matmuls): the SPT model with its reconstruction head at every position.
+    from torch.utils.flop_counter import FlopCounterMode
+    spt = tiny_cfg(n_layers=2, d_model=16, d_mlp=32, n_rec=17)
+    model, x = Transformer(spt), torch.randint(2, 17, (3, 40))
+    with FlopCounterMode(display=False) as counter:
+        z, _ = model.encode(x, None, need_weights=True)
+        model.rec_head(z).square().sum().backward()
+    assert counter.get_total_flops() == model_lib.flops_per_token(spt, 40) * 3 * 40
+    assert model_lib.flops_per_token(spt, 100) - model_lib.flops_per_token(cfg, 100) == 6 * 17 * 16
     # Local attention (window w): a query scores its block and the two neighbours, 3 w keys, not L.
     local = tiny_cfg(n_layers=2, d_model=16, d_mlp=32, attn_window=20)
     assert model_lib.flops_per_token(local, 100) == model_lib.flops_per_token(cfg, 60)
