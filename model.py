@@ -115,7 +115,7 @@ class FIRE(nn.Module):
 
     def forward(self, L, device):
         """Bias (H, L, L) added to the attention scores."""
-        pos = torch.arange(L, device=device, dtype=torch.float32)
+        pos = torch.arange(L, device=device, dtype=self.log_c.dtype)  # float64 when the model is .double()
         c = self.log_c.exp()
         psi = lambda t: torch.log(c * t + 1)
         rel = psi((pos[:, None] - pos[None, :]).abs())                                     # (L, L)

@@ -2056,6 +2056,8 @@ def test_fire_bias_is_learned_and_unknown_positions_are_refused():
     bias = m.blocks[0].attn._position_bias(7, "cpu")
     # below the learned threshold (32) the normalizer is constant, so the bias depends on |i - j| only
     assert bias.shape == (4, 7, 7) and torch.allclose(bias, bias.transpose(1, 2))
+    x = torch.randint(2, 17, (2, 7))  # in float64 too (the bias follows the model's dtype)
+    assert torch.allclose(m.double().classify(x), m.float().classify(x).double(), atol=1e-5)
     with pytest.raises(ValueError, match="pos is 'learned'"):
         Transformer(tiny_cfg(pos="learned"))
 
