@@ -486,6 +486,66 @@ def test_pretrain_then_finetune_end_to_end(listops_dir, tmp_path):
         assert 0 <= res["test_acc"] <= 1 and res["init"] != "" and [e["step"] for e in res["evals"]] == [0, 2, 4]
 
 
+def _load_run_model(path):
+    ck = data.load_pt(path)
+    model = Transformer(model_lib.config_from_dict(ck["model_config"], path))
+    model.load_state_dict(ck["model"])
+    return model.eval(), ck
+
+
+def test_kept_checkpoints_and_reported_metrics_match_a_loop_over_single_sequences(listops_dir, tmp_path):
+    """The numbers a run reports, recomputed from the weights it kept by a plain loop that runs every sequence
+    alone, unpadded: pretrain.pt holds the evaluation with the lowest validation masked loss (that loss recomputed
+    with the evaluation's own masks: pretrain.mask_batch, per batch, generator 12345 + i), finetune_scratch.pt the
+    one with the highest validation accuracy (then the lower loss), and test_acc is those weights' accuracy on
+    the test split. The run is chosen so that its best finetuning evaluation is not its last one."""
+    out = str(tmp_path / "out")
+    common = ["--task", "listops", "--data_dir", listops_dir, "--out_dir", out] + TINY
+    pretrain.main(common + ["--max_steps", "8", "--eval_every", "2", "--lr", "3e-3"])
+    run = os.path.join(out, "listops")
+    evals = [e for e in map(json.loads, open(os.path.join(run, "pretrain_log.jsonl"))) if "val_loss" in e]
+    best = min(evals, key=lambda e: e["val_loss"])        # the first of equal minima: an improvement must be strict
+    model, ck = _load_run_model(os.path.join(run, "pretrain.pt"))
+    assert ck["state"]["step"] == best["step"] and ck["metrics"]["val_loss"] == best["val_loss"]
+    split, cfg = data.load_split(listops_dir, "listops", "val"), ck["config"]
+    total, count = 0.0, 0
+    for i, idx in enumerate(data.batch_indices(split["lengths"], cfg["batch_size"], shuffle=False)):
+        x, lengths, _ = data.get_batch(split, idx, "cpu")
+        inputs, masked = pretrain.mask_batch(x, lengths, cfg["mask_ratio"], data.MASK_ID,
+                                             torch.Generator().manual_seed(12345 + i))
+        for b in range(len(idx)):
+            n, m = int(lengths[b]), masked[b, :int(lengths[b])]
+            with torch.no_grad():
+                logits = model.reconstruct(inputs[b:b + 1, :n], lengths[b:b + 1])[0]
+            total += F.cross_entropy(logits[m], x[b, :n][m], reduction="sum").item()
+            count += int(m.sum())
+    assert total / count == pytest.approx(best["val_loss"], rel=1e-5)
+    finetune.main(common + ["--init", "scratch", "--max_steps", "12", "--eval_every", "2", "--lr", "0.3",
+                            "--seed", "2"])
+    result = json.load(open(os.path.join(run, "finetune_scratch.json")))
+    best = max(result["evals"], key=lambda e: (e["val_acc"], -e["val_loss"]))  # max keeps the first of ties
+    assert result["best_step"] == best["step"] < result["evals"][-1]["step"]
+    model, ck = _load_run_model(os.path.join(run, "finetune_scratch.pt"))
+    assert ck["state"]["step"] == best["step"]
+
+    def accuracy_and_loss(model, split):
+        correct, loss = 0, 0.0
+        for b in range(len(split["labels"])):
+            n = int(split["lengths"][b])
+            with torch.no_grad():
+                logits = model.classify(split["tokens"][b:b + 1, :n].long(), split["lengths"][b:b + 1])
+            correct += int(logits.argmax(-1).item() == split["labels"][b].item())
+            loss += F.cross_entropy(logits, split["labels"][b:b + 1]).item()
+        return correct / len(split["labels"]), loss / len(split["labels"])
+    val, test = (data.load_split(listops_dir, "listops", name) for name in ("val", "test"))
+    acc, loss = accuracy_and_loss(model, val)
+    assert acc == pytest.approx(best["val_acc"], abs=1e-9) and loss == pytest.approx(best["val_loss"], rel=1e-5)
+    assert accuracy_and_loss(model, test)[0] == pytest.approx(result["test_acc"], abs=1e-9)
+    # This run's last weights score another test accuracy, so the check above tells the two apart.
+    assert accuracy_and_loss(_load_run_model(os.path.join(run, "finetune_scratch_last.pt"))[0], test)[0] != \
+        pytest.approx(result["test_acc"], abs=1e-9)
+
+
 def test_finetune_refuses_checkpoints_of_another_task_or_shape(listops_dir, tmp_path):
     meta = data.load_split(listops_dir, "listops", "train")["meta"]
     model = Transformer(tiny_cfg(n_rec=17))
