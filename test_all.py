@@ -258,6 +258,29 @@ def test_outputs_ignore_padded_positions():
     assert torch.allclose(model.classify(x[1:, :7], None), model.classify(x, lengths)[1:], atol=1e-6)
 
 
+def test_max_pooling_and_the_pair_head_by_hand():
+    """Max pooling (PathX) over real positions only, against each sequence alone and an explicit max; the
+    Retrieval head on [u, v, u*v, u-v] of the two documents' mean-pooled encodings (Tay et al. 2021, Sec. 3.4),
+    worked out by hand from encode and the head's layers."""
+    torch.manual_seed(0)
+    model = Transformer(tiny_cfg(n_classes=3, pooling="max")).eval()
+    x, lengths = torch.randint(2, 17, (3, 12)), torch.tensor([12, 7, 3])
+    z, _ = model.encode(x, lengths)
+    by_hand = torch.stack([z[b, :n].max(dim=0).values for b, n in enumerate(lengths.tolist())])
+    assert torch.equal(model.pool(z, lengths), by_hand)
+    z_alone = [model.encode(x[b:b + 1, :n])[0][0] for b, n in enumerate(lengths.tolist())]
+    assert torch.allclose(model.pool(z, lengths), torch.stack([a.max(dim=0).values for a in z_alone]), atol=1e-5)
+    pair = Transformer(tiny_cfg(n_classes=2, pair=True)).eval()
+    docs, doc_lengths = torch.randint(2, 17, (2, 2, 10)), torch.tensor([[10, 4], [6, 9]])
+    logits = pair.classify(docs, doc_lengths)
+    for b in range(2):
+        u, v = (pair.encode(docs[b, k:k + 1, :doc_lengths[b, k]])[0][0].mean(dim=0) for k in (0, 1))
+        features = torch.cat([u, v, u * v, u - v])
+        head = pair.cls_head
+        expected = head[2](head[1](head[0](features)))
+        assert torch.allclose(logits[b], expected, atol=1e-5), b
+
+
 def test_minimal_model_has_no_layernorm_and_no_mlp():
     model = Transformer(tiny_cfg(n_layers=1, n_heads=1, layernorm=False, mlp=False, n_classes=2))
     names = [n for n, _ in model.named_parameters()]
@@ -544,6 +567,30 @@ def test_kept_checkpoints_and_reported_metrics_match_a_loop_over_single_sequence
     # This run's last weights score another test accuracy, so the check above tells the two apart.
     assert accuracy_and_loss(_load_run_model(os.path.join(run, "finetune_scratch_last.pt"))[0], test)[0] != \
         pytest.approx(result["test_acc"], abs=1e-9)
+
+
+def test_weight_decay_lr_and_gradient_clipping_reach_the_optimizer(listops_dir, tmp_path, monkeypatch):
+    """The flags are what AdamW and the clipping get, read from the optimizer state the run checkpointed and from
+    the gradients as the optimizer sees them (a spy around clip_grad_norm_), not from the parsed flags."""
+    real_clip, seen = torch.nn.utils.clip_grad_norm_, []
+
+    def spy(parameters, max_norm, *a, **kw):
+        parameters = list(parameters)
+        norm = real_clip(parameters, max_norm, *a, **kw)
+        after = torch.sqrt(sum(p.grad.pow(2).sum() for p in parameters if p.grad is not None))
+        seen.append((max_norm, float(norm), float(after)))
+        return norm
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
+    out = str(tmp_path)
+    common = ["--task", "listops", "--data_dir", listops_dir, "--out_dir", out, "--max_steps", "3"] + TINY
+    pretrain.main(common + ["--grad_clip", "0.05", "--weight_decay", "0.3", "--lr", "2e-3", "--warmup", "0"])
+    groups = data.load_pt(os.path.join(out, "listops", "pretrain_last.pt"))["optimizer"]["param_groups"]
+    assert [(g["weight_decay"], g["lr"], g["betas"]) for g in groups] == [(0.3, 2e-3, (0.9, 0.999))]
+    assert len(seen) == 3 and all(m == 0.05 and before > 0.05 and after <= 0.05 * (1 + 1e-5)
+                                  for m, before, after in seen)  # every step's gradient was clipped to 0.05
+    seen.clear()
+    pretrain.main(common + ["--out_dir", str(tmp_path / "off")])  # --grad_clip 0 (the default): no clipping
+    assert seen == []
 
 
 def test_finetune_refuses_checkpoints_of_another_task_or_shape(listops_dir, tmp_path):
@@ -1582,6 +1629,25 @@ def test_a_nan_validation_metric_does_not_stay_best():
     assert not pretrain.is_better(dict(val_loss=float("nan")), state, "val_loss", higher_is_better=False)
 
 
+def test_table_cells_mean_sample_std_and_plateau_exit_against_the_statistics_module():
+    """ablate.mean_std is the mean +- the sample standard deviation (statistics.stdev, n - 1) of the values that
+    are not None; plateau_exit_epoch the first evaluation at or above the threshold, in epochs; cells counts the
+    runs that got there and averages over those only."""
+    import statistics
+    import ablate
+    values = [0.71, 0.65, None, 0.80, 0.74]
+    real = [v for v in values if v is not None]
+    assert ablate.mean_std(values) == f"{statistics.mean(real):.3f} +- {statistics.stdev(real):.3f}"
+    assert ablate.mean_std([0.5]) == "0.500 +- 0.000 (1 seed)" and ablate.mean_std([None]) == "-"
+    run = dict(steps_per_epoch=40, evals=[dict(step=s, val_acc=a) for s, a in ((0, 0.5), (40, 0.85), (60, 0.9),
+                                                                                (80, 0.95), (100, 0.7))])
+    assert ablate.plateau_exit_epoch(run) == 1.5 and ablate.plateau_exit_epoch(run, 0.96) is None
+    runs = [dict(plateau_exit_epoch=e, best_val_acc=a) for e, a in ((1.5, 0.9), (None, 0.6), (2.5, 0.95))]
+    assert ablate.cells(runs, "exit", "best_val_acc") == \
+        f"2.000 +- {statistics.stdev([1.5, 2.5]):.3f} (2/3) | {statistics.mean([0.9, 0.6, 0.95]):.3f} +- " \
+        f"{statistics.stdev([0.9, 0.6, 0.95]):.3f}"
+
+
 def test_ablate_reads_back_a_finished_run_only_if_it_is_the_run_asked_for(synthetic_run, tmp_path, capsys,
                                                                           monkeypatch):
     import ablate
@@ -2116,6 +2182,18 @@ def test_fire_bias_is_learned_and_unknown_positions_are_refused():
     bias = m.blocks[0].attn._position_bias(7, "cpu")
     # below the learned threshold (32) the normalizer is constant, so the bias depends on |i - j| only
     assert bias.shape == (4, 7, 7) and torch.allclose(bias, bias.transpose(1, 2))
+    # Li et al. Eq. 5 term by term: b_h(i, j) = MLP(psi(|i - j|) / psi(max(threshold, i + 1)))_h, psi(x) = log(cx + 1),
+    # past the threshold (L 40 > 32) and with c != 1.
+    fire = m.blocks[0].attn.fire
+    with torch.no_grad():
+        fire.log_c.fill_(0.7)
+    c, threshold = math.exp(0.7), math.exp(fire.log_threshold.item())
+    bias = fire(40, "cpu")
+    for i, j in ((0, 0), (0, 39), (5, 2), (35, 3), (39, 39), (20, 37)):
+        ratio = math.log(c * abs(i - j) + 1) / math.log(c * max(threshold, i + 1) + 1)
+        with torch.no_grad():
+            expected = fire.net(torch.tensor([[ratio]], dtype=torch.float32))[0]
+        assert torch.allclose(bias[:, i, j], expected, atol=1e-5), (i, j)
     x = torch.randint(2, 17, (2, 7))  # in float64 too (the bias follows the model's dtype)
     assert torch.allclose(m.double().classify(x), m.float().classify(x).double(), atol=1e-5)
     with pytest.raises(ValueError, match="pos is 'learned'"):
@@ -2521,6 +2599,8 @@ def test_displacement_is_measured_from_each_runs_own_init(synthetic_run, tmp_pat
     assert res["other"]["displacement_from"] == str(tmp_path / "finetune_other_init.pt")
     assert res["other"]["displacement"]["W_Q"] == pytest.approx(2.0, rel=1e-5)  # not its distance to "first"
     assert res["other"]["displacement"]["W_K"] == pytest.approx(0.0, abs=1e-7)
+    # W_Q^T W_K of every head triples too: it moves 2x the norm of its start (norm(3P - P) / norm(P)).
+    assert res["other"]["displacement"]["W_Q^T W_K"] == pytest.approx(2.0, rel=1e-5)
 
 
 def test_pixel_ce_targets_are_the_raw_intensities():
@@ -2821,17 +2901,42 @@ EXERCISES = {  # name: (object holding the function, its attribute name, the gra
 }
 
 
+def _slightly_wrong(x):
+    """A plausible wrong answer of the same type and shape: floats shifted by 5% of their scale, one integer
+    raised by 1, one boolean flipped; tuples, lists and dicts element by element."""
+    if isinstance(x, torch.Tensor):
+        y = x.detach().clone()
+        if y.dtype == torch.bool:
+            y.view(-1)[0] = ~y.view(-1)[0]
+        elif y.is_floating_point():
+            y = y + 0.05 * (y.abs().max() + 1e-3)
+        else:
+            y.view(-1)[0] += 1
+        return y
+    if isinstance(x, (tuple, list)):
+        return type(x)(_slightly_wrong(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _slightly_wrong(v) for k, v in x.items()}
+    return x + 0.05 * (abs(x) + 1e-3)
+
+
 @pytest.mark.parametrize("name", sorted(EXERCISES))
-def test_every_exercise_test_fails_on_a_blanked_function(name, monkeypatch):
+def test_every_exercise_test_fails_on_a_blanked_or_slightly_wrong_function(name, monkeypatch):
     """The test of the tests: with the function's body replaced by `raise NotImplementedError`, its grading
-    test must fail (and it passes with the project's code: it runs on its own above)."""
+    test must fail, and it must also fail on an answer that runs but is slightly wrong (the real result through
+    _slightly_wrong), so a grading test without assertions cannot pass (it passes with the project's code: it
+    runs on its own above)."""
     owner, attribute, grading_test = EXERCISES[name]
+    real = getattr(owner, attribute)
 
     def blanked(*args, **kwargs):
         raise NotImplementedError
 
     monkeypatch.setattr(owner, attribute, blanked)
     with pytest.raises((NotImplementedError, AssertionError)):
+        grading_test()
+    monkeypatch.setattr(owner, attribute, lambda *args, **kwargs: _slightly_wrong(real(*args, **kwargs)))
+    with pytest.raises(AssertionError):
         grading_test()
 
 
