@@ -2769,7 +2769,7 @@ def test_extract_tar_refuses_a_member_outside_its_folder_and_skips_links(tmp_pat
 
 # ----------------------------------------------------------------------------------------------------------
 # Exercises (README, "Exercises"): one test per function a teacher can blank out. Each calls its function
-# through the module, so `test_every_exercise_test_fails_on_a_blanked_function` can swap in a stub.
+# through the module, so `test_every_exercise_test_fails_on_a_blanked_or_slightly_wrong_function` can swap in a stub.
 #   python -m pytest test_all.py -k exercise_masking
 # ----------------------------------------------------------------------------------------------------------
 
