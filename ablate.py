@@ -147,31 +147,27 @@ def requested_run(stage, task, argv):
     return args, pretrain.fill_from_preset(args, stage)["model"]
 
 
-_SHA256 = {}  # (path, size, mtime) -> sha256: a --jobs parent reads back every run of every seed
+_PER_FILE = {}  # (what, path, size, mtime) -> value: a --jobs parent reads back every run of every seed
+
+
+def once_per_file_version(what, path, compute):
+    """compute(path), cached until the file at `path` changes (its size or mtime)."""
+    key = (what, os.path.abspath(path), os.path.getsize(path), os.path.getmtime(path))
+    if key not in _PER_FILE:
+        _PER_FILE[key] = compute(path)
+    return _PER_FILE[key]
 
 
 def split_sha256(data_dir, task):
     """{split: sha256 of data/<task>/<split>.pt}, each file hashed once per version."""
-    out = {}
-    for s in data.SPLITS:
-        path = data.split_path(data_dir, task, s)
-        key = (os.path.abspath(path), os.path.getsize(path), os.path.getmtime(path))
-        if key not in _SHA256:
-            _SHA256[key] = data.sha256_of(path)
-        out[s] = _SHA256[key]
-    return out
-
-
-_META = {}  # (path, size, mtime) -> the meta of a split file
+    return {s: once_per_file_version("sha256", data.split_path(data_dir, task, s), data.sha256_of)
+            for s in data.SPLITS}
 
 
 def split_meta(data_dir, task):
     """The meta dict of data/<task>/train.pt, read once per version of the file."""
-    path = data.split_path(data_dir, task)
-    key = (os.path.abspath(path), os.path.getsize(path), os.path.getmtime(path))
-    if key not in _META:
-        _META[key] = data.load_split(data_dir, task, "train")["meta"]
-    return _META[key]
+    return once_per_file_version("meta", data.split_path(data_dir, task),
+                                 lambda path: data.load_split(data_dir, task, "train")["meta"])
 
 
 def check_read_back(path, result, task, init, argv):

@@ -631,10 +631,9 @@ def optimizer_step(run, loss_fn, idx):
     # DDP averages gradients over ranks, hence x world_size: the gradient is that of sum / count overall
     (loss_sum * args.world_size / count).backward()
     loss = global_sum(loss_sum.detach(), args) / count
-    if args.skip_nonfinite:  # a host sync, only with this flag: a finite loss can still have an inf/NaN gradient
-        grads = [p.grad for p in run["model"].parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads) if grads else loss.new_zeros(())
-    if args.skip_nonfinite and not (torch.isfinite(loss) & torch.isfinite(norm)):
+    grads = lambda: [p.grad for p in run["model"].parameters() if p.grad is not None]
+    # A host sync, only with this flag; a finite loss can still have an inf/NaN gradient, hence its norm too.
+    if args.skip_nonfinite and not (torch.isfinite(loss) & torch.isfinite(torch.nn.utils.get_total_norm(grads()))):
         print(f"step {state['step'] + 1}: non-finite loss or gradient, update skipped")
         opt.zero_grad(set_to_none=True)
         loss = None  # left out of the logged mean loss, and counted
