@@ -20,6 +20,7 @@ neighbours (the proximity bias) ends, longer than the CPU budget. Synthetic: 0.6
 Reading order: the presets, the SPT objective, main; then the engine both stages share (flags, device, the loop).
 """
 import argparse
+import copy
 import json
 import math
 import os
@@ -97,13 +98,6 @@ PRESETS = {
         "cpu": dict(model=dict(n_layers=2, d_model=32, n_heads=2, d_mlp=64), data=dict(),
                     pretrain=dict(batch_size=16, lr=1e-3, warmup=20, epochs=1000, max_steps=150, eval_every=150),
                     finetune=dict(batch_size=16, lr=1e-3, warmup=20, epochs=1000, max_steps=150, eval_every=150))},
-    "fashion_mnist": {  # the offline stand-in for Image: the same sizes
-        "paper": dict(model=dict(n_layers=3, d_model=64, n_heads=4, d_mlp=128, cls_mlp=True), data=dict(),
-                      pretrain=dict(batch_size=32, lr=1e-3, warmup=2500, epochs=50, eval_every=10**9),
-                      finetune=dict(batch_size=50, lr=1e-3, warmup=2000, epochs=200, eval_every=10**9)),
-        "cpu": dict(model=dict(n_layers=2, d_model=32, n_heads=2, d_mlp=64), data=dict(),
-                    pretrain=dict(batch_size=16, lr=1e-3, warmup=20, epochs=1000, max_steps=150, eval_every=150),
-                    finetune=dict(batch_size=16, lr=1e-3, warmup=20, epochs=1000, max_steps=150, eval_every=150))},
     "pathfinder": {
         "paper": dict(model=dict(n_layers=4, d_model=128, n_heads=8, d_mlp=128), data=dict(),
                       pretrain=dict(batch_size=32, lr=1e-3, warmup=2500, epochs=50, eval_every=10**9),
@@ -121,6 +115,7 @@ PRESETS = {
                     pretrain=dict(batch_size=2, lr=1e-3, warmup=20, epochs=1000, max_steps=20, eval_every=20),
                     finetune=dict(batch_size=2, lr=1e-3, warmup=20, epochs=1000, max_steps=20, eval_every=20))},
 }
+PRESETS["fashion_mnist"] = copy.deepcopy(PRESETS["image"])  # the offline stand-in for Image: the same sizes
 # Masking ratios: Amos et al.; Coser et al. Sec. 2 (pixels 50%, Text/Retrieval 15%, ListOps 10%). UCR: the paper
 # gives none; 50% as for pixels, the other continuous signal.
 MASK_RATIO = {"listops": 0.10, "synthetic": 0.50, "ucr": 0.50, "text": 0.15, "retrieval": 0.15, "image": 0.50,
