@@ -173,7 +173,8 @@ def split_meta(data_dir, task):
 def check_read_back(path, result, task, init, argv):
     """Raise ValueError unless the finished finetuning `path` (its result dict) is the run an experiment asks for
     with `init` and the finetune.py flags `argv`: the same data (the sha256 of each split file), the same
-    initialization (scratch, or the same SPT checkpoint: its data and the step of its weights) and the same
+    initialization (scratch, or the same SPT checkpoint: its sha256 where the run recorded it, else its data and
+    the step of its weights) and the same
     resolved value of every setting outside READ_BACK_SKIP (requested_run: a flag left out means the preset's
     value, which must then match too; the model fields the preset and the flags imply are compared with the
     run's checkpoint instead of as flags). Experiments share run folders (out/ablate/<scheme>/<task>/<model>/
@@ -208,7 +209,10 @@ def check_read_back(path, result, task, init, argv):
                 ck["data_sha256"] != result["spt_data_sha256"]:
             problems.append(f"SPT on other data than {init}'s")
         step = (ck.get("state") or {}).get("step")
-        if result.get("spt_step") is not None:
+        if result.get("spt_sha256") and once_per_file_version("sha256", init, data.sha256_of) != result["spt_sha256"]:
+            problems.append(f"other SPT weights than {init}'s (sha256 {result['spt_sha256'][:12]}...; {init} was "
+                            f"written again since)")
+        elif result.get("spt_step") is not None:
             if step != result["spt_step"]:
                 problems.append(f"the SPT weights of step {result['spt_step']} (asked: {init}, step {step})")
         else:

@@ -48,6 +48,7 @@ import sys
 import tarfile
 import urllib.request
 import zipfile
+import zlib
 
 import numpy as np
 import torch
@@ -98,8 +99,9 @@ def save_atomic(obj, path, fsync=True):
         raise
 
 
-def load_pt(path, map_location="cpu"):
-    """Load a .pt file written by this project with `weights_only=True` (no arbitrary code can run).
+def load_pt(path, map_location="cpu", mmap=False):
+    """Load a .pt file written by this project with `weights_only=True` (no arbitrary code can run); mmap=True
+    leaves the tensors on disk until used (to read a checkpoint's small fields).
 
     Raises FileNotFoundError naming the path, or ValueError naming it if the file is empty or truncated.
     """
@@ -108,20 +110,22 @@ def load_pt(path, map_location="cpu"):
     if os.path.getsize(path) == 0:
         raise ValueError(f"{path}: the file is empty (an interrupted write?)")
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:  # torch raises several types for truncated zip archives and unpickling refusals
         raise ValueError(f"{path}: cannot be loaded as a weights-only checkpoint ({type(e).__name__}: {e})") from e
 
 
 def load_newest(candidates, map_location="cpu", who="load"):
-    """The first of `candidates` (paths, newest first) that loads with load_pt; a missing or damaged file is
-    reported (prefixed by `who`) and skipped, so a run resumes from its previous checkpoint.
+    """Of the `candidates` (paths) that load with load_pt, the one of the latest training step (ck["state"]
+    ["step"]; a tie goes to the earlier in the list): a run stopped between writing its best checkpoint and its
+    last one resumes from the best, the newer. A missing or damaged file is reported (prefixed by `who`) and
+    skipped, so a run resumes from its previous checkpoint.
 
     Returns None when none of the files exists (nothing to resume: a fresh start). Raises ValueError listing
     every reason when files exist but none of them loads: starting over would throw away (and, for a training
     run, truncate the log of) a run that the user asked to continue.
     """
-    reasons = []
+    reasons, newest, newest_path = [], None, None
     for path in candidates:
         try:
             ck = load_pt(path, map_location=map_location)
@@ -129,8 +133,11 @@ def load_newest(candidates, map_location="cpu", who="load"):
             print(f"{who}: {e}; skipped")
             reasons.append((path, e))
             continue
-        print(f"{who}: continuing from {path}")
-        return ck
+        if newest is None or ck["state"]["step"] > newest["state"]["step"]:
+            newest, newest_path = ck, path
+    if newest is not None:
+        print(f"{who}: continuing from {newest_path} (step {newest['state']['step']})")
+        return newest
     if all(isinstance(e, FileNotFoundError) for _, e in reasons):
         print(f"{who}: no checkpoint yet, starting from scratch")
         return None
@@ -198,8 +205,10 @@ INPUT_KEYS = ("tokens", "values", "pixels")  # discrete ids, continuous values, 
 def check_split(d, path):
     """Check that the tensors of a loaded split agree; raise ValueError naming `path` (and the first bad row)
     unless: tokens (N, L) or (N, 2, L) / values (N, L, C) / pixels (N, L), lengths (N,) or (N, 2) for pairs,
-    labels (N,), lengths and labels integers, every length in 1..L (a zero length would make mean pooling
-    divide by 0), every label in 0..n_classes-1 when meta gives n_classes (else >= 0)."""
+    labels (N,), N >= 1, lengths and labels int64, every length in 1..L (a zero length would make mean pooling
+    divide by 0), every label in 0..n_classes-1 when meta gives n_classes (else >= 0); token ids integers in
+    0..vocab_size-1, pixels uint8, values floats (N, L, d_input) and finite (a hand-edited or foreign file fails
+    here, naming the field, not later inside the model)."""
     key = next(k for k in INPUT_KEYS if k in d)
     x, lengths, labels = d[key], d["lengths"], d["labels"]
     for name, t in ((key, x), ("lengths", lengths), ("labels", labels)):
@@ -218,16 +227,39 @@ def check_split(d, path):
     if tuple(lengths.shape) != want or labels.dim() != 1:
         raise ValueError(f"{path}: lengths {tuple(lengths.shape)} and labels {tuple(labels.shape)}, expected "
                          f"{want} and ({n},) for {key} {tuple(x.shape)}")
+    if n == 0:
+        raise ValueError(f"{path}: the split holds no examples (N = 0); expected at least one")
     for name, t in (("lengths", lengths), ("labels", labels)):
-        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-            raise ValueError(f"{path}: {name} are {t.dtype}, expected integers")
+        if t.dtype != torch.int64:
+            raise ValueError(f"{path}: {name} are {t.dtype}, expected torch.int64 (as data.py writes them)")
+    meta = d["meta"]
+    if key == "tokens":
+        if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+            raise ValueError(f"{path}: tokens are {x.dtype}, expected integer ids (uint8 / int16 / int64)")
+        low, high = int(x.min()), int(x.max())
+        if low < 0 or high >= meta["vocab_size"]:
+            raise ValueError(f"{path}: token ids span {low}..{high}, expected 0..{meta['vocab_size'] - 1} (meta "
+                             f"vocab_size {meta['vocab_size']})")
+    elif key == "pixels" and x.dtype != torch.uint8:
+        raise ValueError(f"{path}: pixels are {x.dtype}, expected torch.uint8 intensities 0..255 (the stages "
+                         f"divide by 255)")
+    elif key == "values":
+        if not x.is_floating_point() or x.shape[2] != meta["d_input"]:
+            raise ValueError(f"{path}: values are {x.dtype} of shape {tuple(x.shape)}, expected floats (N, L, "
+                             f"{meta['d_input']}) (meta d_input {meta['d_input']})")
+        bad = torch.nonzero(~torch.isfinite(x).all(dim=2))
+        if len(bad):
+            row, pos = int(bad[0, 0]), int(bad[0, 1])
+            value = x[row, pos][~torch.isfinite(x[row, pos])][0]
+            raise ValueError(f"{path}, row {row}, position {pos}: value {float(value)}, expected finite values "
+                             f"(data.py fills missing values inside a series and pads with zeros)")
     width = x.shape[2] if pair else x.shape[1]
     bad = torch.nonzero((lengths < 1) | (lengths > width))
     if len(bad):
         where = f"row {int(bad[0, 0])}, document {int(bad[0, 1])}" if pair else f"row {int(bad[0, 0])}"
         raise ValueError(f"{path}, {where}: length {int(lengths[tuple(bad[0])])}, expected 1..{width} (the "
                          f"width of {key}; a zero length has no position to pool)")
-    n_classes = d["meta"].get("n_classes")
+    n_classes = meta.get("n_classes")
     bad = torch.nonzero((labels < 0) | (labels >= n_classes) if n_classes is not None else labels < 0)
     if len(bad):
         i = int(bad[0, 0])
@@ -267,6 +299,26 @@ META_FIELDS = {"tokens": ("tokens", ("vocab_size",)), "continuous": ("values", (
 PER_FILE_META = ("source", "sha256")  # the only meta fields that differ between the splits of one preparation
 
 
+def write_splits(task_dir, splits, metas):
+    """Write <task_dir>/{train,val,test}.pt, each dict(splits[s], meta=metas[s]), as one preparation: each meta
+    gets the same meta["preparation"], the first 16 hex digits of a sha256 over all three splits' metas and
+    tensors, so that load_splits refuses a set in which some files come from another preparation (one stopped
+    after train.pt: same settings, other data). Deterministic, so the same inputs give the same files.
+
+    splits: {split: {name: tensor}}; metas: {split: dict}. Each file is written atomically (save_atomic), the
+    three one after the other; nothing is written before all three are built."""
+    digest = hashlib.sha256()
+    for s in SPLITS:
+        digest.update(json.dumps(metas[s], sort_keys=True, default=str).encode())
+        for name in sorted(splits[s]):
+            t = splits[s][name].contiguous()
+            digest.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
+            digest.update(t.view(torch.uint8).numpy().data if t.dtype != torch.bool else t.numpy().data)
+    stamp = digest.hexdigest()[:16]
+    for s in SPLITS:
+        save_atomic(dict(splits[s], meta=dict(metas[s], preparation=stamp)), os.path.join(task_dir, f"{s}.pt"))
+
+
 def check_meta(d, path):
     """Raise ValueError naming `path` and the field unless meta has what the stages read: kind (tokens, continuous
     or pixels, matching the tensor stored), max_len and n_classes (integers), and per kind vocab_size / d_input /
@@ -293,7 +345,8 @@ def load_splits(data_dir, task, device="cpu"):
     every split file per run and rank: seconds, ~3 GB at the PathX paper size)."""
     splits = {s: load_split(data_dir, task, s) for s in SPLITS}
     train = splits["train"]["meta"]
-    for s in SPLITS[1:]:  # one preparation: a re-preparation stopped midway would mix old and new splits
+    for s in SPLITS[1:]:  # one preparation (meta preparation, write_splits): a re-preparation stopped midway
+        # would mix old and new splits
         meta = splits[s]["meta"]
         differ = sorted(k for k in set(train) | set(meta) if k not in PER_FILE_META and train.get(k) != meta.get(k))
         if differ:
@@ -484,8 +537,9 @@ def extract_tar(archive, into, prefix):
                     shutil.copyfileobj(src, dst)
                 os.replace(path + ".part", path)
                 n += 1
-    except tarfile.TarError as e:
-        raise ValueError(f"{archive}: not a readable tar archive ({e})") from e
+    except (tarfile.TarError, gzip.BadGzipFile, EOFError, zlib.error) as e:  # not a tar(.gz), or cut short
+        raise ValueError(f"{archive}: not a readable, complete tar archive ({type(e).__name__}: {e}); download it "
+                         f"again") from e
     if n == 0:
         raise ValueError(f"{archive}: holds no file under {prefix!r}; expected the archive named in the README")
     print(f"extracted {n} files of {archive} under {prefix} into {into}"
@@ -671,6 +725,23 @@ def write_listops_tsv(path, rows):
     save_atomic(write, path)
 
 
+def not_utf8(path, error):
+    """The ValueError for a text file that failed to decode (`error`, a UnicodeDecodeError), naming `path` and
+    the first line whose bytes are not UTF-8 (found by a second read, on this error path only)."""
+    with open(path, "rb") as f:
+        line = next((i for i, raw in enumerate(f, 1) if not _is_utf8(raw)), "?")
+    bad = error.object[error.start:error.start + 4]
+    return ValueError(f"{path}, line {line}: bytes that are not UTF-8 ({error.reason}: {bad!r}); expected UTF-8 text")
+
+
+def _is_utf8(raw):
+    try:
+        raw.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
 def read_listops_tsv(path):
     """Read an LRA ListOps file -> (sources: list[str], labels: list[int]).
 
@@ -680,8 +751,15 @@ def read_listops_tsv(path):
     git-annex link in place of the file (`check_not_a_pointer`).
     """
     check_not_a_pointer(path, f"the LRA release {LRA_URL}, folder listops-1000/")
+    try:
+        return _read_listops_rows(path)
+    except UnicodeDecodeError as e:
+        raise not_utf8(path, e) from None
+
+
+def _read_listops_rows(path):
     sources, labels = [], []
-    with open(path, newline="") as f:
+    with open(path, newline="", encoding="utf-8") as f:
         reader = csv.reader(f, delimiter="\t")
         header = next(reader, None)
         if header is None:
@@ -791,8 +869,9 @@ BALANCE_TV_WARN = 0.2  # warn when a split's class fractions are this far from t
 
 
 def report_balance(labels, n_classes, where):
-    """Print each split's count and class balance, and a `warning:` line for a split that holds one class only
-    or whose class fractions differ from train's by a total variation distance > BALANCE_TV_WARN.
+    """Print each split's count and class balance, and a `warning:` line for a split that holds one class only,
+    a training split without some class, or a split whose class fractions differ from train's by a total variation distance > BALANCE_TV_WARN. An empty split
+    is a ValueError naming it (`where` and the split).
 
     labels: {split: labels (sequence or tensor of ints in 0..n_classes-1)}; n_classes None: the largest label +
     1. Returns {split: fractions (n_classes,) float64 numpy array}.
@@ -804,11 +883,15 @@ def report_balance(labels, n_classes, where):
     for s, c in counts.items():
         n, f = int(c.sum()), fractions[s]
         print(f"{where} {s}: {n} examples, classes " + " ".join(f"{i}:{100 * f[i]:.0f}%" for i in range(k)))
-        if n == 0:
-            print(f"warning: {where} {s}: the split is empty")
-            continue
+        if n == 0:  # nothing to train on, select by or test on: refused before anything is written
+            raise ValueError(f"{where} {s}: the split is empty (0 examples); expected at least one (is its file "
+                             f"empty or header-only?)")
         if np.count_nonzero(c) == 1 and k > 1:
             print(f"warning: {where} {s}: every example is of class {int(np.argmax(c))} (one class only)")
+        elif s == "train" and np.count_nonzero(c) < k:  # a class the model never sees a label of
+            absent = [i for i in range(k) if c[i] == 0]
+            print(f"warning: {where} train: no example of class{'es' if len(absent) > 1 else ''} "
+                  + ", ".join(map(str, absent)))
         if s != "train" and counts.get("train") is not None and counts["train"].sum() > 0:
             tv = 0.5 * float(np.abs(f - fractions["train"]).sum())
             if tv > BALANCE_TV_WARN:
@@ -857,16 +940,18 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
     parsed = {s: read_listops_tsv(tsv[s]) for s in SPLITS}
     report_balance({s: parsed[s][1] for s in SPLITS}, 10, "listops")
     sizes = {s: len(parsed[s][1]) for s in SPLITS}
-    for s in SPLITS:
+    splits, metas = {}, {}
+    for s in SPLITS:  # all three encoded (and checked) before any is written
         sources, labels = parsed[s]
         token_lists = [[t for t in src.split() if t not in ("(", ")")] for src in sources]
         tokens, lengths = encode_tokens(token_lists, LISTOPS_VOCAB, max_len, truncate, tsv[s])
-        meta = _meta("listops", LISTOPS_VOCAB, max_len, 10, tsv[s], seed if ours else None, sizes)
-        meta["sha256"] = sha256_of(tsv[s])
-        meta["generated"] = ours
-        save_atomic(dict(tokens=tokens, lengths=lengths, labels=torch.tensor(labels, dtype=torch.int64),
-                         meta=meta), os.path.join(task_dir, f"{s}.pt"))
-        print(f"wrote {os.path.join(task_dir, s + '.pt')}: {len(labels)} sequences, "
+        splits[s] = dict(tokens=tokens, lengths=lengths, labels=torch.tensor(labels, dtype=torch.int64))
+        metas[s] = dict(_meta("listops", LISTOPS_VOCAB, max_len, 10, tsv[s], seed if ours else None, sizes),
+                        sha256=sha256_of(tsv[s]), generated=ours)
+    write_splits(task_dir, splits, metas)
+    for s in SPLITS:
+        lengths = splits[s]["lengths"]
+        print(f"wrote {os.path.join(task_dir, s + '.pt')}: {len(lengths)} sequences, "
               f"mean length {lengths.float().mean():.0f}, max {int(lengths.max())}")
     return sizes
 
@@ -901,12 +986,14 @@ def generate_trajectories(n, seed, length=100, omega_range=(0.05, 0.30), heading
 def prepare_synthetic(data_dir="data", n_train=5000, n_val=1000, n_test=1000, seed=0, length=100):
     """Write data/synthetic/{train,val,test}.pt (continuous values (N, length, 2), all of full length)."""
     sizes = dict(train=n_train, val=n_val, test=n_test)
+    splits, metas = {}, {}
     for i, s in enumerate(SPLITS):
         values, labels = generate_trajectories(sizes[s], seed * 3 + i, length)
-        meta = dict(task="synthetic", kind="continuous", d_input=2, max_len=length, n_classes=2,
-                    source=f"generate_trajectories(seed={seed * 3 + i})", seed=seed, split_sizes=sizes, generated=True)
-        save_atomic(dict(values=values, lengths=torch.full((sizes[s],), length), labels=labels, meta=meta),
-                    os.path.join(data_dir, "synthetic", f"{s}.pt"))
+        splits[s] = dict(values=values, lengths=torch.full((sizes[s],), length), labels=labels)
+        metas[s] = dict(task="synthetic", kind="continuous", d_input=2, max_len=length, n_classes=2,
+                        source=f"generate_trajectories(seed={seed * 3 + i})", seed=seed, split_sizes=sizes,
+                        generated=True)
+    write_splits(os.path.join(data_dir, "synthetic"), splits, metas)
     print(f"wrote {data_dir}/synthetic/{{train,val,test}}.pt: {n_train}/{n_val}/{n_test} trajectories of {length} steps")
     return sizes
 
@@ -968,21 +1055,25 @@ def _read_label_first(path, split):
     file, line and field: dropping it would make the first value the label."""
     check_not_a_pointer(path, f"the UCR archive, {UCR_MANUAL}")
     series, labels, lines = [], [], []
-    with open(path, encoding="utf-8-sig") as f:  # -sig: skip a byte-order mark if an editor wrote one
-        for line, text in enumerate(f, 1):
-            text = text.rstrip()
-            if not text.strip():
-                continue
-            fields = split(text)
-            if len(fields) < 2:
-                raise ValueError(f"{path}, line {line}: expected a label and at least one value, "
-                                 f"got {len(fields)} field(s)")
-            if not fields[0].strip():
-                raise ValueError(f"{path}, line {line}: field 1 (the label) is empty; expected the label first, "
-                                 f"then the values (does the line start with a separator?)")
-            labels.append(fields[0].strip())
-            series.append(_parse_values(fields[1:], path, line))
-            lines.append(line)
+    try:
+        with open(path, encoding="utf-8-sig") as f:  # -sig: skip a byte-order mark if an editor wrote one
+            rows = list(enumerate(f, 1))
+    except UnicodeDecodeError as e:
+        raise not_utf8(path, e) from None
+    for line, text in rows:
+        text = text.rstrip()
+        if not text.strip():
+            continue
+        fields = split(text)
+        if len(fields) < 2:
+            raise ValueError(f"{path}, line {line}: expected a label and at least one value, "
+                             f"got {len(fields)} field(s)")
+        if not fields[0].strip():
+            raise ValueError(f"{path}, line {line}: field 1 (the label) is empty; expected the label first, "
+                             f"then the values (does the line start with a separator?)")
+        labels.append(fields[0].strip())
+        series.append(_parse_values(fields[1:], path, line))
+        lines.append(line)
     if not series:
         raise ValueError(f"{path}: no series in the file")
     return series, labels, lines
@@ -996,7 +1087,13 @@ def read_ucr_tsv(path):
     naming file and line for a row without values, an empty label field, or a value that is not a number (an
     empty field included), and for a Git LFS pointer or git-annex link in place of the file.
     """
-    return _read_label_first(path, lambda text: text.split("\t"))
+    series, labels, lines = _read_label_first(path, lambda text: text.split("\t"))
+    widths = [len(x) for x in series]  # NaN padding included: one width per file in the 2018 archive
+    short = [line for line, w in zip(lines, widths) if w < max(widths)]
+    if short:
+        print(f"warning: {path}: {len(short)} of {len(series)} rows have fewer fields than the longest ({max(widths)} "
+              f"values; e.g. line {short[0]}), where the 2018 archive NaN-pads to one width: read as shorter series")
+    return series, labels, lines
 
 
 def _split_txt(text):
@@ -1031,8 +1128,11 @@ def read_ucr_ts(path):
     """
     check_not_a_pointer(path, f"{UCR_URL}/<Name>.zip")
     header, class_labels, series, labels, lines = {}, None, [], [], []
-    with open(path, encoding="utf-8-sig") as f:
-        rows = [(line, text.strip()) for line, text in enumerate(f, 1)]
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            rows = [(line, text.strip()) for line, text in enumerate(f, 1)]
+    except UnicodeDecodeError as e:
+        raise not_utf8(path, e) from None
     rows = [(line, text) for line, text in rows if text and not text.startswith("#")]
     data_at, first_series = None, len(rows)
     for k, (line, text) in enumerate(rows):
@@ -1309,16 +1409,17 @@ def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, down
            "test": (*pad_series(series["test"], max_len), labels["test"])}
     sizes = {s: len(out[s][2]) for s in SPLITS}
     sha = {s: sha256_of(found[s]) for s in ("train", "test")}
+    metas = {}
     for s in SPLITS:
         source = "test" if s == "test" else "train"
-        meta = dict(task=task, kind="continuous", d_input=1, max_len=max_len, n_classes=len(names),
-                    label_names=names, source=found[source], sha256=sha[source], found_in=found["found_in"],
-                    seed=seed, val_fraction=val_fraction, split_sizes=sizes, normalization="z-score per series")
+        metas[s] = dict(task=task, kind="continuous", d_input=1, max_len=max_len, n_classes=len(names),
+                        label_names=names, source=found[source], sha256=sha[source], found_in=found["found_in"],
+                        seed=seed, val_fraction=val_fraction, split_sizes=sizes, normalization="z-score per series")
         if downloaded is not None:
-            meta["download"] = downloaded
-        values, lengths, y = out[s]
-        save_atomic(dict(values=values, lengths=lengths, labels=y, meta=meta), os.path.join(data_dir, task, f"{s}.pt"))
+            metas[s]["download"] = downloaded
     report_balance({s: out[s][2] for s in SPLITS}, len(names), task)
+    write_splits(os.path.join(data_dir, task), {s: dict(zip(("values", "lengths", "labels"), out[s])) for s in SPLITS},
+                 metas)
     print(f"wrote {data_dir}/{task}/{{train,val,test}}.pt: {sizes['train']}/{sizes['val']}/{sizes['test']} series "
           f"(validation: {val_fraction:.0%} of TRAIN, seed {seed}), max length {max_len}, {len(names)} classes "
           f"{names}")
@@ -1428,8 +1529,7 @@ def _save_splits(task_dir, splits, meta):
     split's count and class balance (`report_balance`)."""
     sizes = {s: len(splits[s]["labels"]) for s in SPLITS}
     report_balance({s: splits[s]["labels"] for s in SPLITS}, meta.get("n_classes"), meta.get("task", task_dir))
-    for s in SPLITS:
-        save_atomic(dict(splits[s], meta=dict(meta, split_sizes=sizes)), os.path.join(task_dir, f"{s}.pt"))
+    write_splits(task_dir, splits, {s: dict(meta, split_sizes=sizes) for s in SPLITS})
     print(f"wrote {task_dir}/{{train,val,test}}.pt: {sizes['train']}/{sizes['val']}/{sizes['test']}")
     return sizes
 
@@ -1625,8 +1725,11 @@ def read_idx(path):
     Git LFS pointer or git-annex link in place of it."""
     check_not_a_pointer(path, f"{FASHION_URL}, or on Debian/Ubuntu apt install dataset-fashion-mnist")
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        raw = f.read()
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:  # not gzip, or cut short
+        raise ValueError(f"{path}: not a complete gzip file ({e}); download it again") from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
         raise ValueError(f"{path}: not an IDX file of unsigned bytes (header {raw[:4].hex()}, expected 0000 08 nn)")
     ndim = raw[3]
@@ -1703,10 +1806,10 @@ def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, download=True, u
         folder = os.path.join(data_dir, "fashion_mnist")
         download_fashion_mnist(folder, url)
     print(f"Fashion-MNIST: reading the IDX files in {folder}")
-    arrays = {}
+    arrays, read = {}, []  # read: the files read (a plain file is preferred to its .gz: _idx_path)
     for split, prefix in (("train", "train"), ("test", "t10k")):
-        images = read_idx(_idx_path(folder, f"{prefix}-images-idx3-ubyte"))
-        labels = read_idx(_idx_path(folder, f"{prefix}-labels-idx1-ubyte")).astype(np.int64)
+        read += [_idx_path(folder, f"{prefix}-images-idx3-ubyte"), _idx_path(folder, f"{prefix}-labels-idx1-ubyte")]
+        images, labels = read_idx(read[-2]), read_idx(read[-1]).astype(np.int64)
         if images.shape[1:] != (28, 28) or len(images) != len(labels):
             raise ValueError(f"{folder}: {prefix} images {images.shape} and labels {labels.shape}, expected "
                              f"(N, 28, 28) and (N,)")
@@ -1724,11 +1827,10 @@ def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, download=True, u
         splits["train"] = {k: v[:n_train] for k, v in splits["train"].items()}
         print(f"Fashion-MNIST: a training subset of {n_train} images ({available - n_train} of the split left out)")
     train01 = splits["train"]["pixels"].float() / 255
-    files = {name: os.path.join(folder, name) for name in FASHION_MD5}
     meta = _pixel_meta("fashion_mnist", resolution * resolution, 10, float(train01.mean()), float(train01.std()),
                        folder, seed, stand_in_for="image", resolution=resolution,
                        train_subset=n_train is not None,
-                       sha256={n: sha256_of(p) for n, p in files.items() if os.path.exists(p)})
+                       sha256={os.path.basename(p): sha256_of(p) for p in read})
     return _save_splits(os.path.join(data_dir, "fashion_mnist"), splits, meta)
 
 
@@ -2131,7 +2233,9 @@ def read_pathfinder_release(root):
     as (path, reason), for the caller to report (the release has one empty file, in pathfinder32/curv_baseline).
     Raises FileNotFoundError naming the expected path if `root` or `root`/metadata is missing or holds no
     <k>.npy; ValueError naming file and line for a line with fewer than 4 fields or a label not 0/1; ValueError
-    naming the image for an undecodable PNG or one whose size differs from the first image (or is not square);
+    naming the image for an undecodable PNG, one of more than 8 bits per channel (which convert("L") would clip),
+    or one whose size differs from the first image (or is not square); a printed warning with the count for
+    files in metadata/ not named <k>.npy (not read) and for images named on more than one line (read each time);
     ValueError naming `root` if no image could be read; ValueError naming the file for a Git LFS pointer or a
     git-annex link in place of a metadata file or an image (checked only for images that do not decode or are
     missing, so the check costs nothing on real data).
@@ -2141,15 +2245,23 @@ def read_pathfinder_release(root):
         if not os.path.isdir(path):
             raise FileNotFoundError(f"{path}: no such folder (expected a PathFinder difficulty folder with imgs/ "
                                     f"and metadata/, e.g. lra_release/pathfinder32/curv_contour_length_14)")
-    stems = sorted(int(name[:-4]) for name in os.listdir(meta_dir) if name.endswith(".npy") and name[:-4].isdigit())
+    names = os.listdir(meta_dir)
+    stems = sorted(int(name[:-4]) for name in names if name.endswith(".npy") and name[:-4].isdigit())
     if not stems:
         raise FileNotFoundError(f"{meta_dir}: holds no metadata files <k>.npy")
-    images, labels, skipped, size = [], [], [], None
+    others = sorted(name for name in names if not (name.endswith(".npy") and name[:-4].isdigit()))
+    if others:
+        print(f"warning: {meta_dir}: {len(others)} file(s) not named <k>.npy not read: {', '.join(others[:3])}"
+              + (", ..." if len(others) > 3 else ""))
+    images, labels, skipped, size, seen = [], [], [], None, {}
     for k in stems:
         meta = os.path.join(meta_dir, f"{k}.npy")
         check_not_a_pointer(meta, f"the LRA release {LRA_URL}")
-        with open(meta) as f:
-            lines = f.read().splitlines()
+        try:
+            with open(meta, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+        except UnicodeDecodeError as e:
+            raise not_utf8(meta, e) from None
         for line_no, line in enumerate(lines, start=1):
             fields = line.split()
             if not fields:
@@ -2160,6 +2272,7 @@ def read_pathfinder_release(root):
             if fields[3] not in ("0", "1"):
                 raise ValueError(f"{meta}, line {line_no}: label {fields[3]!r} is not 0 or 1")
             path = os.path.join(root, fields[0], fields[1])
+            seen.setdefault(path, []).append(f"{meta}, line {line_no}")
             if not os.path.exists(path):
                 check_not_a_pointer(path, f"the LRA release {LRA_URL}")  # a broken git-annex link is no gap
                 skipped.append((path, "missing file"))
@@ -2169,6 +2282,9 @@ def read_pathfinder_release(root):
                 continue
             try:
                 with Image.open(path) as im:
+                    if im.mode not in ("1", "L", "LA", "P", "RGB", "RGBA"):  # 16-bit / float: convert would clip
+                        raise ValueError(f"{path}: image mode {im.mode!r}, expected 8-bit grey scale ('L') as the "
+                                         f"release's PNGs are")
                     img = np.asarray(im.convert("L"), dtype=np.uint8)
             except OSError as e:  # PIL's UnidentifiedImageError and truncated-file errors are OSErrors
                 check_not_a_pointer(path, f"the LRA release {LRA_URL}")  # checked only when decoding fails
@@ -2181,6 +2297,11 @@ def read_pathfinder_release(root):
             labels.append(int(fields[3]))
     if not images:
         raise ValueError(f"{root}: no readable image ({len(skipped)} skipped)")
+    repeated = {path: where for path, where in seen.items() if len(where) > 1}
+    if repeated:  # kept (the release's order is the index), but a repeat can land in two splits: said
+        path, where = next(iter(repeated.items()))
+        print(f"warning: {root}: {len(repeated)} image(s) named on more than one metadata line and read each time, "
+              f"e.g. {path} ({'; '.join(where)})")
     return np.stack(images), np.asarray(labels, dtype=np.int64), skipped
 
 

@@ -221,7 +221,7 @@ def main(argv=None):
     if args.name is None:  # a default that never overwrites the plain SPT run with an ablation or a dataset swap
         swap = None
         if args.init != "scratch" and os.path.exists(args.init):
-            swap = torch.load(args.init, map_location="cpu", weights_only=True, mmap=True).get("task")
+            swap = data.load_pt(args.init, mmap=True).get("task")
             swap = None if swap in (None, args.task) else swap.replace("/", "-")
         args.name = ("scratch" if args.init == "scratch" else "spt") + (f"_from_{swap}" if swap else "") + \
             ("" if args.inherit == "all" else f"_inherit-{args.inherit}") + \
@@ -234,11 +234,11 @@ def main(argv=None):
         model = Transformer(cfg).to(args.device)
         provenance = {}
     else:
+        init_sha256 = data.sha256_of(args.init)  # the SPT weights this run starts from: --resume checks them
         model = model_from_pretrained(args.init, meta, meta["n_classes"], args.task, args.device, args.inherit,
                                       head={k: preset["model"].get(k, getattr(ModelConfig, k)) for k in FINETUNE_FIELDS})
-        # mmap: the tensors stay on disk, only the small fields are read
-        ck = torch.load(args.init, map_location="cpu", weights_only=True, mmap=True)
-        provenance = dict(spt_task=ck["task"], spt_data_sha256=ck.get("data_sha256"),
+        ck = data.load_pt(args.init, mmap=True)  # mmap: the tensors stay on disk, only the small fields are read
+        provenance = dict(spt_task=ck["task"], spt_sha256=init_sha256, spt_data_sha256=ck.get("data_sha256"),
                           spt_step=(ck.get("state") or {}).get("step"),
                           spt_data=check_spt_data(ck, args.init, args.task, data_hashes(splits), args.allow_other_data))
         del ck
@@ -268,7 +268,7 @@ def main(argv=None):
         return {"val_acc": val["acc"], "val_loss": val["loss"]}
 
     extra = dict(stage="finetune", task=args.task, data_meta=meta, data_sha256=data_hashes(splits), init=args.init,
-                 metric="val_acc", tiebreak="val_loss", format_version=1)
+                 init_sha256=provenance.get("spt_sha256"), metric="val_acc", tiebreak="val_loss", format_version=1)
     print(f"finetuning {args.task} from {args.init}: {model.cfg}")
     best = train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better=True)
     t_trained = time.time()

@@ -712,9 +712,11 @@ def evaluate_and_checkpoint(run, epoch):
     append_log(run, dict(step=state["step"], epoch=epoch, **metrics))
     if improved:
         save_checkpoint(run, paths["best"], metrics)
-    save_checkpoint(run, paths["last"], metrics)
     if args.snapshots:  # a copy per evaluation, for curves over training (analyze.py curves)
         save_checkpoint(run, paths["snapshot"].format(step=state["step"]), metrics)
+    # The last checkpoint last: a run stopped before it resumes at an older step (or at the best checkpoint, if
+    # that is newer: data.load_newest) and redoes this evaluation and its files.
+    save_checkpoint(run, paths["last"], metrics)
 
 
 def save_checkpoint(run, path, metrics):
@@ -774,7 +776,7 @@ def resume(model, opt, paths, n_batches, args, extra):
     ck = data.load_newest([paths["last"], paths["best"]], "cpu", "--resume")
     if ck is None:
         return None
-    check_resumable(ck, model.cfg, n_batches, extra.get("data_sha256"), plain_config(args))
+    check_resumable(ck, model.cfg, n_batches, extra.get("data_sha256"), plain_config(args), extra.get("init_sha256"))
     model.load_state_dict(ck["model"])
     opt.load_state_dict(ck["optimizer"])
     torch.set_rng_state(ck["rng_state"])
@@ -786,23 +788,28 @@ def resume(model, opt, paths, n_batches, args, extra):
     return dict(ck["state"], n_batches=n_batches)  # older checkpoints recorded no n_batches
 
 
-# Flags a resumed run must share with its checkpoint (--epochs and --max_steps only say where to stop, and may grow).
+# Flags a resumed run must share with its checkpoint (--epochs and --max_steps only say where to stop, and may grow):
+# the schedule, and what decides which evaluation is kept as best (the evaluation grid, the precision).
 RESUME_SAME = ("lr", "warmup", "weight_decay", "grad_clip", "seed", "mask_ratio", "rec_loss", "init", "inherit",
-               "freeze", "batch_size")
+               "freeze", "batch_size", "eval_every", "eval_each_epoch", "dtype")
 
 
-def check_resumable(ck, cfg, n_batches, data_sha256=None, config=None):
+def check_resumable(ck, cfg, n_batches, data_sha256=None, config=None, init_sha256=None):
     """Raise ValueError unless checkpoint `ck` continues a run of this model config, epoch length, data and
     schedule: resuming with other model flags (size, --init_scheme, ...) would mislabel the weights; another
     --batch_size (or number of ranks) another epoch, whose position the checkpoint's batch counter would not mean;
     other data (data_sha256: {split: sha256 of its .pt}, e.g. another --data_dir) would train one run on two data
     sets; another value of a RESUME_SAME flag (config: plain_config of this run) another schedule than the
-    checkpoint's first part. Checkpoints older than these records skip the checks they lack."""
+    checkpoint's first part; for finetuning, other SPT weights behind the same --init path (init_sha256: sha256 of
+    that file, e.g. pretrain.pt overwritten by a longer pretraining) a run started from two initializations.
+    Checkpoints older than these records skip the checks they lack."""
     saved = asdict(config_from_dict(ck["model_config"], "--resume checkpoint"))
     diff = {k: (v, getattr(cfg, k)) for k, v in saved.items() if getattr(cfg, k) != v}
     saved_config = ck.get("config") or {}
+    same_weights = bool(ck.get("init_sha256") and init_sha256)  # --init compared by content, not by spelling
     diff.update({k: (saved_config[k], config[k]) for k in RESUME_SAME
-                 if config and k in saved_config and k in config and saved_config[k] != config[k]})
+                 if config and k in saved_config and k in config and saved_config[k] != config[k]
+                 and not (k == "init" and same_weights)})
     if diff:
         raise ValueError("--resume: the checkpoint was made with " + ", ".join(
             f"{k}={old!r}" for k, (old, _) in diff.items()) + "; this run has " + ", ".join(
@@ -817,6 +824,11 @@ def check_resumable(ck, cfg, n_batches, data_sha256=None, config=None):
         raise ValueError(f"--resume: the checkpoint was trained on other data ({split}.pt sha256 "
                          f"{saved_data[split][:12]}..., this run's {str(data_sha256.get(split))[:12]}...: another "
                          f"--data_dir, or the data was made again): resume on the same data (or start a new --out_dir)")
+    saved_init = ck.get("init_sha256")
+    if saved_init and init_sha256 and saved_init != init_sha256:
+        raise ValueError(f"--resume: this run started from SPT weights of sha256 {saved_init[:12]}..., but "
+                         f"--init {ck.get('init')} now holds {init_sha256[:12]}... (pretrained again or further?): "
+                         f"finetune the new weights in a new run (another --name or --out_dir, without --resume)")
 
 
 def is_better(metrics, state, metric, higher_is_better, tiebreak=None):

@@ -1700,12 +1700,19 @@ def test_ablate_reads_back_a_finished_run_only_if_it_is_the_run_asked_for(synthe
     shutil.copy(spt, mine)
     ablate.run_finetune("synthetic", folder, 0, "spt", mine, common)
     ablate.run_finetune("synthetic", folder, 0, "spt", mine, common)  # read back
-    ck = data.load_pt(mine)
+    ck, original = data.load_pt(mine), open(mine, "rb").read()
     data.save_atomic(dict(ck, state=dict(ck["state"], step=ck["state"]["step"] + 5)), mine)  # SPT went on since
+    with pytest.raises(ValueError, match=r"other SPT weights than .*spt.pt's \(sha256 [0-9a-f]{12}\.\.\.; .*written "
+                                         r"again since\)"):
+        ablate.run_finetune("synthetic", folder, 0, "spt", mine, common)
+    result_path = data.run_paths(folder, "synthetic", "finetune", "spt")["json"]
+    result = json.load(open(result_path))
+    data.save_atomic({k: v for k, v in result.items() if k != "spt_sha256"}, result_path)  # a run from before it
     step = ck["state"]["step"]
     with pytest.raises(ValueError, match=f"the SPT weights of step {step} \\(asked: .*spt.pt, step {step + 5}\\)"):
         ablate.run_finetune("synthetic", folder, 0, "spt", mine, common)
-    data.save_atomic(ck, mine)
+    data.save_atomic(result, result_path)
+    data.save_atomic(original, mine)
     # A model field the preset implies without a flag (here its head) is compared with the run's checkpoint.
     monkeypatch.setitem(pretrain.PRESETS["synthetic"], "cpu", dict(pretrain.PRESETS["synthetic"]["cpu"], model=dict(
         pretrain.PRESETS["synthetic"]["cpu"]["model"], cls_mlp=True, d_mlp=64)))
@@ -1730,7 +1737,7 @@ def test_ablate_reads_back_a_finished_run_only_if_it_is_the_run_asked_for(synthe
     printed = capsys.readouterr().out
     assert "an older run: checked its data by meta (no sha256 recorded))\n" in printed
     assert "checked its data by meta (no sha256 recorded) and its SPT checkpoint by path (no step recorded)" in printed
-    with pytest.raises(ValueError, match=r"made with data seed=0 \(here: 5 in "):
+    with pytest.raises(ValueError, match=r"made with data preparation=.*; data seed=0 \(here: 5 in "):
         ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common + ["--data_dir", other])
     again = str(tmp_path / "spt_again.pt")
     shutil.copy(mine, again)  # the same weights under another path: not the checkpoint this run recorded
@@ -1739,6 +1746,75 @@ def test_ablate_reads_back_a_finished_run_only_if_it_is_the_run_asked_for(synthe
     os.utime(mine, (started + 60, started + 60))  # the SPT checkpoint was rewritten after this run started
     with pytest.raises(ValueError, match=r"an SPT checkpoint .*spt.pt that was written after this run started"):
         ablate.run_finetune("synthetic", folder, 0, "spt", mine, common)
+
+
+def test_load_newest_takes_the_checkpoint_of_the_latest_step(tmp_path, capsys):
+    """A run stopped after writing its best checkpoint but before its last one has a best newer than its last:
+    --resume takes the newer, whatever the order of the candidates (a tie: the first)."""
+    paths = {step: str(tmp_path / f"ck{step}.pt") for step in (3, 5)}
+    for step, path in paths.items():
+        data.save_atomic(dict(state=dict(step=step), tag=step), path)
+    assert data.load_newest([paths[3], paths[5]], who="r")["tag"] == 5
+    assert data.load_newest([paths[5], paths[3]], who="r")["tag"] == 5
+    assert "r: continuing from " + paths[5] + " (step 5)" in capsys.readouterr().out
+    data.save_atomic(dict(state=dict(step=5), tag="other"), paths[3])
+    assert data.load_newest([paths[3], paths[5]], who="r")["tag"] == "other"
+    assert data.load_newest([str(tmp_path / "none.pt"), paths[5]], who="r")["tag"] == 5
+
+
+def test_the_last_checkpoint_is_written_after_the_best_and_the_snapshot(listops_dir, tmp_path, monkeypatch):
+    """So that a run stopped inside an evaluation's writes resumes before it and writes its files again."""
+    written, save = [], data.save_atomic
+    monkeypatch.setattr(data, "save_atomic", lambda obj, path, **kw: (written.append(os.path.basename(path)),
+                                                                       save(obj, path, **kw))[1])
+    pretrain.main(["--task", "listops", "--data_dir", listops_dir, "--out_dir", str(tmp_path), "--eval_every", "2",
+                   "--max_steps", "4", "--snapshots"] + TINY)
+    cks = [name for name in written if name.endswith(".pt") and name != "pretrain_init.pt"]
+    assert cks.count("pretrain_last.pt") == 2  # evaluations at steps 2 and 4 (step 0's writes no checkpoint)
+    for step in (2, 4):
+        i = cks.index(f"pretrain_step{step}.pt")
+        assert cks[i + 1] == "pretrain_last.pt" and cks[i - 1] in ("pretrain.pt", "pretrain_last.pt"), cks
+
+
+def test_finetune_resume_refuses_spt_weights_rewritten_behind_the_same_path(listops_dir, tmp_path):
+    """finetune --resume with --init PATH: the run records the sha256 of the SPT checkpoint it started from; a
+    pretrain.pt rewritten since (pretrained again) is refused, the same weights under another spelling accepted."""
+    import shutil
+    common = ["--task", "listops", "--data_dir", listops_dir, "--eval_every", "2"] + TINY
+    for seed in (0, 1):
+        pretrain.main(common + ["--out_dir", str(tmp_path / f"p{seed}"), "--max_steps", "2", "--seed", str(seed)])
+    spt = str(tmp_path / "p0" / "listops" / "pretrain.pt")
+    keep = str(tmp_path / "p0_weights.pt")
+    shutil.copy(spt, keep)
+    ft = common + ["--out_dir", str(tmp_path / "ft"), "--name", "spt", "--resume"]
+    finetune.main(ft + ["--init", spt, "--max_steps", "2"])
+    record = json.load(open(tmp_path / "ft" / "listops" / "finetune_spt.json"))
+    assert record["spt_sha256"] == data.sha256_of(keep)
+    shutil.copy(tmp_path / "p1" / "listops" / "pretrain.pt", spt)  # pretrained again, same path
+    with pytest.raises(ValueError, match=r"--resume: this run started from SPT weights of sha256 [0-9a-f]{12}\.\.\., "
+                                         r"but --init .*pretrain.pt now holds"):
+        finetune.main(ft + ["--init", spt, "--max_steps", "4"])
+    shutil.copy(keep, spt)
+    spelled = str(tmp_path / "p0" / "listops" / ".." / "listops" / "pretrain.pt")  # the same weights, another path
+    finetune.main(ft + ["--init", spelled, "--max_steps", "4"])
+    assert data.load_pt(str(tmp_path / "ft" / "listops" / "finetune_spt_last.pt"))["state"]["step"] == 4
+
+
+def test_resume_refuses_another_evaluation_grid(listops_dir, tmp_path):
+    """--eval_every decides which evaluation is kept as best: a resumed run must keep its checkpoint's."""
+    args = ["--task", "listops", "--data_dir", listops_dir, "--out_dir", str(tmp_path)] + TINY
+    pretrain.main(args + ["--eval_every", "2", "--max_steps", "2"])
+    with pytest.raises(ValueError, match=r"--resume: the checkpoint was made with eval_every=2; this run has "
+                                         r"eval_every=3"):
+        pretrain.main(args + ["--eval_every", "3", "--max_steps", "4", "--resume"])
+
+
+def test_finetune_names_a_broken_init_checkpoint(listops_dir, tmp_path):
+    broken = tmp_path / "pretrain.pt"
+    broken.write_bytes(b"PK\x03\x04 cut short")
+    with pytest.raises(ValueError, match=r"pretrain.pt: cannot be loaded as a weights-only checkpoint"):
+        finetune.main(["--task", "listops", "--data_dir", listops_dir, "--out_dir", str(tmp_path), "--init",
+                       str(broken)] + TINY)
 
 
 def test_resume_falls_back_when_the_last_checkpoint_is_damaged(listops_dir, tmp_path, capsys):
@@ -2500,6 +2576,11 @@ def test_fashion_mnist_downloads_from_a_local_server_and_checks_the_published_md
     assert "MD5 as published" in capsys.readouterr().out
     with pytest.raises(ConnectionError, match="apt install dataset-fashion-mnist"):
         data.download_fashion_mnist(str(tmp_path / "other"), base + "/missing")
+    plain = os.path.join(root, "fashion_mnist", "train-labels-idx1-ubyte")  # preferred to its .gz when both are there
+    write_idx(plain, (arrays["train-labels-idx1-ubyte.gz"] + 1) % 10)
+    data.prepare_fashion_mnist(root, n_val=4, url=base)
+    recorded = data.load_split(root, "fashion_mnist", "train")["meta"]["sha256"]
+    assert recorded["train-labels-idx1-ubyte"] == data.sha256_of(plain) and "train-labels-idx1-ubyte.gz" not in recorded
 
 
 def _lra_fixture(task, root):
@@ -2739,7 +2820,7 @@ def test_lra_and_imdb_archives_download_from_a_local_server(http_root, tmp_path,
     assert sizes == {"train": 12, "val": 12, "test": 12} and "downloaded" in capsys.readouterr().out
     # A file that is not a tar archive is refused by name.
     (www / "junk.gz").write_bytes(b"<html>not an archive</html>")
-    with pytest.raises(ValueError, match="not a readable tar archive"):
+    with pytest.raises(ValueError, match="not a readable, complete tar archive"):
         data.prepare_image(str(tmp_path / "d2"), url=base_url.replace("/aeon-toolkit", "/junk.gz"))
     assert os.listdir(tmp_path / "d2" / "image") == []   # the junk download is not kept for the next run
 
@@ -3078,6 +3159,83 @@ def test_pathfinder_write_read_round_trip(pathfinder_release):
     assert got_images.dtype == np.uint8 and got_labels.dtype == np.int64
     assert np.array_equal(got_images, images) and np.array_equal(got_labels, labels)
     assert not any(name.endswith(".tmp") for _, _, names in os.walk(root) for name in names)
+
+
+def test_pathfinder_reader_says_what_it_does_not_read_reads_twice_or_would_clip(pathfinder_release, capsys):
+    """Files in metadata/ not named <k>.npy are not read, and counted; an image named on two lines is read twice,
+    and said (it can land in two splits); a 16-bit PNG is an error (convert("L") would clip it)."""
+    import shutil
+    root, images, labels = pathfinder_release
+    meta = os.path.join(root, "metadata")
+    shutil.copy(os.path.join(meta, "1.npy"), os.path.join(meta, "1.npy.bak"))
+    with open(os.path.join(meta, "0.npy")) as f:
+        first = f.readline()
+    with open(os.path.join(meta, "0.npy"), "a") as f:
+        f.write(first)
+    got, got_labels, _ = data.read_pathfinder_release(root)
+    printed = capsys.readouterr().out
+    assert "metadata: 1 file(s) not named <k>.npy not read: 1.npy.bak" in printed
+    assert "1 image(s) named on more than one metadata line and read each time" in printed and "0.npy, line 8" in printed
+    assert len(got) == len(images) + 1 and np.array_equal(got[7], images[0])  # the repeat, read where it stands
+    folder, name = first.split()[:2]
+    Image.fromarray(images[0].astype(np.uint16) * 257).save(os.path.join(root, folder, name))  # mode I;16
+    with pytest.raises(ValueError, match=rf"{name}: image mode 'I;16', expected 8-bit grey scale"):
+        data.read_pathfinder_release(root)
+
+
+def test_text_readers_name_the_file_and_line_of_bytes_that_are_not_utf8(tmp_path):
+    tsv = tmp_path / "basic_train.tsv"
+    tsv.write_bytes(b"Source\tTarget\n[MAX 2 3 ]\t3\n[MIN 2 \xff ]\t2\n")
+    with pytest.raises(ValueError, match=r"basic_train.tsv, line 3: bytes that are not UTF-8 \(invalid start byte"):
+        data.read_listops_tsv(str(tsv))
+    ucr = tmp_path / "X_TRAIN.tsv"
+    ucr.write_bytes(b"1\t0.5\t1.5\n2\t0.5\t1.5\n\xfe\t0.1\t0.2\n")
+    with pytest.raises(ValueError, match=r"X_TRAIN.tsv, line 3: bytes that are not UTF-8"):
+        data.read_ucr_tsv(str(ucr))
+    ts = tmp_path / "X_TRAIN.ts"
+    ts.write_bytes(b"@problemName X\n@classLabel true 1 2\n@data\n0.1,0.2:1\n0.1,\xff:2\n")
+    with pytest.raises(ValueError, match=r"X_TRAIN.ts, line 5: bytes that are not UTF-8"):
+        data.read_ucr_ts(str(ts))
+
+
+def test_a_ucr_tsv_with_rows_of_other_widths_is_said(tmp_path, capsys):
+    path = tmp_path / "X_TRAIN.tsv"
+    path.write_text("1\t0.5\t1.5\t2.5\n2\t0.5\t1.5\n1\t1\t2\t3\n")
+    series, _, _ = data.read_ucr_tsv(str(path))
+    assert [len(x) for x in series] == [3, 2, 3]
+    assert "1 of 3 rows have fewer fields than the longest (3 values; e.g. line 2)" in capsys.readouterr().out
+
+
+def test_broken_gzip_and_tar_files_are_named(tmp_path):
+    import gzip
+    good = tmp_path / "labels-idx1-ubyte.gz"
+    write_idx(str(good), np.arange(200) % 10)
+    cut = tmp_path / "cut-idx1-ubyte.gz"
+    cut.write_bytes(good.read_bytes()[:30])
+    plain = tmp_path / "plain-idx1-ubyte.gz"
+    plain.write_bytes(gzip.decompress(good.read_bytes()))  # a .gz name, but not gzip
+    for path in (cut, plain):
+        with pytest.raises(ValueError, match=rf"{path.name}: not a complete gzip file"):
+            data.read_idx(str(path))
+    archive = tmp_path / "a.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        member = tmp_path / "x.txt"
+        member.write_bytes(os.urandom(50_000))
+        tar.add(member, arcname="p/x.txt")
+    archive.write_bytes(archive.read_bytes()[:20_000])
+    with pytest.raises(ValueError, match=r"a.tar.gz: not a readable, complete tar archive"):
+        data.extract_tar(str(archive), str(tmp_path / "out"), "p/")
+
+
+def test_a_header_only_split_is_refused_before_anything_is_written(tmp_path):
+    folder = tmp_path / "listops"
+    folder.mkdir()
+    rows = data.generate_listops(6, 1, min_length=5, max_length=30)
+    for split, part in zip(data.SPLITS, (rows[:4], [], rows[4:])):
+        data.write_listops_tsv(str(folder / f"basic_{split}.tsv"), part)
+    with pytest.raises(ValueError, match=r"listops val: the split is empty \(0 examples\)"):
+        data.prepare_listops(str(tmp_path), max_len=32)
+    assert not any(name.endswith(".pt") for name in os.listdir(folder))
 
 
 def test_pathfinder_metadata_is_plain_text(pathfinder_release):
@@ -3643,6 +3801,10 @@ def test_report_balance_counts_fractions_and_warnings(capsys):
                    "warning: t val: class balance differs strongly from train's (total variation distance 0.50 > 0.2)",
                    "t test: 4 examples, classes 0:50% 1:50%"]
     assert f["val"].tolist() == [0.0, 1.0]
+    data.report_balance({"train": [0, 2, 2], "val": [0, 1, 2], "test": [0, 1, 2]}, 4, "t")
+    assert "warning: t train: no example of classes 1, 3" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"t test: the split is empty \(0 examples\)"):
+        data.report_balance({"train": [0, 1], "val": [0, 1], "test": []}, 2, "t")
 
 
 def _toy_meta(tensors, **fields):
@@ -3673,9 +3835,48 @@ def test_load_splits_refuses_splits_of_two_preparations(tmp_path):
     shutil.copy(data.split_path(root, "synthetic", "val"), tmp_path / "old_val.pt")
     data.prepare_synthetic(root, n_train=80, n_val=16, n_test=16, length=12)
     shutil.copy(tmp_path / "old_val.pt", data.split_path(root, "synthetic", "val"))
-    with pytest.raises(ValueError, match=r"val.pt and .*train.pt are not of one preparation: split_sizes "
-                                         r"\{'train': 64, .*\} against \{'train': 80, .*prepare all three again"):
+    with pytest.raises(ValueError, match=r"val.pt and .*train.pt are not of one preparation: preparation '[0-9a-f]+' "
+                                         r"against '[0-9a-f]+'; split_sizes \{'train': 64, .*\} against "
+                                         r"\{'train': 80, .*prepare all three again"):
         data.load_splits(root, "synthetic")
+
+
+def test_a_failed_or_mixed_listops_preparation_is_never_loaded_as_one(tmp_path):
+    """Release TSVs A prepared, then replaced by B of the same sizes and settings: (1) B with one val row longer
+    than max_len fails before any split is written, so A's three files stay as they were; (2) B's train.pt beside
+    A's val.pt (a preparation stopped after train.pt) is refused by the preparation stamp, though every setting
+    and size agrees (only the per-file source hashes differ)."""
+    import shutil
+    root, folder = str(tmp_path), tmp_path / "listops"
+    folder.mkdir()
+
+    def write(seed, long_val=False):
+        rows = data.generate_listops(12, seed, min_length=5, max_length=30)
+        if long_val:
+            rows[8] = ("[MAX " + " ".join(["2"] * 40) + " ]", 2)
+        for split, part in zip(data.SPLITS, (rows[:8], rows[8:10], rows[10:12])):
+            data.write_listops_tsv(str(folder / f"basic_{split}.tsv"), part)
+
+    write(seed=1)
+    data.prepare_listops(root, max_len=32)
+    files_a = {s: open(data.split_path(root, "listops", s), "rb").read() for s in data.SPLITS}
+    assert len({data.load_pt(data.split_path(root, "listops", s))["meta"]["preparation"] for s in data.SPLITS}) == 1
+    write(seed=2, long_val=True)
+    with pytest.raises(ValueError, match=r"basic_val.tsv: sample 0 has 4\d tokens > max_len 32"):
+        data.prepare_listops(root, max_len=32)
+    assert {s: open(data.split_path(root, "listops", s), "rb").read() for s in data.SPLITS} == files_a
+    shutil.copy(data.split_path(root, "listops", "val"), tmp_path / "val_a.pt")
+    write(seed=2)
+    data.prepare_listops(root, max_len=32)
+    assert data.load_splits(root, "listops")["train"]["labels"].tolist() != []  # B alone: one preparation
+    shutil.copy(tmp_path / "val_a.pt", data.split_path(root, "listops", "val"))
+    with pytest.raises(ValueError, match=r"val.pt and .*train.pt are not of one preparation: preparation '[0-9a-f]{16}' "
+                                         r"against '[0-9a-f]{16}'; prepare all three again"):
+        data.load_splits(root, "listops")
+    write(seed=2)  # the same inputs and settings again: byte-identical files (checkpoints' data sha256 still hold)
+    before = open(data.split_path(root, "listops", "train"), "rb").read()
+    data.prepare_listops(root, max_len=32)
+    assert open(data.split_path(root, "listops", "train"), "rb").read() == before
 
 
 @pytest.mark.parametrize("tensors, message", [
@@ -3705,7 +3906,26 @@ def test_load_splits_refuses_splits_of_two_preparations(tmp_path):
     (dict(tokens=torch.ones(3, 2, 4, dtype=torch.int16), lengths=torch.tensor([4, 4, 4]),
           labels=torch.tensor([0, 1, 1])), r"lengths \(3,\) and labels \(3,\), expected \(3, 2\) and \(3,\)"),
     (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0.0, 1.0, 1.0])),
-     r"train.pt: labels are torch.float32, expected integers"),
+     r"train.pt: labels are torch.float32, expected torch.int64"),
+    (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1], dtype=torch.int32)),
+     r"train.pt: labels are torch.int32, expected torch.int64"),  # cross_entropy would refuse them mid-run
+    (dict(tokens=TOKENS.float() + 0.7, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1])),
+     r"train.pt: tokens are torch.float32, expected integer ids"),  # .long() would have cut 1.7 to 1
+    (dict(tokens=torch.full((3, 4), 50, dtype=torch.uint8), lengths=torch.tensor([4, 4, 4]),
+          labels=torch.tensor([0, 1, 1])), r"train.pt: token ids span 50..50, expected 0..16 \(meta vocab_size 17\)"),
+    (dict(tokens=torch.full((3, 4), -1, dtype=torch.int16), lengths=torch.tensor([4, 4, 4]),
+          labels=torch.tensor([0, 1, 1])), r"train.pt: token ids span -1..-1, expected 0..16"),
+    (dict(pixels=TOKENS.float() / 255, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1])),
+     r"train.pt: pixels are torch.float32, expected torch.uint8"),  # would be divided by 255 a second time
+    (dict(pixels=TOKENS.to(torch.int16) * 300, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1])),
+     r"train.pt: pixels are torch.int16, expected torch.uint8"),
+    (dict(values=torch.zeros(3, 4, 3), lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1])),
+     r"train.pt: values are torch.float32 of shape \(3, 4, 3\), expected floats \(N, L, 1\) \(meta d_input 1\)"),
+    (dict(values=torch.zeros(3, 4, 1).index_put_((torch.tensor([2]), torch.tensor([1])), torch.tensor(float("nan"))),
+          lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1])),
+     r"train.pt, row 2, position 1: value nan, expected finite values"),
+    (dict(tokens=TOKENS[:0], lengths=torch.tensor([], dtype=torch.int64), labels=torch.tensor([], dtype=torch.int64)),
+     r"train.pt: the split holds no examples \(N = 0\)"),
 ])
 def test_load_split_refuses_tensors_that_disagree(tmp_path, tensors, message):
     _save_toy(tmp_path, tokens=torch.ones(3, 2, 4, dtype=torch.int16), lengths=torch.tensor([[4, 1], [2, 3], [1, 1]]),
