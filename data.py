@@ -1463,7 +1463,7 @@ def read_imdb(folder, split):
     """Read aclImdb/<split>/{neg,pos}/*.txt (Maas et al. 2011) -> (list of bytes, labels list: 0 neg, 1 pos).
 
     Files are taken in sorted name order. Raises FileNotFoundError naming the expected folder; ValueError naming
-    the review for a Git LFS pointer or git-annex link in place of it (checked on the bytes already read, and
+    the review for an empty one, or for a Git LFS pointer or git-annex link in place of it (checked on the bytes already read, and
     only for reviews under POINTER_MAX_BYTES, so the check costs nothing for the others).
     """
     docs, labels = [], []
@@ -1483,6 +1483,8 @@ def read_imdb(folder, split):
                 raise
             if len(doc) < POINTER_MAX_BYTES:
                 check_not_a_pointer(review, IMDB_URL, head=doc)
+            if not doc:
+                raise ValueError(f"{review}: the review is empty (zero bytes); expected its text")
             docs.append(doc)
         labels += [label] * len(names)
     return docs, labels
@@ -1565,7 +1567,7 @@ def read_aan_tsv(path):
 
     Lines end at a newline byte only (a bare carriage return inside a text is part of it). Returns (docs1, docs2:
     lists of bytes as in the file, labels: list of int). Raises FileNotFoundError naming the path, ValueError
-    naming file and line for a wrong field count or a label that is not 0 or 1, or naming the file for
+    naming file and line for a wrong field count, a label that is not 0 or 1 or an empty text, or naming the file for
     a Git LFS pointer or git-annex link in place of it.
     """
     check_not_a_pointer(path, f"the LRA release {LRA_URL}, folder tsv_data/")
@@ -1585,6 +1587,10 @@ def read_aan_tsv(path):
                 label = None
             if label not in (0.0, 1.0):
                 raise ValueError(f"{path}, line {line}: label {fields[0].decode(errors='replace')!r}, expected 0 or 1")
+            for k in (3, 4):
+                if not fields[k]:
+                    raise ValueError(f"{path}, line {line}: field {k + 1} (text{k - 2}) is empty; expected a "
+                                     f"document (the model has no position to pool in an empty one)")
             labels.append(int(label))
             docs1.append(fields[3])  # the model reads bytes: kept as they are in the file
             docs2.append(fields[4])

@@ -2398,6 +2398,17 @@ def write_aan(folder, rows_per_split=8):
                 f.write(f"{label}\tdoc{i}a\tdoc{i}b\t{a}\t{b}\n")
 
 
+def test_an_empty_review_or_aan_text_is_named_by_file_and_line(tmp_path):
+    write_aclimdb(str(tmp_path))
+    open(tmp_path / "aclImdb" / "train" / "pos" / "3_8.txt", "w").close()
+    with pytest.raises(ValueError, match=r"aclImdb/train/pos/3_8.txt: the review is empty \(zero bytes\)"):
+        data.read_imdb(str(tmp_path / "aclImdb"), "train")
+    path = tmp_path / "new_aan_pairs.train.tsv"
+    path.write_bytes(b"1\ta\tb\tsome text\tother text\n0\ta\tc\tsome text\t\n")
+    with pytest.raises(ValueError, match=r"new_aan_pairs.train.tsv, line 2: field 5 \(text2\) is empty"):
+        data.read_aan_tsv(str(path))
+
+
 def test_retrieval_reads_aan_pairs_and_encodes_each_document_on_its_own(tmp_path):
     root = str(tmp_path)
     write_aan(os.path.join(root, "retrieval"))
