@@ -347,7 +347,8 @@ def load_splits(data_dir, task, device="cpu"):
     """{split: load_split(...)} for train, val and test, with inputs and labels on `device` (LRA splits fit in
     GPU memory: no host-to-device copy per step); lengths stay on the CPU (see get_batch). Each split's
     meta["file_sha256"] is the sha256 of its .pt file, so checkpoints and results name the exact data (a read of
-    every split file per run and rank: seconds, ~3 GB at the PathX paper size)."""
+    every split file per run and rank: seconds, ~3 GB at the PathX paper size). A raw source file (meta source)
+    newer than the split prepared from it is warned about."""
     splits = {s: load_split(data_dir, task, s) for s in SPLITS}
     train = splits["train"]["meta"]
     for s in SPLITS[1:]:  # one preparation (meta preparation, write_splits): a re-preparation stopped midway
@@ -361,6 +362,12 @@ def load_splits(data_dir, task, device="cpu"):
                              + f"; prepare all three again (`python data.py --task {task} --data_dir {data_dir}`)")
     for s, split in splits.items():
         split["meta"] = dict(split["meta"], file_sha256=sha256_of(split_path(data_dir, task, s)))
+        source = split["meta"].get("source")  # a raw file edited after preparation is not what the .pt holds
+        if isinstance(source, str) and os.path.isfile(source) and \
+                os.path.getmtime(source) > os.path.getmtime(split_path(data_dir, task, s)):
+            print(f"warning: {source} changed after {split_path(data_dir, task, s)} was prepared from it; the run "
+                  f"reads the prepared file (prepare again to use the new one: python data.py --task {task} "
+                  f"--data_dir {data_dir})")
     for split in splits.values():
         for key in INPUT_KEYS + ("labels",):
             if key in split:

@@ -3882,7 +3882,7 @@ def test_load_splits_refuses_splits_of_two_preparations(tmp_path):
         data.load_splits(root, "synthetic")
 
 
-def test_a_failed_or_mixed_listops_preparation_is_never_loaded_as_one(tmp_path):
+def test_a_failed_or_mixed_listops_preparation_is_never_loaded_as_one(tmp_path, capsys):
     """Release TSVs A prepared, then replaced by B of the same sizes and settings: (1) B with one val row longer
     than max_len fails before any split is written, so A's three files stay as they were; (2) B's train.pt beside
     A's val.pt (a preparation stopped after train.pt) is refused by the preparation stamp, though every setting
@@ -3910,6 +3910,11 @@ def test_a_failed_or_mixed_listops_preparation_is_never_loaded_as_one(tmp_path):
     write(seed=2)
     data.prepare_listops(root, max_len=32)
     assert data.load_splits(root, "listops")["train"]["labels"].tolist() != []  # B alone: one preparation
+    tsv = str(folder / "basic_val.tsv")
+    os.utime(tsv, (os.path.getmtime(tsv) + 60,) * 2)  # edited after the preparation: the run says so
+    data.load_splits(root, "listops")
+    assert f"warning: {tsv} changed after {data.split_path(root, 'listops', 'val')} was prepared" in \
+        capsys.readouterr().out
     shutil.copy(tmp_path / "val_a.pt", data.split_path(root, "listops", "val"))
     with pytest.raises(ValueError, match=r"val.pt and .*train.pt are not of one preparation: preparation '[0-9a-f]{16}' "
                                          r"against '[0-9a-f]{16}'; prepare all three again"):
