@@ -1801,6 +1801,19 @@ def test_a_run_stopped_after_any_write_of_an_evaluation_resumes_to_the_same_file
         assert all(torch.equal(got["model"][k], want["model"][k]) for k in want["model"]), name
 
 
+def test_check_resumable_compares_init_by_content_only_when_both_sides_have_a_sha256():
+    import dataclasses
+    cfg = ModelConfig(vocab_size=17, max_len=8, d_model=8, n_layers=1, n_heads=2, d_mlp=8, n_classes=2)
+    ck = dict(model_config=dataclasses.asdict(cfg), state=dict(step=2, n_batches=3), config=dict(init="scratch"))
+    with pytest.raises(ValueError, match=r"made with init='scratch'; this run has init='spt.pt'"):
+        pretrain.check_resumable(ck, cfg, 3, None, dict(init="spt.pt"), init_sha256="ab" * 32)
+    old = dict(ck, config=dict(init="a/pretrain.pt"))  # a checkpoint from before init_sha256 was recorded
+    with pytest.raises(ValueError, match=r"made with init='a/pretrain.pt'; this run has init='b/pretrain.pt'"):
+        pretrain.check_resumable(old, cfg, 3, None, dict(init="b/pretrain.pt"), init_sha256="ab" * 32)
+    same = dict(old, init_sha256="ab" * 32, init="a/pretrain.pt")
+    pretrain.check_resumable(same, cfg, 3, None, dict(init="b/pretrain.pt"), init_sha256="ab" * 32)  # same weights
+
+
 def test_finetune_resume_refuses_spt_weights_rewritten_behind_the_same_path(listops_dir, tmp_path):
     """finetune --resume with --init PATH: the run records the sha256 of the SPT checkpoint it started from; a
     pretrain.pt rewritten since (pretrained again) is refused, the same weights under another spelling accepted."""
@@ -1832,6 +1845,8 @@ def test_resume_refuses_another_evaluation_grid(listops_dir, tmp_path):
     with pytest.raises(ValueError, match=r"--resume: the checkpoint was made with eval_every=2; this run has "
                                          r"eval_every=3"):
         pretrain.main(args + ["--eval_every", "3", "--max_steps", "4", "--resume"])
+    with pytest.raises(ValueError, match=r"made with eval_each_epoch=True; this run has eval_each_epoch=False"):
+        pretrain.main(args + ["--eval_every", "2", "--max_steps", "4", "--no-eval_each_epoch", "--resume"])
 
 
 def test_finetune_names_a_broken_init_checkpoint(listops_dir, tmp_path):
@@ -2436,6 +2451,9 @@ def test_an_empty_review_or_aan_text_is_named_by_file_and_line(tmp_path):
     path = tmp_path / "new_aan_pairs.train.tsv"
     path.write_bytes(b"1\ta\tb\tsome text\tother text\n0\ta\tc\tsome text\t\n")
     with pytest.raises(ValueError, match=r"new_aan_pairs.train.tsv, line 2: field 5 \(text2\) is empty"):
+        data.read_aan_tsv(str(path))
+    path.write_bytes(b"1\ta\tb\t\tother text\n")
+    with pytest.raises(ValueError, match=r"new_aan_pairs.train.tsv, line 1: field 4 \(text1\) is empty"):
         data.read_aan_tsv(str(path))
 
 
@@ -3222,6 +3240,10 @@ def test_pathfinder_reader_says_what_it_does_not_read_reads_twice_or_would_clip(
     Image.fromarray(images[0].astype(np.uint16) * 257).save(os.path.join(root, folder, name))  # mode I;16
     with pytest.raises(ValueError, match=rf"{name}: image mode 'I;16', expected 8-bit grey scale"):
         data.read_pathfinder_release(root)
+    with open(os.path.join(meta, "0.npy"), "ab") as f:
+        f.write(b"imgs/0 \xff.png 0 1\n")
+    with pytest.raises(ValueError, match=r"0.npy, line 9: bytes that are not UTF-8"):
+        data.read_pathfinder_release(root)
 
 
 def test_text_readers_name_the_file_and_line_of_bytes_that_are_not_utf8(tmp_path):
@@ -3844,6 +3866,8 @@ def test_report_balance_counts_fractions_and_warnings(capsys):
     assert f["val"].tolist() == [0.0, 1.0]
     data.report_balance({"train": [0, 2, 2], "val": [0, 1, 2], "test": [0, 1, 2]}, 4, "t")
     assert "warning: t train: no example of classes 1, 3" in capsys.readouterr().out
+    data.report_balance({"train": [0, 1, 1], "val": [0, 1, 2], "test": [0, 1, 2]}, 3, "t")
+    assert "warning: t train: no example of class 2\n" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"t test: the split is empty \(0 examples\)"):
         data.report_balance({"train": [0, 1], "val": [0, 1], "test": []}, 2, "t")
 
@@ -3863,6 +3887,18 @@ def _save_toy(tmp_path, **tensors):
 
 
 TOKENS = torch.ones(3, 4, dtype=torch.uint8)
+
+
+def test_the_preparation_stamp_covers_the_tensors_not_only_the_meta(tmp_path):
+    splits = {s: dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1]))
+              for s in data.SPLITS}
+    metas = {s: _toy_meta(splits[s]) for s in data.SPLITS}
+    stamps = []
+    for label in (1, 0):
+        splits["val"] = dict(splits["val"], labels=torch.tensor([0, 1, label]))
+        data.write_splits(str(tmp_path), splits, metas)
+        stamps.append({data.load_pt(str(tmp_path / f"{s}.pt"))["meta"]["preparation"] for s in data.SPLITS})
+    assert len(stamps[0]) == len(stamps[1]) == 1 and stamps[0] != stamps[1]
 
 
 def test_load_splits_refuses_splits_of_two_preparations(tmp_path):
@@ -3909,12 +3945,16 @@ def test_a_failed_or_mixed_listops_preparation_is_never_loaded_as_one(tmp_path, 
     shutil.copy(data.split_path(root, "listops", "val"), tmp_path / "val_a.pt")
     write(seed=2)
     data.prepare_listops(root, max_len=32)
-    assert data.load_splits(root, "listops")["train"]["labels"].tolist() != []  # B alone: one preparation
+    capsys.readouterr()
+    data.load_splits(root, "listops")  # B alone: one preparation, loads, and no source is newer than its split
+    assert "changed after" not in capsys.readouterr().out
     tsv = str(folder / "basic_val.tsv")
     os.utime(tsv, (os.path.getmtime(tsv) + 60,) * 2)  # edited after the preparation: the run says so
     data.load_splits(root, "listops")
-    assert f"warning: {tsv} changed after {data.split_path(root, 'listops', 'val')} was prepared" in \
-        capsys.readouterr().out
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "changed after" in line]
+    assert warnings == [f"warning: {tsv} changed after {data.split_path(root, 'listops', 'val')} was prepared from "
+                        f"it; the run reads the prepared file (prepare again to use the new one: python data.py "
+                        f"--task listops --data_dir {root})"]
     shutil.copy(tmp_path / "val_a.pt", data.split_path(root, "listops", "val"))
     with pytest.raises(ValueError, match=r"val.pt and .*train.pt are not of one preparation: preparation '[0-9a-f]{16}' "
                                          r"against '[0-9a-f]{16}'; prepare all three again"):
@@ -3959,6 +3999,13 @@ def test_a_failed_or_mixed_listops_preparation_is_never_loaded_as_one(tmp_path, 
      r"train.pt: tokens are torch.float32, expected integer ids"),  # .long() would have cut 1.7 to 1
     (dict(tokens=torch.full((3, 4), 50, dtype=torch.uint8), lengths=torch.tensor([4, 4, 4]),
           labels=torch.tensor([0, 1, 1])), r"train.pt: token ids span 50..50, expected 0..16 \(meta vocab_size 17\)"),
+    (dict(tokens=torch.full((3, 4), 17, dtype=torch.uint8), lengths=torch.tensor([4, 4, 4]),
+          labels=torch.tensor([0, 1, 1])), r"train.pt: token ids span 17..17, expected 0..16"),  # one past the end
+    (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4], dtype=torch.int32), labels=torch.tensor([0, 1, 1])),
+     r"train.pt: lengths are torch.int32, expected torch.int64"),
+    (dict(values=torch.zeros(3, 4, 1).index_put_((torch.tensor([0]), torch.tensor([3])), torch.tensor(float("inf"))),
+          lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1])),
+     r"train.pt, row 0, position 3: value inf, expected finite values"),
     (dict(tokens=torch.full((3, 4), -1, dtype=torch.int16), lengths=torch.tensor([4, 4, 4]),
           labels=torch.tensor([0, 1, 1])), r"train.pt: token ids span -1..-1, expected 0..16"),
     (dict(pixels=TOKENS.float() / 255, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1])),
