@@ -9,7 +9,8 @@ Every task of the study ends up in the same on-disk form, a dict saved with torc
     lengths  (N,) int64 (N, 2 for pairs) number of real positions per sequence
     labels   (N,) int64                 class index in 0..n_classes-1
     meta     dict of plain Python       task, kind (tokens | continuous | pixels), vocab or d_input, max_len,
-                                        n_classes, pixel_mean/std, source, sha256, split sizes, seeds
+                                        n_classes, pixel_mean/std, source, sha256, split sizes, seeds,
+                                        preparation (one stamp shared by the three splits: write_splits)
 
 Commands (pretrain.py and finetune.py run these themselves when data/<task>/ is missing):
     python data.py --task listops                      # LRA files in data/listops/, else generated (96k/2k/2k, ~8 min)
