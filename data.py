@@ -319,7 +319,7 @@ def write_splits(task_dir, splits, metas):
         for name in sorted(splits[s]):
             t = splits[s][name].contiguous()
             digest.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
-            digest.update(t.view(torch.uint8).numpy().data if t.dtype != torch.bool else t.numpy().data)
+            digest.update(t.view(torch.uint8).numpy().data)  # the bytes, whatever the dtype
     stamp = digest.hexdigest()[:16]
     for s in SPLITS:
         save_atomic(dict(splits[s], meta=dict(metas[s], preparation=stamp)), os.path.join(task_dir, f"{s}.pt"))
@@ -747,6 +747,15 @@ def not_utf8(path, error):
     return ValueError(f"{path}, line {line}: bytes that are not UTF-8 ({error.reason}: {bad!r}); expected UTF-8 text")
 
 
+def read_text(path, read, encoding="utf-8"):
+    """read(f) of `path` opened as text; bytes that are not UTF-8 raise not_utf8's ValueError (file and line)."""
+    try:
+        with open(path, encoding=encoding) as f:
+            return read(f)
+    except UnicodeDecodeError as e:
+        raise not_utf8(path, e) from None
+
+
 def _is_utf8(raw):
     try:
         raw.decode("utf-8")
@@ -1068,11 +1077,7 @@ def _read_label_first(path, split):
     file, line and field: dropping it would make the first value the label."""
     check_not_a_pointer(path, f"the UCR archive, {UCR_MANUAL}")
     series, labels, lines = [], [], []
-    try:
-        with open(path, encoding="utf-8-sig") as f:  # -sig: skip a byte-order mark if an editor wrote one
-            rows = list(enumerate(f, 1))
-    except UnicodeDecodeError as e:
-        raise not_utf8(path, e) from None
+    rows = read_text(path, lambda f: list(enumerate(f, 1)), "utf-8-sig")  # -sig: skip a byte-order mark
     for line, text in rows:
         text = text.rstrip()
         if not text.strip():
@@ -1142,11 +1147,7 @@ def read_ucr_ts(path):
     """
     check_not_a_pointer(path, f"{UCR_URL}/<Name>.zip")
     header, class_labels, series, labels, lines = {}, None, [], [], []
-    try:
-        with open(path, encoding="utf-8-sig") as f:
-            rows = [(line, text.strip()) for line, text in enumerate(f, 1)]
-    except UnicodeDecodeError as e:
-        raise not_utf8(path, e) from None
+    rows = read_text(path, lambda f: [(line, text.strip()) for line, text in enumerate(f, 1)], "utf-8-sig")
     rows = [(line, text) for line, text in rows if text and not text.startswith("#")]
     data_at, first_series = None, len(rows)
     for k, (line, text) in enumerate(rows):
@@ -2277,11 +2278,7 @@ def read_pathfinder_release(root):
     for k in stems:
         meta = os.path.join(meta_dir, f"{k}.npy")
         check_not_a_pointer(meta, f"the LRA release {LRA_URL}")
-        try:
-            with open(meta, encoding="utf-8") as f:
-                lines = f.read().splitlines()
-        except UnicodeDecodeError as e:
-            raise not_utf8(meta, e) from None
+        lines = read_text(meta, lambda f: f.read().splitlines())
         for line_no, line in enumerate(lines, start=1):
             fields = line.split()
             if not fields:
