@@ -1414,21 +1414,47 @@ TITLES = {"main": "LRA: from scratch versus SPT (Coser et al. Table 2)",
           "ucr": "UCR time series: from scratch versus SPT (Coser et al. Sec. 5), test accuracy"}
 
 
+def result_order(key):
+    """Sort key of a Results part: the experiments in the order of TITLES (the paper's story), then the figures."""
+    stem = os.path.basename(key)[:-3].partition("_")[0] if key.endswith(".md") else ""
+    return (list(TITLES).index(stem) if stem in TITLES else len(TITLES), key)
+
+
+def readme_parts(region, where):
+    """The parts of one generated README section: {source: text} from the `<!-- from SOURCE -->` line that
+    heads each (SOURCE relative to out/: ablate/main_cpu.md, analysis/, bench/gpu.md).
+
+    Raises ValueError, naming `where`, for text before the first such line other than report's placeholder."""
+    pieces = region.split("<!-- from ")
+    if pieces[0].strip() and not pieces[0].strip().startswith(("No results yet", "No benchmark yet")):
+        raise ValueError(f"{where}: text not headed by a '<!-- from SOURCE -->' line (was it typed by hand?): "
+                         f"{pieces[0].strip()[:80]!r}; move it out of the markers")
+    parts = {}
+    for piece in pieces[1:]:
+        source, _, text = piece.partition(" -->")
+        parts[source] = text.strip()
+    return parts
+
+
 def report(args):
     """Rewrite the README's Results section from out/ablate/*.md (in the order of TITLES: the paper's story) with
     the figures of out/analysis/ (copied to figures/), and its Performance tables from out/bench/*.md.
 
     Each section sits between markers (<!-- results:start --> ... <!-- results:end -->, <!-- performance:start -->
-    ... <!-- performance:end -->); nothing between them is typed by hand. Raises ValueError if a marker is missing.
+    ... <!-- performance:end -->) and each part in it under a `<!-- from SOURCE -->` line naming its file; nothing
+    between the markers is typed by hand. A part already in the README whose file is not under out/ (a fresh
+    clone, a machine that ran only some experiments) is kept and listed, unless --prune. Raises ValueError if a
+    marker is missing or a section holds text under no `from` line.
     """
     here = os.path.dirname(os.path.abspath(__file__))
-    folder, parts = os.path.join(args.out_dir, "ablate"), []
-    names = [n for n in os.listdir(folder) if n.endswith(".md")] if os.path.isdir(folder) else []
-    for name in sorted((n for n in names if n[:-3].partition("_")[0] in TITLES),
-                       key=lambda n: (list(TITLES).index(n[:-3].partition("_")[0]), n)):
+    new = {"results": {}, "performance": {}}
+    folder = os.path.join(args.out_dir, "ablate")
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
         stem, _, variant = name[:-3].partition("_")
-        with open(os.path.join(folder, name)) as f:
-            parts.append(f"### {TITLES[stem]}" + (f": {variant}" if variant else "") + "\n\n" + f.read().strip())
+        if name.endswith(".md") and stem in TITLES:
+            with open(os.path.join(folder, name)) as f:
+                new["results"]["ablate/" + name] = (f"### {TITLES[stem]}" + (f": {variant}" if variant else "")
+                                                    + "\n\n" + f.read().strip())
     analysis = os.path.join(args.out_dir, "analysis")
     figures = sorted(os.path.relpath(os.path.join(d, f), analysis) for d, _, fs in os.walk(analysis)
                      for f in fs if f.endswith(".png")) if os.path.isdir(analysis) else []
@@ -1440,25 +1466,38 @@ def report(args):
         with open(source, "rb") as f:
             data.save_atomic(f.read(), os.path.join(here, "figures", name))
     if figures:
-        parts.append("### Figures\n\n" + "\n\n".join(f"![{f}](figures/{f.replace(os.sep, '_')})" for f in figures))
+        new["results"]["analysis/"] = "### Figures\n\n" + "\n\n".join(
+            f"![{f}](figures/{f.replace(os.sep, '_')})" for f in figures)
     bench_dir = os.path.join(args.out_dir, "bench")
-    tables = []
     for name in sorted(os.listdir(bench_dir)) if os.path.isdir(bench_dir) else []:
         if name.endswith(".md"):
             with open(os.path.join(bench_dir, name)) as f:
-                tables.append(f.read().strip())
+                new["performance"]["bench/" + name] = f.read().strip()
     readme_path = os.path.join(here, "README.md")
     with open(readme_path) as f:
         readme = f.read()
-    for marker, body in (("results", "\n\n".join(parts) or "No results yet: run the experiments above."),
-                         ("performance", "\n\n".join(tables) or "No benchmark yet: run `python ablate.py bench`.")):
+    counts = {}
+    for marker, empty in (("results", "No results yet: run the experiments above."),
+                          ("performance", "No benchmark yet: run `python ablate.py bench`.")):
         start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
         if start not in readme or end not in readme:
             raise ValueError(f"{readme_path}: markers {start} and {end} not found")
-        readme = readme.split(start)[0] + start + "\n" + body + "\n" + end + readme.split(end)[1]
+        before, _, rest = readme.partition(start)
+        region, _, after = rest.partition(end)
+        old = readme_parts(region, f"{readme_path}, between {start} and {end}")
+        kept = {} if args.prune else {k: v for k, v in old.items() if k not in new[marker]}
+        if kept:
+            print(f"{marker}: kept {len(kept)} part(s) of the README with no file under {args.out_dir}/ "
+                  f"(--prune drops them): {', '.join(sorted(kept))}")
+        parts = {**kept, **new[marker]}
+        order = result_order if marker == "results" else (lambda key: key)
+        body = "\n\n".join(f"<!-- from {k} -->\n{parts[k]}" for k in sorted(parts, key=order)) or empty
+        readme = before + start + "\n" + body + "\n" + end + after
+        counts[marker] = (len(new[marker]), len(kept))
     data.save_atomic(readme, readme_path)
-    print(f"rewrote the Results ({len(parts)} parts, {len(figures)} figures) and Performance ({len(tables)} "
-          f"tables) sections of {readme_path}")
+    print(f"rewrote the Results ({counts['results'][0]} parts from {args.out_dir}/, {counts['results'][1]} kept; "
+          f"{len(figures)} figures) and Performance ({counts['performance'][0]} tables from {args.out_dir}/, "
+          f"{counts['performance'][1]} kept) sections of {readme_path}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1573,6 +1612,7 @@ def build_parser():
                        formatter_class=fmt)
     s.add_argument("--out_dir", default="out", help="where the experiments wrote")
     s.add_argument("--data_dir", default="data", help="where data.py --generate left pathfinder/samples.png")
+    s.add_argument("--prune", action="store_true", help="drop the README's parts whose file is not under --out_dir")
     return p
 
 

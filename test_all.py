@@ -14,6 +14,7 @@ import os
 import pickle
 import random
 import re
+import shutil
 import tarfile
 
 import numpy as np
@@ -3512,18 +3513,30 @@ def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run
     val = data.load_split(root, "listops", "val")["labels"]
     majority = max(val.tolist().count(c) for c in set(val.tolist())) / len(val)  # counted without torch
     assert f"| {majority:.3f} | scratch: " in table and "| majority class (val) | above it? |" in table
+    # report: the parts with a file under out/ are rewritten, the README's others (another machine's runs) kept
     readme = tmp_path / "README.md"
-    readme.write_text("intro\n<!-- results:start -->\nold\n<!-- results:end -->\nmid\n<!-- performance:start -->\n"
-                      "old too\n<!-- performance:end -->\nend\n")
+    readme.write_text("intro\n<!-- results:start -->\n<!-- from ablate/ucr_Old.md -->\n### old UCR table\n\n"
+                      "<!-- from ablate/swap.md -->\nstale swap\n<!-- results:end -->\nmid\n<!-- performance:start -->"
+                      "\n<!-- from bench/gpu.md -->\nH200 table\n<!-- performance:end -->\nend\n")
     monkeypatch.setattr(ablate, "__file__", str(tmp_path / "ablate.py"))
     os.makedirs(os.path.join(out, "bench"))
     with open(os.path.join(out, "bench", "cpu.md"), "w") as f:
         f.write("| variant | ms/step |\n| ours | 12.5 |\n")
     ablate.main(["report", "--out_dir", out, "--data_dir", root])
     text = readme.read_text()
+    assert "kept 1 part(s) of the README" in capsys.readouterr().out
     assert text.index("LRA: from scratch") < text.index("Dataset swap") < text.index("Pretraining duration")
-    assert text.index("Pretraining duration") < text.index("mid") < text.index("| ours | 12.5 |") < text.index("\nend\n")
-    assert "old" not in text and (tmp_path / "figures" / "pathfinder_samples.png").exists()
+    assert text.index("Pretraining duration") < text.index("### old UCR table") < text.index("mid")
+    assert text.index("mid") < text.index("| ours | 12.5 |") < text.index("H200 table") < text.index("\nend\n")
+    assert "stale swap" not in text and (tmp_path / "figures" / "pathfinder_samples.png").exists()
+    ablate.main(["report", "--out_dir", out, "--data_dir", root])
+    assert readme.read_text() == text  # a second report changes nothing
+    ablate.main(["report", "--out_dir", out, "--data_dir", root, "--prune"])
+    pruned = readme.read_text()
+    assert "old UCR table" not in pruned and "H200 table" not in pruned and "Dataset swap" in pruned
+    readme.write_text(pruned.replace("<!-- results:start -->\n", "<!-- results:start -->\ntyped by hand\n"))
+    with pytest.raises(ValueError, match="README.md, between <!-- results:start -->.*typed by hand"):
+        ablate.main(["report", "--out_dir", out, "--data_dir", root])
 
 
 def test_ablate_fashion_mnist_budget_init_duration_and_pathfinder_curves(tmp_path, monkeypatch, capsys):
@@ -4223,3 +4236,15 @@ def test_data_py_defines_its_contract_before_any_source():
     assert line["PREPARE"] > max(line[f.__name__] for f in data.PREPARE.values())
     doc = ast.get_docstring(tree)
     assert "Sections: 0. what every stage reads" in doc and "9. command line" in doc
+
+
+def test_report_on_a_fresh_clone_keeps_the_readme_as_it_is(tmp_path, monkeypatch, capsys):
+    """With nothing under out/ (a fresh clone, a GPU machine that ran only `ablate.py gpu`), `ablate.py report`
+    leaves this README byte for byte: every generated part sits under its `<!-- from SOURCE -->` line, in order."""
+    import ablate
+    here = os.path.dirname(os.path.abspath(__file__))
+    shutil.copy(os.path.join(here, "README.md"), tmp_path / "README.md")
+    monkeypatch.setattr(ablate, "__file__", str(tmp_path / "ablate.py"))
+    ablate.main(["report", "--out_dir", str(tmp_path / "out"), "--data_dir", str(tmp_path / "data")])
+    assert (tmp_path / "README.md").read_text() == open(os.path.join(here, "README.md")).read()
+    assert "0 parts from" in capsys.readouterr().out and not (tmp_path / "figures").exists()
