@@ -1415,14 +1415,15 @@ TITLES = {"main": "LRA: from scratch versus SPT (Coser et al. Table 2)",
 
 
 def result_order(key):
-    """Sort key of a Results part: the experiments in the order of TITLES (the paper's story), then the figures."""
+    """Sort key of a Results part: the experiments in the order of TITLES (the paper's story), then the figures
+    (analysis/, the heading, first)."""
     stem = os.path.basename(key)[:-3].partition("_")[0] if key.endswith(".md") else ""
     return (list(TITLES).index(stem) if stem in TITLES else len(TITLES), key)
 
 
 def readme_parts(region, where):
     """The parts of one generated README section: {source: text} from the `<!-- from SOURCE -->` line that
-    heads each (SOURCE relative to out/: ablate/main_cpu.md, analysis/, bench/gpu.md).
+    heads each (SOURCE relative to out/: ablate/main_cpu.md, analysis/prop1.png, bench/gpu.md).
 
     Raises ValueError, naming `where`, for text before the first such line other than report's placeholder."""
     pieces = region.split("<!-- from ")
@@ -1465,9 +1466,8 @@ def report(args):
     for source, name in copies.items():
         with open(source, "rb") as f:
             data.save_atomic(f.read(), os.path.join(here, "figures", name))
-    if figures:
-        new["results"]["analysis/"] = "### Figures\n\n" + "\n\n".join(
-            f"![{f}](figures/{f.replace(os.sep, '_')})" for f in figures)
+    for f in figures:  # one part per figure, so that a machine that drew some of them keeps the others
+        new["results"]["analysis/" + f.replace(os.sep, "/")] = f"![{f}](figures/{f.replace(os.sep, '_')})"
     bench_dir = os.path.join(args.out_dir, "bench")
     for name in sorted(os.listdir(bench_dir)) if os.path.isdir(bench_dir) else []:
         if name.endswith(".md"):
@@ -1485,11 +1485,14 @@ def report(args):
         before, _, rest = readme.partition(start)
         region, _, after = rest.partition(end)
         old = readme_parts(region, f"{readme_path}, between {start} and {end}")
+        old.pop("analysis/", None)  # the Figures heading: written below whenever a figure is listed
         kept = {} if args.prune else {k: v for k, v in old.items() if k not in new[marker]}
         if kept:
             print(f"{marker}: kept {len(kept)} part(s) of the README with no file under {args.out_dir}/ "
                   f"(--prune drops them): {', '.join(sorted(kept))}")
         parts = {**kept, **new[marker]}
+        if any(k.startswith("analysis/") for k in parts):
+            parts["analysis/"] = "### Figures"
         order = result_order if marker == "results" else (lambda key: key)
         body = "\n\n".join(f"<!-- from {k} -->\n{parts[k]}" for k in sorted(parts, key=order)) or empty
         readme = before + start + "\n" + body + "\n" + end + after

@@ -3516,14 +3516,21 @@ def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run
     # report: the parts with a file under out/ are rewritten, the README's others (another machine's runs) kept
     readme = tmp_path / "README.md"
     readme.write_text("intro\n<!-- results:start -->\n<!-- from ablate/ucr_Old.md -->\n### old UCR table\n\n"
-                      "<!-- from ablate/swap.md -->\nstale swap\n<!-- results:end -->\nmid\n<!-- performance:start -->"
+                      "<!-- from ablate/swap.md -->\nstale swap\n\n<!-- from analysis/ -->\n### Figures\n\n"
+                      "<!-- from analysis/old.png -->\n![old.png](figures/old.png)\n<!-- results:end -->\nmid\n<!-- performance:start -->"
                       "\n<!-- from bench/gpu.md -->\nH200 table\n<!-- performance:end -->\nend\n")
     monkeypatch.setattr(ablate, "__file__", str(tmp_path / "ablate.py"))
     os.makedirs(os.path.join(out, "bench"))
     with open(os.path.join(out, "bench", "cpu.md"), "w") as f:
         f.write("| variant | ms/step |\n| ours | 12.5 |\n")
+    os.makedirs(os.path.join(out, "analysis", "sub"))
+    with open(os.path.join(out, "analysis", "sub", "new.png"), "wb") as f:
+        f.write(b"\x89PNG stand-in")
     ablate.main(["report", "--out_dir", out, "--data_dir", root])
     text = readme.read_text()
+    assert text.count("### Figures") == 1 and (tmp_path / "figures" / "sub_new.png").read_bytes() == b"\x89PNG stand-in"
+    assert text.index("### old UCR table") < text.index("### Figures") < text.index("![old.png](figures/old.png)")
+    assert text.index("![old.png]") < text.index("![sub/new.png](figures/sub_new.png)") < text.index("mid")
     assert "kept 1 part(s) of the README" in capsys.readouterr().out
     assert text.index("LRA: from scratch") < text.index("Dataset swap") < text.index("Pretraining duration")
     assert text.index("Pretraining duration") < text.index("### old UCR table") < text.index("mid")
@@ -3534,6 +3541,7 @@ def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run
     ablate.main(["report", "--out_dir", out, "--data_dir", root, "--prune"])
     pruned = readme.read_text()
     assert "old UCR table" not in pruned and "H200 table" not in pruned and "Dataset swap" in pruned
+    assert "old.png" not in pruned and pruned.count("### Figures") == 1 and "![sub/new.png]" in pruned
     readme.write_text(pruned.replace("<!-- results:start -->\n", "<!-- results:start -->\ntyped by hand\n"))
     with pytest.raises(ValueError, match="README.md, between <!-- results:start -->.*typed by hand"):
         ablate.main(["report", "--out_dir", out, "--data_dir", root])
