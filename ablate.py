@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -1414,6 +1415,12 @@ TITLES = {"main": "LRA: from scratch versus SPT (Coser et al. Table 2)",
           "ucr": "UCR time series: from scratch versus SPT (Coser et al. Sec. 5), test accuracy"}
 
 
+# The line that heads each generated part of the README: the file under out/ it came from.
+FROM_LINE = re.compile(r"^<!-- from ((?:ablate|analysis|bench)/[^\s>]*) -->$", re.MULTILINE)
+PLACEHOLDERS = {"results": "No results yet: run the experiments above.",
+                "performance": "No benchmark yet: run `python ablate.py bench`."}
+
+
 def result_order(key):
     """Sort key of a Results part: the experiments in the order of TITLES (the paper's story), then the figures
     (analysis/, the heading, first)."""
@@ -1421,18 +1428,31 @@ def result_order(key):
     return (list(TITLES).index(stem) if stem in TITLES else len(TITLES), key)
 
 
-def readme_parts(region, where):
-    """The parts of one generated README section: {source: text} from the `<!-- from SOURCE -->` line that
-    heads each (SOURCE relative to out/: ablate/main_cpu.md, analysis/prop1.png, bench/gpu.md).
+def readme_section(readme, marker, where):
+    """(text before, the section between `<!-- marker:start -->` and `<!-- marker:end -->`, text after).
+    Raises ValueError unless each marker is there once, start before end."""
+    start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
+    if readme.count(start) != 1 or readme.count(end) != 1 or readme.index(start) > readme.index(end):
+        raise ValueError(f"{where}: expected one {start} and, after it, one {end}")
+    before, _, rest = readme.partition(start)
+    region, _, after = rest.partition(end)
+    return before + start, region, end + after
 
-    Raises ValueError, naming `where`, for text before the first such line other than report's placeholder."""
-    pieces = region.split("<!-- from ")
-    if pieces[0].strip() and not pieces[0].strip().startswith(("No results yet", "No benchmark yet")):
+
+def readme_parts(region, marker, where):
+    """The parts of one generated README section: {source: text}, each headed by a whole line
+    `<!-- from SOURCE -->` (SOURCE relative to out/: ablate/main_cpu.md, analysis/prop1.png, bench/gpu.md).
+
+    Raises ValueError, naming `where`, for text before the first such line (other than report's placeholder)
+    and for a source named twice."""
+    pieces = FROM_LINE.split(region)  # [text before, source 1, text 1, source 2, text 2, ...]
+    if pieces[0].strip() not in ("", PLACEHOLDERS[marker]):
         raise ValueError(f"{where}: text not headed by a '<!-- from SOURCE -->' line (was it typed by hand?): "
                          f"{pieces[0].strip()[:80]!r}; move it out of the markers")
     parts = {}
-    for piece in pieces[1:]:
-        source, _, text = piece.partition(" -->")
+    for source, text in zip(pieces[1::2], pieces[2::2]):
+        if source in parts:
+            raise ValueError(f"{where}: two parts come from {source}; remove one")
         parts[source] = text.strip()
     return parts
 
@@ -1443,64 +1463,77 @@ def report(args):
 
     Each section sits between markers (<!-- results:start --> ... <!-- results:end -->, <!-- performance:start -->
     ... <!-- performance:end -->) and each part in it under a `<!-- from SOURCE -->` line naming its file; nothing
-    between the markers is typed by hand. A part already in the README whose file is not under out/ (a fresh
-    clone, a machine that ran only some experiments) is kept and listed, unless --prune. Raises ValueError if a
-    marker is missing or a section holds text under no `from` line.
+    between the markers is typed by hand (a part is rewritten whole from its file). A part whose file is not under
+    out/ (a fresh clone, a machine that ran only some experiments) is kept and listed; --prune drops it, and is
+    refused when out/ holds none of ablate/, analysis/, bench/ (it would empty both sections). Raises ValueError,
+    before writing anything, for a missing or repeated marker, text under no `from` line, a source named twice,
+    or an out/ file holding a `from` line or a marker of its own.
     """
     here = os.path.dirname(os.path.abspath(__file__))
-    new = {"results": {}, "performance": {}}
-    folder = os.path.join(args.out_dir, "ablate")
-    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-        stem, _, variant = name[:-3].partition("_")
-        if name.endswith(".md") and stem in TITLES:
-            with open(os.path.join(folder, name)) as f:
-                new["results"]["ablate/" + name] = (f"### {TITLES[stem]}" + (f": {variant}" if variant else "")
-                                                    + "\n\n" + f.read().strip())
-    analysis = os.path.join(args.out_dir, "analysis")
-    figures = sorted(os.path.relpath(os.path.join(d, f), analysis) for d, _, fs in os.walk(analysis)
-                     for f in fs if f.endswith(".png")) if os.path.isdir(analysis) else []
-    copies = {os.path.join(analysis, f): f.replace(os.sep, "_") for f in figures}  # a/b.png -> figures/a_b.png
-    samples = os.path.join(args.data_dir, "pathfinder", "samples.png")  # written by data.py --generate
-    if os.path.exists(samples):
-        copies[samples] = "pathfinder_samples.png"
-    for source, name in copies.items():
-        with open(source, "rb") as f:
-            data.save_atomic(f.read(), os.path.join(here, "figures", name))
-    for f in figures:  # one part per figure, so that a machine that drew some of them keeps the others
-        new["results"]["analysis/" + f.replace(os.sep, "/")] = f"![{f}](figures/{f.replace(os.sep, '_')})"
-    bench_dir = os.path.join(args.out_dir, "bench")
-    for name in sorted(os.listdir(bench_dir)) if os.path.isdir(bench_dir) else []:
-        if name.endswith(".md"):
-            with open(os.path.join(bench_dir, name)) as f:
-                new["performance"]["bench/" + name] = f.read().strip()
     readme_path = os.path.join(here, "README.md")
     with open(readme_path) as f:
         readme = f.read()
-    counts = {}
-    for marker, empty in (("results", "No results yet: run the experiments above."),
-                          ("performance", "No benchmark yet: run `python ablate.py bench`.")):
-        start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
-        if start not in readme or end not in readme:
-            raise ValueError(f"{readme_path}: markers {start} and {end} not found")
-        before, _, rest = readme.partition(start)
-        region, _, after = rest.partition(end)
-        old = readme_parts(region, f"{readme_path}, between {start} and {end}")
-        old.pop("analysis/", None)  # the Figures heading: written below whenever a figure is listed
-        kept = {} if args.prune else {k: v for k, v in old.items() if k not in new[marker]}
-        if kept:
-            print(f"{marker}: kept {len(kept)} part(s) of the README with no file under {args.out_dir}/ "
-                  f"(--prune drops them): {', '.join(sorted(kept))}")
-        parts = {**kept, **new[marker]}
+    sections = {m: readme_section(readme, m, readme_path) for m in PLACEHOLDERS}
+    old = {m: readme_parts(region, m, f"{readme_path}, between <!-- {m}:start --> and its end marker")
+           for m, (_, region, _) in sections.items()}
+    subfolders = [os.path.join(args.out_dir, s) for s in ("ablate", "analysis", "bench")]
+    if args.prune and not any(map(os.path.isdir, subfolders)):
+        raise ValueError(f"--prune: {args.out_dir}/ holds none of ablate/, analysis/, bench/, so it would drop "
+                         f"every part of the README; run the experiments here first, or leave --prune out")
+
+    def read_part(path):
+        with open(path) as f:
+            text = f.read().strip()
+        if FROM_LINE.search(text) or any(f"<!-- {m}:" in text for m in PLACEHOLDERS):
+            raise ValueError(f"{path}: holds a '<!-- from SOURCE -->' line or a section marker of the README, "
+                             f"which would split the README where it stands")
+        return text
+
+    new, skipped = {"results": {}, "performance": {}}, []
+    folder = os.path.join(args.out_dir, "ablate")
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        stem, _, variant = name[:-3].partition("_")
+        if name.endswith(".md") and stem not in TITLES:
+            skipped.append(os.path.join(folder, name))
+        elif name.endswith(".md"):
+            new["results"]["ablate/" + name] = (f"### {TITLES[stem]}" + (f": {variant}" if variant else "")
+                                                + "\n\n" + read_part(os.path.join(folder, name)))
+    if skipped:
+        print(f"skipped (no experiment of that name in ablate.TITLES): {', '.join(skipped)}")
+    analysis = os.path.join(args.out_dir, "analysis")
+    figures = sorted(os.path.relpath(os.path.join(d, f), analysis).replace(os.sep, "/") for d, _, fs in
+                     os.walk(analysis) for f in fs if f.endswith(".png")) if os.path.isdir(analysis) else []
+    for f in figures:  # one part per figure, so that a machine that drew some of them keeps the others
+        new["results"]["analysis/" + f] = f"![{f}](figures/{f.replace('/', '_')})"  # a/b.png -> figures/a_b.png
+    bench_dir = os.path.join(args.out_dir, "bench")
+    for name in sorted(os.listdir(bench_dir)) if os.path.isdir(bench_dir) else []:
+        if name.endswith(".md"):
+            new["performance"]["bench/" + name] = read_part(os.path.join(bench_dir, name))
+    copies = {os.path.join(analysis, f): f.replace("/", "_") for f in figures}
+    samples = os.path.join(args.data_dir, "pathfinder", "samples.png")  # written by data.py --generate
+    if os.path.exists(samples):
+        copies[samples] = "pathfinder_samples.png"
+    summary = []
+    for marker in PLACEHOLDERS:
+        before, _, after = readme_section(readme, marker, readme_path)
+        old[marker].pop("analysis/", None)  # the Figures heading: written below whenever a figure is listed
+        unmatched = sorted(k for k in old[marker] if k not in new[marker])
+        if unmatched:
+            print(f"{marker}: {'dropped' if args.prune else 'kept'} {len(unmatched)} part(s) of the README with no "
+                  f"file under {args.out_dir}/{'' if args.prune else ' (--prune drops them)'}: {', '.join(unmatched)}")
+        parts = {**({} if args.prune else {k: old[marker][k] for k in unmatched}), **new[marker]}
         if any(k.startswith("analysis/") for k in parts):
             parts["analysis/"] = "### Figures"
         order = result_order if marker == "results" else (lambda key: key)
-        body = "\n\n".join(f"<!-- from {k} -->\n{parts[k]}" for k in sorted(parts, key=order)) or empty
-        readme = before + start + "\n" + body + "\n" + end + after
-        counts[marker] = (len(new[marker]), len(kept))
+        body = "\n\n".join(f"<!-- from {k} -->\n{parts[k]}" for k in sorted(parts, key=order)) or PLACEHOLDERS[marker]
+        readme = before + "\n" + body + "\n" + after
+        summary.append(f"{marker}: {len(new[marker])} part(s) from {args.out_dir}/, {len(unmatched)} "
+                       + ("dropped" if args.prune else "kept"))
+    for source, name in copies.items():  # only once the README has passed its checks
+        with open(source, "rb") as f:
+            data.save_atomic(f.read(), os.path.join(here, "figures", name))
     data.save_atomic(readme, readme_path)
-    print(f"rewrote the Results ({counts['results'][0]} parts from {args.out_dir}/, {counts['results'][1]} kept; "
-          f"{len(figures)} figures) and Performance ({counts['performance'][0]} tables from {args.out_dir}/, "
-          f"{counts['performance'][1]} kept) sections of {readme_path}")
+    print(f"rewrote {readme_path} ({'; '.join(summary)}; {len(figures)} figure(s) copied to figures/)")
 
 
 # ----------------------------------------------------------------------------------------------------------

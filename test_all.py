@@ -4255,4 +4255,68 @@ def test_report_on_a_fresh_clone_keeps_the_readme_as_it_is(tmp_path, monkeypatch
     monkeypatch.setattr(ablate, "__file__", str(tmp_path / "ablate.py"))
     ablate.main(["report", "--out_dir", str(tmp_path / "out"), "--data_dir", str(tmp_path / "data")])
     assert (tmp_path / "README.md").read_text() == open(os.path.join(here, "README.md")).read()
-    assert "0 parts from" in capsys.readouterr().out and not (tmp_path / "figures").exists()
+    printed = capsys.readouterr().out
+    assert "results: 0 part(s) from" in printed and "performance: 0 part(s) from" in printed
+    assert not (tmp_path / "figures").exists()
+
+
+def test_report_places_each_part_by_its_source_line_and_refuses_what_it_cannot_place(tmp_path, monkeypatch, capsys):
+    """ablate.report on hand-made out/ files: from the placeholder README, then replacing, keeping and pruning by
+    source; a note that merely mentions a from-line stays inside its part; a file holding a whole from-line or a
+    marker, text typed under no from-line, a source named twice and markers out of order are refused unwritten."""
+    import ablate
+    monkeypatch.setattr(ablate, "__file__", str(tmp_path / "ablate.py"))
+    readme, out = tmp_path / "README.md", tmp_path / "out"
+    os.makedirs(out / "ablate")
+    os.makedirs(out / "bench")
+    empty = ("top\n<!-- results:start -->\nNo results yet: run the experiments above.\n<!-- results:end -->\n"
+             "<!-- performance:start -->\nNo benchmark yet: run `python ablate.py bench`.\n<!-- performance:end -->\n")
+    readme.write_text(empty)
+    (out / "ablate" / "ucr.md").write_text("| ucr | 0.9 |\n")
+    (out / "ablate" / "synthetic_L200.md").write_text("| L200 | 1.0 |\n")
+    (out / "ablate" / "notes.md").write_text("not an experiment\n")  # no TITLES entry: skipped, said so
+    (out / "bench" / "gpu.md").write_text("| gpu | 30 ms |\nrows marked <!-- from seed 3 --> were rerun\n")
+    run = lambda *flags: ablate.main(["report", "--out_dir", str(out), "--data_dir", str(tmp_path / "data"), *flags])
+    run()
+    first = readme.read_text()
+    assert "skipped (no experiment of that name in ablate.TITLES)" in capsys.readouterr().out
+    assert first == ("top\n<!-- results:start -->\n<!-- from ablate/synthetic_L200.md -->\n"
+                     f"### {ablate.TITLES['synthetic']}: L200\n\n| L200 | 1.0 |\n\n<!-- from ablate/ucr.md -->\n"
+                     f"### {ablate.TITLES['ucr']}\n\n| ucr | 0.9 |\n<!-- results:end -->\n<!-- performance:start -->\n"
+                     "<!-- from bench/gpu.md -->\n| gpu | 30 ms |\nrows marked <!-- from seed 3 --> were rerun\n"
+                     "<!-- performance:end -->\n")  # no figure: no Figures heading
+    run()
+    assert readme.read_text() == first
+    os.remove(out / "ablate" / "ucr.md")
+    (out / "ablate" / "synthetic_L200.md").write_text("| L200 | 0.5 |\n")
+    run()
+    text = readme.read_text()
+    assert "| L200 | 0.5 |" in text and "| L200 | 1.0 |" not in text and "| ucr | 0.9 |" in text
+    assert f"(results: 1 part(s) from {out}/, 1 kept; performance: 1 part(s)" in capsys.readouterr().out
+    assert text.index("L200 | 0.5") < text.index("ucr | 0.9")
+    run("--prune")
+    assert "| ucr | 0.9 |" not in readme.read_text() and "dropped 1 part(s)" in capsys.readouterr().out
+    good = readme.read_text()
+    (out / "bench" / "gpu.md").write_text("| gpu |\n<!-- from ablate/ucr.md -->\n")
+    with pytest.raises(ValueError, match="gpu.md: holds a '<!-- from SOURCE -->' line"):
+        run()
+    (out / "bench" / "gpu.md").write_text("| gpu |\n<!-- results:end -->\n")
+    with pytest.raises(ValueError, match="gpu.md: holds .* a section marker"):
+        run()
+    os.remove(out / "bench" / "gpu.md")
+    for bad, match in ((good.replace("<!-- performance:end -->", "typed by hand\n<!-- performance:end -->"), None),
+                       (good.replace("<!-- performance:start -->\n", "<!-- performance:start -->\ntyped by hand\n"),
+                        "between <!-- performance:start -->.*typed by hand"),
+                       (good.replace("<!-- performance:start -->\n<!-- from bench/gpu.md -->",
+                                     "<!-- performance:start -->\n<!-- from bench/gpu.md -->\nx\n<!-- from bench/gpu.md -->"),
+                        "two parts come from bench/gpu.md"),
+                       (good.replace("<!-- results:start -->", "<!-- results:end -->", 1), "expected one <!-- results:start -->")):
+        readme.write_text(bad)
+        if match is None:  # text under a part's from-line belongs to that part: rewritten from its file
+            continue
+        with pytest.raises(ValueError, match=match):
+            run()
+        assert readme.read_text() == bad
+    readme.write_text(good)
+    with pytest.raises(ValueError, match="holds none of ablate/, analysis/, bench/"):
+        ablate.main(["report", "--out_dir", str(tmp_path / "nothing"), "--prune"])
