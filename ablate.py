@@ -30,6 +30,7 @@ import os
 import re
 import subprocess
 import sys
+import traceback
 
 import torch
 
@@ -1323,23 +1324,35 @@ def experiment_gpu(args):
     """Time every paper preset of --tasks on one CUDA GPU: per task a short real run of each stage (pretrain.py and
     finetune.py --init scratch, --steps steps, bf16) on stand-in data of the preset's shapes (gpu_data), and the
     figures of its log (gpu_figures), the full preset's projected hours (gpu_projection) and the whole of Table 2
-    (SPT + two finetunings for each LRA task). Writes out/bench/gpu.{json,md} (README, Performance, via report).
-    SystemExit at once on a machine without CUDA."""
+    (SPT + two finetunings for each LRA task). Writes out/bench/gpu.{json,md} (README, Performance, via report)
+    after every stage. A stage that fails (out of memory, say) is a row of the table and the others still run;
+    SystemExit at the end if any failed, and at once on a machine without CUDA."""
     if not torch.cuda.is_available():
         raise SystemExit("ablate.py gpu times the paper presets on a CUDA GPU, and torch.cuda.is_available() is False "
                          "here; on a CPU, python ablate.py bench times one SPT step instead")
-    results = []
+    results, failed = [], []
+    out = dict(device_name=torch.cuda.get_device_name(), torch=torch.__version__, steps=args.steps,
+               compile=args.compile, date=__import__("datetime").date.today().isoformat(),
+               planned=2 * len(args.tasks), results=results, failed=failed)
+    stem = os.path.join(args.out_dir, "bench", "gpu" + ("_compile" if args.compile else ""))
     for task in args.tasks:
         for stage in ("pretrain", "finetune"):
-            figures = gpu_run(task, stage, args)
-            steps, hours = gpu_projection(task, stage, figures["ms_per_step"])
-            results.append(dict(task=task, stage=stage, full_steps=steps, projected_hours=hours, **figures))
-    out = dict(device_name=torch.cuda.get_device_name(), torch=torch.__version__, steps=args.steps,
-               compile=args.compile, date=__import__("datetime").date.today().isoformat(), results=results)
-    stem = os.path.join(args.out_dir, "bench", "gpu" + ("_compile" if args.compile else ""))
-    data.save_atomic(out, stem + ".json")
-    data.save_atomic(gpu_table(out) + "\n", stem + ".md")
+            try:
+                figures = gpu_run(task, stage, args)
+            except (RuntimeError, ValueError) as e:  # out of memory is a RuntimeError; ValueError: no timed lines
+                failed.append(dict(task=task, stage=stage, error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"))
+                print(f"ablate.py gpu: {task} {stage} failed; timing the other stages\n{traceback.format_exc()}")
+                torch.cuda.empty_cache()
+            else:
+                steps, hours = gpu_projection(task, stage, figures["ms_per_step"])
+                results.append(dict(task=task, stage=stage, full_steps=steps, projected_hours=hours, **figures))
+            # after every stage: a run stopped by a time limit (a lent GPU's budget) keeps the stages it finished
+            data.save_atomic(out, stem + ".json")
+            data.save_atomic(gpu_table(out) + "\n", stem + ".md")
     print(gpu_table(out) + f"\n\nwrote {stem}.json and {stem}.md")
+    if failed:
+        raise SystemExit(f"ablate.py gpu: {len(failed)} of {out['planned']} stages failed (in the table): "
+                         + "; ".join(f"{f['task']} {f['stage']}: {f['error']}" for f in failed))
     return out
 
 
@@ -1351,6 +1364,9 @@ def gpu_table(out):
             + "; figures: medians over the log lines after the first", "",
             "| task | stage | ms/step | real tokens/s | real / padded tokens | MFU | peak memory | steps of the full "
             "preset | projected hours |", "|---|---|---|---|---|---|---|---|---|"]
+    done = len(out["results"]) + len(out.get("failed", []))
+    if done < out.get("planned", done):
+        rows[0] += f" (**{done} of {out['planned']} stages**: the run stopped before the others)"
     hours = {}
     for r in out["results"]:
         hours[(r["task"], r["stage"])] = r["projected_hours"]
@@ -1359,6 +1375,8 @@ def gpu_table(out):
                     + (f"{100 * real:.0f}%" if real is not None else "-") + " | "
                     + (f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-")
                     + f" | {r['peak_memory_gib']:.1f} GiB | {r['full_steps']:,} | {r['projected_hours']:.1f} |")
+    rows += [f"| {f['task']} | {f['stage']} | failed: {f['error'].replace('|', '/')} | | | | | | |"
+             for f in out.get("failed", [])]
     lra = [t for t in LRA_TASKS if (t, "pretrain") in hours and (t, "finetune") in hours]
     if lra:
         total = sum(hours[(t, "pretrain")] + 2 * hours[(t, "finetune")] for t in lra)

@@ -926,6 +926,39 @@ def test_gpu_command_refuses_without_cuda_and_writes_its_table_from_fixture_numb
     assert f"| text | finetune | 20.0 | 2,000,000 | 92% | 29.0% | 8.6 GiB | {-(-25000 // 32) * 65:,} |" in table
 
 
+def test_gpu_command_keeps_timing_after_a_failed_stage_and_writes_its_table_after_every_stage(tmp_path, monkeypatch):
+    """experiment_gpu's loop with gpu_run faked (no GPU here): an out-of-memory stage becomes a row of the table and
+    the others still run, the exit is an error naming it; a run stopped midway (a lent GPU's time limit) leaves the
+    table of the stages it finished."""
+    import ablate
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA H200")
+    calls, stop_at = [], [None]
+
+    def fake_run(task, stage, args):
+        calls.append((task, stage))
+        if len(calls) == stop_at[0]:
+            raise SystemExit("killed at the time limit")
+        if (task, stage) == ("text", "pretrain"):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 54.00 GiB\nmore detail")
+        return dict(ms_per_step=30.0, tokens_per_s=1e6, mfu=0.2, real_fraction=0.9, peak_memory_gib=4.0)
+    monkeypatch.setattr(ablate, "gpu_run", fake_run)
+    argv = ["gpu", "--tasks", "listops", "text", "--out_dir", str(tmp_path)]
+    with pytest.raises(SystemExit, match="1 of 4 stages failed .*text pretrain: OutOfMemoryError: CUDA out of memory"):
+        ablate.main(argv)
+    assert calls == [("listops", "pretrain"), ("listops", "finetune"), ("text", "pretrain"), ("text", "finetune")]
+    table = (tmp_path / "bench" / "gpu.md").read_text()
+    assert "| text | pretrain | failed: OutOfMemoryError: CUDA out of memory. Tried to allocate 54.00 GiB |" in table
+    assert "| text | finetune | 30.0 |" in table and "Table 2 on this GPU (listops:" in table and "of 4 stages" not in table
+    calls.clear()
+    stop_at[0] = 2
+    with pytest.raises(SystemExit, match="killed at the time limit"):
+        ablate.main(argv)
+    table = (tmp_path / "bench" / "gpu.md").read_text()
+    assert "(**1 of 4 stages**: the run stopped before the others)" in table and "| listops | pretrain | 30.0 |" in table
+    assert json.load(open(tmp_path / "bench" / "gpu.json"))["results"][0]["task"] == "listops"
+
+
 def test_the_logged_real_share_of_padded_tokens_is_counted_from_the_batches_the_model_saw(listops_dir, tmp_path,
                                                                                           monkeypatch):
     widths, original = [], data.get_batch
