@@ -1491,9 +1491,8 @@ def report(args):
     readme_path = os.path.join(here, "README.md")
     with open(readme_path) as f:
         readme = f.read()
-    sections = {m: readme_section(readme, m, readme_path) for m in PLACEHOLDERS}
-    old = {m: readme_parts(region, m, f"{readme_path}, between <!-- {m}:start --> and its end marker")
-           for m, (_, region, _) in sections.items()}
+    old = {m: readme_parts(readme_section(readme, m, readme_path)[1], m,
+                           f"{readme_path}, between <!-- {m}:start --> and its end marker") for m in PLACEHOLDERS}
     subfolders = [os.path.join(args.out_dir, s) for s in ("ablate", "analysis", "bench")]
     if args.prune and not any(map(os.path.isdir, subfolders)):
         raise ValueError(f"--prune: {args.out_dir}/ holds none of ablate/, analysis/, bench/, so it would drop "
