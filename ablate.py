@@ -855,8 +855,15 @@ def experiment_ucr(args):
     or inside an installed package: data.find_ucr); the others are skipped with the reason, unless --download
     fetches them first. Per data set and seed: SPT, then finetune; and finetune from scratch. Accuracy is on
     the archive's TEST split, with the weights of the best validation accuracy (validation: 20% of TRAIN).
+    --steps N gives every stage N steps instead of the preset's (runs in .../ucr/steps<N>/, a table named
+    ..._steps<N>), to ask whether a gain at the preset's budget is one of speed.
+    Raises ValueError for --steps with --max_steps (one budget or the other).
     """
+    if args.steps and args.max_steps:
+        raise ValueError("--steps sets every stage's budget and --max_steps caps it: pass one of them")
     common, found, skipped = common_flags(args), [], []  # the UCR preset's model
+    budget = f"steps{args.steps}" if args.steps else ""
+    common += ["--max_steps", str(args.steps)] if args.steps else []
     for name in args.datasets:
         task = f"ucr/{name}"
         if task not in data.TASKS:
@@ -880,11 +887,11 @@ def experiment_ucr(args):
                                                                                         args.datasets[0])))
     print(f"UCR data sets to run: {found}")
     default = list(args.datasets) == list(UCR_DATASETS + UCR_OFFLINE)  # other --datasets: a table of their own
-    output = "ucr" if default else "ucr_" + "_".join(args.datasets)
+    output = ("ucr" if default else "ucr_" + "_".join(args.datasets)) + (f"_{budget}" if budget else "")
     runs, seeds = [], seeds_here(args, output, *((f"ucr/{name}", common) for name in found))
     for name in found:
         for seed in seeds:
-            folder = os.path.join(args.out_dir, "ablate", args.init_scheme, "ucr", f"seed{seed}")
+            folder = os.path.join(args.out_dir, "ablate", args.init_scheme, "ucr", budget, f"seed{seed}")
             ckpt = run_pretrain(f"ucr/{name}", folder, seed, common)
             for run_name, init in (("spt", ckpt), ("scratch", "scratch")):
                 result = run_finetune(f"ucr/{name}", folder, seed, run_name, init, common)
@@ -914,7 +921,10 @@ def experiment_ucr(args):
     notes = "Test accuracy on the archive's TEST split (the paper does not say which split its numbers are on). "
     if skipped:
         notes += "Skipped: " + "; ".join(f"{name} ({why})" for name, why in skipped) + ". "
-    flag = "" if default else " --datasets " + " ".join(args.datasets)
+    preset = pretrain.PRESETS["ucr"][args.preset]
+    notes += (f"Every stage {args.steps} steps (the preset's: {preset['pretrain']['max_steps']} SPT, "
+              f"{preset['finetune']['max_steps']} finetuning). " if args.steps else "")
+    flag = ("" if default else " --datasets " + " ".join(args.datasets)) + (f" --steps {args.steps}" if args.steps else "")
     parts.append(notes + f"Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py ucr{flag}"
                  + run_note(args))
     write_outputs(output, runs, "\n\n".join(parts), args)
@@ -1621,6 +1631,8 @@ def build_parser():
                    help="default: fashion_mnist on the cpu preset (at its CPU budget), the LRA tasks on paper")
     s = add("ucr", "UCR time series (Sec. 5)")
     s.add_argument("--datasets", nargs="+", default=UCR_DATASETS + UCR_OFFLINE, help="the UCR data sets to run")
+    s.add_argument("--steps", type=pretrain.NON_NEGATIVE, default=0,
+                   help="steps of every stage (SPT, finetuning, from scratch); 0 = the preset's (500)")
     s = add("initscale", "from scratch and SPT over init scale x length x tied/independent (beyond the paper)",
             ("seeds", "runs"), seeds=2)
     s.add_argument("--kinds", nargs="+", default=["reference", "torch"], choices=("reference", "torch"),
