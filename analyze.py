@@ -711,4 +711,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    data.run_cli(main)

@@ -2017,6 +2017,13 @@ def test_command_line_data_errors_are_one_line_without_traceback(tmp_path):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert proc.stderr.startswith(f"error: {folder / 'train.pt'}: cannot be loaded")
+    # analyze.py too: a missing checkpoint, a run folder without snapshots
+    for argv, message in ((["attention", "--ckpt", str(tmp_path / "none.pt")], f"error: {tmp_path / 'none.pt'}: no such file"),
+                          (["curves", "--run_dir", str(folder)], f"error: no pretrain_step*.pt in {folder}")):
+        proc = subprocess.run([sys.executable, os.path.join(here, "analyze.py")] + argv, capture_output=True, text=True,
+                              timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith(message), proc.stderr
 
 
 # ----------------------------------------------------------------------------------------------------------
