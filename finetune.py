@@ -218,6 +218,9 @@ def main(argv=None):
     args, preset = resolve(parser.parse_args(argv), "finetune")
     if args.init == "scratch" and args.inherit != "all":
         parser.error("--inherit selects groups of an SPT checkpoint: give --init PATH")
+    if args.init != "scratch" and not os.path.exists(args.init):  # before any data is prepared
+        raise FileNotFoundError(f"--init {args.init}: no such file; make it first with python pretrain.py --task "
+                                f"{args.task} (its best checkpoint is <out_dir>/{args.task}/pretrain.pt), or pass --init scratch")
     if args.name is None:  # a default that never overwrites the plain SPT run with an ablation or a dataset swap
         swap = None
         if args.init != "scratch" and os.path.exists(args.init):

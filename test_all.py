@@ -2003,6 +2003,14 @@ def test_finetuning_checks_that_spt_used_its_data(tmp_path, capsys):
     assert "records no data sha256" in capsys.readouterr().out
 
 
+def test_finetune_with_a_missing_init_checkpoint_says_to_pretrain_before_preparing_any_data(tmp_path):
+    missing = tmp_path / "out" / "synthetic" / "pretrain.pt"
+    with pytest.raises(FileNotFoundError, match=r"no such file; make it first with python pretrain.py --task synthetic"):
+        finetune.main(["--task", "synthetic", "--init", str(missing), "--data_dir", str(tmp_path / "data"),
+                       "--out_dir", str(tmp_path / "out"), "--device", "cpu"])
+    assert not (tmp_path / "data").exists()  # refused before the data stage ran
+
+
 def test_command_line_data_errors_are_one_line_without_traceback(tmp_path):
     import subprocess
     import sys
