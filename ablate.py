@@ -871,7 +871,8 @@ def experiment_ucr(args):
         if os.path.exists(data.split_path(args.data_dir, task)) or data.find_ucr(name, args.data_dir):
             found.append(name)
         elif not args.download:
-            skipped.append((name, "not found locally, no download attempted (pass --download)"))
+            skipped.append((name, "not found locally, no download attempted (pass --download"
+                                  + data.ucr_install_hint(name) + ")"))
         else:
             try:
                 data.prepare(task, args.data_dir, **pretrain.PRESETS["ucr"][args.preset]["data"])

