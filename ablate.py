@@ -1486,6 +1486,17 @@ def readme_parts(region, marker, where):
     return parts
 
 
+def weaker_table(text, old_text):
+    """Why a table from out/ablate/ should not enter the README without --force, or None: its runs were capped
+    (--max_steps: a quick look), or it has fewer seeds than the README's part it would replace (old_text)."""
+    if cap := re.search(r"every run capped at (\d+) steps", text):
+        return f"every run capped at {cap.group(1)} steps"
+    seeds = [int(m.group(1)) if (m := re.search(r"Seeds: (\d+);", t or "")) else None for t in (text, old_text)]
+    if None not in seeds and seeds[0] < seeds[1]:
+        return f"{seeds[0]} seed(s), where the README's table has {seeds[1]}"
+    return None
+
+
 def report(args):
     """Rewrite the README's Results section from out/ablate/*.md (in the order of TITLES: the paper's story) with
     the figures of out/analysis/ (copied to figures/), and its Performance tables from out/bench/*.md.
@@ -1496,7 +1507,8 @@ def report(args):
     out/ (a fresh clone, a machine that ran only some experiments) is kept and listed; --prune drops it, and is
     refused when out/ holds none of ablate/, analysis/, bench/ (it would empty both sections). Raises ValueError,
     before writing anything, for a missing or repeated marker, text under no `from` line, a source named twice,
-    or an out/ file holding a `from` line or a marker of its own.
+    an out/ file holding a `from` line or a marker of its own, and, unless --force, a table that is a quick look
+    (weaker_table: capped runs, or fewer seeds than the README's table it would replace).
     """
     here = os.path.dirname(os.path.abspath(__file__))
     readme_path = os.path.join(here, "README.md")
@@ -1528,6 +1540,11 @@ def report(args):
                                                 + "\n\n" + read_part(os.path.join(folder, name)))
     if skipped:
         print(f"skipped (no experiment of that name in ablate.TITLES): {', '.join(skipped)}")
+    weaker = [f"{key} ({why})" for key, text in new["results"].items()
+              if (why := weaker_table(text, old["results"].get(key)))]
+    if weaker and not args.force:
+        raise ValueError(f"{folder}: {'; '.join(weaker)}: a quick look would replace or join the README's "
+                         f"tables; move these files out of {folder}/, or pass --force to take them")
     analysis = os.path.join(args.out_dir, "analysis")
     figures = sorted(os.path.relpath(os.path.join(d, f), analysis).replace(os.sep, "/") for d, _, fs in
                      os.walk(analysis) for f in fs if f.endswith(".png")) if os.path.isdir(analysis) else []
@@ -1679,6 +1696,8 @@ def build_parser():
     s.add_argument("--out_dir", default="out", help="where the experiments wrote")
     s.add_argument("--data_dir", default="data", help="where data.py --generate left pathfinder/samples.png")
     s.add_argument("--prune", action="store_true", help="drop the README's parts whose file is not under --out_dir")
+    s.add_argument("--force", action="store_true", help="also take quick looks: tables of capped runs (--max_steps) "
+                   "or with fewer seeds than the README's table they replace")
     return p
 
 

@@ -3615,7 +3615,11 @@ def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run
     os.makedirs(os.path.join(out, "analysis", "sub"))
     with open(os.path.join(out, "analysis", "sub", "new.png"), "wb") as f:
         f.write(b"\x89PNG stand-in")
-    ablate.main(["report", "--out_dir", out, "--data_dir", root])
+    before = readme.read_text()
+    with pytest.raises(ValueError, match=r"ablate/swap.md \(every run capped at 2 steps\).*pass --force"):
+        ablate.main(["report", "--out_dir", out, "--data_dir", root])  # these runs are quick looks (--max_steps 2)
+    assert readme.read_text() == before and not (tmp_path / "figures").exists()
+    ablate.main(["report", "--out_dir", out, "--data_dir", root, "--force"])
     text = readme.read_text()
     assert text.count("### Figures") == 1 and (tmp_path / "figures" / "sub_new.png").read_bytes() == b"\x89PNG stand-in"
     assert text.index("### old UCR table") < text.index("### Figures") < text.index("![old.png](figures/old.png)")
@@ -3625,15 +3629,22 @@ def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run
     assert text.index("Pretraining duration") < text.index("### old UCR table") < text.index("mid")
     assert text.index("mid") < text.index("| ours | 12.5 |") < text.index("H200 table") < text.index("\nend\n")
     assert "stale swap" not in text and (tmp_path / "figures" / "pathfinder_samples.png").exists()
-    ablate.main(["report", "--out_dir", out, "--data_dir", root])
+    ablate.main(["report", "--out_dir", out, "--data_dir", root, "--force"])
     assert readme.read_text() == text  # a second report changes nothing
-    ablate.main(["report", "--out_dir", out, "--data_dir", root, "--prune"])
+    ablate.main(["report", "--out_dir", out, "--data_dir", root, "--prune", "--force"])
     pruned = readme.read_text()
     assert "old UCR table" not in pruned and "H200 table" not in pruned and "Dataset swap" in pruned
     assert "old.png" not in pruned and pruned.count("### Figures") == 1 and "![sub/new.png]" in pruned
     readme.write_text(pruned.replace("<!-- results:start -->\n", "<!-- results:start -->\ntyped by hand\n"))
     with pytest.raises(ValueError, match="README.md, between <!-- results:start -->.*typed by hand"):
         ablate.main(["report", "--out_dir", out, "--data_dir", root])
+
+    # a table of fewer seeds than the README's would replace it only with --force; as many or more: it does
+    footer = "Seeds: {}; preset cpu; command: python ablate.py ucr"
+    assert ablate.weaker_table(footer.format(1), footer.format(5)) == "1 seed(s), where the README's table has 5"
+    assert ablate.weaker_table(footer.format(5), footer.format(5)) is None
+    assert ablate.weaker_table(footer.format(2), None) is None  # a new table: nothing to compare with
+    assert ablate.weaker_table(footer.format(5) + "; every run capped at 20 steps", None) == "every run capped at 20 steps"
 
 
 def test_ablate_fashion_mnist_budget_init_duration_and_pathfinder_curves(tmp_path, monkeypatch, capsys):
