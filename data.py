@@ -1525,7 +1525,9 @@ def _fetch(folder, marker, url, archive, prefix, download, sha256, what, hint=""
     manual = (f"Download {url} by hand and extract {prefix}* into {folder}/ (expected: {folder}/{marker}), "
               f"or pass --data_dir pointing at a folder that has it. {hint}").rstrip()
     if not download:
-        raise FileNotFoundError(f"{what} not found: {os.path.join(folder, marker)} does not exist. {manual}")
+        raise FileNotFoundError(f"{what} not found: {os.path.join(folder, marker)} does not exist. pretrain.py, "
+                                f"finetune.py and ablate.py fetch it with --download (data.py unless --no_download); "
+                                f"or: {manual}")
     downloaded = not os.path.exists(archive)
     if downloaded:
         digest = download_file(url, archive, sha256, manual)
