@@ -1513,7 +1513,7 @@ def report(args):
     refused when out/ holds none of ablate/, analysis/, bench/ (it would empty both sections). Raises ValueError,
     before writing anything, for a missing or repeated marker, text under no `from` line, a source named twice,
     an out/ file holding a `from` line or a marker of its own, and, unless --force, a table that is a quick look
-    (weaker_table: capped runs, or fewer seeds than the README's table it would replace).
+    (weaker_table: capped runs, or fewer seeds or another command than the README's table it would replace).
     """
     here = os.path.dirname(os.path.abspath(__file__))
     readme_path = os.path.join(here, "README.md")
@@ -1656,7 +1656,8 @@ def build_parser():
     s = add("ucr", "UCR time series (Sec. 5)")
     s.add_argument("--datasets", nargs="+", default=UCR_DATASETS + UCR_OFFLINE, help="the UCR data sets to run")
     s.add_argument("--steps", type=pretrain.NON_NEGATIVE, default=0,
-                   help="steps of every stage (SPT, finetuning, from scratch); 0 = the preset's (500)")
+                   help="steps of every stage (SPT, finetuning, from scratch); 0 = the preset's "
+                        f"({pretrain.PRESETS['ucr']['cpu']['finetune']['max_steps']})")
     s = add("initscale", "from scratch and SPT over init scale x length x tied/independent (beyond the paper)",
             ("seeds", "runs"), seeds=2)
     s.add_argument("--kinds", nargs="+", default=["reference", "torch"], choices=("reference", "torch"),
@@ -1702,8 +1703,8 @@ def build_parser():
     s.add_argument("--out_dir", default="out", help="where the experiments wrote")
     s.add_argument("--data_dir", default="data", help="where data.py --generate left pathfinder/samples.png")
     s.add_argument("--prune", action="store_true", help="drop the README's parts whose file is not under --out_dir")
-    s.add_argument("--force", action="store_true", help="also take quick looks: tables of capped runs (--max_steps) "
-                   "or with fewer seeds than the README's table they replace")
+    s.add_argument("--force", action="store_true", help="also take quick looks: tables of capped runs (--max_steps), "
+                   "or with fewer seeds or another command than the README's table they replace")
     return p
 
 
