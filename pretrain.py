@@ -270,7 +270,8 @@ def main(argv=None):
     print(f"self-pretraining {args.task}: {cfg}")
     best = train(model, splits, args, spt_loss_fn(wrap(model, args), splits["train"], args),
                  lambda: evaluate_reconstruction(model, splits["val"], args), paths, extra, higher_is_better=False)
-    print(f"best validation masked loss {best['val_loss']:.4f} (step {best['step']}); wrote {paths['best']}")
+    print(f"best validation masked loss {best['val_loss']:.4f} (step {best['step']}); "
+          f"{'wrote' if best['steps_trained'] else 'kept'} {paths['best']}")
     if meta["kind"] == "tokens" and args.rank == 0:
         h = token_frequency_entropy(splits["train"])
         gap = best["val_loss"] - h
@@ -558,7 +559,8 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
     are written atomically; with args.resume the run continues from paths["last"] exactly (model, optimizer,
     step, epoch, position in the epoch, best metric, RNG state).
     Returns the metrics dict of the best evaluation (is_better decides ties), with its "step" and "epoch", and
-    "elapsed_s": the wall-clock seconds of the whole run, over every process that resumed it.
+    "elapsed_s": the wall-clock seconds of the whole run, over every process that resumed it, and
+    "steps_trained": the steps this process took (0 for a --resume of a finished run).
     """
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.999),
                             weight_decay=args.weight_decay, fused=args.device.type == "cuda")
@@ -609,12 +611,17 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
                 meter["t_last"] += time.time() - t_eval  # evaluation time does not count in ms/step and tokens/s
             if done:
                 break
-    print(f"finished {state['step']} steps in {(time.time() - run['t_start']) / 60:.1f} min; "
-          f"best {extra['metric']} {state['best']:.4f}")
+    if state["step"] > run["start_step"]:
+        print(f"finished {state['step']} steps in {(time.time() - run['t_start']) / 60:.1f} min; "
+              f"best {extra['metric']} {state['best']:.4f}")
+    else:  # --resume of a finished run: its checkpoints are read back, not written again
+        print(f"the run in {os.path.dirname(paths['last']) or '.'} had already finished its {total} steps: nothing "
+              f"trained, its checkpoints are unchanged; best {extra['metric']} {state['best']:.4f}")
     if args.world_size > 1:
         dist.barrier()  # rank 0 has written its checkpoints before anyone reads them
     return dict(state["best_metrics"], step=state.get("best_step"), epoch=state.get("best_epoch"),
-                elapsed_s=run["elapsed0"] + time.time() - run["t_process"])
+                elapsed_s=run["elapsed0"] + time.time() - run["t_process"],
+                steps_trained=state["step"] - run["start_step"])
 
 
 def optimizer_step(run, loss_fn, idx):

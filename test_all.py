@@ -637,6 +637,21 @@ def test_same_seed_same_losses_and_exact_resume(listops_dir, tmp_path):
     assert d["state"]["elapsed_s"] > first["state"]["elapsed_s"] > 0  # the run's time carries over the resume
 
 
+def test_resume_of_a_finished_run_trains_nothing_and_says_its_files_are_kept(listops_dir, tmp_path, capsys):
+    out = str(tmp_path)
+    flags = ["--task", "listops", "--data_dir", listops_dir, "--out_dir", out, "--max_steps", "4", "--eval_every",
+             "4"] + TINY
+    pretrain.main(flags)
+    assert "; wrote " in capsys.readouterr().out
+    best = os.path.join(out, "listops", "pretrain.pt")
+    before = (open(best, "rb").read(), os.stat(best).st_mtime_ns)
+    pretrain.main(flags + ["--resume"])
+    printed = capsys.readouterr().out
+    assert "had already finished its 4 steps: nothing trained" in printed and f"; kept {best}" in printed
+    assert "; wrote " not in printed and "finished 4 steps in" not in printed
+    assert (open(best, "rb").read(), os.stat(best).st_mtime_ns) == before
+
+
 def test_data_command_line(tmp_path):
     root = str(tmp_path)
     data.main(["--task", "listops", "--data_dir", root, "--n_train", "8", "--n_val", "4", "--n_test", "4"])
