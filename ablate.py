@@ -586,7 +586,10 @@ def pathfinder_data(args, difficulty, n_images):
 def experiment_swap(args):
     """Coser et al. Sec. 3, dataset swap: SPT on PathFinder then finetuning on Image, and the reverse, against
     from scratch and same-task SPT; train and validation accuracy (both are pixel tasks of length 1024). The
-    PathFinder side takes --difficulty, --n_images and the budget --steps (pfcurves: which configuration learns)."""
+    PathFinder side takes --difficulty, --n_images and the budget --steps (pfcurves: which configuration learns).
+    Raises ValueError for --steps with --max_steps (one budget or the other)."""
+    if args.steps and args.max_steps:
+        raise ValueError("--steps sets every stage's budget and --max_steps caps it: pass one of them")
     image, runs = image_task(args), []
     tasks = ("pathfinder", image)
     pf_dir = pathfinder_data(args, args.difficulty, args.n_images)
@@ -1640,7 +1643,8 @@ def build_parser():
     s.add_argument("--difficulty", default="hard", choices=tuple(data.PATHFINDER_DIFFICULTY), help="PathFinder side")
     s.add_argument("--n_images", type=int, default=None,
                    help="PathFinder images generated (data/pfcurves/<difficulty>_n<N>/); default: the preset's data")
-    s.add_argument("--steps", type=int, default=0, help="steps per stage for every run; 0 = the preset's")
+    s.add_argument("--steps", type=pretrain.NON_NEGATIVE, default=0,
+                   help="steps per stage for every run; 0 = the preset's")
     s = add("pfcurves", "PathFinder learning curves on the CPU: which configuration learns above chance (seed 0)",
             ("runs", "scheme"))
     s.add_argument("--configs", nargs="+", default=list(PF_CONFIGS),

@@ -3694,6 +3694,9 @@ def test_ablate_fashion_mnist_budget_init_duration_and_pathfinder_curves(tmp_pat
     assert len(timed) == 1 and timed[0]["step"] == 4 and run["minutes"][:2] == [0, 0]
     assert run["minutes"][2] == pytest.approx(timed[0]["ms_per_step"] * 4 / 60000) and len(run["minutes"]) == 3
     assert os.path.getsize(os.path.join(out, "analysis", "pathfinder_curves.png")) > 10_000
+    with pytest.raises(ValueError, match="pass one of them"):  # not silently the later of two --max_steps
+        ablate.main(["swap", "--steps", "2"] + argv)
+    argv = ["--seeds", "1", "--data_dir", root, "--out_dir", out, "--device", "cpu"]  # swap's budget: --steps
     with pytest.raises(ValueError, match="n_val 5000: expected 1..39 for 40 training examples"):
         ablate.main(["swap", "--difficulty", "easy", "--n_images", "40", "--steps", "2"] + argv)
     data.prepare_fashion_mnist(root, n_val=10)  # the swap's Image side at 32x32, as a user would prepare it
