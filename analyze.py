@@ -333,11 +333,12 @@ def cmd_gradients(args):
     results = {}
     for path in args.ckpt:
         results[path] = res = loss_gradients(path, args.data_dir, args.n, seed=args.seed)
-        print(f"{path}: share of the score gradient along Prop. 1's directions (zero column sums), per layer; "
-              f"|dL/dW_Q| / |dL/dW_V|:")
+        print(f"{path}: the share of each loss's attention-score gradient along Prop. 1's directions (zero column "
+              f"sums), per layer, and the gradient norm ratio |dL/dW_Q| / |dL/dW_V|:")
         for loss_name, r in res.items():  # (L_SPT only for a pretrain.py checkpoint)
             ratio = r["grad_norm"]["W_Q"] / r["grad_norm"]["W_V"] if r["grad_norm"].get("W_V") else float("nan")
-            print(f"  {loss_name:5s} " + " ".join(f"{s:.3g}" for s in r["prop1_share"]) + f";  {ratio:.3g}")
+            print(f"  {loss_name:5s} Prop. 1 share per layer " + " ".join(f"{s:.3g}" for s in r["prop1_share"])
+                  + f";  |dL/dW_Q| / |dL/dW_V| {ratio:.3g}")
     os.makedirs(args.out, exist_ok=True)
     data.save_atomic(dict(n=args.n, seed=args.seed, results=results), os.path.join(args.out, "gradients.json"))
     print(f"wrote {os.path.join(args.out, 'gradients.json')}")

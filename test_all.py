@@ -1219,6 +1219,21 @@ def test_analyze_attention_and_curves_write_figures(synthetic_run, tmp_path):
         assert (tmp_path / name).stat().st_size > 1000
 
 
+def test_analyze_gradients_prints_each_figure_with_its_name_and_writes_the_same_numbers(synthetic_run, tmp_path,
+                                                                                       capsys):
+    data_dir, out = synthetic_run
+    ckpt = os.path.join(out, "synthetic", "pretrain.pt")
+    analyze.main(["gradients", "--ckpt", ckpt, "--data_dir", data_dir, "--n", "8", "--out", str(tmp_path)])
+    res = json.load(open(tmp_path / "gradients.json"))["results"][ckpt]
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  L_")}
+    assert sorted(lines) == sorted(res) == ["L_SPT", "L_sup"]  # a pretrain.py checkpoint: both losses
+    for loss_name, r in res.items():  # every line names both of its figures, as the JSON holds them
+        ratio = r["grad_norm"]["W_Q"] / r["grad_norm"]["W_V"]
+        assert lines[loss_name] == (f"  {loss_name:5s} Prop. 1 share per layer "
+                                    + " ".join(f"{s:.3g}" for s in r["prop1_share"])
+                                    + f";  |dL/dW_Q| / |dL/dW_V| {ratio:.3g}")
+
+
 def test_score_gradient_is_the_softmax_backward_and_prop1_share_the_zero_column_sum_projection():
     g = torch.Generator().manual_seed(0)
     s = torch.randn(2, 3, 5, 5, generator=g, dtype=torch.float64, requires_grad=True)
