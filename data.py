@@ -13,7 +13,7 @@ Every task of the study ends up in the same on-disk form, a dict saved with torc
                                         preparation (one stamp shared by the three splits: write_splits)
 
 Commands (pretrain.py and finetune.py run these themselves when data/<task>/ is missing):
-    python data.py --task listops                      # LRA files in data/listops/, else generated (96k/2k/2k, ~8 min)
+    python data.py --task listops                      # LRA files in data/listops/, else generated (96k/2k/2k, ~2.5 min)
     python data.py --task synthetic                    # 2-D trajectories, 5000/1000/1000 (seconds)
     python data.py --task ucr/GunPoint                 # a UCR data set: data/ucr/GunPoint/, installed packages, download
     python data.py --task text                         # IMDb, data/text/aclImdb/ (downloaded if absent, 84 MB)
