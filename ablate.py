@@ -859,14 +859,16 @@ def experiment_ucr(args):
     fetches them first. Per data set and seed: SPT, then finetune; and finetune from scratch. Accuracy is on
     the archive's TEST split, with the weights of the best validation accuracy (validation: 20% of TRAIN).
     --steps N gives every stage N steps instead of the preset's (runs in .../ucr/steps<N>/, a table named
-    ..._steps<N>), to ask whether a gain at the preset's budget is one of speed.
+    ..._steps<N>), to ask whether a gain at the preset's budget is one of speed; --bucket N passes pretrain.py's
+    --bucket (1: random batches, as Amos et al.'s loader; runs in .../ucr/bucket<N>/, a table ..._bucket<N>).
     Raises ValueError for --steps with --max_steps (one budget or the other).
     """
     if args.steps and args.max_steps:
         raise ValueError("--steps sets every stage's budget and --max_steps caps it: pass one of them")
     common, found, skipped = common_flags(args), [], []  # the UCR preset's model
-    budget = f"steps{args.steps}" if args.steps else ""
+    budget = "_".join(([f"steps{args.steps}"] if args.steps else []) + ([f"bucket{args.bucket}"] if args.bucket else []))
     common += ["--max_steps", str(args.steps)] if args.steps else []
+    common += ["--bucket", str(args.bucket)] if args.bucket else []
     for name in args.datasets:
         task = f"ucr/{name}"
         if task not in data.TASKS:
@@ -928,7 +930,10 @@ def experiment_ucr(args):
     preset = pretrain.PRESETS["ucr"][args.preset]
     notes += (f"Every stage {args.steps} steps (the preset's: {preset['pretrain']['max_steps']} SPT, "
               f"{preset['finetune']['max_steps']} finetuning). " if args.steps else "")
-    flag = ("" if default else " --datasets " + " ".join(args.datasets)) + (f" --steps {args.steps}" if args.steps else "")
+    notes += (f"Batches: windows of {args.bucket} batch(es) sorted by length (--bucket {args.bucket}; 1 = random "
+              f"batches, as Amos et al.'s loader; the default: 50). " if args.bucket else "")
+    flag = ("" if default else " --datasets " + " ".join(args.datasets)) + (f" --steps {args.steps}" if args.steps else "") \
+        + (f" --bucket {args.bucket}" if args.bucket else "")
     parts.append(notes + f"Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py ucr{flag}"
                  + run_note(args))
     write_outputs(output, runs, "\n\n".join(parts), args)
@@ -1662,6 +1667,9 @@ def build_parser():
     s.add_argument("--steps", type=pretrain.NON_NEGATIVE, default=0,
                    help="steps of every stage (SPT, finetuning, from scratch); 0 = the preset's "
                         f"({pretrain.PRESETS['ucr']['cpu']['finetune']['max_steps']})")
+    s.add_argument("--bucket", type=pretrain.POSITIVE, default=None,
+                   help="pretrain.py --bucket for every run (1: random batches, as Amos et al.'s loader); runs and "
+                        "a table of their own; default: the stages' 50")
     s = add("initscale", "from scratch and SPT over init scale x length x tied/independent (beyond the paper)",
             ("seeds", "runs"), seeds=2)
     s.add_argument("--kinds", nargs="+", default=["reference", "torch"], choices=("reference", "torch"),

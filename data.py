@@ -401,7 +401,10 @@ def batch_indices(lengths, batch_size, shuffle, seed=0, epoch=0, bucket=50, min_
 
     With `shuffle`, the order is a permutation seeded by (seed, epoch), so a resumed run sees the same batches.
     To keep padding small, each window of `bucket` batches is sorted by length before it is cut into batches,
-    and the batches are then shuffled. Without `shuffle` (evaluation) the split is simply sorted by length.
+    and the batches are then shuffled (bucket=1: random batches). Without `shuffle` (evaluation) the split is
+    simply sorted by length. A departure from Amos et al.'s random batches beyond speed: SPT divides each batch's
+    loss by its number of masked positions, so a masked token of a batch of short sequences weighs more than one
+    of a batch of long ones (the README's departures table).
     The last batch may be smaller than `batch_size`; with `shuffle`, one smaller than `min_rows` (under torchrun:
     the number of ranks, each of which needs a row) joins the batch before it, so in that case a DDP run's
     batches differ from a single process's. Document pairs (lengths (N, 2)) sort by their longer one.

@@ -77,7 +77,8 @@ PRESETS = {
                                   eval_each_epoch=False))},
     "text": {
         "paper": dict(model=dict(n_layers=6, d_model=512, n_heads=8, d_mlp=2048, cls_mlp=True), data=dict(max_len=4096),
-                      pretrain=dict(batch_size=32, lr=1e-3, warmup=5000, epochs=32, eval_every=10**9),
+                      pretrain=dict(batch_size=32, lr=1e-3, warmup=5000, epochs=32, eval_every=10**9,
+                                    weight_decay=0.1),
                       finetune=dict(batch_size=32, lr=1e-4, warmup=2000, epochs=65, eval_every=10**9,
                                     weight_decay=0.1)),
         "cpu": dict(model=dict(n_layers=2, d_model=64, n_heads=4, d_mlp=128), data=dict(max_len=1024),
@@ -341,7 +342,11 @@ def build_parser(stage, description):
     p.add_argument("--lr", type=number_at_least(float, 0.0, strict=True), default=None, help="peak learning rate of AdamW")
     p.add_argument("--warmup", type=NON_NEGATIVE, default=None, help="linear warm-up steps, then constant")
     p.add_argument("--weight_decay", type=number_at_least(float, 0.0), default=None,
-                   help="AdamW decoupled weight decay (the preset's: 0, but 0.1 for Text's paper finetuning)")
+                   help="AdamW decoupled weight decay (the preset's: 0, but 0.1 for Text's paper preset)")
+    p.add_argument("--bucket", type=POSITIVE, default=50,
+                   help="batches per window sorted by length before it is cut (less padding); 1 = random batches, "
+                        "as Amos et al.'s loader (SPT's loss per masked token then weighs short and long "
+                        "sequences alike: data.batch_indices)")
     p.add_argument("--grad_clip", type=number_at_least(float, 0.0), default=0.0, help="clip the gradient norm (0 = off)")
     p.add_argument("--eval_every", type=POSITIVE, default=None, help="steps between validations and checkpoints")
     p.add_argument("--eval_each_epoch", action=argparse.BooleanOptionalAction, default=None,
@@ -546,7 +551,7 @@ def epoch_batches(split, args, epoch):
     """The training batches (index tensors) of one epoch, seeded by (seed, epoch) so that a resumed run sees
     the same ones; under torchrun every batch has at least one row per rank (data.batch_indices)."""
     return data.batch_indices(split["lengths"], args.batch_size, shuffle=True, seed=args.seed, epoch=epoch,
-                              min_rows=args.world_size)
+                              bucket=args.bucket, min_rows=args.world_size)
 
 
 def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better):
@@ -801,7 +806,7 @@ def resume(model, opt, paths, n_batches, args, extra):
 # the schedule, and the evaluation grid (which decides the evaluation kept as best). Not --dtype: a run may go on in
 # another precision (e.g. fp32 after bf16 overflowed), and ablate's read-back on a GPU resumes the CPU's fp32 runs.
 RESUME_SAME = ("lr", "warmup", "weight_decay", "grad_clip", "seed", "mask_ratio", "rec_loss", "init", "inherit",
-               "freeze", "batch_size", "eval_every", "eval_each_epoch")
+               "freeze", "batch_size", "eval_every", "eval_each_epoch", "bucket")
 
 
 def check_resumable(ck, cfg, n_batches, data_sha256=None, config=None, init_sha256=None):

@@ -189,6 +189,27 @@ def test_batches_cover_the_split_once_and_are_seeded():
     assert torch.equal(lengths[ev], lengths.sort(stable=True).values)
 
 
+def test_bucket_1_gives_random_batches_and_bucketing_weighs_short_sequences_tokens_more_in_spt():
+    """--bucket 1: each batch is a slice of the seeded permutation (random batches, as Amos et al.'s loader); the
+    default 50 sorts windows by length. SPT divides a batch's loss by its masked positions (~ its real tokens), so
+    a token's weight is ~ 1 / (real tokens in its batch): under bucketing a token of a short sequence weighs
+    several times one of a long sequence (the README's departures table), under random batches about the same."""
+    lengths = torch.randint(501, 2000, (9600,), generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(0 * 100_003 + 0)  # the permutation batch_indices draws for seed 0, epoch 0
+    slices = {tuple(sorted(b.tolist())) for b in torch.split(torch.randperm(len(lengths), generator=g), 32)}
+    random_batches = data.batch_indices(lengths, 32, shuffle=True, seed=0, epoch=0, bucket=1)
+    assert {tuple(sorted(b.tolist())) for b in random_batches} == slices
+    bucketed = data.batch_indices(lengths, 32, shuffle=True, seed=0, epoch=0)
+    assert {tuple(sorted(b.tolist())) for b in bucketed} != slices
+
+    def short_over_long_weight(batches):  # mean weight of a token of a sequence < 700 over one of > 1800
+        weight = torch.zeros(len(lengths), dtype=torch.float64)
+        for b in batches:
+            weight[b] = 1.0 / lengths[b].sum().double()
+        return (weight[lengths < 700].mean() / weight[lengths > 1800].mean()).item()
+    assert short_over_long_weight(bucketed) > 2.5 and 0.9 < short_over_long_weight(random_batches) < 1.1
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Model
 # ----------------------------------------------------------------------------------------------------------
@@ -1681,7 +1702,8 @@ def test_resume_drops_the_log_lines_written_after_the_last_checkpoint(listops_di
 
 def test_paper_presets_take_amos_et_als_classification_head_and_text_weight_decay():
     # Amos et al.'s configs: `sequence_nonelinear` (Linear d->d, ReLU, Linear) for Text and Image, a Linear for
-    # the others; AdamW weight decay 0.1 for Text's finetuning, 0 elsewhere.
+    # the others; AdamW weight decay 0.1 for Text in both stages (transformer-lra-imdb.yaml, -imdb-mlm.yaml), 0
+    # elsewhere (their -mlm.yaml configs for ListOps, AAN, CIFAR, PathFinder say 0.0).
     for task, mlp_head, wd in (("text", True, 0.1), ("image", True, 0.0), ("listops", False, 0.0),
                                ("pathfinder", False, 0.0)):
         args = finetune.finetune_parser().parse_args(["--task", task, "--init", "scratch", "--preset", "paper"])
@@ -1694,7 +1716,10 @@ def test_paper_presets_take_amos_et_als_classification_head_and_text_weight_deca
         assert {model_lib.param_group(n) for n, _ in model.cls_head.named_parameters(prefix="cls_head")} == {"head"}
     args = pretrain.pretrain_parser().parse_args(["--task", "text", "--preset", "paper"])
     pretrain.fill_from_preset(args, "pretrain")
-    assert args.weight_decay == 0.0  # Text's pretraining weight decay is not in Amos et al.'s configs: 0
+    assert args.weight_decay == 0.1
+    args = pretrain.pretrain_parser().parse_args(["--task", "listops", "--preset", "paper"])
+    pretrain.fill_from_preset(args, "pretrain")
+    assert args.weight_decay == 0.0
     x = torch.randint(0, 5, (2, 8))
     model = Transformer(ModelConfig(vocab_size=5, max_len=8, n_classes=3, cls_mlp=True, d_model=16, n_heads=2))
     h = model.pool(model.encode(x)[0], None)
@@ -2434,6 +2459,14 @@ def test_ablate_ucr_steps_gives_every_stage_that_budget_in_runs_and_a_table_of_t
     assert not (tmp_path / "out" / "ablate" / "ucr_GunPoint.md").exists()
     with pytest.raises(ValueError, match="pass one of them"):
         ablate.main(argv + ["--max_steps", "2"])
+    ablate.main(argv + ["--bucket", "1"])  # random batches: runs and a table of their own, the flag in every run
+    run = tmp_path / "out" / "ablate" / "reference" / "ucr" / "steps3_bucket1" / "seed0" / "ucr" / "GunPoint"
+    for name in ("pretrain", "finetune_spt", "finetune_scratch"):
+        ck = data.load_pt(str(run / f"{name}_last.pt"))
+        assert ck["config"]["bucket"] == 1, name
+    table = open(tmp_path / "out" / "ablate" / "ucr_GunPoint_steps3_bucket1.md").read()
+    assert "Batches: windows of 1 batch(es) sorted by length (--bucket 1; 1 = random batches" in table
+    assert "command: python ablate.py ucr --datasets GunPoint --steps 3 --bucket 1 --seeds 1;" in table
 
 
 # ----------------------------------------------------------------------------------------------------------
