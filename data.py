@@ -311,7 +311,7 @@ def load_split(data_dir, task, split):
 
 
 # The meta fields the stages read, by kind of input (and the tensor each kind is stored as).
-META_FIELDS = {"tokens": ("tokens", ("vocab_size",)), "continuous": ("values", ("d_input",)),
+META_FIELDS = {"tokens": ("tokens", ("vocab_size", "pad_id", "mask_id")), "continuous": ("values", ("d_input",)),
                "pixels": ("pixels", ("pixel_mean", "pixel_std"))}
 PER_FILE_META = ("source", "sha256")  # the only meta fields that differ between the splits of one preparation
 
@@ -338,8 +338,9 @@ def write_splits(task_dir, splits, metas):
 
 def check_meta(d, path):
     """Raise ValueError naming `path` and the field unless meta has what the stages read: kind (tokens, continuous
-    or pixels, matching the tensor stored), max_len and n_classes (integers), and per kind vocab_size / d_input /
-    pixel_mean and pixel_std."""
+    or pixels, matching the tensor stored), max_len and n_classes (integers), and per kind vocab_size, pad_id and
+    mask_id (which must be PAD_ID and MASK_ID: padding and masking assume them) / d_input / pixel_mean and
+    pixel_std."""
     meta, kind = d["meta"], d["meta"].get("kind")
     if kind not in META_FIELDS:
         raise ValueError(f"{path}: meta kind is {kind!r}, expected one of {tuple(META_FIELDS)}")
@@ -353,6 +354,10 @@ def check_meta(d, path):
     for field in ("max_len", "n_classes"):
         if not isinstance(meta[field], int) or meta[field] < 1:
             raise ValueError(f"{path}: meta {field} is {meta[field]!r}, expected a positive integer")
+    if kind == "tokens" and (meta["pad_id"], meta["mask_id"]) != (PAD_ID, MASK_ID):
+        raise ValueError(f"{path}: meta pad_id {meta['pad_id']!r}, mask_id {meta['mask_id']!r}; expected "
+                         f"{PAD_ID} and {MASK_ID} (data.PAD_ID, MASK_ID: rows are right-padded with {PAD_ID} and "
+                         f"SPT masks with {MASK_ID}; real tokens start at 2)")
 
 
 def load_splits(data_dir, task, device="cpu"):

@@ -2077,6 +2077,38 @@ def test_finetune_with_a_missing_init_checkpoint_says_to_pretrain_before_prepari
     assert not (tmp_path / "data").exists()
 
 
+def test_a_task_of_ones_own_runs_after_the_readme_steps(tmp_path, monkeypatch):
+    """README, Use your own data (2): hand-written .pt files, a TASKS entry, a prepare function, a preset and a
+    mask ratio; then SPT and finetuning run on it, and a meta without pad_id is refused by name."""
+    g = torch.Generator().manual_seed(0)
+    root = tmp_path / "data"
+    for split, n in (("train", 32), ("val", 8), ("test", 8)):
+        tokens = torch.randint(2, 6, (n, 12), generator=g, dtype=torch.int64).to(torch.uint8)
+        labels = (tokens[:, :6].float().mean(1) > 3.5).long()
+        meta = dict(task="mytask", kind="tokens", max_len=12, n_classes=2, vocab_size=6, pad_id=0, mask_id=1)
+        data.save_atomic(dict(tokens=tokens, lengths=torch.full((n,), 12), labels=labels, meta=meta),
+                         str(root / "mytask" / f"{split}.pt"))
+
+    def prepare_mytask(data_dir="data"):
+        raise FileNotFoundError(f"{data_dir}/mytask/: write its .pt files first")
+    monkeypatch.setattr(data, "TASKS", data.TaskNames(tuple(data.TASKS) + ("mytask",)))
+    monkeypatch.setitem(data.PREPARE, "mytask", prepare_mytask)
+    monkeypatch.setitem(pretrain.PRESETS, "mytask", pretrain.PRESETS["listops"])
+    monkeypatch.setitem(pretrain.MASK_RATIO, "mytask", 0.15)
+    common = ["--task", "mytask", "--data_dir", str(root), "--out_dir", str(tmp_path / "out"), "--device", "cpu",
+              "--max_steps", "2", "--eval_every", "2", "--d_model", "16", "--n_heads", "2", "--n_layers", "1",
+              "--d_mlp", "16"]
+    pretrain.main(common)
+    finetune.main(common + ["--init", str(tmp_path / "out" / "mytask" / "pretrain.pt")])
+    res = json.load(open(tmp_path / "out" / "mytask" / "finetune_spt.json"))
+    assert res["task"] == "mytask" and 0 <= res["test_acc"] <= 1
+    split = data.load_pt(str(root / "mytask" / "train.pt"))
+    del split["meta"]["pad_id"]
+    data.save_atomic(split, str(root / "mytask" / "train.pt"))
+    with pytest.raises(ValueError, match=r"mytask/train.pt: meta has no 'pad_id'"):
+        pretrain.main(common)
+
+
 def test_command_line_data_errors_are_one_line_without_traceback(tmp_path):
     import subprocess
     import sys
@@ -4104,7 +4136,7 @@ def test_report_balance_counts_fractions_and_warnings(capsys):
 def _toy_meta(tensors, **fields):
     """A complete meta for the toy tensors (data.check_meta's fields for their kind), updated with `fields`."""
     key = next(k for k in data.INPUT_KEYS if k in tensors)
-    kind = {"tokens": dict(kind="tokens", vocab_size=17), "values": dict(kind="continuous", d_input=1),
+    kind = {"tokens": dict(kind="tokens", vocab_size=17, pad_id=0, mask_id=1), "values": dict(kind="continuous", d_input=1),
             "pixels": dict(kind="pixels", pixel_mean=0.5, pixel_std=0.5)}[key]
     return dict(task="toy", n_classes=2, max_len=tensors[key].shape[-1 if key != "values" else 1], **kind, **fields)
 
@@ -4212,8 +4244,14 @@ def test_a_failed_or_mixed_listops_preparation_is_never_loaded_as_one(tmp_path, 
           meta=dict(task="toy", kind="pixels", max_len=4, n_classes=2, pixel_mean=0.5, pixel_std=0.5)),
      r"train.pt: meta kind 'pixels' is stored as 'pixels', but the file holds \['tokens'\]"),
     (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 0, 1]),
-          meta=dict(task="toy", kind="tokens", max_len=4, n_classes=0, vocab_size=17)),
+          meta=dict(task="toy", kind="tokens", max_len=4, n_classes=0, vocab_size=17, pad_id=0, mask_id=1)),
      r"train.pt: meta n_classes is 0, expected a positive integer"),
+    (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 0, 1]),
+          meta=dict(task="toy", kind="tokens", max_len=4, n_classes=2, vocab_size=17)),
+     r"train.pt: meta has no 'pad_id'; expected a file written by data.py"),
+    (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 0, 1]),
+          meta=dict(task="toy", kind="tokens", max_len=4, n_classes=2, vocab_size=17, pad_id=0, mask_id=2)),
+     r"train.pt: meta pad_id 0, mask_id 2; expected 0 and 1 \(data.PAD_ID, MASK_ID"),
     (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1])),
      r"train.pt: first dimensions disagree: tokens \(3, 4\), lengths \(3,\), labels \(2,\)"),
     (dict(tokens=torch.ones(3, 2, 4, dtype=torch.int16), lengths=torch.tensor([[4, 4], [2, 0], [1, 1]]),
