@@ -3186,6 +3186,12 @@ def test_exercise_masking():
     assert 0.28 < rate < 0.33, f"masked fraction {rate}, expected about 0.3"
     _, none = pretrain.mask_batch(x[:5], lengths[:5], 0.0, 1, g)      # ratio 0: exactly the forced one
     assert none.sum(dim=1).tolist() == [1] * 5
+    _, forced = pretrain.mask_batch(x, torch.full((400,), 50), 0.0, 1, g)
+    spread = len(set(forced.float().argmax(dim=1).tolist()))
+    assert spread > 30, f"the forced mask fell on only {spread} of 50 positions: expected a random real position"
+    same = [pretrain.mask_batch(x, lengths, 0.3, 1, torch.Generator().manual_seed(s))[1] for s in (7, 7, 8)]
+    assert torch.equal(same[0], same[1]), "the same generator seed must give the same masks (use `generator`)"
+    assert not torch.equal(same[0], same[2]), "another generator seed must give other masks"
     values = torch.randn(3, 8, 2)
     inputs, masked = pretrain.mask_batch(values, torch.tensor([8, 8, 4]), 0.5, None, g)
     assert inputs.shape == (3, 8, 3) and torch.equal(inputs[..., 2], masked.float())
@@ -3277,14 +3283,23 @@ def test_exercise_hybrid_initialization():
 
 
 def test_exercise_mean_pooling():
-    """model.Transformer.pool: the mean over each sequence's real positions, padding ignored."""
+    """model.Transformer.pool: the mean (or, with pooling="max", the max) over each sequence's real positions,
+    padding ignored; without lengths every position is real. Checked against loops."""
     model = Transformer(tiny_cfg())
     z = torch.randn(3, 7, 16)
     lengths = torch.tensor([7, 2, 5])
     pooled = model.pool(z, lengths)
     for b in range(3):
         want = sum(z[b, t] for t in range(lengths[b])) / lengths[b]
-        assert torch.allclose(pooled[b], want, atol=1e-6)
+        assert torch.allclose(pooled[b], want, atol=1e-6), f"row {b}: expected the mean of its {lengths[b]} " \
+                                                           f"real positions"
+    assert torch.allclose(model.pool(z), z.sum(dim=1) / 7, atol=1e-6), "lengths None: every position is real"
+    model_max = Transformer(tiny_cfg(pooling="max"))
+    pooled = model_max.pool(z - 10.0, lengths)  # all negative: a padded 0 must not win the max
+    for b in range(3):
+        want = torch.stack([z[b, t] - 10.0 for t in range(lengths[b])]).max(dim=0).values
+        assert torch.equal(pooled[b], want), f"pooling max, row {b}: expected the max over its real positions"
+    assert torch.equal(model_max.pool(z), z.max(dim=1).values), "pooling max, lengths None: the max over all"
 
 
 EXERCISES = {  # name: (object holding the function, its attribute name, the grading test)
