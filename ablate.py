@@ -1603,7 +1603,7 @@ def build_parser():
     """The parser: `python ablate.py <experiment> [its flags]`; each subcommand gets its own copies of the flags
     it takes (argparse parents would share one default between subcommands)."""
     fmt = argparse.ArgumentDefaultsHelpFormatter
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()), formatter_class=fmt)
+    p = data.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()), formatter_class=fmt)
     sub = p.add_subparsers(dest="experiment", required=True)
 
     def add(name, help, flags=("seeds", "jobs", "runs", "scheme", "download"), seeds=5):

@@ -673,7 +673,7 @@ def plot_initscale(runs, kinds, scales, lengths, seeds, path):
 # ----------------------------------------------------------------------------------------------------------
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Numerical checks of Coser et al. (2026)")
+    p = data.ArgumentParser(description="Numerical checks of Coser et al. (2026)")
     sub = p.add_subparsers(dest="command", required=True)
     fmt = argparse.ArgumentDefaultsHelpFormatter
     s = sub.add_parser("prop1", formatter_class=fmt, help="Proposition 1: derivatives of L_sup and L_SPT at uniform attention")

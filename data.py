@@ -2636,7 +2636,7 @@ def prepare_command(task, data_dir, settings):
 def main(argv=None):
     """Prepare one task with the flags given: only those are passed to `prepare` (every other setting is the
     prepare function's default), and a flag that does not apply to the task is a ValueError naming both."""
-    p = argparse.ArgumentParser(description="Prepare a task's data as data/<task>/{train,val,test}.pt. A flag that "
+    p = ArgumentParser(description="Prepare a task's data as data/<task>/{train,val,test}.pt. A flag that "
                                             "does not apply to the task is an error.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     UNSET = argparse.SUPPRESS  # a flag not given is not set at all: the task's own default (in parentheses) holds
@@ -2676,6 +2676,20 @@ def main(argv=None):
     given = {k: v for k, v in vars(a).items() if k not in ("task", "data_dir")}  # only the flags given
     assert set(given) <= set(CLI_FLAGS), f"a data.py flag missing from CLI_FLAGS: {set(given) - set(CLI_FLAGS)}"
     prepare(a.task, a.data_dir, **given)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with a short usage error: the usage if it fits in 3 lines (ablate.py's list of
+    experiments), else the program and where the flags are listed (a stage's usage is some 20 lines), then what
+    is wrong; an unknown --task also says how a UCR data set is named."""
+
+    def error(self, message):
+        if "argument --task: invalid choice" in message:
+            message += "; a UCR data set is ucr/ and its name, e.g. --task ucr/GunPoint"
+        usage = self.format_usage()
+        if usage.count("\n") > 3:
+            usage = f"usage: {self.prog} ... (--help lists every flag)\n"
+        self.exit(2, f"{usage}{self.prog}: error: {message}\n")
 
 
 def run_cli(main_fn):

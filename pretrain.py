@@ -328,7 +328,7 @@ POSITIVE, NON_NEGATIVE = number_at_least(int, 1), number_at_least(int, 0)
 
 def build_parser(stage, description):
     """The flags every stage shares (defaults of None are filled from the preset by `resolve`)."""
-    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter,
+    p = data.ArgumentParser(description=description, formatter_class=HelpFormatter,
                                 epilog="A flag shown without a default takes the preset's value (pretrain.PRESETS; "
                                        "the README's table in Stage 2).")
     p.add_argument("--task", required=True, choices=data.TASKS, help="which data set")

@@ -3132,6 +3132,21 @@ def test_a_numeric_flag_out_of_range_is_a_usage_error_naming_it(flag, value, exp
     assert getattr(pretrain.pretrain_parser().parse_args(["--task", "synthetic", flag, "1"]), flag[2:]) == 1
 
 
+def test_a_usage_error_is_short_and_an_unknown_task_says_how_ucr_sets_are_named(capsys):
+    """A stage's usage is ~20 lines: a usage error prints 2 (the program, then what is wrong); a short usage
+    (ablate.py's experiments) is kept."""
+    with pytest.raises(SystemExit):
+        pretrain.pretrain_parser().parse_args(["--task", "SineSquare"])
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0].endswith(" ... (--help lists every flag)"), err  # prog: the running script
+    assert "invalid choice: 'SineSquare'" in err[1] and err[1].endswith("e.g. --task ucr/GunPoint")
+    import ablate
+    with pytest.raises(SystemExit):
+        ablate.build_parser().parse_args([])
+    err = capsys.readouterr().err
+    assert "{synthetic,init," in err and "required: experiment" in err
+
+
 def test_extract_tar_refuses_a_member_outside_its_folder_and_skips_links(tmp_path, capsys):
     """data.extract_tar: "../" and a symlink already in the folder cannot write outside it; links are counted."""
     def make_tar(path, names, link=None):
