@@ -104,26 +104,29 @@ def load_pt(path, map_location="cpu", mmap=False):
     """Load a .pt file written by this project with `weights_only=True` (no arbitrary code can run); mmap=True
     leaves the tensors on disk until used (to read a checkpoint's small fields).
 
-    Raises FileNotFoundError naming the path, or ValueError naming it if the file is empty, not torch.save's zip
-    archive (a text file, a legacy-format save), truncated, or holds objects the weights-only loader refuses (a
-    pickle of arbitrary classes).
+    Raises FileNotFoundError naming the path, or ValueError naming it if the file is empty, truncated, not a
+    torch.save file (a text file; with mmap also a legacy-format save), or holds objects the weights-only loader
+    refuses (arbitrary classes, numpy arrays).
     """
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file")
     if os.path.getsize(path) == 0:
         raise ValueError(f"{path}: the file is empty (an interrupted write?)")
-    with open(path, "rb") as f:
-        head = f.read(4)
-    if head != b"PK\x03\x04":  # torch.save writes a zip archive; anything else is another kind of file
-        raise ValueError(f"{path}: not a file torch.save wrote (that is a zip archive; this one starts with "
-                         f"{head!r}): give a checkpoint or data split this project wrote")
     try:
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as e:  # torch's text advises weights_only=False, which this project never does
-        detail = str(e).split("WeightsUnpickler error:")[-1].split("Check the documentation")[0].strip()
-        raise ValueError(f"{path}: not a file this project wrote: the weights-only loader refused it ({detail}); "
-                         f"no .pt file is loaded here with weights_only=False, which could run code from it") from e
-    except Exception as e:  # torch raises several types for truncated zip archives and other files
+    except Exception as e:  # torch raises several types for truncated archives, refused objects and other files
+        with open(path, "rb") as f:
+            head = f.read(4)
+        zipped, pickled = head == b"PK\x03\x04", head[:1] == b"\x80"  # torch.save's format, its legacy one
+        if not (zipped or pickled) or (mmap and not zipped):
+            raise ValueError(f"{path}: not in torch.save's zip format (it starts with {head!r}: another kind of "
+                             f"file{', or a legacy-format save, which cannot be memory-mapped' * pickled}); save it "
+                             f"with torch.save's defaults ({type(e).__name__})") from e
+        if isinstance(e, pickle.UnpicklingError):  # torch's text advises weights_only=False: never done here
+            detail = re.split(r"Please |Check the documentation", str(e).split("WeightsUnpickler error:")[-1])[0]
+            raise ValueError(f"{path}: holds objects the weights-only loader refuses ({detail.strip()}); store "
+                             f"tensors and plain Python types (dict, list, str, int, float) only: no .pt file is "
+                             f"loaded here with weights_only=False, which could run code from it") from e
         raise ValueError(f"{path}: cannot be loaded as a weights-only checkpoint ({type(e).__name__}: {e})") from e
 
 
@@ -2542,6 +2545,9 @@ def prepare(task, data_dir="data", **kwargs):
         spell = lambda k: CLI_FLAGS.get(k, k)  # noqa: E731
         flags = [CLI_FLAGS[k] for k in takes if k in CLI_FLAGS]
         keywords = [k for k in takes if k not in CLI_FLAGS]  # only in Python: no data.py flag sets them
+        if not takes:
+            raise ValueError(f"{', '.join(map(spell, wrong))} {'does' if len(wrong) == 1 else 'do'} not apply to "
+                             f"--task {task} (it takes no settings: its preset's data settings must be empty)")
         raise ValueError(f"{', '.join(map(spell, wrong))} {'does' if len(wrong) == 1 else 'do'} not apply to "
                          f"--task {task} (it takes: {', '.join(flags)}"
                          + (f"; and from Python the keyword{'s' * (len(keywords) > 1)} {', '.join(keywords)})"
@@ -2684,7 +2690,7 @@ class ArgumentParser(argparse.ArgumentParser):
     is wrong; an unknown --task also says how a UCR data set is named."""
 
     def error(self, message):
-        if "argument --task: invalid choice" in message:
+        if "argument --task: invalid choice" in message and "'ucr/<Name>'" in message:  # choices: data.TASKS
             message += "; a UCR data set is ucr/ and its name, e.g. --task ucr/GunPoint"
         usage = self.format_usage()
         if usage.count("\n") > 3:

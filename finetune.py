@@ -218,7 +218,7 @@ def main(argv=None):
     args, preset = resolve(parser.parse_args(argv), "finetune")
     if args.init == "scratch" and args.inherit != "all":
         parser.error("--inherit selects groups of an SPT checkpoint: give --init PATH")
-    if os.path.isdir(args.init):  # before any data is prepared
+    if args.init != "scratch" and os.path.isdir(args.init):  # before any data is prepared
         raise IsADirectoryError(f"--init {args.init}: a folder; give the checkpoint file in it (the best SPT "
                                 f"checkpoint is <out_dir>/<task>/pretrain.pt), or --init scratch")
     if args.init != "scratch" and not os.path.isfile(args.init):

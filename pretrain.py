@@ -807,6 +807,7 @@ def resume(model, opt, paths, n_batches, args, extra):
 # another precision (e.g. fp32 after bf16 overflowed), and ablate's read-back on a GPU resumes the CPU's fp32 runs.
 RESUME_SAME = ("lr", "warmup", "weight_decay", "grad_clip", "seed", "mask_ratio", "rec_loss", "init", "inherit",
                "freeze", "batch_size", "eval_every", "eval_each_epoch", "bucket")
+RESUME_DEFAULTS = {"bucket": 50}  # what a checkpoint from before the flag ran with
 
 
 def check_resumable(ck, cfg, n_batches, data_sha256=None, config=None, init_sha256=None):
@@ -821,6 +822,8 @@ def check_resumable(ck, cfg, n_batches, data_sha256=None, config=None, init_sha2
     saved = asdict(config_from_dict(ck["model_config"], "--resume checkpoint"))
     diff = {k: (v, getattr(cfg, k)) for k, v in saved.items() if getattr(cfg, k) != v}
     saved_config = ck.get("config") or {}
+    if saved_config:  # flags added since the checkpoint was written: it ran with their defaults then
+        saved_config = dict(RESUME_DEFAULTS, **saved_config)
     same_weights = bool(ck.get("init_sha256") and init_sha256)  # --init compared by content, not by spelling
     diff.update({k: (saved_config[k], config[k]) for k in RESUME_SAME
                  if config and k in saved_config and k in config and saved_config[k] != config[k]

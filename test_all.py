@@ -501,15 +501,18 @@ def test_bad_checkpoint_files_are_refused(tmp_path):
         data.load_pt(str(trunc))
     evil = tmp_path / "evil.pt"
     torch.save({"obj": random.Random(0)}, str(evil))  # an arbitrary pickled object
-    with pytest.raises(ValueError, match="evil.pt: not a file this project wrote: the weights-only loader refused "
-                                         "it") as e:
+    with pytest.raises(ValueError, match=r"evil.pt: holds objects the weights-only loader refuses \(Unsupported "
+                                         r"global: GLOBAL random.Random") as e:
         data.load_pt(str(evil))
-    assert "will likely succeed" not in str(e.value)  # torch's advice to load with weights_only=False is dropped
+    assert "likely succeed" not in str(e.value) and "add_safe_globals" not in str(e.value)  # torch's advice dropped
     text = tmp_path / "notes.pt"
     text.write_text("hello\n")
-    with pytest.raises(ValueError, match=r"notes.pt: not a file torch.save wrote \(that is a zip archive; this one "
-                                         r"starts with b'hell'\)"):
-        data.load_pt(str(text), mmap=True)
+    for mmap in (False, True):
+        with pytest.raises(ValueError, match=r"notes.pt: not in torch.save's zip format \(it starts with b'hell'"):
+            data.load_pt(str(text), mmap=mmap)
+    legacy = tmp_path / "legacy.pt"
+    torch.save({"a": torch.ones(3)}, str(legacy), _use_new_zipfile_serialization=False)
+    assert torch.equal(data.load_pt(str(legacy))["a"], torch.ones(3))  # torch.save's other format loads too
 
 
 def test_pretrain_then_finetune_end_to_end(listops_dir, tmp_path):
@@ -1943,6 +1946,16 @@ def test_resume_refuses_another_evaluation_grid(listops_dir, tmp_path):
         pretrain.main(args + ["--eval_every", "3", "--max_steps", "4", "--resume"])
     with pytest.raises(ValueError, match=r"made with eval_each_epoch=True; this run has eval_each_epoch=False"):
         pretrain.main(args + ["--eval_every", "2", "--max_steps", "4", "--no-eval_each_epoch", "--resume"])
+    with pytest.raises(ValueError, match=r"made with bucket=50; this run has bucket=1"):
+        pretrain.main(args + ["--eval_every", "2", "--max_steps", "4", "--bucket", "1", "--resume"])
+    for name in ("pretrain_last.pt", "pretrain.pt"):  # as written before --bucket existed: it ran with 50
+        path = os.path.join(str(tmp_path), "listops", name)
+        ck = data.load_pt(path)
+        del ck["config"]["bucket"]
+        data.save_atomic(ck, path)
+    with pytest.raises(ValueError, match=r"made with bucket=50; this run has bucket=1"):
+        pretrain.main(args + ["--eval_every", "2", "--max_steps", "4", "--bucket", "1", "--resume"])
+    pretrain.main(args + ["--eval_every", "2", "--max_steps", "4", "--resume"])  # the default goes on
 
 
 def test_finetune_names_a_broken_init_checkpoint(listops_dir, tmp_path):
@@ -2065,7 +2078,7 @@ def test_finetuning_checks_that_spt_used_its_data(tmp_path, capsys):
     assert "records no data sha256" in capsys.readouterr().out
 
 
-def test_finetune_with_a_missing_init_checkpoint_says_to_pretrain_before_preparing_any_data(tmp_path):
+def test_finetune_with_a_missing_init_checkpoint_says_to_pretrain_before_preparing_any_data(tmp_path, monkeypatch):
     missing = tmp_path / "out" / "synthetic" / "pretrain.pt"
     with pytest.raises(FileNotFoundError, match=r"no such file; make it first with python pretrain.py --task synthetic \(or"):
         finetune.main(["--task", "synthetic", "--init", str(missing), "--data_dir", str(tmp_path / "data"),
@@ -2075,6 +2088,11 @@ def test_finetune_with_a_missing_init_checkpoint_says_to_pretrain_before_prepari
         finetune.main(["--task", "synthetic", "--init", str(tmp_path), "--data_dir", str(tmp_path / "data"),
                        "--out_dir", str(tmp_path / "out"), "--device", "cpu"])
     assert not (tmp_path / "data").exists()
+    monkeypatch.chdir(tmp_path)
+    os.mkdir("scratch")  # a folder of that name in the working directory: --init scratch is still from scratch
+    finetune.main(["--task", "synthetic", "--init", "scratch", "--data_dir", str(tmp_path / "data"), "--out_dir",
+                   str(tmp_path / "out"), "--device", "cpu", "--max_steps", "1", "--eval_every", "1"])
+    assert json.load(open(tmp_path / "out" / "synthetic" / "finetune_scratch.json"))["init"] == "scratch"
 
 
 def test_a_task_of_ones_own_runs_after_the_readme_steps(tmp_path, monkeypatch):
@@ -2093,7 +2111,8 @@ def test_a_task_of_ones_own_runs_after_the_readme_steps(tmp_path, monkeypatch):
         raise FileNotFoundError(f"{data_dir}/mytask/: write its .pt files first")
     monkeypatch.setattr(data, "TASKS", data.TaskNames(tuple(data.TASKS) + ("mytask",)))
     monkeypatch.setitem(data.PREPARE, "mytask", prepare_mytask)
-    monkeypatch.setitem(pretrain.PRESETS, "mytask", pretrain.PRESETS["listops"])
+    preset = {name: dict(p, data={}) for name, p in pretrain.PRESETS["listops"].items()}  # the README: data {}
+    monkeypatch.setitem(pretrain.PRESETS, "mytask", preset)
     monkeypatch.setitem(pretrain.MASK_RATIO, "mytask", 0.15)
     common = ["--task", "mytask", "--data_dir", str(root), "--out_dir", str(tmp_path / "out"), "--device", "cpu",
               "--max_steps", "2", "--eval_every", "2", "--d_model", "16", "--n_heads", "2", "--n_layers", "1",
@@ -2107,6 +2126,12 @@ def test_a_task_of_ones_own_runs_after_the_readme_steps(tmp_path, monkeypatch):
     data.save_atomic(split, str(root / "mytask" / "train.pt"))
     with pytest.raises(ValueError, match=r"mytask/train.pt: meta has no 'pad_id'"):
         pretrain.main(common)
+    shutil.rmtree(root / "mytask")  # the files missing: the stages call prepare_mytask, whose message is seen
+    with pytest.raises(FileNotFoundError, match=r"mytask/: write its .pt files first"):
+        pretrain.main(common)
+    with pytest.raises(ValueError, match=r"--n_train does not apply to --task mytask \(it takes no settings: its "
+                                         r"preset's data settings must be empty\)"):
+        data.prepare("mytask", str(root), n_train=5)
 
 
 def test_command_line_data_errors_are_one_line_without_traceback(tmp_path):
@@ -2122,7 +2147,7 @@ def test_command_line_data_errors_are_one_line_without_traceback(tmp_path):
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
-    assert proc.stderr.startswith(f"error: {folder / 'train.pt'}: not a file torch.save wrote")
+    assert proc.stderr.startswith(f"error: {folder / 'train.pt'}: not in torch.save's zip format")
     # analyze.py too: a missing checkpoint, a run folder without snapshots
     for argv, message in ((["attention", "--ckpt", str(tmp_path / "none.pt")], f"error: {tmp_path / 'none.pt'}: no such file"),
                           (["curves", "--run_dir", str(folder)], f"error: no pretrain_step*.pt in {folder}")):
@@ -3145,6 +3170,9 @@ def test_a_usage_error_is_short_and_an_unknown_task_says_how_ucr_sets_are_named(
         ablate.build_parser().parse_args([])
     err = capsys.readouterr().err
     assert "{synthetic,init," in err and "required: experiment" in err
+    with pytest.raises(SystemExit):  # choices without UCR: no UCR hint
+        ablate.build_parser().parse_args(["posenc", "--task", "ucr/GunPoint"])
+    assert "invalid choice" in (err := capsys.readouterr().err) and "a UCR data set is" not in err
 
 
 def test_extract_tar_refuses_a_member_outside_its_folder_and_skips_links(tmp_path, capsys):
