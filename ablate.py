@@ -931,7 +931,7 @@ def experiment_ucr(args):
     notes += (f"Every stage {args.steps} steps (the preset's: {preset['pretrain']['max_steps']} SPT, "
               f"{preset['finetune']['max_steps']} finetuning). " if args.steps else "")
     notes += (f"Batches: windows of {args.bucket} batch(es) sorted by length (--bucket {args.bucket}; 1 = random "
-              f"batches, as Amos et al.'s loader; the default: 50). " if args.bucket else "")
+              f"batches, as Amos et al.'s loader; the default: {data.BUCKET}). " if args.bucket else "")
     flag = ("" if default else " --datasets " + " ".join(args.datasets)) + (f" --steps {args.steps}" if args.steps else "") \
         + (f" --bucket {args.bucket}" if args.bucket else "")
     parts.append(notes + f"Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py ucr{flag}"
@@ -1669,7 +1669,7 @@ def build_parser():
                         f"({pretrain.PRESETS['ucr']['cpu']['finetune']['max_steps']})")
     s.add_argument("--bucket", type=pretrain.POSITIVE, default=None,
                    help="pretrain.py --bucket for every run (1: random batches, as Amos et al.'s loader); runs and "
-                        "a table of their own; default: the stages' 50")
+                        f"a table of their own; default: the stages' {data.BUCKET}")
     s = add("initscale", "from scratch and SPT over init scale x length x tied/independent (beyond the paper)",
             ("seeds", "runs"), seeds=2)
     s.add_argument("--kinds", nargs="+", default=["reference", "torch"], choices=("reference", "torch"),

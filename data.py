@@ -404,7 +404,10 @@ def single_sequences(x, lengths):
     return x, lengths
 
 
-def batch_indices(lengths, batch_size, shuffle, seed=0, epoch=0, bucket=50, min_rows=1):
+BUCKET = 50  # batches per window sorted by length (batch_indices; the stages' --bucket)
+
+
+def batch_indices(lengths, batch_size, shuffle, seed=0, epoch=0, bucket=BUCKET, min_rows=1):
     """The batches of one epoch, as a list of index tensors (B,) into the split.
 
     With `shuffle`, the order is a permutation seeded by (seed, epoch), so a resumed run sees the same batches.
@@ -2543,15 +2546,13 @@ def prepare(task, data_dir="data", **kwargs):
     wrong = [k for k in kwargs if k not in takes]
     if wrong:
         spell = lambda k: CLI_FLAGS.get(k, k)  # noqa: E731
-        flags = [CLI_FLAGS[k] for k in takes if k in CLI_FLAGS]
         keywords = [k for k in takes if k not in CLI_FLAGS]  # only in Python: no data.py flag sets them
-        if not takes:
-            raise ValueError(f"{', '.join(map(spell, wrong))} {'does' if len(wrong) == 1 else 'do'} not apply to "
-                             f"--task {task} (it takes no settings: its preset's data settings must be empty)")
+        takes_text = (f"it takes: {', '.join(CLI_FLAGS[k] for k in takes if k in CLI_FLAGS)}"
+                      + (f"; and from Python the keyword{'s' * (len(keywords) > 1)} {', '.join(keywords)}"
+                         if keywords else "")) if takes else \
+            "it takes no settings: its preset's data settings must be empty"
         raise ValueError(f"{', '.join(map(spell, wrong))} {'does' if len(wrong) == 1 else 'do'} not apply to "
-                         f"--task {task} (it takes: {', '.join(flags)}"
-                         + (f"; and from Python the keyword{'s' * (len(keywords) > 1)} {', '.join(keywords)})"
-                            if keywords else ")"))
+                         f"--task {task} ({takes_text})")
     family, _, name = task.partition("/")
     if family == "ucr":
         return PREPARE["ucr"](data_dir, name, **kwargs)
@@ -2639,6 +2640,20 @@ def prepare_command(task, data_dir, settings):
 # 9. Command line
 # ----------------------------------------------------------------------------------------------------------
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with a short usage error: the usage if it fits in 3 lines (ablate.py's list of
+    experiments), else the program and where the flags are listed (a stage's usage is some 20 lines), then what
+    is wrong; an unknown --task also says how a UCR data set is named."""
+
+    def error(self, message):
+        if "argument --task: invalid choice" in message and "'ucr/<Name>'" in message:  # choices: data.TASKS
+            message += "; a UCR data set is ucr/ and its name, e.g. --task ucr/GunPoint"
+        usage = self.format_usage()
+        if usage.count("\n") > 3:
+            usage = f"usage: {self.prog} ... (--help lists every flag)\n"
+        self.exit(2, f"{usage}{self.prog}: error: {message}\n")
+
+
 def main(argv=None):
     """Prepare one task with the flags given: only those are passed to `prepare` (every other setting is the
     prepare function's default), and a flag that does not apply to the task is a ValueError naming both."""
@@ -2682,20 +2697,6 @@ def main(argv=None):
     given = {k: v for k, v in vars(a).items() if k not in ("task", "data_dir")}  # only the flags given
     assert set(given) <= set(CLI_FLAGS), f"a data.py flag missing from CLI_FLAGS: {set(given) - set(CLI_FLAGS)}"
     prepare(a.task, a.data_dir, **given)
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse's parser with a short usage error: the usage if it fits in 3 lines (ablate.py's list of
-    experiments), else the program and where the flags are listed (a stage's usage is some 20 lines), then what
-    is wrong; an unknown --task also says how a UCR data set is named."""
-
-    def error(self, message):
-        if "argument --task: invalid choice" in message and "'ucr/<Name>'" in message:  # choices: data.TASKS
-            message += "; a UCR data set is ucr/ and its name, e.g. --task ucr/GunPoint"
-        usage = self.format_usage()
-        if usage.count("\n") > 3:
-            usage = f"usage: {self.prog} ... (--help lists every flag)\n"
-        self.exit(2, f"{usage}{self.prog}: error: {message}\n")
 
 
 def run_cli(main_fn):

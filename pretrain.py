@@ -343,7 +343,7 @@ def build_parser(stage, description):
     p.add_argument("--warmup", type=NON_NEGATIVE, default=None, help="linear warm-up steps, then constant")
     p.add_argument("--weight_decay", type=number_at_least(float, 0.0), default=None,
                    help="AdamW decoupled weight decay (the preset's: 0, but 0.1 for Text's paper preset)")
-    p.add_argument("--bucket", type=POSITIVE, default=50,
+    p.add_argument("--bucket", type=POSITIVE, default=data.BUCKET,
                    help="batches per window sorted by length before it is cut (less padding); 1 = random batches, "
                         "as Amos et al.'s loader (SPT's loss per masked token then weighs short and long "
                         "sequences alike: data.batch_indices)")
@@ -807,7 +807,7 @@ def resume(model, opt, paths, n_batches, args, extra):
 # another precision (e.g. fp32 after bf16 overflowed), and ablate's read-back on a GPU resumes the CPU's fp32 runs.
 RESUME_SAME = ("lr", "warmup", "weight_decay", "grad_clip", "seed", "mask_ratio", "rec_loss", "init", "inherit",
                "freeze", "batch_size", "eval_every", "eval_each_epoch", "bucket")
-RESUME_DEFAULTS = {"bucket": 50}  # what a checkpoint from before the flag ran with
+RESUME_DEFAULTS = {"bucket": data.BUCKET}  # what a checkpoint from before the flag ran with
 
 
 def check_resumable(ck, cfg, n_batches, data_sha256=None, config=None, init_sha256=None):
