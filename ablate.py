@@ -1170,7 +1170,6 @@ def bench(args):
     reference and the data path's overhead. Writes out/bench/<name>.json and .md (README, Performance, via
     `report`) and returns the figures as a dict."""
     import multiprocessing
-    import platform
     size = BENCH_SIZES.get(args.size) or tuple(int(v) for v in args.size.split(",") if v.strip().isdigit())
     if len(size) != 6 or size[1] % size[3]:
         raise ValueError(f"--size {args.size}: expected one of {', '.join(BENCH_SIZES)} or six positive integers "
@@ -1180,7 +1179,7 @@ def bench(args):
     size = (args.L or size[0],) + size[1:]
     device = model_lib.pick_device(args.device)
     dtype, reason = model_lib.pick_dtype(args.dtype, device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    name = model_lib.device_name(device)
     print(f"benchmark: L, d_model, layers, heads, MLP, batch = {size} | {device} {name} | {str(dtype)[6:]} "
           f"({reason}) | torch {torch.__version__} | median of {args.repeats} x {args.steps} steps after 3 warm-up steps")
     out = dict(size=dict(zip(("L", "d_model", "n_layers", "n_heads", "d_mlp", "batch"), size)), device=str(device),

@@ -23,6 +23,7 @@ The benchmark that times it is `python ablate.py bench` (README, Performance). T
 to change are the fields of ModelConfig, right below.
 """
 import math
+import platform
 import re
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
@@ -537,6 +538,21 @@ def peak_flops(device, dtype):
     if device.type != "cuda" or dtype != torch.bfloat16:
         return None
     return peak_flops_of(torch.cuda.get_device_name(device))
+
+
+def device_name(device):
+    """What ran the arithmetic, for run records and logs: the GPU's name on CUDA, else the CPU's model name
+    (Linux: the first "model name" of /proc/cpuinfo; elsewhere platform.processor(), else the architecture).
+    Recorded because float sums, and so trained weights, depend on the CPU and its thread count (README,
+    Checkpoints, resuming, determinism)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return (names[0] if names else "") or platform.processor() or platform.machine()
 
 
 def peak_flops_of(name):

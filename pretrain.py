@@ -38,7 +38,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import data
 from model import (INIT_SCHEMES, POSITIONS, ModelConfig, Transformer, accumulator_dtype, autocast, checkpoint_dict,
-                   config_from_dict, count_params, flops_per_token, on, peak_flops, pick_device, pick_dtype)
+                   config_from_dict, count_params, device_name, flops_per_token, on, peak_flops, pick_device,
+                   pick_dtype)
 
 # Presets per task: "paper" (Coser et al. Sec. 5; Amos et al.'s configs) and "cpu" (minutes on 2 cores). --preset
 # auto picks paper on CUDA, cpu elsewhere; any flag overrides. eval_every 10**9: validate at the end of each epoch.
@@ -411,7 +412,9 @@ def resolve(args, stage):
     torch.manual_seed(args.seed)  # the model's initialization
     if args.device.type == "cuda":  # TF32 matmuls, unless exact fp32 was asked for
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.dtype != torch.float32
-    print(f"device {args.device}, dtype {str(args.dtype).replace('torch.', '')} ({reason}), preset {args.preset}")
+    threads = f", {torch.get_num_threads()} thread(s)" if args.device.type == "cpu" else ""  # they change float sums
+    print(f"device {args.device} ({device_name(args.device)}{threads}), dtype {str(args.dtype).replace('torch.', '')} "
+          f"({reason}), preset {args.preset}")
     return args, preset
 
 
@@ -542,9 +545,9 @@ def run_record(args):
                                 cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None
-    device = torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else platform.processor()
     return dict(config=plain_config(args), git_commit=commit, torch_version=str(torch.__version__),
-                python=platform.python_version(), device_name=device)
+                python=platform.python_version(), device_name=device_name(args.device),
+                threads=torch.get_num_threads())
 
 
 def epoch_batches(split, args, epoch):

@@ -2621,7 +2621,11 @@ def test_finetune_result_records_what_produced_it(listops_dir, tmp_path):
     res = json.load(open(tmp_path / "listops" / "finetune_scratch.json"))
     assert res["torch_version"] == str(torch.__version__)
     assert {s: data.sha256_of(os.path.join(listops_dir, "listops", f"{s}.pt")) for s in data.SPLITS} == res["data_sha256"]
-    assert res["config"]["seed"] == 0 and "git_commit" in res and res["device_name"] is not None
+    assert res["config"]["seed"] == 0 and "git_commit" in res
+    # The CPU's model and thread count: float sums, and so the weights, depend on them (README, determinism).
+    assert res["device_name"] and res["threads"] == torch.get_num_threads()
+    if os.path.exists("/proc/cpuinfo"):
+        assert f": {res['device_name']}\n" in open("/proc/cpuinfo").read()
 
 
 def test_train_accuracy_scores_a_random_subset_not_the_first_rows_of_a_class_sorted_split():
