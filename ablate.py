@@ -1184,7 +1184,8 @@ def bench(args):
           f"({reason}) | torch {torch.__version__} | median of {args.repeats} x {args.steps} steps after 3 warm-up steps")
     out = dict(size=dict(zip(("L", "d_model", "n_layers", "n_heads", "d_mlp", "batch"), size)), device=str(device),
                device_name=name, dtype=str(dtype), torch=torch.__version__, steps=args.steps, repeats=args.repeats,
-               threads=torch.get_num_threads())
+               threads=torch.get_num_threads(), command=f"python ablate.py bench --size {args.size} --variants "
+                                                        f"{args.variants}" + (f" --L {args.L}" if args.L else ""))
     ctx, peak_fl, res = multiprocessing.get_context("spawn"), model_lib.peak_flops(device, dtype), {}
     variants = args.variants.split(",")
     for i, v in enumerate(variants[:1] + variants):  # i = 0: the untimed first process
@@ -1232,7 +1233,8 @@ def bench_table(out):
     s = out["size"]
     rows = [f"**L {s['L']}, d_model {s['d_model']}, {s['n_layers']} layers, {s['n_heads']} heads, MLP {s['d_mlp']}, "
             f"batch {s['batch']}**; {out['device_name'] or out['device']}, {out['dtype'][6:]}, torch {out['torch']}, "
-            f"{out.get('threads', '?')} threads; median of {out['repeats']} x {out['steps']} steps", "",
+            f"{out.get('threads', '?')} thread(s); median of {out['repeats']} x {out['steps']} steps"
+            + (f"; `{out['command']}`" if "command" in out else ""), "",
             "| variant | ms/step | real tokens/s | peak memory | MFU |", "|---|---|---|---|---|"]
     for v, r in out["results"].items():
         if "error" in r:
@@ -1509,6 +1511,25 @@ def weaker_table(text, old_text):
     return None
 
 
+def weaker_bench(text, old_text):
+    """Why a benchmark table from out/bench/ should not replace the README's part of that name without --force,
+    or None: it lacks variants (rows) that the README's table has (`bench` by default times 4 of the 7)."""
+    rows = [set(re.findall(r"^\| ([^|]+?) \| [^|]*\d", t or "", re.M)) - {"variant"} for t in (text, old_text)]
+    missing = sorted(rows[1] - rows[0]) if old_text else []
+    return f"lacks the README's rows {', '.join(missing)} (its variants: --variants)" if missing else None
+
+
+def figure_table(figure):
+    """The table under out/ablate/ that the command drawing a figure of out/analysis/ writes with it, or None
+    (analyze.py's figures): initscale.png with initscale.md, pathfinder_curves.png with pfcurves.md,
+    init_<task>_curves.png with init_<task>.md."""
+    if figure in ("initscale.png", "pathfinder_curves.png"):
+        return {"initscale.png": "ablate/initscale.md", "pathfinder_curves.png": "ablate/pfcurves.md"}[figure]
+    if m := re.fullmatch(r"init_(.+)_curves\.png", figure):
+        return f"ablate/init_{m.group(1)}.md"
+    return None
+
+
 def report(args):
     """Rewrite the README's Results section from out/ablate/*.md (in the order of TITLES: the paper's story) with
     the figures of out/analysis/ (copied to figures/), and its Performance tables from out/bench/*.md.
@@ -1520,7 +1541,9 @@ def report(args):
     refused when out/ holds none of ablate/, analysis/, bench/ (it would empty both sections). Raises ValueError,
     before writing anything, for a missing or repeated marker, text under no `from` line, a source named twice,
     an out/ file holding a `from` line or a marker of its own, and, unless --force, a table that is a quick look
-    (weaker_table: capped runs, or fewer seeds or another command than the README's table it would replace).
+    (weaker_table: capped runs, or fewer seeds or another command than the README's table it would replace), a
+    figure whose table is not under out/ablate/ (figure_table: a quick look's table moved aside, its figure not),
+    and a benchmark table lacking rows of the README's (weaker_bench).
     """
     here = os.path.dirname(os.path.abspath(__file__))
     readme_path = os.path.join(here, "README.md")
@@ -1563,10 +1586,18 @@ def report(args):
                      os.walk(analysis) for f in fs if f.endswith(".png")) if os.path.isdir(analysis) else []
     for f in figures:  # one part per figure, so that a machine that drew some of them keeps the others
         new["results"]["analysis/" + f] = f"![{f}](figures/{f.replace('/', '_')})"  # a/b.png -> figures/a_b.png
+    # A figure whose table is not taken (moved aside as a quick look) is that quick look's figure too.
+    orphans = [f"analysis/{f} (drawn with {figure_table(f)}, which is not under {folder}/)" for f in figures
+               if figure_table(f) and figure_table(f) not in new["results"]]
     bench_dir = os.path.join(args.out_dir, "bench")
     for name in sorted(os.listdir(bench_dir)) if os.path.isdir(bench_dir) else []:
         if name.endswith(".md"):
             new["performance"]["bench/" + name] = read_part(os.path.join(bench_dir, name))
+    weaker = orphans + [f"{key} ({why})" for key, text in new["performance"].items()
+                        if (why := weaker_bench(text, old["performance"].get(key)))]
+    if weaker and not args.force:
+        raise ValueError(f"{'; '.join(weaker)}: a quick look would replace the README's part of that name; move "
+                         f"these files out of {args.out_dir}/ too, or pass --force to take them")
     copies = {os.path.join(analysis, f): f.replace("/", "_") for f in figures}
     samples = os.path.join(args.data_dir, "pathfinder", "samples.png")  # written by data.py --generate
     if os.path.exists(samples):

@@ -4584,6 +4584,53 @@ def test_report_refuses_a_quick_look_over_the_readme_s_table_unless_forced(tmp_p
     assert ablate.weaker_table(footer.format(2, " --seeds 2"), None) is None  # a new table: nothing to compare
 
 
+def test_report_refuses_a_figure_without_its_table_and_a_bench_table_with_fewer_rows_unless_forced(tmp_path,
+                                                                                                    monkeypatch):
+    """A new-user check: after moving a quick look's initscale.md aside, as the README says, report copied its
+    quick-look initscale.png over the committed figure; and a default `bench` run (4 variants) replaced the
+    README's 7-variant table, dropping 3 rows. Both are refused, naming the file, unless --force."""
+    import ablate
+    readme = tmp_path / "README.md"
+    rows = lambda *names: "\n".join(f"| {n} | 1.0 | 2 | 3 MiB | - |" for n in names)
+    old = ("<!-- results:start -->\n<!-- results:end -->\n<!-- performance:start -->\n<!-- from bench/cpu.md -->\n"
+           + "**size**\n\n"
+           + "| variant | ms/step | real tokens/s | peak memory | MFU |\n|---|---|---|---|---|\n"
+           + rows("ours, fused attention", "ours, fused + torch.compile") + "\n<!-- performance:end -->\n")
+    monkeypatch.setattr(ablate, "__file__", str(tmp_path / "ablate.py"))
+    out = tmp_path / "out"
+    run = lambda *flags: ablate.main(["report", "--out_dir", str(out), "--data_dir", str(tmp_path), *flags])
+    os.makedirs(out / "analysis")
+    import matplotlib.pyplot as plt
+    analyze.save_figure(plt.figure(), str(out / "analysis" / "initscale.png"))
+    readme.write_text(old)
+    with pytest.raises(ValueError, match=re.escape("analysis/initscale.png (drawn with ablate/initscale.md, which "
+                                                   f"is not under {out}/ablate/)")):
+        run()
+    assert readme.read_text() == old and not (tmp_path / "figures").exists()  # nothing written
+    os.makedirs(out / "ablate")
+    (out / "ablate" / "initscale.md").write_text("rows. Seeds: 2; command: python ablate.py initscale\n")
+    run()  # with its table: taken
+    assert (tmp_path / "figures" / "initscale.png").exists()
+    os.remove(out / "ablate" / "initscale.md")
+    os.remove(out / "analysis" / "initscale.png")
+    os.makedirs(out / "bench")
+    bench = out / "bench" / "cpu.md"
+    bench.write_text("**size**\n\n| variant | ms/step | real tokens/s | peak memory | MFU |\n|---|---|---|---|---|\n"
+                     + rows("ours, fused attention") + "\n")
+    readme.write_text(old)
+    with pytest.raises(ValueError, match=re.escape("bench/cpu.md (lacks the README's rows ours, fused + "
+                                                   "torch.compile (its variants: --variants))")):
+        run()
+    assert readme.read_text() == old
+    run("--force")
+    assert "torch.compile" not in readme.read_text()
+    bench.write_text(bench.read_text() + rows("ours, fused + torch.compile", "ours, explicit attention") + "\n")
+    readme.write_text(old)
+    run()  # every README row and one more: taken
+    assert "ours, explicit attention" in readme.read_text()
+    assert ablate.weaker_bench(rows("a"), None) is None  # a new table: nothing to compare
+
+
 def test_report_on_a_fresh_clone_keeps_the_readme_as_it_is(tmp_path, monkeypatch, capsys):
     """With nothing under out/ (a fresh clone, a GPU machine that ran only `ablate.py gpu`), `ablate.py report`
     leaves this README byte for byte: every generated part sits under its `<!-- from SOURCE -->` line, in order."""
