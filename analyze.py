@@ -9,7 +9,7 @@ r"""analyze.py -- what self-pretraining does to attention, and the theory behind
 Reads checkpoints (*.pt) and the task's validation split only; trains nothing. Writes PNG figures (matplotlib
 Agg) and JSON numbers into --out (default out/analysis). The same commands run on GPU checkpoints of the paper
 preset (pass --ckpt paths of any task; the maps are averaged over validation sequences).
-Expect: prop1 in ~10 s (supervised derivative ~1e-18, closed form to ~1e-14); attention on the synthetic run in
+Expect: prop1 in ~10 s (supervised derivative ~1e-18, closed form to ~1e-15); attention on the synthetic run in
 ~10 s: under the default reference init, entropy 4.56 -> ~2.2 nats, band mass 0.11 -> ~0.87, PE-only probe
 correlation 0.87 -> ~0.98 (under --init_scheme normal: 4.61 -> ~2.2, 0.07 -> ~0.88, ~0.997 after SPT).
 
@@ -549,8 +549,18 @@ def plot_maps(maps, key, path, title):
     save_figure(fig, path)
 
 
+def checkpoint_label(path, paths):
+    """A checkpoint's label in figures and attention.json: its file name without .pt (pretrain), or, where
+    another of `paths` has the same file name (seed0/pretrain.pt, seed1/pretrain.pt), its path without .pt."""
+    name = os.path.splitext(os.path.basename(path))[0]
+    same = [p for p in paths if os.path.basename(p) == os.path.basename(path)]
+    return name if len(same) == 1 else os.path.splitext(os.path.normpath(path))[0]
+
+
 def cmd_attention(args):
-    paths = {os.path.splitext(os.path.basename(p))[0]: p for p in args.ckpt}
+    paths = {checkpoint_label(p, args.ckpt): p for p in args.ckpt}
+    if len(paths) < len(args.ckpt):
+        raise ValueError(f"--ckpt names a file twice: {' '.join(args.ckpt)}")
     results, maps = analyze_checkpoints(paths, args.data_dir, args.n, args.band)
     os.makedirs(args.out, exist_ok=True)
     plot_maps(maps, "attention", os.path.join(args.out, "attention.png"),
@@ -603,7 +613,7 @@ def cmd_curves(args):
     os.makedirs(args.out, exist_ok=True)
     save_figure(fig, os.path.join(args.out, f"curves_{args.stage}.png"))
     data.save_atomic(dict(steps=xs, stats=list(results.values())), os.path.join(args.out, f"curves_{args.stage}.json"))
-    print(f"wrote {os.path.join(args.out, f'curves_{args.stage}.png')}")
+    print(f"wrote {os.path.join(args.out, f'curves_{args.stage}.png')} and .json")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -708,6 +718,11 @@ def main(argv=None):
     s.add_argument("--out", default="out/analysis", help="folder for curves_<stage>.png and .json")
     s.set_defaults(func=cmd_curves)
     args = p.parse_args(argv)
+    for path in getattr(args, "ckpt", None) or []:  # every file, before the first one's minutes of work
+        if not os.path.isfile(path):
+            raise data.not_a_file(path)
+    if getattr(args, "run_dir", None) and not os.path.isdir(args.run_dir):
+        raise FileNotFoundError(f"--run_dir {args.run_dir}: no such folder (a run's folder, e.g. out/synthetic)")
     args.func(args)
 
 

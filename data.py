@@ -31,6 +31,7 @@ an error) and the data settings the stages check against the prepared data  9. c
 """
 import argparse
 import csv
+import difflib
 import gzip
 import hashlib
 import http.client
@@ -108,8 +109,8 @@ def load_pt(path, map_location="cpu", mmap=False):
     torch.save file (a text file; with mmap also a legacy-format save), or holds objects the weights-only loader
     refuses (arbitrary classes, numpy arrays).
     """
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no such file")
+    if not os.path.isfile(path):
+        raise not_a_file(path)
     if os.path.getsize(path) == 0:
         raise ValueError(f"{path}: the file is empty (an interrupted write?)")
     try:
@@ -120,14 +121,37 @@ def load_pt(path, map_location="cpu", mmap=False):
         zipped, pickled = head == b"PK\x03\x04", head[:1] == b"\x80"  # torch.save's format, its legacy one
         if not (zipped or pickled) or (mmap and not zipped):
             raise ValueError(f"{path}: not in torch.save's zip format (it starts with {head!r}: another kind of "
-                             f"file{', or a legacy-format save, which cannot be memory-mapped' * pickled}); save it "
-                             f"with torch.save's defaults ({type(e).__name__})") from e
+                             f"file{', or a legacy-format save, which cannot be memory-mapped' * pickled}); pass a "
+                             f".pt file of this project (one you wrote yourself: save it with torch.save's "
+                             f"defaults)") from e
         if isinstance(e, pickle.UnpicklingError):  # torch's text advises weights_only=False: never done here
             detail = re.split(r"Please |Check the documentation", str(e).split("WeightsUnpickler error:")[-1])[0]
             raise ValueError(f"{path}: holds objects the weights-only loader refuses ({detail.strip()}); store "
                              f"tensors and plain Python types (dict, list, str, int, float) only: no .pt file is "
                              f"loaded here with weights_only=False, which could run code from it") from e
         raise ValueError(f"{path}: cannot be loaded as a weights-only checkpoint ({type(e).__name__}: {e})") from e
+
+
+def not_a_file(path):
+    """The error for a `path` that should be a .pt file and is not (load_pt): IsADirectoryError listing the
+    folder's .pt files, or FileNotFoundError with a close name in its folder ("did you mean"), the missing folder,
+    and for a run's checkpoint the stage that writes it (data.run_paths' names)."""
+    if os.path.isdir(path):
+        pts = sorted(f for f in os.listdir(path) if f.endswith(".pt"))
+        return IsADirectoryError(f"{path}: a folder, not a file; give a .pt file in it "
+                                 + (f"({', '.join(pts[:6])}{', ...' * (len(pts) > 6)})" if pts else "(it has none)"))
+    folder, name = os.path.split(path)
+    hints = []
+    if not os.path.isdir(folder or "."):
+        hints.append(f"there is no folder {folder}")
+    elif close := difflib.get_close_matches(name, os.listdir(folder or "."), n=1, cutoff=0.8):
+        hints.append(f"did you mean {os.path.join(folder, close[0])}?")
+    if re.fullmatch(r"pretrain(_last|_init|_step\d+)?\.pt", name):
+        hints.append("pretrain.py writes it (pretrain_step<N>.pt with --snapshots)")
+    elif m := re.fullmatch(r"finetune_(.+?)(_last|_init|_step\d+)?\.pt", name):
+        hints.append(f"finetune.py writes it for a run named {m.group(1)} (--name; by default spt, or scratch with "
+                     f"--init scratch)")
+    return FileNotFoundError(f"{path}: no such file" + "".join(f"; {h}" for h in hints))
 
 
 def load_newest(candidates, map_location="cpu", who="load", with_path=False):

