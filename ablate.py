@@ -1714,7 +1714,7 @@ def build_parser():
     s.add_argument("--quick", action="store_true", help="a small grid (scales 0.25 1, L 50 100, 4 epochs of 500)")
     s.add_argument("--jobs", type=int, default=2, help="processes run at once, one per init kind (one thread each)")
     s.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a --jobs child: no table
-    s = sub.add_parser("bench", help="time one SPT step: ours (fused, explicit) vs torch.nn.TransformerEncoder",
+    s = sub.add_parser("bench", help=(h := "time one SPT step: ours (fused, explicit) vs torch.nn.TransformerEncoder"), description=h,
                        formatter_class=fmt)
     s.add_argument("--size", default="cpu", help=f"one of {', '.join(BENCH_SIZES)}, or L,d_model,layers,heads,MLP,batch")
     s.add_argument("--L", type=int, default=None, help="override the sequence length of --size")
@@ -1725,7 +1725,7 @@ def build_parser():
     s.add_argument("--variants", default="fused,explicit,reference,data", help=f"any of {', '.join(BENCH_VARIANTS)}")
     s.add_argument("--out_dir", default="out", help="writes <out_dir>/bench/<name>.{json,md}")
     s.add_argument("--name", default=None, help="file name of the result (default: size, L and device type)")
-    s = sub.add_parser("gpu", help="time every paper preset on one CUDA GPU: ms/step, tokens/s, MFU, memory, hours",
+    s = sub.add_parser("gpu", help=(h := "time every paper preset on one CUDA GPU: ms/step, tokens/s, MFU, memory, hours"), description=h,
                        formatter_class=fmt)
     s.add_argument("--tasks", nargs="+", default=list(GPU_TASKS), choices=GPU_TASKS, help="the presets to time")
     s.add_argument("--steps", type=int, default=300, help="steps per stage and task (the first log interval is "
@@ -1734,19 +1734,21 @@ def build_parser():
     s.add_argument("--n_train", type=int, default=2000, help="training examples of the stand-in data")
     s.add_argument("--compile", action="store_true", help="torch.compile the model (pretrain.py --compile)")
     s.add_argument("--out_dir", default="out", help="runs in <out_dir>/gpu/<task>/, table in <out_dir>/bench/gpu.md")
-    s = sub.add_parser("padding", help="real tokens / padded tokens of the training batches: random, bucketed, "
-                                       "sorted", formatter_class=fmt)
+    s = sub.add_parser("padding", help=(h := "real tokens / padded tokens of the training batches: random, bucketed, "
+                                       "sorted"), description=h,
+                       formatter_class=fmt)
     s.add_argument("--tasks", nargs="+", default=list(LRA_TASKS) + ["pathx", "ucr"], help="tasks looked for")
     s.add_argument("--preset", default="paper", choices=("cpu", "paper"), help="whose pretraining batch size")
     s.add_argument("--data_dir", default="data", help="root of data/<task>/")
     s.add_argument("--out_dir", default="out", help="writes <out_dir>/bench/padding.{json,md}")
-    s = sub.add_parser("report", help="the README's Results (out/ablate/, out/analysis/) and Performance (out/bench/)",
+    s = sub.add_parser("report", help=(h := "the README's Results (out/ablate/, out/analysis/) and Performance (out/bench/)"), description=h,
                        formatter_class=fmt)
     s.add_argument("--out_dir", default="out", help="where the experiments wrote")
     s.add_argument("--data_dir", default="data", help="where data.py --generate left pathfinder/samples.png")
     s.add_argument("--prune", action="store_true", help="drop the README's parts whose file is not under --out_dir")
     s.add_argument("--force", action="store_true", help="also take quick looks: tables of capped runs (--max_steps), "
-                   "or with fewer seeds or another command than the README's table they replace")
+                   "or with fewer seeds or another command than the README's table they replace, a figure whose "
+                   "table is not under out/ablate/, a bench table lacking rows of the README's")
     return p
 
 
