@@ -309,7 +309,7 @@ def loss_gradients(path, data_dir, n=64, chunk=None, seed=0, losses=("L_sup", "L
             for p in probs:
                 p.retain_grad()
             if loss_name == "L_sup":
-                loss = F.cross_entropy(model.cls_head(model.pool(z, lengths)), labels, reduction="sum")
+                loss = F.cross_entropy(model.class_head(model.pool(z, lengths)), labels, reduction="sum")
             else:
                 targets = pretrain.targets_at(x, None, kind, meta)
                 loss = pretrain.reconstruction_loss(model.rec_head(z), targets, kind, masked) * masked.sum()

@@ -333,7 +333,7 @@ class Transformer(nn.Module):
         return z.masked_fill(~valid, float("-inf")).max(dim=1).values
 
     def classify(self, x, lengths=None):
-        """Class logits (B, n_classes): encode, pool, head.
+        """Class logits (B, n_classes) float32: encode, pool, head (class_head).
 
         With cfg.pair (LRA Retrieval), x is (B, 2, L) and lengths (B, 2): both documents go through the same
         encoder, their pooled vectors u, v (B, d) are combined as [u, v, u*v, u-v] (Tay et al. 2021, Sec. 3.4).
@@ -343,9 +343,17 @@ class Transformer(nn.Module):
             flat_lengths = None if lengths is None else lengths.flatten()
             z, _ = self.encode(x.flatten(0, 1), flat_lengths)
             u, v = self.pool(z, flat_lengths).view(B, 2, -1).unbind(dim=1)
-            return self.cls_head(torch.cat([u, v, u * v, u - v], dim=-1))
+            return self.class_head(torch.cat([u, v, u * v, u - v], dim=-1))
         z, _ = self.encode(x, lengths)
-        return self.cls_head(self.pool(z, lengths))
+        return self.class_head(self.pool(z, lengths))
+
+    def class_head(self, h):
+        """cls_head in its weights' dtype (float32) even under bf16 autocast: h (B, d_in) -> logits (B, n_classes).
+        bf16 keeps 8 bits of mantissa, so logits that differ by less than ~0.4% tie, and argmax gives a tie to
+        class 0: near chance (at init, or a task not yet learned) accuracy would then read as class 0's frequency."""
+        off = torch.autocast(h.device.type, enabled=False) if h.device.type in ("cuda", "cpu", "mps") else nullcontext()
+        with off:  # (a device without autocast, e.g. "meta", has nothing to switch off)
+            return self.cls_head(h.to(next(self.cls_head.parameters()).dtype))
 
     def reconstruct(self, x, lengths, positions=True):
         """Reconstruction outputs: with `positions` True, at every position, (B, L, n_rec); with a (B, L) bool

@@ -303,6 +303,22 @@ def test_max_pooling_and_the_pair_head_by_hand():
         assert torch.allclose(logits[b], expected, atol=1e-5), b
 
 
+def test_class_logits_are_float32_under_bf16_autocast_so_close_logits_do_not_tie():
+    """Logits 1.0 and 1.001 (the head's bias, weights zero) are one value in bf16 (spacing 1/128 at 1), where
+    argmax would give the tie to class 0; the class head runs in float32 under autocast, so class 1 wins."""
+    torch.manual_seed(0)
+    model = Transformer(tiny_cfg(n_classes=2)).eval()
+    with torch.no_grad():
+        model.cls_head.weight.zero_()
+        model.cls_head.bias.copy_(torch.tensor([1.0, 1.001]))
+    x, lengths = torch.randint(2, 17, (3, 12)), torch.tensor([12, 7, 3])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model.classify(x, lengths)
+        bf16_head = model.cls_head(model.pool(model.encode(x, lengths)[0], lengths))  # what autocast alone gives
+    assert bf16_head.dtype == torch.bfloat16 and bf16_head.argmax(-1).tolist() == [0, 0, 0]  # the tie
+    assert logits.dtype == torch.float32 and logits.argmax(-1).tolist() == [1, 1, 1]
+
+
 def test_minimal_model_has_no_layernorm_and_no_mlp():
     model = Transformer(tiny_cfg(n_layers=1, n_heads=1, layernorm=False, mlp=False, n_classes=2))
     names = [n for n, _ in model.named_parameters()]
