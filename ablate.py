@@ -86,7 +86,7 @@ def task_data_dir(args, task, make=True):
     folder = os.path.join(args.data_dir, f"fashion_mnist_r{FASHION_CPU['resolution']}_n{FASHION_CPU['n_train']}")
     if make and not os.path.exists(data.split_path(folder, "fashion_mnist")):
         data.prepare_fashion_mnist(folder, resolution=FASHION_CPU["resolution"], n_train=FASHION_CPU["n_train"],
-                                   n_val=FASHION_CPU["n_val"], download=args.download)
+                                   n_val=FASHION_CPU["n_val"], download=args.download, source_dir=args.data_dir)
     return folder
 
 
@@ -370,6 +370,12 @@ def run_note(args):
     return f"{flag}; init scheme {args.init_scheme} ({INIT_NOTES[args.init_scheme]}){cap}"
 
 
+def command_of(args):
+    """The command line of this ablate.py run, as typed: recorded in the figures it draws (analyze.save_figure)
+    and in its benchmark tables."""
+    return analyze.command_line("ablate.py", getattr(args, "argv", None) or [args.experiment])
+
+
 def budget_probe(args, task, common, model="1layer"):
     """(probe result or None, plateau-exit threshold, footer text). At the Fashion-MNIST CPU budget: a from-scratch
     run (seed 0, in run_dir(..., model)) for twice the budget's epochs, which shows whether from scratch had
@@ -463,7 +469,7 @@ def experiment_init(args):
     args.task (synthetic, or an LRA pixel task: PathFinder, Image, or its stand-in Fashion-MNIST).
 
     Besides accuracy: the plateau-exit epoch of every row, the relative displacement of W_Q, W_K and W_Q^T W_K
-    during SPT, and on pixel tasks a figure of every row's validation curve (out/analysis/init_<task>_curves.png)
+    during SPT, and on pixel tasks a figure of every row's validation curve (out/analysis/init_<task>[_init-<scheme>]_curves.png)
     with the from-scratch probe of budget_probe.
     """
     task, common = args.task, common_flags(args, one_layer=args.task != "synthetic", task=args.task)
@@ -501,8 +507,8 @@ def experiment_init(args):
               "`attn+embed+norm` (embedding and LayerNorms frozen too): its numbers stand beside both, (?) beside the "
               "second")
     if task != "synthetic":
-        analyze.plot_curves(results, os.path.join(args.out_dir, "analysis", f"init_{task}_curves.png"),
-                            f"Table 3 on {task}: validation accuracy per epoch",
+        analyze.plot_curves(results, os.path.join(args.out_dir, "analysis", output_name(f"init_{task}", args) + "_curves.png"),
+                            f"Table 3 on {task}: validation accuracy per epoch", command_of(args),
                             probe=("from scratch, probe for twice the budget (seed 0)", probe) if probe else None)
     rows.append(f"\n{describe_data(task_data_dir(args, task), task)}; {model}{budget}; seeds: {args.seeds}; preset "
                 f"{args.preset}; command: python ablate.py init --task {task}" + run_note(args))
@@ -640,7 +646,7 @@ def experiment_pfcurves(args):
     """Beyond the paper's tables: PathFinder 32x32 learning curves on the CPU, from scratch, for each (layers,
     difficulty) of --configs on --n_images generated images (80/10/10), --steps steps for one layer (half for two:
     about the same CPU time), validation every --eval_every steps. Writes out/ablate/pfcurves.{json,md} and the
-    figure out/analysis/pathfinder_curves.png (validation accuracy against CPU minutes)."""
+    figure out/analysis/pathfinder_curves[_init-<scheme>].png (validation accuracy against CPU minutes)."""
     runs = []
     for config in args.configs:
         layers, difficulty = int(config.split(":")[0]), config.split(":")[1]
@@ -669,8 +675,8 @@ def experiment_pfcurves(args):
                 f"every process that resumed it. Command: python ablate.py pfcurves"
                 + ("" if args.configs == PF_CONFIGS else " --configs " + " ".join(args.configs)) + run_note(args))
     analyze.plot_curves({f"{r['layers']} layer(s), {r['difficulty']}": r for r in runs},
-                        os.path.join(args.out_dir, "analysis", "pathfinder_curves.png"),
-                        "PathFinder 32x32 from scratch on the CPU", x="minutes",
+                        os.path.join(args.out_dir, "analysis", output_name("pathfinder_curves", args) + ".png"),
+                        "PathFinder 32x32 from scratch on the CPU", command_of(args), x="minutes",
                         hline=(0.5, "chance (balanced classes; each split's majority class is in the table)"))
     write_outputs("pfcurves", runs, "\n".join(rows), args)
 
@@ -1028,7 +1034,7 @@ def experiment_initscale(args):
                 f"python ablate.py initscale" + (" --quick" if args.quick else "") +
                 (f"; every run capped at {args.max_steps} steps" if args.max_steps else ""))
     analyze.plot_initscale(runs, args.kinds, args.scales, args.lengths, args.seeds,
-                           os.path.join(args.out_dir, "analysis", "initscale.png"))
+                           os.path.join(args.out_dir, "analysis", "initscale.png"), command_of(args))
     write_outputs("initscale", runs, "\n".join(rows), args, scheme_in_name=False)  # its own schemes: --kinds
 
 
@@ -1184,8 +1190,7 @@ def bench(args):
           f"({reason}) | torch {torch.__version__} | median of {args.repeats} x {args.steps} steps after 3 warm-up steps")
     out = dict(size=dict(zip(("L", "d_model", "n_layers", "n_heads", "d_mlp", "batch"), size)), device=str(device),
                device_name=name, dtype=str(dtype), torch=torch.__version__, steps=args.steps, repeats=args.repeats,
-               threads=torch.get_num_threads(), command=f"python ablate.py bench --size {args.size} --variants "
-                                                        f"{args.variants}" + (f" --L {args.L}" if args.L else ""))
+               threads=torch.get_num_threads(), command=command_of(args))
     ctx, peak_fl, res = multiprocessing.get_context("spawn"), model_lib.peak_flops(device, dtype), {}
     variants = args.variants.split(",")
     for i, v in enumerate(variants[:1] + variants):  # i = 0: the untimed first process
@@ -1504,27 +1509,88 @@ def weaker_table(text, old_text):
     seeds = [int(m.group(1)) if (m := re.search(r"Seeds: (\d+);", t or "")) else None for t in (text, old_text)]
     if None not in seeds and seeds[0] < seeds[1]:
         return f"{seeds[0]} seed(s), where the README's table has {seeds[1]}"
-    commands = [m.group(1).strip() if (m := re.search(r"command: (python ablate\.py [^;\n]*)", t or "")) else None
-                for t in (text, old_text)]
+    commands = [footer_command(t) for t in (text, old_text)]
     if None not in commands and commands[0] != commands[1]:
         return f"made by `{commands[0]}`, the README's table by `{commands[1]}`"
     return None
 
 
-def weaker_bench(text, old_text):
-    """Why a benchmark table from out/bench/ should not replace the README's part of that name without --force,
-    or None: it lacks variants (rows) that the README's table has (`bench` by default times 4 of the 7)."""
-    rows = [set(re.findall(r"^\| ([^|]+?) \| [^|]*\d", t or "", re.M)) - {"variant"} for t in (text, old_text)]
-    missing = sorted(rows[1] - rows[0]) if old_text else []
-    return f"lacks the README's rows {', '.join(missing)} (its variants: --variants)" if missing else None
+def footer_command(text):
+    """The `command: python ablate.py ...` of a table's footer (any case: pfcurves writes `Command:`), or None."""
+    m = re.search(r"command: (python ablate\.py [^;\n]*)", text or "", re.I)
+    return m.group(1).strip() if m else None
+
+
+def table_rows(text):
+    """{row label: measured?} of the first Markdown table in `text`: a row's label is its leading label cells (the
+    header's `variant`, `task`, `stage` columns: `listops / pretrain` in gpu.md), and it is measured when the cell
+    after them starts with a number (not an error: `RuntimeError: out of memory`, `failed: ...`)."""
+    lines = [line.strip() for line in (text or "").splitlines()]
+    start = next((i for i, line in enumerate(lines) if line.startswith("|")), None)
+    if start is None:
+        return {}
+    split = lambda line: [c.strip() for c in line.strip("|").split("|")]
+    header = split(lines[start])
+    n = next((i for i, c in enumerate(header) if c not in ("variant", "task", "stage")), len(header))
+    rows = {}
+    for line in lines[start + 1:]:
+        if not line.startswith("|"):
+            break
+        if re.fullmatch(r"[|:\- ]+", line):  # the |---|---| line under the header
+            continue
+        cells = split(line)
+        rows[" / ".join(cells[:n])] = len(cells) > n and bool(re.match(r"\d", cells[n]))
+    return rows
+
+
+def weaker_bench(text, old_text, source):
+    """Why a table from out/bench/ (source: its README part's name) should not replace the README's part of that
+    name without --force, or None: it lacks rows that the README's table has (`bench` by default times 4 of the 7
+    variants; a `gpu --tasks listops` run times one task), or a row the README measured failed in it."""
+    new, old = table_rows(text), table_rows(old_text)
+    missing = [k for k in old if k not in new]
+    failed = [k for k in old if old[k] and k in new and not new[k]]
+    hint = {"bench/gpu.md": "its tasks: --tasks; a run stopped by a time limit keeps only the stages it finished",
+            "bench/padding.md": "one row per training split found: --tasks, and the data under --data_dir"}.get(
+        source, "its variants: --variants")
+    why = ([f"lacks the README's rows {', '.join(missing)} ({hint})"] if missing else []) + (
+        [f"its rows {', '.join(failed)} failed, where the README's table has figures"] if failed else [])
+    return "; ".join(why) or None
+
+
+FIGURE_CAPTION = re.compile(r"^Drawn by `(.+)`\.$", re.M)
+
+
+def figure_part(analysis, figure):
+    """A figure's part of the README: the image (copied to figures/, a/b.png as a_b.png) and, under it, the
+    command that drew it, as recorded in the PNG (analyze.save_figure)."""
+    try:
+        command = analyze.figure_command(os.path.join(analysis, figure))
+    except OSError as e:  # PIL.UnidentifiedImageError too: it would be copied into figures/ as it is
+        raise ValueError(f"{os.path.join(analysis, figure)}: not a PNG image that can be read ({e}); draw it again "
+                         f"or remove it") from e
+    return (f"![{figure}](figures/{figure.replace('/', '_')})\n\n"
+            + (f"Drawn by `{command}`." if command else "(The PNG holds no record of the command that drew it.)"))
+
+
+def weaker_figure(text, old_text):
+    """Why a figure's part (figure_part) should not replace the README's part of that name without --force, or
+    None: the README's figure says which command drew it, and this one was drawn by another (a one-checkpoint
+    `analyze.py attention` where the README shows four) or says none."""
+    new, old = (m.group(1) if (m := FIGURE_CAPTION.search(t or "")) else None for t in (text, old_text))
+    if old is not None and new != old:
+        return f"drawn by `{new}`, the README's by `{old}`" if new else f"no record of its command; the README's: `{old}`"
+    return None
 
 
 def figure_table(figure):
     """The table under out/ablate/ that the command drawing a figure of out/analysis/ writes with it, or None
-    (analyze.py's figures): initscale.png with initscale.md, pathfinder_curves.png with pfcurves.md,
-    init_<task>_curves.png with init_<task>.md."""
-    if figure in ("initscale.png", "pathfinder_curves.png"):
-        return {"initscale.png": "ablate/initscale.md", "pathfinder_curves.png": "ablate/pfcurves.md"}[figure]
+    (analyze.py's figures): initscale.png with initscale.md, pathfinder_curves<S>.png with pfcurves<S>.md,
+    init_<task><S>_curves.png with init_<task><S>.md, S the table's suffix (output_name: _init-normal, _L200)."""
+    if figure == "initscale.png":
+        return "ablate/initscale.md"
+    if m := re.fullmatch(r"pathfinder_curves(.*)\.png", figure):
+        return f"ablate/pfcurves{m.group(1)}.md"
     if m := re.fullmatch(r"init_(.+)_curves\.png", figure):
         return f"ablate/init_{m.group(1)}.md"
     return None
@@ -1542,8 +1608,9 @@ def report(args):
     before writing anything, for a missing or repeated marker, text under no `from` line, a source named twice,
     an out/ file holding a `from` line or a marker of its own, and, unless --force, a table that is a quick look
     (weaker_table: capped runs, or fewer seeds or another command than the README's table it would replace), a
-    figure whose table is not under out/ablate/ (figure_table: a quick look's table moved aside, its figure not),
-    and a benchmark table lacking rows of the README's (weaker_bench).
+    figure whose table is not under out/ablate/ (figure_table: a quick look's table moved aside, its figure not)
+    or that another command drew than the README's figure of that name (weaker_figure), and a benchmark table
+    lacking rows of the README's (weaker_bench). Each figure is printed with the command recorded in its PNG.
     """
     here = os.path.dirname(os.path.abspath(__file__))
     readme_path = os.path.join(here, "README.md")
@@ -1585,16 +1652,18 @@ def report(args):
     figures = sorted(os.path.relpath(os.path.join(d, f), analysis).replace(os.sep, "/") for d, _, fs in
                      os.walk(analysis) for f in fs if f.endswith(".png")) if os.path.isdir(analysis) else []
     for f in figures:  # one part per figure, so that a machine that drew some of them keeps the others
-        new["results"]["analysis/" + f] = f"![{f}](figures/{f.replace('/', '_')})"  # a/b.png -> figures/a_b.png
+        new["results"]["analysis/" + f] = figure_part(analysis, f)
     # A figure whose table is not taken (moved aside as a quick look) is that quick look's figure too.
     orphans = [f"analysis/{f} (drawn with {figure_table(f)}, which is not under {folder}/)" for f in figures
                if figure_table(f) and figure_table(f) not in new["results"]]
+    orphans += [f"analysis/{f} ({why})" for f in figures
+                if (why := weaker_figure(new["results"]["analysis/" + f], old["results"].get("analysis/" + f)))]
     bench_dir = os.path.join(args.out_dir, "bench")
     for name in sorted(os.listdir(bench_dir)) if os.path.isdir(bench_dir) else []:
         if name.endswith(".md"):
             new["performance"]["bench/" + name] = read_part(os.path.join(bench_dir, name))
     weaker = orphans + [f"{key} ({why})" for key, text in new["performance"].items()
-                        if (why := weaker_bench(text, old["performance"].get(key)))]
+                        if (why := weaker_bench(text, old["performance"].get(key), key))]
     if weaker and not args.force:
         raise ValueError(f"{'; '.join(weaker)}: a quick look would replace the README's part of that name; move "
                          f"these files out of {args.out_dir}/ too, or pass --force to take them")
@@ -1748,7 +1817,8 @@ def build_parser():
     s.add_argument("--prune", action="store_true", help="drop the README's parts whose file is not under --out_dir")
     s.add_argument("--force", action="store_true", help="also take quick looks: tables of capped runs (--max_steps), "
                    "or with fewer seeds or another command than the README's table they replace, a figure whose "
-                   "table is not under out/ablate/, a bench table lacking rows of the README's")
+                   "table is not under out/ablate/ or drawn by another command than the README's figure, a bench "
+                   "table lacking rows of the README's")
     return p
 
 

@@ -19,6 +19,8 @@ Sections: 1. Proposition 1 (1b: in the model)  2. attention after self-pretraini
 import argparse
 import math
 import os
+import shlex
+import sys
 
 import numpy as np
 import torch
@@ -169,8 +171,9 @@ def format_prop1_table(rows):
     return "\n".join(lines)
 
 
-def plot_prop1(x, w, y, d, path, a_max=3.0, n_points=121):
-    """Both losses along a in [-a_max, a_max] for direction d, with the closed-form tangent of L_SPT at 0."""
+def plot_prop1(x, w, y, d, path, command, a_max=3.0, n_points=121):
+    """Both losses along a in [-a_max, a_max] for direction d, with the closed-form tangent of L_SPT at 0;
+    `command` drew it (save_figure)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -189,14 +192,30 @@ def plot_prop1(x, w, y, d, path, a_max=3.0, n_points=121):
         ax.axvline(0, color="gray", lw=0.5)
     fig.suptitle("Coser et al. Prop. 1: band direction (column-centred), AR(1) tokens")
     fig.tight_layout()
-    save_figure(fig, path, dpi=120)
+    save_figure(fig, path, command, dpi=120)
 
 
-def save_figure(fig, path, dpi=110):
-    """Write a matplotlib figure as PNG atomically (data.save_atomic) and close it."""
+def command_line(script, argv):
+    """The command `python <script> <argv...>` as one would type it (shell-quoted): what a figure records of
+    how it was drawn (save_figure)."""
+    return "python " + shlex.join([script, *argv])
+
+
+def save_figure(fig, path, command, dpi=110):
+    """Write a matplotlib figure as PNG atomically (data.save_atomic) and close it. `command` (command_line: the
+    command that drew it) goes into the PNG's text chunk "Command", so the file itself says how to redraw it
+    (figure_command reads it back; ablate.py report prints it under the figure in the README)."""
     import matplotlib.pyplot as plt
-    data.save_atomic(lambda f: fig.savefig(f, format="png", dpi=dpi), path)
+    data.save_atomic(lambda f: fig.savefig(f, format="png", dpi=dpi, metadata={"Command": command}), path)
     plt.close(fig)
+
+
+def figure_command(path):
+    """The command recorded in a PNG by save_figure, or None (a PNG drawn before figures recorded it, or by
+    something else). Raises OSError for a file that is missing or not an image."""
+    from PIL import Image  # pillow: matplotlib's own image library, installed with it
+    with Image.open(path) as image:
+        return image.text.get("Command")
 
 
 def cmd_prop1(args):
@@ -219,7 +238,7 @@ def run_prop1(args):
     print("with the population C both hold only up to sampling error. [CLS] pooling (h = o_1): L_sup'(0) = "
           f"{rows[-1]['dsup']:.2e}, not zero: the blind spot does not hold for [CLS] pooling here.")
     os.makedirs(args.out, exist_ok=True)
-    plot_prop1(x, w, y, band_direction(settings["length"]), os.path.join(args.out, "prop1.png"))
+    plot_prop1(x, w, y, band_direction(settings["length"]), os.path.join(args.out, "prop1.png"), args.command_line)
     data.save_atomic(dict(settings=settings, rows=rows), os.path.join(args.out, "prop1.json"))
     print(f"wrote {os.path.join(args.out, 'prop1.png')} and prop1.json")
 
@@ -531,8 +550,9 @@ def displacement(start, model):
     return moved
 
 
-def plot_maps(maps, key, path, title):
-    """One heatmap per checkpoint (layer 0, head 0) of maps[label][key], side by side."""
+def plot_maps(maps, key, path, title, command):
+    """One heatmap per checkpoint (layer 0, head 0) of maps[label][key], side by side; `command` drew it
+    (save_figure)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -546,30 +566,30 @@ def plot_maps(maps, key, path, title):
         fig.colorbar(im, ax=ax, fraction=0.046)
     fig.suptitle(title)
     fig.tight_layout()
-    save_figure(fig, path)
+    save_figure(fig, path, command)
 
 
 def checkpoint_label(path, paths):
     """A checkpoint's label in figures and attention.json: its file name without .pt (pretrain), or, where
     another of `paths` has the same file name (seed0/pretrain.pt, seed1/pretrain.pt), its path without .pt."""
-    name = os.path.splitext(os.path.basename(path))[0]
-    same = [p for p in paths if os.path.basename(p) == os.path.basename(path)]
-    return name if len(same) == 1 else os.path.splitext(os.path.normpath(path))[0]
+    stem = lambda p: os.path.splitext(os.path.basename(p))[0]  # a/x.pt and b/x.pth are both "x"
+    bare = lambda p: os.path.splitext(os.path.normpath(p))[0]
+    if sum(stem(p) == stem(path) for p in paths) == 1:
+        return stem(path)
+    return bare(path) if sum(bare(p) == bare(path) for p in paths) == 1 else os.path.normpath(path)
 
 
 def cmd_attention(args):
-    paths = {checkpoint_label(p, args.ckpt): p for p in args.ckpt}
-    if len(paths) < len(args.ckpt):
-        raise ValueError(f"--ckpt names a file twice: {' '.join(args.ckpt)}")
+    paths = {checkpoint_label(p, args.ckpt): p for p in args.ckpt}  # distinct files (main): distinct labels
     results, maps = analyze_checkpoints(paths, args.data_dir, args.n, args.band)
     os.makedirs(args.out, exist_ok=True)
     plot_maps(maps, "attention", os.path.join(args.out, "attention.png"),
-              "softmax attention, layer 0 head 0, mean over validation sequences")
+              "softmax attention, layer 0 head 0, mean over validation sequences", args.command_line)
     probes = {label: m for label, m in maps.items() if m["probe"] is not None}  # sinusoidal positions only
     if probes:
         plot_maps(probes, "probe", os.path.join(args.out, "pe_probe.png"),
-                  "PE-only probe: softmax(P W_Q^T W_K P^T / sqrt(d_head)), X = 0")
-    plot_maps(maps, "qk", os.path.join(args.out, "qk_product.png"), "W_Q^T W_K, layer 0 head 0")
+                  "PE-only probe: softmax(P W_Q^T W_K P^T / sqrt(d_head)), X = 0", args.command_line)
+    plot_maps(maps, "qk", os.path.join(args.out, "qk_product.png"), "W_Q^T W_K, layer 0 head 0", args.command_line)
     data.save_atomic(results, os.path.join(args.out, "attention.json"))
     for label, r in results.items():
         disp = r.get("displacement", {})
@@ -611,7 +631,7 @@ def cmd_curves(args):
     fig.suptitle(f"proximity of attention over {args.stage} ({args.run_dir})")
     fig.tight_layout()
     os.makedirs(args.out, exist_ok=True)
-    save_figure(fig, os.path.join(args.out, f"curves_{args.stage}.png"))
+    save_figure(fig, os.path.join(args.out, f"curves_{args.stage}.png"), args.command_line)
     data.save_atomic(dict(steps=xs, stats=list(results.values())), os.path.join(args.out, f"curves_{args.stage}.json"))
     print(f"wrote {os.path.join(args.out, f'curves_{args.stage}.png')} and .json")
 
@@ -620,10 +640,11 @@ def cmd_curves(args):
 # 3. Figures of the experiments (ablate.py): learning curves and the init-scale phase diagram
 # ----------------------------------------------------------------------------------------------------------
 
-def plot_curves(curves, path, title, x="epoch", probe=None, hline=None):
+def plot_curves(curves, path, title, command, x="epoch", probe=None, hline=None):
     """ablate.py's learning-curve figures: validation accuracy, one line per entry of `curves` ({label: result dict with "evals", or a list of
     them: their mean}); x "epoch" (from the step) or "minutes" (result["minutes"]: training minutes at each
-    evaluation). `probe`: an extra dashed curve (label, result); `hline`: a dotted line (value, label)."""
+    evaluation). `probe`: an extra dashed curve (label, result); `hline`: a dotted line (value, label); `command`:
+    the ablate.py command that drew it (save_figure)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -645,13 +666,13 @@ def plot_curves(curves, path, title, x="epoch", probe=None, hline=None):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    save_figure(fig, path)
+    save_figure(fig, path, command)
 
 
-def plot_initscale(runs, kinds, scales, lengths, seeds, path):
+def plot_initscale(runs, kinds, scales, lengths, seeds, path, command):
     """ablate.py initscale's phase diagram: mean best validation accuracy over (init scale, sequence length), one
     panel per init kind (rows) and stage (columns: from scratch, SPT then finetune), each cell annotated with its
-    mean. runs: dicts with kind, stage, scale, length, best_val_acc."""
+    mean. runs: dicts with kind, stage, scale, length, best_val_acc; `command`: the one that drew it (save_figure)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -675,7 +696,7 @@ def plot_initscale(runs, kinds, scales, lengths, seeds, path):
             fig.colorbar(im, ax=ax, fraction=0.046, label="val acc")
     fig.suptitle(f"Synthetic trajectories: best validation accuracy, mean of {seeds} seed(s)")
     fig.tight_layout()
-    save_figure(fig, path)
+    save_figure(fig, path, command)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -717,10 +738,16 @@ def main(argv=None):
     s.add_argument("--band", type=int, default=3, help="k of the band mass |i - j| <= k")
     s.add_argument("--out", default="out/analysis", help="folder for curves_<stage>.png and .json")
     s.set_defaults(func=cmd_curves)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
+    args.command_line = command_line("analyze.py", argv)  # recorded in every figure this run draws
+    seen = {}
     for path in getattr(args, "ckpt", None) or []:  # every file, before the first one's minutes of work
         if not os.path.isfile(path):
             raise data.not_a_file(path)
+        if os.path.realpath(path) in seen:  # one file, however spelled (out/x.pt, ./out/x.pt, its absolute path)
+            raise ValueError(f"--ckpt names one file twice: {seen[os.path.realpath(path)]} and {path}")
+        seen[os.path.realpath(path)] = path
     if getattr(args, "run_dir", None) and not os.path.isdir(args.run_dir):
         raise FileNotFoundError(f"--run_dir {args.run_dir}: no such folder (a run's folder, e.g. out/synthetic)")
     args.func(args)

@@ -140,11 +140,14 @@ def not_a_file(path):
         pts = sorted(f for f in os.listdir(path) if f.endswith(".pt"))
         return IsADirectoryError(f"{path}: a folder, not a file; give a .pt file in it "
                                  + (f"({', '.join(pts[:6])}{', ...' * (len(pts) > 6)})" if pts else "(it has none)"))
+    if os.path.islink(path):  # a link whose target is gone: its own name is there, so no "did you mean" it
+        return FileNotFoundError(f"{path}: a broken link (to {os.readlink(path)}, which does not exist)")
     folder, name = os.path.split(path)
     hints = []
     if not os.path.isdir(folder or "."):
         hints.append(f"there is no folder {folder}")
-    elif close := difflib.get_close_matches(name, os.listdir(folder or "."), n=1, cutoff=0.8):
+    elif close := difflib.get_close_matches(name, [f for f in os.listdir(folder or ".") if f != name], n=1,
+                                            cutoff=0.8):
         hints.append(f"did you mean {os.path.join(folder, close[0])}?")
     if re.fullmatch(r"pretrain(_last|_init|_step\d+)?\.pt", name):
         hints.append("pretrain.py writes it (pretrain_step<N>.pt with --snapshots)")
@@ -168,12 +171,16 @@ def load_newest(candidates, map_location="cpu", who="load", with_path=False):
     """
     reasons, newest, newest_path = [], None, None
     for path in candidates:
+        if not os.path.lexists(path):  # the program's own guess at a file name: no "did you mean" (not_a_file)
+            print(f"{who}: {path}: no such file; skipped")
+            reasons.append((path, FileNotFoundError(path)))
+            continue
         try:
             ck = load_pt(path, map_location=map_location)
             state = ck.get("state") if isinstance(ck, dict) else None
             if not isinstance(state, dict) or not isinstance(state.get("step"), int):
                 raise ValueError(f"{path}: holds no training state (state.step); not a checkpoint of this project")
-        except (FileNotFoundError, ValueError) as e:
+        except (OSError, ValueError) as e:  # OSError: a folder or a broken link in the file's place, unreadable
             print(f"{who}: {e}; skipped")
             reasons.append((path, e))
             continue
@@ -1909,7 +1916,7 @@ def download_fashion_mnist(folder, base_url=FASHION_DOWNLOAD_URL, md5=None, time
 
 
 def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, download=True, url=FASHION_DOWNLOAD_URL,
-                          resolution=32, n_train=None):
+                          resolution=32, n_train=None, source_dir=None):
     """Write data/fashion_mnist/{train,val,test}.pt: Fashion-MNIST (Xiao et al. 2017; 28x28 grayscale, 10
     classes) padded with 2 black pixels per side to 32x32 = 1024 pixels, the offline stand-in for the Image task
     (same input kind and length). 55k/5k train/val (seed 42), 10k test; normalized with the training set's own
@@ -1918,17 +1925,20 @@ def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, download=True, u
 
     For CPU budgets (ablate.py's Fashion-MNIST experiments): `resolution` 16 averages each 2x2 block of the padded
     image (rounded to uint8; L = 256), and `n_train` keeps the first n_train training images of the seeded split
-    (a training subset, printed with the count left out); validation and test are unchanged by it. Raises
-    ValueError for another resolution or an n_train outside 1..55000 - n_val."""
+    (a training subset, printed with the count left out); validation and test are unchanged by it. `source_dir`:
+    the root whose fashion_mnist/ holds (or gets) the IDX files when it is not data_dir (ablate.py writes its
+    subset to data/fashion_mnist_r16_n5000/ from the files of data/fashion_mnist/). Raises ValueError for another
+    resolution or an n_train outside 1..55000 - n_val."""
+    source_dir = data_dir if source_dir is None else source_dir
     if resolution not in (32, 16):
         raise ValueError(f"Fashion-MNIST resolution {resolution}: expected 32 (the padded 28x28) or 16 (2x2 means)")
     try:
-        folder = find_fashion_mnist(data_dir)
+        folder = find_fashion_mnist(source_dir)
     except FileNotFoundError as e:
         if not download:
             raise FileNotFoundError(f"{e}; or download them: python data.py --task fashion_mnist (pretrain.py, "
                                     f"finetune.py and ablate.py: with --download)") from None
-        folder = os.path.join(data_dir, "fashion_mnist")
+        folder = os.path.join(source_dir, "fashion_mnist")
         download_fashion_mnist(folder, url)
     print(f"Fashion-MNIST: reading the IDX files in {folder}")
     arrays, read = {}, []  # read: the files read (a plain file is preferred to its .gz: _idx_path)
@@ -2553,10 +2563,10 @@ CLI_FLAGS = dict({k: f"--{k}" for k in ("seed", "n_train", "n_val", "n_test", "m
 def prepare_keywords(task):
     """The keywords that prepare(task, data_dir, ...) takes: the parameters of the task family's prepare
     function (inspect.signature), less data_dir and what prepare fills in itself (the UCR data set name, taken
-    from ucr/<Name>; PathFinder's task, which prepare_pathx sets)."""
+    from ucr/<Name>; PathFinder's task, which prepare_pathx sets; Fashion-MNIST's source_dir, ablate.py's)."""
     params = inspect.signature(PREPARE[task_family(task)]).parameters.values()
     return tuple(q.name for q in params if q.kind in (q.POSITIONAL_OR_KEYWORD, q.KEYWORD_ONLY)
-                 and q.name not in ("data_dir", "name", "task"))
+                 and q.name not in ("data_dir", "name", "task", "source_dir"))
 
 
 def prepare(task, data_dir="data", **kwargs):

@@ -952,6 +952,7 @@ def test_bench_reports_figures_computed_from_its_own_timings(tmp_path):
     table = (tmp_path / "bench" / "tiny.md").read_text()
     assert f"| ours, fused attention | {r['fused']['ms_per_step']:.1f} |" in table
     assert f"**{out['speed_ratio_fused_vs_reference']:.2f}**" in table
+    assert f"`python ablate.py {' '.join(argv)}`" in table.splitlines()[0]  # every flag (--device: was left out)
     for bad, message in ((["--variants", "fused,fast"], "--variants"), (["--size", "64,16"], "--size"),
                          (["--size", "64,15,1,2,32,2"], "divisible")):
         with pytest.raises(ValueError, match=message):
@@ -1880,6 +1881,18 @@ def test_load_newest_takes_the_checkpoint_of_the_latest_step(tmp_path, capsys):
     data.save_atomic(dict(model={}), paths[3])  # loads, but is no training checkpoint: skipped as damaged
     assert data.load_newest([paths[3], paths[5]], who="r", with_path=True) == (paths[5], data.load_pt(paths[5]))
     assert "ck3.pt: holds no training state (state.step)" in capsys.readouterr().out
+    # A candidate the program itself guessed gets no "did you mean" (a review found: "did you mean <the other
+    # candidate>?"); a folder in a checkpoint's place is a reason, not a crash.
+    best = str(tmp_path / "finetune_spt.pt")
+    data.save_atomic(dict(state=dict(step=5), tag=5), best)
+    assert data.load_newest([str(tmp_path / "finetune_spt_last.pt"), best], who="r")["tag"] == 5
+    assert f"r: {tmp_path / 'finetune_spt_last.pt'}: no such file; skipped\n" in capsys.readouterr().out
+    os.makedirs(tmp_path / "dir.pt")
+    with pytest.raises(ValueError, match="dir.pt: a folder, not a file"):
+        data.load_newest([str(tmp_path / "dir.pt")], who="r")
+    os.symlink(tmp_path / "gone.pt", tmp_path / "link.pt")
+    assert str(data.not_a_file(str(tmp_path / "link.pt"))) == (f"{tmp_path / 'link.pt'}: a broken link (to "
+                                                                f"{tmp_path / 'gone.pt'}, which does not exist)")
 
 
 @pytest.mark.parametrize("stop_after", ["pretrain_step4.pt", "pretrain.pt", "pretrain_last.pt"])
@@ -2200,8 +2213,11 @@ def test_analyze_names_what_is_wrong_with_a_checkpoint_path_before_any_work(synt
     assert not (tmp_path / "a").exists()
     paths = ["s0/pretrain.pt", "s1/pretrain.pt", "s1/finetune_spt.pt"]
     assert [analyze.checkpoint_label(p, paths) for p in paths] == ["s0/pretrain", "s1/pretrain", "finetune_spt"]
-    with pytest.raises(ValueError, match="names a file twice"):
-        analyze.main(["attention", "--ckpt", good, good, "--data_dir", data_dir, "--out", str(tmp_path / "a")])
+    paths = ["a/x.pt", "b/x.pth", "a/x.pth", "c/y.pt"]  # one stem; then one path without its extension
+    assert [analyze.checkpoint_label(p, paths) for p in paths] == ["a/x.pt", "b/x", "a/x.pth", "y"]
+    again = os.path.join(run, ".", "pretrain.pt")  # the same file, spelled otherwise
+    with pytest.raises(ValueError, match=re.escape(f"--ckpt names one file twice: {good} and {again}")):
+        analyze.main(["attention", "--ckpt", good, again, "--data_dir", data_dir, "--out", str(tmp_path / "a")])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -2671,8 +2687,9 @@ def test_finetune_result_records_what_produced_it(listops_dir, tmp_path):
     assert res["config"]["seed"] == 0 and "git_commit" in res
     # The CPU's model and thread count: float sums, and so the weights, depend on them (README, determinism).
     assert res["device_name"] and res["threads"] == torch.get_num_threads()
-    if os.path.exists("/proc/cpuinfo"):
-        assert f": {res['device_name']}\n" in open("/proc/cpuinfo").read()
+    cpuinfo = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    if "model name" in cpuinfo:  # x86 Linux; an ARM one may have none (then the architecture is recorded)
+        assert f"model name\t: {res['device_name']}\n" in cpuinfo
 
 
 def test_train_accuracy_scores_a_random_subset_not_the_first_rows_of_a_class_sorted_split():
@@ -2913,6 +2930,25 @@ def test_fashion_mnist_at_16x16_is_the_mean_of_2x2_blocks_and_keeps_a_counted_tr
     for bad, match in ((dict(resolution=8), "resolution 8"), (dict(n_train=26), "n_train 26: expected 1..25")):
         with pytest.raises(ValueError, match=match):
             data.prepare_fashion_mnist(root, n_val=5, **bad)
+
+
+def test_ablate_s_fashion_mnist_subset_reads_the_idx_files_where_data_py_downloads_them(tmp_path, monkeypatch):
+    """ablate.py writes its CPU subset to <data_dir>/fashion_mnist_r16_n5000/ and looked for the IDX files only
+    inside that folder (and the Debian package's): files downloaded by `python data.py --task fashion_mnist`, in
+    <data_dir>/fashion_mnist/, were 'not found'."""
+    import ablate
+    monkeypatch.setattr(data, "FASHION_DIRS", ())  # no Debian package here
+    monkeypatch.setattr(ablate, "FASHION_CPU", dict(resolution=16, n_train=6, n_val=4, epochs=1))
+    root = tmp_path / "data"
+    os.makedirs(root / "fashion_mnist")
+    rng = np.random.default_rng(0)
+    for prefix, n in (("train", 20), ("t10k", 5)):
+        write_idx(str(root / "fashion_mnist" / f"{prefix}-images-idx3-ubyte"), rng.integers(0, 256, (n, 28, 28)))
+        write_idx(str(root / "fashion_mnist" / f"{prefix}-labels-idx1-ubyte"), rng.integers(0, 10, n))
+    folder = ablate.task_data_dir(argparse.Namespace(preset="cpu", data_dir=str(root), download=False), "fashion_mnist")
+    assert folder == str(root / "fashion_mnist_r16_n6")
+    meta = data.load_split(folder, "fashion_mnist", "train")["meta"]
+    assert meta["split_sizes"] == dict(train=6, val=4, test=5) and meta["source"] == str(root / "fashion_mnist")
 
 
 def test_fashion_mnist_downloads_from_a_local_server_and_checks_the_published_md5(http_root, tmp_path, monkeypatch,
@@ -3866,15 +3902,16 @@ def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run
     with open(os.path.join(out, "bench", "cpu.md"), "w") as f:
         f.write("| variant | ms/step |\n| ours | 12.5 |\n")
     os.makedirs(os.path.join(out, "analysis", "sub"))
-    with open(os.path.join(out, "analysis", "sub", "new.png"), "wb") as f:
-        f.write(b"\x89PNG stand-in")
+    import matplotlib.pyplot as plt
+    analyze.save_figure(plt.figure(), os.path.join(out, "analysis", "sub", "new.png"), "python analyze.py prop1")
     before = readme.read_text()
     with pytest.raises(ValueError, match=r"ablate/swap.md \(every run capped at 2 steps\).*pass --force"):
         ablate.main(["report", "--out_dir", out, "--data_dir", root])  # these runs are quick looks (--max_steps 2)
     assert readme.read_text() == before and not (tmp_path / "figures").exists()
     ablate.main(["report", "--out_dir", out, "--data_dir", root, "--force"])
     text = readme.read_text()
-    assert text.count("### Figures") == 1 and (tmp_path / "figures" / "sub_new.png").read_bytes() == b"\x89PNG stand-in"
+    assert text.count("### Figures") == 1 and (tmp_path / "figures" / "sub_new.png").read_bytes() == \
+        open(os.path.join(out, "analysis", "sub", "new.png"), "rb").read()
     assert text.index("### old UCR table") < text.index("### Figures") < text.index("![old.png](figures/old.png)")
     assert text.index("![old.png]") < text.index("![sub/new.png](figures/sub_new.png)") < text.index("mid")
     assert "kept 1 part(s) of the README" in capsys.readouterr().out
@@ -3911,6 +3948,8 @@ def test_ablate_fashion_mnist_budget_init_duration_and_pathfinder_curves(tmp_pat
     spt_run = next(r for r in res["runs"] if r["row"] == "all")
     assert f"| ours | {spt_run['displacement']['W_Q']:.3f} (1 seed) |" in table.replace(" +- 0.000", "")
     assert os.path.getsize(os.path.join(out, "analysis", "init_fashion_mnist_curves.png")) > 10_000
+    assert analyze.figure_command(os.path.join(out, "analysis", "init_fashion_mnist_curves.png")) == \
+        "python ablate.py init --task fashion_mnist " + " ".join(argv)  # the PNG says what drew it
     ck = data.load_pt(os.path.join(out, "ablate", "reference", "fashion_mnist", "1layer", "seed0", "fashion_mnist",
                                    "finetune_init_scratch.pt"))
     assert ck["model_config"]["n_layers"] == 1 and ck["config"]["resolution"] == 16 and ck["config"]["epochs"] == 1
@@ -4648,7 +4687,7 @@ def test_report_refuses_a_figure_without_its_table_and_a_bench_table_with_fewer_
     run = lambda *flags: ablate.main(["report", "--out_dir", str(out), "--data_dir", str(tmp_path), *flags])
     os.makedirs(out / "analysis")
     import matplotlib.pyplot as plt
-    analyze.save_figure(plt.figure(), str(out / "analysis" / "initscale.png"))
+    analyze.save_figure(plt.figure(), str(out / "analysis" / "initscale.png"), "python ablate.py initscale")
     readme.write_text(old)
     with pytest.raises(ValueError, match=re.escape("analysis/initscale.png (drawn with ablate/initscale.md, which "
                                                    f"is not under {out}/ablate/)")):
@@ -4675,7 +4714,73 @@ def test_report_refuses_a_figure_without_its_table_and_a_bench_table_with_fewer_
     readme.write_text(old)
     run()  # every README row and one more: taken
     assert "ours, explicit attention" in readme.read_text()
-    assert ablate.weaker_bench(rows("a"), None) is None  # a new table: nothing to compare
+    assert ablate.weaker_bench(rows("a"), None, "bench/cpu.md") is None  # a new table: nothing to compare
+    # gpu.md's rows are task / stage (it was never compared: its second column holds no number), padding.md's a
+    # task; a row whose figures became an error is weaker too; the hint names the flag of that table's command.
+    gpu = lambda *rows: ("**GPU**\n\n| task | stage | ms/step | MFU |\n|---|---|---|---|\n"
+                         + "\n".join(f"| {t} | {s} | {v} | |" for t, s, v in rows) + "\n\nTable 2: 9 hours.")
+    full = gpu(("listops", "pretrain", "30.1"), ("listops", "finetune", "20.0"), ("text", "pretrain", "50.2"))
+    assert ablate.table_rows(full) == {"listops / pretrain": True, "listops / finetune": True, "text / pretrain": True}
+    assert ablate.weaker_bench(gpu(("listops", "pretrain", "29.0")), full, "bench/gpu.md") == (
+        "lacks the README's rows listops / finetune, text / pretrain (its tasks: --tasks; a run stopped by a time "
+        "limit keeps only the stages it finished)")
+    assert ablate.weaker_bench(gpu(("listops", "pretrain", "failed: out of memory"), ("listops", "finetune", "1.0"),
+                                   ("text", "pretrain", "2.0")), full, "bench/gpu.md") == (
+        "its rows listops / pretrain failed, where the README's table has figures")
+    assert ablate.weaker_bench(full, gpu(("listops", "pretrain", "failed: x")), "bench/gpu.md") is None  # now measured
+    pad = lambda *tasks: "| task | training sequences |\n|---|---|\n" + "\n".join(f"| {t} | 10 |" for t in tasks)
+    assert "(one row per training split found: --tasks, and the data under --data_dir)" in \
+        ablate.weaker_bench(pad("listops"), pad("listops", "pathfinder"), "bench/padding.md")
+
+
+def test_figures_record_the_command_that_drew_them_and_report_refuses_another_command(tmp_path, monkeypatch):
+    """Every PNG records its command (analyze.save_figure); report prints it under the figure and refuses, unless
+    --force, a figure drawn by another command than the README's (a one-checkpoint attention.png over the
+    four-panel one: before, report could not tell them apart)."""
+    import ablate
+    import matplotlib.pyplot as plt
+    out = tmp_path / "out"
+    analyze.main(["prop1", "--out", str(out / "analysis")])  # a real run: its command from its argv
+    recorded = analyze.figure_command(str(out / "analysis" / "prop1.png"))
+    assert recorded == f"python analyze.py prop1 --out {out / 'analysis'}"
+    assert analyze.command_line("analyze.py", ["attention", "--ckpt", "a b.pt"]) == \
+        "python analyze.py attention --ckpt 'a b.pt'"  # shell-quoted: pastes back as one argument
+    plain = tmp_path / "plain.png"
+    plt.figure().savefig(plain)  # not drawn by save_figure: no record
+    plt.close("all")
+    assert analyze.figure_command(str(plain)) is None
+    monkeypatch.setattr(ablate, "__file__", str(tmp_path / "ablate.py"))
+    readme = tmp_path / "README.md"
+    old = "<!-- results:start -->\n<!-- results:end -->\n<!-- performance:start -->\n<!-- performance:end -->\n"
+    readme.write_text(old)
+    run = lambda *flags: ablate.main(["report", "--out_dir", str(out), "--data_dir", str(tmp_path), *flags])
+    run()  # a new figure: taken, its command printed under it
+    assert f"![prop1.png](figures/prop1.png)\n\nDrawn by `{recorded}`." in readme.read_text()
+    taken = readme.read_text()
+    four = "python analyze.py attention --ckpt a.pt b.pt c.pt d.pt"
+    analyze.save_figure(plt.figure(), str(out / "analysis" / "prop1.png"), four)  # another command, same name
+    with pytest.raises(ValueError, match=re.escape(f"analysis/prop1.png (drawn by `{four}`, the README's by "
+                                                   f"`{recorded}`)")):
+        run()
+    assert readme.read_text() == taken
+    plt.figure().savefig(out / "analysis" / "prop1.png")  # no record at all: refused too
+    plt.close("all")
+    with pytest.raises(ValueError, match=re.escape(f"no record of its command; the README's: `{recorded}`")):
+        run()
+    run("--force")
+    assert "(The PNG holds no record of the command that drew it.)" in readme.read_text()
+    (out / "analysis" / "bad.png").write_bytes(b"\x89PNG stand-in")  # would be copied into figures/ as it is
+    with pytest.raises(ValueError, match=re.escape(f"{out / 'analysis' / 'bad.png'}: not a PNG image that can be "
+                                                   f"read")):
+        run("--force")
+    assert ablate.weaker_figure("Drawn by `x`.", None) is None  # a new figure: nothing to compare
+    # A figure drawn with a table goes with that table, scheme and length suffix included (output_name).
+    assert [ablate.figure_table(f) for f in ("initscale.png", "pathfinder_curves.png", "init_fashion_mnist_curves.png",
+                                             "pathfinder_curves_init-normal.png", "init_synthetic_L200_init-normal"
+                                             "_curves.png", "attention.png")] == [
+        "ablate/initscale.md", "ablate/pfcurves.md", "ablate/init_fashion_mnist.md", "ablate/pfcurves_init-normal.md",
+        "ablate/init_synthetic_L200_init-normal.md", None]
+    assert ablate.footer_command("... Command: python ablate.py pfcurves; init") == "python ablate.py pfcurves"
 
 
 def test_report_on_a_fresh_clone_keeps_the_readme_as_it_is(tmp_path, monkeypatch, capsys):
