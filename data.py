@@ -30,6 +30,7 @@ Fashion-MNIST  7. PathFinder and PathX; 8. any task by name (prepare: a flag tha
 an error) and the data settings the stages check against the prepared data  9. command line
 """
 import argparse
+import contextlib
 import csv
 import difflib
 import gzip
@@ -258,8 +259,8 @@ def check_split(d, path):
     unless: tokens (N, L) or (N, 2, L) / values (N, L, C) / pixels (N, L), lengths (N,) or (N, 2) for pairs,
     labels (N,), N >= 1, lengths and labels int64, every length in 1..L (a zero length would make mean pooling
     divide by 0), every label in 0..n_classes-1 when meta gives n_classes (else >= 0); token ids integers in
-    0..vocab_size-1, pixels uint8, values floats (N, L, d_input) and finite (a hand-edited or foreign file fails
-    here, naming the field, not later inside the model)."""
+    0..vocab_size-1, >= 2 inside each length and PAD_ID after it, pixels uint8, values floats (N, L, d_input) and
+    finite (a hand-edited or foreign file fails here, naming the field, not later inside the model)."""
     key = next(k for k in INPUT_KEYS if k in d)
     x, lengths, labels = d[key], d["lengths"], d["labels"]
     for name, t in ((key, x), ("lengths", lengths), ("labels", labels)):
@@ -310,6 +311,18 @@ def check_split(d, path):
         where = f"row {int(bad[0, 0])}, document {int(bad[0, 1])}" if pair else f"row {int(bad[0, 0])}"
         raise ValueError(f"{path}, {where}: length {int(lengths[tuple(bad[0])])}, expected 1..{width} (the "
                          f"width of {key}; a zero length has no position to pool)")
+    if key == "tokens":  # a real id of PAD_ID or MASK_ID would read as padding or as a masked position in SPT
+        for start in range(0, n, 4096):  # in chunks of rows: a (N, 2, L) bool mask of Retrieval is ~1 GB
+            rows, real = x[start:start + 4096], lengths[start:start + 4096]
+            inside = torch.arange(width) < real[..., None]
+            bad = torch.nonzero((inside & (rows < 2)) | (~inside & (rows != PAD_ID)))
+            if len(bad):
+                at = tuple(int(v) for v in bad[0])
+                where = f"row {start + at[0]}" + (f", document {at[1]}" if pair else "") + f", position {at[-1]}"
+                value, real_len = int(rows[at]), int(real[at[:-1]])
+                raise ValueError(f"{path}, {where}: token id {value}, expected " + (
+                    f"a real id >= 2 inside the length {real_len} (0 is the padding id, 1 the mask id)"
+                    if at[-1] < real_len else f"{PAD_ID} (padding) after the length {real_len}"))
     n_classes = meta.get("n_classes")
     bad = torch.nonzero((labels < 0) | (labels >= n_classes) if n_classes is not None else labels < 0)
     if len(bad):
@@ -377,14 +390,16 @@ def check_meta(d, path):
     pixel_std."""
     meta, kind = d["meta"], d["meta"].get("kind")
     if kind not in META_FIELDS:
-        raise ValueError(f"{path}: meta kind is {kind!r}, expected one of {tuple(META_FIELDS)}")
+        raise ValueError(f"{path}: meta " + ("has no 'kind'" if kind is None else f"kind is {kind!r}")
+                         + f", expected one of {tuple(META_FIELDS)}")
     tensor, fields = META_FIELDS[kind]
     if tensor not in d:
         raise ValueError(f"{path}: meta kind {kind!r} is stored as {tensor!r}, but the file holds "
                          f"{[k for k in INPUT_KEYS if k in d]}")
     for field in ("max_len", "n_classes") + fields:
         if field not in meta:
-            raise ValueError(f"{path}: meta has no {field!r}; expected a file written by data.py (its docstring)")
+            raise ValueError(f"{path}: meta has no {field!r}; a {kind} split's meta needs max_len, n_classes and "
+                             f"{', '.join(fields)} (the form of data.py's docstring; README: Use your own data)")
     for field in ("max_len", "n_classes"):
         if not isinstance(meta[field], int) or meta[field] < 1:
             raise ValueError(f"{path}: meta {field} is {meta[field]!r}, expected a positive integer")
@@ -394,12 +409,13 @@ def check_meta(d, path):
                          f"SPT masks with {MASK_ID}; real tokens start at 2)")
 
 
-def load_splits(data_dir, task, device="cpu"):
+def load_splits(data_dir, task, device="cpu", settings=None):
     """{split: load_split(...)} for train, val and test, with inputs and labels on `device` (LRA splits fit in
     GPU memory: no host-to-device copy per step); lengths stay on the CPU (see get_batch). Each split's
     meta["file_sha256"] is the sha256 of its .pt file, so checkpoints and results name the exact data (a read of
     every split file per run and rank: seconds, ~3 GB at the PathX paper size). A raw source file (meta source)
-    newer than the split prepared from it is warned about."""
+    newer than the split prepared from it is warned about, with the command that prepares it again with
+    `settings` (a run's expected_settings: its sizes and lengths, not data.py's defaults)."""
     splits = {s: load_split(data_dir, task, s) for s in SPLITS}
     train = splits["train"]["meta"]
     for s in SPLITS[1:]:  # one preparation (meta preparation, write_splits): a re-preparation stopped midway
@@ -417,8 +433,8 @@ def load_splits(data_dir, task, device="cpu"):
         if isinstance(source, str) and os.path.isfile(source) and \
                 os.path.getmtime(source) > os.path.getmtime(split_path(data_dir, task, s)):
             print(f"warning: {source} changed after {split_path(data_dir, task, s)} was prepared from it; the run "
-                  f"reads the prepared file (prepare again to use the new one: python data.py --task {task} "
-                  f"--data_dir {data_dir})")
+                  f"reads the prepared file (prepare again to use the new one: "
+                  f"{prepare_command(task, data_dir, settings or {})})")
     for split in splits.values():
         for key in INPUT_KEYS + ("labels",):
             if key in split:
@@ -546,9 +562,33 @@ def download_file(url, dest, sha256=None, manual="", timeout=60):
     matching it; progress is printed every 10%. So a failed or interrupted download never leaves a file under
     its final name. Raises ConnectionError (unreachable server, an HTTP error such as 404, a cut connection)
     whose message ends with `manual` (what to download by hand and where to put it), or ValueError for a
-    sha256 mismatch; the partial file is deleted in both cases.
+    sha256 mismatch; the partial file is deleted in both cases, and so are the folders made for it, if empty.
     """
-    os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
+    with folder_for_download(os.path.dirname(os.path.abspath(dest))):
+        return _download_file(url, dest, sha256, manual, timeout)
+
+
+@contextlib.contextmanager
+def folder_for_download(folder):
+    """Make `folder` (and missing parents) for a download; when the block raises, remove again those of them
+    that are still empty, so that a failed download leaves no empty data/ucr/ECG200/ behind."""
+    made, d = [], folder  # leaf first
+    while not os.path.exists(d):
+        made.append(d)
+        d = os.path.dirname(d)
+    os.makedirs(folder, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        for new in made:
+            try:
+                os.rmdir(new)
+            except OSError:  # not empty: something was written there
+                break
+        raise
+
+
+def _download_file(url, dest, sha256, manual, timeout):
     part = dest + ".part"
     h, size = hashlib.sha256(), 0
     print(f"downloading {url}")
@@ -820,8 +860,9 @@ def _is_utf8(raw):
         return False
 
 
-def read_listops_tsv(path):
-    """Read an LRA ListOps file -> (sources: list[str], labels: list[int]).
+def read_listops_tsv(path, with_lines=False):
+    """Read an LRA ListOps file -> (sources: list[str], labels: list[int]), and with_lines the file line of each
+    sample (lines: list[int], 1-based; the header is line 1), for errors found later (encode_tokens).
 
     Columns are found by header name (`Source`, `Target`); CRLF line ends and a missing final newline are fine.
     Raises ValueError naming the file and line for: a missing column, a wrong field count, a label that is not an
@@ -830,13 +871,14 @@ def read_listops_tsv(path):
     """
     check_not_a_pointer(path, f"the LRA release {LRA_URL}, folder listops-1000/")
     try:
-        return _read_listops_rows(path)
+        sources, labels, lines = _read_listops_rows(path)
     except UnicodeDecodeError as e:
         raise not_utf8(path, e) from None
+    return (sources, labels, lines) if with_lines else (sources, labels)
 
 
 def _read_listops_rows(path):
-    sources, labels = [], []
+    sources, labels, lines = [], [], []
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.reader(f, delimiter="\t")
         header = next(reader, None)
@@ -867,15 +909,18 @@ def _read_listops_rows(path):
                 raise ValueError(f"{path}, line {line}: Target {label} but the expression evaluates to {value}")
             sources.append(row[i_src])
             labels.append(label)
-    return sources, labels
+            lines.append(line)
+    return sources, labels, lines
 
 
-def encode_tokens(token_lists, vocab, max_len, truncate, where):
+def encode_tokens(token_lists, vocab, max_len, truncate, where, lines=None):
     """Token strings -> padded id tensor. Returns (tokens (N, max_len) uint8|int16, lengths (N,) int64).
 
-    Sequences longer than `max_len` raise ValueError naming `where` and the sample index, unless `truncate`,
-    in which case they are cut and the count is printed. Unknown tokens raise ValueError.
+    Sequences longer than `max_len` raise ValueError naming `where` and the sample (its file line, from `lines`,
+    else its 0-based index), unless `truncate`, in which case they are cut and the count is printed. Unknown
+    tokens and empty sequences raise ValueError the same way.
     """
+    sample = (lambda i: f"line {lines[i]}") if lines is not None else (lambda i: f"sample {i}")
     index = {tok: i for i, tok in enumerate(vocab)}
     dtype = np.uint8 if len(vocab) <= 256 else np.int16
     out = np.full((len(token_lists), max_len), PAD_ID, dtype=dtype)
@@ -883,17 +928,17 @@ def encode_tokens(token_lists, vocab, max_len, truncate, where):
     n_cut = 0
     for i, toks in enumerate(token_lists):
         if len(toks) == 0:
-            raise ValueError(f"{where}: sample {i} is empty (zero tokens)")
+            raise ValueError(f"{where}: {sample(i)} is empty (zero tokens)")
         if len(toks) > max_len:
             if not truncate:
-                raise ValueError(f"{where}: sample {i} has {len(toks)} tokens > max_len {max_len} "
-                                 f"(raise --max_len, or prepare with `python data.py --task listops --truncate` "
-                                 f"to cut long sequences)")
+                raise ValueError(f"{where}: {sample(i)} has {len(toks)} tokens > max_len {max_len} "
+                                 f"(raise --max_len, or add --truncate to the data.py command to cut long "
+                                 f"sequences, counted)")
             toks, n_cut = toks[:max_len], n_cut + 1
         try:
             out[i, :len(toks)] = [index[t] for t in toks]
         except KeyError as e:
-            raise ValueError(f"{where}: sample {i} has unknown token {e.args[0]!r}") from None
+            raise ValueError(f"{where}: {sample(i)} has unknown token {e.args[0]!r}") from None
         lengths[i] = len(toks)
     if n_cut:
         print(f"{where}: truncated {n_cut} of {len(token_lists)} sequences to {max_len} tokens")
@@ -978,11 +1023,35 @@ def report_balance(labels, n_classes, where):
     return fractions
 
 
+def listops_not_ours(task_dir):
+    """[(path, why)] for each basic_<split>.tsv directly in `task_dir` that our generator did not write, so that
+    generating there would destroy it: no generated.json beside it, or a sha256 other than the one generated.json
+    recorded (edited, or replaced by the release's files). A marker of an interrupted generation
+    ({"generating": true}) or from before checksums were recorded vouches for every file."""
+    marker = os.path.join(task_dir, "generated.json")
+    record = json.load(open(marker)) if os.path.exists(marker) else None
+    out = []
+    for s in SPLITS:
+        path = os.path.join(task_dir, f"basic_{s}.tsv")
+        if not os.path.lexists(path):
+            continue
+        if record is None:
+            out.append((path, "no generated.json beside it"))
+        elif not os.path.isfile(path):
+            out.append((path, "not a plain file (a broken link?)"))
+        elif "sha256" in record and not record.get("generating") and sha256_of(path) != record["sha256"].get(s):
+            out.append((path, "its sha256 is not the one generated.json recorded: edited or replaced since"))
+    return out
+
+
 def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, seed=0, max_len=2000,
                     truncate=False, min_length=500, max_length=2000):
     """Write data/listops/{train,val,test}.pt from the LRA TSVs, generating them first if absent.
 
     min_length < length < max_length bounds the generated expressions (LRA: 500 and 2000; tests use less).
+    Generated TSVs are written to data/listops/ with generated.json (the settings and each file's sha256), and
+    are made again when other settings are asked for; a TSV there that the generator did not write (the
+    release's, an edited one: listops_not_ours) is never overwritten: FileExistsError naming it.
 
     Returns the dict of split sizes. Errors from the reader name the file and line.
     """
@@ -992,7 +1061,11 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
     tsv = {s: os.path.join(folder or task_dir, f"basic_{s}.tsv") for s in SPLITS}
     wanted = dict(n_train=n_train, n_val=n_val, n_test=n_test, seed=seed, min_length=min_length,
                   max_length=max_length)
-    ours = folder == task_dir and os.path.exists(marker)  # TSVs our generator wrote (the release has no marker)
+    foreign = listops_not_ours(task_dir)
+    ours = folder == task_dir and os.path.exists(marker) and not foreign  # the release has no marker
+    if folder == task_dir and os.path.exists(marker) and foreign:
+        print(f"{marker}: does not vouch for {', '.join(p for p, _ in foreign)} (another sha256): reading the "
+              f"files in {task_dir}/ as the release's, not as generated ones")
     if ours:
         made = dict(min_length=500, max_length=2000)  # LRA's: a marker from before these were recorded
         made.update(json.load(open(marker)))
@@ -1003,26 +1076,36 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
                   + ", ".join(f"{k}={wanted[k]}" for k in differ) + ": generating them again")
             folder = None
     if folder is None:
+        if foreign:  # e.g. the release's basic_train.tsv and basic_val.tsv without its basic_test.tsv
+            missing = [f"basic_{s}.tsv" for s in SPLITS if not os.path.lexists(os.path.join(task_dir, f"basic_{s}.tsv"))]
+            raise FileExistsError(
+                "; ".join(f"{p}: {why}" for p, why in foreign) + f". Generating ListOps in {task_dir}/ would "
+                f"overwrite {'it' if len(foreign) == 1 else 'them'}, which the generator did not write"
+                + (f", and {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing (an incomplete "
+                   f"release?)" if missing else "") + f": complete the release, or move "
+                f"{'it' if len(foreign) == 1 else 'them'} out of {task_dir}/ to generate data there")
         print(f"no LRA ListOps files in {task_dir}/ (basic_{{train,val,test}}.tsv, also looked for in "
               f"{', '.join(d + '/' for d in LISTOPS_DIRS if d)}) made with these settings: generating "
               f"{n_train}/{n_val}/{n_test} expressions with seed {seed}")
         rows = generate_listops(n_train + n_val + n_test, seed, min_length, max_length)
-        _remove_if_there(marker)  # until all three are written, no marker vouches for a mix of old and new TSVs
+        # Until all three are written, the marker vouches for the files (ours, old or new) but for no settings:
+        # an interrupted run generates again rather than reading a mix of old and new TSVs.
+        save_atomic(dict(generating=True), marker)
         for s, part in zip(SPLITS, (rows[:n_train], rows[n_train:n_train + n_val], rows[n_train + n_val:])):
             write_listops_tsv(tsv[s], part)
         # the marker tells our generated TSVs from the release's (whose sizes are not a setting)
-        save_atomic(wanted, marker)
+        save_atomic(dict(wanted, sha256={s: sha256_of(tsv[s]) for s in SPLITS}), marker)
         ours = True
     else:
         print(f"ListOps: reading basic_{{train,val,test}}.tsv in {folder}/")
-    parsed = {s: read_listops_tsv(tsv[s]) for s in SPLITS}
+    parsed = {s: read_listops_tsv(tsv[s], with_lines=True) for s in SPLITS}
     report_balance({s: parsed[s][1] for s in SPLITS}, 10, "listops")
     sizes = {s: len(parsed[s][1]) for s in SPLITS}
     splits, metas = {}, {}
     for s in SPLITS:  # all three encoded (and checked) before any is written
-        sources, labels = parsed[s]
+        sources, labels, lines = parsed[s]
         token_lists = [[t for t in src.split() if t not in ("(", ")")] for src in sources]
-        tokens, lengths = encode_tokens(token_lists, LISTOPS_VOCAB, max_len, truncate, tsv[s])
+        tokens, lengths = encode_tokens(token_lists, LISTOPS_VOCAB, max_len, truncate, tsv[s], lines)
         splits[s] = dict(tokens=tokens, lengths=lengths, labels=torch.tensor(labels, dtype=torch.int64))
         metas[s] = dict(_meta("listops", LISTOPS_VOCAB, max_len, 10, tsv[s], seed if ours else None, sizes),
                         sha256=sha256_of(tsv[s]), generated=ours)
@@ -1416,6 +1499,26 @@ def find_ucr(name, data_dir):
     return None
 
 
+def ucr_folder_hint(name, folder):
+    """What `folder` holds of UCR data set `name` when find_ucr found no pair there, or '': one of its two files
+    only, the two in different formats, or names that differ only in case (toy_TRAIN.tsv for Toy)."""
+    files = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    stem = lambda f: os.path.splitext(f)[0] if os.path.splitext(f)[1] in UCR_FORMATS else f  # noqa: E731
+    have = {s: [f for f in files if stem(f) == f"{name}_{s}"] for s in ("TRAIN", "TEST")}
+    hints = []
+    if bool(have["TRAIN"]) != bool(have["TEST"]):
+        found, lacking = ("TRAIN", "TEST") if have["TRAIN"] else ("TEST", "TRAIN")
+        hints.append(f"{folder}/ holds {', '.join(have[found])} but no {name}_{lacking} file")
+    elif have["TRAIN"]:
+        hints.append(f"{folder}/ holds {', '.join(have['TRAIN'] + have['TEST'])}: the two must be of one format")
+    other_case = [f for f in files if stem(f).lower() in (f"{name}_train".lower(), f"{name}_test".lower())
+                  and stem(f) not in (f"{name}_TRAIN", f"{name}_TEST")]
+    if other_case:
+        hints.append(f"{folder}/ holds {', '.join(other_case)}: file names are case-sensitive, expected "
+                     f"{name}_TRAIN and {name}_TEST")
+    return "; ".join(hints)
+
+
 def ucr_missing_message(name, folder):
     """What to download by hand and where to put it (`folder`, i.e. <data_dir>/ucr/<name>), for a UCR data set
     that is nowhere to be found."""
@@ -1450,8 +1553,13 @@ def download_ucr(name, folder, base_url=UCR_URL, sha256=None, timeout=60):
     metadata; it is checked when `sha256` is given. Returns dict(url, sha256, files). Raises ConnectionError
     saying what to download by hand and where to put it when the server cannot be reached or answers with an
     error (a 404 for an unknown name), and ValueError for a sha256 mismatch or a download that is not a zip
-    holding the two files; the download is deleted then, so nothing is left in `folder`.
+    holding the two files; the download is deleted then, and `folder` too if this call made it.
     """
+    with folder_for_download(folder):
+        return _download_ucr(name, folder, base_url, sha256, timeout)
+
+
+def _download_ucr(name, folder, base_url, sha256, timeout):
     url = f"{base_url.rstrip('/')}/{name}.zip"
     final = os.path.join(folder, f"{name}.zip")
     digest = download_file(url, final, sha256, ucr_missing_message(name, folder), timeout)
@@ -1494,6 +1602,9 @@ def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, down
         raise ValueError(f"val_fraction {val_fraction}: expected a fraction of the training set, in (0, 1)")
     task = f"ucr/{name}"
     found, downloaded = find_ucr(name, data_dir), None
+    if found is None and (hint := ucr_folder_hint(name, os.path.join(data_dir, "ucr", name))):
+        raise FileNotFoundError(f"UCR data set {name!r}: {hint}; nothing was downloaded (the archive's files would "
+                                f"replace yours): add the missing file or fix the names")
     if found is None:
         if not download:
             raise FileNotFoundError(ucr_missing_message(name, os.path.join(data_dir, "ucr", name)))
@@ -1899,13 +2010,18 @@ def download_fashion_mnist(folder, base_url=FASHION_DOWNLOAD_URL, md5=None, time
     Raises ConnectionError (unreachable, 404, cut) or ValueError for a checksum mismatch, naming the file and both
     checksums; a file that fails its check is deleted. A file already in `folder` is checked, not fetched again.
     """
+    with folder_for_download(folder):
+        return _download_fashion_mnist(folder, base_url, md5, timeout)
+
+
+def _download_fashion_mnist(folder, base_url, md5, timeout):
     digests = {}
     for name, want in (md5 or FASHION_MD5).items():
         dest = os.path.join(folder, name)
         if not os.path.exists(dest):
             download_file(f"{base_url}/{name}", dest, timeout=timeout,
-                          manual=f"Download it from {FASHION_URL} into {folder}/, or on Debian/Ubuntu: apt install "
-                                 f"dataset-fashion-mnist")
+                          manual=f"Download the four files {', '.join(md5 or FASHION_MD5)} from {FASHION_URL} "
+                                 f"into {folder}/, or on Debian/Ubuntu: apt install dataset-fashion-mnist")
         got = hashlib.md5(open(dest, "rb").read()).hexdigest()
         if got != want:
             _remove_if_there(dest)
@@ -1937,7 +2053,8 @@ def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, download=True, u
     except FileNotFoundError as e:
         if not download:
             raise FileNotFoundError(f"{e}; or download them: python data.py --task fashion_mnist (pretrain.py, "
-                                    f"finetune.py and ablate.py: with --download)") from None
+                                    f"finetune.py and ablate.py: with --download), or by hand from {FASHION_URL} "
+                                    f"into {os.path.join(source_dir, 'fashion_mnist')}/") from None
         folder = os.path.join(source_dir, "fashion_mnist")
         download_fashion_mnist(folder, url)
     print(f"Fashion-MNIST: reading the IDX files in {folder}")

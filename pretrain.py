@@ -413,8 +413,9 @@ def resolve(args, stage):
     if args.device.type == "cuda":  # TF32 matmuls, unless exact fp32 was asked for
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.dtype != torch.float32
     threads = f", {torch.get_num_threads()} thread(s)" if args.device.type == "cpu" else ""  # they change float sums
-    print(f"device {args.device} ({device_name(args.device)}{threads}), dtype {str(args.dtype).replace('torch.', '')} "
-          f"({reason}), preset {args.preset}")
+    ranks = f", {args.world_size} processes ({dist.get_backend()}, torchrun)" if args.world_size > 1 else ""
+    print(f"device {args.device} ({device_name(args.device)}{threads}){ranks}, dtype "
+          f"{str(args.dtype).replace('torch.', '')} ({reason}), preset {args.preset}")
     return args, preset
 
 
@@ -461,8 +462,8 @@ def wrap(model, args):
 
     Checkpoints always hold the plain `model`, so they load anywhere.
     """
-    # broadcast_buffers=False: the only buffers (positions, ALiBi slopes) are constants
-    net = DistributedDataParallel(model, broadcast_buffers=False) if args.world_size > 1 else model
+    # no buffer broadcast before each forward: the only buffers (positions, ALiBi slopes) are constants
+    net = DistributedDataParallel(model, forward_sync_buffers=False) if args.world_size > 1 else model
     return torch.compile(net) if args.compile else net
 
 
@@ -491,7 +492,7 @@ def prepare_data(args, preset):
         # Only rank 0 writes the data and the others wait; a download may take hours, so this barrier has a group
         # (and a timeout) of its own, not the training collectives' default.
         dist.barrier(group=dist.new_group(backend="gloo", timeout=timedelta(hours=3)))
-    splits = data.load_splits(args.data_dir, args.task, args.device)
+    splits = data.load_splits(args.data_dir, args.task, args.device, settings)
     data.check_settings(splits["train"]["meta"], settings, args.task, args.data_dir, args.preset, args.accept_data)
     print(f"data {args.data_dir}/{args.task}: " + ", ".join(
         f"{s} {len(splits[s]['labels'])} (sha256 {splits[s]['meta']['file_sha256'][:12]})" for s in data.SPLITS))

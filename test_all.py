@@ -126,6 +126,41 @@ def test_generated_listops_respects_length_bounds_and_is_reproducible():
         assert label == data.eval_listops(src)
 
 
+def test_generating_listops_never_overwrites_tsvs_the_generator_did_not_write(tmp_path, capsys):
+    """A new-user check: with the release's basic_train.tsv and basic_val.tsv in data/listops/ (no test file), or
+    with the release's three files put where a stale generated.json stands, data.py generated over them."""
+    root = str(tmp_path)
+    task_dir = tmp_path / "listops"
+    small = dict(n_val=3, n_test=3, seed=0, min_length=10, max_length=60, max_len=64)
+    os.makedirs(task_dir)
+    theirs = "Source\tTarget\n( [MAX 2 3 ] )\t3\n"
+    for s in ("train", "val"):
+        (task_dir / f"basic_{s}.tsv").write_text(theirs)
+    with pytest.raises(FileExistsError, match=re.escape(f"{task_dir / 'basic_train.tsv'}: no generated.json beside "
+                                                        f"it; ") + ".*would overwrite them.*basic_test.tsv is missing"):
+        data.prepare_listops(root, n_train=5, **small)
+    assert all((task_dir / f"basic_{s}.tsv").read_text() == theirs for s in ("train", "val"))
+    for s in ("train", "val"):
+        os.remove(task_dir / f"basic_{s}.tsv")
+    data.prepare_listops(root, n_train=5, **small)  # ours: generated, marker with each file's sha256
+    data.prepare_listops(root, n_train=6, **small)  # ours, other settings: made again
+    assert len(data.load_split(root, "listops", "train")["labels"]) == 6
+    for s in data.SPLITS:  # the release's files put over ours, the stale marker left
+        (task_dir / f"basic_{s}.tsv").write_text(theirs)
+    capsys.readouterr()
+    data.prepare_listops(root, n_train=7, **small)  # read as they are, not generated over
+    assert all((task_dir / f"basic_{s}.tsv").read_text() == theirs for s in data.SPLITS)
+    assert "does not vouch for" in capsys.readouterr().out
+    assert data.load_split(root, "listops", "train")["meta"]["generated"] is False
+    for s in data.SPLITS:
+        os.remove(task_dir / f"basic_{s}.tsv")
+    data.prepare_listops(root, n_train=5, **small)
+    data.save_atomic(dict(generating=True), str(task_dir / "generated.json"))  # stopped while writing the TSVs
+    os.remove(task_dir / "basic_test.tsv")
+    data.prepare_listops(root, n_train=5, **small)  # its own half-written set: generated again
+    assert json.load(open(task_dir / "generated.json"))["n_train"] == 5
+
+
 def test_listops_reader_tolerates_crlf_and_missing_final_newline(tmp_path):
     p = tmp_path / "x.tsv"
     p.write_bytes(b"Target\tSource\r\n9\t( ( [MAX 2 ) 9 ) ]\r\n2\t[MIN 4 2 ]")  # columns swapped on purpose
@@ -1600,6 +1635,8 @@ def test_two_process_ddp_matches_one_process(listops_dir, tmp_path):
         assert torch.allclose(one["model"][key], two["model"][key], atol=1e-5), key
     assert one["metrics"]["val_loss"] == pytest.approx(two["metrics"]["val_loss"], rel=1e-5)
     assert proc.stdout.count("eval at step 2") == 1  # only rank 0 prints
+    assert ", 2 processes (gloo, torchrun), dtype float32" in proc.stdout.splitlines()[0]  # it says it is distributed
+    assert "FutureWarning" not in proc.stderr  # DDP's deprecated broadcast_buffers, once per rank
     # finetune.py under torchrun: same weights and the same (reduced) validation accuracy as one process
     ft = ["--task", "listops", "--data_dir", listops_dir, "--init", "scratch", "--max_steps", "3",
           "--accept_data"] + TINY
@@ -2448,10 +2485,11 @@ def test_ucr_download_from_a_local_server(http_root, tmp_path, capsys):
     digest = hashlib.sha256((www / "aeon-toolkit" / "Toy.zip").read_bytes()).hexdigest()
     data_dir = str(tmp_path / "data")
     folder = os.path.join(data_dir, "ucr", "Toy")
-    # A wrong sha256: an error, and nothing is left in the folder (neither the zip, nor its .part, nor data files).
+    # A wrong sha256: an error, and nothing is left (neither the zip, nor its .part, nor data files, nor the empty
+    # folder the download made: a new-user check found data/ucr/ECG200/ left behind).
     with pytest.raises(ValueError, match=f"sha256 {digest}, expected 00ff"):
         data.prepare_ucr(data_dir, "Toy", val_fraction=0.5, base_url=base_url, sha256="00ff")
-    assert os.listdir(folder) == []
+    assert not os.path.exists(os.path.join(data_dir, "ucr"))  # nor data/ucr/, which it made too
     # 404, a connection cut mid-download, a server that is not there, a download that is not a zip.
     for name, url, error, message in (
             ("Missing", base_url, ConnectionError, "HTTP Error 404"),
@@ -2462,7 +2500,11 @@ def test_ucr_download_from_a_local_server(http_root, tmp_path, capsys):
             data.prepare_ucr(data_dir, name, base_url=url)
         if error is ConnectionError:   # says what to fetch by hand and where to put it
             assert f"{name}.zip" in str(e.value) and os.path.join(data_dir, "ucr", name) + "/" in str(e.value)
-        assert os.listdir(os.path.join(data_dir, "ucr", name)) == []
+        assert not os.path.exists(os.path.join(data_dir, "ucr", name))
+    os.makedirs(os.path.join(data_dir, "ucr", "Junk"))  # a folder that was there before stays
+    with pytest.raises(ValueError, match="not a zip file"):
+        data.prepare_ucr(data_dir, "Junk", base_url=base_url)
+    assert os.listdir(os.path.join(data_dir, "ucr", "Junk")) == []
     # The right sha256 (or none): extracted, recorded in the metadata and printed.
     capsys.readouterr()
     sizes = data.prepare_ucr(data_dir, "Toy", val_fraction=0.5, base_url=base_url, sha256=digest.upper())
@@ -2472,6 +2514,25 @@ def test_ucr_download_from_a_local_server(http_root, tmp_path, capsys):
     assert meta["download"]["sha256"] == digest and meta["download"]["url"] == base_url + "/Toy.zip"
     assert meta["found_in"] == "data_dir" and meta["source"] == os.path.join(folder, "Toy_TEST.ts")
     assert f"sha256 {digest}" in capsys.readouterr().out
+
+
+def test_a_ucr_folder_with_one_file_or_other_names_says_so_and_downloads_nothing(tmp_path, capsys):
+    """A new-user check: with Toy_TEST.tsv deleted, data.py tried to download Toy.zip (whose files would replace
+    the user's) and then said only 'expected Toy_TRAIN and Toy_TEST'."""
+    folder = tmp_path / "ucr" / "Toy"
+    for files, message in ((["Toy_TRAIN.tsv"], "holds Toy_TRAIN.tsv but no Toy_TEST file"),
+                           (["Toy_TRAIN.tsv", "Toy_TEST.txt"], "holds Toy_TRAIN.tsv, Toy_TEST.txt: the two must be "
+                                                               "of one format"),
+                           (["toy_TRAIN.tsv", "toy_test.tsv"], "holds toy_TRAIN.tsv, toy_test.tsv: file names are "
+                                                               "case-sensitive, expected Toy_TRAIN and Toy_TEST")):
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(folder)
+        for f in files:
+            (folder / f).write_text("1\t1.0\t2.0\n2\t3.0\t1.0\n")
+        with pytest.raises(FileNotFoundError, match=re.escape(f"UCR data set 'Toy': {folder}/ {message}; nothing "
+                                                              f"was downloaded")):
+            data.prepare_ucr(str(tmp_path), "Toy", base_url="http://127.0.0.1:9/none")
+        assert "downloading" not in capsys.readouterr().out and sorted(os.listdir(folder)) == sorted(files)
 
 
 def _pyts_installed():
@@ -4295,7 +4356,7 @@ def _save_toy(tmp_path, **tensors):
     return str(tmp_path / "toy" / "train.pt")
 
 
-TOKENS = torch.ones(3, 4, dtype=torch.uint8)
+TOKENS = torch.full((3, 4), 2, dtype=torch.uint8)  # the smallest real id
 
 
 def test_the_preparation_stamp_covers_the_tensors_not_only_the_meta(tmp_path):
@@ -4348,7 +4409,7 @@ def test_a_failed_or_mixed_listops_preparation_is_never_loaded_as_one(tmp_path, 
     files_a = {s: open(data.split_path(root, "listops", s), "rb").read() for s in data.SPLITS}
     assert len({data.load_pt(data.split_path(root, "listops", s))["meta"]["preparation"] for s in data.SPLITS}) == 1
     write(seed=2, long_val=True)
-    with pytest.raises(ValueError, match=r"basic_val.tsv: sample 0 has 4\d tokens > max_len 32"):
+    with pytest.raises(ValueError, match=r"basic_val.tsv: line 2 has 4\d tokens > max_len 32"):
         data.prepare_listops(root, max_len=32)
     assert {s: open(data.split_path(root, "listops", s), "rb").read() for s in data.SPLITS} == files_a
     shutil.copy(data.split_path(root, "listops", "val"), tmp_path / "val_a.pt")
@@ -4359,11 +4420,11 @@ def test_a_failed_or_mixed_listops_preparation_is_never_loaded_as_one(tmp_path, 
     assert "changed after" not in capsys.readouterr().out
     tsv = str(folder / "basic_val.tsv")
     os.utime(tsv, (os.path.getmtime(tsv) + 60,) * 2)  # edited after the preparation: the run says so
-    data.load_splits(root, "listops")
+    data.load_splits(root, "listops", settings=dict(max_len=32, n_train=4))  # with the run's settings
     warnings = [line for line in capsys.readouterr().out.splitlines() if "changed after" in line]
     assert warnings == [f"warning: {tsv} changed after {data.split_path(root, 'listops', 'val')} was prepared from "
                         f"it; the run reads the prepared file (prepare again to use the new one: python data.py "
-                        f"--task listops --data_dir {root})"]
+                        f"--task listops --data_dir {root} --max_len 32 --n_train 4)"]
     shutil.copy(tmp_path / "val_a.pt", data.split_path(root, "listops", "val"))
     with pytest.raises(ValueError, match=r"val.pt and .*train.pt are not of one preparation: preparation '[0-9a-f]{16}' "
                                          r"against '[0-9a-f]{16}'; prepare all three again"):
@@ -4385,9 +4446,9 @@ def test_a_failed_or_mixed_listops_preparation_is_never_loaded_as_one(tmp_path, 
      r"train.pt, row 0: label -1, expected 0..1"),
     (dict(values=torch.zeros(3, 4, 1), lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 0, 1]),
           meta=dict(task="toy", kind="continuous", max_len=4, n_classes=2)),
-     r"train.pt: meta has no 'd_input'; expected a file written by data.py"),
+     r"train.pt: meta has no 'd_input'; a continuous split's meta needs max_len, n_classes and d_input"),
     (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 0, 1]),
-          meta=dict(task="toy", max_len=4, n_classes=2, vocab_size=17)), r"train.pt: meta kind is None, expected one of"),
+          meta=dict(task="toy", max_len=4, n_classes=2, vocab_size=17)), r"train.pt: meta has no 'kind', expected one of"),
     (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 0, 1]),
           meta=dict(task="toy", kind="pixels", max_len=4, n_classes=2, pixel_mean=0.5, pixel_std=0.5)),
      r"train.pt: meta kind 'pixels' is stored as 'pixels', but the file holds \['tokens'\]"),
@@ -4396,7 +4457,8 @@ def test_a_failed_or_mixed_listops_preparation_is_never_loaded_as_one(tmp_path, 
      r"train.pt: meta n_classes is 0, expected a positive integer"),
     (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 0, 1]),
           meta=dict(task="toy", kind="tokens", max_len=4, n_classes=2, vocab_size=17)),
-     r"train.pt: meta has no 'pad_id'; expected a file written by data.py"),
+     r"train.pt: meta has no 'pad_id'; a tokens split's meta needs max_len, n_classes and vocab_size, pad_id, "
+     r"mask_id \(the form of data.py's docstring; README: Use your own data\)"),
     (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 0, 1]),
           meta=dict(task="toy", kind="tokens", max_len=4, n_classes=2, vocab_size=17, pad_id=0, mask_id=2)),
      r"train.pt: meta pad_id 0, mask_id 2; expected 0 and 1 \(data.PAD_ID, MASK_ID"),
@@ -4434,9 +4496,23 @@ def test_a_failed_or_mixed_listops_preparation_is_never_loaded_as_one(tmp_path, 
      r"train.pt, row 2, position 1: value nan, expected finite values"),
     (dict(tokens=TOKENS[:0], lengths=torch.tensor([], dtype=torch.int64), labels=torch.tensor([], dtype=torch.int64)),
      r"train.pt: the split holds no examples \(N = 0\)"),
+    # A new-user check: a mask id (1) or padding id (0) inside the length trained without a word (SPT would take
+    # a real 1 for a masked position), and ids after the length were ignored.
+    (dict(tokens=TOKENS.index_put((torch.tensor([1]), torch.tensor([2])), torch.tensor(1, dtype=torch.uint8)),
+          lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1])),
+     r"train.pt, row 1, position 2: token id 1, expected a real id >= 2 inside the length 4 \(0 is the padding id, "
+     r"1 the mask id\)"),
+    (dict(tokens=TOKENS.index_put((torch.tensor([0]), torch.tensor([0])), torch.tensor(0, dtype=torch.uint8)),
+          lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1])),
+     r"train.pt, row 0, position 0: token id 0, expected a real id >= 2"),
+    (dict(tokens=TOKENS, lengths=torch.tensor([4, 3, 4]), labels=torch.tensor([0, 1, 1])),
+     r"train.pt, row 1, position 3: token id 2, expected 0 \(padding\) after the length 3"),
+    (dict(tokens=torch.full((3, 2, 4), 2, dtype=torch.int16), lengths=torch.tensor([[4, 4], [4, 2], [4, 4]]),
+          labels=torch.tensor([0, 1, 1])), r"train.pt, row 1, document 1, position 2: token id 2, expected 0"),
 ])
 def test_load_split_refuses_tensors_that_disagree(tmp_path, tensors, message):
-    _save_toy(tmp_path, tokens=torch.ones(3, 2, 4, dtype=torch.int16), lengths=torch.tensor([[4, 1], [2, 3], [1, 1]]),
+    pairs = torch.tensor([[4, 1], [2, 3], [1, 1]])
+    _save_toy(tmp_path, tokens=(2 * (torch.arange(4) < pairs[..., None])).to(torch.int16), lengths=pairs,
               labels=torch.tensor([0, 1, 1]))
     assert data.load_split(str(tmp_path), "toy", "train")["lengths"].shape == (3, 2)   # consistent: loads
     path = _save_toy(tmp_path, **tensors)
@@ -4510,7 +4586,8 @@ def test_data_cli_prepares_listops_and_synthetic_with_the_flags_given(tmp_path):
     d = data.load_split(root, "listops", "train")
     assert len(d["labels"]) == 6 and d["tokens"].shape[1] == 700 and int(d["lengths"].max()) == 700  # cut, not failed
     assert json.load(open(os.path.join(root, "listops", "generated.json"))) == dict(
-        n_train=6, n_val=3, n_test=3, seed=2, min_length=500, max_length=2000)
+        n_train=6, n_val=3, n_test=3, seed=2, min_length=500, max_length=2000,
+        sha256={s: data.sha256_of(os.path.join(root, "listops", f"basic_{s}.tsv")) for s in data.SPLITS})
     with pytest.raises(SystemExit, match=r"^error: --max_len does not apply to --task synthetic \(it takes: --n_train, "
                                          r"--n_val, --n_test, --seed, --length\)$"):
         data.run_cli(lambda argv: data.main(["--task", "synthetic", "--data_dir", root, "--max_len", "50"]))
