@@ -748,8 +748,10 @@ def main(argv=None):
         if os.path.realpath(path) in seen:  # one file, however spelled (out/x.pt, ./out/x.pt, its absolute path)
             raise ValueError(f"--ckpt names one file twice: {seen[os.path.realpath(path)]} and {path}")
         seen[os.path.realpath(path)] = path
-    if getattr(args, "run_dir", None) and not os.path.isdir(args.run_dir):
-        raise FileNotFoundError(f"--run_dir {args.run_dir}: no such folder (a run's folder, e.g. out/synthetic)")
+    if getattr(args, "run_dir", None) is not None and not os.path.isdir(args.run_dir):
+        raise FileNotFoundError(f"--run_dir {args.run_dir}: " + ("a file, not a folder" if os.path.isfile(
+            args.run_dir) else "no such folder") + f" (a run's folder, e.g. out/synthetic, holding {args.stage}_init.pt "
+            f"and {args.stage}_step*.pt)")
     args.func(args)
 
 

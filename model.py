@@ -351,8 +351,9 @@ class Transformer(nn.Module):
         """cls_head in its weights' dtype (float32) even under bf16 autocast: h (B, d_in) -> logits (B, n_classes).
         bf16 keeps 8 bits of mantissa, so logits that differ by less than ~0.4% tie, and argmax gives a tie to
         class 0: near chance (at init, or a task not yet learned) accuracy would then read as class 0's frequency."""
-        off = torch.autocast(h.device.type, enabled=False) if h.device.type in ("cuda", "cpu", "mps") else nullcontext()
-        with off:  # (a device without autocast, e.g. "meta", has nothing to switch off)
+        kind = h.device.type
+        off = torch.autocast(kind, enabled=False) if torch.amp.is_autocast_available(kind) else nullcontext()
+        with off:  # (a device without autocast, e.g. "meta", has nothing to switch off; xpu has autocast too)
             return self.cls_head(h.to(next(self.cls_head.parameters()).dtype))
 
     def reconstruct(self, x, lengths, positions=True):

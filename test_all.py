@@ -2242,6 +2242,8 @@ def test_analyze_names_what_is_wrong_with_a_checkpoint_path_before_any_work(synt
              f"{os.path.join(run, 'pretrain_step6.pt')}?; pretrain.py writes it (pretrain_step<N>.pt with --snapshots)"),
             (["curves", "--run_dir", str(tmp_path / "synthtic")], FileNotFoundError,
              f"--run_dir {tmp_path / 'synthtic'}: no such folder"),
+            (["curves", "--run_dir", good], FileNotFoundError, f"--run_dir {good}: a file, not a folder (a run's "
+                                                               f"folder, e.g. out/synthetic, holding pretrain_init.pt"),
             (["attention", "--ckpt", os.path.join(run, "pretrain_log.jsonl")], ValueError,
              "another kind of file); pass a .pt file of this project")):
         with pytest.raises(error, match=re.escape(message)):
