@@ -371,9 +371,16 @@ def run_note(args):
 
 
 def command_of(args):
-    """The command line of this ablate.py run, as typed: recorded in the figures it draws (analyze.save_figure)
-    and in its benchmark tables."""
-    return analyze.command_line("ablate.py", getattr(args, "argv", None) or [args.experiment])
+    """The command line of this ablate.py run as typed, less the flags that say only how it ran (--jobs N; a
+    child's --only_seed S, --child), as its tables' footers leave them out: recorded in the figures it draws
+    (analyze.save_figure) and in its benchmark tables."""
+    argv, kept = iter(getattr(args, "argv", None) or [args.experiment]), []
+    for a in argv:
+        if a in ("--jobs", "--only_seed"):
+            next(argv, None)  # and its value
+        elif a != "--child" and not a.startswith(("--jobs=", "--only_seed=")):
+            kept.append(a)
+    return analyze.command_line("ablate.py", kept)
 
 
 def budget_probe(args, task, common, model="1layer"):
@@ -1160,7 +1167,8 @@ def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
             sync()
             times.append((time.perf_counter() - t0) / steps)
     except Exception as e:  # out of memory, a missing compiler, ...: reported, so the parent never waits forever
-        queue.put("out of memory" if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {e}")
+        first = (str(e).strip().splitlines() or [""])[0]  # one line: a table cell (torch.compile errors run long)
+        queue.put("out of memory" if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {first}")
         return
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
         (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024
@@ -1243,7 +1251,7 @@ def bench_table(out):
             "| variant | ms/step | real tokens/s | peak memory | MFU |", "|---|---|---|---|---|"]
     for v, r in out["results"].items():
         if "error" in r:
-            rows.append(f"| {BENCH_VARIANTS[v]} | {r['error']} | | | |")
+            rows.append(f"| {BENCH_VARIANTS[v]} | {r['error'].replace('|', '/')} | | | |")
         else:
             rows.append(f"| {BENCH_VARIANTS[v]} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | "
                         f"{r['peak_memory_mb']:,.0f} MiB | " + (f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-") + " |")

@@ -215,6 +215,8 @@ def figure_command(path):
     something else). Raises OSError for a file that is missing or not an image."""
     from PIL import Image  # pillow: matplotlib's own image library, installed with it
     with Image.open(path) as image:
+        if image.format != "PNG":  # a JPEG or GIF under a .png name has no text chunks
+            raise OSError(f"{path}: a {image.format} image, not a PNG")
         return image.text.get("Command")
 
 
@@ -580,7 +582,9 @@ def checkpoint_label(path, paths):
 
 
 def cmd_attention(args):
-    paths = {checkpoint_label(p, args.ckpt): p for p in args.ckpt}  # distinct files (main): distinct labels
+    paths = {checkpoint_label(p, args.ckpt): p for p in args.ckpt}
+    if len(paths) < len(args.ckpt):  # d/x.pt and d/x.pt.pt: one label; distinct files (main) have distinct paths
+        paths = {os.path.normpath(p): p for p in args.ckpt}
     results, maps = analyze_checkpoints(paths, args.data_dir, args.n, args.band)
     os.makedirs(args.out, exist_ok=True)
     plot_maps(maps, "attention", os.path.join(args.out, "attention.png"),

@@ -174,7 +174,6 @@ def load_newest(candidates, map_location="cpu", who="load", with_path=False):
     for path in candidates:
         if not os.path.lexists(path):  # the program's own guess at a file name: no "did you mean" (not_a_file)
             print(f"{who}: {path}: no such file; skipped")
-            reasons.append((path, FileNotFoundError(path)))
             continue
         try:
             ck = load_pt(path, map_location=map_location)
@@ -183,14 +182,14 @@ def load_newest(candidates, map_location="cpu", who="load", with_path=False):
                 raise ValueError(f"{path}: holds no training state (state.step); not a checkpoint of this project")
         except (OSError, ValueError) as e:  # OSError: a folder or a broken link in the file's place, unreadable
             print(f"{who}: {e}; skipped")
-            reasons.append((path, e))
+            reasons.append((path, e))  # something is there: not a fresh start
             continue
         if newest is None or ck["state"]["step"] > newest["state"]["step"]:
             newest, newest_path = ck, path
     if newest is not None:
         print(f"{who}: continuing from {newest_path} (step {newest['state']['step']})")
         return (newest_path, newest) if with_path else newest
-    if all(isinstance(e, FileNotFoundError) for _, e in reasons):
+    if not reasons:
         print(f"{who}: no checkpoint yet, starting from scratch")
         return (None, None) if with_path else None
     raise ValueError(f"{who}: no checkpoint could be loaded: " + "; ".join(str(e) for _, e in reasons) +
@@ -572,7 +571,7 @@ def download_file(url, dest, sha256=None, manual="", timeout=60):
 def folder_for_download(folder):
     """Make `folder` (and missing parents) for a download; when the block raises, remove again those of them
     that are still empty, so that a failed download leaves no empty data/ucr/ECG200/ behind."""
-    made, d = [], folder  # leaf first
+    made, d = [], os.path.abspath(folder)  # leaf first; absolute: dirname of a relative top folder is "", forever
     while not os.path.exists(d):
         made.append(d)
         d = os.path.dirname(d)
@@ -1070,7 +1069,9 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
         made = dict(min_length=500, max_length=2000)  # LRA's: a marker from before these were recorded
         made.update(json.load(open(marker)))
         differ = [k for k in wanted if made.get(k) != wanted[k]]
-        if differ:
+        if made.get("generating"):
+            folder = None  # said below
+        elif differ:
             print(f"{marker}: the generated TSVs in {task_dir}/ were made with "
                   + ", ".join(f"{k}={made.get(k)}" for k in differ) + "; this call asks for "
                   + ", ".join(f"{k}={wanted[k]}" for k in differ) + ": generating them again")
@@ -1084,6 +1085,8 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
                 + (f", and {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing (an incomplete "
                    f"release?)" if missing else "") + f": complete the release, or move "
                 f"{'it' if len(foreign) == 1 else 'them'} out of {task_dir}/ to generate data there")
+        if os.path.exists(marker) and json.load(open(marker)).get("generating"):
+            print(f"{marker}: a generation of the TSVs in {task_dir}/ was interrupted: generating them again")
         print(f"no LRA ListOps files in {task_dir}/ (basic_{{train,val,test}}.tsv, also looked for in "
               f"{', '.join(d + '/' for d in LISTOPS_DIRS if d)}) made with these settings: generating "
               f"{n_train}/{n_val}/{n_test} expressions with seed {seed}")

@@ -157,8 +157,10 @@ def test_generating_listops_never_overwrites_tsvs_the_generator_did_not_write(tm
     data.prepare_listops(root, n_train=5, **small)
     data.save_atomic(dict(generating=True), str(task_dir / "generated.json"))  # stopped while writing the TSVs
     os.remove(task_dir / "basic_test.tsv")
+    capsys.readouterr()
     data.prepare_listops(root, n_train=5, **small)  # its own half-written set: generated again
     assert json.load(open(task_dir / "generated.json"))["n_train"] == 5
+    assert "a generation of the TSVs in" in capsys.readouterr().out  # not "made with n_train=None"
 
 
 def test_listops_reader_tolerates_crlf_and_missing_final_newline(tmp_path):
@@ -988,6 +990,8 @@ def test_bench_reports_figures_computed_from_its_own_timings(tmp_path):
     assert f"| ours, fused attention | {r['fused']['ms_per_step']:.1f} |" in table
     assert f"**{out['speed_ratio_fused_vs_reference']:.2f}**" in table
     assert f"`python ablate.py {' '.join(argv)}`" in table.splitlines()[0]  # every flag (--device: was left out)
+    failed = dict(out, results={"fused": dict(error="RuntimeError: a | b")})  # a '|' would split the row
+    assert ablate.table_rows(ablate.bench_table(failed)) == {"ours, fused attention": False}
     for bad, message in ((["--variants", "fused,fast"], "--variants"), (["--size", "64,16"], "--size"),
                          (["--size", "64,15,1,2,32,2"], "divisible")):
         with pytest.raises(ValueError, match=message):
@@ -1930,6 +1934,8 @@ def test_load_newest_takes_the_checkpoint_of_the_latest_step(tmp_path, capsys):
     os.symlink(tmp_path / "gone.pt", tmp_path / "link.pt")
     assert str(data.not_a_file(str(tmp_path / "link.pt"))) == (f"{tmp_path / 'link.pt'}: a broken link (to "
                                                                 f"{tmp_path / 'gone.pt'}, which does not exist)")
+    with pytest.raises(ValueError, match="no checkpoint could be loaded: .*link.pt: a broken link"):  # not a fresh
+        data.load_newest([str(tmp_path / "link.pt"), str(tmp_path / "nothing.pt")], who="r")  # start over its log
 
 
 @pytest.mark.parametrize("stop_after", ["pretrain_step4.pt", "pretrain.pt", "pretrain_last.pt"])
@@ -2254,6 +2260,12 @@ def test_analyze_names_what_is_wrong_with_a_checkpoint_path_before_any_work(synt
     assert [analyze.checkpoint_label(p, paths) for p in paths] == ["s0/pretrain", "s1/pretrain", "finetune_spt"]
     paths = ["a/x.pt", "b/x.pth", "a/x.pth", "c/y.pt"]  # one stem; then one path without its extension
     assert [analyze.checkpoint_label(p, paths) for p in paths] == ["a/x.pt", "b/x", "a/x.pth", "y"]
+    os.makedirs(tmp_path / "d")
+    for name in ("x.pt", "x.pt.pt"):  # two files, one label "x.pt" by checkpoint_label: one was dropped
+        shutil.copy(good, tmp_path / "d" / name)
+    analyze.main(["attention", "--ckpt", str(tmp_path / "d" / "x.pt"), str(tmp_path / "d" / "x.pt.pt"), "--n", "2",
+                  "--data_dir", data_dir, "--out", str(tmp_path / "b")])
+    assert len(json.load(open(tmp_path / "b" / "attention.json"))) == 2
     again = os.path.join(run, ".", "pretrain.pt")  # the same file, spelled otherwise
     with pytest.raises(ValueError, match=re.escape(f"--ckpt names one file twice: {good} and {again}")):
         analyze.main(["attention", "--ckpt", good, again, "--data_dir", data_dir, "--out", str(tmp_path / "a")])
@@ -2474,7 +2486,7 @@ def http_root(tmp_path):
     server.server_close()
 
 
-def test_ucr_download_from_a_local_server(http_root, tmp_path, capsys):
+def test_ucr_download_from_a_local_server(http_root, tmp_path, capsys, monkeypatch):
     import hashlib
     import zipfile
     www, base_url = http_root
@@ -2503,6 +2515,10 @@ def test_ucr_download_from_a_local_server(http_root, tmp_path, capsys):
         if error is ConnectionError:   # says what to fetch by hand and where to put it
             assert f"{name}.zip" in str(e.value) and os.path.join(data_dir, "ucr", name) + "/" in str(e.value)
         assert not os.path.exists(os.path.join(data_dir, "ucr", name))
+    monkeypatch.chdir(tmp_path)  # a relative data_dir whose top folder is missing: looped forever (a review)
+    with pytest.raises(ConnectionError):
+        data.prepare_ucr("rel", "Toy", base_url="http://127.0.0.1:9/none")
+    assert not os.path.exists(tmp_path / "rel")
     os.makedirs(os.path.join(data_dir, "ucr", "Junk"))  # a folder that was there before stays
     with pytest.raises(ValueError, match="not a zip file"):
         data.prepare_ucr(data_dir, "Junk", base_url=base_url)
@@ -4852,6 +4868,14 @@ def test_figures_record_the_command_that_drew_them_and_report_refuses_another_co
     with pytest.raises(ValueError, match=re.escape(f"{out / 'analysis' / 'bad.png'}: not a PNG image that can be "
                                                    f"read")):
         run("--force")
+    from PIL import Image
+    Image.new("RGB", (4, 4)).save(out / "analysis" / "bad.png", format="JPEG")  # had no .text: AttributeError
+    with pytest.raises(ValueError, match=re.escape("not a PNG image that can be read (") + ".*a JPEG image, not"):
+        run("--force")
+    # The command a figure records leaves out how it ran (--jobs, a child's flags), as a table's footer does.
+    assert ablate.command_of(argparse.Namespace(argv=["init", "--task", "fashion_mnist", "--jobs", "2", "--only_seed",
+                                                      "1", "--child", "--jobs=3"])) == \
+        "python ablate.py init --task fashion_mnist"
     assert ablate.weaker_figure("Drawn by `x`.", None) is None  # a new figure: nothing to compare
     # A figure drawn with a table goes with that table, scheme and length suffix included (output_name).
     assert [ablate.figure_table(f) for f in ("initscale.png", "pathfinder_curves.png", "init_fashion_mnist_curves.png",
