@@ -25,6 +25,7 @@ to change are the fields of ModelConfig, right below.
 import math
 import platform
 import re
+import subprocess
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 
@@ -550,12 +551,20 @@ def peak_flops(device, dtype):
 
 
 def device_name(device):
-    """What ran the arithmetic, for run records and logs: the GPU's name on CUDA, else the CPU's model name
-    (Linux: the first "model name" of /proc/cpuinfo; elsewhere platform.processor(), else the architecture).
+    """What ran the arithmetic, for run records and logs: the GPU's name on CUDA, "MPS, <chip>" on Apple's GPU,
+    else the CPU's model name (Linux: the first "model name" of /proc/cpuinfo; elsewhere platform.processor(),
+    else the architecture).
     Recorded because float sums, and so trained weights, depend on the CPU and its thread count (README,
     Checkpoints, resuming, determinism)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
+    if device.type == "mps":  # torch gives no name: the chip's, whose GPU it is (macOS sysctl)
+        try:
+            chip = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                                  timeout=5).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            chip = ""
+        return f"MPS, {chip or platform.machine()}"
     try:
         with open("/proc/cpuinfo") as f:
             names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]

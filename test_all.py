@@ -2757,7 +2757,7 @@ def test_checkpoints_of_compiled_or_ddp_models_load_into_a_plain_one(listops_dir
     assert torch.equal(loaded.blocks[1].attn.q_proj.weight, model.blocks[1].attn.q_proj.weight)
 
 
-def test_finetune_result_records_what_produced_it(listops_dir, tmp_path):
+def test_finetune_result_records_what_produced_it(listops_dir, tmp_path, monkeypatch):
     finetune.main(["--task", "listops", "--data_dir", listops_dir, "--out_dir", str(tmp_path), "--init", "scratch",
                    "--max_steps", "1"] + TINY)
     res = json.load(open(tmp_path / "listops" / "finetune_scratch.json"))
@@ -2769,6 +2769,13 @@ def test_finetune_result_records_what_produced_it(listops_dir, tmp_path):
     cpuinfo = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     if "model name" in cpuinfo:  # x86 Linux; an ARM one may have none (then the architecture is recorded)
         assert f"model name\t: {res['device_name']}\n" in cpuinfo
+    import subprocess  # Apple's GPU: the chip's name (it recorded platform.processor(), 'arm', the CPU's)
+    import model as model_lib
+    seen = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: seen.append(cmd) or
+                        subprocess.CompletedProcess(cmd, 0, stdout="Apple M2 Pro\n"))
+    assert model_lib.device_name(torch.device("mps")) == "MPS, Apple M2 Pro"
+    assert seen == [["sysctl", "-n", "machdep.cpu.brand_string"]]
 
 
 def test_train_accuracy_scores_a_random_subset_not_the_first_rows_of_a_class_sorted_split():
