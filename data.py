@@ -137,8 +137,13 @@ def not_a_file(path):
     """The error for a `path` that should be a .pt file and is not (load_pt): IsADirectoryError listing the
     folder's .pt files, or FileNotFoundError with a close name in its folder ("did you mean"), the missing folder,
     and for a run's checkpoint the stage that writes it (data.run_paths' names)."""
+    def listing(folder):  # an unreadable folder (permissions) gives no hints rather than another error
+        try:
+            return os.listdir(folder)
+        except OSError:
+            return []
     if os.path.isdir(path):
-        pts = sorted(f for f in os.listdir(path) if f.endswith(".pt"))
+        pts = sorted(f for f in listing(path) if f.endswith(".pt"))
         return IsADirectoryError(f"{path}: a folder, not a file; give a .pt file in it "
                                  + (f"({', '.join(pts[:6])}{', ...' * (len(pts) > 6)})" if pts else "(it has none)"))
     if os.path.islink(path):  # a link whose target is gone: its own name is there, so no "did you mean" it
@@ -147,7 +152,7 @@ def not_a_file(path):
     hints = []
     if not os.path.isdir(folder or "."):
         hints.append(f"there is no folder {folder}")
-    elif close := difflib.get_close_matches(name, [f for f in os.listdir(folder or ".") if f != name], n=1,
+    elif close := difflib.get_close_matches(name, [f for f in listing(folder or ".") if f != name], n=1,
                                             cutoff=0.8):
         hints.append(f"did you mean {os.path.join(folder, close[0])}?")
     if re.fullmatch(r"pretrain(_last|_init|_step\d+)?\.pt", name):
