@@ -137,22 +137,23 @@ def not_a_file(path):
     """The error for a `path` that should be a .pt file and is not (load_pt): IsADirectoryError listing the
     folder's .pt files, or FileNotFoundError with a close name in its folder ("did you mean"), the missing folder,
     and for a run's checkpoint the stage that writes it (data.run_paths' names)."""
-    def listing(folder):  # an unreadable folder (permissions) gives no hints rather than another error
+    def listing(folder):  # an unreadable folder (permissions) gives fewer hints rather than another error
         try:
             return os.listdir(folder)
         except OSError:
-            return []
+            return None
     if os.path.isdir(path):
-        pts = sorted(f for f in listing(path) if f.endswith(".pt"))
-        return IsADirectoryError(f"{path}: a folder, not a file; give a .pt file in it "
-                                 + (f"({', '.join(pts[:6])}{', ...' * (len(pts) > 6)})" if pts else "(it has none)"))
+        pts = sorted(f for f in listing(path) or [] if f.endswith(".pt"))
+        return IsADirectoryError(f"{path}: a folder, not a file; give a .pt file in it " + (
+            f"({', '.join(pts[:6])}{', ...' * (len(pts) > 6)})" if pts else
+            "(it has none)" if listing(path) is not None else "(it cannot be read)"))
     if os.path.islink(path):  # a link whose target is gone: its own name is there, so no "did you mean" it
         return FileNotFoundError(f"{path}: a broken link (to {os.readlink(path)}, which does not exist)")
     folder, name = os.path.split(path)
     hints = []
     if not os.path.isdir(folder or "."):
         hints.append(f"there is no folder {folder}")
-    elif close := difflib.get_close_matches(name, [f for f in listing(folder or ".") if f != name], n=1,
+    elif close := difflib.get_close_matches(name, [f for f in listing(folder or ".") or [] if f != name], n=1,
                                             cutoff=0.8):
         hints.append(f"did you mean {os.path.join(folder, close[0])}?")
     if re.fullmatch(r"pretrain(_last|_init|_step\d+)?\.pt", name):

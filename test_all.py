@@ -1938,6 +1938,17 @@ def test_load_newest_takes_the_checkpoint_of_the_latest_step(tmp_path, capsys):
         data.load_newest([str(tmp_path / "link.pt"), str(tmp_path / "nothing.pt")], who="r")  # start over its log
 
 
+def test_not_a_file_in_an_unreadable_folder_still_names_the_path(tmp_path, monkeypatch):
+    """os.listdir of a folder without read permission raised PermissionError from inside the error message."""
+    os.makedirs(tmp_path / "run")
+    def refuse(folder):
+        raise PermissionError(13, "Permission denied", folder)
+    monkeypatch.setattr(os, "listdir", refuse)
+    assert str(data.not_a_file(str(tmp_path / "run"))) == f"{tmp_path / 'run'}: a folder, not a file; give a .pt file " \
+                                                           f"in it (it cannot be read)"
+    assert str(data.not_a_file(str(tmp_path / "run" / "x.pt"))) == f"{tmp_path / 'run' / 'x.pt'}: no such file"
+
+
 @pytest.mark.parametrize("stop_after", ["pretrain_step4.pt", "pretrain.pt", "pretrain_last.pt"])
 def test_a_run_stopped_after_any_write_of_an_evaluation_resumes_to_the_same_files(listops_dir, tmp_path, monkeypatch,
                                                                                    stop_after):
