@@ -1030,13 +1030,20 @@ def report_balance(labels, n_classes, where):
     return fractions
 
 
+def read_marker(path):
+    """The dict of a generated.json (ListOps' record of what our generator wrote), or None when there is none."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 def listops_not_ours(task_dir):
     """[(path, why)] for each basic_<split>.tsv directly in `task_dir` that our generator did not write, so that
     generating there would destroy it: no generated.json beside it, or a sha256 other than the one generated.json
     recorded (edited, or replaced by the release's files). A marker of an interrupted generation
     ({"generating": true}) or from before checksums were recorded vouches for every file."""
-    marker = os.path.join(task_dir, "generated.json")
-    record = json.load(open(marker)) if os.path.exists(marker) else None
+    record = read_marker(os.path.join(task_dir, "generated.json"))
     out = []
     for s in SPLITS:
         path = os.path.join(task_dir, f"basic_{s}.tsv")
@@ -1068,16 +1075,16 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
     tsv = {s: os.path.join(folder or task_dir, f"basic_{s}.tsv") for s in SPLITS}
     wanted = dict(n_train=n_train, n_val=n_val, n_test=n_test, seed=seed, min_length=min_length,
                   max_length=max_length)
-    foreign = listops_not_ours(task_dir)
-    ours = folder == task_dir and os.path.exists(marker) and not foreign  # the release has no marker
-    if folder == task_dir and os.path.exists(marker) and foreign:
+    foreign, record = listops_not_ours(task_dir), read_marker(marker)
+    interrupted = bool(record and record.get("generating"))
+    ours = folder == task_dir and record is not None and not foreign  # the release has no marker
+    if folder == task_dir and record is not None and foreign:
         print(f"{marker}: does not vouch for {', '.join(p for p, _ in foreign)} (another sha256): reading the "
               f"files in {task_dir}/ as the release's, not as generated ones")
     if ours:
-        made = dict(min_length=500, max_length=2000)  # LRA's: a marker from before these were recorded
-        made.update(json.load(open(marker)))
+        made = {"min_length": 500, "max_length": 2000, **record}  # LRA's: a marker from before these were recorded
         differ = [k for k in wanted if made.get(k) != wanted[k]]
-        if made.get("generating"):
+        if interrupted:
             folder = None  # said below
         elif differ:
             print(f"{marker}: the generated TSVs in {task_dir}/ were made with "
@@ -1093,7 +1100,7 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
                 + (f", and {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing (an incomplete "
                    f"release?)" if missing else "") + f": complete the release, or move "
                 f"{'it' if len(foreign) == 1 else 'them'} out of {task_dir}/ to generate data there")
-        if os.path.exists(marker) and json.load(open(marker)).get("generating"):
+        if interrupted:
             print(f"{marker}: a generation of the TSVs in {task_dir}/ was interrupted: generating them again")
         print(f"no LRA ListOps files in {task_dir}/ (basic_{{train,val,test}}.tsv, also looked for in "
               f"{', '.join(d + '/' for d in LISTOPS_DIRS if d)}) made with these settings: generating "
