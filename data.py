@@ -433,7 +433,7 @@ def load_splits(data_dir, task, device="cpu", settings=None):
             raise ValueError(f"{split_path(data_dir, task, s)} and {split_path(data_dir, task)} are not of one "
                              f"preparation: " + "; ".join(f"{k} {meta.get(k)!r} against {train.get(k)!r}"
                                                           for k in differ[:3])
-                             + f"; prepare all three again (`python data.py --task {task} --data_dir {data_dir}`)")
+                             + f"; prepare all three again (`{prepare_command(task, data_dir, {}, raw_source(train, task))}`)")
     for s, split in splits.items():
         split["meta"] = dict(split["meta"], file_sha256=sha256_of(split_path(data_dir, task, s)))
         source = split["meta"].get("source")  # a raw file edited after preparation is not what the .pt holds
@@ -441,7 +441,7 @@ def load_splits(data_dir, task, device="cpu", settings=None):
                 os.path.getmtime(source) > os.path.getmtime(split_path(data_dir, task, s)):
             print(f"warning: {source} changed after {split_path(data_dir, task, s)} was prepared from it; the run "
                   f"reads the prepared file (prepare again to use the new one: "
-                  f"{prepare_command(task, data_dir, settings or {})})")
+                  f"{prepare_command(task, data_dir, settings or {}, raw_source(split['meta'], task))})")
     for split in splits.values():
         for key in INPUT_KEYS + ("labels",):
             if key in split:
@@ -965,7 +965,16 @@ def source_meta(data_dir, source_dir):
     (check_settings' command), and data prepared from data_dir itself keeps the meta it always had."""
     if source_dir is None or os.path.abspath(source_dir) == os.path.abspath(data_dir):
         return {}
-    return {"source_dir": source_dir}
+    return {"source_dir": os.path.abspath(source_dir)}  # absolute: a command printed later runs from anywhere
+
+
+def raw_source(meta, task, default=None):
+    """The --source_dir for a command that prepares `task` again from the raw files its prepared data (`meta`)
+    was made from: meta's source_dir, else `default`; None for a task that takes none (synthetic) and for
+    generated data (ListOps, PathFinder: a generator makes it again under --data_dir)."""
+    if "source_dir" not in prepare_keywords(task) or meta.get("generated"):
+        return None
+    return meta.get("source_dir", default)
 
 
 # Where the LRA ListOps files basic_{train,val,test}.tsv are looked for under data/listops/: the folder itself
@@ -1103,19 +1112,22 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
                   + ", ".join(f"{k}={made.get(k)}" for k in differ) + "; this call asks for "
                   + ", ".join(f"{k}={wanted[k]}" for k in differ) + ": generating them again")
             folder = None
-    if folder is None and out_dir != task_dir:
-        print(f"no ListOps TSVs to read in {task_dir}/ (--source_dir) made with these settings: generating them in "
-              f"{out_dir}/ instead (a source is only read)")
-        return prepare_listops(data_dir, n_train, n_val, n_test, seed, max_len, truncate, min_length, max_length)
     if folder is None:
         if foreign:  # e.g. the release's basic_train.tsv and basic_val.tsv without its basic_test.tsv
             missing = [f"basic_{s}.tsv" for s in SPLITS if not os.path.lexists(os.path.join(task_dir, f"basic_{s}.tsv"))]
+            it = "it" if len(foreign) == 1 else "them"
             raise FileExistsError(
-                "; ".join(f"{p}: {why}" for p, why in foreign) + f". Generating ListOps in {task_dir}/ would "
-                f"overwrite {'it' if len(foreign) == 1 else 'them'}, which the generator did not write"
+                "; ".join(f"{p}: {why}" for p, why in foreign)
+                + (f". Generating ListOps in {task_dir}/ would overwrite {it}, which the generator did not write"
+                   if out_dir == task_dir else f". {task_dir}/ (--source_dir) holds TSVs the generator did not write")
                 + (f", and {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing (an incomplete "
-                   f"release?)" if missing else "") + f": complete the release, or move "
-                f"{'it' if len(foreign) == 1 else 'them'} out of {task_dir}/ to generate data there")
+                   f"release?)" if missing else "") + ": complete the release, or "
+                + (f"move {it} out of {task_dir}/ to generate data there" if out_dir == task_dir else
+                   "leave out --source_dir to generate data in --data_dir"))
+        if out_dir != task_dir:
+            print(f"no ListOps TSVs to read in {task_dir}/ (--source_dir) made with these settings: generating them "
+                  f"in {out_dir}/ instead (a source is only read)")
+            return prepare_listops(data_dir, n_train, n_val, n_test, seed, max_len, truncate, min_length, max_length)
         if interrupted:
             print(f"{marker}: a generation of the TSVs in {task_dir}/ was interrupted: generating them again")
         print(f"no LRA ListOps files in {task_dir}/ (basic_{{train,val,test}}.tsv, also looked for in "
@@ -1516,15 +1528,16 @@ def ucr_package_dirs(name):
     return out
 
 
-def find_ucr(name, data_dir):
+def find_ucr(name, data_dir, label="data_dir"):
     """Where the TRAIN and TEST files of UCR data set `name` are, looked for in this order:
     <data_dir>/ucr/<name>/ (any format of UCR_FORMATS: .tsv, .txt, .ts, then the 2015 archive's <name>_TRAIN
     without an extension), then inside installed packages (UCR_PACKAGES). A broken git-annex link counts as
     found, so that the reader says what it is (instead of a download starting).
 
-    Returns dict(train=path, test=path, found_in=folder or package name), or None if not found.
+    Returns dict(train=path, test=path, found_in=`label` (the folder's name: "data_dir", or "source_dir" for
+    prepare_ucr's source) or the package's name), or None if not found.
     """
-    candidates = [(os.path.join(data_dir, "ucr", name), ext, "data_dir") for ext in UCR_FORMATS]
+    candidates = [(os.path.join(data_dir, "ucr", name), ext, label) for ext in UCR_FORMATS]
     candidates += [(folder, ext, package) for package, folder, ext in ucr_package_dirs(name)]
     for folder, ext, where in candidates:
         train, test = (os.path.join(folder, f"{name}_{s}{ext}") for s in ("TRAIN", "TEST"))
@@ -1636,7 +1649,8 @@ def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, down
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction {val_fraction}: expected a fraction of the training set, in (0, 1)")
     task, raw_root = f"ucr/{name}", source_dir or data_dir
-    found, downloaded = find_ucr(name, raw_root), None
+    label = "source_dir" if source_meta(data_dir, source_dir) else "data_dir"
+    found, downloaded = find_ucr(name, raw_root, label), None
     if found is None and (hint := ucr_folder_hint(name, os.path.join(raw_root, "ucr", name))):
         raise FileNotFoundError(f"UCR data set {name!r}: {hint}; nothing was downloaded (the archive's files would "
                                 f"replace yours): add the missing file or fix the names")
@@ -1644,7 +1658,7 @@ def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, down
         if not download:
             raise FileNotFoundError(ucr_missing_message(name, os.path.join(raw_root, "ucr", name)))
         downloaded = download_ucr(name, os.path.join(raw_root, "ucr", name), base_url, sha256)
-        found = find_ucr(name, raw_root)
+        found = find_ucr(name, raw_root, label)
     print(f"UCR {name}: reading {found['train']} and {found['test']} (found in {found['found_in']})")
     parsed = {s: UCR_READERS[os.path.splitext(found[s])[1]](found[s]) for s in ("train", "test")}
     key, names = ucr_label_map(parsed["train"][1])
@@ -1768,7 +1782,7 @@ def _fetch(folder, marker, url, archive, prefix, download, sha256, what, hint=""
     if os.path.lexists(os.path.join(folder, marker)):  # lexists: a broken git-annex link is for the reader to name
         return None
     manual = (f"Download {url} by hand and extract {prefix}* into {folder}/ (expected: {folder}/{marker}), "
-              f"or pass --data_dir pointing at a folder that has it. {hint}").rstrip()
+              f"or pass --data_dir (or --source_dir) pointing at a folder that has it. {hint}").rstrip()
     if not download:
         raise FileNotFoundError(f"{what} not found: {os.path.join(folder, marker)} does not exist. {DOWNLOAD_HINT}; "
                                 f"or: {manual}")
@@ -2626,6 +2640,12 @@ def save_pathfinder_grid(images, labels, path, n=16):
 PATHFINDER_RELEASE_SIZE = 200_000  # images per resolution and difficulty in lra_release (160k/20k/20k)
 
 
+def pathfinder_folder(root_dir, task, resolution, difficulty):
+    """<root_dir>/<task>/pathfinder<resolution>/<difficulty folder>: where a PathFinder set's images are, in the
+    release layout (PATHFINDER_DIFFICULTY names the folders)."""
+    return os.path.join(root_dir, task, f"pathfinder{resolution}", PATHFINDER_DIFFICULTY[difficulty][0])
+
+
 def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=42, generate=None,
                        generate_if_missing=None, download=True, url=LRA_URL, sha256=None, task="pathfinder",
                        source_dir=None):
@@ -2646,14 +2666,14 @@ def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=4
         raise ValueError(f"difficulty {difficulty!r}, expected one of {tuple(PATHFINDER_DIFFICULTY)}")
     sub, contour_length = PATHFINDER_DIFFICULTY[difficulty]
     raw_root = source_dir or data_dir
-    root = os.path.join(raw_root, task, f"pathfinder{resolution}", sub)
+    root = pathfinder_folder(raw_root, task, resolution, difficulty)
     if generate_if_missing and not os.path.isdir(os.path.join(root, "metadata")):
         generate = generate_if_missing
-    if generate and raw_root != data_dir:  # generated images go under data_dir: a source is only read
+    if generate and source_meta(data_dir, raw_root):  # generated images go under data_dir: a source is only read
         print(f"generating PathFinder images: in {data_dir}/{task}/, not in --source_dir {source_dir}")
         raw_root = data_dir
     task_dir = os.path.join(raw_root, task)
-    root = os.path.join(task_dir, f"pathfinder{resolution}", sub)
+    root = pathfinder_folder(raw_root, task, resolution, difficulty)
     marker = os.path.join(root, "generated.json")  # tells our generated sets from real release data
     fetched = None
     if generate:
@@ -2795,8 +2815,14 @@ def check_settings(meta, settings, task, data_dir, preset, accept=False):
         print(f"warning: --accept_data: training on {data_dir}/{task} as it is ({what})")
         return
     # Raw files are read again where this data was made from (no second download); generated ones are made anew.
-    reads = "source_dir" in prepare_keywords(task) and not meta.get("generated")
-    source = meta.get("source_dir", data_dir) if reads else None
+    source = raw_source(meta, task, data_dir)
+    if source is not None and settings.get("generate_if_missing"):  # PathFinder release data, a CPU preset
+        root = pathfinder_folder(source, task, settings.get("resolution") or meta.get("resolution"),
+                                 settings.get("difficulty") or meta.get("difficulty"))
+        if os.path.isdir(os.path.join(root, "metadata")):  # the release has the images asked for: read them
+            settings = {k: v for k, v in settings.items() if k != "generate_if_missing"}
+        else:  # as the stage would: generate them (under --data_dir; a source is only read)
+            source = None
     raise ValueError(f"{data_dir}/{task} was prepared with other settings than preset {preset} and the flags imply "
                      f"({what}). To fix: prepare the data this run expects in another folder: "
                      f"`{prepare_command(task, data_dir + '_' + preset, settings, source)}` and pass --data_dir "
@@ -2868,11 +2894,14 @@ def main(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     UNSET = argparse.SUPPRESS  # a flag not given is not set at all: the task's own default (in parentheses) holds
     p.add_argument("--task", required=True, choices=TASKS)
-    p.add_argument("--data_dir", default="data", help="root folder; raw files are looked for in <data_dir>/<task>")
+    p.add_argument("--data_dir", default="data",
+                   help="root folder: the .pt files go to <data_dir>/<task>, raw files are looked for there too "
+                        "unless --source_dir is given")
     p.add_argument("--source_dir", default=UNSET,
-                   help="every task but synthetic: read (or download, or generate) the raw files under "
-                        "<source_dir>/<task> instead, and write only the .pt files to <data_dir>/<task> (the "
-                        "same raw files prepared with other settings in another folder) (--data_dir)")
+                   help="every task but synthetic: read (or download) the raw files under <source_dir>/<task> "
+                        "instead, and write only the .pt files to <data_dir>/<task> (the same raw files prepared "
+                        "with other settings in another folder); data that must be generated (listops, "
+                        "pathfinder, pathx) is generated under --data_dir (--data_dir)")
     p.add_argument("--seed", type=int, default=UNSET,
                    help="listops, synthetic, ucr, image, fashion_mnist, pathfinder, pathx: seed of the generator or "
                         "of the validation split (not of training) (0; 42 for image, fashion_mnist, pathfinder, pathx)")

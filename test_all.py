@@ -11,11 +11,14 @@ import io
 import json
 import math
 import os
+import pathlib
 import pickle
 import random
 import re
+import shlex
 import shutil
 import tarfile
+import time
 
 import numpy as np
 import pytest
@@ -4981,6 +4984,7 @@ def test_report_places_each_part_by_its_source_line_and_refuses_what_it_cannot_p
         ablate.main(["report", "--out_dir", str(tmp_path / "nothing"), "--prune"])
 
 
+
 def _raw_fixture(task, src):
     """Raw files of `task` in the real format under the root `src`; returns data.py's extra flags for it."""
     if task == "text":
@@ -5008,11 +5012,24 @@ def _raw_fixture(task, src):
         rows = data.generate_listops(12, 0, 5, 40)
         _write_listops_release(os.path.join(src, "listops"), {"train": rows[:8], "val": rows[8:10], "test": rows[10:]})
         return ["--max_len", "64"]
-    assert task == "pathfinder"  # the release layout without our generator's marker
-    images, labels = data.generate_pathfinder(20, 0, 32, 14)
-    data.write_pathfinder_release(os.path.join(src, "pathfinder", "pathfinder32", "curv_contour_length_14"), images,
-                                  labels, per_folder=10)
-    return []
+    assert task == "pathfinder"  # the release layout (no generated.json), two of its difficulties
+    for difficulty in ("hard", "easy"):
+        images, labels = data.generate_pathfinder(20, 0, 32, data.PATHFINDER_DIFFICULTY[difficulty][1])
+        data.write_pathfinder_release(data.pathfinder_folder(src, "pathfinder", 32, difficulty), images, labels,
+                                      per_folder=10)
+    return ["--difficulty", "hard"]
+
+
+def _tree(root):
+    """{path relative to root: sha256} of every file below root."""
+    return {str(p.relative_to(root)): data.sha256_of(str(p)) for p in pathlib.Path(root).rglob("*") if p.is_file()}
+
+
+# A data setting each task's prepared fixture does not have, for the settings-mismatch command (image: none
+# that data.py takes), and what the command must then read.
+OTHER_SETTINGS = {"text": {"max_len": 32}, "retrieval": {"max_len": 20}, "image": None,
+                  "fashion_mnist": {"resolution": 16, "n_val": 5}, "ucr/Toy": {"val_fraction": 0.5},
+                  "listops": {"max_len": 100}, "pathfinder": {"difficulty": "easy", "generate_if_missing": 20}}
 
 
 @pytest.mark.parametrize("task", ["text", "retrieval", "image", "fashion_mnist", "ucr/Toy", "listops", "pathfinder"])
@@ -5020,31 +5037,39 @@ def test_data_settings_source_dir_reads_the_raw_files_of_another_root_and_writes
         tmp_path, task, monkeypatch):
     monkeypatch.setattr(data, "FASHION_DIRS", ())  # no system copy of Fashion-MNIST: only the source's files
     monkeypatch.setattr(data, "ucr_package_dirs", lambda name: [])
+    monkeypatch.setattr(data, "download_file", lambda *a, **k: pytest.fail(f"a download was started: {a}"))
     src, out = str(tmp_path / "src"), str(tmp_path / "out")
-    extra = _raw_fixture(task, src) + (["--no_download"] if task not in ("listops",) else [])
+    extra = _raw_fixture(task, src)
     data.main(["--task", task, "--data_dir", src] + extra)  # the usual way: raw files and .pt in one root
-    raw = sorted(str(p.relative_to(src)) for p in (tmp_path / "src").rglob("*") if p.suffix != ".pt")
+    raw = {k: v for k, v in _tree(src).items() if not k.endswith(".pt")}
     data.main(["--task", task, "--data_dir", out, "--source_dir", src] + extra)
-    made = sorted(str(p.relative_to(out)) for p in (tmp_path / "out").rglob("*") if p.is_file())
-    assert made == [os.path.join(task, f"{s}.pt") for s in sorted(data.SPLITS)]  # nothing raw copied or fetched
-    assert raw == sorted(str(p.relative_to(src)) for p in (tmp_path / "src").rglob("*") if p.suffix != ".pt")
+    assert sorted(_tree(out)) == [os.path.join(task, f"{s}.pt") for s in sorted(data.SPLITS)]  # nothing raw there
+    assert raw == {k: v for k, v in _tree(src).items() if not k.endswith(".pt")}  # the source as it was
     for s in data.SPLITS:
         a, b = data.load_split(src, task, s), data.load_split(out, task, s)
         assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a if k != "meta")
         assert "source_dir" not in a["meta"] and b["meta"]["source_dir"] == src
-        assert {k: v for k, v in b["meta"].items() if k not in ("source_dir", "preparation")} == \
-            {k: v for k, v in a["meta"].items() if k != "preparation"}
-    # A preset that expects other settings: the fix command reads these raw files again (no second download).
-    with pytest.raises(ValueError) as e:
-        data.check_settings(b["meta"], {"max_len": 7}, task, out, "paper")
-    assert f"--data_dir {out}_paper --source_dir {src} --max_len 7" in str(e.value)
-    with pytest.raises(ValueError) as e:
-        data.check_settings(a["meta"], {"max_len": 7}, task, src, "paper")
-    assert f"--data_dir {src}_paper --source_dir {src} --max_len 7" in str(e.value)
+        assert {k: v for k, v in b["meta"].items() if k not in ("source_dir", "preparation", "found_in")} == \
+            {k: v for k, v in a["meta"].items() if k not in ("preparation", "found_in")}
+    if OTHER_SETTINGS[task] is None:
+        return
+    # A preset that expects other settings: the command it is told to run reads these raw files again, for the
+    # data made from the source and for the data made in place alike; it runs as printed, downloading nothing.
+    for prepared in (out, src):
+        with pytest.raises(ValueError) as e:
+            data.check_settings(data.load_split(prepared, task, "train")["meta"], OTHER_SETTINGS[task], task,
+                                prepared, "paper")
+        command = re.search(r"`(python data\.py [^`]*)`", str(e.value)).group(1)
+        assert f"--data_dir {prepared}_paper --source_dir {src} " in command and "--generate" not in command
+    data.main(shlex.split(command)[2:])
+    assert sorted(_tree(src + "_paper")) == [os.path.join(task, f"{s}.pt") for s in sorted(data.SPLITS)]
+    assert raw == {k: v for k, v in _tree(src).items() if not k.endswith(".pt")}
+    meta = data.load_split(src + "_paper", task, "train")["meta"]
+    assert meta["source_dir"] == src and not data.data_mismatches(meta, OTHER_SETTINGS[task])
 
 
 def test_data_settings_source_dir_is_only_read_generated_data_goes_to_data_dir_and_synthetic_refuses_it(
-        tmp_path, capsys):
+        tmp_path, capsys, monkeypatch):
     src, out = str(tmp_path / "src"), str(tmp_path / "out")
     small = ["--n_train", "8", "--n_val", "2", "--n_test", "2", "--max_len", "2000"]
     os.makedirs(src)
@@ -5060,15 +5085,43 @@ def test_data_settings_source_dir_is_only_read_generated_data_goes_to_data_dir_a
     assert f"`python data.py --task listops --data_dir {out}_paper --max_len 7`" in str(e.value)
     # ListOps: the source's generated TSVs with other settings are not generated over.
     data.main(["--task", "listops", "--data_dir", src] + small)
-    digests = lambda: {f: data.sha256_of(os.path.join(src, "listops", f))  # noqa: E731
-                       for f in os.listdir(os.path.join(src, "listops"))}
-    before = digests()
+    before = _tree(os.path.join(src, "listops"))
     data.main(["--task", "listops", "--data_dir", str(tmp_path / "out2"), "--source_dir", src, "--seed", "3"] + small)
-    assert before == digests()
+    assert before == _tree(os.path.join(src, "listops"))
     assert data.load_split(str(tmp_path / "out2"), "listops", "train")["meta"]["seed"] == 3
-    # PathFinder: --generate writes the images under data_dir.
+    # ListOps: an incomplete release in the source is an error, not a silent generation.
+    part = str(tmp_path / "part")
+    rows = data.generate_listops(6, 0, 5, 40)
+    _write_listops_release(os.path.join(part, "listops"), {"train": rows[:4], "val": rows[4:]})
+    with pytest.raises(FileExistsError, match=r"basic_test.tsv is missing \(an incomplete release\?\): complete the "
+                                              r"release, or leave out --source_dir"):
+        data.main(["--task", "listops", "--data_dir", str(tmp_path / "out3"), "--source_dir", part] + small)
+    assert not os.path.exists(str(tmp_path / "out3"))
+    # The release's TSVs read through a source: a raw file edited later is warned about with a command that
+    # prepares from the same source.
+    _write_listops_release(os.path.join(part, "listops"), {"test": rows[4:]})
+    data.main(["--task", "listops", "--data_dir", str(tmp_path / "out4"), "--source_dir", part])
+    edited = os.path.join(part, "listops", "basic_val.tsv")
+    os.utime(edited, (time.time() + 60, time.time() + 60))
+    capsys.readouterr()
+    data.load_splits(str(tmp_path / "out4"), "listops")
+    warning = capsys.readouterr().out
+    assert f"{edited} changed after" in warning and f"--data_dir {tmp_path / 'out4'} --source_dir {part})" in warning
+    # A relative source is recorded as an absolute path: the printed command works from any folder.
+    monkeypatch.chdir(tmp_path)
+    data.main(["--task", "listops", "--data_dir", "out5", "--source_dir", "part"])
+    assert data.load_split("out5", "listops", "train")["meta"]["source_dir"] == part
+    # PathFinder: --generate writes the images under data_dir; a release without the difficulty asked for under
+    # a CPU preset (generate_if_missing): the command generates them, naming no source.
     data.main(["--task", "pathfinder", "--data_dir", out, "--source_dir", src, "--generate", "20"])
-    assert os.path.isdir(os.path.join(out, "pathfinder", "pathfinder32", "curv_contour_length_14", "metadata"))
+    assert os.path.isdir(os.path.join(data.pathfinder_folder(out, "pathfinder", 32, "hard"), "metadata"))
     assert not os.path.exists(os.path.join(src, "pathfinder"))
+    images, labels = data.generate_pathfinder(20, 0, 32, 14)
+    data.write_pathfinder_release(data.pathfinder_folder(src, "pathfinder", 32, "hard"), images, labels)
+    data.main(["--task", "pathfinder", "--data_dir", src])
+    with pytest.raises(ValueError) as e:
+        data.check_settings(data.load_split(src, "pathfinder", "train")["meta"],
+                            {"difficulty": "easy", "generate_if_missing": 20}, "pathfinder", src, "cpu")
+    assert f"`python data.py --task pathfinder --data_dir {src}_cpu --difficulty easy --generate 20`" in str(e.value)
     with pytest.raises(ValueError, match="--source_dir does not apply to --task synthetic"):
         data.main(["--task", "synthetic", "--data_dir", out, "--source_dir", src])
