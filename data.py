@@ -425,6 +425,7 @@ def load_splits(data_dir, task, device="cpu", settings=None):
     `settings` (a run's expected_settings: its sizes and lengths, not data.py's defaults)."""
     splits = {s: load_split(data_dir, task, s) for s in SPLITS}
     train = splits["train"]["meta"]
+    again = prepare_command(task, data_dir, {}, raw_source(train, task))  # the command that prepares them anew
     for s in SPLITS[1:]:  # one preparation (meta preparation, write_splits): a re-preparation stopped midway
         # would mix old and new splits
         meta = splits[s]["meta"]
@@ -433,7 +434,7 @@ def load_splits(data_dir, task, device="cpu", settings=None):
             raise ValueError(f"{split_path(data_dir, task, s)} and {split_path(data_dir, task)} are not of one "
                              f"preparation: " + "; ".join(f"{k} {meta.get(k)!r} against {train.get(k)!r}"
                                                           for k in differ[:3])
-                             + f"; prepare all three again (`{prepare_command(task, data_dir, {}, raw_source(train, task))}`)")
+                             + f"; prepare all three again (`{again}`)")
     for s, split in splits.items():
         split["meta"] = dict(split["meta"], file_sha256=sha256_of(split_path(data_dir, task, s)))
         source = split["meta"].get("source")  # a raw file edited after preparation is not what the .pt holds
