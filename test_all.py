@@ -3965,6 +3965,19 @@ def test_pathx_runs_a_few_steps_with_local_attention(tmp_path):
     assert cfg["pooling"] == "max" and cfg["attn_window"] == 256 and cfg["max_len"] == 16384
 
 
+def test_ablate_marks_a_validation_accuracy_that_does_not_clear_the_majority_class():
+    """A table's val acc cell says "(majority class)" when its mean is within 0.01 of the majority-class rate or
+    below it (such a row says nothing about SPT), and only the val acc cell, and only when a rate is given."""
+    import ablate
+    rs = [dict(best_val_acc=a, train_acc=0.5) for a in (0.52, 0.53)]  # mean 0.525, sample std 0.00707
+    assert ablate.cells(rs, "best_val_acc", "train_acc", majority=0.52) == \
+        "0.525 +- 0.007 (majority class) | 0.500 +- 0.000"
+    assert ablate.cells(rs, "best_val_acc", "train_acc", majority=0.50) == "0.525 +- 0.007 | 0.500 +- 0.000"
+    assert ablate.cells(rs, "best_val_acc") == "0.525 +- 0.007"  # no rate given: no verdict
+    assert ablate.cells(rs, "best_val_acc", majority=0.9).endswith("(majority class)")  # below it too
+    assert ablate.clears_majority([0.6, None], 0.5) and not ablate.clears_majority([None], 0.1)
+
+
 def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run, tmp_path, monkeypatch, capsys):
     """swap (PathFinder <-> the Fashion-MNIST stand-in), duration and main, 2 steps per run, then the report."""
     import shutil
@@ -3978,8 +3991,18 @@ def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run
     runs = json.load(open(os.path.join(out, "ablate", "swap.json")))["runs"]
     assert {(r["target"], r["source"]) for r in runs} == {(t, s) for t in ("pathfinder", "fashion_mnist")
                                                           for s in ("scratch", "pathfinder", "fashion_mnist")}
-    assert "Fashion-MNIST padded to 32x32 (the offline stand-in for CIFAR10)" in \
-        open(os.path.join(out, "ablate", "swap.md")).read()
+    swap_table = open(os.path.join(out, "ablate", "swap.md")).read()
+    assert "Fashion-MNIST padded to 32x32 (the offline stand-in for CIFAR10)" in swap_table
+    for target, source in {(r["target"], r["source"]) for r in runs}:  # each row's verdict, recomputed by hand
+        accs = [r["best_val_acc"] for r in runs if (r["target"], r["source"]) == (target, source)]
+        labels = data.load_split(root, target, "val")["labels"].tolist()
+        majority = max(labels.count(c) for c in set(labels)) / len(labels)
+        init = "from scratch" if source == "scratch" else f"SPT on {source}"
+        row = next(line for line in swap_table.splitlines() if line.startswith(f"| {target} | {init} |"))
+        val_cell = row.split(" | ")[3]
+        assert val_cell.endswith("(majority class)") == (sum(accs) / len(accs) <= majority + 0.01), (row, majority)
+        assert f"| {majority:.3f} |" in row
+    assert "its mean is not more than 0.01 above the validation split's majority-class rate" in swap_table
     shutil.copytree(os.path.join(synthetic_run[0], "synthetic"), os.path.join(root, "synthetic"))
     ablate.main(["duration", "--durations", "1", "2"] + argv)
     runs = json.load(open(os.path.join(out, "ablate", "duration.json")))["runs"]
