@@ -1069,7 +1069,8 @@ def experiment_initscale(args):
                 f"gradients, 0 at uniform attention by Prop. 1) on 32 training trajectories. Majority class of each "
                 f"validation set: " + ", ".join(f"L {L}: {m:.3f}" for L, m in majorities.items()) + f"; {MAJORITY_NOTE}. "
                 f"Seeds: {args.seeds}; command: "
-                f"python ablate.py initscale" + (" --quick" if args.quick else "") +
+                f"python ablate.py initscale" + (" --quick" if args.quick else "")
+                + (f" --seeds {args.seeds}" if args.seeds != getattr(args, "default_seeds", args.seeds) else "") +
                 (f"; every run capped at {args.max_steps} steps" if args.max_steps else ""))
     analyze.plot_initscale(runs, args.kinds, args.scales, args.lengths, args.seeds,
                            os.path.join(args.out_dir, "analysis", "initscale.png"), command_of(args))

@@ -601,7 +601,8 @@ def cmd_attention(args):
               f"(|i-j|<={r['band']}) {r['band_mass']:.2f} | mean distance {r['mean_distance']:.1f} | "
               + (f"2-D band mass {r['band_mass_2d']:.2f} (uniform {r['uniform_band_mass_2d']:.2f}), mean distance "
                  f"{r['mean_distance_2d']:.1f} px | " if "band_mass_2d" in r else "")
-              + (f"PE probe: entropy {r['probe']['entropy']:.2f}, corr with attention "
+              + (f"PE probe (every position of the longest sequence): entropy {r['probe']['entropy']:.2f} "
+                 f"(uniform {r['probe']['uniform_entropy']:.2f}), corr with attention "
                  f"{r['probe_corr_with_attention']:.3f}" if "probe" in r else "PE probe: none (no absolute positions)")
               + ("" if not disp else " | displacement W_Q {W_Q:.2f} W_K {W_K:.2f} W_Q^T W_K {qk:.2f}".format(
                   W_Q=disp.get("W_Q", float("nan")), W_K=disp.get("W_K", float("nan")), qk=disp["W_Q^T W_K"])))
@@ -726,7 +727,8 @@ def main(argv=None):
     s.set_defaults(func=cmd_gradients)
     s = sub.add_parser("attention", formatter_class=fmt, help="attention maps, PE-only probe, W_Q^T W_K and proximity statistics")
     s.add_argument("--ckpt", nargs="+", required=True, help="checkpoints, e.g. out/synthetic/pretrain_init.pt "
-                   "out/synthetic/pretrain.pt out/synthetic/finetune_spt.pt (the first is the reference)")
+                   "out/synthetic/pretrain.pt out/synthetic/finetune_spt.pt (each one's displacement is measured "
+                   "from its own run's start, its _init.pt)")
     s.add_argument("--data_dir", default="data", help="root of data/<task>/ (the validation split is read)")
     s.add_argument("--n", type=int, default=64, help="validation sequences averaged over")
     s.add_argument("--band", type=int, default=3, help="k of the band mass |i - j| <= k")

@@ -130,7 +130,9 @@ def load_pt(path, map_location="cpu", mmap=False):
             raise ValueError(f"{path}: holds objects the weights-only loader refuses ({detail.strip()}); store "
                              f"tensors and plain Python types (dict, list, str, int, float) only: no .pt file is "
                              f"loaded here with weights_only=False, which could run code from it") from e
-        raise ValueError(f"{path}: cannot be loaded as a weights-only checkpoint ({type(e).__name__}: {e})") from e
+        detail = re.split(r"\n|\. This is an internal", str(e).strip())[0]  # the cause, without torch's advice
+        raise ValueError(f"{path}: cannot be loaded with weights_only=True: a torch.save file, truncated or damaged "
+                         f"(an interrupted copy or write?): {type(e).__name__}: {detail}; write it again") from e
 
 
 def not_a_file(path):
@@ -1582,11 +1584,15 @@ def ucr_missing_message(name, folder):
 
 def _other_case(name, parent):
     """'; <parent>/<Other> exists: ...' when a folder there differs from `name` only in case (names are
-    case-sensitive: ucr/gunpoint is not ucr/GunPoint), else ''."""
+    case-sensitive: ucr/gunpoint is not ucr/GunPoint), or the same for a data set an installable package ships
+    (UCR_SHIPPED), else ''."""
     others = sorted(e for e in os.listdir(parent) if e.lower() == name.lower() and e != name) \
         if os.path.isdir(parent) else []
-    return (f"; {os.path.join(parent, others[0])}/ exists: data set names are case-sensitive, did you mean "
-            f"--task ucr/{others[0]}?" if others else "")
+    if others:
+        return (f"; {os.path.join(parent, others[0])}/ exists: data set names are case-sensitive, did you mean "
+                f"--task ucr/{others[0]}?")
+    shipped = sorted({n for names in UCR_SHIPPED.values() for n in names if n.lower() == name.lower() and n != name})
+    return (f"; data set names are case-sensitive: did you mean --task ucr/{shipped[0]}?" if shipped else "")
 
 
 def ucr_install_hint(name):

@@ -1558,6 +1558,7 @@ def test_ablate_initscale_runs_its_grid_and_writes_table_and_figure(tmp_path):
     assert sum(small) < sum(large)  # more uniform attention at a smaller init: closer to Prop. 1's zero
     table = open(tmp_path / "out" / "ablate" / "initscale.md").read()
     assert "| reference | 0.5 | 12 |" in table and "| torch | 1 | 20 |" in table
+    assert "command: python ablate.py initscale --seeds 1" in table  # not the default 2: the footer says so
     assert (tmp_path / "out" / "analysis" / "initscale.png").stat().st_size > 10_000
     for kind in ("reference", "torch"):  # each kind ran in a process of its own (--jobs 2, the default)
         log = (tmp_path / "out" / "ablate" / f"initscale_{kind}.log").read_text()
@@ -2047,7 +2048,8 @@ def test_resume_refuses_another_evaluation_grid(listops_dir, tmp_path):
 def test_finetune_names_a_broken_init_checkpoint(listops_dir, tmp_path):
     broken = tmp_path / "pretrain.pt"
     broken.write_bytes(b"PK\x03\x04 cut short")
-    with pytest.raises(ValueError, match=r"pretrain.pt: cannot be loaded as a weights-only checkpoint"):
+    with pytest.raises(ValueError, match=r"pretrain.pt: cannot be loaded with weights_only=True: a torch.save"
+                                         r" file, truncated or damaged \(an interrupted copy or write\?\): \w+: "):
         finetune.main(["--task", "listops", "--data_dir", listops_dir, "--out_dir", str(tmp_path), "--init",
                        str(broken)] + TINY)
 
@@ -2463,6 +2465,9 @@ def test_ucr_labels_a_student_gets_wrong_are_named_with_file_and_line(tmp_path, 
     with pytest.raises(FileNotFoundError, match=r"ucr/Toy/ exists: data set names are case-sensitive, did you mean "
                                                 r"--task ucr/Toy\?"):
         data.prepare_ucr(root, "toy", download=False)
+    with pytest.raises(FileNotFoundError, match=r"data set names are case-sensitive: did you mean --task "
+                                                r"ucr/ItalyPowerDemand\?"):  # a set a package ships, none here
+        data.prepare_ucr(root, "italypowerdemand", download=False)
     with pytest.raises(ValueError, match=r"^--n_train does not apply to --task ucr/Toy \(it takes: --val_fraction, "
                                          r"--seed, --no_download, --sha256, --source_dir; and from Python the keyword "
                                          r"base_url\)$"):
