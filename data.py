@@ -130,9 +130,9 @@ def load_pt(path, map_location="cpu", mmap=False):
             raise ValueError(f"{path}: holds objects the weights-only loader refuses ({detail.strip()}); store "
                              f"tensors and plain Python types (dict, list, str, int, float) only: no .pt file is "
                              f"loaded here with weights_only=False, which could run code from it") from e
-        detail = re.split(r"\n|\. This is an internal", str(e).strip())[0]  # the cause, without torch's advice
-        raise ValueError(f"{path}: cannot be loaded with weights_only=True: a torch.save file, truncated or damaged "
-                         f"(an interrupted copy or write?): {type(e).__name__}: {detail}; write it again") from e
+        detail = re.split(r"\n|\. This is an internal", str(e).strip())[0].rstrip(".")  # without torch's advice
+        raise ValueError(f"{path}: cannot be loaded with weights_only=True: a torch.save file, truncated or damaged? "
+                         f"(an interrupted copy or write): {type(e).__name__}{': ' * bool(detail)}{detail}; write it again") from e
 
 
 def not_a_file(path):

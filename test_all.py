@@ -2049,7 +2049,7 @@ def test_finetune_names_a_broken_init_checkpoint(listops_dir, tmp_path):
     broken = tmp_path / "pretrain.pt"
     broken.write_bytes(b"PK\x03\x04 cut short")
     with pytest.raises(ValueError, match=r"pretrain.pt: cannot be loaded with weights_only=True: a torch.save"
-                                         r" file, truncated or damaged \(an interrupted copy or write\?\): \w+: "):
+                                         r" file, truncated or damaged\? \(an interrupted copy or write\): \w+: "):
         finetune.main(["--task", "listops", "--data_dir", listops_dir, "--out_dir", str(tmp_path), "--init",
                        str(broken)] + TINY)
 
@@ -3981,6 +3981,7 @@ def test_ablate_marks_a_validation_accuracy_that_does_not_clear_the_majority_cla
     assert ablate.cells(rs, "best_val_acc") == "0.525 +- 0.007"  # no rate given: no verdict
     assert ablate.cells(rs, "best_val_acc", majority=0.9).endswith("(majority class)")  # below it too
     assert ablate.clears_majority([0.6, None], 0.5) and not ablate.clears_majority([None], 0.1)
+    assert ablate.cells([dict(best_val_acc=None)], "best_val_acc", majority=0.5) == "-"  # nothing measured: no mark
 
 
 def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run, tmp_path, monkeypatch, capsys):
