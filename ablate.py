@@ -901,15 +901,18 @@ def experiment_ucr(args):
     the archive's TEST split, with the weights of the best validation accuracy (validation: 20% of TRAIN).
     --steps N gives every stage N steps instead of the preset's (runs in .../ucr/steps<N>/, a table named
     ..._steps<N>), to ask whether a gain at the preset's budget is one of speed; --bucket N passes pretrain.py's
-    --bucket (1: random batches, as Amos et al.'s loader; runs in .../ucr/bucket<N>/, a table ..._bucket<N>).
+    --bucket (1: random batches, as Amos et al.'s loader; runs in .../ucr/bucket<N>/, a table ..._bucket<N>);
+    --attend_padding lets attention see padded keys, as Amos et al.'s code (.../attendpad/, ..._attendpad).
     Raises ValueError for --steps with --max_steps (one budget or the other).
     """
     if args.steps and args.max_steps:
         raise ValueError("--steps sets every stage's budget and --max_steps caps it: pass one of them")
     common, found, skipped = common_flags(args), [], []  # the UCR preset's model
-    budget = "_".join(([f"steps{args.steps}"] if args.steps else []) + ([f"bucket{args.bucket}"] if args.bucket else []))
+    budget = "_".join(([f"steps{args.steps}"] if args.steps else []) + ([f"bucket{args.bucket}"] if args.bucket else [])
+                      + (["attendpad"] if args.attend_padding else []))
     common += ["--max_steps", str(args.steps)] if args.steps else []
     common += ["--bucket", str(args.bucket)] if args.bucket else []
+    common += ["--attend_padding"] if args.attend_padding else []
     for name in args.datasets:
         task = f"ucr/{name}"
         if task not in data.TASKS:
@@ -975,8 +978,10 @@ def experiment_ucr(args):
               f"{preset['finetune']['max_steps']} finetuning). " if args.steps else "")
     notes += (f"Batches: windows of {args.bucket} batch(es) sorted by length (--bucket {args.bucket}; 1 = random "
               f"batches, as Amos et al.'s loader; the default: {data.BUCKET}). " if args.bucket else "")
+    notes += ("Attention sees padded keys (--attend_padding, as Amos et al.'s code): batches padded to their longest "
+              "series, and evaluated in batches drawn as training's (pretrain.eval_batches). " if args.attend_padding else "")
     flag = ("" if default else " --datasets " + " ".join(args.datasets)) + (f" --steps {args.steps}" if args.steps else "") \
-        + (f" --bucket {args.bucket}" if args.bucket else "")
+        + (f" --bucket {args.bucket}" if args.bucket else "") + (" --attend_padding" if args.attend_padding else "")
     parts.append(notes + f"Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py ucr{flag}"
                  + run_note(args))
     write_outputs(output, runs, "\n\n".join(parts), args)
@@ -1120,7 +1125,8 @@ BENCH_SIZES = {"cpu": (1024, 128, 4, 4, 256, 8),  # name: (L, d_model, n_layers,
 BENCH_VARIANTS = {"fused": "ours, fused attention", "explicit": "ours, explicit attention",
                   "reference": "torch.nn.TransformerEncoder", "data": "ours, fused + data path",
                   "indexed": "ours, data path, masked positions selected",
-                  "padded": "ours, data path, lengths in [L/4, L], bucketed", "compile": "ours, fused + torch.compile"}
+                  "padded": "ours, data path, lengths in [L/4, L], bucketed",
+                  "padded_attend": "the same, padded keys attended (no key mask)", "compile": "ours, fused + torch.compile"}
 
 
 class ReferenceEncoder(torch.nn.Module):
@@ -1145,20 +1151,23 @@ def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
     AdamW) of one BENCH_VARIANTS key, its peak memory (bytes), and the real tokens and the training FLOPs of a
     mean step, or an error message (str). Runs in a fresh process: on the CPU, peak memory = growth of the
     process's resident set. Variant "padded" draws lengths uniform in [L/4, L] (as real documents: padded
-    batches, so the attention gets a key mask) and buckets them as the training loop does."""
+    batches, so the attention gets a key mask) and buckets them as the training loop does; "padded_attend" the same
+    batches padded to their longest exactly and attended without a key mask (ModelConfig.attend_padding, Amos et
+    al.'s attention): what the key mask costs, since a mask rules out SDPA's flash kernel on a GPU."""
     import resource
     import time
     torch.set_num_threads(threads)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
     L, d, n_layers, n_heads, d_mlp, B = size
     torch.manual_seed(0)
+    padded, attend = variant in ("padded", "padded_attend"), variant == "padded_attend"
     cfg = model_lib.ModelConfig(vocab_size=32, max_len=L, d_model=d, n_layers=n_layers, n_heads=n_heads, d_mlp=d_mlp,
-                                n_rec=32)
+                                n_rec=32, attend_padding=attend)
     model = (ReferenceEncoder(cfg) if variant == "reference" else model_lib.Transformer(cfg)).to(device)
     # torch.compile compiles the module's forward only, so the method the step calls is compiled itself
     reconstruct = torch.compile(model.reconstruct) if variant == "compile" else model.reconstruct
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    lengths = torch.randint(L // 4, L + 1, (8 * B,)) if variant == "padded" else torch.full((8 * B,), L)
+    lengths = torch.randint(L // 4, L + 1, (8 * B,)) if padded else torch.full((8 * B,), L)
     tokens = torch.randint(2, 32, (8 * B, L), dtype=torch.uint8)
     tokens[torch.arange(L) >= lengths[:, None]] = data.PAD_ID
     split = dict(tokens=tokens.to(device), lengths=lengths, labels=torch.zeros(8 * B, dtype=torch.long, device=device))
@@ -1166,13 +1175,13 @@ def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
     batches = data.batch_indices(split["lengths"], B, True)  # once per epoch, as in the training loop
 
     def batch(i):  # the data path of a training step: gather a batch, trim its padding, mask it
-        x, lengths, _ = data.get_batch(split, batches[i % len(batches)], device)
+        x, lengths, _ = data.get_batch(split, batches[i % len(batches)], device, 1 if attend else 64)
         return (x, lengths) + pretrain.mask_batch(x, lengths, 0.15, 1, g)
 
     fixed = batch(0)
 
     def step(i):
-        x, lengths, inputs, masked = batch(i) if variant in ("data", "indexed", "padded") else fixed
+        x, lengths, inputs, masked = batch(i) if variant in ("data", "indexed") or padded else fixed
         with model_lib.autocast(device, dtype):  # the training step's form (pretrain.spt_loss_fn)
             if variant == "explicit":  # the step as it would run if it asked for the attention weights
                 out = model.rec_head(model.encode(inputs, lengths, need_weights=True)[0])
@@ -1207,7 +1216,7 @@ def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
         return
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
         (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024
-    timed = [batches[i % len(batches)] for i in range(steps)] if variant == "padded" else [torch.arange(B)] * steps
+    timed = [batches[i % len(batches)] for i in range(steps)] if padded else [torch.arange(B)] * steps
     real = sum(int(lengths[b].sum()) for b in timed) / steps  # per step; FLOPs of the positions computed on:
     flops = sum(model_lib.flops_per_token(cfg, int(lengths[b].max())) * len(b) * int(lengths[b].max()) for b in timed)
     queue.put((sorted(times)[len(times) // 2], peak, real, flops / steps))
@@ -1264,6 +1273,9 @@ def bench(args):
     if ms.get("data") and ms.get("padded"):  # what real, padded batches cost per real token
         out["padded_vs_full_tokens_per_s"] = res["padded"]["tokens_per_s"] / res["data"]["tokens_per_s"]
         print(f"  real tokens/s, padded batches / full-length ones: {out['padded_vs_full_tokens_per_s']:.2f}")
+    if ms.get("padded") and ms.get("padded_attend"):  # the key mask's price (on a GPU: no flash kernel with a mask)
+        out["key_mask_tokens_per_s"] = res["padded"]["tokens_per_s"] / res["padded_attend"]["tokens_per_s"]
+        print(f"  real tokens/s of padded batches, key mask / padded keys attended: {out['key_mask_tokens_per_s']:.2f}")
     if ms.get("data") and ms.get("indexed"):  # the per-step host wait that 0588b7d removed, on this machine
         out["speedup_all_positions_vs_selected"] = ms["indexed"] / ms["data"]
         print(f"  step time, masked positions selected / head on every position: "
@@ -1299,6 +1311,10 @@ def bench_table(out):
     if "padded_vs_full_tokens_per_s" in out:
         rows.append(f"Real tokens/s of padded batches (lengths uniform in [L/4, L], bucketed: shorter batches, and a key "
                     f"mask in the attention) / of full-length ones: **{out['padded_vs_full_tokens_per_s']:.2f}**.")
+    if "key_mask_tokens_per_s" in out:
+        rows.append(f"Real tokens/s of those padded batches with the key mask / with padded keys attended (Amos et al.'s "
+                    f"attention; batches padded to their longest): **{out['key_mask_tokens_per_s']:.2f}** (below 1: the "
+                    f"mask costs).")
     if "speedup_all_positions_vs_selected" in out:
         rows.append(f"Step time with the masked positions selected by boolean indexing (the step before 0588b7d) / "
                     f"with the reconstruction head on every position (no host wait): "
@@ -1812,6 +1828,9 @@ def build_parser():
     s.add_argument("--bucket", type=pretrain.POSITIVE, default=None,
                    help="pretrain.py --bucket for every run (1: random batches, as Amos et al.'s loader); runs and "
                         f"a table of their own; default: the stages' {data.BUCKET}")
+    s.add_argument("--attend_padding", action="store_true",
+                   help="every run attends to padded keys, as Amos et al.'s code (pretrain.py --attend_padding); runs "
+                        "and a table of their own")
     s = add("initscale", "from scratch and SPT over init scale x length x tied/independent (beyond the paper)",
             ("seeds", "runs"), seeds=2)
     s.add_argument("--kinds", nargs="+", default=["reference", "torch"], choices=("reference", "torch"),

@@ -55,6 +55,8 @@ class ModelConfig:
     cls_mlp: bool = False      # Linear(d, d) + ReLU before the class layer: Amos et al.'s `sequence_nonelinear`
                                # decoder (their Text and Image configs); False: one Linear (ListOps, PathFinder)
     attn_window: int = 0       # > 0: local attention, blocks of this many positions see their neighbour blocks
+    attend_padding: bool = False  # True: padded keys get attention like real ones, as in Amos et al.'s code (their
+                               # flash layer takes no key mask); pooling and the losses still skip padded positions
     n_classes: int = 0         # > 0 adds the classification head (finetuning)
     n_rec: int = 0             # > 0 adds the per-position reconstruction head with this many outputs (SPT)
     init: str = "reference"    # initialization scheme (INIT_SCHEMES, init_weights): "reference" = Amos et al.'s
@@ -129,10 +131,11 @@ class Attention(nn.Module):
     """Multi-head self-attention with separate W_Q, W_K, W_V, W_O (bias included, as in Amos et al.).
 
     forward(x (B, L, d_model), valid (B, L) bool or None, need_weights) -> (y (B, L, d_model), probs or None)
-    `valid[b, t]` is True at real tokens (None: no padding in the batch); padded keys get no attention. Padded
-    queries still produce an output (it is ignored downstream). With need_weights the explicit path runs and
-    returns probs (B, H, L, L). Relative positions (cfg.pos): "alibi" and "fire" add a bias (H, L, L) to the
-    scores, "rope" rotates Q and K; "sinusoidal" positions are added to the input by Transformer, not here.
+    `valid[b, t]` is True at real tokens (None: no padding in the batch, or ModelConfig.attend_padding, under which
+    Transformer.encode passes None so that padded keys are attended as in Amos et al.'s code); padded keys get no
+    attention. Padded queries still produce an output (it is ignored downstream). With need_weights the explicit
+    path runs and returns probs (B, H, L, L). Relative positions (cfg.pos): "alibi" and "fire" add a bias (H, L, L)
+    to the scores, "rope" rotates Q and K; "sinusoidal" positions are added to the input by Transformer, not here.
     """
 
     def __init__(self, cfg):
@@ -312,7 +315,8 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {L} exceeds the model's max_len {self.cfg.max_len}")
         # One check per forward (not per layer): with no padding the attention runs without any mask.
         # lengths on the CPU (as data.get_batch returns them) make this check free; on the GPU it would wait.
-        padded = lengths is not None and not bool((lengths >= L).all())
+        # attend_padding (Amos et al.'s code): no key mask at all, so a sequence's outputs depend on its padding.
+        padded = lengths is not None and not self.cfg.attend_padding and not bool((lengths >= L).all())
         valid = torch.arange(L, device=x.device)[None, :] < on(lengths, x.device)[:, None] if padded else None
         h = self.embed(x)                                                 # (B, L, d_model)
         if self.cfg.pos == "sinusoidal":

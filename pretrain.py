@@ -192,7 +192,7 @@ def spt_loss_fn(net, split, args):
     meta, g = split["meta"], mask_generator(args, 0)
 
     def loss_fn(idx, step):
-        x, lengths = data.single_sequences(*data.get_batch(split, idx, args.device)[:2])
+        x, lengths = data.single_sequences(*data.get_batch(split, idx, args.device, args.pad_multiple)[:2])
         g.manual_seed(args.seed * 1_000_003 + step)
         inputs, masked = mask_batch(x, lengths, args.mask_ratio, meta.get("mask_id"), g)
         x, lengths, inputs, masked = local_rows(args, x, lengths, inputs, masked)  # this rank's rows
@@ -208,7 +208,7 @@ def evaluate_reconstruction(model, split, args):
     meta = split["meta"]
 
     def batch_sums(i, idx):  # loss sum, correct, count
-        x, lengths = data.single_sequences(*data.get_batch(split, idx, args.device)[:2])
+        x, lengths = data.single_sequences(*data.get_batch(split, idx, args.device, args.pad_multiple)[:2])
         inputs, masked = mask_batch(x, lengths, args.mask_ratio, meta.get("mask_id"), mask_generator(args, 12345 + i))
         with autocast(args.device, args.dtype):
             out = model.reconstruct(inputs, lengths, True)  # as in training: every position, then the mask
@@ -390,12 +390,15 @@ def build_parser(stage, description):
     g.add_argument("--init_std", type=number_at_least(float, 0.0, strict=True), default=None, help="std of --init_scheme normal (default 0.02)")
     g.add_argument("--init_scale", type=number_at_least(float, 0.0, strict=True), default=None,
                    help="multiply every initialized Linear/Embedding tensor by this (default 1)")
+    g.add_argument("--attend_padding", action="store_true", default=None,
+                   help="attend to padded keys as Amos et al.'s code does (no key mask; batches padded to their "
+                        "longest sequence, evaluated in batches drawn like training's); give it to both stages")
     return p
 
 
 # Flags that set ModelConfig fields (flag name -> field name); None means the preset's (or ModelConfig's) value.
 MODEL_FLAGS = {**{k: k for k in MODEL_SIZE_FLAGS}, "pos": "pos", "init_scheme": "init", "init_std": "init_std",
-               "init_scale": "init_scale"}
+               "init_scale": "init_scale", "attend_padding": "attend_padding"}
 
 
 def resolve(args, stage):
@@ -405,6 +408,9 @@ def resolve(args, stage):
     if args.preset == "auto":
         args.preset = "paper" if args.device.type == "cuda" else "cpu"
     preset = fill_from_preset(args, stage)
+    # Batches are padded to their longest sequence rounded up to 64 (few distinct shapes for the GPU kernels), or,
+    # when attention sees the padding, to their longest exactly, as Amos et al.'s collate does.
+    args.pad_multiple = 1 if preset["model"].get("attend_padding") else 64
     if args.init_std is not None and (args.init_scheme or "reference") != "normal" and \
             getattr(args, "init", "scratch") == "scratch":  # finetuning from a checkpoint: its scheme (finetune.py)
         raise ValueError(f"--init_std sets the std of --init_scheme normal; this run's scheme is "
@@ -528,11 +534,21 @@ def evaluate(model, split, args, batch_sums, n_sums):
     """
     model.eval()
     sums = torch.zeros(n_sums, dtype=accumulator_dtype(args.device), device=args.device)
-    for i, idx in enumerate(data.batch_indices(split["lengths"], args.batch_size, shuffle=False)):
+    for i, idx in enumerate(eval_batches(split, args)):
         if i % args.world_size == args.rank:
             sums += batch_sums(i, idx).to(sums.dtype)
     model.train()
     return global_sum(sums, args).tolist()
+
+
+def eval_batches(split, args):
+    """The evaluation batches of a split (index tensors): sorted by length, the least padding. When attention sees
+    the padding (--attend_padding) a sequence's outputs depend on its batch, so the batches are drawn as training
+    batches are (data.batch_indices with --bucket), from a fixed seed: every evaluation sees the same batches, and
+    each sequence about the padding it is trained with (Amos et al. evaluate in the files' order, unsorted)."""
+    if args.pad_multiple == 1:
+        return data.batch_indices(split["lengths"], args.batch_size, shuffle=True, seed=12345, bucket=args.bucket)
+    return data.batch_indices(split["lengths"], args.batch_size, shuffle=False)
 
 
 def plain_config(args):
@@ -606,7 +622,7 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
                 group["lr"] = lr
             loss = optimizer_step(run, loss_fn, batches[i])
             state["step"], state["batch_in_epoch"] = state["step"] + 1, i + 1
-            count_step(meter, loss, splits["train"]["lengths"][batches[i]], model.cfg, width)
+            count_step(meter, loss, splits["train"]["lengths"][batches[i]], model.cfg, width, args.pad_multiple)
             done = state["step"] >= total
             if state["step"] % args.log_every == 0 or done:
                 log_progress(run, meter, lr)
@@ -665,17 +681,17 @@ def new_meter(args):
                 flops=0.0)
 
 
-def count_step(meter, loss, batch_lengths, cfg, width):
+def count_step(meter, loss, batch_lengths, cfg, width, multiple=64):
     """Add one step to the meter; batch_lengths (B,) or (B, 2) live on the CPU, so this never waits for the
-    device. width: the split's stored width (data.batch_width gives the batch's padded length from it). loss None:
-    a skipped step (optimizer_step)."""
+    device. width: the split's stored width, multiple: get_batch's (data.batch_width gives the batch's padded
+    length from them). loss None: a skipped step (optimizer_step)."""
     if loss is None:
         meter["skipped"] += 1
     else:
         meter["loss"] += loss.detach()
     meter["steps"] += 1
     meter["tokens"] += int(batch_lengths.sum())
-    meter["padded"] += batch_lengths.numel() * data.batch_width(batch_lengths, width)
+    meter["padded"] += batch_lengths.numel() * data.batch_width(batch_lengths, width, multiple)
     L_batch = int(batch_lengths.max())
     meter["flops"] += flops_per_token(cfg, L_batch) * batch_lengths.numel() * L_batch  # x2 for pairs
 

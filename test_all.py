@@ -320,6 +320,31 @@ def test_outputs_ignore_padded_positions():
     assert torch.allclose(model.classify(x[1:, :7], None), model.classify(x, lengths)[1:], atol=1e-6)
 
 
+def test_attend_padding_lets_padded_keys_in_as_amos_et_al_and_pools_over_real_positions_only():
+    """ModelConfig(attend_padding=True), Amos et al.'s attention without a key mask: a padded batch encodes exactly
+    as the same tensor declared unpadded (lengths None), so a sequence's outputs move with its padding; the
+    explicit path agrees and puts weight on padded keys; pooling still averages the real positions only."""
+    torch.manual_seed(0)
+    model = Transformer(tiny_cfg(n_classes=3, attend_padding=True)).eval()
+    for p in model.parameters():  # far from uniform attention
+        p.data.normal_(0, 0.3)
+    x, lengths = torch.randint(2, 17, (2, 12)), torch.tensor([12, 7])
+    x[1, 7:] = data.PAD_ID
+    z, _ = model.encode(x, lengths)
+    assert torch.equal(z, model.encode(x, None)[0])
+    z_slow, probs = model.encode(x, lengths, need_weights=True)
+    assert torch.allclose(z, z_slow, atol=1e-5) and probs[0][1, :, :7, 7:].sum(-1).min() > 0.01
+    x2 = x.clone()
+    x2[1, 7:] = torch.randint(2, 17, (5,))
+    assert not torch.allclose(model.encode(x2, lengths)[0][1, :7], z[1, :7], atol=1e-3)
+    assert not torch.allclose(model.encode(x[1:, :7], None)[0][0], z[1, :7], atol=1e-3)  # the sequence alone
+    pooled = torch.stack([z[0].mean(dim=0), z[1, :7].mean(dim=0)])
+    assert torch.allclose(model.classify(x, lengths), model.cls_head(pooled), atol=1e-5)
+    masked = Transformer(tiny_cfg(n_classes=3)).eval()
+    masked.load_state_dict(model.state_dict())  # the same weights with the key mask: the sequence alone again
+    assert torch.allclose(masked.encode(x, lengths)[0][1, :7], model.encode(x[1:, :7], None)[0][0], atol=1e-5)
+
+
 def test_max_pooling_and_the_pair_head_by_hand():
     """Max pooling (PathX) over real positions only, against each sequence alone and an explicit max; the
     Retrieval head on [u, v, u*v, u-v] of the two documents' mean-pooled encodings (Tay et al. 2021, Sec. 3.4),
@@ -471,7 +496,8 @@ def test_the_training_step_of_spt_never_waits_for_the_device(synthetic_run, list
                        d_input=meta.get("d_input", 0) + 1, max_len=meta["max_len"])
         model = Transformer(cfg).to("meta")
         args = argparse.Namespace(device=torch.device("meta"), dtype=torch.float32, seed=0, mask_ratio=0.3,
-                                  rec_loss="ce" if meta["kind"] == "tokens" else "mse", rank=0, world_size=1)
+                                  rec_loss="ce" if meta["kind"] == "tokens" else "mse", rank=0, world_size=1,
+                                  pad_multiple=64)
         idx = data.batch_indices(split["lengths"], 8, shuffle=True)[0]
         loss_sum, n = pretrain.spt_loss_fn(model, split, args)(idx, 0)
         (loss_sum / n).backward()
@@ -489,7 +515,7 @@ def test_a_whole_optimizer_step_of_either_stage_never_waits_for_the_device(listo
     model = Transformer(tiny_cfg(vocab_size=split["meta"]["vocab_size"], n_classes=10,
                                  n_rec=split["meta"]["vocab_size"], max_len=128)).to("meta")
     args = argparse.Namespace(device=torch.device("meta"), dtype=torch.float32, seed=0, mask_ratio=0.3, rec_loss="ce",
-                              rank=0, world_size=1, skip_nonfinite=False, grad_clip=1.0)
+                              rank=0, world_size=1, skip_nonfinite=False, grad_clip=1.0, pad_multiple=64)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # fused=True on CUDA: its step counter stays there too
     run = dict(args=args, opt=opt, state=dict(step=0), model=model)
 
@@ -973,16 +999,20 @@ def test_training_never_calls_the_explicit_attention_path(listops_dir, tmp_path,
 def test_bench_reports_figures_computed_from_its_own_timings(tmp_path):
     import ablate
     argv = ["bench", "--size", "64,16,1,2,32,2", "--steps", "1", "--repeats", "1", "--variants",
-            "fused,reference,data,indexed,padded",
+            "fused,reference,data,indexed,padded,padded_attend",
             "--device", "cpu", "--out_dir", str(tmp_path), "--name", "tiny"]
     ablate.main(argv)
     with open(tmp_path / "bench" / "tiny.json") as f:
         out = json.load(f)
     r = out["results"]
-    assert set(r) == {"fused", "reference", "data", "indexed", "padded"} and out["size"]["L"] == 64
+    assert set(r) == {"fused", "reference", "data", "indexed", "padded", "padded_attend"} and out["size"]["L"] == 64
     assert out["size"]["batch"] == 2 and out["padded_vs_full_tokens_per_s"] == pytest.approx(
         r["padded"]["tokens_per_s"] / r["data"]["tokens_per_s"])
     assert r["padded"]["tokens_per_s"] * r["padded"]["ms_per_step"] / 1000 < 64 * 2  # real tokens: fewer than L B
+    assert out["key_mask_tokens_per_s"] == pytest.approx(r["padded"]["tokens_per_s"] / r["padded_attend"]["tokens_per_s"])
+    # the same batches (their real tokens per step), with and without the key mask
+    assert r["padded"]["tokens_per_s"] * r["padded"]["ms_per_step"] == pytest.approx(
+        r["padded_attend"]["tokens_per_s"] * r["padded_attend"]["ms_per_step"])
     assert out["speedup_all_positions_vs_selected"] == pytest.approx(r["indexed"]["ms_per_step"] /
                                                                      r["data"]["ms_per_step"])
     assert out["speed_ratio_fused_vs_reference"] == pytest.approx(r["reference"]["ms_per_step"] /
@@ -1064,16 +1094,21 @@ def test_gpu_command_keeps_timing_after_a_failed_stage_and_writes_its_table_afte
     assert json.load(open(tmp_path / "bench" / "gpu.json"))["results"][0]["task"] == "listops"
 
 
+@pytest.mark.parametrize("attend_padding", [False, True])
 def test_the_logged_real_share_of_padded_tokens_is_counted_from_the_batches_the_model_saw(listops_dir, tmp_path,
-                                                                                          monkeypatch):
+                                                                                          monkeypatch, attend_padding):
     widths, original = [], data.get_batch
     monkeypatch.setattr(data, "get_batch", lambda split, idx, device, multiple=64: widths.append(
         (len(split["labels"]), split["lengths"][idx].tolist(), original(split, idx, device, multiple)[0].shape[1]))
         or original(split, idx, device, multiple))
     pretrain.main(["--task", "listops", "--data_dir", listops_dir, "--out_dir", str(tmp_path), "--max_steps", "4",
-                   "--eval_every", "1000", "--no-eval_each_epoch", "--log_every", "4"] + TINY[:-4])
+                   "--eval_every", "1000", "--no-eval_each_epoch", "--log_every", "4"] + TINY[:-4]
+                  + ["--attend_padding"] * attend_padding)
     train = [(lengths, width) for n, lengths, width in widths if n == 96]  # the training split's 4 batches
     assert len(train) == 4
+    # attending to padding: each batch padded to its longest sequence exactly (Amos et al.'s collate), else to 64s
+    assert all(width == (max(lengths) if attend_padding else min(128, -(-max(lengths) // 64) * 64))
+               for lengths, width in train)
     want = sum(sum(lengths) for lengths, _ in train) / sum(len(lengths) * width for lengths, width in train)
     log = [json.loads(x) for x in open(tmp_path / "listops" / "pretrain_log.jsonl")]
     assert [e["real_fraction"] for e in log if "real_fraction" in e] == [pytest.approx(want)] and want < 1
@@ -1081,6 +1116,44 @@ def test_the_logged_real_share_of_padded_tokens_is_counted_from_the_batches_the_
     batches = data.batch_indices(split["lengths"], 8, shuffle=True)
     assert data.real_fraction(split["lengths"], batches, 128) == pytest.approx(
         split["lengths"].sum().item() / sum(8 * min(128, -(-int(split["lengths"][b].max()) // 64) * 64) for b in batches))
+
+
+def test_attend_padding_through_both_stages_and_evaluated_on_batches_drawn_as_training_batches(listops_dir,
+                                                                                                 tmp_path, capsys):
+    """--attend_padding is a model field the finetuning run sets for itself (finetune.FINETUNE_FIELDS: given to
+    SPT only, finetuning says it drops it); its validation accuracy is that of the batches of
+    pretrain.eval_batches, recomputed here batch by batch (seeded draw, bucketed, each padded to its longest)."""
+    flags = ["--task", "listops", "--data_dir", listops_dir, "--out_dir", str(tmp_path), "--max_steps", "4",
+             "--eval_every", "1000", "--no-eval_each_epoch", "--bucket", "1"] + TINY  # random batches
+    pretrain.main(flags + ["--attend_padding", "--init_scale", "4"])  # large weights: outputs far from constant
+    spt = str(tmp_path / "listops" / "pretrain.pt")
+    assert data.load_pt(spt)["model_config"]["attend_padding"] is True
+    finetune.main(flags + ["--init", spt, "--name", "masked"])
+    assert "attend_padding True -> False (the finetuning task's)" in capsys.readouterr().out
+    assert data.load_pt(str(tmp_path / "listops" / "finetune_masked.pt"))["model_config"]["attend_padding"] is False
+    finetune.main(flags + ["--init", spt, "--attend_padding"])
+    ck = data.load_pt(str(tmp_path / "listops" / "finetune_spt.pt"))
+    model = Transformer(model_lib.config_from_dict(ck["model_config"]))
+    model.load_state_dict(ck["model"])
+    model.eval()
+    assert model.cfg.attend_padding
+    val = data.load_split(listops_dir, "listops", "val")
+
+    def by_hand(batches, multiple):  # the mean cross-entropy over the validation split, batch by batch
+        total = 0.0
+        with torch.no_grad():
+            for idx in batches:
+                lengths = val["lengths"][idx]
+                width = -(-int(lengths.max()) // multiple) * multiple
+                logits = model.classify(val["tokens"][idx, :width].long(), lengths)
+                total += F.cross_entropy(logits, val["labels"][idx], reduction="sum").item()
+        return total / len(val["labels"])
+    drawn = data.batch_indices(val["lengths"], 8, True, seed=12345, bucket=1)  # as training batches, each padded to
+    result = json.load(open(tmp_path / "listops" / "finetune_spt.json"))  # its longest
+    loss = next(e["val_loss"] for e in result["evals"] if e["step"] == result["best_step"])
+    assert loss == pytest.approx(by_hand(drawn, 1), rel=1e-5)
+    for batches, multiple in ((data.batch_indices(val["lengths"], 8, False), 1), (drawn, 64)):  # sorted; 64s
+        assert loss != pytest.approx(by_hand(batches, multiple), rel=1e-4)
 
 
 def test_padding_table_against_a_sort_by_hand(listops_dir, tmp_path):
@@ -2686,6 +2759,13 @@ def test_ablate_ucr_steps_gives_every_stage_that_budget_in_runs_and_a_table_of_t
     table = open(tmp_path / "out" / "ablate" / "ucr_GunPoint_steps3_bucket1.md").read()
     assert "Batches: windows of 1 batch(es) sorted by length (--bucket 1; 1 = random batches" in table
     assert "command: python ablate.py ucr --datasets GunPoint --steps 3 --bucket 1 --seeds 1;" in table
+    ablate.main(argv + ["--attend_padding"])  # Amos et al.'s attention over padded keys: its own runs and table
+    run = tmp_path / "out" / "ablate" / "reference" / "ucr" / "steps3_attendpad" / "seed0" / "ucr" / "GunPoint"
+    for name in ("pretrain", "finetune_spt", "finetune_scratch"):
+        assert data.load_pt(str(run / f"{name}_last.pt"))["model_config"]["attend_padding"] is True, name
+    table = open(tmp_path / "out" / "ablate" / "ucr_GunPoint_steps3_attendpad.md").read()
+    assert "Attention sees padded keys (--attend_padding, as Amos et al.'s code)" in table
+    assert "command: python ablate.py ucr --datasets GunPoint --steps 3 --attend_padding --seeds 1;" in table
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -2807,7 +2887,8 @@ def test_train_accuracy_scores_a_random_subset_not_the_first_rows_of_a_class_sor
     n = 60
     split = dict(tokens=torch.zeros(n, 4, dtype=torch.int16), lengths=torch.full((n,), 4),
                  labels=torch.arange(n) // 30, meta=dict(kind="tokens"))
-    args = argparse.Namespace(device=torch.device("cpu"), dtype=torch.float32, batch_size=7, world_size=1, rank=0)
+    args = argparse.Namespace(device=torch.device("cpu"), dtype=torch.float32, batch_size=7, world_size=1, rank=0,
+                              pad_multiple=64)
     acc, rows = finetune.train_accuracy(AlwaysZero(), split, n_val=10, args=args)
     assert (acc, rows) == (0.5, 60)  # small splits are scored whole
     acc, rows = finetune.train_accuracy(AlwaysZero(), split, n_val=10, args=args, at_least=20)
