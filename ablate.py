@@ -227,12 +227,14 @@ def check_read_back(path, result, task, init, argv):
     for key, value in vars(asked).items():
         if key in config and key not in READ_BACK_SKIP and key not in pretrain.MODEL_FLAGS and config[key] != value:
             problems.append(f"--{key} {config[key]} (asked: {value})")
-    # The model the preset and the flags imply, from the run's own checkpoint; after SPT the backbone is the
-    # checkpoint's (checked above) and only what finetuning sets itself (finetune.FINETUNE_FIELDS) is compared.
-    for field, value in model.items():
-        if field in built["model_config"] and built["model_config"][field] != value and \
-                (init == "scratch" or field in finetune.FINETUNE_FIELDS):
-            problems.append(f"model {field}={built['model_config'][field]!r} (the preset asks {value!r})")
+    # The model the preset and the flags imply (a field they leave out: ModelConfig's default), against the run's own
+    # checkpoint read as model.config_from_dict reads it (a field it predates: the default it ran with); after SPT
+    # the backbone is the checkpoint's (checked above) and only what finetuning sets itself (FINETUNE_FIELDS) counts.
+    ran = vars(model_lib.config_from_dict(built["model_config"], weights))
+    for field in list(model) + sorted({*pretrain.MODEL_FLAGS.values(), *finetune.FINETUNE_FIELDS} - set(model)):
+        value = model.get(field, getattr(model_lib.ModelConfig, field))
+        if ran[field] != value and (init == "scratch" or field in finetune.FINETUNE_FIELDS):
+            problems.append(f"model {field}={ran[field]!r} (the preset asks {value!r})")
     if problems:
         raise ValueError(f"{path} is a finished run made with " + "; ".join(problems) + ": another experiment with "
                          "other settings wrote this folder. Move it away (or pass another --out_dir) to run this one")
@@ -979,7 +981,8 @@ def experiment_ucr(args):
     notes += (f"Batches: windows of {args.bucket} batch(es) sorted by length (--bucket {args.bucket}; 1 = random "
               f"batches, as Amos et al.'s loader; the default: {data.BUCKET}). " if args.bucket else "")
     notes += ("Attention sees padded keys (--attend_padding, as Amos et al.'s code): batches padded to their longest "
-              "series, and evaluated in batches drawn as training's (pretrain.eval_batches). " if args.attend_padding else "")
+              "series, and evaluated in batches drawn as training's (pretrain.eval_batches); only data sets of unequal "
+              "lengths have padding. " if args.attend_padding else "")
     flag = ("" if default else " --datasets " + " ".join(args.datasets)) + (f" --steps {args.steps}" if args.steps else "") \
         + (f" --bucket {args.bucket}" if args.bucket else "") + (" --attend_padding" if args.attend_padding else "")
     parts.append(notes + f"Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py ucr{flag}"
@@ -1152,8 +1155,8 @@ def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
     mean step, or an error message (str). Runs in a fresh process: on the CPU, peak memory = growth of the
     process's resident set. Variant "padded" draws lengths uniform in [L/4, L] (as real documents: padded
     batches, so the attention gets a key mask) and buckets them as the training loop does; "padded_attend" the same
-    batches padded to their longest exactly and attended without a key mask (ModelConfig.attend_padding, Amos et
-    al.'s attention): what the key mask costs, since a mask rules out SDPA's flash kernel on a GPU."""
+    batches of the same widths attended without a key mask (ModelConfig.attend_padding, Amos et al.'s attention):
+    what the key mask alone costs, since a mask rules out SDPA's flash kernel on a GPU."""
     import resource
     import time
     torch.set_num_threads(threads)
@@ -1175,7 +1178,7 @@ def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
     batches = data.batch_indices(split["lengths"], B, True)  # once per epoch, as in the training loop
 
     def batch(i):  # the data path of a training step: gather a batch, trim its padding, mask it
-        x, lengths, _ = data.get_batch(split, batches[i % len(batches)], device, 1 if attend else 64)
+        x, lengths, _ = data.get_batch(split, batches[i % len(batches)], device)
         return (x, lengths) + pretrain.mask_batch(x, lengths, 0.15, 1, g)
 
     fixed = batch(0)
@@ -1312,9 +1315,9 @@ def bench_table(out):
         rows.append(f"Real tokens/s of padded batches (lengths uniform in [L/4, L], bucketed: shorter batches, and a key "
                     f"mask in the attention) / of full-length ones: **{out['padded_vs_full_tokens_per_s']:.2f}**.")
     if "key_mask_tokens_per_s" in out:
-        rows.append(f"Real tokens/s of those padded batches with the key mask / with padded keys attended (Amos et al.'s "
-                    f"attention; batches padded to their longest): **{out['key_mask_tokens_per_s']:.2f}** (below 1: the "
-                    f"mask costs).")
+        rows.append(f"Real tokens/s of those padded batches with the key mask / the same batches with padded keys "
+                    f"attended (Amos et al.'s attention): **{out['key_mask_tokens_per_s']:.2f}** (below 1: the mask "
+                    f"costs).")
     if "speedup_all_positions_vs_selected" in out:
         rows.append(f"Step time with the masked positions selected by boolean indexing (the step before 0588b7d) / "
                     f"with the reconstruction head on every position (no host wait): "
@@ -1830,7 +1833,7 @@ def build_parser():
                         f"a table of their own; default: the stages' {data.BUCKET}")
     s.add_argument("--attend_padding", action="store_true",
                    help="every run attends to padded keys, as Amos et al.'s code (pretrain.py --attend_padding); runs "
-                        "and a table of their own")
+                        "and a table of their own; it changes only data sets of unequal lengths (PLAID among ours)")
     s = add("initscale", "from scratch and SPT over init scale x length x tied/independent (beyond the paper)",
             ("seeds", "runs"), seeds=2)
     s.add_argument("--kinds", nargs="+", default=["reference", "torch"], choices=("reference", "torch"),

@@ -290,8 +290,9 @@ def loss_gradients(path, data_dir, n=64, chunk=None, seed=0, losses=("L_sup", "L
 
     `chunk` sequences at a time (default: at most 16, fewer at long L: chunk x L^2 <= 2^24 scores per head and
     layer, as attention_maps); `losses` the ones wanted (L_SPT is left out anyway where the checkpoint has no
-    reconstruction head). Raises ValueError for a Retrieval (pair) model, whose head pools two documents, and
-    for local attention (attn_window), whose zeros outside the window are not Prop. 1's uniform attention.
+    reconstruction head). Raises ValueError for a Retrieval (pair) model, whose head pools two documents, for
+    local attention (attn_window), whose zeros outside the window are not Prop. 1's uniform attention, and for a
+    model that attends to padded keys on sequences of unequal lengths (refuse_attended_padding).
     """
     import pretrain  # the masking and the loss of the SPT stage itself
     ck = data.load_pt(path)
@@ -311,11 +312,12 @@ def loss_gradients(path, data_dir, n=64, chunk=None, seed=0, losses=("L_sup", "L
         raise ValueError(f"{path}: weights {missing or unexpected} do not fit its own model_config")
     model.eval()  # dropout off (0 in every preset anyway); gradients still flow
     split = data.load_split(data_dir, ck["task"], "train")
+    count = min(n, len(split["labels"]))
+    refuse_attended_padding(model, split["lengths"][:count], path)
     ratio = run.get("mask_ratio") or pretrain.MASK_RATIO[data.task_family(ck["task"])]
     kind = run.get("rec_loss") or ("ce" if meta["kind"] == "tokens" else "mse")
     g = torch.Generator().manual_seed(seed)
     chunk = chunk or max(1, min(16, 2 ** 24 // data.split_width(split) ** 2))
-    count = min(n, len(split["labels"]))
     out = {}
     for loss_name in [name for name in losses if name == "L_sup" or model.rec_head is not None]:
         model.zero_grad(set_to_none=True)
@@ -377,6 +379,16 @@ def load_model(path):
     model = Transformer(config_from_dict(ck["model_config"], path))
     model.load_state_dict(unwrapped_state_dict(ck["model"]))
     return model.eval(), ck
+
+
+def refuse_attended_padding(model, lengths, path):
+    """Raise ValueError if `model` attends to padded keys (ModelConfig.attend_padding, pretrain.py
+    --attend_padding) and the sequences of `lengths` (B,) differ in length: the statistics here take attention over
+    each sequence's own keys, and such a model would put weight on the padding of whatever batch it is given."""
+    if model.cfg.attend_padding and bool((lengths != lengths.max()).any()):
+        raise ValueError(f"{path}: trained with --attend_padding (padded keys attended, as Amos et al.'s code), and "
+                         f"these sequences differ in length: its attention depends on the batch's padding, which "
+                         f"these analyses leave out; analyze a model trained without the flag, or equal-length data")
 
 
 def model_inputs(model, x):
@@ -522,6 +534,7 @@ def analyze_checkpoints(paths, data_dir, n=64, band=3):
         split = data.load_split(data_dir, ck["task"], "val")
         x, lengths, _ = data.get_batch(split, torch.arange(min(n, len(split["labels"]))), "cpu", multiple=1)
         x, lengths = single_sequences(x, lengths)  # Retrieval: each document of a pair on its own
+        refuse_attended_padding(model, lengths, path)
         padded = None if bool((lengths == x.shape[1]).all()) else lengths
         attn, entropies = attention_maps(model, x, padded)
         side = math.isqrt(x.shape[1])  # pixel tasks: square images flattened row by row

@@ -132,8 +132,8 @@ class Attention(nn.Module):
 
     forward(x (B, L, d_model), valid (B, L) bool or None, need_weights) -> (y (B, L, d_model), probs or None)
     `valid[b, t]` is True at real tokens (None: no padding in the batch, or ModelConfig.attend_padding, under which
-    Transformer.encode passes None so that padded keys are attended as in Amos et al.'s code); padded keys get no
-    attention. Padded queries still produce an output (it is ignored downstream). With need_weights the explicit
+    Transformer.encode passes None so that padded keys are attended as in Amos et al.'s code); otherwise padded keys
+    get no attention. Padded queries still produce an output (it is ignored downstream). With need_weights the explicit
     path runs and returns probs (B, H, L, L). Relative positions (cfg.pos): "alibi" and "fire" add a bias (H, L, L)
     to the scores, "rope" rotates Q and K; "sinusoidal" positions are added to the input by Transformer, not here.
     """

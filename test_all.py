@@ -1128,6 +1128,11 @@ def test_attend_padding_through_both_stages_and_evaluated_on_batches_drawn_as_tr
     pretrain.main(flags + ["--attend_padding", "--init_scale", "4"])  # large weights: outputs far from constant
     spt = str(tmp_path / "listops" / "pretrain.pt")
     assert data.load_pt(spt)["model_config"]["attend_padding"] is True
+    import analyze  # its statistics take attention over each sequence's own keys: refused on padded batches
+    for analysis in (lambda: analyze.analyze_checkpoints({"spt": spt}, listops_dir), lambda: analyze.loss_gradients(
+            spt, listops_dir)):
+        with pytest.raises(ValueError, match="trained with --attend_padding .* differ in length"):
+            analysis()
     finetune.main(flags + ["--init", spt, "--name", "masked"])
     assert "attend_padding True -> False (the finetuning task's)" in capsys.readouterr().out
     assert data.load_pt(str(tmp_path / "listops" / "finetune_masked.pt"))["model_config"]["attend_padding"] is False
@@ -1960,6 +1965,13 @@ def test_ablate_reads_back_a_finished_run_only_if_it_is_the_run_asked_for(synthe
     monkeypatch.undo()
     # A model flag typed with the preset's own value is the same run as the flag left out (compared as resolved).
     assert ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common + ["--n_layers", "1"]) == first
+    # A model flag left out is ModelConfig's default, on either side: attention over padded keys, asked or not.
+    with pytest.raises(ValueError, match=r"made with model attend_padding=False \(the preset asks True\)"):
+        ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common + ["--attend_padding"])
+    attended = str(tmp_path / "attended")
+    ablate.run_finetune("synthetic", attended, 0, "scratch", "scratch", common + ["--attend_padding"])
+    with pytest.raises(ValueError, match=r"made with model attend_padding=True \(the preset asks False\)"):
+        ablate.run_finetune("synthetic", attended, 0, "scratch", "scratch", common)
     # Older runs recorded no data sha256 and no SPT step: their data's meta and their SPT checkpoint's path count.
     for name in ("scratch", "spt"):
         path = data.run_paths(folder, "synthetic", "finetune", name)["json"]
