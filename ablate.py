@@ -1833,7 +1833,7 @@ def build_parser():
                         f"a table of their own; default: the stages' {data.BUCKET}")
     s.add_argument("--attend_padding", action="store_true",
                    help="every run attends to padded keys, as Amos et al.'s code (pretrain.py --attend_padding); runs "
-                        "and a table of their own; it changes only data sets of unequal lengths (PLAID among ours)")
+                        "and a table of their own; in effect it changes only data sets of unequal lengths (PLAID among ours)")
     s = add("initscale", "from scratch and SPT over init scale x length x tied/independent (beyond the paper)",
             ("seeds", "runs"), seeds=2)
     s.add_argument("--kinds", nargs="+", default=["reference", "torch"], choices=("reference", "torch"),

@@ -556,16 +556,27 @@ def plain_config(args):
     return {k: (str(v) if isinstance(v, (torch.device, torch.dtype)) else v) for k, v in vars(args).items()}
 
 
+def git_state(folder=None):
+    """(commit, modified) of the git checkout holding `folder` (default: this file's): HEAD's hash, and the tracked
+    files that differ from it, sorted (a run made with uncommitted code says so); (None, None) outside one."""
+    def git(*cmd):
+        return subprocess.run(["git", *cmd], capture_output=True, text=True, timeout=5,
+                              cwd=folder or os.path.dirname(os.path.abspath(__file__))).stdout
+    try:
+        commit = git("rev-parse", "HEAD").strip() or None
+        if commit is None:
+            return None, None
+        return commit, sorted(line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines())
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+
+
 def run_record(args):
     """Plain-type description of the run: its settings and what produced it (stored in checkpoints)."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    return dict(config=plain_config(args), git_commit=commit, torch_version=str(torch.__version__),
-                python=platform.python_version(), device_name=device_name(args.device),
-                threads=torch.get_num_threads())
+    commit, modified = git_state()
+    return dict(config=plain_config(args), git_commit=commit, git_modified=modified,
+                torch_version=str(torch.__version__), python=platform.python_version(),
+                device_name=device_name(args.device), threads=torch.get_num_threads())
 
 
 def epoch_batches(split, args, epoch):

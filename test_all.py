@@ -17,6 +17,7 @@ import random
 import re
 import shlex
 import shutil
+import subprocess
 import tarfile
 import time
 
@@ -2869,13 +2870,33 @@ def test_checkpoints_of_compiled_or_ddp_models_load_into_a_plain_one(listops_dir
     assert torch.equal(loaded.blocks[1].attn.q_proj.weight, model.blocks[1].attn.q_proj.weight)
 
 
+def test_git_state_names_the_tracked_files_that_differ_from_the_commit(tmp_path):
+    """A run records its commit and the tracked files changed since (uncommitted code); untracked files are not
+    code it ran, and outside a checkout both are None."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = lambda *cmd: subprocess.run(["git", "-C", str(repo), *cmd], capture_output=True, text=True, check=True).stdout
+    git("init", "-q")
+    for name in ("a.py", "b.py"):
+        (repo / name).write_text("x = 1\n")
+    git("add", "a.py", "b.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    assert pretrain.git_state(str(repo)) == (git("rev-parse", "HEAD").strip(), [])
+    (repo / "b.py").write_text("x = 2\n")
+    (repo / "c.py").write_text("untracked\n")
+    assert pretrain.git_state(str(repo)) == (git("rev-parse", "HEAD").strip(), ["b.py"])
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    assert pretrain.git_state(str(outside)) == (None, None)
+
+
 def test_finetune_result_records_what_produced_it(listops_dir, tmp_path, monkeypatch):
     finetune.main(["--task", "listops", "--data_dir", listops_dir, "--out_dir", str(tmp_path), "--init", "scratch",
                    "--max_steps", "1"] + TINY)
     res = json.load(open(tmp_path / "listops" / "finetune_scratch.json"))
     assert res["torch_version"] == str(torch.__version__)
     assert {s: data.sha256_of(os.path.join(listops_dir, "listops", f"{s}.pt")) for s in data.SPLITS} == res["data_sha256"]
-    assert res["config"]["seed"] == 0 and "git_commit" in res
+    assert res["config"]["seed"] == 0 and [res["git_commit"], res["git_modified"]] == list(pretrain.git_state())
     # The CPU's model and thread count: float sums, and so the weights, depend on them (README, determinism).
     assert res["device_name"] and res["threads"] == torch.get_num_threads()
     cpuinfo = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
