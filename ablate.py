@@ -1129,7 +1129,8 @@ BENCH_VARIANTS = {"fused": "ours, fused attention", "explicit": "ours, explicit 
                   "reference": "torch.nn.TransformerEncoder", "data": "ours, fused + data path",
                   "indexed": "ours, data path, masked positions selected",
                   "padded": "ours, data path, lengths in [L/4, L], bucketed",
-                  "padded_attend": "the same, padded keys attended (no key mask)", "compile": "ours, fused + torch.compile"}
+                  "padded_attend": "the same, padded keys attended (no key mask)",
+                  "compile": "ours, fused + torch.compile"}
 
 
 class ReferenceEncoder(torch.nn.Module):
@@ -1833,7 +1834,8 @@ def build_parser():
                         f"a table of their own; default: the stages' {data.BUCKET}")
     s.add_argument("--attend_padding", action="store_true",
                    help="every run attends to padded keys, as Amos et al.'s code (pretrain.py --attend_padding); runs "
-                        "and a table of their own; in effect it changes only data sets of unequal lengths (PLAID among ours)")
+                        "and a table of their own; in effect it changes only data sets of unequal lengths (PLAID "
+                        "among ours)")
     s = add("initscale", "from scratch and SPT over init scale x length x tied/independent (beyond the paper)",
             ("seeds", "runs"), seeds=2)
     s.add_argument("--kinds", nargs="+", default=["reference", "torch"], choices=("reference", "torch"),

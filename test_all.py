@@ -1010,7 +1010,8 @@ def test_bench_reports_figures_computed_from_its_own_timings(tmp_path):
     assert out["size"]["batch"] == 2 and out["padded_vs_full_tokens_per_s"] == pytest.approx(
         r["padded"]["tokens_per_s"] / r["data"]["tokens_per_s"])
     assert r["padded"]["tokens_per_s"] * r["padded"]["ms_per_step"] / 1000 < 64 * 2  # real tokens: fewer than L B
-    assert out["key_mask_tokens_per_s"] == pytest.approx(r["padded"]["tokens_per_s"] / r["padded_attend"]["tokens_per_s"])
+    assert out["key_mask_tokens_per_s"] == pytest.approx(r["padded"]["tokens_per_s"] /
+                                                         r["padded_attend"]["tokens_per_s"])
     # the same batches (their real tokens per step), with and without the key mask
     assert r["padded"]["tokens_per_s"] * r["padded"]["ms_per_step"] == pytest.approx(
         r["padded_attend"]["tokens_per_s"] * r["padded_attend"]["ms_per_step"])
