@@ -285,7 +285,8 @@ def main(argv=None):
         print(f"the token-frequency entropy of {args.task}'s training data is {h:.4f} nats; the validation masked "
               f"loss is {where}")
     dirs = ("" if args.data_dir == "data" else f" --data_dir {args.data_dir}") + \
-        ("" if args.out_dir == "out" else f" --out_dir {args.out_dir}")
+        ("" if args.out_dir == "out" else f" --out_dir {args.out_dir}") + \
+        (" --attend_padding" if cfg.attend_padding else "")  # a setting of each stage: the finetunings need it too
     if args.world_size > 1:
         dist.destroy_process_group()
     print(f"next: python finetune.py --task {args.task} --init {paths['best']}{dirs}\n"

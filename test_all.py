@@ -1129,6 +1129,8 @@ def test_attend_padding_through_both_stages_and_evaluated_on_batches_drawn_as_tr
              "--eval_every", "1000", "--no-eval_each_epoch", "--bucket", "1"] + TINY  # random batches
     pretrain.main(flags + ["--attend_padding", "--init_scale", "4"])  # large weights: outputs far from constant
     spt = str(tmp_path / "listops" / "pretrain.pt")
+    hint = capsys.readouterr().out.split("next: ")[1]  # both finetunings it suggests keep the flag
+    assert hint.count("--attend_padding") == 2 and "--init scratch" in hint
     assert data.load_pt(spt)["model_config"]["attend_padding"] is True
     import analyze  # its statistics take attention over each sequence's own keys: refused on padded batches
     for analysis in (lambda: analyze.analyze_checkpoints({"spt": spt}, listops_dir), lambda: analyze.loss_gradients(
