@@ -904,14 +904,18 @@ def experiment_ucr(args):
     --steps N gives every stage N steps instead of the preset's (runs in .../ucr/steps<N>/, a table named
     ..._steps<N>), to ask whether a gain at the preset's budget is one of speed; --bucket N passes pretrain.py's
     --bucket (1: random batches, as Amos et al.'s loader; runs in .../ucr/bucket<N>/, a table ..._bucket<N>);
-    --attend_padding lets attention see padded keys, as Amos et al.'s code (.../attendpad/, ..._attendpad).
-    Raises ValueError for --steps with --max_steps (one budget or the other).
+    --attend_padding lets attention see padded keys, as Amos et al.'s code (.../attendpad/, ..._attendpad);
+    --reference_select keeps the SPT checkpoint as Amos et al.'s code (pretrain.py --select_by reference --val_masks
+    fresh; .../refselect/, ..._refselect), and shares the from-scratch runs of the command without it, which SPT's
+    checkpoint cannot change. Raises ValueError for --steps with --max_steps (one budget or the other).
     """
     if args.steps and args.max_steps:
         raise ValueError("--steps sets every stage's budget and --max_steps caps it: pass one of them")
     common, found, skipped = common_flags(args), [], []  # the UCR preset's model
     budget = "_".join(([f"steps{args.steps}"] if args.steps else []) + ([f"bucket{args.bucket}"] if args.bucket else [])
                       + (["attendpad"] if args.attend_padding else []))
+    scratch_budget, budget = budget, "_".join(([budget] if budget else []) + (["refselect"] if args.reference_select else []))
+    spt_flags = ["--select_by", "reference", "--val_masks", "fresh"] if args.reference_select else []
     common += ["--max_steps", str(args.steps)] if args.steps else []
     common += ["--bucket", str(args.bucket)] if args.bucket else []
     common += ["--attend_padding"] if args.attend_padding else []
@@ -943,11 +947,13 @@ def experiment_ucr(args):
     runs, seeds = [], seeds_here(args, output, *((f"ucr/{name}", common) for name in found))
     for name in found:
         for seed in seeds:
-            folder = os.path.join(args.out_dir, "ablate", args.init_scheme, "ucr", budget, f"seed{seed}")
-            ckpt = run_pretrain(f"ucr/{name}", folder, seed, common)
-            for run_name, init in (("spt", ckpt), ("scratch", "scratch")):
-                result = run_finetune(f"ucr/{name}", folder, seed, run_name, init, common)
-                runs.append(summary(seed, result, dataset=name, name=run_name, best_step=result.get("best_step")))
+            root = os.path.join(args.out_dir, "ablate", args.init_scheme, "ucr")
+            folder, scratch_folder = (os.path.join(root, b, f"seed{seed}") for b in (budget, scratch_budget))
+            ckpt = run_pretrain(f"ucr/{name}", folder, seed, common + spt_flags)
+            for run_name, init, where in (("spt", ckpt, folder), ("scratch", "scratch", scratch_folder)):
+                result = run_finetune(f"ucr/{name}", where, seed, run_name, init, common)
+                runs.append(summary(seed, result, dataset=name, name=run_name, best_step=result.get("best_step"),
+                                    spt_step=result.get("spt_step")))
     if args.only_seed is not None:
         return  # a child of --jobs: the parent writes the table
     parts = []
@@ -957,11 +963,13 @@ def experiment_ucr(args):
         majority = majority_rate(args.data_dir, f"ucr/{name}")
         rows = [f"**{name}** ({sizes['train']} train / {sizes['val']} validation series from TRAIN, "
                 f"{sizes['test']} test, length <= {meta['max_len']}, {meta['n_classes']} classes; majority class of val: {majority:.3f})", "",
-                "| run | test acc | val acc | train acc | step of the tested weights, per seed |", "|---|---|---|---|---|"]
+                "| run | test acc | val acc | train acc | step of the tested weights, per seed | step of the SPT "
+                "checkpoint, per seed |", "|---|---|---|---|---|---|"]
         for run_name, label in (("scratch", "from scratch"), ("spt", "SPT, then finetune")):
             rs = [r for r in runs if r["dataset"] == name and r["name"] == run_name]
             rows.append(f"| {label} | {cells(rs, 'test_acc', 'best_val_acc', 'train_acc', majority=majority)} | "
-                        + ", ".join(str(r["best_step"]) for r in rs) + " |")
+                        + ", ".join(str(r["best_step"]) for r in rs) + " | "
+                        + (", ".join(str(r["spt_step"]) for r in rs) if run_name == "spt" else "-") + " |")
         parts.append("\n".join(rows))
 
     def mean_over_datasets(run_name):  # per seed: the mean test accuracy over the data sets, then mean +- std
@@ -983,8 +991,14 @@ def experiment_ucr(args):
     notes += ("Attention sees padded keys (--attend_padding, as Amos et al.'s code): batches padded to their longest "
               "series, and evaluated in batches drawn as training's (pretrain.eval_batches); only data sets of unequal "
               "lengths have padding. " if args.attend_padding else "")
+    notes += ("SPT's checkpoint kept as Amos et al.'s code keeps it (--reference_select: pretrain.py --select_by "
+              "reference --val_masks fresh): the best validation masked MAE, with masks drawn afresh at every "
+              "evaluation, in place of the best masked loss under the same masks at every evaluation; the from-scratch "
+              "runs are those of the command without --reference_select (the same runs: SPT's checkpoint does not "
+              "enter them). " if args.reference_select else "")
     flag = ("" if default else " --datasets " + " ".join(args.datasets)) + (f" --steps {args.steps}" if args.steps else "") \
-        + (f" --bucket {args.bucket}" if args.bucket else "") + (" --attend_padding" if args.attend_padding else "")
+        + (f" --bucket {args.bucket}" if args.bucket else "") + (" --attend_padding" if args.attend_padding else "") \
+        + (" --reference_select" if args.reference_select else "")
     parts.append(notes + f"Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py ucr{flag}"
                  + run_note(args))
     write_outputs(output, runs, "\n\n".join(parts), args)
@@ -1836,6 +1850,10 @@ def build_parser():
                    help="every run attends to padded keys, as Amos et al.'s code (pretrain.py --attend_padding); runs "
                         "and a table of their own; in effect it changes only data sets of unequal lengths (PLAID "
                         "among ours)")
+    s.add_argument("--reference_select", action="store_true",
+                   help="SPT keeps its checkpoint as Amos et al.'s code (pretrain.py --select_by reference "
+                        "--val_masks fresh: best masked MAE, validation masks drawn afresh); SPT runs and a table of "
+                        "their own, the from-scratch runs shared with the command without it")
     s = add("initscale", "from scratch and SPT over init scale x length x tied/independent (beyond the paper)",
             ("seeds", "runs"), seeds=2)
     s.add_argument("--kinds", nargs="+", default=["reference", "torch"], choices=("reference", "torch"),

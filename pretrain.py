@@ -203,22 +203,52 @@ def spt_loss_fn(net, split, args):
     return loss_fn
 
 
-def evaluate_reconstruction(model, split, args):
-    """Validation masked loss (and masked-token accuracy for tokens), with the same masks at every evaluation."""
+def evaluate_reconstruction(model, split, args, step=0):
+    """Validation masked loss, and masked-token accuracy (cross-entropy) or masked MAE (regression: the mean
+    absolute error per masked value, Amos et al.'s `masked_mae`), at an evaluation at `step`.
+
+    Returns {"val_loss", "val_acc" or "val_mae"}: floats. The masks of batch i come from validation_mask_seed:
+    the same at every evaluation (--val_masks fixed) or drawn afresh at each (fresh, as Amos et al.'s Dataset).
+    """
     meta = split["meta"]
 
-    def batch_sums(i, idx):  # loss sum, correct, count
+    def batch_sums(i, idx):  # loss sum, correct (or absolute error) sum, count
         x, lengths = data.single_sequences(*data.get_batch(split, idx, args.device, args.pad_multiple)[:2])
-        inputs, masked = mask_batch(x, lengths, args.mask_ratio, meta.get("mask_id"), mask_generator(args, 12345 + i))
+        g = mask_generator(args, validation_mask_seed(args, i, step))
+        inputs, masked = mask_batch(x, lengths, args.mask_ratio, meta.get("mask_id"), g)
         with autocast(args.device, args.dtype):
             out = model.reconstruct(inputs, lengths, True)  # as in training: every position, then the mask
         acc = accumulator_dtype(args.device)  # the sums in float64 (float32 on MPS), as the loop adds them
         targets, n = targets_at(x, None, args.rec_loss, meta), masked.sum().to(acc)
-        correct = ((out.argmax(-1) == targets) & masked).sum() if args.rec_loss == "ce" else torch.zeros_like(n)
-        return torch.stack([reconstruction_loss(out, targets, args.rec_loss, masked).to(acc) * n, correct.to(acc), n])
+        if args.rec_loss == "ce":
+            second = ((out.argmax(-1) == targets) & masked).sum()
+        else:  # |r - u| averaged over the channels, summed over the masked positions
+            second = ((out.float() - targets).abs().mean(dim=-1) * masked).sum()
+        return torch.stack([reconstruction_loss(out, targets, args.rec_loss, masked).to(acc) * n, second.to(acc), n])
 
-    loss_sum, correct, count = evaluate(model, split, args, batch_sums, 3)
-    return {"val_loss": loss_sum / count, **({"val_acc": correct / count} if args.rec_loss == "ce" else {})}
+    loss_sum, second, count = evaluate(model, split, args, batch_sums, 3)
+    return {"val_loss": loss_sum / count, ("val_acc" if args.rec_loss == "ce" else "val_mae"): second / count}
+
+
+def validation_mask_seed(args, i, step):
+    """The seed of the masks of validation batch i at an evaluation at `step`. --val_masks fixed (ours): the same
+    masks at every evaluation, so the kept checkpoint is chosen by the weights, not by the draw of the masks;
+    fresh: new masks at each evaluation, as Amos et al.'s Dataset draws one per access (reproducible here: seeded
+    by the step, so a resumed run draws the same ones)."""
+    return 12345 + i if args.val_masks == "fixed" else 12345 + i + 1_000_003 * (step + 1)
+
+
+METRIC_NAMES = {"val_loss": "masked loss", "val_acc": "masked-token accuracy", "val_mae": "masked MAE"}
+
+
+def selection_metric(args):
+    """The validation metric that picks the SPT checkpoint kept: (name, higher_is_better, tiebreak).
+    --select_by loss (ours): the masked loss, every task. reference: Amos et al.'s `train.monitor`, the
+    masked-token accuracy for a cross-entropy reconstruction (tokens; pixels with --rec_loss ce) and the masked
+    MAE for a regression (their CIFAR; here also UCR and the synthetic task), ties broken by the masked loss."""
+    if args.select_by == "loss":
+        return "val_loss", False, None
+    return ("val_acc", True, "val_loss") if args.rec_loss == "ce" else ("val_mae", False, "val_loss")
 
 
 def token_frequency_entropy(split, chunk=4096):
@@ -245,6 +275,11 @@ def pretrain_parser():
                    help="reconstruction loss for continuous inputs: MSE (the paper's), L1, or for pixel tasks "
                         "ce = 256-way cross-entropy over the raw intensity (Amos et al.'s code); tokens always "
                         "use cross-entropy over the vocabulary")
+    parser.add_argument("--select_by", default="loss", choices=("loss", "reference"),
+                        help="the validation metric that picks the SPT checkpoint kept: the masked loss, or as Amos "
+                             "et al.'s code: masked-token accuracy (cross-entropy), masked MAE (regression)")
+    parser.add_argument("--val_masks", default="fixed", choices=("fixed", "fresh"),
+                        help="validation masks: the same at every evaluation, or drawn afresh at each (Amos et al.'s)")
     return parser
 
 
@@ -268,12 +303,16 @@ def main(argv=None):
         cfg = ModelConfig(d_input=meta["d_input"] + 1, max_len=meta["max_len"], n_rec=n_rec, **backbone)
     model = Transformer(cfg).to(args.device)
     paths = data.run_paths(args.out_dir, args.task, "pretrain")
-    extra = dict(stage="pretrain", task=args.task, data_meta=meta, data_sha256=data_hashes(splits), metric="val_loss",
-                 format_version=1)
+    metric, higher_is_better, tiebreak = selection_metric(args)
+    extra = dict(stage="pretrain", task=args.task, data_meta=meta, data_sha256=data_hashes(splits), metric=metric,
+                 tiebreak=tiebreak, format_version=1)
     print(f"self-pretraining {args.task}: {cfg}")
     best = train(model, splits, args, spt_loss_fn(wrap(model, args), splits["train"], args),
-                 lambda: evaluate_reconstruction(model, splits["val"], args), paths, extra, higher_is_better=False)
-    print(f"best validation masked loss {best['val_loss']:.4f} (step {best['step']}); "
+                 lambda step: evaluate_reconstruction(model, splits["val"], args, step), paths, extra, higher_is_better)
+    kept = f"best validation masked loss {best['val_loss']:.4f} (step {best['step']})" if metric == "val_loss" else \
+        f"kept step {best['step']}, the best validation {METRIC_NAMES[metric]} {best[metric]:.4f} (--select_by {args.select_by}; " \
+        f"its masked loss {best['val_loss']:.4f})"
+    print(f"{kept}; "
           f"{'wrote' if best['steps_trained'] else 'kept'} {paths['best']}")
     if meta["kind"] == "tokens" and args.rank == 0:
         h = token_frequency_entropy(splits["train"])
@@ -592,7 +631,7 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
     args.eval_each_epoch, at the end of every epoch.
 
     loss_fn(idx (B,) global batch indices, step int) -> (sum of the loss over this rank's items, their count);
-    the step minimizes (sum over ranks) / (count over ranks). eval_fn() -> dict of metrics with a "val_..." key
+    the step minimizes (sum over ranks) / (count over ranks). eval_fn(step) -> dict of metrics with a "val_..." key
     named by extra["metric"]. paths: data.run_paths(...). The best checkpoint (by that metric) and the last one
     are written atomically; with args.resume the run continues from paths["last"] exactly (model, optimizer,
     step, epoch, position in the epoch, best metric, RNG state).
@@ -619,7 +658,7 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
         if args.rank == 0:
             os.makedirs(os.path.dirname(os.path.abspath(paths["log"])), exist_ok=True)
             open(paths["log"], "w").close()  # a fresh run starts a fresh log; a resumed one appends
-        metrics = eval_fn()  # the starting point, so the log shows how far training moved the metric
+        metrics = eval_fn(0)  # the starting point, so the log shows how far training moved the metric
         print("eval at step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         append_log(run, dict(step=0, epoch=0, **metrics))
         save_checkpoint(run, paths["init"], metrics)  # the initial weights, for the analyses
@@ -747,7 +786,7 @@ def evaluate_and_checkpoint(run, epoch):
         raise FloatingPointError(f"non-finite weights at step {state['step']} ({bad[0]}" + (
             f" and {len(bad) - 1} more" if len(bad) > 1 else "") + "): a gradient was NaN or inf although the loss "
             f"was finite, and none of them is checkpointed; {last_good(run)}, or --skip_nonfinite to skip such steps")
-    metrics = run["eval_fn"]()
+    metrics = run["eval_fn"](state["step"])
     improved = is_better(metrics, state, metric, run["higher_is_better"], run["extra"].get("tiebreak"))
     if improved:
         state["best"], state["best_metrics"] = metrics[metric], metrics
@@ -836,11 +875,12 @@ def resume(model, opt, paths, n_batches, args, extra):
 
 
 # Flags a resumed run must share with its checkpoint (--epochs and --max_steps only say where to stop, and may grow):
-# the schedule, and the evaluation grid (which decides the evaluation kept as best). Not --dtype: a run may go on in
-# another precision (e.g. fp32 after bf16 overflowed), and ablate's read-back on a GPU resumes the CPU's fp32 runs.
+# the schedule, and the evaluation grid, metric and masks (which decide the evaluation kept as best). Not --dtype: a
+# run may go on in another precision (e.g. fp32 after bf16 overflowed), and ablate's read-back on a GPU resumes the
+# CPU's fp32 runs.
 RESUME_SAME = ("lr", "warmup", "weight_decay", "grad_clip", "seed", "mask_ratio", "rec_loss", "init", "inherit",
-               "freeze", "batch_size", "eval_every", "eval_each_epoch", "bucket")
-RESUME_DEFAULTS = {"bucket": data.BUCKET}  # what a checkpoint from before the flag ran with
+               "freeze", "batch_size", "eval_every", "eval_each_epoch", "bucket", "select_by", "val_masks")
+RESUME_DEFAULTS = {"bucket": data.BUCKET, "select_by": "loss", "val_masks": "fixed"}  # what a checkpoint from before the flag ran with
 
 
 def check_resumable(ck, cfg, n_batches, data_sha256=None, config=None, init_sha256=None):
