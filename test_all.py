@@ -684,6 +684,48 @@ def test_kept_checkpoints_and_reported_metrics_match_a_loop_over_single_sequence
         pytest.approx(result["test_acc"], abs=1e-9)
 
 
+@pytest.mark.parametrize("task", ["listops", "synthetic"])
+def test_reference_selection_keeps_the_best_masked_accuracy_or_mae_under_masks_drawn_afresh(task, listops_dir,
+                                                                                          synthetic_run, tmp_path):
+    """pretrain.py --select_by reference --val_masks fresh, Amos et al.'s checkpoint selection: pretrain.pt holds
+    the evaluation with the highest masked-token accuracy (ListOps) or the lowest masked MAE (synthetic, a
+    regression), ties to the lower masked loss, then the later step; that metric recomputed from the kept weights
+    by a loop over single unpadded sequences, with the masks of that evaluation's step (pretrain.mask_batch,
+    generator 12345 + i + 1,000,003 (step + 1)). Fresh masks differ between evaluations, fixed ones do not: the
+    same weights evaluated at two steps give two losses or one."""
+    data_dir = listops_dir if task == "listops" else synthetic_run[0]
+    out = str(tmp_path / "out")
+    pretrain.main(["--task", task, "--data_dir", data_dir, "--out_dir", out, "--max_steps", "8", "--eval_every", "2",
+                   "--lr", "3e-3", "--select_by", "reference", "--val_masks", "fresh", "--accept_data"] + TINY)
+    metric = "val_acc" if task == "listops" else "val_mae"
+    evals = [e for e in map(json.loads, open(os.path.join(out, task, "pretrain_log.jsonl"))) if metric in e]
+    sign = 1 if task == "listops" else -1  # accuracy: higher is better; MAE: lower
+    best = max((e for e in evals if e["step"] > 0), key=lambda e: (sign * e[metric], -e["val_loss"], e["step"]))
+    model, ck = _load_run_model(os.path.join(out, task, "pretrain.pt"))
+    assert ck["state"]["step"] == best["step"] and ck["config"]["select_by"] == "reference"
+    split, cfg = data.load_split(data_dir, task, "val"), ck["config"]
+    total, count = 0.0, 0
+    for i, idx in enumerate(data.batch_indices(split["lengths"], cfg["batch_size"], shuffle=False)):
+        x, lengths, _ = data.get_batch(split, idx, "cpu")
+        g = torch.Generator().manual_seed(12345 + i + 1_000_003 * (best["step"] + 1))
+        inputs, masked = pretrain.mask_batch(x, lengths, cfg["mask_ratio"], split["meta"].get("mask_id"), g)
+        for b in range(len(idx)):
+            n, m = int(lengths[b]), masked[b, :int(lengths[b])]
+            with torch.no_grad():
+                out_b = model.reconstruct(inputs[b:b + 1, :n], lengths[b:b + 1])[0]
+            if task == "listops":
+                total += int((out_b[m].argmax(-1) == x[b, :n][m]).sum())
+            else:
+                total += (out_b[m] - x[b, :n][m]).abs().mean(-1).sum().item()
+            count += int(m.sum())
+    assert total / count == pytest.approx(best[metric], rel=1e-5)
+    args = argparse.Namespace(**dict(cfg, device=torch.device("cpu"), dtype=torch.float32))
+    fresh = [pretrain.evaluate_reconstruction(model, split, args, step)["val_loss"] for step in (2, 4)]
+    args.val_masks = "fixed"
+    fixed = [pretrain.evaluate_reconstruction(model, split, args, step)["val_loss"] for step in (2, 4)]
+    assert fresh[0] != fresh[1] and fixed[0] == fixed[1]
+
+
 def test_weight_decay_lr_and_gradient_clipping_reach_the_optimizer(listops_dir, tmp_path, monkeypatch):
     """The flags are what AdamW and the clipping get, read from the optimizer state the run checkpointed and from
     the gradients as the optimizer sees them (a spy around clip_grad_norm_), not from the parsed flags."""
@@ -2782,6 +2824,21 @@ def test_ablate_ucr_steps_gives_every_stage_that_budget_in_runs_and_a_table_of_t
     table = open(tmp_path / "out" / "ablate" / "ucr_GunPoint_steps3_attendpad.md").read()
     assert "Attention sees padded keys (--attend_padding, as Amos et al.'s code)" in table
     assert "command: python ablate.py ucr --datasets GunPoint --steps 3 --attend_padding --seeds 1;" in table
+    ablate.main(argv + ["--reference_select"])  # SPT keeps its checkpoint as Amos et al.'s code: SPT runs of its own
+    run = tmp_path / "out" / "ablate" / "reference" / "ucr" / "steps3_refselect" / "seed0" / "ucr" / "GunPoint"
+    config = data.load_pt(str(run / "pretrain_last.pt"))["config"]
+    assert (config["select_by"], config["val_masks"]) == ("reference", "fresh")
+    assert "select_by" not in data.load_pt(str(run / "finetune_spt_last.pt"))["config"]  # a pretraining flag only
+    assert not (run / "finetune_scratch.json").exists()  # from scratch: the runs of the command without the flag
+    runs = {name: {r["name"]: r for r in json.load(open(tmp_path / "out" / "ablate" / f"{name}.json"))["runs"]}
+            for name in ("ucr_GunPoint_steps3", "ucr_GunPoint_steps3_refselect")}
+    assert runs["ucr_GunPoint_steps3_refselect"]["scratch"] == runs["ucr_GunPoint_steps3"]["scratch"]
+    kept = data.load_pt(str(run / "pretrain.pt"))["state"]["step"]
+    assert runs["ucr_GunPoint_steps3_refselect"]["spt"]["spt_step"] == kept
+    table = open(tmp_path / "out" / "ablate" / "ucr_GunPoint_steps3_refselect.md").read()
+    assert "SPT's checkpoint kept as Amos et al.'s code keeps it (--reference_select" in table
+    assert "command: python ablate.py ucr --datasets GunPoint --steps 3 --reference_select --seeds 1;" in table
+    assert f"| {kept} |" in table.split("SPT, then finetune")[1].split("\n")[0]  # the SPT checkpoint's step column
 
 
 # ----------------------------------------------------------------------------------------------------------
