@@ -905,6 +905,7 @@ def experiment_ucr(args):
     ..._steps<N>), to ask whether a gain at the preset's budget is one of speed; --bucket N passes pretrain.py's
     --bucket (1: random batches, as Amos et al.'s loader; runs in .../ucr/bucket<N>/, a table ..._bucket<N>);
     --attend_padding lets attention see padded keys, as Amos et al.'s code (.../attendpad/, ..._attendpad);
+    --drop_last leaves out the last, smaller batch of every epoch, as Amos et al.'s loader (.../droplast/, ..._droplast);
     --reference_select keeps the SPT checkpoint as Amos et al.'s code (pretrain.py --select_by reference --val_masks
     fresh; .../refselect/, ..._refselect), and shares the from-scratch runs of the command without it, which SPT's
     checkpoint cannot change. Raises ValueError for --steps with --max_steps (one budget or the other).
@@ -913,12 +914,13 @@ def experiment_ucr(args):
         raise ValueError("--steps sets every stage's budget and --max_steps caps it: pass one of them")
     common, found, skipped = common_flags(args), [], []  # the UCR preset's model
     budget = "_".join(([f"steps{args.steps}"] if args.steps else []) + ([f"bucket{args.bucket}"] if args.bucket else [])
-                      + (["attendpad"] if args.attend_padding else []))
+                      + (["attendpad"] if args.attend_padding else []) + (["droplast"] if args.drop_last else []))
     scratch_budget, budget = budget, "_".join(([budget] if budget else []) + (["refselect"] if args.reference_select else []))
     spt_flags = ["--select_by", "reference", "--val_masks", "fresh"] if args.reference_select else []
     common += ["--max_steps", str(args.steps)] if args.steps else []
     common += ["--bucket", str(args.bucket)] if args.bucket else []
     common += ["--attend_padding"] if args.attend_padding else []
+    common += ["--drop_last"] if args.drop_last else []
     for name in args.datasets:
         task = f"ucr/{name}"
         if task not in data.TASKS:
@@ -991,6 +993,8 @@ def experiment_ucr(args):
     notes += ("Attention sees padded keys (--attend_padding, as Amos et al.'s code): batches padded to their longest "
               "series, and evaluated in batches drawn as training's (pretrain.eval_batches); only data sets of unequal "
               "lengths have padding. " if args.attend_padding else "")
+    notes += ("The last, smaller training batch of every epoch left out (--drop_last, as Amos et al.'s loader). "
+              if args.drop_last else "")
     notes += ("SPT's checkpoint kept as Amos et al.'s code keeps it (--reference_select: pretrain.py --select_by "
               "reference --val_masks fresh): the best validation masked MAE, with masks drawn afresh at every "
               "evaluation, in place of the best masked loss under the same masks at every evaluation; the from-scratch "
@@ -998,7 +1002,7 @@ def experiment_ucr(args):
               "enter them). " if args.reference_select else "")
     flag = ("" if default else " --datasets " + " ".join(args.datasets)) + (f" --steps {args.steps}" if args.steps else "") \
         + (f" --bucket {args.bucket}" if args.bucket else "") + (" --attend_padding" if args.attend_padding else "") \
-        + (" --reference_select" if args.reference_select else "")
+        + (" --drop_last" if args.drop_last else "") + (" --reference_select" if args.reference_select else "")
     parts.append(notes + f"Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py ucr{flag}"
                  + run_note(args))
     write_outputs(output, runs, "\n\n".join(parts), args)
@@ -1850,6 +1854,9 @@ def build_parser():
                    help="every run attends to padded keys, as Amos et al.'s code (pretrain.py --attend_padding); runs "
                         "and a table of their own; in effect it changes only data sets of unequal lengths (PLAID "
                         "among ours)")
+    s.add_argument("--drop_last", action="store_true",
+                   help="every run leaves out the last, smaller training batch of each epoch, as Amos et al.'s loader "
+                        "(pretrain.py --drop_last); runs and a table of their own")
     s.add_argument("--reference_select", action="store_true",
                    help="SPT keeps its checkpoint as Amos et al.'s code (pretrain.py --select_by reference "
                         "--val_masks fresh: best masked MAE, validation masks drawn afresh); SPT runs and a table of "

@@ -464,7 +464,7 @@ def single_sequences(x, lengths):
 BUCKET = 50  # batches per window sorted by length (batch_indices; the stages' --bucket)
 
 
-def batch_indices(lengths, batch_size, shuffle, seed=0, epoch=0, bucket=BUCKET, min_rows=1):
+def batch_indices(lengths, batch_size, shuffle, seed=0, epoch=0, bucket=BUCKET, min_rows=1, drop_last=False):
     """The batches of one epoch, as a list of index tensors (B,) into the split.
 
     With `shuffle`, the order is a permutation seeded by (seed, epoch), so a resumed run sees the same batches.
@@ -475,7 +475,10 @@ def batch_indices(lengths, batch_size, shuffle, seed=0, epoch=0, bucket=BUCKET, 
     of a batch of long ones (the README's departures table).
     The last batch may be smaller than `batch_size`; with `shuffle`, one smaller than `min_rows` (under torchrun:
     the number of ranks, each of which needs a row) joins the batch before it, so in that case a DDP run's
-    batches differ from a single process's. Document pairs (lengths (N, 2)) sort by their longer one.
+    batches differ from a single process's. With `shuffle` and `drop_last` the last n mod batch_size rows of the
+    permutation are left out of the epoch (other rows each epoch), as a PyTorch DataLoader(shuffle=True,
+    drop_last=True) does: Amos et al.'s loader; ValueError when that leaves no batch (n < batch_size).
+    Document pairs (lengths (N, 2)) sort by their longer one.
     """
     if lengths.dim() == 2:
         lengths = lengths.max(dim=1).values
@@ -485,6 +488,10 @@ def batch_indices(lengths, batch_size, shuffle, seed=0, epoch=0, bucket=BUCKET, 
         return list(torch.split(order, batch_size))
     g = torch.Generator().manual_seed(seed * 100_003 + epoch)
     perm = torch.randperm(n, generator=g)
+    if drop_last:
+        if n < batch_size:
+            raise ValueError(f"drop_last: {n} rows are fewer than one batch of {batch_size}, so no batch is left")
+        perm = perm[:n - n % batch_size]
     window = batch_size * bucket
     chunks = [c[torch.argsort(lengths[c], stable=True)] for c in torch.split(perm, window)]
     batches = list(torch.split(torch.cat(chunks), batch_size))

@@ -389,6 +389,9 @@ def build_parser(stage, description):
                    help="batches per window sorted by length before it is cut (less padding); 1 = random batches, "
                         "as Amos et al.'s loader (SPT's loss per masked token then weighs short and long "
                         "sequences alike: data.batch_indices)")
+    p.add_argument("--drop_last", action="store_true",
+                   help="leave out the last, smaller training batch of every epoch, as Amos et al.'s loader (the rows a "
+                        "random permutation leaves over: other ones each epoch); default: kept")
     p.add_argument("--grad_clip", type=number_at_least(float, 0.0), default=0.0, help="clip the gradient norm (0 = off)")
     p.add_argument("--eval_every", type=POSITIVE, default=None, help="steps between validations and checkpoints")
     p.add_argument("--eval_each_epoch", action=argparse.BooleanOptionalAction, default=None,
@@ -623,7 +626,7 @@ def epoch_batches(split, args, epoch):
     """The training batches (index tensors) of one epoch, seeded by (seed, epoch) so that a resumed run sees
     the same ones; under torchrun every batch has at least one row per rank (data.batch_indices)."""
     return data.batch_indices(split["lengths"], args.batch_size, shuffle=True, seed=args.seed, epoch=epoch,
-                              bucket=args.bucket, min_rows=args.world_size)
+                              bucket=args.bucket, min_rows=args.world_size, drop_last=args.drop_last)
 
 
 def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better):
@@ -879,8 +882,9 @@ def resume(model, opt, paths, n_batches, args, extra):
 # run may go on in another precision (e.g. fp32 after bf16 overflowed), and ablate's read-back on a GPU resumes the
 # CPU's fp32 runs.
 RESUME_SAME = ("lr", "warmup", "weight_decay", "grad_clip", "seed", "mask_ratio", "rec_loss", "init", "inherit",
-               "freeze", "batch_size", "eval_every", "eval_each_epoch", "bucket", "select_by", "val_masks")
-RESUME_DEFAULTS = {"bucket": data.BUCKET, "select_by": "loss", "val_masks": "fixed"}  # what a checkpoint from before the flag ran with
+               "freeze", "batch_size", "eval_every", "eval_each_epoch", "bucket", "select_by", "val_masks",
+               "drop_last")
+RESUME_DEFAULTS = {"bucket": data.BUCKET, "select_by": "loss", "val_masks": "fixed", "drop_last": False}  # what a checkpoint from before the flag ran with
 
 
 def check_resumable(ck, cfg, n_batches, data_sha256=None, config=None, init_sha256=None):

@@ -230,6 +230,32 @@ def test_batches_cover_the_split_once_and_are_seeded():
     assert torch.equal(lengths[ev], lengths.sort(stable=True).values)
 
 
+def test_drop_last_leaves_out_the_permutations_last_rows_as_a_dataloader_does(listops_dir, tmp_path):
+    """drop_last (Amos et al.'s loader): every batch full, and the rows left out are the last n mod B of the
+    seeded permutation, as torch.utils.data.DataLoader(shuffle=True, drop_last=True) leaves out the tail of its
+    permutation (other rows each epoch); too few rows for one batch is an error; a pretraining run with --drop_last
+    has n // B steps per epoch, and its --resume without the flag is refused."""
+    lengths = torch.randint(1, 100, (103,))
+    for epoch in (0, 1):
+        kept = data.batch_indices(lengths, 8, shuffle=True, seed=3, epoch=epoch, drop_last=True)
+        assert all(len(b) == 8 for b in kept) and len(kept) == 103 // 8
+        perm = torch.randperm(103, generator=torch.Generator().manual_seed(3 * 100_003 + epoch))
+        assert sorted(torch.cat(kept).tolist()) == sorted(perm[:103 - 103 % 8].tolist())
+        dropped = set(range(103)) - set(torch.cat(kept).tolist())
+        assert len(dropped) == 7 and (epoch == 0 or dropped != first)
+        first = dropped
+    with pytest.raises(ValueError, match="7 rows are fewer than one batch of 8"):
+        data.batch_indices(lengths[:7], 8, shuffle=True, drop_last=True)
+    out = str(tmp_path / "out")
+    common = ["--task", "listops", "--data_dir", listops_dir, "--out_dir", out, "--max_steps", "3"] + TINY
+    pretrain.main(common + ["--batch_size", "7", "--drop_last"])
+    ck = data.load_pt(os.path.join(out, "listops", "pretrain_last.pt"))
+    n_train = len(data.load_split(listops_dir, "listops", "train")["labels"])
+    assert n_train % 7 and ck["state"]["n_batches"] == n_train // 7 and ck["config"]["drop_last"] is True
+    with pytest.raises(ValueError, match="drop_last=True; this run has drop_last=False"):
+        pretrain.main(common + ["--batch_size", "7", "--max_steps", "4", "--resume"])
+
+
 def test_bucket_1_gives_random_batches_and_bucketing_weighs_short_sequences_tokens_more_in_spt():
     """--bucket 1: each batch is a slice of the seeded permutation (random batches, as Amos et al.'s loader); the
     default 50 sorts windows by length. SPT divides a batch's loss by its masked positions (~ its real tokens), so
@@ -2839,6 +2865,13 @@ def test_ablate_ucr_steps_gives_every_stage_that_budget_in_runs_and_a_table_of_t
     assert "SPT's checkpoint kept as Amos et al.'s code keeps it (--reference_select" in table
     assert "command: python ablate.py ucr --datasets GunPoint --steps 3 --reference_select --seeds 1;" in table
     assert f"| {kept} |" in table.split("SPT, then finetune")[1].split("\n")[0]  # the SPT checkpoint's step column
+    ablate.main(argv + ["--drop_last"])  # Amos et al.'s loader: every run without the epoch's last, smaller batch
+    run = tmp_path / "out" / "ablate" / "reference" / "ucr" / "steps3_droplast" / "seed0" / "ucr" / "GunPoint"
+    for name in ("pretrain", "finetune_spt", "finetune_scratch"):
+        ck = data.load_pt(str(run / f"{name}_last.pt"))
+        assert ck["config"]["drop_last"] is True and ck["state"]["n_batches"] == 40 // 32, name  # 40 series: 1 batch
+    table = open(tmp_path / "out" / "ablate" / "ucr_GunPoint_steps3_droplast.md").read()
+    assert "command: python ablate.py ucr --datasets GunPoint --steps 3 --drop_last --seeds 1;" in table
 
 
 # ----------------------------------------------------------------------------------------------------------
