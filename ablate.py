@@ -312,9 +312,12 @@ def cells(rs, *keys, majority=None):
 
 
 def summary(seed, result, threshold=0.9, **fields):
-    """One run's line in <experiment>.json: the figures the tables use, plus `fields`."""
+    """One run's line in <experiment>.json: the figures the tables use, the machine it ran on (the CPU or GPU and
+    its threads, which change float sums: SPT's rows move with them, the README's Results), plus `fields`."""
+    machine = f"{result['device_name']}, {result.get('threads')} thread(s)" if result.get("device_name") else None
     return dict(seed=seed, best_val_acc=result["best_val_acc"], test_acc=result["test_acc"],
-                train_acc=result["train_acc"], plateau_exit_epoch=plateau_exit_epoch(result, threshold), **fields)
+                train_acc=result["train_acc"], plateau_exit_epoch=plateau_exit_epoch(result, threshold),
+                machine=machine, **fields)
 
 
 def seeds_here(args, name, *runs):
@@ -360,6 +363,8 @@ def write_outputs(name, runs, table, args, scheme_in_name=True):
     stem = os.path.join(args.out_dir, "ablate", name)
     scheme = args.init_scheme if scheme_in_name else sorted({r["kind"] for r in runs if "kind" in r})
     data.save_atomic(dict(experiment=name, seeds=args.seeds, init_scheme=scheme, runs=runs), stem + ".json")
+    machines = sorted({r["machine"] for r in runs if r.get("machine")})  # where the finetuning runs were made
+    table += f"; runs made on {' and '.join(machines)}" if machines else ""
     data.save_atomic(table + "\n", stem + ".md")
     print("\n" + table + f"\n\nwrote {stem}.json and {stem}.md")
 

@@ -2849,6 +2849,8 @@ def test_ablate_ucr_steps_gives_every_stage_that_budget_in_runs_and_a_table_of_t
     assert not (tmp_path / "out" / "ablate" / "reference" / "ucr" / "seed0").exists()  # the preset's runs: apart
     table = open(tmp_path / "out" / "ablate" / "ucr_GunPoint_steps3.md").read()
     assert "Every stage 3 steps (the preset's: 500 SPT, 500 finetuning)" in table
+    assert table.rstrip().endswith(f"; runs made on {pretrain.device_name(torch.device('cpu'))}, "
+                                   f"{torch.get_num_threads()} thread(s)")  # SPT's rows move with the CPU
     assert "command: python ablate.py ucr --datasets GunPoint --steps 3 --seeds 1;" in table
     assert not (tmp_path / "out" / "ablate" / "ucr_GunPoint.md").exists()
     with pytest.raises(ValueError, match="pass one of them"):
