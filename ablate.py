@@ -921,7 +921,8 @@ def experiment_ucr(args):
     ..._droplast; a data set with fewer training series than a batch is skipped, with the reason);
     --reference_select keeps the SPT checkpoint as Amos et al.'s code (pretrain.py --select_by reference --val_masks
     fresh; .../refselect/, ..._refselect), and shares the from-scratch runs of the command without it, which SPT's
-    checkpoint cannot change (so do not run the two commands at once: both would train those runs). Raises ValueError for --steps with --max_steps (one budget or the other).
+    checkpoint cannot change (so do not run the two commands at once: both would train those runs).
+    Raises ValueError for --steps with --max_steps (one budget or the other), and when --drop_last skips every set.
     """
     if args.steps and args.max_steps:
         raise ValueError("--steps sets every stage's budget and --max_steps caps it: pass one of them")
