@@ -1035,16 +1035,17 @@ def experiment_ucr(args):
 
 def experiment_posenc(args):
     """Coser et al. Sec. 4 (relative positions from scratch): sinusoidal, ALiBi, RoPE and FIRE trained from
-    scratch on args.task, beside sinusoidal + SPT (shared with `python ablate.py synthetic` / `init`)."""
+    scratch on args.task, beside sinusoidal + SPT (shared with `python ablate.py synthetic` / `init`), and, beyond
+    the paper, no positions at all (`--pos none`): the level a scheme that carries no usable position sits at."""
     task, common = args.task, common_flags(args, one_layer=args.task != "synthetic", task=args.task)
     paper = {"sinusoidal": ("0.501", "-"), "alibi": ("0.564", "0.500"), "rope": ("tested, no number", "-"),
-             "fire": ("tested, no number", "-")}
+             "fire": ("tested, no number", "-"), "none": ("-", "-")}
     runs = []
     output = "posenc" if task == "synthetic" else f"posenc_{task}"
     for seed in seeds_here(args, output, (task, common)):
         folder = run_dir(args, task, seed)
         ckpt = run_pretrain(task, folder, seed, common + ["--snapshots"] * (task == "synthetic"))
-        for pos in ("sinusoidal", "alibi", "rope", "fire"):
+        for pos in ("sinusoidal", "alibi", "rope", "fire", "none"):
             name = "scratch" if pos == "sinusoidal" else f"scratch_{pos}"
             result = run_finetune(task, folder, seed, name, "scratch", common,
                                   () if pos == "sinusoidal" else ("--pos", pos))
@@ -1055,9 +1056,9 @@ def experiment_posenc(args):
     majority = majority_rate(task_data_dir(args, task), task)
     rows = [f"| positions | {task} val acc | test acc | epoch val acc >= 0.9 (runs) | paper CIFAR10 | "
             "paper PathFinder |", "|---|---|---|---|---|---|"]
-    for pos in ("sinusoidal", "alibi", "rope", "fire", "sinusoidal + SPT"):
+    for pos in ("sinusoidal", "alibi", "rope", "fire", "none", "sinusoidal + SPT"):
         p = paper.get(pos, ("0.740 (Amos, full model)", "0.880 (Amos)"))
-        label = pos if pos.endswith("SPT") else f"{pos}, from scratch"
+        label = pos if pos.endswith("SPT") else ("no positions" if pos == "none" else pos) + ", from scratch"
         rows.append(f"| {label} | " + cells([r for r in runs if r["pos"] == pos], "best_val_acc", "test_acc", "exit",
                                             majority=majority) + f" | {p[0]} | {p[1]} |")
     rows.append(f"\n{describe_data(task_data_dir(args, task), task)}; {MAJORITY_NOTE}; one layer; ALiBi symmetric in |i - j|, FIRE on |i - j| (our "

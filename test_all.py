@@ -1595,7 +1595,8 @@ def test_ablate_synthetic_and_init_run_and_resume(synthetic_run, tmp_path, capsy
     assert "SPT, inherit qk" in table and "0.607 +- 0.012" in table
     ablate.main(["posenc"] + argv)
     res = json.load(open(tmp_path / "ablate" / "posenc.json"))
-    assert {r["pos"] for r in res["runs"]} == {"sinusoidal", "alibi", "rope", "fire", "sinusoidal + SPT"}
+    assert {r["pos"] for r in res["runs"]} == {"sinusoidal", "alibi", "rope", "fire", "none", "sinusoidal + SPT"}
+    assert "| no positions, from scratch | " in open(tmp_path / "ablate" / "posenc.md").read()
 
 
 # ----------------------------------------------------------------------------------------------------------
