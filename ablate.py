@@ -5,7 +5,7 @@ the benchmark; and the README's Results and Performance sections, generated from
     python ablate.py init                 # hybrid initialization and freezing (Table 3), synthetic task (~27 min)
     python ablate.py init --task fashion_mnist   # ... on real images at a CPU budget (~60 min on 2 cores)
     python ablate.py duration --task fashion_mnist   # SPT for 1, 3, 10 epochs on real images (shares init's runs)
-    python ablate.py posenc               # ALiBi, RoPE, FIRE from scratch versus sinusoidal + SPT (synthetic, ~11 min)
+    python ablate.py posenc               # ALiBi, RoPE, FIRE, no positions from scratch vs sinusoidal + SPT (~11 min)
     python ablate.py frozen               # the deep model from scratch with its attention frozen (Sec. 3)
     python ablate.py swap --seeds 3       # dataset swap PathFinder <-> Image (CPU: Fashion-MNIST stands in)
     python ablate.py pfcurves             # PathFinder on the CPU: which configuration learns (~70 CPU minutes)
