@@ -281,6 +281,26 @@ def mean_std(values):
     return f"{m:.3f} +- {s:.3f}" + ("" if len(values) > 1 else " (1 seed)")
 
 
+def paired_difference(runs_a, runs_b, key="test_acc"):
+    """A minus B, paired by seed (Coser et al. report SPT's gain over from scratch; the seeds share their data
+    split, so the paired difference is what a gain's claim rests on). runs_a, runs_b: summary() dicts of one
+    data set, one per seed each. Returns the cells "mean +- sd | d_0, d_1, ... | k of n | t" of a Markdown row:
+    the sample mean and standard deviation of the differences, the differences in seed order (3 decimals), how
+    many are > 0, and the paired t statistic mean / (sd / sqrt(n)) ("-" for one seed or sd 0). Raises
+    ValueError when the two do not hold the same seeds once each (a difference would pair unlike runs)."""
+    seeds_a, seeds_b = [r["seed"] for r in runs_a], [r["seed"] for r in runs_b]
+    if sorted(seeds_a) != sorted(seeds_b) or len(set(seeds_a)) != len(seeds_a) or not seeds_a:
+        raise ValueError(f"paired by seed: the runs hold seeds {sorted(seeds_a)} and {sorted(seeds_b)}, "
+                         f"not the same seeds once each")
+    b = {r["seed"]: r[key] for r in runs_b}
+    diffs = [r[key] - b[r["seed"]] for r in sorted(runs_a, key=lambda r: r["seed"])]
+    n, m = len(diffs), sum(diffs) / len(diffs)
+    sd = math.sqrt(sum((d - m) ** 2 for d in diffs) / (n - 1)) if n > 1 else None
+    t = f"{m / (sd / math.sqrt(n)):.2f}" if sd else "-"
+    return (f"{m:+.3f} +- {sd:.3f}" if sd is not None else f"{m:+.3f} (1 seed)") + " | " \
+        + ", ".join(f"{d:+.3f}" for d in diffs) + f" | {sum(d > 0 for d in diffs)} of {n} | {t}"
+
+
 def clears_majority(values, majority):
     """Whether the mean of the accuracies `values` (None left out) is more than 0.01 above `majority`, the
     validation split's majority-class rate (majority_rate): a row that is not says nothing about SPT, since
@@ -997,6 +1017,9 @@ def experiment_ucr(args):
                         + ", ".join(str(r["best_step"]) for r in rs) + " | "
                         + (", ".join("-" if r.get("spt_step") is None else str(r["spt_step"]) for r in rs)
                            if run_name == "spt" else "-") + " |")
+        spt, scratch = ([r for r in runs if r["dataset"] == name and r["name"] == n] for n in ("spt", "scratch"))
+        rows += ["", "| SPT minus from scratch, test acc paired by seed | mean +- sd | by seed | seeds > 0 | paired t |",
+                 "|---|---|---|---|---|", f"| {name} | {paired_difference(spt, scratch)} |"]
         parts.append("\n".join(rows))
 
     def mean_over_datasets(run_name):  # per seed: the mean test accuracy over the data sets, then mean +- std

@@ -2809,10 +2809,31 @@ def test_ablate_ucr_runs_what_it_finds_and_skips_the_rest(tmp_path, capsys):
     kept = max(evals, key=lambda e: (e["val_acc"], -e["val_loss"], e["step"]))["step"]
     assert steps == [kept] and f"| {kept} |" in table  # the step whose weights gave the test accuracy
     assert "Skipped: ECG200" in table
+    acc = {r["name"]: r["test_acc"] for r in res["runs"]}  # SPT's gain, one seed: no sd, no t
+    gain = acc["spt"] - acc["scratch"]
+    assert f"| GunPoint | {gain:+.3f} (1 seed) | {gain:+.3f} | {int(gain > 0)} of 1 | - |" in table
     ablate.main(argv)  # resumable: the finished runs are read back
     assert capsys.readouterr().out.count("read back") == 2
     with pytest.raises(FileNotFoundError, match="none of the UCR data sets"):
         ablate.main(argv[:-len(ablate.UCR_DATASETS)] + ["NoSuchSet"])
+
+
+def test_paired_difference_against_the_statistics_module():
+    import ablate
+    import statistics
+    spt = [{"seed": s, "test_acc": a} for s, a in ((2, 0.80), (0, 0.75), (1, 0.70))]   # any order of seeds
+    scratch = [{"seed": s, "test_acc": a} for s, a in ((0, 0.70), (1, 0.72), (2, 0.71))]
+    diffs = [0.75 - 0.70, 0.70 - 0.72, 0.80 - 0.71]                                     # seeds 0, 1, 2
+    m, sd = statistics.mean(diffs), statistics.stdev(diffs)
+    assert ablate.paired_difference(spt, scratch) == \
+        f"{m:+.3f} +- {sd:.3f} | +0.050, -0.020, +0.090 | 2 of 3 | {m / (sd / math.sqrt(3)):.2f}"
+    level = [{"seed": s, "test_acc": 0.75} for s in range(3)]                          # sd 0: no t
+    assert ablate.paired_difference(level, [dict(r, test_acc=0.5) for r in level]) == \
+        "+0.250 +- 0.000 | +0.250, +0.250, +0.250 | 3 of 3 | -"
+    with pytest.raises(ValueError, match=r"seeds \[0, 1\] and \[0, 1, 2\]"):
+        ablate.paired_difference(spt[1:], scratch)
+    with pytest.raises(ValueError, match="once each"):
+        ablate.paired_difference(spt + spt[:1], scratch + scratch[:1])
 
 
 def test_ucr_sets_said_to_ship_in_a_package_are_there_and_a_missing_one_names_its_install(tmp_path, capsys,
