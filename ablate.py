@@ -5,7 +5,7 @@ the benchmark; and the README's Results and Performance sections, generated from
     python ablate.py init                 # hybrid initialization and freezing (Table 3), synthetic task (~27 min)
     python ablate.py init --task fashion_mnist   # ... on real images at a CPU budget (~60 min on 2 cores)
     python ablate.py duration --task fashion_mnist   # SPT for 1, 3, 10 epochs on real images (shares init's runs)
-    python ablate.py posenc               # ALiBi, RoPE, FIRE, no positions from scratch vs sinusoidal + SPT (~11 min)
+    python ablate.py posenc               # ALiBi, RoPE, FIRE, no positions from scratch vs SPT (synthetic, ~11 min)
     python ablate.py frozen               # the deep model from scratch with its attention frozen (Sec. 3)
     python ablate.py swap --seeds 3       # dataset swap PathFinder <-> Image (CPU: Fashion-MNIST stands in)
     python ablate.py pfcurves             # PathFinder on the CPU: which configuration learns (~70 CPU minutes)
@@ -281,13 +281,20 @@ def mean_std(values):
     return f"{m:.3f} +- {s:.3f}" + ("" if len(values) > 1 else " (1 seed)")
 
 
+PAIRED_NOTE = ("paired t: the mean difference over n seeds / (its sample standard deviation / sqrt(n)), n - 1 "
+               "degrees of freedom (|t| > 2.78 for a two-sided p < 0.05 at 5 seeds)")
+
+
 def paired_difference(runs_a, runs_b, key="test_acc"):
-    """A minus B, paired by seed (Coser et al. report SPT's gain over from scratch; the seeds share their data
-    split, so the paired difference is what a gain's claim rests on). runs_a, runs_b: summary() dicts of one
-    data set, one per seed each. Returns the cells "mean +- sd | d_0, d_1, ... | k of n | t" of a Markdown row:
-    the sample mean and standard deviation of the differences, the differences in seed order (3 decimals), how
-    many are > 0, and the paired t statistic mean / (sd / sqrt(n)) ("-" for one seed or sd 0). Raises
-    ValueError when the two do not hold the same seeds once each (a difference would pair unlike runs)."""
+    """A minus B, paired by seed (e.g. SPT's gain over from scratch): each seed gives one run of each, both with
+    that seed for their random draws, so the tables' claims about a gain rest on the difference per seed.
+
+    runs_a, runs_b: summary() dicts of one data set, one per seed each. Returns the cells "mean +- sd | d_0, d_1,
+    ... | k of n | t" of a Markdown row: the sample mean and standard deviation of the differences, the
+    differences in seed order (3 decimals), how many are > 0 (unrounded), and the paired t statistic
+    mean / (sd / sqrt(n)) ("-" for one seed or no spread: equal differences, which float rounding can leave
+    1e-17 apart). Raises ValueError when the two do not hold the same seeds once each (a difference would pair
+    unlike runs)."""
     seeds_a, seeds_b = [r["seed"] for r in runs_a], [r["seed"] for r in runs_b]
     if sorted(seeds_a) != sorted(seeds_b) or len(set(seeds_a)) != len(seeds_a) or not seeds_a:
         raise ValueError(f"paired by seed: the runs hold seeds {sorted(seeds_a)} and {sorted(seeds_b)}, "
@@ -296,7 +303,7 @@ def paired_difference(runs_a, runs_b, key="test_acc"):
     diffs = [r[key] - b[r["seed"]] for r in sorted(runs_a, key=lambda r: r["seed"])]
     n, m = len(diffs), sum(diffs) / len(diffs)
     sd = math.sqrt(sum((d - m) ** 2 for d in diffs) / (n - 1)) if n > 1 else None
-    t = f"{m / (sd / math.sqrt(n)):.2f}" if sd else "-"
+    t = f"{m / (sd / math.sqrt(n)):.2f}" if sd is not None and sd > 1e-12 else "-"
     return (f"{m:+.3f} +- {sd:.3f}" if sd is not None else f"{m:+.3f} (1 seed)") + " | " \
         + ", ".join(f"{d:+.3f}" for d in diffs) + f" | {sum(d > 0 for d in diffs)} of {n} | {t}"
 
@@ -1017,7 +1024,8 @@ def experiment_ucr(args):
                         + ", ".join(str(r["best_step"]) for r in rs) + " | "
                         + (", ".join("-" if r.get("spt_step") is None else str(r["spt_step"]) for r in rs)
                            if run_name == "spt" else "-") + " |")
-        spt, scratch = ([r for r in runs if r["dataset"] == name and r["name"] == n] for n in ("spt", "scratch"))
+        spt = [r for r in runs if r["dataset"] == name and r["name"] == "spt"]
+        scratch = [r for r in runs if r["dataset"] == name and r["name"] == "scratch"]
         rows += ["", "| SPT minus from scratch, test acc paired by seed | mean +- sd | by seed | seeds > 0 | paired t |",
                  "|---|---|---|---|---|", f"| {name} | {paired_difference(spt, scratch)} |"]
         parts.append("\n".join(rows))
@@ -1030,7 +1038,7 @@ def experiment_ucr(args):
         f"| ours ({', '.join(found)}) | {mean_over_datasets('scratch')} | {mean_over_datasets('spt')} |",
         f"| paper (GunPoint, ECG200 and two unnamed) | {PAPER_UCR['scratch']:.3f} | {PAPER_UCR['spt']:.3f} |"]))
     notes = ("Test accuracy on the archive's TEST split (the paper does not say which split its numbers are on); "
-             f"{MAJORITY_NOTE} (validation: the 20% of TRAIN held out). ")
+             f"{MAJORITY_NOTE} (validation: the 20% of TRAIN held out); {PAIRED_NOTE}. ")
     if skipped:
         notes += "Skipped: " + "; ".join(f"{name} ({why})" for name, why in skipped) + ". "
     preset = pretrain.PRESETS["ucr"][args.preset]
@@ -1065,28 +1073,38 @@ def experiment_posenc(args):
              "fire": ("tested, no number", "-"), "none": ("-", "-")}
     runs = []
     output = "posenc" if task == "synthetic" else f"posenc_{task}"
-    for seed in seeds_here(args, output, (task, common)):
+    seeds = seeds_here(args, output, (task, common))  # with --jobs: every seed's runs in processes of their own first
+    _, threshold, budget = budget_probe(args, task, common)  # Fashion-MNIST: the plateau-exit column's threshold
+    for seed in seeds:
         folder = run_dir(args, task, seed)
         ckpt = run_pretrain(task, folder, seed, common + ["--snapshots"] * (task == "synthetic"))
         for pos in ("sinusoidal", "alibi", "rope", "fire", "none"):
             name = "scratch" if pos == "sinusoidal" else f"scratch_{pos}"
             result = run_finetune(task, folder, seed, name, "scratch", common,
                                   () if pos == "sinusoidal" else ("--pos", pos))
-            runs.append(summary(seed, result, pos=pos))
-        runs.append(summary(seed, run_finetune(task, folder, seed, "spt", ckpt, common), pos="sinusoidal + SPT"))
+            runs.append(summary(seed, result, threshold, pos=pos))
+        runs.append(summary(seed, run_finetune(task, folder, seed, "spt", ckpt, common), threshold,
+                            pos="sinusoidal + SPT"))
     if args.only_seed is not None:
         return  # a child of --jobs: the parent writes the table
     majority = majority_rate(task_data_dir(args, task), task)
-    rows = [f"| positions | {task} val acc | test acc | epoch val acc >= 0.9 (runs) | paper CIFAR10 | "
+    rows = [f"| positions | {task} val acc | test acc | epoch val acc >= {threshold:g} (runs) | paper CIFAR10 | "
             "paper PathFinder |", "|---|---|---|---|---|---|"]
     for pos in ("sinusoidal", "alibi", "rope", "fire", "none", "sinusoidal + SPT"):
         p = paper.get(pos, ("0.740 (Amos, full model)", "0.880 (Amos)"))
         label = pos if pos.endswith("SPT") else ("no positions" if pos == "none" else pos) + ", from scratch"
         rows.append(f"| {label} | " + cells([r for r in runs if r["pos"] == pos], "best_val_acc", "test_acc", "exit",
                                             majority=majority) + f" | {p[0]} | {p[1]} |")
+    sinusoidal = [r for r in runs if r["pos"] == "sinusoidal"]
+    rows += ["", "| minus sinusoidal from scratch, test acc paired by seed | mean +- sd | by seed | seeds > 0 | "
+             "paired t |", "|---|---|---|---|---|"]
+    for pos in ("alibi", "rope", "fire", "none", "sinusoidal + SPT"):
+        label = pos if pos.endswith("SPT") else ("no positions" if pos == "none" else pos) + ", from scratch"
+        rows.append(f"| {label} | {paired_difference([r for r in runs if r['pos'] == pos], sinusoidal)} |")
     rows.append(f"\n{describe_data(task_data_dir(args, task), task)}; {MAJORITY_NOTE}; one layer; ALiBi symmetric in |i - j|, FIRE on |i - j| (our "
-                f"encoder is bidirectional). Seeds: {args.seeds}; preset {args.preset}; command: python ablate.py "
-                f"posenc --task {task}" + run_note(args))
+                f"encoder is bidirectional); no positions: with mean pooling the model is blind to the order of its "
+                f"inputs (a bag of pixels or steps); {PAIRED_NOTE}{budget}. Seeds: {args.seeds}; preset {args.preset}; "
+                f"command: python ablate.py posenc --task {task}" + run_note(args))
     write_outputs(output, runs, "\n".join(rows), args)
 
 

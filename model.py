@@ -49,7 +49,7 @@ class ModelConfig:
     mlp: bool = True           # False drops the MLP sub-block (minimal model)
     causal: bool = False       # causal attention mask (SPT is bidirectional masked reconstruction)
     pos: str = "sinusoidal"    # positions: "sinusoidal" (absolute, added to the input), "alibi", "rope",
-                               # "fire" (relative, inside attention), or "none"
+                               # "fire" (relative, inside attention), or "none" (with mean pooling: order-blind)
     pooling: str = "mean"      # "mean" or "max" over non-padding positions
     pair: bool = False         # dual encoder (LRA Retrieval): classify a pair of documents from [u, v, u*v, u-v]
     cls_mlp: bool = False      # Linear(d, d) + ReLU before the class layer: Amos et al.'s `sequence_nonelinear`

@@ -427,7 +427,8 @@ def build_parser(stage, description):
     d.add_argument("--accept_data", action="store_true",
                    help="train on data/<task>/ even if its settings differ from the preset's (a warning, not an error)")
     g.add_argument("--pos", default=None, choices=POSITIONS,
-                   help="positional encoding (default sinusoidal, the paper's); alibi/rope/fire are relative")
+                   help="positional encoding (default sinusoidal, the paper's); alibi/rope/fire are relative; none: no "
+                        "positions (with mean pooling the model is then blind to the order of its inputs)")
     g.add_argument("--init_scheme", default=None, choices=INIT_SCHEMES,
                    help="initialization (model.init_weights; default reference = Amos et al.'s code: PyTorch "
                         "defaults, W_Q = W_K = W_V = W_O at init); torch = independent projections; normal = "

@@ -1596,7 +1596,12 @@ def test_ablate_synthetic_and_init_run_and_resume(synthetic_run, tmp_path, capsy
     ablate.main(["posenc"] + argv)
     res = json.load(open(tmp_path / "ablate" / "posenc.json"))
     assert {r["pos"] for r in res["runs"]} == {"sinusoidal", "alibi", "rope", "fire", "none", "sinusoidal + SPT"}
-    assert "| no positions, from scratch | " in open(tmp_path / "ablate" / "posenc.md").read()
+    table = open(tmp_path / "ablate" / "posenc.md").read()
+    assert "| no positions, from scratch | " in table
+    acc = {(r["seed"], r["pos"]): r["test_acc"] for r in res["runs"]}  # RoPE minus sinusoidal, seeds 0 and 1
+    rope = [acc[(s, "rope")] - acc[(s, "sinusoidal")] for s in (0, 1)]
+    assert f"| rope, from scratch | {sum(rope) / 2:+.3f} +- {abs(rope[0] - rope[1]) / math.sqrt(2):.3f} | " \
+           f"{rope[0]:+.3f}, {rope[1]:+.3f} | {sum(d > 0 for d in rope)} of 2 |" in table
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -2825,15 +2830,18 @@ def test_paired_difference_against_the_statistics_module():
     scratch = [{"seed": s, "test_acc": a} for s, a in ((0, 0.70), (1, 0.72), (2, 0.71))]
     diffs = [0.75 - 0.70, 0.70 - 0.72, 0.80 - 0.71]                                     # seeds 0, 1, 2
     m, sd = statistics.mean(diffs), statistics.stdev(diffs)
-    assert ablate.paired_difference(spt, scratch) == \
-        f"{m:+.3f} +- {sd:.3f} | +0.050, -0.020, +0.090 | 2 of 3 | {m / (sd / math.sqrt(3)):.2f}"
+    assert (round(m, 3), round(sd, 3), round(m / (sd / math.sqrt(3)), 2)) == (0.04, 0.056, 1.24)  # by hand
+    assert ablate.paired_difference(spt, scratch) == "+0.040 +- 0.056 | +0.050, -0.020, +0.090 | 2 of 3 | 1.24"
     level = [{"seed": s, "test_acc": 0.75} for s in range(3)]                          # sd 0: no t
     assert ablate.paired_difference(level, [dict(r, test_acc=0.5) for r in level]) == \
         "+0.250 +- 0.000 | +0.250, +0.250, +0.250 | 3 of 3 | -"
+    noisy = ([{"seed": 0, "test_acc": 0.8}, {"seed": 1, "test_acc": 0.3}],  # 0.1 both, 1e-17 apart in float
+             [{"seed": 0, "test_acc": 0.7}, {"seed": 1, "test_acc": 0.2}])
+    assert 0.8 - 0.7 != 0.3 - 0.2 and ablate.paired_difference(*noisy).endswith("| 2 of 2 | -")
     with pytest.raises(ValueError, match=r"seeds \[0, 1\] and \[0, 1, 2\]"):
         ablate.paired_difference(spt[1:], scratch)
-    with pytest.raises(ValueError, match="once each"):
-        ablate.paired_difference(spt + spt[:1], scratch + scratch[:1])
+    with pytest.raises(ValueError, match="once each"):  # the same seeds on both sides, one of them twice
+        ablate.paired_difference(spt + spt[:1], scratch + scratch[2:3])
 
 
 def test_ucr_sets_said_to_ship_in_a_package_are_there_and_a_missing_one_names_its_install(tmp_path, capsys,
