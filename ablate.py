@@ -1090,17 +1090,17 @@ def experiment_posenc(args):
     majority = majority_rate(task_data_dir(args, task), task)
     rows = [f"| positions | {task} val acc | test acc | epoch val acc >= {threshold:g} (runs) | paper CIFAR10 | "
             "paper PathFinder |", "|---|---|---|---|---|---|"]
+    def label(pos):
+        return pos if pos.endswith("SPT") else ("no positions" if pos == "none" else pos) + ", from scratch"
     for pos in ("sinusoidal", "alibi", "rope", "fire", "none", "sinusoidal + SPT"):
         p = paper.get(pos, ("0.740 (Amos, full model)", "0.880 (Amos)"))
-        label = pos if pos.endswith("SPT") else ("no positions" if pos == "none" else pos) + ", from scratch"
-        rows.append(f"| {label} | " + cells([r for r in runs if r["pos"] == pos], "best_val_acc", "test_acc", "exit",
+        rows.append(f"| {label(pos)} | " + cells([r for r in runs if r["pos"] == pos], "best_val_acc", "test_acc", "exit",
                                             majority=majority) + f" | {p[0]} | {p[1]} |")
     sinusoidal = [r for r in runs if r["pos"] == "sinusoidal"]
     rows += ["", "| minus sinusoidal from scratch, test acc paired by seed | mean +- sd | by seed | seeds > 0 | "
              "paired t |", "|---|---|---|---|---|"]
     for pos in ("alibi", "rope", "fire", "none", "sinusoidal + SPT"):
-        label = pos if pos.endswith("SPT") else ("no positions" if pos == "none" else pos) + ", from scratch"
-        rows.append(f"| {label} | {paired_difference([r for r in runs if r['pos'] == pos], sinusoidal)} |")
+        rows.append(f"| {label(pos)} | {paired_difference([r for r in runs if r['pos'] == pos], sinusoidal)} |")
     rows.append(f"\n{describe_data(task_data_dir(args, task), task)}; {MAJORITY_NOTE}; one layer; ALiBi symmetric in |i - j|, FIRE on |i - j| (our "
                 f"encoder is bidirectional); no positions: with mean pooling the model is blind to the order of its "
                 f"inputs (a bag of pixels or steps); {PAIRED_NOTE}{budget}. Seeds: {args.seeds}; preset {args.preset}; "
