@@ -271,13 +271,18 @@ def plateau_exit_epoch(result, threshold=0.9):
     return None
 
 
+def mean_and_sd(values):
+    """(mean, sample standard deviation) of a non-empty list of numbers; the sd is 0.0 for one value."""
+    m = sum(values) / len(values)
+    return m, math.sqrt(sum((v - m) ** 2 for v in values) / max(1, len(values) - 1))
+
+
 def mean_std(values):
     """"m +- s" over the values that are not None (s: sample std), "(1 seed)" for one, "-" for none."""
     values = [v for v in values if v is not None]
     if not values:
         return "-"
-    m = sum(values) / len(values)
-    s = math.sqrt(sum((v - m) ** 2 for v in values) / max(1, len(values) - 1))
+    m, s = mean_and_sd(values)
     return f"{m:.3f} +- {s:.3f}" + ("" if len(values) > 1 else " (1 seed)")
 
 
@@ -301,8 +306,8 @@ def paired_difference(runs_a, runs_b, key="test_acc"):
                          f"not the same seeds once each")
     b = {r["seed"]: r[key] for r in runs_b}
     diffs = [r[key] - b[r["seed"]] for r in sorted(runs_a, key=lambda r: r["seed"])]
-    n, m = len(diffs), sum(diffs) / len(diffs)
-    sd = math.sqrt(sum((d - m) ** 2 for d in diffs) / (n - 1)) if n > 1 else None
+    n, (m, sd) = len(diffs), mean_and_sd(diffs)
+    sd = sd if n > 1 else None
     t = f"{m / (sd / math.sqrt(n)):.2f}" if sd is not None and sd > 1e-12 else "-"
     return (f"{m:+.3f} +- {sd:.3f}" if sd is not None else f"{m:+.3f} (1 seed)") + " | " \
         + ", ".join(f"{d:+.3f}" for d in diffs) + f" | {sum(d > 0 for d in diffs)} of {n} | {t}"
