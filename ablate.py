@@ -1563,6 +1563,41 @@ def gpu_table(out):
     return "\n".join(rows)
 
 
+def experiment_beforeafter(args):
+    """The same training command run at two commits on the same GPU (issue #16's before/after of ListOps at the paper
+    preset): gpu_figures of each run's log (--before, --after: pretrain_log.jsonl files; a log written before a
+    figure existed, peak memory or the real share, shows "-") and the ratios after / before. Writes
+    out/bench/<--name>.{json,md} (README, Performance, via report). Raises ValueError for a log without timed lines."""
+    runs = []
+    for label, path in ((args.labels[0], args.before), (args.labels[1], args.after)):
+        with open(path) as f:
+            runs.append(dict(label=label, log=path, **gpu_figures([json.loads(line) for line in f if line.strip()])))
+    out = dict(command=args.command, device_name=args.device_name, runs=runs)
+    stem = os.path.join(args.out_dir, "bench", args.name)
+    data.save_atomic(out, stem + ".json")
+    data.save_atomic(beforeafter_table(out) + "\n", stem + ".md")
+    print(beforeafter_table(out) + f"\n\nwrote {stem}.json and {stem}.md")
+    return out
+
+
+def beforeafter_table(out):
+    """The Markdown table of experiment_beforeafter: one row per commit, then after / before."""
+    def cell(value, fmt):
+        return "-" if value is None else fmt.format(value)
+    rows = [f"**Before and after**, on {out['device_name']}: `{out['command']}` at each commit; figures: medians over "
+            f"the log lines after the first", "", "| code | ms/step | real tokens/s | real / padded tokens | MFU | "
+            "peak memory |", "|---|---|---|---|---|---|"]
+    for r in out["runs"]:
+        rows.append(f"| {r['label']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | "
+                    f"{cell(r['real_fraction'] and 100 * r['real_fraction'], '{:.0f}%')} | "
+                    f"{cell(r['mfu'] and 100 * r['mfu'], '{:.1f}%')} | {cell(r['peak_memory_gib'] or None, '{:.1f} GiB')} |")
+    before, after = out["runs"]
+    rows.append(f"\nAfter / before: step time **{after['ms_per_step'] / before['ms_per_step']:.2f}**, real tokens/s "
+                f"**{after['tokens_per_s'] / before['tokens_per_s']:.2f}**"
+                + (f", MFU **{after['mfu'] / before['mfu']:.2f}**" if after["mfu"] and before["mfu"] else "") + ".")
+    return "\n".join(rows)
+
+
 def experiment_padding(args):
     """The padding the training loop computes on: real tokens / padded tokens (data.real_fraction) over one epoch of
     each --tasks training split found under --data_dir (ucr: every data set there), at the --preset's pretraining
@@ -1967,6 +2002,15 @@ def build_parser():
     s.add_argument("--n_train", type=int, default=2000, help="training examples of the stand-in data")
     s.add_argument("--compile", action="store_true", help="torch.compile the model (pretrain.py --compile)")
     s.add_argument("--out_dir", default="out", help="runs in <out_dir>/gpu/<task>/, table in <out_dir>/bench/gpu.md")
+    s = sub.add_parser("beforeafter", help=(h := "one command's log at two commits (same GPU): ms/step, tokens/s, "
+                                              "MFU and their ratios"), description=h, formatter_class=fmt)
+    s.add_argument("--before", required=True, help="pretrain_log.jsonl of the run at the earlier commit")
+    s.add_argument("--after", required=True, help="pretrain_log.jsonl of the same command at the later commit")
+    s.add_argument("--labels", nargs=2, default=("before", "after"), help="the two rows' names (commits, say)")
+    s.add_argument("--command", required=True, help="the training command both ran (printed in the table)")
+    s.add_argument("--device_name", required=True, help="the GPU both ran on (printed in the table)")
+    s.add_argument("--name", default="beforeafter", help="file name: <out_dir>/bench/<name>.{json,md}")
+    s.add_argument("--out_dir", default="out", help="writes <out_dir>/bench/<name>.{json,md}")
     s = sub.add_parser("padding", help=(h := "real tokens / padded tokens of the training batches: random, bucketed, "
                                        "sorted"), description=h,
                        formatter_class=fmt)
@@ -1986,7 +2030,7 @@ def build_parser():
     return p
 
 
-EXPERIMENTS = {"gpu": experiment_gpu, "synthetic": experiment_synthetic, "init": experiment_init, "posenc": experiment_posenc,
+EXPERIMENTS = {"gpu": experiment_gpu, "beforeafter": experiment_beforeafter, "synthetic": experiment_synthetic, "init": experiment_init, "posenc": experiment_posenc,
                "ucr": experiment_ucr, "swap": experiment_swap, "duration": experiment_duration,
                "main": experiment_main, "frozen": experiment_frozen, "initscale": experiment_initscale, "pfcurves": experiment_pfcurves,
                "bench": bench, "padding": experiment_padding, "report": report}

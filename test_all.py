@@ -1149,6 +1149,38 @@ def test_gpu_command_refuses_without_cuda_and_writes_its_table_from_fixture_numb
     assert f"| text | finetune | 20.0 | 2,000,000 | 92% | 29.0% | 8.6 GiB | {-(-25000 // 32) * 65:,} |" in table
 
 
+def test_beforeafter_compares_two_logs_of_one_command_by_their_medians(tmp_path):
+    """ablate.py beforeafter (issue #16's before/after on one GPU): each row is gpu_figures of its log, the first log
+    line left out; an old log without peak memory or real share shows "-"; the ratios are after / before of the
+    medians; a log without timed lines is refused."""
+    import ablate
+    before = [dict(step=0, val_loss=3.0), dict(step=50, ms_per_step=500.0, tokens_per_s=1.0, mfu=0.01),
+              dict(step=100, ms_per_step=30.0, tokens_per_s=1.1e6, mfu=0.175),
+              dict(step=150, ms_per_step=29.0, tokens_per_s=1.0e6, mfu=0.18),
+              dict(step=200, ms_per_step=31.0, tokens_per_s=1.2e6, mfu=0.17)]
+    after = [dict(step=50, ms_per_step=900.0, tokens_per_s=1.0, mfu=0.01, peak_memory_gib=9.0, real_fraction=0.5),
+             dict(step=100, ms_per_step=20.0, tokens_per_s=1.6e6, mfu=0.26, peak_memory_gib=8.0, real_fraction=0.95),
+             dict(step=150, ms_per_step=21.0, tokens_per_s=1.5e6, mfu=0.25, peak_memory_gib=8.5, real_fraction=0.96)]
+    paths = []
+    for name, log in (("before", before), ("after", after)):
+        paths.append(tmp_path / f"{name}.jsonl")
+        paths[-1].write_text("".join(json.dumps(e) + "\n" for e in log))
+    ablate.main(["beforeafter", "--before", str(paths[0]), "--after", str(paths[1]), "--labels", "1979629",
+                       "HEAD", "--command", "pretrain.py --task listops --preset paper", "--device_name", "NVIDIA H200",
+                       "--name", "ba", "--out_dir", str(tmp_path)])
+    out = json.loads((tmp_path / "bench" / "ba.json").read_text())
+    assert [r["ms_per_step"] for r in out["runs"]] == [30.0, 21.0]  # medians of 29/30/31 and of 20/21 (upper)
+    assert [r["label"] for r in out["runs"]] == ["1979629", "HEAD"]
+    table = (tmp_path / "bench" / "ba.md").read_text()
+    assert "| 1979629 | 30.0 | 1,100,000 | - | 17.5% | - |" in table
+    assert "| HEAD | 21.0 | 1,600,000 | 96% | 26.0% | 8.5 GiB |" in table
+    assert f"step time **{21 / 30:.2f}**, real tokens/s **{1.6 / 1.1:.2f}**, MFU **{0.26 / 0.175:.2f}**" in table
+    paths[0].write_text(json.dumps(before[1]) + "\n")  # only the left-out first line
+    with pytest.raises(ValueError, match="no log lines"):
+        ablate.main(["beforeafter", "--before", str(paths[0]), "--after", str(paths[1]), "--command", "c",
+                     "--device_name", "d", "--out_dir", str(tmp_path)])
+
+
 def test_gpu_command_keeps_timing_after_a_failed_stage_and_writes_its_table_after_every_stage(tmp_path, monkeypatch):
     """experiment_gpu's loop with gpu_run faked (no GPU here): an out-of-memory stage becomes a row of the table and
     the others still run, the exit is an error naming it; a run stopped midway (a lent GPU's time limit) leaves the
