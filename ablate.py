@@ -1455,8 +1455,10 @@ def gpu_data(task, folder, n):
 
 
 def gpu_figures(log, warmup_lines=1):
-    """Median ms/step, real tokens/s, MFU and the peak memory (GiB) over a run's log lines (pretrain_log.jsonl
-    entries with ms_per_step), leaving out the first `warmup_lines` (kernel selection, compilation)."""
+    """Median ms/step, real tokens/s, MFU and real share of the padded tokens, and the peak memory (GiB, the maximum)
+    over a run's log lines (pretrain_log.jsonl entries with ms_per_step), leaving out the first `warmup_lines`
+    (kernel selection, compilation). Of an even count the upper median; a figure no line has: None (peak memory: 0).
+    Raises ValueError when no line is left."""
     lines = [e for e in log if "ms_per_step" in e][warmup_lines:]
     if not lines:
         raise ValueError(f"no log lines with ms_per_step after the first {warmup_lines}: run more steps (--steps)")
@@ -1565,36 +1567,51 @@ def gpu_table(out):
 
 def experiment_beforeafter(args):
     """The same training command run at two commits on the same GPU (issue #16's before/after of ListOps at the paper
-    preset): gpu_figures of each run's log (--before, --after: pretrain_log.jsonl files; a log written before a
-    figure existed, peak memory or the real share, shows "-") and the ratios after / before. Writes
-    out/bench/<--name>.{json,md} (README, Performance, via report). Raises ValueError for a log without timed lines."""
+    preset): gpu_figures of each run's log (--before, --after: pretrain_log.jsonl files), i.e. the median ms/step, real
+    tokens/s and MFU (a fraction, as each commit's code counted it) of the lines after the first timed one, the median
+    real share of the padded tokens (a fraction) and the peak memory (GiB, the maximum); a figure a log lacks (one
+    written before it existed) is None, "-" in the table. Writes out/bench/<--name>.{json,md} (README, Performance,
+    via report) and returns the dict written. Raises ValueError naming the log when it has fewer than two timed lines
+    (lines with ms_per_step), OSError for a missing file, json.JSONDecodeError for a line that is not JSON."""
     runs = []
     for label, path in ((args.labels[0], args.before), (args.labels[1], args.after)):
         with open(path) as f:
-            runs.append(dict(label=label, log=path, **gpu_figures([json.loads(line) for line in f if line.strip()])))
+            log = [json.loads(line) for line in f if line.strip()]
+        try:
+            figures = gpu_figures(log)
+        except ValueError:
+            raise ValueError(f"{path}: fewer than two log lines with ms_per_step (the first is left out): run the "
+                             f"command for more steps than --log_every") from None
+        runs.append(dict(label=label, log=path, **dict(figures, peak_memory_gib=figures["peak_memory_gib"] or None)))
     out = dict(command=args.command, device_name=args.device_name, runs=runs)
-    stem = os.path.join(args.out_dir, "bench", args.name)
+    stem, table = os.path.join(args.out_dir, "bench", args.name), beforeafter_table(out)
     data.save_atomic(out, stem + ".json")
-    data.save_atomic(beforeafter_table(out) + "\n", stem + ".md")
-    print(beforeafter_table(out) + f"\n\nwrote {stem}.json and {stem}.md")
+    data.save_atomic(table + "\n", stem + ".md")
+    print(table + f"\n\nwrote {stem}.json and {stem}.md")
     return out
 
 
 def beforeafter_table(out):
-    """The Markdown table of experiment_beforeafter: one row per commit, then after / before."""
-    def cell(value, fmt):
-        return "-" if value is None else fmt.format(value)
-    rows = [f"**Before and after**, on {out['device_name']}: `{out['command']}` at each commit; figures: medians over "
-            f"the log lines after the first", "", "| code | ms/step | real tokens/s | real / padded tokens | MFU | "
-            "peak memory |", "|---|---|---|---|---|---|"]
+    """The Markdown table of experiment_beforeafter: one row per run (out["runs"]: before, then after; "-" for a
+    figure a log lacks), then the ratios after / before of the step time (below 1: faster) and of the real tokens/s
+    (above 1: faster), each given only when both runs have a non-zero figure. No ratio of MFUs: with the same FLOP
+    count it is the inverse of the step times', unless the two commits' tables of GPU peaks differ."""
+    def cell(value, fmt, scale=1):
+        return "-" if value is None else fmt.format(scale * value)
+
+    def ratio(key):
+        a, b = after.get(key), before.get(key)
+        return f"{a / b:.2f}" if a and b else "-"
+    rows = [f"**Before and after**, on {out['device_name']}: `{out['command']}` at each commit; medians over the "
+            f"log lines after the first timed one (peak memory: the maximum); MFU as each commit's code counts it",
+            "", "| code | ms/step | real tokens/s | real / padded tokens | MFU | peak memory |", "|---|---|---|---|---|---|"]
     for r in out["runs"]:
-        rows.append(f"| {r['label']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | "
-                    f"{cell(r['real_fraction'] and 100 * r['real_fraction'], '{:.0f}%')} | "
-                    f"{cell(r['mfu'] and 100 * r['mfu'], '{:.1f}%')} | {cell(r['peak_memory_gib'] or None, '{:.1f} GiB')} |")
+        rows.append(f"| {r['label'].replace('|', '/')} | {cell(r['ms_per_step'], '{:.1f}')} | "
+                    f"{cell(r['tokens_per_s'], '{:,.0f}')} | {cell(r['real_fraction'], '{:.0f}%', 100)} | "
+                    f"{cell(r['mfu'], '{:.1f}%', 100)} | {cell(r['peak_memory_gib'], '{:.1f} GiB')} |")
     before, after = out["runs"]
-    rows.append(f"\nAfter / before: step time **{after['ms_per_step'] / before['ms_per_step']:.2f}**, real tokens/s "
-                f"**{after['tokens_per_s'] / before['tokens_per_s']:.2f}**"
-                + (f", MFU **{after['mfu'] / before['mfu']:.2f}**" if after["mfu"] and before["mfu"] else "") + ".")
+    rows.append(f"\nAfter / before: step time **{ratio('ms_per_step')}** (below 1: faster), real tokens/s "
+                f"**{ratio('tokens_per_s')}** (above 1: faster).")
     return "\n".join(rows)
 
 
@@ -2006,7 +2023,8 @@ def build_parser():
                                               "MFU and their ratios"), description=h, formatter_class=fmt)
     s.add_argument("--before", required=True, help="pretrain_log.jsonl of the run at the earlier commit")
     s.add_argument("--after", required=True, help="pretrain_log.jsonl of the same command at the later commit")
-    s.add_argument("--labels", nargs=2, default=("before", "after"), help="the two rows' names (commits, say)")
+    s.add_argument("--labels", nargs=2, default=("before", "after"), metavar=("BEFORE", "AFTER"),
+                   help="the two rows' names (commits, say)")
     s.add_argument("--command", required=True, help="the training command both ran (printed in the table)")
     s.add_argument("--device_name", required=True, help="the GPU both ran on (printed in the table)")
     s.add_argument("--name", default="beforeafter", help="file name: <out_dir>/bench/<name>.{json,md}")

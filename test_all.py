@@ -1150,14 +1150,15 @@ def test_gpu_command_refuses_without_cuda_and_writes_its_table_from_fixture_numb
 
 
 def test_beforeafter_compares_two_logs_of_one_command_by_their_medians(tmp_path):
-    """ablate.py beforeafter (issue #16's before/after on one GPU): each row is gpu_figures of its log, the first log
-    line left out; an old log without peak memory or real share shows "-"; the ratios are after / before of the
-    medians; a log without timed lines is refused."""
+    """ablate.py beforeafter (issue #16's before/after on one GPU): each row is gpu_figures of its log, the first
+    timed line left out; an old log without peak memory, real share or MFU shows "-"; the ratios are after / before of
+    the medians; a log without two timed lines is refused, named."""
     import ablate
     before = [dict(step=0, val_loss=3.0), dict(step=50, ms_per_step=500.0, tokens_per_s=1.0, mfu=0.01),
               dict(step=100, ms_per_step=30.0, tokens_per_s=1.1e6, mfu=0.175),
               dict(step=150, ms_per_step=29.0, tokens_per_s=1.0e6, mfu=0.18),
               dict(step=200, ms_per_step=31.0, tokens_per_s=1.2e6, mfu=0.17)]
+    no_mfu = [dict(e, mfu=None) for e in before]  # a GPU missing from a commit's table of peaks
     after = [dict(step=50, ms_per_step=900.0, tokens_per_s=1.0, mfu=0.01, peak_memory_gib=9.0, real_fraction=0.5),
              dict(step=100, ms_per_step=20.0, tokens_per_s=1.6e6, mfu=0.26, peak_memory_gib=8.0, real_fraction=0.95),
              dict(step=150, ms_per_step=21.0, tokens_per_s=1.5e6, mfu=0.25, peak_memory_gib=8.5, real_fraction=0.96)]
@@ -1174,9 +1175,15 @@ def test_beforeafter_compares_two_logs_of_one_command_by_their_medians(tmp_path)
     table = (tmp_path / "bench" / "ba.md").read_text()
     assert "| 1979629 | 30.0 | 1,100,000 | - | 17.5% | - |" in table
     assert "| HEAD | 21.0 | 1,600,000 | 96% | 26.0% | 8.5 GiB |" in table
-    assert f"step time **{21 / 30:.2f}**, real tokens/s **{1.6 / 1.1:.2f}**, MFU **{0.26 / 0.175:.2f}**" in table
+    assert "on NVIDIA H200: `pretrain.py --task listops --preset paper` at each commit" in table
+    assert f"step time **{21 / 30:.2f}** (below 1: faster), real tokens/s **{1.6 / 1.1:.2f}** (above 1" in table
+    paths[0].write_text("".join(json.dumps(e) + "\n" for e in no_mfu))
+    ablate.main(["beforeafter", "--before", str(paths[0]), "--after", str(paths[1]), "--command", "c",
+                 "--device_name", "d", "--name", "ba", "--out_dir", str(tmp_path)])
+    assert "| before | 30.0 | 1,100,000 | - | - | - |" in (tmp_path / "bench" / "ba.md").read_text()
+    assert json.loads((tmp_path / "bench" / "ba.json").read_text())["runs"][0]["peak_memory_gib"] is None
     paths[0].write_text(json.dumps(before[1]) + "\n")  # only the left-out first line
-    with pytest.raises(ValueError, match="no log lines"):
+    with pytest.raises(ValueError, match=f"{re.escape(str(paths[0]))}: fewer than two log lines"):
         ablate.main(["beforeafter", "--before", str(paths[0]), "--after", str(paths[1]), "--command", "c",
                      "--device_name", "d", "--out_dir", str(tmp_path)])
 
