@@ -2020,7 +2020,7 @@ def build_parser():
     s.add_argument("--compile", action="store_true", help="torch.compile the model (pretrain.py --compile)")
     s.add_argument("--out_dir", default="out", help="runs in <out_dir>/gpu/<task>/, table in <out_dir>/bench/gpu.md")
     s = sub.add_parser("beforeafter", help=(h := "one command's log at two commits (same GPU): ms/step, tokens/s, "
-                                              "MFU and their ratios"), description=h, formatter_class=fmt)
+                                              "MFU; ratios of step time and tokens/s"), description=h, formatter_class=fmt)
     s.add_argument("--before", required=True, help="pretrain_log.jsonl of the run at the earlier commit")
     s.add_argument("--after", required=True, help="pretrain_log.jsonl of the same command at the later commit")
     s.add_argument("--labels", nargs=2, default=("before", "after"), metavar=("BEFORE", "AFTER"),

@@ -1167,8 +1167,8 @@ def test_beforeafter_compares_two_logs_of_one_command_by_their_medians(tmp_path)
         paths.append(tmp_path / f"{name}.jsonl")
         paths[-1].write_text("".join(json.dumps(e) + "\n" for e in log))
     ablate.main(["beforeafter", "--before", str(paths[0]), "--after", str(paths[1]), "--labels", "1979629",
-                       "HEAD", "--command", "pretrain.py --task listops --preset paper", "--device_name", "NVIDIA H200",
-                       "--name", "ba", "--out_dir", str(tmp_path)])
+                 "HEAD", "--command", "pretrain.py --task listops --preset paper", "--device_name", "NVIDIA H200",
+                 "--name", "ba", "--out_dir", str(tmp_path)])
     out = json.loads((tmp_path / "bench" / "ba.json").read_text())
     assert [r["ms_per_step"] for r in out["runs"]] == [30.0, 21.0]  # medians of 29/30/31 and of 20/21 (upper)
     assert [r["label"] for r in out["runs"]] == ["1979629", "HEAD"]
