@@ -7,7 +7,7 @@ every epoch (and every --eval_every steps); the test accuracy is that of the bes
 al.; Coser et al. Table 2). --inherit and --freeze select parameter groups (Coser et al. Table 3); a checkpoint
 of another task with the same kind of input is a dataset swap (Sec. 3).
 
-    python finetune.py --task listops --init out/listops/pretrain.pt     # SPT, then finetune (CPU ~9 min)
+    python finetune.py --task listops --init out/listops/pretrain.pt     # SPT, then finetune (CPU ~13 min)
     python finetune.py --task listops --init scratch                     # the from-scratch baseline
     python finetune.py --task synthetic --init out/synthetic/pretrain.pt --inherit qk    # only W_Q, W_K from SPT
                                                                          # (run name spt_inherit-qk)
@@ -19,7 +19,7 @@ Writes out/<task>/finetune_<name>.pt (best validation accuracy), finetune_<name>
        finetune_<name>_init.pt (the weights finetuning started from), finetune_<name>_log.jsonl and
        finetune_<name>.json (accuracy per evaluation, best validation and test accuracy, init, seed, wall time).
        <name> defaults to "spt" or "scratch", with "_inherit-<groups>" / "_freeze-<groups>" when those are set.
-Expect (CPU preset, ListOps, ~9 min each on 2 cores; measured under --init_scheme normal): ~0.17-0.18
+Expect (CPU preset, ListOps, ~13 min each on 2 cores shared with a second job; the README's CPU path): ~0.17
 accuracy, near the most frequent class (450 steps do not leave the attention plateau); the paper reports
 ~0.56-0.59 with SPT versus ~0.40 from scratch at the paper size (Coser et al. Table 2; unmeasured here). Synthetic task (L 100, reference init): 0.999
 (SPT) and 1.000 from scratch, 1 min each; from scratch leaves the plateau later (epoch ~4.4 vs ~3), and in the
@@ -127,7 +127,8 @@ def model_from_pretrained(path, meta, n_classes, task, device, inherit="all", he
             raise ValueError(f"{path}: checkpoint of task {ck['task']!r} with inputs {input_kind(ck['data_meta'])}, "
                              f"but --task {task!r} has {input_kind(meta)}; a dataset swap needs the same kind")
     if ck["data_meta"].get("vocab") != meta.get("vocab"):
-        raise ValueError(f"{path}: the checkpoint's vocabulary differs from data/{task}'s")
+        raise ValueError(f"{path}: the checkpoint's vocabulary differs from that of {task}'s data files "
+                         f"(a checkpoint of data made with other settings?)")
     task_fields = dict(head or {}, pair=bool(meta.get("pair")))
     changed = {k: (ck["model_config"].get(k), v) for k, v in task_fields.items() if ck["model_config"].get(k, v) != v}
     if changed:

@@ -6,7 +6,7 @@ pixels become 0 plus a mask-indicator input channel; a per-position linear head 
 (cross-entropy for tokens; MSE, L1 or 256-way cross-entropy for pixels) is taken at the masked positions only,
 divided by their number. No external data is used. finetune.py then starts from the best-validation checkpoint.
 
-    python pretrain.py --task listops                  # CPU: 2 x 64 model, 450 steps, ~10 min on 2 cores
+    python pretrain.py --task listops                  # CPU: 2 x 64 model, 450 steps, ~3 min on 2 cores with its data
     python pretrain.py --task listops --preset paper   # GPU: the paper's model (6 x 512, 8 heads), 100 epochs
     python pretrain.py --task synthetic --snapshots    # the minimal model on trajectories, ~1 min on CPU
     python pretrain.py --task ucr/GunPoint             # a UCR time series data set, ~40 s
@@ -25,6 +25,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -288,7 +289,9 @@ def pretrain_parser():
 def main(argv=None):
     """Self-pretraining: python pretrain.py --task TASK [flags]; writes data.run_paths(out_dir, task, "pretrain")."""
     parser = pretrain_parser()
-    args, preset = resolve(parser.parse_args(argv), "pretrain")
+    args = parser.parse_args(argv)
+    given = {k: v for k, v in vars(args).items() if v != parser.get_default(k)}  # before the preset fills them
+    args, preset = resolve(args, "pretrain")
     if args.mask_ratio is None:
         args.mask_ratio = MASK_RATIO[data.task_family(args.task)]
     splits = prepare_data(args, preset)
@@ -325,13 +328,26 @@ def main(argv=None):
             f"above it by {gap:.3f}: the model has not yet learned even the token frequencies (train longer)"
         print(f"the token-frequency entropy of {args.task}'s training data is {h:.4f} nats; the validation masked "
               f"loss is {where}")
-    dirs = ("" if args.data_dir == "data" else f" --data_dir {args.data_dir}") + \
-        ("" if args.out_dir == "out" else f" --out_dir {args.out_dir}") + \
-        (" --attend_padding" if cfg.attend_padding else "")  # a setting of each stage: the finetunings need it too
     if args.world_size > 1:
         dist.destroy_process_group()
-    print(f"next: python finetune.py --task {args.task} --init {paths['best']}{dirs}\n"
-          f"  and python finetune.py --task {args.task} --init scratch{dirs}   (the baseline)")
+    spt, scratch = next_commands(args.task, paths["best"], given, cfg.attend_padding)
+    print(f"next: {spt}\n  and {scratch}   (the baseline)")
+
+
+def next_commands(task, checkpoint, given, attend_padding):
+    """The two finetune.py commands that follow a pretrain.py run: from its checkpoint, and the from-scratch
+    baseline. `given`: the flags given to the run that differ from their defaults ({name: value}). Both carry
+    the flags of the data and the run (folders, preset, seed, device, dtype, data sizes) and --attend_padding
+    when the SPT model attends to padding; the baseline also the model's flags, so that it builds the model
+    SPT trained (a finetuning from the checkpoint takes the checkpoint's). Returns two shell strings."""
+    def flags(names):
+        return "".join(f" --{k}" if given[k] is True else f" --{k} {shlex.quote(str(given[k]))}"
+                       for k in names if k in given and given[k] is not None)
+    both = flags(("data_dir", "out_dir", "preset", "seed", "device", "dtype", "max_len", "resolution", "difficulty"))
+    both += " --attend_padding" if attend_padding else ""  # a setting of each stage: the finetunings need it too
+    model = flags(k for k in MODEL_FLAGS if k != "attend_padding")
+    return (f"python finetune.py --task {task} --init {shlex.quote(checkpoint)}{both}",
+            f"python finetune.py --task {task} --init scratch{both}{model}")
 
 
 # ==========================================================================================================

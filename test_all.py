@@ -1245,6 +1245,25 @@ def test_the_logged_real_share_of_padded_tokens_is_counted_from_the_batches_the_
         split["lengths"].sum().item() / sum(8 * min(128, -(-int(split["lengths"][b].max()) // 64) * 64) for b in batches))
 
 
+def test_pretrain_suggests_finetunings_that_run_on_its_data_and_rebuild_its_model(listops_dir, tmp_path, capsys):
+    """The two finetune.py commands pretrain.py prints at its end (pretrain.next_commands) run as printed, and the
+    from-scratch baseline builds the model SPT trained (its size, positions and init flags), not the preset's."""
+    out = str(tmp_path / "a dir")  # a space: the printed folders must be quoted
+    pretrain.main(["--task", "listops", "--data_dir", listops_dir, "--out_dir", out, "--max_steps", "2", "--seed",
+                   "3", "--preset", "cpu", "--pos", "alibi", "--init_scale", "2", "--eval_every", "1000"] + TINY)
+    spt_line, scratch_line = capsys.readouterr().out.split("next: ")[1].splitlines()
+    scratch_line = scratch_line.split("   (the baseline)")[0]
+    assert scratch_line.strip().startswith("and python finetune.py")
+    steps = ["--max_steps", "2", "--eval_every", "1000", "--no-eval_each_epoch"]
+    for line in (spt_line, scratch_line.strip()[len("and "):]):
+        words = shlex.split(line)
+        assert words[:2] == ["python", "finetune.py"] and "--seed" in words and "--preset" in words
+        finetune.main(words[2:] + steps)
+    spt = data.load_pt(os.path.join(out, "listops", "finetune_spt.pt"))["model_config"]
+    scratch = data.load_pt(os.path.join(out, "listops", "finetune_scratch.pt"))["model_config"]
+    assert scratch == spt and (spt["d_model"], spt["pos"], spt["init_scale"]) == (16, "alibi", 2.0)
+
+
 def test_attend_padding_through_both_stages_and_evaluated_on_batches_drawn_as_training_batches(listops_dir,
                                                                                                  tmp_path, capsys):
     """--attend_padding is a model field the finetuning run sets for itself (finetune.FINETUNE_FIELDS: given to
