@@ -1410,8 +1410,8 @@ def bench_table(out):
                     f"attended (Amos et al.'s attention): **{out['key_mask_tokens_per_s']:.2f}** (below 1: the mask "
                     f"costs).")
     if "speedup_all_positions_vs_selected" in out:
-        rows.append(f"Step time with the masked positions selected by boolean indexing (the step before 0588b7d) / "
-                    f"with the reconstruction head on every position (no host wait): "
+        rows.append(f"Step time with the masked positions selected by boolean indexing (a host wait per step) / "
+                    f"with the reconstruction head on every position (no host wait; the training step's form): "
                     f"**{out['speedup_all_positions_vs_selected']:.2f}** (above 1: the second is faster).")
     return "\n".join(rows)
 
