@@ -1469,6 +1469,13 @@ def test_frozen_groups_stay_bit_identical(synthetic_run, tmp_path):
     before, after = (data.load_pt(run + suffix)["model"] for suffix in ("_init.pt", "_last.pt"))
     moved = {name for name in before if not torch.equal(before[name], after[name])}
     assert moved == {"cls_head.weight", "cls_head.bias"}  # no MLP in this model: only the head trains
+    for freeze, name in (("attn", "fire"), ("none", "fire_free")):  # FIRE's learned bias: frozen with attn only
+        finetune.main(["--task", "synthetic", "--data_dir", data_dir, "--out_dir", out2, "--init", "scratch", "--pos",
+                       "fire", "--freeze", freeze, "--max_steps", "5", "--lr", "1e-2", "--device", "cpu", "--name", name])
+        run = os.path.join(out2, "synthetic", f"finetune_{name}")
+        before, after = (data.load_pt(run + suffix)["model"] for suffix in ("_init.pt", "_last.pt"))
+        fire = [n for n in before if ".attn.fire." in n]
+        assert fire and all(torch.equal(before[n], after[n]) == (freeze == "attn") for n in fire), (freeze, fire)
 
 
 def test_attention_stats_closed_forms():
@@ -1760,7 +1767,7 @@ def test_ties_in_validation_accuracy_go_to_the_lower_loss_then_the_later_evaluat
     assert pretrain.is_better(dict(val_loss=1.0), dict(best_metrics=dict(val_loss=1.0)), "val_loss", False)
 
 
-def test_ablate_length_variant_has_its_own_data_runs_and_tables(tmp_path):
+def test_ablate_length_variant_has_its_own_data_runs_and_tables(tmp_path, capsys):
     import ablate
     argv = ["--length", "16", "--seeds", "1", "--max_steps", "2", "--data_dir", str(tmp_path / "data"),
             "--out_dir", str(tmp_path / "out"), "--device", "cpu"]
@@ -1770,8 +1777,10 @@ def test_ablate_length_variant_has_its_own_data_runs_and_tables(tmp_path):
     assert "command: python ablate.py synthetic --seeds 1 --length 16;" in table and "over 16 steps" in table
     assert (tmp_path / "out" / "ablate" / "reference" / "synthetic_L16" / "seed0" / "synthetic" / "pretrain.pt").exists()
     assert not (tmp_path / "out" / "ablate" / "synthetic.md").exists()
+    capsys.readouterr()
     with pytest.raises(SystemExit):
         ablate.main(["ucr"] + argv)
+    assert "unrecognized arguments: --length 16" in capsys.readouterr().err  # ucr takes no --length
 
 
 def test_ablate_initscale_runs_its_grid_and_writes_table_and_figure(tmp_path):
@@ -1815,8 +1824,10 @@ def test_ablate_jobs_runs_each_seed_in_a_process_and_the_parent_writes_the_table
         assert "synthetic.json" not in log and "preparing" not in log  # a child writes no table, makes no data
     res = json.load(open(os.path.join(out, "ablate", "synthetic.json")))
     assert sorted({r["seed"] for r in res["runs"]}) == [0, 1] and len(res["runs"]) == 6
+    capsys.readouterr()
     with pytest.raises(SystemExit):  # experiments without a seed loop take no --jobs
         ablate.main(["pfcurves", "--jobs", "2"])
+    assert "unrecognized arguments: --jobs 2" in capsys.readouterr().err
     broken = tmp_path / "broken"
     (broken / "synthetic").mkdir(parents=True)
     for split in data.SPLITS:
@@ -2380,7 +2391,7 @@ def test_data_settings_of_the_preset_are_checked_against_the_data(tmp_path, caps
 def test_stages_never_download_unasked(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "download_file", lambda *a, **k: pytest.fail("a download was started"))
     for task in ("text", "image", "ucr/ECG200"):
-        with pytest.raises(FileNotFoundError):
+        with pytest.raises(FileNotFoundError, match=" not found: .*" + re.escape(data.DOWNLOAD_HINT)):
             pretrain.main(["--task", task, "--data_dir", str(tmp_path), "--out_dir", str(tmp_path / "out"),
                            "--device", "cpu", "--max_steps", "1"])
 
@@ -4002,7 +4013,7 @@ def test_pathfinder_deterministic_for_a_seed():
 
 
 def test_pathfinder_unknown_resolution_raises():
-    with pytest.raises(ValueError, match="48"):
+    with pytest.raises(ValueError, match=r"resolution 48 has no settings; choose one of \["):
         data.generate_pathfinder(1, seed=0, resolution=48)
 
 
@@ -4146,10 +4157,10 @@ def test_pathfinder_bad_label_raises(pathfinder_release):
 
 def test_pathfinder_missing_folders_raise(tmp_path, pathfinder_release):
     missing = str(tmp_path / "no_such_dir")
-    with pytest.raises(FileNotFoundError, match="no_such_dir"):
+    with pytest.raises(FileNotFoundError, match=r"no_such_dir: no such folder \(expected a PathFinder difficulty"):
         data.read_pathfinder_release(missing)
     os.makedirs(tmp_path / "empty_root")
-    with pytest.raises(FileNotFoundError, match=os.path.join("empty_root", "metadata")):
+    with pytest.raises(FileNotFoundError, match=re.escape(os.path.join("empty_root", "metadata")) + ": no such folder"):
         data.read_pathfinder_release(str(tmp_path / "empty_root"))
 
 
@@ -4430,8 +4441,10 @@ def test_ablate_fashion_mnist_budget_init_duration_and_pathfinder_curves(tmp_pat
     assert "Data: PathFinder 32x32 from our generator, 32/4/4 train/val/test, difficulty easy" in table
     assert "command: python ablate.py swap --difficulty easy --n_images 40 --steps 2" in table
     for wrong in (["pfcurves", "--durations", "1"], ["pfcurves", "--seeds", "2"], ["synthetic", "--task", "image"]):
+        capsys.readouterr()
         with pytest.raises(SystemExit):  # each experiment takes only its own flags
             ablate.main(wrong)
+        assert f"unrecognized arguments: {' '.join(wrong[1:])}" in capsys.readouterr().err
     assert ablate.build_parser().parse_args(["synthetic"]).seeds == 5  # not initscale's 2: no shared defaults
     assert ablate.build_parser().parse_args(["initscale"]).seeds == 2
 
@@ -4995,7 +5008,7 @@ def test_prepare_refuses_keywords_the_task_does_not_take(tmp_path):
     with pytest.raises(ValueError, match=r"^name does not apply to --task ucr/GunPoint"):
         data.prepare("ucr/GunPoint", root, name="Coffee")
     assert os.listdir(root) == []
-    with pytest.raises(TypeError):  # the prepare functions themselves no longer swallow unknown keywords
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_len'"):  # none swallowed by a **kwargs
         data.prepare_synthetic(root, max_len=5)
     # what the other stages pass still applies: every preset's data settings, and download where data is fetched
     for task, presets in pretrain.PRESETS.items():
@@ -5313,17 +5326,20 @@ def test_report_places_each_part_by_its_source_line_and_refuses_what_it_cannot_p
     (out / "bench" / "gpu.md").write_text("| gpu |\n<!-- results:end -->\n")
     with pytest.raises(ValueError, match="gpu.md: holds .* a section marker"):
         run()
+    # text under a part's from-line belongs to that part: rewritten from its file when the file is under out/
+    (out / "bench" / "gpu.md").write_text("| gpu | 31 ms |\n")
+    readme.write_text(good.replace("<!-- performance:end -->", "typed by hand\n<!-- performance:end -->"))
+    run()
+    text = readme.read_text()
+    assert "typed by hand" not in text and "| gpu | 31 ms |" in text and "| gpu | 30 ms |" not in text
     os.remove(out / "bench" / "gpu.md")
-    for bad, match in ((good.replace("<!-- performance:end -->", "typed by hand\n<!-- performance:end -->"), None),
-                       (good.replace("<!-- performance:start -->\n", "<!-- performance:start -->\ntyped by hand\n"),
+    for bad, match in ((good.replace("<!-- performance:start -->\n", "<!-- performance:start -->\ntyped by hand\n"),
                         "between <!-- performance:start -->.*typed by hand"),
                        (good.replace("<!-- performance:start -->\n<!-- from bench/gpu.md -->",
                                      "<!-- performance:start -->\n<!-- from bench/gpu.md -->\nx\n<!-- from bench/gpu.md -->"),
                         "two parts come from bench/gpu.md"),
                        (good.replace("<!-- results:start -->", "<!-- results:end -->", 1), "expected one <!-- results:start -->")):
         readme.write_text(bad)
-        if match is None:  # text under a part's from-line belongs to that part: rewritten from its file
-            continue
         with pytest.raises(ValueError, match=match):
             run()
         assert readme.read_text() == bad
