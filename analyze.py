@@ -362,6 +362,8 @@ def cmd_gradients(args):
             ratio = r["grad_norm"]["W_Q"] / r["grad_norm"]["W_V"] if r["grad_norm"].get("W_V") else float("nan")
             print(f"  {loss_name:5s} Prop. 1 share per layer " + " ".join(f"{s:.3g}" for s in r["prop1_share"])
                   + f";  |dL/dW_Q| / |dL/dW_V| {ratio:.3g}")
+    print("reading: Prop. 1 makes L_sup's share exactly 0 only at exactly uniform attention; at init attention is "
+          "near uniform, not exactly (the README's Results), so a small L_sup share there agrees with it")
     os.makedirs(args.out, exist_ok=True)
     data.save_atomic(dict(n=args.n, seed=args.seed, results=results), os.path.join(args.out, "gradients.json"))
     print(f"wrote {os.path.join(args.out, 'gradients.json')}")

@@ -135,6 +135,20 @@ def load_pt(path, map_location="cpu", mmap=False):
                          f"(an interrupted copy or write): {type(e).__name__}{': ' * bool(detail)}{detail}; write it again") from e
 
 
+def close_name_hints(path):
+    """Hints for a missing file `path` (str): ["there is no folder <folder>"] when its folder is missing, else
+    ["did you mean <folder>/<name>?"] for a close name in its folder (difflib, cutoff 0.8), else []."""
+    folder, name = os.path.split(path)
+    if not os.path.isdir(folder or "."):
+        return [f"there is no folder {folder}"]
+    try:
+        names = [f for f in os.listdir(folder or ".") if f != name]
+    except OSError:  # an unreadable folder (permissions): no hint rather than another error
+        return []
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.8)
+    return [f"did you mean {os.path.join(folder, close[0])}?"] if close else []
+
+
 def not_a_file(path):
     """The error for a `path` that should be a .pt file and is not (load_pt): IsADirectoryError listing the
     folder's .pt files, or FileNotFoundError with a close name in its folder ("did you mean"), the missing folder,
@@ -151,13 +165,8 @@ def not_a_file(path):
             "(it has none)" if listing(path) is not None else "(it cannot be read)"))
     if os.path.islink(path):  # a link whose target is gone: its own name is there, so no "did you mean" it
         return FileNotFoundError(f"{path}: a broken link (to {os.readlink(path)}, which does not exist)")
-    folder, name = os.path.split(path)
-    hints = []
-    if not os.path.isdir(folder or "."):
-        hints.append(f"there is no folder {folder}")
-    elif close := difflib.get_close_matches(name, [f for f in listing(folder or ".") or [] if f != name], n=1,
-                                            cutoff=0.8):
-        hints.append(f"did you mean {os.path.join(folder, close[0])}?")
+    name = os.path.basename(path)
+    hints = close_name_hints(path)
     if re.fullmatch(r"pretrain(_last|_init|_step\d+)?\.pt", name):
         hints.append("pretrain.py writes it (pretrain_step<N>.pt with --snapshots)")
     elif m := re.fullmatch(r"finetune_(.+?)(_last|_init|_step\d+)?\.pt", name):

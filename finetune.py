@@ -22,7 +22,7 @@ Writes out/<task>/finetune_<name>.pt (best validation accuracy), finetune_<name>
 Expect (CPU preset, ListOps, ~13 min each on 2 cores shared with a second job; the README's CPU path): ~0.17
 accuracy, near the most frequent class (450 steps do not leave the attention plateau); the paper reports
 ~0.56-0.59 with SPT versus ~0.40 from scratch at the paper size (Coser et al. Table 2; unmeasured here). Synthetic task (L 100, reference init): 0.999
-(SPT) and 1.000 from scratch, 1 min each; from scratch leaves the plateau later (epoch ~4.4 vs ~3), and in the
+(SPT) and 1.000 from scratch, ~10 s each; from scratch leaves the plateau later (epoch ~4.4 vs ~3), and in the
 init-scale grid it stays on it at small init scales and longer trajectories (README, Results).
 """
 import json
@@ -224,8 +224,9 @@ def main(argv=None):
         raise IsADirectoryError(f"--init {args.init}: a folder; give the checkpoint file in it (the best SPT "
                                 f"checkpoint is <out_dir>/<task>/pretrain.pt), or --init scratch")
     if args.init != "scratch" and not os.path.isfile(args.init):
-        raise FileNotFoundError(f"--init {args.init}: no such file; make it first with python pretrain.py --task "
-                                f"{args.task} (or the task to pretrain on; the best checkpoint is "
+        close = "".join(f"{h} If not, " for h in data.close_name_hints(args.init) if h.startswith("did you"))
+        raise FileNotFoundError(f"--init {args.init}: no such file; {close}make it first with python pretrain.py "
+                                f"--task {args.task} (or the task to pretrain on; the best checkpoint is "
                                 f"<out_dir>/<task>/pretrain.pt), or pass --init scratch")
     if args.name is None:  # a default that never overwrites the plain SPT run with an ablation or a dataset swap
         swap = None

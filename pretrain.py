@@ -8,14 +8,14 @@ divided by their number. No external data is used. finetune.py then starts from 
 
     python pretrain.py --task listops                  # CPU: 2 x 64 model, 450 steps, ~3 min on 2 cores with its data
     python pretrain.py --task listops --preset paper   # GPU: the paper's model (6 x 512, 8 heads), 100 epochs
-    python pretrain.py --task synthetic --snapshots    # the minimal model on trajectories, ~1 min on CPU
+    python pretrain.py --task synthetic --snapshots    # the minimal model on trajectories, ~10 s on CPU
     python pretrain.py --task ucr/GunPoint             # a UCR time series data set, ~40 s
     torchrun --standalone --nproc_per_node=8 pretrain.py --task text   # several GPUs (DDP)
 
 Reads data/<task>/{train,val}.pt (made by data.py; here if missing). Writes out/<task>/pretrain.pt, _last.pt,
 _init.pt, _log.jsonl (data.run_paths). Expect (CPU, ListOps): validation masked loss ~2.95 -> 2.64, the entropy of
 the token frequencies (the last lines compute it and say where the loss stands): a plateau that only attention to
-neighbours (the proximity bias) ends, longer than the CPU budget. Synthetic: 0.66 -> 0.03 in 1 min.
+neighbours (the proximity bias) ends, longer than the CPU budget. Synthetic: 0.66 -> 0.03 in ~10 s.
 
 Reading order: the presets, the SPT objective, main; then the engine both stages share (flags, device, the loop).
 """
@@ -683,6 +683,10 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
                elapsed0=state.get("elapsed_s", 0.0))  # seconds the run spent in earlier processes (--resume)
     if state["step"] == 0:
         if args.rank == 0:
+            earlier = [os.path.basename(p) for k, p in paths.items() if k != "snapshot" and os.path.exists(p)]
+            if earlier:  # said, not silent: a rerun without --resume replaces the run in this folder
+                print(f"a new run in {os.path.dirname(paths['log']) or '.'} (no --resume): it replaces the earlier "
+                      f"run's {', '.join(earlier)} as it writes its own (--resume continues that run instead)")
             os.makedirs(os.path.dirname(os.path.abspath(paths["log"])), exist_ok=True)
             open(paths["log"], "w").close()  # a fresh run starts a fresh log; a resumed one appends
         metrics = eval_fn(0)  # the starting point, so the log shows how far training moved the metric

@@ -842,7 +842,8 @@ def test_resume_of_a_finished_run_trains_nothing_and_says_its_files_are_kept(lis
     flags = ["--task", "listops", "--data_dir", listops_dir, "--out_dir", out, "--max_steps", "4", "--eval_every",
              "4"] + TINY
     pretrain.main(flags)
-    assert "; wrote " in capsys.readouterr().out
+    first = capsys.readouterr().out
+    assert "; wrote " in first
     best = os.path.join(out, "listops", "pretrain.pt")
     before = (open(best, "rb").read(), os.stat(best).st_mtime_ns)
     pretrain.main(flags + ["--resume"])
@@ -850,6 +851,10 @@ def test_resume_of_a_finished_run_trains_nothing_and_says_its_files_are_kept(lis
     assert "had already finished its 4 steps: nothing trained" in printed and f"; kept {best}" in printed
     assert "; wrote " not in printed and "finished 4 steps in" not in printed
     assert (open(best, "rb").read(), os.stat(best).st_mtime_ns) == before
+    assert "replaces" not in printed + first  # neither the first run nor its resumption replaces a run
+    pretrain.main(flags)  # the same command again without --resume: a new run, and it says what it replaces
+    assert (f"a new run in {os.path.join(out, 'listops')} (no --resume): it replaces the earlier run's pretrain.pt, "
+            f"pretrain_last.pt, pretrain_init.pt, pretrain_log.jsonl as it writes its own") in capsys.readouterr().out
 
 
 def test_data_command_line(tmp_path):
@@ -2422,6 +2427,14 @@ def test_finetune_with_a_missing_init_checkpoint_says_to_pretrain_before_prepari
         finetune.main(["--task", "synthetic", "--init", str(missing), "--data_dir", str(tmp_path / "data"),
                        "--out_dir", str(tmp_path / "out"), "--device", "cpu"])
     assert not (tmp_path / "data").exists()  # refused before the data stage ran
+    missing.parent.mkdir(parents=True)
+    missing.write_bytes(b"")  # a file of the right name beside the misspelled one: named in the error
+    typo = str(missing.parent / "pretrian.pt")
+    with pytest.raises(FileNotFoundError, match=re.escape(f"--init {typo}: no such file; did you mean {missing}? If "
+                                                          f"not, make it first with python pretrain.py --task synthetic")):
+        finetune.main(["--task", "synthetic", "--init", typo, "--data_dir", str(tmp_path / "data"),
+                       "--out_dir", str(tmp_path / "out"), "--device", "cpu"])
+    assert not (tmp_path / "data").exists()
     with pytest.raises(IsADirectoryError, match=r"--init .*: a folder; give the checkpoint file in it"):
         finetune.main(["--task", "synthetic", "--init", str(tmp_path), "--data_dir", str(tmp_path / "data"),
                        "--out_dir", str(tmp_path / "out"), "--device", "cpu"])
