@@ -1240,6 +1240,22 @@ class ReferenceEncoder(torch.nn.Module):
         return self.rec_head(z) if positions is True else self.rec_head(z[positions])
 
 
+def bench_result(proc, queue, poll_s=5.0):
+    """What the timing process `proc` put on `queue` (time_spt_step's tuple or error text), or, if it ended
+    without putting anything (killed for memory, a crash of the interpreter), a str naming its exit code: the
+    parent never waits for a process that is gone."""
+    import queue as queue_lib
+    while True:
+        try:
+            return queue.get(timeout=poll_s)
+        except queue_lib.Empty:
+            if not proc.is_alive():  # one last look: what it put just before it ended
+                try:
+                    return queue.get(timeout=1.0)
+                except queue_lib.Empty:
+                    return f"its process ended (exit code {proc.exitcode}) without a result"
+
+
 def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
     """Put on `queue` the median seconds per SPT training step (masked reconstruction, forward + backward +
     AdamW) of one BENCH_VARIANTS key, its peak memory (bytes), and the real tokens and the training FLOPs of a
@@ -1304,7 +1320,7 @@ def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
                 step(i)
             sync()
             times.append((time.perf_counter() - t0) / steps)
-    except Exception as e:  # out of memory, a missing compiler, ...: reported, so the parent never waits forever
+    except Exception as e:  # out of memory, a missing compiler, ...: one line of the table (bench_result: a crash)
         first = (str(e).strip().splitlines() or [""])[0]  # one line: a table cell (torch.compile errors run long)
         queue.put("out of memory" if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {first}")
         return
@@ -1344,7 +1360,7 @@ def bench(args):
         proc = ctx.Process(target=time_spt_step, args=(v, size, device, dtype, args.steps if i else 1,
                                                        args.repeats if i else 1, torch.get_num_threads(), queue))
         proc.start()
-        result = queue.get()
+        result = bench_result(proc, queue)
         proc.join()
         if i == 0:
             continue
@@ -1482,6 +1498,8 @@ def gpu_run(task, stage, args):
     flags = ["--task", task, "--data_dir", folder, "--out_dir", folder, "--preset", "paper", "--accept_data",
              "--max_steps", str(args.steps), "--eval_every", str(10 ** 9), "--no-eval_each_epoch",
              "--log_every", str(args.log_every)] + (["--compile"] if args.compile else [])
+    if args.compile:  # each stage compiles afresh: the stages before would count against dynamo's recompile limit
+        torch.compiler.reset()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     if stage == "pretrain":

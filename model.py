@@ -353,17 +353,15 @@ class Transformer(nn.Module):
         return self.class_head(self.pool(z, lengths))
 
     def class_head(self, h):
-        """cls_head in its weights' dtype (float32) even under bf16 autocast: h (B, d_in) -> logits (B, n_classes).
-        bf16 keeps 8 bits of mantissa, so logits that differ by less than ~0.4% tie, and argmax gives a tie to
-        class 0: near chance (at init, or a task not yet learned) accuracy would then read as class 0's frequency."""
-        kind = h.device.type
-        off = torch.autocast(kind, enabled=False) if torch.amp.is_autocast_available(kind) else nullcontext()
-        with off:  # (a device without autocast, e.g. "meta", has nothing to switch off; xpu has autocast too)
-            return self.cls_head(h.to(next(self.cls_head.parameters()).dtype))
+        """cls_head in float32 (in_fp32): h (B, d_in) -> logits (B, n_classes). bf16 keeps 8 bits of mantissa, so
+        logits that differ by less than ~0.4% tie, and argmax gives a tie to class 0: near chance (at init, or a
+        task not yet learned) accuracy would then read as class 0's frequency."""
+        return in_fp32(self.cls_head, h)
 
-    def reconstruct(self, x, lengths, positions=True):
+    def reconstruct(self, x, lengths, positions=True, fp32_head=False):
         """Reconstruction outputs: with `positions` True, at every position, (B, L, n_rec); with a (B, L) bool
-        tensor, at the M positions where it is True, (M, n_rec).
+        tensor, at the M positions where it is True, (M, n_rec). fp32_head: the head in float32 even under bf16
+        autocast (in_fp32), as the evaluation asks, whose masked-token accuracy takes an argmax (ties in bf16).
 
         The training step asks for every position (pretrain.spt_loss_fn): its output shape is then known without
         looking at the mask, so on a GPU nothing waits for the device (selecting the M masked positions needs
@@ -372,7 +370,17 @@ class Transformer(nn.Module):
         activations of several GB.
         """
         z, _ = self.encode(x, lengths)
-        return self.rec_head(z) if positions is True else self.rec_head(z[positions])
+        z = z if positions is True else z[positions]
+        return in_fp32(self.rec_head, z) if fp32_head else self.rec_head(z)
+
+
+def in_fp32(head, h):
+    """head(h) in float32 with autocast switched off on h's device: h (..., d_in) -> (..., d_out) float32 (the
+    head's weights are float32). A device without autocast (e.g. "meta") has nothing to switch off."""
+    kind = h.device.type
+    off = torch.autocast(kind, enabled=False) if torch.amp.is_autocast_available(kind) else nullcontext()
+    with off:
+        return head(h.to(next(head.parameters()).dtype))
 
 
 # Parameter groups of Coser et al. Table 3, by the attribute names above (finetune.py --inherit and --freeze;

@@ -218,7 +218,8 @@ def evaluate_reconstruction(model, split, args, step=0):
         g = mask_generator(args, validation_mask_seed(args, i, step))
         inputs, masked = mask_batch(x, lengths, args.mask_ratio, meta.get("mask_id"), g)
         with autocast(args.device, args.dtype):
-            out = model.reconstruct(inputs, lengths, True)  # as in training: every position, then the mask
+            # as in training: every position, then the mask; the head in float32 for the accuracy's argmax
+            out = model.reconstruct(inputs, lengths, True, fp32_head=True)
         acc = accumulator_dtype(args.device)  # the sums in float64 (float32 on MPS), as the loop adds them
         targets, n = targets_at(x, None, args.rec_loss, meta), masked.sum().to(acc)
         if args.rec_loss == "ce":
@@ -780,9 +781,10 @@ def count_step(meter, loss, batch_lengths, cfg, width, multiple=64):
 
 def log_progress(run, meter, lr):
     """Print and log the mean loss, ms/step, real tokens/s, the real share of the padded tokens, MFU (GPUs in
-    model.PEAK_BF16_FLOPS) and peak memory since the last log line, with an ETA; raises FloatingPointError on a
-    non-finite mean loss. The .item() here is the loop's one regular host synchronisation. Steps skipped by
-    --skip_nonfinite are left out of the mean and counted (loss None if every step was)."""
+    model.PEAK_BF16_FLOPS) and CUDA's peak memory so far (never reset here: the process's peak up to this line),
+    with an ETA; raises FloatingPointError on a non-finite mean loss. The .item() here is the loop's one regular
+    host synchronisation. Steps skipped by --skip_nonfinite are left out of the mean and counted (loss None if
+    every step was)."""
     args, state = run["args"], run["state"]
     counted = meter["steps"] - meter["skipped"]
     mean_loss = meter["loss"].item() / counted if counted else None

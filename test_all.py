@@ -10,6 +10,7 @@ import http.server
 import io
 import json
 import math
+import multiprocessing
 import os
 import pathlib
 import pickle
@@ -409,6 +410,29 @@ def test_class_logits_are_float32_under_bf16_autocast_so_close_logits_do_not_tie
         bf16_head = model.cls_head(model.pool(model.encode(x, lengths)[0], lengths))  # what autocast alone gives
     assert bf16_head.dtype == torch.bfloat16 and bf16_head.argmax(-1).tolist() == [0, 0, 0]  # the tie
     assert logits.dtype == torch.float32 and logits.argmax(-1).tolist() == [1, 1, 1]
+
+
+def test_masked_token_accuracy_takes_its_argmax_from_a_float32_head_under_bf16_autocast(listops_dir):
+    """The evaluation's masked-token accuracy (pretrain.evaluate_reconstruction) under bf16 autocast (on the CPU
+    here, as CUDA's on a GPU): with every token of the split one id, 7, and a head (weights zero) whose bias gives
+    every id 1000 and id 7 1000.5, bf16 rounds them all to 1000 (spacing 4 there) and argmax would give the tie to
+    id 0 (accuracy 0); the head runs in float32 at evaluation, so id 7 wins at every masked position (1.0)."""
+    split = data.load_split(listops_dir, "listops", "val")
+    real = torch.arange(split["tokens"].shape[1]) < split["lengths"][:, None]
+    split = dict(split, tokens=torch.where(real, torch.full_like(split["tokens"], 7), split["tokens"]))
+    model = Transformer(tiny_cfg(vocab_size=split["meta"]["vocab_size"], max_len=128,
+                                 n_rec=split["meta"]["vocab_size"])).eval()
+    with torch.no_grad():
+        model.rec_head.weight.zero_()
+        model.rec_head.bias.fill_(1000.0)
+        model.rec_head.bias[7] = 1000.5
+    x, lengths = split["tokens"][:2, :40].long(), torch.tensor([40, 30])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model.reconstruct(x, lengths).argmax(-1).eq(0).all()  # the tie, as autocast alone gives it
+        assert model.reconstruct(x, lengths, fp32_head=True).dtype == torch.float32
+    args = argparse.Namespace(device=torch.device("cpu"), dtype=torch.bfloat16, pad_multiple=8, mask_ratio=0.15,
+                              val_masks="fixed", rec_loss="ce", batch_size=8, world_size=1, rank=0, bucket=1)
+    assert pretrain.evaluate_reconstruction(model, split, args)["val_acc"] == 1.0
 
 
 def test_minimal_model_has_no_layernorm_and_no_mlp():
@@ -1122,6 +1146,20 @@ def test_bench_reports_figures_computed_from_its_own_timings(tmp_path):
                          (["--size", "64,15,1,2,32,2"], "divisible")):
         with pytest.raises(ValueError, match=message):
             ablate.main(argv[:1] + bad)
+
+
+def test_bench_parent_reports_a_timing_process_that_ends_without_a_result():
+    """ablate.bench_result returns what the child put on the queue, and, when the child dies without a result (a
+    crash before its try, the kernel's out-of-memory kill), a line naming its exit code instead of waiting forever."""
+    import ablate
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=os._exit, args=(3,))
+    proc.start()
+    assert ablate.bench_result(proc, queue, poll_s=0.2) == "its process ended (exit code 3) without a result"
+    proc.join()
+    queue.put((0.5, 1, 2, 3))
+    assert ablate.bench_result(proc, queue, poll_s=0.2) == (0.5, 1, 2, 3)
 
 
 def test_gpu_command_refuses_without_cuda_and_writes_its_table_from_fixture_numbers(tmp_path, monkeypatch):
