@@ -1417,6 +1417,7 @@ def test_load_splits_moves_every_input_kind_and_keeps_lengths_on_the_cpu(tmp_pat
 def test_gpu_peak_flops_are_matched_by_whole_names():
     assert model_lib.peak_flops_of("NVIDIA H100 80GB HBM3") == 989e12
     assert model_lib.peak_flops_of("NVIDIA H100 PCIe") == 756e12     # the longest matching name wins
+    assert model_lib.peak_flops_of("NVIDIA H200") == 989e12 and model_lib.peak_flops_of("NVIDIA H200 NVL") == 835e12
     assert model_lib.peak_flops_of("NVIDIA L40S") == 362e12 and model_lib.peak_flops_of("NVIDIA L4") == 121e12
     assert model_lib.peak_flops_of("NVIDIA A100-SXM4-80GB") == 312e12
     assert model_lib.peak_flops_of("NVIDIA A10G") is None and model_lib.peak_flops_of("NVIDIA L40") is None
