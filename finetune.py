@@ -53,10 +53,9 @@ FREEZE = {"none": (), "attn": ("W_Q", "W_K", "W_V", "W_O", "posenc"),
           "attn+mlp": ("W_Q", "W_K", "W_V", "W_O", "posenc", "mlp")}
 
 
-# ModelConfig fields without weights that finetuning takes from its own task's preset (and flags), not from the SPT
-# checkpoint: they differ in a dataset swap (PathFinder -> PathX: max pooling, local attention), and
-# attend_padding where --attend_padding is given to one stage only (printed).
-FINETUNE_FIELDS = ("cls_mlp", "pooling", "attn_window", "attend_padding")
+# ModelConfig fields without weights that finetuning takes from its own task's preset, not from the SPT
+# checkpoint: they differ in a dataset swap (PathFinder -> PathX: max pooling, local attention).
+FINETUNE_FIELDS = ("cls_mlp", "pooling", "attn_window")
 
 
 def input_kind(meta):
@@ -170,7 +169,7 @@ def evaluate_accuracy(model, split, args):
     """Classification accuracy and mean cross-entropy over a whole split (pretrain.evaluate: sharded under
     torchrun): {"acc": float, "loss": float}."""
     def batch_sums(i, idx):  # correct, loss sum
-        x, lengths, labels = data.get_batch(split, idx, args.device, args.pad_multiple)
+        x, lengths, labels = data.get_batch(split, idx, args.device)
         with autocast(args.device, args.dtype):
             logits = model.classify(x, lengths)
         return torch.stack([(logits.argmax(-1) == labels).sum().float(),
@@ -268,7 +267,7 @@ def main(argv=None):
     net = wrap(model, args)
 
     def loss_fn(idx, step):
-        x, lengths, labels = local_rows(args, *data.get_batch(train_split, idx, args.device, args.pad_multiple))
+        x, lengths, labels = local_rows(args, *data.get_batch(train_split, idx, args.device))
         with autocast(args.device, args.dtype):
             logits = net(x, lengths)
         return F.cross_entropy(logits.float(), labels, reduction="sum"), torch.ones_like(labels).sum()

@@ -5,22 +5,17 @@
     -> final LayerNorm
     -> reconstruction head (per position, self-pretraining)  and/or  mean pooling + classification head
 
-The attention module keeps W_Q, W_K, W_V, W_O as four separate Linear layers (`q_proj`, `k_proj`, `v_proj`,
-`o_proj`) so that the ablations of Coser et al. (Table 3) can inherit or freeze them one by one (under the default
-initialization, "reference", the four start equal, as in Amos et al.'s code: see init_weights). It has two
-paths that compute the same thing:
-  * fast: torch.nn.functional.scaled_dot_product_attention (fused kernels; our code builds an L x L tensor only
-    for ALiBi/FIRE, their (H, L, L) bias ((B, H, L, L) in a padded batch), and for causal attention in a padded
-    batch, a (B, 1, L, L) mask);
+Attention keeps W_Q, W_K, W_V, W_O as four Linear layers (`q_proj`, `k_proj`, `v_proj`, `o_proj`), so that
+Coser et al.'s Table 3 can inherit or freeze them one by one. It has two paths that compute the same thing:
+  * fast: torch.nn.functional.scaled_dot_product_attention (fused kernels);
   * explicit: softmax(Q K^T / sqrt(d_head)) written out, returning the attention probabilities for analysis.
-LayerNorm and the MLP can be switched off, which gives the paper's minimal one-layer, one-head model (Sec. 4).
+LayerNorm and the MLP can be switched off: the paper's minimal one-layer, one-head model (Sec. 4).
 
-The parameter groups of Coser et al. Table 3 (PARAM_GROUPS: W_Q, W_K, ..., by attribute name), the
-initialization schemes, the checkpoint helpers (`checkpoint_dict`, `unwrapped_state_dict`, `config_from_dict`;
-a checkpoint is a model) and what running it needs (device, dtype, autocast, FLOPs per token, GPU peaks for
-MFU) live here too. This file is a library: it imports no stage.
-The benchmark that times it is `python ablate.py bench` (README, Performance). The settings a reader will want
-to change are the fields of ModelConfig, right below.
+Reading order: ModelConfig; sinusoidal_positions (then ALiBi, RoPE and FIRE, the relative schemes of --pos);
+Attention.forward and explicit_attention; Transformer (encode, pool, classify, reconstruct); init_weights. Below
+them: the parameter groups of Table 3, checkpoint helpers, and what running the model needs (device, dtype,
+FLOPs, GPU peaks).
+This file is a library: it imports no stage.
 """
 import math
 import platform
@@ -44,10 +39,8 @@ class ModelConfig:
     n_layers: int = 2          # Transformer blocks
     n_heads: int = 4           # attention heads (d_model must be divisible by it)
     d_mlp: int = 256           # hidden width of the MLP
-    dropout: float = 0.0       # on attention probabilities and residual branches (the paper uses 0.0)
     layernorm: bool = True     # pre-LN in every block and a final LN; False for the minimal model
     mlp: bool = True           # False drops the MLP sub-block (minimal model)
-    causal: bool = False       # causal attention mask (SPT is bidirectional masked reconstruction)
     pos: str = "sinusoidal"    # positions: "sinusoidal" (absolute, added to the input), "alibi", "rope",
                                # "fire" (relative, inside attention), or "none" (with mean pooling: order-blind)
     pooling: str = "mean"      # "mean" or "max" over non-padding positions
@@ -55,8 +48,6 @@ class ModelConfig:
     cls_mlp: bool = False      # Linear(d, d) + ReLU before the class layer: Amos et al.'s `sequence_nonelinear`
                                # decoder (their Text and Image configs); False: one Linear (ListOps, PathFinder)
     attn_window: int = 0       # > 0: local attention, blocks of this many positions see their neighbour blocks
-    attend_padding: bool = False  # True: padded keys get attention like real ones, as in Amos et al.'s code (their
-                               # flash layer takes no key mask); pooling and the losses still skip padded positions
     n_classes: int = 0         # > 0 adds the classification head (finetuning)
     n_rec: int = 0             # > 0 adds the per-position reconstruction head with this many outputs (SPT)
     init: str = "reference"    # initialization scheme (INIT_SCHEMES, init_weights): "reference" = Amos et al.'s
@@ -131,20 +122,19 @@ class Attention(nn.Module):
     """Multi-head self-attention with separate W_Q, W_K, W_V, W_O (bias included, as in Amos et al.).
 
     forward(x (B, L, d_model), valid (B, L) bool or None, need_weights) -> (y (B, L, d_model), probs or None)
-    `valid[b, t]` is True at real tokens (None: no padding in the batch, or ModelConfig.attend_padding, under which
-    Transformer.encode passes None so that padded keys are attended as in Amos et al.'s code); otherwise padded keys
-    get no attention. Padded queries still produce an output (it is ignored downstream). With need_weights the explicit
-    path runs and returns probs (B, H, L, L). Relative positions (cfg.pos): "alibi" and "fire" add a bias (H, L, L)
+    `valid[b, t]` is True at real tokens (None: no padding in the batch); padded keys get no attention. Padded
+    queries still produce an output (ignored downstream). With need_weights the explicit path runs and returns
+    probs (B, H, L, L). Relative positions (cfg.pos): "alibi" and "fire" add a bias (H, L, L)
     to the scores, "rope" rotates Q and K; "sinusoidal" positions are added to the input by Transformer, not here.
     """
 
     def __init__(self, cfg):
         super().__init__()
         assert cfg.d_model % cfg.n_heads == 0, "d_model must be divisible by n_heads"
-        self.n_heads, self.d_head, self.causal = cfg.n_heads, cfg.d_model // cfg.n_heads, cfg.causal
-        self.dropout, self.pos, self.window = cfg.dropout, cfg.pos, cfg.attn_window
-        if self.window and (cfg.causal or cfg.pos in ("alibi", "fire")):
-            raise ValueError("local attention (attn_window > 0) supports neither causal masks nor alibi/fire biases")
+        self.n_heads, self.d_head = cfg.n_heads, cfg.d_model // cfg.n_heads
+        self.pos, self.window = cfg.pos, cfg.attn_window
+        if self.window and cfg.pos in ("alibi", "fire"):
+            raise ValueError("local attention (attn_window > 0) does not support alibi/fire biases")
         self.q_proj = nn.Linear(cfg.d_model, cfg.d_model)  # W_Q
         self.k_proj = nn.Linear(cfg.d_model, cfg.d_model)  # W_K
         self.v_proj = nn.Linear(cfg.d_model, cfg.d_model)  # W_V
@@ -170,9 +160,7 @@ class Attention(nn.Module):
         elif self.window and L > self.window:
             y, probs = self.local_attention(q, k, v, valid), None
         else:
-            y, probs = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
-                is_causal=self.causal and mask is None), None
+            y, probs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask), None
         y = y.transpose(1, 2).reshape(B, L, -1)  # (B, H, L, d_head) -> (B, L, d_model)
         return self.o_proj(y), probs
 
@@ -183,14 +171,10 @@ class Attention(nn.Module):
         return self.fire(L, device) if self.fire is not None else None
 
     def _mask(self, valid, L, device, full):
-        """Boolean mask (True = may attend) of padded keys and, if causal, of future keys; None if nothing is
-        masked. Causality alone stays None unless `full` (explicit path or a position bias), so that SDPA can
-        use is_causal and its fused kernels."""
+        """Boolean mask (True = may attend) of padded keys, (B, 1, 1, L), or None if nothing is masked. With
+        `full` (the explicit path) and local attention, the (B or 1, 1, L, L) form of local_attention's pattern."""
         mask = None if valid is None else valid[:, None, None, :]                # (B, 1, 1, L) keys
-        if self.causal and (mask is not None or full):
-            causal = torch.ones(L, L, dtype=torch.bool, device=device).tril()    # (L, L)
-            mask = causal[None, None] if mask is None else mask & causal         # (B or 1, 1, L, L)
-        if self.window and full and L > self.window:  # the explicit form of local_attention's pattern
+        if self.window and full and L > self.window:
             block = torch.arange(L, device=device) // self.window
             local = (block[:, None] - block[None, :]).abs() <= 1                 # (L, L)
             # A padded query may see every key of its window, so that no row is empty (its output is ignored).
@@ -225,8 +209,7 @@ class Attention(nn.Module):
         def fold(t):  # (B, H, n, ...) -> (B n, H, ...): 4-D inputs, which the fused CUDA kernels require
             return t.transpose(1, 2).flatten(0, 1)
 
-        y = F.scaled_dot_product_attention(fold(q), fold(k), fold(v), attn_mask=fold(mask),
-                                           dropout_p=self.dropout if self.training else 0.0)  # (B n, H, w, d)
+        y = F.scaled_dot_product_attention(fold(q), fold(k), fold(v), attn_mask=fold(mask))  # (B n, H, w, d)
         return y.view(B, n, H, w, d).transpose(1, 2).reshape(B, H, n * w, d)[:, :, :L]
 
     def explicit_attention(self, q, k, v, mask):
@@ -241,8 +224,6 @@ class Attention(nn.Module):
         elif mask is not None:
             scores = scores + mask
         probs = scores.softmax(dim=-1)
-        if self.training and self.dropout > 0:
-            probs = F.dropout(probs, self.dropout)
         return probs @ v, probs
 
 
@@ -256,13 +237,12 @@ class Block(nn.Module):
         self.ln2 = norm() if cfg.mlp else None
         self.mlp = nn.Sequential(nn.Linear(cfg.d_model, cfg.d_mlp), nn.GELU(),
                                  nn.Linear(cfg.d_mlp, cfg.d_model)) if cfg.mlp else None
-        self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x, valid=None, need_weights=False):
         a, probs = self.attn(self.ln1(x), valid, need_weights)
-        x = x + self.drop(a)
+        x = x + a
         if self.mlp is not None:
-            x = x + self.drop(self.mlp(self.ln2(x)))
+            x = x + self.mlp(self.ln2(x))
         return x, probs
 
 
@@ -315,8 +295,7 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {L} exceeds the model's max_len {self.cfg.max_len}")
         # One check per forward (not per layer): with no padding the attention runs without any mask.
         # lengths on the CPU (as data.get_batch returns them) make this check free; on the GPU it would wait.
-        # attend_padding (Amos et al.'s code): no key mask at all, so a sequence's outputs depend on its padding.
-        padded = lengths is not None and not self.cfg.attend_padding and not bool((lengths >= L).all())
+        padded = lengths is not None and not bool((lengths >= L).all())
         valid = torch.arange(L, device=x.device)[None, :] < on(lengths, x.device)[:, None] if padded else None
         h = self.embed(x)                                                 # (B, L, d_model)
         if self.cfg.pos == "sinusoidal":
@@ -480,14 +459,18 @@ def unwrapped_state_dict(state_dict):
     return out
 
 
+# Fields older checkpoints may hold, at the only value the code still builds.
+REMOVED_FIELDS = {"causal": False, "dropout": 0.0, "attend_padding": False}
+
+
 def config_from_dict(d, where="checkpoint"):
-    """ModelConfig from a plain dict; raises ValueError naming unknown fields. A checkpoint that records no `init`
-    was written before the schemes existed, when N(0, init_std) was the only initialization: it gets "normal"."""
-    known = {f.name for f in fields(ModelConfig)}
-    unknown = set(d) - known
+    """ModelConfig from a plain dict; raises ValueError naming unknown fields (or removed ones at another value
+    than the one the code still builds)."""
+    d = {k: v for k, v in d.items() if not (k in REMOVED_FIELDS and v == REMOVED_FIELDS[k])}
+    unknown = set(d) - {f.name for f in fields(ModelConfig)}
     if unknown:
         raise ValueError(f"{where}: unknown model_config fields {sorted(unknown)}")
-    return ModelConfig(**{"init": "normal", **d})
+    return ModelConfig(**d)
 
 
 def checkpoint_dict(model, **extra):
@@ -564,10 +547,7 @@ def peak_flops(device, dtype):
 
 def device_name(device):
     """What ran the arithmetic, for run records and logs: the GPU's name on CUDA, "MPS, <chip>" on Apple's GPU,
-    else the CPU's model name (Linux: the first "model name" of /proc/cpuinfo; elsewhere platform.processor(),
-    else the architecture).
-    Recorded because float sums, and so trained weights, depend on the CPU and its thread count (README,
-    Checkpoints, resuming, determinism)."""
+    else the CPU's model name (Linux: /proc/cpuinfo; elsewhere platform.processor(), else the architecture)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     if device.type == "mps":  # torch gives no name: the chip's, whose GPU it is (macOS sysctl)

@@ -1,23 +1,24 @@
 """pretrain.py -- self-pretraining (SPT): masked reconstruction on the task's own training split.
 
-Amos et al. (ICLR 2024) and Coser et al. (Sec. 2): each real position is masked independently with the task's
-ratio (MASK_RATIO: ListOps 10%, Text/Retrieval 15%, pixels 50%); masked tokens become <mask>, masked values and
-pixels become 0 plus a mask-indicator input channel; a per-position linear head reconstructs them, and the loss
-(cross-entropy for tokens; MSE, L1 or 256-way cross-entropy for pixels) is taken at the masked positions only,
-divided by their number. No external data is used. finetune.py then starts from the best-validation checkpoint.
+The story (Amos et al. ICLR 2024; Coser et al. Sec. 2). Each real position is masked independently with the
+task's ratio (MASK_RATIO). Masked tokens become <mask>. Masked values and pixels become 0, and an extra input
+channel says "masked". A linear head reconstructs every position; the loss counts the masked ones only
+(cross-entropy for tokens, MSE for values), divided by their number. No external data is used. finetune.py then
+starts from the checkpoint with the best validation masked loss.
 
-    python pretrain.py --task listops                  # CPU: 2 x 64 model, 450 steps, ~3 min on 2 cores with its data
+    python pretrain.py --task listops                  # CPU: 2 x 64 model, 450 steps, ~3 min on 2 cores
     python pretrain.py --task listops --preset paper   # GPU: the paper's model (6 x 512, 8 heads), 100 epochs
     python pretrain.py --task synthetic --snapshots    # the minimal model on trajectories, ~10 s on CPU
-    python pretrain.py --task ucr/GunPoint             # a UCR time series data set, ~40 s
     torchrun --standalone --nproc_per_node=8 pretrain.py --task text   # several GPUs (DDP)
 
-Reads data/<task>/{train,val}.pt (made by data.py; here if missing). Writes out/<task>/pretrain.pt, _last.pt,
-_init.pt, _log.jsonl (data.run_paths). Expect (CPU, ListOps): validation masked loss ~2.95 -> 2.64, the entropy of
-the token frequencies (the last lines compute it and say where the loss stands): a plateau that only attention to
-neighbours (the proximity bias) ends, longer than the CPU budget. Synthetic: 0.66 -> 0.03 in ~10 s.
+Reads data/<task>/{train,val}.pt (made by data.py; here if missing). Writes out/<task>/pretrain.pt (best),
+pretrain_last.pt (for --resume), pretrain_init.pt (the weights at step 0) and pretrain_log.jsonl.
+Expect on ListOps' CPU preset: validation masked loss ~2.95 -> 2.64, the entropy of the token frequencies. Only
+attention to neighbours (the proximity bias) goes below it, and that takes longer than the CPU budget. To see SPT
+work on a CPU, run `python ablate.py demo`.
 
-Reading order: the presets, the SPT objective, main; then the engine both stages share (flags, device, the loop).
+Reading order: PRESETS, the SPT objective (mask_batch, reconstruction_loss, spt_loss_fn), main. Below the
+double line is the engine both stages share: flags, device, DDP, and the training loop `train`.
 """
 import argparse
 import copy
@@ -44,6 +45,8 @@ from model import (INIT_SCHEMES, POSITIONS, ModelConfig, Transformer, accumulato
 
 # Presets per task: "paper" (Coser et al. Sec. 5; Amos et al.'s configs) and "cpu" (minutes on 2 cores). --preset
 # auto picks paper on CUDA, cpu elsewhere; any flag overrides. eval_every 10**9: validate at the end of each epoch.
+# The CPU presets of the long LRA tasks train for a few hundred steps: a pipeline check, not a result.
+CPU_STAGE = dict(batch_size=16, lr=1e-3, warmup=20, epochs=1000, max_steps=200, eval_every=200)
 PRESETS = {
     "listops": {
         "paper": dict(model=dict(n_layers=6, d_model=512, n_heads=8, d_mlp=2048),
@@ -52,72 +55,60 @@ PRESETS = {
                       finetune=dict(batch_size=32, lr=1e-4, warmup=2000, epochs=100, eval_every=3000)),
         "cpu": dict(model=dict(n_layers=2, d_model=64, n_heads=4, d_mlp=128),
                     data=dict(n_train=10000, n_val=1000, n_test=1000),
-                    pretrain=dict(batch_size=16, lr=1e-3, warmup=50, epochs=1, max_steps=450, eval_every=150),
-                    finetune=dict(batch_size=16, lr=1e-3, warmup=50, epochs=1, max_steps=450, eval_every=150))},
+                    pretrain=dict(batch_size=16, lr=1e-3, warmup=50, epochs=1, eval_every=150, max_steps=450),
+                    finetune=dict(batch_size=16, lr=1e-3, warmup=50, epochs=1, eval_every=150, max_steps=450))},
     # The minimal model of Coser et al. Sec. 4: one layer, one head, no LayerNorm, no MLP (width ours: 32).
-    "synthetic": {
-        "paper": dict(model=dict(n_layers=1, d_model=32, n_heads=1, d_mlp=32, layernorm=False, mlp=False),
-                      data=dict(n_train=5000, n_val=1000, n_test=1000),
-                      pretrain=dict(batch_size=64, lr=1e-3, warmup=0, epochs=15, eval_every=500),
-                      finetune=dict(batch_size=64, lr=1e-3, warmup=0, epochs=15, eval_every=500)),
-        "cpu": dict(model=dict(n_layers=1, d_model=32, n_heads=1, d_mlp=32, layernorm=False, mlp=False),
-                    data=dict(n_train=5000, n_val=1000, n_test=1000),
-                    pretrain=dict(batch_size=64, lr=1e-3, warmup=0, epochs=15, eval_every=500),
-                    finetune=dict(batch_size=64, lr=1e-3, warmup=0, epochs=15, eval_every=500))},
+    "synthetic": dict.fromkeys(("paper", "cpu"), dict(
+        model=dict(n_layers=1, d_model=32, n_heads=1, d_mlp=32, layernorm=False, mlp=False),
+        data=dict(n_train=5000, n_val=1000, n_test=1000),
+        pretrain=dict(batch_size=64, lr=1e-3, warmup=0, epochs=15, eval_every=500),
+        finetune=dict(batch_size=64, lr=1e-3, warmup=0, epochs=15, eval_every=500))),
     # Every UCR data set (task ucr/<Name>; the paper gives no sizes). A budget in steps, not epochs: GunPoint's 40
     # training series are 2 batches, and from scratch leaves chance level only after ~100-150 steps.
-    "ucr": {
-        "paper": dict(model=dict(n_layers=2, d_model=64, n_heads=4, d_mlp=128), data=dict(val_fraction=0.2),
-                      pretrain=dict(batch_size=32, lr=3e-3, warmup=20, epochs=10**6, max_steps=500, eval_every=20,
-                                    eval_each_epoch=False),
-                      finetune=dict(batch_size=32, lr=1e-3, warmup=20, epochs=10**6, max_steps=500, eval_every=20,
-                                    eval_each_epoch=False)),
-        "cpu": dict(model=dict(n_layers=2, d_model=64, n_heads=4, d_mlp=128), data=dict(val_fraction=0.2),
-                    pretrain=dict(batch_size=32, lr=3e-3, warmup=20, epochs=10**6, max_steps=500, eval_every=20,
-                                  eval_each_epoch=False),
-                    finetune=dict(batch_size=32, lr=1e-3, warmup=20, epochs=10**6, max_steps=500, eval_every=20,
-                                  eval_each_epoch=False))},
+    "ucr": dict.fromkeys(("paper", "cpu"), dict(
+        model=dict(n_layers=2, d_model=64, n_heads=4, d_mlp=128), data=dict(val_fraction=0.2),
+        pretrain=dict(batch_size=32, lr=3e-3, warmup=20, epochs=10**6, eval_every=20,
+                      max_steps=500, eval_each_epoch=False),
+        finetune=dict(batch_size=32, lr=1e-3, warmup=20, epochs=10**6, eval_every=20,
+                      max_steps=500, eval_each_epoch=False))),
     "text": {
         "paper": dict(model=dict(n_layers=6, d_model=512, n_heads=8, d_mlp=2048, cls_mlp=True), data=dict(max_len=4096),
-                      pretrain=dict(batch_size=32, lr=1e-3, warmup=5000, epochs=32, eval_every=10**9,
-                                    weight_decay=0.1),
-                      finetune=dict(batch_size=32, lr=1e-4, warmup=2000, epochs=65, eval_every=10**9,
-                                    weight_decay=0.1)),
+                      pretrain=dict(batch_size=32, lr=1e-3, warmup=5000, epochs=32, eval_every=10**9, weight_decay=0.1),
+                      finetune=dict(batch_size=32, lr=1e-4, warmup=2000, epochs=65, eval_every=10**9, weight_decay=0.1)),
         "cpu": dict(model=dict(n_layers=2, d_model=64, n_heads=4, d_mlp=128), data=dict(max_len=1024),
-                    pretrain=dict(batch_size=16, lr=1e-3, warmup=20, epochs=1000, max_steps=200, eval_every=200),
-                    finetune=dict(batch_size=16, lr=1e-3, warmup=20, epochs=1000, max_steps=200, eval_every=200))},
+                    pretrain=CPU_STAGE, finetune=CPU_STAGE)},
     "retrieval": {
         "paper": dict(model=dict(n_layers=4, d_model=128, n_heads=4, d_mlp=512, pair=True), data=dict(max_len=4000),
                       pretrain=dict(batch_size=32, lr=1e-3, warmup=2000, epochs=32, eval_every=10**9),
                       finetune=dict(batch_size=32, lr=1e-4, warmup=5000, epochs=32, eval_every=10**9)),
         "cpu": dict(model=dict(n_layers=2, d_model=64, n_heads=4, d_mlp=128, pair=True), data=dict(max_len=1000),
-                    pretrain=dict(batch_size=16, lr=1e-3, warmup=20, epochs=1000, max_steps=200, eval_every=200),
-                    finetune=dict(batch_size=16, lr=1e-3, warmup=20, epochs=1000, max_steps=200, eval_every=200))},
+                    pretrain=CPU_STAGE, finetune=CPU_STAGE)},
     # Pixel tasks on the CPU: L = 1024 makes attention the cost, so a narrower model (d_model 32) and 150 steps.
     "image": {
         "paper": dict(model=dict(n_layers=3, d_model=64, n_heads=4, d_mlp=128, cls_mlp=True), data=dict(),
                       pretrain=dict(batch_size=32, lr=1e-3, warmup=2500, epochs=50, eval_every=10**9),
                       finetune=dict(batch_size=50, lr=1e-3, warmup=2000, epochs=200, eval_every=10**9)),
         "cpu": dict(model=dict(n_layers=2, d_model=32, n_heads=2, d_mlp=64), data=dict(),
-                    pretrain=dict(batch_size=16, lr=1e-3, warmup=20, epochs=1000, max_steps=150, eval_every=150),
-                    finetune=dict(batch_size=16, lr=1e-3, warmup=20, epochs=1000, max_steps=150, eval_every=150))},
+                    pretrain=dict(CPU_STAGE, max_steps=150, eval_every=150),
+                    finetune=dict(CPU_STAGE, max_steps=150, eval_every=150))},
     "pathfinder": {
         "paper": dict(model=dict(n_layers=4, d_model=128, n_heads=8, d_mlp=128), data=dict(),
                       pretrain=dict(batch_size=32, lr=1e-3, warmup=2500, epochs=50, eval_every=10**9),
                       finetune=dict(batch_size=32, lr=5e-4, warmup=5000, epochs=200, eval_every=10**9)),
         "cpu": dict(model=dict(n_layers=2, d_model=32, n_heads=2, d_mlp=64), data=dict(generate_if_missing=4000),
-                    pretrain=dict(batch_size=16, lr=1e-3, warmup=20, epochs=1000, max_steps=150, eval_every=150),
-                    finetune=dict(batch_size=16, lr=1e-3, warmup=20, epochs=1000, max_steps=150, eval_every=150))},
-    # PathX: max pooling and local attention in windows of 4096 (Amos et al.'s PathX config)
+                    pretrain=dict(CPU_STAGE, max_steps=150, eval_every=150),
+                    finetune=dict(CPU_STAGE, max_steps=150, eval_every=150))},
+    # PathX: max pooling and local attention in windows of 4096 (Amos et al.'s PathX config). lr: Table 4 gives
+    # none for PathX; their PathX config's 5e-4, both stages.
     "pathx": {
         "paper": dict(model=dict(n_layers=4, d_model=128, n_heads=4, d_mlp=128, pooling="max", attn_window=4096),
-                      # lr: what we have of their Table 4 gives none for PathX; their PathX config's 5e-4, both stages
-                      data=dict(), pretrain=dict(batch_size=32, lr=5e-4, warmup=5000, epochs=200, eval_every=10**9),
+                      data=dict(),
+                      pretrain=dict(batch_size=32, lr=5e-4, warmup=5000, epochs=200, eval_every=10**9),
                       finetune=dict(batch_size=32, lr=5e-4, warmup=5000, epochs=200, eval_every=10**9)),
         "cpu": dict(model=dict(n_layers=2, d_model=64, n_heads=4, d_mlp=128, pooling="max", attn_window=256),
                     data=dict(generate_if_missing=200),
-                    pretrain=dict(batch_size=2, lr=1e-3, warmup=20, epochs=1000, max_steps=20, eval_every=20),
-                    finetune=dict(batch_size=2, lr=1e-3, warmup=20, epochs=1000, max_steps=20, eval_every=20))},
+                    pretrain=dict(batch_size=2, lr=1e-3, warmup=20, epochs=1000, eval_every=20, max_steps=20),
+                    finetune=dict(batch_size=2, lr=1e-3, warmup=20, epochs=1000, eval_every=20, max_steps=20))},
 }
 PRESETS["fashion_mnist"] = copy.deepcopy(PRESETS["image"])  # the offline stand-in for Image: the same sizes
 # Masking ratios: Amos et al.; Coser et al. Sec. 2 (pixels 50%, Text/Retrieval 15%, ListOps 10%). UCR: the paper
@@ -193,7 +184,7 @@ def spt_loss_fn(net, split, args):
     meta, g = split["meta"], mask_generator(args, 0)
 
     def loss_fn(idx, step):
-        x, lengths = data.single_sequences(*data.get_batch(split, idx, args.device, args.pad_multiple)[:2])
+        x, lengths = data.single_sequences(*data.get_batch(split, idx, args.device)[:2])
         g.manual_seed(args.seed * 1_000_003 + step)
         inputs, masked = mask_batch(x, lengths, args.mask_ratio, meta.get("mask_id"), g)
         x, lengths, inputs, masked = local_rows(args, x, lengths, inputs, masked)  # this rank's rows
@@ -204,18 +195,17 @@ def spt_loss_fn(net, split, args):
     return loss_fn
 
 
-def evaluate_reconstruction(model, split, args, step=0):
+def evaluate_reconstruction(model, split, args):
     """Validation masked loss, and masked-token accuracy (cross-entropy) or masked MAE (regression: the mean
-    absolute error per masked value, Amos et al.'s `masked_mae`), at an evaluation at `step`.
+    absolute error per masked value, Amos et al.'s `masked_mae`).
 
-    Returns {"val_loss", "val_acc" or "val_mae"}: floats. The masks of batch i come from validation_mask_seed:
-    the same at every evaluation (--val_masks fixed) or drawn afresh at each (fresh, as Amos et al.'s Dataset).
+    Returns {"val_loss", "val_acc" or "val_mae"}: floats. Batch i gets the same masks at every evaluation.
     """
     meta = split["meta"]
 
     def batch_sums(i, idx):  # loss sum, correct (or absolute error) sum, count
-        x, lengths = data.single_sequences(*data.get_batch(split, idx, args.device, args.pad_multiple)[:2])
-        g = mask_generator(args, validation_mask_seed(args, i, step))
+        x, lengths = data.single_sequences(*data.get_batch(split, idx, args.device)[:2])
+        g = mask_generator(args, 12345 + i)  # the same masks at every evaluation: the weights decide the best
         inputs, masked = mask_batch(x, lengths, args.mask_ratio, meta.get("mask_id"), g)
         with autocast(args.device, args.dtype):
             # as in training: every position, then the mask; the head in float32 for the accuracy's argmax
@@ -230,28 +220,6 @@ def evaluate_reconstruction(model, split, args, step=0):
 
     loss_sum, second, count = evaluate(model, split, args, batch_sums, 3)
     return {"val_loss": loss_sum / count, ("val_acc" if args.rec_loss == "ce" else "val_mae"): second / count}
-
-
-def validation_mask_seed(args, i, step):
-    """The seed of the masks of validation batch i at an evaluation at `step`. --val_masks fixed (ours): the same
-    masks at every evaluation, so the kept checkpoint is chosen by the weights, not by the draw of the masks;
-    fresh: new masks at each evaluation, as Amos et al.'s Dataset draws one per access (reproducible here: seeded
-    by the step, so a resumed run draws the same ones)."""
-    return 12345 + i if args.val_masks == "fixed" else 12345 + i + 1_000_003 * (step + 1)
-
-
-METRIC_NAMES = {"val_loss": "masked loss", "val_acc": "masked-token accuracy", "val_mae": "masked MAE"}
-
-
-def selection_metric(args):
-    """The validation metric that picks the SPT checkpoint kept: (name, higher_is_better, tiebreak).
-    --select_by loss (ours): the masked loss, every task. reference: Amos et al.'s `train.monitor`, the
-    masked-token accuracy for a cross-entropy reconstruction (tokens; pixels with --rec_loss ce) and the masked
-    MAE for a regression (their CIFAR; here also UCR and the synthetic task). Ties: ours, as for every metric
-    (is_better: the lower masked loss, then the later step); the tie-break of their code was not checked."""
-    if args.select_by == "loss":
-        return "val_loss", False, None
-    return ("val_acc", True, "val_loss") if args.rec_loss == "ce" else ("val_mae", False, "val_loss")
 
 
 def token_frequency_entropy(split, chunk=4096):
@@ -278,12 +246,6 @@ def pretrain_parser():
                    help="reconstruction loss for continuous inputs: MSE (the paper's), L1, or for pixel tasks "
                         "ce = 256-way cross-entropy over the raw intensity (Amos et al.'s code); tokens always "
                         "use cross-entropy over the vocabulary")
-    parser.add_argument("--select_by", default="loss", choices=("loss", "reference"),
-                        help="the validation metric that picks the SPT checkpoint kept: the masked loss, or as Amos "
-                             "et al.'s code: masked-token accuracy (cross-entropy: tokens, pixels with --rec_loss ce), "
-                             "masked MAE (regression)")
-    parser.add_argument("--val_masks", default="fixed", choices=("fixed", "fresh"),
-                        help="validation masks: the same at every evaluation, or drawn afresh at each (Amos et al.'s)")
     return parser
 
 
@@ -309,16 +271,12 @@ def main(argv=None):
         cfg = ModelConfig(d_input=meta["d_input"] + 1, max_len=meta["max_len"], n_rec=n_rec, **backbone)
     model = Transformer(cfg).to(args.device)
     paths = data.run_paths(args.out_dir, args.task, "pretrain")
-    metric, higher_is_better, tiebreak = selection_metric(args)
-    extra = dict(stage="pretrain", task=args.task, data_meta=meta, data_sha256=data_hashes(splits), metric=metric,
-                 tiebreak=tiebreak, format_version=1)
+    extra = dict(stage="pretrain", task=args.task, data_meta=meta, data_sha256=data_hashes(splits),
+                 metric="val_loss", format_version=1)
     print(f"self-pretraining {args.task}: {cfg}")
     best = train(model, splits, args, spt_loss_fn(wrap(model, args), splits["train"], args),
-                 lambda step: evaluate_reconstruction(model, splits["val"], args, step), paths, extra, higher_is_better)
-    kept = f"best validation masked loss {best['val_loss']:.4f} (step {best['step']})" if metric == "val_loss" else \
-        f"kept step {best['step']}, the best validation {METRIC_NAMES[metric]} {best[metric]:.4f} (--select_by " \
-        f"{args.select_by}; its masked loss {best['val_loss']:.4f})"
-    print(f"{kept}; "
+                 lambda step: evaluate_reconstruction(model, splits["val"], args), paths, extra, False)
+    print(f"best validation masked loss {best['val_loss']:.4f} (step {best['step']}); "
           f"{'wrote' if best['steps_trained'] else 'kept'} {paths['best']}")
     if meta["kind"] == "tokens" and args.rank == 0:
         h = token_frequency_entropy(splits["train"])
@@ -331,45 +289,42 @@ def main(argv=None):
               f"loss is {where}")
     if args.world_size > 1:
         dist.destroy_process_group()
-    spt, scratch = next_commands(args.task, paths["best"], given, cfg.attend_padding)
-    print(f"next: {spt}\n  and {scratch}   (the baseline)")
+    spt, scratch = next_commands(args.task, paths["best"], given)
+    print(f"next: {spt}\n  and {scratch}   (the baseline)\n"
+          f"to see SPT's effect on a CPU in about two minutes: python ablate.py demo")
 
 
-def next_commands(task, checkpoint, given, attend_padding):
+def next_commands(task, checkpoint, given):
     """The two finetune.py commands that follow a pretrain.py run: from its checkpoint, and the from-scratch
     baseline. `given`: the flags given to the run that differ from their defaults ({name: value}). Both carry
-    the flags of the data and the run (folders, preset, seed, device, dtype, data sizes) and --attend_padding
-    when the SPT model attends to padding; the baseline also the model's flags, so that it builds the model
-    SPT trained (a finetuning from the checkpoint takes the checkpoint's). Returns two shell strings."""
+    the flags of the data and the run (folders, preset, seed, device, dtype, data sizes); the baseline also the
+    model's flags, so that it builds the model SPT trained. Returns two shell strings."""
     def flags(names):
         return "".join(f" --{k}" if given[k] is True else f" --{k} {shlex.quote(str(given[k]))}"
                        for k in names if k in given and given[k] is not None)
     both = flags(("data_dir", "out_dir", "preset", "seed", "device", "dtype", "max_len", "resolution", "difficulty"))
-    both += " --attend_padding" if attend_padding else ""  # a setting of each stage: the finetunings need it too
-    model = flags(k for k in MODEL_FLAGS if k != "attend_padding")
+    model = flags(MODEL_FLAGS)
     return (f"python finetune.py --task {task} --init {shlex.quote(checkpoint)}{both}",
             f"python finetune.py --task {task} --init scratch{both}{model}")
 
 
 # ==========================================================================================================
-# The engine shared with finetune.py (a first reading can stop here): the flags, resolve (preset, device,
-# dtype), torchrun, the data check, the sharded evaluation both stages use, and the training loop with its
-# step, logging and evaluate-and-checkpoint parts.
+# The engine shared with finetune.py (a first reading can stop here): flags and presets, device, torchrun,
+# data, the sharded evaluation, and the training loop `train` with its step, logging and checkpoints.
 # ==========================================================================================================
 
 MODEL_SIZE_FLAGS = ("n_layers", "d_model", "n_heads", "d_mlp")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help with each flag's default, except None: those flags take the preset's value (resolve), which their
-    own help text names."""
+    """--help with each flag's default, except None: those flags take the preset's value (resolve)."""
     def _get_help_string(self, action):
         return action.help if action.default is None else super()._get_help_string(action)
 
 
 def number_at_least(kind, low, strict=False, high=None):
-    """An argparse type: a `kind` (int or float) >= low (> low if strict; <= high if given), else a one-line usage
-    error naming the flag and what it expects (argparse adds the flag's name), instead of a traceback steps later."""
+    """An argparse type: a `kind` (int or float) >= low (> low if strict; <= high if given). Anything else is a
+    one-line usage error naming the flag, instead of a traceback steps later."""
     expected = f"{'>' if strict else '>='} {low}" + (f" and <= {high}" if high is not None else "")
 
     def parse(text):
@@ -385,13 +340,13 @@ def number_at_least(kind, low, strict=False, high=None):
 
 
 POSITIVE, NON_NEGATIVE = number_at_least(int, 1), number_at_least(int, 0)
+POSITIVE_FLOAT = number_at_least(float, 0.0, strict=True)
 
 
 def build_parser(stage, description):
     """The flags every stage shares (defaults of None are filled from the preset by `resolve`)."""
     p = data.ArgumentParser(description=description, formatter_class=HelpFormatter,
-                                epilog="A flag shown without a default takes the preset's value (pretrain.PRESETS; "
-                                       "the README's table in Stage 2).")
+                            epilog="A flag shown without a default takes the preset's value (pretrain.PRESETS).")
     p.add_argument("--task", required=True, choices=data.TASKS, help="which data set")
     p.add_argument("--data_dir", default="data", help="root of data/<task>/*.pt")
     p.add_argument("--out_dir", default="out", help="root of out/<task>/ checkpoints and logs")
@@ -400,22 +355,13 @@ def build_parser(stage, description):
     p.add_argument("--epochs", type=POSITIVE, default=None, help="passes over the training split")
     p.add_argument("--max_steps", type=NON_NEGATIVE, default=None, help="cap on optimizer steps (0 = no cap)")
     p.add_argument("--batch_size", type=POSITIVE, default=None, help="sequences per step")
-    p.add_argument("--lr", type=number_at_least(float, 0.0, strict=True), default=None, help="peak learning rate of AdamW")
+    p.add_argument("--lr", type=POSITIVE_FLOAT, default=None, help="peak learning rate of AdamW")
     p.add_argument("--warmup", type=NON_NEGATIVE, default=None, help="linear warm-up steps, then constant")
-    p.add_argument("--weight_decay", type=number_at_least(float, 0.0), default=None,
-                   help="AdamW decoupled weight decay (the preset's: 0, but 0.1 for Text's paper preset)")
-    p.add_argument("--bucket", type=POSITIVE, default=data.BUCKET,
-                   help="batches per window sorted by length before it is cut (less padding); 1 = random batches, "
-                        "as Amos et al.'s loader (SPT's loss per masked token then weighs short and long "
-                        "sequences alike: data.batch_indices)")
-    p.add_argument("--drop_last", action="store_true",
-                   help="leave out the last, smaller training batch of every epoch, as Amos et al.'s loader (the rows "
-                        "a random permutation leaves over: other ones each epoch); default: kept")
+    p.add_argument("--weight_decay", type=number_at_least(float, 0.0), default=None, help="AdamW weight decay")
     p.add_argument("--grad_clip", type=number_at_least(float, 0.0), default=0.0, help="clip the gradient norm (0 = off)")
     p.add_argument("--eval_every", type=POSITIVE, default=None, help="steps between validations and checkpoints")
     p.add_argument("--eval_each_epoch", action=argparse.BooleanOptionalAction, default=None,
-                   help="also validate (and checkpoint) at the end of every epoch (default: yes, except on UCR, "
-                        "whose epochs are a few steps)")
+                   help="also validate and checkpoint at the end of every epoch (default: yes, except UCR)")
     p.add_argument("--log_every", type=POSITIVE, default=10, help="steps between log lines")
     p.add_argument("--seed", type=int, default=0, help="training seed: init, batch order, masks")
     p.add_argument("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
@@ -424,44 +370,34 @@ def build_parser(stage, description):
     p.add_argument("--resume", action="store_true", help=f"continue from out/<task>/{stage}*_last.pt")
     p.add_argument("--snapshots", action="store_true", help="also keep a checkpoint at every evaluation")
     p.add_argument("--skip_nonfinite", action="store_true",
-                   help="skip steps whose loss or gradient is NaN/inf (checked every step) instead of stopping the run")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model (opt-in; needs a working Triton)")
-    g = p.add_argument_group("model size (overrides the preset; a finetune from a checkpoint uses its own)")
+                   help="skip steps whose loss or gradient is NaN/inf (checked every step) instead of stopping")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (needs a working Triton)")
+    g = p.add_argument_group("model (overrides the preset; a finetuning from a checkpoint uses the checkpoint's)")
     for name, what in zip(MODEL_SIZE_FLAGS, ("Transformer blocks", "width of the residual stream",
                                               "attention heads (must divide d_model)", "hidden width of the MLP")):
         g.add_argument(f"--{name}", type=POSITIVE, default=None, help=what)
+    g.add_argument("--pos", default=None, choices=POSITIONS,
+                   help="positions: sinusoidal (the paper's); alibi, rope, fire (relative); none")
+    g.add_argument("--init_scheme", default=None, choices=INIT_SCHEMES,
+                   help="initialization (model.init_weights); default reference = Amos et al.'s code")
+    g.add_argument("--init_std", type=POSITIVE_FLOAT, default=None, help="std of --init_scheme normal (default 0.02)")
+    g.add_argument("--init_scale", type=POSITIVE_FLOAT, default=None, help="multiply every initialized weight (default 1)")
     d = p.add_argument_group("data (used when data/<task>/ is made, and checked against it when it exists)")
-    d.add_argument("--max_len", type=POSITIVE, default=None,
-                   help="longest sequence kept (Text, Retrieval: bytes per document; ListOps); None = the preset's")
+    d.add_argument("--max_len", type=POSITIVE, default=None, help="longest sequence kept (Text, Retrieval, ListOps)")
     d.add_argument("--resolution", type=POSITIVE, default=None,
                    help="PathFinder/PathX image side (32 / 128); Fashion-MNIST 32 or 16 (2x2 means)")
     d.add_argument("--difficulty", default=None, choices=("easy", "intermediate", "hard"),
                    help="PathFinder/PathX contour length 6 / 9 / 14 (default hard)")
     d.add_argument("--download", action="store_true",
-                   help="download missing data (IMDb 84 MB, CIFAR-10 163 MB, Fashion-MNIST 30 MB, LRA release 8.2 GB, "
-                        "UCR); without it a "
-                        "stage stops and says what to fetch")
+                   help="download missing data (IMDb 84 MB, CIFAR-10 163 MB, Fashion-MNIST 30 MB, LRA 8.2 GB, UCR)")
     d.add_argument("--accept_data", action="store_true",
-                   help="train on data/<task>/ even if its settings differ from the preset's (a warning, not an error)")
-    g.add_argument("--pos", default=None, choices=POSITIONS,
-                   help="positional encoding (default sinusoidal, the paper's); alibi/rope/fire are relative; none: no "
-                        "positions (with mean pooling the model is then blind to the order of its inputs)")
-    g.add_argument("--init_scheme", default=None, choices=INIT_SCHEMES,
-                   help="initialization (model.init_weights; default reference = Amos et al.'s code: PyTorch "
-                        "defaults, W_Q = W_K = W_V = W_O at init); torch = independent projections; normal = "
-                        "N(0, --init_std)")
-    g.add_argument("--init_std", type=number_at_least(float, 0.0, strict=True), default=None, help="std of --init_scheme normal (default 0.02)")
-    g.add_argument("--init_scale", type=number_at_least(float, 0.0, strict=True), default=None,
-                   help="multiply every initialized Linear/Embedding tensor by this (default 1)")
-    g.add_argument("--attend_padding", action="store_true", default=None,
-                   help="attend to padded keys as Amos et al.'s code does (no key mask; batches padded to their "
-                        "longest sequence, evaluated in batches drawn like training's); give it to both stages")
+                   help="train on data/<task>/ even if its settings differ from the preset's (a warning)")
     return p
 
 
 # Flags that set ModelConfig fields (flag name -> field name); None means the preset's (or ModelConfig's) value.
 MODEL_FLAGS = {**{k: k for k in MODEL_SIZE_FLAGS}, "pos": "pos", "init_scheme": "init", "init_std": "init_std",
-               "init_scale": "init_scale", "attend_padding": "attend_padding"}
+               "init_scale": "init_scale"}
 
 
 def resolve(args, stage):
@@ -471,9 +407,6 @@ def resolve(args, stage):
     if args.preset == "auto":
         args.preset = "paper" if args.device.type == "cuda" else "cpu"
     preset = fill_from_preset(args, stage)
-    # Batches are padded to their longest sequence rounded up to 64 (few distinct shapes for the GPU kernels), or,
-    # when attention sees the padding, to their longest exactly, as Amos et al.'s collate does.
-    args.pad_multiple = 1 if preset["model"].get("attend_padding") else 64
     if args.init_std is not None and (args.init_scheme or "reference") != "normal" and \
             getattr(args, "init", "scratch") == "scratch":  # finetuning from a checkpoint: its scheme (finetune.py)
         raise ValueError(f"--init_std sets the std of --init_scheme normal; this run's scheme is "
@@ -490,9 +423,8 @@ def resolve(args, stage):
 
 
 def fill_from_preset(args, stage):
-    """Set every schedule flag of `stage` left at None from the preset of args.task and args.preset ("cpu" or
-    "paper"); returns the preset, its model entry updated with the model flags given. No device, no side effect
-    beyond args (ablate.py resolves a run's settings with it without running it)."""
+    """Set every schedule flag of `stage` left at None from PRESETS[task family][args.preset]; returns the preset,
+    its model entry updated with the model flags given. No side effect beyond args (ablate.py uses it too)."""
     preset = PRESETS[data.task_family(args.task)][args.preset]
     preset = dict(preset, model={**preset["model"], **{field: getattr(args, flag) for flag, field in MODEL_FLAGS.items()
                                                        if getattr(args, flag) is not None}})
@@ -505,9 +437,9 @@ def fill_from_preset(args, stage):
 def setup_distributed(args):
     """Join the process group when started by torchrun (WORLD_SIZE > 1); sets args.rank and args.world_size.
 
-    torchrun --standalone --nproc_per_node=N pretrain.py ... runs N copies; each computes the same global batch
-    and trains on its rows rank::N, DistributedDataParallel averages the gradients, and only rank 0 prints and
-    writes files. NCCL on CUDA (one GPU per process, LOCAL_RANK), gloo on CPU.
+    torchrun --standalone --nproc_per_node=N runs N copies. Each computes the same global batch and trains on
+    its rows rank::N; DistributedDataParallel averages the gradients; only rank 0 prints and writes files.
+    NCCL on CUDA (one GPU per process, LOCAL_RANK), gloo on CPU.
     """
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.rank = int(os.environ.get("RANK", "0"))
@@ -528,10 +460,8 @@ def global_sum(t, args):
 
 
 def wrap(model, args):
-    """The module the training step calls: DistributedDataParallel under torchrun, torch.compile if asked.
-
-    Checkpoints always hold the plain `model`, so they load anywhere.
-    """
+    """The module the training step calls: DDP under torchrun, torch.compile if asked. Checkpoints always hold
+    the plain `model`, so they load anywhere."""
     # no buffer broadcast before each forward: the only buffers (positions, ALiBi slopes) are constants
     net = DistributedDataParallel(model, forward_sync_buffers=False) if args.world_size > 1 else model
     return torch.compile(net) if args.compile else net
@@ -550,17 +480,14 @@ def get_lr(step, lr, warmup):
 def prepare_data(args, preset):
     """Load train/val/test of args.task onto the device (data.load_splits), making them first if missing.
 
-    Missing data that must be downloaded is fetched only with --download (a paper run never starts an 8 GB
-    download unasked). Every data setting the preset and flags imply (data.expected_settings) is compared with
-    the prepared data's meta (data.check_settings: an error naming both values and the command that prepares
-    the data as the run expects, unless --accept_data).
+    Data that must be downloaded is fetched only with --download. The data settings the preset and flags imply
+    (data.expected_settings) are compared with the prepared data's meta (data.check_settings): an error naming
+    both values and the command that prepares the data as the run expects, unless --accept_data.
     """
     settings = data.expected_settings(args.task, preset["data"], {k: getattr(args, k) for k in data.STAGE_DATA_FLAGS})
     if args.rank == 0:
         make_data(args.task, args.data_dir, settings, args.download)
-    if args.world_size > 1:
-        # Only rank 0 writes the data and the others wait; a download may take hours, so this barrier has a group
-        # (and a timeout) of its own, not the training collectives' default.
+    if args.world_size > 1:  # rank 0 prepares, the others wait; a download may take hours: a long timeout
         dist.barrier(group=dist.new_group(backend="gloo", timeout=timedelta(hours=3)))
     splits = data.load_splits(args.data_dir, args.task, args.device, settings)
     data.check_settings(splits["train"]["meta"], settings, args.task, args.data_dir, args.preset, args.accept_data)
@@ -571,7 +498,7 @@ def prepare_data(args, preset):
 
 def make_data(task, data_dir, settings, download):
     """Prepare data/<task>/ with `settings` (data.expected_settings) unless its train.pt exists; downloads only
-    with `download`. (ablate.py --jobs calls it before starting the processes that would otherwise race to it.)"""
+    with `download`."""
     if not os.path.exists(data.split_path(data_dir, task)):
         print(f"{data_dir}/{task}/train.pt not found: preparing it")
         data.prepare(task, data_dir, **settings,
@@ -592,85 +519,40 @@ def evaluate(model, split, args, batch_sums, n_sums):
     """Sums of per-batch statistics over a whole split, in eval mode: the evaluation loop of both stages.
 
     batch_sums(i, idx) -> tensor (n_sums,) of one batch's sums (i: the batch's number, idx (B,) its rows; batches
-    sorted by length, data.batch_indices). Under torchrun each rank takes every N-th batch and the sums are
+    sorted by length, the least padding). Under torchrun each rank takes every N-th batch and the sums are
     reduced over ranks. Returns a list of n_sums floats (one host synchronisation, at the end).
     """
     model.eval()
     sums = torch.zeros(n_sums, dtype=accumulator_dtype(args.device), device=args.device)
-    for i, idx in enumerate(eval_batches(split, args)):
+    for i, idx in enumerate(data.batch_indices(split["lengths"], args.batch_size, shuffle=False)):
         if i % args.world_size == args.rank:
             sums += batch_sums(i, idx).to(sums.dtype)
     model.train()
     return global_sum(sums, args).tolist()
 
 
-def eval_batches(split, args):
-    """The evaluation batches of a split (index tensors): sorted by length, the least padding. When attention sees
-    the padding (--attend_padding) a sequence's outputs depend on its batch, so the batches are drawn as training
-    batches are (data.batch_indices with --bucket), from a fixed seed: every evaluation sees the same batches, and
-    each sequence about the padding it is trained with (Amos et al. evaluate in the files' order, unsorted)."""
-    if args.pad_multiple == 1:
-        return data.batch_indices(split["lengths"], args.batch_size, shuffle=True, seed=12345, bucket=args.bucket)
-    return data.batch_indices(split["lengths"], args.batch_size, shuffle=False)
-
-
-def plain_config(args):
-    """The run's flags as a JSON- and weights_only-safe dict (devices and dtypes become strings)."""
-    return {k: (str(v) if isinstance(v, (torch.device, torch.dtype)) else v) for k, v in vars(args).items()}
-
-
-def git_state(folder=None):
-    """(commit, modified) of the git checkout holding `folder` (default: this file's): HEAD's hash, and the tracked
-    files that differ from it, sorted (a run made with uncommitted code says so); (None, None) outside one."""
-    def git(*cmd):
-        return subprocess.run(["git", *cmd], capture_output=True, text=True, timeout=5,
-                              cwd=folder or os.path.dirname(os.path.abspath(__file__))).stdout
-    try:
-        commit = git("rev-parse", "HEAD").strip() or None
-        if commit is None:
-            return None, None
-        return commit, sorted(line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines())
-    except (OSError, subprocess.SubprocessError):
-        return None, None
-
-
-def run_record(args):
-    """Plain-type description of the run: its settings and what produced it (stored in checkpoints)."""
-    commit, modified = git_state()
-    return dict(config=plain_config(args), git_commit=commit, git_modified=modified,
-                torch_version=str(torch.__version__), python=platform.python_version(),
-                device_name=device_name(args.device), threads=torch.get_num_threads())
-
-
 def epoch_batches(split, args, epoch):
     """The training batches (index tensors) of one epoch, seeded by (seed, epoch) so that a resumed run sees
-    the same ones; under torchrun every batch has at least one row per rank (data.batch_indices). ValueError when
-    --drop_last would leave no batch."""
-    n = len(split["lengths"])
-    if args.drop_last and n < args.batch_size:
-        raise ValueError(f"--drop_last: {args.task}'s training split has {n} rows, fewer than --batch_size "
-                         f"{args.batch_size}, so every epoch would be empty; lower --batch_size or drop --drop_last")
+    the same ones; under torchrun every batch has at least one row per rank (data.batch_indices)."""
     return data.batch_indices(split["lengths"], args.batch_size, shuffle=True, seed=args.seed, epoch=epoch,
-                              bucket=args.bucket, min_rows=args.world_size, drop_last=args.drop_last)
+                              min_rows=args.world_size)
 
 
 def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better):
-    """Optimize `model` on splits["train"], evaluating and checkpointing every args.eval_every steps and, with
-    args.eval_each_epoch, at the end of every epoch.
+    """Optimize `model` on splits["train"] with AdamW; evaluate and checkpoint every args.eval_every steps and,
+    with args.eval_each_epoch, at the end of every epoch.
 
-    loss_fn(idx (B,) global batch indices, step int) -> (sum of the loss over this rank's items, their count);
-    the step minimizes (sum over ranks) / (count over ranks). eval_fn(step) -> dict of metrics with a "val_..." key
-    named by extra["metric"]. paths: data.run_paths(...). The best checkpoint (by that metric) and the last one
-    are written atomically; with args.resume the run continues from paths["last"] exactly (model, optimizer,
-    step, epoch, position in the epoch, best metric, RNG state).
-    Returns the metrics dict of the best evaluation (is_better decides ties), with its "step" and "epoch", and
-    "elapsed_s": the wall-clock seconds of the whole run, over every process that resumed it, and
-    "steps_trained": the steps this process took (0 for a --resume of a finished run).
+    loss_fn(idx (B,) global batch indices, step) -> (sum of the loss over this rank's items, their count); the
+    step minimizes (sum over ranks) / (count over ranks). eval_fn(step) -> {"val_...": float}, extra["metric"]
+    names the one that picks the best checkpoint. paths: data.run_paths(...). With args.resume the run goes on
+    from paths["last"] exactly: weights, optimizer, step, position in the epoch, best metric, RNG state.
+    Returns the best evaluation's metrics with "step", "epoch", "elapsed_s" (wall-clock seconds over every
+    process that resumed the run) and "steps_trained" (0 for a --resume of a finished run).
     """
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.999),
                             weight_decay=args.weight_decay, fused=args.device.type == "cuda")
     n_batches = len(epoch_batches(splits["train"], args, 0))  # the same for every epoch
-    total = args.epochs * n_batches if not args.max_steps else min(args.max_steps, args.epochs * n_batches)
+    total = min(args.max_steps or math.inf, args.epochs * n_batches)
     state = dict(step=0, epoch=0, batch_in_epoch=0, best=None, best_metrics=None, n_batches=n_batches)
     if args.resume:
         state = resume(model, opt, paths, n_batches, args, extra) or state
@@ -683,17 +565,7 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
                eval_fn=eval_fn, higher_is_better=higher_is_better, total=total, t_process=time.time(),
                elapsed0=state.get("elapsed_s", 0.0))  # seconds the run spent in earlier processes (--resume)
     if state["step"] == 0:
-        if args.rank == 0:
-            earlier = [os.path.basename(p) for k, p in paths.items() if k != "snapshot" and os.path.exists(p)]
-            if earlier:  # said, not silent: a rerun without --resume replaces the run in this folder
-                print(f"a new run in {os.path.dirname(paths['log']) or '.'} (no --resume): it replaces the earlier "
-                      f"run's {', '.join(earlier)} as it writes its own (--resume continues that run instead)")
-            os.makedirs(os.path.dirname(os.path.abspath(paths["log"])), exist_ok=True)
-            open(paths["log"], "w").close()  # a fresh run starts a fresh log; a resumed one appends
-        metrics = eval_fn(0)  # the starting point, so the log shows how far training moved the metric
-        print("eval at step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-        append_log(run, dict(step=0, epoch=0, **metrics))
-        save_checkpoint(run, paths["init"], metrics)  # the initial weights, for the analyses
+        start_fresh(run)
     meter, width = new_meter(args), data.split_width(splits["train"])
     run["t_start"], run["start_step"] = time.time(), state["step"]
     model.train()
@@ -705,7 +577,7 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
                 group["lr"] = lr
             loss = optimizer_step(run, loss_fn, batches[i])
             state["step"], state["batch_in_epoch"] = state["step"] + 1, i + 1
-            count_step(meter, loss, splits["train"]["lengths"][batches[i]], model.cfg, width, args.pad_multiple)
+            count_step(meter, loss, splits["train"]["lengths"][batches[i]], model.cfg, width)
             done = state["step"] >= total
             if state["step"] % args.log_every == 0 or done:
                 log_progress(run, meter, lr)
@@ -733,6 +605,24 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
                 steps_trained=state["step"] - run["start_step"])
 
 
+def start_fresh(run):
+    """Step 0 of a new run: a fresh log, an evaluation of the initial weights (the log shows how far training
+    moves the metric) and the _init.pt checkpoint the analyses start from. Says which files of an earlier run in
+    the folder it replaces (a rerun without --resume)."""
+    paths = run["paths"]
+    if run["args"].rank == 0:
+        earlier = [os.path.basename(p) for k, p in paths.items() if k != "snapshot" and os.path.exists(p)]
+        if earlier:
+            print(f"a new run in {os.path.dirname(paths['log']) or '.'} (no --resume): it replaces the earlier "
+                  f"run's {', '.join(earlier)} as it writes its own (--resume continues that run instead)")
+        os.makedirs(os.path.dirname(os.path.abspath(paths["log"])), exist_ok=True)
+        open(paths["log"], "w").close()
+    metrics = run["eval_fn"](0)
+    print("eval at step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    append_log(run, dict(step=0, epoch=0, **metrics))
+    save_checkpoint(run, paths["init"], metrics)
+
+
 def optimizer_step(run, loss_fn, idx):
     """One AdamW step on the global batch `idx`; returns the loss as a device tensor (no host synchronisation,
     except with --skip_nonfinite), or None for a step that flag skipped."""
@@ -742,32 +632,29 @@ def optimizer_step(run, loss_fn, idx):
     # DDP averages gradients over ranks, hence x world_size: the gradient is that of sum / count overall
     (loss_sum * args.world_size / count).backward()
     loss = global_sum(loss_sum.detach(), args) / count
-    grads = lambda: [p.grad for p in run["model"].parameters() if p.grad is not None]
+    grads = [p.grad for p in run["model"].parameters() if p.grad is not None]
     # A host sync, only with this flag; a finite loss can still have an inf/NaN gradient, hence its norm too.
-    if args.skip_nonfinite and not (torch.isfinite(loss) & torch.isfinite(torch.nn.utils.get_total_norm(grads()))):
+    if args.skip_nonfinite and not (torch.isfinite(loss) & torch.isfinite(torch.nn.utils.get_total_norm(grads))):
         print(f"step {state['step'] + 1}: non-finite loss or gradient, update skipped")
-        opt.zero_grad(set_to_none=True)
-        loss = None  # left out of the logged mean loss, and counted
-        state["skipped"] = state.get("skipped", 0) + 1
+        opt.zero_grad(set_to_none=True)  # every gradient None: AdamW's step below changes nothing
+        loss, state["skipped"] = None, state.get("skipped", 0) + 1
     if args.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(run["model"].parameters(), args.grad_clip)
-    opt.step()  # after a skipped step every gradient is None, so AdamW changes nothing
+    opt.step()
     opt.zero_grad(set_to_none=True)
     return loss
 
 
 def new_meter(args):
-    """What the next log line reports, summed since the last one: loss (a device tensor), steps, steps skipped
-    (--skip_nonfinite: not in the loss), real tokens, padded tokens (the positions computed on), training FLOPs,
-    and the wall-clock start."""
+    """What the next log line reports, summed since the last one: loss (a device tensor), steps, skipped steps,
+    real tokens, padded tokens (the positions computed on), training FLOPs, and the wall-clock start."""
     return dict(t_last=time.time(), loss=torch.zeros((), device=args.device), steps=0, skipped=0, tokens=0, padded=0,
                 flops=0.0)
 
 
 def count_step(meter, loss, batch_lengths, cfg, width, multiple=64):
-    """Add one step to the meter; batch_lengths (B,) or (B, 2) live on the CPU, so this never waits for the
-    device. width: the split's stored width, multiple: get_batch's (data.batch_width gives the batch's padded
-    length from them). loss None: a skipped step (optimizer_step)."""
+    """Add one step to the meter. batch_lengths (B,) or (B, 2) live on the CPU, so this never waits for the
+    device; width and multiple give the batch's padded length (data.batch_width). loss None: a skipped step."""
     if loss is None:
         meter["skipped"] += 1
     else:
@@ -781,10 +668,8 @@ def count_step(meter, loss, batch_lengths, cfg, width, multiple=64):
 
 def log_progress(run, meter, lr):
     """Print and log the mean loss, ms/step, real tokens/s, the real share of the padded tokens, MFU (GPUs in
-    model.PEAK_BF16_FLOPS) and CUDA's peak memory so far (never reset here: the process's peak up to this line),
-    with an ETA; raises FloatingPointError on a non-finite mean loss. The .item() here is the loop's one regular
-    host synchronisation. Steps skipped by --skip_nonfinite are left out of the mean and counted (loss None if
-    every step was)."""
+    model.PEAK_BF16_FLOPS), CUDA's peak memory so far and an ETA. The .item() here is the loop's one regular host
+    synchronisation. FloatingPointError on a non-finite mean loss; skipped steps are left out of the mean."""
     args, state = run["args"], run["state"]
     counted = meter["steps"] - meter["skipped"]
     mean_loss = meter["loss"].item() / counted if counted else None
@@ -795,17 +680,16 @@ def log_progress(run, meter, lr):
     peak = peak_flops(args.device, args.dtype)
     mfu = None if peak is None else meter["flops"] / dt / (peak * args.world_size)  # per GPU
     mem = torch.cuda.max_memory_allocated(args.device) / 2 ** 30 if args.device.type == "cuda" else None
-    loss = "-" if mean_loss is None else f"{mean_loss:.4f}"
     skipped = f" ({meter['skipped']} skipped)" if meter["skipped"] else ""
-    print(f"step {state['step']:6d}/{run['total']} | epoch {state['epoch']} | loss {loss}{skipped} | "
-          f"lr {lr:.2e} | {1000 * dt / meter['steps']:.0f} ms/step | {meter['tokens'] / dt:,.0f} tok/s | "
-          f"{100 * meter['tokens'] / meter['padded']:.0f}% real | "
-          + (f"MFU {100 * mfu:.1f}% | " if mfu is not None else "")
+    print(f"step {state['step']:6d}/{run['total']} | epoch {state['epoch']} | loss "
+          f"{'-' if mean_loss is None else f'{mean_loss:.4f}'}{skipped} | lr {lr:.2e} | "
+          f"{1000 * dt / meter['steps']:.0f} ms/step | {meter['tokens'] / dt:,.0f} tok/s | "
+          f"{100 * meter['tokens'] / meter['padded']:.0f}% real | " + (f"MFU {100 * mfu:.1f}% | " if mfu else "")
           + (f"peak {mem:.1f} GiB | " if mem is not None else "") + f"ETA {eta / 60:.1f} min")
     append_log(run, dict(step=state["step"], epoch=state["epoch"], loss=mean_loss, lr=lr,
                          ms_per_step=1000 * dt / meter["steps"], tokens_per_s=meter["tokens"] / dt,
-                         real_fraction=meter["tokens"] / meter["padded"], mfu=mfu,
-                         peak_memory_gib=mem, **({"skipped": meter["skipped"]} if meter["skipped"] else {})))
+                         real_fraction=meter["tokens"] / meter["padded"], mfu=mfu, peak_memory_gib=mem,
+                         **({"skipped": meter["skipped"]} if meter["skipped"] else {})))
     meter.update(new_meter(args))
 
 
@@ -813,8 +697,7 @@ def evaluate_and_checkpoint(run, epoch):
     """Evaluate (eval_fn), keep the best metrics (is_better), and write the best checkpoint (if improved), the
     last one (for --resume) and with --snapshots a copy per evaluation."""
     args, state, paths, metric = run["args"], run["state"], run["paths"], run["extra"]["metric"]
-    params = list(run["model"].parameters())
-    if not bool(torch.stack([torch.isfinite(p).all() for p in params]).all()):  # one host sync per evaluation
+    if not bool(torch.stack([torch.isfinite(p).all() for p in run["model"].parameters()]).all()):  # one host sync
         bad = [n for n, p in run["model"].named_parameters() if not torch.isfinite(p).all()]
         raise FloatingPointError(f"non-finite weights at step {state['step']} ({bad[0]}" + (
             f" and {len(bad) - 1} more" if len(bad) > 1 else "") + "): a gradient was NaN or inf although the loss "
@@ -836,8 +719,55 @@ def evaluate_and_checkpoint(run, epoch):
     save_checkpoint(run, paths["last"], metrics)
 
 
+def is_better(metrics, state, metric, higher_is_better, tiebreak=None):
+    """Whether an evaluation's `metrics` beat the best so far (state["best_metrics"]) on `metric`. A tie (frequent
+    for accuracy on a small validation split) goes to the lower `tiebreak` loss, and failing that to the later
+    evaluation, so that a tie never keeps an early step merely because it came first."""
+    best = state["best_metrics"]
+    if best is None or not math.isfinite(best[metric]):  # a NaN best would otherwise never be replaced
+        return True
+    value, ref = metrics[metric], best[metric]
+    if value != ref:
+        return value > ref if higher_is_better else value < ref
+    return tiebreak is None or metrics[tiebreak] <= best[tiebreak]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checkpoints, logs and --resume
+# ----------------------------------------------------------------------------------------------------------
+
+def plain_config(args):
+    """The run's flags as a JSON- and weights_only-safe dict (devices and dtypes become strings)."""
+    return {k: (str(v) if isinstance(v, (torch.device, torch.dtype)) else v) for k, v in vars(args).items()}
+
+
+def git_state(folder=None):
+    """(commit, modified) of the git checkout holding `folder` (default: this file's): HEAD's hash and the sorted
+    tracked files that differ from it (a run made with uncommitted code says so); (None, None) outside one."""
+    def git(*cmd):
+        return subprocess.run(["git", *cmd], capture_output=True, text=True, timeout=5,
+                              cwd=folder or os.path.dirname(os.path.abspath(__file__))).stdout
+    try:
+        commit = git("rev-parse", "HEAD").strip() or None
+        if commit is None:
+            return None, None
+        return commit, sorted(line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines())
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+
+
+def run_record(args):
+    """Plain-type description of the run: its settings and what produced it (stored in checkpoints). The CPU and
+    thread count are recorded because float sums, and so trained weights, depend on them."""
+    commit, modified = git_state()
+    return dict(config=plain_config(args), git_commit=commit, git_modified=modified,
+                torch_version=str(torch.__version__), python=platform.python_version(),
+                device_name=device_name(args.device), threads=torch.get_num_threads())
+
+
 def save_checkpoint(run, path, metrics):
-    """Write model, optimizer, loop state, RNG states, the run record and the stage's fields (rank 0 only)."""
+    """Write model, optimizer, loop state, RNG states, the run record and the stage's fields (rank 0 only),
+    atomically (data.save_atomic)."""
     args = run["args"]
     if args.rank != 0:
         return
@@ -846,20 +776,6 @@ def save_checkpoint(run, path, metrics):
     data.save_atomic(checkpoint_dict(run["model"], optimizer=run["opt"].state_dict(), state=dict(run["state"]),
                                      metrics=metrics, rng_state=torch.get_rng_state(), cuda_rng_state=cuda_rng,
                                      **run["record"], **run["extra"]), path)
-
-
-def truncate_log(path, step):
-    """Drop the log lines past `step` (what a stopped run logged after its last checkpoint, which the resumed run
-    logs again), so that each step appears once. Rewritten atomically; prints how many lines were dropped."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        lines = f.readlines()
-    # A last line without its newline is one the stopped run did not finish writing: dropped too.
-    keep = [line for line in lines if line.endswith("\n") and json.loads(line).get("step", 0) <= step]
-    if len(keep) < len(lines):
-        data.save_atomic("".join(keep), path)
-        print(f"--resume: dropped {len(lines) - len(keep)} lines of {path} logged after step {step} (logged again)")
 
 
 def append_log(run, entry):
@@ -885,11 +801,9 @@ def last_good(run):
 
 def resume(model, opt, paths, n_batches, args, extra):
     """Load the newest of paths["last"], paths["best"] into model and optimizer, restore the RNG states and drop
-    the log lines past the checkpoint (truncate_log); returns the loop state, or None when there is nothing to
-    resume (a fresh start). ValueError (check_resumable) when the checkpoint is of another run: model, data
-    (extra["data_sha256"]) or schedule."""
-    # Loaded on the CPU: load_state_dict copies onto the model's device, and the CPU copy is freed right after
-    # (mapped to the GPU it would hold a second copy of weights and AdamW state for the whole run).
+    the log lines past the checkpoint; returns the loop state, or None when there is nothing to resume.
+    ValueError (check_resumable) when the checkpoint is of another run: model, data or schedule."""
+    # Loaded on the CPU: load_state_dict copies onto the model's device, and the CPU copy is freed right after.
     path, ck = data.load_newest([paths["last"], paths["best"]], "cpu", "--resume", with_path=True)
     if ck is None:
         return None
@@ -901,37 +815,35 @@ def resume(model, opt, paths, n_batches, args, extra):
     torch.set_rng_state(ck["rng_state"])
     if args.device.type == "cuda" and ck.get("cuda_rng_state") is not None:
         torch.cuda.set_rng_state(ck["cuda_rng_state"], args.device)
-    if args.rank == 0:
-        truncate_log(paths["log"], ck["state"]["step"])
+    if args.rank == 0 and os.path.exists(paths["log"]):
+        # The lines a stopped run logged after its last checkpoint are logged again: drop them (and a last line
+        # without its newline, which it did not finish writing), so that each step appears once.
+        with open(paths["log"]) as f:
+            lines = f.readlines()
+        keep = [line for line in lines if line.endswith("\n") and json.loads(line).get("step", 0) <= ck["state"]["step"]]
+        if len(keep) < len(lines):
+            data.save_atomic("".join(keep), paths["log"])
+            print(f"--resume: dropped {len(lines) - len(keep)} lines of {paths['log']} logged after step "
+                  f"{ck['state']['step']} (logged again)")
     print(f"resumed at step {ck['state']['step']} (epoch {ck['state']['epoch']})")
-    return dict(ck["state"], n_batches=n_batches)  # older checkpoints recorded no n_batches
+    return ck["state"]
 
 
-# Flags a resumed run must share with its checkpoint (--epochs and --max_steps only say where to stop, and may grow):
-# the schedule, and the evaluation grid, metric and masks (which decide the evaluation kept as best). Not --dtype: a
-# run may go on in another precision (e.g. fp32 after bf16 overflowed), and ablate's read-back on a GPU resumes the
-# CPU's fp32 runs.
+# Flags a resumed run must share with its checkpoint (--epochs and --max_steps only say where to stop, and may
+# grow; --dtype may change, e.g. fp32 after bf16 overflowed): the schedule and the evaluation grid.
 RESUME_SAME = ("lr", "warmup", "weight_decay", "grad_clip", "seed", "mask_ratio", "rec_loss", "init", "inherit",
-               "freeze", "batch_size", "eval_every", "eval_each_epoch", "bucket", "select_by", "val_masks",
-               "drop_last")
-# What a checkpoint from before a flag ran with:
-RESUME_DEFAULTS = {"bucket": data.BUCKET, "select_by": "loss", "val_masks": "fixed", "drop_last": False}
+               "freeze", "batch_size", "eval_every", "eval_each_epoch")
 
 
 def check_resumable(ck, cfg, n_batches, data_sha256=None, config=None, init_sha256=None):
     """Raise ValueError unless checkpoint `ck` continues a run of this model config, epoch length, data and
-    schedule: resuming with other model flags (size, --init_scheme, ...) would mislabel the weights; another
-    --batch_size (or number of ranks) another epoch, whose position the checkpoint's batch counter would not mean;
-    other data (data_sha256: {split: sha256 of its .pt}, e.g. another --data_dir) would train one run on two data
-    sets; another value of a RESUME_SAME flag (config: plain_config of this run) another schedule than the
-    checkpoint's first part; for finetuning, other SPT weights behind the same --init path (init_sha256: sha256 of
-    that file, e.g. pretrain.pt overwritten by a longer pretraining) a run started from two initializations.
-    Checkpoints older than these records skip the checks they lack."""
+    schedule. Another model config would mislabel the weights; another --batch_size (or number of ranks) another
+    epoch; other data (data_sha256: {split: sha256}) one run trained on two data sets; another RESUME_SAME flag
+    (config: plain_config of this run) another schedule; for finetuning, other SPT weights behind the same --init
+    path (init_sha256: the file's sha256) a run started from two initializations."""
     saved = asdict(config_from_dict(ck["model_config"], "--resume checkpoint"))
     diff = {k: (v, getattr(cfg, k)) for k, v in saved.items() if getattr(cfg, k) != v}
     saved_config = ck.get("config") or {}
-    if saved_config:  # flags added since the checkpoint was written: it ran with their defaults then
-        saved_config = dict(RESUME_DEFAULTS, **saved_config)
     same_weights = bool(ck.get("init_sha256") and init_sha256)  # --init compared by content, not by spelling
     diff.update({k: (saved_config[k], config[k]) for k in RESUME_SAME
                  if config and k in saved_config and k in config and saved_config[k] != config[k]
@@ -940,10 +852,9 @@ def check_resumable(ck, cfg, n_batches, data_sha256=None, config=None, init_sha2
         raise ValueError("--resume: the checkpoint was made with " + ", ".join(
             f"{k}={old!r}" for k, (old, _) in diff.items()) + "; this run has " + ", ".join(
             f"{k}={new!r}" for k, (_, new) in diff.items()) + ": resume with the same flags (or start a new --out_dir)")
-    saved_batches = ck["state"].get("n_batches")
-    if saved_batches is not None and saved_batches != n_batches:
-        raise ValueError(f"--resume: the checkpoint's epochs have {saved_batches} batches, this run's {n_batches} "
-                         f"(another --batch_size or number of processes): resume with the same ones")
+    if ck["state"]["n_batches"] != n_batches:
+        raise ValueError(f"--resume: the checkpoint's epochs have {ck['state']['n_batches']} batches, this run's "
+                         f"{n_batches} (another --batch_size or number of processes): resume with the same ones")
     saved_data = ck.get("data_sha256")
     if saved_data and data_sha256 and saved_data != data_sha256:
         split = next(s for s in saved_data if saved_data[s] != data_sha256.get(s))
@@ -955,22 +866,6 @@ def check_resumable(ck, cfg, n_batches, data_sha256=None, config=None, init_sha2
         raise ValueError(f"--resume: this run started from SPT weights of sha256 {saved_init[:12]}..., but "
                          f"--init {ck.get('init')} now holds {init_sha256[:12]}... (pretrained again or further?): "
                          f"finetune the new weights in a new run (another --name or --out_dir, without --resume)")
-
-
-def is_better(metrics, state, metric, higher_is_better, tiebreak=None):
-    """Whether an evaluation's `metrics` beat the best so far (state["best_metrics"]) on `metric`.
-
-    A tie on `metric` (frequent for accuracy on a small validation split: 10 series give 11 values) is broken by
-    `tiebreak`, a loss (lower is better), and failing that goes to the later evaluation, so that a tie never keeps
-    the model of an early step merely because it came first.
-    """
-    best = state["best_metrics"]
-    if best is None or not math.isfinite(best[metric]):  # a NaN best would otherwise never be replaced
-        return True
-    value, ref = metrics[metric], best[metric]
-    if value != ref:
-        return value > ref if higher_is_better else value < ref
-    return tiebreak is None or metrics[tiebreak] <= best[tiebreak]
 
 
 if __name__ == "__main__":
