@@ -1,29 +1,22 @@
 """finetune.py -- supervised finetuning from the SPT checkpoint, or from scratch for the comparison.
 
-The model is rebuilt from the checkpoint's own model_config; the backbone (input encoder, blocks, final
-LayerNorm) is loaded strictly, the reconstruction head is dropped and a fresh classification head is added
-on top of mean pooling (a dual-encoder head for Retrieval). Cross-entropy on the labels; validation accuracy
-every epoch (and every --eval_every steps); the test accuracy is that of the best-validation model (Amos et
-al.; Coser et al. Table 2). --inherit and --freeze select parameter groups (Coser et al. Table 3); a checkpoint
-of another task with the same kind of input is a dataset swap (Sec. 3).
+The story (Amos et al.; Coser et al. Table 2). The model is rebuilt from the checkpoint's own model_config. The
+backbone (input encoder, blocks, final LayerNorm) is loaded strictly; the reconstruction head is dropped and a
+fresh classification head sits on mean pooling (a dual-encoder head for Retrieval). The loss is the labels'
+cross-entropy. Validation accuracy picks the weights tested. --inherit and --freeze select parameter groups
+(Coser et al. Table 3). A checkpoint of another task with the same kind of input is a dataset swap (Sec. 3).
 
-    python finetune.py --task listops --init out/listops/pretrain.pt     # SPT, then finetune (CPU ~13 min)
+    python finetune.py --task listops --init out/listops/pretrain.pt     # SPT, then finetune
     python finetune.py --task listops --init scratch                     # the from-scratch baseline
     python finetune.py --task synthetic --init out/synthetic/pretrain.pt --inherit qk    # only W_Q, W_K from SPT
-                                                                         # (run name spt_inherit-qk)
     python finetune.py --task image --init out/pathfinder/pretrain.pt    # dataset swap (both 1024 pixels)
-    (on a GPU the same commands use the paper preset; `python ablate.py main --preset paper` runs the grid)
 
-Reads  data/<task>/{train,val,test}.pt and the --init checkpoint
-Writes out/<task>/finetune_<name>.pt (best validation accuracy), finetune_<name>_last.pt (for --resume),
-       finetune_<name>_init.pt (the weights finetuning started from), finetune_<name>_log.jsonl and
-       finetune_<name>.json (accuracy per evaluation, best validation and test accuracy, init, seed, wall time).
-       <name> defaults to "spt" or "scratch", with "_inherit-<groups>" / "_freeze-<groups>" when those are set.
-Expect (CPU preset, ListOps, ~13 min each on 2 cores shared with a second job; the README's CPU path): ~0.17
-accuracy, near the most frequent class (450 steps do not leave the attention plateau); the paper reports
-~0.56-0.59 with SPT versus ~0.40 from scratch at the paper size (Coser et al. Table 2; unmeasured here). Synthetic task (L 100, reference init): 0.999
-(SPT) and 1.000 from scratch, ~10 s each; from scratch leaves the plateau later (epoch ~4.4 vs ~3), and in the
-init-scale grid it stays on it at small init scales and longer trajectories (README, Results).
+Reads data/<task>/{train,val,test}.pt and the --init checkpoint. Writes out/<task>/finetune_<name>.pt (best
+validation accuracy), _last.pt (for --resume), _init.pt (the starting weights), _log.jsonl and finetune_<name>.json
+(accuracy per evaluation, best validation, test and train accuracy, seed, wall time). <name> is "spt" or
+"scratch", with "_inherit-<groups>" / "_freeze-<groups>" when those are set.
+Expect: on ListOps' CPU preset ~0.17, near the majority class (450 steps do not leave the plateau); the paper
+reports ~0.56-0.59 with SPT against ~0.40 from scratch at the paper size. On the synthetic task see ablate.py demo.
 """
 import json
 import os
@@ -77,20 +70,16 @@ def hybrid_state_dict(fresh, pretrained, groups):
 def check_spt_data(ck, path, task, hashes, allow_other_data=False):
     """Check that the SPT checkpoint `ck` (from `path`) was pretrained on the data finetuning uses.
 
-    hashes: {split: sha256} of the finetuning data's .pt files (pretrain.data_hashes). Same task and the same
-    training file: fine (printed). Another task: a dataset swap (Coser et al. Sec. 3), printed as such. Same task
-    and another training file (re-prepared, other settings, other source): ValueError naming both hashes, unless
-    `allow_other_data`. A checkpoint that records no hashes (written before they were) is reported, not refused.
-    Returns one of "same", "swap", "other", "unknown".
+    hashes: {split: sha256} of the finetuning data's .pt files (pretrain.data_hashes). Same task and training
+    file: fine. Another task: a dataset swap (Coser et al. Sec. 3), printed as such. Same task, another training
+    file (re-prepared, other settings or source): ValueError naming both hashes, unless `allow_other_data`.
+    Returns one of "same", "swap", "other".
     """
-    spt = (ck.get("data_sha256") or {}).get("train")
+    spt = ck["data_sha256"]["train"]
     if ck["task"] != task:
         print(f"dataset swap: SPT on {ck['task']} (train sha256 {str(spt)[:12]}), finetuning on {task} "
               f"(train sha256 {hashes['train'][:12]})")
         return "swap"
-    if spt is None:
-        print(f"warning: {path} records no data sha256 (an older checkpoint): cannot check that SPT used this data")
-        return "unknown"
     if spt == hashes["train"]:
         print(f"SPT data = finetuning data: {task} train.pt sha256 {spt[:12]}")
         return "same"
@@ -105,15 +94,13 @@ def check_spt_data(ck, path, task, hashes, allow_other_data=False):
 def model_from_pretrained(path, meta, n_classes, task, device, inherit="all", head=None):
     """A classification model whose backbone is copied from the SPT checkpoint at `path`.
 
-    Checks that the checkpoint is a pretraining checkpoint of `task`, or of another task with the same kind of
-    input (a dataset swap, e.g. SPT on PathFinder and finetuning on Image), and the same vocabulary.
-    Only `cls_head.*` may be new and only `rec_head.*` may be dropped: anything else (or a shape mismatch)
-    raises ValueError naming the keys. Prints the new and dropped keys. `inherit` (a key of INHERIT)
-    selects the parameter groups copied; the others keep their fresh initialization (hybrid initialization,
-    Coser et al. Table 3). `head` ({field: value} of FINETUNE_FIELDS, the finetuning preset's; None: the
-    checkpoint's) sets what holds no weights and belongs to the finetuning task: the class head's kind, the pooling
-    and local attention's window (a PathFinder checkpoint finetuned on PathX pools and attends as PathX). Whether
-    the model reads document pairs (Retrieval) comes from the finetuning data's meta; changed fields are printed.
+    The checkpoint must be a pretraining checkpoint of `task`, or of another task with the same kind of input (a
+    dataset swap, e.g. PathFinder -> Image), and the same vocabulary. Only `cls_head.*` may be new and only
+    `rec_head.*` dropped: anything else, or a shape mismatch, raises ValueError naming the keys. `inherit` (a key
+    of INHERIT) selects the groups copied; the others keep their fresh initialization (hybrid initialization,
+    Coser et al. Table 3). `head` ({field: value} of FINETUNE_FIELDS; None: the checkpoint's) sets what holds no
+    weights and belongs to the finetuning task; whether the model reads pairs (Retrieval) comes from `meta`.
+    Returns the model on `device`; prints the keys and fields that changed.
     """
     ck = data.load_pt(path, map_location="cpu")
     for key in ("model", "model_config", "task", "data_meta"):
@@ -185,12 +172,8 @@ TRAIN_ACC_ROWS = "random, seed 0"  # recorded with train_acc: how its rows were 
 
 def train_accuracy(model, train_split, n_val, args, at_least=1000):
     """Accuracy on a fixed random subset of the training split, for the optimization-failure claim (from
-    scratch the model does not even fit its training data): (acc, n_rows).
-
-    n_rows = min(N_train, max(n_val, at_least)), so small training sets (UCR) are scored whole and large ones
-    cost about one validation pass. The rows are a random draw seeded 0 (the same rows for every run on the
-    same data), not the first rows: UCR files and other sources are sorted by class, and their first rows would
-    score a single class.
+    scratch the model does not even fit its training data): (acc, n_rows), n_rows = min(N_train, max(n_val,
+    at_least)). The rows are a draw seeded 0, not the first rows: UCR files are sorted by class.
     """
     n_train = len(train_split["labels"])
     n = min(n_train, max(n_val, at_least))
@@ -223,10 +206,9 @@ def main(argv=None):
         raise IsADirectoryError(f"--init {args.init}: a folder; give the checkpoint file in it (the best SPT "
                                 f"checkpoint is <out_dir>/<task>/pretrain.pt), or --init scratch")
     if args.init != "scratch" and not os.path.isfile(args.init):
-        close = "".join(f"{h} If not, " for h in data.close_name_hints(args.init) if h.startswith("did you"))
-        raise FileNotFoundError(f"--init {args.init}: no such file; {close}make it first with python pretrain.py "
-                                f"--task {args.task} (or the task to pretrain on; the best checkpoint is "
-                                f"<out_dir>/<task>/pretrain.pt), or pass --init scratch")
+        raise FileNotFoundError(f"--init {args.init}: no such file; make it first with python pretrain.py "
+                                f"--task {args.task} (the best checkpoint is <out_dir>/<task>/pretrain.pt), or "
+                                f"pass --init scratch")
     if args.name is None:  # a default that never overwrites the plain SPT run with an ablation or a dataset swap
         swap = None
         if args.init != "scratch":
@@ -247,15 +229,15 @@ def main(argv=None):
         model = model_from_pretrained(args.init, meta, meta["n_classes"], args.task, args.device, args.inherit,
                                       head={k: preset["model"].get(k, getattr(ModelConfig, k)) for k in FINETUNE_FIELDS})
         ck = data.load_pt(args.init, mmap=True)  # mmap: the tensors stay on disk, only the small fields are read
-        provenance = dict(spt_task=ck["task"], spt_sha256=init_sha256, spt_data_sha256=ck.get("data_sha256"),
-                          spt_step=(ck.get("state") or {}).get("step"),
+        provenance = dict(spt_task=ck["task"], spt_sha256=init_sha256, spt_data_sha256=ck["data_sha256"],
+                          spt_step=ck["state"]["step"],
                           spt_data=check_spt_data(ck, args.init, args.task, data_hashes(splits), args.allow_other_data))
         del ck
-    if args.init != "scratch":  # the checkpoint's initialization scheme is the run's (fresh heads/groups use it)
+    if args.init != "scratch":  # the checkpoint's model is the run's: a model flag that differs is refused
         for flag, field in MODEL_FLAGS.items():
             given = getattr(args, flag)
-            if flag.startswith("init_") and given is not None and given != getattr(model.cfg, field):
-                raise ValueError(f"--{flag} {given}: the checkpoint {args.init} was initialized with {field}="
+            if given is not None and given != getattr(model.cfg, field):
+                raise ValueError(f"--{flag} {given}: the checkpoint {args.init} has {field}="
                                  f"{getattr(model.cfg, field)!r}, and finetuning keeps it (drop --{flag})")
     frozen = [n for n, param in model.named_parameters() if param_group(n) in FREEZE[args.freeze]]
     for n, param in model.named_parameters():

@@ -1696,8 +1696,12 @@ def test_checkpoints_record_the_scheme_and_finetuning_keeps_it(synthetic_run, tm
     assert (result["init_scheme"], result["init_scale"]) == ("torch", 0.5)
     assert data.load_pt(os.path.join(out, "synthetic", "finetune_spt.pt"))["model_config"]["init"] == "torch"
     assert "init torch" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="initialized with init='torch'"):  # finetuning keeps the checkpoint's scheme
-        finetune.main(flags + ["--init", os.path.join(out, "synthetic", "pretrain.pt"), "--init_scheme", "normal"])
+    spt = os.path.join(out, "synthetic", "pretrain.pt")
+    with pytest.raises(ValueError, match="has init='torch', and finetuning keeps it"):  # the checkpoint's scheme
+        finetune.main(flags + ["--init", spt, "--init_scheme", "normal"])
+    for flag, value, field in (("--n_layers", "3", "n_layers=1"), ("--pos", "rope", "pos='sinusoidal'")):
+        with pytest.raises(ValueError, match=f"{flag} {value}: the checkpoint .* has {field}, and finetuning keeps"):
+            finetune.main(flags + ["--init", spt, flag, value])  # any model flag that differs: refused
     finetune.main(flags + ["--init", "scratch"])  # from scratch: the default scheme
     assert json.load(open(os.path.join(out, "synthetic", "finetune_scratch.json")))["init_scheme"] == "reference"
 
@@ -2347,25 +2351,14 @@ def test_finetuning_checks_that_spt_used_its_data(tmp_path, capsys):
         finetune.main(flags + ["--init", ckpt])
     finetune.main(flags + ["--init", ckpt, "--allow_other_data", "--name", "other"])
     assert json.load(open(os.path.join(out, "synthetic", "finetune_other.json")))["spt_data"] == "other"
-    old = {k: v for k, v in data.load_pt(ckpt).items() if k != "data_sha256"}  # written before hashes were recorded
-    assert finetune.check_spt_data(old, ckpt, "synthetic", res["data_sha256"]) == "unknown"
-    assert "records no data sha256" in capsys.readouterr().out
 
 
 def test_finetune_with_a_missing_init_checkpoint_says_to_pretrain_before_preparing_any_data(tmp_path, monkeypatch):
     missing = tmp_path / "out" / "synthetic" / "pretrain.pt"
-    with pytest.raises(FileNotFoundError, match=r"no such file; make it first with python pretrain.py --task synthetic \(or"):
+    with pytest.raises(FileNotFoundError, match=r"no such file; make it first with python pretrain.py --task synthetic \(the"):
         finetune.main(["--task", "synthetic", "--init", str(missing), "--data_dir", str(tmp_path / "data"),
                        "--out_dir", str(tmp_path / "out"), "--device", "cpu"])
     assert not (tmp_path / "data").exists()  # refused before the data stage ran
-    missing.parent.mkdir(parents=True)
-    missing.write_bytes(b"")  # a file of the right name beside the misspelled one: named in the error
-    typo = str(missing.parent / "pretrian.pt")
-    with pytest.raises(FileNotFoundError, match=re.escape(f"--init {typo}: no such file; did you mean {missing}? If "
-                                                          f"not, make it first with python pretrain.py --task synthetic")):
-        finetune.main(["--task", "synthetic", "--init", typo, "--data_dir", str(tmp_path / "data"),
-                       "--out_dir", str(tmp_path / "out"), "--device", "cpu"])
-    assert not (tmp_path / "data").exists()
     with pytest.raises(IsADirectoryError, match=r"--init .*: a folder; give the checkpoint file in it"):
         finetune.main(["--task", "synthetic", "--init", str(tmp_path), "--data_dir", str(tmp_path / "data"),
                        "--out_dir", str(tmp_path / "out"), "--device", "cpu"])
