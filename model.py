@@ -337,20 +337,16 @@ class Transformer(nn.Module):
         task not yet learned) accuracy would then read as class 0's frequency."""
         return in_fp32(self.cls_head, h)
 
-    def reconstruct(self, x, lengths, positions=True, fp32_head=False):
-        """Reconstruction outputs: with `positions` True, at every position, (B, L, n_rec); with a (B, L) bool
-        tensor, at the M positions where it is True, (M, n_rec). fp32_head: the head in float32 even under bf16
-        autocast (in_fp32), as the evaluation asks, whose masked-token accuracy takes an argmax (ties in bf16).
+    def reconstruct(self, x, lengths, positions=True):
+        """Reconstruction outputs, float32 (the head runs in float32, as class_head): with `positions` True, at
+        every position, (B, L, n_rec); with a (B, L) bool tensor, at the M positions where it is True, (M, n_rec).
 
-        The training step asks for every position (pretrain.spt_loss_fn): its output shape is then known without
-        looking at the mask, so on a GPU nothing waits for the device (selecting the M masked positions needs
-        their count, a host synchronisation every step). The price is the head on all B L positions, (B, L,
-        vocab) outputs: at the paper's Text size (32 x 4096 x 258) about 0.1 GB in fp32, against weights and
-        activations of several GB.
+        The training step asks for every position (pretrain.spt_loss_fn): the output's shape is then known without
+        looking at the mask, so on a GPU nothing waits for the device (picking the M masked positions needs their
+        count, a host synchronisation). The price is the head at all B L positions.
         """
         z, _ = self.encode(x, lengths)
-        z = z if positions is True else z[positions]
-        return in_fp32(self.rec_head, z) if fp32_head else self.rec_head(z)
+        return in_fp32(self.rec_head, z if positions is True else z[positions])
 
 
 def in_fp32(head, h):

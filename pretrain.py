@@ -208,8 +208,7 @@ def evaluate_reconstruction(model, split, args):
         g = mask_generator(args, 12345 + i)  # the same masks at every evaluation: the weights decide the best
         inputs, masked = mask_batch(x, lengths, args.mask_ratio, meta.get("mask_id"), g)
         with autocast(args.device, args.dtype):
-            # as in training: every position, then the mask; the head in float32 for the accuracy's argmax
-            out = model.reconstruct(inputs, lengths, True, fp32_head=True)
+            out = model.reconstruct(inputs, lengths, True)  # as in training: every position, then the mask
         acc = accumulator_dtype(args.device)  # the sums in float64 (float32 on MPS), as the loop adds them
         targets, n = targets_at(x, None, args.rec_loss, meta), masked.sum().to(acc)
         if args.rec_loss == "ce":
