@@ -47,6 +47,7 @@ import random
 import re
 import shutil
 import statistics
+import subprocess
 import sys
 import tarfile
 import urllib.request
@@ -2976,6 +2977,108 @@ def run_cli(main_fn):
         if os.environ.get("SPT_TRACEBACK"):
             raise
         sys.exit("error: " + " ".join(str(e).split()))  # one line, even for a library's multi-line message
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The stages' shared plumbing: loading a run's data, argparse number types, the record of what made a run
+# ----------------------------------------------------------------------------------------------------------
+
+def prepare_data(args, preset):
+    """Load train/val/test of args.task onto args.device (load_splits), making them first if missing.
+
+    Data that must be downloaded is fetched only with --download. The data settings the preset and flags imply
+    (expected_settings) are compared with the prepared data's meta (check_settings): an error naming both values
+    and the command that prepares the data as the run expects, unless --accept_data. Under torchrun rank 0
+    prepares and the others wait.
+    """
+    settings = expected_settings(args.task, preset["data"], {k: getattr(args, k) for k in STAGE_DATA_FLAGS})
+    if args.rank == 0:
+        make_data(args.task, args.data_dir, settings, args.download)
+    if args.world_size > 1:  # a download may take hours: a barrier with a long timeout of its own
+        import torch.distributed as dist
+        from datetime import timedelta
+        dist.barrier(group=dist.new_group(backend="gloo", timeout=timedelta(hours=3)))
+    splits = load_splits(args.data_dir, args.task, args.device, settings)
+    check_settings(splits["train"]["meta"], settings, args.task, args.data_dir, args.preset, args.accept_data)
+    print(f"data {args.data_dir}/{args.task}: " + ", ".join(
+        f"{s} {len(splits[s]['labels'])} (sha256 {splits[s]['meta']['file_sha256'][:12]})" for s in SPLITS))
+    return splits
+
+
+def make_data(task, data_dir, settings, download):
+    """Prepare data/<task>/ with `settings` (expected_settings) unless its train.pt exists; downloads only with
+    `download`."""
+    if not os.path.exists(split_path(data_dir, task)):
+        print(f"{data_dir}/{task}/train.pt not found: preparing it")
+        prepare(task, data_dir, **settings, **(dict(download=download) if task_family(task) in DOWNLOADED else {}))
+
+
+def data_hashes(splits):
+    """{split: sha256 of its .pt file} (load_splits), recorded in checkpoints and results."""
+    return {s: split["meta"]["file_sha256"] for s, split in splits.items()}
+
+
+def token_frequency_entropy(split, chunk=4096):
+    """Entropy (nats) of the token frequencies over the real positions of a token split: the masked loss of a
+    model that ignores the context and predicts every masked token from the unigram distribution. A
+    reconstruction loss below it needs attention to the context (for ListOps: the proximity bias). Counted on the
+    split's device, `chunk` sequences at a time."""
+    tokens, lengths = single_sequences(split["tokens"], split["lengths"])
+    counts = torch.zeros(split["meta"]["vocab_size"], dtype=torch.float64, device=tokens.device)
+    for start in range(0, len(tokens), chunk):
+        rows, n = tokens[start:start + chunk], lengths[start:start + chunk].to(tokens.device)
+        valid = torch.arange(tokens.shape[1], device=tokens.device)[None, :] < n[:, None]
+        counts += torch.bincount(rows[valid], minlength=len(counts)).double()
+    p = counts[counts > 0] / counts.sum()
+    return -(p * p.log()).sum().item()
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each flag's default, except None: those flags take the preset's value (pretrain.resolve)."""
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def number_at_least(kind, low, strict=False, high=None):
+    """An argparse type: a `kind` (int or float) >= low (> low if strict; <= high if given). Anything else is a
+    one-line usage error naming the flag, instead of a traceback steps later."""
+    expected = f"{'>' if strict else '>='} {low}" + (f" and <= {high}" if high is not None else "")
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}")
+        if not (value > low if strict else value >= low) or (high is not None and not value <= high):
+            raise argparse.ArgumentTypeError(f"{text} is out of range: expected {expected}")  # NaN fails both
+        return value
+    parse.__name__ = f"{kind.__name__} {expected}"
+    return parse
+
+
+POSITIVE, NON_NEGATIVE = number_at_least(int, 1), number_at_least(int, 0)
+POSITIVE_FLOAT = number_at_least(float, 0.0, strict=True)
+
+
+def plain_config(args):
+    """The run's flags as a JSON- and weights_only-safe dict (devices and dtypes become strings)."""
+    return {k: (str(v) if isinstance(v, (torch.device, torch.dtype)) else v) for k, v in vars(args).items()}
+
+
+def git_state(folder=None):
+    """(commit, modified) of the git checkout holding `folder` (default: this file's): HEAD's hash and the sorted
+    tracked files that differ from it (a run made with uncommitted code says so); (None, None) outside one."""
+    def git(*cmd):
+        return subprocess.run(["git", *cmd], capture_output=True, text=True, timeout=5,
+                              cwd=folder or os.path.dirname(os.path.abspath(__file__))).stdout
+    try:
+        commit = git("rev-parse", "HEAD").strip() or None
+        if commit is None:
+            return None, None
+        return commit, sorted(line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines())
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+
 
 
 if __name__ == "__main__":

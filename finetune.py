@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 import data
 from model import ModelConfig, Transformer, autocast, config_from_dict, param_group, unwrapped_state_dict
-from pretrain import (MODEL_FLAGS, build_parser, data_hashes, epoch_batches, evaluate, local_rows, prepare_data, resolve,
-                      run_record, train, wrap)
+from data import data_hashes, prepare_data
+from pretrain import MODEL_FLAGS, build_parser, epoch_batches, evaluate, local_rows, resolve, run_record, train, wrap
 
 
 # The groups are model.PARAM_GROUPS (W_Q, W_K, W_V, W_O, mlp, embed, norm, head, posenc), by parameter name.
@@ -70,7 +70,7 @@ def hybrid_state_dict(fresh, pretrained, groups):
 def check_spt_data(ck, path, task, hashes, allow_other_data=False):
     """Check that the SPT checkpoint `ck` (from `path`) was pretrained on the data finetuning uses.
 
-    hashes: {split: sha256} of the finetuning data's .pt files (pretrain.data_hashes). Same task and training
+    hashes: {split: sha256} of the finetuning data's .pt files (data.data_hashes). Same task and training
     file: fine. Another task: a dataset swap (Coser et al. Sec. 3), printed as such. Same task, another training
     file (re-prepared, other settings or source): ValueError naming both hashes, unless `allow_other_data`.
     Returns one of "same", "swap", "other".

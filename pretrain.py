@@ -27,11 +27,9 @@ import math
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import time
 from dataclasses import asdict
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -39,6 +37,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import data
+from data import (NON_NEGATIVE, POSITIVE, POSITIVE_FLOAT, HelpFormatter, git_state, make_data, number_at_least,
+                  plain_config)
 from model import (INIT_SCHEMES, POSITIONS, ModelConfig, Transformer, accumulator_dtype, autocast, checkpoint_dict,
                    config_from_dict, count_params, device_name, flops_per_token, on, peak_flops, pick_device,
                    pick_dtype)
@@ -221,21 +221,6 @@ def evaluate_reconstruction(model, split, args):
     return {"val_loss": loss_sum / count, ("val_acc" if args.rec_loss == "ce" else "val_mae"): second / count}
 
 
-def token_frequency_entropy(split, chunk=4096):
-    """Entropy (nats) of the token frequencies over the real positions of a token split: the masked loss of a
-    model that ignores the context and predicts every masked token from the unigram distribution of the data.
-    Reconstruction loss below it needs attention to the context (for ListOps: the proximity bias). Counted on
-    the split's device, `chunk` sequences at a time (no copy of the split)."""
-    tokens, lengths = data.single_sequences(split["tokens"], split["lengths"])
-    counts = torch.zeros(split["meta"]["vocab_size"], dtype=torch.float64, device=tokens.device)
-    for start in range(0, len(tokens), chunk):
-        rows, n = tokens[start:start + chunk], on(lengths[start:start + chunk], tokens.device)
-        valid = torch.arange(tokens.shape[1], device=tokens.device)[None, :] < n[:, None]
-        counts += torch.bincount(rows[valid], minlength=len(counts)).double()
-    p = counts[counts > 0] / counts.sum()
-    return -(p * p.log()).sum().item()
-
-
 def pretrain_parser():
     """The flags of pretrain.py: the shared ones (build_parser) and the masking and the reconstruction loss."""
     parser = build_parser("pretrain", __doc__.split("\n")[0])
@@ -256,7 +241,7 @@ def main(argv=None):
     args, preset = resolve(args, "pretrain")
     if args.mask_ratio is None:
         args.mask_ratio = MASK_RATIO[data.task_family(args.task)]
-    splits = prepare_data(args, preset)
+    splits = data.prepare_data(args, preset)
     meta = splits["train"]["meta"]
     backbone = {k: v for k, v in preset["model"].items() if k != "cls_mlp"}  # the class head is finetune.py's
     if meta["kind"] == "tokens":
@@ -270,7 +255,7 @@ def main(argv=None):
         cfg = ModelConfig(d_input=meta["d_input"] + 1, max_len=meta["max_len"], n_rec=n_rec, **backbone)
     model = Transformer(cfg).to(args.device)
     paths = data.run_paths(args.out_dir, args.task, "pretrain")
-    extra = dict(stage="pretrain", task=args.task, data_meta=meta, data_sha256=data_hashes(splits),
+    extra = dict(stage="pretrain", task=args.task, data_meta=meta, data_sha256=data.data_hashes(splits),
                  metric="val_loss", format_version=1)
     print(f"self-pretraining {args.task}: {cfg}")
     best = train(model, splits, args, spt_loss_fn(wrap(model, args), splits["train"], args),
@@ -278,7 +263,7 @@ def main(argv=None):
     print(f"best validation masked loss {best['val_loss']:.4f} (step {best['step']}); "
           f"{'wrote' if best['steps_trained'] else 'kept'} {paths['best']}")
     if meta["kind"] == "tokens" and args.rank == 0:
-        h = token_frequency_entropy(splits["train"])
+        h = data.token_frequency_entropy(splits["train"])
         gap = best["val_loss"] - h
         where = "below it: the model uses the context" if gap < -0.02 else \
             "at it: the model predicts masked tokens from their frequencies only, not yet from the context " \
@@ -313,33 +298,6 @@ def next_commands(task, checkpoint, given):
 # ==========================================================================================================
 
 MODEL_SIZE_FLAGS = ("n_layers", "d_model", "n_heads", "d_mlp")
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help with each flag's default, except None: those flags take the preset's value (resolve)."""
-    def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
-
-
-def number_at_least(kind, low, strict=False, high=None):
-    """An argparse type: a `kind` (int or float) >= low (> low if strict; <= high if given). Anything else is a
-    one-line usage error naming the flag, instead of a traceback steps later."""
-    expected = f"{'>' if strict else '>='} {low}" + (f" and <= {high}" if high is not None else "")
-
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}")
-        if not (value > low if strict else value >= low) or (high is not None and not value <= high):
-            raise argparse.ArgumentTypeError(f"{text} is out of range: expected {expected}")  # NaN fails both
-        return value
-    parse.__name__ = f"{kind.__name__} {expected}"
-    return parse
-
-
-POSITIVE, NON_NEGATIVE = number_at_least(int, 1), number_at_least(int, 0)
-POSITIVE_FLOAT = number_at_least(float, 0.0, strict=True)
 
 
 def build_parser(stage, description):
@@ -474,39 +432,6 @@ def local_rows(args, *tensors):
 def get_lr(step, lr, warmup):
     """Linear warm-up from lr/warmup to lr over `warmup` steps, then constant (Amos et al., constant_warmup)."""
     return lr * min(1.0, (step + 1) / max(1, warmup))
-
-
-def prepare_data(args, preset):
-    """Load train/val/test of args.task onto the device (data.load_splits), making them first if missing.
-
-    Data that must be downloaded is fetched only with --download. The data settings the preset and flags imply
-    (data.expected_settings) are compared with the prepared data's meta (data.check_settings): an error naming
-    both values and the command that prepares the data as the run expects, unless --accept_data.
-    """
-    settings = data.expected_settings(args.task, preset["data"], {k: getattr(args, k) for k in data.STAGE_DATA_FLAGS})
-    if args.rank == 0:
-        make_data(args.task, args.data_dir, settings, args.download)
-    if args.world_size > 1:  # rank 0 prepares, the others wait; a download may take hours: a long timeout
-        dist.barrier(group=dist.new_group(backend="gloo", timeout=timedelta(hours=3)))
-    splits = data.load_splits(args.data_dir, args.task, args.device, settings)
-    data.check_settings(splits["train"]["meta"], settings, args.task, args.data_dir, args.preset, args.accept_data)
-    print(f"data {args.data_dir}/{args.task}: " + ", ".join(
-        f"{s} {len(splits[s]['labels'])} (sha256 {splits[s]['meta']['file_sha256'][:12]})" for s in data.SPLITS))
-    return splits
-
-
-def make_data(task, data_dir, settings, download):
-    """Prepare data/<task>/ with `settings` (data.expected_settings) unless its train.pt exists; downloads only
-    with `download`."""
-    if not os.path.exists(data.split_path(data_dir, task)):
-        print(f"{data_dir}/{task}/train.pt not found: preparing it")
-        data.prepare(task, data_dir, **settings,
-                     **(dict(download=download) if data.task_family(task) in data.DOWNLOADED else {}))
-
-
-def data_hashes(splits):
-    """{split: sha256 of its .pt file} (data.load_splits), recorded in checkpoints and results."""
-    return {s: split["meta"]["file_sha256"] for s, split in splits.items()}
 
 
 def mask_generator(args, seed):
@@ -734,26 +659,6 @@ def is_better(metrics, state, metric, higher_is_better, tiebreak=None):
 # ----------------------------------------------------------------------------------------------------------
 # Checkpoints, logs and --resume
 # ----------------------------------------------------------------------------------------------------------
-
-def plain_config(args):
-    """The run's flags as a JSON- and weights_only-safe dict (devices and dtypes become strings)."""
-    return {k: (str(v) if isinstance(v, (torch.device, torch.dtype)) else v) for k, v in vars(args).items()}
-
-
-def git_state(folder=None):
-    """(commit, modified) of the git checkout holding `folder` (default: this file's): HEAD's hash and the sorted
-    tracked files that differ from it (a run made with uncommitted code says so); (None, None) outside one."""
-    def git(*cmd):
-        return subprocess.run(["git", *cmd], capture_output=True, text=True, timeout=5,
-                              cwd=folder or os.path.dirname(os.path.abspath(__file__))).stdout
-    try:
-        commit = git("rev-parse", "HEAD").strip() or None
-        if commit is None:
-            return None, None
-        return commit, sorted(line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines())
-    except (OSError, subprocess.SubprocessError):
-        return None, None
-
 
 def run_record(args):
     """Plain-type description of the run: its settings and what produced it (stored in checkpoints). The CPU and

@@ -51,7 +51,7 @@ def listops_dir(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def tiny_data_is_accepted(request, monkeypatch):
     """The fixtures' data sets are tiny on purpose, so their sizes differ from every preset's: the stages' check
-    of the data against the preset (pretrain.prepare_data) is off, except in the tests that test it."""
+    of the data against the preset (data.prepare_data) is off, except in the tests that test it."""
     if not request.node.name.startswith(("test_data_settings", "test_ablate_initscale")):
         monkeypatch.setattr(data, "data_mismatches", lambda meta, settings: [])
 
@@ -433,7 +433,7 @@ def test_token_frequency_entropy_is_that_of_the_real_positions(listops_dir):
             counts[t] = counts.get(t, 0) + 1
     total = sum(counts.values())
     want = -sum(c / total * math.log(c / total) for c in counts.values())
-    assert pretrain.token_frequency_entropy(split) == pytest.approx(want, rel=1e-9)
+    assert data.token_frequency_entropy(split) == pytest.approx(want, rel=1e-9)
     assert 0 not in counts  # padding is not a real position
 
 
@@ -3032,13 +3032,13 @@ def test_git_state_names_the_tracked_files_that_differ_from_the_commit(tmp_path)
         (repo / name).write_text("x = 1\n")
     git("add", "a.py", "b.py")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
-    assert pretrain.git_state(str(repo)) == (git("rev-parse", "HEAD").strip(), [])
+    assert data.git_state(str(repo)) == (git("rev-parse", "HEAD").strip(), [])
     (repo / "b.py").write_text("x = 2\n")
     (repo / "c.py").write_text("untracked\n")
-    assert pretrain.git_state(str(repo)) == (git("rev-parse", "HEAD").strip(), ["b.py"])
+    assert data.git_state(str(repo)) == (git("rev-parse", "HEAD").strip(), ["b.py"])
     outside = tmp_path / "outside"
     outside.mkdir()
-    assert pretrain.git_state(str(outside)) == (None, None)
+    assert data.git_state(str(outside)) == (None, None)
 
 
 def test_finetune_result_records_what_produced_it(listops_dir, tmp_path, monkeypatch):
@@ -3047,7 +3047,7 @@ def test_finetune_result_records_what_produced_it(listops_dir, tmp_path, monkeyp
     res = json.load(open(tmp_path / "listops" / "finetune_scratch.json"))
     assert res["torch_version"] == str(torch.__version__)
     assert {s: data.sha256_of(os.path.join(listops_dir, "listops", f"{s}.pt")) for s in data.SPLITS} == res["data_sha256"]
-    assert res["config"]["seed"] == 0 and [res["git_commit"], res["git_modified"]] == list(pretrain.git_state())
+    assert res["config"]["seed"] == 0 and [res["git_commit"], res["git_modified"]] == list(data.git_state())
     # The CPU's model and thread count: float sums, and so the weights, depend on them (README, determinism).
     assert res["device_name"] and res["threads"] == torch.get_num_threads()
     cpuinfo = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
