@@ -3080,6 +3080,58 @@ def git_state(folder=None):
         return None, None
 
 
+def truncate_log(path, step):
+    """Drop the lines of a run's log past `step` (what a stopped run logged after its last checkpoint, which the
+    resumed run logs again) and a last line without its newline (not finished), so each step appears once.
+    Rewritten atomically; prints how many lines were dropped."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    keep = [line for line in lines if line.endswith("\n") and json.loads(line).get("step", 0) <= step]
+    if len(keep) < len(lines):
+        save_atomic("".join(keep), path)
+        print(f"--resume: dropped {len(lines) - len(keep)} lines of {path} logged after step {step} (logged again)")
+
+
+# Flags a resumed run must share with its checkpoint (--epochs and --max_steps only say where to stop, and may
+# grow; --dtype may change, e.g. fp32 after bf16 overflowed): the schedule and the evaluation grid.
+RESUME_SAME = ("lr", "warmup", "weight_decay", "grad_clip", "seed", "mask_ratio", "rec_loss", "init", "inherit",
+               "freeze", "batch_size", "eval_every", "eval_each_epoch")
+
+
+def check_resumable(ck, cfg, n_batches, data_sha256=None, config=None, init_sha256=None):
+    """Raise ValueError unless checkpoint `ck` continues a run of this model config (cfg: a dict of ModelConfig's
+    fields), epoch length, data and schedule. Another model config would mislabel the weights; another --batch_size (or number of ranks) another
+    epoch; other data (data_sha256: {split: sha256}) one run trained on two data sets; another RESUME_SAME flag
+    (config: plain_config of this run) another schedule; for finetuning, other SPT weights behind the same --init
+    path (init_sha256: the file's sha256) a run started from two initializations."""
+    saved = ck["model_config"]  # a field it lacks (or the code no longer has) is not a difference
+    diff = {k: (saved[k], v) for k, v in cfg.items() if saved.get(k, v) != v}
+    saved_config = ck.get("config") or {}
+    same_weights = bool(ck.get("init_sha256") and init_sha256)  # --init compared by content, not by spelling
+    diff.update({k: (saved_config[k], config[k]) for k in RESUME_SAME
+                 if config and k in saved_config and k in config and saved_config[k] != config[k]
+                 and not (k == "init" and same_weights)})
+    if diff:
+        raise ValueError("--resume: the checkpoint was made with " + ", ".join(
+            f"{k}={old!r}" for k, (old, _) in diff.items()) + "; this run has " + ", ".join(
+            f"{k}={new!r}" for k, (_, new) in diff.items()) + ": resume with the same flags (or start a new --out_dir)")
+    if ck["state"]["n_batches"] != n_batches:
+        raise ValueError(f"--resume: the checkpoint's epochs have {ck['state']['n_batches']} batches, this run's "
+                         f"{n_batches} (another --batch_size or number of processes): resume with the same ones")
+    saved_data = ck.get("data_sha256")
+    if saved_data and data_sha256 and saved_data != data_sha256:
+        split = next(s for s in saved_data if saved_data[s] != data_sha256.get(s))
+        raise ValueError(f"--resume: the checkpoint was trained on other data ({split}.pt sha256 "
+                         f"{saved_data[split][:12]}..., this run's {str(data_sha256.get(split))[:12]}...: another "
+                         f"--data_dir, or the data was made again): resume on the same data (or start a new --out_dir)")
+    saved_init = ck.get("init_sha256")
+    if saved_init and init_sha256 and saved_init != init_sha256:
+        raise ValueError(f"--resume: this run started from SPT weights of sha256 {saved_init[:12]}..., but "
+                         f"--init {ck.get('init')} now holds {init_sha256[:12]}... (pretrained again or further?): "
+                         f"finetune the new weights in a new run (another --name or --out_dir, without --resume)")
+
 
 if __name__ == "__main__":
     run_cli(main)

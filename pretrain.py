@@ -37,10 +37,10 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import data
-from data import (NON_NEGATIVE, POSITIVE, POSITIVE_FLOAT, HelpFormatter, git_state, make_data, number_at_least,
+from data import (NON_NEGATIVE, POSITIVE, POSITIVE_FLOAT, HelpFormatter, git_state, number_at_least,
                   plain_config)
 from model import (INIT_SCHEMES, POSITIONS, ModelConfig, Transformer, accumulator_dtype, autocast, checkpoint_dict,
-                   config_from_dict, count_params, device_name, flops_per_token, on, peak_flops, pick_device,
+                   count_params, device_name, flops_per_token, on, peak_flops, pick_device,
                    pick_dtype)
 
 # Presets per task: "paper" (Coser et al. Sec. 5; Amos et al.'s configs) and "cpu" (minutes on 2 cores). --preset
@@ -706,12 +706,13 @@ def last_good(run):
 def resume(model, opt, paths, n_batches, args, extra):
     """Load the newest of paths["last"], paths["best"] into model and optimizer, restore the RNG states and drop
     the log lines past the checkpoint; returns the loop state, or None when there is nothing to resume.
-    ValueError (check_resumable) when the checkpoint is of another run: model, data or schedule."""
+    ValueError (data.check_resumable) when the checkpoint is of another run: model, data or schedule."""
     # Loaded on the CPU: load_state_dict copies onto the model's device, and the CPU copy is freed right after.
     path, ck = data.load_newest([paths["last"], paths["best"]], "cpu", "--resume", with_path=True)
     if ck is None:
         return None
-    check_resumable(ck, model.cfg, n_batches, extra.get("data_sha256"), plain_config(args), extra.get("init_sha256"))
+    data.check_resumable(ck, asdict(model.cfg), n_batches, extra.get("data_sha256"), plain_config(args),
+                         extra.get("init_sha256"))
     if path != paths["last"] and args.rank == 0:  # stopped before its last write, or that file is damaged
         data.save_atomic(ck, paths["last"])
     model.load_state_dict(ck["model"])
@@ -719,57 +720,10 @@ def resume(model, opt, paths, n_batches, args, extra):
     torch.set_rng_state(ck["rng_state"])
     if args.device.type == "cuda" and ck.get("cuda_rng_state") is not None:
         torch.cuda.set_rng_state(ck["cuda_rng_state"], args.device)
-    if args.rank == 0 and os.path.exists(paths["log"]):
-        # The lines a stopped run logged after its last checkpoint are logged again: drop them (and a last line
-        # without its newline, which it did not finish writing), so that each step appears once.
-        with open(paths["log"]) as f:
-            lines = f.readlines()
-        keep = [line for line in lines if line.endswith("\n") and json.loads(line).get("step", 0) <= ck["state"]["step"]]
-        if len(keep) < len(lines):
-            data.save_atomic("".join(keep), paths["log"])
-            print(f"--resume: dropped {len(lines) - len(keep)} lines of {paths['log']} logged after step "
-                  f"{ck['state']['step']} (logged again)")
+    if args.rank == 0:
+        data.truncate_log(paths["log"], ck["state"]["step"])
     print(f"resumed at step {ck['state']['step']} (epoch {ck['state']['epoch']})")
     return ck["state"]
-
-
-# Flags a resumed run must share with its checkpoint (--epochs and --max_steps only say where to stop, and may
-# grow; --dtype may change, e.g. fp32 after bf16 overflowed): the schedule and the evaluation grid.
-RESUME_SAME = ("lr", "warmup", "weight_decay", "grad_clip", "seed", "mask_ratio", "rec_loss", "init", "inherit",
-               "freeze", "batch_size", "eval_every", "eval_each_epoch")
-
-
-def check_resumable(ck, cfg, n_batches, data_sha256=None, config=None, init_sha256=None):
-    """Raise ValueError unless checkpoint `ck` continues a run of this model config, epoch length, data and
-    schedule. Another model config would mislabel the weights; another --batch_size (or number of ranks) another
-    epoch; other data (data_sha256: {split: sha256}) one run trained on two data sets; another RESUME_SAME flag
-    (config: plain_config of this run) another schedule; for finetuning, other SPT weights behind the same --init
-    path (init_sha256: the file's sha256) a run started from two initializations."""
-    saved = asdict(config_from_dict(ck["model_config"], "--resume checkpoint"))
-    diff = {k: (v, getattr(cfg, k)) for k, v in saved.items() if getattr(cfg, k) != v}
-    saved_config = ck.get("config") or {}
-    same_weights = bool(ck.get("init_sha256") and init_sha256)  # --init compared by content, not by spelling
-    diff.update({k: (saved_config[k], config[k]) for k in RESUME_SAME
-                 if config and k in saved_config and k in config and saved_config[k] != config[k]
-                 and not (k == "init" and same_weights)})
-    if diff:
-        raise ValueError("--resume: the checkpoint was made with " + ", ".join(
-            f"{k}={old!r}" for k, (old, _) in diff.items()) + "; this run has " + ", ".join(
-            f"{k}={new!r}" for k, (_, new) in diff.items()) + ": resume with the same flags (or start a new --out_dir)")
-    if ck["state"]["n_batches"] != n_batches:
-        raise ValueError(f"--resume: the checkpoint's epochs have {ck['state']['n_batches']} batches, this run's "
-                         f"{n_batches} (another --batch_size or number of processes): resume with the same ones")
-    saved_data = ck.get("data_sha256")
-    if saved_data and data_sha256 and saved_data != data_sha256:
-        split = next(s for s in saved_data if saved_data[s] != data_sha256.get(s))
-        raise ValueError(f"--resume: the checkpoint was trained on other data ({split}.pt sha256 "
-                         f"{saved_data[split][:12]}..., this run's {str(data_sha256.get(split))[:12]}...: another "
-                         f"--data_dir, or the data was made again): resume on the same data (or start a new --out_dir)")
-    saved_init = ck.get("init_sha256")
-    if saved_init and init_sha256 and saved_init != init_sha256:
-        raise ValueError(f"--resume: this run started from SPT weights of sha256 {saved_init[:12]}..., but "
-                         f"--init {ck.get('init')} now holds {init_sha256[:12]}... (pretrained again or further?): "
-                         f"finetune the new weights in a new run (another --name or --out_dir, without --resume)")
 
 
 if __name__ == "__main__":

@@ -2192,12 +2192,12 @@ def test_check_resumable_compares_init_by_content_only_when_both_sides_have_a_sh
     cfg = ModelConfig(vocab_size=17, max_len=8, d_model=8, n_layers=1, n_heads=2, d_mlp=8, n_classes=2)
     ck = dict(model_config=dataclasses.asdict(cfg), state=dict(step=2, n_batches=3), config=dict(init="scratch"))
     with pytest.raises(ValueError, match=r"made with init='scratch'; this run has init='spt.pt'"):
-        pretrain.check_resumable(ck, cfg, 3, None, dict(init="spt.pt"), init_sha256="ab" * 32)
+        data.check_resumable(ck, dataclasses.asdict(cfg), 3, None, dict(init="spt.pt"), init_sha256="ab" * 32)
     old = dict(ck, config=dict(init="a/pretrain.pt"))  # a checkpoint from before init_sha256 was recorded
     with pytest.raises(ValueError, match=r"made with init='a/pretrain.pt'; this run has init='b/pretrain.pt'"):
-        pretrain.check_resumable(old, cfg, 3, None, dict(init="b/pretrain.pt"), init_sha256="ab" * 32)
+        data.check_resumable(old, dataclasses.asdict(cfg), 3, None, dict(init="b/pretrain.pt"), init_sha256="ab" * 32)
     same = dict(old, init_sha256="ab" * 32, init="a/pretrain.pt")
-    pretrain.check_resumable(same, cfg, 3, None, dict(init="b/pretrain.pt"), init_sha256="ab" * 32)  # same weights
+    data.check_resumable(same, dataclasses.asdict(cfg), 3, None, dict(init="b/pretrain.pt"), init_sha256="ab" * 32)  # same weights
 
 
 def test_finetune_resume_refuses_spt_weights_rewritten_behind_the_same_path(listops_dir, tmp_path):
