@@ -31,6 +31,7 @@ an error) and the data settings the stages check against the prepared data  9. c
 """
 import argparse
 import contextlib
+from contextlib import nullcontext
 import csv
 import difflib
 import gzip
@@ -43,6 +44,7 @@ import json
 import math
 import os
 import pickle
+import platform
 import random
 import re
 import shutil
@@ -3131,6 +3133,75 @@ def check_resumable(ck, cfg, n_batches, data_sha256=None, config=None, init_sha2
         raise ValueError(f"--resume: this run started from SPT weights of sha256 {saved_init[:12]}..., but "
                          f"--init {ck.get('init')} now holds {init_sha256[:12]}... (pretrained again or further?): "
                          f"finetune the new weights in a new run (another --name or --out_dir, without --resume)")
+
+# Device and dtype: where a stage runs, in which precision, and what the hardware can do (MFU's peak).
+
+def pick_device(name):
+    """'auto' -> cuda if available, else mps, else cpu; any other string is passed to torch.device (and
+    cuda:N becomes the current GPU, so that torch.cuda calls without a device argument mean it)."""
+    if name != "auto":
+        device = torch.device(name)
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)
+        return device
+    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
+
+
+def pick_dtype(name, device):
+    """(dtype, reason): bf16 autocast only on CUDA devices that support it; fp16 is never used (NaN-prone)."""
+    if name == "fp32":
+        return torch.float32, "asked for"
+    supported = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    if name == "bf16":
+        if not supported:
+            raise ValueError(f"--dtype bf16 asked for, but {device} does not support bf16; use --dtype fp32")
+        return torch.bfloat16, "asked for"
+    return (torch.bfloat16, "CUDA with bf16") if supported else (torch.float32, f"no bf16 autocast on {device.type}")
+
+
+def accumulator_dtype(device):
+    """float64 for evaluation sums, except on MPS, which has no float64."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def autocast(device, dtype):
+    """Mixed-precision context for the forward pass on `device` in `dtype` (a no-op in fp32)."""
+    return nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
+
+
+# Dense bf16 peak FLOP/s of common GPUs (vendor data sheets); an unknown GPU gets no MFU rather than a wrong one.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H200 NVL": 835e12, "H100": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12,
+                   "A100": 312e12, "L40S": 362e12, "A10": 125e12, "L4": 121e12, "RTX 4090": 165e12, "RTX 3090": 71e12,
+                   "A6000": 155e12}
+
+
+def peak_flops(device, dtype):
+    """Peak FLOP/s for MFU, or None (CPU, fp32, or a GPU not in PEAK_BF16_FLOPS)."""
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return None
+    return peak_flops_of(torch.cuda.get_device_name(device))
+
+
+def device_name(device):
+    """What ran the arithmetic, for run records and logs: the GPU's name on CUDA, "MPS, <arch>" on Apple's GPU,
+    else the CPU's model name (Linux: /proc/cpuinfo; elsewhere platform.processor(), else the architecture)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "mps":
+        return f"MPS, {platform.machine()}"
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return (names[0] if names else "") or platform.processor() or platform.machine()
+
+
+def peak_flops_of(name):
+    """PEAK_BF16_FLOPS of a GPU name: the longest key found in it as whole words ("A10" is not "A10G")."""
+    found = [k for k in PEAK_BF16_FLOPS if re.search(rf"(^|\W){re.escape(k)}($|\W)", name)]
+    return PEAK_BF16_FLOPS[max(found, key=len)] if found else None
 
 
 if __name__ == "__main__":

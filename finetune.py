@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 import data
-from model import ModelConfig, Transformer, autocast, config_from_dict, param_group, unwrapped_state_dict
-from data import data_hashes, prepare_data
+from data import autocast, data_hashes, prepare_data
+from model import ModelConfig, Transformer, config_from_dict, param_group, unwrapped_state_dict
 from pretrain import MODEL_FLAGS, build_parser, epoch_batches, evaluate, local_rows, resolve, run_record, train, wrap
 
 

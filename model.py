@@ -13,14 +13,10 @@ LayerNorm and the MLP can be switched off: the paper's minimal one-layer, one-he
 
 Reading order: ModelConfig; sinusoidal_positions (then ALiBi, RoPE and FIRE, the relative schemes of --pos);
 Attention.forward and explicit_attention; Transformer (encode, pool, classify, reconstruct); init_weights. Below
-them: the parameter groups of Table 3, checkpoint helpers, and what running the model needs (device, dtype,
-FLOPs, GPU peaks).
+them: the parameter groups of Table 3, checkpoint helpers and the FLOPs per token.
 This file is a library: it imports no stage.
 """
 import math
-import platform
-import re
-import subprocess
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 
@@ -475,7 +471,7 @@ def checkpoint_dict(model, **extra):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Running the model: device, dtype and mixed precision, FLOPs and the GPU peaks behind MFU
+# FLOPs (for MFU: the GPU peaks, device and dtype live in data.py, with the stages' other plumbing)
 # ----------------------------------------------------------------------------------------------------------
 
 def flops_per_token(cfg, L):
@@ -492,76 +488,3 @@ def flops_per_token(cfg, L):
     per_position = (cfg.d_input if cfg.vocab_size == 0 else 0) * cfg.d_model + cfg.n_rec * cfg.d_model
     keys = min(L, 3 * cfg.attn_window) if cfg.attn_window else L
     return 6 * (cfg.n_layers * per_layer + per_position) + 12 * cfg.n_layers * cfg.d_model * keys
-
-
-def pick_device(name):
-    """'auto' -> cuda if available, else mps, else cpu; any other string is passed to torch.device (and
-    cuda:N becomes the current GPU, so that torch.cuda calls without a device argument mean it)."""
-    if name != "auto":
-        device = torch.device(name)
-        if device.type == "cuda" and device.index is not None:
-            torch.cuda.set_device(device)
-        return device
-    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
-    return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
-
-
-def pick_dtype(name, device):
-    """(dtype, reason): bf16 autocast only on CUDA devices that support it; fp16 is never used (NaN-prone)."""
-    if name == "fp32":
-        return torch.float32, "asked for"
-    supported = device.type == "cuda" and torch.cuda.is_bf16_supported()
-    if name == "bf16":
-        if not supported:
-            raise ValueError(f"--dtype bf16 asked for, but {device} does not support bf16; use --dtype fp32")
-        return torch.bfloat16, "asked for"
-    return (torch.bfloat16, "CUDA with bf16") if supported else (torch.float32, f"no bf16 autocast on {device.type}")
-
-
-def accumulator_dtype(device):
-    """float64 for evaluation sums, except on MPS, which has no float64."""
-    return torch.float32 if device.type == "mps" else torch.float64
-
-
-def autocast(device, dtype):
-    """Mixed-precision context for the forward pass on `device` in `dtype` (a no-op in fp32)."""
-    return nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
-
-
-# Dense bf16 peak FLOP/s of common GPUs (vendor data sheets); an unknown GPU gets no MFU rather than a wrong one.
-PEAK_BF16_FLOPS = {"H200": 989e12, "H200 NVL": 835e12, "H100": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12,
-                   "A100": 312e12, "L40S": 362e12, "A10": 125e12, "L4": 121e12, "RTX 4090": 165e12, "RTX 3090": 71e12,
-                   "A6000": 155e12}
-
-
-def peak_flops(device, dtype):
-    """Peak FLOP/s for MFU, or None (CPU, fp32, or a GPU not in PEAK_BF16_FLOPS)."""
-    if device.type != "cuda" or dtype != torch.bfloat16:
-        return None
-    return peak_flops_of(torch.cuda.get_device_name(device))
-
-
-def device_name(device):
-    """What ran the arithmetic, for run records and logs: the GPU's name on CUDA, "MPS, <chip>" on Apple's GPU,
-    else the CPU's model name (Linux: /proc/cpuinfo; elsewhere platform.processor(), else the architecture)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    if device.type == "mps":  # torch gives no name: the chip's, whose GPU it is (macOS sysctl)
-        try:
-            chip = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
-                                  timeout=5).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            chip = ""
-        return f"MPS, {chip or platform.machine()}"
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    except OSError:
-        names = []
-    return (names[0] if names else "") or platform.processor() or platform.machine()
-
-
-def peak_flops_of(name):
-    """PEAK_BF16_FLOPS of a GPU name: the longest key found in it as whole words ("A10" is not "A10G")."""
-    found = [k for k in PEAK_BF16_FLOPS if re.search(rf"(^|\W){re.escape(k)}($|\W)", name)]
-    return PEAK_BF16_FLOPS[max(found, key=len)] if found else None

@@ -37,11 +37,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import data
-from data import (NON_NEGATIVE, POSITIVE, POSITIVE_FLOAT, HelpFormatter, git_state, number_at_least,
-                  plain_config)
-from model import (INIT_SCHEMES, POSITIONS, ModelConfig, Transformer, accumulator_dtype, autocast, checkpoint_dict,
-                   count_params, device_name, flops_per_token, on, peak_flops, pick_device,
-                   pick_dtype)
+from data import (NON_NEGATIVE, POSITIVE, POSITIVE_FLOAT, HelpFormatter, accumulator_dtype, autocast, device_name,
+                  git_state, number_at_least, peak_flops, pick_device, pick_dtype, plain_config)
+from model import INIT_SCHEMES, POSITIONS, ModelConfig, Transformer, checkpoint_dict, count_params, flops_per_token, on
 
 # Presets per task: "paper" (Coser et al. Sec. 5; Amos et al.'s configs) and "cpu" (minutes on 2 cores). --preset
 # auto picks paper on CUDA, cpu elsewhere; any flag overrides. eval_every 10**9: validate at the end of each epoch.
