@@ -31,8 +31,8 @@ an error) and the data settings the stages check against the prepared data  9. c
 """
 import argparse
 import contextlib
-from contextlib import nullcontext
 import csv
+import datetime
 import difflib
 import gzip
 import hashlib
@@ -58,6 +58,8 @@ import zlib
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 from PIL import Image  # Pillow: installed with matplotlib, which needs it
 
 # ----------------------------------------------------------------------------------------------------------
@@ -2997,9 +2999,7 @@ def prepare_data(args, preset):
     if args.rank == 0:
         make_data(args.task, args.data_dir, settings, args.download)
     if args.world_size > 1:  # a download may take hours: a barrier with a long timeout of its own
-        import torch.distributed as dist
-        from datetime import timedelta
-        dist.barrier(group=dist.new_group(backend="gloo", timeout=timedelta(hours=3)))
+        dist.barrier(group=dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=3)))
     splits = load_splits(args.data_dir, args.task, args.device, settings)
     check_settings(splits["train"]["meta"], settings, args.task, args.data_dir, args.preset, args.accept_data)
     print(f"data {args.data_dir}/{args.task}: " + ", ".join(
@@ -3167,7 +3167,7 @@ def accumulator_dtype(device):
 
 def autocast(device, dtype):
     """Mixed-precision context for the forward pass on `device` in `dtype` (a no-op in fp32)."""
-    return nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
+    return contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
 
 
 # Dense bf16 peak FLOP/s of common GPUs (vendor data sheets); an unknown GPU gets no MFU rather than a wrong one.
@@ -3202,6 +3202,45 @@ def peak_flops_of(name):
     """PEAK_BF16_FLOPS of a GPU name: the longest key found in it as whole words ("A10" is not "A10G")."""
     found = [k for k in PEAK_BF16_FLOPS if re.search(rf"(^|\W){re.escape(k)}($|\W)", name)]
     return PEAK_BF16_FLOPS[max(found, key=len)] if found else None
+
+# torchrun (DDP): one process per GPU, each training on its share of the global batch.
+
+def setup_distributed(args):
+    """Join the process group when started by torchrun (WORLD_SIZE > 1); sets args.rank and args.world_size.
+
+    torchrun --standalone --nproc_per_node=N runs N copies. Each computes the same global batch and trains on
+    its rows rank::N; DistributedDataParallel averages the gradients; only rank 0 prints and writes files.
+    NCCL on CUDA (one GPU per process, LOCAL_RANK), gloo on CPU.
+    """
+    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args.rank = int(os.environ.get("RANK", "0"))
+    if args.world_size > 1:
+        if args.device.type == "cuda":
+            args.device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(args.device)
+        dist.init_process_group("nccl" if args.device.type == "cuda" else "gloo")
+        if args.rank != 0:
+            sys.stdout = open(os.devnull, "w")  # one copy of every message: rank 0's
+
+
+def global_sum(t, args):
+    """Sum of a tensor over all ranks (itself when not distributed)."""
+    if args.world_size > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def wrap(model, args):
+    """The module the training step calls: DDP under torchrun, torch.compile if asked. Checkpoints always hold
+    the plain `model`, so they load anywhere."""
+    # no buffer broadcast before each forward: the only buffers (positions, ALiBi slopes) are constants
+    net = DistributedDataParallel(model, forward_sync_buffers=False) if args.world_size > 1 else model
+    return torch.compile(net) if args.compile else net
+
+
+def local_rows(args, *tensors):
+    """This rank's share of a global batch: rows rank, rank + N, ... (all rows when not distributed)."""
+    return [t[args.rank::args.world_size] for t in tensors]
 
 
 if __name__ == "__main__":

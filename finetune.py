@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 
 import data
-from data import autocast, data_hashes, prepare_data
+from data import autocast, data_hashes, local_rows, prepare_data, wrap
 from model import ModelConfig, Transformer, config_from_dict, param_group, unwrapped_state_dict
-from pretrain import MODEL_FLAGS, build_parser, epoch_batches, evaluate, local_rows, resolve, run_record, train, wrap
+from pretrain import MODEL_FLAGS, build_parser, epoch_batches, evaluate, resolve, run_record, train
 
 
 # The groups are model.PARAM_GROUPS (W_Q, W_K, W_V, W_O, mlp, embed, norm, head, posenc), by parameter name.

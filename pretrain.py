@@ -27,18 +27,17 @@ import math
 import os
 import platform
 import shlex
-import sys
 import time
 from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 
 import data
 from data import (NON_NEGATIVE, POSITIVE, POSITIVE_FLOAT, HelpFormatter, accumulator_dtype, autocast, device_name,
-                  git_state, number_at_least, peak_flops, pick_device, pick_dtype, plain_config)
+                  git_state, global_sum, local_rows, number_at_least, peak_flops, pick_device, pick_dtype,
+                  plain_config, setup_distributed, wrap)
 from model import INIT_SCHEMES, POSITIONS, ModelConfig, Transformer, checkpoint_dict, count_params, flops_per_token, on
 
 # Presets per task: "paper" (Coser et al. Sec. 5; Amos et al.'s configs) and "cpu" (minutes on 2 cores). --preset
@@ -387,44 +386,6 @@ def fill_from_preset(args, stage):
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     return preset
-
-
-def setup_distributed(args):
-    """Join the process group when started by torchrun (WORLD_SIZE > 1); sets args.rank and args.world_size.
-
-    torchrun --standalone --nproc_per_node=N runs N copies. Each computes the same global batch and trains on
-    its rows rank::N; DistributedDataParallel averages the gradients; only rank 0 prints and writes files.
-    NCCL on CUDA (one GPU per process, LOCAL_RANK), gloo on CPU.
-    """
-    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    args.rank = int(os.environ.get("RANK", "0"))
-    if args.world_size > 1:
-        if args.device.type == "cuda":
-            args.device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-            torch.cuda.set_device(args.device)
-        dist.init_process_group("nccl" if args.device.type == "cuda" else "gloo")
-        if args.rank != 0:
-            sys.stdout = open(os.devnull, "w")  # one copy of every message: rank 0's
-
-
-def global_sum(t, args):
-    """Sum of a tensor over all ranks (itself when not distributed)."""
-    if args.world_size > 1:
-        dist.all_reduce(t)
-    return t
-
-
-def wrap(model, args):
-    """The module the training step calls: DDP under torchrun, torch.compile if asked. Checkpoints always hold
-    the plain `model`, so they load anywhere."""
-    # no buffer broadcast before each forward: the only buffers (positions, ALiBi slopes) are constants
-    net = DistributedDataParallel(model, forward_sync_buffers=False) if args.world_size > 1 else model
-    return torch.compile(net) if args.compile else net
-
-
-def local_rows(args, *tensors):
-    """This rank's share of a global batch: rows rank, rank + N, ... (all rows when not distributed)."""
-    return [t[args.rank::args.world_size] for t in tensors]
 
 
 def get_lr(step, lr, warmup):
