@@ -103,15 +103,13 @@ def model_from_pretrained(path, meta, n_classes, task, device, inherit="all", he
     Returns the model on `device`; prints the keys and fields that changed.
     """
     ck = data.load_pt(path, map_location="cpu")
-    for key in ("model", "model_config", "task", "data_meta"):
-        if key not in ck:
-            raise ValueError(f"{path}: missing field {key!r}; not a checkpoint written by pretrain.py")
-    if ck.get("stage") != "pretrain":
-        raise ValueError(f"{path}: a {ck.get('stage')!r} checkpoint; --init takes one written by pretrain.py")
-    if ck["task"] != task:  # a dataset swap (Coser et al. Sec. 3): allowed when the inputs are of one kind
-        if input_kind(ck["data_meta"]) != input_kind(meta):
-            raise ValueError(f"{path}: checkpoint of task {ck['task']!r} with inputs {input_kind(ck['data_meta'])}, "
-                             f"but --task {task!r} has {input_kind(meta)}; a dataset swap needs the same kind")
+    missing = [key for key in ("model", "model_config", "task", "data_meta") if key not in ck]
+    if missing or ck.get("stage") != "pretrain":
+        raise ValueError(f"{path}: a {ck.get('stage')!r} checkpoint" + (f" without {missing}" if missing else "")
+                         + "; --init takes one written by pretrain.py")
+    if ck["task"] != task and input_kind(ck["data_meta"]) != input_kind(meta):  # a swap needs one kind of input
+        raise ValueError(f"{path}: checkpoint of task {ck['task']!r} with inputs {input_kind(ck['data_meta'])}, "
+                         f"but --task {task!r} has {input_kind(meta)}; a dataset swap needs the same kind")
     if ck["data_meta"].get("vocab") != meta.get("vocab"):
         raise ValueError(f"{path}: the checkpoint's vocabulary differs from that of {task}'s data files "
                          f"(a checkpoint of data made with other settings?)")
@@ -130,25 +128,17 @@ def model_from_pretrained(path, meta, n_classes, task, device, inherit="all", he
         print(f"sliced the mask-indicator column off embed.weight ({cfg.d_input + 1} -> {cfg.d_input} inputs)")
     model = Transformer(cfg)
     fresh = model.state_dict()
-    new = sorted(set(fresh) - set(state))
-    dropped = sorted(set(state) - set(fresh))
-    bad_new = [k for k in new if not k.startswith("cls_head.")]
-    bad_dropped = [k for k in dropped if not k.startswith("rec_head.")]
+    new, dropped = sorted(set(fresh) - set(state)), sorted(set(state) - set(fresh))
+    bad_new, bad_dropped = [k for k in new if k[:9] != "cls_head."], [k for k in dropped if k[:9] != "rec_head."]
     if bad_new or bad_dropped:
         raise ValueError(f"{path}: checkpoint does not match the model: missing {bad_new}, unexpected {bad_dropped}")
     for key in set(state) & set(fresh):
         if state[key].shape != fresh[key].shape:
             raise ValueError(f"{path}: {key} has shape {tuple(state[key].shape)}, "
                              f"the model expects {tuple(fresh[key].shape)}")
-    merged = hybrid_state_dict(fresh, state, INHERIT[inherit])
-    model.load_state_dict(merged, strict=True)
-    counts = {}
-    for key, tensor in merged.items():  # parameter count per group, and where the group came from
-        group = param_group(key)
-        counts.setdefault(group, [0, group in INHERIT[inherit] and key in state])[0] += tensor.numel()
-    print(f"--inherit {inherit}: " + ", ".join(f"{g} ({n:,}) {'from SPT' if inh else 'fresh'}"
-                                               for g, (n, inh) in counts.items()))
-    print(f"checkpoint {path}: new keys {new}; dropped keys {dropped}")
+    model.load_state_dict(hybrid_state_dict(fresh, state, INHERIT[inherit]), strict=True)
+    print(f"checkpoint {path}: --inherit {inherit} takes {', '.join(INHERIT[inherit])} from SPT, the rest is fresh; "
+          f"new keys {new}; dropped keys {dropped}")
     return model.to(device)
 
 
