@@ -32,6 +32,7 @@ an error) and the data settings the stages check against the prepared data  9. c
 import argparse
 import contextlib
 import csv
+import dataclasses
 import datetime
 import difflib
 import gzip
@@ -3241,6 +3242,44 @@ def wrap(model, args):
 def local_rows(args, *tensors):
     """This rank's share of a global batch: rows rank, rank + N, ... (all rows when not distributed)."""
     return [t[args.rank::args.world_size] for t in tensors]
+
+def run_record(args):
+    """Plain-type description of the run: its settings and what produced it (stored in checkpoints). The CPU and
+    thread count are recorded because float sums, and so trained weights, depend on them."""
+    commit, modified = git_state()
+    return dict(config=plain_config(args), git_commit=commit, git_modified=modified,
+                torch_version=str(torch.__version__), python=platform.python_version(),
+                device_name=device_name(args.device), threads=torch.get_num_threads())
+
+
+def append_log(run, entry):
+    """One JSON line in paths["log"] (rank 0 only)."""
+    if run["args"].rank == 0:
+        with open(run["paths"]["log"], "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+
+def resume(model, opt, paths, n_batches, args, extra):
+    """Load the newest of paths["last"], paths["best"] into model and optimizer, restore the RNG states and drop
+    the log lines past the checkpoint; returns the loop state, or None when there is nothing to resume.
+    ValueError (check_resumable) when the checkpoint is of another run: model, data or schedule."""
+    # Loaded on the CPU: load_state_dict copies onto the model's device, and the CPU copy is freed right after.
+    path, ck = load_newest([paths["last"], paths["best"]], "cpu", "--resume", with_path=True)
+    if ck is None:
+        return None
+    check_resumable(ck, dataclasses.asdict(model.cfg), n_batches, extra.get("data_sha256"), plain_config(args),
+                         extra.get("init_sha256"))
+    if path != paths["last"] and args.rank == 0:  # stopped before its last write, or that file is damaged
+        save_atomic(ck, paths["last"])
+    model.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["optimizer"])
+    torch.set_rng_state(ck["rng_state"])
+    if args.device.type == "cuda" and ck.get("cuda_rng_state") is not None:
+        torch.cuda.set_rng_state(ck["cuda_rng_state"], args.device)
+    if args.rank == 0:
+        truncate_log(paths["log"], ck["state"]["step"])
+    print(f"resumed at step {ck['state']['step']} (epoch {ck['state']['epoch']})")
+    return ck["state"]
 
 
 if __name__ == "__main__":

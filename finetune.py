@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import data
 from data import autocast, data_hashes, local_rows, prepare_data, wrap
 from model import ModelConfig, Transformer, config_from_dict, param_group, unwrapped_state_dict
-from pretrain import MODEL_FLAGS, build_parser, epoch_batches, evaluate, resolve, run_record, train
+from pretrain import MODEL_FLAGS, build_parser, epoch_batches, evaluate, resolve, train
 
 
 # The groups are model.PARAM_GROUPS (W_Q, W_K, W_V, W_O, mlp, embed, norm, head, posenc), by parameter name.
@@ -266,7 +266,7 @@ def main(argv=None):
                   best_val_acc=best["val_acc"], test_acc=test["acc"],
                   train_acc=train_acc, train_acc_subset=n_sub, train_acc_rows=TRAIN_ACC_ROWS,
                   evals=[e for e in log if "val_acc" in e], wall_time_s=best["elapsed_s"] + time.time() - t_trained,
-                  data_sha256=data_hashes(splits), source_sha256=meta.get("sha256"), **provenance, **run_record(args))
+                  data_sha256=data_hashes(splits), source_sha256=meta.get("sha256"), **provenance, **data.run_record(args))
     if args.rank == 0:
         data.save_atomic(result, paths["json"])
     if args.world_size > 1:

@@ -22,13 +22,10 @@ double line is the engine both stages share: flags, device, DDP, and the trainin
 """
 import argparse
 import copy
-import json
 import math
 import os
-import platform
 import shlex
 import time
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -36,8 +33,7 @@ import torch.nn.functional as F
 
 import data
 from data import (NON_NEGATIVE, POSITIVE, POSITIVE_FLOAT, HelpFormatter, accumulator_dtype, autocast, device_name,
-                  git_state, global_sum, local_rows, number_at_least, peak_flops, pick_device, pick_dtype,
-                  plain_config, setup_distributed, wrap)
+                  global_sum, local_rows, number_at_least, peak_flops, pick_device, pick_dtype, setup_distributed, wrap)
 from model import INIT_SCHEMES, POSITIONS, ModelConfig, Transformer, checkpoint_dict, count_params, flops_per_token, on
 
 # Presets per task: "paper" (Coser et al. Sec. 5; Amos et al.'s configs) and "cpu" (minutes on 2 cores). --preset
@@ -438,13 +434,13 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
     total = min(args.max_steps or math.inf, args.epochs * n_batches)
     state = dict(step=0, epoch=0, batch_in_epoch=0, best=None, best_metrics=None, n_batches=n_batches)
     if args.resume:
-        state = resume(model, opt, paths, n_batches, args, extra) or state
+        state = data.resume(model, opt, paths, n_batches, args, extra) or state
         if state["step"] > total:  # read back as this run, it would hand on weights trained longer than asked
             raise ValueError(f"--resume: the checkpoint in {os.path.dirname(paths['last']) or '.'} is at step "
                              f"{state['step']}, past this run's {total} steps (--epochs {args.epochs}, --max_steps "
                              f"{args.max_steps}): give the budget it ran with, or start a new --out_dir")
     print(f"{count_params(model):,} trainable parameters; {total} steps ({n_batches} per epoch)")
-    run = dict(model=model, opt=opt, state=state, args=args, paths=paths, extra=extra, record=run_record(args),
+    run = dict(model=model, opt=opt, state=state, args=args, paths=paths, extra=extra, record=data.run_record(args),
                eval_fn=eval_fn, higher_is_better=higher_is_better, total=total, t_process=time.time(),
                elapsed0=state.get("elapsed_s", 0.0))  # seconds the run spent in earlier processes (--resume)
     if state["step"] == 0:
@@ -502,7 +498,7 @@ def start_fresh(run):
         open(paths["log"], "w").close()
     metrics = run["eval_fn"](0)
     print("eval at step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-    append_log(run, dict(step=0, epoch=0, **metrics))
+    data.append_log(run, dict(step=0, epoch=0, **metrics))
     save_checkpoint(run, paths["init"], metrics)
 
 
@@ -569,7 +565,7 @@ def log_progress(run, meter, lr):
           f"{1000 * dt / meter['steps']:.0f} ms/step | {meter['tokens'] / dt:,.0f} tok/s | "
           f"{100 * meter['tokens'] / meter['padded']:.0f}% real | " + (f"MFU {100 * mfu:.1f}% | " if mfu else "")
           + (f"peak {mem:.1f} GiB | " if mem is not None else "") + f"ETA {eta / 60:.1f} min")
-    append_log(run, dict(step=state["step"], epoch=state["epoch"], loss=mean_loss, lr=lr,
+    data.append_log(run, dict(step=state["step"], epoch=state["epoch"], loss=mean_loss, lr=lr,
                          ms_per_step=1000 * dt / meter["steps"], tokens_per_s=meter["tokens"] / dt,
                          real_fraction=meter["tokens"] / meter["padded"], mfu=mfu, peak_memory_gib=mem,
                          **({"skipped": meter["skipped"]} if meter["skipped"] else {})))
@@ -592,7 +588,7 @@ def evaluate_and_checkpoint(run, epoch):
         state["best_step"], state["best_epoch"] = state["step"], state["step"] / state["n_batches"]
     print(f"eval at step {state['step']}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
           + (" (best)" if improved else ""))
-    append_log(run, dict(step=state["step"], epoch=epoch, **metrics))
+    data.append_log(run, dict(step=state["step"], epoch=epoch, **metrics))
     # Snapshot, best, last: a run stopped inside these writes resumes from the newest complete checkpoint
     # (data.load_newest): before this evaluation, which it then makes again, or from the best, after the snapshot.
     if args.snapshots:  # a copy per evaluation, for curves over training (analyze.py curves)
@@ -616,17 +612,8 @@ def is_better(metrics, state, metric, higher_is_better, tiebreak=None):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Checkpoints, logs and --resume
+# Checkpoints and non-finite numbers (the run's files and --resume: data.py)
 # ----------------------------------------------------------------------------------------------------------
-
-def run_record(args):
-    """Plain-type description of the run: its settings and what produced it (stored in checkpoints). The CPU and
-    thread count are recorded because float sums, and so trained weights, depend on them."""
-    commit, modified = git_state()
-    return dict(config=plain_config(args), git_commit=commit, git_modified=modified,
-                torch_version=str(torch.__version__), python=platform.python_version(),
-                device_name=device_name(args.device), threads=torch.get_num_threads())
-
 
 def save_checkpoint(run, path, metrics):
     """Write model, optimizer, loop state, RNG states, the run record and the stage's fields (rank 0 only),
@@ -641,13 +628,6 @@ def save_checkpoint(run, path, metrics):
                                      **run["record"], **run["extra"]), path)
 
 
-def append_log(run, entry):
-    """One JSON line in paths["log"] (rank 0 only)."""
-    if run["args"].rank == 0:
-        with open(run["paths"]["log"], "a") as f:
-            f.write(json.dumps(entry) + "\n")
-
-
 def check_finite(run, value, first):
     """FloatingPointError if `value` (a mean loss over steps first..now) is NaN or inf, saying what to do."""
     if not math.isfinite(value):
@@ -660,29 +640,6 @@ def last_good(run):
     last = run["paths"]["last"]
     return f"the last good checkpoint is {last} (--resume it with --skip_nonfinite, or rerun with a lower --lr in " \
         f"a new --out_dir)" if os.path.exists(last) else "no checkpoint was written yet (rerun with a lower --lr)"
-
-
-def resume(model, opt, paths, n_batches, args, extra):
-    """Load the newest of paths["last"], paths["best"] into model and optimizer, restore the RNG states and drop
-    the log lines past the checkpoint; returns the loop state, or None when there is nothing to resume.
-    ValueError (data.check_resumable) when the checkpoint is of another run: model, data or schedule."""
-    # Loaded on the CPU: load_state_dict copies onto the model's device, and the CPU copy is freed right after.
-    path, ck = data.load_newest([paths["last"], paths["best"]], "cpu", "--resume", with_path=True)
-    if ck is None:
-        return None
-    data.check_resumable(ck, asdict(model.cfg), n_batches, extra.get("data_sha256"), plain_config(args),
-                         extra.get("init_sha256"))
-    if path != paths["last"] and args.rank == 0:  # stopped before its last write, or that file is damaged
-        data.save_atomic(ck, paths["last"])
-    model.load_state_dict(ck["model"])
-    opt.load_state_dict(ck["optimizer"])
-    torch.set_rng_state(ck["rng_state"])
-    if args.device.type == "cuda" and ck.get("cuda_rng_state") is not None:
-        torch.cuda.set_rng_state(ck["cuda_rng_state"], args.device)
-    if args.rank == 0:
-        data.truncate_log(paths["log"], ck["state"]["step"])
-    print(f"resumed at step {ck['state']['step']} (epoch {ck['state']['epoch']})")
-    return ck["state"]
 
 
 if __name__ == "__main__":
