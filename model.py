@@ -94,9 +94,7 @@ def rope(x, base=10000.0):
 class FIRE(nn.Module):
     """FIRE, functional interpolation for relative positions (Li et al. 2023, Eq. 5): a learned bias
     b_h(i, j) = MLP(psi(|i - j|) / psi(max(threshold, i + 1)))_h with psi(x) = log(c x + 1), c and threshold
-    learned. The paper's causal i - j becomes |i - j| here, since our encoder is bidirectional; so for keys after
-    the query (j > i) the MLP's input can exceed 1 (up to psi(L - 1) / psi(threshold) at i = 0), where causal FIRE
-    keeps it in [0, 1]. That range matters for length generalization, not at the one length a run trains on."""
+    learned. The paper's causal i - j becomes |i - j|: our encoder is bidirectional."""
 
     def __init__(self, n_heads, hidden=32):
         super().__init__()
@@ -178,13 +176,9 @@ class Attention(nn.Module):
         return mask
 
     def local_attention(self, q, k, v, valid):
-        """Block-local attention, as Amos et al. used for PathX: the sequence is cut into blocks of
-        `window` positions and each block attends to itself and its two neighbour blocks.
-
-        q, k, v (B, H, L, d_head), valid (B, L) bool or None -> y (B, H, L, d_head). The scores are
-        (B L / window, H, window, 3 window), the blocks folded into the batch: memory linear in L. Same result as
-        the explicit path (tested).
-        """
+        """Block-local attention, as Amos et al. used for PathX: blocks of `window` positions, each attending to
+        itself and its two neighbours. q, k, v (B, H, L, d_head), valid (B, L) bool or None -> y (B, H, L, d_head).
+        The blocks are folded into the batch, so memory grows linearly in L."""
         B, H, L, d = q.shape
         w, pad = self.window, -L % self.window
         n = (L + pad) // w
@@ -243,8 +237,7 @@ class Block(nn.Module):
 
 
 def on(t, device):
-    """`t` on `device`; from pinned CPU memory without waiting for queued GPU work (non_blocking). Only pinned
-    memory is copied asynchronously: elsewhere (e.g. MPS) an asynchronous copy may be read before it lands."""
+    """`t` on `device`; from pinned CPU memory without waiting for queued GPU work (non_blocking)."""
     return t.to(device, non_blocking=t.is_pinned())
 
 
@@ -328,9 +321,8 @@ class Transformer(nn.Module):
         return self.class_head(self.pool(z, lengths))
 
     def class_head(self, h):
-        """cls_head in float32 (in_fp32): h (B, d_in) -> logits (B, n_classes). bf16 keeps 8 bits of mantissa, so
-        logits that differ by less than ~0.4% tie, and argmax gives a tie to class 0: near chance (at init, or a
-        task not yet learned) accuracy would then read as class 0's frequency."""
+        """cls_head in float32 (in_fp32): h (B, d_in) -> logits (B, n_classes). In bf16, logits closer than ~0.4%
+        tie and argmax gives ties to class 0, so near chance the accuracy would read as class 0's frequency."""
         return in_fp32(self.cls_head, h)
 
     def reconstruct(self, x, lengths, positions=True):
@@ -354,8 +346,7 @@ def in_fp32(head, h):
         return head(h.to(next(head.parameters()).dtype))
 
 
-# Parameter groups of Coser et al. Table 3, by the attribute names above (finetune.py --inherit and --freeze;
-# analyze.py's displacement per group).
+# Parameter groups of Coser et al. Table 3 by attribute name (finetune.py --inherit, --freeze; analyze.py).
 PARAM_GROUPS = {
     "W_Q": lambda n: ".attn.q_proj." in n,
     "W_K": lambda n: ".attn.k_proj." in n,
@@ -370,8 +361,7 @@ PARAM_GROUPS = {
 
 
 def param_group(name):
-    """The group (a key of PARAM_GROUPS) of a parameter name of Transformer; raises ValueError unless the name
-    is in exactly one group."""
+    """The PARAM_GROUPS key of a Transformer parameter name; ValueError unless it is in exactly one group."""
     groups = [g for g, member in PARAM_GROUPS.items() if member(name)]
     if len(groups) != 1:
         raise ValueError(f"parameter {name!r} is in groups {groups}, expected exactly one")

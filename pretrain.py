@@ -384,13 +384,14 @@ def fill_from_preset(args, stage):
     return preset
 
 
+def mask_generator(args, seed):
+    """The seeded generator of the masks on args.device (a seam the no-host-synchronisation tests replace)."""
+    return torch.Generator(device=args.device).manual_seed(seed)
+
+
 def get_lr(step, lr, warmup):
     """Linear warm-up from lr/warmup to lr over `warmup` steps, then constant (Amos et al., constant_warmup)."""
     return lr * min(1.0, (step + 1) / max(1, warmup))
-
-
-def mask_generator(args, seed):
-    return torch.Generator(device=args.device).manual_seed(seed)
 
 
 @torch.no_grad()
@@ -419,12 +420,10 @@ def epoch_batches(split, args, epoch):
 
 def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better):
     """Optimize `model` on splits["train"] with AdamW; evaluate and checkpoint every args.eval_every steps and,
-    with args.eval_each_epoch, at the end of every epoch.
+    with args.eval_each_epoch, at the end of every epoch. With args.resume the run goes on exactly.
 
-    loss_fn(idx (B,) global batch indices, step) -> (sum of the loss over this rank's items, their count); the
-    step minimizes (sum over ranks) / (count over ranks). eval_fn(step) -> {"val_...": float}, extra["metric"]
-    names the one that picks the best checkpoint. paths: data.run_paths(...). With args.resume the run goes on
-    from paths["last"] exactly: weights, optimizer, step, position in the epoch, best metric, RNG state.
+    loss_fn(idx (B,) global batch indices, step) -> (sum of the loss over this rank's items, their count).
+    eval_fn(step) -> {"val_...": float}; extra["metric"] names the one that picks the best checkpoint.
     Returns the best evaluation's metrics with "step", "epoch", "elapsed_s" (wall-clock seconds over every
     process that resumed the run) and "steps_trained" (0 for a --resume of a finished run).
     """
@@ -566,9 +565,9 @@ def log_progress(run, meter, lr):
           f"{100 * meter['tokens'] / meter['padded']:.0f}% real | " + (f"MFU {100 * mfu:.1f}% | " if mfu else "")
           + (f"peak {mem:.1f} GiB | " if mem is not None else "") + f"ETA {eta / 60:.1f} min")
     data.append_log(run, dict(step=state["step"], epoch=state["epoch"], loss=mean_loss, lr=lr,
-                         ms_per_step=1000 * dt / meter["steps"], tokens_per_s=meter["tokens"] / dt,
-                         real_fraction=meter["tokens"] / meter["padded"], mfu=mfu, peak_memory_gib=mem,
-                         **({"skipped": meter["skipped"]} if meter["skipped"] else {})))
+                              ms_per_step=1000 * dt / meter["steps"], tokens_per_s=meter["tokens"] / dt,
+                              real_fraction=meter["tokens"] / meter["padded"], mfu=mfu, peak_memory_gib=mem,
+                              **({"skipped": meter["skipped"]} if meter["skipped"] else {})))
     meter.update(new_meter(args))
 
 
@@ -610,10 +609,6 @@ def is_better(metrics, state, metric, higher_is_better, tiebreak=None):
         return value > ref if higher_is_better else value < ref
     return tiebreak is None or metrics[tiebreak] <= best[tiebreak]
 
-
-# ----------------------------------------------------------------------------------------------------------
-# Checkpoints and non-finite numbers (the run's files and --resume: data.py)
-# ----------------------------------------------------------------------------------------------------------
 
 def save_checkpoint(run, path, metrics):
     """Write model, optimizer, loop state, RNG states, the run record and the stage's fields (rank 0 only),
