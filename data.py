@@ -3281,6 +3281,31 @@ def resume(model, opt, paths, n_batches, args, extra):
     print(f"resumed at step {ck['state']['step']} (epoch {ck['state']['epoch']})")
     return ck["state"]
 
+# The batches of a training epoch, and the evaluation loop both stages share (sharded under torchrun).
+
+def epoch_batches(split, args, epoch):
+    """The training batches (index tensors) of one epoch, seeded by (seed, epoch) so that a resumed run sees
+    the same ones; under torchrun every batch has at least one row per rank (batch_indices)."""
+    return batch_indices(split["lengths"], args.batch_size, shuffle=True, seed=args.seed, epoch=epoch,
+                              min_rows=args.world_size)
+
+
+@torch.no_grad()
+def evaluate(model, split, args, batch_sums, n_sums):
+    """Sums of per-batch statistics over a whole split, in eval mode: the evaluation loop of both stages.
+
+    batch_sums(i, idx) -> tensor (n_sums,) of one batch's sums (i: the batch's number, idx (B,) its rows; batches
+    sorted by length, the least padding). Under torchrun each rank takes every N-th batch and the sums are
+    reduced over ranks. Returns a list of n_sums floats (one host synchronisation, at the end).
+    """
+    model.eval()
+    sums = torch.zeros(n_sums, dtype=accumulator_dtype(args.device), device=args.device)
+    for i, idx in enumerate(batch_indices(split["lengths"], args.batch_size, shuffle=False)):
+        if i % args.world_size == args.rank:
+            sums += batch_sums(i, idx).to(sums.dtype)
+    model.train()
+    return global_sum(sums, args).tolist()
+
 
 if __name__ == "__main__":
     run_cli(main)

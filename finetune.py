@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 
 import data
-from data import autocast, data_hashes, local_rows, prepare_data, wrap
+from data import autocast, data_hashes, epoch_batches, evaluate, local_rows, prepare_data, wrap
 from model import ModelConfig, Transformer, config_from_dict, param_group, unwrapped_state_dict
-from pretrain import MODEL_FLAGS, build_parser, epoch_batches, evaluate, resolve, train
+from pretrain import MODEL_FLAGS, build_parser, resolve, train
 
 
 # The groups are model.PARAM_GROUPS (W_Q, W_K, W_V, W_O, mlp, embed, norm, head, posenc), by parameter name.
@@ -51,11 +51,6 @@ FREEZE = {"none": (), "attn": ("W_Q", "W_K", "W_V", "W_O", "posenc"),
 FINETUNE_FIELDS = ("cls_mlp", "pooling", "attn_window")
 
 
-def input_kind(meta):
-    """What a model's input encoder takes: ("tokens", vocab size) or (kind, channels) from a data meta dict."""
-    return (meta["kind"], meta["vocab_size"]) if meta["kind"] == "tokens" else (meta["kind"], meta["d_input"])
-
-
 def hybrid_state_dict(fresh, pretrained, groups):
     """Hybrid initialization (Coser et al. Table 3): the state dict that takes every tensor whose parameter
     group (param_group) is in `groups` from `pretrained` and every other tensor from `fresh`.
@@ -75,16 +70,13 @@ def check_spt_data(ck, path, task, hashes, allow_other_data=False):
     file (re-prepared, other settings or source): ValueError naming both hashes, unless `allow_other_data`.
     Returns one of "same", "swap", "other".
     """
-    spt = ck["data_sha256"]["train"]
-    if ck["task"] != task:
-        print(f"dataset swap: SPT on {ck['task']} (train sha256 {str(spt)[:12]}), finetuning on {task} "
-              f"(train sha256 {hashes['train'][:12]})")
-        return "swap"
-    if spt == hashes["train"]:
-        print(f"SPT data = finetuning data: {task} train.pt sha256 {spt[:12]}")
-        return "same"
-    message = (f"{path} was pretrained on {task} data whose train.pt has sha256 {spt[:12]}..., but the data "
-               f"finetuning reads has {hashes['train'][:12]}... (re-prepared, other settings or another source)")
+    spt, ours = ck["data_sha256"]["train"][:12], hashes["train"][:12]
+    if ck["task"] != task or spt == ours:
+        print(("dataset swap: " if ck["task"] != task else "") + f"SPT on {ck['task']} (train sha256 {spt}), "
+              f"finetuning on {task} (train sha256 {ours})")
+        return "swap" if ck["task"] != task else "same"
+    message = (f"{path} was pretrained on {task} data whose train.pt has sha256 {spt}..., but the data "
+               f"finetuning reads has {ours}... (re-prepared, other settings or another source)")
     if not allow_other_data:
         raise ValueError(message + "; finetune on the data SPT used, or pass --allow_other_data if this is intended")
     print(f"warning: --allow_other_data: {message}")
@@ -107,6 +99,7 @@ def model_from_pretrained(path, meta, n_classes, task, device, inherit="all", he
     if missing or ck.get("stage") != "pretrain":
         raise ValueError(f"{path}: a {ck.get('stage')!r} checkpoint" + (f" without {missing}" if missing else "")
                          + "; --init takes one written by pretrain.py")
+    input_kind = lambda m: (m["kind"], m["vocab_size"] if m["kind"] == "tokens" else m["d_input"])  # tokens, width
     if ck["task"] != task and input_kind(ck["data_meta"]) != input_kind(meta):  # a swap needs one kind of input
         raise ValueError(f"{path}: checkpoint of task {ck['task']!r} with inputs {input_kind(ck['data_meta'])}, "
                          f"but --task {task!r} has {input_kind(meta)}; a dataset swap needs the same kind")
@@ -143,7 +136,7 @@ def model_from_pretrained(path, meta, n_classes, task, device, inherit="all", he
 
 
 def evaluate_accuracy(model, split, args):
-    """Classification accuracy and mean cross-entropy over a whole split (pretrain.evaluate: sharded under
+    """Classification accuracy and mean cross-entropy over a whole split (data.evaluate: sharded under
     torchrun): {"acc": float, "loss": float}."""
     def batch_sums(i, idx):  # correct, loss sum
         x, lengths, labels = data.get_batch(split, idx, args.device)
@@ -155,9 +148,6 @@ def evaluate_accuracy(model, split, args):
     correct, loss_sum = evaluate(model, split, args, batch_sums, 2)
     n = len(split["labels"])
     return {"acc": correct / n, "loss": loss_sum / n}
-
-
-TRAIN_ACC_ROWS = "random, seed 0"  # recorded with train_acc: how its rows were chosen
 
 
 def train_accuracy(model, train_split, n_val, args, at_least=1000):
@@ -192,13 +182,12 @@ def main(argv=None):
     args, preset = resolve(parser.parse_args(argv), "finetune")
     if args.init == "scratch" and args.inherit != "all":
         parser.error("--inherit selects groups of an SPT checkpoint: give --init PATH")
-    if args.init != "scratch" and os.path.isdir(args.init):  # before any data is prepared
-        raise IsADirectoryError(f"--init {args.init}: a folder; give the checkpoint file in it (the best SPT "
-                                f"checkpoint is <out_dir>/<task>/pretrain.pt), or --init scratch")
-    if args.init != "scratch" and not os.path.isfile(args.init):
-        raise FileNotFoundError(f"--init {args.init}: no such file; make it first with python pretrain.py "
-                                f"--task {args.task} (the best checkpoint is <out_dir>/<task>/pretrain.pt), or "
-                                f"pass --init scratch")
+    if args.init != "scratch" and not os.path.isfile(args.init):  # before any data is prepared
+        folder = os.path.isdir(args.init)
+        raise (IsADirectoryError if folder else FileNotFoundError)(
+            f"--init {args.init}: " + ("a folder; give the checkpoint file in it" if folder else "no such file; make "
+            f"it first with python pretrain.py --task {args.task}") + " (the best checkpoint is "
+            "<out_dir>/<task>/pretrain.pt), or pass --init scratch")
     if args.name is None:  # a default that never overwrites the plain SPT run with an ablation or a dataset swap
         swap = None
         if args.init != "scratch":
@@ -264,7 +253,7 @@ def main(argv=None):
                   init_std=model.cfg.init_std if model.cfg.init == "normal" else None,
                   best_step=best["step"], best_epoch=best["epoch"],
                   best_val_acc=best["val_acc"], test_acc=test["acc"],
-                  train_acc=train_acc, train_acc_subset=n_sub, train_acc_rows=TRAIN_ACC_ROWS,
+                  train_acc=train_acc, train_acc_subset=n_sub, train_acc_rows="random, seed 0",
                   evals=[e for e in log if "val_acc" in e], wall_time_s=best["elapsed_s"] + time.time() - t_trained,
                   data_sha256=data_hashes(splits), source_sha256=meta.get("sha256"), **provenance, **data.run_record(args))
     if args.rank == 0:

@@ -419,11 +419,6 @@ def init_weights(model, cfg):
                         proj.bias.copy_(m.q_proj.bias)
 
 
-def count_params(model):
-    """Number of trainable parameters."""
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Checkpoints: plain dicts of tensors and Python types, loadable with torch.load(weights_only=True)
 # ----------------------------------------------------------------------------------------------------------

@@ -34,12 +34,13 @@ import torch.nn.functional as F
 import data
 from data import (NON_NEGATIVE, POSITIVE, POSITIVE_FLOAT, HelpFormatter, accumulator_dtype, autocast, device_name,
                   global_sum, local_rows, number_at_least, peak_flops, pick_device, pick_dtype, setup_distributed, wrap)
-from model import INIT_SCHEMES, POSITIONS, ModelConfig, Transformer, checkpoint_dict, count_params, flops_per_token, on
+from model import INIT_SCHEMES, POSITIONS, ModelConfig, Transformer, checkpoint_dict, flops_per_token, on
 
 # Presets per task: "paper" (Coser et al. Sec. 5; Amos et al.'s configs) and "cpu" (minutes on 2 cores). --preset
 # auto picks paper on CUDA, cpu elsewhere; any flag overrides. eval_every 10**9: validate at the end of each epoch.
 # The CPU presets of the long LRA tasks train for a few hundred steps: a pipeline check, not a result.
 CPU_STAGE = dict(batch_size=16, lr=1e-3, warmup=20, epochs=1000, max_steps=200, eval_every=200)
+PIXELS_CPU = dict(CPU_STAGE, max_steps=150, eval_every=150)  # L = 1024: attention is the cost
 PRESETS = {
     "listops": {
         "paper": dict(model=dict(n_layers=6, d_model=512, n_heads=8, d_mlp=2048),
@@ -82,15 +83,13 @@ PRESETS = {
                       pretrain=dict(batch_size=32, lr=1e-3, warmup=2500, epochs=50, eval_every=10**9),
                       finetune=dict(batch_size=50, lr=1e-3, warmup=2000, epochs=200, eval_every=10**9)),
         "cpu": dict(model=dict(n_layers=2, d_model=32, n_heads=2, d_mlp=64), data=dict(),
-                    pretrain=dict(CPU_STAGE, max_steps=150, eval_every=150),
-                    finetune=dict(CPU_STAGE, max_steps=150, eval_every=150))},
+                    pretrain=PIXELS_CPU, finetune=PIXELS_CPU)},
     "pathfinder": {
         "paper": dict(model=dict(n_layers=4, d_model=128, n_heads=8, d_mlp=128), data=dict(),
                       pretrain=dict(batch_size=32, lr=1e-3, warmup=2500, epochs=50, eval_every=10**9),
                       finetune=dict(batch_size=32, lr=5e-4, warmup=5000, epochs=200, eval_every=10**9)),
         "cpu": dict(model=dict(n_layers=2, d_model=32, n_heads=2, d_mlp=64), data=dict(generate_if_missing=4000),
-                    pretrain=dict(CPU_STAGE, max_steps=150, eval_every=150),
-                    finetune=dict(CPU_STAGE, max_steps=150, eval_every=150))},
+                    pretrain=PIXELS_CPU, finetune=PIXELS_CPU)},
     # PathX: max pooling and local attention in windows of 4096 (Amos et al.'s PathX config). lr: Table 4 gives
     # none for PathX; their PathX config's 5e-4, both stages.
     "pathx": {
@@ -210,12 +209,12 @@ def evaluate_reconstruction(model, split, args):
             second = ((out.float() - targets).abs().mean(dim=-1) * masked).sum()
         return torch.stack([reconstruction_loss(out, targets, args.rec_loss, masked).to(acc) * n, second.to(acc), n])
 
-    loss_sum, second, count = evaluate(model, split, args, batch_sums, 3)
+    loss_sum, second, count = data.evaluate(model, split, args, batch_sums, 3)
     return {"val_loss": loss_sum / count, ("val_acc" if args.rec_loss == "ce" else "val_mae"): second / count}
 
 
 def pretrain_parser():
-    """The flags of pretrain.py: the shared ones (build_parser) and the masking and the reconstruction loss."""
+    """The flags of pretrain.py: the shared ones (build_parser), the masking and the reconstruction loss."""
     parser = build_parser("pretrain", __doc__.split("\n")[0])
     parser.add_argument("--mask_ratio", type=number_at_least(float, 0.0, high=1.0), default=None,
                         help="fraction of positions masked (task default)")
@@ -255,15 +254,13 @@ def main(argv=None):
                  lambda step: evaluate_reconstruction(model, splits["val"], args), paths, extra, False)
     print(f"best validation masked loss {best['val_loss']:.4f} (step {best['step']}); "
           f"{'wrote' if best['steps_trained'] else 'kept'} {paths['best']}")
-    if meta["kind"] == "tokens" and args.rank == 0:
+    if meta["kind"] == "tokens" and args.rank == 0:  # where the loss stands: frequencies only, or context
         h = data.token_frequency_entropy(splits["train"])
         gap = best["val_loss"] - h
-        where = "below it: the model uses the context" if gap < -0.02 else \
-            "at it: the model predicts masked tokens from their frequencies only, not yet from the context " \
-            "(the plateau that attention to neighbours ends)" if gap <= 0.02 else \
-            f"above it by {gap:.3f}: the model has not yet learned even the token frequencies (train longer)"
         print(f"the token-frequency entropy of {args.task}'s training data is {h:.4f} nats; the validation masked "
-              f"loss is {where}")
+              f"loss is " + ("below it: the model uses the context" if gap < -0.02 else "at it: the model predicts "
+              "masked tokens from their frequencies only, not yet from the context (the plateau that attention to "
+              "neighbours ends)" if gap <= 0.02 else f"above it by {gap:.3f}: train longer"))
     if args.world_size > 1:
         dist.destroy_process_group()
     spt, scratch = next_commands(args.task, paths["best"], given)
@@ -272,10 +269,9 @@ def main(argv=None):
 
 
 def next_commands(task, checkpoint, given):
-    """The two finetune.py commands that follow a pretrain.py run: from its checkpoint, and the from-scratch
-    baseline. `given`: the flags given to the run that differ from their defaults ({name: value}). Both carry
-    the flags of the data and the run (folders, preset, seed, device, dtype, data sizes); the baseline also the
-    model's flags, so that it builds the model SPT trained. Returns two shell strings."""
+    """The two finetune.py commands that follow a pretrain.py run (shell strings): from its checkpoint, and the
+    from-scratch baseline. Both carry the run's data and run flags (`given`: {name: value} of the flags that
+    differ from their defaults); the baseline also its model flags, so that it builds the model SPT trained."""
     def flags(names):
         return "".join(f" --{k}" if given[k] is True else f" --{k} {shlex.quote(str(given[k]))}"
                        for k in names if k in given and given[k] is not None)
@@ -394,30 +390,6 @@ def get_lr(step, lr, warmup):
     return lr * min(1.0, (step + 1) / max(1, warmup))
 
 
-@torch.no_grad()
-def evaluate(model, split, args, batch_sums, n_sums):
-    """Sums of per-batch statistics over a whole split, in eval mode: the evaluation loop of both stages.
-
-    batch_sums(i, idx) -> tensor (n_sums,) of one batch's sums (i: the batch's number, idx (B,) its rows; batches
-    sorted by length, the least padding). Under torchrun each rank takes every N-th batch and the sums are
-    reduced over ranks. Returns a list of n_sums floats (one host synchronisation, at the end).
-    """
-    model.eval()
-    sums = torch.zeros(n_sums, dtype=accumulator_dtype(args.device), device=args.device)
-    for i, idx in enumerate(data.batch_indices(split["lengths"], args.batch_size, shuffle=False)):
-        if i % args.world_size == args.rank:
-            sums += batch_sums(i, idx).to(sums.dtype)
-    model.train()
-    return global_sum(sums, args).tolist()
-
-
-def epoch_batches(split, args, epoch):
-    """The training batches (index tensors) of one epoch, seeded by (seed, epoch) so that a resumed run sees
-    the same ones; under torchrun every batch has at least one row per rank (data.batch_indices)."""
-    return data.batch_indices(split["lengths"], args.batch_size, shuffle=True, seed=args.seed, epoch=epoch,
-                              min_rows=args.world_size)
-
-
 def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better):
     """Optimize `model` on splits["train"] with AdamW; evaluate and checkpoint every args.eval_every steps and,
     with args.eval_each_epoch, at the end of every epoch. With args.resume the run goes on exactly.
@@ -429,7 +401,7 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
     """
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.999),
                             weight_decay=args.weight_decay, fused=args.device.type == "cuda")
-    n_batches = len(epoch_batches(splits["train"], args, 0))  # the same for every epoch
+    n_batches = len(data.epoch_batches(splits["train"], args, 0))  # the same for every epoch
     total = min(args.max_steps or math.inf, args.epochs * n_batches)
     state = dict(step=0, epoch=0, batch_in_epoch=0, best=None, best_metrics=None, n_batches=n_batches)
     if args.resume:
@@ -438,7 +410,8 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
             raise ValueError(f"--resume: the checkpoint in {os.path.dirname(paths['last']) or '.'} is at step "
                              f"{state['step']}, past this run's {total} steps (--epochs {args.epochs}, --max_steps "
                              f"{args.max_steps}): give the budget it ran with, or start a new --out_dir")
-    print(f"{count_params(model):,} trainable parameters; {total} steps ({n_batches} per epoch)")
+    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(f"{n_params:,} trainable parameters; {total} steps ({n_batches} per epoch)")
     run = dict(model=model, opt=opt, state=state, args=args, paths=paths, extra=extra, record=data.run_record(args),
                eval_fn=eval_fn, higher_is_better=higher_is_better, total=total, t_process=time.time(),
                elapsed0=state.get("elapsed_s", 0.0))  # seconds the run spent in earlier processes (--resume)
@@ -448,7 +421,7 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
     run["t_start"], run["start_step"] = time.time(), state["step"]
     model.train()
     while state["step"] < total:
-        batches = epoch_batches(splits["train"], args, state["epoch"])
+        batches = data.epoch_batches(splits["train"], args, state["epoch"])
         for i in range(state["batch_in_epoch"], len(batches)):
             lr = get_lr(state["step"], args.lr, args.warmup)
             for group in opt.param_groups:
