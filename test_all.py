@@ -5102,10 +5102,6 @@ def test_figures_record_the_command_that_drew_them_and_report_copies_them_with_i
     Image.new("RGB", (4, 4)).save(out / "analysis" / "bad.png", format="JPEG")  # had no .text: AttributeError
     with pytest.raises(ValueError, match=re.escape("not a PNG image that can be read (") + ".*a JPEG image, not"):
         run()
-    # The command a figure records leaves out how it ran (--jobs), as a table's footer does.
-    assert ablate.command_of(argparse.Namespace(argv=["init", "--task", "fashion_mnist", "--jobs", "2", "--seeds",
-                                                      "3", "--jobs=3"])) == \
-        "python ablate.py init --task fashion_mnist --seeds 3"
 
 
 def test_report_with_nothing_under_out_keeps_every_page_as_it_is(tmp_path, capsys):
