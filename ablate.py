@@ -1266,6 +1266,7 @@ TITLES = {"main": "LRA: from scratch versus SPT (Coser et al. Table 2)",
           "initscale": "Beyond the paper: the from-scratch plateau over init scale and sequence length",
           "init": "Hybrid initialization and freezing (Coser et al. Table 3)",
           "posenc": "Relative positions from scratch versus SPT (Coser et al. Sec. 4)",
+          "pfcurves": "PathFinder on the CPU: which configuration learns above chance (from scratch)",
           "frozen": "The deep model from scratch with its attention frozen at init (Coser et al. Sec. 3)",
           "swap": "Dataset swap between PathFinder and Image (Coser et al. Sec. 3)",
           "duration": "Pretraining duration (Coser et al. Sec. 3)",
@@ -1274,7 +1275,7 @@ TITLES = {"main": "LRA: from scratch versus SPT (Coser et al. Table 2)",
 # text, `<!-- end table -->`. Everything outside the regions is written by hand, and report never changes it.
 REGION = re.compile(r"^<!-- (table|figure) from (out/\S+) -->\n(.*?)\n<!-- end \1 -->$", re.M | re.S)
 MARKER = re.compile(r"^<!-- ((table|figure) from |end (table|figure|summary) -->$|summary -->$)", re.M)
-SUMMARY = re.compile(r"^<!-- summary -->\n.*?\n<!-- end summary -->\n*", re.M | re.S)
+SUMMARY = re.compile(r"^<!-- summary -->\n(.*?\n)?<!-- end summary -->\n*", re.M | re.S)
 PLACEHOLDER = {"table": "(Not described yet: say here what the table shows.)",
                "figure": "(Not described yet: say here what to look for.)"}
 
@@ -1330,7 +1331,7 @@ def report(args):
     two or more tables of out/ablate/ gets a summary region. results/README.md, the index, is written whole.
     ValueError, before writing anything, for a quick look (weaker_table; --force takes it), an out/ file holding
     a region marker, a page whose markers do not pair up, and a region on two pages."""
-    results = args.results_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    results = args.results_dir
     new, copies = {}, {}  # source (out/...) -> its region's text; figure path -> its name in results/figures/
     for sub in ("ablate", "bench"):
         folder = os.path.join(args.out_dir, sub)
@@ -1397,8 +1398,7 @@ def report(args):
             first = REGION.search(text).start()
             pages[page] = SUMMARY.sub(lambda m: block, text, 1) if SUMMARY.search(text) else \
                 text[:first] + block + text[first:]
-    index = ["# Results", "", "One page per experiment, written by hand around the regions that `python ablate.py "
-             "report` writes from out/.", ""]
+    index = ["# Results", "", "One page per experiment: what it shows, its verdict, its command and its table.", ""]
     index += [f"- [{pages[p].partition(chr(10))[0].lstrip('# ')}]({p})" for p in sorted(pages, key=page_order)]
     for path, name in copies.items():
         with open(path, "rb") as f:
@@ -1495,7 +1495,8 @@ def build_parser():
     arg("--out_dir", default="out", help="runs in <out_dir>/gpu/<task>/, table in <out_dir>/bench/gpu.md")
     arg = add("report", "file the tables and figures of out/ into the pages of results/", runs=False)
     arg("--out_dir", default="out", help="where the experiments wrote")
-    arg("--results_dir", default=None, help="the pages' folder (default: results/ next to ablate.py)")
+    arg("--results_dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+        help="the pages' folder")
     arg("--force", action="store_true", help="also take tables of capped runs or fewer seeds than their region's")
     return p
 

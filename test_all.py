@@ -5118,13 +5118,18 @@ def test_report_with_nothing_under_out_keeps_every_page_as_it_is(tmp_path, capsy
                                            "| from scratch | 0.5 |\n<!-- end table -->\n\nbetween\n\n"
                                            "<!-- table from out/ablate/b.md -->\n| SPT, then | 0.6 |\n"
                                            "<!-- end table -->\n")
+    empty = (results / "zz_fixture.md").read_text().replace("stale\n", "").replace("/a.md", "/c.md").replace(
+        "/b.md", "/d.md")  # a summary region not filled yet
+    (results / "zz_empty.md").write_text(empty)
     pages = {p: p.read_bytes() for p in results.rglob("*.md") if p.name != "README.md"}
     ablate.main(["report", "--out_dir", str(tmp_path / "out"), "--results_dir", str(results)])
     fixture = (results / "zz_fixture.md").read_text()
-    assert "<!-- summary -->\n| table | from scratch, test acc | SPT, test acc |" in fixture  # regenerated
-    assert "| a | 0.5 | - | - | - | - |" in fixture and "stale" not in fixture
-    (results / "zz_fixture.md").write_bytes(pages[results / "zz_fixture.md"])
-    del pages[results / "zz_fixture.md"]
+    assert "\n\n<!-- summary -->\n| table | from scratch, test acc | SPT, test acc |" in fixture  # regenerated
+    assert "| a | 0.5 | - | - | - | - |\n| b | - |" in fixture and "stale" not in fixture
+    assert (results / "zz_empty.md").read_text() == fixture.replace("/a.md", "/c.md").replace("/b.md", "/d.md") \
+        .replace("| a |", "| c |").replace("| b |", "| d |")  # filled in place: one summary
+    for name in ("zz_fixture.md", "zz_empty.md"):
+        del pages[results / name]
     assert {p: p.read_bytes() for p in pages} == pages
     assert "report: 0 region(s) from" in capsys.readouterr().out
 
