@@ -1369,25 +1369,65 @@ def test_pe_probe_equals_attention_on_zero_input_without_biases():
     assert torch.allclose(analyze.qk_product(m, 0, 0), Wq.T @ Wk)
 
 
-def test_relative_displacement_by_group():
-    a = {"blocks.0.attn.q_proj.weight": torch.ones(2, 2), "embed.weight": torch.ones(4)}
-    b = {"blocks.0.attn.q_proj.weight": 2 * torch.ones(2, 2), "embed.weight": torch.ones(4)}
-    assert analyze.relative_displacement(a, b) == {"W_Q": pytest.approx(1.0), "embed": 0.0}
+def test_displacement_by_group_over_the_weights_both_models_have():
+    """analyze.displacement: norm(W - W_start) / norm(W_start) per parameter group and for W_Q^T W_K; a head of
+    another shape (another number of classes) is left out."""
+    torch.manual_seed(0)
+    start, model = Transformer(tiny_cfg(n_layers=1, n_classes=3)), Transformer(tiny_cfg(n_layers=1, n_classes=5))
+    model.load_state_dict({k: v for k, v in start.state_dict().items() if not k.startswith("cls_head.")}, strict=False)
+    with torch.no_grad():
+        model.blocks[0].attn.q_proj.weight.mul_(2)  # W_Q's weight doubled, its bias kept
+    moved = analyze.displacement(start, model)
+    q = start.blocks[0].attn.q_proj
+    assert moved["W_Q"] == pytest.approx((q.weight.norm() / torch.cat([q.weight.flatten(), q.bias]).norm()).item())
+    assert moved["W_Q^T W_K"] == pytest.approx(1.0, rel=1e-5)  # every head's W_Q,h^T W_K,h doubled
+    assert moved["W_K"] == moved["embed"] == moved["W_V"] == 0.0 and "head" not in moved
 
 
-def test_analyze_attention_and_curves_write_figures(synthetic_run, tmp_path):
+def test_analyze_attention_and_curves_write_figures_with_one_colour_scale(synthetic_run, tmp_path, monkeypatch):
+    """analyze.py attention draws the maps of every checkpoint and, below them, their PE-only probes in one figure,
+    on one colour scale from 0 to the largest value shown, with one colorbar; W_Q^T W_K on one scale symmetric about
+    0. analyze.py curves draws the statistics over a run's snapshots."""
     data_dir, out = synthetic_run
     run = os.path.join(out, "synthetic")
+    figures, save = {}, analyze.save_figure
+    monkeypatch.setattr(analyze, "save_figure", lambda fig, path, command, **kw: (
+        figures.__setitem__(os.path.basename(path), fig), save(fig, path, command, **kw)))
     analyze.main(["attention", "--ckpt", os.path.join(run, "pretrain_init.pt"), os.path.join(run, "pretrain.pt"),
                   "--data_dir", data_dir, "--out", str(tmp_path)])
     res = json.load(open(tmp_path / "attention.json"))
     assert res["pretrain_init"]["uniform_entropy"] == pytest.approx(np.log(20))
     assert "W_Q^T W_K" in res["pretrain"]["displacement"]
+    for name, diverging in (("attention.png", False), ("qk_product.png", True)):
+        fig = figures[name]
+        images = [im for ax in fig.axes for im in ax.images]
+        tops = [float(np.abs(im.get_array()).max()) for im in images]
+        assert len(images) == (2 if diverging else 4)  # 2 checkpoints; attention: maps and probes
+        assert [ax.get_title() for ax in fig.axes if ax.images][:2] == ["pretrain_init", "pretrain"]
+        assert {im.get_clim() for im in images} == {(-max(tops) if diverging else 0.0, max(tops))}
+        assert diverging or min(tops) < 0.8 * max(tops)  # unlike ranges (maps, probes): one scale compares them
+        assert sum(ax.get_label() == "<colorbar>" for ax in fig.axes) == 1
     analyze.main(["curves", "--run_dir", run, "--data_dir", data_dir, "--out", str(tmp_path)])
     curves = json.load(open(tmp_path / "curves_pretrain.json"))
     assert curves["steps"] == [0, 3, 4, 6]  # step 0, then every eval: step 3, the epoch end at 4, step 6
-    for name in ("attention.png", "pe_probe.png", "qk_product.png", "curves_pretrain.png"):
+    for name in ("attention.png", "qk_product.png", "curves_pretrain.png"):
         assert (tmp_path / name).stat().st_size > 1000
+    assert not (tmp_path / "pe_probe.png").exists()  # the probes are in attention.png
+
+
+def test_initscale_panels_share_one_colour_scale(tmp_path, monkeypatch):
+    """analyze.plot_initscale: every panel on one scale, from 0.5 (or the lowest cell below it) to 1, one colorbar
+    that names it."""
+    figures = []
+    monkeypatch.setattr(analyze, "save_figure", lambda fig, path, command, **kw: figures.append(fig))
+    runs = [dict(kind=kind, stage=stage, scale=scale, length=100, best_val_acc=acc)
+            for kind in ("reference", "torch") for stage, scale, acc in
+            (("scratch", 0.5, 0.42), ("scratch", 1.0, 0.51), ("spt", 0.5, 0.99), ("spt", 1.0, 1.0))]
+    analyze.plot_initscale(runs, ["reference", "torch"], [0.5, 1.0], [100], 1, str(tmp_path / "x.png"), "python x")
+    images = [im for ax in figures[0].axes for im in ax.images]
+    assert len(images) == 4 and {im.get_clim() for im in images} == {(0.42, 1.0)}
+    bars = [ax for ax in figures[0].axes if ax.get_label() == "<colorbar>"]
+    assert len(bars) == 1 and "0.42 to 1" in bars[0].get_ylabel()
 
 
 def test_analyze_gradients_prints_each_figure_with_its_name_and_writes_the_same_numbers(synthetic_run, tmp_path,
@@ -1396,8 +1436,12 @@ def test_analyze_gradients_prints_each_figure_with_its_name_and_writes_the_same_
     ckpt = os.path.join(out, "synthetic", "pretrain.pt")
     analyze.main(["gradients", "--ckpt", ckpt, "--data_dir", data_dir, "--n", "8", "--out", str(tmp_path)])
     res = json.load(open(tmp_path / "gradients.json"))["results"][ckpt]
-    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  L_")}
+    printed = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in printed.splitlines() if line.startswith("  L_")}
     assert sorted(lines) == sorted(res) == ["L_SPT", "L_sup"]  # a pretrain.py checkpoint: both losses
+    # which checkpoint the numbers are of, and that L_sup's share depends on it (0.072 here is not 0.107 there)
+    assert printed.splitlines()[0].startswith(f"checkpoint {ckpt}: ")
+    assert "L_sup's share depends on the checkpoint" in printed
     for loss_name, r in res.items():  # every line names both of its figures, as the JSON holds them
         ratio = r["grad_norm"]["W_Q"] / r["grad_norm"]["W_V"]
         assert lines[loss_name] == (f"  {loss_name:5s} Prop. 1 share per layer "
@@ -1515,6 +1559,59 @@ def test_ablate_synthetic_and_init_run_and_resume(synthetic_run, tmp_path, capsy
     rope = [acc[(s, "rope")] - acc[(s, "sinusoidal")] for s in (0, 1)]
     assert f"| rope, from scratch | {sum(rope) / 2:+.3f} +- {abs(rope[0] - rope[1]) / math.sqrt(2):.3f} | " \
            f"{rope[0]:+.3f}, {rope[1]:+.3f} | {sum(d > 0 for d in rope)} of 2 |" in table
+
+
+def test_ablate_demo_summary_holds_its_runs_numbers_and_its_verdict_follows_plateau_exit_epoch(tmp_path, capsys):
+    """python ablate.py demo, small: summary.json holds the runs' own numbers (their JSON files, the attention of
+    their checkpoints), both figures are written with their command, and the printed row of first epochs says
+    "never" or the epoch as ablate.plateau_exit_epoch does. A second call reads the runs back; here their curves
+    are edited first, so that SPT's crosses 0.9 at epoch 1 and from scratch stays at the majority class."""
+    import ablate
+    argv = ["demo", "--length", "24", "--n_train", "64", "--epochs", "2", "--data_dir", str(tmp_path / "data"),
+            "--out_dir", str(tmp_path / "out"), "--device", "cpu"]
+    demo, data_dir = tmp_path / "out" / "demo", str(tmp_path / "data" / "demo_L24_n64")
+    run = demo / "L24_n64_e2_seed0" / "synthetic"
+
+    def check(printed):
+        s = json.load(open(demo / "summary.json"))
+        results = {name: json.load(open(run / f"finetune_{name}.json")) for name in ("scratch", "spt")}
+        assert (s["scratch_val_acc"], s["spt_val_acc"]) == (results["scratch"]["best_val_acc"],
+                                                            results["spt"]["best_val_acc"])
+        exits = [ablate.plateau_exit_epoch(results[name]) for name in ("scratch", "spt")]
+        assert [s["scratch_exit_epoch"], s["spt_exit_epoch"]] == exits
+        row = next(line for line in printed.splitlines() if line.startswith("first epoch with validation accuracy"))
+        assert row.split()[-2:] == ["never" if e is None else f"{e:g}" for e in exits]
+        assert (s["length"], s["seed"], s["init_scheme"], s["epochs"]) == (24, 0, "reference", 2)
+        assert s["majority_rate"] == ablate.majority_rate(data_dir, "synthetic")
+        assert f"verdict: {s['verdict']}" in printed
+        return s
+
+    ablate.main(argv)
+    s = check(capsys.readouterr().out)
+    stats, _ = analyze.analyze_checkpoints({"init": str(run / "pretrain_init.pt"), "spt": str(run / "pretrain.pt")},
+                                           data_dir)
+    assert (s["entropy_init"], s["entropy_spt"], s["band_mass_spt"], s["pe_probe_corr"]) == (
+        stats["init"]["entropy"], stats["spt"]["entropy"], stats["spt"]["band_mass"],
+        stats["spt"]["probe_corr_with_attention"])
+    assert s["log_L"] == pytest.approx(np.log(24))
+    for name in ("attention.png", "curves.png"):
+        assert (demo / name).stat().st_size > 10_000
+        assert analyze.figure_command(str(demo / name)) == "python ablate.py " + shlex.join(argv)
+    for name, accs in (("scratch", [0.5, 0.49, 0.5]), ("spt", [0.5, 0.95, 0.97])):  # 2 steps per epoch
+        path = run / f"finetune_{name}.json"
+        result = json.load(open(path))
+        assert [e["step"] for e in result["evals"]] == [0, 2, 4]
+        for e, acc in zip(result["evals"], accs):
+            e["val_acc"] = acc
+        result["best_val_acc"] = max(accs)
+        data.save_atomic(result, str(path))
+    ablate.main(argv)
+    printed = capsys.readouterr().out
+    assert printed.count("read back") == 2 and "steps in" not in printed  # nothing trained again
+    s = check(printed)
+    assert (s["scratch_exit_epoch"], s["spt_exit_epoch"]) == (None, 1.0)
+    assert s["verdict"] == ("from scratch stayed on its plateau (at the majority class) for all 2 epochs; after "
+                            "SPT, finetuning reached 0.9 at epoch 1.")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -2342,12 +2439,13 @@ def test_analyze_names_what_is_wrong_with_a_checkpoint_path_before_any_work(synt
             analyze.main(argv + ["--data_dir", data_dir, "--out", str(tmp_path / "a")])
         assert "share" not in capsys.readouterr().out  # refused before the first checkpoint's work
     assert not (tmp_path / "a").exists()
-    paths = ["s0/pretrain.pt", "s1/pretrain.pt", "s1/finetune_spt.pt"]
-    assert [analyze.checkpoint_label(p, paths) for p in paths] == ["s0/pretrain", "s1/pretrain", "finetune_spt"]
-    paths = ["a/x.pt", "b/x.pth", "a/x.pth", "c/y.pt"]  # one stem; then one path without its extension
-    assert [analyze.checkpoint_label(p, paths) for p in paths] == ["a/x.pt", "b/x", "a/x.pth", "y"]
+    paths = ["out/s0/pretrain.pt", "out/s1/pretrain.pt", "out/s1/finetune_spt.pt"]
+    assert list(analyze.checkpoint_labels(paths)) == ["s0/pretrain", "s1/pretrain", "s1/finetune_spt"]
+    assert list(analyze.checkpoint_labels(["out/x/pretrain.pt", "out/x/finetune_spt.pt"])) == ["pretrain", "finetune_spt"]
+    paths = ["a/x.pt", "a/x.pth", "c/y.pt"]  # a/x twice without extensions: every label keeps its own
+    assert analyze.checkpoint_labels(paths) == {"a/x.pt": "a/x.pt", "a/x.pth": "a/x.pth", "c/y.pt": "c/y.pt"}
     os.makedirs(tmp_path / "d")
-    for name in ("x.pt", "x.pt.pt"):  # two files, one label "x.pt" by checkpoint_label: one was dropped
+    for name in ("x.pt", "x.pt.pt"):  # two files, labels "x" and "x.pt": both kept
         shutil.copy(good, tmp_path / "d" / name)
     analyze.main(["attention", "--ckpt", str(tmp_path / "d" / "x.pt"), str(tmp_path / "d" / "x.pt.pt"), "--n", "2",
                   "--data_dir", data_dir, "--out", str(tmp_path / "b")])
@@ -3257,7 +3355,7 @@ def test_attention_analysis_of_a_model_without_absolute_positions_has_no_pe_prob
     analyze.main(["attention", "--ckpt", path, "--data_dir", data_dir, "--out", str(tmp_path)])
     res = json.load(open(tmp_path / "attention.json"))["rope"]
     assert "probe" not in res and 0 < res["band_mass"] <= 1
-    assert (tmp_path / "attention.png").exists() and not (tmp_path / "pe_probe.png").exists()
+    assert (tmp_path / "attention.png").exists()
 
 
 def test_displacement_is_measured_from_each_runs_own_init(synthetic_run, tmp_path):
