@@ -419,9 +419,7 @@ def init_weights(model, cfg):
                         proj.bias.copy_(m.q_proj.bias)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Checkpoints: plain dicts of tensors and Python types, loadable with torch.load(weights_only=True)
-# ----------------------------------------------------------------------------------------------------------
+# Checkpoints: plain dicts of tensors and Python types, loadable with torch.load(weights_only=True).
 
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DistributedDataParallel add these
 
@@ -455,20 +453,11 @@ def checkpoint_dict(model, **extra):
     return dict(model=unwrapped_state_dict(model.state_dict()), model_config=asdict(model.cfg), **extra)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# FLOPs (for MFU: the GPU peaks, device and dtype live in data.py, with the stages' other plumbing)
-# ----------------------------------------------------------------------------------------------------------
-
 def flops_per_token(cfg, L):
-    """Training FLOPs per token (forward + backward) of the Transformer at sequence length L.
-
-    6 x (weights used per token) for the matrix multiplies, plus 12 x n_layers x d_model x keys for the attention
-    scores and their product with V (the usual estimate, Chowdhery et al. 2022, PaLM App. B), where a query sees
-    keys = L positions, or under local attention (attn_window w) at most its block and two neighbours, 3 w.
-    The weights used per token: W_Q, W_K, W_V, W_O and the MLP of every layer, the continuous input encoder
-    (d_input x d_model; a token embedding is a lookup) and the reconstruction head, which the SPT step applies at
-    every position (n_rec x d_model; 0 when finetuning, whose class head runs once per sequence, left out).
-    """
+    """Training FLOPs per token (forward + backward) at sequence length L, for MFU (Chowdhery et al. 2022, PaLM
+    App. B): 6 x the weights used per token (W_Q, W_K, W_V, W_O and the MLP of every layer, a continuous input
+    encoder, the reconstruction head, which SPT applies at every position), plus 12 x n_layers x d_model x keys for
+    the scores and their product with V; a query sees L keys, or 3 attn_window under local attention."""
     per_layer = 4 * cfg.d_model ** 2 + (2 * cfg.d_model * cfg.d_mlp if cfg.mlp else 0)
     per_position = (cfg.d_input if cfg.vocab_size == 0 else 0) * cfg.d_model + cfg.n_rec * cfg.d_model
     keys = min(L, 3 * cfg.attn_window) if cfg.attn_window else L
