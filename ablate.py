@@ -1925,18 +1925,21 @@ DEMO_LENGTH = 300  # trajectory length of `ablate.py demo`: long enough that fro
 
 
 def experiment_demo(args):
-    """python ablate.py demo: what self-pretraining does, in about two minutes on a 2-core CPU.
+    """python ablate.py demo: what self-pretraining does, in one command on a CPU.
 
     The minimal model of Coser et al. Sec. 4 (one layer, one head, no LayerNorm, no MLP) learns to classify 2-D
     trajectories of DEMO_LENGTH steps (2,000 for training, 500 for validation), under the default init (reference).
     Three runs of 10 epochs each: from scratch; SPT (masked reconstruction); finetuning from SPT. Then the attention
     of four checkpoints: SPT's init, after SPT, SPT then finetuned, and from scratch.
-    What you will see: from scratch stays at the majority class for all 10 epochs; after SPT, finetuning passes
-    0.9 validation accuracy within a few epochs. At init the attention is near uniform (entropy close to log L).
-    After SPT it is a band along the diagonal: each step attends to its neighbours. The PE-only probe, fed the
-    positions alone, draws the same band. Prints a side-by-side verdict and writes <out_dir>/demo/summary.json,
-    attention.png (maps and probes on one colour scale) and curves.png (validation accuracy per epoch). The runs
-    go to <out_dir>/demo/L<L>_n<N>_e<E>_seed<S>/; a second call reads them back in seconds.
+    What you will see: from scratch stays at the majority class for all 10 epochs. After SPT, finetuning passes 0.9
+    validation accuracy within a few epochs. At init the attention is near uniform (entropy close to log L); after
+    SPT it is a band along the diagonal: each step attends to its neighbours. The PE-only probe, fed the positions
+    alone, draws the same band. Expect (seed 0): best validation accuracy 0.512 from scratch (never 0.9), 0.990
+    after SPT (0.9 at epoch 5); entropy / log L 0.99 -> 0.54; band mass 0.04 -> 0.67; probe correlation 0.98.
+    Time: about a minute on 2 cores (50 s measured, 20 ms a step); on a busy machine several times that.
+    Prints the two runs side by side and a verdict; writes <out_dir>/demo/summary.json, attention.png (maps and
+    probes on one colour scale) and curves.png (validation accuracy per epoch). The runs go to
+    <out_dir>/demo/L<L>_n<N>_e<E>_seed<S>/; a second call reads them back in seconds.
     """
     import time
     start, L, n, epochs = time.time(), args.L, args.n_train, args.epochs
@@ -2114,7 +2117,7 @@ def build_parser():
     s.add_argument("--quick", action="store_true", help="a small grid (scales 0.25 1, L 50 100, 4 epochs of 500)")
     s.add_argument("--jobs", type=int, default=2, help="processes run at once, one per init kind (one thread each)")
     s.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a --jobs child: no table
-    s = add("demo", "SPT's effect in one command on a CPU (~2 min): from scratch vs SPT, attention, verdict", ())
+    s = add("demo", "SPT's effect in one command on a CPU (~1 min): from scratch vs SPT, attention, verdict", ())
     s.add_argument("--length", type=int, default=DEMO_LENGTH, dest="L", help="trajectory length L")
     s.add_argument("--seed", type=int, default=0, help="seed of the three runs (data: seed 0)")
     s.add_argument("--epochs", type=pretrain.POSITIVE, default=10, help="epochs of each stage")
