@@ -6,11 +6,10 @@ r"""analyze.py -- what self-pretraining does to attention, and the theory behind
                                        out/synthetic/finetune_spt.pt     # maps, PE-only probe, W_Q^T W_K
     python analyze.py curves --run_dir out/synthetic                      # proximity over training (--snapshots)
 
-Reads checkpoints (*.pt) of any task and preset, and the task's data; trains nothing. Writes PNG figures and JSON
-numbers into --out (default out/analysis). `python ablate.py demo` trains a small run and shows these analyses.
+Reads checkpoints of any task and the task's data; trains nothing. Writes PNG figures and JSON numbers into --out.
 Expect: prop1 in ~10 s (supervised derivative ~1e-18, closed form to ~1e-15). attention on the synthetic run in
-~10 s; under the default reference init: entropy 4.56 -> ~2.2 nats, band mass 0.11 -> ~0.87, PE-only probe
-correlation 0.87 -> ~0.98.
+~10 s, under the reference init: entropy 4.56 -> ~2.2 nats, band mass 0.11 -> ~0.87, PE-only probe correlation
+0.87 -> ~0.98.
 
 Sections: 1. Proposition 1 (1b: in the model)  2. attention after self-pretraining  3. figures  4. command line
 """
@@ -28,9 +27,7 @@ import data
 from data import single_sequences
 from model import Transformer, config_from_dict, param_group, unwrapped_state_dict
 
-# ----------------------------------------------------------------------------------------------------------
-# 1. Proposition 1 (Coser et al., Prop. 1): gradients of the two losses at uniform attention
-# ----------------------------------------------------------------------------------------------------------
+# ---- 1. Proposition 1 (Coser et al., Prop. 1): gradients of the two losses at uniform attention ----
 #
 # Setting. Tokens X_1..X_L in R^d; scores s(a) = a D for a direction D (L x L); A(a) = row-softmax(s(a));
 # o_i = sum_j A_ij X_j; mean pool h = (1/L) sum_i o_i; L_sup(a) = E[l(h(a), Y)];
@@ -64,20 +61,10 @@ def column_centred(d):
     return d - d.mean(0, keepdim=True)
 
 
-def row_centred(d):
-    """Dbar = D - D 11^T / L (Coser et al., Prop. 1): each row of the (L, L) direction sums to zero."""
-    return d - d.mean(1, keepdim=True)
-
-
 def band_direction(length, width=2):
     """(L, L) proximity direction: 1 where |i - j| <= width, else 0, column-centred (so 1^T D = 0)."""
     idx = torch.arange(length)
     return column_centred(((idx[:, None] - idx[None, :]).abs() <= width).to(torch.float64))
-
-
-def second_moments(x):
-    """Empirical C_ij = (1/N) sum_n X_i^(n) . X_j^(n) for x of shape (N, L, d); returns (L, L)."""
-    return torch.einsum("nid,njd->ij", x, x) / x.shape[0]
 
 
 def prop1_losses(x, d, a, w, y, pooling="mean"):
@@ -102,21 +89,17 @@ def prop1_derivatives(x, d, w, y, pooling="mean", a0=0.0):
 
 
 def closed_form_spt_derivative(x, d, c=None):
-    """The paper's L_SPT'(0) = -(1/L^2) <Dbar, C>_F (Coser et al., Prop. 1); exact only when 1^T D = 0.
-
-    x: (N, L, d); d: (L, L); c: (L, L) second moments, the empirical ones of x if None.
-    """
-    c = second_moments(x) if c is None else c
-    return (-(row_centred(d) * c).sum() / x.shape[1] ** 2).item()
+    """The paper's L_SPT'(0) = -(1/L^2) <Dbar, C>_F (Coser et al., Prop. 1), with Dbar = D - D 11^T / L the
+    row-centred direction; exact only when 1^T D = 0. x: (N, L, d); d: (L, L); c: (L, L) second moments, if None
+    the empirical C_ij = mean_n X_i^(n) . X_j^(n)."""
+    c = torch.einsum("nid,njd->ij", x, x) / len(x) if c is None else c
+    return (-((d - d.mean(1, keepdim=True)) * c).sum() / x.shape[1] ** 2).item()
 
 
 def exact_spt_derivative(x, d, c=None):
-    """L_SPT'(0) = -(1/L^2) <P D P, C>_F with P = I - 11^T/L: exact for every direction (section notes).
-
-    x: (N, L, d); d: (L, L); c: (L, L) second moments, the empirical ones of x if None.
-    """
-    c = second_moments(x) if c is None else c
-    return (-(column_centred(row_centred(d)) * c).sum() / x.shape[1] ** 2).item()
+    """L_SPT'(0) = -(1/L^2) <P D P, C>_F with P = I - 11^T/L, exact for every direction: the paper's form of the
+    column-centred direction P D (whose row centring is P D P)."""
+    return closed_form_spt_derivative(x, column_centred(d), c)
 
 
 def rel_err(value, reference):
@@ -149,14 +132,12 @@ def prop1_table(n=512, length=16, dim=8, n_classes=3, n_random=3, seed=0):
     return rows, settings, (x, w, y)
 
 
-def plot_prop1(x, w, y, d, path, command, a_max=3.0, n_points=121):
-    """Both losses along a in [-a_max, a_max] for direction d, with the closed-form tangent of L_SPT at 0;
-    `command` drew it (save_figure)."""
-    plt = pyplot()
-    grid = np.linspace(-a_max, a_max, n_points)
+def plot_prop1(x, w, y, d, path, command):
+    """Both losses along a in [-3, 3] for direction d, with the closed-form tangent of L_SPT at 0."""
+    grid = np.linspace(-3, 3, 121)
     losses = np.array([[v.item() for v in prop1_losses(x, d, torch.tensor(a), w, y)] for a in grid])
-    slope, l0 = closed_form_spt_derivative(x, d), losses[n_points // 2, 1]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    slope, l0 = closed_form_spt_derivative(x, d), losses[60, 1]  # a = 0
+    fig, axes = pyplot().subplots(1, 2, figsize=(10, 4))
     axes[0].plot(grid, losses[:, 0])
     axes[0].set(xlabel="a (scores = a D)", ylabel="L_sup(a)", title="supervised loss, mean pooling")
     axes[1].plot(grid, losses[:, 1], label="L_SPT(a)")
@@ -168,18 +149,12 @@ def plot_prop1(x, w, y, d, path, command, a_max=3.0, n_points=121):
         ax.axvline(0, color="gray", lw=0.5)
     fig.suptitle("Coser et al. Prop. 1: band direction (column-centred), AR(1) tokens")
     fig.tight_layout()
-    save_figure(fig, path, command, dpi=120)
+    save_figure(fig, path, command)
 
 
 def cmd_prop1(args):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: 0.03 s on 1 thread, 2 s on 2 busy cores
-    try:
-        rows, settings, (x, w, y) = prop1_table(seed=args.seed)
-        os.makedirs(args.out, exist_ok=True)
-        plot_prop1(x, w, y, band_direction(settings["length"]), os.path.join(args.out, "prop1.png"), args.command_line)
-    finally:
-        torch.set_num_threads(threads)
+    rows, settings, (x, w, y) = prop1_table(seed=args.seed)
+    plot_prop1(x, w, y, band_direction(settings["length"]), os.path.join(args.out, "prop1.png"), args.command_line)
     head = (f"{'case':38s} {'Lsup_prime(0)':>13s} {'Lspt_prime(0)':>13s} {'paper form':>13s} {'rel.err':>8s}"
             f" {'exact form':>13s} {'rel.err':>8s}")
     print(head + "\n" + "-" * len(head))
@@ -190,30 +165,28 @@ def cmd_prop1(args):
     sup = max(abs(r["dsup"]) for r in zero if r["pooling"] == "mean")
     paper = max(r["rel_err_paper"] for r in zero if "population" not in r["case"])
     print(f"\nzero column sums, mean pool: max |L_sup'(0)| {sup:.1e}; the paper's form matches autograd to {paper:.1e}"
-          f" (empirical C). The exact form matches for every direction; the paper's needs 1^T D = 0. With the\n"
-          f"population C both hold up to sampling error. [CLS] pooling: L_sup'(0) = {rows[-1]['dsup']:.2e}, not 0.")
+          f" (empirical C; the exact form for every D). [CLS] pooling: L_sup'(0) = {rows[-1]['dsup']:.2e}, not 0.")
     data.save_atomic(dict(settings=settings, rows=rows), os.path.join(args.out, "prop1.json"))
     print(f"wrote {os.path.join(args.out, 'prop1.png')} and prop1.json")
 
 
 # 1b. Proposition 1 in the model itself: where each loss's gradient points at the attention scores.
 # Prop. 1's directions are the score directions D with zero column sums. A score gradient G = dL/dS (L x L) is
-# orthogonal to all of them exactly when its rows are equal (G = 1 g^T): a key salience, the same for every query,
-# so no proximity. The share of ||G||^2 along Prop. 1's directions is ||G - 1 gbar^T||^2 / ||G||^2 (gbar: the
-# mean row). Prop. 1 says it is 0 for L_sup in the minimal model (one layer, no LayerNorm, no MLP, mean pooling,
-# a linear head) at uniform attention. An MLP, LayerNorm or non-uniform attention make it positive.
+# orthogonal to all of them exactly when its rows are equal (G = 1 g^T): a key salience, no proximity. The share
+# of ||G||^2 along them is ||G - 1 gbar^T||^2 / ||G||^2 (gbar: the mean row). Prop. 1 makes it 0 for L_sup in the
+# minimal model (one layer, no LayerNorm, no MLP, mean pooling, a linear head) at uniform attention; an MLP,
+# LayerNorm or non-uniform attention make it positive.
 
-def prop1_share(grad, lengths=None):
-    """sum ||G_bh - 1 gbar_bh^T||^2 / sum ||G_bh||^2 over sequences b and heads h (0 if G is 0): the share of the
-    score gradients along Prop. 1's directions. grad: (B, H, L, L) dL/dS of one layer; lengths: (B,) or None. Only
-    real query rows count, and gbar is their mean (padded keys have zero gradient, padded queries feed nothing)."""
+def prop1_parts(grad, lengths=None):
+    """(sum ||G_bh - 1 gbar_bh^T||^2, sum ||G_bh||^2) over sequences b and heads h: the score gradients' squared norm
+    along Prop. 1's directions, and in all (their ratio: the share). grad: (B, H, L, L) dL/dS of one layer; lengths:
+    (B,) or None. Only real query rows count, and gbar is their mean (padded keys have zero gradient)."""
     B, H, L, _ = grad.shape
     real = torch.ones(B, L, dtype=grad.dtype) if lengths is None else \
         (torch.arange(L)[None, :] < lengths[:, None]).to(grad.dtype)
     w = real[:, None, :, None]                                                      # (B, 1, L, 1) query rows
     mean_row = (grad * w).sum(2, keepdim=True) / w.sum(2, keepdim=True)            # (B, H, 1, L)
-    total = (grad.pow(2) * w).sum()
-    return ((grad - mean_row).pow(2) * w).sum().item() / total.item() if total > 0 else 0.0
+    return ((grad - mean_row).pow(2) * w).sum().item(), (grad.pow(2) * w).sum().item()
 
 
 def score_gradient(probs, probs_grad):
@@ -224,28 +197,16 @@ def score_gradient(probs, probs_grad):
 
 def loss_gradients(path, data_dir, n=64, chunk=None, seed=0, losses=("L_sup", "L_SPT")):
     """Prop. 1 in a checkpoint's model, on its task's first n training sequences: the attention-score gradients of
-    L_sup (cross-entropy through mean pooling) and, for a pretrain.py checkpoint, of L_SPT (its run's masked
-    reconstruction, masks drawn with `seed`). A pretrain.py checkpoint gets a fresh class head of its preset's kind
-    (drawn with `seed`). Returns {loss: {"prop1_share": [per layer], "grad_norm": {group: ||dL/dW|| / sequences}}}.
-    `chunk`: sequences at a time (default <= 16, chunk x L^2 <= 2^24). ValueError for a pair model (Retrieval) or
-    local attention (attn_window): Prop. 1 is about one sequence through full attention."""
+    L_sup (cross-entropy through the model's pooling) and, for a pretrain.py checkpoint, of L_SPT (its run's masked
+    reconstruction). A pretrain.py checkpoint gets a fresh class head of its preset's kind. `seed` draws the head and
+    the masks; `chunk`: sequences at a time (default <= 16, chunk x L^2 <= 2^24). Returns {loss: {"prop1_share":
+    [per layer], "grad_norm": {group: ||dL/dW|| / sequences}}}. ValueError for a pair model or local attention."""
     import pretrain  # the masking and the loss of the SPT stage itself
-    ck = data.load_pt(path)
-    cfg, meta = ck["model_config"], ck["data_meta"]
-    if cfg.get("pair") or (cfg.get("attn_window") and cfg["attn_window"] < meta["max_len"]):
+    model, ck = load_model(path, head_seed=seed)  # eval: dropout off (0 in every preset anyway); gradients flow
+    run, meta = ck.get("config") or {}, ck["data_meta"]
+    if model.cfg.pair or (model.cfg.attn_window and model.cfg.attn_window < meta["max_len"]):
         raise ValueError(f"{path}: a pair model (Retrieval) or one with local attention; Prop. 1's measure needs "
                          f"one sequence through full attention")
-    run = ck.get("config") or {}
-    if ck.get("stage") == "pretrain":  # no class head: the one finetuning would give it (its preset's, as finetune.py)
-        preset = pretrain.PRESETS[data.task_family(ck["task"])].get(run.get("preset"), {})
-        cfg = dict(cfg, cls_mlp=preset.get("model", {}).get("cls_mlp", False))
-    with torch.random.fork_rng():  # a fresh head from `seed`, the caller's random state left as it was
-        torch.manual_seed(seed)
-        model = Transformer(config_from_dict(dict(cfg, n_classes=meta["n_classes"]), path))
-    missing, unexpected = model.load_state_dict(unwrapped_state_dict(ck["model"]), strict=False)
-    if unexpected or any(not k.startswith("cls_head.") for k in missing):
-        raise ValueError(f"{path}: weights {missing or unexpected} do not fit its own model_config")
-    model.eval()  # dropout off (0 in every preset anyway); gradients still flow
     split = data.load_split(data_dir, ck["task"], "train")
     count = min(n, len(split["labels"]))
     ratio = run.get("mask_ratio") or pretrain.MASK_RATIO[data.task_family(ck["task"])]
@@ -255,7 +216,7 @@ def loss_gradients(path, data_dir, n=64, chunk=None, seed=0, losses=("L_sup", "L
     out = {}
     for loss_name in [name for name in losses if name == "L_sup" or model.rec_head is not None]:
         model.zero_grad(set_to_none=True)
-        num, den = [0.0] * model.cfg.n_layers, [0.0] * model.cfg.n_layers  # per layer, summed over chunks
+        parts = torch.zeros(model.cfg.n_layers, 2, dtype=torch.float64)  # prop1_parts per layer, summed over chunks
         for i in range(0, count, chunk):
             x, lengths, labels = data.get_batch(split, torch.arange(i, min(i + chunk, count)), "cpu", multiple=1)
             if loss_name == "L_sup":
@@ -269,16 +230,12 @@ def loss_gradients(path, data_dir, n=64, chunk=None, seed=0, losses=("L_sup", "L
             for p in probs:
                 p.retain_grad()
             loss.backward()
-            grads = [score_gradient(p.detach(), p.grad) for p in probs]
-            totals = [G.pow(2).sum().item() for G in grads]
-            # pooled over chunks: each chunk's share times its total, summed, over the totals summed
-            num = [a + prop1_share(G, lengths) * t for a, G, t in zip(num, grads, totals)]
-            den = [a + t for a, t in zip(den, totals)]
+            parts += torch.tensor([prop1_parts(score_gradient(p.detach(), p.grad), lengths) for p in probs])
         norms = {}
         for name, param in model.named_parameters():
             if param.grad is not None:
                 norms[param_group(name)] = norms.get(param_group(name), 0.0) + param.grad.pow(2).sum().item()
-        out[loss_name] = dict(prop1_share=[a / b if b > 0 else 0.0 for a, b in zip(num, den)],
+        out[loss_name] = dict(prop1_share=[a / b if b > 0 else 0.0 for a, b in parts.tolist()],
                               grad_norm={k: math.sqrt(v) / count for k, v in norms.items()})
     return out
 
@@ -292,23 +249,29 @@ def cmd_gradients(args):
             ratio = r["grad_norm"]["W_Q"] / r["grad_norm"]["W_V"] if r["grad_norm"].get("W_V") else float("nan")
             print(f"  {loss_name:5s} Prop. 1 share per layer " + " ".join(f"{s:.3g}" for s in r["prop1_share"])
                   + f";  |dL/dW_Q| / |dL/dW_V| {ratio:.3g}")
-    print(f"L_sup's share depends on the checkpoint: its weights set how far attention is from uniform, and a "
-          f"pretrain.py checkpoint gets a fresh class head (--seed {args.seed}). ablate.py synthetic takes it at init "
-          f"from finetune_scratch_init.pt, not pretrain_init.pt. Prop. 1 makes it 0 only at exactly uniform attention.")
-    os.makedirs(args.out, exist_ok=True)
+    print(f"L_sup's share depends on the checkpoint: how far its attention is from uniform (Prop. 1: 0 only at "
+          f"uniform attention), and a pretrain.py checkpoint's fresh class head (--seed {args.seed}).")
     data.save_atomic(dict(n=args.n, seed=args.seed, results=results), os.path.join(args.out, "gradients.json"))
     print(f"wrote {os.path.join(args.out, 'gradients.json')}")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# 2. Attention after self-pretraining (Coser et al., Sec. 4): maps, PE-only probe, W_Q^T W_K, proximity
-# ----------------------------------------------------------------------------------------------------------
+# ---- 2. Attention after self-pretraining (Coser et al., Sec. 4): maps, PE-only probe, W_Q^T W_K, proximity ----
 
-def load_model(path):
-    """(model in eval mode on the CPU, checkpoint dict) from any checkpoint of this project."""
+def load_model(path, head_seed=None):
+    """(model in eval mode on the CPU, checkpoint dict) from any checkpoint of this project. With `head_seed`, a
+    pretrain.py checkpoint gets the class head finetune.py would give it (its preset's kind), drawn from that seed."""
     ck = data.load_pt(path)
-    model = Transformer(config_from_dict(ck["model_config"], path))
-    model.load_state_dict(unwrapped_state_dict(ck["model"]))
+    cfg = ck["model_config"]
+    if head_seed is not None and ck.get("stage") == "pretrain":
+        import pretrain
+        preset = pretrain.PRESETS[data.task_family(ck["task"])].get((ck.get("config") or {}).get("preset"), {})
+        cfg = dict(cfg, n_classes=ck["data_meta"]["n_classes"], cls_mlp=preset.get("model", {}).get("cls_mlp", False))
+    with torch.random.fork_rng():  # the caller's random state left as it was
+        torch.manual_seed(head_seed or 0)
+        model = Transformer(config_from_dict(cfg, path))
+    missing, unexpected = model.load_state_dict(unwrapped_state_dict(ck["model"]), strict=False)
+    if unexpected or any(not k.startswith("cls_head.") for k in missing):  # a head only may be left as drawn
+        raise ValueError(f"{path}: weights {missing or unexpected} do not fit its own model_config")
     return model.eval(), ck
 
 
@@ -324,9 +287,9 @@ def attention_maps(model, x, lengths=None, chunk=None):
     """Softmax attention of every layer averaged over a batch, and the mean entropy of its rows.
 
     x: (B, L) tokens or (B, L, d_input) values; lengths: (B,) or None. Returns lists over layers of (H, L, L) maps
-    and (H, L) entropies (nats): row i is the mean over the sequences in which position i is real. The entropy is
-    taken per sequence: the averaged map's entropy is larger (concavity), so it would look more uniform than any one
-    sequence. `chunk` sequences at a time (default: chunk x L^2 <= 2^24) bound the memory at long L.
+    and (H, L) entropies (nats); row i is the mean over the sequences in which position i is real. The entropy is
+    taken per sequence: the averaged map's is larger (concavity). `chunk` sequences at a time (default: chunk x L^2
+    <= 2^24) bound the memory.
     """
     L, layers = x.shape[1], model.cfg.n_layers
     chunk, sums, ents = chunk or max(1, 2 ** 24 // L ** 2), [0.0] * layers, [0.0] * layers
@@ -343,9 +306,9 @@ def attention_maps(model, x, lengths=None, chunk=None):
 
 @torch.no_grad()
 def pe_probe(model, length, layer=0):
-    """The PE-only probe: X = 0, only the sinusoidal encodings P (L, d) through layer `layer`'s W_Q, W_K, after its
-    first LayerNorm if any: scores_h = (P W_Q,h^T)(P W_K,h^T)^T / sqrt(d_head) per head h, without biases, as the
-    paper's P W_Q^T W_K P^T / sqrt(d). Returns (scores (H, L, L), softmax probabilities (H, L, L))."""
+    """The PE-only probe: X = 0, only the sinusoidal encodings P (L, d) through layer `layer`'s first LayerNorm (if
+    any), W_Q and W_K without biases: scores_h = (P W_Q,h^T)(P W_K,h^T)^T / sqrt(d_head), the paper's
+    P W_Q^T W_K P^T / sqrt(d). Returns (scores (H, L, L), softmax probabilities (H, L, L))."""
     block, attn = model.blocks[layer], model.blocks[layer].attn
     p = block.ln1(model.pe[:length])                                            # (L, d_model)
     q = (p @ attn.q_proj.weight.T).view(length, attn.n_heads, attn.d_head).transpose(0, 1)  # (H, L, d_head)
@@ -365,12 +328,11 @@ def qk_product(model, layer=0, head=0):
 def attention_stats(probs, band=3, side=None, entropy=None, lengths=None):
     """Proximity statistics of attention probabilities (..., L, L), averaged over rows and leading dims.
 
-    entropy: the mean row entropy in nats (log L: uniform); given `entropy` (..., L), attention_maps' per-sequence
-    row entropies, their mean (entropy_of_mean_map: that of `probs`). band_mass: attention within |i - j| <= band.
-    mean_distance: sum_j A_ij |i - j|. uniform_*: the values for uniform attention. With `side` (an image, L =
-    side^2): band_mass_2d within the (2 band + 1)^2 pixels around the query, mean_distance_2d in pixels; ValueError
-    if side^2 != L. `lengths` (B,): those of the sequences an attention_maps mean was taken over. Each row then
-    counts as many times as it has real sequences, and uniform attention is over each sequence's own keys.
+    entropy: the mean row entropy in nats, or the mean of `entropy` (..., L), attention_maps' per-sequence ones
+    (then entropy_of_mean_map is that of `probs`). band_mass: attention within |i - j| <= band. mean_distance:
+    sum_j A_ij |i - j|. uniform_*: the values of uniform attention. `side` (an image, L = side^2): band_mass_2d
+    within the (2 band + 1)^2 pixels around the query, mean_distance_2d in pixels; ValueError if side^2 != L.
+    `lengths` (B,): of the sequences an attention_maps mean was taken over; each row counts once per real sequence.
     """
     L = probs.shape[-1]
     pos = torch.arange(L)
@@ -406,10 +368,10 @@ def attention_stats(probs, band=3, side=None, entropy=None, lengths=None):
 
 
 def analyze_checkpoints(paths, data_dir, n=64, band=3):
-    """Attention maps, PE probes and statistics for each checkpoint of `paths` ({label: path}), on the first `n`
-    validation sequences of its task (Retrieval: the 2n documents of n pairs). "displacement": from the weights the
-    checkpoint's own run started from (data.run_init_path; "displacement_from"). Returns (results of plain
-    numbers, maps: {label: dict(attention=[(H, L, L) per layer], probe=(H, L, L) or None, qk=(d, d))}).
+    """Attention maps, PE probes and statistics of each checkpoint of `paths` ({label: path}) on the first `n`
+    validation sequences of its task (Retrieval: the 2n documents of n pairs); "displacement" from the start of the
+    checkpoint's own run (data.run_init_path). Returns (results: plain numbers, maps: {label: dict(attention=[(H, L,
+    L) per layer], probe=(H, L, L) or None, qk=(d, d))}).
     """
     results, maps = {}, {}
     for label, path in paths.items():
@@ -457,11 +419,10 @@ def displacement(start, model):
 def plot_maps(rows, path, title, command, diverging=False):
     """Heatmaps, a row of panels per entry of `rows` ({row name: {panel title: (n, m) tensor}}), on ONE colour
     scale with one colorbar, from 0 (or, `diverging`, from minus) to the largest absolute value shown."""
-    plt = pyplot()
     top = max(float(img.abs().max()) for row in rows.values() for img in row.values())
     width = max(len(row) for row in rows.values())
-    fig, axes = plt.subplots(len(rows), width, figsize=(3.6 * width + 1, 3.4 * len(rows)), squeeze=False,
-                             layout="constrained")
+    fig, axes = pyplot().subplots(len(rows), width, figsize=(3.6 * width + 1, 3.4 * len(rows)), squeeze=False,
+                                  layout="constrained")
     x_label, y_label = ("key feature", "query feature") if diverging else ("key position j", "query position i")
     for ax_row, (name, row) in zip(axes, rows.items()):
         for ax, (label, img) in zip(ax_row, row.items()):
@@ -496,7 +457,6 @@ def plot_attention(maps, path, command):
 
 def cmd_attention(args):
     results, maps = analyze_checkpoints(checkpoint_labels(args.ckpt), args.data_dir, args.n, args.band)
-    os.makedirs(args.out, exist_ok=True)
     plot_attention(maps, os.path.join(args.out, "attention.png"), args.command_line)
     plot_maps({"W_Q^T W_K": {label: m["qk"] for label, m in maps.items()}}, os.path.join(args.out, "qk_product.png"),
               "W_Q^T W_K, layer 0 head 0", args.command_line, diverging=True)
@@ -514,14 +474,12 @@ def cmd_attention(args):
 def cmd_curves(args):
     """Proximity statistics over training, from the snapshots of a run (pretrain.py --snapshots)."""
     import glob
-    stage, _, name = args.stage.partition("_")
-    folder = os.path.abspath(args.run_dir)
-    run = data.run_paths(os.path.dirname(folder), os.path.basename(folder), stage, name or None)
-    prefix = run["snapshot"].split("{step}")[0]  # <run_dir>/<stage>_step
+    prefix = os.path.join(args.run_dir, args.stage + "_step")  # data.run_paths' snapshot names
     steps = sorted((int(f[len(prefix):-3]), f) for f in glob.glob(prefix + "*.pt") if f[len(prefix):-3].isdigit())
     if not steps:
-        raise FileNotFoundError(f"no {args.stage}_step*.pt in {args.run_dir}: run {stage}.py with --snapshots")
-    paths = {"step0": run["init"], **{f"step{s}": f for s, f in steps}}
+        raise FileNotFoundError(f"no {args.stage}_step*.pt in {args.run_dir}: run {args.stage.split('_')[0]}.py "
+                                f"with --snapshots")
+    paths = {"step0": os.path.join(args.run_dir, args.stage + "_init.pt"), **{f"step{s}": f for s, f in steps}}
     results, _ = analyze_checkpoints(paths, args.data_dir, args.n, args.band)
     xs = [0] + [s for s, _ in steps]
     fig, axes = pyplot().subplots(1, 3, figsize=(13, 3.6))
@@ -533,15 +491,12 @@ def cmd_curves(args):
     axes[0].legend()
     fig.suptitle(f"proximity of attention over {args.stage} ({args.run_dir})")
     fig.tight_layout()
-    os.makedirs(args.out, exist_ok=True)
     save_figure(fig, os.path.join(args.out, f"curves_{args.stage}.png"), args.command_line)
     data.save_atomic(dict(steps=xs, stats=list(results.values())), os.path.join(args.out, f"curves_{args.stage}.json"))
     print(f"wrote {os.path.join(args.out, f'curves_{args.stage}.png')} and .json")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# 3. Figures: how every PNG is saved, and the figures of ablate.py's experiments
-# ----------------------------------------------------------------------------------------------------------
+# ---- 3. Figures: how every PNG is saved, and the figures of ablate.py's experiments ----
 
 def pyplot():
     """matplotlib.pyplot, drawing to files only (the Agg backend: no display needed)."""
@@ -556,10 +511,10 @@ def command_line(script, argv):
     return "python " + shlex.join([script, *argv])
 
 
-def save_figure(fig, path, command, dpi=110):
+def save_figure(fig, path, command):
     """Write a matplotlib figure as PNG atomically (data.save_atomic) and close it. `command`, the one that drew it,
     goes into the PNG's text chunk "Command": figure_command reads it back, ablate.py report prints it."""
-    data.save_atomic(lambda f: fig.savefig(f, format="png", dpi=dpi, metadata={"Command": command}), path)
+    data.save_atomic(lambda f: fig.savefig(f, format="png", dpi=110, metadata={"Command": command}), path)
     pyplot().close(fig)
 
 
@@ -575,16 +530,13 @@ def figure_command(path):
 
 def plot_curves(curves, path, title, command, probe=None, hline=None):
     """Validation accuracy per epoch, one line per entry of `curves` ({label: finetune.py result dict, or a list of
-    them: their mean}). `probe`: an extra dashed curve (label, result); `hline`: a dotted line (value, label)."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    items = list(curves.items()) + ([probe] if probe else [])
-    for i, (label, results) in enumerate(items):
+    them: their mean}). `probe`: one more curve (label, result), dashed; `hline`: a dotted line (value, label)."""
+    fig, ax = pyplot().subplots(figsize=(7, 4))
+    for (label, results), style in [(item, "-") for item in curves.items()] + [(probe, "--")] * bool(probe):
         results = results if isinstance(results, list) else [results]
-        steps = [e["step"] for e in results[0]["evals"]]
-        accs = [sum(r["evals"][j]["val_acc"] for r in results) / len(results) for j in range(len(steps))]
-        ax.plot([s / results[0]["steps_per_epoch"] for s in steps], accs, "--" if probe and i == len(items) - 1
-                else "-", marker=".", label=label + (f" (mean of {len(results)})" if len(results) > 1 else ""))
+        epochs = [e["step"] / results[0]["steps_per_epoch"] for e in results[0]["evals"]]
+        accs = [sum(r["evals"][j]["val_acc"] for r in results) / len(results) for j in range(len(epochs))]
+        ax.plot(epochs, accs, style, marker=".", label=label + f" (mean of {len(results)})" * (len(results) > 1))
     if hline is not None:
         ax.axhline(hline[0], ls=":", color="gray", label=hline[1])
     ax.set(xlabel="epoch", ylabel="validation accuracy", title=title)
@@ -595,17 +547,16 @@ def plot_curves(curves, path, title, command, probe=None, hline=None):
 
 
 def plot_initscale(runs, kinds, scales, lengths, seeds, path, command):
-    """ablate.py initscale's phase diagram: the mean best validation accuracy per (init scale, length), written in
-    each cell, one panel per init kind (rows) and stage (columns), all on one colour scale. runs: dicts with kind,
-    stage, scale, length, best_val_acc."""
-    plt = pyplot()
+    """ablate.py initscale's phase diagram: mean best validation accuracy per (init scale, length), written in each
+    cell; a panel per init kind (row) and stage (column), one colour scale. runs: dicts with kind, stage, scale,
+    length, best_val_acc."""
     stages = (("scratch", "from scratch"), ("spt", "SPT, then finetune"))
     mean = lambda rs: sum(r["best_val_acc"] for r in rs) / len(rs) if rs else float("nan")
     grids = {(kind, stage): np.array([[mean([r for r in runs if (r["kind"], r["stage"], r["scale"], r["length"]) ==
                                             (kind, stage, scale, length)]) for scale in scales] for length in lengths])
              for kind in kinds for stage, _ in stages}
     low = min(0.5, np.nanmin(list(grids.values())))  # chance for two classes, or a cell below it
-    fig, axes = plt.subplots(len(kinds), 2, figsize=(9, 3.2 * len(kinds)), squeeze=False, layout="constrained")
+    fig, axes = pyplot().subplots(len(kinds), 2, figsize=(9, 3.2 * len(kinds)), squeeze=False, layout="constrained")
     for row, kind in enumerate(kinds):
         for col, (stage, title) in enumerate(stages):
             ax, grid = axes[row][col], grids[kind, stage]
@@ -620,9 +571,7 @@ def plot_initscale(runs, kinds, scales, lengths, seeds, path, command):
     save_figure(fig, path, command)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# 4. Command line
-# ----------------------------------------------------------------------------------------------------------
+# ---- 4. Command line ----
 
 def main(argv=None):
     p = data.ArgumentParser(description="Numerical checks of Coser et al. (2026)")
@@ -645,13 +594,11 @@ def main(argv=None):
     add("prop1", cmd_prop1, "Proposition 1: derivatives of L_sup and L_SPT at uniform attention",
             "prop1.png and prop1.json", seed="the random tokens and directions")
     add("gradients", cmd_gradients, "Proposition 1 in the model: the share of each loss's score gradient along "
-            "Prop. 1's directions", "gradients.json", "training", ckpt="out/synthetic/pretrain_init.pt "
-            "out/synthetic/pretrain.pt (L_sup and L_SPT) or out/synthetic/finetune_scratch_init.pt (L_sup)",
-            seed="the fresh class head and of the masks")
+            "Prop. 1's directions", "gradients.json", "training", ckpt="out/synthetic/pretrain.pt (L_sup and L_SPT) "
+            "out/synthetic/finetune_spt.pt (L_sup)", seed="the fresh class head and of the masks")
     add("attention", cmd_attention, "attention maps, PE-only probe, W_Q^T W_K and proximity statistics",
             "attention.png, qk_product.png and attention.json", "validation", band=True,
-            ckpt="out/synthetic/pretrain_init.pt out/synthetic/pretrain.pt out/synthetic/finetune_spt.pt (each one's "
-            "displacement is measured from its own run's start, its _init.pt)")
+            ckpt="out/synthetic/pretrain_init.pt out/synthetic/pretrain.pt out/synthetic/finetune_spt.pt")
     s = add("curves", cmd_curves, "proximity statistics over training from --snapshots checkpoints",
             "curves_<stage>.png and .json", "validation", band=True)
     s.add_argument("--run_dir", required=True, help="folder with <stage>_init.pt and <stage>_step*.pt")

@@ -1449,7 +1449,7 @@ def test_analyze_gradients_prints_each_figure_with_its_name_and_writes_the_same_
                                     + f";  |dL/dW_Q| / |dL/dW_V| {ratio:.3g}")
 
 
-def test_score_gradient_is_the_softmax_backward_and_prop1_share_the_zero_column_sum_projection():
+def test_score_gradient_is_the_softmax_backward_and_prop1_parts_the_zero_column_sum_projection():
     g = torch.Generator().manual_seed(0)
     s = torch.randn(2, 3, 5, 5, generator=g, dtype=torch.float64, requires_grad=True)
     r = torch.randn(2, 3, 5, 5, generator=g, dtype=torch.float64)
@@ -1465,9 +1465,9 @@ def test_score_gradient_is_the_softmax_backward_and_prop1_share_the_zero_column_
                 col = [grad[b, h, i, j].item() for i in range(n)]
                 along += sum((c - sum(col) / n) ** 2 for c in col)
                 total += sum(c ** 2 for c in col)
-    assert analyze.prop1_share(grad, lengths) == pytest.approx(along / total, rel=1e-12)
+    assert analyze.prop1_parts(grad, lengths) == pytest.approx((along, total), rel=1e-12)
     same_rows = grad[:, :, :1].expand(-1, -1, 5, -1)  # G = 1 g^T: no component along Prop. 1's directions
-    assert analyze.prop1_share(same_rows) == pytest.approx(0.0, abs=1e-15)
+    assert analyze.prop1_parts(same_rows)[0] == pytest.approx(0.0, abs=1e-15)
     # The residual G - 1 gbar^T is the orthogonal projection onto {D : 1^T D = 0}: it lies in that subspace, it
     # is orthogonal to every 1 g^T, and <G, D> = <residual, D> for every D of the subspace.
     G = grad[0, 0]
@@ -1477,7 +1477,8 @@ def test_score_gradient_is_the_softmax_backward_and_prop1_share_the_zero_column_
     ones_g = torch.ones(5, 1, dtype=torch.float64) * torch.randn(1, 5, generator=g, dtype=torch.float64)
     assert residual.sum(0).abs().max() < 1e-12 and abs((residual * ones_g).sum()) < 1e-12
     assert (G * D).sum().item() == pytest.approx((residual * D).sum().item(), abs=1e-12)
-    assert analyze.prop1_share(G[None, None]) == pytest.approx((residual.norm() / G.norm()).item() ** 2, rel=1e-12)
+    parts = (residual.norm().item() ** 2, G.norm().item() ** 2)
+    assert analyze.prop1_parts(G[None, None]) == pytest.approx(parts, rel=1e-12)
 
 
 def test_prop1_holds_in_the_minimal_model_at_uniform_attention_and_not_with_an_mlp(synthetic_run, tmp_path,
@@ -1527,6 +1528,10 @@ def test_prop1_holds_in_the_minimal_model_at_uniform_attention_and_not_with_an_m
     data.save_atomic(dict(ck, model_config=dict(ck["model_config"], attn_window=8)), local)
     with pytest.raises(ValueError, match="local attention"):
         analyze.loss_gradients(local, data_dir)
+    broken = str(tmp_path / "broken.pt")  # weights other than a class head missing: refused, named
+    data.save_atomic(dict(ck, model={k: v for k, v in ck["model"].items() if ".q_proj." not in k}), broken)
+    with pytest.raises(ValueError, match=re.escape(f"{broken}: weights ['blocks.0.attn.q_proj.weight'")):
+        analyze.load_model(broken, head_seed=0)
 
 
 def test_ablate_synthetic_and_init_run_and_resume(synthetic_run, tmp_path, capsys):
