@@ -39,6 +39,7 @@ import hashlib
 import http.client
 import importlib.util
 import inspect
+import io
 import json
 import math
 import os
@@ -570,40 +571,30 @@ def extract_tar(archive, into, prefix):
     return n
 
 
-# A clone made without its data holds stand-ins: a Git LFS pointer (a small text file) or a git-annex link (a
-# symlink into .git/annex/objects/, broken until `git annex get`, or a small file holding that path). Every
-# reader checks for them first, so the error says what happened.
-LFS_PREFIXES = (b"version https://git-lfs.github.com/spec/", b"version https://hawser.github.com/spec/")
-POINTER_MAX_BYTES = 1024  # the LFS spec's cap
-
-
-def check_not_a_pointer(path, source="", head=None):
-    """Raise ValueError naming `path` if it is a Git LFS pointer or a git-annex link, not the data. `head`: the
-    file's first bytes, when already read. A missing file passes: the caller's own error names it."""
-    if os.path.islink(path) and not os.path.exists(path):
-        kind = "a git-annex link" if "/annex/objects/" in os.readlink(path) else None
+def open_raw(path):
+    """`path` opened to read bytes: every reader of raw data goes through here. ValueError naming the file when
+    it is what a clone made without its data holds: a Git LFS pointer, or a git-annex link (broken, or a small
+    file naming the object)."""
+    if os.path.islink(path) and not os.path.exists(path) and "/annex/objects/" in os.readlink(path):
+        kind = "a git-annex link"
     else:
-        try:
-            if head is None:
-                with open(path, "rb") as f:
-                    head = f.read(POINTER_MAX_BYTES)
-        except OSError:
-            return
-        words = head.split()
-        kind = (None if len(head) >= POINTER_MAX_BYTES else "a Git LFS pointer" if head.startswith(LFS_PREFIXES)
-                else "a git-annex link" if len(words) == 1 and b"/annex/objects/" in words[0] and b"\0" not in head
-                else None)
-    if kind:
-        raise ValueError(f"{path}: {kind}, not the data (a clone made without its content). Get the real files with "
-                         f"`git lfs pull` or `git annex get` in that clone, or download the data set"
-                         + (f" from {source}" if source else ""))
+        f = open(path, "rb")
+        head = f.read(1024)  # a pointer is under 1 KB (the LFS spec's cap)
+        f.seek(0)
+        kind = (None if len(head) == 1024 else "a Git LFS pointer" if head.startswith(b"version https://git-lfs")
+                else "a git-annex link" if len(head.split()) == 1 and b"/annex/objects/" in head else None)
+        if kind is None:
+            return f
+        f.close()
+    raise ValueError(f"{path}: {kind}, not the data (a clone made without its content): get it with "
+                     f"`git lfs pull` or `git annex get` in that clone, or download the data set")
 
 
 def read_text(path, read, encoding="utf-8"):
     """read(f) of `path` opened as text. Bytes that are not UTF-8 raise ValueError naming the file and the
     first line holding them."""
     try:
-        with open(path, encoding=encoding) as f:
+        with io.TextIOWrapper(open_raw(path), encoding=encoding) as f:
             return read(f)
     except UnicodeDecodeError as e:
         with open(path, "rb") as f:
@@ -742,8 +733,6 @@ def read_listops_tsv(path, with_lines=False):
     Columns are found by header name (Source, Target). Raises ValueError naming the file and line for a missing
     column, a wrong field count, a label that is not in 0..9 or disagrees with eval_listops, or an unknown token.
     """
-    check_not_a_pointer(path, f"the LRA release {LRA_URL}, folder listops-1000/")
-
     def parse(f):
         header = [h.strip() for h in f.readline().rstrip("\r\n").split("\t")]
         if header == [""]:
@@ -967,7 +956,6 @@ def _read_label_first(path, split, separator):
     """Rows `label value value ...` -> (series: float64 arrays, labels: str, lines: int).
     `split(text)` cuts a line into fields. An empty label field (a line starting with the separator: not a row
     shifted by one) or a missing label ('NaN', '?') is a ValueError naming file and line."""
-    check_not_a_pointer(path, f"the UCR archive, {UCR_MANUAL}")
     series, labels, lines = [], [], []
     for line, text in read_text(path, lambda f: list(enumerate(f, 1)), "utf-8-sig"):  # -sig: a byte-order mark
         text = text.rstrip()
@@ -1015,7 +1003,6 @@ def read_ucr_ts(path):
     '?' missing. ValueError naming file and line for a bad tag or value, a multivariate, time-stamped or
     regression file, an undeclared label, or a length other than @equalLength's.
     """
-    check_not_a_pointer(path, f"{UCR_URL}/<Name>.zip")
     header, class_labels, series, labels, lines = {}, None, [], [], []
     rows = read_text(path, lambda f: [(line, text.strip()) for line, text in enumerate(f, 1)], "utf-8-sig")
     rows = [(line, text) for line, text in rows if text and not text.startswith("#")]
@@ -1325,13 +1312,8 @@ def read_imdb(folder, split):
                                     f"{folder}/{{train,test}}/{{neg,pos}}/*.txt")
         for name in sorted(n for n in os.listdir(path) if n.endswith(".txt")):
             review = os.path.join(path, name)
-            try:
-                with open(review, "rb") as f:
-                    doc = f.read()
-            except FileNotFoundError:
-                check_not_a_pointer(review, IMDB_URL)  # a broken git-annex link
-                raise
-            check_not_a_pointer(review, IMDB_URL, head=doc[:POINTER_MAX_BYTES])  # on the bytes read: no cost
+            with open_raw(review) as f:
+                doc = f.read()
             if not doc:
                 raise ValueError(f"{review}: the review is empty (zero bytes); expected its text")
             docs.append(doc)
@@ -1405,12 +1387,8 @@ def read_aan_tsv(path):
     """Read an LRA new_aan_pairs.<split>.tsv (label, id1, id2, text1, text2; no header) -> (docs1, docs2:
     bytes, labels). A bare carriage return is part of a text. ValueError naming file and line for a wrong field
     count, a label not 0 or 1, or an empty text."""
-    check_not_a_pointer(path, f"the LRA release {LRA_URL}, folder tsv_data/")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no such file; expected the LRA release file tsv_data/"
-                                f"{os.path.basename(path)}")
     docs1, docs2, labels = [], [], []
-    with open(path, "rb") as f:  # bytes: a text-mode read would also split at a bare \r
+    with open_raw(path) as f:  # bytes: a text-mode read would also split at a bare \r
         for line, text in enumerate(f, 1):
             fields = text.rstrip(b"\r\n").split(b"\t")  # LRA reads these without quote handling
             if len(fields) != 5:
@@ -1486,12 +1464,10 @@ class _ArraysOnly(pickle.Unpickler):
 def read_cifar_batch(path):
     """One CIFAR-10 python-version file (Krizhevsky 2009) -> (rgb uint8 (N, 3, 32, 32), labels int64
     (N,)). FileNotFoundError or ValueError naming the file."""
-    check_not_a_pointer(path, CIFAR_URL)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no such file; expected the cifar-10-batches-py folder of {CIFAR_URL}")
+    with open_raw(path) as f:
+        raw = f.read()
     try:
-        with open(path, "rb") as f:
-            d = _ArraysOnly(f, encoding="bytes").load()
+        d = _ArraysOnly(io.BytesIO(raw), encoding="bytes").load()
         rgb = np.asarray(d[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
         labels = np.asarray(d[b"labels"], dtype=np.int64)
     except (pickle.UnpicklingError, EOFError, KeyError, ValueError, TypeError) as e:
@@ -1552,10 +1528,10 @@ def prepare_image(data_dir="data", n_val=5000, seed=42, download=True, url=CIFAR
 def read_idx(path):
     """An IDX file of unsigned bytes (MNIST's format; optionally .gz) -> numpy uint8 array. ValueError naming
     the file for another type, a size other than the header's, or a broken gzip."""
-    check_not_a_pointer(path, f"{FASHION_URL}, or on Debian/Ubuntu apt install dataset-fashion-mnist")
+    with open_raw(path) as f:
+        raw = f.read()
     try:
-        with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
-            raw = f.read()
+        raw = gzip.decompress(raw) if path.endswith(".gz") else raw
     except (gzip.BadGzipFile, EOFError, zlib.error) as e:  # not gzip, or cut short
         raise ValueError(f"{path}: not a complete gzip file ({e}); download it again") from None
     if len(raw) < 4 or raw[:3] != b"\0\0\x08":
@@ -1972,7 +1948,6 @@ def read_pathfinder_release(root):
     images, labels, skipped, size = [], [], [], None
     for k in stems:
         meta = os.path.join(meta_dir, f"{k}.npy")
-        check_not_a_pointer(meta, f"the LRA release {LRA_URL}")
         for line_no, line in enumerate(read_text(meta, lambda f: f.read().splitlines()), start=1):
             fields = line.split()
             if not fields:
@@ -1983,18 +1958,16 @@ def read_pathfinder_release(root):
             if fields[3] not in ("0", "1"):
                 raise ValueError(f"{meta}, line {line_no}: label {fields[3]!r} is not 0 or 1")
             path = os.path.join(root, fields[0], fields[1])
-            if not os.path.exists(path) or os.path.getsize(path) == 0:
-                check_not_a_pointer(path, f"the LRA release {LRA_URL}")  # a broken git-annex link is no gap
-                skipped.append((path, "missing file" if not os.path.exists(path) else "empty file (0 bytes)"))
+            if not os.path.lexists(path) or os.path.isfile(path) and os.path.getsize(path) == 0:  # lexists: annex
+                skipped.append((path, "missing file" if not os.path.lexists(path) else "empty file (0 bytes)"))
                 continue
             try:
-                with Image.open(path) as im:
+                with open_raw(path) as f, Image.open(f) as im:
                     if im.mode not in ("1", "L", "LA", "P", "RGB", "RGBA"):  # 16-bit / float: convert would clip
                         raise ValueError(f"{path}: image mode {im.mode!r}, expected 8-bit grey scale ('L') as the "
                                          f"release's PNGs are")
                     img = np.asarray(im.convert("L"), dtype=np.uint8)
             except OSError as e:  # PIL's UnidentifiedImageError and truncated-file errors
-                check_not_a_pointer(path, f"the LRA release {LRA_URL}")  # checked only when decoding fails
                 raise ValueError(f"{path}: cannot be decoded as an image ({e})") from None
             size = size or img.shape
             if img.shape != size or size[0] != size[1]:
