@@ -367,13 +367,9 @@ def write_splits(task_dir, splits, metas):
         save_atomic(dict(splits[s], meta=dict(metas[s], preparation=stamp)), os.path.join(task_dir, f"{s}.pt"))
 
 
-def load_splits(data_dir, task, device="cpu", settings=None):
+def load_splits(data_dir, task, device="cpu"):
     """{split: load_split(...)} for the three splits, inputs and labels on `device`, lengths on the CPU.
-
-    ValueError when they are not of one preparation. Each meta gets file_sha256, so checkpoints name their data.
-    A raw file (meta source) newer than its split is warned about, with the command that prepares it again with
-    the run's `settings`.
-    """
+    ValueError when they are not of one preparation. Each meta gets file_sha256, so checkpoints name their data."""
     splits = {s: load_split(data_dir, task, s) for s in SPLITS}
     train = splits["train"]["meta"]
     again = prepare_command(task, data_dir, {}, raw_source(train, task))
@@ -386,12 +382,7 @@ def load_splits(data_dir, task, device="cpu", settings=None):
                                                           for k in differ[:3])
                              + f"; prepare all three again (`{again}`)")
     for s, split in splits.items():
-        path, source = split_path(data_dir, task, s), split["meta"].get("source")
-        split["meta"] = dict(split["meta"], file_sha256=sha256_of(path))
-        if isinstance(source, str) and os.path.isfile(source) and os.path.getmtime(source) > os.path.getmtime(path):
-            print(f"warning: {source} changed after {path} was prepared from it; the run reads the prepared file "
-                  f"(prepare again to use the new one: "
-                  f"{prepare_command(task, data_dir, settings or {}, raw_source(split['meta'], task))})")
+        split["meta"] = dict(split["meta"], file_sha256=sha256_of(split_path(data_dir, task, s)))
         for key in INPUT_KEYS + ("labels",):
             if key in split:
                 split[key] = split[key].to(device)
@@ -466,16 +457,6 @@ def split_width(split):
 def batch_width(lengths, width, multiple=64):
     """L_batch of get_batch: the longest of `lengths` rounded up to `multiple`, at most `width`."""
     return min(-(-int(lengths.max()) // multiple) * multiple, width)
-
-
-def real_fraction(lengths, batches, width, multiple=64):
-    """Real tokens / padded tokens over `batches` (as from batch_indices): 1.0 = no padding."""
-    real = padded = 0
-    for idx in batches:
-        batch = lengths[idx]
-        real += int(batch.sum())
-        padded += batch.numel() * batch_width(batch, width, multiple)
-    return real / padded
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -615,6 +596,16 @@ def report_balance(labels, n_classes, where):
               + " ".join(f"{i}:{100 * c / counts.sum():.0f}%" for i, c in enumerate(counts)))
 
 
+def _save_splits(task_dir, splits, meta, per_split=None):
+    """report_balance, then write_splits with `meta`, the split sizes and per_split[s] (the fields that differ
+    between splits: source, sha256). Returns the split sizes."""
+    sizes = {s: len(splits[s]["labels"]) for s in SPLITS}
+    report_balance({s: splits[s]["labels"] for s in SPLITS}, meta.get("n_classes"), meta.get("task", task_dir))
+    write_splits(task_dir, splits, {s: dict(meta, split_sizes=sizes, **(per_split or {}).get(s, {})) for s in SPLITS})
+    print(f"wrote {task_dir}/{{train,val,test}}.pt: {sizes['train']}/{sizes['val']}/{sizes['test']}")
+    return sizes
+
+
 def _meta(task, vocab, max_len, n_classes, source, seed, sizes):
     """The meta of a token task's splits (plain Python only, so weights_only loading works)."""
     return dict(task=task, kind="tokens", vocab=list(vocab), vocab_size=len(vocab), pad_id=PAD_ID,
@@ -695,18 +686,9 @@ def generate_listops_tree(rng, depth=1, max_depth=10, max_args=10, value_p=0.25)
 
 def listops_tree_to_string(tree):
     """Release syntax of a tree: every pair becomes '( a b )', tokens separated by single spaces."""
-    parts = []
-
-    def walk(t):
-        if isinstance(t, tuple):
-            parts.append("(")
-            walk(t[0])
-            walk(t[1])
-            parts.append(")")
-        else:
-            parts.append(str(t))
-    walk(tree)
-    return " ".join(parts)
+    if not isinstance(tree, tuple):
+        return str(tree)
+    return f"( {listops_tree_to_string(tree[0])} {listops_tree_to_string(tree[1])} )"
 
 
 def generate_listops(n, seed, min_length=500, max_length=2000, **tree_kwargs):
@@ -849,24 +831,15 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
         shutil.rmtree(generated, ignore_errors=True)
         os.replace(partial, generated)
     tsv = {s: os.path.join(folder or generated, f"basic_{s}.tsv") for s in SPLITS}
-    parsed = {s: read_listops_tsv(tsv[s], with_lines=True) for s in SPLITS}
-    report_balance({s: parsed[s][1] for s in SPLITS}, 10, "listops")
-    sizes = {s: len(parsed[s][1]) for s in SPLITS}
-    splits, metas = {}, {}
+    splits = {}
     for s in SPLITS:  # all three encoded (and checked) before any is written
-        sources, labels, lines = parsed[s]
+        sources, labels, lines = read_listops_tsv(tsv[s], with_lines=True)
         token_lists = [[t for t in src.split() if t not in ("(", ")")] for src in sources]
         tokens, lengths = encode_tokens(token_lists, LISTOPS_VOCAB, max_len, truncate, tsv[s], lines)
         splits[s] = dict(tokens=tokens, lengths=lengths, labels=torch.tensor(labels, dtype=torch.int64))
-        metas[s] = dict(_meta("listops", LISTOPS_VOCAB, max_len, 10, tsv[s], None if folder else seed, sizes),
-                        sha256=sha256_of(tsv[s]), generated=folder is None,
-                        **(source_meta(data_dir, source_dir) if folder else {}))
-    write_splits(out_dir, splits, metas)
-    for s in SPLITS:
-        lengths = splits[s]["lengths"]
-        print(f"wrote {os.path.join(out_dir, s + '.pt')}: {len(lengths)} sequences, "
-              f"mean length {lengths.float().mean():.0f}, max {int(lengths.max())}")
-    return sizes
+    meta = dict(_meta("listops", LISTOPS_VOCAB, max_len, 10, None, None if folder else seed, {}),
+                generated=folder is None, **(source_meta(data_dir, source_dir) if folder else {}))
+    return _save_splits(out_dir, splits, meta, {s: dict(source=tsv[s], sha256=sha256_of(tsv[s])) for s in SPLITS})
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -899,19 +872,13 @@ def generate_trajectories(n, seed, length=100, omega_range=(0.05, 0.30), heading
 def prepare_synthetic(data_dir="data", n_train=5000, n_val=1000, n_test=1000, seed=0, length=100):
     """Write data/synthetic/{train,val,test}.pt: values (N, length, 2), all of full length. The labels
     are fair coin flips: the printed counts give the majority-class level."""
-    sizes = dict(train=n_train, val=n_val, test=n_test)
-    splits, metas = {}, {}
-    for i, s in enumerate(SPLITS):
-        values, labels = generate_trajectories(sizes[s], seed * 3 + i, length)
-        splits[s] = dict(values=values, lengths=torch.full((sizes[s],), length), labels=labels)
-        metas[s] = dict(task="synthetic", kind="continuous", d_input=2, max_len=length, n_classes=2,
-                        source=f"generate_trajectories(seed={seed * 3 + i})", seed=seed, split_sizes=sizes,
-                        generated=True)
-    report_balance({s: splits[s]["labels"] for s in SPLITS}, 2, "synthetic")
-    write_splits(os.path.join(data_dir, "synthetic"), splits, metas)
-    print(f"wrote {data_dir}/synthetic/{{train,val,test}}.pt: {n_train}/{n_val}/{n_test} trajectories of "
-          f"{length} steps")
-    return sizes
+    splits = {}
+    for i, (s, n) in enumerate(zip(SPLITS, (n_train, n_val, n_test))):
+        values, labels = generate_trajectories(n, seed * 3 + i, length)
+        splits[s] = dict(values=values, lengths=torch.full((n,), length), labels=labels)
+    meta = dict(task="synthetic", kind="continuous", d_input=2, max_len=length, n_classes=2, seed=seed, generated=True)
+    return _save_splits(os.path.join(data_dir, "synthetic"), splits, meta,
+                        {s: dict(source=f"generate_trajectories(seed={seed * 3 + i})") for i, s in enumerate(SPLITS)})
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1254,24 +1221,16 @@ def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, down
         train, val = ucr_val_split(y, val_fraction, seed)
     except ValueError as e:
         raise ValueError(f"{found['train']}: {e}") from None
-    out = {"train": (values[train], lengths[train], y[train]), "val": (values[val], lengths[val], y[val]),
-           "test": (*pad_series(series["test"], max_len), labels["test"])}
-    sizes = {s: len(out[s][2]) for s in SPLITS}
-    sha = {s: sha256_of(found[s]) for s in ("train", "test")}
-    metas = {}
-    for s in SPLITS:
-        raw = "test" if s == "test" else "train"
-        metas[s] = dict(task=task, kind="continuous", d_input=1, max_len=max_len, n_classes=len(names),
-                        label_names=names, source=found[raw], sha256=sha[raw], found_in=found["found_in"],
-                        seed=seed, val_fraction=val_fraction, split_sizes=sizes, normalization="z-score per series",
-                        **source_meta(data_dir, source_dir), **({"download": downloaded} if downloaded else {}))
-    report_balance({s: out[s][2] for s in SPLITS}, len(names), task)
-    write_splits(os.path.join(data_dir, task), {s: dict(zip(("values", "lengths", "labels"), out[s])) for s in SPLITS},
-                 metas)
-    print(f"wrote {data_dir}/{task}/{{train,val,test}}.pt: {sizes['train']}/{sizes['val']}/{sizes['test']} series "
-          f"(validation: {val_fraction:.0%} of TRAIN, seed {seed}), max length {max_len}, {len(names)} classes "
-          f"{names}")
-    return sizes
+    test_values, test_lengths = pad_series(series["test"], max_len)
+    splits = {"train": dict(values=values[train], lengths=lengths[train], labels=y[train]),
+              "val": dict(values=values[val], lengths=lengths[val], labels=y[val]),
+              "test": dict(values=test_values, lengths=test_lengths, labels=labels["test"])}
+    meta = dict(task=task, kind="continuous", d_input=1, max_len=max_len, n_classes=len(names), label_names=names,
+                found_in=found["found_in"], seed=seed, val_fraction=val_fraction, normalization="z-score per series",
+                **source_meta(data_dir, source_dir), **({"download": downloaded} if downloaded else {}))
+    raw = {s: found["test" if s == "test" else "train"] for s in SPLITS}
+    return _save_splits(os.path.join(data_dir, task), splits, meta,
+                        {s: dict(source=raw[s], sha256=sha256_of(raw[s])) for s in SPLITS})
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1354,15 +1313,6 @@ def _fetch(folder, marker, url, archive, prefix, download, sha256, what, hint=""
         os.replace(os.path.join(staging, name), target)
     os.rmdir(staging)
     return dict(url=url, sha256=digest)
-
-
-def _save_splits(task_dir, splits, meta):
-    """report_balance, then write_splits with `meta` and the split sizes. Returns the split sizes."""
-    sizes = {s: len(splits[s]["labels"]) for s in SPLITS}
-    report_balance({s: splits[s]["labels"] for s in SPLITS}, meta.get("n_classes"), meta.get("task", task_dir))
-    write_splits(task_dir, splits, {s: dict(meta, split_sizes=sizes) for s in SPLITS})
-    print(f"wrote {task_dir}/{{train,val,test}}.pt: {sizes['train']}/{sizes['val']}/{sizes['test']}")
-    return sizes
 
 
 def prepare_text(data_dir="data", max_len=4096, download=True, url=IMDB_URL, sha256=None, source_dir=None):
@@ -2273,7 +2223,7 @@ def prepare_data(args, preset):
         make_data(args.task, args.data_dir, settings, args.download)
     if args.world_size > 1:  # a download may take hours: a barrier with a long timeout of its own
         dist.barrier(group=dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=3)))
-    splits = load_splits(args.data_dir, args.task, args.device, settings)
+    splits = load_splits(args.data_dir, args.task, args.device)
     check_settings(splits["train"]["meta"], settings, args.task, args.data_dir, args.preset, args.accept_data)
     print(f"data {args.data_dir}/{args.task}: " + ", ".join(
         f"{s} {len(splits[s]['labels'])} (sha256 {splits[s]['meta']['file_sha256'][:12]})" for s in SPLITS))
