@@ -1595,22 +1595,14 @@ def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, download=True, u
 # read from pixels: the markers are in one 8-connected component of image > 0 <=> label == 1 (tested by flood
 # fill). Headings are multiples of 2 pi / 64 and tips lie on a 1/4-pixel grid: every paddle is precomputed.
 
-# LRA's settings per resolution (data/pathfinder.py), in pixels: paddle_margin is an empty band around every
-# contour, padding from the image border, seed_distance between the start tips of the two target contours,
-# continuity: a turn is drawn with weight cos^2(continuity * turn), contrast: peak intensity / 255.
+# LRA's settings for PathFinder (32) and PathX (128) (data/pathfinder.py), in pixels: paddle_margin is an empty
+# band around every contour, padding from the image border, seed_distance between the start tips of the two target
+# contours, continuity: a turn is drawn with weight cos^2(continuity * turn), contrast: peak intensity / 255.
 PATHFINDER_SETTINGS = {
     32: dict(paddle_length=2, paddle_thickness=0.5, paddle_margin=1, padding=1, seed_distance=7,
-             marker_radius=1.5, continuity=1.0, contour_length=14, distractor_length=4, num_distractor_snakes=5,
-             contrast=1.0),
-    64: dict(paddle_length=5, paddle_thickness=1.0, paddle_margin=1, padding=1, seed_distance=12,
-             marker_radius=2.5, continuity=1.8, contour_length=14, distractor_length=4, num_distractor_snakes=4,
-             contrast=0.8),
+             marker_radius=1.5, continuity=1.0, distractor_length=4, num_distractor_snakes=5, contrast=1.0),
     128: dict(paddle_length=5, paddle_thickness=1.5, paddle_margin=2, padding=1, seed_distance=20,
-              marker_radius=3.0, continuity=1.8, contour_length=14, distractor_length=4, num_distractor_snakes=7,
-              contrast=0.9),
-    256: dict(paddle_length=5, paddle_thickness=2.0, paddle_margin=3, padding=22, seed_distance=27,
-              marker_radius=5.0, continuity=1.8, contour_length=14, distractor_length=4, num_distractor_snakes=6,
-              contrast=1.0),
+              marker_radius=3.0, continuity=1.8, distractor_length=4, num_distractor_snakes=7, contrast=0.9),
 }
 # LRA difficulty -> (release folder, contour_length). LRA and s4 use only "hard".
 PATHFINDER_DIFFICULTY = {"easy": ("curv_baseline", 6), "intermediate": ("curv_contour_length_9", 9),
@@ -1632,9 +1624,7 @@ def _geometry(resolution):
     step = s["paddle_length"] + 2 * s["paddle_margin"]   # the original's paddle pitch; our paddles span all of it
     rim = s["paddle_thickness"] / 2 + 0.5                # pixels whose centre is closer than this are drawn
     # rim > sqrt(2) / 2 puts the pixel nearest to any point of a paddle into its footprint: one 8-connected set.
-    if rim <= math.sqrt(0.5) or s["paddle_margin"] < 1:
-        raise ValueError(f"PATHFINDER_SETTINGS[{resolution}]: need paddle_thickness > {2 * math.sqrt(0.5) - 1:.3f} "
-                         f"and paddle_margin >= 1 for the connectivity guarantees")
+    assert rim > math.sqrt(0.5) and s["paddle_margin"] >= 1, "the connectivity guarantees need these"
     j_max = math.ceil(_HEADINGS / (4 * s["continuity"])) - 1  # turns of weight cos^2(continuity * turn) > 0
     turns = np.arange(-j_max, j_max + 1)
     angle = 2 * math.pi * np.arange(_HEADINGS) / _HEADINGS
@@ -2054,17 +2044,12 @@ def prepare_keywords(task):
 
 def prepare(task, data_dir="data", **kwargs):
     """Write data/<task>/{train,val,test}.pt for any task (PREPARE). Returns the split sizes. A keyword the
-    task does not take is a ValueError naming it (as its data.py flag) before anything is read or written."""
+    task does not take is a ValueError naming it (as its data.py flag, if it has one) before anything is read."""
     takes = prepare_keywords(task)
     wrong = [k for k in kwargs if k not in takes]
     if wrong:
-        python_only = [k for k in takes if k not in CLI_FLAGS]
-        takes_text = (f"it takes: {', '.join(CLI_FLAGS[k] for k in takes if k in CLI_FLAGS)}"
-                      + (f"; and from Python the keyword{'s' * (len(python_only) > 1)} {', '.join(python_only)}"
-                         if python_only else "")) if takes else \
-            "it takes no settings: its preset's data settings must be empty"
         raise ValueError(f"{', '.join(CLI_FLAGS.get(k, k) for k in wrong)} {'does' if len(wrong) == 1 else 'do'} "
-                         f"not apply to --task {task} ({takes_text})")
+                         f"not apply to --task {task} (it takes: {', '.join(CLI_FLAGS.get(k, k) for k in takes)})")
     family, _, name = task.partition("/")
     return PREPARE["ucr"](data_dir, name, **kwargs) if family == "ucr" else PREPARE[family](data_dir, **kwargs)
 
@@ -2163,33 +2148,26 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def main(argv=None):
     """Prepare one task with the flags given: only those are passed to prepare (the rest are its defaults)."""
-    p = ArgumentParser(description="Prepare a task's data as data/<task>/{train,val,test}.pt. A flag that does not "
-                                   "apply to the task is an error; the task's default is in parentheses.")
+    p = ArgumentParser(description="Prepare data/<task>/{train,val,test}.pt. A flag that does not apply to the task "
+                                   "is an error; defaults in parentheses.")
     unset = argparse.SUPPRESS  # a flag not given is not passed at all
     p.add_argument("--task", required=True, choices=TASKS)
-    p.add_argument("--data_dir", default="data", help="root folder: .pt files go to <data_dir>/<task> (data)")
-    p.add_argument("--source_dir", default=unset, help="read (or download) the raw files under <source_dir>/<task> "
-                   "instead; data to generate is generated under --data_dir")
-    p.add_argument("--seed", type=int, default=unset, help="seed of the generator or of the validation split (0; "
-                   "42 for image, fashion_mnist, pathfinder, pathx)")
-    p.add_argument("--n_train", type=int, default=unset, help="listops, synthetic: generated training sequences "
-                   "(96000; 5000); fashion_mnist: a training subset (all)")
-    p.add_argument("--n_val", type=int, default=unset, help="listops, synthetic: validation sequences (2000; 1000); "
-                   "image, fashion_mnist: validation images held out of TRAIN (5000)")
-    p.add_argument("--n_test", type=int, default=unset, help="listops, synthetic: test sequences (2000; 1000)")
-    p.add_argument("--max_len", type=int, default=unset, help="listops: longest sequence (2000; longer is an error "
-                   "unless --truncate); text, retrieval: bytes per document (4096; 4000; longer ones are cut)")
-    p.add_argument("--length", type=int, default=unset, help="synthetic: trajectory length (100)")
+    p.add_argument("--data_dir", default="data", help="the .pt files go to <data_dir>/<task> (data)")
+    p.add_argument("--source_dir", default=unset, help="read or download the raw files under <source_dir>/<task>")
+    p.add_argument("--seed", type=int, default=unset, help="of the generator or validation split (0; pixel tasks 42)")
+    p.add_argument("--n_train", type=int, default=unset, help="listops, synthetic (96000, 5000); fashion_mnist subset")
+    p.add_argument("--n_val", type=int, default=unset, help="listops, synthetic (2000, 1000); image, fashion_mnist "
+                   "(5000)")
+    p.add_argument("--n_test", type=int, default=unset, help="listops, synthetic (2000, 1000)")
+    p.add_argument("--max_len", type=int, default=unset, help="listops (2000), text (4096), retrieval (4000)")
+    p.add_argument("--length", type=int, default=unset, help="synthetic trajectory length (100)")
     p.add_argument("--truncate", action="store_true", default=unset, help="listops: cut longer sequences, counted")
     p.add_argument("--val_fraction", type=float, default=unset, help="ucr: share of TRAIN for validation (0.2)")
     p.add_argument("--generate", type=int, default=unset, help="pathfinder, pathx: generate this many images")
-    p.add_argument("--resolution", type=int, default=unset, help="pathfinder, pathx: image side (32; 128); "
-                   "fashion_mnist: 32 (padded 28x28) or 16 (2x2 means)")
-    p.add_argument("--difficulty", default=unset, choices=tuple(PATHFINDER_DIFFICULTY),
-                   help="pathfinder, pathx: contour length 6 / 9 / 14 (hard)")
-    p.add_argument("--no_download", dest="download", action="store_false", default=unset,
-                   help="fail instead of downloading missing data")
-    p.add_argument("--sha256", default=unset, help="expected sha256 of a downloaded archive (checked if given)")
+    p.add_argument("--resolution", type=int, default=unset, help="pathfinder (32), pathx (128), fashion_mnist (32; 16)")
+    p.add_argument("--difficulty", default=unset, choices=tuple(PATHFINDER_DIFFICULTY), help="pathfinder, pathx (hard)")
+    p.add_argument("--no_download", dest="download", action="store_false", default=unset, help="fail if not found")
+    p.add_argument("--sha256", default=unset, help="expected sha256 of a downloaded archive")
     a = p.parse_args(argv)
     prepare(a.task, a.data_dir, **{k: v for k, v in vars(a).items() if k not in ("task", "data_dir")})
 

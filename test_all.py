@@ -2618,8 +2618,7 @@ def test_ucr_labels_a_student_gets_wrong_are_named_with_file_and_line(tmp_path, 
         data.prepare_ucr(root, "Toy", download=False)
     data.prepare_ucr(root, "Toy", download=False, val_fraction=0.5)  # 0.5 / 0.5: classes of 2 are enough
     with pytest.raises(ValueError, match=r"^--n_train does not apply to --task ucr/Toy \(it takes: --val_fraction, "
-                                         r"--seed, --no_download, --sha256, --source_dir; and from Python the keyword "
-                                         r"base_url\)$"):
+                                         r"--seed, --no_download, base_url, --sha256, --source_dir\)$"):
         data.prepare("ucr/Toy", root, n_train=5)
 
 
