@@ -13,7 +13,6 @@ import math
 import multiprocessing
 import os
 import platform
-import pathlib
 import pickle
 import random
 import re
@@ -21,7 +20,6 @@ import shlex
 import shutil
 import subprocess
 import tarfile
-import time
 
 import numpy as np
 import pytest
@@ -2618,7 +2616,7 @@ def test_ucr_labels_a_student_gets_wrong_are_named_with_file_and_line(tmp_path, 
         data.prepare_ucr(root, "Toy", download=False)
     data.prepare_ucr(root, "Toy", download=False, val_fraction=0.5)  # 0.5 / 0.5: classes of 2 are enough
     with pytest.raises(ValueError, match=r"^--n_train does not apply to --task ucr/Toy \(it takes: --val_fraction, "
-                                         r"--seed, --no_download, base_url, --sha256, --source_dir\)$"):
+                                         r"--seed, --no_download, base_url, --sha256\)$"):
         data.prepare("ucr/Toy", root, n_train=5)
 
 
@@ -3794,7 +3792,7 @@ def check_pathfinder_labels_by_tracing(images, labels, info, resolution):
         region = pathfinder_component(img, origin)
         assert region[terminal] == (label == 1), f"image {i}: label {label} but markers connected={region[terminal]}"
         # The origin marker sits on a long target contour, not on a short distractor.
-        assert region.sum() >= s["contour_length"] * s["paddle_length"], f"image {i}: origin contour too short"
+        assert region.sum() >= 14 * s["paddle_length"], f"image {i}: origin contour too short"  # 14: hard
         # Everything else in the image is separate from it (the label is not decided by one big blob).
         assert region.sum() < (img > 0).sum()
 
@@ -4102,8 +4100,8 @@ def test_pathfinder_interrupted_generation_or_extraction_leaves_no_set_to_read(t
     assert data.prepare_pathfinder(root, difficulty="intermediate", download=True)["train"] == 32
     # Images of another size than --resolution are refused, not read as a quarter of each image.
     big = os.path.join(root, "pathfinder", "pathfinder32", "curv_baseline")
-    data.write_pathfinder_release(big, np.zeros((4, 64, 64), np.uint8), np.array([0, 1, 0, 1]))
-    with pytest.raises(ValueError, match="images are 64x64, expected 32x32"):
+    data.write_pathfinder_release(big, np.zeros((4, 128, 128), np.uint8), np.array([0, 1, 0, 1]))
+    with pytest.raises(ValueError, match="images are 128x128, expected 32x32"):
         data.prepare_pathfinder(root, difficulty="easy")
 
 
@@ -5083,99 +5081,40 @@ def _raw_fixture(task, src):
     return ["--difficulty", "hard"]
 
 
-def _tree(root):
-    """{path relative to root: sha256} of every file below root."""
-    return {str(p.relative_to(root)): data.sha256_of(str(p)) for p in pathlib.Path(root).rglob("*") if p.is_file()}
-
-
-# A data setting each task's prepared fixture does not have, for the settings-mismatch command (image: none
-# that data.py takes), and what the command must then read.
-OTHER_SETTINGS = {"text": {"max_len": 32}, "retrieval": {"max_len": 20}, "image": None,
+# A data setting each task's prepared fixture does not have, for the settings-mismatch command.
+OTHER_SETTINGS = {"text": {"max_len": 32}, "retrieval": {"max_len": 20},
                   "fashion_mnist": {"resolution": 16, "n_val": 5}, "ucr/Toy": {"val_fraction": 0.5},
-                  "listops": {"max_len": 100}, "pathfinder": {"difficulty": "easy", "generate_if_missing": 20}}
+                  "listops": {"max_len": 100},
+                  "pathfinder": {"difficulty": "easy", "generate_if_missing": 20}}
 
 
-@pytest.mark.parametrize("task", ["text", "retrieval", "image", "fashion_mnist", "ucr/Toy", "listops", "pathfinder"])
-def test_data_settings_source_dir_reads_the_raw_files_of_another_root_and_writes_only_the_pt_files(
-        tmp_path, task, monkeypatch):
-    monkeypatch.setattr(data, "FASHION_DIRS", ())  # no system copy of Fashion-MNIST: only the source's files
+@pytest.mark.parametrize("task", sorted(OTHER_SETTINGS))
+def test_data_settings_mismatch_command_runs_as_printed_and_makes_the_data_the_run_expects(tmp_path, task,
+                                                                                              monkeypatch):
+    """The command check_settings prints prepares <data_dir>_<preset>; for raw data it says to copy the raw files
+    there first (then nothing is downloaded); data we generate (a CPU preset's PathFinder) is generated there."""
+    monkeypatch.setattr(data, "FASHION_DIRS", ())  # no system copy of Fashion-MNIST: only the fixture's files
     monkeypatch.setattr(data, "ucr_package_dirs", lambda name: [])
     monkeypatch.setattr(data, "download_file", lambda *a, **k: pytest.fail(f"a download was started: {a}"))
-    src, out = str(tmp_path / "src"), str(tmp_path / "out")
-    extra = _raw_fixture(task, src)
-    data.main(["--task", task, "--data_dir", src] + extra)  # the usual way: raw files and .pt in one root
-    raw = {k: v for k, v in _tree(src).items() if not k.endswith(".pt")}
-    data.main(["--task", task, "--data_dir", out, "--source_dir", src] + extra)
-    assert sorted(_tree(out)) == [os.path.join(task, f"{s}.pt") for s in sorted(data.SPLITS)]  # nothing raw there
-    assert raw == {k: v for k, v in _tree(src).items() if not k.endswith(".pt")}  # the source as it was
-    for s in data.SPLITS:
-        a, b = data.load_split(src, task, s), data.load_split(out, task, s)
-        assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a if k != "meta")
-        assert "source_dir" not in a["meta"] and b["meta"]["source_dir"] == src
-        assert {k: v for k, v in b["meta"].items() if k not in ("source_dir", "preparation", "found_in")} == \
-            {k: v for k, v in a["meta"].items() if k not in ("preparation", "found_in")}
-    if OTHER_SETTINGS[task] is None:
-        return
-    # A preset that expects other settings: the command it is told to run reads these raw files again, for the
-    # data made from the source and for the data made in place alike; it runs as printed, downloading nothing.
-    for prepared in (out, src):
-        with pytest.raises(ValueError) as e:
-            data.check_settings(data.load_split(prepared, task, "train")["meta"], OTHER_SETTINGS[task], task,
-                                prepared, "paper")
-        command = re.search(r"`(python data\.py [^`]*)`", str(e.value)).group(1)
-        assert f"--data_dir {prepared}_paper --source_dir {src} " in command and "--generate" not in command
+    src = str(tmp_path / "src")
+    data.main(["--task", task, "--data_dir", src] + _raw_fixture(task, src))
+    with pytest.raises(ValueError) as e:
+        data.check_settings(data.load_split(src, task, "train")["meta"], OTHER_SETTINGS[task], task, src, "paper")
+    command = re.search(r"`(python data\.py [^`]*)`", str(e.value)).group(1)
+    assert command.startswith(f"python data.py --task {task} --data_dir {src}_paper ")
+    copy = f"(copy {src}/{task}/ to {src}_paper/{task}/ first to reuse its raw files)"
+    if task == "pathfinder":
+        assert command.endswith("--difficulty easy --generate 20") and copy not in str(e.value)
+    else:
+        assert copy in str(e.value)
+        shutil.copytree(os.path.join(src, task), os.path.join(src + "_paper", task))
     data.main(shlex.split(command)[2:])
-    assert sorted(_tree(src + "_paper")) == [os.path.join(task, f"{s}.pt") for s in sorted(data.SPLITS)]
-    assert raw == {k: v for k, v in _tree(src).items() if not k.endswith(".pt")}
-    meta = data.load_split(src + "_paper", task, "train")["meta"]
-    assert meta["source_dir"] == src and not data.data_mismatches(meta, OTHER_SETTINGS[task])
-
-
-def test_data_settings_source_dir_is_only_read_generated_data_goes_to_data_dir_and_synthetic_refuses_it(
-        tmp_path, capsys, monkeypatch):
-    src, out = str(tmp_path / "src"), str(tmp_path / "out")
-    small = ["--n_train", "8", "--n_val", "2", "--n_test", "2", "--max_len", "2000"]
-    os.makedirs(src)
-    # ListOps: no TSVs in the source: generated in data_dir, the source untouched.
-    data.main(["--task", "listops", "--data_dir", out, "--source_dir", src] + small)
-    assert f"in {os.path.join(out, 'listops', 'generated')}/" in capsys.readouterr().out
-    assert os.listdir(src) == [] and os.path.exists(os.path.join(out, "listops", "generated", "generated.json"))
-    meta = data.load_split(out, "listops", "train")["meta"]
-    assert meta["generated"] and "source_dir" not in meta
-    # Generated data: the fix command generates anew in the other folder, it names no source.
-    with pytest.raises(ValueError) as e:
-        data.check_settings(meta, {"max_len": 7}, "listops", out, "paper")
-    assert f"`python data.py --task listops --data_dir {out}_paper --max_len 7`" in str(e.value)
-    # ListOps: the source's generated TSVs are not the release's: generated anew under data_dir, the source as it was.
-    data.main(["--task", "listops", "--data_dir", src] + small)
-    before = _tree(os.path.join(src, "listops"))
-    data.main(["--task", "listops", "--data_dir", str(tmp_path / "out2"), "--source_dir", src, "--seed", "3"] + small)
-    assert before == _tree(os.path.join(src, "listops"))
-    assert data.load_split(str(tmp_path / "out2"), "listops", "train")["meta"]["seed"] == 3
-    # ListOps: an incomplete release in the source is an error, not a silent generation.
-    part = str(tmp_path / "part")
-    rows = data.generate_listops(6, 0, 5, 40)
-    _write_listops_release(os.path.join(part, "listops"), {"train": rows[:4], "val": rows[4:]})
-    with pytest.raises(FileNotFoundError, match=r"incomplete LRA ListOps release: .*holds basic_train.tsv, "
-                                                r"basic_val.tsv but not basic_test.tsv"):
-        data.main(["--task", "listops", "--data_dir", str(tmp_path / "out3"), "--source_dir", part] + small)
-    assert not os.path.exists(str(tmp_path / "out3"))
-    _write_listops_release(os.path.join(part, "listops"), {"test": rows[4:]})
-    # A relative source is recorded as an absolute path: the printed command works from any folder.
-    monkeypatch.chdir(tmp_path)
-    data.main(["--task", "listops", "--data_dir", "out5", "--source_dir", "part"])
-    assert data.load_split("out5", "listops", "train")["meta"]["source_dir"] == part
-    # PathFinder: --generate writes the images under data_dir; a release without the difficulty asked for under
-    # a CPU preset (generate_if_missing): the command generates them, naming no source.
-    data.main(["--task", "pathfinder", "--data_dir", out, "--source_dir", src, "--generate", "20"])
-    assert os.path.isdir(os.path.join(data.pathfinder_folder(out, "pathfinder", 32, "hard"), "metadata"))
-    assert not os.path.exists(os.path.join(src, "pathfinder"))
-    images, labels = data.generate_pathfinder(20, 0, 32, 14)
-    data.write_pathfinder_release(data.pathfinder_folder(src, "pathfinder", 32, "hard"), images, labels)
-    data.main(["--task", "pathfinder", "--data_dir", src])
-    with pytest.raises(ValueError) as e:
-        data.check_settings(data.load_split(src, "pathfinder", "train")["meta"],
-                            {"difficulty": "easy", "generate_if_missing": 20}, "pathfinder", src, "cpu")
-    assert f"`python data.py --task pathfinder --data_dir {src}_cpu --difficulty easy --generate 20`" in str(e.value)
-    with pytest.raises(ValueError, match="--source_dir does not apply to --task synthetic"):
-        data.main(["--task", "synthetic", "--data_dir", out, "--source_dir", src])
+    assert not data.data_mismatches(data.load_split(src + "_paper", task, "train")["meta"], OTHER_SETTINGS[task])
+    if task == "listops":  # generated ListOps: made anew, nothing to copy
+        data.main(["--task", "listops", "--data_dir", str(tmp_path / "gen"), "--n_train", "8", "--n_val", "2",
+                   "--n_test", "2"])
+        with pytest.raises(ValueError) as e:
+            data.check_settings(data.load_split(str(tmp_path / "gen"), "listops", "train")["meta"], {"max_len": 7},
+                                "listops", str(tmp_path / "gen"), "paper")
+        assert f"`python data.py --task listops --data_dir {tmp_path / 'gen'}_paper --max_len 7` and pass" in \
+            str(e.value)
