@@ -468,25 +468,6 @@ def sha256_of(path):
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-@contextlib.contextmanager
-def folder_for_download(folder):
-    """Make `folder` and its missing parents; if the block raises, remove those still empty."""
-    made, d = [], os.path.abspath(folder)  # absolute: dirname of a relative top folder is "", forever
-    while not os.path.exists(d):
-        made.append(d)
-        d = os.path.dirname(d)
-    os.makedirs(folder, exist_ok=True)
-    try:
-        yield
-    except BaseException:
-        for new in made:  # leaf first
-            try:
-                os.rmdir(new)
-            except OSError:  # not empty: something was written there
-                break
-        raise
-
-
 def download_file(url, dest, sha256=None, manual="", timeout=60):
     """Download `url` to `dest` through <dest>.part, renamed when complete; returns its sha256 (hex).
 
@@ -494,30 +475,30 @@ def download_file(url, dest, sha256=None, manual="", timeout=60):
     server, an HTTP error or a cut connection; ValueError when `sha256` is given and differs. Nothing is left.
     """
     part = dest + ".part"
-    with folder_for_download(os.path.dirname(os.path.abspath(dest))):
-        print(f"downloading {url}")
-        h, size = hashlib.sha256(), 0
-        try:
-            with urllib.request.urlopen(url, timeout=timeout) as response, open(part, "wb") as f:
-                total, next_report = int(response.headers.get("Content-Length") or 0), 0.1
-                for chunk in iter(lambda: response.read(1 << 16), b""):
-                    f.write(chunk)
-                    h.update(chunk)
-                    size += len(chunk)
-                    if total and size >= next_report * total:  # progress every 10%
-                        print(f"  {size / 2**20:.1f} / {total / 2**20:.1f} MiB")
-                        next_report += 0.1
-                if total and size != total:  # http.client returns a cut connection as a short read
-                    raise ConnectionError(f"the connection closed after {size} of {total} bytes")
-        except (OSError, http.client.HTTPException) as e:
-            _remove_if_there(part)
-            raise ConnectionError(f"could not download {url} ({e}). {manual}") from e
-        digest = h.hexdigest()
-        print(f"downloaded {size / 2**20:.2f} MiB, sha256 {digest}")
-        if sha256 is not None and digest != sha256.lower():
-            _remove_if_there(part)
-            raise ValueError(f"{url}: sha256 {digest}, expected {sha256}; the download was deleted")
-        os.replace(part, dest)
+    os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
+    print(f"downloading {url}")
+    h, size = hashlib.sha256(), 0
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response, open(part, "wb") as f:
+            total, next_report = int(response.headers.get("Content-Length") or 0), 0.1
+            for chunk in iter(lambda: response.read(1 << 16), b""):
+                f.write(chunk)
+                h.update(chunk)
+                size += len(chunk)
+                if total and size >= next_report * total:  # progress every 10%
+                    print(f"  {size / 2**20:.1f} / {total / 2**20:.1f} MiB")
+                    next_report += 0.1
+            if total and size != total:  # http.client returns a cut connection as a short read
+                raise ConnectionError(f"the connection closed after {size} of {total} bytes")
+    except (OSError, http.client.HTTPException) as e:
+        _remove_if_there(part)
+        raise ConnectionError(f"could not download {url} ({e}). {manual}") from e
+    digest = h.hexdigest()
+    print(f"downloaded {size / 2**20:.2f} MiB, sha256 {digest}")
+    if sha256 is not None and digest != sha256.lower():
+        _remove_if_there(part)
+        raise ValueError(f"{url}: sha256 {digest}, expected {sha256}; the download was deleted")
+    os.replace(part, dest)
     return digest
 
 
@@ -959,7 +940,7 @@ def read_ucr_ts(path):
     data_at, first_series = None, len(rows)
     for k, (line, text) in enumerate(rows):
         tokens = text.split()
-        tag, values = tokens[0][1:].lower(), tokens[1:]
+        tag, values, given = tokens[0][1:].lower(), tokens[1:], " ".join(tokens[1:])
         if not text.startswith("@"):
             raise ValueError(f"{path}, line {line}: expected an @tag or @data before the series, got {text[:40]!r}")
         if tag not in _TS_TAGS:
@@ -967,21 +948,17 @@ def read_ucr_ts(path):
                              f"@problemName @timeStamps @missing @univariate @dimensions @equalLength "
                              f"@seriesLength @classLabel @targetLabel @data)")
         if tag == "data":
-            if values:
-                raise ValueError(f"{path}, line {line}: @data takes no value, got {' '.join(values)!r}")
             data_at, first_series = line, k + 1
             break
-        if not values:
-            raise ValueError(f"{path}, line {line}: {tokens[0]} without a value")
         if tag in _TS_BOOLEAN_TAGS or tag == "classlabel":
-            flag = values[0].lower()
+            flag = values[0].lower() if values else ""
             if flag not in ("true", "false") or (tag != "classlabel" and len(values) != 1):
-                raise ValueError(f"{path}, line {line}: {tokens[0]} expects true or false, got {' '.join(values)!r}")
+                raise ValueError(f"{path}, line {line}: {tokens[0]} expects true or false, got {given!r}")
             header[tag] = flag == "true"
             class_labels = values[1:] if tag == "classlabel" else class_labels
-        elif tag in ("serieslength", "dimension", "dimensions"):
+        elif tag != "problemname":  # @seriesLength, @dimension(s)
             if len(values) != 1 or not values[0].isdigit():
-                raise ValueError(f"{path}, line {line}: {tokens[0]} expects a whole number, got {' '.join(values)!r}")
+                raise ValueError(f"{path}, line {line}: {tokens[0]} expects a whole number, got {given!r}")
             header[tag] = int(values[0])
         multivariate = header.get("univariate") is False or max(header.get("dimension", 1),
                                                                  header.get("dimensions", 1)) > 1
@@ -996,7 +973,6 @@ def read_ucr_ts(path):
         raise ValueError(f"{path}, line {rows[-1][0] if rows else 1}: no @data line; not a .ts file?")
     if class_labels is None:
         raise ValueError(f"{path}, line {data_at}: no @classLabel true <labels...> before @data")
-    length = header.get("serieslength") if header.get("equallength") else None
     for line, text in rows[first_series:]:
         fields = text.split(":")
         if len(fields) != 2:
@@ -1005,12 +981,11 @@ def read_ucr_ts(path):
         values, label = fields[0].split(","), fields[1].strip()
         if label not in class_labels:
             raise ValueError(f"{path}, line {line}: label {label!r} is not declared in @classLabel {class_labels}")
-        if length is not None and len(values) != length:
-            raise ValueError(f"{path}, line {line}: {len(values)} values, but @equalLength true and "
-                             f"@seriesLength {length}")
-        if header.get("equallength") and length is None and series and len(values) != len(series[0]):
-            raise ValueError(f"{path}, line {line}: {len(values)} values, but @equalLength true and the first "
-                             f"series (line {lines[0]}) has {len(series[0])}")
+        length = header.get("serieslength") or len(series[0] if series else values)
+        if header.get("equallength") and len(values) != length:
+            raise ValueError(f"{path}, line {line}: {len(values)} values, but @equalLength true and " + (
+                f"@seriesLength {length}" if "serieslength" in header else f"the first series (line {lines[0]}) "
+                f"has {length}"))
         series.append(_parse_values(values, path, line))
         labels.append(label)
         lines.append(line)
@@ -1128,24 +1103,23 @@ def download_ucr(name, folder, base_url=UCR_URL, sha256=None, timeout=60):
     their base names. Returns dict(url, sha256, files): the archive publishes no checksums, so the zip's is
     recorded. Raises as download_file, and ValueError for a zip without the two files; nothing is left then."""
     url, final = f"{base_url.rstrip('/')}/{name}.zip", os.path.join(folder, f"{name}.zip")
-    with folder_for_download(folder):
-        digest = download_file(url, final, sha256, ucr_missing_message(name, folder), timeout)
-        files, problem = [], None
-        try:
-            with zipfile.ZipFile(final) as z:
-                inside = {os.path.basename(m): m for m in z.namelist()}
-                ext = next((e for e in UCR_FORMATS if {f"{name}_TRAIN{e}", f"{name}_TEST{e}"} <= set(inside)), None)
-                for base in ([f"{name}_TRAIN{ext}", f"{name}_TEST{ext}"] if ext is not None else []):
-                    path = os.path.join(folder, base)
-                    save_atomic(z.read(inside[base]), path)
-                    files.append(path)
-            if ext is None:
-                problem = f"no {name}_TRAIN and {name}_TEST of one format in the zip (it holds {sorted(inside)[:10]})"
-        except zipfile.BadZipFile as e:
-            problem = f"not a zip file ({e})"
-        if problem:
-            _remove_if_there(final)
-            raise ValueError(f"{url}: {problem}; the download was deleted")
+    digest = download_file(url, final, sha256, ucr_missing_message(name, folder), timeout)
+    files, problem = [], None
+    try:
+        with zipfile.ZipFile(final) as z:
+            inside = {os.path.basename(m): m for m in z.namelist()}
+            ext = next((e for e in UCR_FORMATS if {f"{name}_TRAIN{e}", f"{name}_TEST{e}"} <= set(inside)), None)
+            for base in ([f"{name}_TRAIN{ext}", f"{name}_TEST{ext}"] if ext is not None else []):
+                path = os.path.join(folder, base)
+                save_atomic(z.read(inside[base]), path)
+                files.append(path)
+        if ext is None:
+            problem = f"no {name}_TRAIN and {name}_TEST of one format in the zip (it holds {sorted(inside)[:10]})"
+    except zipfile.BadZipFile as e:
+        problem = f"not a zip file ({e})"
+    if problem:
+        _remove_if_there(final)
+        raise ValueError(f"{url}: {problem}; the download was deleted")
     return dict(url=url, sha256=digest, files=files)
 
 
@@ -1502,20 +1476,19 @@ def download_fashion_mnist(folder, base_url=FASHION_DOWNLOAD_URL, md5=None, time
     """Download the four gzipped IDX files into `folder`, each checked against its published MD5
     (a file already there is checked only). Returns {name: sha256}. ValueError (the file deleted) for a wrong MD5."""
     md5, digests = md5 or FASHION_MD5, {}
-    with folder_for_download(folder):
-        for name, want in md5.items():
-            dest = os.path.join(folder, name)
-            if not os.path.exists(dest):
-                download_file(f"{base_url}/{name}", dest, timeout=timeout,
-                              manual=f"Download the four files {', '.join(md5)} from {FASHION_URL} into {folder}/, "
-                                     f"or on Debian/Ubuntu: apt install dataset-fashion-mnist")
-            with open(dest, "rb") as f:
-                got = hashlib.file_digest(f, "md5").hexdigest()
-            if got != want:
-                _remove_if_there(dest)
-                raise ValueError(f"{dest}: MD5 {got}, expected the published {want}; the file was deleted")
-            digests[name] = sha256_of(dest)
-            print(f"{dest}: MD5 as published; sha256 {digests[name]}")
+    for name, want in md5.items():
+        dest = os.path.join(folder, name)
+        if not os.path.exists(dest):
+            download_file(f"{base_url}/{name}", dest, timeout=timeout,
+                          manual=f"Download the four files {', '.join(md5)} from {FASHION_URL} into {folder}/, "
+                                 f"or on Debian/Ubuntu: apt install dataset-fashion-mnist")
+        with open(dest, "rb") as f:
+            got = hashlib.file_digest(f, "md5").hexdigest()
+        if got != want:
+            _remove_if_there(dest)
+            raise ValueError(f"{dest}: MD5 {got}, expected the published {want}; the file was deleted")
+        digests[name] = sha256_of(dest)
+        print(f"{dest}: MD5 as published; sha256 {digests[name]}")
     return digests
 
 
