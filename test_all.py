@@ -2655,7 +2655,7 @@ def http_root(tmp_path):
     server.server_close()
 
 
-def test_ucr_download_from_a_local_server(http_root, tmp_path, capsys, monkeypatch):
+def test_ucr_download_from_a_local_server(http_root, tmp_path, capsys):
     import hashlib
     import zipfile
     www, base_url = http_root
