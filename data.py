@@ -24,11 +24,10 @@ Commands (pretrain.py and finetune.py run these themselves when data/<task>/ is 
     python data.py --task pathfinder --generate 2000   # our PathFinder generator, in the LRA release layout
     python data.py --task pathx                        # PathFinder 128x128 from the LRA release
 
-Sections: 0. what every stage reads (the contract): special ids, the atomic write, checkpoint loading, a run's
-file names, task names, loading, checking and batching splits. A first reading can stop there. Then one section
-per source: 1. file helpers and downloads  2. ListOps  3. synthetic trajectories  4. UCR time series  5. Text and
-Retrieval  6. Image and Fashion-MNIST  7. PathFinder and PathX. 8. any task by name, and the data settings a
-run checks against the prepared data. 9. command line.
+Sections: 0. what every stage reads: the atomic write, checkpoints, a run's files, loading, checking and batching
+splits (a first reading can stop there). 1. file helpers and downloads. 2-7. one per source: ListOps, synthetic,
+UCR, Text and Retrieval, Image and Fashion-MNIST, PathFinder and PathX. 8. any task by name, and the settings a run
+checks against its data. 9. command line. Then the stages' plumbing: device, DDP, resume, evaluation.
 """
 import argparse
 import contextlib
@@ -71,11 +70,8 @@ SPLITS = ("train", "val", "test")
 
 
 def save_atomic(obj, path, fsync=True):
-    """Write `obj` to `path` so that a crash never leaves a half-written file under that name.
-
-    obj: anything json.dump takes (for a .json path), a str, bytes, a callable write(f) on a binary file, else
-    anything torch.save takes. Writes <path>.<pid>.tmp, fsyncs it (unless fsync=False) and renames it over `path`.
-    """
+    """Write `obj` to `path` through <path>.<pid>.tmp, fsynced (unless fsync=False) and renamed: a crash never
+    leaves a half-written file. obj: JSON data (a .json path), str, bytes, a callable write(f), else torch.save's."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"  # per process: two writers of one file never share a temporary
     try:
@@ -145,12 +141,9 @@ def not_a_file(path):
 
 
 def load_newest(candidates, map_location="cpu", who="load", with_path=False):
-    """Of the checkpoints `candidates` (paths), the one of the latest training step (state.step; a tie: the
-    earlier), so a run stopped between writing its best and its last checkpoint resumes from the newer.
-
-    A missing or damaged file is reported (prefixed by `who`) and skipped. Returns the checkpoint ((path, it) with
-    `with_path`), or None when no file exists. Raises ValueError with every reason when files exist but none loads.
-    """
+    """Of the checkpoints `candidates` (paths), the one of the latest state.step (a tie: the earlier). A missing or
+    damaged file is reported (prefixed by `who`) and skipped. Returns it ((path, it) with `with_path`), or None when
+    no file exists. ValueError with every reason when files exist but none loads."""
     reasons, newest, newest_path = [], None, None
     for path in candidates:
         if not os.path.lexists(path):  # the program's own guess at a name: no "did you mean" (not_a_file)
@@ -178,12 +171,9 @@ def load_newest(candidates, map_location="cpu", who="load", with_path=False):
 
 
 def run_paths(out_dir, task, stage, name=None):
-    """The files of one training run under <out_dir>/<task>/, as a dict of paths.
-
-    stage "pretrain": best = pretrain.pt (what finetune.py --init takes), last = pretrain_last.pt (for --resume),
-    init = pretrain_init.pt, log = pretrain_log.jsonl, snapshot = pretrain_step{step}.pt. stage "finetune" with a
-    run name: the same for finetune_<name>, and json = finetune_<name>.json. ValueError for another stage.
-    """
+    """The files of one run under <out_dir>/<task>/: "pretrain": best = pretrain.pt (finetune.py --init), last =
+    pretrain_last.pt (--resume), init = pretrain_init.pt, log = pretrain_log.jsonl, snapshot = pretrain_step{step}.pt;
+    "finetune" with a run name: the same for finetune_<name>, and json = finetune_<name>.json. Else ValueError."""
     if stage not in ("pretrain", "finetune") or (stage == "finetune") != bool(name):
         raise ValueError(f"run_paths: stage {stage!r} with name {name!r}; expected 'pretrain', or 'finetune' "
                          f"with a run name")
@@ -224,10 +214,9 @@ INPUT_KEYS = ("tokens", "values", "pixels")  # discrete ids, continuous values, 
 
 def check_split(d, path):
     """Raise ValueError naming `path` and the first bad row unless the tensors of a loaded split agree:
-    N >= 1 rows everywhere; tokens (N, L) or (N, 2, L) integer ids in 0..vocab_size-1, >= 2 inside each length and
-    PAD_ID after it; values (N, L, d_input) finite floats; pixels (N, L) uint8; lengths (N,) or (N, 2) int64 in
-    1..L; labels (N,) int64 in 0..n_classes-1. A foreign file fails here, not later inside the model.
-    """
+    N >= 1 rows; tokens (N, L) or (N, 2, L) integer ids in 0..vocab_size-1, >= 2 inside each length and PAD_ID
+    after it; values (N, L, d_input) finite floats; pixels (N, L) uint8; lengths (N,) or (N, 2) int64 in 1..L;
+    labels (N,) int64 in 0..n_classes-1."""
     key = next(k for k in INPUT_KEYS if k in d)
     x, lengths, labels, meta = d[key], d["lengths"], d["labels"], d["meta"]
     for name, t in ((key, x), ("lengths", lengths), ("labels", labels)):
@@ -238,11 +227,8 @@ def check_split(d, path):
         forms = {2: "(N, L)", 3: "(N, 2, L)" if key == "tokens" else "(N, L, C)"}
         raise ValueError(f"{path}: {key} has shape {tuple(x.shape)}, expected {' or '.join(forms[n] for n in dims)}")
     pair, n = key == "tokens" and x.dim() == 3, x.shape[0]
-    if lengths.dim() == 0 or labels.dim() == 0 or lengths.shape[0] != n or labels.shape[0] != n:
-        raise ValueError(f"{path}: first dimensions disagree: {key} {tuple(x.shape)}, lengths "
-                         f"{tuple(lengths.shape)}, labels {tuple(labels.shape)}; expected one row per example in each")
     want = tuple(x.shape[:2]) if pair else (n,)
-    if tuple(lengths.shape) != want or labels.dim() != 1:
+    if tuple(lengths.shape) != want or tuple(labels.shape) != (n,):  # one row per example
         raise ValueError(f"{path}: lengths {tuple(lengths.shape)} and labels {tuple(labels.shape)}, expected "
                          f"{want} and ({n},) for {key} {tuple(x.shape)}")
     if n == 0:
@@ -400,14 +386,11 @@ BUCKET = 50  # batches per window sorted by length (batch_indices)
 
 
 def batch_indices(lengths, batch_size, shuffle, seed=0, epoch=0, min_rows=1):
-    """The batches of one epoch: index tensors (B,) covering the split once.
-
-    Evaluation (no `shuffle`): the split sorted by length. Training: a permutation seeded by (seed, epoch), cut
-    into windows of BUCKET batches; each window is sorted by length, cut into batches, and the batches are
-    shuffled, so padding stays small. A departure from Amos et al.'s random batches (README, departures). The last
-    batch may be smaller; with `shuffle`, one smaller than `min_rows` (torchrun: the ranks) joins the one before.
-    Pairs (lengths (N, 2)) sort by their longer document.
-    """
+    """The batches of one epoch: index tensors (B,) covering the split once. Evaluation (no `shuffle`): sorted by
+    length. Training: a permutation seeded by (seed, epoch), cut into windows of BUCKET batches, each sorted by
+    length and cut into batches, which are shuffled: little padding (a departure from Amos et al., README). With
+    `shuffle`, a last batch smaller than `min_rows` (torchrun: the ranks) joins the one before. Pairs sort by their
+    longer document."""
     if lengths.dim() == 2:
         lengths = lengths.max(dim=1).values
     if not shuffle:
@@ -422,9 +405,8 @@ def batch_indices(lengths, batch_size, shuffle, seed=0, epoch=0, min_rows=1):
 
 
 def get_batch(split, idx, device, multiple=64):
-    """Gather the sequences `idx` (B,) of a loaded split, trimmed to the longest one.
-
-    Returns x and labels (B,) int64 on `device`, and lengths on the CPU (pinned for CUDA: known without a wait):
+    """Gather the sequences `idx` (B,) of a loaded split, trimmed to the longest one. Returns x and labels (B,)
+    int64 on `device`, and lengths on the CPU (pinned for CUDA: known without a wait):
       tokens (B, L_batch) int64, (B, 2, L_batch) for pairs      discrete tasks
       values (B, L_batch, C) float32                            continuous tasks
       values (B, L_batch, 1) float32                            pixel tasks: (pixels / 255 - pixel_mean) / pixel_std
@@ -470,10 +452,8 @@ def sha256_of(path):
 
 def download_file(url, dest, sha256=None, manual="", timeout=60):
     """Download `url` to `dest` through <dest>.part, renamed when complete; returns its sha256 (hex).
-
-    Raises ConnectionError ending with `manual` (what to download by hand, and where to put it) for an unreachable
-    server, an HTTP error or a cut connection; ValueError when `sha256` is given and differs. Nothing is left.
-    """
+    ConnectionError ending with `manual` (what to fetch by hand, and where to put it) for an unreachable server,
+    an HTTP error or a cut connection; ValueError when `sha256` is given and differs. No file is left then."""
     part = dest + ".part"
     os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
     print(f"downloading {url}")
@@ -503,10 +483,9 @@ def download_file(url, dest, sha256=None, manual="", timeout=60):
 
 
 def extract_tar(archive, into, prefix):
-    """Extract the regular files of the .tar(.gz) `archive` under `prefix` into `into`, with `prefix`
-    stripped, in one streamed pass through tarfile's 'data' filter; links are skipped. Returns the number of files.
-    Raises ValueError naming the archive when it is cut short or not a tar, holds nothing under `prefix`, or has a
-    member that would land outside `into`."""
+    """Extract the regular files under `prefix` of the .tar(.gz) `archive` into `into`, `prefix` stripped, through
+    tarfile's 'data' filter; links are skipped. Returns the number of files. ValueError naming the archive when it
+    is cut short or not a tar, holds nothing under `prefix`, or has a member that would land outside `into`."""
     n = links = 0
     try:
         with tarfile.open(archive) as tar:
@@ -674,11 +653,9 @@ def write_listops_tsv(path, rows):
 
 
 def read_listops_tsv(path, with_lines=False):
-    """Read an LRA ListOps file -> (sources, labels), and with_lines each sample's file line.
-
-    Columns are found by header name (Source, Target). Raises ValueError naming the file and line for a missing
-    column, a wrong field count, a label that is not in 0..9 or disagrees with eval_listops, or an unknown token.
-    """
+    """Read an LRA ListOps file -> (sources, labels), and with_lines each sample's file line. Columns are found
+    by header name (Source, Target). ValueError naming the file and line for a missing column, a wrong field count,
+    a label not in 0..9 or not what eval_listops gives, or an unknown token."""
     def parse(f):
         header = [h.strip() for h in f.readline().rstrip("\r\n").split("\t")]
         if header == [""]:
@@ -769,12 +746,8 @@ def find_listops(task_dir):
 def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, seed=0, max_len=2000,
                     truncate=False, min_length=500, max_length=2000):
     """Write data/listops/{train,val,test}.pt from the LRA release's TSVs under data/listops/ (find_listops),
-    else from TSVs our generator writes to data/listops/generated/.
-
-    The generated set is made once per settings (generated.json), through generated.partial/, so a stopped run
-    leaves no half set. min_length < length < max_length bounds the expressions (LRA: 500, 2000). Returns the
-    split sizes.
-    """
+    else from TSVs our generator writes to data/listops/generated/ once per settings (generated.json), through
+    generated.partial/. min_length < length < max_length bounds the expressions (LRA: 500, 2000)."""
     task_dir = os.path.join(data_dir, "listops")
     folder, generated = find_listops(task_dir), os.path.join(task_dir, "generated")
     wanted = dict(n_train=n_train, n_val=n_val, n_test=n_test, seed=seed, min_length=min_length,
@@ -817,11 +790,9 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
 # neighbouring tokens relate (the sign of the cross product d_t x d_{t+1}), which attention must learn to look at.
 
 def generate_trajectories(n, seed, length=100, omega_range=(0.05, 0.30), heading_noise=0.05, speed_noise=0.1):
-    """`n` trajectories -> (values (n, length, 2) float32 steps, labels (n,) int64 in {0, 1}).
-
-    |omega| ~ U(omega_range) rad/step with sign + for class 1 and - for class 0; heading noise e_u ~ N(0,
-    heading_noise^2) rad; speed s_t ~ N(1, speed_noise^2); th_0 ~ U[0, 2 pi). Reproducible from `seed`.
-    """
+    """`n` trajectories -> (values (n, length, 2) float32 steps, labels (n,) int64 in {0, 1}). |omega| ~
+    U(omega_range) rad/step, + for class 1, - for class 0; heading noise e_u ~ N(0, heading_noise^2) rad; speed
+    s_t ~ N(1, speed_noise^2); th_0 ~ U[0, 2 pi). Reproducible from `seed`."""
     g = torch.Generator().manual_seed(seed)
     labels = torch.randint(0, 2, (n,), generator=g)
     lo, hi = omega_range
@@ -928,12 +899,10 @@ def read_ucr_txt(path):
 
 
 def read_ucr_ts(path):
-    """Read an sktime/aeon .ts file of a univariate classification problem. Returns as read_ucr_tsv.
-
-    Header: '#' comments and @tags up to @data, @classLabel true <labels> required; then `v1,v2,...:label` a line,
-    '?' missing. ValueError naming file and line for a bad tag or value, a multivariate, time-stamped or
-    regression file, an undeclared label, or a length other than @equalLength's.
-    """
+    """Read an sktime/aeon .ts file of a univariate classification problem, returned as read_ucr_tsv: '#'
+    comments and @tags up to @data (@classLabel true <labels> required), then `v1,v2,...:label` a line, '?' missing.
+    ValueError naming file and line for a bad tag or value, a multivariate, time-stamped or regression file, an
+    undeclared label, or a length other than @equalLength's."""
     header, class_labels, series, labels, lines = {}, None, [], [], []
     rows = read_text(path, lambda f: [(line, text.strip()) for line, text in enumerate(f, 1)], "utf-8-sig")
     rows = [(line, text) for line, text in rows if text and not text.startswith("#")]
@@ -1125,13 +1094,10 @@ def download_ucr(name, folder, base_url=UCR_URL, sha256=None, timeout=60):
 
 def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, download=True, base_url=UCR_URL,
                 sha256=None):
-    """Write data/ucr/<name>/{train,val,test}.pt (task ucr/<name>; Coser et al. Sec. 5).
-
-    The files are found (find_ucr), else downloaded (download_ucr) unless download=False. A folder holding some of
-    the set's files but no pair is an error: nothing is downloaded over them. Labels map to 0..K-1 (meta
-    label_names), missing values are filled, every series is z-normalized; `val_fraction` of TRAIN (seed `seed`)
-    is the validation split, TEST the test split. values (N, max_len, 1). Returns the split sizes.
-    """
+    """Write data/ucr/<name>/{train,val,test}.pt (task ucr/<name>; Coser et al. Sec. 5): values (N, max_len, 1).
+    The files are found (find_ucr), else downloaded unless download=False; a folder holding some of them but no
+    pair is an error. Labels map to 0..K-1 (meta label_names), missing values are filled, each series z-normalized;
+    `val_fraction` of TRAIN (seed `seed`) is the validation split, TEST the test split."""
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction {val_fraction}: expected a fraction of the training set, in (0, 1)")
     task, folder = f"ucr/{name}", os.path.join(data_dir, "ucr", name)
@@ -1494,11 +1460,10 @@ def download_fashion_mnist(folder, base_url=FASHION_DOWNLOAD_URL, md5=None, time
 
 def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, download=True, url=FASHION_DOWNLOAD_URL,
                           resolution=32, n_train=None, source_dir=None):
-    """Write data/fashion_mnist/{train,val,test}.pt: Fashion-MNIST (Xiao et al. 2017), the offline
-    stand-in for Image: 28x28 padded to 32x32 = 1024 pixels, 55k/5k train/val (seed 42), 10k test, normalized
-    with the training set's mean and std. Found (find_fashion_mnist), else downloaded. For CPU budgets:
-    `resolution` 16 averages 2x2 blocks (L = 256) and `n_train` keeps the first n_train training images.
-    `source_dir`: the root to find (or download) the IDX files under instead of data_dir (ablate.py's subset)."""
+    """Write data/fashion_mnist/{train,val,test}.pt: Fashion-MNIST (Xiao et al. 2017), the offline stand-in for
+    Image: 28x28 padded to 32x32 = 1024 pixels, 55k/5k train/val (seed 42), 10k test, normalized with the training
+    set's mean and std. Found, else downloaded, under `source_dir` (default data_dir). For CPU budgets: resolution
+    16 averages 2x2 blocks (L = 256) and `n_train` keeps the first n_train training images."""
     recorded = {"source_dir": os.path.abspath(source_dir)} if source_dir else {}
     source_dir = source_dir or data_dir
     if resolution not in (32, 16):
@@ -1630,11 +1595,9 @@ def _disc(tip, g, taken):
 
 def _grow_contour(rng, start, n_paddles, taken, g, max_backtracks, end_avoid=None):
     """Chain up to `n_paddles` paddles from tip `start`, avoiding `taken` and the contour's own older paddles.
-
-    Each step draws a turn among those whose footprint is free, with weight cos^2(continuity * turn) (Gumbel-max),
-    the original's rule. Given `end_avoid`, the end tip also needs room for a marker disc clear of it. At a dead end
-    the newest paddle is redrawn, at most `max_backtracks` times. Returns (pieces, end tip, end disc or None).
-    """
+    Each step draws a free turn with weight cos^2(continuity * turn) (Gumbel-max), the original's rule. Given
+    `end_avoid`, the end tip also needs room for a marker disc clear of it. At a dead end the newest paddle is
+    redrawn, at most `max_backtracks` times. Returns (pieces, end tip, end disc or None)."""
     stamps = _stamps(g)
     footprint, halo, moves, candidates = stamps["footprint"], stamps["halo"], g["moves"], g["candidates"]
     w = 2 * g["pad"] + 1
@@ -1728,12 +1691,10 @@ def _target_contour(rng, start, avoid, g, n_paddles):
 
 
 def _one_image(rng, g, contour_length, n_distractors, distractor_length):
-    """One image -> (float32 (res, res) in [0, 1], label, origin tip, terminal tip).
-
-    Contour A starts anywhere, B `seed_distance` from A's start (as the original) and clear of A; the image restarts
-    if either fails. All four target tips reserve a disc, so distractors keep away from all four alike. Distractors
-    come last, incomplete or missing where there is no room.
-    """
+    """One image -> (float32 (res, res) in [0, 1], label, origin tip, terminal tip). Contour A starts anywhere,
+    B `seed_distance` from A's start (as the original) and clear of A; the image restarts if either fails. All four
+    target tips reserve a disc, so distractors keep away from all four alike. Distractors come last, incomplete or
+    missing where there is no room."""
     res, pad = g["res"], g["pad"]
     # Pixels no contour may use: everything outside the image less `padding`, then each contour and its margin.
     border = np.ones((res + 2 * pad, res + 2 * pad), dtype=bool)
@@ -1775,17 +1736,12 @@ def _one_image(rng, g, contour_length, n_distractors, distractor_length):
 
 
 def generate_pathfinder(n, seed, resolution=32, contour_length=14, return_info=False):
-    """`n` PathFinder images by the rules of Linsley et al. 2018 with LRA's settings for `resolution`.
-
-    Returns images uint8 (n, R, R) (0 = background), labels int64 (n,) (1 = the markers are on one contour; a fair
-    coin), and with `return_info` the marker centres {"origin": (row, col), "terminal": ...} in pixels. Reproducible
-    from `seed`. contour_length 6 / 9 / 14: easy / intermediate / hard. ValueError for an unknown resolution;
-    RuntimeError for contours too long to place.
-    """
+    """`n` PathFinder images by the rules of Linsley et al. 2018 with LRA's settings for `resolution` -> images
+    uint8 (n, R, R) (0 = background), labels int64 (n,) (1 = the markers are on one contour; a fair coin), and with
+    `return_info` the marker centres {"origin": (row, col), "terminal": ...} in pixels. Reproducible from `seed`.
+    contour_length 6 / 9 / 14: easy / intermediate / hard. ValueError for an unknown resolution."""
     if resolution not in PATHFINDER_SETTINGS:
         raise ValueError(f"resolution {resolution} has no settings; choose one of {sorted(PATHFINDER_SETTINGS)}")
-    if n < 0 or contour_length < 3:
-        raise ValueError(f"need n >= 0 and contour_length >= 3, got n={n}, contour_length={contour_length}")
     s, g = PATHFINDER_SETTINGS[resolution], _geometry(resolution)
     n_distractors = s["num_distractor_snakes"] * s["distractor_length"] // (contour_length // 3)
     rng = np.random.default_rng(seed)
@@ -1799,18 +1755,12 @@ def generate_pathfinder(n, seed, resolution=32, contour_length=14, return_info=F
 
 
 def write_pathfinder_release(root, images, labels, per_folder=1000, contour_length=14):
-    """Write images (uint8 (N, R, R)) and labels (N,) in the LRA release layout under `root`: image
-    j as the PNG imgs/<k>/sample_<i>.png (k = j // per_folder, i = j % per_folder), and a line per image in the
-    plain-text metadata/<k>.npy:
+    """Write images (uint8 (N, R, R), R a key of PATHFINDER_SETTINGS) and labels (N,) in the LRA release layout
+    under `root`: image j as the PNG imgs/<k>/sample_<i>.png (k = j // per_folder, i = j % per_folder), and a line
+    per image in the plain-text metadata/<k>.npy:
         imgs/<k> sample_<i>.png <i> <label> <continuity> <contour_length> <distractor_length> <paddle_length>
         <paddle_thickness> <paddle_margin> <n_paddle_contrasts>
-    Readers use the first four fields. Every file goes through save_atomic.
-    """
-    images, labels = np.asarray(images), np.asarray(labels)
-    if images.dtype != np.uint8 or images.shape[1:] != (images.shape[1],) * 2 or labels.shape != images.shape[:1] \
-            or not np.isin(labels, (0, 1)).all() or images.shape[1] not in PATHFINDER_SETTINGS:
-        raise ValueError(f"images {images.dtype} {images.shape} and labels {labels.shape}: expected uint8 (N, R, R), "
-                         f"R one of {sorted(PATHFINDER_SETTINGS)}, and (N,) in {{0, 1}}")
+    Readers use the first four fields. Every file goes through save_atomic."""
     s = PATHFINDER_SETTINGS[images.shape[1]]
     extra = (f"{s['continuity']:g} {contour_length} {contour_length // 3} {s['paddle_length']} "
              f"{s['paddle_thickness']:g} {s['paddle_margin']} 1")
@@ -1902,13 +1852,10 @@ def pathfinder_folder(root_dir, task, resolution, difficulty):
 
 def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=42, generate=None,
                        generate_if_missing=None, download=True, url=LRA_URL, sha256=None, task="pathfinder"):
-    """Write data/<task>/{train,val,test}.pt from the release layout in pathfinder_folder().
-
-    The images: with `generate=N`, N from our generator (a real release folder is never overwritten); else the
-    folder as it is; else, with `generate_if_missing=N` (the CPU presets), N generated; else extracted from the LRA
-    release (downloaded if absent). Split 80/10/10 by a permutation seeded with `seed` (release data in s4's
-    order). Pixels normalized at batch time to [-1, 1].
-    """
+    """Write data/<task>/{train,val,test}.pt from the release layout in pathfinder_folder(): with `generate=N`,
+    N images of our generator (a real release folder is never overwritten); else the folder as it is; else, with
+    `generate_if_missing=N` (the CPU presets), N generated; else extracted from the LRA release (downloaded if
+    absent). Split 80/10/10 by a permutation seeded with `seed` (release data in s4's order)."""
     if difficulty not in PATHFINDER_DIFFICULTY:
         raise ValueError(f"difficulty {difficulty!r}, expected one of {tuple(PATHFINDER_DIFFICULTY)}")
     sub, contour_length = PATHFINDER_DIFFICULTY[difficulty]
@@ -2128,13 +2075,9 @@ def run_cli(main_fn):
 # ----------------------------------------------------------------------------------------------------------
 
 def prepare_data(args, preset):
-    """Load train/val/test of args.task onto args.device (load_splits), making them first if missing.
-
-    Data that must be downloaded is fetched only with --download. The data settings the preset and flags imply
-    (expected_settings) are compared with the prepared data's meta (check_settings): an error naming both values
-    and the command that prepares the data as the run expects, unless --accept_data. Under torchrun rank 0
-    prepares and the others wait.
-    """
+    """Load train/val/test of args.task onto args.device, made first if missing (downloads only with --download;
+    under torchrun rank 0 prepares, the others wait). The settings the preset and flags imply are checked against
+    the data (check_settings), unless --accept_data."""
     settings = expected_settings(args.task, preset["data"], {k: getattr(args, k) for k in STAGE_DATA_FLAGS})
     if args.rank == 0:
         make_data(args.task, args.data_dir, settings, args.download)
@@ -2162,9 +2105,8 @@ def data_hashes(splits):
 
 def token_frequency_entropy(split, chunk=4096):
     """Entropy (nats) of the token frequencies over the real positions of a token split: the masked loss of a
-    model that ignores the context and predicts every masked token from the unigram distribution. A
-    reconstruction loss below it needs attention to the context (for ListOps: the proximity bias). Counted on the
-    split's device, `chunk` sequences at a time."""
+    model that predicts every masked token from the unigram distribution. A reconstruction loss below it needs
+    the context. Counted on the split's device, `chunk` sequences at a time."""
     tokens, lengths = single_sequences(split["tokens"], split["lengths"])
     counts = torch.zeros(split["meta"]["vocab_size"], dtype=torch.float64, device=tokens.device)
     for start in range(0, len(tokens), chunk):
@@ -2223,9 +2165,8 @@ def git_state(folder=None):
 
 
 def truncate_log(path, step):
-    """Drop the lines of a run's log past `step` (what a stopped run logged after its last checkpoint, which the
-    resumed run logs again) and a last line without its newline (not finished), so each step appears once.
-    Rewritten atomically; prints how many lines were dropped."""
+    """Drop the lines of a run's log past `step` (logged again by the resumed run) and an unfinished last line,
+    so each step appears once. Rewritten atomically."""
     if not os.path.exists(path):
         return
     with open(path) as f:
@@ -2345,11 +2286,8 @@ def peak_flops_of(name):
 
 def setup_distributed(args):
     """Join the process group when started by torchrun (WORLD_SIZE > 1); sets args.rank and args.world_size.
-
-    torchrun --standalone --nproc_per_node=N runs N copies. Each computes the same global batch and trains on
-    its rows rank::N; DistributedDataParallel averages the gradients; only rank 0 prints and writes files.
-    NCCL on CUDA (one GPU per process, LOCAL_RANK), gloo on CPU.
-    """
+    Each of the N copies trains on rows rank::N of the same global batch; DDP averages the gradients; only rank 0
+    prints and writes files. NCCL on CUDA (one GPU per process, LOCAL_RANK), gloo on CPU."""
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.rank = int(os.environ.get("RANK", "0"))
     if args.world_size > 1:
@@ -2398,8 +2336,7 @@ def append_log(run, entry):
 
 def resume(model, opt, paths, n_batches, args, extra):
     """Load the newest of paths["last"], paths["best"] into model and optimizer, restore the RNG states and drop
-    the log lines past the checkpoint; returns the loop state, or None when there is nothing to resume.
-    ValueError (check_resumable) when the checkpoint is of another run: model, data or schedule."""
+    the log lines past it; returns the loop state, or None. ValueError (check_resumable) for another run's."""
     # Loaded on the CPU: load_state_dict copies onto the model's device, and the CPU copy is freed right after.
     path, ck = load_newest([paths["last"], paths["best"]], "cpu", "--resume", with_path=True)
     if ck is None:
@@ -2429,12 +2366,9 @@ def epoch_batches(split, args, epoch):
 
 @torch.no_grad()
 def evaluate(model, split, args, batch_sums, n_sums):
-    """Sums of per-batch statistics over a whole split, in eval mode: the evaluation loop of both stages.
-
-    batch_sums(i, idx) -> tensor (n_sums,) of one batch's sums (i: the batch's number, idx (B,) its rows; batches
-    sorted by length, the least padding). Under torchrun each rank takes every N-th batch and the sums are
-    reduced over ranks. Returns a list of n_sums floats (one host synchronisation, at the end).
-    """
+    """Sums of per-batch statistics over a split in eval mode, the evaluation loop of both stages: batch_sums(i,
+    idx) -> tensor (n_sums,) for batch number i, rows idx (B,) (batches sorted by length). Under torchrun each rank
+    takes every N-th batch and the sums are reduced. Returns n_sums floats (one host synchronisation)."""
     model.eval()
     sums = torch.zeros(n_sums, dtype=accumulator_dtype(args.device), device=args.device)
     for i, idx in enumerate(batch_indices(split["lengths"], args.batch_size, shuffle=False)):
