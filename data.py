@@ -338,9 +338,8 @@ def check_meta(d, path):
 
 
 def write_splits(task_dir, splits, metas):
-    """Write <task_dir>/{train,val,test}.pt, each dict(splits[s], meta=metas[s]), as one preparation:
-    every meta gets the same meta["preparation"], a hash of all three metas and tensors, so load_splits refuses a
-    set mixed from two preparations. The same inputs give the same files."""
+    """Write <task_dir>/{train,val,test}.pt, each dict(splits[s], meta=metas[s]), stamped meta["preparation"]: a
+    hash of all three, so load_splits refuses a mixed set. The same inputs give the same files."""
     digest = hashlib.sha256()
     for s in SPLITS:
         digest.update(json.dumps(metas[s], sort_keys=True, default=str).encode())
@@ -512,9 +511,8 @@ def extract_tar(archive, into, prefix):
 
 
 def open_raw(path):
-    """`path` opened to read bytes: every reader of raw data goes through here. ValueError naming the file when
-    it is what a clone made without its data holds: a Git LFS pointer, or a git-annex link (broken, or a small
-    file naming the object)."""
+    """`path` opened to read bytes, for every reader of raw data. ValueError naming the file for what a clone made
+    without its data holds: a Git LFS pointer, or a git-annex link (broken, or a small file naming the object)."""
     if os.path.islink(path) and not os.path.exists(path) and "/annex/objects/" in os.readlink(path):
         kind = "a git-annex link"
     else:
@@ -588,9 +586,8 @@ _LISTOPS_APPLY = {"[MIN": min, "[MAX": max, "[MED": lambda a: int(statistics.med
 
 
 def eval_listops(source):
-    """Value (0..9) of one ListOps expression in release syntax, e.g. '( ( [MAX 2 ) 9 ) ]' -> 9: a stack
-    machine over the tokens, '(' and ')' ignored as by every LRA loader. ValueError for an unknown token or a
-    malformed expression."""
+    """Value (0..9) of a ListOps expression in release syntax, e.g. '( ( [MAX 2 ) 9 ) ]' -> 9, by a stack machine
+    ('(' and ')' ignored, as by every LRA loader). ValueError for an unknown token or a malformed expression."""
     args, stack = [], []  # the arguments of the innermost open operator; (operator, enclosing arguments) per level
     for tok in source.split():
         if len(tok) == 1 and "0" <= tok <= "9":
@@ -855,9 +852,8 @@ def _parse_values(fields, path, line):
 
 
 def _read_label_first(path, split, separator):
-    """Rows `label value value ...` -> (series: float64 arrays, labels: str, lines: int).
-    `split(text)` cuts a line into fields. An empty label field (a line starting with the separator: not a row
-    shifted by one) or a missing label ('NaN', '?') is a ValueError naming file and line."""
+    """Rows `label value value ...`, cut into fields by `split(text)` -> (series: float64 arrays, labels: str,
+    lines: int). An empty or missing ('NaN', '?') label is a ValueError naming file and line."""
     series, labels, lines = [], [], []
     for line, text in read_text(path, lambda f: list(enumerate(f, 1)), "utf-8-sig"):  # -sig: a byte-order mark
         text = text.rstrip()
@@ -967,9 +963,8 @@ UCR_READERS = {".tsv": read_ucr_tsv, ".txt": read_ucr_txt, ".ts": read_ucr_ts, "
 
 
 def ucr_label_map(labels):
-    """(key, names) for the training labels: sorted numerically when all are numbers (-1 < 1, 2 < 10,
-    '1.0e+00' == '1'), else as strings; names[i] is class i's label as str. key(label) raises ValueError for a
-    label that is not a number when the training labels are."""
+    """(key, names) for the training labels: sorted numerically when all are numbers (-1 < 1, 2 < 10, '1.0e+00'
+    == '1'), else as strings; names[i] is class i's label as str. key(label) may raise ValueError."""
     try:
         values = sorted({float(x) for x in labels})
         return float, [str(int(v)) if v.is_integer() else repr(v) for v in values]
@@ -1068,9 +1063,8 @@ def ucr_missing_message(name, folder):
 
 
 def download_ucr(name, folder, base_url=UCR_URL, sha256=None, timeout=60):
-    """Download <base_url>/<name>.zip into `folder` and extract its <name>_TRAIN and _TEST files there by
-    their base names. Returns dict(url, sha256, files): the archive publishes no checksums, so the zip's is
-    recorded. Raises as download_file, and ValueError for a zip without the two files; nothing is left then."""
+    """Download <base_url>/<name>.zip into `folder` and extract its <name>_TRAIN and _TEST files there. Returns
+    dict(url, sha256, files). Raises as download_file, and ValueError (the zip deleted) for a zip without them."""
     url, final = f"{base_url.rstrip('/')}/{name}.zip", os.path.join(folder, f"{name}.zip")
     digest = download_file(url, final, sha256, ucr_missing_message(name, folder), timeout)
     files, problem = [], None
@@ -1254,9 +1248,8 @@ def prepare_text(data_dir="data", max_len=4096, download=True, url=IMDB_URL, sha
 
 
 def read_aan_tsv(path):
-    """Read an LRA new_aan_pairs.<split>.tsv (label, id1, id2, text1, text2; no header) -> (docs1, docs2:
-    bytes, labels). A bare carriage return is part of a text. ValueError naming file and line for a wrong field
-    count, a label not 0 or 1, or an empty text."""
+    """Read an LRA new_aan_pairs.<split>.tsv (label, id1, id2, text1, text2) -> (docs1, docs2: bytes, labels).
+    ValueError naming file and line for a wrong field count, a label not 0 or 1, or an empty text."""
     docs1, docs2, labels = [], [], []
     with open_raw(path) as f:  # bytes: a text-mode read would also split at a bare \r
         for line, text in enumerate(f, 1):
@@ -2075,9 +2068,8 @@ def run_cli(main_fn):
 # ----------------------------------------------------------------------------------------------------------
 
 def prepare_data(args, preset):
-    """Load train/val/test of args.task onto args.device, made first if missing (downloads only with --download;
-    under torchrun rank 0 prepares, the others wait). The settings the preset and flags imply are checked against
-    the data (check_settings), unless --accept_data."""
+    """Load train/val/test of args.task onto args.device, made first if missing (by rank 0 under torchrun), and
+    check them against the settings the preset and flags imply (check_settings)."""
     settings = expected_settings(args.task, preset["data"], {k: getattr(args, k) for k in STAGE_DATA_FLAGS})
     if args.rank == 0:
         make_data(args.task, args.data_dir, settings, args.download)
@@ -2105,8 +2097,7 @@ def data_hashes(splits):
 
 def token_frequency_entropy(split, chunk=4096):
     """Entropy (nats) of the token frequencies over the real positions of a token split: the masked loss of a
-    model that predicts every masked token from the unigram distribution. A reconstruction loss below it needs
-    the context. Counted on the split's device, `chunk` sequences at a time."""
+    model that predicts every masked token from the unigram distribution, without the context."""
     tokens, lengths = single_sequences(split["tokens"], split["lengths"])
     counts = torch.zeros(split["meta"]["vocab_size"], dtype=torch.float64, device=tokens.device)
     for start in range(0, len(tokens), chunk):
@@ -2213,8 +2204,8 @@ def check_resumable(ck, cfg, n_batches, data_sha256=None, config=None, init_sha2
                          f"--init {ck.get('init')} now holds {init_sha256[:12]}... (pretrained again or further?): "
                          f"finetune the new weights in a new run (another --name or --out_dir, without --resume)")
 
-# Device and dtype: where a stage runs, in which precision, and what the hardware can do (MFU's peak).
 
+# Device and dtype: where a stage runs, in which precision, and what the hardware can do (MFU's peak).
 def pick_device(name):
     """'auto' -> cuda if available, else mps, else cpu; any other string is passed to torch.device (and
     cuda:N becomes the current GPU, so that torch.cuda calls without a device argument mean it)."""
@@ -2282,8 +2273,8 @@ def peak_flops_of(name):
     found = [k for k in PEAK_BF16_FLOPS if re.search(rf"(^|\W){re.escape(k)}($|\W)", name)]
     return PEAK_BF16_FLOPS[max(found, key=len)] if found else None
 
-# torchrun (DDP): one process per GPU, each training on its share of the global batch.
 
+# torchrun (DDP): one process per GPU, each training on its share of the global batch.
 def setup_distributed(args):
     """Join the process group when started by torchrun (WORLD_SIZE > 1); sets args.rank and args.world_size.
     Each of the N copies trains on rows rank::N of the same global batch; DDP averages the gradients; only rank 0
@@ -2318,6 +2309,7 @@ def local_rows(args, *tensors):
     """This rank's share of a global batch: rows rank, rank + N, ... (all rows when not distributed)."""
     return [t[args.rank::args.world_size] for t in tensors]
 
+
 def run_record(args):
     """Plain-type description of the run: its settings and what produced it (stored in checkpoints). The CPU and
     thread count are recorded because float sums, and so trained weights, depend on them."""
@@ -2342,7 +2334,7 @@ def resume(model, opt, paths, n_batches, args, extra):
     if ck is None:
         return None
     check_resumable(ck, dataclasses.asdict(model.cfg), n_batches, extra.get("data_sha256"), plain_config(args),
-                         extra.get("init_sha256"))
+                    extra.get("init_sha256"))
     if path != paths["last"] and args.rank == 0:  # stopped before its last write, or that file is damaged
         save_atomic(ck, paths["last"])
     model.load_state_dict(ck["model"])
@@ -2355,13 +2347,13 @@ def resume(model, opt, paths, n_batches, args, extra):
     print(f"resumed at step {ck['state']['step']} (epoch {ck['state']['epoch']})")
     return ck["state"]
 
-# The batches of a training epoch, and the evaluation loop both stages share (sharded under torchrun).
 
+# The batches of a training epoch, and the evaluation loop both stages share (sharded under torchrun).
 def epoch_batches(split, args, epoch):
     """The training batches (index tensors) of one epoch, seeded by (seed, epoch) so that a resumed run sees
     the same ones; under torchrun every batch has at least one row per rank (batch_indices)."""
     return batch_indices(split["lengths"], args.batch_size, shuffle=True, seed=args.seed, epoch=epoch,
-                              min_rows=args.world_size)
+                         min_rows=args.world_size)
 
 
 @torch.no_grad()
