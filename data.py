@@ -1935,8 +1935,10 @@ def prepare(task, data_dir="data", **kwargs):
     takes = prepare_keywords(task)
     wrong = [k for k in kwargs if k not in takes]
     if wrong:
+        listed = ", ".join(CLI_FLAGS.get(k, k) for k in takes)
+        takes_text = f"it takes: {listed}" if listed else "it takes no settings: its preset's data must be empty"
         raise ValueError(f"{', '.join(CLI_FLAGS.get(k, k) for k in wrong)} {'does' if len(wrong) == 1 else 'do'} "
-                         f"not apply to --task {task} (it takes: {', '.join(CLI_FLAGS.get(k, k) for k in takes)})")
+                         f"not apply to --task {task} ({takes_text})")
     family, _, name = task.partition("/")
     return PREPARE["ucr"](data_dir, name, **kwargs) if family == "ucr" else PREPARE[family](data_dir, **kwargs)
 

@@ -2380,7 +2380,7 @@ def test_a_task_of_ones_own_runs_after_the_readme_steps(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match=r"mytask/: write its .pt files first"):
         pretrain.main(common)
     with pytest.raises(ValueError, match=r"--n_train does not apply to --task mytask \(it takes no settings: its "
-                                         r"preset's data settings must be empty\)"):
+                                         r"preset's data must be empty\)"):
         data.prepare("mytask", str(root), n_train=5)
 
 
