@@ -485,14 +485,13 @@ def extract_tar(archive, into, prefix):
     """Extract the regular files under `prefix` of the .tar(.gz) `archive` into `into`, `prefix` stripped, through
     tarfile's 'data' filter; links are skipped. Returns the number of files. ValueError naming the archive when it
     is cut short or not a tar, holds nothing under `prefix`, or has a member that would land outside `into`."""
-    n = links = 0
+    n = 0
     try:
         with tarfile.open(archive) as tar:
             for member in tar:
                 if not member.name.startswith(prefix):
                     continue
-                if not member.isfile():
-                    links += member.issym() or member.islnk()
+                if not member.isfile():  # folders are made as needed; links are skipped
                     continue
                 try:
                     tar.extract(member.replace(name=member.name[len(prefix):].lstrip("/")), into, filter="data")
@@ -505,8 +504,7 @@ def extract_tar(archive, into, prefix):
                          f"again") from e
     if n == 0:
         raise ValueError(f"{archive}: holds no file under {prefix!r}; expected the archive named in the README")
-    print(f"extracted {n} files of {archive} under {prefix} into {into}"
-          + (f"; skipped {links} links" if links else ""))
+    print(f"extracted {n} files of {archive} under {prefix} into {into}")
     return n
 
 
@@ -1010,9 +1008,9 @@ def pad_series(series, width):
     return values, torch.tensor([len(x) for x in series], dtype=torch.int64)
 
 
-def ucr_val_split(labels, val_fraction, seed):
+def ucr_val_split(labels, val_fraction, seed, where):
     """Sorted (train, val) indices of a validation split carved from TRAIN, stratified: each class gives
-    round(val_fraction * its size) series, chosen with `seed`, but keeps one. ValueError if none goes to val."""
+    round(val_fraction * its size) series, chosen with `seed`, but keeps one. ValueError naming `where` if none."""
     g = torch.Generator().manual_seed(seed)
     val = []
     for c in range(int(labels.max()) + 1):
@@ -1021,8 +1019,8 @@ def ucr_val_split(labels, val_fraction, seed):
         val.append(members[:min(int(val_fraction * len(members) + 0.5), len(members) - 1)])
     val = torch.cat(val).sort().values
     if len(val) == 0:  # a class of n gives round(val_fraction * n) and keeps one: n >= 2 and >= 0.5 / val_fraction
-        raise ValueError(f"{len(labels)} training series: too few for a validation fraction of {val_fraction} "
-                         f"(no class gives validation a series: that needs a class of at least "
+        raise ValueError(f"{where}: {len(labels)} training series: too few for a validation fraction of "
+                         f"{val_fraction} (no class gives validation a series: that needs a class of at least "
                          f"{max(2, math.ceil(0.5 / val_fraction))} series)")
     train = torch.ones(len(labels), dtype=torch.bool)
     train[val] = False
@@ -1132,10 +1130,7 @@ def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, down
               f"inside series filled by interpolation, {n_constant} constant series set to zeros")
     max_len = max(len(x) for s in series for x in series[s])  # the model's positions must cover every split
     (values, lengths), y = pad_series(series["train"], max_len), labels["train"]
-    try:
-        train, val = ucr_val_split(y, val_fraction, seed)
-    except ValueError as e:
-        raise ValueError(f"{found['train']}: {e}") from None
+    train, val = ucr_val_split(y, val_fraction, seed, found["train"])
     test_values, test_lengths = pad_series(series["test"], max_len)
     splits = {"train": dict(values=values[train], lengths=lengths[train], labels=y[train]),
               "val": dict(values=values[val], lengths=lengths[val], labels=y[val]),

@@ -3517,8 +3517,8 @@ def test_a_usage_error_is_short_and_an_unknown_task_says_how_ucr_sets_are_named(
     assert "invalid choice" in (err := capsys.readouterr().err) and "a UCR data set is" not in err
 
 
-def test_extract_tar_refuses_a_member_outside_its_folder_and_skips_links(tmp_path, capsys):
-    """data.extract_tar: "../" and a symlink already in the folder cannot write outside it; links are counted."""
+def test_extract_tar_refuses_a_member_outside_its_folder_and_skips_links(tmp_path):
+    """data.extract_tar: "../" and a symlink already in the folder cannot write outside it; links are skipped."""
     def make_tar(path, names, link=None):
         with tarfile.open(path, "w") as tar:
             for name in names:
@@ -3535,7 +3535,7 @@ def test_extract_tar_refuses_a_member_outside_its_folder_and_skips_links(tmp_pat
     make_tar(good, ["pre/a.txt", "pre/sub/b.txt", "other/c.txt"], link="pre/link")
     assert data.extract_tar(good, str(into), "pre/") == 2
     assert (into / "a.txt").read_bytes() == b"ok" and (into / "sub" / "b.txt").exists()
-    assert not (into / "link").exists() and "skipped 1 links" in capsys.readouterr().out
+    assert not (into / "link").exists()
     dotdot = str(tmp_path / "dotdot.tar")
     make_tar(dotdot, ["pre/../../evil.txt"])
     with pytest.raises(ValueError, match=r"dotdot.tar: member 'pre/../../evil.txt' would be written outside"):
