@@ -1047,17 +1047,14 @@ def test_bench_reports_figures_computed_from_its_own_timings(tmp_path):
 
 
 def test_bench_parent_reports_a_timing_process_that_ends_without_a_result():
-    """ablate.bench_result returns what the child put on the queue, and, when the child dies without a result (a
-    crash before its try, the kernel's out-of-memory kill), a line naming its exit code instead of waiting forever."""
+    """ablate.time_in_process returns what the timing process put on its queue, and, when that process dies
+    without a result (here a crash before its try: a ModelConfig it refuses), a line naming its exit code."""
     import ablate
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=os._exit, args=(3,))
-    proc.start()
-    assert ablate.bench_result(proc, queue, poll_s=0.2) == "its process ended (exit code 3) without a result"
-    proc.join()
-    queue.put((0.5, 1, 2, 3))
-    assert ablate.bench_result(proc, queue, poll_s=0.2) == (0.5, 1, 2, 3)
+    args = (torch.device("cpu"), torch.float32, 1, 1, 1)
+    assert ablate.time_in_process("fused", (16, 15, 1, 2, 8, 2), *args) == \
+        "its process ended (exit code 1) without a result"
+    sec, peak, tokens, flops = ablate.time_in_process("fused", (16, 8, 1, 2, 8, 2), *args)
+    assert sec > 0 and tokens == 32
 
 
 def test_gpu_command_refuses_without_cuda_and_writes_its_table_from_fixture_numbers(tmp_path, monkeypatch):
@@ -1552,11 +1549,12 @@ def test_ablate_synthetic_and_init_run_and_resume(synthetic_run, tmp_path, capsy
     assert "SPT, inherit qk" in table and "0.607 +- 0.012" in table
     ablate.main(["posenc"] + argv)
     res = json.load(open(tmp_path / "ablate" / "posenc.json"))
-    assert {r["pos"] for r in res["runs"]} == {"sinusoidal", "alibi", "rope", "fire", "none", "sinusoidal + SPT"}
+    assert {r["row"] for r in res["runs"]} == {f"{p}, from scratch" for p in ("sinusoidal", "alibi", "rope", "fire",
+                                                                              "no positions")} | {"sinusoidal + SPT"}
     table = open(tmp_path / "ablate" / "posenc.md").read()
     assert "| no positions, from scratch | " in table
-    acc = {(r["seed"], r["pos"]): r["test_acc"] for r in res["runs"]}  # RoPE minus sinusoidal, seeds 0 and 1
-    rope = [acc[(s, "rope")] - acc[(s, "sinusoidal")] for s in (0, 1)]
+    acc = {(r["seed"], r["row"]): r["test_acc"] for r in res["runs"]}  # RoPE minus sinusoidal, seeds 0 and 1
+    rope = [acc[(s, "rope, from scratch")] - acc[(s, "sinusoidal, from scratch")] for s in (0, 1)]
     assert f"| rope, from scratch | {sum(rope) / 2:+.3f} +- {abs(rope[0] - rope[1]) / math.sqrt(2):.3f} | " \
            f"{rope[0]:+.3f}, {rope[1]:+.3f} | {sum(d > 0 for d in rope)} of 2 |" in table
 
@@ -2765,7 +2763,7 @@ def test_ablate_ucr_runs_what_it_finds_and_skips_the_rest(tmp_path, capsys):
     ablate.main(argv)
     text = capsys.readouterr().out
     for name in ("ECG200", "ECG5000", "ECGFiveDays"):
-        assert f"skipping UCR {name}: not found" in text and "no download attempted" in text
+        assert f"skipping ucr/{name}: UCR data set '{name}' not found" in text
     assert "downloading" not in text
     # Not the default --datasets: a table of its own (ucr.md is the default list's), named in its footer.
     stem = tmp_path / "out" / "ablate" / ("ucr_" + "_".join(ablate.UCR_DATASETS))
@@ -2781,7 +2779,7 @@ def test_ablate_ucr_runs_what_it_finds_and_skips_the_rest(tmp_path, capsys):
     # the evaluation kept (best val acc; a tie: the lower val loss, then the later step), by hand from the log
     kept = max(evals, key=lambda e: (e["val_acc"], -e["val_loss"], e["step"]))["step"]
     assert steps == [kept] and f"| {kept} |" in table  # the step whose weights gave the test accuracy
-    assert "Skipped: ECG200" in table
+    assert "Skipped: ECG200 (UCR data set 'ECG200' not found)" in table
     acc = {r["name"]: r["test_acc"] for r in res["runs"]}  # SPT's gain, one seed: no sd, no t
     gain = acc["spt"] - acc["scratch"]
     assert f"| GunPoint | {gain:+.3f} (1 seed) | {gain:+.3f} | {int(gain > 0)} of 1 | - |" in table
@@ -3205,7 +3203,7 @@ def test_ablate_s_fashion_mnist_subset_reads_the_idx_files_where_data_py_downloa
     <data_dir>/fashion_mnist/, were 'not found'."""
     import ablate
     monkeypatch.setattr(data, "FASHION_DIRS", ())  # no Debian package here
-    monkeypatch.setattr(ablate, "FASHION_CPU", dict(resolution=16, n_train=6, n_val=4, epochs=1))
+    monkeypatch.setattr(ablate, "FASHION_CPU", dict(resolution=16, n_train=6, n_val=4, epochs=1, exit_at=0.7))
     root = tmp_path / "data"
     os.makedirs(root / "fashion_mnist")
     rng = np.random.default_rng(0)
@@ -4168,7 +4166,7 @@ def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run
         val_cell = row.split(" | ")[3]
         assert val_cell.endswith("(majority class)") == (sum(accs) / len(accs) <= majority + 0.01), (row, majority)
         assert f"| {majority:.3f} |" in row
-    assert "its mean is not more than 0.01 above the validation split's majority-class rate" in swap_table
+    assert "`(majority class)`: the mean val acc is not more than 0.01 above the majority-class rate" in swap_table
     shutil.copytree(os.path.join(synthetic_run[0], "synthetic"), os.path.join(root, "synthetic"))
     ablate.main(["duration", "--durations", "1", "2"] + argv)
     runs = json.load(open(os.path.join(out, "ablate", "duration.json")))["runs"]
@@ -4222,17 +4220,17 @@ def test_ablate_fashion_mnist_budget_init_duration_and_generated_pathfinder_swap
     generated PathFinder data, all fixture-sized."""
     import ablate
     installed_fashion_mnist(tmp_path, monkeypatch)
-    monkeypatch.setattr(ablate, "FASHION_CPU", dict(resolution=16, n_train=20, n_val=8, epochs=1))
+    monkeypatch.setattr(ablate, "FASHION_CPU", dict(resolution=16, n_train=20, n_val=8, epochs=1, exit_at=0.7))
     root, out = str(tmp_path / "data"), str(tmp_path / "out")
     argv = ["--seeds", "1", "--data_dir", root, "--out_dir", out, "--max_steps", "2", "--device", "cpu"]
     ablate.main(["init", "--task", "fashion_mnist"] + argv)
     meta = data.load_split(os.path.join(root, "fashion_mnist_r16_n20"), "fashion_mnist", "train")["meta"]
     assert meta["max_len"] == 256 and meta["split_sizes"] == dict(train=20, val=8, test=10)
     table = open(os.path.join(out, "ablate", "init_fashion_mnist.md")).read()
-    assert "averaged to 16x16, a training subset, 20/8/10 train/val/test" in table
-    assert "Probe, from scratch for 2 epochs (seed 0)" in table and "| during SPT: norm(W - W_init)" in table
+    assert "averaged to 16x16, a training subset, 1 epochs per stage, 20/8/10 train/val/test" in table
+    assert "| epoch val acc >= 0.7 (runs) |" in table and "| during SPT: norm(W - W_init)" in table
     res = json.load(open(os.path.join(out, "ablate", "init_fashion_mnist.json")))
-    spt_run = next(r for r in res["runs"] if r["row"] == "all")
+    spt_run = next(r for r in res["runs"] if r["row"] == "SPT, inherit all")
     assert f"| ours | {spt_run['displacement']['W_Q']:.3f} (1 seed) |" in table.replace(" +- 0.000", "")
     assert os.path.getsize(os.path.join(out, "analysis", "init_fashion_mnist_curves.png")) > 10_000
     assert analyze.figure_command(os.path.join(out, "analysis", "init_fashion_mnist_curves.png")) == \
@@ -4243,7 +4241,7 @@ def test_ablate_fashion_mnist_budget_init_duration_and_generated_pathfinder_swap
     capsys.readouterr()
     ablate.main(["duration", "--task", "fashion_mnist", "--durations", "1", "3"] + argv)
     text = capsys.readouterr().out
-    assert "finetune_init_scratch.json" in text and "finetune_scratch_probe.json" in text  # shared with init
+    assert "finetune_init_scratch.json" in text and "finetune_init_all.json" in text  # shared with init
     assert sorted(r["epochs"] for r in json.load(open(os.path.join(out, "ablate", "duration_fashion_mnist.json")))
                   ["runs"]) == [0, 1, 3]
     with pytest.raises(ValueError, match="pass one of them"):  # not silently the later of two --max_steps
@@ -4273,7 +4271,7 @@ def test_ablate_frozen_freezes_every_layer_and_measures_how_far_each_group_moved
     import shutil
     import ablate
     installed_fashion_mnist(tmp_path, monkeypatch)
-    monkeypatch.setattr(ablate, "FASHION_CPU", dict(resolution=16, n_train=20, n_val=8, epochs=1))
+    monkeypatch.setattr(ablate, "FASHION_CPU", dict(resolution=16, n_train=20, n_val=8, epochs=1, exit_at=0.7))
     root, out = str(tmp_path / "data"), str(tmp_path / "out")
     argv = ["--seeds", "1", "--data_dir", root, "--out_dir", out, "--max_steps", "3", "--device", "cpu"]
     ablate.main(["frozen"] + argv)  # default on the cpu preset: Fashion-MNIST at its CPU budget
@@ -4300,7 +4298,7 @@ def test_ablate_frozen_freezes_every_layer_and_measures_how_far_each_group_moved
     assert q != pytest.approx(moved("pretrain_init.pt", "finetune_spt.pt", ".q_proj.")[0], rel=1e-3)
     table = open(os.path.join(out, "ablate", "frozen_cpu.md")).read()
     assert "| fashion_mnist | from scratch, attn frozen |" in table and "| 0.535 |" in table
-    assert "| 0.535 (?) |" in table and "| 0.720 (Table 2) |" in table and "Probe, from scratch for 2 epochs" in table
+    assert "| 0.535 (?) |" in table and "| 0.720 (Table 2) |" in table
     assert "command: python ablate.py frozen --preset cpu --tasks fashion_mnist --seeds 1" in table
     assert "| 0.503 (Sec. 3; Table 2: 0.499) |" in table and "stands beside the paper's CIFAR10" in table
     spt_stage = rows["SPT stage (masked reconstruction)"]["gradients"]
