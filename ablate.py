@@ -107,14 +107,11 @@ def run_pretrain(task, folder, seed, common):
 
 def run_finetune(task, folder, seed, name, init, common, extra=()):
     """One finetuning run; returns its result dict (a finished one read back, after check_read_back)."""
-    path = data.run_paths(folder, task, "finetune", name)["json"]
-    flags = ["--seed", str(seed)] + list(common) + list(extra)
+    path, flags = data.run_paths(folder, task, "finetune", name)["json"], ["--seed", str(seed), *common, *extra]
     if os.path.exists(path):
-        with open(path) as f:
-            result = json.load(f)
-        check_read_back(path, result, task, init, flags)
-        return result
-    finetune.main(["--task", task, "--out_dir", folder, "--init", init, "--name", name, "--resume"] + flags)
+        check_read_back(path, task, init, flags)
+    else:
+        finetune.main(["--task", task, "--out_dir", folder, "--init", init, "--name", name, "--resume"] + flags)
     with open(path) as f:
         return json.load(f)
 
@@ -143,11 +140,13 @@ def sha256_once(path):
     return _SHA256[key] if key in _SHA256 else _SHA256.setdefault(key, data.sha256_of(path))
 
 
-def check_read_back(path, result, task, init, argv):
+def check_read_back(path, task, init, argv):
     """Raise ValueError unless the finished finetuning `path` is the run asked for with `init` and the finetune.py
     flags `argv`: the same data and start (sha256 of each split and of the SPT weights), the same resolved value
     of every setting outside READ_BACK_SKIP, the same model. Experiments share run folders: without this check
     another experiment's run would be read back as this one's. FileNotFoundError when its weights are gone."""
+    with open(path) as f:
+        result = json.load(f)
     (asked, model), config = requested_run("finetune", task, ["--init", init] + list(argv)), result.get("config") or {}
     weights = os.path.splitext(path)[0] + ".pt"
     if not os.path.exists(weights):
@@ -384,8 +383,9 @@ def describe_data(data_dir, task, majority=True):
     """A table's data in a few words, with its validation split's majority-class rate if `majority`."""
     meta = data.load_split(data_dir, task, "train")["meta"]
     sizes, side = meta.get("split_sizes", {}), meta.get("resolution", 32)
-    fashion = "Fashion-MNIST padded to 32x32 (the offline stand-in for CIFAR10)" + \
-        (f", averaged to {side}x{side}" if side != 32 else "") + (f", a training subset, {FASHION_CPU['epochs']} epochs per stage" if meta.get("train_subset") else "")
+    fashion = "Fashion-MNIST padded to 32x32 (the offline stand-in for CIFAR10)" + (f", averaged to {side}x{side}"
+        if side != 32 else "") + (f", a training subset, {FASHION_CPU['epochs']} epochs per stage" if
+                                  meta.get("train_subset") else "")
     what = {"fashion_mnist": fashion, "image": "CIFAR10 grayscale",
             "synthetic": f"synthetic trajectories of {meta['max_len']} steps"}.get(task, task)
     if meta.get("generated") and "resolution" in meta:
@@ -474,7 +474,8 @@ def experiment_synthetic(args):
                              "paper (Sec. 4)"], attention)
     rows.append(footer(args, "synthetic", f"log L = {spt[0]['attention_init']['uniform_entropy']:.2f} nats (uniform "
                        f"attention over {args.length} steps); gradient shares on 64 training sequences, L_sup at the "
-                       f"start of from-scratch training and of finetuning after SPT; majority class of val {majority:.3f}"))
+                       f"start of from-scratch training and of finetuning after SPT", f"majority class of val "
+                       f"{majority:.3f}"))
     write_outputs("synthetic", runs, "\n".join(rows), args)
 
 
@@ -490,8 +491,9 @@ def finetune_rows(args, name, rows, first):
         ckpt = run_pretrain(task, folder, seed, common + ["--snapshots"] * (task == "synthetic"))
         moved = spt_displacement(task, folder, task_data_dir(args, task))["spt"]["displacement"]
         for label, run_name, init, extra, _ in rows:
-            results.setdefault(label, []).append(run_finetune(task, folder, seed, run_name, init or ckpt, common, extra))
-            runs.append(summary(seed, results[label][-1], threshold, row=label, displacement=moved))
+            result = run_finetune(task, folder, seed, run_name, init or ckpt, common, extra)
+            results.setdefault(label, []).append(result)
+            runs.append(summary(seed, result, threshold, row=label, displacement=moved))
     majority = majority_rate(task_data_dir(args, task), task)
     return runs, results, md_table(
         [first, f"{task} val acc", "train acc", "test acc", f"epoch val acc >= {threshold:g} (runs)", "paper CIFAR10",
@@ -499,8 +501,7 @@ def finetune_rows(args, name, rows, first):
                                              majority=majority), *paper] for label, _, _, _, paper in rows])
 
 
-FROZEN_ROW_NOTE = "the paper's frozen row (\"MLP + head trained\") may mean `attn` or `attn+embed+norm`: (?) beside \
-the second"
+FROZEN_ROW_NOTE = "the paper's frozen row (MLP + head trained) may mean `attn` or `attn+embed+norm`: (?) marks one"
 
 
 def experiment_init(args):
@@ -542,14 +543,10 @@ def experiment_duration(args):
         result = run_finetune(task, folder, seed, "init_scratch" if shared else "scratch", "scratch", common)
         runs.append(summary(seed, result, threshold, epochs=0))
         for epochs in durations:
-            if shared and epochs == FASHION_CPU["epochs"]:
-                spt_dir = folder
-                ckpt = run_pretrain(task, folder, seed, common)
-                result = run_finetune(task, folder, seed, "init_all", ckpt, common, ("--inherit", "all"))
-            else:
-                spt_dir = os.path.join(folder, f"spt_{epochs}ep")
-                ckpt = run_pretrain(task, spt_dir, seed, common + ["--epochs", str(epochs)])
-                result = run_finetune(task, spt_dir, seed, "spt", ckpt, common)
+            same = shared and epochs == FASHION_CPU["epochs"]  # init's SPT run and its `inherit all` row
+            spt_dir = folder if same else os.path.join(folder, f"spt_{epochs}ep")
+            ckpt = run_pretrain(task, spt_dir, seed, common + ["--epochs", str(epochs)])
+            result = run_finetune(task, spt_dir, seed, "init_all" if same else "spt", ckpt, common)
             moved = spt_displacement(task, spt_dir, task_data_dir(args, task))["spt"]["displacement"]
             runs.append(summary(seed, result, threshold, epochs=epochs, displacement=moved))
     majority = majority_rate(task_data_dir(args, task), task)
@@ -582,10 +579,7 @@ def image_task(args):
 
 def experiment_swap(args):
     """Coser et al. Sec. 3: SPT on PathFinder then finetuning on Image, and the reverse, against from scratch and
-    same-task SPT. --n_images generates PathFinder of --difficulty into <data_dir>/pfcurves/<difficulty>_n<N>/.
-    ValueError for --steps with --max_steps (one budget or the other)."""
-    if args.steps and args.max_steps:
-        raise ValueError("--steps sets every stage's budget and --max_steps caps it: pass one of them")
+    same-task SPT. --n_images generates PathFinder of --difficulty into <data_dir>/pfcurves/<difficulty>_n<N>/."""
     image, runs = image_task(args), []
     tasks, pf_dir = ("pathfinder", image), args.data_dir
     if args.n_images is not None:
@@ -680,25 +674,23 @@ def experiment_frozen(args):
     done, skipped = prepared_tasks(args, args.tasks)
     if not done:
         raise FileNotFoundError("no data for any task of --tasks: " + "; ".join(f"{t} ({why})" for t, why in skipped))
-    common = {t: common_flags(args, task=t) for t in done}
-    model = {t: "preset" if task_data_dir(args, t, make=False) == args.data_dir else
-             f"preset_r{FASHION_CPU['resolution']}_n{FASHION_CPU['n_train']}" for t in done}
     # other --tasks than the preset's default: a table of their own, not the default one overwritten
     output = f"frozen_{args.preset}" + ("" if args.tasks == default else "_" + "_".join(args.tasks))
-    seeds = seeds_here(args, output, *((t, common[t]) for t in done))
-    runs = []
+    runs, seeds = [], seeds_here(args, output)
     for task in done:
+        common, data_dir = common_flags(args, task=task), task_data_dir(args, task)
+        model = "preset" if data_dir == args.data_dir else \
+            f"preset_r{FASHION_CPU['resolution']}_n{FASHION_CPU['n_train']}"
         for seed in seeds:
-            folder = run_dir(args, task, seed, model[task])
-            ckpt = run_pretrain(task, folder, seed, common[task])
+            folder = run_dir(args, task, seed, model)
+            ckpt = run_pretrain(task, folder, seed, common)
             for label, init, extra in FROZEN_ROWS:
                 name = ("scratch" if init else "spt") + ("" if not extra else "_freeze-" + extra[1].replace("+", "-"))
-                result = run_finetune(task, folder, seed, name, init or ckpt, common[task], extra)
+                result = run_finetune(task, folder, seed, name, init or ckpt, common, extra)
                 runs.append(summary(seed, result, exit_threshold(args, task), task=task, row=label,
                                     displacement=trained_displacement(folder, task, "finetune", name)))
-            runs.append(dict(task=task, seed=seed, row=SPT_STAGE,
-                             displacement=trained_displacement(folder, task, "pretrain"),
-                             gradients=spt_gradients(task, folder, task_data_dir(args, task))))
+            runs.append(dict(task=task, seed=seed, row=SPT_STAGE, gradients=spt_gradients(task, folder, data_dir),
+                             displacement=trained_displacement(folder, task, "pretrain")))
     accuracy, moved, shares = [], [], []
     for task in done:
         majority = majority_rate(task_data_dir(args, task), task)
@@ -721,8 +713,8 @@ def experiment_frozen(args):
                              "after SPT", "share of L_SPT's: at init", "after SPT"], shares)
     rows.append(footer(args, f"frozen --preset {args.preset} --tasks {' '.join(args.tasks)}",
                        *(describe_data(task_data_dir(args, t), t, majority=False) for t in done),
-                       skipped_note(skipped), "the preset's model, every layer frozen "
-                       "alike" + ("; Fashion-MNIST stands beside the paper's CIFAR10" if "fashion_mnist" in done else ""),
+                       skipped_note(skipped), "the preset's model, every layer frozen alike"
+                       + ("; Fashion-MNIST stands beside the paper's CIFAR10" if "fashion_mnist" in done else ""),
                        FROZEN_ROW_NOTE, "second table: W_Q^T W_K of layer 0, other groups pooled over layers; after "
                        "SPT the start is the SPT weights", "third table: on 64 training sequences"))
     write_outputs(output, runs, "\n".join(rows), args)
@@ -732,9 +724,7 @@ def experiment_ucr(args):
     """Coser et al. Sec. 5: from scratch versus SPT on the UCR data sets of --datasets found here (data.find_ucr) or
     downloaded (--download); the others are skipped, said why. Test accuracy on the archive's TEST split, of the
     weights of the best validation accuracy (validation: 20% of TRAIN). --steps N: every stage N steps, runs and
-    a table of their own. ValueError for --steps with --max_steps (one budget or the other)."""
-    if args.steps and args.max_steps:
-        raise ValueError("--steps sets every stage's budget and --max_steps caps it: pass one of them")
+    a table of their own."""
     wrong = [name for name in args.datasets if f"ucr/{name}" not in data.TASKS]
     if wrong:
         raise ValueError(f"--datasets: {wrong[0]!r} is not a UCR data set name (letters, digits, '_' and '-')")
@@ -748,7 +738,7 @@ def experiment_ucr(args):
     default = list(args.datasets) == list(UCR_DATASETS + UCR_OFFLINE)  # other --datasets: a table of their own
     budget = f"steps{args.steps}" if args.steps else ""
     output = ("ucr" if default else "ucr_" + "_".join(args.datasets)) + (f"_{budget}" if budget else "")
-    runs, seeds = [], seeds_here(args, output, *((f"ucr/{name}", common) for name in found))
+    runs, seeds = [], seeds_here(args, output)
     for name in found:
         for seed in seeds:
             folder = os.path.join(args.out_dir, "ablate", args.init_scheme, "ucr", budget, f"seed{seed}")
@@ -794,8 +784,9 @@ def experiment_posenc(args):
     --task, beside sinusoidal + SPT, with paired differences to sinusoidal from scratch."""
     paper = {"sinusoidal": ("0.501", "-"), "alibi": ("0.564", "0.500"), "rope": ("tested, no number", "-"),
              "fire": ("tested, no number", "-"), "none": ("-", "-")}
-    rows = [(("no positions" if pos == "none" else pos) + ", from scratch", "scratch" + f"_{pos}" * (pos != "sinusoidal"),
-             "scratch", ("--pos", pos) * (pos != "sinusoidal"), paper[pos]) for pos in paper]
+    rows = [(("no positions" if pos == "none" else pos) + ", from scratch",
+             "scratch" + f"_{pos}" * (pos != "sinusoidal"), "scratch", ("--pos", pos) * (pos != "sinusoidal"), cells)
+            for pos, cells in paper.items()]
     rows.append(("sinusoidal + SPT", "spt", None, (), ("0.740 (Amos, full model)", "0.880 (Amos)")))
     output = "posenc" if args.task == "synthetic" else f"posenc_{args.task}"
     runs, _, table = finetune_rows(args, output, rows, "positions")
@@ -849,7 +840,8 @@ def experiment_initscale(args):
     rows.append(footer(args, "initscale", f"Budget per stage and cell: {args.epochs} epochs of {args.n_train} "
                        f"trajectories (batch {args.batch_size}), validation on {args.n_val}; scale 1 = PyTorch's "
                        f"default init; entropy and gradient share of the from-scratch model at init, on 32 "
-                       f"trajectories; majority class of val: " + ", ".join(f"L {L}: {m:.3f}" for L, m in majorities.items())))
+                       f"trajectories", "majority class of val: " + ", ".join(f"L {L}: {m:.3f}"
+                                                                               for L, m in majorities.items())))
     if args.only_seed is None:
         analyze.plot_initscale(runs, args.kinds, args.scales, args.lengths, args.seeds, os.path.join(
             args.out_dir, "analysis", "initscale.png"), analyze.command_line("ablate.py", args.argv))
@@ -1105,7 +1097,8 @@ def experiment_gpu(args):
             try:
                 figures = gpu_run(task, stage, args)
             except (RuntimeError, ValueError) as e:  # out of memory is a RuntimeError; ValueError: no timed lines
-                failed.append(dict(task=task, stage=stage, error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"))
+                first = str(e).strip().splitlines()[0][:200]
+                failed.append(dict(task=task, stage=stage, error=f"{type(e).__name__}: {first}"))
                 print(f"ablate.py gpu: {task} {stage} failed; timing the other stages\n{traceback.format_exc()}")
                 torch.cuda.empty_cache()
             else:
@@ -1240,12 +1233,10 @@ def report(args):
         if page.endswith(".md") and page != "README.md":
             with open(os.path.join(results, page)) as f:
                 pages[page] = f.read()
-            regions = REGION.findall(pages[page])
-            starts = re.findall(r"^<!-- (?:table|figure) from ", pages[page], re.M)
-            ends = re.findall(r"^<!-- end (?:table|figure) -->$", pages[page], re.M)
-            if not len(starts) == len(ends) == len(regions):
-                raise ValueError(f"{os.path.join(results, page)}: {len(starts)} region start(s), {len(ends)} end(s), "
-                                 f"{len(regions)} whole region(s): a marker lost its pair; mend it by hand")
+            regions, markers = REGION.findall(pages[page]), len(MARKER.findall(pages[page]))
+            if markers != 2 * len(regions) + 2 * len(SUMMARY.findall(pages[page])):
+                raise ValueError(f"{os.path.join(results, page)}: {markers} region markers, {len(regions)} whole "
+                                 f"region(s): a marker lost its pair; mend it by hand")
             for _, source, text in regions:
                 if source in where:
                     raise ValueError(f"{os.path.join(results, page)}: the region of {source} is on {where[source]} "
@@ -1305,14 +1296,11 @@ def report(args):
 def experiment_demo(args):
     """python ablate.py demo: what self-pretraining does, in about two minutes on a 2-core CPU.
 
-    The minimal model of Coser et al. Sec. 4 (one layer, one head, no LayerNorm, no MLP), init reference, learns
-    to classify 2-D trajectories of --length steps (--n_train for training, 500 for validation). Three runs of
-    --epochs each: from scratch, SPT, finetuning from SPT; then the attention of four checkpoints. What you will
-    see: from scratch stays at the majority class; after SPT, finetuning passes 0.9 validation accuracy within a
-    few epochs. At init the attention is near uniform (entropy close to log L); after SPT it is a band along the
-    diagonal, which the PE-only probe, fed the positions alone, draws too. Prints a side-by-side verdict; writes
-    <out_dir>/demo/summary.json, attention.png and curves.png. The runs go to <out_dir>/demo/L<L>_n<N>_e<E>_seed<S>/:
-    a second call reads them back in seconds.
+    The minimal model of Sec. 4 learns to classify 2-D trajectories of --length steps: from scratch, and SPT then
+    finetuning, --epochs each. You will see from scratch stay at the majority class, while after SPT finetuning
+    passes 0.9 validation accuracy within a few epochs; and the attention go from near uniform (entropy close to
+    log L) to a band along the diagonal, which the PE-only probe, fed the positions alone, draws too. Prints the
+    verdict; writes <out_dir>/demo/summary.json, attention.png and curves.png. A second call reads the runs back.
     """
     import time
     start, L, n, epochs, out = time.time(), args.L, args.n_train, args.epochs, os.path.join(args.out_dir, "demo")
@@ -1341,50 +1329,34 @@ def experiment_demo(args):
              scratch_exit_epoch=plateau_exit_epoch(scratch), spt_exit_epoch=plateau_exit_epoch(spt),
              log_L=init["uniform_entropy"], entropy_init=init["entropy"], entropy_spt=after["entropy"],
              band=after["band"], band_mass_init=init["band_mass"], band_mass_spt=after["band_mass"],
-             pe_probe_corr=after["probe_corr_with_attention"], majority_rate=majority,
-             scratch_seconds=scratch["wall_time_s"], runs=folder,
+             pe_probe_corr=after["probe_corr_with_attention"], majority_rate=majority, runs=folder,
+             scratch_seconds=scratch["wall_time_s"],
              spt_seconds=data.load_pt(pre["last"])["state"]["elapsed_s"] + spt["wall_time_s"])
-    s["verdict"] = demo_verdict(s)
-    s["seconds"] = time.time() - start  # this command's own time (a rerun reads the runs back)
-    print(demo_table(s))
-    data.save_atomic(s, os.path.join(out, "summary.json"))
-    print(f"wrote {out}/summary.json, attention.png and curves.png ({s['seconds']:.0f} s)")
-
-
-def demo_epoch(epoch):
-    """A plateau-exit epoch as the demo prints it: "never" (None), else the epoch (2, or 2.5 between epochs)."""
-    return "never" if epoch is None else f"{epoch:g}"
-
-
-def demo_verdict(s):
-    """One sentence on what happened in the demo's two runs, from summary.json's numbers."""
+    epoch = {k: "never" if s[k] is None else f"{s[k]:g}" for k in ("scratch_exit_epoch", "spt_exit_epoch")}
     if s["scratch_exit_epoch"] is not None:
-        scratch = f"from scratch reached 0.9 at epoch {demo_epoch(s['scratch_exit_epoch'])}"
-    elif not clears_majority([s["scratch_val_acc"]], s["majority_rate"]):
-        scratch = f"from scratch stayed on its plateau (at the majority class) for all {s['epochs']} epochs"
+        s["verdict"] = f"from scratch reached 0.9 at epoch {epoch['scratch_exit_epoch']}"
+    elif clears_majority([s["scratch_val_acc"]], majority):
+        s["verdict"] = f"from scratch rose to {s['scratch_val_acc']:.2f} but did not reach 0.9 in {epochs} epochs"
     else:
-        scratch = f"from scratch rose to {s['scratch_val_acc']:.2f} but did not reach 0.9 in {s['epochs']} epochs"
-    if s["spt_exit_epoch"] is not None:
-        return f"{scratch}; after SPT, finetuning reached 0.9 at epoch {demo_epoch(s['spt_exit_epoch'])}."
-    return f"{scratch}; after SPT, finetuning did not reach 0.9 in {s['epochs']} epochs (best {s['spt_val_acc']:.2f})."
-
-
-def demo_table(s):
-    """The demo's printout: both runs side by side, then the attention at init and after SPT, then the verdict."""
+        s["verdict"] = f"from scratch stayed on its plateau (at the majority class) for all {epochs} epochs"
+    s["verdict"] += "; after SPT, finetuning " + (
+        f"reached 0.9 at epoch {epoch['spt_exit_epoch']}." if s["spt_exit_epoch"] is not None else
+        f"did not reach 0.9 in {epochs} epochs (best {s['spt_val_acc']:.2f}).")
     rows = [("", "from scratch", "SPT, then finetune"),
             ("best validation accuracy", f"{s['scratch_val_acc']:.3f}", f"{s['spt_val_acc']:.3f}"),
-            ("first epoch with validation accuracy >= 0.9", demo_epoch(s["scratch_exit_epoch"]),
-             demo_epoch(s["spt_exit_epoch"])),
+            ("first epoch with validation accuracy >= 0.9", epoch["scratch_exit_epoch"], epoch["spt_exit_epoch"]),
             ("wall time, s (SPT: both its runs)", f"{s['scratch_seconds']:.1f}", f"{s['spt_seconds']:.1f}"),
             ("", "", ""), ("attention (layer 0, 64 validation trajectories)", "at init", "after SPT"),
             (f"entropy, nats (log L = {s['log_L']:.2f}: uniform)", f"{s['entropy_init']:.2f}", f"{s['entropy_spt']:.2f}"),
             ("entropy / log L", f"{s['entropy_init'] / s['log_L']:.2f}", f"{s['entropy_spt'] / s['log_L']:.2f}"),
             (f"band mass, |i - j| <= {s['band']}", f"{s['band_mass_init']:.2f}", f"{s['band_mass_spt']:.2f}"),
             ("PE-only probe: correlation with the attention", "", f"{s['pe_probe_corr']:.3f}")]
-    head = (f"demo: synthetic trajectories of {s['length']} steps, {s['n_train']} for training, seed {s['seed']}, "
-            f"init {s['init_scheme']}, {s['epochs']} epochs per stage; majority class of validation "
-            f"{s['majority_rate']:.3f}")
-    return "\n".join([head, ""] + [f"{a:50s} {b:>14s} {c:>20s}" for a, b, c in rows] + ["", "verdict: " + s["verdict"]])
+    print(f"demo: synthetic trajectories of {L} steps, {n} for training, seed {args.seed}, init {s['init_scheme']}, "
+          f"{epochs} epochs per stage; majority class of validation {majority:.3f}\n")
+    print("\n".join(f"{a:50s} {b:>14s} {c:>20s}" for a, b, c in rows) + f"\n\nverdict: {s['verdict']}")
+    s["seconds"] = time.time() - start  # this command's own time (a rerun reads the runs back)
+    data.save_atomic(s, os.path.join(out, "summary.json"))
+    print(f"wrote {out}/summary.json, attention.png and curves.png ({s['seconds']:.0f} s)")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1404,15 +1376,19 @@ def build_parser():
         s = sub.add_parser(name, help=help, description=help, formatter_class=fmt)
         s.set_defaults(length=100, download=False, init_scheme="reference", only_seed=None, default_seeds=seeds)
         arg = s.add_argument
+        arg("--out_dir", default="out", help="where runs, tables and figures go (<out_dir>/ablate/, bench/, ...)")
         if runs:
             arg("--seeds", type=data.POSITIVE, default=seeds, help="runs per row, seeds 0..N-1")
             arg("--jobs", type=data.POSITIVE, default=1, help="seeds run at once, a process of one thread each")
             arg("--only_seed", type=int, default=None, help=argparse.SUPPRESS)  # a --jobs child's seed: no table
             arg("--preset", default="cpu", choices=("cpu", "paper"), help="every run's preset (paper: GPU)")
             arg("--data_dir", default="data", help="root of data/<task>/ (made there when missing)")
-            arg("--out_dir", default="out", help="runs go to <out_dir>/ablate/<init scheme>/<task>/...")
             arg("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
-            arg("--max_steps", type=data.NON_NEGATIVE, default=0, help="cap every run's steps (a quick look)")
+            budget = s.add_mutually_exclusive_group().add_argument  # one budget or the other
+            budget("--max_steps", type=data.NON_NEGATIVE, default=0, help="cap every run's steps (a quick look)")
+            if name in ("swap", "ucr"):
+                budget("--steps", type=data.NON_NEGATIVE, default=0, help="steps of every stage, runs and a table of "
+                       "their own; 0 = the preset's")
         if runs and name != "initscale":
             arg("--init_scheme", default="reference", choices=INIT_SCHEMES,
                 help="every run's initialization (model.init_weights); reference = Amos et al.'s code")
@@ -1432,7 +1408,6 @@ def build_parser():
     arg = add("swap", "dataset swap PathFinder <-> Image (Sec. 3)")
     arg("--difficulty", default="hard", choices=tuple(data.PATHFINDER_DIFFICULTY), help="PathFinder side")
     arg("--n_images", type=int, default=None, help="PathFinder images generated (default: the preset's data)")
-    arg("--steps", type=data.NON_NEGATIVE, default=0, help="steps per stage for every run; 0 = the preset's")
     add("main", "the LRA table (Table 2)")(
         "--tasks", nargs="+", default=LRA_TASKS, choices=LRA_TASKS + ("pathx",), help="LRA tasks")
     add("frozen", "the deep model from scratch with its attention frozen at init (Sec. 3)")(
@@ -1440,7 +1415,6 @@ def build_parser():
         help="default: fashion_mnist (at its CPU budget) on the cpu preset, the LRA tasks on paper")
     arg = add("ucr", "UCR time series (Sec. 5)")
     arg("--datasets", nargs="+", default=UCR_DATASETS + UCR_OFFLINE, help="the UCR data sets to run")
-    arg("--steps", type=data.NON_NEGATIVE, default=0, help="steps of every stage; 0 = the preset's")
     arg = add("initscale", "from scratch and SPT over init scale x length x tied/independent (beyond the paper)",
               seeds=2)
     arg("--kinds", nargs="+", default=["reference", "torch"], choices=("reference", "torch"),
@@ -1458,7 +1432,6 @@ def build_parser():
     arg("--steps", type=int, default=5, help="timed steps per repeat")
     arg("--repeats", type=int, default=5, help="the median over repeats is reported")
     arg("--variants", default="fused,explicit,reference", help=f"any of {', '.join(BENCH_VARIANTS)}")
-    arg("--out_dir", default="out", help="writes <out_dir>/bench/<name>.{json,md}")
     arg("--name", default=None, help="file name of the result (default: size, L and device type)")
     arg = add("gpu", "time every paper preset on one CUDA GPU: ms/step, tokens/s, MFU, memory, hours", runs=False)
     arg("--tasks", nargs="+", default=list(GPU_TASKS), choices=GPU_TASKS, help="the presets to time")
@@ -1466,7 +1439,6 @@ def build_parser():
     arg("--log_every", type=int, default=50, help="steps per log line (one figure each)")
     arg("--n_train", type=int, default=2000, help="training examples of the stand-in data")
     arg("--compile", action="store_true", help="torch.compile the model (pretrain.py --compile)")
-    arg("--out_dir", default="out", help="runs in <out_dir>/gpu/<task>/, table in <out_dir>/bench/gpu.md")
     arg = add("demo", "SPT's effect in one command on a CPU (~2 min): from scratch vs SPT, attention, verdict",
               runs=False)
     arg("--length", type=int, default=300, dest="L", help="trajectory length L (from scratch stays on its plateau)")
@@ -1474,10 +1446,8 @@ def build_parser():
     arg("--epochs", type=data.POSITIVE, default=10, help="epochs of each stage")
     arg("--n_train", type=data.POSITIVE, default=2000, help="training trajectories")
     arg("--data_dir", default="data", help="data in <data_dir>/demo_L<L>[_n<n_train>]/ (made when missing)")
-    arg("--out_dir", default="out", help="writes <out_dir>/demo/")
     arg("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
     arg = add("report", "file the tables and figures of out/ into the pages of results/", runs=False)
-    arg("--out_dir", default="out", help="where the experiments wrote")
     arg("--results_dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
         help="the pages' folder")
     arg("--force", action="store_true", help="also take tables of capped runs or fewer seeds than their region's")
