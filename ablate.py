@@ -187,14 +187,9 @@ def prepare_run_data(task, flags):
 
 
 def prepared_tasks(args, tasks):
-    """(the tasks whose data is here or was made now, [(task, why not) for the others]). A --jobs child makes
-    no data: its parent made what could be made."""
+    """(the tasks whose data is here or was made now, [(task, why not) for the others])."""
     done, skipped = [], []
     for task in tasks:
-        if args.only_seed is not None and not os.path.exists(
-                data.split_path(task_data_dir(args, task, make=False), task)):
-            skipped.append((task, "not prepared"))
-            continue
         try:
             prepare_run_data(task, common_flags(args, task=task))
             done.append(task)
@@ -205,38 +200,34 @@ def prepared_tasks(args, tasks):
 
 
 def seeds_here(args, name, *runs):
-    """The seeds this process runs: [S] in a --jobs child (--only_seed S). With --jobs N > 1 the parent first
-    makes the data of `runs` ((task, flags) each), so that no two children make the same files, then runs every
-    seed in a child (run_in_parallel); the experiment then reads their runs back and writes the table `name`."""
+    """The seeds this process runs: [S] in a --jobs child (--only_seed S). With --jobs N > 1 the parent makes the
+    data of `runs` ((task, flags) each) once, then runs every seed in a child, N at a time, one thread each, logging
+    to out/ablate/<name>_seed<S>.log; the experiment then reads their runs back for its table. RuntimeError naming
+    the log of a child that fails."""
     if args.only_seed is not None:
         return [args.only_seed]
     if args.jobs > 1 and args.seeds > 1:
         for task, flags in runs:
             prepare_run_data(task, flags)
-        run_in_parallel(args, output_name(name, args))
+        argv = list(args.argv)
+        del argv[argv.index(args.experiment)]  # the subcommand itself (a flag's value may be spelled the same)
+        os.makedirs(os.path.join(args.out_dir, "ablate"), exist_ok=True)
+        for first in range(0, args.seeds, args.jobs):
+            children = []
+            for seed in range(first, min(first + args.jobs, args.seeds)):
+                log = os.path.join(args.out_dir, "ablate", f"{output_name(name, args)}_seed{seed}.log")
+                print(f"{args.experiment}: seed {seed} in a process of its own, log {log}")
+                command = [sys.executable, os.path.abspath(__file__), args.experiment, *argv, "--only_seed", str(seed)]
+                with open(log, "w") as out:  # the child writes to its own copy of the file descriptor
+                    children.append((seed, log, subprocess.Popen(command + ["--jobs", "1"], stdout=out, env={
+                        **os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.STDOUT)))
+            for seed, log, child in children:
+                if child.wait():
+                    for *_, other in children:
+                        other.terminate()
+                    raise RuntimeError(f"{args.experiment} --only_seed {seed} failed (exit {child.returncode}); "
+                                       f"see {log}")
     return list(range(args.seeds))
-
-
-def run_in_parallel(args, name):
-    """Run this command once per seed (`--only_seed S`), --jobs processes at a time, each with one thread and
-    logging to out/ablate/<name>_seed<S>.log. RuntimeError naming the log of the first that fails."""
-    argv = list(args.argv)
-    del argv[argv.index(args.experiment)]  # the subcommand itself (a flag's value may be spelled the same)
-    os.makedirs(os.path.join(args.out_dir, "ablate"), exist_ok=True)
-    for first in range(0, args.seeds, args.jobs):
-        children = []
-        for seed in range(first, min(first + args.jobs, args.seeds)):
-            log = os.path.join(args.out_dir, "ablate", f"{name}_seed{seed}.log")
-            print(f"{args.experiment}: seed {seed} in a process of its own, log {log}")
-            with open(log, "w") as out:  # the child writes to a copy of the file descriptor
-                children.append((seed, log, subprocess.Popen(
-                    [sys.executable, os.path.abspath(__file__), args.experiment, *argv, "--only_seed", str(seed),
-                     "--jobs", "1"], stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))))
-        for seed, log, child in children:
-            if child.wait():
-                for *_, other in children:
-                    other.terminate()
-                raise RuntimeError(f"{args.experiment} --only_seed {seed} failed (exit {child.returncode}); see {log}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -636,17 +627,12 @@ def experiment_main(args):
             ckpt = run_pretrain(task, folder, seed, common)
             for name, init in (("scratch", "scratch"), ("spt", ckpt)):
                 runs.append(summary(seed, run_finetune(task, folder, seed, name, init, common), task=task, name=name))
-    rows = []
-    for task in done:
-        accs = {n: [r["best_val_acc"] for r in select(runs, task=task, name=n)] for n in ("scratch", "spt")}
-        majority = majority_rate(args.data_dir, task)
-        above = {n: clears_majority(v, majority) for n, v in accs.items()}
-        verdict = "; ".join(f"{n}: {'yes' if above[n] else 'no'}" for n in accs) + \
-            ("" if any(above.values()) else " (a pipeline check, not a result)")
-        rows.append([task, mean_std(accs["scratch"]), mean_std(accs["spt"]), f"{majority:.3f}", verdict,
-                     *PAPER_MAIN.get(task, ("-",) * 3)])
-    rows = md_table(["task", "from scratch (ours)", "SPT (ours)", "majority class (val)", "above it?",
-                     "paper: from scratch", "+SPT (Amos)", "+SPT (Coser)"], rows)
+    majority = {task: majority_rate(args.data_dir, task) for task in done}
+    rows = md_table(["task", "from scratch (ours)", "SPT (ours)", "majority class (val)", "paper: from scratch",
+                     "+SPT (Amos)", "+SPT (Coser)"], [
+        [task, *(cells(select(runs, task=task, name=n), "best_val_acc", majority=majority[task])
+                 for n in ("scratch", "spt")), f"{majority[task]:.3f}", *PAPER_MAIN.get(task, ("-",) * 3)]
+        for task in done])
     rows.append(footer(args, f"main --preset {args.preset} --tasks {' '.join(args.tasks)}", "Peak validation accuracy",
                        *(describe_data(args.data_dir, t, majority=False) for t in done), skipped_note(skipped)))
     write_outputs(f"main_{args.preset}", runs, "\n".join(rows), args)
