@@ -187,7 +187,8 @@ def prepare_run_data(task, flags):
 
 
 def prepared_tasks(args, tasks):
-    """(the tasks whose data is here or was made now, [(task, why not) for the others])."""
+    """(the tasks whose data is here or was made now, [(task, why not) for the others]); FileNotFoundError when
+    there is none."""
     done, skipped = [], []
     for task in tasks:
         try:
@@ -196,6 +197,8 @@ def prepared_tasks(args, tasks):
         except (FileNotFoundError, ConnectionError) as e:
             print(f"skipping {task}: {e}")
             skipped.append((task, str(e).split(": ")[0]))
+    if not done:
+        raise FileNotFoundError("no data for any of " + ", ".join(f"{t} ({why})" for t, why in skipped))
     return done, skipped
 
 
@@ -360,12 +363,16 @@ def write_outputs(name, runs, table, args):
     the runs were made on."""
     if args.only_seed is not None:
         return  # a --jobs child: its parent writes the table, from every seed's runs
-    stem = os.path.join(args.out_dir, "ablate", output_name(name, args))
-    data.save_atomic(dict(experiment=output_name(name, args), seeds=args.seeds, runs=runs,
-                          init_scheme=getattr(args, "kinds", args.init_scheme)), stem + ".json")
     made = [f" {word} {' and '.join(sorted({r[key] for r in runs if r.get(key)}))}" for word, key in
             (("at commit", "commit"), ("on", "machine")) if any(r.get(key) for r in runs)]
-    table += "; runs made" + "".join(made) if made else ""
+    save_table(os.path.join(args.out_dir, "ablate", output_name(name, args)), table + ("; runs made" + "".join(made)
+               if made else ""), dict(experiment=output_name(name, args), seeds=args.seeds, runs=runs,
+                                      init_scheme=getattr(args, "kinds", args.init_scheme)))
+
+
+def save_table(stem, table, record):
+    """<stem>.md (the table) and <stem>.json (the record it was made from), written atomically and printed."""
+    data.save_atomic(record, stem + ".json")
     data.save_atomic(table + "\n", stem + ".md")
     print("\n" + table + f"\n\nwrote {stem}.json and {stem}.md")
 
@@ -658,8 +665,6 @@ def experiment_frozen(args):
     default = list(LRA_TASKS) if args.preset == "paper" else ["fashion_mnist"]
     args.tasks = args.tasks or default
     done, skipped = prepared_tasks(args, args.tasks)
-    if not done:
-        raise FileNotFoundError("no data for any task of --tasks: " + "; ".join(f"{t} ({why})" for t, why in skipped))
     # other --tasks than the preset's default: a table of their own, not the default one overwritten
     output = f"frozen_{args.preset}" + ("" if args.tasks == default else "_" + "_".join(args.tasks))
     runs, seeds = [], seeds_here(args, output)
@@ -715,10 +720,6 @@ def experiment_ucr(args):
     if wrong:
         raise ValueError(f"--datasets: {wrong[0]!r} is not a UCR data set name (letters, digits, '_' and '-')")
     done, skipped = prepared_tasks(args, [f"ucr/{name}" for name in args.datasets])
-    if not done:
-        raise FileNotFoundError(f"none of the UCR data sets {list(args.datasets)} was found; "
-                                + data.ucr_missing_message(args.datasets[0], os.path.join(args.data_dir, "ucr",
-                                                                                          args.datasets[0])))
     found, skipped = [t[4:] for t in done], [(t[4:], why) for t, why in skipped]
     common = common_flags(args) + (["--max_steps", str(args.steps)] if args.steps else [])
     default = list(args.datasets) == list(UCR_DATASETS + UCR_OFFLINE)  # other --datasets: a table of their own
@@ -960,10 +961,8 @@ def bench(args):
     ms = {k: r.get("ms_per_step") for k, r in out["results"].items()}
     if ms.get("fused") and ms.get("reference"):  # the ratio of tokens/s = inverse ratio of step times
         out["speed_ratio_fused_vs_reference"] = ms["reference"] / ms["fused"]
-    stem = os.path.join(args.out_dir, "bench", args.name or f"{args.size.replace(',', 'x')}_L{size[0]}_{device.type}")
-    data.save_atomic(out, stem + ".json")
-    data.save_atomic(bench_table(out) + "\n", stem + ".md")
-    print(bench_table(out) + f"\n\nwrote {stem}.json and {stem}.md")
+    save_table(os.path.join(args.out_dir, "bench", args.name or f"{args.size.replace(',', 'x')}_L{size[0]}_"
+                            f"{device.type}"), bench_table(out), out)
     return out
 
 
@@ -1090,9 +1089,7 @@ def experiment_gpu(args):
             else:
                 steps, hours = gpu_projection(task, stage, figures["ms_per_step"])
                 results.append(dict(task=task, stage=stage, full_steps=steps, projected_hours=hours, **figures))
-            data.save_atomic(out, stem + ".json")
-            data.save_atomic(gpu_table(out) + "\n", stem + ".md")
-    print(gpu_table(out) + f"\n\nwrote {stem}.json and {stem}.md")
+            save_table(stem, gpu_table(out), out)  # after every stage: a run stopped midway keeps what it timed
     if failed:
         raise SystemExit(f"ablate.py gpu: {len(failed)} of {out['planned']} stages failed (in the table): "
                          + "; ".join(f"{f['task']} {f['stage']}: {f['error']}" for f in failed))
