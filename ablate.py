@@ -499,7 +499,7 @@ def finetune_rows(args, name, rows, first):
                                              majority=majority), *paper] for label, _, _, _, paper in rows])
 
 
-FROZEN_ROW_NOTE = "the paper's frozen row (MLP + head trained) may mean `attn` or `attn+embed+norm`: (?) marks one"
+FROZEN_ROW_NOTE = "the paper's \"MLP + head trained\" row may be `attn` or `attn+embed+norm` frozen: (?) marks one"
 
 
 def experiment_init(args):
@@ -810,8 +810,8 @@ def experiment_initscale(args):
         share = analyze.loss_gradients(at_init, data_dirs[length], n=32)["L_sup"]["prop1_share"][0]
         for stage, result in (("scratch", scratch), ("spt", spt)):
             runs.append(summary(seed, result, kind=kind, scale=scale, length=length, stage=stage,
-                                best_step=result["best_step"], entropy_at_init=stats["entropy"] / stats["uniform_entropy"],
-                                sup_share_at_init=share))
+                                best_step=result["best_step"], sup_share_at_init=share,
+                                entropy_at_init=stats["entropy"] / stats["uniform_entropy"]))
     majorities = {length: majority_rate(data_dirs[length], "synthetic") for length in args.lengths}
     rows = []
     for kind, scale, length in ((k, s, L) for k in args.kinds for s in args.scales for L in args.lengths):
