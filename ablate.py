@@ -1360,13 +1360,15 @@ def build_parser():
         s.set_defaults(length=100, download=False, init_scheme="reference", only_seed=None, default_seeds=seeds)
         arg = s.add_argument
         arg("--out_dir", default="out", help="where runs, tables and figures go (<out_dir>/ablate/, bench/, ...)")
+        if name not in ("gpu", "report"):
+            arg("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
+        if runs or name == "demo":
+            arg("--data_dir", default="data", help="root of data/<task>/ (made there when missing)")
         if runs:
             arg("--seeds", type=data.POSITIVE, default=seeds, help="runs per row, seeds 0..N-1")
             arg("--jobs", type=data.POSITIVE, default=1, help="seeds run at once, a process of one thread each")
             arg("--only_seed", type=int, default=None, help=argparse.SUPPRESS)  # a --jobs child's seed: no table
             arg("--preset", default="cpu", choices=("cpu", "paper"), help="every run's preset (paper: GPU)")
-            arg("--data_dir", default="data", help="root of data/<task>/ (made there when missing)")
-            arg("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
             budget = s.add_mutually_exclusive_group().add_argument  # one budget or the other
             budget("--max_steps", type=data.NON_NEGATIVE, default=0, help="cap every run's steps (a quick look)")
             if name in ("swap", "ucr"):
@@ -1410,7 +1412,6 @@ def build_parser():
     arg("--batch_size", type=int, default=32, help="trajectories per step")
     arg = add("bench", "time one SPT step: ours (fused, explicit) vs torch.nn.TransformerEncoder", runs=False)
     arg("--size", default="cpu", help=f"one of {', '.join(BENCH_SIZES)}, or L,d_model,layers,heads,MLP,batch")
-    arg("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
     arg("--dtype", default="auto", choices=("auto", "bf16", "fp32"), help="auto = bf16 on CUDA")
     arg("--steps", type=int, default=5, help="timed steps per repeat")
     arg("--repeats", type=int, default=5, help="the median over repeats is reported")
@@ -1428,8 +1429,6 @@ def build_parser():
     arg("--seed", type=int, default=0, help="seed of the three runs (data: seed 0)")
     arg("--epochs", type=data.POSITIVE, default=10, help="epochs of each stage")
     arg("--n_train", type=data.POSITIVE, default=2000, help="training trajectories")
-    arg("--data_dir", default="data", help="data in <data_dir>/demo_L<L>[_n<n_train>]/ (made when missing)")
-    arg("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
     arg = add("report", "file the tables and figures of out/ into the pages of results/", runs=False)
     arg("--results_dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
         help="the pages' folder")
