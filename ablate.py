@@ -12,12 +12,12 @@
     python ablate.py bench       # one SPT step: our model against torch.nn.TransformerEncoder
     python ablate.py gpu         # every paper preset timed on one CUDA GPU
     python ablate.py report      # the tables and figures of out/ filed into the pages of results/
+    python ablate.py demo        # SPT's effect in one command, in about two minutes on a CPU
 
 Each run calls pretrain.main / finetune.main in-process, in out/ablate/<init scheme>/<task>[/<model>]/seed<s>/.
 Experiments that ask for the same run share it. A finished run is read back only if it is the run asked for
 (check_read_back); an interrupted one resumes. Each experiment writes out/ablate/<name>.json (every run) and
-<name>.md (mean +- sd over seeds, beside the paper's numbers). The CPU preset is the default; --preset paper needs
-a GPU. `python ablate.py <subcommand> --help` lists its flags.
+<name>.md (mean +- sd over seeds, beside the paper's numbers). `python ablate.py <subcommand> --help` lists its flags.
 """
 import argparse
 import json
@@ -58,12 +58,10 @@ PAPER_MAIN = {"image": (0.499, 0.740, 0.720), "pathfinder": (0.670, 0.880, 0.850
 LRA_TASKS = ("listops", "text", "retrieval", "image", "pathfinder")
 # The tasks --task accepts for init, posenc and duration; Table 3 is a one-layer model on the LRA pixel tasks.
 ABLATION_TASKS = ("synthetic", "pathfinder", "image", "fashion_mnist")
-# Fashion-MNIST at a CPU budget (preset cpu): L 1024 costs ~250 ms a step on one core, so 16x16 images (2x2
-# means, L 256), 5000 training images, 10 epochs per stage, chosen from a from-scratch curve before any SPT run.
-# Each table reports a from-scratch probe run for twice the budget (budget_probe).
-FASHION_CPU = dict(resolution=16, n_train=5000, n_val=1000, epochs=10)
-INIT_NOTES = {"reference": "Amos et al.'s code: PyTorch defaults, W_Q = W_K = W_V = W_O at init",
-              "torch": "PyTorch defaults, independent W_Q, W_K, W_V, W_O", "normal": "N(0, 0.02) for every weight"}
+# Fashion-MNIST at a CPU budget (preset cpu): 16x16 images (2x2 means, L 256), 5000 training images, 10 epochs
+# per stage. From scratch has no plateau there: the epoch column gives the first epoch with val acc >= exit_at,
+# about 0.9 x what from scratch reaches in twice the budget (0.75-0.78, measured at commit e91f8c4).
+FASHION_CPU = dict(resolution=16, n_train=5000, n_val=1000, epochs=10, exit_at=0.7)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -109,14 +107,11 @@ def run_pretrain(task, folder, seed, common):
 
 def run_finetune(task, folder, seed, name, init, common, extra=()):
     """One finetuning run; returns its result dict (a finished one read back, after check_read_back)."""
-    path = data.run_paths(folder, task, "finetune", name)["json"]
-    flags = ["--seed", str(seed)] + list(common) + list(extra)
+    path, flags = data.run_paths(folder, task, "finetune", name)["json"], ["--seed", str(seed), *common, *extra]
     if os.path.exists(path):
-        with open(path) as f:
-            result = json.load(f)
-        check_read_back(path, result, task, init, flags)
-        return result
-    finetune.main(["--task", task, "--out_dir", folder, "--init", init, "--name", name, "--resume"] + flags)
+        check_read_back(path, task, init, flags)
+    else:
+        finetune.main(["--task", task, "--out_dir", folder, "--init", init, "--name", name, "--resume"] + flags)
     with open(path) as f:
         return json.load(f)
 
@@ -136,22 +131,22 @@ def requested_run(stage, task, argv):
     return args, pretrain.fill_from_preset(args, stage)["model"]
 
 
-_SHA256 = {}  # (path, size, mtime) -> sha256: a --jobs parent reads back every run of every seed
+_SHA256 = {}  # (path, size, mtime) -> sha256
 
 
 def sha256_once(path):
-    """data.sha256_of(path), computed once per version of the file (its size and mtime)."""
+    """data.sha256_of(path), computed once per version of the file (a --jobs parent reads back every run)."""
     key = (os.path.abspath(path), os.path.getsize(path), os.path.getmtime(path))
-    if key not in _SHA256:
-        _SHA256[key] = data.sha256_of(path)
-    return _SHA256[key]
+    return _SHA256[key] if key in _SHA256 else _SHA256.setdefault(key, data.sha256_of(path))
 
 
-def check_read_back(path, result, task, init, argv):
+def check_read_back(path, task, init, argv):
     """Raise ValueError unless the finished finetuning `path` is the run asked for with `init` and the finetune.py
     flags `argv`: the same data and start (sha256 of each split and of the SPT weights), the same resolved value
     of every setting outside READ_BACK_SKIP, the same model. Experiments share run folders: without this check
     another experiment's run would be read back as this one's. FileNotFoundError when its weights are gone."""
+    with open(path) as f:
+        result = json.load(f)
     (asked, model), config = requested_run("finetune", task, ["--init", init] + list(argv)), result.get("config") or {}
     weights = os.path.splitext(path)[0] + ".pt"
     if not os.path.exists(weights):
@@ -183,19 +178,6 @@ def check_read_back(path, result, task, init, argv):
     print(f"read back {path}")
 
 
-def seeds_here(args, name, *runs):
-    """The seeds this process runs: [S] in a --jobs child (--only_seed S). With --jobs N > 1, every seed first
-    runs in a child (run_in_parallel), after the data of `runs` ((task, flags) each) is made here, so that no two
-    children make the same files; the experiment then reads their runs back and writes the table `name`."""
-    if args.only_seed is not None:
-        return [args.only_seed]
-    if args.jobs > 1 and args.seeds > 1:
-        for task, flags in runs:
-            prepare_run_data(task, flags)
-        run_in_parallel(args, output_name(name, args))
-    return list(range(args.seeds))
-
-
 def prepare_run_data(task, flags):
     """Make the data a pretrain.py run of `task` with `flags` would make (data.make_data)."""
     asked, _ = requested_run("pretrain", task, flags)
@@ -204,33 +186,51 @@ def prepare_run_data(task, flags):
         task, preset_data, {k: getattr(asked, k) for k in data.STAGE_DATA_FLAGS}), asked.download)
 
 
-def run_in_parallel(args, name):
-    """Run this command once per seed (`--only_seed S`), --jobs processes at a time with one thread each, each
-    logging to out/ablate/<name>_seed<S>.log. RuntimeError naming the log of the first that fails."""
-    import time
-    argv = list(args.argv)
-    del argv[argv.index(args.experiment)]  # the subcommand itself (a flag's value may be spelled the same)
-    pending, running = list(range(args.seeds)), []
-    while pending or running:
-        while pending and len(running) < args.jobs:
-            seed = pending.pop(0)
-            log = os.path.join(args.out_dir, "ablate", f"{name}_seed{seed}.log")
-            os.makedirs(os.path.dirname(log), exist_ok=True)
-            print(f"{args.experiment}: seed {seed} in a process of its own, log {log}")
-            cmd = [sys.executable, os.path.abspath(__file__), args.experiment] + argv + ["--only_seed", str(seed),
-                                                                                        "--jobs", "1"]
-            out = open(log, "w")
-            running.append((seed, log, out, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                                             env=dict(os.environ, OMP_NUM_THREADS="1"))))
-        time.sleep(0.2)
-        for seed, log, out, proc in [r for r in running if r[3].poll() is not None]:
-            running.remove((seed, log, out, proc))
-            out.close()
-            if proc.returncode != 0:
-                for *_, other_out, other in running:
-                    other.terminate()
-                    other_out.close()
-                raise RuntimeError(f"{args.experiment} --only_seed {seed} failed (exit {proc.returncode}); see {log}")
+def prepared_tasks(args, tasks):
+    """(the tasks whose data is here or was made now, [(task, why not) for the others]); FileNotFoundError when
+    there is none."""
+    done, skipped = [], []
+    for task in tasks:
+        try:
+            prepare_run_data(task, common_flags(args, task=task))
+            done.append(task)
+        except (FileNotFoundError, ConnectionError) as e:
+            print(f"skipping {task}: {e}")
+            skipped.append((task, str(e).split(": ")[0]))
+    if not done:
+        raise FileNotFoundError("no data for any of " + ", ".join(f"{t} ({why})" for t, why in skipped))
+    return done, skipped
+
+
+def seeds_here(args, name, *runs):
+    """The seeds this process runs: [S] in a --jobs child (--only_seed S). With --jobs N > 1 the parent makes the
+    data of `runs` ((task, flags) each) once, then runs every seed in a child, N at a time, one thread each, logging
+    to out/ablate/<name>_seed<S>.log; the experiment then reads their runs back for its table. RuntimeError naming
+    the log of a child that fails."""
+    if args.only_seed is not None:
+        return [args.only_seed]
+    if args.jobs > 1 and args.seeds > 1:
+        for task, flags in runs:
+            prepare_run_data(task, flags)
+        argv = list(args.argv)
+        del argv[argv.index(args.experiment)]  # the subcommand itself (a flag's value may be spelled the same)
+        os.makedirs(os.path.join(args.out_dir, "ablate"), exist_ok=True)
+        for first in range(0, args.seeds, args.jobs):
+            children = []
+            for seed in range(first, min(first + args.jobs, args.seeds)):
+                log = os.path.join(args.out_dir, "ablate", f"{output_name(name, args)}_seed{seed}.log")
+                print(f"{args.experiment}: seed {seed} in a process of its own, log {log}")
+                command = [sys.executable, os.path.abspath(__file__), args.experiment, *argv, "--only_seed", str(seed)]
+                with open(log, "w") as out:  # the child writes to its own copy of the file descriptor
+                    children.append((seed, log, subprocess.Popen(command + ["--jobs", "1"], stdout=out, env={
+                        **os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.STDOUT)))
+            for seed, log, child in children:
+                if child.wait():
+                    for *_, other in children:
+                        other.terminate()
+                    raise RuntimeError(f"{args.experiment} --only_seed {seed} failed (exit {child.returncode}); "
+                                       f"see {log}")
+    return list(range(args.seeds))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -260,10 +260,6 @@ def mean_std(values):
     return f"{m:.3f} +- {s:.3f}" + ("" if len(values) > 1 else " (1 seed)")
 
 
-PAIRED_NOTE = ("paired t: the mean difference over n seeds / (its sample standard deviation / sqrt(n)), n - 1 "
-               "degrees of freedom (|t| > 2.78 for a two-sided p < 0.05 at 5 seeds)")
-
-
 def paired_difference(runs_a, runs_b, key="test_acc"):
     """A minus B paired by seed (the runs of a seed share its random draws), as the cells "mean +- sd | d_0, d_1,
     ... | k of n | t": the mean and sample sd of the differences, each (seed order), how many are > 0, and the
@@ -282,6 +278,12 @@ def paired_difference(runs_a, runs_b, key="test_acc"):
         + ", ".join(f"{d:+.3f}" for d in diffs) + f" | {sum(d > 0 for d in diffs)} of {n} | {t}"
 
 
+def paired_table(title, pairs):
+    """A table of paired differences (paired_difference), one row per (label, runs A, runs B) of `pairs`."""
+    return md_table([title, "mean +- sd", "by seed", "seeds > 0", "paired t"],
+                    [[label, paired_difference(a, b)] for label, a, b in pairs])
+
+
 def clears_majority(values, majority):
     """Whether the mean of `values` (None left out) is more than 0.01 above the majority-class rate `majority`.
     A row that is not says nothing about SPT: a constant prediction scores as much."""
@@ -290,8 +292,6 @@ def clears_majority(values, majority):
 
 
 AT_MAJORITY = " (majority class)"  # beside a validation accuracy that does not clear its majority-class rate
-MAJORITY_NOTE = (f"`{AT_MAJORITY.strip()}` beside a validation accuracy: its mean is not more than 0.01 above "
-                 f"the validation split's majority-class rate, the level of a constant prediction")
 
 
 def majority_rate(data_dir, task):
@@ -327,12 +327,6 @@ def md_table(header, rows):
         ["| " + " | ".join(map(str, row)) + " |" for row in rows]
 
 
-def paired_table(title, pairs):
-    """A table of paired differences (paired_difference), one row per (label, runs A, runs B) of `pairs`."""
-    return md_table([title, "mean +- sd", "by seed", "seeds > 0", "paired t"],
-                    [[label, paired_difference(a, b)] for label, a, b in pairs])
-
-
 def summary(seed, result, threshold=0.9, **fields):
     """One run's line in <experiment>.json: the figures the tables use, its machine and commit, and `fields`."""
     machine = f"{result['device_name']}, {result.get('threads')} thread(s)" if result.get("device_name") else None
@@ -353,61 +347,56 @@ def output_name(name, args):
 
 
 def footer(args, command, *notes):
-    """A table's footer: `notes`, the seeds, the preset, the command that made it, the init scheme, the step cap."""
-    flag = f" --seeds {args.seeds}" if args.seeds != args.default_seeds else ""
-    flag += "" if args.init_scheme == "reference" else f" --init_scheme {args.init_scheme}"
-    flag += f" --length {args.length}" if args.length != 100 else ""
+    """A table's footer: `notes`, what AT_MAJORITY means, the seeds, the preset, the command that made it (with
+    its flags off their defaults), the init scheme and the step cap."""
+    flags = f" --seeds {args.seeds}" * (args.seeds != args.default_seeds) + \
+        f" --init_scheme {args.init_scheme}" * (args.init_scheme != "reference") + \
+        f" --length {args.length}" * (args.length != 100)
+    notes += (f"`{AT_MAJORITY.strip()}`: the mean val acc is not more than 0.01 above the majority-class rate",)
     cap = f"; every run capped at {args.max_steps} steps" if args.max_steps else ""
     return (f"\n{'; '.join(n for n in notes if n)}. Seeds: {args.seeds}; preset {args.preset}; command: python "
-            f"ablate.py {command}{flag}; init scheme {args.init_scheme} ({INIT_NOTES[args.init_scheme]}){cap}")
+            f"ablate.py {command}{flags}; init scheme {' and '.join(getattr(args, 'kinds', [args.init_scheme]))}{cap}")
 
 
 def write_outputs(name, runs, table, args):
     """out/ablate/<output_name>.{json,md}: every run, and the table, its footer ended by the commit and machine
     the runs were made on."""
-    name = output_name(name, args)
-    stem = os.path.join(args.out_dir, "ablate", name)
-    scheme = getattr(args, "kinds", args.init_scheme)  # initscale: schemes of its own
-    data.save_atomic(dict(experiment=name, seeds=args.seeds, init_scheme=scheme, runs=runs), stem + ".json")
+    if args.only_seed is not None:
+        return  # a --jobs child: its parent writes the table, from every seed's runs
     made = [f" {word} {' and '.join(sorted({r[key] for r in runs if r.get(key)}))}" for word, key in
             (("at commit", "commit"), ("on", "machine")) if any(r.get(key) for r in runs)]
-    table += "; runs made" + "".join(made) if made else ""
+    save_table(os.path.join(args.out_dir, "ablate", output_name(name, args)), table + ("; runs made" + "".join(made)
+               if made else ""), dict(experiment=output_name(name, args), seeds=args.seeds, runs=runs,
+                                      init_scheme=getattr(args, "kinds", args.init_scheme)))
+
+
+def save_table(stem, table, record):
+    """<stem>.md (the table) and <stem>.json (the record it was made from), written atomically and printed."""
+    data.save_atomic(record, stem + ".json")
     data.save_atomic(table + "\n", stem + ".md")
     print("\n" + table + f"\n\nwrote {stem}.json and {stem}.md")
 
 
 def describe_data(data_dir, task, majority=True):
-    """A short description of a table's data, with its validation split's majority-class rate if `majority`."""
+    """A table's data in a few words, with its validation split's majority-class rate if `majority`."""
     meta = data.load_split(data_dir, task, "train")["meta"]
     sizes, side = meta.get("split_sizes", {}), meta.get("resolution", 32)
-    fashion = "Fashion-MNIST padded to 32x32 (the offline stand-in for CIFAR10)" + \
-        (f", averaged to {side}x{side}" if side != 32 else "") + (", a training subset" if meta.get("train_subset") else "")
+    fashion = "Fashion-MNIST padded to 32x32 (the offline stand-in for CIFAR10)" + (f", averaged to {side}x{side}"
+        if side != 32 else "") + (f", a training subset, {FASHION_CPU['epochs']} epochs per stage" if
+                                  meta.get("train_subset") else "")
     what = {"fashion_mnist": fashion, "image": "CIFAR10 grayscale",
             "synthetic": f"synthetic trajectories of {meta['max_len']} steps"}.get(task, task)
     if meta.get("generated") and "resolution" in meta:
-        what = f"PathFinder {meta['resolution']}x{meta['resolution']} from our generator"
+        what = f"PathFinder {side}x{side} from our generator"
     elif meta.get("generated") and task == "listops":
         what = "ListOps from our generator"
     return (f"Data: {what}, {sizes.get('train')}/{sizes.get('val')}/{sizes.get('test')} train/val/test"
             + (f" (majority class of val: {majority_rate(data_dir, task):.3f})" if majority else ""))
 
 
-def budget_probe(args, task, common, model="1layer"):
-    """(probe or None, plateau-exit threshold, footer note). At the Fashion-MNIST CPU budget: a from-scratch run
-    (seed 0) for twice the budget, to see whether from scratch still rises, and a threshold of 0.9 x its best
-    validation accuracy. Elsewhere: no probe, threshold 0.9 (the synthetic task's)."""
-    if task_data_dir(args, task) == args.data_dir or args.only_seed not in (None, 0):
-        return None, 0.9, ""  # (a --jobs child of another seed than 0 leaves the probe to seed 0's)
-    probe = run_finetune(task, run_dir(args, task, 0, model), 0, "scratch_probe", "scratch",
-                         common + ["--epochs", str(2 * FASHION_CPU["epochs"])])
-    at_budget = max(e["val_acc"] for e in probe["evals"] if e["step"] <= FASHION_CPU["epochs"] *
-                    probe["steps_per_epoch"])
-    threshold = round(0.9 * probe["best_val_acc"], 2)
-    return probe, threshold, (
-        f"budget per stage: {FASHION_CPU['epochs']} epochs (batch 16, lr 1e-3), validation every epoch. Probe, from "
-        f"scratch for {2 * FASHION_CPU['epochs']} epochs (seed 0): best val acc {at_budget:.3f} within the budget, "
-        f"{probe['best_val_acc']:.3f} within twice it; the epoch column: first epoch with val acc >= {threshold:.2f} "
-        f"(0.9 x the probe's best), the time to near-final accuracy, its mean over the runs that get there")
+def exit_threshold(args, task):
+    """The validation accuracy whose first epoch the tables give: 0.9, or FASHION_CPU's at its CPU budget."""
+    return 0.9 if task_data_dir(args, task, make=False) == args.data_dir else FASHION_CPU["exit_at"]
 
 
 def spt_displacement(task, folder, data_dir, n=64):
@@ -459,8 +448,6 @@ def experiment_synthetic(args):
         grads = spt_gradients("synthetic", folder, args.data_dir)  # needs both inits
         runs += [summary(seed, result, name=name, attention_init=stats["init"], attention_spt=stats["spt"],
                          gradients=grads) for name, result in results.items()]
-    if args.only_seed is not None:
-        return  # a child of --jobs: the parent writes the table
     majority, spt = majority_rate(args.data_dir, "synthetic"), select(runs, name="spt")
     rows = md_table(["run", "val acc", "test acc", "train acc", "epoch val acc >= 0.9 (runs that got there)"],
                     [[label, cells(select(runs, name=name), "best_val_acc", "test_acc", "train_acc", "exit",
@@ -483,62 +470,61 @@ def experiment_synthetic(args):
                                               ("L_SPT", "not 0 (Prop. 1)"))]
     rows += [""] + md_table(["attention (layer 0, mean over validation sequences and heads)", "at init", "after SPT",
                              "paper (Sec. 4)"], attention)
-    rows.append(footer(args, "synthetic", (
-        f"log L = {spt[0]['attention_init']['uniform_entropy']:.2f} nats (uniform attention over {args.length} "
-        f"steps). Gradient shares on 64 training sequences, each loss on the model it trains (L_sup: at the start of "
-        f"from-scratch training and of finetuning after SPT). Majority class of the validation split: "
-        f"{majority:.3f}"), MAJORITY_NOTE))
+    rows.append(footer(args, "synthetic", f"log L = {spt[0]['attention_init']['uniform_entropy']:.2f} nats (uniform "
+                       f"attention over {args.length} steps); gradient shares on 64 training sequences, L_sup at the "
+                       f"start of from-scratch training and of finetuning after SPT", f"majority class of val "
+                       f"{majority:.3f}"))
     write_outputs("synthetic", runs, "\n".join(rows), args)
 
 
-TABLE3_ROWS = [("scratch", "scratch", ()), *[(k, None, ("--inherit", k)) for k in
-                                             ("all", "qk", "attn", "qk+embed+norm", "all-but-qk")],
-               ("scratch, attn frozen", "scratch", ("--freeze", "attn")),
-               ("scratch, attn+embed+norm frozen", "scratch", ("--freeze", "attn+embed+norm")),
-               ("scratch, attn+mlp frozen", "scratch", ("--freeze", "attn+mlp"))]
+def finetune_rows(args, name, rows, first):
+    """The runs and table of init and posenc on --task, one layer: per seed, SPT (the run synthetic and duration
+    share), then one finetuning per row (label, run name, init: None for the SPT checkpoint, extra flags, the
+    paper's CIFAR10 and PathFinder cells). Returns (runs: summary() dicts with the row's label and the SPT
+    displacement, {label: [result dicts]}, the table's lines: `first` heads the label column)."""
+    task, common = args.task, common_flags(args, one_layer=args.task != "synthetic", task=args.task)
+    runs, results, threshold = [], {}, exit_threshold(args, task)
+    for seed in seeds_here(args, name, (task, common)):
+        folder = run_dir(args, task, seed)
+        ckpt = run_pretrain(task, folder, seed, common + ["--snapshots"] * (task == "synthetic"))
+        moved = spt_displacement(task, folder, task_data_dir(args, task))["spt"]["displacement"]
+        for label, run_name, init, extra, _ in rows:
+            result = run_finetune(task, folder, seed, run_name, init or ckpt, common, extra)
+            results.setdefault(label, []).append(result)
+            runs.append(summary(seed, result, threshold, row=label, displacement=moved))
+    majority = majority_rate(task_data_dir(args, task), task)
+    return runs, results, md_table(
+        [first, f"{task} val acc", "train acc", "test acc", f"epoch val acc >= {threshold:g} (runs)", "paper CIFAR10",
+         "paper PathFinder"], [[label, cells(select(runs, row=label), "best_val_acc", "train_acc", "test_acc", "exit",
+                                             majority=majority), *paper] for label, _, _, _, paper in rows])
+
+
+FROZEN_ROW_NOTE = "the paper's \"MLP + head trained\" row may be `attn` or `attn+embed+norm` frozen: (?) marks one"
 
 
 def experiment_init(args):
     """Coser et al. Table 3: hybrid initialization (--inherit) and freezing (--freeze) of a one-layer model on
     --task. Accuracy and plateau-exit epoch per row, the displacement of W_Q, W_K, W_Q^T W_K during SPT, and on
     pixel tasks every row's validation curve (out/analysis/init_<task>[...]_curves.png)."""
-    task, common = args.task, common_flags(args, one_layer=args.task != "synthetic", task=args.task)
-    output = "init" if task == "synthetic" else f"init_{task}"
-    seeds = seeds_here(args, output, (task, common))
-    probe, threshold, budget = budget_probe(args, task, common)
-    runs, results = [], {}
-    for seed in seeds:
-        folder = run_dir(args, task, seed)  # shares SPT with `synthetic` / `posenc` / `duration`
-        ckpt = run_pretrain(task, folder, seed, common + ["--snapshots"] * (task == "synthetic"))
-        moved = spt_displacement(task, folder, task_data_dir(args, task))["spt"]["displacement"]
-        for label, init, extra in TABLE3_ROWS:
-            name = "init_" + label.replace(", ", "_").replace(" ", "_").replace("+", "-")
-            result = run_finetune(task, folder, seed, name, init or ckpt, common, extra)
-            results.setdefault(label if label.startswith("scratch") else f"SPT, inherit {label}", []).append(result)
-            runs.append(summary(seed, result, threshold, row=label, displacement=moved))
-    if args.only_seed is not None:
-        return  # a child of --jobs: the parent writes the table
-    majority = majority_rate(task_data_dir(args, task), task)
-    rows = md_table(["init of the finetuned model", f"{task} val acc (ours)", f"{task} train acc (ours)",
-                     f"epoch val acc >= {threshold:g} (runs)", "paper CIFAR10", "paper PathFinder"],
-                    [[label if label.startswith("scratch") else f"SPT, inherit {label}",
-                      cells(select(runs, row=label), "best_val_acc", "train_acc", "exit", majority=majority),
-                      *PAPER_TABLE3[label]] for label, _, _ in TABLE3_ROWS])
-    rows += [""] + md_table(["during SPT: norm(W - W_init) / norm(W_init)", "W_Q", "W_K", "W_Q^T W_K"], [
-        ["ours", *displacement_cells(select(runs, row="all"))],
+    task, output = args.task, "init" if args.task == "synthetic" else f"init_{args.task}"
+    rows = [(group if group.startswith("scratch") else f"SPT, inherit {group}",
+             "init_" + group.replace(", ", "_").replace(" ", "_").replace("+", "-"), init, extra, PAPER_TABLE3[group])
+            for group, init, extra in [("scratch", "scratch", ())] + [
+                (k, None, ("--inherit", k)) for k in ("all", "qk", "attn", "qk+embed+norm", "all-but-qk")] + [
+                (f"scratch, {k} frozen", "scratch", ("--freeze", k)) for k in ("attn", "attn+embed+norm", "attn+mlp")]]
+    runs, results, table = finetune_rows(args, output, rows, "init of the finetuned model")
+    table += [""] + md_table(["during SPT: norm(W - W_init) / norm(W_init)", "W_Q", "W_K", "W_Q^T W_K"], [
+        ["ours", *displacement_cells(select(runs, row="SPT, inherit all"))],
         ["paper (Sec. 4, synthetic task)", "looks like its init", "looks like its init", "organized"]])
-    model = ("one layer, one head, no LayerNorm, no MLP (so `attn+mlp` freezing equals `attn`, and with "
-             "`attn+embed+norm` frozen only the head trains)") if task == "synthetic" else \
+    model = "the minimal model (no MLP: `attn+mlp` frozen equals `attn`)" if task == "synthetic" else \
         "one layer, otherwise the preset's model"
-    if task != "synthetic":
+    if task != "synthetic" and args.only_seed is None:
         analyze.plot_curves(results, os.path.join(args.out_dir, "analysis", output_name(output, args) + "_curves.png"),
                             f"Table 3 on {task}: validation accuracy per epoch",
-                            analyze.command_line("ablate.py", args.argv),
-                            probe=("from scratch, probe for twice the budget (seed 0)", probe) if probe else None)
-    rows.append(footer(args, f"init --task {task}", describe_data(task_data_dir(args, task), task), MAJORITY_NOTE,
-                       model, "the paper's frozen row (\"MLP + head trained\") may mean `attn` or `attn+embed+norm`: "
-                       "its numbers stand beside both, (?) beside the second", budget))
-    write_outputs(output, runs, "\n".join(rows), args)
+                            analyze.command_line("ablate.py", args.argv))
+    table.append(footer(args, f"init --task {task}", describe_data(task_data_dir(args, task), task), model,
+                        FROZEN_ROW_NOTE))
+    write_outputs(output, runs, "\n".join(table), args)
 
 
 def experiment_duration(args):
@@ -549,26 +535,18 @@ def experiment_duration(args):
     common = common_flags(args, one_layer=shared, task=task)
     durations = args.durations or ((1, 10, 100, 200) if args.preset == "paper" else (1, 3, 10))
     output = "duration" if task == "synthetic" else f"duration_{task}"
-    seeds = seeds_here(args, output, (task, common))
-    _, threshold, budget = budget_probe(args, task, common)
-    runs = []
-    for seed in seeds:
+    runs, threshold = [], exit_threshold(args, task)
+    for seed in seeds_here(args, output, (task, common)):
         folder = run_dir(args, task, seed, "1layer" if shared else "preset")
         result = run_finetune(task, folder, seed, "init_scratch" if shared else "scratch", "scratch", common)
         runs.append(summary(seed, result, threshold, epochs=0))
         for epochs in durations:
-            if shared and epochs == FASHION_CPU["epochs"]:
-                spt_dir = folder
-                ckpt = run_pretrain(task, folder, seed, common)
-                result = run_finetune(task, folder, seed, "init_all", ckpt, common, ("--inherit", "all"))
-            else:
-                spt_dir = os.path.join(folder, f"spt_{epochs}ep")
-                ckpt = run_pretrain(task, spt_dir, seed, common + ["--epochs", str(epochs)])
-                result = run_finetune(task, spt_dir, seed, "spt", ckpt, common)
+            same = shared and epochs == FASHION_CPU["epochs"]  # init's SPT run and its `inherit all` row
+            spt_dir = folder if same else os.path.join(folder, f"spt_{epochs}ep")
+            ckpt = run_pretrain(task, spt_dir, seed, common + ["--epochs", str(epochs)])
+            result = run_finetune(task, spt_dir, seed, "init_all" if same else "spt", ckpt, common)
             moved = spt_displacement(task, spt_dir, task_data_dir(args, task))["spt"]["displacement"]
             runs.append(summary(seed, result, threshold, epochs=epochs, displacement=moved))
-    if args.only_seed is not None:
-        return  # a child of --jobs: the parent writes the table
     majority = majority_rate(task_data_dir(args, task), task)
     rows = md_table(["SPT epochs", "val acc", "train acc", f"finetuning epoch val acc >= {threshold:g} (runs)",
                      "W_Q displacement", "W_K displacement", "W_Q^T W_K displacement"],
@@ -577,32 +555,29 @@ def experiment_duration(args):
                       *(displacement_cells(select(runs, epochs=epochs)) if epochs else ["0"] * 3)]
                      for epochs in (0,) + tuple(durations)])
     model = "Table 3's one-layer model (runs shared with `ablate.py init`)" if shared else "the preset's model"
-    rows.append(footer(args, f"duration --task {task}", describe_data(task_data_dir(args, task), task),
-                       MAJORITY_NOTE, model, budget, "displacement: norm(W - W_init) / norm(W_init) during SPT"))
+    rows.append(footer(args, f"duration --task {task}", describe_data(task_data_dir(args, task), task), model,
+                       "displacement: norm(W - W_init) / norm(W_init) during SPT"))
     write_outputs(output, runs, "\n".join(rows), args)
 
 
 def image_task(args):
-    """The Image side of `swap`: CIFAR10 when its data is here, else the Fashion-MNIST stand-in when installed;
-    FileNotFoundError saying how otherwise."""
+    """The Image side of `swap`: CIFAR10 when its data is here (or --download), else the Fashion-MNIST stand-in
+    when installed; FileNotFoundError saying how otherwise."""
     if os.path.exists(data.split_path(args.data_dir, "image")) or \
             os.path.exists(os.path.join(args.data_dir, "image", "cifar-10-batches-py", "test_batch")) or args.download:
         return "image"
     try:
         data.find_fashion_mnist(args.data_dir)
-        print("CIFAR10 not found: the Image side of this experiment uses the Fashion-MNIST stand-in")
-        return "fashion_mnist"
     except FileNotFoundError as e:
         raise FileNotFoundError(f"neither CIFAR10 ({args.data_dir}/image/cifar-10-batches-py/, or pass --download) "
                                 f"nor the stand-in is here. {e}") from None
+    print("CIFAR10 not found: the Image side of this experiment uses the Fashion-MNIST stand-in")
+    return "fashion_mnist"
 
 
 def experiment_swap(args):
     """Coser et al. Sec. 3: SPT on PathFinder then finetuning on Image, and the reverse, against from scratch and
-    same-task SPT. --n_images generates PathFinder of --difficulty into <data_dir>/pfcurves/<difficulty>_n<N>/.
-    ValueError for --steps with --max_steps (one budget or the other)."""
-    if args.steps and args.max_steps:
-        raise ValueError("--steps sets every stage's budget and --max_steps caps it: pass one of them")
+    same-task SPT. --n_images generates PathFinder of --difficulty into <data_dir>/pfcurves/<difficulty>_n<N>/."""
     image, runs = image_task(args), []
     tasks, pf_dir = ("pathfinder", image), args.data_dir
     if args.n_images is not None:
@@ -625,8 +600,6 @@ def experiment_swap(args):
                 result = run_finetune(target, run_dir(args, target, seed, model[target]), seed, name,
                                       ckpts.get(source, "scratch"), flags[target])
                 runs.append(summary(seed, result, target=target, source=source))
-    if args.only_seed is not None:
-        return  # a child of --jobs: the parent writes the table
     paper = {(image, "scratch"): "0.69 / 0.48", (image, "pathfinder"): "0.84 / 0.56",
              ("pathfinder", image): "training fit improves markedly"}
     majority = {t: majority_rate(pf_dir if t == "pathfinder" else args.data_dir, t) for t in tasks}
@@ -640,31 +613,9 @@ def experiment_swap(args):
         + (f" --steps {args.steps}" if args.steps else "")
     rows.append(footer(args, command, f"{describe_data(pf_dir, 'pathfinder', majority=False)}, difficulty "
                        f"{args.difficulty}. {describe_data(args.data_dir, image, majority=False)}. The preset's model, "
-                       + (f"{args.steps} steps per stage (batch 16)" if args.steps else "the preset's budget"),
-                       MAJORITY_NOTE, "train accuracy on a fixed random subset of the training split"))
+                       + (f"{args.steps} steps per stage" if args.steps else "the preset's budget"),
+                       "train accuracy on a fixed random subset of the training split"))
     write_outputs("swap", runs, "\n".join(rows), args)
-
-
-def prepared_tasks(args):
-    """(the tasks of args.tasks whose data is here or was made now, [(task, why not) for the others])."""
-    done, skipped = [], []
-    for task in args.tasks:
-        folder = task_data_dir(args, task, make=False)
-        if not os.path.exists(data.split_path(folder, task)):
-            if args.only_seed is not None:  # a --jobs child: the parent made what could be made
-                skipped.append((task, "not prepared"))
-                continue
-            try:
-                if folder != args.data_dir:
-                    task_data_dir(args, task)
-                else:
-                    data.prepare(task, args.data_dir, **pretrain.PRESETS[task][args.preset]["data"],
-                                 **({} if task == "listops" else dict(download=args.download)))
-            except (FileNotFoundError, ConnectionError) as e:
-                skipped.append((task, str(e).split(". ")[0]))
-                continue
-        done.append(task)
-    return done, skipped
 
 
 def skipped_note(skipped):
@@ -675,8 +626,7 @@ def skipped_note(skipped):
 def experiment_main(args):
     """Coser et al. Table 2: from scratch versus SPT on the LRA tasks of --tasks whose data is here or can be made,
     peak validation accuracy (as the paper reports) beside each validation split's majority-class rate."""
-    runs = []
-    done, skipped = prepared_tasks(args)
+    runs, (done, skipped) = [], prepared_tasks(args, args.tasks)
     seeds = seeds_here(args, f"main_{args.preset}")
     for task in done:
         for seed in seeds:
@@ -684,21 +634,12 @@ def experiment_main(args):
             ckpt = run_pretrain(task, folder, seed, common)
             for name, init in (("scratch", "scratch"), ("spt", ckpt)):
                 runs.append(summary(seed, run_finetune(task, folder, seed, name, init, common), task=task, name=name))
-    if args.only_seed is not None:
-        return  # a child of --jobs: the parent writes the table
-    rows = []
-    for task in done:
-        accs = {n: [r["best_val_acc"] for r in select(runs, task=task, name=n)] for n in ("scratch", "spt")}
-        majority = majority_rate(args.data_dir, task)
-        above = {n: clears_majority(v, majority) for n, v in accs.items()}
-        verdict = "; ".join(f"{n}: {'yes' if above[n] else 'no'}" for n in accs) + \
-            ("" if any(above.values()) else " (a pipeline check, not a result)")
-        rows.append([task, mean_std(accs["scratch"]), mean_std(accs["spt"]), f"{majority:.3f}", verdict,
-                     *PAPER_MAIN.get(task, ("-",) * 3)])
-        print(f"{task}: scratch {mean_std(accs['scratch'])}, SPT {mean_std(accs['spt'])}, majority class of the "
-              f"validation split {majority:.3f}: " + verdict)
-    rows = md_table(["task", "from scratch (ours)", "SPT (ours)", "majority class (val)", "above it?",
-                     "paper: from scratch", "+SPT (Amos)", "+SPT (Coser)"], rows)
+    majority = {task: majority_rate(args.data_dir, task) for task in done}
+    rows = md_table(["task", "from scratch (ours)", "SPT (ours)", "majority class (val)", "paper: from scratch",
+                     "+SPT (Amos)", "+SPT (Coser)"], [
+        [task, *(cells(select(runs, task=task, name=n), "best_val_acc", majority=majority[task])
+                 for n in ("scratch", "spt")), f"{majority[task]:.3f}", *PAPER_MAIN.get(task, ("-",) * 3)]
+        for task in done])
     rows.append(footer(args, f"main --preset {args.preset} --tasks {' '.join(args.tasks)}", "Peak validation accuracy",
                        *(describe_data(args.data_dir, t, majority=False) for t in done), skipped_note(skipped)))
     write_outputs(f"main_{args.preset}", runs, "\n".join(rows), args)
@@ -723,31 +664,24 @@ def experiment_frozen(args):
     1's gradient shares per layer. LRA tasks share `main`'s runs; Fashion-MNIST runs at its CPU budget."""
     default = list(LRA_TASKS) if args.preset == "paper" else ["fashion_mnist"]
     args.tasks = args.tasks or default
-    done, skipped = prepared_tasks(args)
-    if not done:
-        raise FileNotFoundError("no data for any task of --tasks: " + "; ".join(f"{t} ({why})" for t, why in skipped))
-    common = {t: common_flags(args, task=t) for t in done}
-    model = {t: "preset" if task_data_dir(args, t, make=False) == args.data_dir else
-             f"preset_r{FASHION_CPU['resolution']}_n{FASHION_CPU['n_train']}" for t in done}
+    done, skipped = prepared_tasks(args, args.tasks)
     # other --tasks than the preset's default: a table of their own, not the default one overwritten
     output = f"frozen_{args.preset}" + ("" if args.tasks == default else "_" + "_".join(args.tasks))
-    seeds = seeds_here(args, output, *((t, common[t]) for t in done))
-    runs, probes = [], {}
+    runs, seeds = [], seeds_here(args, output)
     for task in done:
-        probes[task] = budget_probe(args, task, common[task], model[task])
+        common, data_dir = common_flags(args, task=task), task_data_dir(args, task)
+        model = "preset" if data_dir == args.data_dir else \
+            f"preset_r{FASHION_CPU['resolution']}_n{FASHION_CPU['n_train']}"
         for seed in seeds:
-            folder = run_dir(args, task, seed, model[task])
-            ckpt = run_pretrain(task, folder, seed, common[task])
+            folder = run_dir(args, task, seed, model)
+            ckpt = run_pretrain(task, folder, seed, common)
             for label, init, extra in FROZEN_ROWS:
                 name = ("scratch" if init else "spt") + ("" if not extra else "_freeze-" + extra[1].replace("+", "-"))
-                result = run_finetune(task, folder, seed, name, init or ckpt, common[task], extra)
-                runs.append(summary(seed, result, probes[task][1], task=task, row=label,
+                result = run_finetune(task, folder, seed, name, init or ckpt, common, extra)
+                runs.append(summary(seed, result, exit_threshold(args, task), task=task, row=label,
                                     displacement=trained_displacement(folder, task, "finetune", name)))
-            runs.append(dict(task=task, seed=seed, row=SPT_STAGE,
-                             displacement=trained_displacement(folder, task, "pretrain"),
-                             gradients=spt_gradients(task, folder, task_data_dir(args, task))))
-    if args.only_seed is not None:
-        return  # a child of --jobs: the parent writes the table
+            runs.append(dict(task=task, seed=seed, row=SPT_STAGE, gradients=spt_gradients(task, folder, data_dir),
+                             displacement=trained_displacement(folder, task, "pretrain")))
     accuracy, moved, shares = [], [], []
     for task in done:
         majority = majority_rate(task_data_dir(args, task), task)
@@ -770,15 +704,10 @@ def experiment_frozen(args):
                              "after SPT", "share of L_SPT's: at init", "after SPT"], shares)
     rows.append(footer(args, f"frozen --preset {args.preset} --tasks {' '.join(args.tasks)}",
                        *(describe_data(task_data_dir(args, t), t, majority=False) for t in done),
-                       *(probes[t][2] for t in done), skipped_note(skipped), MAJORITY_NOTE,
-                       "the preset's model, every layer frozen alike" + ("; Fashion-MNIST stands beside the paper's "
-                                                                          "CIFAR10" if "fashion_mnist" in done else ""),
-                       "the paper's frozen row (\"MLP + head trained\") may mean `attn` or `attn+embed+norm`: its "
-                       "number stands beside both, (?) beside the second",
-                       "second table: from the weights a run started from (after SPT: the SPT weights with a fresh "
-                       "head) to those it kept; W_Q^T W_K of layer 0, other groups pooled over layers; frozen moves 0",
-                       "third table: on 64 training sequences (analyze.py gradients); L_sup at the start of "
-                       "from-scratch training and of finetuning after SPT"))
+                       skipped_note(skipped), "the preset's model, every layer frozen alike"
+                       + ("; Fashion-MNIST stands beside the paper's CIFAR10" if "fashion_mnist" in done else ""),
+                       FROZEN_ROW_NOTE, "second table: W_Q^T W_K of layer 0, other groups pooled over layers; after "
+                       "SPT the start is the SPT weights", "third table: on 64 training sequences"))
     write_outputs(output, runs, "\n".join(rows), args)
 
 
@@ -786,36 +715,17 @@ def experiment_ucr(args):
     """Coser et al. Sec. 5: from scratch versus SPT on the UCR data sets of --datasets found here (data.find_ucr) or
     downloaded (--download); the others are skipped, said why. Test accuracy on the archive's TEST split, of the
     weights of the best validation accuracy (validation: 20% of TRAIN). --steps N: every stage N steps, runs and
-    a table of their own. ValueError for --steps with --max_steps (one budget or the other)."""
-    if args.steps and args.max_steps:
-        raise ValueError("--steps sets every stage's budget and --max_steps caps it: pass one of them")
-    common, found, skipped = common_flags(args) + (["--max_steps", str(args.steps)] if args.steps else []), [], []
-    for name in args.datasets:
-        task = f"ucr/{name}"
-        if task not in data.TASKS:
-            raise ValueError(f"--datasets: {name!r} is not a UCR data set name (letters, digits, '_' and '-')")
-        if os.path.exists(data.split_path(args.data_dir, task)) or data.find_ucr(name, args.data_dir):
-            found.append(name)
-        elif not args.download:
-            skipped.append((name, "not found locally, no download attempted (pass --download)"))
-        else:
-            try:
-                data.prepare(task, args.data_dir, **pretrain.PRESETS["ucr"][args.preset]["data"])
-                found.append(name)
-            except (ConnectionError, ValueError) as e:
-                skipped.append((name, f"download failed: {e}"))
-    for name, why in skipped:
-        print(f"skipping UCR {name}: {why}; looked in {args.data_dir}/ucr/{name}/ and in installed packages "
-              f"({', '.join(p for p, _, _ in data.UCR_PACKAGES)})")
-    if not found:
-        raise FileNotFoundError(f"none of the UCR data sets {list(args.datasets)} was found; " +
-                                data.ucr_missing_message(args.datasets[0], os.path.join(args.data_dir, "ucr",
-                                                                                        args.datasets[0])))
-    print(f"UCR data sets to run: {found}")
+    a table of their own."""
+    wrong = [name for name in args.datasets if f"ucr/{name}" not in data.TASKS]
+    if wrong:
+        raise ValueError(f"--datasets: {wrong[0]!r} is not a UCR data set name (letters, digits, '_' and '-')")
+    done, skipped = prepared_tasks(args, [f"ucr/{name}" for name in args.datasets])
+    found, skipped = [t[4:] for t in done], [(t[4:], why) for t, why in skipped]
+    common = common_flags(args) + (["--max_steps", str(args.steps)] if args.steps else [])
     default = list(args.datasets) == list(UCR_DATASETS + UCR_OFFLINE)  # other --datasets: a table of their own
     budget = f"steps{args.steps}" if args.steps else ""
     output = ("ucr" if default else "ucr_" + "_".join(args.datasets)) + (f"_{budget}" if budget else "")
-    runs, seeds = [], seeds_here(args, output, *((f"ucr/{name}", common) for name in found))
+    runs, seeds = [], seeds_here(args, output)
     for name in found:
         for seed in seeds:
             folder = os.path.join(args.out_dir, "ablate", args.init_scheme, "ucr", budget, f"seed{seed}")
@@ -824,8 +734,6 @@ def experiment_ucr(args):
                 result = run_finetune(f"ucr/{name}", folder, seed, run_name, init, common)
                 runs.append(summary(seed, result, dataset=name, name=run_name, best_step=result.get("best_step"),
                                     spt_step=result.get("spt_step")))
-    if args.only_seed is not None:
-        return  # a child of --jobs: the parent writes the table
     parts = []
     for name in found:
         meta = data.load_split(args.data_dir, f"ucr/{name}", "train")["meta"]
@@ -854,54 +762,26 @@ def experiment_ucr(args):
              f"{preset['finetune']['max_steps']} finetuning)" if args.steps else "")
     command = "ucr" + ("" if default else " --datasets " + " ".join(args.datasets)) \
         + (f" --steps {args.steps}" if args.steps else "")
-    parts.append(footer(args, command, "Test accuracy on the archive's TEST split (the paper does not say which split "
-                        "its numbers are on)", MAJORITY_NOTE + " (validation: the 20% of TRAIN held out)", PAIRED_NOTE,
-                        skipped_note(skipped), steps)[1:])
+    parts.append(footer(args, command, "Test accuracy on the archive's TEST split", skipped_note(skipped), steps)[1:])
     write_outputs(output, runs, "\n\n".join(parts), args)
-
-
-POSITIONS = ("sinusoidal", "alibi", "rope", "fire", "none")
 
 
 def experiment_posenc(args):
     """Coser et al. Sec. 4: sinusoidal, ALiBi, RoPE, FIRE and (beyond the paper) no positions, from scratch on
     --task, beside sinusoidal + SPT, with paired differences to sinusoidal from scratch."""
-    task, common = args.task, common_flags(args, one_layer=args.task != "synthetic", task=args.task)
     paper = {"sinusoidal": ("0.501", "-"), "alibi": ("0.564", "0.500"), "rope": ("tested, no number", "-"),
              "fire": ("tested, no number", "-"), "none": ("-", "-")}
-    runs = []
-    output = "posenc" if task == "synthetic" else f"posenc_{task}"
-    seeds = seeds_here(args, output, (task, common))
-    _, threshold, budget = budget_probe(args, task, common)  # Fashion-MNIST: the plateau-exit column's threshold
-    for seed in seeds:
-        folder = run_dir(args, task, seed)
-        ckpt = run_pretrain(task, folder, seed, common + ["--snapshots"] * (task == "synthetic"))
-        for pos in POSITIONS:
-            name = "scratch" if pos == "sinusoidal" else f"scratch_{pos}"
-            result = run_finetune(task, folder, seed, name, "scratch", common,
-                                  () if pos == "sinusoidal" else ("--pos", pos))
-            runs.append(summary(seed, result, threshold, pos=pos))
-        runs.append(summary(seed, run_finetune(task, folder, seed, "spt", ckpt, common), threshold,
-                            pos="sinusoidal + SPT"))
-    if args.only_seed is not None:
-        return  # a child of --jobs: the parent writes the table
-    majority = majority_rate(task_data_dir(args, task), task)
-
-    def label(pos):
-        return pos if pos.endswith("SPT") else ("no positions" if pos == "none" else pos) + ", from scratch"
-    rows = md_table(["positions", f"{task} val acc", "test acc", f"epoch val acc >= {threshold:g} (runs)",
-                     "paper CIFAR10", "paper PathFinder"],
-                    [[label(pos), cells(select(runs, pos=pos), "best_val_acc", "test_acc", "exit", majority=majority),
-                      *paper.get(pos, ("0.740 (Amos, full model)", "0.880 (Amos)"))]
-                     for pos in POSITIONS + ("sinusoidal + SPT",)])
-    rows += [""] + paired_table("minus sinusoidal from scratch, test acc paired by seed", [
-        (label(pos), select(runs, pos=pos), select(runs, pos="sinusoidal"))
-        for pos in POSITIONS[1:] + ("sinusoidal + SPT",)])
-    rows.append(footer(args, f"posenc --task {task}", describe_data(task_data_dir(args, task), task), MAJORITY_NOTE,
-                       "one layer; ALiBi symmetric in |i - j|, FIRE on |i - j| (our encoder is bidirectional); no "
-                       "positions: with mean pooling the model is blind to the order of its inputs", PAIRED_NOTE,
-                       budget))
-    write_outputs(output, runs, "\n".join(rows), args)
+    rows = [(("no positions" if pos == "none" else pos) + ", from scratch",
+             "scratch" + f"_{pos}" * (pos != "sinusoidal"), "scratch", ("--pos", pos) * (pos != "sinusoidal"), cells)
+            for pos, cells in paper.items()]
+    rows.append(("sinusoidal + SPT", "spt", None, (), ("0.740 (Amos, full model)", "0.880 (Amos)")))
+    output = "posenc" if args.task == "synthetic" else f"posenc_{args.task}"
+    runs, _, table = finetune_rows(args, output, rows, "positions")
+    table += [""] + paired_table("minus sinusoidal from scratch, test acc paired by seed", [
+        (label, select(runs, row=label), select(runs, row=rows[0][0])) for label, *_ in rows[1:]])
+    table.append(footer(args, f"posenc --task {args.task}", describe_data(task_data_dir(args, args.task), args.task),
+                        "one layer; ALiBi symmetric in |i - j|, FIRE on |i - j| (our encoder is bidirectional)"))
+    write_outputs(output, runs, "\n".join(table), args)
 
 
 def experiment_initscale(args):
@@ -909,8 +789,6 @@ def experiment_initscale(args):
     minimal model on trajectories of each --lengths, init --kinds (tied or independent projections) x --scales,
     from scratch and SPT then finetuning. Also the attention entropy / log L and Prop. 1's gradient share at init.
     Writes out/ablate/initscale.{json,md} and the phase diagram out/analysis/initscale.png."""
-    if args.quick:
-        args.scales, args.lengths, args.n_train, args.epochs = [0.25, 1.0], [50, 100], 500, 4
     budget = ["--epochs", str(args.epochs), "--batch_size", str(args.batch_size), "--eval_every", "100000"]
     budget += ["--max_steps", str(args.max_steps)] if args.max_steps else []
     data_dirs = {}
@@ -932,10 +810,8 @@ def experiment_initscale(args):
         share = analyze.loss_gradients(at_init, data_dirs[length], n=32)["L_sup"]["prop1_share"][0]
         for stage, result in (("scratch", scratch), ("spt", spt)):
             runs.append(summary(seed, result, kind=kind, scale=scale, length=length, stage=stage,
-                                best_step=result["best_step"], entropy_at_init=stats["entropy"] / stats["uniform_entropy"],
-                                sup_share_at_init=share))
-    if args.only_seed is not None:
-        return  # a child of --jobs: the parent writes the table
+                                best_step=result["best_step"], sup_share_at_init=share,
+                                entropy_at_init=stats["entropy"] / stats["uniform_entropy"]))
     majorities = {length: majority_rate(data_dirs[length], "synthetic") for length in args.lengths}
     rows = []
     for kind, scale, length in ((k, s, L) for k in args.kinds for s in args.scales for L in args.lengths):
@@ -948,22 +824,19 @@ def experiment_initscale(args):
     rows = md_table(["init", "scale", "L", "entropy at init / log L", "L_sup's score-gradient share along Prop. 1's "
                      "directions at init", "val acc, from scratch", "epoch >= 0.9 (runs)", "val acc, SPT then finetune",
                      "epoch >= 0.9 (runs)"], rows)
-    rows.append(f"\nBudget per stage and cell: {args.epochs} epochs of {args.n_train} trajectories (batch "
-                f"{args.batch_size}), validation on {args.n_val}; the synthetic preset's model otherwise. Scale 1 = "
-                f"PyTorch's default init; `reference` ties W_Q, W_K, W_V, W_O at init as Amos et al.'s code does, "
-                f"`torch` draws them independently. Entropy and gradient share of the from-scratch model at init, on "
-                f"32 trajectories. Majority class of each validation set: "
-                + ", ".join(f"L {L}: {m:.3f}" for L, m in majorities.items()) + f"; {MAJORITY_NOTE}. "
-                f"Seeds: {args.seeds}; command: python ablate.py initscale" + (" --quick" if args.quick else "")
-                + (f" --seeds {args.seeds}" if args.seeds != args.default_seeds else "")
-                + (f"; every run capped at {args.max_steps} steps" if args.max_steps else ""))
-    analyze.plot_initscale(runs, args.kinds, args.scales, args.lengths, args.seeds, os.path.join(
-        args.out_dir, "analysis", "initscale.png"), analyze.command_line("ablate.py", args.argv))
+    rows.append(footer(args, "initscale", f"Budget per stage and cell: {args.epochs} epochs of {args.n_train} "
+                       f"trajectories (batch {args.batch_size}), validation on {args.n_val}; scale 1 = PyTorch's "
+                       f"default init; entropy and gradient share of the from-scratch model at init, on 32 "
+                       f"trajectories", "majority class of val: " + ", ".join(f"L {L}: {m:.3f}"
+                                                                               for L, m in majorities.items())))
+    if args.only_seed is None:
+        analyze.plot_initscale(runs, args.kinds, args.scales, args.lengths, args.seeds, os.path.join(
+            args.out_dir, "analysis", "initscale.png"), analyze.command_line("ablate.py", args.argv))
     write_outputs("initscale", runs, "\n".join(rows), args)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The benchmark: one SPT training step, our model against torch.nn.TransformerEncoder (results/performance.md)
+# Performance: one SPT step against torch.nn.TransformerEncoder (bench), every paper preset on a GPU (gpu)
 # ----------------------------------------------------------------------------------------------------------
 
 BENCH_SIZES = {"cpu": (1024, 128, 4, 4, 256, 8),  # name: (L, d_model, n_layers, n_heads, d_mlp, batch)
@@ -988,25 +861,10 @@ class ReferenceEncoder(torch.nn.Module):
         return self.rec_head(self.encoder(self.embed(x) + self.pe[:x.shape[1]]))
 
 
-def bench_result(proc, queue, poll_s=5.0):
-    """What the timing process `proc` put on `queue`, or, if it ended without (killed for memory, crashed), a str
-    naming its exit code: the parent never waits for a process that is gone."""
-    import queue as queue_lib
-    while True:
-        try:
-            return queue.get(timeout=poll_s)
-        except queue_lib.Empty:
-            if not proc.is_alive():  # one last look: what it put just before it ended
-                try:
-                    return queue.get(timeout=1.0)
-                except queue_lib.Empty:
-                    return f"its process ended (exit code {proc.exitcode}) without a result"
-
-
 def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
     """Put on `queue` (median seconds, peak memory in bytes, tokens, training FLOPs) of one SPT training step of the
-    BENCH_VARIANTS key on a full-length batch, or an error message. Run in a fresh process: on the CPU, peak
-    memory is the growth of its resident set."""
+    BENCH_VARIANTS key on a full-length batch, or an error message. Runs in a fresh process (time_in_process): on
+    the CPU, peak memory is the growth of its resident set."""
     import resource
     import time
     torch.set_num_threads(threads)
@@ -1048,8 +906,8 @@ def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
                 step()
             sync()
             times.append((time.perf_counter() - t0) / steps)
-    except Exception as e:  # out of memory, a missing compiler, ...: one line of the table (bench_result: a crash)
-        first = (str(e).strip().splitlines() or [""])[0]  # one line: a table cell (torch.compile errors run long)
+    except Exception as e:  # out of memory, a missing compiler, ...: one line of the table (torch.compile's run long)
+        first = (str(e).strip().splitlines() or [""])[0]
         queue.put("out of memory" if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {first}")
         return
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
@@ -1057,47 +915,54 @@ def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
     queue.put((sorted(times)[len(times) // 2], peak, B * L, model_lib.flops_per_token(cfg, L) * B * L))
 
 
+def time_in_process(*args):
+    """time_spt_step(*args) in a fresh process: what it put on its queue, or, for a process that ended without a
+    result (killed for memory, crashed), a str naming its exit code."""
+    import multiprocessing
+    import queue as queue_lib
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=time_spt_step, args=args + (queue,))
+    proc.start()
+    proc.join()  # a result is a few numbers: it fits in the pipe, so the process ends before it is read
+    try:
+        return queue.get(timeout=1.0)
+    except queue_lib.Empty:
+        return f"its process ended (exit code {proc.exitcode}) without a result"
+
+
 def bench(args):
     """Time each of --variants on the same SPT step, each in its own process (after an untimed one: the first is
     slower), and the speed ratio fused / reference. Writes out/bench/<name>.{json,md}; returns the dict."""
-    import multiprocessing
-    size = BENCH_SIZES.get(args.size) or tuple(int(v) for v in args.size.split(",") if v.strip().isdigit())
+    size, variants = BENCH_SIZES.get(args.size) or tuple(int(v) for v in args.size.split(",") if v.strip().isdigit()), \
+        args.variants.split(",")
     if len(size) != 6 or size[1] % size[3]:
         raise ValueError(f"--size {args.size}: expected one of {', '.join(BENCH_SIZES)} or six positive integers "
                          "L,d_model,layers,heads,MLP,batch with d_model divisible by heads")
-    if not set(args.variants.split(",")) <= set(BENCH_VARIANTS):
+    if not set(variants) <= set(BENCH_VARIANTS):
         raise ValueError(f"--variants {args.variants}: expected a comma-separated subset of {', '.join(BENCH_VARIANTS)}")
-    size = (args.L or size[0],) + size[1:]
     device = data.pick_device(args.device)
     dtype, reason = data.pick_dtype(args.dtype, device)
-    name = data.device_name(device)
+    name, threads, peak_fl = data.device_name(device), torch.get_num_threads(), data.peak_flops(device, dtype)
     print(f"benchmark: L, d_model, layers, heads, MLP, batch = {size} | {device} {name} | {str(dtype)[6:]} "
           f"({reason}) | torch {torch.__version__} | median of {args.repeats} x {args.steps} steps after 3 warm-up steps")
     out = dict(size=dict(zip(("L", "d_model", "n_layers", "n_heads", "d_mlp", "batch"), size)), device=str(device),
                device_name=name, dtype=str(dtype), torch=torch.__version__, steps=args.steps, repeats=args.repeats,
-               threads=torch.get_num_threads(), command=analyze.command_line("ablate.py", args.argv), results={})
-    ctx, peak_fl, variants = multiprocessing.get_context("spawn"), data.peak_flops(device, dtype), \
-        args.variants.split(",")
-    for i, v in enumerate(variants[:1] + variants):  # i = 0: the untimed first process
-        queue = ctx.Queue()
-        proc = ctx.Process(target=time_spt_step, args=(v, size, device, dtype, args.steps if i else 1,
-                                                       args.repeats if i else 1, torch.get_num_threads(), queue))
-        proc.start()
-        result = bench_result(proc, queue)
-        proc.join()
-        if i and isinstance(result, str):
+               threads=threads, command=analyze.command_line("ablate.py", args.argv), results={})
+    time_in_process(variants[0], size, device, dtype, 1, 1, threads)  # untimed: the first process is slower
+    for v in variants:
+        result = time_in_process(v, size, device, dtype, args.steps, args.repeats, threads)
+        if isinstance(result, str):
             out["results"][v] = dict(error=result)
-        elif i:
+        else:
             sec, peak, tokens, flops = result
             out["results"][v] = dict(ms_per_step=1000 * sec, tokens_per_s=tokens / sec, peak_memory_mb=peak / 2 ** 20,
                                      mfu=None if peak_fl is None else flops / sec / peak_fl)
     ms = {k: r.get("ms_per_step") for k, r in out["results"].items()}
     if ms.get("fused") and ms.get("reference"):  # the ratio of tokens/s = inverse ratio of step times
         out["speed_ratio_fused_vs_reference"] = ms["reference"] / ms["fused"]
-    stem = os.path.join(args.out_dir, "bench", args.name or f"{args.size.replace(',', 'x')}_L{size[0]}_{device.type}")
-    data.save_atomic(out, stem + ".json")
-    data.save_atomic(bench_table(out) + "\n", stem + ".md")
-    print(bench_table(out) + f"\n\nwrote {stem}.json and {stem}.md")
+    save_table(os.path.join(args.out_dir, "bench", args.name or f"{args.size.replace(',', 'x')}_L{size[0]}_"
+                            f"{device.type}"), bench_table(out), out)
     return out
 
 
@@ -1201,8 +1066,9 @@ def gpu_projection(task, stage, ms_per_step):
 
 def experiment_gpu(args):
     """Time each stage of every paper preset of --tasks on one CUDA GPU (gpu_run), with projected hours. Writes
-    out/bench/gpu.{json,md} after every stage. A stage that fails is a row of the table and the others still run;
-    SystemExit at the end if any failed, and at once without CUDA."""
+    out/bench/gpu.{json,md} after every stage, so a run stopped by a time limit keeps the stages it finished. A
+    stage that fails is a row of the table and the others still run; SystemExit at the end if any failed, and at
+    once without CUDA."""
     if not torch.cuda.is_available():
         raise SystemExit("ablate.py gpu times the paper presets on a CUDA GPU, and torch.cuda.is_available() is False "
                          "here; on a CPU, python ablate.py bench times one SPT step instead")
@@ -1216,16 +1082,14 @@ def experiment_gpu(args):
             try:
                 figures = gpu_run(task, stage, args)
             except (RuntimeError, ValueError) as e:  # out of memory is a RuntimeError; ValueError: no timed lines
-                failed.append(dict(task=task, stage=stage, error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"))
+                first = str(e).strip().splitlines()[0][:200]
+                failed.append(dict(task=task, stage=stage, error=f"{type(e).__name__}: {first}"))
                 print(f"ablate.py gpu: {task} {stage} failed; timing the other stages\n{traceback.format_exc()}")
                 torch.cuda.empty_cache()
             else:
                 steps, hours = gpu_projection(task, stage, figures["ms_per_step"])
                 results.append(dict(task=task, stage=stage, full_steps=steps, projected_hours=hours, **figures))
-            # after every stage: a run stopped by a time limit (a lent GPU's budget) keeps the stages it finished
-            data.save_atomic(out, stem + ".json")
-            data.save_atomic(gpu_table(out) + "\n", stem + ".md")
-    print(gpu_table(out) + f"\n\nwrote {stem}.json and {stem}.md")
+            save_table(stem, gpu_table(out), out)  # after every stage: a run stopped midway keeps what it timed
     if failed:
         raise SystemExit(f"ablate.py gpu: {len(failed)} of {out['planned']} stages failed (in the table): "
                          + "; ".join(f"{f['task']} {f['stage']}: {f['error']}" for f in failed))
@@ -1352,12 +1216,10 @@ def report(args):
         if page.endswith(".md") and page != "README.md":
             with open(os.path.join(results, page)) as f:
                 pages[page] = f.read()
-            regions = REGION.findall(pages[page])
-            starts = re.findall(r"^<!-- (?:table|figure) from ", pages[page], re.M)
-            ends = re.findall(r"^<!-- end (?:table|figure) -->$", pages[page], re.M)
-            if not len(starts) == len(ends) == len(regions):
-                raise ValueError(f"{os.path.join(results, page)}: {len(starts)} region start(s), {len(ends)} end(s), "
-                                 f"{len(regions)} whole region(s): a marker lost its pair; mend it by hand")
+            regions, markers = REGION.findall(pages[page]), len(MARKER.findall(pages[page]))
+            if markers != 2 * len(regions) + 2 * len(SUMMARY.findall(pages[page])):
+                raise ValueError(f"{os.path.join(results, page)}: {markers} region markers, {len(regions)} whole "
+                                 f"region(s): a marker lost its pair; mend it by hand")
             for _, source, text in regions:
                 if source in where:
                     raise ValueError(f"{os.path.join(results, page)}: the region of {source} is on {where[source]} "
@@ -1414,97 +1276,70 @@ def report(args):
 # The demo: SPT's effect in one command, on a CPU
 # ----------------------------------------------------------------------------------------------------------
 
-DEMO_LENGTH = 300  # trajectory length of `ablate.py demo`: long enough that from scratch stays on its plateau
-
-
 def experiment_demo(args):
     """python ablate.py demo: what self-pretraining does, in about two minutes on a 2-core CPU.
 
-    The minimal model of Coser et al. Sec. 4 (one layer, one head, no LayerNorm, no MLP) learns to classify 2-D
-    trajectories of DEMO_LENGTH steps (2,000 for training, 500 for validation), under the default init (reference).
-    Three runs of 10 epochs each: from scratch; SPT (masked reconstruction); finetuning from SPT. Then the attention
-    of four checkpoints: SPT's init, after SPT, SPT then finetuned, and from scratch.
-    What you will see: from scratch stays at the majority class for all 10 epochs; after SPT, finetuning passes
-    0.9 validation accuracy within a few epochs. At init the attention is near uniform (entropy close to log L).
-    After SPT it is a band along the diagonal: each step attends to its neighbours. The PE-only probe, fed the
-    positions alone, draws the same band. Prints a side-by-side verdict and writes <out_dir>/demo/summary.json,
-    attention.png (maps and probes on one colour scale) and curves.png (validation accuracy per epoch). The runs
-    go to <out_dir>/demo/L<L>_n<N>_e<E>_seed<S>/; a second call reads them back in seconds.
+    The minimal model of Sec. 4 learns to classify 2-D trajectories of --length steps: from scratch, and SPT then
+    finetuning, --epochs each. You will see from scratch stay at the majority class, while after SPT finetuning
+    passes 0.9 validation accuracy within a few epochs; and the attention go from near uniform (entropy close to
+    log L) to a band along the diagonal, which the PE-only probe, fed the positions alone, draws too. Prints the
+    verdict; writes <out_dir>/demo/summary.json, attention.png and curves.png. A second call reads the runs back.
     """
     import time
-    start, L, n, epochs = time.time(), args.L, args.n_train, args.epochs
+    start, L, n, epochs, out = time.time(), args.L, args.n_train, args.epochs, os.path.join(args.out_dir, "demo")
     data_dir = os.path.join(args.data_dir, f"demo_L{L}" + ("" if n == 2000 else f"_n{n}"))
     if not os.path.exists(data.split_path(data_dir, "synthetic")):
         data.prepare_synthetic(data_dir, n_train=n, n_val=500, n_test=500, length=L)
-    folder = os.path.join(args.out_dir, "demo", f"L{L}_n{n}_e{epochs}_seed{args.seed}")
+    folder = os.path.join(out, f"L{L}_n{n}_e{epochs}_seed{args.seed}")
     common = ["--data_dir", data_dir, "--preset", "cpu", "--device", args.device, "--accept_data", "--epochs",
               str(epochs), "--batch_size", "32", "--eval_every", "100000"]  # an evaluation at each epoch's end
     scratch = run_finetune("synthetic", folder, args.seed, "scratch", "scratch", common)
     spt = run_finetune("synthetic", folder, args.seed, "spt", run_pretrain("synthetic", folder, args.seed, common),
                        common)
-    pre = data.run_paths(folder, "synthetic", "pretrain")
-    spt_seconds = data.load_pt(pre["last"])["state"]["elapsed_s"] + spt["wall_time_s"]
-    checkpoints = {"SPT's init": pre["init"], "after SPT": pre["best"], "SPT, then finetuned":
-                   data.run_paths(folder, "synthetic", "finetune", "spt")["best"],
-                   "from scratch": data.run_paths(folder, "synthetic", "finetune", "scratch")["best"]}
-    stats, maps = analyze.analyze_checkpoints(checkpoints, data_dir)
+    pre, kept = data.run_paths(folder, "synthetic", "pretrain"), {
+        name: data.run_paths(folder, "synthetic", "finetune", name)["best"] for name in ("scratch", "spt")}
+    stats, maps = analyze.analyze_checkpoints({"SPT's init": pre["init"], "after SPT": pre["best"],
+                                               "SPT, then finetuned": kept["spt"], "from scratch": kept["scratch"]},
+                                              data_dir)
     init, after = stats["SPT's init"], stats["after SPT"]
-    out = os.path.join(args.out_dir, "demo")
-    analyze.plot_attention(maps, os.path.join(out, "attention.png"), analyze.command_line("ablate.py", args.argv))
-    majority = majority_rate(data_dir, "synthetic")
+    command, majority = analyze.command_line("ablate.py", args.argv), majority_rate(data_dir, "synthetic")
+    analyze.plot_attention(maps, os.path.join(out, "attention.png"), command)
     analyze.plot_curves({"from scratch": scratch, f"SPT ({epochs} epochs), then finetune": spt},
                         os.path.join(out, "curves.png"), f"Synthetic trajectories, L = {L}: validation accuracy",
-                        analyze.command_line("ablate.py", args.argv), hline=(majority, "majority class of the validation split"))
-    exits = {name: plateau_exit_epoch(result) for name, result in (("scratch", scratch), ("spt", spt))}
-    summary = dict(scratch_val_acc=scratch["best_val_acc"], spt_val_acc=spt["best_val_acc"],
-                   init_scheme=scratch["init_scheme"], length=L, seed=args.seed, n_train=n, epochs=epochs,
-                   scratch_exit_epoch=exits["scratch"], spt_exit_epoch=exits["spt"], log_L=init["uniform_entropy"],
-                   entropy_init=init["entropy"], entropy_spt=after["entropy"], band=after["band"],
-                   band_mass_init=init["band_mass"], band_mass_spt=after["band_mass"],
-                   pe_probe_corr=after["probe_corr_with_attention"], majority_rate=majority,
-                   scratch_seconds=scratch["wall_time_s"], spt_seconds=spt_seconds, runs=folder)
-    summary["verdict"] = demo_verdict(summary)
-    summary["seconds"] = time.time() - start  # this command's own time (a rerun reads the runs back)
-    print(demo_table(summary))
-    data.save_atomic(summary, os.path.join(out, "summary.json"))
-    print(f"wrote {out}/summary.json, attention.png and curves.png ({summary['seconds']:.0f} s)")
-
-
-def demo_epoch(epoch):
-    """A plateau-exit epoch as the demo prints it: "never" (None), else the epoch (2, or 2.5 between epochs)."""
-    return "never" if epoch is None else f"{epoch:g}"
-
-
-def demo_verdict(s):
-    """One sentence on what happened in the demo's two runs, from summary.json's numbers."""
+                        command, hline=(majority, "majority class of the validation split"))
+    s = dict(scratch_val_acc=scratch["best_val_acc"], spt_val_acc=spt["best_val_acc"],
+             init_scheme=scratch["init_scheme"], length=L, seed=args.seed, n_train=n, epochs=epochs,
+             scratch_exit_epoch=plateau_exit_epoch(scratch), spt_exit_epoch=plateau_exit_epoch(spt),
+             log_L=init["uniform_entropy"], entropy_init=init["entropy"], entropy_spt=after["entropy"],
+             band=after["band"], band_mass_init=init["band_mass"], band_mass_spt=after["band_mass"],
+             pe_probe_corr=after["probe_corr_with_attention"], majority_rate=majority, runs=folder,
+             scratch_seconds=scratch["wall_time_s"],
+             spt_seconds=data.load_pt(pre["last"])["state"]["elapsed_s"] + spt["wall_time_s"])
+    epoch = {k: "never" if s[k] is None else f"{s[k]:g}" for k in ("scratch_exit_epoch", "spt_exit_epoch")}
     if s["scratch_exit_epoch"] is not None:
-        scratch = f"from scratch reached 0.9 at epoch {demo_epoch(s['scratch_exit_epoch'])}"
-    elif s["scratch_val_acc"] <= s["majority_rate"] + 0.01:  # clears_majority's margin
-        scratch = f"from scratch stayed on its plateau (at the majority class) for all {s['epochs']} epochs"
+        s["verdict"] = f"from scratch reached 0.9 at epoch {epoch['scratch_exit_epoch']}"
+    elif clears_majority([s["scratch_val_acc"]], majority):
+        s["verdict"] = f"from scratch rose to {s['scratch_val_acc']:.2f} but did not reach 0.9 in {epochs} epochs"
     else:
-        scratch = f"from scratch rose to {s['scratch_val_acc']:.2f} but did not reach 0.9 in {s['epochs']} epochs"
-    if s["spt_exit_epoch"] is not None:
-        return f"{scratch}; after SPT, finetuning reached 0.9 at epoch {demo_epoch(s['spt_exit_epoch'])}."
-    return f"{scratch}; after SPT, finetuning did not reach 0.9 in {s['epochs']} epochs (best {s['spt_val_acc']:.2f})."
-
-
-def demo_table(s):
-    """The demo's printout: both runs side by side, then the attention at init and after SPT, then the verdict."""
+        s["verdict"] = f"from scratch stayed on its plateau (at the majority class) for all {epochs} epochs"
+    s["verdict"] += "; after SPT, finetuning " + (
+        f"reached 0.9 at epoch {epoch['spt_exit_epoch']}." if s["spt_exit_epoch"] is not None else
+        f"did not reach 0.9 in {epochs} epochs (best {s['spt_val_acc']:.2f}).")
     rows = [("", "from scratch", "SPT, then finetune"),
             ("best validation accuracy", f"{s['scratch_val_acc']:.3f}", f"{s['spt_val_acc']:.3f}"),
-            ("first epoch with validation accuracy >= 0.9", demo_epoch(s["scratch_exit_epoch"]),
-             demo_epoch(s["spt_exit_epoch"])),
+            ("first epoch with validation accuracy >= 0.9", epoch["scratch_exit_epoch"], epoch["spt_exit_epoch"]),
             ("wall time, s (SPT: both its runs)", f"{s['scratch_seconds']:.1f}", f"{s['spt_seconds']:.1f}"),
             ("", "", ""), ("attention (layer 0, 64 validation trajectories)", "at init", "after SPT"),
             (f"entropy, nats (log L = {s['log_L']:.2f}: uniform)", f"{s['entropy_init']:.2f}", f"{s['entropy_spt']:.2f}"),
             ("entropy / log L", f"{s['entropy_init'] / s['log_L']:.2f}", f"{s['entropy_spt'] / s['log_L']:.2f}"),
             (f"band mass, |i - j| <= {s['band']}", f"{s['band_mass_init']:.2f}", f"{s['band_mass_spt']:.2f}"),
             ("PE-only probe: correlation with the attention", "", f"{s['pe_probe_corr']:.3f}")]
-    lines = [f"{a:50s} {b:>14s} {c:>20s}" for a, b, c in rows]
-    head = (f"demo: synthetic trajectories of {s['length']} steps, {s['n_train']} for training, seed {s['seed']}, "
-            f"init {s['init_scheme']}, {s['epochs']} epochs per stage; majority class of validation "
-            f"{s['majority_rate']:.3f}")
-    return "\n".join([head, ""] + lines + ["", "verdict: " + s["verdict"]])
+    print(f"demo: synthetic trajectories of {L} steps, {n} for training, seed {args.seed}, init {s['init_scheme']}, "
+          f"{epochs} epochs per stage; majority class of validation {majority:.3f}\n")
+    print("\n".join(f"{a:50s} {b:>14s} {c:>20s}" for a, b, c in rows) + f"\n\nverdict: {s['verdict']}")
+    s["seconds"] = time.time() - start  # this command's own time (a rerun reads the runs back)
+    data.save_atomic(s, os.path.join(out, "summary.json"))
+    print(f"wrote {out}/summary.json, attention.png and curves.png ({s['seconds']:.0f} s)")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1524,15 +1359,21 @@ def build_parser():
         s = sub.add_parser(name, help=help, description=help, formatter_class=fmt)
         s.set_defaults(length=100, download=False, init_scheme="reference", only_seed=None, default_seeds=seeds)
         arg = s.add_argument
+        arg("--out_dir", default="out", help="where runs, tables and figures go (<out_dir>/ablate/, bench/, ...)")
+        if name not in ("gpu", "report"):
+            arg("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
+        if runs or name == "demo":
+            arg("--data_dir", default="data", help="root of data/<task>/ (made there when missing)")
         if runs:
             arg("--seeds", type=data.POSITIVE, default=seeds, help="runs per row, seeds 0..N-1")
             arg("--jobs", type=data.POSITIVE, default=1, help="seeds run at once, a process of one thread each")
             arg("--only_seed", type=int, default=None, help=argparse.SUPPRESS)  # a --jobs child's seed: no table
             arg("--preset", default="cpu", choices=("cpu", "paper"), help="every run's preset (paper: GPU)")
-            arg("--data_dir", default="data", help="root of data/<task>/ (made there when missing)")
-            arg("--out_dir", default="out", help="runs go to <out_dir>/ablate/<init scheme>/<task>/...")
-            arg("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
-            arg("--max_steps", type=data.NON_NEGATIVE, default=0, help="cap every run's steps (a quick look)")
+            budget = s.add_mutually_exclusive_group().add_argument  # one budget or the other
+            budget("--max_steps", type=data.NON_NEGATIVE, default=0, help="cap every run's steps (a quick look)")
+            if name in ("swap", "ucr"):
+                budget("--steps", type=data.NON_NEGATIVE, default=0, help="steps of every stage, runs and a table of "
+                       "their own; 0 = the preset's")
         if runs and name != "initscale":
             arg("--init_scheme", default="reference", choices=INIT_SCHEMES,
                 help="every run's initialization (model.init_weights); reference = Amos et al.'s code")
@@ -1552,7 +1393,6 @@ def build_parser():
     arg = add("swap", "dataset swap PathFinder <-> Image (Sec. 3)")
     arg("--difficulty", default="hard", choices=tuple(data.PATHFINDER_DIFFICULTY), help="PathFinder side")
     arg("--n_images", type=int, default=None, help="PathFinder images generated (default: the preset's data)")
-    arg("--steps", type=data.NON_NEGATIVE, default=0, help="steps per stage for every run; 0 = the preset's")
     add("main", "the LRA table (Table 2)")(
         "--tasks", nargs="+", default=LRA_TASKS, choices=LRA_TASKS + ("pathx",), help="LRA tasks")
     add("frozen", "the deep model from scratch with its attention frozen at init (Sec. 3)")(
@@ -1560,7 +1400,6 @@ def build_parser():
         help="default: fashion_mnist (at its CPU budget) on the cpu preset, the LRA tasks on paper")
     arg = add("ucr", "UCR time series (Sec. 5)")
     arg("--datasets", nargs="+", default=UCR_DATASETS + UCR_OFFLINE, help="the UCR data sets to run")
-    arg("--steps", type=data.NON_NEGATIVE, default=0, help="steps of every stage; 0 = the preset's")
     arg = add("initscale", "from scratch and SPT over init scale x length x tied/independent (beyond the paper)",
               seeds=2)
     arg("--kinds", nargs="+", default=["reference", "torch"], choices=("reference", "torch"),
@@ -1571,16 +1410,12 @@ def build_parser():
     arg("--n_val", type=int, default=500, help="validation (and test) trajectories per length")
     arg("--epochs", type=int, default=10, help="epochs of each stage")
     arg("--batch_size", type=int, default=32, help="trajectories per step")
-    arg("--quick", action="store_true", help="a small grid (scales 0.25 1, L 50 100, 4 epochs of 500)")
     arg = add("bench", "time one SPT step: ours (fused, explicit) vs torch.nn.TransformerEncoder", runs=False)
     arg("--size", default="cpu", help=f"one of {', '.join(BENCH_SIZES)}, or L,d_model,layers,heads,MLP,batch")
-    arg("--L", type=int, default=None, help="override the sequence length of --size")
-    arg("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
     arg("--dtype", default="auto", choices=("auto", "bf16", "fp32"), help="auto = bf16 on CUDA")
     arg("--steps", type=int, default=5, help="timed steps per repeat")
     arg("--repeats", type=int, default=5, help="the median over repeats is reported")
     arg("--variants", default="fused,explicit,reference", help=f"any of {', '.join(BENCH_VARIANTS)}")
-    arg("--out_dir", default="out", help="writes <out_dir>/bench/<name>.{json,md}")
     arg("--name", default=None, help="file name of the result (default: size, L and device type)")
     arg = add("gpu", "time every paper preset on one CUDA GPU: ms/step, tokens/s, MFU, memory, hours", runs=False)
     arg("--tasks", nargs="+", default=list(GPU_TASKS), choices=GPU_TASKS, help="the presets to time")
@@ -1588,18 +1423,13 @@ def build_parser():
     arg("--log_every", type=int, default=50, help="steps per log line (one figure each)")
     arg("--n_train", type=int, default=2000, help="training examples of the stand-in data")
     arg("--compile", action="store_true", help="torch.compile the model (pretrain.py --compile)")
-    arg("--out_dir", default="out", help="runs in <out_dir>/gpu/<task>/, table in <out_dir>/bench/gpu.md")
     arg = add("demo", "SPT's effect in one command on a CPU (~2 min): from scratch vs SPT, attention, verdict",
               runs=False)
-    arg("--length", type=int, default=DEMO_LENGTH, dest="L", help="trajectory length L")
+    arg("--length", type=int, default=300, dest="L", help="trajectory length L (from scratch stays on its plateau)")
     arg("--seed", type=int, default=0, help="seed of the three runs (data: seed 0)")
     arg("--epochs", type=data.POSITIVE, default=10, help="epochs of each stage")
     arg("--n_train", type=data.POSITIVE, default=2000, help="training trajectories")
-    arg("--data_dir", default="data", help="data in <data_dir>/demo_L<L>[_n<n_train>]/ (made when missing)")
-    arg("--out_dir", default="out", help="writes <out_dir>/demo/")
-    arg("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
     arg = add("report", "file the tables and figures of out/ into the pages of results/", runs=False)
-    arg("--out_dir", default="out", help="where the experiments wrote")
     arg("--results_dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
         help="the pages' folder")
     arg("--force", action="store_true", help="also take tables of capped runs or fewer seeds than their region's")

@@ -1046,17 +1046,14 @@ def test_bench_reports_figures_computed_from_its_own_timings(tmp_path):
 
 
 def test_bench_parent_reports_a_timing_process_that_ends_without_a_result():
-    """ablate.bench_result returns what the child put on the queue, and, when the child dies without a result (a
-    crash before its try, the kernel's out-of-memory kill), a line naming its exit code instead of waiting forever."""
+    """ablate.time_in_process returns what the timing process put on its queue, and, when that process dies
+    without a result (here a crash before its try: a ModelConfig it refuses), a line naming its exit code."""
     import ablate
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=os._exit, args=(3,))
-    proc.start()
-    assert ablate.bench_result(proc, queue, poll_s=0.2) == "its process ended (exit code 3) without a result"
-    proc.join()
-    queue.put((0.5, 1, 2, 3))
-    assert ablate.bench_result(proc, queue, poll_s=0.2) == (0.5, 1, 2, 3)
+    args = (torch.device("cpu"), torch.float32, 1, 1, 1)
+    assert ablate.time_in_process("fused", (16, 15, 1, 2, 8, 2), *args) == \
+        "its process ended (exit code 1) without a result"
+    sec, peak, tokens, flops = ablate.time_in_process("fused", (16, 8, 1, 2, 8, 2), *args)
+    assert sec > 0 and tokens == 32
 
 
 def test_gpu_command_refuses_without_cuda_and_writes_its_table_from_fixture_numbers(tmp_path, monkeypatch):
@@ -1552,11 +1549,12 @@ def test_ablate_synthetic_and_init_run_and_resume(synthetic_run, tmp_path, capsy
     assert "SPT, inherit qk" in table and "0.607 +- 0.012" in table
     ablate.main(["posenc"] + argv)
     res = json.load(open(tmp_path / "ablate" / "posenc.json"))
-    assert {r["pos"] for r in res["runs"]} == {"sinusoidal", "alibi", "rope", "fire", "none", "sinusoidal + SPT"}
+    assert {r["row"] for r in res["runs"]} == {f"{p}, from scratch" for p in ("sinusoidal", "alibi", "rope", "fire",
+                                                                              "no positions")} | {"sinusoidal + SPT"}
     table = open(tmp_path / "ablate" / "posenc.md").read()
     assert "| no positions, from scratch | " in table
-    acc = {(r["seed"], r["pos"]): r["test_acc"] for r in res["runs"]}  # RoPE minus sinusoidal, seeds 0 and 1
-    rope = [acc[(s, "rope")] - acc[(s, "sinusoidal")] for s in (0, 1)]
+    acc = {(r["seed"], r["row"]): r["test_acc"] for r in res["runs"]}  # RoPE minus sinusoidal, seeds 0 and 1
+    rope = [acc[(s, "rope, from scratch")] - acc[(s, "sinusoidal, from scratch")] for s in (0, 1)]
     assert f"| rope, from scratch | {sum(rope) / 2:+.3f} +- {abs(rope[0] - rope[1]) / math.sqrt(2):.3f} | " \
            f"{rope[0]:+.3f}, {rope[1]:+.3f} | {sum(d > 0 for d in rope)} of 2 |" in table
 
@@ -1793,10 +1791,10 @@ def test_ablate_jobs_child_logs_are_named_after_the_experiments_own_table(tmp_pa
     class Spawned(Exception):
         pass
 
-    def record(args, name):
-        raise Spawned(name)
+    def record(cmd, stdout, **kwargs):
+        raise Spawned(os.path.basename(stdout.name))
 
-    monkeypatch.setattr(ablate, "run_in_parallel", record)
+    monkeypatch.setattr(subprocess, "Popen", record)
     argv = ["--seeds", "2", "--jobs", "2", "--data_dir", str(tmp_path / "data"), "--out_dir", str(tmp_path / "out"),
             "--max_steps", "2", "--device", "cpu"]
     cases = [(["synthetic"], "synthetic"), (["init"], "init"), (["duration"], "duration"), (["posenc"], "posenc"),
@@ -1809,7 +1807,7 @@ def test_ablate_jobs_child_logs_are_named_after_the_experiments_own_table(tmp_pa
                                                                          for case in listops]:
         with pytest.raises(Spawned) as spawned:
             ablate.main(command + argv + data_dir)
-        assert str(spawned.value) == table, command
+        assert str(spawned.value) == f"{table}_seed0.log", command
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -2758,7 +2756,7 @@ def test_ablate_ucr_runs_what_it_finds_and_skips_the_rest(tmp_path, capsys):
     ablate.main(argv)
     text = capsys.readouterr().out
     for name in ("ECG200", "ECG5000", "ECGFiveDays"):
-        assert f"skipping UCR {name}: not found" in text and "no download attempted" in text
+        assert f"skipping ucr/{name}: UCR data set '{name}' not found" in text
     assert "downloading" not in text
     # Not the default --datasets: a table of its own (ucr.md is the default list's), named in its footer.
     stem = tmp_path / "out" / "ablate" / ("ucr_" + "_".join(ablate.UCR_DATASETS))
@@ -2774,13 +2772,14 @@ def test_ablate_ucr_runs_what_it_finds_and_skips_the_rest(tmp_path, capsys):
     # the evaluation kept (best val acc; a tie: the lower val loss, then the later step), by hand from the log
     kept = max(evals, key=lambda e: (e["val_acc"], -e["val_loss"], e["step"]))["step"]
     assert steps == [kept] and f"| {kept} |" in table  # the step whose weights gave the test accuracy
-    assert "Skipped: ECG200" in table
+    assert "Skipped: ECG200 (UCR data set 'ECG200' not found)" in table
     acc = {r["name"]: r["test_acc"] for r in res["runs"]}  # SPT's gain, one seed: no sd, no t
     gain = acc["spt"] - acc["scratch"]
     assert f"| GunPoint | {gain:+.3f} (1 seed) | {gain:+.3f} | {int(gain > 0)} of 1 | - |" in table
     ablate.main(argv)  # resumable: the finished runs are read back
     assert capsys.readouterr().out.count("read back") == 2
-    with pytest.raises(FileNotFoundError, match="none of the UCR data sets"):
+    with pytest.raises(FileNotFoundError, match=r"no data for any of ucr/NoSuchSet \(UCR data set 'NoSuchSet' not "
+                                                r"found\)"):
         ablate.main(argv[:-len(ablate.UCR_DATASETS)] + ["NoSuchSet"])
 
 
@@ -2826,8 +2825,9 @@ def test_ablate_ucr_steps_gives_every_stage_that_budget_in_runs_and_a_table_of_t
                      table.rstrip())
     assert "command: python ablate.py ucr --datasets GunPoint --steps 3 --seeds 1;" in table
     assert not (tmp_path / "out" / "ablate" / "ucr_GunPoint.md").exists()
-    with pytest.raises(ValueError, match="pass one of them"):
+    with pytest.raises(SystemExit):  # one budget or the other
         ablate.main(argv + ["--max_steps", "2"])
+    assert "argument --max_steps: not allowed with argument --steps" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -3198,7 +3198,7 @@ def test_ablate_s_fashion_mnist_subset_reads_the_idx_files_where_data_py_downloa
     <data_dir>/fashion_mnist/, were 'not found'."""
     import ablate
     monkeypatch.setattr(data, "FASHION_DIRS", ())  # no Debian package here
-    monkeypatch.setattr(ablate, "FASHION_CPU", dict(resolution=16, n_train=6, n_val=4, epochs=1))
+    monkeypatch.setattr(ablate, "FASHION_CPU", dict(resolution=16, n_train=6, n_val=4, epochs=1, exit_at=0.7))
     root = tmp_path / "data"
     os.makedirs(root / "fashion_mnist")
     rng = np.random.default_rng(0)
@@ -4161,7 +4161,7 @@ def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run
         val_cell = row.split(" | ")[3]
         assert val_cell.endswith("(majority class)") == (sum(accs) / len(accs) <= majority + 0.01), (row, majority)
         assert f"| {majority:.3f} |" in row
-    assert "its mean is not more than 0.01 above the validation split's majority-class rate" in swap_table
+    assert "`(majority class)`: the mean val acc is not more than 0.01 above the majority-class rate" in swap_table
     shutil.copytree(os.path.join(synthetic_run[0], "synthetic"), os.path.join(root, "synthetic"))
     ablate.main(["duration", "--durations", "1", "2"] + argv)
     runs = json.load(open(os.path.join(out, "ablate", "duration.json")))["runs"]
@@ -4173,7 +4173,11 @@ def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run
     assert "| listops |" in table and "| pathfinder |" in table and "Skipped: text" in table
     val = data.load_split(root, "listops", "val")["labels"]
     majority = max(val.tolist().count(c) for c in set(val.tolist())) / len(val)  # counted without torch
-    assert f"| {majority:.3f} | scratch: " in table and "| majority class (val) | above it? |" in table
+    row = next(line for line in table.splitlines() if line.startswith("| listops |")).split(" | ")
+    accs = {n: [r["best_val_acc"] for r in json.load(open(os.path.join(out, "ablate", "main_cpu.json")))["runs"]
+                if (r["task"], r["name"]) == ("listops", n)] for n in ("scratch", "spt")}
+    assert row[3] == f"{majority:.3f}" and [row[i].endswith("(majority class)") for i in (1, 2)] == \
+        [sum(accs[n]) / len(accs[n]) <= majority + 0.01 for n in ("scratch", "spt")]
     # report: each table into the page that names it, or a page of its own; another machine's regions are kept
     results = tmp_path / "results"
     results.mkdir()
@@ -4215,17 +4219,17 @@ def test_ablate_fashion_mnist_budget_init_duration_and_generated_pathfinder_swap
     generated PathFinder data, all fixture-sized."""
     import ablate
     installed_fashion_mnist(tmp_path, monkeypatch)
-    monkeypatch.setattr(ablate, "FASHION_CPU", dict(resolution=16, n_train=20, n_val=8, epochs=1))
+    monkeypatch.setattr(ablate, "FASHION_CPU", dict(resolution=16, n_train=20, n_val=8, epochs=1, exit_at=0.7))
     root, out = str(tmp_path / "data"), str(tmp_path / "out")
     argv = ["--seeds", "1", "--data_dir", root, "--out_dir", out, "--max_steps", "2", "--device", "cpu"]
     ablate.main(["init", "--task", "fashion_mnist"] + argv)
     meta = data.load_split(os.path.join(root, "fashion_mnist_r16_n20"), "fashion_mnist", "train")["meta"]
     assert meta["max_len"] == 256 and meta["split_sizes"] == dict(train=20, val=8, test=10)
     table = open(os.path.join(out, "ablate", "init_fashion_mnist.md")).read()
-    assert "averaged to 16x16, a training subset, 20/8/10 train/val/test" in table
-    assert "Probe, from scratch for 2 epochs (seed 0)" in table and "| during SPT: norm(W - W_init)" in table
+    assert "averaged to 16x16, a training subset, 1 epochs per stage, 20/8/10 train/val/test" in table
+    assert "| epoch val acc >= 0.7 (runs) |" in table and "| during SPT: norm(W - W_init)" in table
     res = json.load(open(os.path.join(out, "ablate", "init_fashion_mnist.json")))
-    spt_run = next(r for r in res["runs"] if r["row"] == "all")
+    spt_run = next(r for r in res["runs"] if r["row"] == "SPT, inherit all")
     assert f"| ours | {spt_run['displacement']['W_Q']:.3f} (1 seed) |" in table.replace(" +- 0.000", "")
     assert os.path.getsize(os.path.join(out, "analysis", "init_fashion_mnist_curves.png")) > 10_000
     assert analyze.figure_command(os.path.join(out, "analysis", "init_fashion_mnist_curves.png")) == \
@@ -4236,11 +4240,13 @@ def test_ablate_fashion_mnist_budget_init_duration_and_generated_pathfinder_swap
     capsys.readouterr()
     ablate.main(["duration", "--task", "fashion_mnist", "--durations", "1", "3"] + argv)
     text = capsys.readouterr().out
-    assert "finetune_init_scratch.json" in text and "finetune_scratch_probe.json" in text  # shared with init
+    assert "finetune_init_scratch.json" in text and "finetune_init_all.json" in text  # shared with init
     assert sorted(r["epochs"] for r in json.load(open(os.path.join(out, "ablate", "duration_fashion_mnist.json")))
                   ["runs"]) == [0, 1, 3]
-    with pytest.raises(ValueError, match="pass one of them"):  # not silently the later of two --max_steps
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # not silently the later of two budgets
         ablate.main(["swap", "--steps", "2"] + argv)
+    assert "argument --max_steps: not allowed with argument --steps" in capsys.readouterr().err
     argv = ["--seeds", "1", "--data_dir", root, "--out_dir", out, "--device", "cpu"]  # swap's budget: --steps
     with pytest.raises(ValueError, match="n_val 5000: expected 1..39 for 40 training examples"):
         ablate.main(["swap", "--difficulty", "easy", "--n_images", "40", "--steps", "2"] + argv)
@@ -4266,7 +4272,7 @@ def test_ablate_frozen_freezes_every_layer_and_measures_how_far_each_group_moved
     import shutil
     import ablate
     installed_fashion_mnist(tmp_path, monkeypatch)
-    monkeypatch.setattr(ablate, "FASHION_CPU", dict(resolution=16, n_train=20, n_val=8, epochs=1))
+    monkeypatch.setattr(ablate, "FASHION_CPU", dict(resolution=16, n_train=20, n_val=8, epochs=1, exit_at=0.7))
     root, out = str(tmp_path / "data"), str(tmp_path / "out")
     argv = ["--seeds", "1", "--data_dir", root, "--out_dir", out, "--max_steps", "3", "--device", "cpu"]
     ablate.main(["frozen"] + argv)  # default on the cpu preset: Fashion-MNIST at its CPU budget
@@ -4293,7 +4299,7 @@ def test_ablate_frozen_freezes_every_layer_and_measures_how_far_each_group_moved
     assert q != pytest.approx(moved("pretrain_init.pt", "finetune_spt.pt", ".q_proj.")[0], rel=1e-3)
     table = open(os.path.join(out, "ablate", "frozen_cpu.md")).read()
     assert "| fashion_mnist | from scratch, attn frozen |" in table and "| 0.535 |" in table
-    assert "| 0.535 (?) |" in table and "| 0.720 (Table 2) |" in table and "Probe, from scratch for 2 epochs" in table
+    assert "| 0.535 (?) |" in table and "| 0.720 (Table 2) |" in table
     assert "command: python ablate.py frozen --preset cpu --tasks fashion_mnist --seeds 1" in table
     assert "| 0.503 (Sec. 3; Table 2: 0.499) |" in table and "stands beside the paper's CIFAR10" in table
     spt_stage = rows["SPT stage (masked reconstruction)"]["gradients"]
@@ -4309,7 +4315,7 @@ def test_ablate_frozen_freezes_every_layer_and_measures_how_far_each_group_moved
     assert "| listops | from scratch, attn frozen |" in table and "| 0.40 (unchanged) |" in table
     assert "Skipped: text" in table and "fashion_mnist" not in table and "CIFAR10" not in table
     assert "| fashion_mnist |" in open(os.path.join(out, "ablate", "frozen_cpu.md")).read()
-    with pytest.raises(FileNotFoundError, match=r"no data for any task of --tasks: text \("):
+    with pytest.raises(FileNotFoundError, match=r"no data for any of text \("):
         ablate.main(["frozen", "--tasks", "text"] + argv)
     # A finished run whose weights are gone is not read back: its model cannot be checked.
     os.remove(os.path.join(run, "finetune_scratch.pt"))
@@ -5032,7 +5038,7 @@ def test_report_places_each_region_by_its_marker_and_refuses_what_it_cannot_plac
             run()
         assert {p: p.read_bytes() for p in results.rglob("*") if p.is_file()} == good
         (out / name).unlink()
-    for bad, match in ((text.replace("<!-- end table -->", "", 1), "synthetic_L200.md: 2 region start"),
+    for bad, match in ((text.replace("<!-- end table -->", "", 1), "synthetic_L200.md: 5 region markers, 1 whole"),
                        (text + "\n<!-- table from out/ablate/y.md -->\n<!-- table from out/ablate/z.md -->\n"
                                "<!-- end table -->\n", "a marker lost its pair")):
         page.write_text(bad)
