@@ -64,9 +64,7 @@ ABLATION_TASKS = ("synthetic", "pathfinder", "image", "fashion_mnist")
 FASHION_CPU = dict(resolution=16, n_train=5000, n_val=1000, epochs=10, exit_at=0.7)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Runs: where they live, how they run, when a finished one is read back
-# ----------------------------------------------------------------------------------------------------------
+# ---- Runs: where they live, how they run, when a finished one is read back ----
 
 def task_data_dir(args, task, make=True):
     """<data_dir>, or for Fashion-MNIST at the CPU budget <data_dir>/fashion_mnist_r16_n5000 (made if `make`)."""
@@ -233,9 +231,7 @@ def seeds_here(args, name, *runs):
     return list(range(args.seeds))
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Statistics and tables shared by the experiments
-# ----------------------------------------------------------------------------------------------------------
+# ---- Statistics and tables shared by the experiments ----
 
 def plateau_exit_epoch(result, threshold=0.9):
     """First epoch (fractional, from the step) at which validation accuracy reached `threshold`, or None."""
@@ -428,9 +424,7 @@ def displacement_cells(rs):
     return [mean_std([r["displacement"][g] for r in rs]) for g in ("W_Q", "W_K", "W_Q^T W_K")]
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The experiments
-# ----------------------------------------------------------------------------------------------------------
+# ---- The experiments ----
 
 def experiment_synthetic(args):
     """Coser et al. Sec. 4: the minimal model (one layer, one head, no LayerNorm, no MLP) on 2-D trajectories.
@@ -835,9 +829,7 @@ def experiment_initscale(args):
     write_outputs("initscale", runs, "\n".join(rows), args)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Performance: one SPT step against torch.nn.TransformerEncoder (bench), every paper preset on a GPU (gpu)
-# ----------------------------------------------------------------------------------------------------------
+# ---- Performance: one SPT step against torch.nn.TransformerEncoder (bench), every paper preset on a GPU (gpu) ----
 
 BENCH_SIZES = {"cpu": (1024, 128, 4, 4, 256, 8),  # name: (L, d_model, n_layers, n_heads, d_mlp, batch)
                "listops-paper": (2048, 512, 6, 8, 2048, 32), "text-paper": (4096, 512, 6, 8, 2048, 32)}
@@ -983,9 +975,7 @@ def bench_table(out):
     return "\n".join(rows)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The GPU path measured: a short real run of every paper preset on one CUDA GPU (results/performance.md)
-# ----------------------------------------------------------------------------------------------------------
+# ---- The GPU path measured: a short real run of every paper preset on one CUDA GPU (results/performance.md) ----
 
 GPU_TASKS = ("listops", "text", "retrieval", "image", "pathfinder", "pathx")
 # Training examples of the real data sets (data.py's table), for the projected wall time of a full preset.
@@ -1120,9 +1110,7 @@ def gpu_table(out):
     return "\n".join(rows)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# report: the tables and figures of out/ filed into the pages of results/
-# ----------------------------------------------------------------------------------------------------------
+# ---- report: the tables and figures of out/ filed into the pages of results/ ----
 
 TITLES = {"main": "LRA: from scratch versus SPT (Coser et al. Table 2)",
           "synthetic": "Synthetic trajectories: from scratch versus SPT (Coser et al. Sec. 4)",
@@ -1272,9 +1260,7 @@ def report(args):
           f"{args.out_dir}/) in {len(pages)} page(s) of {results}/; {len(copies)} figure(s) copied to figures/")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The demo: SPT's effect in one command, on a CPU
-# ----------------------------------------------------------------------------------------------------------
+# ---- The demo: SPT's effect in one command, on a CPU ----
 
 def experiment_demo(args):
     """python ablate.py demo: what self-pretraining does, in about two minutes on a 2-core CPU.
@@ -1342,9 +1328,7 @@ def experiment_demo(args):
     print(f"wrote {out}/summary.json, attention.png and curves.png ({s['seconds']:.0f} s)")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Command line: one subcommand per experiment, each with its own flags
-# ----------------------------------------------------------------------------------------------------------
+# ---- Command line: one subcommand per experiment, each with its own flags ----
 
 def build_parser():
     """`python ablate.py <subcommand> [its flags]`. Each subcommand gets its own copies of the flags it takes

@@ -109,9 +109,7 @@ MASK_RATIO = {"listops": 0.10, "synthetic": 0.50, "ucr": 0.50, "text": 0.15, "re
               "fashion_mnist": 0.50, "pathfinder": 0.50, "pathx": 0.50}
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The SPT objective: masked reconstruction (Coser et al. Sec. 2, L_SPT)
-# ----------------------------------------------------------------------------------------------------------
+# ---- The SPT objective: masked reconstruction (Coser et al. Sec. 2, L_SPT) ----
 
 def mask_batch(x, lengths, ratio, mask_id, generator):
     """Choose masked positions and hide them from the model.
@@ -281,10 +279,8 @@ def next_commands(task, checkpoint, given):
             f"python finetune.py --task {task} --init scratch{both}{model}")
 
 
-# ==========================================================================================================
-# The engine shared with finetune.py (a first reading can stop here): flags and presets, device, torchrun,
-# data, the sharded evaluation, and the training loop `train` with its step, logging and checkpoints.
-# ==========================================================================================================
+# ==== The engine shared with finetune.py (a first reading can stop here): flags and presets, device, the
+# ==== training loop `train` with its step, logging and checkpoints (data.py holds the run's files and DDP).
 
 MODEL_SIZE_FLAGS = ("n_layers", "d_model", "n_heads", "d_mlp")
 
