@@ -33,13 +33,13 @@ from model import Transformer, config_from_dict, param_group, unwrapped_state_di
 # o_i = sum_j A_ij X_j; mean pool h = (1/L) sum_i o_i; L_sup(a) = E[l(h(a), Y)];
 # L_SPT(a) = (1/(2L)) sum_i E||X_i - o_i(a)||^2. E is the average over a sample of N sequences.
 #
-# Derivation. At a = 0 attention is uniform, A = 11^T/L, and dA/da(0) = Dbar/L, with Dbar = D P the row-centred
-# direction (P = I - 11^T/L). Hence o_i'(0) = (1/L) sum_j Dbar_ij X_j and
-#     h'(0) = (1/L^2) sum_j (1^T Dbar)_j X_j,      1^T Dbar = 1^T D P.
+# Derivation. At a = 0 attention is uniform, A = 11^T/L, and dA/da(0) = Dbar/L, with Dbar = D J the row-centred
+# direction (J = I - 11^T/L, the centring matrix; not the positions P). Hence o_i'(0) = (1/L) sum_j Dbar_ij X_j and
+#     h'(0) = (1/L^2) sum_j (1^T Dbar)_j X_j,      1^T Dbar = 1^T D J.
 # If D has zero column sums (1^T D = 0), h'(0) = 0 for every sample: L_sup'(0) = 0 for ANY loss l.
-# For reconstruction, X_i - o_i(0) = (P X)_i is not zero, so
-#     L_SPT'(0) = -(1/L) sum_i E[(P X)_i . o_i'(0)] = -(1/L^2) <P D P, C>_F,    C_ij = E[X_i . X_j].
-# C is the uncentred second moment: the tokens need no centring. If 1^T D = 0, then P D P = Dbar and this is the
+# For reconstruction, X_i - o_i(0) = (J X)_i is not zero, so
+#     L_SPT'(0) = -(1/L) sum_i E[(J X)_i . o_i'(0)] = -(1/L^2) <J D J, C>_F,    C_ij = E[X_i . X_j].
+# C is the uncentred second moment: the tokens need no centring. If 1^T D = 0, then J D J = Dbar and this is the
 # paper's -(1/L^2) <Dbar, C>_F; otherwise the two differ by +(1/L^3) sum_j (1^T Dbar)_j (1^T C)_j.
 # Both are exact with the empirical C of the sample; with the population C, up to sampling error.
 # With [CLS] pooling (h = o_1), h'(0) = (1/L) sum_j Dbar_1j X_j does not vanish unless row 1 of D is constant:
@@ -97,8 +97,8 @@ def closed_form_spt_derivative(x, d, c=None):
 
 
 def exact_spt_derivative(x, d, c=None):
-    """L_SPT'(0) = -(1/L^2) <P D P, C>_F with P = I - 11^T/L, exact for every direction: the paper's form of the
-    column-centred direction P D (whose row centring is P D P)."""
+    """L_SPT'(0) = -(1/L^2) <J D J, C>_F with J = I - 11^T/L, exact for every direction D. It is the paper's
+    closed form applied to J D, the direction with its columns centred (row-centring J D gives J D J)."""
     return closed_form_spt_derivative(x, column_centred(d), c)
 
 

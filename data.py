@@ -24,6 +24,7 @@ Commands (pretrain.py and finetune.py run these themselves when data/<task>/ is 
     python data.py --task pathfinder --generate 2000   # our PathFinder generator, in the LRA release layout
     python data.py --task pathx                        # PathFinder 128x128 from the LRA release
 
+Start with generate_trajectories (section 3, the synthetic task), then load_split and get_batch (section 0).
 Sections: 0. what every stage reads: the atomic write, checkpoints, a run's files, loading, checking and batching
 splits (a first reading can stop there). 1. file helpers and downloads. 2-7. one per source: ListOps, synthetic,
 UCR, Text and Retrieval, Image and Fashion-MNIST, PathFinder and PathX. 8. any task by name, and the settings a run

@@ -17,6 +17,9 @@ validation accuracy), _last.pt (for --resume), _init.pt (the starting weights), 
 "scratch", with "_inherit-<groups>" / "_freeze-<groups>" when those are set.
 Expect: on ListOps' CPU preset ~0.17, near the majority class (450 steps do not leave the plateau); the paper
 reports ~0.56-0.59 with SPT against ~0.40 from scratch at the paper size. On the synthetic task see ablate.py demo.
+
+Reading order: INHERIT and FREEZE (Table 3's groups), hybrid_state_dict, model_from_pretrained, then main, whose
+loss_fn is the labels' cross-entropy through mean pooling; the loop is pretrain.train.
 """
 import json
 import os
@@ -122,7 +125,8 @@ def model_from_pretrained(path, meta, n_classes, task, device, inherit="all", he
     model = Transformer(cfg)
     fresh = model.state_dict()
     new, dropped = sorted(set(fresh) - set(state)), sorted(set(state) - set(fresh))
-    bad_new, bad_dropped = [k for k in new if k[:9] != "cls_head."], [k for k in dropped if k[:9] != "rec_head."]
+    bad_new = [k for k in new if not k.startswith("cls_head.")]  # only the class head may be new,
+    bad_dropped = [k for k in dropped if not k.startswith("rec_head.")]  # only the reconstruction head dropped
     if bad_new or bad_dropped:
         raise ValueError(f"{path}: checkpoint does not match the model: missing {bad_new}, unexpected {bad_dropped}")
     for key in set(state) & set(fresh):

@@ -145,7 +145,7 @@ class Attention(nn.Module):
         if self.pos == "rope":
             q, k = rope(q), rope(k)
         bias = self._position_bias(L, x.device)  # (H, L, L) float or None
-        mask = self._mask(valid, L, x.device, full=need_weights or bias is not None)
+        mask = self._mask(valid, L, x.device, full=need_weights)
         if bias is not None:  # a float mask: the bias, and -inf where the bool mask forbids
             mask = bias[None].to(q.dtype) if mask is None else \
                 bias[None].to(q.dtype).masked_fill(~mask, float("-inf"))

@@ -263,7 +263,7 @@ def main(argv=None):
         dist.destroy_process_group()
     spt, scratch = next_commands(args.task, paths["best"], given)
     print(f"next: {spt}\n  and {scratch}   (the baseline)\n"
-          f"to see SPT's effect on a CPU in about two minutes: python ablate.py demo")
+          f"to see SPT's effect on a CPU in about a minute: python ablate.py demo")
 
 
 def next_commands(task, checkpoint, given):
@@ -432,9 +432,9 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
             if end_of_epoch:
                 state["epoch"], state["batch_in_epoch"] = epoch + 1, 0
             if state["step"] % args.eval_every == 0 or done or (end_of_epoch and args.eval_each_epoch):
-                if meter["steps"]:  # never checkpoint weights a NaN/inf step since the last log line may have reached
+                if meter["steps"]:  # a NaN/inf loss since the last log line stops the run before any checkpoint
                     check_finite(run, meter["loss"].item(), state["step"] - meter["steps"] + 1)
-                t_eval = time.time()  # after that wait for the queued training steps, which are training time
+                t_eval = time.time()  # .item() above waited for the queued steps: the evaluation's time starts now
                 evaluate_and_checkpoint(run, epoch)
                 meter["t_last"] += time.time() - t_eval  # evaluation time does not count in ms/step and tokens/s
             if done:
@@ -515,7 +515,7 @@ def count_step(meter, loss, batch_lengths, cfg, width, multiple=64):
 
 def log_progress(run, meter, lr):
     """Print and log the mean loss, ms/step, real tokens/s, the real share of the padded tokens, MFU (GPUs in
-    model.PEAK_BF16_FLOPS), CUDA's peak memory so far and an ETA. The .item() here is the loop's one regular host
+    data.PEAK_BF16_FLOPS), CUDA's peak memory so far and an ETA. The .item() here is the loop's one regular host
     synchronisation. FloatingPointError on a non-finite mean loss; skipped steps are left out of the mean."""
     args, state = run["args"], run["state"]
     counted = meter["steps"] - meter["skipped"]

@@ -10,7 +10,6 @@ import http.server
 import io
 import json
 import math
-import multiprocessing
 import os
 import platform
 import pickle
@@ -844,7 +843,7 @@ def test_pretrain_reads_spt_first_and_the_engine_after():
     lines = {n.name: n.lineno for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)}
     assert lines["mask_batch"] <= 150
     assert lines["mask_batch"] < lines["reconstruction_loss"] < lines["main"] < lines["build_parser"] < lines["train"]
-    engine = source.index("# The engine shared with finetune.py (a first reading can stop here)")
+    engine = source.index("# ==== The engine shared with finetune.py (a first reading can stop here)")
     assert source[:engine].count("\ndef ") == sum(1 for n, at in lines.items() if at < source[:engine].count("\n"))
 
 
