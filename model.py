@@ -426,10 +426,8 @@ def init_weights(model, cfg):
     if cfg.init == "reference":  # clones(): the four projections start as copies of one layer
         for m in model.modules():
             if isinstance(m, Attention):
-                with torch.no_grad():
-                    for proj in (m.k_proj, m.v_proj, m.o_proj):
-                        proj.weight.copy_(m.q_proj.weight)
-                        proj.bias.copy_(m.q_proj.bias)
+                for proj in (m.k_proj, m.v_proj, m.o_proj):
+                    proj.load_state_dict(m.q_proj.state_dict())
 
 
 # Checkpoints: plain dicts of tensors and Python types, loadable with torch.load(weights_only=True).
