@@ -67,7 +67,8 @@ def sinusoidal_positions(n_pos, d_model, base=10000.0):
 
 
 # Every scheme of ModelConfig.pos. A new one: add it here, build it in Transformer.absolute_positions (added to the
-# input) or in Attention (relative), put its parameters in PARAM_GROUPS["posenc"] and its init in init_weights.
+# input) or in Attention (relative: a score bias in _position_bias), put its parameters in PARAM_GROUPS["posenc"]
+# and its init in init_weights (an nn.Embedding would get N(0, 1)); buffers non-persistent and constant (data.wrap).
 POSITIONS = ("sinusoidal", "learned", "alibi", "rope", "fire", "none")
 
 
@@ -129,8 +130,6 @@ class Attention(nn.Module):
         assert cfg.d_model % cfg.n_heads == 0, "d_model must be divisible by n_heads"
         self.n_heads, self.d_head = cfg.n_heads, cfg.d_model // cfg.n_heads
         self.pos, self.window = cfg.pos, cfg.attn_window
-        if self.window and cfg.pos in ("alibi", "fire"):
-            raise ValueError("local attention (attn_window > 0) does not support alibi/fire biases")
         self.q_proj = nn.Linear(cfg.d_model, cfg.d_model)  # W_Q
         self.k_proj = nn.Linear(cfg.d_model, cfg.d_model)  # W_K
         self.v_proj = nn.Linear(cfg.d_model, cfg.d_model)  # W_V
@@ -138,6 +137,8 @@ class Attention(nn.Module):
         if cfg.pos == "alibi":
             self.register_buffer("slopes", alibi_slopes(cfg.n_heads), persistent=False)
         self.fire = FIRE(cfg.n_heads) if cfg.pos == "fire" else None
+        if self.window and self._position_bias(1, "cpu") is not None:  # local_attention adds no bias
+            raise ValueError(f"local attention (attn_window > 0) does not support pos {cfg.pos!r}: its score bias")
 
     def forward(self, x, valid=None, need_weights=False):
         B, L, _ = x.shape

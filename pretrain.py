@@ -319,7 +319,7 @@ def build_parser(stage, description):
                                               "attention heads (must divide d_model)", "hidden width of the MLP")):
         g.add_argument(f"--{name}", type=POSITIVE, default=None, help=what)
     g.add_argument("--pos", default=None, choices=POSITIONS,
-                   help="positions: sinusoidal (the paper's), learned; alibi, rope, fire (relative); none")
+                   help="positions (model.POSITIONS); the paper's are sinusoidal")
     g.add_argument("--init_scheme", default=None, choices=INIT_SCHEMES,
                    help="initialization (model.init_weights); default reference = Amos et al.'s code")
     g.add_argument("--init_std", type=POSITIVE_FLOAT, default=None, help="std of --init_scheme normal (default 0.02)")

@@ -1263,7 +1263,7 @@ def synthetic_run(tmp_path_factory):
 
 def test_every_parameter_is_in_exactly_one_group():
     for cfg in (tiny_cfg(n_classes=3, n_rec=17), tiny_cfg(layernorm=False, mlp=False, n_classes=2),
-                tiny_cfg(pos="fire", n_classes=2)):
+                *(tiny_cfg(pos=pos, n_classes=2) for pos in model_lib.POSITIONS)):
         groups = {model_lib.param_group(n) for n, _ in Transformer(cfg).named_parameters()}
         assert groups <= set(model_lib.PARAM_GROUPS)
     with pytest.raises(ValueError, match="expected exactly one"):
@@ -3453,8 +3453,12 @@ def test_local_attention_matches_the_explicit_band_and_keeps_memory_linear(monke
         far = ((i // 8) - (j // 8)).abs() > 1
         assert probs[0][0][:, far].abs().max() == 0   # layer 0, batch row 0: (H, L, L)
     assert ranks and set(ranks) == {4}  # blocks folded into the batch: the fused CUDA kernels take 4-D only
-    with pytest.raises(ValueError, match="local attention"):
-        Transformer(tiny_cfg(attn_window=8, pos="alibi"))
+    for pos in model_lib.POSITIONS:  # a score bias is refused: local_attention would drop it
+        if pos in ("alibi", "fire"):
+            with pytest.raises(ValueError, match=f"local attention .* does not support pos '{pos}'"):
+                Transformer(tiny_cfg(attn_window=8, pos=pos))
+        else:
+            Transformer(tiny_cfg(attn_window=8, pos=pos))
 
 
 def test_a_last_batch_smaller_than_the_ranks_joins_the_one_before():
