@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import fcntl
 import gzip
 import hashlib
 import http.client
@@ -47,7 +48,10 @@ import pickle
 import platform
 import random
 import re
+import shlex
 import shutil
+import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -87,7 +91,9 @@ def save_atomic(obj, path, fsync=True):
             if fsync:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
+        if isinstance(e, OSError) and e.errno and e.filename in (None, tmp):  # no space...: name the file meant
+            e.filename = path
         _remove_if_there(tmp)
         raise
 
@@ -104,6 +110,19 @@ def load_pt(path, map_location="cpu", mmap=False):
         raise not_a_file(path)
     if os.path.getsize(path) == 0:
         raise ValueError(f"{path}: the file is empty (an interrupted write?)")
+    # torch.save's zip records carry CRC-32s: a changed byte is refused here instead of being trained on. Checking
+    # reads the file once more (0.5 s per GB measured, less than torch.load). Splits too: their sha256 is recorded,
+    # not checked against a known one. Not with mmap (a read of the small fields, of a file checked where its
+    # tensors are used). The legacy pickle format has no checksum; a truncated zip is refused by torch.load below.
+    if not mmap and zipfile.is_zipfile(path):
+        try:
+            with zipfile.ZipFile(path) as z:
+                bad = z.testzip()  # the first record whose bytes do not match its CRC-32, or None
+            bad = bad and f"{bad} does not match its CRC-32"
+        except zipfile.BadZipFile as e:  # the zip's index itself
+            bad = str(e)
+        if bad:
+            raise ValueError(f"{path}: damaged ({bad}: a changed byte, a disk or copy fault?); write it again")
     try:
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:  # torch raises several types for truncated archives, refused objects and other files
@@ -163,7 +182,7 @@ def load_newest(candidates, map_location="cpu", who="load", with_path=False):
         print(f"{who}: continuing from {newest_path} (step {newest['state']['step']})")
         return (newest_path, newest) if with_path else newest
     if not reasons:
-        print(f"{who}: no checkpoint yet, starting from scratch")
+        print(f"{who}: no checkpoint in {os.path.dirname(candidates[0]) or '.'}, starting from scratch")
         return (None, None) if with_path else None
     raise ValueError(f"{who}: no checkpoint could be loaded: " + "; ".join(map(str, reasons)) +
                      ". Remove them (or run without --resume) to start over")
@@ -286,13 +305,22 @@ def split_path(data_dir, task, split="train"):
     return os.path.join(data_dir, task, f"{split}.pt")
 
 
-def load_split(data_dir, task, split):
-    """Load data/<task>/<split>.pt -> dict(tokens | values | pixels, lengths, labels, meta). Raises
-    FileNotFoundError naming the command that makes it, or ValueError (check_meta, check_split)."""
+def load_split(data_dir, task, split, checkpoint=None):
+    """Load data/<task>/<split>.pt -> dict(tokens | values | pixels, lengths, labels, meta). Values of another
+    float dtype become float32, with a note. With a `checkpoint` (dict) a file other than the one it was trained
+    on (its data_sha256) is said in one line. Raises FileNotFoundError naming the command that makes it, or
+    ValueError (check_meta, check_split, a value float32 cannot hold)."""
     path = split_path(data_dir, task, split)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: run `python data.py --task {task} --data_dir {data_dir}`")
     d = load_pt(path)
+    theirs = ((checkpoint or {}).get("data_sha256") or {}).get(split)
+    if theirs and sha256_of(path) != theirs:
+        print(f"note: {path} is not the data the checkpoint was trained on (sha256 {theirs[:12]}...): other data, "
+              f"or the same made again")
+    values = d.get("values") if isinstance(d, dict) else None
+    if isinstance(values, torch.Tensor) and values.is_floating_point() and values.dtype != torch.float32:
+        d["values"] = as_float32(values, path)
     for key in ("lengths", "labels", "meta"):
         if key not in d:
             raise ValueError(f"{path}: missing field {key!r}; expected a file written by data.py")
@@ -303,6 +331,18 @@ def load_split(data_dir, task, split):
     check_meta(d, path)
     check_split(d, path)
     return d
+
+
+def as_float32(x, path):
+    """Values of another float dtype as float32 (the stages' dtype), with a printed note. float64 rounds, as
+    intended. ValueError naming the first finite value float32 cannot hold (it would become inf)."""
+    y = x.to(torch.float32)
+    bad = torch.nonzero(torch.isinf(y) & torch.isfinite(x))
+    if len(bad):
+        raise ValueError(f"{path}, row {int(bad[0, 0])}: value {float(x[tuple(bad[0])]):.4g} is beyond float32's "
+                         f"range (+-3.4e38); scale the values down")
+    print(f"{path}: {x.numel():,} values converted from {str(x.dtype)[6:]} to float32")
+    return y
 
 
 # The meta fields the stages read, by kind of input (and the tensor each kind is stored as).
@@ -2011,7 +2051,7 @@ def main(argv=None):
     unset = argparse.SUPPRESS  # a flag not given is not passed at all
     p.add_argument("--task", required=True, choices=TASKS)
     p.add_argument("--data_dir", default="data", help="the .pt files go to <data_dir>/<task> (data)")
-    p.add_argument("--seed", type=int, default=unset, help="of the generator or validation split (0; pixel tasks 42)")
+    p.add_argument("--seed", type=SEED, default=unset, help="of the generator or validation split (0; pixel tasks 42)")
     p.add_argument("--n_train", type=int, default=unset, help="listops, synthetic (96000, 5000); fashion_mnist subset")
     p.add_argument("--n_val", type=int, default=unset, help="listops, synthetic (2000, 1000); image, fashion_mnist "
                    "(5000)")
@@ -2029,16 +2069,30 @@ def main(argv=None):
     prepare(a.task, a.data_dir, **{k: v for k, v in vars(a).items() if k not in ("task", "data_dir")})
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (run_cli's handler raises it), so that a run ends as on Ctrl-C: own_run's line, exit status 143."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
 def run_cli(main_fn):
-    """Run a script's main(argv); a data, file or download error, or a non-finite loss, is printed as one line
-    without a traceback, exit status 1 (SPT_TRACEBACK=1 shows it)."""
+    """Run a script's main(argv). A data, file or download error, an OS fault (no space left, a read-only file
+    system, permission denied, not a folder: naming the path) or a non-finite loss is printed as one line without
+    a traceback, exit status 1. Ctrl-C and SIGTERM print one line too (own_run's: where the run stopped), exit
+    status 130 and 143. SPT_TRACEBACK=1 shows the traceback."""
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         main_fn(sys.argv[1:])
-    except (FileNotFoundError, FileExistsError, IsADirectoryError, ConnectionError, ValueError,
-            FloatingPointError) as e:
+    except (OSError, ValueError, FloatingPointError, KeyboardInterrupt) as e:
         if os.environ.get("SPT_TRACEBACK"):
             raise
-        sys.exit("error: " + " ".join(str(e).split()))
+        if isinstance(e, KeyboardInterrupt):
+            print(" ".join(str(e).split()) or "interrupted", file=sys.stderr)
+            sys.exit(143 if isinstance(e, Terminated) else 130)
+        os_fault = isinstance(e, OSError) and e.filename and e.strerror  # str(e) would be "[Errno 28] ...: 'path'"
+        sys.exit("error: " + (f"{e.filename}: {e.strerror}" if os_fault else " ".join(str(e).split())))
 
 
 # ---- The stages' shared plumbing: loading a run's data, argparse number types, the record of what made a run ----
@@ -2091,8 +2145,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def number_at_least(kind, low, strict=False, high=None):
-    """An argparse type: a `kind` (int or float) >= low (> low if strict; <= high if given). Anything else is a
-    one-line usage error naming the flag, instead of a traceback steps later."""
+    """An argparse type: a `kind` (int or float) >= low (> low if strict; <= high, for int by default 2**63 - 1,
+    what torch's int64 holds). Anything else is a one-line usage error naming the flag, not a traceback later."""
+    high = 2 ** 63 - 1 if high is None and kind is int else high
     expected = f"{'>' if strict else '>='} {low}" + (f" and <= {high}" if high is not None else "")
 
     def parse(text):
@@ -2109,6 +2164,7 @@ def number_at_least(kind, low, strict=False, high=None):
 
 POSITIVE, NON_NEGATIVE = number_at_least(int, 1), number_at_least(int, 0)
 POSITIVE_FLOAT = number_at_least(float, 0.0, strict=True)
+SEED = number_at_least(int, 0, high=2 ** 32 - 1)  # numpy's range; seed x 1,000,003 + step still fits torch's seeds
 
 
 def plain_config(args):
@@ -2322,6 +2378,101 @@ def resume(model, opt, paths, n_batches, args, extra):
         truncate_log(paths["log"], ck["state"]["step"])
     print(f"resumed at step {ck['state']['step']} (epoch {ck['state']['epoch']})")
     return ck["state"]
+
+
+# A run's files: one process at a time (a lock), never mixed with an earlier run's.
+HELD = {}  # the run this process holds (own_run), with its "run" dict once pretrain.train has made it
+
+
+def run_files(paths):
+    """The files of the run `paths` (run_paths) that exist: checkpoints, snapshots, log, JSON, and save_atomic's
+    temporaries of them (<file>.<pid>.tmp: left by a killed write). Not the lock."""
+    folder, stem = os.path.split(paths["log"][:-len("_log.jsonl")])
+    ends = "|".join(re.escape(os.path.basename(p)[len(stem):]).replace(r"\{step\}", r"\d+") for p in paths.values())
+    pattern = re.compile(re.escape(stem) + f"({ends})" + r"(\.\d+\.tmp)?")
+    return sorted(os.path.join(folder, f) for f in os.listdir(folder or ".") if pattern.fullmatch(f))
+
+
+def lock_run(path):
+    """The lock file `path`, open and locked (fcntl.flock), holding this process's pid, host and command. The
+    system drops the lock when the process ends, even killed. FileExistsError naming the holder if another process
+    holds it; a lock file a killed process left filled is said and taken over."""
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise FileExistsError(f"{path}: this run is being written by {holder}; wait for it to end, or give another "
+                              f"--out_dir") from None
+    f.seek(0)
+    stale = f.read().strip()
+    if stale:
+        print(f"{path}: taken over from {stale}, which ended without releasing it (killed?)")
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}: {shlex.join(sys.argv)}\n")
+    f.flush()
+    return f
+
+
+@contextlib.contextmanager
+def own_run(paths, args):
+    """Hold the run whose files are `paths` (run_paths) while a stage writes them: rank 0 takes <stem>.lock
+    (lock_run; the file stays, emptied at the end: removing it would race with a process locking it). A run whose
+    files exist is refused (FileExistsError) unless args.resume, or args.overwrite, which removes them first;
+    left-over temporaries go. On Ctrl-C or SIGTERM the exception gets one line (interruption)."""
+    if args.resume and args.overwrite:
+        raise ValueError("--resume continues the run, --overwrite removes it: give one of them")
+    folder, lock = os.path.dirname(paths["log"]) or ".", None
+    if args.rank == 0:  # the other ranks write nothing
+        os.makedirs(folder, exist_ok=True)
+        lock = lock_run(paths["log"][:-len("_log.jsonl")] + ".lock")
+    HELD.clear()
+    try:
+        old = run_files(paths) if lock else []
+        kept = [os.path.basename(f) for f in old if not f.endswith(".tmp")]
+        if kept and not (args.resume or args.overwrite):
+            raise FileExistsError(f"{folder} holds this run's files already ({', '.join(kept[:4])}"
+                                  f"{', ...' * (len(kept) > 4)}): --resume continues it, --overwrite removes it "
+                                  f"first, or give another --out_dir")
+        removed = old if args.overwrite else [f for f in old if f.endswith(".tmp")]
+        for f in removed:
+            os.remove(f)
+        if removed:
+            print(f"removed {len(removed)} files in {folder}: " + (
+                "the earlier run's (--overwrite)" if args.overwrite else "temporaries of killed writes"))
+        yield
+    except KeyboardInterrupt as e:
+        e.args = (interruption(paths, HELD.get("run")),)
+        raise
+    finally:
+        HELD.clear()
+        if lock:
+            lock.truncate(0)
+            lock.close()
+
+
+def interruption(paths, run):
+    """The one line a run stopped by Ctrl-C or SIGTERM ends with: the step reached (`run`: pretrain.train's dict,
+    None before it), the last checkpoint and its step, and that --resume continues."""
+    try:
+        saved = f"the last checkpoint is {paths['last']} (step {load_pt(paths['last'], mmap=True)['state']['step']})"
+    except (OSError, ValueError, KeyError):
+        saved = "no checkpoint was written yet"
+    step = f"at step {run['state']['step']} of {run['total']}" if run else "before training"
+    return f"interrupted {step}; {saved}; the same command with --resume continues"
+
+
+def count_skipped(state, window=100, limit=50):
+    """Count a step skipped by --skip_nonfinite in the loop `state` (its total "skipped", and the steps skipped
+    among the last `window`). FloatingPointError when `limit` of them were: the run no longer trains."""
+    state["skipped"] = state.get("skipped", 0) + 1
+    state["recent_skips"] = [s for s in state.get("recent_skips", []) if s > state["step"] - window] + [state["step"]]
+    if len(state["recent_skips"]) >= limit:
+        raise FloatingPointError(f"--skip_nonfinite: {limit} of the last {window} steps (up to step "
+                                 f"{state['step'] + 1}) had a NaN or inf loss or gradient: the run gives up; rerun "
+                                 f"with a lower --lr, a --grad_clip or --dtype fp32")
 
 
 # The batches of a training epoch, and the evaluation loop both stages share (sharded under torchrun).
