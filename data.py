@@ -28,7 +28,7 @@ Start with generate_trajectories (section 3, the synthetic task), then load_spli
 Sections: 0. what every stage reads: the atomic write, checkpoints, a run's files, loading, checking and batching
 splits (a first reading can stop there). 1. file helpers and downloads. 2-7. one per source: ListOps, synthetic,
 UCR, Text and Retrieval, Image and Fashion-MNIST, PathFinder and PathX. 8. any task by name, and the settings a run
-checks against its data. 9. command line. Then the stages' plumbing: device, DDP, resume, evaluation.
+checks against its data. 9. command line. Then the stages' plumbing: device, DDP, resume, a run's lock, evaluation.
 """
 import argparse
 import contextlib
@@ -48,10 +48,8 @@ import pickle
 import platform
 import random
 import re
-import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -110,20 +108,16 @@ def load_pt(path, map_location="cpu", mmap=False):
         raise not_a_file(path)
     if os.path.getsize(path) == 0:
         raise ValueError(f"{path}: the file is empty (an interrupted write?)")
-    # torch.save's zip records carry CRC-32s: a changed byte is refused here instead of being trained on. Checking
-    # reads the file once more (0.5 s per GB measured, less than torch.load). Splits too: their sha256 is recorded,
-    # not checked against a known one. Not with mmap (a read of the small fields, of a file checked where its
-    # tensors are used). The legacy pickle format has no checksum; a truncated zip is refused by torch.load below.
-    if not mmap and zipfile.is_zipfile(path):
-        try:
-            with zipfile.ZipFile(path) as z:
-                bad = z.testzip()  # the first record whose bytes do not match its CRC-32, or None
-            bad = bad and f"{bad} does not match its CRC-32"
-        except zipfile.BadZipFile as e:  # the zip's index itself
-            bad = str(e)
-        if bad:
-            raise ValueError(f"{path}: damaged ({bad}: a changed byte, a disk or copy fault?); write it again")
     try:
+        # torch.save's zip records carry CRC-32s, which torch.load does not check: a changed byte is refused here,
+        # not trained on. It reads the file once more (0.5 s per GB measured, less than torch.load), splits too
+        # (their sha256 is recorded, not checked). Not with mmap: a read of the small fields, of a file checked
+        # where its tensors are used. The legacy pickle format has no checksum.
+        if not mmap and zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as z:
+                bad = z.testzip()  # the first record whose bytes do not match their CRC-32, or None
+            if bad:
+                raise zipfile.BadZipFile(f"{bad} does not match its CRC-32")
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:  # torch raises several types for truncated archives, refused objects and other files
         with open(path, "rb") as f:
@@ -318,9 +312,14 @@ def load_split(data_dir, task, split, checkpoint=None):
     if theirs and sha256_of(path) != theirs:
         print(f"note: {path} is not the data the checkpoint was trained on (sha256 {theirs[:12]}...): other data, "
               f"or the same made again")
-    values = d.get("values") if isinstance(d, dict) else None
-    if isinstance(values, torch.Tensor) and values.is_floating_point() and values.dtype != torch.float32:
-        d["values"] = as_float32(values, path)
+    x = d.get("values") if isinstance(d, dict) else None
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float32:  # float64 rounds, fine
+        bad = torch.nonzero(torch.isinf(x.float()) & torch.isfinite(x))
+        if len(bad):
+            raise ValueError(f"{path}, row {int(bad[0, 0])}: value {float(x[tuple(bad[0])]):.4g} is beyond "
+                             f"float32's range (+-3.4e38); scale the values down")
+        print(f"{path}: {x.numel():,} values converted from {str(x.dtype)[6:]} to float32")
+        d["values"] = x.float()
     for key in ("lengths", "labels", "meta"):
         if key not in d:
             raise ValueError(f"{path}: missing field {key!r}; expected a file written by data.py")
@@ -331,18 +330,6 @@ def load_split(data_dir, task, split, checkpoint=None):
     check_meta(d, path)
     check_split(d, path)
     return d
-
-
-def as_float32(x, path):
-    """Values of another float dtype as float32 (the stages' dtype), with a printed note. float64 rounds, as
-    intended. ValueError naming the first finite value float32 cannot hold (it would become inf)."""
-    y = x.to(torch.float32)
-    bad = torch.nonzero(torch.isinf(y) & torch.isfinite(x))
-    if len(bad):
-        raise ValueError(f"{path}, row {int(bad[0, 0])}: value {float(x[tuple(bad[0])]):.4g} is beyond float32's "
-                         f"range (+-3.4e38); scale the values down")
-    print(f"{path}: {x.numel():,} values converted from {str(x.dtype)[6:]} to float32")
-    return y
 
 
 # The meta fields the stages read, by kind of input (and the tensor each kind is stored as).
@@ -2070,11 +2057,9 @@ def main(argv=None):
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (run_cli's handler raises it), so that a run ends as on Ctrl-C: own_run's line, exit status 143."""
-
-
-def _terminate(signum, frame):
-    raise Terminated()
+    """SIGTERM, raised by run_cli's handler: a run ends as on Ctrl-C (own_run's line), with exit status 143."""
+    def handler(signum, frame):
+        raise Terminated
 
 
 def run_cli(main_fn):
@@ -2082,7 +2067,7 @@ def run_cli(main_fn):
     system, permission denied, not a folder: naming the path) or a non-finite loss is printed as one line without
     a traceback, exit status 1. Ctrl-C and SIGTERM print one line too (own_run's: where the run stopped), exit
     status 130 and 143. SPT_TRACEBACK=1 shows the traceback."""
-    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGTERM, Terminated.handler)
     try:
         main_fn(sys.argv[1:])
     except (OSError, ValueError, FloatingPointError, KeyboardInterrupt) as e:
@@ -2091,7 +2076,7 @@ def run_cli(main_fn):
         if isinstance(e, KeyboardInterrupt):
             print(" ".join(str(e).split()) or "interrupted", file=sys.stderr)
             sys.exit(143 if isinstance(e, Terminated) else 130)
-        os_fault = isinstance(e, OSError) and e.filename and e.strerror  # str(e) would be "[Errno 28] ...: 'path'"
+        os_fault = isinstance(e, OSError) and e.filename and e.strerror  # not "[Errno 28] ...: 'path'"
         sys.exit("error: " + (f"{e.filename}: {e.strerror}" if os_fault else " ".join(str(e).split())))
 
 
@@ -2396,22 +2381,20 @@ def run_files(paths):
 def lock_run(path):
     """The lock file `path`, open and locked (fcntl.flock), holding this process's pid, host and command. The
     system drops the lock when the process ends, even killed. FileExistsError naming the holder if another process
-    holds it; a lock file a killed process left filled is said and taken over."""
+    holds it; the record of a process that ended without releasing it (killed) is said and taken over."""
     f = open(path, "a+")
+    f.seek(0)
+    before = f.read().strip()  # the holder's record, or a killed process's
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "another process"
         f.close()
-        raise FileExistsError(f"{path}: this run is being written by {holder}; wait for it to end, or give another "
-                              f"--out_dir") from None
-    f.seek(0)
-    stale = f.read().strip()
-    if stale:
-        print(f"{path}: taken over from {stale}, which ended without releasing it (killed?)")
+        raise FileExistsError(f"{path}: this run is being written by {before or 'another process'}; wait for it to "
+                              f"end, or give another --out_dir") from None
+    if before:
+        print(f"{path}: taken over from {before}, which ended without releasing it (killed?)")
     f.truncate(0)
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}: {shlex.join(sys.argv)}\n")
+    f.write(f"pid {os.getpid()} on {platform.node()}: {' '.join(sys.argv)}\n")
     f.flush()
     return f
 
@@ -2421,7 +2404,7 @@ def own_run(paths, args):
     """Hold the run whose files are `paths` (run_paths) while a stage writes them: rank 0 takes <stem>.lock
     (lock_run; the file stays, emptied at the end: removing it would race with a process locking it). A run whose
     files exist is refused (FileExistsError) unless args.resume, or args.overwrite, which removes them first;
-    left-over temporaries go. On Ctrl-C or SIGTERM the exception gets one line (interruption)."""
+    left-over temporaries go. On Ctrl-C or SIGTERM the exception gets the one line run_cli prints."""
     if args.resume and args.overwrite:
         raise ValueError("--resume continues the run, --overwrite removes it: give one of them")
     folder, lock = os.path.dirname(paths["log"]) or ".", None
@@ -2443,25 +2426,20 @@ def own_run(paths, args):
             print(f"removed {len(removed)} files in {folder}: " + (
                 "the earlier run's (--overwrite)" if args.overwrite else "temporaries of killed writes"))
         yield
-    except KeyboardInterrupt as e:
-        e.args = (interruption(paths, HELD.get("run")),)
+    except KeyboardInterrupt as e:  # one line: the step reached, the last checkpoint, and how to continue
+        run, last = HELD.get("run"), paths["last"]
+        try:
+            saved = f"the last checkpoint is {last} (step {load_pt(last, mmap=True)['state']['step']})"
+        except (OSError, ValueError, KeyError):
+            saved = "no checkpoint was written yet"
+        step = f"at step {run['state']['step']} of {run['total']}" if run else "before training"
+        e.args = (f"interrupted {step}; {saved}; the same command with --resume continues",)
         raise
     finally:
         HELD.clear()
         if lock:
             lock.truncate(0)
             lock.close()
-
-
-def interruption(paths, run):
-    """The one line a run stopped by Ctrl-C or SIGTERM ends with: the step reached (`run`: pretrain.train's dict,
-    None before it), the last checkpoint and its step, and that --resume continues."""
-    try:
-        saved = f"the last checkpoint is {paths['last']} (step {load_pt(paths['last'], mmap=True)['state']['step']})"
-    except (OSError, ValueError, KeyError):
-        saved = "no checkpoint was written yet"
-    step = f"at step {run['state']['step']} of {run['total']}" if run else "before training"
-    return f"interrupted {step}; {saved}; the same command with --resume continues"
 
 
 def count_skipped(state, window=100, limit=50):

@@ -244,7 +244,7 @@ def main(argv=None):
     extra = dict(stage="finetune", task=args.task, data_meta=meta, data_sha256=data_hashes(splits), init=args.init,
                  init_sha256=provenance.get("spt_sha256"), metric="val_acc", tiebreak="val_loss", format_version=1)
     print(f"finetuning {args.task} from {args.init}: {model.cfg}")
-    with data.own_run(paths, args):  # the run's files, its JSON included, are this process's alone
+    with data.own_run(paths, args):  # the JSON too
         best = train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better=True)
         t_trained = time.time()
         # Test accuracy of the best-validation weights, and train accuracy for the optimization-failure claim.

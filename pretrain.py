@@ -311,12 +311,10 @@ def build_parser(stage, description):
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
                    help="auto = bf16 autocast where supported (CUDA), else fp32")
     p.add_argument("--resume", action="store_true", help=f"continue from out/<task>/{stage}*_last.pt")
-    p.add_argument("--overwrite", action="store_true", help="remove this run's files first (without it, or --resume, "
-                   "a run whose files exist is refused)")
+    p.add_argument("--overwrite", action="store_true", help="remove this run's old files first")
     p.add_argument("--snapshots", action="store_true", help="also keep a checkpoint at every evaluation")
     p.add_argument("--skip_nonfinite", action="store_true",
-                   help="skip steps whose loss or gradient is NaN/inf (checked every step) instead of stopping; "
-                        "stop when 50 of the last 100 steps were skipped")
+                   help="skip steps with a NaN/inf loss or gradient (checked each step); stop at 50 of the last 100")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (needs a working Triton)")
     g = p.add_argument_group("model (overrides the preset; a finetuning from a checkpoint uses the checkpoint's)")
     for name, what in zip(MODEL_SIZE_FLAGS, ("Transformer blocks", "width of the residual stream",
@@ -412,7 +410,7 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
                              f"{args.max_steps}): give the budget it ran with, or start a new --out_dir")
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"{n_params:,} trainable parameters; {total} steps ({n_batches} per epoch)")
-    run = data.HELD["run"] = dict(  # HELD: what a Ctrl-C reports (data.own_run)
+    run = data.HELD["run"] = dict(
         model=model, opt=opt, state=state, args=args, paths=paths, extra=extra, record=data.run_record(args),
         eval_fn=eval_fn, higher_is_better=higher_is_better, total=total, t_process=time.time(),
         elapsed0=state.get("elapsed_s", 0.0))  # seconds the run spent in earlier processes (--resume)
@@ -444,9 +442,8 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
                 meter["t_last"] += time.time() - t_eval  # evaluation time does not count in ms/step and tokens/s
             if done:
                 break
-    if state["best_metrics"] is None:  # every evaluation NaN or inf: no weights to hand on
-        raise FloatingPointError(f"no evaluation gave a finite {extra['metric']}, so no best checkpoint was written; "
-                                 f"{last_good(run)}")
+    if state["best_metrics"] is None:  # every evaluation NaN or inf
+        raise FloatingPointError(f"no evaluation gave a finite {extra['metric']}: no best checkpoint; {last_good(run)}")
     if state["step"] > run["start_step"]:
         print(f"finished {state['step']} steps in {(time.time() - run['t_start']) / 60:.1f} min; "
               f"best {extra['metric']} {state['best']:.4f}")
@@ -463,13 +460,12 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
 def start_fresh(run):
     """Step 0 of a new run: a fresh log, an evaluation of the initial weights (the log shows how far training
     moves the metric) and the _init.pt checkpoint the analyses start from."""
-    paths = run["paths"]
     if run["args"].rank == 0:
-        open(paths["log"], "w").close()  # a --resume that found no checkpoint starts the log again
+        open(run["paths"]["log"], "w").close()
     metrics = run["eval_fn"](0)
     print("eval at step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     data.append_log(run, dict(step=0, epoch=0, **metrics))
-    save_checkpoint(run, paths["init"], metrics)
+    save_checkpoint(run, run["paths"]["init"], metrics)
 
 
 def optimizer_step(run, loss_fn, idx):
@@ -486,7 +482,7 @@ def optimizer_step(run, loss_fn, idx):
     if args.skip_nonfinite and not (torch.isfinite(loss) & torch.isfinite(torch.nn.utils.get_total_norm(grads))):
         print(f"step {state['step'] + 1}: non-finite loss or gradient, update skipped")
         opt.zero_grad(set_to_none=True)  # every gradient None: AdamW's step below changes nothing
-        data.count_skipped(state)  # FloatingPointError when half of the last 100 steps were skipped
+        data.count_skipped(state)  # gives up at 50 of the last 100
         loss = None
     if args.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(run["model"].parameters(), args.grad_clip)
