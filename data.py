@@ -109,10 +109,9 @@ def load_pt(path, map_location="cpu", mmap=False):
     if os.path.getsize(path) == 0:
         raise ValueError(f"{path}: the file is empty (an interrupted write?)")
     try:
-        # torch.save's zip records carry CRC-32s, which torch.load does not check: a changed byte is refused here,
-        # not trained on. It reads the file once more (0.5 s per GB measured, less than torch.load), splits too
-        # (their sha256 is recorded, not checked). Not with mmap: a read of the small fields, of a file checked
-        # where its tensors are used. The legacy pickle format has no checksum.
+        # torch.save's zip records carry CRC-32s that torch.load does not check: a changed byte is refused here.
+        # It reads the file once more (0.5 s per GB measured); splits too (their sha256 is only recorded). Not with
+        # mmap: a read of the small fields, of a file checked where its tensors are used. Legacy saves have none.
         if not mmap and zipfile.is_zipfile(path):
             with zipfile.ZipFile(path) as z:
                 bad = z.testzip()  # the first record whose bytes do not match their CRC-32, or None
@@ -2058,15 +2057,15 @@ def main(argv=None):
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised by run_cli's handler: a run ends as on Ctrl-C (own_run's line), with exit status 143."""
+    @staticmethod
     def handler(signum, frame):
         raise Terminated
 
 
 def run_cli(main_fn):
-    """Run a script's main(argv). A data, file or download error, an OS fault (no space left, a read-only file
-    system, permission denied, not a folder: naming the path) or a non-finite loss is printed as one line without
-    a traceback, exit status 1. Ctrl-C and SIGTERM print one line too (own_run's: where the run stopped), exit
-    status 130 and 143. SPT_TRACEBACK=1 shows the traceback."""
+    """Run a script's main(argv). A data, file or download error, an OS fault (no space, read-only, permission, not
+    a folder: naming the path) or a non-finite loss is one line without a traceback, exit status 1. Ctrl-C and
+    SIGTERM are one line too (own_run's), exit status 130 and 143. SPT_TRACEBACK=1 shows the traceback."""
     signal.signal(signal.SIGTERM, Terminated.handler)
     try:
         main_fn(sys.argv[1:])
