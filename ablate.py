@@ -1034,7 +1034,7 @@ def gpu_run(task, stage, args):
         gpu_data(task, folder, args.n_train)
     flags = ["--task", task, "--data_dir", folder, "--out_dir", folder, "--preset", "paper", "--accept_data",
              "--max_steps", str(args.steps), "--eval_every", str(10 ** 9), "--no-eval_each_epoch",
-             "--log_every", str(args.log_every)] + (["--compile"] if args.compile else [])
+             "--log_every", str(args.log_every), "--overwrite"] + (["--compile"] if args.compile else [])
     if args.compile:  # each stage compiles afresh: the stages before would count against dynamo's recompile limit
         torch.compiler.reset()
     if torch.cuda.is_available():

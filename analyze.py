@@ -207,7 +207,7 @@ def loss_gradients(path, data_dir, n=64, chunk=None, seed=0, losses=("L_sup", "L
     if model.cfg.pair or (model.cfg.attn_window and model.cfg.attn_window < meta["max_len"]):
         raise ValueError(f"{path}: a pair model (Retrieval) or one with local attention; Prop. 1's measure needs "
                          f"one sequence through full attention")
-    split = data.load_split(data_dir, ck["task"], "train")
+    split = data.load_split(data_dir, ck["task"], "train", ck)
     count = min(n, len(split["labels"]))
     ratio = run.get("mask_ratio") or pretrain.MASK_RATIO[data.task_family(ck["task"])]
     kind = run.get("rec_loss") or ("ce" if meta["kind"] == "tokens" else "mse")
@@ -380,7 +380,7 @@ def analyze_checkpoints(paths, data_dir, n=64, band=3):
     results, maps = {}, {}
     for label, path in paths.items():
         model, ck = load_model(path)
-        split = data.load_split(data_dir, ck["task"], "val")
+        split = data.load_split(data_dir, ck["task"], "val", ck)
         x, lengths, _ = data.get_batch(split, torch.arange(min(n, len(split["labels"]))), "cpu", multiple=1)
         x, lengths = single_sequences(x, lengths)  # Retrieval: each document of a pair on its own
         padded = None if bool((lengths == x.shape[1]).all()) else lengths

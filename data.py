@@ -28,12 +28,13 @@ Start with generate_trajectories (section 3, the synthetic task), then load_spli
 Sections: 0. what every stage reads: the atomic write, checkpoints, a run's files, loading, checking and batching
 splits (a first reading can stop there). 1. file helpers and downloads. 2-7. one per source: ListOps, synthetic,
 UCR, Text and Retrieval, Image and Fashion-MNIST, PathFinder and PathX. 8. any task by name, and the settings a run
-checks against its data. 9. command line. Then the stages' plumbing: device, DDP, resume, evaluation.
+checks against its data. 9. command line. Then the stages' plumbing: device, DDP, resume, a run's lock, evaluation.
 """
 import argparse
 import contextlib
 import dataclasses
 import datetime
+import fcntl
 import gzip
 import hashlib
 import http.client
@@ -48,6 +49,7 @@ import platform
 import random
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -87,7 +89,9 @@ def save_atomic(obj, path, fsync=True):
             if fsync:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
+        if isinstance(e, OSError) and e.errno and e.filename in (None, tmp):  # no space...: name the file meant
+            e.filename = path
         _remove_if_there(tmp)
         raise
 
@@ -105,6 +109,14 @@ def load_pt(path, map_location="cpu", mmap=False):
     if os.path.getsize(path) == 0:
         raise ValueError(f"{path}: the file is empty (an interrupted write?)")
     try:
+        # torch.save's zip records carry CRC-32s that torch.load does not check: a changed byte is refused here.
+        # It reads the file once more (0.5 s per GB measured); splits too (their sha256 is only recorded). Not with
+        # mmap: a read of the small fields, of a file checked where its tensors are used. Legacy saves have none.
+        if not mmap and zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as z:
+                bad = z.testzip()  # the first record whose bytes do not match their CRC-32, or None
+            if bad:
+                raise zipfile.BadZipFile(f"{bad} does not match its CRC-32")
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:  # torch raises several types for truncated archives, refused objects and other files
         with open(path, "rb") as f:
@@ -163,7 +175,7 @@ def load_newest(candidates, map_location="cpu", who="load", with_path=False):
         print(f"{who}: continuing from {newest_path} (step {newest['state']['step']})")
         return (newest_path, newest) if with_path else newest
     if not reasons:
-        print(f"{who}: no checkpoint yet, starting from scratch")
+        print(f"{who}: no checkpoint in {os.path.dirname(candidates[0]) or '.'}, starting from scratch")
         return (None, None) if with_path else None
     raise ValueError(f"{who}: no checkpoint could be loaded: " + "; ".join(map(str, reasons)) +
                      ". Remove them (or run without --resume) to start over")
@@ -286,13 +298,27 @@ def split_path(data_dir, task, split="train"):
     return os.path.join(data_dir, task, f"{split}.pt")
 
 
-def load_split(data_dir, task, split):
-    """Load data/<task>/<split>.pt -> dict(tokens | values | pixels, lengths, labels, meta). Raises
-    FileNotFoundError naming the command that makes it, or ValueError (check_meta, check_split)."""
+def load_split(data_dir, task, split, checkpoint=None):
+    """Load data/<task>/<split>.pt -> dict(tokens | values | pixels, lengths, labels, meta). Values of another
+    float dtype become float32, with a note. With a `checkpoint` (dict) a file other than the one it was trained
+    on (its data_sha256) is said in one line. Raises FileNotFoundError naming the command that makes it, or
+    ValueError (check_meta, check_split, a value float32 cannot hold)."""
     path = split_path(data_dir, task, split)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: run `python data.py --task {task} --data_dir {data_dir}`")
     d = load_pt(path)
+    theirs = ((checkpoint or {}).get("data_sha256") or {}).get(split)
+    if theirs and sha256_of(path) != theirs:
+        print(f"note: {path} is not the data the checkpoint was trained on (sha256 {theirs[:12]}...): other data, "
+              f"or the same made again")
+    x = d.get("values") if isinstance(d, dict) else None
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float32:  # float64 rounds, fine
+        bad = torch.nonzero(torch.isinf(x.float()) & torch.isfinite(x))
+        if len(bad):
+            raise ValueError(f"{path}, row {int(bad[0, 0])}: value {float(x[tuple(bad[0])]):.4g} is beyond "
+                             f"float32's range (+-3.4e38); scale the values down")
+        print(f"{path}: {x.numel():,} values converted from {str(x.dtype)[6:]} to float32")
+        d["values"] = x.float()
     for key in ("lengths", "labels", "meta"):
         if key not in d:
             raise ValueError(f"{path}: missing field {key!r}; expected a file written by data.py")
@@ -2011,7 +2037,7 @@ def main(argv=None):
     unset = argparse.SUPPRESS  # a flag not given is not passed at all
     p.add_argument("--task", required=True, choices=TASKS)
     p.add_argument("--data_dir", default="data", help="the .pt files go to <data_dir>/<task> (data)")
-    p.add_argument("--seed", type=int, default=unset, help="of the generator or validation split (0; pixel tasks 42)")
+    p.add_argument("--seed", type=SEED, default=unset, help="of the generator or validation split (0; pixel tasks 42)")
     p.add_argument("--n_train", type=int, default=unset, help="listops, synthetic (96000, 5000); fashion_mnist subset")
     p.add_argument("--n_val", type=int, default=unset, help="listops, synthetic (2000, 1000); image, fashion_mnist "
                    "(5000)")
@@ -2029,16 +2055,28 @@ def main(argv=None):
     prepare(a.task, a.data_dir, **{k: v for k, v in vars(a).items() if k not in ("task", "data_dir")})
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised by run_cli's handler: a run ends as on Ctrl-C (own_run's line), with exit status 143."""
+    @staticmethod
+    def handler(signum, frame):
+        raise Terminated
+
+
 def run_cli(main_fn):
-    """Run a script's main(argv); a data, file or download error, or a non-finite loss, is printed as one line
-    without a traceback, exit status 1 (SPT_TRACEBACK=1 shows it)."""
+    """Run a script's main(argv). A data, file or download error, an OS fault (no space, read-only, permission, not
+    a folder: naming the path) or a non-finite loss is one line without a traceback, exit status 1. Ctrl-C and
+    SIGTERM are one line too (own_run's), exit status 130 and 143. SPT_TRACEBACK=1 shows the traceback."""
+    signal.signal(signal.SIGTERM, Terminated.handler)
     try:
         main_fn(sys.argv[1:])
-    except (FileNotFoundError, FileExistsError, IsADirectoryError, ConnectionError, ValueError,
-            FloatingPointError) as e:
+    except (OSError, ValueError, FloatingPointError, KeyboardInterrupt) as e:
         if os.environ.get("SPT_TRACEBACK"):
             raise
-        sys.exit("error: " + " ".join(str(e).split()))
+        if isinstance(e, KeyboardInterrupt):
+            print(" ".join(str(e).split()) or "interrupted", file=sys.stderr)
+            sys.exit(143 if isinstance(e, Terminated) else 130)
+        os_fault = isinstance(e, OSError) and e.filename and e.strerror  # not "[Errno 28] ...: 'path'"
+        sys.exit("error: " + (f"{e.filename}: {e.strerror}" if os_fault else " ".join(str(e).split())))
 
 
 # ---- The stages' shared plumbing: loading a run's data, argparse number types, the record of what made a run ----
@@ -2091,8 +2129,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def number_at_least(kind, low, strict=False, high=None):
-    """An argparse type: a `kind` (int or float) >= low (> low if strict; <= high if given). Anything else is a
-    one-line usage error naming the flag, instead of a traceback steps later."""
+    """An argparse type: a `kind` (int or float) >= low (> low if strict; <= high, for int by default 2**63 - 1,
+    what torch's int64 holds). Anything else is a one-line usage error naming the flag, not a traceback later."""
+    high = 2 ** 63 - 1 if high is None and kind is int else high
     expected = f"{'>' if strict else '>='} {low}" + (f" and <= {high}" if high is not None else "")
 
     def parse(text):
@@ -2109,6 +2148,7 @@ def number_at_least(kind, low, strict=False, high=None):
 
 POSITIVE, NON_NEGATIVE = number_at_least(int, 1), number_at_least(int, 0)
 POSITIVE_FLOAT = number_at_least(float, 0.0, strict=True)
+SEED = number_at_least(int, 0, high=2 ** 32 - 1)  # numpy's range; seed x 1,000,003 + step still fits torch's seeds
 
 
 def plain_config(args):
@@ -2333,6 +2373,94 @@ def resume(model, opt, paths, n_batches, args, extra):
         truncate_log(paths["log"], ck["state"]["step"])
     print(f"resumed at step {ck['state']['step']} (epoch {ck['state']['epoch']})")
     return ck["state"]
+
+
+# A run's files: one process at a time (a lock), never mixed with an earlier run's.
+HELD = {}  # the run this process holds (own_run), with its "run" dict once pretrain.train has made it
+
+
+def run_files(paths):
+    """The files of the run `paths` (run_paths) that exist: checkpoints, snapshots, log, JSON, and save_atomic's
+    temporaries of them (<file>.<pid>.tmp: left by a killed write). Not the lock."""
+    folder, stem = os.path.split(paths["log"][:-len("_log.jsonl")])
+    ends = "|".join(re.escape(os.path.basename(p)[len(stem):]).replace(r"\{step\}", r"\d+") for p in paths.values())
+    pattern = re.compile(re.escape(stem) + f"({ends})" + r"(\.\d+\.tmp)?")
+    return sorted(os.path.join(folder, f) for f in os.listdir(folder or ".") if pattern.fullmatch(f))
+
+
+def lock_run(path):
+    """The lock file `path`, open and locked (fcntl.flock), holding this process's pid, host and command. The
+    system drops the lock when the process ends, even killed. FileExistsError naming the holder if another process
+    holds it; the record of a process that ended without releasing it (killed) is said and taken over."""
+    f = open(path, "a+")
+    f.seek(0)
+    before = f.read().strip()  # the holder's record, or a killed process's
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise FileExistsError(f"{path}: this run is being written by {before or 'another process'}; wait for it to "
+                              f"end, or give another --out_dir") from None
+    if before:
+        print(f"{path}: taken over from {before}, which ended without releasing it (killed?)")
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {platform.node()}: {' '.join(sys.argv)}\n")
+    f.flush()
+    return f
+
+
+@contextlib.contextmanager
+def own_run(paths, args):
+    """Hold the run whose files are `paths` (run_paths) while a stage writes them: rank 0 takes <stem>.lock
+    (lock_run; the file stays, emptied at the end: removing it would race with a process locking it). A run whose
+    files exist is refused (FileExistsError) unless args.resume, or args.overwrite, which removes them first;
+    left-over temporaries go. On Ctrl-C or SIGTERM the exception gets the one line run_cli prints."""
+    if args.resume and args.overwrite:
+        raise ValueError("--resume continues the run, --overwrite removes it: give one of them")
+    folder, lock = os.path.dirname(paths["log"]) or ".", None
+    if args.rank == 0:  # the other ranks write nothing
+        os.makedirs(folder, exist_ok=True)
+        lock = lock_run(paths["log"][:-len("_log.jsonl")] + ".lock")
+    HELD.clear()
+    try:
+        old = run_files(paths) if lock else []
+        kept = [os.path.basename(f) for f in old if not f.endswith(".tmp")]
+        if kept and not (args.resume or args.overwrite):
+            raise FileExistsError(f"{folder} holds this run's files already ({', '.join(kept[:4])}"
+                                  f"{', ...' * (len(kept) > 4)}): --resume continues it, --overwrite removes it "
+                                  f"first, or give another --out_dir")
+        removed = old if args.overwrite else [f for f in old if f.endswith(".tmp")]
+        for f in removed:
+            os.remove(f)
+        if removed:
+            print(f"removed {len(removed)} files in {folder}: " + (
+                "the earlier run's (--overwrite)" if args.overwrite else "temporaries of killed writes"))
+        yield
+    except KeyboardInterrupt as e:  # one line: the step reached, the last checkpoint, and how to continue
+        run, last = HELD.get("run"), paths["last"]
+        try:
+            saved = f"the last checkpoint is {last} (step {load_pt(last, mmap=True)['state']['step']})"
+        except (OSError, ValueError, KeyError):
+            saved = "no checkpoint was written yet"
+        step = f"at step {run['state']['step']} of {run['total']}" if run else "before training"
+        e.args = (f"interrupted {step}; {saved}; the same command with --resume continues",)
+        raise
+    finally:
+        HELD.clear()
+        if lock:
+            lock.truncate(0)
+            lock.close()
+
+
+def count_skipped(state, window=100, limit=50):
+    """Count a step skipped by --skip_nonfinite in the loop `state` (its total "skipped", and the steps skipped
+    among the last `window`). FloatingPointError when `limit` of them were: the run no longer trains."""
+    state["skipped"] = state.get("skipped", 0) + 1
+    state["recent_skips"] = [s for s in state.get("recent_skips", []) if s > state["step"] - window] + [state["step"]]
+    if len(state["recent_skips"]) >= limit:
+        raise FloatingPointError(f"--skip_nonfinite: {limit} of the last {window} steps (up to step "
+                                 f"{state['step'] + 1}) had a NaN or inf loss or gradient: the run gives up; rerun "
+                                 f"with a lower --lr, a --grad_clip or --dtype fp32")
 
 
 # The batches of a training epoch, and the evaluation loop both stages share (sharded under torchrun).

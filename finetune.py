@@ -244,24 +244,25 @@ def main(argv=None):
     extra = dict(stage="finetune", task=args.task, data_meta=meta, data_sha256=data_hashes(splits), init=args.init,
                  init_sha256=provenance.get("spt_sha256"), metric="val_acc", tiebreak="val_loss", format_version=1)
     print(f"finetuning {args.task} from {args.init}: {model.cfg}")
-    best = train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better=True)
-    t_trained = time.time()
-    # Test accuracy of the best-validation weights, and train accuracy for the optimization-failure claim.
-    model.load_state_dict(data.load_pt(paths["best"], map_location=args.device)["model"])
-    test = evaluate_accuracy(model, splits["test"], args)
-    train_acc, n_sub = train_accuracy(model, train_split, len(splits["val"]["labels"]), args)
-    log = [json.loads(line) for line in open(paths["log"])]
-    result = dict(task=args.task, init=args.init, name=args.name, seed=args.seed, preset=args.preset,
-                  steps_per_epoch=len(epoch_batches(train_split, args, 0)),
-                  init_scheme=model.cfg.init, init_scale=model.cfg.init_scale,
-                  init_std=model.cfg.init_std if model.cfg.init == "normal" else None,
-                  best_step=best["step"], best_epoch=best["epoch"],
-                  best_val_acc=best["val_acc"], test_acc=test["acc"],
-                  train_acc=train_acc, train_acc_subset=n_sub, train_acc_rows="random, seed 0",
-                  evals=[e for e in log if "val_acc" in e], wall_time_s=best["elapsed_s"] + time.time() - t_trained,
-                  data_sha256=data_hashes(splits), source_sha256=meta.get("sha256"), **provenance, **data.run_record(args))
-    if args.rank == 0:
-        data.save_atomic(result, paths["json"])
+    with data.own_run(paths, args):  # the JSON too
+        best = train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better=True)
+        t_trained = time.time()
+        # Test accuracy of the best-validation weights, and train accuracy for the optimization-failure claim.
+        model.load_state_dict(data.load_pt(paths["best"], map_location=args.device)["model"])
+        test = evaluate_accuracy(model, splits["test"], args)
+        train_acc, n_sub = train_accuracy(model, train_split, len(splits["val"]["labels"]), args)
+        log = [json.loads(line) for line in open(paths["log"])]
+        result = dict(task=args.task, init=args.init, name=args.name, seed=args.seed, preset=args.preset,
+                      steps_per_epoch=len(epoch_batches(train_split, args, 0)),
+                      init_scheme=model.cfg.init, init_scale=model.cfg.init_scale,
+                      init_std=model.cfg.init_std if model.cfg.init == "normal" else None,
+                      best_step=best["step"], best_epoch=best["epoch"], data_sha256=data_hashes(splits),
+                      best_val_acc=best["val_acc"], test_acc=test["acc"],
+                      train_acc=train_acc, train_acc_subset=n_sub, train_acc_rows="random, seed 0",
+                      evals=[e for e in log if "val_acc" in e], wall_time_s=best["elapsed_s"] + time.time() - t_trained,
+                      source_sha256=meta.get("sha256"), **provenance, **data.run_record(args))
+        if args.rank == 0:
+            data.save_atomic(result, paths["json"])
     if args.world_size > 1:
         torch.distributed.barrier()  # the JSON exists before any rank goes on (ablate.py reads it back)
         torch.distributed.destroy_process_group()

@@ -248,8 +248,9 @@ def main(argv=None):
     extra = dict(stage="pretrain", task=args.task, data_meta=meta, data_sha256=data.data_hashes(splits),
                  metric="val_loss", format_version=1)
     print(f"self-pretraining {args.task}: {cfg}")
-    best = train(model, splits, args, spt_loss_fn(wrap(model, args), splits["train"], args),
-                 lambda step: evaluate_reconstruction(model, splits["val"], args), paths, extra, False)
+    with data.own_run(paths, args):
+        best = train(model, splits, args, spt_loss_fn(wrap(model, args), splits["train"], args),
+                     lambda step: evaluate_reconstruction(model, splits["val"], args), paths, extra, False)
     print(f"best validation masked loss {best['val_loss']:.4f} (step {best['step']}); "
           f"{'wrote' if best['steps_trained'] else 'kept'} {paths['best']}")
     if meta["kind"] == "tokens" and args.rank == 0:  # where the loss stands: frequencies only, or context
@@ -305,14 +306,15 @@ def build_parser(stage, description):
     p.add_argument("--eval_each_epoch", action=argparse.BooleanOptionalAction, default=None,
                    help="also validate and checkpoint at the end of every epoch (default: yes, except UCR)")
     p.add_argument("--log_every", type=POSITIVE, default=10, help="steps between log lines")
-    p.add_argument("--seed", type=int, default=0, help="training seed: init, batch order, masks")
+    p.add_argument("--seed", type=data.SEED, default=0, help="training seed: init, batch order, masks")
     p.add_argument("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
                    help="auto = bf16 autocast where supported (CUDA), else fp32")
     p.add_argument("--resume", action="store_true", help=f"continue from out/<task>/{stage}*_last.pt")
+    p.add_argument("--overwrite", action="store_true", help="remove this run's old files first")
     p.add_argument("--snapshots", action="store_true", help="also keep a checkpoint at every evaluation")
     p.add_argument("--skip_nonfinite", action="store_true",
-                   help="skip steps whose loss or gradient is NaN/inf (checked every step) instead of stopping")
+                   help="skip steps with a NaN/inf loss or gradient (checked each step); stop at 50 of the last 100")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (needs a working Triton)")
     g = p.add_argument_group("model (overrides the preset; a finetuning from a checkpoint uses the checkpoint's)")
     for name, what in zip(MODEL_SIZE_FLAGS, ("Transformer blocks", "width of the residual stream",
@@ -408,9 +410,10 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
                              f"{args.max_steps}): give the budget it ran with, or start a new --out_dir")
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"{n_params:,} trainable parameters; {total} steps ({n_batches} per epoch)")
-    run = dict(model=model, opt=opt, state=state, args=args, paths=paths, extra=extra, record=data.run_record(args),
-               eval_fn=eval_fn, higher_is_better=higher_is_better, total=total, t_process=time.time(),
-               elapsed0=state.get("elapsed_s", 0.0))  # seconds the run spent in earlier processes (--resume)
+    run = data.HELD["run"] = dict(
+        model=model, opt=opt, state=state, args=args, paths=paths, extra=extra, record=data.run_record(args),
+        eval_fn=eval_fn, higher_is_better=higher_is_better, total=total, t_process=time.time(),
+        elapsed0=state.get("elapsed_s", 0.0))  # seconds the run spent in earlier processes (--resume)
     if state["step"] == 0:
         start_fresh(run)
     meter, width = new_meter(args), data.split_width(splits["train"])
@@ -439,6 +442,8 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
                 meter["t_last"] += time.time() - t_eval  # evaluation time does not count in ms/step and tokens/s
             if done:
                 break
+    if state["best_metrics"] is None:  # every evaluation NaN or inf
+        raise FloatingPointError(f"no evaluation gave a finite {extra['metric']}: no best checkpoint; {last_good(run)}")
     if state["step"] > run["start_step"]:
         print(f"finished {state['step']} steps in {(time.time() - run['t_start']) / 60:.1f} min; "
               f"best {extra['metric']} {state['best']:.4f}")
@@ -454,20 +459,13 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
 
 def start_fresh(run):
     """Step 0 of a new run: a fresh log, an evaluation of the initial weights (the log shows how far training
-    moves the metric) and the _init.pt checkpoint the analyses start from. Says which files of an earlier run in
-    the folder it replaces (a rerun without --resume)."""
-    paths = run["paths"]
+    moves the metric) and the _init.pt checkpoint the analyses start from."""
     if run["args"].rank == 0:
-        earlier = [os.path.basename(p) for k, p in paths.items() if k != "snapshot" and os.path.exists(p)]
-        if earlier:
-            print(f"a new run in {os.path.dirname(paths['log']) or '.'} (no --resume): it replaces the earlier "
-                  f"run's {', '.join(earlier)} as it writes its own (--resume continues that run instead)")
-        os.makedirs(os.path.dirname(os.path.abspath(paths["log"])), exist_ok=True)
-        open(paths["log"], "w").close()
+        open(run["paths"]["log"], "w").close()
     metrics = run["eval_fn"](0)
     print("eval at step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     data.append_log(run, dict(step=0, epoch=0, **metrics))
-    save_checkpoint(run, paths["init"], metrics)
+    save_checkpoint(run, run["paths"]["init"], metrics)
 
 
 def optimizer_step(run, loss_fn, idx):
@@ -484,7 +482,8 @@ def optimizer_step(run, loss_fn, idx):
     if args.skip_nonfinite and not (torch.isfinite(loss) & torch.isfinite(torch.nn.utils.get_total_norm(grads))):
         print(f"step {state['step'] + 1}: non-finite loss or gradient, update skipped")
         opt.zero_grad(set_to_none=True)  # every gradient None: AdamW's step below changes nothing
-        loss, state["skipped"] = None, state.get("skipped", 0) + 1
+        data.count_skipped(state)  # gives up at 50 of the last 100
+        loss = None
     if args.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(run["model"].parameters(), args.grad_clip)
     opt.step()
@@ -570,10 +569,10 @@ def is_better(metrics, state, metric, higher_is_better, tiebreak=None):
     """Whether an evaluation's `metrics` beat the best so far (state["best_metrics"]) on `metric`. A tie (frequent
     for accuracy on a small validation split) goes to the lower `tiebreak` loss, and failing that to the later
     evaluation, so that a tie never keeps an early step merely because it came first."""
-    best = state["best_metrics"]
-    if best is None or not math.isfinite(best[metric]):  # a NaN best would otherwise never be replaced
-        return True
-    value, ref = metrics[metric], best[metric]
+    best, value = state["best_metrics"], metrics[metric]
+    if best is None or not (math.isfinite(value) and math.isfinite(best[metric])):  # NaN, inf: never the best
+        return math.isfinite(value)
+    ref = best[metric]
     if value != ref:
         return value > ref if higher_is_better else value < ref
     return tiebreak is None or metrics[tiebreak] <= best[tiebreak]

@@ -782,9 +782,10 @@ def test_resume_of_a_finished_run_trains_nothing_and_says_its_files_are_kept(lis
     assert "; wrote " not in printed and "finished 4 steps in" not in printed
     assert (open(best, "rb").read(), os.stat(best).st_mtime_ns) == before
     assert "replaces" not in printed + first  # neither the first run nor its resumption replaces a run
-    pretrain.main(flags)  # the same command again without --resume: a new run, and it says what it replaces
-    assert (f"a new run in {os.path.join(out, 'listops')} (no --resume): it replaces the earlier run's pretrain.pt, "
-            f"pretrain_last.pt, pretrain_init.pt, pretrain_log.jsonl as it writes its own") in capsys.readouterr().out
+    with pytest.raises(FileExistsError, match=r"holds this run's files already \(pretrain.pt, pretrain_init.pt, "
+                       r"pretrain_last.pt, pretrain_log.jsonl\): --resume continues it, --overwrite removes it"):
+        pretrain.main(flags)  # the same command again without --resume: refused, the run's files kept
+    assert (open(best, "rb").read(), os.stat(best).st_mtime_ns) == before
 
 
 def test_data_command_line(tmp_path):
@@ -1866,7 +1867,7 @@ def test_nonfinite_loss_stops_the_run_or_is_skipped(listops_dir, tmp_path, monke
     last = data.load_pt(os.path.join(out, "listops", "pretrain_last.pt"))
     assert last["state"]["step"] == 2 and all(torch.isfinite(v).all() for v in last["model"].values())
     calls["n"] = 0
-    pretrain.main(args + ["--skip_nonfinite"])
+    pretrain.main(args + ["--skip_nonfinite", "--overwrite"])
     last = data.load_pt(os.path.join(out, "listops", "pretrain_last.pt"))
     assert last["state"]["step"] == 6 and last["state"]["skipped"] == 1
     assert all(torch.isfinite(v).all() for v in last["model"].values())
@@ -1875,7 +1876,7 @@ def test_nonfinite_loss_stops_the_run_or_is_skipped(listops_dir, tmp_path, monke
     assert [e["step"] for e in lines] == [1, 2, 3, 4, 5, 6] and lines[3]["loss"] is None and lines[3]["skipped"] == 1
     assert all(math.isfinite(e["loss"]) and e["loss"] > 0 and "skipped" not in e for e in lines[:3] + lines[4:])
     calls["n"] = 0  # logged in pairs: step 4's line is the mean of step 3's loss alone, not half of it
-    pretrain.main(args + ["--skip_nonfinite", "--log_every", "2"])  # the last --log_every counts
+    pretrain.main(args + ["--skip_nonfinite", "--log_every", "2", "--overwrite"])  # the last --log_every counts
     pairs = [json.loads(x) for x in open(os.path.join(out, "listops", "pretrain_log.jsonl")) if '"lr"' in x][-3:]
     assert [e["step"] for e in pairs] == [2, 4, 6] and pairs[1]["skipped"] == 1
     assert pairs[1]["loss"] == pytest.approx(lines[2]["loss"], rel=1e-5)  # the same step 3 as with --log_every 1
@@ -1910,7 +1911,7 @@ def test_a_nonfinite_gradient_behind_a_finite_loss_is_never_checkpointed_or_is_s
         ck = data.load_pt(os.path.join(out, "listops", name))
         assert ck["state"]["step"] == 2 and all(torch.isfinite(v).all() for v in ck["model"].values())
     calls["n"] = 0
-    pretrain.main(args + ["--skip_nonfinite"])
+    pretrain.main(args + ["--skip_nonfinite", "--overwrite"])
     last = data.load_pt(os.path.join(out, "listops", "pretrain_last.pt"))
     assert last["state"]["step"] == 6 and last["state"]["skipped"] == 1
     assert all(torch.isfinite(v).all() for v in last["model"].values())
@@ -2284,7 +2285,7 @@ def test_data_settings_of_the_preset_are_checked_against_the_data(tmp_path, caps
     with pytest.raises(ValueError, match="--max_len does not apply to --task synthetic"):
         finetune.main(args + ["--init", "scratch", "--max_len", "30"])
     capsys.readouterr()
-    pretrain.main(args + ["--accept_data"])
+    pretrain.main(args + ["--accept_data", "--overwrite"])  # the run above, in the same folder, on other data
     assert "warning: --accept_data: training on" in capsys.readouterr().out
     assert data.data_mismatches({"max_len": 4096, "split_sizes": {"train": 10}}, {"max_len": 4096, "n_train": 10,
                                                                                   "generate_if_missing": 5}) == []
@@ -5148,3 +5149,261 @@ def test_data_settings_mismatch_command_runs_as_printed_and_makes_the_data_the_r
                                 "listops", str(tmp_path / "gen"), "paper")
         assert f"`python data.py --task listops --data_dir {tmp_path / 'gen'}_paper --max_len 7` and pass" in \
             str(e.value)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Run folders, interruptions and damaged files
+# ----------------------------------------------------------------------------------------------------------
+
+def syn_flags(data_dir, out, *extra):
+    """A 6-step SPT run of the synthetic_run data in <out>/synthetic/ (pretrain.py flags)."""
+    return ["--task", "synthetic", "--data_dir", data_dir, "--out_dir", out, "--batch_size", "16", "--max_steps", "6",
+            "--eval_every", "3", "--device", "cpu", "--accept_data", *extra]
+
+
+def test_a_run_held_by_another_process_is_refused_and_a_dead_holders_lock_is_taken_over(synthetic_run, tmp_path,
+                                                                                          capsys):
+    data_dir, out = synthetic_run[0], str(tmp_path)
+    pretrain.main(syn_flags(data_dir, out))
+    folder = os.path.join(out, "synthetic")
+    files = {f: open(os.path.join(folder, f), "rb").read() for f in os.listdir(folder)}
+    lock = os.path.join(folder, "pretrain.lock")
+    assert files["pretrain.lock"] == b""  # released: emptied, not removed
+    holder = data.lock_run(lock)  # as another process would (flock: two open files conflict, even in one process)
+    try:
+        for extra in (["--resume"], ["--overwrite"], []):
+            with pytest.raises(FileExistsError, match=rf"{re.escape(lock)}: this run is being written by pid "
+                                                      rf"{os.getpid()} on .*; wait for it to end"):
+                pretrain.main(syn_flags(data_dir, out, *extra))
+        # The lock is per run: finetuning in the same folder reads pretrain.pt while SPT holds its run.
+        finetune.main(syn_flags(data_dir, out, "--init", os.path.join(folder, "pretrain.pt"), "--max_steps", "2"))
+    finally:
+        holder.close()  # the holder dies without releasing: the system drops its lock, its record stays
+    assert all(open(os.path.join(folder, f), "rb").read() == b for f, b in files.items() if f != "pretrain.lock")
+    capsys.readouterr()
+    pretrain.main(syn_flags(data_dir, out, "--resume"))
+    assert f"{lock}: taken over from pid {os.getpid()} on " in capsys.readouterr().out
+    assert open(lock).read() == ""
+
+
+def test_a_new_run_in_a_finished_runs_folder_is_refused_or_replaces_it_whole(synthetic_run, tmp_path, capsys,
+                                                                             monkeypatch):
+    data_dir, out = synthetic_run[0], str(tmp_path)
+    flags = syn_flags(data_dir, out, "--snapshots")
+    pretrain.main(flags)
+    folder = os.path.join(out, "synthetic")
+    open(os.path.join(folder, "pretrain_last.pt.12345.tmp"), "wb").close()  # a killed write's temporary
+    before = sorted(os.listdir(folder))
+    assert "pretrain_step3.pt" in before and "pretrain.pt" in before
+    with pytest.raises(FileExistsError, match=rf"{re.escape(folder)} holds this run's files already \("
+                                              r"pretrain.pt, pretrain_init.pt, pretrain_last.pt, .*\): --resume"):
+        pretrain.main(flags)
+    with pytest.raises(ValueError, match="--resume continues the run, --overwrite removes it: give one of them"):
+        pretrain.main(flags + ["--resume", "--overwrite"])
+    assert sorted(os.listdir(folder)) == before
+    # --overwrite, and the new run dies before its first evaluation: the folder holds its files only, no old
+    # checkpoint that a message, analyze.py or a --resume would take for this run's.
+    checkpoint = pretrain.evaluate_and_checkpoint
+
+    def killed(run, epoch):
+        raise RuntimeError("killed")
+    monkeypatch.setattr(pretrain, "evaluate_and_checkpoint", killed)
+    capsys.readouterr()
+    with pytest.raises(RuntimeError, match="killed"):
+        pretrain.main(flags + ["--overwrite", "--seed", "1"])
+    assert f"removed 8 files in {folder}: the earlier run's (--overwrite)" in capsys.readouterr().out
+    assert sorted(os.listdir(folder)) == ["pretrain.lock", "pretrain_init.pt", "pretrain_log.jsonl"]
+    assert data.load_pt(os.path.join(folder, "pretrain_init.pt"))["config"]["seed"] == 1
+    assert data.run_init_path(os.path.join(folder, "pretrain.pt")) == os.path.join(folder, "pretrain_init.pt")
+    # --resume finds no checkpoint: it says so and starts the run again; a killed write's temporary is removed.
+    monkeypatch.setattr(pretrain, "evaluate_and_checkpoint", checkpoint)
+    open(os.path.join(folder, "pretrain_init.pt.999.tmp"), "wb").close()
+    pretrain.main(flags + ["--seed", "1", "--resume"])
+    printed = capsys.readouterr().out
+    assert f"removed 1 files in {folder}: temporaries of killed writes" in printed
+    assert f"--resume: no checkpoint in {folder}, starting from scratch" in printed and "a new run" not in printed
+    steps = [json.loads(line)["step"] for line in open(os.path.join(folder, "pretrain_log.jsonl"))]
+    assert steps == sorted(steps) and steps.count(6) == 2 and steps.count(0) == 1  # step 6: a log line and the eval
+    assert not [f for f in os.listdir(folder) if f.endswith(".tmp")]
+
+
+def flip_a_byte_in_a_tensor(path):
+    """Change one byte in the middle of the largest tensor's data of the checkpoint at `path` (a disk fault)."""
+    t = max(torch.load(path, weights_only=True)["model"].values(), key=torch.numel)
+    blob, raw = bytearray(open(path, "rb").read()), t.numpy().tobytes()
+    assert blob.count(raw) == 1
+    blob[blob.find(raw) + len(raw) // 2] ^= 0x10
+    open(path, "wb").write(blob)
+
+
+def test_a_checkpoint_with_one_changed_byte_is_refused_by_every_reader(synthetic_run, tmp_path, capsys):
+    data_dir, out = synthetic_run[0], str(tmp_path)
+    pretrain.main(syn_flags(data_dir, out))
+    last, best = (os.path.join(out, "synthetic", f) for f in ("pretrain_last.pt", "pretrain.pt"))
+    flip_a_byte_in_a_tensor(last)
+    torch.load(last, weights_only=True)  # torch.load itself does not notice
+    with pytest.raises(ValueError, match=rf"^{re.escape(last)}: cannot be loaded with weights_only=True: .*damaged.*"
+                                         r": BadZipFile: archive/data/\d+ does not match its CRC-32; write it again$"):
+        data.load_pt(last)
+    data.load_pt(last, mmap=True)  # a read of the small fields is not checked (the tensors are, where used)
+    capsys.readouterr()
+    pretrain.main(syn_flags(data_dir, out, "--resume"))  # falls back to the best checkpoint, as for a truncated file
+    printed = capsys.readouterr().out
+    assert re.search(rf"--resume: {re.escape(last)}: .*CRC-32.*; skipped", printed)
+    assert f"--resume: continuing from {best}" in printed
+    data.load_pt(last)  # written again from the best
+    flip_a_byte_in_a_tensor(best)
+    with pytest.raises(ValueError, match=rf"{re.escape(best)}: cannot be loaded .* does not match its CRC-32"):
+        finetune.main(syn_flags(data_dir, out, "--init", best))
+    with pytest.raises(ValueError, match=rf"{re.escape(best)}: cannot be loaded .* does not match its CRC-32"):
+        analyze.load_model(best)
+
+
+def test_skip_nonfinite_gives_up_and_no_finite_evaluation_leaves_no_best_checkpoint(synthetic_run, tmp_path,
+                                                                                     monkeypatch):
+    state = {"step": 0}
+    for step in range(300):  # one step in three skipped: the run goes on
+        state["step"] = step
+        if step % 3 == 0:
+            data.count_skipped(state)
+    assert state["skipped"] == 100 and len(state["recent_skips"]) == 34
+    state = {"step": 0}
+    with pytest.raises(FloatingPointError, match=r"--skip_nonfinite: 50 of the last 100 steps \(up to step 99\)"):
+        for step in range(1, 300, 2):  # one in two: the 50th skip within 100 steps stops it
+            state["step"] = step - 1
+            data.count_skipped(state)
+    data_dir, out = synthetic_run[0], str(tmp_path)
+    original = pretrain.reconstruction_loss
+    monkeypatch.setattr(pretrain, "reconstruction_loss", lambda *a: original(*a) * (
+        float("nan") if torch.is_grad_enabled() else 1.0))  # every training step NaN, evaluations finite
+    with pytest.raises(FloatingPointError, match=r"50 of the last 100 steps \(up to step 50\)"):
+        pretrain.main(syn_flags(data_dir, out, "--skip_nonfinite", "--max_steps", "80"))
+    monkeypatch.setattr(pretrain, "reconstruction_loss", original)
+    monkeypatch.setattr(pretrain, "evaluate_reconstruction", lambda *a: {"val_loss": float("nan"), "val_mae": 1.0})
+    with pytest.raises(FloatingPointError, match="no evaluation gave a finite val_loss: no best checkpoint; the last "
+                                                 "good checkpoint is"):
+        pretrain.main(syn_flags(data_dir, out, "--overwrite"))
+    assert not os.path.exists(os.path.join(out, "synthetic", "pretrain.pt"))
+    assert not pretrain.is_better({"val_loss": float("inf")}, {"best_metrics": None}, "val_loss", False)
+
+
+def test_two_processes_on_one_run_ctrl_c_and_sigterm_end_in_one_line_and_resume_logs_each_step_once(
+        synthetic_run, tmp_path):
+    import signal
+    import sys
+    import time
+    data_dir, out = synthetic_run[0], str(tmp_path)
+    here, folder = os.path.dirname(os.path.abspath(__file__)), os.path.join(out, "synthetic")
+    flags = syn_flags(data_dir, out, "--max_steps", "100000", "--epochs", "100000", "--eval_every", "20",
+                      "--no-eval_each_epoch")
+    log, lock = os.path.join(folder, "pretrain_log.jsonl"), os.path.join(folder, "pretrain.lock")
+
+    def start_and_wait(step, extra=()):  # a run in its own process, once it has logged `step`
+        proc = subprocess.Popen([sys.executable, os.path.join(here, "pretrain.py"), *flags, *extra],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=here,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"),  # a shell's background job ignores SIGINT,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # and passes that on
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            if os.path.exists(log) and any(json.loads(x)["step"] >= step for x in open(log) if x.endswith("\n")):
+                return proc
+            time.sleep(0.05)
+        raise AssertionError(f"the run did not log step {step}: {proc.poll()}")
+
+    def stop(proc, sig):
+        proc.send_signal(sig)
+        return proc.wait(timeout=120), proc.stderr.read()
+
+    line = (r"interrupted at step (\d+) of 100000; the last checkpoint is " + re.escape(os.path.join(folder, ""))
+            + r"pretrain_last.pt \(step (\d+)\); the same command with --resume continues\n")
+    proc = start_and_wait(40)
+    assert open(lock).read().startswith(f"pid {proc.pid} on ") and "pretrain.py --task synthetic" in open(lock).read()
+    for extra in ([], ["--resume"], ["--overwrite"]):  # a second run on it, as a concurrent --resume would be
+        with pytest.raises(FileExistsError, match=rf"this run is being written by pid {proc.pid} on "):
+            pretrain.main(flags + extra)
+    assert proc.poll() is None
+    status, err = stop(proc, signal.SIGINT)
+    assert status == 130 and re.fullmatch(line, err), err
+    assert open(lock).read() == ""
+    reached, saved = map(int, re.fullmatch(line, err).groups())
+    assert reached >= 40 and saved % 20 == 0 and 20 <= saved <= reached
+    assert data.load_pt(os.path.join(folder, "pretrain_last.pt"))["state"]["step"] == saved  # intact
+    status, err = stop(start_and_wait(saved + 60, ["--resume"]), signal.SIGTERM)
+    assert status == 143 and re.fullmatch(line, err), err
+    entries = [json.loads(x) for x in open(log)]
+    for kind in ("loss", "val_loss"):  # the log lines, and the evaluations: each step once, in order
+        steps = [e["step"] for e in entries if kind in e]
+        assert steps == sorted(set(steps)) and len(steps) >= 6, (kind, steps)
+
+
+def test_os_faults_end_in_one_line_naming_the_path(synthetic_run, tmp_path, monkeypatch):
+    import errno
+    import sys
+    monkeypatch.setattr(data.signal, "signal", lambda *a: None)  # run_cli's SIGTERM handler: not in pytest
+
+    def cli_error(main_fn, argv=()):
+        monkeypatch.setattr(sys, "argv", ["stage.py", *argv])
+        with pytest.raises(SystemExit) as e:
+            data.run_cli(main_fn)
+        return e.value.code
+
+    path = str(tmp_path / "ck.pt")
+    if os.path.exists("/dev/full"):  # a full disk where save_atomic writes its temporary
+        os.symlink("/dev/full", f"{path}.{os.getpid()}.tmp")
+        assert cli_error(lambda argv: data.save_atomic({"x": torch.zeros(99)}, path)) == \
+            f"error: {path}: No space left on device"
+        assert not os.path.lexists(f"{path}.{os.getpid()}.tmp") and not os.path.exists(path)
+    for code in (errno.EROFS, errno.EACCES):
+        def fault(argv):
+            raise OSError(code, os.strerror(code), path)
+        assert cli_error(fault) == f"error: {path}: {os.strerror(code)}"
+    not_a_folder = str(tmp_path / "a_file")
+    open(not_a_folder, "w").close()
+    assert cli_error(pretrain.main, syn_flags(synthetic_run[0], not_a_folder)) == \
+        f"error: {os.path.join(not_a_folder, 'synthetic')}: Not a directory"
+    monkeypatch.setenv("SPT_TRACEBACK", "1")
+    with pytest.raises(PermissionError):
+        cli_error(fault)
+
+
+def test_hand_made_values_of_another_float_dtype_become_float32_or_are_refused(synthetic_run, tmp_path, capsys):
+    d = data.load_split(synthetic_run[0], "synthetic", "val")
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        root = str(tmp_path / str(dtype))
+        data.save_atomic(dict(d, values=d["values"].to(dtype)), data.split_path(root, "synthetic", "val"))
+        got = data.load_split(root, "synthetic", "val")
+        assert got["values"].dtype == torch.float32 and torch.equal(got["values"], d["values"].to(dtype).float())
+        path = data.split_path(root, "synthetic", "val")
+        assert f"{path}: {d['values'].numel():,} values converted from {str(dtype)[6:]} to float32" in \
+            capsys.readouterr().out
+    big = d["values"].double()
+    big[3, 5, 1] = 1e39
+    data.save_atomic(dict(d, values=big), path)
+    with pytest.raises(ValueError, match=rf"{re.escape(path)}, row 3: value 1e\+39 is beyond float32's range"):
+        data.load_split(root, "synthetic", "val")
+
+
+def test_integer_flags_that_overflow_are_usage_errors_naming_the_flag(capsys):
+    for argv in (["--seed", "99999999999999999999999"], ["--seed", str(2 ** 32)], ["--seed", "-1"],
+                 ["--max_steps", str(2 ** 63)], ["--batch_size", "1" + "0" * 30]):
+        with pytest.raises(SystemExit) as e:
+            pretrain.pretrain_parser().parse_args(["--task", "synthetic"] + argv)
+        assert e.value.code == 2 and f"argument {argv[0]}: {argv[1]} is out of range" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        data.main(["--task", "synthetic", "--seed", "99999999999999999999999"])
+    assert "argument --seed: " in capsys.readouterr().err
+    top = data.SEED(str(2 ** 32 - 1))  # the largest seed: the seeds derived from it still fit torch's
+    torch.Generator().manual_seed(top * 1_000_003 + 10 ** 9)
+    torch.Generator().manual_seed(top * 100_003 + 10 ** 9)
+
+
+def test_analyze_says_when_the_data_is_not_the_checkpoints(synthetic_run, tmp_path, capsys):
+    data_dir, out = synthetic_run
+    other = str(tmp_path / "other")
+    data.prepare_synthetic(other, n_train=64, n_val=32, n_test=32, length=20, seed=1)
+    ckpt = os.path.join(out, "synthetic", "pretrain.pt")
+    analyze.analyze_checkpoints({"spt": ckpt}, data_dir)
+    assert "not the data" not in capsys.readouterr().out
+    analyze.analyze_checkpoints({"spt": ckpt}, other)
+    assert f"note: {data.split_path(other, 'synthetic', 'val')} is not the data the checkpoint was trained on " \
+           f"(sha256 {data.load_pt(ckpt)['data_sha256']['val'][:12]}...)" in capsys.readouterr().out
