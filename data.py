@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import fcntl
 import gzip
 import hashlib
 import http.client
@@ -63,6 +62,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from PIL import Image  # Pillow: installed with matplotlib, which needs it
+try:
+    import fcntl
+except ImportError:  # Windows: runs are not locked (lock_run says so)
+    fcntl = None
 
 # ---- 0. What every stage reads (the contract) ----
 
@@ -2396,7 +2399,10 @@ def lock_run(path):
     f.seek(0)
     before = f.read().strip()  # the holder's record, or a killed process's
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if fcntl is None:
+            print(f"{path}: not locked (no fcntl on {platform.system()}): start one run of it at a time")
+        else:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.close()
         raise FileExistsError(f"{path}: this run is being written by {before or 'another process'}; wait for it to "

@@ -5407,3 +5407,11 @@ def test_analyze_says_when_the_data_is_not_the_checkpoints(synthetic_run, tmp_pa
     analyze.analyze_checkpoints({"spt": ckpt}, other)
     assert f"note: {data.split_path(other, 'synthetic', 'val')} is not the data the checkpoint was trained on " \
            f"(sha256 {data.load_pt(ckpt)['data_sha256']['val'][:12]}...)" in capsys.readouterr().out
+
+
+def test_without_fcntl_a_run_is_not_locked_and_says_so(tmp_path, monkeypatch, capsys):
+    """Windows has no fcntl: data.py still imports, and lock_run says the run is not locked."""
+    monkeypatch.setattr(data, "fcntl", None)
+    first, second = (data.lock_run(str(tmp_path / "pretrain.lock")) for _ in range(2))
+    assert capsys.readouterr().out.count("not locked (no fcntl on ") == 2
+    first.close(), second.close()
