@@ -761,13 +761,13 @@ def experiment_ucr(args):
 
 
 def experiment_posenc(args):
-    """Coser et al. Sec. 4: sinusoidal, ALiBi, RoPE, FIRE and (beyond the paper) no positions, from scratch on
+    """Coser et al. Sec. 4: sinusoidal, ALiBi, RoPE, FIRE and (beyond the paper) learned and no positions, from scratch on
     --task, beside sinusoidal + SPT, with paired differences to sinusoidal from scratch."""
     paper = {"sinusoidal": ("0.501", "-"), "alibi": ("0.564", "0.500"), "rope": ("tested, no number", "-"),
-             "fire": ("tested, no number", "-"), "none": ("-", "-")}
+             "fire": ("tested, no number", "-")}  # every other scheme of model.POSITIONS is beyond the paper
     rows = [(("no positions" if pos == "none" else pos) + ", from scratch",
-             "scratch" + f"_{pos}" * (pos != "sinusoidal"), "scratch", ("--pos", pos) * (pos != "sinusoidal"), cells)
-            for pos, cells in paper.items()]
+             "scratch" + f"_{pos}" * (pos != "sinusoidal"), "scratch", ("--pos", pos) * (pos != "sinusoidal"),
+             paper.get(pos, ("-", "-"))) for pos in model_lib.POSITIONS]
     rows.append(("sinusoidal + SPT", "spt", None, (), ("0.740 (Amos, full model)", "0.880 (Amos)")))
     output = "posenc" if args.task == "synthetic" else f"posenc_{args.task}"
     runs, _, table = finetune_rows(args, output, rows, "positions")
@@ -904,7 +904,7 @@ def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
         return
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
         (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024
-    queue.put((sorted(times)[len(times) // 2], peak, B * L, model_lib.flops_per_token(cfg, L) * B * L))
+    queue.put((sorted(times)[len(times) // 2], peak, B * L, data.flops_per_token(cfg, L) * B * L))
 
 
 def time_in_process(*args):

@@ -306,11 +306,15 @@ def attention_maps(model, x, lengths=None, chunk=None):
 
 @torch.no_grad()
 def pe_probe(model, length, layer=0):
-    """The PE-only probe: X = 0, only the sinusoidal encodings P (L, d) through layer `layer`'s first LayerNorm (if
-    any), W_Q and W_K without biases: scores_h = (P W_Q,h^T)(P W_K,h^T)^T / sqrt(d_head), the paper's
-    P W_Q^T W_K P^T / sqrt(d). Returns (scores (H, L, L), softmax probabilities (H, L, L))."""
+    """The PE-only probe: X = 0, only the model's absolute positions P (L, d) (model.absolute_positions) through
+    layer `layer`'s first LayerNorm (if any), W_Q and W_K without biases: scores_h = (P W_Q,h^T)(P W_K,h^T)^T /
+    sqrt(d_head), the paper's P W_Q^T W_K P^T / sqrt(d). Returns (scores (H, L, L), softmax probabilities
+    (H, L, L)). ValueError for a model without absolute positions (relative schemes, "none")."""
     block, attn = model.blocks[layer], model.blocks[layer].attn
-    p = block.ln1(model.pe[:length])                                            # (L, d_model)
+    P = model.absolute_positions(length)
+    if P is None:
+        raise ValueError(f"the PE-only probe needs absolute positions; this model's pos is {model.cfg.pos!r}")
+    p = block.ln1(P)                                                            # (L, d_model)
     q = (p @ attn.q_proj.weight.T).view(length, attn.n_heads, attn.d_head).transpose(0, 1)  # (H, L, d_head)
     k = (p @ attn.k_proj.weight.T).view(length, attn.n_heads, attn.d_head).transpose(0, 1)
     scores = q @ k.transpose(1, 2) / math.sqrt(attn.d_head)
@@ -385,7 +389,7 @@ def analyze_checkpoints(paths, data_dir, n=64, band=3):
         side = side if (ck.get("data_meta") or {}).get("kind") == "pixels" and side * side == x.shape[1] else None
         stats = attention_stats(attn[0], band, side, entropy=entropies[0], lengths=padded)
         probe = None
-        if model.cfg.pos == "sinusoidal":  # the probe feeds the absolute encodings P; other schemes have none
+        if model.absolute_positions(1) is not None:  # the probe feeds the absolute positions P
             _, probe = pe_probe(model, x.shape[1])
             stats["probe"] = attention_stats(probe, band, side)
             pair = torch.stack([probe.flatten(), attn[0].flatten()])

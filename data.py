@@ -2250,6 +2250,17 @@ def peak_flops_of(name):
     return PEAK_BF16_FLOPS[max(found, key=len)] if found else None
 
 
+def flops_per_token(cfg, L):
+    """Training FLOPs per token (forward + backward) at sequence length L, for MFU (Chowdhery et al. 2022, PaLM
+    App. B): 6 x the weights used per token (W_Q, W_K, W_V, W_O and the MLP of every layer, a continuous input
+    encoder, the reconstruction head, which SPT applies at every position), plus 12 x n_layers x d_model x keys for
+    the scores and their product with V; a query sees L keys, or 3 attn_window under local attention."""
+    per_layer = 4 * cfg.d_model ** 2 + (2 * cfg.d_model * cfg.d_mlp if cfg.mlp else 0)
+    per_position = (cfg.d_input if cfg.vocab_size == 0 else 0) * cfg.d_model + cfg.n_rec * cfg.d_model
+    keys = min(L, 3 * cfg.attn_window) if cfg.attn_window else L
+    return 6 * (cfg.n_layers * per_layer + per_position) + 12 * cfg.n_layers * cfg.d_model * keys
+
+
 # torchrun (DDP): one process per GPU, each training on its share of the global batch.
 def setup_distributed(args):
     """Join the process group when started by torchrun (WORLD_SIZE > 1); sets args.rank and args.world_size.

@@ -13,7 +13,7 @@ LayerNorm and the MLP can be switched off: the paper's minimal one-layer, one-he
 
 Reading order: ModelConfig; sinusoidal_positions (then ALiBi, RoPE and FIRE, the relative schemes of --pos);
 Attention.forward and explicit_attention; Transformer (encode, pool, classify, reconstruct); init_weights. Below
-them: the parameter groups of Table 3, checkpoint helpers and the FLOPs per token.
+them: the parameter groups of Table 3 and checkpoint helpers (data.flops_per_token counts this model's FLOPs).
 This file is a library: it imports no stage.
 """
 import math
@@ -37,8 +37,8 @@ class ModelConfig:
     d_mlp: int = 256           # hidden width of the MLP
     layernorm: bool = True     # pre-LN in every block and a final LN; False for the minimal model
     mlp: bool = True           # False drops the MLP sub-block (minimal model)
-    pos: str = "sinusoidal"    # positions: "sinusoidal" (absolute, added to the input), "alibi", "rope",
-                               # "fire" (relative, inside attention), or "none" (with mean pooling: order-blind)
+    pos: str = "sinusoidal"    # positions (POSITIONS): "sinusoidal" or "learned" (absolute, added to the input),
+                               # "alibi", "rope", "fire" (relative, inside attention), "none" (order-blind)
     pooling: str = "mean"      # "mean" or "max" over non-padding positions
     pair: bool = False         # dual encoder (LRA Retrieval): classify a pair of documents from [u, v, u*v, u-v]
     cls_mlp: bool = False      # Linear(d, d) + ReLU before the class layer: Amos et al.'s `sequence_nonelinear`
@@ -66,7 +66,10 @@ def sinusoidal_positions(n_pos, d_model, base=10000.0):
     return P
 
 
-POSITIONS = ("sinusoidal", "alibi", "rope", "fire", "none")
+# Every scheme of ModelConfig.pos. A new one: add it here, build it in Transformer.absolute_positions (added to the
+# input) or in Attention (relative: a score bias in _position_bias), put its parameters in PARAM_GROUPS["posenc"]
+# and its init in init_weights (an nn.Embedding would get N(0, 1)); buffers non-persistent and constant (data.wrap).
+POSITIONS = ("sinusoidal", "learned", "alibi", "rope", "fire", "none")
 
 
 def alibi_slopes(n_heads):
@@ -127,8 +130,6 @@ class Attention(nn.Module):
         assert cfg.d_model % cfg.n_heads == 0, "d_model must be divisible by n_heads"
         self.n_heads, self.d_head = cfg.n_heads, cfg.d_model // cfg.n_heads
         self.pos, self.window = cfg.pos, cfg.attn_window
-        if self.window and cfg.pos in ("alibi", "fire"):
-            raise ValueError("local attention (attn_window > 0) does not support alibi/fire biases")
         self.q_proj = nn.Linear(cfg.d_model, cfg.d_model)  # W_Q
         self.k_proj = nn.Linear(cfg.d_model, cfg.d_model)  # W_K
         self.v_proj = nn.Linear(cfg.d_model, cfg.d_model)  # W_V
@@ -136,6 +137,8 @@ class Attention(nn.Module):
         if cfg.pos == "alibi":
             self.register_buffer("slopes", alibi_slopes(cfg.n_heads), persistent=False)
         self.fire = FIRE(cfg.n_heads) if cfg.pos == "fire" else None
+        if self.window and self._position_bias(1, "cpu") is not None:  # local_attention adds no bias
+            raise ValueError(f"local attention (attn_window > 0) does not support pos {cfg.pos!r}: its score bias")
 
     def forward(self, x, valid=None, need_weights=False):
         B, L, _ = x.shape
@@ -260,6 +263,7 @@ class Transformer(nn.Module):
             self.embed = nn.Linear(cfg.d_input, cfg.d_model)         # input encoder for continuous values
         pe = sinusoidal_positions(cfg.max_len, cfg.d_model) if cfg.pos == "sinusoidal" else torch.zeros(0)
         self.register_buffer("pe", pe, persistent=False)            # a function of the config, not a weight
+        self.pos_embed = nn.Embedding(cfg.max_len, cfg.d_model) if cfg.pos == "learned" else None  # a weight
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model) if cfg.layernorm else nn.Identity()
         self.rec_head = nn.Linear(cfg.d_model, cfg.n_rec) if cfg.n_rec > 0 else None
@@ -287,13 +291,22 @@ class Transformer(nn.Module):
         padded = lengths is not None and not bool((lengths >= L).all())
         valid = torch.arange(L, device=x.device)[None, :] < on(lengths, x.device)[:, None] if padded else None
         h = self.embed(x)                                                 # (B, L, d_model)
-        if self.cfg.pos == "sinusoidal":
-            h = h + self.pe[:L]
+        P = self.absolute_positions(L)
+        if P is not None:
+            h = h + P
         all_probs = []
         for block in self.blocks:
             h, probs = block(h, valid, need_weights)
             all_probs.append(probs)
         return self.ln_f(h), (all_probs if need_weights else None)
+
+    def absolute_positions(self, L):
+        """The absolute positions P (L, d_model) added to the input embeddings, or None when positions act inside
+        attention ("alibi", "rope", "fire") or not at all ("none"). "sinusoidal": the fixed encodings of
+        sinusoidal_positions; "learned": the first L rows of a trained table, as in BERT and GPT-2."""
+        if self.cfg.pos == "sinusoidal":
+            return self.pe[:L]
+        return self.pos_embed.weight[:L] if self.pos_embed is not None else None
 
     def pool(self, z, lengths=None):
         """Mean (or max) pooling over non-padding positions: (B, L, d) -> (B, d)."""
@@ -356,7 +369,7 @@ PARAM_GROUPS = {
     "embed": lambda n: n.startswith("embed."),                       # the input encoder
     "norm": lambda n: ".ln1." in n or ".ln2." in n or n.startswith("ln_f."),
     "head": lambda n: n.startswith(("cls_head.", "rec_head.")),
-    "posenc": lambda n: ".attn.fire." in n,                          # FIRE's learned position bias
+    "posenc": lambda n: ".attn.fire." in n or n.startswith("pos_embed."),  # learned positions: FIRE, the table
 }
 
 
@@ -380,6 +393,7 @@ def init_weights(model, cfg):
     |   heads, FIRE's MLP)                 |   1/sqrt(3 d_in)           |                  |                  |
     | Linear bias                          | U(-1/sqrt(d_in), ...)      | as "reference"   | 0                |
     | Embedding (token input encoder)      | N(0, 1)                    | N(0, 1)          | N(0, init_std^2) |
+    | learned positions table (pos_embed)  | N(0, init_std^2)           | N(0, init_std^2) | N(0, init_std^2) |
     | W_Q, W_K, W_V, W_O of one layer      | equal (one draw, copied)   | independent      | independent      |
     | LayerNorm weight / bias              | 1 / 0                      | 1 / 0            | 1 / 0            |
     Then every Linear weight and bias and every Embedding weight is multiplied by cfg.init_scale (1 = as above).
@@ -397,7 +411,7 @@ def init_weights(model, cfg):
         raise ValueError(f"ModelConfig.init is {cfg.init!r}, expected one of {INIT_SCHEMES}")
     for m in model.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
-            if cfg.init == "normal":
+            if cfg.init == "normal" or m is model.pos_embed:  # the table: BERT's and GPT-2's N(0, 0.02)
                 nn.init.normal_(m.weight, 0.0, cfg.init_std)
                 if getattr(m, "bias", None) is not None:
                     nn.init.zeros_(m.bias)
@@ -413,10 +427,8 @@ def init_weights(model, cfg):
     if cfg.init == "reference":  # clones(): the four projections start as copies of one layer
         for m in model.modules():
             if isinstance(m, Attention):
-                with torch.no_grad():
-                    for proj in (m.k_proj, m.v_proj, m.o_proj):
-                        proj.weight.copy_(m.q_proj.weight)
-                        proj.bias.copy_(m.q_proj.bias)
+                for proj in (m.k_proj, m.v_proj, m.o_proj):
+                    proj.load_state_dict(m.q_proj.state_dict())
 
 
 # Checkpoints: plain dicts of tensors and Python types, loadable with torch.load(weights_only=True).
@@ -452,13 +464,3 @@ def checkpoint_dict(model, **extra):
     """The checkpoint schema: model (state dict), model_config (dict) and whatever plain fields `extra` holds."""
     return dict(model=unwrapped_state_dict(model.state_dict()), model_config=asdict(model.cfg), **extra)
 
-
-def flops_per_token(cfg, L):
-    """Training FLOPs per token (forward + backward) at sequence length L, for MFU (Chowdhery et al. 2022, PaLM
-    App. B): 6 x the weights used per token (W_Q, W_K, W_V, W_O and the MLP of every layer, a continuous input
-    encoder, the reconstruction head, which SPT applies at every position), plus 12 x n_layers x d_model x keys for
-    the scores and their product with V; a query sees L keys, or 3 attn_window under local attention."""
-    per_layer = 4 * cfg.d_model ** 2 + (2 * cfg.d_model * cfg.d_mlp if cfg.mlp else 0)
-    per_position = (cfg.d_input if cfg.vocab_size == 0 else 0) * cfg.d_model + cfg.n_rec * cfg.d_model
-    keys = min(L, 3 * cfg.attn_window) if cfg.attn_window else L
-    return 6 * (cfg.n_layers * per_layer + per_position) + 12 * cfg.n_layers * cfg.d_model * keys

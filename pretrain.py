@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import data
 from data import (NON_NEGATIVE, POSITIVE, POSITIVE_FLOAT, HelpFormatter, accumulator_dtype, autocast, device_name,
                   global_sum, local_rows, number_at_least, peak_flops, pick_device, pick_dtype, setup_distributed, wrap)
-from model import INIT_SCHEMES, POSITIONS, ModelConfig, Transformer, checkpoint_dict, flops_per_token, on
+from model import INIT_SCHEMES, POSITIONS, ModelConfig, Transformer, checkpoint_dict, on
 
 # Presets per task: "paper" (Coser et al. Sec. 5; Amos et al.'s configs) and "cpu" (minutes on 2 cores). --preset
 # auto picks paper on CUDA, cpu elsewhere; any flag overrides. eval_every 10**9: validate at the end of each epoch.
@@ -319,7 +319,7 @@ def build_parser(stage, description):
                                               "attention heads (must divide d_model)", "hidden width of the MLP")):
         g.add_argument(f"--{name}", type=POSITIVE, default=None, help=what)
     g.add_argument("--pos", default=None, choices=POSITIONS,
-                   help="positions: sinusoidal (the paper's); alibi, rope, fire (relative); none")
+                   help="positions (model.POSITIONS); the paper's are sinusoidal")
     g.add_argument("--init_scheme", default=None, choices=INIT_SCHEMES,
                    help="initialization (model.init_weights); default reference = Amos et al.'s code")
     g.add_argument("--init_std", type=POSITIVE_FLOAT, default=None, help="std of --init_scheme normal (default 0.02)")
@@ -510,7 +510,7 @@ def count_step(meter, loss, batch_lengths, cfg, width, multiple=64):
     meter["tokens"] += int(batch_lengths.sum())
     meter["padded"] += batch_lengths.numel() * data.batch_width(batch_lengths, width, multiple)
     L_batch = int(batch_lengths.max())
-    meter["flops"] += flops_per_token(cfg, L_batch) * batch_lengths.numel() * L_batch  # x2 for pairs
+    meter["flops"] += data.flops_per_token(cfg, L_batch) * batch_lengths.numel() * L_batch  # x2 for pairs
 
 
 def log_progress(run, meter, lr):

@@ -1226,7 +1226,7 @@ def test_flops_per_token_counts_the_matmuls():
     cfg = tiny_cfg(n_layers=2, d_model=16, d_mlp=32)
     # per layer: Q, K, V, O (4 d^2) + MLP (2 d d_mlp) weights, x 6 for fwd+bwd; attention 12 n_layers d L
     assert pytest.approx(6 * 2 * (4 * 256 + 2 * 16 * 32) + 12 * 2 * 16 * 100) == \
-        model_lib.flops_per_token(cfg, 100)
+        data.flops_per_token(cfg, 100)
     # Against PyTorch's own count of the matmuls of a forward and backward pass (explicit attention, so that the
     # scores are plain matmuls): the SPT model with its reconstruction head at every position.
     from torch.utils.flop_counter import FlopCounterMode
@@ -1235,12 +1235,12 @@ def test_flops_per_token_counts_the_matmuls():
     with FlopCounterMode(display=False) as counter:
         z, _ = model.encode(x, None, need_weights=True)
         model.rec_head(z).square().sum().backward()
-    assert counter.get_total_flops() == model_lib.flops_per_token(spt, 40) * 3 * 40
-    assert model_lib.flops_per_token(spt, 100) - model_lib.flops_per_token(cfg, 100) == 6 * 17 * 16
+    assert counter.get_total_flops() == data.flops_per_token(spt, 40) * 3 * 40
+    assert data.flops_per_token(spt, 100) - data.flops_per_token(cfg, 100) == 6 * 17 * 16
     # Local attention (window w): a query scores its block and the two neighbours, 3 w keys, not L.
     local = tiny_cfg(n_layers=2, d_model=16, d_mlp=32, attn_window=20)
-    assert model_lib.flops_per_token(local, 100) == model_lib.flops_per_token(cfg, 60)
-    assert model_lib.flops_per_token(local, 30) == model_lib.flops_per_token(cfg, 30)  # L < 3 w: all L keys
+    assert data.flops_per_token(local, 100) == data.flops_per_token(cfg, 60)
+    assert data.flops_per_token(local, 30) == data.flops_per_token(cfg, 30)  # L < 3 w: all L keys
 
 
 def test_unwrapped_state_dict_strips_wrapper_prefixes_in_any_order():
@@ -1266,7 +1266,7 @@ def synthetic_run(tmp_path_factory):
 
 def test_every_parameter_is_in_exactly_one_group():
     for cfg in (tiny_cfg(n_classes=3, n_rec=17), tiny_cfg(layernorm=False, mlp=False, n_classes=2),
-                tiny_cfg(pos="fire", n_classes=2)):
+                *(tiny_cfg(pos=pos, n_classes=2) for pos in model_lib.POSITIONS)):
         groups = {model_lib.param_group(n) for n, _ in Transformer(cfg).named_parameters()}
         assert groups <= set(model_lib.PARAM_GROUPS)
     with pytest.raises(ValueError, match="expected exactly one"):
@@ -1551,8 +1551,8 @@ def test_ablate_synthetic_and_init_run_and_resume(synthetic_run, tmp_path, capsy
     assert "SPT, inherit qk" in table and "0.607 +- 0.012" in table
     ablate.main(["posenc"] + argv)
     res = json.load(open(tmp_path / "ablate" / "posenc.json"))
-    assert {r["row"] for r in res["runs"]} == {f"{p}, from scratch" for p in ("sinusoidal", "alibi", "rope", "fire",
-                                                                              "no positions")} | {"sinusoidal + SPT"}
+    assert {r["row"] for r in res["runs"]} == {("no positions" if p == "none" else p) + ", from scratch"
+                                               for p in model_lib.POSITIONS} | {"sinusoidal + SPT"}
     table = open(tmp_path / "ablate" / "posenc.md").read()
     assert "| no positions, from scratch | " in table
     acc = {(r["seed"], r["row"]): r["test_acc"] for r in res["runs"]}  # RoPE minus sinusoidal, seeds 0 and 1
@@ -2833,10 +2833,10 @@ def test_ablate_ucr_steps_gives_every_stage_that_budget_in_runs_and_a_table_of_t
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Positional encodings: sinusoidal, ALiBi, RoPE, FIRE
+# Positional encodings: sinusoidal, learned, ALiBi, RoPE, FIRE (model.POSITIONS)
 # ----------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("pos", ["alibi", "rope", "fire", "none"])
+@pytest.mark.parametrize("pos", model_lib.POSITIONS)
 def test_position_variants_fast_and_explicit_agree(pos):
     torch.manual_seed(0)
     model = Transformer(tiny_cfg(pos=pos, n_classes=3)).eval()
@@ -2848,6 +2848,28 @@ def test_position_variants_fast_and_explicit_agree(pos):
     z_slow, probs = model.encode(x, lengths, need_weights=True)
     assert torch.allclose(z_fast[valid], z_slow[valid], atol=1e-5)
     assert probs[0][1, :, :, 13:].abs().max() == 0
+
+
+def test_learned_positions_are_a_posenc_table_initialized_as_stated_and_probed(tmp_path):
+    """pos="learned": a (max_len, d_model) table in group "posenc", N(0, init_std^2) under every init scheme
+    (init_weights' table), saved in checkpoints, left fresh by --inherit qk, and fed to the PE-only probe."""
+    for scheme in model_lib.INIT_SCHEMES:
+        m = Transformer(tiny_cfg(pos="learned", max_len=400, d_model=64, n_heads=4, init=scheme, n_classes=2))
+        table = m.pos_embed.weight
+        assert table.shape == (400, 64) and model_lib.param_group("pos_embed.weight") == "posenc"
+        assert abs(table.std().item() - 0.02) < 0.002 and abs(table.mean().item()) < 0.002, (scheme, table.std())
+        assert torch.equal(m.absolute_positions(30), table[:30])
+    assert "pos_embed.weight" in checkpoint_dict(m)["model"]
+    spt = {n: torch.ones_like(t) for n, t in m.state_dict().items()}
+    merged = finetune.hybrid_state_dict(m.state_dict(), spt, finetune.INHERIT["qk"])
+    assert torch.equal(merged["pos_embed.weight"], table) and merged["blocks.0.attn.q_proj.weight"].eq(1).all()
+    P = m.absolute_positions(12)
+    wq, wk = m.blocks[0].attn.q_proj.weight, m.blocks[0].attn.k_proj.weight
+    scores, _ = analyze.pe_probe(m, 12)
+    want = (m.blocks[0].ln1(P) @ wq[:16].T) @ (m.blocks[0].ln1(P) @ wk[:16].T).T / 4.0
+    assert torch.allclose(scores[0], want, atol=1e-5)
+    with pytest.raises(ValueError, match="needs absolute positions; this model's pos is 'rope'"):
+        analyze.pe_probe(Transformer(tiny_cfg(pos="rope")), 12)
 
 
 def test_alibi_slopes_follow_the_published_recipe():
@@ -2902,8 +2924,8 @@ def test_fire_bias_is_learned_and_unknown_positions_are_refused():
         assert torch.allclose(bias[:, i, j], expected, atol=1e-5), (i, j)
     x = torch.randint(2, 17, (2, 7))  # in float64 too (the bias follows the model's dtype)
     assert torch.allclose(m.double().classify(x), m.float().classify(x).double(), atol=1e-5)
-    with pytest.raises(ValueError, match="pos is 'learned'"):
-        Transformer(tiny_cfg(pos="learned"))
+    with pytest.raises(ValueError, match="pos is 't5_bias'"):
+        Transformer(tiny_cfg(pos="t5_bias"))
 
 
 def test_checkpoints_of_compiled_or_ddp_models_load_into_a_plain_one(listops_dir, tmp_path):
@@ -3434,8 +3456,12 @@ def test_local_attention_matches_the_explicit_band_and_keeps_memory_linear(monke
         far = ((i // 8) - (j // 8)).abs() > 1
         assert probs[0][0][:, far].abs().max() == 0   # layer 0, batch row 0: (H, L, L)
     assert ranks and set(ranks) == {4}  # blocks folded into the batch: the fused CUDA kernels take 4-D only
-    with pytest.raises(ValueError, match="local attention"):
-        Transformer(tiny_cfg(attn_window=8, pos="alibi"))
+    for pos in model_lib.POSITIONS:  # a score bias is refused: local_attention would drop it
+        if pos in ("alibi", "fire"):
+            with pytest.raises(ValueError, match=f"local attention .* does not support pos '{pos}'"):
+                Transformer(tiny_cfg(attn_window=8, pos=pos))
+        else:
+            Transformer(tiny_cfg(attn_window=8, pos=pos))
 
 
 def test_a_last_batch_smaller_than_the_ranks_joins_the_one_before():
