@@ -3685,8 +3685,8 @@ def test_exercise_reconstruction_loss():
     1/2 ||r - u||^2 and ||r - u||_1 summed over channels), against loops; no masked position: 0, differentiable."""
     torch.manual_seed(0)
     mask = torch.tensor([[1, 0, 1, 0, 0], [0, 0, 0, 0, 0], [1, 1, 0, 1, 1]], dtype=torch.bool)  # M 6, B 3, B L 15
-    cases = {"ce": (torch.randn(3, 5, 4), torch.randint(4, (3, 5))), "mse": (torch.randn(3, 5, 3), torch.randn(3, 5, 3)),
-             "l1": (torch.randn(3, 5, 3), torch.randn(3, 5, 3))}
+    cases = {"ce": (torch.randn(3, 5, 4), torch.randint(4, (3, 5))),  # (outputs, targets) at every position
+             "mse": (torch.randn(3, 5, 3), torch.randn(3, 5, 3)), "l1": (torch.randn(3, 5, 3), torch.randn(3, 5, 3))}
     for kind, (o, u) in cases.items():
         terms = []
         for b, t in mask.nonzero().tolist():
@@ -3717,11 +3717,12 @@ def test_exercise_explicit_attention():
     q, k, v = torch.randn(3, 2, 2, 5, 4).unbind(0)                                  # (B 2, H 2, L 5, d_head 4)
     keys = torch.tensor([[True, True, True, False, False], [True] * 5])             # row 0: keys 3, 4 are padding
     bias = torch.randn(2, 5, 5)                                                     # (H, L, L)
-    forms = {"no mask": (None, lambda b, h, i, j: 0.0),
-             "boolean mask (B, 1, 1, L)": (keys[:, None, None], lambda b, h, i, j: 0.0 if keys[b, j] else -math.inf),
+    padded = lambda b, j: 0.0 if keys[b, j] else -math.inf
+    forms = {"no mask": (None, lambda b, h, i, j: 0.0),  # form: (mask, what it adds to score i, j)
+             "boolean mask (B, 1, 1, L)": (keys[:, None, None], lambda b, h, i, j: padded(b, j)),
              "float mask (1, H, L, L)": (bias[None], lambda b, h, i, j: bias[h, i, j].item()),
              "float mask (B, H, L, L) with -inf": (bias[None].masked_fill(~keys[:, None, None], -math.inf),
-                                                   lambda b, h, i, j: bias[h, i, j].item() if keys[b, j] else -math.inf)}
+                                                   lambda b, h, i, j: bias[h, i, j].item() + padded(b, j))}
     for form, (mask, add) in forms.items():
         y, probs = attn.explicit_attention(q, k, v, mask)
         assert tuple(y.shape) == (2, 2, 5, 4) and tuple(probs.shape) == (2, 2, 5, 5), \
@@ -3730,8 +3731,9 @@ def test_exercise_explicit_attention():
             scores = [(q[b, h, i] @ k[b, h, j]).item() / 2.0 + add(b, h, i, j) for j in range(5)]
             e = [math.exp(s - max(scores)) for s in scores]
             p = torch.tensor([w / sum(e) for w in e])
+            got = [round(w, 4) for w in probs[b, h, i].tolist()]
             assert torch.allclose(probs[b, h, i], p, atol=1e-5), f"{form}, batch {b}, head {h}, query {i}: " \
-                f"expected probabilities {[round(w, 4) for w in p.tolist()]}, got {[round(w, 4) for w in probs[b, h, i].tolist()]}"
+                f"expected probabilities {[round(w, 4) for w in p.tolist()]}, got {got}"
             assert torch.allclose(y[b, h, i], p @ v[b, h], atol=1e-5), f"{form}, batch {b}, head {h}, query {i}: " \
                 f"expected output {(p @ v[b, h]).tolist()} (probabilities times v), got {y[b, h, i].tolist()}"
 
@@ -3775,7 +3777,7 @@ def test_exercise_pe_probe():
                 want = (p @ wq[rows].T) @ (p @ wk[rows].T).T / 2.0
                 assert torch.allclose(scores[h], want, atol=1e-4), f"layernorm {layernorm}, layer {layer}, head " \
                     f"{h}: scores differ from (P W_Q,h^T)(P W_K,h^T)^T / sqrt(d_head) by up to " \
-                    f"{(scores[h] - want).abs().max().item():.3g}" + (", P through the layer's ln1" if layernorm else "")
+                    f"{(scores[h] - want).abs().max().item():.3g}" + (", P after the layer's ln1" if layernorm else "")
                 assert torch.allclose(probs[h], want.softmax(-1), atol=1e-5), \
                     f"layernorm {layernorm}, layer {layer}, head {h}: expected the softmax of each row of the scores"
 
@@ -3793,7 +3795,7 @@ def test_exercise_prop1_derivative():
     loss = sum(((x[:, i] - o[:, i]) ** 2).sum(-1).mean() for i in range(6)) / (2 * 6)
     (grad,) = torch.autograd.grad(loss, a)
     got = analyze.closed_form_spt_derivative(x, d)
-    assert abs(got - grad.item()) < 1e-10, f"c None: expected the autograd derivative {grad.item():.10f}, got {got:.10f}"
+    assert abs(got - grad.item()) < 1e-10, f"c None: expected the derivative {grad.item():.10f}, got {got:.10f}"
     c = torch.einsum("nid,njd->ij", x, x) / len(x)                   # the empirical second moments
     for scale in (1, 2):
         got = analyze.closed_form_spt_derivative(x, d, scale * c)
@@ -3933,7 +3935,7 @@ def test_every_exercise_test_fails_on_a_blanked_or_slightly_wrong_function(name,
 
 def _with_masks(real, x, lengths, masked, mask_id, g):
     """mask_batch's (inputs, masked) for the masks `masked` (real positions only), made by the real function: with
-    ratio 1 on [x, x] and these lengths the first copy comes back hidden at real positions, the second (padding) as is."""
+    ratio 1 on [x, x] and these lengths, the first copy comes back hidden at real positions, the second as it is."""
     both = real(torch.cat([x, x], dim=1), lengths, 1.0, mask_id, g)[0]
     L = x.shape[1]
     return torch.where(masked.view(*masked.shape, *[1] * (x.dim() - 2)), both[:, :L], both[:, L:]), masked
@@ -4011,13 +4013,16 @@ def _softmax_over_queries(real, self, q, k, v, mask):
 WRONG_ANSWERS = {  # exercise: {what is wrong: (real function) -> the wrong function}
     "masking": {
         "a fixed count per row": lambda real: functools.partial(_fixed_count, real),
-        "never masks the last real position": lambda real: lambda x, lengths, *a: real(x, (lengths - 1).clamp(min=1), *a),
+        "never masks the last real position": lambda real: lambda x, lengths, *a: real(
+            x, (lengths - 1).clamp(min=1), *a),
         "forced mask always added": lambda real: lambda x, lengths, ratio, mask_id, g: _with_masks(
-            real, x, lengths, real(x, lengths, ratio, mask_id, g)[1] | real(x, lengths, 0.0, mask_id, g)[1], mask_id, g),
+            real, x, lengths, real(x, lengths, ratio, mask_id, g)[1] | real(x, lengths, 0.0, mask_id, g)[1],
+            mask_id, g),
         "forced mask always at position 0": lambda real: functools.partial(_forced_at_0, real),
         "ratio applied to the padded length": lambda real: functools.partial(_ratio_of_padded_length, real),
         "padding masked": lambda real: lambda x, lengths, *a: real(x, torch.full_like(lengths, x.shape[1]), *a),
-        "generator ignored": lambda real: lambda *a: real(*a[:4], torch.Generator().manual_seed(random.randrange(2**31))),
+        "generator ignored": lambda real: lambda *a: real(
+            *a[:4], torch.Generator().manual_seed(random.randrange(2 ** 31))),
         "masked values not zeroed": lambda real: functools.partial(_values_not_zeroed, real),
         "waits for the device": lambda real: functools.partial(_waits_for_the_device, real)},
     "reconstruction_loss": {
@@ -4075,15 +4080,19 @@ WRONG_ANSWERS = {  # exercise: {what is wrong: (real function) -> the wrong func
         "every group from SPT": lambda real: lambda fresh, spt, groups: real(fresh, spt, finetune.INHERIT["all"]),
         "the other groups from SPT": lambda real: lambda fresh, spt, groups: real(
             fresh, spt, [g for g in finetune.INHERIT["all"] if g not in groups]),
-        "fresh modified in place": lambda real: lambda fresh, spt, groups: fresh.update(real(fresh, spt, groups)) or fresh,
+        "fresh modified in place": lambda real: lambda fresh, spt, groups: fresh.update(
+            real(fresh, spt, groups)) or fresh,
         "keys missing from SPT dropped": lambda real: lambda fresh, spt, groups: {
             n: t for n, t in real(fresh, spt, groups).items() if n in spt}},
     "absolute_positions": {
         "sinusoidal for every scheme": lambda real: lambda self, L: None if real(self, L) is None else
         model_lib.sinusoidal_positions(L, self.cfg.d_model),
-        "a copy of the table": lambda real: lambda self, L: None if real(self, L) is None else real(self, L).detach().clone(),
-        "the whole table": lambda real: lambda self, L: None if real(self, L) is None else real(self, self.cfg.max_len),
-        "the last L rows": lambda real: lambda self, L: None if real(self, L) is None else real(self, self.cfg.max_len)[-L:],
+        "a copy of the table": lambda real: lambda self, L: None if real(self, L) is None else real(
+            self, L).detach().clone(),
+        "the whole table": lambda real: lambda self, L: None if real(self, L) is None else real(
+            self, self.cfg.max_len),
+        "the last L rows": lambda real: lambda self, L: None if real(self, L) is None else real(
+            self, self.cfg.max_len)[-L:],
         "zeros for the relative schemes": lambda real: lambda self, L: torch.zeros(L, self.cfg.d_model) if real(
             self, L) is None else real(self, L)},
     "mean_pooling": {
@@ -4117,7 +4126,7 @@ def test_readme_lists_every_exercise():
 
 # ---- The starter copy for a class: python test_all.py --starter DIR [--exercises 1,3] (README, "Exercises") ----
 
-STARTER_CONFTEST = '''"""Written by `python test_all.py --starter`: a test that needs an exercise not written yet is skipped, naming it."""
+STARTER_CONFTEST = '''"""Written by test_all.py --starter: a test that needs an unwritten exercise skips, naming it."""
 import pytest
 
 import test_all
@@ -4142,13 +4151,19 @@ def skip_if_blocked_by_an_exercise(item, call):
     return report
 
 
+def _function_node(source, qualname):
+    """The ast node of the function `qualname` ("f" or "Class.f") in the module text `source`."""
+    node = ast.parse(source)
+    for name in qualname.split("."):
+        node = next(n for n in node.body if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name == name)
+    return node
+
+
 def blank_function(source, qualname, message):
     """`source` (a module's text) with the body of its function `qualname` ("f" or "Class.f") after the docstring
     replaced by `raise NotImplementedError(message)`; the signature, decorators and docstring stay. ValueError if
     the function has no docstring (it is the exercise's specification)."""
-    node = ast.parse(source)
-    for name in qualname.split("."):
-        node = next(n for n in node.body if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name == name)
+    node = _function_node(source, qualname)
     if ast.get_docstring(node) is None:
         raise ValueError(f"{qualname} has no docstring, which would be the exercise's specification")
     lines, doc = source.splitlines(keepends=True), node.body[0]
@@ -4179,7 +4194,8 @@ def write_starter(folder, numbers=None):
     except (OSError, subprocess.CalledProcessError):  # not a git checkout: a starter copy itself, an archive
         files = []
         for parent, folders, names in os.walk(root):
-            folders[:] = [f for f in folders if f not in (".git", ".venv", "__pycache__", ".pytest_cache", "out", "data")]
+            skipped = (".git", ".venv", "__pycache__", ".pytest_cache", "out", "data")
+            folders[:] = [f for f in folders if f not in skipped]
             files += [os.path.relpath(os.path.join(parent, name), root) for name in names]
     files = [f for f in files if os.path.isfile(os.path.join(root, f))]  # not a tracked file deleted here
     for f in files:
@@ -4199,6 +4215,86 @@ def write_starter(folder, numbers=None):
         f.write(STARTER_CONFTEST)
     print(f"start: cd {folder} && python -m pytest -q test_all.py (the graders fail until their function is "
           f"written; a test that needs a function not written yet is skipped, naming its exercise)")
+
+
+def test_starter_copy_blanks_the_chosen_functions_keeps_their_specification_and_holds_no_answer(tmp_path, capsys):
+    """write_starter: the tracked files without .git, out/, data/; each chosen function keeps its decorators,
+    signature and docstring and raises NotImplementedError naming its exercise; the others stay. No two consecutive
+    lines of a blanked body are anywhere in the copy (no test copies an answer). A folder that is not empty and an
+    unknown number are refused."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    for kit, numbers in ((tmp_path / "all", None), (tmp_path / "two", [2, "9"])):
+        write_starter(str(kit), numbers)
+        printed = capsys.readouterr().out
+        files = sorted(os.path.relpath(os.path.join(d, f), kit) for d, _, fs in os.walk(kit) for f in fs)
+        assert "conftest.py" in files and not {f.split(os.sep)[0] for f in files} & {".git", "out", "data"}
+        lines = set()  # consecutive pairs of stripped lines, over every text file of the copy
+        for f in files:
+            try:
+                text = [line.strip() for line in open(kit / f).read().splitlines() if line.strip()]
+            except UnicodeDecodeError:  # figures
+                continue
+            lines |= set(zip(text, text[1:]))
+        for name in EXERCISES:
+            number, function, source = exercise_function(name)
+            qualname, relative = function.split(".", 1)[1], os.path.relpath(source, root)
+            ours, theirs = open(source).read(), open(kit / relative).read()
+            node, copy = _function_node(ours, qualname), _function_node(theirs, qualname)
+            body = [line.strip() for line in ours.splitlines()[node.body[0].end_lineno:node.end_lineno] if line.strip()]
+            if numbers is not None and str(number) not in map(str, numbers):
+                assert ast.dump(copy) == ast.dump(node), f"{function} was not chosen but changed"
+                continue
+            assert f"exercise {number}: {function}, graded by python -m pytest -q test_all.py -k exercise_{name}" \
+                in printed
+            assert ast.get_docstring(copy) == ast.get_docstring(node) and ast.dump(copy.args) == ast.dump(node.args) \
+                and ast.dump(ast.Module(copy.decorator_list, [])) == ast.dump(ast.Module(node.decorator_list, []))
+            assert ast.unparse(copy.body[1:]) == f"raise NotImplementedError('exercise {number}: write {function} " \
+                                                 f"(README, Exercises)')"
+            leaked = [pair for pair in zip(body, body[1:]) if pair in lines]
+            assert not leaked, f"{function}: the starter copy holds lines of its answer: {leaked}"
+    with pytest.raises(ValueError, match="exists and is not empty"):
+        write_starter(str(tmp_path / "all"))
+    with pytest.raises(ValueError, match=f"unknown exercise '0': the README's table numbers them 1 to {len(EXERCISES)}"):
+        write_starter(str(tmp_path / "new"), [1, 0])
+    assert not (tmp_path / "new").exists()
+
+
+def test_starter_copy_tests_fail_only_in_the_graders_and_skip_naming_the_blocking_exercise(tmp_path):
+    """The command's copy with every exercise blanked, under pytest: the graders, the tests of the tests, and tests
+    and fixtures that reach blanked functions. Failures only in the graders, each naming its function; skips
+    elsewhere, each naming the exercise that blocks it; no errors. The command refuses its folder again in a line."""
+    import xml.etree.ElementTree as ElementTree
+    kit, report = tmp_path / "kit", tmp_path / "report.xml"
+    here = os.path.dirname(os.path.abspath(__file__))
+    conftest = os.path.join(here, "conftest.py")
+    if os.path.exists(conftest) and open(conftest).read() == STARTER_CONFTEST:
+        pytest.skip("a starter copy: this test of the starter runs in the project")
+    made = subprocess.run([sys.executable, "test_all.py", "--starter", str(kit)], cwd=here, capture_output=True,
+                          text=True)
+    assert made.returncode == 0 and f"start: cd {kit} && python -m pytest -q test_all.py" in made.stdout, made.stderr
+    again = subprocess.run([sys.executable, "test_all.py", "--starter", str(kit)], cwd=here, capture_output=True,
+                           text=True)
+    assert (again.returncode, again.stderr) == (1, f"test_all.py --starter: {kit} exists and is not empty: give a "
+                                                   f"new folder\n")
+    chosen = "(exercise or grader or never_waits or mask_batch_masks or fast_and_explicit or learned) and not starter"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_all.py", "-k", chosen,
+                    "--junitxml", str(report)], cwd=kit, capture_output=True, text=True, timeout=600)
+    outcomes = {}
+    for case in ElementTree.parse(report).iter("testcase"):
+        found = [child for child in case if child.tag in ("failure", "error", "skipped")]
+        outcomes[case.get("name")] = (found[0].tag, found[0].get("message")) if found else ("passed", "")
+    graders = {test.__name__: exercise_function(name) for name, (_, _, test) in EXERCISES.items()}
+    assert {name for name, (outcome, _) in outcomes.items() if outcome != "skipped" and outcome != "passed"} == \
+        set(graders), outcomes
+    for name, (number, function, _) in graders.items():
+        assert f"exercise {number}: write {function} (README, Exercises)" in outcomes[name][1], outcomes[name]
+    skipped = {name: message for name, (outcome, message) in outcomes.items() if outcome == "skipped"}
+    unnamed = {name: m for name, m in skipped.items() if not re.fullmatch(r"blocked by exercise \d+ \(\S+\)", m)}
+    assert len(skipped) > 40 and not unnamed, unnamed
+    assert skipped["test_mask_batch_masks_only_real_tokens_at_least_one_each"] == \
+        "blocked by exercise 1 (pretrain.mask_batch)"
+    assert skipped["test_every_grader_fails_on_plausible_wrong_answers_with_a_message[masking-padding masked]"] == \
+        "blocked by exercise 1 (pretrain.mask_batch)"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -5576,91 +5672,6 @@ def test_data_settings_mismatch_command_runs_as_printed_and_makes_the_data_the_r
         assert f"`python data.py --task listops --data_dir {tmp_path / 'gen'}_paper --max_len 7` and pass" in \
             str(e.value)
 
-
-def _function_node(source, qualname):
-    node = ast.parse(source)
-    for name in qualname.split("."):
-        node = next(n for n in node.body if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name == name)
-    return node
-
-
-def test_starter_copy_blanks_the_chosen_functions_keeps_their_specification_and_holds_no_answer(tmp_path, capsys):
-    """write_starter: the tracked files without .git, out/, data/; each chosen function keeps its decorators,
-    signature and docstring and raises NotImplementedError naming its exercise; the others stay. No two consecutive
-    lines of a blanked body are anywhere in the copy (no test copies an answer). A folder that is not empty and an
-    unknown number are refused."""
-    root = os.path.dirname(os.path.abspath(__file__))
-    for kit, numbers in ((tmp_path / "all", None), (tmp_path / "two", [2, "9"])):
-        write_starter(str(kit), numbers)
-        printed = capsys.readouterr().out
-        files = sorted(os.path.relpath(os.path.join(d, f), kit) for d, _, fs in os.walk(kit) for f in fs)
-        assert "conftest.py" in files and not {f.split(os.sep)[0] for f in files} & {".git", "out", "data"}
-        lines = set()  # consecutive pairs of stripped lines, over every text file of the copy
-        for f in files:
-            try:
-                text = [line.strip() for line in open(kit / f).read().splitlines() if line.strip()]
-            except UnicodeDecodeError:  # figures
-                continue
-            lines |= set(zip(text, text[1:]))
-        for name in EXERCISES:
-            number, function, source = exercise_function(name)
-            qualname, relative = function.split(".", 1)[1], os.path.relpath(source, root)
-            ours, theirs = open(source).read(), open(kit / relative).read()
-            node, copy = _function_node(ours, qualname), _function_node(theirs, qualname)
-            body = [line.strip() for line in ours.splitlines()[node.body[0].end_lineno:node.end_lineno] if line.strip()]
-            if numbers is not None and str(number) not in map(str, numbers):
-                assert ast.dump(copy) == ast.dump(node), f"{function} was not chosen but changed"
-                continue
-            assert f"exercise {number}: {function}, graded by python -m pytest -q test_all.py -k exercise_{name}" \
-                in printed
-            assert ast.get_docstring(copy) == ast.get_docstring(node) and ast.dump(copy.args) == ast.dump(node.args) \
-                and ast.dump(ast.Module(copy.decorator_list, [])) == ast.dump(ast.Module(node.decorator_list, []))
-            assert ast.unparse(copy.body[1:]) == f"raise NotImplementedError('exercise {number}: write {function} " \
-                                                 f"(README, Exercises)')"
-            leaked = [pair for pair in zip(body, body[1:]) if pair in lines]
-            assert not leaked, f"{function}: the starter copy holds lines of its answer: {leaked}"
-    with pytest.raises(ValueError, match="exists and is not empty"):
-        write_starter(str(tmp_path / "all"))
-    with pytest.raises(ValueError, match=f"unknown exercise '0': the README's table numbers them 1 to {len(EXERCISES)}"):
-        write_starter(str(tmp_path / "new"), [1, 0])
-    assert not (tmp_path / "new").exists()
-
-
-def test_starter_copy_tests_fail_only_in_the_graders_and_skip_naming_the_blocking_exercise(tmp_path):
-    """The command's copy with every exercise blanked, under pytest: the graders, the tests of the tests, and tests
-    and fixtures that reach blanked functions. Failures only in the graders, each naming its function; skips
-    elsewhere, each naming the exercise that blocks it; no errors. The command refuses its folder again in a line."""
-    import xml.etree.ElementTree as ElementTree
-    kit, report = tmp_path / "kit", tmp_path / "report.xml"
-    here = os.path.dirname(os.path.abspath(__file__))
-    conftest = os.path.join(here, "conftest.py")
-    if os.path.exists(conftest) and open(conftest).read() == STARTER_CONFTEST:
-        pytest.skip("a starter copy: this test of the starter runs in the project")
-    made = subprocess.run([sys.executable, "test_all.py", "--starter", str(kit)], cwd=here, capture_output=True,
-                          text=True)
-    assert made.returncode == 0 and f"start: cd {kit} && python -m pytest -q test_all.py" in made.stdout, made.stderr
-    again = subprocess.run([sys.executable, "test_all.py", "--starter", str(kit)], cwd=here, capture_output=True,
-                           text=True)
-    assert (again.returncode, again.stderr) == (1, f"test_all.py --starter: {kit} exists and is not empty: give a "
-                                                   f"new folder\n")
-    chosen = "(exercise or grader or never_waits or mask_batch_masks or fast_and_explicit or learned) and not starter"
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_all.py", "-k", chosen,
-                    "--junitxml", str(report)], cwd=kit, capture_output=True, text=True, timeout=600)
-    outcomes = {}
-    for case in ElementTree.parse(report).iter("testcase"):
-        found = [child for child in case if child.tag in ("failure", "error", "skipped")]
-        outcomes[case.get("name")] = (found[0].tag, found[0].get("message")) if found else ("passed", "")
-    graders = {test.__name__: exercise_function(name) for name, (_, _, test) in EXERCISES.items()}
-    assert {name for name, (outcome, _) in outcomes.items() if outcome != "skipped" and outcome != "passed"} == \
-        set(graders), outcomes
-    for name, (number, function, _) in graders.items():
-        assert f"exercise {number}: write {function} (README, Exercises)" in outcomes[name][1], outcomes[name]
-    skipped = {name: message for name, (outcome, message) in outcomes.items() if outcome == "skipped"}
-    assert len(skipped) > 40 and all(re.fullmatch(r"blocked by exercise \d+ \(\S+\)", m) for m in skipped.values())
-    assert skipped["test_mask_batch_masks_only_real_tokens_at_least_one_each"] == \
-        "blocked by exercise 1 (pretrain.mask_batch)"
-    assert skipped["test_every_grader_fails_on_plausible_wrong_answers_with_a_message[masking-padding masked]"] == \
-        "blocked by exercise 1 (pretrain.mask_batch)"
 
 if __name__ == "__main__":  # python test_all.py --starter DIR [--exercises 1,3]: a class's copy (README, Exercises)
     parser = argparse.ArgumentParser(description="Write a starter copy of the project for a class (README, Exercises).")
