@@ -4038,8 +4038,8 @@ WRONG_ANSWERS = {  # exercise: {what is wrong: (real function) -> the wrong func
             2 if kind == "mse" else 1),
         "mean over channels": lambda real: lambda o, t, kind="ce", mask=None: real(o, t, kind, mask) / (
             1 if kind == "ce" else o.shape[-1]),
-        "NaN without masked positions": lambda real: lambda o, t, kind="ce", mask=None: real(o, t, kind, mask) / (
-            len(o) if mask is None else mask.sum()) * (len(o) if mask is None else mask.sum())},
+        "NaN without masked positions": lambda real: lambda o, t, kind="ce", mask=None: real(o, t, kind, mask) * (
+            float("nan") if (len(o) if mask is None else int(mask.sum())) == 0 else 1)},
     "explicit_attention": {
         "ignores a float mask": lambda real: lambda self, q, k, v, mask: real(
             self, q, k, v, mask if mask is None or mask.dtype == torch.bool else None),
