@@ -42,8 +42,8 @@ INHERIT = {"all": _BACKBONE, "qk": ("W_Q", "W_K"), "attn": ("W_Q", "W_K", "W_V",
            "all-but-qk": tuple(g for g in _BACKBONE if g not in ("W_Q", "W_K"))}
 # finetune.py --freeze: groups kept at their initial values during finetuning (Coser et al. Sec. 3, Table 3).
 # The paper's "attention frozen (MLP + head trained)" read two ways: attention only, or all but the MLP and head.
-# Freezing "attn" also freezes FIRE's learned position bias (posenc), which shapes the attention scores; inheriting
-# "attn" is Table 3's row, the four matrices W_Q, W_K, W_V, W_O (sinusoidal positions have no posenc weights).
+# Freezing "attn" also freezes learned positions (posenc: FIRE's bias, the learned table), which shape the scores;
+# inheriting "attn" is Table 3's row, the four matrices W_Q, W_K, W_V, W_O (sinusoidal positions have no weights).
 FREEZE = {"none": (), "attn": ("W_Q", "W_K", "W_V", "W_O", "posenc"),
           "attn+embed+norm": ("W_Q", "W_K", "W_V", "W_O", "posenc", "embed", "norm"),
           "attn+mlp": ("W_Q", "W_K", "W_V", "W_O", "posenc", "mlp")}

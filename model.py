@@ -292,8 +292,7 @@ class Transformer(nn.Module):
         valid = torch.arange(L, device=x.device)[None, :] < on(lengths, x.device)[:, None] if padded else None
         h = self.embed(x)                                                 # (B, L, d_model)
         P = self.absolute_positions(L)
-        if P is not None:
-            h = h + P
+        h = h if P is None else h + P
         all_probs = []
         for block in self.blocks:
             h, probs = block(h, valid, need_weights)
@@ -301,9 +300,8 @@ class Transformer(nn.Module):
         return self.ln_f(h), (all_probs if need_weights else None)
 
     def absolute_positions(self, L):
-        """The absolute positions P (L, d_model) added to the input embeddings, or None when positions act inside
-        attention ("alibi", "rope", "fire") or not at all ("none"). "sinusoidal": the fixed encodings of
-        sinusoidal_positions; "learned": the first L rows of a trained table, as in BERT and GPT-2."""
+        """The absolute positions P (L, d_model) added to the input, or None (relative positions, or "none").
+        "sinusoidal": the fixed sinusoidal_positions; "learned": the first L rows of a trained table (BERT, GPT-2)."""
         if self.cfg.pos == "sinusoidal":
             return self.pe[:L]
         return self.pos_embed.weight[:L] if self.pos_embed is not None else None

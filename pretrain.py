@@ -115,14 +115,13 @@ def mask_batch(x, lengths, ratio, mask_id, generator):
     """Choose masked positions and hide them from the model.
 
     x: tokens (B, L) int64 or values (B, L, C) float; lengths (B,) int64.
-    Returns (inputs, masked (B, L) bool). Every real position is masked independently with probability `ratio`
-    (no spans, no 80/10/10, as in Amos et al.); padding is never masked; a sequence that drew no mask gets one
-    at a uniformly random real position, so each sequence contributes to the loss. Tokens: masked ids become
-    `mask_id`, inputs (B, L). Values: masked values become 0 and a mask-indicator channel is appended, inputs
-    (B, L, C+1) (Amos et al.; the channel is sliced off at finetuning). `generator` makes the masks reproducible.
-    No host synchronisation, so that a GPU never waits for it: tensor operations on x's device only (no .item(),
-    .tolist(), nonzero, boolean indexing or loop over rows); draw with torch.rand(..., generator=generator,
-    device=x.device). The tests check this on PyTorch's meta device (shapes, no values), where only torch.rand draws.
+    Returns (inputs, masked (B, L) bool). Every real position is masked independently with probability `ratio` (no
+    spans, no 80/10/10, as in Amos et al.); padding is never masked; a sequence that drew no mask gets one at a
+    uniformly random real position, so each sequence contributes to the loss. Tokens: masked ids become `mask_id`,
+    inputs (B, L). Values: masked values become 0 and a mask-indicator channel is appended, inputs (B, L, C+1) (Amos
+    et al.; the channel is sliced off at finetuning). `generator` makes the masks reproducible. No host
+    synchronisation (a GPU never waits): tensor operations only, no .item(), nonzero, boolean indexing or loop over
+    rows; draw with torch.rand(..., generator=generator, device=x.device). Tested on the meta device.
     """
     B, L = x.shape[:2]
     valid = torch.arange(L, device=x.device)[None, :] < on(lengths, x.device)[:, None]
