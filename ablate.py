@@ -203,8 +203,8 @@ def prepared_tasks(args, tasks):
 def seeds_here(args, name, *runs):
     """The seeds this process runs: [S] in a --jobs child (--only_seed S). With --jobs N > 1 the parent makes the
     data of `runs` ((task, flags) each) once, then runs every seed in a child, N at a time, one thread each, logging
-    to out/ablate/<name>_seed<S>.log; the experiment then reads their runs back for its table. RuntimeError naming
-    the log of a child that fails."""
+    to out/ablate/<name>_seed<S>.log; the experiment then reads their runs back for its table. RuntimeError with the
+    last line and the log of a child that fails."""
     if args.only_seed is not None:
         return [args.only_seed]
     if args.jobs > 1 and args.seeds > 1:
@@ -226,8 +226,10 @@ def seeds_here(args, name, *runs):
                 if child.wait():
                     for *_, other in children:
                         other.terminate()
-                    raise RuntimeError(f"{args.experiment} --only_seed {seed} failed (exit {child.returncode}); "
-                                       f"see {log}")
+                    with open(log, errors="replace") as f:
+                        last = (f.read().strip().splitlines() or ["(no output)"])[-1]
+                    raise RuntimeError(f"{args.experiment} --only_seed {seed} failed (exit {child.returncode}): "
+                                       f"{last} (the whole output: {log})")
     return list(range(args.seeds))
 
 
