@@ -307,7 +307,7 @@ class Transformer(nn.Module):
         return self.pos_embed.weight[:L] if self.pos_embed is not None else None
 
     def pool(self, z, lengths=None):
-        """Mean (or max) pooling over non-padding positions: (B, L, d) -> (B, d)."""
+        """Pooling by cfg.pooling, "mean" or "max", over non-padding positions: (B, L, d) -> (B, d); z unchanged."""
         if lengths is None:
             return z.mean(dim=1) if self.cfg.pooling == "mean" else z.max(dim=1).values
         lengths = on(lengths, z.device)

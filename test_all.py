@@ -1055,7 +1055,9 @@ def test_bench_parent_reports_a_timing_process_that_ends_without_a_result():
     args = (torch.device("cpu"), torch.float32, 1, 1, 1)
     assert ablate.time_in_process("fused", (16, 15, 1, 2, 8, 2), *args) == \
         "its process ended (exit code 1) without a result"
-    sec, peak, tokens, flops = ablate.time_in_process("fused", (16, 8, 1, 2, 8, 2), *args)
+    result = ablate.time_in_process("fused", (16, 8, 1, 2, 8, 2), *args)
+    assert isinstance(result, tuple), f"the timing process failed: {result}"
+    sec, peak, tokens, flops = result
     assert sec > 0 and tokens == 32
 
 
@@ -1858,19 +1860,11 @@ def test_nonfinite_loss_stops_the_run_or_is_skipped(listops_dir, tmp_path, monke
     out = str(tmp_path)
     args = ["--task", "listops", "--data_dir", listops_dir, "--out_dir", out, "--max_steps", "6", "--eval_every",
             "2", "--log_every", "1"] + TINY[:-4] + ["--device", "cpu"]
-    original = pretrain.reconstruction_loss
-    calls = {"n": 0}
-
-    def poisoned(outputs, targets, kind="ce", mask=None):  # the 4th training step returns NaN (evaluations: no_grad)
-        calls["n"] += torch.is_grad_enabled()
-        loss = original(outputs, targets, kind, mask)
-        return loss * float("nan") if calls["n"] == 4 and torch.is_grad_enabled() else loss
-    monkeypatch.setattr(pretrain, "reconstruction_loss", poisoned)
+    poison_step(monkeypatch, 3, lambda loss: loss * float("nan"))  # the 4th training step's loss is NaN
     with pytest.raises(FloatingPointError, match="non-finite loss between steps 4 and 4"):
         pretrain.main(args)
     last = data.load_pt(os.path.join(out, "listops", "pretrain_last.pt"))
     assert last["state"]["step"] == 2 and all(torch.isfinite(v).all() for v in last["model"].values())
-    calls["n"] = 0
     pretrain.main(args + ["--skip_nonfinite", "--overwrite"])
     last = data.load_pt(os.path.join(out, "listops", "pretrain_last.pt"))
     assert last["state"]["step"] == 6 and last["state"]["skipped"] == 1
@@ -1879,11 +1873,25 @@ def test_nonfinite_loss_stops_the_run_or_is_skipped(listops_dir, tmp_path, monke
     lines = lines[-6:]  # the second run's (--log_every 1): the skipped step has no loss, not a loss of 0
     assert [e["step"] for e in lines] == [1, 2, 3, 4, 5, 6] and lines[3]["loss"] is None and lines[3]["skipped"] == 1
     assert all(math.isfinite(e["loss"]) and e["loss"] > 0 and "skipped" not in e for e in lines[:3] + lines[4:])
-    calls["n"] = 0  # logged in pairs: step 4's line is the mean of step 3's loss alone, not half of it
+    # logged in pairs: step 4's line is the mean of step 3's loss alone, not half of it
     pretrain.main(args + ["--skip_nonfinite", "--log_every", "2", "--overwrite"])  # the last --log_every counts
     pairs = [json.loads(x) for x in open(os.path.join(out, "listops", "pretrain_log.jsonl")) if '"lr"' in x][-3:]
     assert [e["step"] for e in pairs] == [2, 4, 6] and pairs[1]["skipped"] == 1
     assert pairs[1]["loss"] == pytest.approx(lines[2]["loss"], rel=1e-5)  # the same step 3 as with --log_every 1
+
+
+def poison_step(monkeypatch, step, poison):
+    """SPT's training loss at loop step `step` (0-based) goes through `poison`; other steps and evaluations not."""
+    original = pretrain.spt_loss_fn
+
+    def poisoned(net, split, args):
+        loss_fn = original(net, split, args)
+
+        def step_loss(idx, at):
+            loss_sum, n = loss_fn(idx, at)
+            return (poison(loss_sum) if at == step else loss_sum), n
+        return step_loss
+    monkeypatch.setattr(pretrain, "spt_loss_fn", poisoned)
 
 
 class _NaNGradient(torch.autograd.Function):
@@ -1902,19 +1910,12 @@ def test_a_nonfinite_gradient_behind_a_finite_loss_is_never_checkpointed_or_is_s
     out = str(tmp_path)
     args = ["--task", "listops", "--data_dir", listops_dir, "--out_dir", out, "--max_steps", "6", "--eval_every",
             "2", "--log_every", "1"] + TINY[:-4] + ["--device", "cpu"]
-    original, calls = pretrain.reconstruction_loss, {"n": 0}
-
-    def poisoned(outputs, targets, kind="ce", mask=None):  # the 4th training step: finite loss, NaN gradient
-        calls["n"] += torch.is_grad_enabled()
-        loss = original(outputs, targets, kind, mask)
-        return _NaNGradient.apply(loss) if calls["n"] == 4 and torch.is_grad_enabled() else loss
-    monkeypatch.setattr(pretrain, "reconstruction_loss", poisoned)
+    poison_step(monkeypatch, 3, _NaNGradient.apply)  # the 4th training step: finite loss, NaN gradient
     with pytest.raises(FloatingPointError, match=r"non-finite weights at step 4 \(.* more\): a gradient was NaN"):
         pretrain.main(args)
     for name in ("pretrain_last.pt", "pretrain.pt"):
         ck = data.load_pt(os.path.join(out, "listops", name))
         assert ck["state"]["step"] == 2 and all(torch.isfinite(v).all() for v in ck["model"].values())
-    calls["n"] = 0
     pretrain.main(args + ["--skip_nonfinite", "--overwrite"])
     last = data.load_pt(os.path.join(out, "listops", "pretrain_last.pt"))
     assert last["state"]["step"] == 6 and last["state"]["skipped"] == 1
@@ -3703,11 +3704,18 @@ def test_exercise_reconstruction_loss():
                              float(pretrain.reconstruction_loss(o, u, kind, mask)))):
             assert abs(value - want) < 1e-5, f"{kind}, {form}: expected {want:.6f} (the mean over the 6 masked " \
                                              f"positions), got {value:.6f}"
+        try:  # the meta device has shapes but no values: a data-dependent shape (o[mask]) cannot run there
+            pretrain.reconstruction_loss(o.to("meta"), u.to("meta"), kind, mask.to("meta"))
+        except Exception as e:
+            raise AssertionError(f"{kind}, the mask= form on PyTorch's meta device raised {e!r}: it must not wait for "
+                                 f"the device (its docstring: no data-dependent shape, e.g. no outputs[mask])") from e
         o = o.clone().requires_grad_(True)
         for form, value in (("outputs (0, ...)", pretrain.reconstruction_loss(o[:0, 0], u[:0, 0], kind)),
                             ("mask all False", pretrain.reconstruction_loss(o, u, kind, mask & False))):
-            assert value.item() == 0.0 and value.requires_grad, \
-                f"{kind}, {form}: expected 0 from the graph (a tensor with requires_grad, not 0/0 = NaN), got {value!r}"
+            grad = torch.autograd.grad(value, o, allow_unused=True)[0] if value.requires_grad else None
+            assert value.item() == 0.0 and grad is not None and not grad.any(), \
+                f"{kind}, {form}: expected 0 computed from the outputs (gradient 0, not None; not 0/0 = NaN), got " \
+                f"{value!r} with gradient {None if grad is None else grad.abs().max().item()}"
 
 
 def test_exercise_explicit_attention():
@@ -3826,13 +3834,15 @@ def test_exercise_hybrid_initialization():
 
 
 def test_exercise_mean_pooling():
-    """model.Transformer.pool: the mean (or, with pooling="max", the max) over each sequence's real positions,
+    """model.Transformer.pool: by cfg.pooling, the mean or the max over each sequence's real positions,
     padding ignored; without lengths every position is real. Checked against loops."""
     z, lengths = torch.randn(3, 7, 16), torch.tensor([7, 2, 5])
     for pooling in ("mean", "max"):
         model = Transformer(tiny_cfg(pos="none", pooling=pooling))
         reduce = (lambda t: t.mean(dim=0)) if pooling == "mean" else (lambda t: t.max(dim=0).values)
-        pooled = model.pool(z - 10.0, lengths)  # all negative: a padded 0 must not win the max
+        shifted = z - 10.0  # all negative: a padded 0 must not win the max
+        pooled = model.pool(shifted, lengths)
+        assert torch.equal(shifted, z - 10.0), f"pooling {pooling}: pool changed its input z (write no padding in place)"
         for b in range(3):
             want = reduce(torch.stack([z[b, t] - 10.0 for t in range(lengths[b])]))
             assert torch.allclose(pooled[b], want, atol=1e-5), \
@@ -4041,7 +4051,12 @@ WRONG_ANSWERS = {  # exercise: {what is wrong: (real function) -> the wrong func
         "mean over channels": lambda real: lambda o, t, kind="ce", mask=None: real(o, t, kind, mask) / (
             1 if kind == "ce" else o.shape[-1]),
         "NaN without masked positions": lambda real: lambda o, t, kind="ce", mask=None: real(o, t, kind, mask) * (
-            float("nan") if (len(o) if mask is None else int(mask.sum())) == 0 else 1)},
+            float("nan") if (len(o) if mask is None else int(mask.sum())) == 0 else 1),
+        "mask= form by indexing outputs[mask] (waits for the device)": lambda real: lambda o, t, kind="ce",
+        mask=None: real(o, t, kind) if mask is None else real(o[mask], t[mask], kind),
+        "a zero not computed from the outputs": lambda real: lambda o, t, kind="ce", mask=None: torch.zeros(
+            (), requires_grad=True) if o.device.type != "meta" and (len(o) if mask is None else int(mask.sum())) == 0
+        else real(o, t, kind, mask)},
     "explicit_attention": {
         "ignores a float mask": lambda real: lambda self, q, k, v, mask: real(
             self, q, k, v, mask if mask is None or mask.dtype == torch.bool else None),
@@ -4102,7 +4117,9 @@ WRONG_ANSWERS = {  # exercise: {what is wrong: (real function) -> the wrong func
             lengths is None or self.cfg.pooling == "max") else real(self, z, lengths) * lengths[:, None] / z.shape[1],
         "lengths ignored": lambda real: lambda self, z, lengths=None: real(self, z),
         "one real position too few": lambda real: lambda self, z, lengths=None: real(
-            self, z, None if lengths is None else (lengths - 1).clamp(min=1))},
+            self, z, None if lengths is None else (lengths - 1).clamp(min=1)),
+        "padding of z zeroed in place": lambda real: lambda self, z, lengths=None: real(self, z if lengths is None else
+            z.masked_fill_(torch.arange(z.shape[1])[None, :, None] >= lengths[:, None, None], 0.0), lengths)},
 }
 
 
