@@ -2407,7 +2407,9 @@ def lock_run(path):
         f.close()
         raise FileExistsError(f"{path}: this run is being written by {before or 'another process'}; wait for it to "
                               f"end, or give another --out_dir") from None
-    if before:
+    f.seek(0)
+    before = f.read().strip()  # read again under the lock: a record still there is a killed process's
+    if before and fcntl is not None:
         print(f"{path}: taken over from {before}, which ended without releasing it (killed?)")
     f.truncate(0)
     f.write(f"pid {os.getpid()} on {platform.node()}: {' '.join(sys.argv)}\n")
@@ -2423,19 +2425,21 @@ def own_run(paths, args):
     left-over temporaries go. On Ctrl-C or SIGTERM the exception gets the one line run_cli prints."""
     if args.resume and args.overwrite:
         raise ValueError("--resume continues the run, --overwrite removes it: give one of them")
-    folder, lock = os.path.dirname(paths["log"]) or ".", None
+    stem, folder, lock = paths["log"][:-len("_log.jsonl")], os.path.dirname(paths["log"]) or ".", None
+    if re.search(r"_(last|init|step\d+)$", stem):  # finetune_a_last.pt: run a's last checkpoint, or run a_last's?
+        raise ValueError(f"--name {os.path.basename(stem).split('_', 1)[-1]}: a run name may not end in _last, _init or _step<N>")
     if args.rank == 0:  # the other ranks write nothing
         os.makedirs(folder, exist_ok=True)
-        lock = lock_run(paths["log"][:-len("_log.jsonl")] + ".lock")
+        lock = lock_run(stem + ".lock")
     HELD.clear()
     try:
-        old = run_files(paths) if lock else []
+        old = run_files(paths) if os.path.isdir(folder) else []  # every rank: each refuses on its own
         kept = [os.path.basename(f) for f in old if not f.endswith(".tmp")]
         if kept and not (args.resume or args.overwrite):
             raise FileExistsError(f"{folder} holds this run's files already ({', '.join(kept[:4])}"
                                   f"{', ...' * (len(kept) > 4)}): --resume continues it, --overwrite removes it "
                                   f"first, or give another --out_dir")
-        removed = old if args.overwrite else [f for f in old if f.endswith(".tmp")]
+        removed = (old if args.overwrite else [f for f in old if f.endswith(".tmp")]) if lock else []
         for f in removed:
             os.remove(f)
         if removed:
@@ -2449,13 +2453,25 @@ def own_run(paths, args):
         except (OSError, ValueError, KeyError):
             saved = "no checkpoint was written yet"
         step = f"at step {run['state']['step']} of {run['total']}" if run else "before training"
-        e.args = (f"interrupted {step}; {saved}; the same command with --resume continues",)
+        how = "--resume instead of --overwrite" if args.overwrite else "--resume"
+        e.args = (f"interrupted {step}; {saved}; the same command with {how} continues" if args.rank == 0 else
+                  f"rank {args.rank} stopped (rank 0 says why)",)
         raise
     finally:
         HELD.clear()
         if lock:
             lock.truncate(0)
             lock.close()
+
+
+def check_trained(state, metric, where):
+    """FloatingPointError unless the loop `state` trained: some evaluation gave a finite `metric`, and --skip_nonfinite
+    skipped fewer than half of its steps (count_skipped's rule needs 100 steps to fire). where: pretrain.last_good."""
+    if state["best_metrics"] is None:  # every evaluation NaN or inf
+        raise FloatingPointError(f"no evaluation gave a finite {metric}: no best checkpoint; {where}")
+    if state.get("skipped") and 2 * state["skipped"] >= state["step"]:
+        raise FloatingPointError(f"--skip_nonfinite skipped {state['skipped']} of the run's {state['step']} steps: "
+                                 f"it did not train, whatever its checkpoints hold; {where}")
 
 
 def count_skipped(state, window=100, limit=50):

@@ -129,8 +129,8 @@ def model_from_pretrained(path, meta, n_classes, task, device, inherit="all", he
     bad_dropped = [k for k in dropped if not k.startswith("rec_head.")]  # only the reconstruction head dropped
     if bad_new or bad_dropped:
         raise ValueError(f"{path}: checkpoint does not match the model: missing {bad_new}, unexpected {bad_dropped}")
-    for key in set(state) & set(fresh):
-        if state[key].shape != fresh[key].shape:
+    for key in set(state) & set(fresh):  # the inherited ones (a learned table grows with max_len in a swap)
+        if state[key].shape != fresh[key].shape and param_group(key) in INHERIT[inherit]:
             raise ValueError(f"{path}: {key} has shape {tuple(state[key].shape)}, "
                              f"the model expects {tuple(fresh[key].shape)}")
     model.load_state_dict(hybrid_state_dict(fresh, state, INHERIT[inherit]), strict=True)

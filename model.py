@@ -48,7 +48,7 @@ class ModelConfig:
     n_rec: int = 0             # > 0 adds the per-position reconstruction head with this many outputs (SPT)
     init: str = "reference"    # initialization scheme (INIT_SCHEMES, init_weights): "reference" = Amos et al.'s
                                # code (PyTorch defaults, W_Q = W_K = W_V = W_O at init), "torch", "normal"
-    init_std: float = 0.02     # std of every Linear and Embedding weight under init "normal"
+    init_std: float = 0.02     # std of every Linear and Embedding weight under "normal"; of pos "learned" always
     init_scale: float = 1.0    # multiplies every initialized Linear/Embedding tensor (ablate.py initscale)
 
 

@@ -326,7 +326,7 @@ def build_parser(stage, description):
                    help="positions (model.POSITIONS); the paper's are sinusoidal")
     g.add_argument("--init_scheme", default=None, choices=INIT_SCHEMES,
                    help="initialization (model.init_weights); default reference = Amos et al.'s code")
-    g.add_argument("--init_std", type=POSITIVE_FLOAT, default=None, help="std of --init_scheme normal (default 0.02)")
+    g.add_argument("--init_std", type=POSITIVE_FLOAT, default=None, help="std of --init_scheme normal, and of --pos learned (default 0.02)")
     g.add_argument("--init_scale", type=POSITIVE_FLOAT, default=None, help="multiply every initialized weight (default 1)")
     d = p.add_argument_group("data (used when data/<task>/ is made, and checked against it when it exists)")
     d.add_argument("--max_len", type=POSITIVE, default=None, help="longest sequence kept (Text, Retrieval, ListOps)")
@@ -353,10 +353,10 @@ def resolve(args, stage):
     if args.preset == "auto":
         args.preset = "paper" if args.device.type == "cuda" else "cpu"
     preset = fill_from_preset(args, stage)
-    if args.init_std is not None and (args.init_scheme or "reference") != "normal" and \
+    if args.init_std is not None and (args.init_scheme or "reference") != "normal" and args.pos != "learned" and \
             getattr(args, "init", "scratch") == "scratch":  # finetuning from a checkpoint: its scheme (finetune.py)
-        raise ValueError(f"--init_std sets the std of --init_scheme normal; this run's scheme is "
-                         f"{args.init_scheme or 'reference'} (pass --init_scheme normal, or drop --init_std)")
+        raise ValueError(f"--init_std sets the std of --init_scheme normal and of --pos learned's table; this run's "
+                         f"scheme is {args.init_scheme or 'reference'} (pass --init_scheme normal, or drop --init_std)")
     args.dtype, reason = pick_dtype(args.dtype, args.device)
     torch.manual_seed(args.seed)  # the model's initialization
     if args.device.type == "cuda":  # TF32 matmuls, unless exact fp32 was asked for
@@ -444,8 +444,7 @@ def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better)
                 meter["t_last"] += time.time() - t_eval  # evaluation time does not count in ms/step and tokens/s
             if done:
                 break
-    if state["best_metrics"] is None:  # every evaluation NaN or inf
-        raise FloatingPointError(f"no evaluation gave a finite {extra['metric']}: no best checkpoint; {last_good(run)}")
+    data.check_trained(state, extra["metric"], last_good(run))  # a finite evaluation, at most half the steps skipped
     if state["step"] > run["start_step"]:
         print(f"finished {state['step']} steps in {(time.time() - run['t_start']) / 60:.1f} min; "
               f"best {extra['metric']} {state['best']:.4f}")

@@ -4210,26 +4210,31 @@ def write_starter(folder, numbers=None):
     try:
         files = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, text=True,
                                check=True).stdout.split("\0")[:-1]
-    except (OSError, subprocess.CalledProcessError):  # not a git checkout: a starter copy itself, an archive
+    except (OSError, subprocess.CalledProcessError):
         files = []
+    if not files:  # not a git checkout (a starter copy itself, an archive), or untracked inside another one
         for parent, folders, names in os.walk(root):
             skipped = (".git", ".venv", "__pycache__", ".pytest_cache", "out", "data")
             folders[:] = [f for f in folders if f not in skipped]
             files += [os.path.relpath(os.path.join(parent, name), root) for name in names]
     files = [f for f in files if os.path.isfile(os.path.join(root, f))]  # not a tracked file deleted here
+    blanked = {}  # every blanked text first: an error leaves no half-written copy
+    for number in chosen:
+        _, function, source = exercise_function(known[number])
+        rel = os.path.relpath(source, root)
+        blanked[rel] = blank_function(blanked.get(rel) or open(source).read(), function.split(".", 1)[1],
+                                      f"exercise {number}: write {function} (README, Exercises)")
     for f in files:
         os.makedirs(os.path.dirname(os.path.join(folder, f)), exist_ok=True)
         shutil.copy2(os.path.join(root, f), os.path.join(folder, f))
+    for rel, text in blanked.items():
+        with open(os.path.join(folder, rel), "w") as f:
+            f.write(text)
     print(f"wrote {folder}: the project's {len(files)} files, without .git, out/ and data/; to write (their "
           f"docstrings say what):")
     for number in chosen:
-        _, function, source = exercise_function(known[number])
-        path = os.path.join(folder, os.path.relpath(source, root))
-        text = blank_function(open(path).read(), function.split(".", 1)[1],
-                              f"exercise {number}: write {function} (README, Exercises)")
-        with open(path, "w") as f:
-            f.write(text)
-        print(f"  exercise {number}: {function}, graded by python -m pytest -q test_all.py -k exercise_{known[number]}")
+        print(f"  exercise {number}: {exercise_function(known[number])[1]}, graded by python -m pytest -q test_all.py "
+              f"-k exercise_{known[number]}")
     with open(os.path.join(folder, "conftest.py"), "w") as f:
         f.write(STARTER_CONFTEST)
     print(f"start: cd {folder} && python -m pytest -q test_all.py (the graders fail until their function is "
@@ -5954,8 +5959,69 @@ def test_without_fcntl_a_run_is_not_locked_and_says_so(tmp_path, monkeypatch, ca
     """Windows has no fcntl: data.py still imports, and lock_run says the run is not locked."""
     monkeypatch.setattr(data, "fcntl", None)
     first, second = (data.lock_run(str(tmp_path / "pretrain.lock")) for _ in range(2))
-    assert capsys.readouterr().out.count("not locked (no fcntl on ") == 2
+    out = capsys.readouterr().out
+    assert out.count("not locked (no fcntl on ") == 2 and "taken over" not in out  # the first may still run
     first.close(), second.close()
+
+
+def test_own_run_edge_cases_names_ranks_overwrite_hint_and_what_skip_nonfinite_trained(tmp_path, capsys):
+    """A run name that ends like another run's file is refused; every DDP rank refuses a folder holding the run,
+    but only rank 0 removes files; a run started with --overwrite is told to continue with --resume instead;
+    check_trained refuses a run --skip_nonfinite mostly skipped, however short."""
+    args = argparse.Namespace(resume=False, overwrite=False, rank=0)
+    with pytest.raises(ValueError, match="--name a_last: a run name may not end in _last, _init or _step<N>"):
+        with data.own_run(data.run_paths(str(tmp_path), "t", "finetune", "a_last"), args):
+            pass
+    paths = data.run_paths(str(tmp_path), "t", "pretrain")
+    os.makedirs(tmp_path / "t")
+    open(paths["best"], "w").close()
+    for rank in (0, 1):
+        with pytest.raises(FileExistsError, match="holds this run's files already"):
+            with data.own_run(paths, argparse.Namespace(resume=False, overwrite=False, rank=rank)):
+                pass
+    with data.own_run(paths, argparse.Namespace(resume=False, overwrite=True, rank=1)):
+        assert os.path.exists(paths["best"])  # rank 1 removes nothing
+    for rank, said in ((0, "the same command with --resume instead of --overwrite continues"),
+                       (1, "rank 1 stopped (rank 0 says why)")):
+        with pytest.raises(KeyboardInterrupt, match=re.escape(said)):
+            with data.own_run(paths, argparse.Namespace(resume=False, overwrite=True, rank=rank)):
+                raise KeyboardInterrupt
+    assert not os.path.exists(paths["best"])  # rank 0's --overwrite removed it
+    data.check_trained(dict(best_metrics={}, step=30, skipped=14), "val_loss", "")
+    with pytest.raises(FloatingPointError, match="--skip_nonfinite skipped 15 of the run's 30 steps: it did not train"):
+        data.check_trained(dict(best_metrics={}, step=30, skipped=15), "val_loss", "")
+
+
+def test_learned_positions_take_init_std_and_swap_to_a_longer_task_unless_inherited(listops_dir, tmp_path):
+    """--init_std sets the learned table's std under the default init; a dataset swap to longer sequences
+    refuses to inherit a table of another length (--inherit all) and leaves it fresh with --inherit qk."""
+    args, _ = pretrain.resolve(pretrain.build_parser("pretrain", "").parse_args(
+        ["--task", "listops", "--pos", "learned", "--init_std", "0.1", "--device", "cpu"]), "pretrain")
+    assert args.init_std == 0.1
+    meta = data.load_split(listops_dir, "listops", "train")["meta"]  # max_len 128
+    path = str(tmp_path / "short.pt")
+    short = Transformer(tiny_cfg(pos="learned", vocab_size=meta["vocab_size"], max_len=64, n_rec=meta["vocab_size"]))
+    data.save_atomic(checkpoint_dict(short, stage="pretrain", task="listops", data_meta=dict(meta, max_len=64)), path)
+    with pytest.raises(ValueError, match=r"pos_embed.weight has shape \(64, 16\), the model expects \(128, 16\)"):
+        finetune.model_from_pretrained(path, meta, 10, "listops", "cpu")
+    model = finetune.model_from_pretrained(path, meta, 10, "listops", "cpu", inherit="qk")
+    assert model.pos_embed.weight.shape == (128, 16)
+    assert torch.equal(model.blocks[0].attn.q_proj.weight, short.blocks[0].attn.q_proj.weight)
+
+
+def test_starter_copy_of_an_untracked_project_inside_another_git_repository(tmp_path):
+    """git ls-files lists nothing for a copy no repository tracks: the starter walks the folder instead."""
+    outer = tmp_path / "outer"
+    project = outer / "spt"
+    root = os.path.dirname(os.path.abspath(__file__))
+    shutil.copytree(root, project, ignore=shutil.ignore_patterns(".git", "out", "data", ".venv", "__pycache__"))
+    subprocess.run(["git", "init", "-q", str(outer)], check=True)
+    done = subprocess.run([sys.executable, "test_all.py", "--starter", str(tmp_path / "class"), "--exercises", "1"],
+                          cwd=project, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "the project's 0 files" not in done.stdout and (tmp_path / "class" / "model.py").exists()
+    assert 'raise NotImplementedError("exercise 1: write pretrain.mask_batch' in (
+        tmp_path / "class" / "pretrain.py").read_text()
 
 
 if __name__ == "__main__":  # python test_all.py --starter DIR [--exercises 1,3]: a class's copy (README, Exercises)
