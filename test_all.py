@@ -5264,7 +5264,6 @@ def test_load_split_refuses_tensors_that_disagree(tmp_path, tensors, message):
 # ----------------------------------------------------------------------------------------------------------
 # data.py as a library: the contract on top, one atomic write, and flags that do not apply are errors
 # ----------------------------------------------------------------------------------------------------------
-import functools  # noqa: E402
 import inspect  # noqa: E402
 
 # Per task family: CLI flags that apply (and the keywords main must pass for them, nothing else), and one that does
