@@ -100,12 +100,12 @@ def run_dir(args, task, seed, model="1layer"):
 def run_pretrain(task, folder, seed, common):
     """SPT for one seed (resumed, or a finished run kept); returns the checkpoint path."""
     pretrain.main(["--task", task, "--out_dir", folder, "--seed", str(seed), "--resume"] + common)
-    return data.run_paths(folder, task, "pretrain")["best"]
+    return pretrain.run_paths(folder, task, "pretrain")["best"]
 
 
 def run_finetune(task, folder, seed, name, init, common, extra=()):
     """One finetuning run; returns its result dict (a finished one read back, after check_read_back)."""
-    path, flags = data.run_paths(folder, task, "finetune", name)["json"], ["--seed", str(seed), *common, *extra]
+    path, flags = pretrain.run_paths(folder, task, "finetune", name)["json"], ["--seed", str(seed), *common, *extra]
     if os.path.exists(path):
         check_read_back(path, task, init, flags)
     else:
@@ -125,7 +125,7 @@ def requested_run(stage, task, argv):
     parser = pretrain.pretrain_parser() if stage == "pretrain" else finetune.finetune_parser()
     args = parser.parse_args(["--task", task] + list(argv))
     if args.preset == "auto":  # as resolve does
-        args.preset = "paper" if data.pick_device(args.device).type == "cuda" else "cpu"
+        args.preset = "paper" if pretrain.pick_device(args.device).type == "cuda" else "cpu"
     return args, pretrain.fill_from_preset(args, stage)["model"]
 
 
@@ -400,15 +400,15 @@ def exit_threshold(args, task):
 def spt_displacement(task, folder, data_dir, n=64):
     """analyze.analyze_checkpoints at init and after the SPT run in `folder`: attention statistics, and under
     ["spt"]["displacement"] norm(W - W_init) / norm(W_init) of W_Q, W_K, W_Q^T W_K, ..."""
-    paths = data.run_paths(folder, task, "pretrain")
+    paths = pretrain.run_paths(folder, task, "pretrain")
     return analyze.analyze_checkpoints({"init": paths["init"], "spt": paths["best"]}, data_dir, n=n)[0]
 
 
 def spt_gradients(task, folder, data_dir):
     """analyze.loss_gradients of each loss on the model it trains, {"init" | "spt": {"L_sup" | "L_SPT": ...}}: L_sup
     at the start of from-scratch training and of finetuning after SPT, L_SPT at the start and the end of SPT."""
-    pre = data.run_paths(folder, task, "pretrain")
-    sup = {when: data.run_paths(folder, task, "finetune", name)["init"] for when, name in (("init", "scratch"),
+    pre = pretrain.run_paths(folder, task, "pretrain")
+    sup = {when: pretrain.run_paths(folder, task, "finetune", name)["init"] for when, name in (("init", "scratch"),
                                                                                           ("spt", "spt"))}
     return {when: {"L_sup": analyze.loss_gradients(sup[when], data_dir)["L_sup"],
                    "L_SPT": analyze.loss_gradients(pre[key], data_dir, losses=("L_SPT",))["L_SPT"]}
@@ -417,7 +417,7 @@ def spt_gradients(task, folder, data_dir):
 
 def trained_displacement(folder, task, stage, name=None):
     """analyze.displacement of a finished run: from its _init.pt to the weights it kept, per parameter group."""
-    paths = data.run_paths(folder, task, stage, name)
+    paths = pretrain.run_paths(folder, task, stage, name)
     return analyze.displacement(analyze.load_model(paths["init"])[0], analyze.load_model(paths["best"])[0])
 
 
@@ -801,7 +801,7 @@ def experiment_initscale(args):
         folder = os.path.join(args.out_dir, "ablate", "initscale", kind, f"x{scale:g}", f"L{length}", f"seed{seed}")
         scratch = run_finetune("synthetic", folder, seed, "scratch", "scratch", common)
         spt = run_finetune("synthetic", folder, seed, "spt", run_pretrain("synthetic", folder, seed, common), common)
-        at_init = data.run_paths(folder, "synthetic", "finetune", "scratch")["init"]
+        at_init = pretrain.run_paths(folder, "synthetic", "finetune", "scratch")["init"]
         stats = analyze.analyze_checkpoints({"init": at_init}, data_dirs[length], n=32)[0]["init"]
         share = analyze.loss_gradients(at_init, data_dirs[length], n=32)["L_sup"]["prop1_share"][0]
         for stage, result in (("scratch", scratch), ("spt", spt)):
@@ -877,7 +877,7 @@ def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
     inputs, masked = pretrain.mask_batch(x, lengths, 0.15, 1, torch.Generator(device=device).manual_seed(0))
 
     def step():
-        with data.autocast(device, dtype):  # the training step's form (pretrain.spt_loss_fn)
+        with pretrain.autocast(device, dtype):  # the training step's form (pretrain.spt_loss_fn)
             if variant == "explicit":  # the step as it would run if it asked for the attention weights
                 out = model.rec_head(model.encode(inputs, lengths, need_weights=True)[0])
             else:
@@ -906,7 +906,7 @@ def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
         return
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
         (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024
-    queue.put((sorted(times)[len(times) // 2], peak, B * L, data.flops_per_token(cfg, L) * B * L))
+    queue.put((sorted(times)[len(times) // 2], peak, B * L, pretrain.flops_per_token(cfg, L) * B * L))
 
 
 def time_in_process(*args):
@@ -935,9 +935,9 @@ def bench(args):
                          "L,d_model,layers,heads,MLP,batch with d_model divisible by heads")
     if not set(variants) <= set(BENCH_VARIANTS):
         raise ValueError(f"--variants {args.variants}: expected a comma-separated subset of {', '.join(BENCH_VARIANTS)}")
-    device = data.pick_device(args.device)
-    dtype, reason = data.pick_dtype(args.dtype, device)
-    name, threads, peak_fl = data.device_name(device), torch.get_num_threads(), data.peak_flops(device, dtype)
+    device = pretrain.pick_device(args.device)
+    dtype, reason = pretrain.pick_dtype(args.dtype, device)
+    name, threads, peak_fl = pretrain.device_name(device), torch.get_num_threads(), pretrain.peak_flops(device, dtype)
     print(f"benchmark: L, d_model, layers, heads, MLP, batch = {size} | {device} {name} | {str(dtype)[6:]} "
           f"({reason}) | torch {torch.__version__} | median of {args.repeats} x {args.steps} steps after 3 warm-up steps")
     out = dict(size=dict(zip(("L", "d_model", "n_layers", "n_heads", "d_mlp", "batch"), size)), device=str(device),
@@ -1045,7 +1045,7 @@ def gpu_run(task, stage, args):
         pretrain.main(flags)
     else:
         finetune.main(flags + ["--init", "scratch"])
-    with open(data.run_paths(folder, task, stage, None if stage == "pretrain" else "scratch")["log"]) as f:
+    with open(pretrain.run_paths(folder, task, stage, None if stage == "pretrain" else "scratch")["log"]) as f:
         return gpu_figures([json.loads(line) for line in f])
 
 
@@ -1284,8 +1284,8 @@ def experiment_demo(args):
     scratch = run_finetune("synthetic", folder, args.seed, "scratch", "scratch", common)
     spt = run_finetune("synthetic", folder, args.seed, "spt", run_pretrain("synthetic", folder, args.seed, common),
                        common)
-    pre, kept = data.run_paths(folder, "synthetic", "pretrain"), {
-        name: data.run_paths(folder, "synthetic", "finetune", name)["best"] for name in ("scratch", "spt")}
+    pre, kept = pretrain.run_paths(folder, "synthetic", "pretrain"), {
+        name: pretrain.run_paths(folder, "synthetic", "finetune", name)["best"] for name in ("scratch", "spt")}
     stats, maps = analyze.analyze_checkpoints({"SPT's init": pre["init"], "after SPT": pre["best"],
                                                "SPT, then finetuned": kept["spt"], "from scratch": kept["scratch"]},
                                               data_dir)
@@ -1443,4 +1443,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    data.run_cli(main)
+    pretrain.run_stage(main)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import data
+import pretrain
 from data import single_sequences
 from model import Transformer, config_from_dict, param_group, unwrapped_state_dict
 
@@ -374,7 +375,7 @@ def attention_stats(probs, band=3, side=None, entropy=None, lengths=None):
 def analyze_checkpoints(paths, data_dir, n=64, band=3):
     """Attention maps, PE probes and statistics of each checkpoint of `paths` ({label: path}) on the first `n`
     validation sequences of its task (Retrieval: the 2n documents of n pairs); "displacement" from the start of the
-    checkpoint's own run (data.run_init_path). Returns (results: plain numbers, maps: {label: dict(attention=[(H, L,
+    checkpoint's own run (pretrain.run_init_path). Returns (results: plain numbers, maps: {label: dict(attention=[(H, L,
     L) per layer], probe=(H, L, L) or None, qk=(d, d))}).
     """
     results, maps = {}, {}
@@ -395,7 +396,7 @@ def analyze_checkpoints(paths, data_dir, n=64, band=3):
             pair = torch.stack([probe.flatten(), attn[0].flatten()])
             stats["probe_corr_with_attention"] = torch.corrcoef(pair)[0, 1].item()
         stats["stage"], stats["path"] = ck.get("stage"), path
-        start = data.run_init_path(path)  # the weights this checkpoint's own run started from
+        start = pretrain.run_init_path(path)  # the weights this checkpoint's own run started from
         if start is not None and os.path.abspath(start) != os.path.abspath(path):
             stats["displacement"] = displacement(load_model(start)[0], model)
             stats["displacement_from"] = start
@@ -478,7 +479,7 @@ def cmd_attention(args):
 def cmd_curves(args):
     """Proximity statistics over training, from the snapshots of a run (pretrain.py --snapshots)."""
     import glob
-    prefix = os.path.join(args.run_dir, args.stage + "_step")  # data.run_paths' snapshot names
+    prefix = os.path.join(args.run_dir, args.stage + "_step")  # pretrain.run_paths' snapshot names
     steps = sorted((int(f[len(prefix):-3]), f) for f in glob.glob(prefix + "*.pt") if f[len(prefix):-3].isdigit())
     if not steps:
         raise FileNotFoundError(f"no {args.stage}_step*.pt in {args.run_dir}: run {args.stage.split('_')[0]}.py "
@@ -626,4 +627,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    data.run_cli(main)
+    pretrain.run_stage(main)

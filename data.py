@@ -25,15 +25,13 @@ Commands (pretrain.py and finetune.py run these themselves when data/<task>/ is 
     python data.py --task pathx                        # PathFinder 128x128 from the LRA release
 
 Start with generate_trajectories (section 3, the synthetic task), then load_split and get_batch (section 0).
-Sections: 0. what every stage reads: the atomic write, checkpoints, a run's files, loading, checking and batching
-splits (a first reading can stop there). 1. file helpers and downloads. 2-7. one per source: ListOps, synthetic,
-UCR, Text and Retrieval, Image and Fashion-MNIST, PathFinder and PathX. 8. any task by name, and the settings a run
-checks against its data. 9. command line. Then the stages' plumbing: device, DDP, resume, a run's lock, evaluation.
+Sections: 0. what every stage reads: the atomic write, the checked load of a .pt file, loading, checking and
+batching splits (a first reading can stop there). 1. file helpers and downloads. 2-7. one per source: ListOps,
+synthetic, UCR, Text and Retrieval, Image and Fashion-MNIST, PathFinder and PathX. 8. any task by name, the settings
+a run checks against its data, and its provenance. 9. command line: bounded number types and the one-line error.
+This file holds data only: the training engine (device, DDP, a run's files, resume) is in pretrain.py.
 """
 import argparse
-import contextlib
-import dataclasses
-import datetime
 import gzip
 import hashlib
 import http.client
@@ -44,13 +42,10 @@ import json
 import math
 import os
 import pickle
-import platform
 import random
 import re
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tarfile
 import urllib.request
@@ -59,13 +54,7 @@ import zlib
 
 import numpy as np
 import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 from PIL import Image  # Pillow: installed with matplotlib, which needs it
-try:
-    import fcntl
-except ImportError:  # Windows: runs are not locked (lock_run says so)
-    fcntl = None
 
 # ---- 0. What every stage reads (the contract) ----
 
@@ -152,55 +141,6 @@ def not_a_file(path):
     if os.path.islink(path):
         return FileNotFoundError(f"{path}: a broken link (to {os.readlink(path)}, which does not exist)")
     return FileNotFoundError(f"{path}: no such file")
-
-
-def load_newest(candidates, map_location="cpu", who="load", with_path=False):
-    """Of the checkpoints `candidates` (paths), the one of the latest state.step (a tie: the earlier). A missing or
-    damaged file is reported (prefixed by `who`) and skipped. Returns it ((path, it) with `with_path`), or None when
-    no file exists. ValueError with every reason when files exist but none loads."""
-    reasons, newest, newest_path = [], None, None
-    for path in candidates:
-        if not os.path.lexists(path):  # the program's own guess at a name: no "did you mean" (not_a_file)
-            print(f"{who}: {path}: no such file; skipped")
-            continue
-        try:
-            ck = load_pt(path, map_location=map_location)
-            state = ck.get("state") if isinstance(ck, dict) else None
-            if not isinstance(state, dict) or not isinstance(state.get("step"), int):
-                raise ValueError(f"{path}: holds no training state (state.step); not a checkpoint of this project")
-        except (OSError, ValueError) as e:  # OSError: a folder or a broken link in the file's place, unreadable
-            print(f"{who}: {e}; skipped")
-            reasons.append(e)
-            continue
-        if newest is None or ck["state"]["step"] > newest["state"]["step"]:
-            newest, newest_path = ck, path
-    if newest is not None:
-        print(f"{who}: continuing from {newest_path} (step {newest['state']['step']})")
-        return (newest_path, newest) if with_path else newest
-    if not reasons:
-        print(f"{who}: no checkpoint in {os.path.dirname(candidates[0]) or '.'}, starting from scratch")
-        return (None, None) if with_path else None
-    raise ValueError(f"{who}: no checkpoint could be loaded: " + "; ".join(map(str, reasons)) +
-                     ". Remove them (or run without --resume) to start over")
-
-
-def run_paths(out_dir, task, stage, name=None):
-    """The files of one run under <out_dir>/<task>/: "pretrain": best = pretrain.pt (finetune.py --init), last =
-    pretrain_last.pt (--resume), init = pretrain_init.pt, log = pretrain_log.jsonl, snapshot = pretrain_step{step}.pt;
-    "finetune" with a run name: the same for finetune_<name>, and json = finetune_<name>.json. Else ValueError."""
-    if stage not in ("pretrain", "finetune") or (stage == "finetune") != bool(name):
-        raise ValueError(f"run_paths: stage {stage!r} with name {name!r}; expected 'pretrain', or 'finetune' "
-                         f"with a run name")
-    stem = os.path.join(out_dir, task, "pretrain" if stage == "pretrain" else f"finetune_{name}")
-    paths = dict(best=stem + ".pt", last=stem + "_last.pt", init=stem + "_init.pt", log=stem + "_log.jsonl",
-                 snapshot=stem + "_step{step}.pt")
-    return dict(paths, json=stem + ".json") if stage == "finetune" else paths
-
-
-def run_init_path(path):
-    """The _init.pt of the run a checkpoint belongs to (run_paths' names), or None if it is missing."""
-    init = re.sub(r"(_last|_step\d+|_init)$", "", os.path.splitext(path)[0]) + "_init.pt"
-    return init if os.path.exists(init) else None
 
 
 class TaskNames(tuple):
@@ -2018,87 +1958,6 @@ def prepare_command(task, data_dir, settings):
     return f"python data.py --task {task} --data_dir {data_dir}{flags}"
 
 
-# ---- 9. Command line ----
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse's parser with a short usage error (the usage only if it fits in 3 lines); an unknown
-    --task also says how a UCR data set is named."""
-
-    def error(self, message):
-        if "argument --task: invalid choice" in message and "'ucr/<Name>'" in message:  # choices: TASKS
-            message += "; a UCR data set is ucr/ and its name, e.g. --task ucr/GunPoint"
-        usage = self.format_usage()
-        if usage.count("\n") > 3:
-            usage = f"usage: {self.prog} ... (--help lists every flag)\n"
-        self.exit(2, f"{usage}{self.prog}: error: {message}\n")
-
-
-def main(argv=None):
-    """Prepare one task with the flags given: only those are passed to prepare (the rest are its defaults)."""
-    p = ArgumentParser(description="Prepare data/<task>/{train,val,test}.pt. A flag that does not apply to the task "
-                                   "is an error; defaults in parentheses.")
-    unset = argparse.SUPPRESS  # a flag not given is not passed at all
-    p.add_argument("--task", required=True, choices=TASKS)
-    p.add_argument("--data_dir", default="data", help="the .pt files go to <data_dir>/<task> (data)")
-    p.add_argument("--seed", type=SEED, default=unset, help="of the generator or validation split (0; pixel tasks 42)")
-    p.add_argument("--n_train", type=int, default=unset, help="listops, synthetic (96000, 5000); fashion_mnist subset")
-    p.add_argument("--n_val", type=int, default=unset, help="listops, synthetic (2000, 1000); image, fashion_mnist "
-                   "(5000)")
-    p.add_argument("--n_test", type=int, default=unset, help="listops, synthetic (2000, 1000)")
-    p.add_argument("--max_len", type=int, default=unset, help="listops (2000), text (4096), retrieval (4000)")
-    p.add_argument("--length", type=int, default=unset, help="synthetic trajectory length (100)")
-    p.add_argument("--truncate", action="store_true", default=unset, help="listops: cut longer sequences, counted")
-    p.add_argument("--val_fraction", type=float, default=unset, help="ucr: share of TRAIN for validation (0.2)")
-    p.add_argument("--generate", type=int, default=unset, help="pathfinder, pathx: generate this many images")
-    p.add_argument("--resolution", type=int, default=unset, help="pathfinder (32), pathx (128), fashion_mnist (32; 16)")
-    p.add_argument("--difficulty", default=unset, choices=tuple(PATHFINDER_DIFFICULTY), help="pathfinder, pathx (hard)")
-    p.add_argument("--no_download", dest="download", action="store_false", default=unset, help="fail if not found")
-    p.add_argument("--sha256", default=unset, help="expected sha256 of a downloaded archive")
-    a = p.parse_args(argv)
-    prepare(a.task, a.data_dir, **{k: v for k, v in vars(a).items() if k not in ("task", "data_dir")})
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised by run_cli's handler: a run ends as on Ctrl-C (own_run's line), with exit status 143."""
-    @staticmethod
-    def handler(signum, frame):
-        raise Terminated
-
-
-def run_cli(main_fn):
-    """Run a script's main(argv). A data, file or download error, an OS fault (no space, read-only, permission, not
-    a folder: naming the path) or a non-finite loss is one line without a traceback, exit status 1. Ctrl-C and
-    SIGTERM are one line too (own_run's), exit status 130 and 143. SPT_TRACEBACK=1 shows the traceback."""
-    signal.signal(signal.SIGTERM, Terminated.handler)
-    try:
-        main_fn(sys.argv[1:])
-    except (OSError, ValueError, FloatingPointError, KeyboardInterrupt) as e:
-        if os.environ.get("SPT_TRACEBACK"):
-            raise
-        if isinstance(e, KeyboardInterrupt):
-            print(" ".join(str(e).split()) or "interrupted", file=sys.stderr)
-            sys.exit(143 if isinstance(e, Terminated) else 130)
-        os_fault = isinstance(e, OSError) and e.filename and e.strerror  # not "[Errno 28] ...: 'path'"
-        sys.exit("error: " + (f"{e.filename}: {e.strerror}" if os_fault else " ".join(str(e).split())))
-
-
-# ---- The stages' shared plumbing: loading a run's data, argparse number types, the record of what made a run ----
-
-def prepare_data(args, preset):
-    """Load train/val/test of args.task onto args.device, made first if missing (by rank 0 under torchrun), and
-    check them against the settings the preset and flags imply (check_settings)."""
-    settings = expected_settings(args.task, preset["data"], {k: getattr(args, k) for k in STAGE_DATA_FLAGS})
-    if args.rank == 0:
-        make_data(args.task, args.data_dir, settings, args.download)
-    if args.world_size > 1:  # a download may take hours: a barrier with a long timeout of its own
-        dist.barrier(group=dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=3)))
-    splits = load_splits(args.data_dir, args.task, args.device)
-    check_settings(splits["train"]["meta"], settings, args.task, args.data_dir, args.preset, args.accept_data)
-    print(f"data {args.data_dir}/{args.task}: " + ", ".join(
-        f"{s} {len(splits[s]['labels'])} (sha256 {splits[s]['meta']['file_sha256'][:12]})" for s in SPLITS))
-    return splits
-
-
 def make_data(task, data_dir, settings, download):
     """Prepare data/<task>/ with `settings` (expected_settings) unless its train.pt exists; downloads only with
     `download`."""
@@ -2125,11 +1984,7 @@ def token_frequency_entropy(split, chunk=4096):
     return -(p * p.log()).sum().item()
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help with each flag's default, except None: those flags take the preset's value (pretrain.resolve)."""
-    def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
-
+# ---- 9. Command line ----
 
 def number_at_least(kind, low, strict=False, high=None):
     """An argparse type: a `kind` (int or float) >= low (> low if strict; <= high, for int by default 2**63 - 1,
@@ -2151,360 +2006,59 @@ def number_at_least(kind, low, strict=False, high=None):
 
 POSITIVE, NON_NEGATIVE = number_at_least(int, 1), number_at_least(int, 0)
 POSITIVE_FLOAT = number_at_least(float, 0.0, strict=True)
+FRACTION = number_at_least(float, 0.0, strict=True, high=1.0)
 SEED = number_at_least(int, 0, high=2 ** 32 - 1)  # numpy's range; seed x 1,000,003 + step still fits torch's seeds
 
 
-def plain_config(args):
-    """The run's flags as a JSON- and weights_only-safe dict (devices and dtypes become strings)."""
-    return {k: (str(v) if isinstance(v, (torch.device, torch.dtype)) else v) for k, v in vars(args).items()}
-
-
-def git_state(folder=None):
-    """(commit, modified) of the git checkout holding `folder` (default: this file's): HEAD's hash and the sorted
-    tracked files that differ from it (a run made with uncommitted code says so); (None, None) outside one."""
-    def git(*cmd):
-        return subprocess.run(["git", *cmd], capture_output=True, text=True, timeout=5,
-                              cwd=folder or os.path.dirname(os.path.abspath(__file__))).stdout
+def run_cli(main_fn):
+    """Run a script's main(argv). A data, file or download error, an OS fault (no space, read-only, permission, not
+    a folder: naming the path) or a non-finite loss is one line `error: ...` without a traceback, exit status 1.
+    SPT_TRACEBACK=1 shows the traceback. The stages add their signal handling (pretrain.run_stage)."""
     try:
-        commit = git("rev-parse", "HEAD").strip() or None
-        if commit is None:
-            return None, None
-        return commit, sorted(line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines())
-    except (OSError, subprocess.SubprocessError):
-        return None, None
+        main_fn(sys.argv[1:])
+    except (OSError, ValueError, FloatingPointError) as e:
+        if os.environ.get("SPT_TRACEBACK"):
+            raise
+        os_fault = isinstance(e, OSError) and e.filename and e.strerror  # not "[Errno 28] ...: 'path'"
+        sys.exit("error: " + (f"{e.filename}: {e.strerror}" if os_fault else " ".join(str(e).split())))
 
 
-def truncate_log(path, step):
-    """Drop the lines of a run's log past `step` (logged again by the resumed run) and an unfinished last line,
-    so each step appears once. Rewritten atomically."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        lines = f.readlines()
-    keep = [line for line in lines if line.endswith("\n") and json.loads(line).get("step", 0) <= step]
-    if len(keep) < len(lines):
-        save_atomic("".join(keep), path)
-        print(f"--resume: dropped {len(lines) - len(keep)} lines of {path} logged after step {step} (logged again)")
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with a short usage error (the usage only if it fits in 3 lines); an unknown
+    --task also says how a UCR data set is named."""
+
+    def error(self, message):
+        if "argument --task: invalid choice" in message and "'ucr/<Name>'" in message:  # choices: TASKS
+            message += "; a UCR data set is ucr/ and its name, e.g. --task ucr/GunPoint"
+        usage = self.format_usage()
+        if usage.count("\n") > 3:
+            usage = f"usage: {self.prog} ... (--help lists every flag)\n"
+        self.exit(2, f"{usage}{self.prog}: error: {message}\n")
 
 
-# Flags a resumed run must share with its checkpoint (--epochs and --max_steps only say where to stop, and may
-# grow; --dtype may change, e.g. fp32 after bf16 overflowed): the schedule and the evaluation grid.
-RESUME_SAME = ("lr", "warmup", "weight_decay", "grad_clip", "seed", "mask_ratio", "rec_loss", "init", "inherit",
-               "freeze", "batch_size", "eval_every", "eval_each_epoch")
-
-
-def check_resumable(ck, cfg, n_batches, data_sha256=None, config=None, init_sha256=None):
-    """Raise ValueError unless checkpoint `ck` continues this run: the same model config (cfg: ModelConfig's
-    fields as a dict), epoch length (n_batches), data (data_sha256: {split: sha256}), RESUME_SAME flags (config:
-    plain_config of this run) and, for finetuning, SPT weights (init_sha256: the --init file's sha256)."""
-    saved = ck["model_config"]  # a field it lacks (or the code no longer has) is not a difference
-    diff = {k: (saved[k], v) for k, v in cfg.items() if saved.get(k, v) != v}
-    saved_config = ck.get("config") or {}
-    same_weights = bool(ck.get("init_sha256") and init_sha256)  # --init compared by content, not by spelling
-    diff.update({k: (saved_config[k], config[k]) for k in RESUME_SAME
-                 if config and k in saved_config and k in config and saved_config[k] != config[k]
-                 and not (k == "init" and same_weights)})
-    if diff:
-        raise ValueError("--resume: the checkpoint was made with " + ", ".join(
-            f"{k}={old!r}" for k, (old, _) in diff.items()) + "; this run has " + ", ".join(
-            f"{k}={new!r}" for k, (_, new) in diff.items()) + ": resume with the same flags (or start a new --out_dir)")
-    if ck["state"]["n_batches"] != n_batches:
-        raise ValueError(f"--resume: the checkpoint's epochs have {ck['state']['n_batches']} batches, this run's "
-                         f"{n_batches} (another --batch_size or number of processes): resume with the same ones")
-    saved_data = ck.get("data_sha256")
-    if saved_data and data_sha256 and saved_data != data_sha256:
-        split = next(s for s in saved_data if saved_data[s] != data_sha256.get(s))
-        raise ValueError(f"--resume: the checkpoint was trained on other data ({split}.pt sha256 "
-                         f"{saved_data[split][:12]}..., this run's {str(data_sha256.get(split))[:12]}...: another "
-                         f"--data_dir, or the data was made again): resume on the same data (or start a new --out_dir)")
-    saved_init = ck.get("init_sha256")
-    if saved_init and init_sha256 and saved_init != init_sha256:
-        raise ValueError(f"--resume: this run started from SPT weights of sha256 {saved_init[:12]}..., but "
-                         f"--init {ck.get('init')} now holds {init_sha256[:12]}... (pretrained again or further?): "
-                         f"finetune the new weights in a new run (another --name or --out_dir, without --resume)")
-
-
-# Device and dtype: where a stage runs, in which precision, and what the hardware can do (MFU's peak).
-def pick_device(name):
-    """'auto' -> cuda if available, else mps, else cpu; any other string is passed to torch.device (and
-    cuda:N becomes the current GPU, so that torch.cuda calls without a device argument mean it)."""
-    if name != "auto":
-        device = torch.device(name)
-        if device.type == "cuda" and device.index is not None:
-            torch.cuda.set_device(device)
-        return device
-    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
-    return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
-
-
-def pick_dtype(name, device):
-    """(dtype, reason): bf16 autocast only on CUDA devices that support it; fp16 is never used (NaN-prone)."""
-    if name == "fp32":
-        return torch.float32, "asked for"
-    supported = device.type == "cuda" and torch.cuda.is_bf16_supported()
-    if name == "bf16":
-        if not supported:
-            raise ValueError(f"--dtype bf16 asked for, but {device} does not support bf16; use --dtype fp32")
-        return torch.bfloat16, "asked for"
-    return (torch.bfloat16, "CUDA with bf16") if supported else (torch.float32, f"no bf16 autocast on {device.type}")
-
-
-def accumulator_dtype(device):
-    """float64 for evaluation sums, except on MPS, which has no float64."""
-    return torch.float32 if device.type == "mps" else torch.float64
-
-
-def autocast(device, dtype):
-    """Mixed-precision context for the forward pass on `device` in `dtype` (a no-op in fp32)."""
-    return contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
-
-
-# Dense bf16 peak FLOP/s of common GPUs (vendor data sheets); an unknown GPU gets no MFU rather than a wrong one.
-PEAK_BF16_FLOPS = {"H200": 989e12, "H200 NVL": 835e12, "H100": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12,
-                   "A100": 312e12, "L40S": 362e12, "A10": 125e12, "L4": 121e12, "RTX 4090": 165e12, "RTX 3090": 71e12,
-                   "A6000": 155e12}
-
-
-def peak_flops(device, dtype):
-    """Peak FLOP/s for MFU, or None (CPU, fp32, or a GPU not in PEAK_BF16_FLOPS)."""
-    if device.type != "cuda" or dtype != torch.bfloat16:
-        return None
-    return peak_flops_of(torch.cuda.get_device_name(device))
-
-
-def device_name(device):
-    """What ran the arithmetic, for run records and logs: the GPU's name on CUDA, "MPS, <arch>" on Apple's GPU,
-    else the CPU's model name (Linux: /proc/cpuinfo; elsewhere platform.processor(), else the architecture)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    if device.type == "mps":
-        return f"MPS, {platform.machine()}"
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    except OSError:
-        names = []
-    return (names[0] if names else "") or platform.processor() or platform.machine()
-
-
-def peak_flops_of(name):
-    """PEAK_BF16_FLOPS of a GPU name: the longest key found in it as whole words ("A10" is not "A10G")."""
-    found = [k for k in PEAK_BF16_FLOPS if re.search(rf"(^|\W){re.escape(k)}($|\W)", name)]
-    return PEAK_BF16_FLOPS[max(found, key=len)] if found else None
-
-
-def flops_per_token(cfg, L):
-    """Training FLOPs per token (forward + backward) at sequence length L, for MFU (Chowdhery et al. 2022, PaLM
-    App. B): 6 x the weights used per token (W_Q, W_K, W_V, W_O and the MLP of every layer, a continuous input
-    encoder, the reconstruction head, which SPT applies at every position), plus 12 x n_layers x d_model x keys for
-    the scores and their product with V; a query sees L keys, or 3 attn_window under local attention."""
-    per_layer = 4 * cfg.d_model ** 2 + (2 * cfg.d_model * cfg.d_mlp if cfg.mlp else 0)
-    per_position = (cfg.d_input if cfg.vocab_size == 0 else 0) * cfg.d_model + cfg.n_rec * cfg.d_model
-    keys = min(L, 3 * cfg.attn_window) if cfg.attn_window else L
-    return 6 * (cfg.n_layers * per_layer + per_position) + 12 * cfg.n_layers * cfg.d_model * keys
-
-
-# torchrun (DDP): one process per GPU, each training on its share of the global batch.
-def setup_distributed(args):
-    """Join the process group when started by torchrun (WORLD_SIZE > 1); sets args.rank and args.world_size.
-    Each of the N copies trains on rows rank::N of the same global batch; DDP averages the gradients; only rank 0
-    prints and writes files. NCCL on CUDA (one GPU per process, LOCAL_RANK), gloo on CPU."""
-    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    args.rank = int(os.environ.get("RANK", "0"))
-    if args.world_size > 1:
-        if args.device.type == "cuda":
-            args.device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-            torch.cuda.set_device(args.device)
-        dist.init_process_group("nccl" if args.device.type == "cuda" else "gloo")
-        if args.rank != 0:
-            sys.stdout = open(os.devnull, "w")  # one copy of every message: rank 0's
-
-
-def global_sum(t, args):
-    """Sum of a tensor over all ranks (itself when not distributed)."""
-    if args.world_size > 1:
-        dist.all_reduce(t)
-    return t
-
-
-def wrap(model, args):
-    """The module the training step calls: DDP under torchrun, torch.compile if asked. Checkpoints always hold
-    the plain `model`, so they load anywhere."""
-    # no buffer broadcast before each forward: the only buffers (positions, ALiBi slopes) are constants
-    net = DistributedDataParallel(model, forward_sync_buffers=False) if args.world_size > 1 else model
-    return torch.compile(net) if args.compile else net
-
-
-def local_rows(args, *tensors):
-    """This rank's share of a global batch: rows rank, rank + N, ... (all rows when not distributed)."""
-    return [t[args.rank::args.world_size] for t in tensors]
-
-
-def run_record(args):
-    """Plain-type description of the run: its settings and what produced it (stored in checkpoints). The CPU and
-    thread count are recorded because float sums, and so trained weights, depend on them."""
-    commit, modified = git_state()
-    return dict(config=plain_config(args), git_commit=commit, git_modified=modified,
-                torch_version=str(torch.__version__), python=platform.python_version(),
-                device_name=device_name(args.device), threads=torch.get_num_threads())
-
-
-def append_log(run, entry):
-    """One JSON line in paths["log"] (rank 0 only)."""
-    if run["args"].rank == 0:
-        with open(run["paths"]["log"], "a") as f:
-            f.write(json.dumps(entry) + "\n")
-
-
-def resume(model, opt, paths, n_batches, args, extra):
-    """Load the newest of paths["last"], paths["best"] into model and optimizer, restore the RNG states and drop
-    the log lines past it; returns the loop state, or None. ValueError (check_resumable) for another run's."""
-    # Loaded on the CPU: load_state_dict copies onto the model's device, and the CPU copy is freed right after.
-    path, ck = load_newest([paths["last"], paths["best"]], "cpu", "--resume", with_path=True)
-    if ck is None:
-        return None
-    check_resumable(ck, dataclasses.asdict(model.cfg), n_batches, extra.get("data_sha256"), plain_config(args),
-                    extra.get("init_sha256"))
-    if path != paths["last"] and args.rank == 0:  # stopped before its last write, or that file is damaged
-        save_atomic(ck, paths["last"])
-    model.load_state_dict(ck["model"])
-    opt.load_state_dict(ck["optimizer"])
-    torch.set_rng_state(ck["rng_state"])
-    if args.device.type == "cuda" and ck.get("cuda_rng_state") is not None:
-        torch.cuda.set_rng_state(ck["cuda_rng_state"], args.device)
-    if args.rank == 0:
-        truncate_log(paths["log"], ck["state"]["step"])
-    print(f"resumed at step {ck['state']['step']} (epoch {ck['state']['epoch']})")
-    return ck["state"]
-
-
-# A run's files: one process at a time (a lock), never mixed with an earlier run's.
-HELD = {}  # the run this process holds (own_run), with its "run" dict once pretrain.train has made it
-
-
-def run_files(paths):
-    """The files of the run `paths` (run_paths) that exist: checkpoints, snapshots, log, JSON, and save_atomic's
-    temporaries of them (<file>.<pid>.tmp: left by a killed write). Not the lock."""
-    folder, stem = os.path.split(paths["log"][:-len("_log.jsonl")])
-    ends = "|".join(re.escape(os.path.basename(p)[len(stem):]).replace(r"\{step\}", r"\d+") for p in paths.values())
-    pattern = re.compile(re.escape(stem) + f"({ends})" + r"(\.\d+\.tmp)?")
-    return sorted(os.path.join(folder, f) for f in os.listdir(folder or ".") if pattern.fullmatch(f))
-
-
-def lock_run(path):
-    """The lock file `path`, open and locked (fcntl.flock), holding this process's pid, host and command. The
-    system drops the lock when the process ends, even killed. FileExistsError naming the holder if another process
-    holds it; the record of a process that ended without releasing it (killed) is said and taken over."""
-    f = open(path, "a+")
-    f.seek(0)
-    before = f.read().strip()  # the holder's record, or a killed process's
-    try:
-        if fcntl is None:
-            print(f"{path}: not locked (no fcntl on {platform.system()}): start one run of it at a time")
-        else:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        raise FileExistsError(f"{path}: this run is being written by {before or 'another process'}; wait for it to "
-                              f"end, or give another --out_dir") from None
-    f.seek(0)
-    before = f.read().strip()  # read again under the lock: a record still there is a killed process's
-    if before and fcntl is not None:
-        print(f"{path}: taken over from {before}, which ended without releasing it (killed?)")
-    f.truncate(0)
-    f.write(f"pid {os.getpid()} on {platform.node()}: {' '.join(sys.argv)}\n")
-    f.flush()
-    return f
-
-
-@contextlib.contextmanager
-def own_run(paths, args):
-    """Hold the run whose files are `paths` (run_paths) while a stage writes them: rank 0 takes <stem>.lock
-    (lock_run; the file stays, emptied at the end: removing it would race with a process locking it). A run whose
-    files exist is refused (FileExistsError) unless args.resume, or args.overwrite, which removes them first;
-    left-over temporaries go. On Ctrl-C or SIGTERM the exception gets the one line run_cli prints."""
-    if args.resume and args.overwrite:
-        raise ValueError("--resume continues the run, --overwrite removes it: give one of them")
-    stem, folder, lock = paths["log"][:-len("_log.jsonl")], os.path.dirname(paths["log"]) or ".", None
-    if re.search(r"_(last|init|step\d+)$", stem):  # finetune_a_last.pt: run a's last checkpoint, or run a_last's?
-        raise ValueError(f"--name {os.path.basename(stem).split('_', 1)[-1]}: a run name may not end in _last, _init or _step<N>")
-    if args.rank == 0:  # the other ranks write nothing
-        os.makedirs(folder, exist_ok=True)
-        lock = lock_run(stem + ".lock")
-    HELD.clear()
-    try:
-        old = run_files(paths) if os.path.isdir(folder) else []  # every rank: each refuses on its own
-        kept = [os.path.basename(f) for f in old if not f.endswith(".tmp")]
-        if kept and not (args.resume or args.overwrite):
-            raise FileExistsError(f"{folder} holds this run's files already ({', '.join(kept[:4])}"
-                                  f"{', ...' * (len(kept) > 4)}): --resume continues it, --overwrite removes it "
-                                  f"first, or give another --out_dir")
-        removed = (old if args.overwrite else [f for f in old if f.endswith(".tmp")]) if lock else []
-        for f in removed:
-            os.remove(f)
-        if removed:
-            print(f"removed {len(removed)} files in {folder}: " + (
-                "the earlier run's (--overwrite)" if args.overwrite else "temporaries of killed writes"))
-        yield
-    except KeyboardInterrupt as e:  # one line: the step reached, the last checkpoint, and how to continue
-        run, last = HELD.get("run"), paths["last"]
-        try:
-            saved = f"the last checkpoint is {last} (step {load_pt(last, mmap=True)['state']['step']})"
-        except (OSError, ValueError, KeyError):
-            saved = "no checkpoint was written yet"
-        step = f"at step {run['state']['step']} of {run['total']}" if run else "before training"
-        how = "--resume instead of --overwrite" if args.overwrite else "--resume"
-        e.args = (f"interrupted {step}; {saved}; the same command with {how} continues" if args.rank == 0 else
-                  f"rank {args.rank} stopped (rank 0 says why)",)
-        raise
-    finally:
-        HELD.clear()
-        if lock:
-            lock.truncate(0)
-            lock.close()
-
-
-def check_trained(state, metric, where):
-    """FloatingPointError unless the loop `state` trained: some evaluation gave a finite `metric`, and --skip_nonfinite
-    skipped fewer than half of its steps (count_skipped's rule needs 100 steps to fire). where: pretrain.last_good."""
-    if state["best_metrics"] is None:  # every evaluation NaN or inf
-        raise FloatingPointError(f"no evaluation gave a finite {metric}: no best checkpoint; {where}")
-    if state.get("skipped") and 2 * state["skipped"] >= state["step"]:
-        raise FloatingPointError(f"--skip_nonfinite skipped {state['skipped']} of the run's {state['step']} steps: "
-                                 f"it did not train, whatever its checkpoints hold; {where}")
-
-
-def count_skipped(state, window=100, limit=50):
-    """Count a step skipped by --skip_nonfinite in the loop `state` (its total "skipped", and the steps skipped
-    among the last `window`). FloatingPointError when `limit` of them were: the run no longer trains."""
-    state["skipped"] = state.get("skipped", 0) + 1
-    state["recent_skips"] = [s for s in state.get("recent_skips", []) if s > state["step"] - window] + [state["step"]]
-    if len(state["recent_skips"]) >= limit:
-        raise FloatingPointError(f"--skip_nonfinite: {limit} of the last {window} steps (up to step "
-                                 f"{state['step'] + 1}) had a NaN or inf loss or gradient: the run gives up; rerun "
-                                 f"with a lower --lr, a --grad_clip or --dtype fp32")
-
-
-# The batches of a training epoch, and the evaluation loop both stages share (sharded under torchrun).
-def epoch_batches(split, args, epoch):
-    """The training batches (index tensors) of one epoch, seeded by (seed, epoch) so that a resumed run sees
-    the same ones; under torchrun every batch has at least one row per rank (batch_indices)."""
-    return batch_indices(split["lengths"], args.batch_size, shuffle=True, seed=args.seed, epoch=epoch,
-                         min_rows=args.world_size)
-
-
-@torch.no_grad()
-def evaluate(model, split, args, batch_sums, n_sums):
-    """Sums of per-batch statistics over a split in eval mode, the evaluation loop of both stages: batch_sums(i,
-    idx) -> tensor (n_sums,) for batch number i, rows idx (B,) (batches sorted by length). Under torchrun each rank
-    takes every N-th batch and the sums are reduced. Returns n_sums floats (one host synchronisation)."""
-    model.eval()
-    sums = torch.zeros(n_sums, dtype=accumulator_dtype(args.device), device=args.device)
-    for i, idx in enumerate(batch_indices(split["lengths"], args.batch_size, shuffle=False)):
-        if i % args.world_size == args.rank:
-            sums += batch_sums(i, idx).to(sums.dtype)
-    model.train()
-    return global_sum(sums, args).tolist()
+def main(argv=None):
+    """Prepare one task with the flags given: only those are passed to prepare (the rest are its defaults)."""
+    p = ArgumentParser(description="Prepare data/<task>/{train,val,test}.pt. A flag that does not apply to the task "
+                                   "is an error; defaults in parentheses.")
+    unset = argparse.SUPPRESS  # a flag not given is not passed at all
+    p.add_argument("--task", required=True, choices=TASKS)
+    p.add_argument("--data_dir", default="data", help="the .pt files go to <data_dir>/<task> (data)")
+    p.add_argument("--seed", type=SEED, default=unset, help="of the generator or validation split (0; pixel tasks 42)")
+    p.add_argument("--n_train", type=POSITIVE, default=unset, help="listops, synthetic (96000, 5000); fashion_mnist subset")
+    p.add_argument("--n_val", type=POSITIVE, default=unset, help="listops, synthetic (2000, 1000); image, fashion_mnist "
+                   "(5000)")
+    p.add_argument("--n_test", type=POSITIVE, default=unset, help="listops, synthetic (2000, 1000)")
+    p.add_argument("--max_len", type=POSITIVE, default=unset, help="listops (2000), text (4096), retrieval (4000)")
+    p.add_argument("--length", type=POSITIVE, default=unset, help="synthetic trajectory length (100)")
+    p.add_argument("--truncate", action="store_true", default=unset, help="listops: cut longer sequences, counted")
+    p.add_argument("--val_fraction", type=FRACTION, default=unset, help="ucr: share of TRAIN for validation (0.2)")
+    p.add_argument("--generate", type=POSITIVE, default=unset, help="pathfinder, pathx: generate this many images")
+    p.add_argument("--resolution", type=POSITIVE, default=unset, help="pathfinder (32), pathx (128), fashion_mnist (32; 16)")
+    p.add_argument("--difficulty", default=unset, choices=tuple(PATHFINDER_DIFFICULTY), help="pathfinder, pathx (hard)")
+    p.add_argument("--no_download", dest="download", action="store_false", default=unset, help="fail if not found")
+    p.add_argument("--sha256", default=unset, help="expected sha256 of a downloaded archive")
+    a = p.parse_args(argv)
+    prepare(a.task, a.data_dir, **{k: v for k, v in vars(a).items() if k not in ("task", "data_dir")})
 
 
 if __name__ == "__main__":

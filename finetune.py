@@ -29,9 +29,11 @@ import torch
 import torch.nn.functional as F
 
 import data
-from data import autocast, data_hashes, epoch_batches, evaluate, local_rows, prepare_data, wrap
+import pretrain
+from data import data_hashes
 from model import ModelConfig, Transformer, config_from_dict, param_group, unwrapped_state_dict
-from pretrain import MODEL_FLAGS, build_parser, resolve, train
+from pretrain import (MODEL_FLAGS, autocast, build_parser, epoch_batches, evaluate, local_rows, own_run, prepare_data,
+                      resolve, train, wrap)
 
 
 # The groups are model.PARAM_GROUPS (W_Q, W_K, W_V, W_O, mlp, embed, norm, head, posenc), by parameter name.
@@ -140,7 +142,7 @@ def model_from_pretrained(path, meta, n_classes, task, device, inherit="all", he
 
 
 def evaluate_accuracy(model, split, args):
-    """Classification accuracy and mean cross-entropy over a whole split (data.evaluate: sharded under
+    """Classification accuracy and mean cross-entropy over a whole split (pretrain.evaluate: sharded under
     torchrun): {"acc": float, "loss": float}."""
     def batch_sums(i, idx):  # correct, loss sum
         x, lengths, labels = data.get_batch(split, idx, args.device)
@@ -227,7 +229,7 @@ def main(argv=None):
         param.requires_grad_(n not in frozen)  # frozen tensors get no gradient and are not given to AdamW
     if frozen:
         print(f"--freeze {args.freeze}: {len(frozen)} tensors frozen")
-    paths = data.run_paths(args.out_dir, args.task, "finetune", args.name)
+    paths = pretrain.run_paths(args.out_dir, args.task, "finetune", args.name)
     train_split = splits["train"]
     net = wrap(model, args)
 
@@ -244,8 +246,8 @@ def main(argv=None):
     extra = dict(stage="finetune", task=args.task, data_meta=meta, data_sha256=data_hashes(splits), init=args.init,
                  init_sha256=provenance.get("spt_sha256"), metric="val_acc", tiebreak="val_loss", format_version=1)
     print(f"finetuning {args.task} from {args.init}: {model.cfg}")
-    with data.own_run(paths, args):  # the JSON too
-        best = train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better=True)
+    with own_run(paths, args) as run:  # the JSON too
+        best = train(model, splits, args, loss_fn, eval_fn, run, extra, higher_is_better=True)
         t_trained = time.time()
         # Test accuracy of the best-validation weights, and train accuracy for the optimization-failure claim.
         model.load_state_dict(data.load_pt(paths["best"], map_location=args.device)["model"])
@@ -260,7 +262,7 @@ def main(argv=None):
                       best_val_acc=best["val_acc"], test_acc=test["acc"],
                       train_acc=train_acc, train_acc_subset=n_sub, train_acc_rows="random, seed 0",
                       evals=[e for e in log if "val_acc" in e], wall_time_s=best["elapsed_s"] + time.time() - t_trained,
-                      source_sha256=meta.get("sha256"), **provenance, **data.run_record(args))
+                      source_sha256=meta.get("sha256"), **provenance, **pretrain.run_record(args))
         if args.rank == 0:
             data.save_atomic(result, paths["json"])
     if args.world_size > 1:
@@ -272,4 +274,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    data.run_cli(main)
+    pretrain.run_stage(main)

@@ -13,7 +13,7 @@ LayerNorm and the MLP can be switched off: the paper's minimal one-layer, one-he
 
 Reading order: ModelConfig; sinusoidal_positions (then ALiBi, RoPE and FIRE, the relative schemes of --pos);
 Attention.forward and explicit_attention; Transformer (encode, pool, classify, reconstruct); init_weights. Below
-them: the parameter groups of Table 3 and checkpoint helpers (data.flops_per_token counts this model's FLOPs).
+them: the parameter groups of Table 3 and checkpoint helpers (pretrain.flops_per_token counts this model's FLOPs).
 This file is a library: it imports no stage.
 """
 import math
@@ -68,7 +68,7 @@ def sinusoidal_positions(n_pos, d_model, base=10000.0):
 
 # Every scheme of ModelConfig.pos. A new one: add it here, build it in Transformer.absolute_positions (added to the
 # input) or in Attention (relative: a score bias in _position_bias), put its parameters in PARAM_GROUPS["posenc"]
-# and its init in init_weights (an nn.Embedding would get N(0, 1)); buffers non-persistent and constant (data.wrap).
+# and its init in init_weights (an nn.Embedding would get N(0, 1)); buffers non-persistent and constant (pretrain.wrap).
 POSITIONS = ("sinusoidal", "learned", "alibi", "rope", "fire", "none")
 
 

@@ -21,20 +21,33 @@ Reading order: PRESETS, the SPT objective (mask_batch, reconstruction_loss, spt_
 double line is the engine both stages share: flags, device, DDP, and the training loop `train`.
 """
 import argparse
+import contextlib
 import copy
+import dataclasses
+import datetime
+import json
 import math
 import os
+import platform
+import re
 import shlex
+import signal
+import subprocess
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 
 import data
-from data import (NON_NEGATIVE, POSITIVE, POSITIVE_FLOAT, HelpFormatter, accumulator_dtype, autocast, device_name,
-                  global_sum, local_rows, number_at_least, peak_flops, pick_device, pick_dtype, setup_distributed, wrap)
+from data import NON_NEGATIVE, POSITIVE, POSITIVE_FLOAT, number_at_least
 from model import INIT_SCHEMES, POSITIONS, ModelConfig, Transformer, checkpoint_dict, on
+try:
+    import fcntl
+except ImportError:  # Windows: runs are not locked (lock_run says so)
+    fcntl = None
 
 # Presets per task: "paper" (Coser et al. Sec. 5; Amos et al.'s configs) and "cpu" (minutes on 2 cores). --preset
 # auto picks paper on CUDA, cpu elsewhere; any flag overrides. eval_every 10**9: validate at the end of each epoch.
@@ -209,7 +222,7 @@ def evaluate_reconstruction(model, split, args):
             second = ((out.float() - targets).abs().mean(dim=-1) * masked).sum()
         return torch.stack([reconstruction_loss(out, targets, args.rec_loss, masked).to(acc) * n, second.to(acc), n])
 
-    loss_sum, second, count = data.evaluate(model, split, args, batch_sums, 3)
+    loss_sum, second, count = evaluate(model, split, args, batch_sums, 3)
     return {"val_loss": loss_sum / count, ("val_acc" if args.rec_loss == "ce" else "val_mae"): second / count}
 
 
@@ -226,14 +239,14 @@ def pretrain_parser():
 
 
 def main(argv=None):
-    """Self-pretraining: python pretrain.py --task TASK [flags]; writes data.run_paths(out_dir, task, "pretrain")."""
+    """Self-pretraining: python pretrain.py --task TASK [flags]; writes run_paths(out_dir, task, "pretrain")."""
     parser = pretrain_parser()
     args = parser.parse_args(argv)
     given = {k: v for k, v in vars(args).items() if v != parser.get_default(k)}  # before the preset fills them
     args, preset = resolve(args, "pretrain")
     if args.mask_ratio is None:
         args.mask_ratio = MASK_RATIO[data.task_family(args.task)]
-    splits = data.prepare_data(args, preset)
+    splits = prepare_data(args, preset)
     meta = splits["train"]["meta"]
     backbone = {k: v for k, v in preset["model"].items() if k != "cls_mlp"}  # the class head is finetune.py's
     if meta["kind"] == "tokens":
@@ -246,13 +259,13 @@ def main(argv=None):
         n_rec = 256 if args.rec_loss == "ce" else meta["d_input"]  # 256 intensity classes, or regress each channel
         cfg = ModelConfig(d_input=meta["d_input"] + 1, max_len=meta["max_len"], n_rec=n_rec, **backbone)
     model = Transformer(cfg).to(args.device)
-    paths = data.run_paths(args.out_dir, args.task, "pretrain")
+    paths = run_paths(args.out_dir, args.task, "pretrain")
     extra = dict(stage="pretrain", task=args.task, data_meta=meta, data_sha256=data.data_hashes(splits),
                  metric="val_loss", format_version=1)
     print(f"self-pretraining {args.task}: {cfg}")
-    with data.own_run(paths, args):
+    with own_run(paths, args) as run:
         best = train(model, splits, args, spt_loss_fn(wrap(model, args), splits["train"], args),
-                     lambda step: evaluate_reconstruction(model, splits["val"], args), paths, extra, False)
+                     lambda step: evaluate_reconstruction(model, splits["val"], args), run, extra, False)
     print(f"best validation masked loss {best['val_loss']:.4f} (step {best['step']}); "
           f"{'wrote' if best['steps_trained'] else 'kept'} {paths['best']}")
     if meta["kind"] == "tokens" and args.rank == 0:  # where the loss stands: frequencies only, or context
@@ -281,9 +294,9 @@ def next_commands(task, checkpoint, given):
     return (f"python finetune.py --task {task} --init {shlex.quote(checkpoint)}{both}",
             f"python finetune.py --task {task} --init scratch{both}{model}")
 
-
-# ==== The engine shared with finetune.py (a first reading can stop here): flags and presets, device, the
-# ==== training loop `train` with its step, logging and checkpoints (data.py holds the run's files and DDP).
+# ======================================================================================================
+# ==== The engine both stages share (a first reading can stop here): flags and presets, the training loop
+# ==== `train` and its step, device and dtype, DDP, a run's files (lock, checkpoints, resume, log), the CLI.
 
 MODEL_SIZE_FLAGS = ("n_layers", "d_model", "n_heads", "d_mlp")
 
@@ -390,72 +403,63 @@ def get_lr(step, lr, warmup):
     return lr * min(1.0, (step + 1) / max(1, warmup))
 
 
-def train(model, splits, args, loss_fn, eval_fn, paths, extra, higher_is_better):
+def train(model, splits, args, loss_fn, eval_fn, run, extra, higher_is_better):
     """Optimize `model` on splits["train"] with AdamW; evaluate and checkpoint every args.eval_every steps and,
     with args.eval_each_epoch, at the end of every epoch. With args.resume the run goes on exactly.
 
     loss_fn(idx (B,) global batch indices, step) -> (sum of the loss over this rank's items, their count).
     eval_fn(step) -> {"val_...": float}; extra["metric"] names the one that picks the best checkpoint.
+    run: the dict own_run yields (its "paths"); train adds the model, optimizer and loop state to it.
     Returns the best evaluation's metrics with "step", "epoch", "elapsed_s" (wall-clock seconds over every
     process that resumed the run) and "steps_trained" (0 for a --resume of a finished run).
     """
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.999),
                             weight_decay=args.weight_decay, fused=args.device.type == "cuda")
-    n_batches = len(data.epoch_batches(splits["train"], args, 0))  # the same for every epoch
+    n_batches = len(epoch_batches(splits["train"], args, 0))  # the same for every epoch
     total = min(args.max_steps or math.inf, args.epochs * n_batches)
     state = dict(step=0, epoch=0, batch_in_epoch=0, best=None, best_metrics=None, n_batches=n_batches)
     if args.resume:
-        state = data.resume(model, opt, paths, n_batches, args, extra) or state
-        if state["step"] > total:  # read back as this run, it would hand on weights trained longer than asked
-            raise ValueError(f"--resume: the checkpoint in {os.path.dirname(paths['last']) or '.'} is at step "
-                             f"{state['step']}, past this run's {total} steps (--epochs {args.epochs}, --max_steps "
-                             f"{args.max_steps}): give the budget it ran with, or start a new --out_dir")
+        state = resume(model, opt, run["paths"], n_batches, total, args, extra) or state
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"{n_params:,} trainable parameters; {total} steps ({n_batches} per epoch)")
-    run = data.HELD["run"] = dict(
-        model=model, opt=opt, state=state, args=args, paths=paths, extra=extra, record=data.run_record(args),
-        eval_fn=eval_fn, higher_is_better=higher_is_better, total=total, t_process=time.time(),
-        elapsed0=state.get("elapsed_s", 0.0))  # seconds the run spent in earlier processes (--resume)
+    run.update(model=model, opt=opt, state=state, args=args, extra=extra, record=run_record(args), eval_fn=eval_fn,
+               higher_is_better=higher_is_better, total=total, t_process=time.time(), start_step=state["step"],
+               elapsed0=state.get("elapsed_s", 0.0))  # seconds the run spent in earlier processes (--resume)
     if state["step"] == 0:
         start_fresh(run)
-    meter, width = new_meter(args), data.split_width(splits["train"])
-    run["t_start"], run["start_step"] = time.time(), state["step"]
+    meter, lengths, width = new_meter(args), splits["train"]["lengths"], data.split_width(splits["train"])
+    run["t_start"] = time.time()  # for the ETA: the steps from here on
     model.train()
     while state["step"] < total:
-        batches = data.epoch_batches(splits["train"], args, state["epoch"])
+        batches = epoch_batches(splits["train"], args, state["epoch"])
         for i in range(state["batch_in_epoch"], len(batches)):
-            lr = get_lr(state["step"], args.lr, args.warmup)
+            idx = batches[i]                                        # the batch: row indices (B,), on the CPU
+            lr = get_lr(state["step"], args.lr, args.warmup)        # the learning rate: warm-up, then constant
             for group in opt.param_groups:
                 group["lr"] = lr
-            loss = optimizer_step(run, loss_fn, batches[i])
+            loss_sum, count = loss_fn(idx, state["step"])           # forward and loss: this rank's sum and count
+            count = global_sum(count.detach().to(torch.float32), args)
+            # backward; DDP averages gradients over ranks, hence x world_size: the gradient of sum / count overall
+            (loss_sum * args.world_size / count).backward()
+            loss = global_sum(loss_sum.detach(), args) / count      # a device tensor: no host synchronisation
+            if args.skip_nonfinite and not finite_step(run, loss):  # a host sync, only with this flag
+                loss = None                                         # skipped: its gradients are dropped
+            if args.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            opt.step()                                              # the AdamW step
+            opt.zero_grad(set_to_none=True)
             state["step"], state["batch_in_epoch"] = state["step"] + 1, i + 1
-            count_step(meter, loss, splits["train"]["lengths"][batches[i]], model.cfg, width)
-            done = state["step"] >= total
+            count_step(meter, loss, lengths[idx], model.cfg, width)
+            done, end_of_epoch, epoch = state["step"] >= total, i + 1 == len(batches), state["epoch"]
             if state["step"] % args.log_every == 0 or done:
-                log_progress(run, meter, lr)
-            end_of_epoch, epoch = i + 1 == len(batches), state["epoch"]
+                log_progress(run, meter, lr)                        # the loop's one regular host synchronisation
             if end_of_epoch:
                 state["epoch"], state["batch_in_epoch"] = epoch + 1, 0
             if state["step"] % args.eval_every == 0 or done or (end_of_epoch and args.eval_each_epoch):
-                if meter["steps"]:  # a NaN/inf loss since the last log line stops the run before any checkpoint
-                    check_finite(run, meter["loss"].item(), state["step"] - meter["steps"] + 1)
-                t_eval = time.time()  # .item() above waited for the queued steps: the evaluation's time starts now
-                evaluate_and_checkpoint(run, epoch)
-                meter["t_last"] += time.time() - t_eval  # evaluation time does not count in ms/step and tokens/s
+                evaluate_and_checkpoint(run, meter, epoch)
             if done:
                 break
-    data.check_trained(state, extra["metric"], last_good(run))  # a finite evaluation, at most half the steps skipped
-    if state["step"] > run["start_step"]:
-        print(f"finished {state['step']} steps in {(time.time() - run['t_start']) / 60:.1f} min; "
-              f"best {extra['metric']} {state['best']:.4f}")
-    else:  # --resume of a finished run: its checkpoints are read back, not written again
-        print(f"the run in {os.path.dirname(paths['last']) or '.'} had already finished its {total} steps: nothing "
-              f"trained, its checkpoints are unchanged; best {extra['metric']} {state['best']:.4f}")
-    if args.world_size > 1:
-        dist.barrier()  # rank 0 has written its checkpoints before anyone reads them
-    return dict(state["best_metrics"], step=state.get("best_step"), epoch=state.get("best_epoch"),
-                elapsed_s=run["elapsed0"] + time.time() - run["t_process"],
-                steps_trained=state["step"] - run["start_step"])
+    return finish(run)
 
 
 def start_fresh(run):
@@ -465,31 +469,38 @@ def start_fresh(run):
         open(run["paths"]["log"], "w").close()
     metrics = run["eval_fn"](0)
     print("eval at step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-    data.append_log(run, dict(step=0, epoch=0, **metrics))
+    append_log(run, dict(step=0, epoch=0, **metrics))
     save_checkpoint(run, run["paths"]["init"], metrics)
 
 
-def optimizer_step(run, loss_fn, idx):
-    """One AdamW step on the global batch `idx`; returns the loss as a device tensor (no host synchronisation,
-    except with --skip_nonfinite), or None for a step that flag skipped."""
-    args, opt, state = run["args"], run["opt"], run["state"]
-    loss_sum, count = loss_fn(idx, state["step"])
-    count = global_sum(count.detach().to(torch.float32), args)
-    # DDP averages gradients over ranks, hence x world_size: the gradient is that of sum / count overall
-    (loss_sum * args.world_size / count).backward()
-    loss = global_sum(loss_sum.detach(), args) / count
+def finite_step(run, loss):
+    """--skip_nonfinite: whether this step's loss and gradient norm are finite (a finite loss can still have an
+    inf/NaN gradient). If not, the gradients are dropped (AdamW's step then changes nothing), the step is counted
+    (count_skipped gives up at 50 of the last 100) and said."""
     grads = [p.grad for p in run["model"].parameters() if p.grad is not None]
-    # A host sync, only with this flag; a finite loss can still have an inf/NaN gradient, hence its norm too.
-    if args.skip_nonfinite and not (torch.isfinite(loss) & torch.isfinite(torch.nn.utils.get_total_norm(grads))):
-        print(f"step {state['step'] + 1}: non-finite loss or gradient, update skipped")
-        opt.zero_grad(set_to_none=True)  # every gradient None: AdamW's step below changes nothing
-        data.count_skipped(state)  # gives up at 50 of the last 100
-        loss = None
-    if args.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(run["model"].parameters(), args.grad_clip)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss
+    if bool(torch.isfinite(loss) & torch.isfinite(torch.nn.utils.get_total_norm(grads))):
+        return True
+    print(f"step {run['state']['step'] + 1}: non-finite loss or gradient, update skipped")
+    run["opt"].zero_grad(set_to_none=True)
+    count_skipped(run["state"])
+    return False
+
+
+def finish(run):
+    """The end of `train`: check that the run trained (check_trained), say so, and return the best metrics."""
+    args, state, metric = run["args"], run["state"], run["extra"]["metric"]
+    check_trained(state, metric, last_good(run))  # a finite evaluation, at most half the steps skipped
+    if state["step"] > run["start_step"]:
+        print(f"finished {state['step']} steps in {(time.time() - run['t_start']) / 60:.1f} min; "
+              f"best {metric} {state['best']:.4f}")
+    else:  # --resume of a finished run: its checkpoints are read back, not written again
+        print(f"the run in {os.path.dirname(run['paths']['last']) or '.'} had already finished its {run['total']} "
+              f"steps: nothing trained, its checkpoints are unchanged; best {metric} {state['best']:.4f}")
+    if args.world_size > 1:
+        dist.barrier()  # rank 0 has written its checkpoints before anyone reads them
+    return dict(state["best_metrics"], step=state.get("best_step"), epoch=state.get("best_epoch"),
+                elapsed_s=run["elapsed0"] + time.time() - run["t_process"],
+                steps_trained=state["step"] - run["start_step"])
 
 
 def new_meter(args):
@@ -510,12 +521,12 @@ def count_step(meter, loss, batch_lengths, cfg, width, multiple=64):
     meter["tokens"] += int(batch_lengths.sum())
     meter["padded"] += batch_lengths.numel() * data.batch_width(batch_lengths, width, multiple)
     L_batch = int(batch_lengths.max())
-    meter["flops"] += data.flops_per_token(cfg, L_batch) * batch_lengths.numel() * L_batch  # x2 for pairs
+    meter["flops"] += flops_per_token(cfg, L_batch) * batch_lengths.numel() * L_batch  # x2 for pairs
 
 
 def log_progress(run, meter, lr):
     """Print and log the mean loss, ms/step, real tokens/s, the real share of the padded tokens, MFU (GPUs in
-    data.PEAK_BF16_FLOPS), CUDA's peak memory so far and an ETA. The .item() here is the loop's one regular host
+    PEAK_BF16_FLOPS), CUDA's peak memory so far and an ETA. The .item() here is the loop's one regular host
     synchronisation. FloatingPointError on a non-finite mean loss; skipped steps are left out of the mean."""
     args, state = run["args"], run["state"]
     counted = meter["steps"] - meter["skipped"]
@@ -533,17 +544,21 @@ def log_progress(run, meter, lr):
           f"{1000 * dt / meter['steps']:.0f} ms/step | {meter['tokens'] / dt:,.0f} tok/s | "
           f"{100 * meter['tokens'] / meter['padded']:.0f}% real | " + (f"MFU {100 * mfu:.1f}% | " if mfu else "")
           + (f"peak {mem:.1f} GiB | " if mem is not None else "") + f"ETA {eta / 60:.1f} min")
-    data.append_log(run, dict(step=state["step"], epoch=state["epoch"], loss=mean_loss, lr=lr,
+    append_log(run, dict(step=state["step"], epoch=state["epoch"], loss=mean_loss, lr=lr,
                               ms_per_step=1000 * dt / meter["steps"], tokens_per_s=meter["tokens"] / dt,
                               real_fraction=meter["tokens"] / meter["padded"], mfu=mfu, peak_memory_gib=mem,
                               **({"skipped": meter["skipped"]} if meter["skipped"] else {})))
     meter.update(new_meter(args))
 
 
-def evaluate_and_checkpoint(run, epoch):
-    """Evaluate (eval_fn), keep the best metrics (is_better), and write the best checkpoint (if improved), the
-    last one (for --resume) and with --snapshots a copy per evaluation."""
+def evaluate_and_checkpoint(run, meter, epoch):
+    """Check that the loss since the last log line and the weights are finite, evaluate (eval_fn), keep the best
+    metrics (is_better), and write the best checkpoint (if improved), the last one (for --resume) and with
+    --snapshots a copy per evaluation. The evaluation's time is left out of the meter's ms/step and tokens/s."""
     args, state, paths, metric = run["args"], run["state"], run["paths"], run["extra"]["metric"]
+    if meter["steps"] > meter["skipped"]:  # a NaN/inf loss since the last log line stops the run before any checkpoint
+        check_finite(run, meter["loss"].item(), state["step"] - meter["steps"] + 1)
+    t_eval = time.time()  # .item() above waited for the queued steps: the evaluation's time starts now
     if not bool(torch.stack([torch.isfinite(p).all() for p in run["model"].parameters()]).all()):  # one host sync
         bad = [n for n, p in run["model"].named_parameters() if not torch.isfinite(p).all()]
         raise FloatingPointError(f"non-finite weights at step {state['step']} ({bad[0]}" + (
@@ -556,14 +571,15 @@ def evaluate_and_checkpoint(run, epoch):
         state["best_step"], state["best_epoch"] = state["step"], state["step"] / state["n_batches"]
     print(f"eval at step {state['step']}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
           + (" (best)" if improved else ""))
-    data.append_log(run, dict(step=state["step"], epoch=epoch, **metrics))
+    append_log(run, dict(step=state["step"], epoch=epoch, **metrics))
     # Snapshot, best, last: a run stopped inside these writes resumes from the newest complete checkpoint
-    # (data.load_newest): before this evaluation, which it then makes again, or from the best, after the snapshot.
+    # (load_newest): before this evaluation, which it then makes again, or from the best, after the snapshot.
     if args.snapshots:  # a copy per evaluation, for curves over training (analyze.py curves)
         save_checkpoint(run, paths["snapshot"].format(step=state["step"]), metrics)
     if improved:
         save_checkpoint(run, paths["best"], metrics)
     save_checkpoint(run, paths["last"], metrics)
+    meter["t_last"] += time.time() - t_eval
 
 
 def is_better(metrics, state, metric, higher_is_better, tiebreak=None):
@@ -581,7 +597,7 @@ def is_better(metrics, state, metric, higher_is_better, tiebreak=None):
 
 def save_checkpoint(run, path, metrics):
     """Write model, optimizer, loop state, RNG states, the run record and the stage's fields (rank 0 only),
-    atomically (data.save_atomic)."""
+    atomically (save_atomic)."""
     args = run["args"]
     if args.rank != 0:
         return
@@ -606,5 +622,462 @@ def last_good(run):
         f"a new --out_dir)" if os.path.exists(last) else "no checkpoint was written yet (rerun with a lower --lr)"
 
 
+def check_trained(state, metric, where):
+    """FloatingPointError unless the loop `state` trained: some evaluation gave a finite `metric`, and --skip_nonfinite
+    skipped fewer than half of its steps (count_skipped's rule needs 100 steps to fire). where: pretrain.last_good."""
+    if state["best_metrics"] is None:  # every evaluation NaN or inf
+        raise FloatingPointError(f"no evaluation gave a finite {metric}: no best checkpoint; {where}")
+    if state.get("skipped") and 2 * state["skipped"] >= state["step"]:
+        raise FloatingPointError(f"--skip_nonfinite skipped {state['skipped']} of the run's {state['step']} steps: "
+                                 f"it did not train, whatever its checkpoints hold; {where}")
+
+
+def count_skipped(state, window=100, limit=50):
+    """Count a step skipped by --skip_nonfinite in the loop `state` (its total "skipped", and the steps skipped
+    among the last `window`). FloatingPointError when `limit` of them were: the run no longer trains."""
+    state["skipped"] = state.get("skipped", 0) + 1
+    state["recent_skips"] = [s for s in state.get("recent_skips", []) if s > state["step"] - window] + [state["step"]]
+    if len(state["recent_skips"]) >= limit:
+        raise FloatingPointError(f"--skip_nonfinite: {limit} of the last {window} steps (up to step "
+                                 f"{state['step'] + 1}) had a NaN or inf loss or gradient: the run gives up; rerun "
+                                 f"with a lower --lr, a --grad_clip or --dtype fp32")
+
+
+# The batches of a training epoch, and the evaluation loop both stages share (sharded under torchrun).
+def epoch_batches(split, args, epoch):
+    """The training batches (index tensors) of one epoch, seeded by (seed, epoch) so that a resumed run sees
+    the same ones; under torchrun every batch has at least one row per rank (data.batch_indices)."""
+    return data.batch_indices(split["lengths"], args.batch_size, shuffle=True, seed=args.seed, epoch=epoch,
+                         min_rows=args.world_size)
+
+
+@torch.no_grad()
+def evaluate(model, split, args, batch_sums, n_sums):
+    """Sums of per-batch statistics over a split in eval mode, the evaluation loop of both stages: batch_sums(i,
+    idx) -> tensor (n_sums,) for batch number i, rows idx (B,) (batches sorted by length). Under torchrun each rank
+    takes every N-th batch and the sums are reduced. Returns n_sums floats (one host synchronisation)."""
+    model.eval()
+    sums = torch.zeros(n_sums, dtype=accumulator_dtype(args.device), device=args.device)
+    for i, idx in enumerate(data.batch_indices(split["lengths"], args.batch_size, shuffle=False)):
+        if i % args.world_size == args.rank:
+            sums += batch_sums(i, idx).to(sums.dtype)
+    model.train()
+    return global_sum(sums, args).tolist()
+
+
+# ---- Device and dtype: where a stage runs, in which precision, and what the hardware can do (MFU's peak).
+def pick_device(name):
+    """'auto' -> cuda if available, else mps, else cpu; any other string is passed to torch.device (and
+    cuda:N becomes the current GPU, so that torch.cuda calls without a device argument mean it)."""
+    if name != "auto":
+        device = torch.device(name)
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)
+        return device
+    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
+
+
+def pick_dtype(name, device):
+    """(dtype, reason): bf16 autocast only on CUDA devices that support it; fp16 is never used (NaN-prone)."""
+    if name == "fp32":
+        return torch.float32, "asked for"
+    supported = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    if name == "bf16":
+        if not supported:
+            raise ValueError(f"--dtype bf16 asked for, but {device} does not support bf16; use --dtype fp32")
+        return torch.bfloat16, "asked for"
+    return (torch.bfloat16, "CUDA with bf16") if supported else (torch.float32, f"no bf16 autocast on {device.type}")
+
+
+def accumulator_dtype(device):
+    """float64 for evaluation sums, except on MPS, which has no float64."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def autocast(device, dtype):
+    """Mixed-precision context for the forward pass on `device` in `dtype` (a no-op in fp32)."""
+    return contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
+
+
+# Dense bf16 peak FLOP/s of common GPUs (vendor data sheets); an unknown GPU gets no MFU rather than a wrong one.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H200 NVL": 835e12, "H100": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12,
+                   "A100": 312e12, "L40S": 362e12, "A10": 125e12, "L4": 121e12, "RTX 4090": 165e12, "RTX 3090": 71e12,
+                   "A6000": 155e12}
+
+
+def peak_flops(device, dtype):
+    """Peak FLOP/s for MFU, or None (CPU, fp32, or a GPU not in PEAK_BF16_FLOPS)."""
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return None
+    return peak_flops_of(torch.cuda.get_device_name(device))
+
+
+def device_name(device):
+    """What ran the arithmetic, for run records and logs: the GPU's name on CUDA, "MPS, <arch>" on Apple's GPU,
+    else the CPU's model name (Linux: /proc/cpuinfo; elsewhere platform.processor(), else the architecture)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "mps":
+        return f"MPS, {platform.machine()}"
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return (names[0] if names else "") or platform.processor() or platform.machine()
+
+
+def peak_flops_of(name):
+    """PEAK_BF16_FLOPS of a GPU name: the longest key found in it as whole words ("A10" is not "A10G")."""
+    found = [k for k in PEAK_BF16_FLOPS if re.search(rf"(^|\W){re.escape(k)}($|\W)", name)]
+    return PEAK_BF16_FLOPS[max(found, key=len)] if found else None
+
+
+def flops_per_token(cfg, L):
+    """Training FLOPs per token (forward + backward) at sequence length L, for MFU (Chowdhery et al. 2022, PaLM
+    App. B): 6 x the weights used per token (W_Q, W_K, W_V, W_O and the MLP of every layer, a continuous input
+    encoder, the reconstruction head, which SPT applies at every position), plus 12 x n_layers x d_model x keys for
+    the scores and their product with V; a query sees L keys, or 3 attn_window under local attention."""
+    per_layer = 4 * cfg.d_model ** 2 + (2 * cfg.d_model * cfg.d_mlp if cfg.mlp else 0)
+    per_position = (cfg.d_input if cfg.vocab_size == 0 else 0) * cfg.d_model + cfg.n_rec * cfg.d_model
+    keys = min(L, 3 * cfg.attn_window) if cfg.attn_window else L
+    return 6 * (cfg.n_layers * per_layer + per_position) + 12 * cfg.n_layers * cfg.d_model * keys
+
+
+# ---- torchrun (DDP): one process per GPU, each training on its share of the global batch.
+def setup_distributed(args):
+    """Join the process group when started by torchrun (WORLD_SIZE > 1); sets args.rank and args.world_size.
+    Each of the N copies trains on rows rank::N of the same global batch; DDP averages the gradients; only rank 0
+    prints and writes files. NCCL on CUDA (one GPU per process, LOCAL_RANK), gloo on CPU."""
+    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args.rank = int(os.environ.get("RANK", "0"))
+    if args.world_size > 1:
+        if args.device.type == "cuda":
+            args.device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(args.device)
+        dist.init_process_group("nccl" if args.device.type == "cuda" else "gloo")
+        if args.rank != 0:
+            sys.stdout = open(os.devnull, "w")  # one copy of every message: rank 0's
+
+
+def global_sum(t, args):
+    """Sum of a tensor over all ranks (itself when not distributed)."""
+    if args.world_size > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def wrap(model, args):
+    """The module the training step calls: DDP under torchrun, torch.compile if asked. Checkpoints always hold
+    the plain `model`, so they load anywhere."""
+    # no buffer broadcast before each forward: the only buffers (positions, ALiBi slopes) are constants
+    net = DistributedDataParallel(model, forward_sync_buffers=False) if args.world_size > 1 else model
+    return torch.compile(net) if args.compile else net
+
+
+def local_rows(args, *tensors):
+    """This rank's share of a global batch: rows rank, rank + N, ... (all rows when not distributed)."""
+    return [t[args.rank::args.world_size] for t in tensors]
+
+
+# ---- A run's files: paths, checkpoints, the lock, the record of what made a run, resume ----
+
+def load_newest(candidates, map_location="cpu", who="load", with_path=False):
+    """Of the checkpoints `candidates` (paths), the one of the latest state.step (a tie: the earlier). A missing or
+    damaged file is reported (prefixed by `who`) and skipped. Returns it ((path, it) with `with_path`), or None when
+    no file exists. ValueError with every reason when files exist but none loads."""
+    reasons, newest, newest_path = [], None, None
+    for path in candidates:
+        if not os.path.lexists(path):  # the program's own guess at a name: no "did you mean" (not_a_file)
+            print(f"{who}: {path}: no such file; skipped")
+            continue
+        try:
+            ck = data.load_pt(path, map_location=map_location)
+            state = ck.get("state") if isinstance(ck, dict) else None
+            if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+                raise ValueError(f"{path}: holds no training state (state.step); not a checkpoint of this project")
+        except (OSError, ValueError) as e:  # OSError: a folder or a broken link in the file's place, unreadable
+            print(f"{who}: {e}; skipped")
+            reasons.append(e)
+            continue
+        if newest is None or ck["state"]["step"] > newest["state"]["step"]:
+            newest, newest_path = ck, path
+    if newest is not None:
+        print(f"{who}: continuing from {newest_path} (step {newest['state']['step']})")
+        return (newest_path, newest) if with_path else newest
+    if not reasons:
+        print(f"{who}: no checkpoint in {os.path.dirname(candidates[0]) or '.'}, starting from scratch")
+        return (None, None) if with_path else None
+    raise ValueError(f"{who}: no checkpoint could be loaded: " + "; ".join(map(str, reasons)) +
+                     ". Remove them (or run without --resume) to start over")
+
+
+def run_paths(out_dir, task, stage, name=None):
+    """The files of one run under <out_dir>/<task>/: "pretrain": best = pretrain.pt (finetune.py --init), last =
+    pretrain_last.pt (--resume), init = pretrain_init.pt, log = pretrain_log.jsonl, snapshot = pretrain_step{step}.pt;
+    "finetune" with a run name: the same for finetune_<name>, and json = finetune_<name>.json. Else ValueError."""
+    if stage not in ("pretrain", "finetune") or (stage == "finetune") != bool(name):
+        raise ValueError(f"run_paths: stage {stage!r} with name {name!r}; expected 'pretrain', or 'finetune' "
+                         f"with a run name")
+    stem = os.path.join(out_dir, task, "pretrain" if stage == "pretrain" else f"finetune_{name}")
+    paths = dict(best=stem + ".pt", last=stem + "_last.pt", init=stem + "_init.pt", log=stem + "_log.jsonl",
+                 snapshot=stem + "_step{step}.pt")
+    return dict(paths, json=stem + ".json") if stage == "finetune" else paths
+
+
+def run_init_path(path):
+    """The _init.pt of the run a checkpoint belongs to (run_paths' names), or None if it is missing."""
+    init = re.sub(r"(_last|_step\d+|_init)$", "", os.path.splitext(path)[0]) + "_init.pt"
+    return init if os.path.exists(init) else None
+
+
+# A run's files: one process at a time (a lock), never mixed with an earlier run's.
+
+
+def run_files(paths):
+    """The files of the run `paths` (run_paths) that exist: checkpoints, snapshots, log, JSON, and save_atomic's
+    temporaries of them (<file>.<pid>.tmp: left by a killed write). Not the lock."""
+    folder, stem = os.path.split(paths["log"][:-len("_log.jsonl")])
+    ends = "|".join(re.escape(os.path.basename(p)[len(stem):]).replace(r"\{step\}", r"\d+") for p in paths.values())
+    pattern = re.compile(re.escape(stem) + f"({ends})" + r"(\.\d+\.tmp)?")
+    return sorted(os.path.join(folder, f) for f in os.listdir(folder or ".") if pattern.fullmatch(f))
+
+
+def lock_run(path):
+    """The lock file `path`, open and locked (fcntl.flock), holding this process's pid, host and command. The
+    system drops the lock when the process ends, even killed. FileExistsError naming the holder if another process
+    holds it; the record of a process that ended without releasing it (killed) is said and taken over."""
+    f = open(path, "a+")
+    f.seek(0)
+    before = f.read().strip()  # the holder's record, or a killed process's
+    try:
+        if fcntl is None:
+            print(f"{path}: not locked (no fcntl on {platform.system()}): start one run of it at a time")
+        else:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise FileExistsError(f"{path}: this run is being written by {before or 'another process'}; wait for it to "
+                              f"end, or give another --out_dir") from None
+    f.seek(0)
+    before = f.read().strip()  # read again under the lock: a record still there is a killed process's
+    if before and fcntl is not None:
+        print(f"{path}: taken over from {before}, which ended without releasing it (killed?)")
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {platform.node()}: {' '.join(sys.argv)}\n")
+    f.flush()
+    return f
+
+
+@contextlib.contextmanager
+def own_run(paths, args):
+    """Hold the run whose files are `paths` (run_paths) while a stage writes them: rank 0 takes <stem>.lock
+    (lock_run; the file stays, emptied at the end: removing it would race with a process locking it). A run whose
+    files exist is refused (FileExistsError) unless args.resume, or args.overwrite, which removes them first;
+    left-over temporaries go. Yields the run: a dict with its "paths", that `train` fills (model, loop state, ...).
+    On Ctrl-C, SIGTERM or SIGHUP the exception gets the one line run_stage prints: the step the run reached."""
+    if args.resume and args.overwrite:
+        raise ValueError("--resume continues the run, --overwrite removes it: give one of them")
+    stem, folder, lock = paths["log"][:-len("_log.jsonl")], os.path.dirname(paths["log"]) or ".", None
+    if re.search(r"_(last|init|step\d+)$", stem):  # finetune_a_last.pt: run a's last checkpoint, or run a_last's?
+        raise ValueError(f"--name {os.path.basename(stem).split('_', 1)[-1]}: a run name may not end in _last, _init or _step<N>")
+    if args.rank == 0:  # the other ranks write nothing
+        os.makedirs(folder, exist_ok=True)
+        lock = lock_run(stem + ".lock")
+    run = dict(paths=paths, args=args)
+    try:
+        old = run_files(paths) if os.path.isdir(folder) else []  # every rank: each refuses on its own
+        kept = [os.path.basename(f) for f in old if not f.endswith(".tmp")]
+        if kept and not (args.resume or args.overwrite):
+            raise FileExistsError(f"{folder} holds this run's files already ({', '.join(kept[:4])}"
+                                  f"{', ...' * (len(kept) > 4)}): --resume continues it, --overwrite removes it "
+                                  f"first, or give another --out_dir")
+        removed = (old if args.overwrite else [f for f in old if f.endswith(".tmp")]) if lock else []
+        for f in removed:
+            os.remove(f)
+        if removed:
+            print(f"removed {len(removed)} files in {folder}: " + (
+                "the earlier run's (--overwrite)" if args.overwrite else "temporaries of killed writes"))
+        if getattr(args, "world_size", 1) > 1:
+            dist.barrier()  # every rank has checked the folder before rank 0 writes in it
+        yield run
+    except KeyboardInterrupt as e:  # one line: the step reached, the last checkpoint, and how to continue
+        last = paths["last"]
+        try:
+            saved = f"the last checkpoint is {last} (step {data.load_pt(last, mmap=True)['state']['step']})"
+        except (OSError, ValueError, KeyError):
+            saved = "no checkpoint was written yet"
+        step = f"at step {run['state']['step']} of {run['total']}" if "state" in run else "before training"
+        how = "--resume instead of --overwrite" if args.overwrite else "--resume"
+        e.args = (f"interrupted {step}; {saved}; the same command with {how} continues" if args.rank == 0 else
+                  f"rank {args.rank} stopped (rank 0 says why)",)
+        raise
+    finally:
+        if lock:
+            lock.truncate(0)
+            lock.close()
+
+
+def plain_config(args):
+    """The run's flags as a JSON- and weights_only-safe dict (devices and dtypes become strings)."""
+    return {k: (str(v) if isinstance(v, (torch.device, torch.dtype)) else v) for k, v in vars(args).items()}
+
+
+def git_state(folder=None):
+    """(commit, modified) of the git checkout holding `folder` (default: this file's): HEAD's hash and the sorted
+    tracked files that differ from it (a run made with uncommitted code says so); (None, None) outside one."""
+    def git(*cmd):
+        return subprocess.run(["git", *cmd], capture_output=True, text=True, timeout=5,
+                              cwd=folder or os.path.dirname(os.path.abspath(__file__))).stdout
+    try:
+        commit = git("rev-parse", "HEAD").strip() or None
+        if commit is None:
+            return None, None
+        return commit, sorted(line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines())
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+
+
+def truncate_log(path, step):
+    """Drop the lines of a run's log past `step` (logged again by the resumed run) and an unfinished last line,
+    so each step appears once. Rewritten atomically."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    keep = [line for line in lines if line.endswith("\n") and json.loads(line).get("step", 0) <= step]
+    if len(keep) < len(lines):
+        data.save_atomic("".join(keep), path)
+        print(f"--resume: dropped {len(lines) - len(keep)} lines of {path} logged after step {step} (logged again)")
+
+
+# Flags a resumed run must share with its checkpoint (--epochs and --max_steps only say where to stop, and may
+# grow; --dtype may change, e.g. fp32 after bf16 overflowed): the schedule and the evaluation grid.
+RESUME_SAME = ("lr", "warmup", "weight_decay", "grad_clip", "seed", "mask_ratio", "rec_loss", "init", "inherit",
+               "freeze", "batch_size", "eval_every", "eval_each_epoch")
+
+
+def check_resumable(ck, cfg, n_batches, data_sha256=None, config=None, init_sha256=None):
+    """Raise ValueError unless checkpoint `ck` continues this run: the same model config (cfg: ModelConfig's
+    fields as a dict), epoch length (n_batches), data (data_sha256: {split: sha256}), RESUME_SAME flags (config:
+    plain_config of this run) and, for finetuning, SPT weights (init_sha256: the --init file's sha256)."""
+    saved = ck["model_config"]  # a field it lacks (or the code no longer has) is not a difference
+    diff = {k: (saved[k], v) for k, v in cfg.items() if saved.get(k, v) != v}
+    saved_config = ck.get("config") or {}
+    same_weights = bool(ck.get("init_sha256") and init_sha256)  # --init compared by content, not by spelling
+    diff.update({k: (saved_config[k], config[k]) for k in RESUME_SAME
+                 if config and k in saved_config and k in config and saved_config[k] != config[k]
+                 and not (k == "init" and same_weights)})
+    if diff:
+        raise ValueError("--resume: the checkpoint was made with " + ", ".join(
+            f"{k}={old!r}" for k, (old, _) in diff.items()) + "; this run has " + ", ".join(
+            f"{k}={new!r}" for k, (_, new) in diff.items()) + ": resume with the same flags (or start a new --out_dir)")
+    if ck["state"]["n_batches"] != n_batches:
+        raise ValueError(f"--resume: the checkpoint's epochs have {ck['state']['n_batches']} batches, this run's "
+                         f"{n_batches} (another --batch_size or number of processes): resume with the same ones")
+    saved_data = ck.get("data_sha256")
+    if saved_data and data_sha256 and saved_data != data_sha256:
+        split = next(s for s in saved_data if saved_data[s] != data_sha256.get(s))
+        raise ValueError(f"--resume: the checkpoint was trained on other data ({split}.pt sha256 "
+                         f"{saved_data[split][:12]}..., this run's {str(data_sha256.get(split))[:12]}...: another "
+                         f"--data_dir, or the data was made again): resume on the same data (or start a new --out_dir)")
+    saved_init = ck.get("init_sha256")
+    if saved_init and init_sha256 and saved_init != init_sha256:
+        raise ValueError(f"--resume: this run started from SPT weights of sha256 {saved_init[:12]}..., but "
+                         f"--init {ck.get('init')} now holds {init_sha256[:12]}... (pretrained again or further?): "
+                         f"finetune the new weights in a new run (another --name or --out_dir, without --resume)")
+
+
+def run_record(args):
+    """Plain-type description of the run: its settings and what produced it (stored in checkpoints). The CPU and
+    thread count are recorded because float sums, and so trained weights, depend on them."""
+    commit, modified = git_state()
+    return dict(config=plain_config(args), git_commit=commit, git_modified=modified,
+                torch_version=str(torch.__version__), python=platform.python_version(),
+                device_name=device_name(args.device), threads=torch.get_num_threads())
+
+
+def append_log(run, entry):
+    """One JSON line in paths["log"] (rank 0 only)."""
+    if run["args"].rank == 0:
+        with open(run["paths"]["log"], "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+
+def resume(model, opt, paths, n_batches, total, args, extra):
+    """Load the newest of paths["last"], paths["best"] into model and optimizer, restore the RNG states and drop
+    the log lines past it; returns the loop state, or None. ValueError for another run's (check_resumable) or one
+    past this run's `total` steps."""
+    # Loaded on the CPU: load_state_dict copies onto the model's device, and the CPU copy is freed right after.
+    path, ck = load_newest([paths["last"], paths["best"]], "cpu", "--resume", with_path=True)
+    if ck is None:
+        return None
+    check_resumable(ck, dataclasses.asdict(model.cfg), n_batches, extra.get("data_sha256"), plain_config(args),
+                    extra.get("init_sha256"))
+    if ck["state"]["step"] > total:  # read back as this run, it would hand on weights trained longer than asked
+        raise ValueError(f"--resume: the checkpoint in {os.path.dirname(path) or '.'} is at step {ck['state']['step']}, "
+                         f"past this run's {total} steps (--epochs {args.epochs}, --max_steps {args.max_steps}): give "
+                         f"the budget it ran with, or start a new --out_dir")
+    if path != paths["last"] and args.rank == 0:  # stopped before its last write, or that file is damaged
+        data.save_atomic(ck, paths["last"])
+    model.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["optimizer"])
+    torch.set_rng_state(ck["rng_state"])
+    if args.device.type == "cuda" and ck.get("cuda_rng_state") is not None:
+        torch.cuda.set_rng_state(ck["cuda_rng_state"], args.device)
+    if args.rank == 0:
+        truncate_log(paths["log"], ck["state"]["step"])
+    print(f"resumed at step {ck['state']['step']} (epoch {ck['state']['epoch']})")
+    return ck["state"]
+
+
+# ---- The command line every stage shares ----
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each flag's default, except None: those flags take the preset's value (pretrain.resolve)."""
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def prepare_data(args, preset):
+    """Load train/val/test of args.task onto args.device, made first if missing (by rank 0 under torchrun), and
+    check them against the settings the preset and flags imply (data.check_settings)."""
+    settings = data.expected_settings(args.task, preset["data"], {k: getattr(args, k) for k in data.STAGE_DATA_FLAGS})
+    if args.rank == 0:
+        data.make_data(args.task, args.data_dir, settings, args.download)
+    if args.world_size > 1:  # a download may take hours: a barrier with a long timeout of its own
+        dist.barrier(group=dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=3)))
+    splits = data.load_splits(args.data_dir, args.task, args.device)
+    data.check_settings(splits["train"]["meta"], settings, args.task, args.data_dir, args.preset, args.accept_data)
+    print(f"data {args.data_dir}/{args.task}: " + ", ".join(
+        f"{s} {len(splits[s]['labels'])} (sha256 {splits[s]['meta']['file_sha256'][:12]})" for s in data.SPLITS))
+    return splits
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised by run_stage's handler: the run ends as on Ctrl-C (own_run's line)."""
+    def __init__(self, signum):
+        super().__init__()
+        self.signum = signum
+
+
+def run_stage(main_fn):
+    """Run a stage's main(argv) under data.run_cli (an error is one line, exit status 1). Ctrl-C, SIGTERM and
+    SIGHUP, handled here only, end with one line too (own_run's), exit status 128 + the signal: 130, 143, 129."""
+    def stop(signum, frame):
+        raise Interrupted(signum)
+    for name in ("SIGTERM", "SIGHUP"):  # Windows has no SIGHUP
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), stop)
+    try:
+        data.run_cli(main_fn)
+    except KeyboardInterrupt as e:
+        if os.environ.get("SPT_TRACEBACK"):
+            raise
+        print(" ".join(str(e).split()) or "interrupted", file=sys.stderr)
+        sys.exit(128 + getattr(e, "signum", signal.SIGINT))
+
+
 if __name__ == "__main__":
-    data.run_cli(main)
+    run_stage(main)

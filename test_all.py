@@ -52,7 +52,7 @@ def listops_dir(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def tiny_data_is_accepted(request, monkeypatch):
     """The fixtures' data sets are tiny on purpose, so their sizes differ from every preset's: the stages' check
-    of the data against the preset (data.prepare_data) is off, except in the tests that test it."""
+    of the data against the preset (pretrain.prepare_data) is off, except in the tests that test it."""
     if not request.node.name.startswith(("test_data_settings", "test_ablate_initscale")):
         monkeypatch.setattr(data, "data_mismatches", lambda meta, settings: [])
 
@@ -492,29 +492,33 @@ def test_the_training_step_of_spt_never_waits_for_the_device(synthetic_run, list
             model.reconstruct(x.to("meta"), None, torch.ones(2, 4, dtype=torch.bool, device="meta"))
 
 
-def test_a_whole_optimizer_step_of_either_stage_never_waits_for_the_device(listops_dir, masks_on_meta):
-    """pretrain.optimizer_step (loss, backward, gradient clipping, AdamW) and count_step on the meta device, for the
-    finetuning loss (classification through mean pooling of a padded batch) and the SPT loss: only the log lines
-    (log_progress) and evaluations read a value on the host."""
+def test_a_whole_optimizer_step_of_either_stage_never_waits_for_the_device(listops_dir, masks_on_meta, monkeypatch):
+    """pretrain.train's steps (batch, learning rate, loss, backward, gradient clipping, AdamW, the meter) on the meta
+    device, for the finetuning loss (classification through mean pooling of a padded batch) and the SPT loss: only
+    the log lines (log_progress) and evaluations read a value on the host, and here they only count calls."""
     split = data.load_split(listops_dir, "listops", "train")
     model = Transformer(tiny_cfg(vocab_size=split["meta"]["vocab_size"], n_classes=10,
                                  n_rec=split["meta"]["vocab_size"], max_len=128)).to("meta")
     args = argparse.Namespace(device=torch.device("meta"), dtype=torch.float32, seed=0, mask_ratio=0.3, rec_loss="ce",
-                              rank=0, world_size=1, skip_nonfinite=False, grad_clip=1.0, pad_multiple=64)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # fused=True on CUDA: its step counter stays there too
-    run = dict(args=args, opt=opt, state=dict(step=0), model=model)
+                              rank=0, world_size=1, skip_nonfinite=False, grad_clip=1.0, lr=1e-3, warmup=2,
+                              weight_decay=0.0, epochs=1, max_steps=3, batch_size=8, log_every=10 ** 6,
+                              eval_every=10 ** 6, eval_each_epoch=False, resume=False)
+    calls = []
+    monkeypatch.setattr(pretrain, "start_fresh", lambda run: calls.append("start"))
+    monkeypatch.setattr(pretrain, "log_progress", lambda run, meter, lr: calls.append(meter))
+    monkeypatch.setattr(pretrain, "evaluate_and_checkpoint", lambda run, meter, epoch: calls.append("eval"))
+    monkeypatch.setattr(pretrain, "finish", lambda run: run)
 
     def classification_loss(idx, step):  # finetune.py's loss_fn
         x, lengths, labels = data.get_batch(split, idx, "meta")
         return F.cross_entropy(model(x, lengths).float(), labels, reduction="sum"), torch.ones_like(labels).sum()
-    meter = pretrain.new_meter(args)
-    idx = next(b for b in data.batch_indices(split["lengths"], 8, shuffle=True) if len(set(split["lengths"][b].tolist())) > 1)
     for loss_fn in (classification_loss, pretrain.spt_loss_fn(model, split, args)):
-        loss = pretrain.optimizer_step(run, loss_fn, idx)
-        pretrain.count_step(meter, loss, split["lengths"][idx], model.cfg, data.split_width(split))
-        assert loss.device.type == "meta" and meter["loss"].device.type == "meta"
-        assert opt.state and all(st["step"].device.type == "cpu" for st in opt.state.values())
-    assert meter["steps"] == 2 and 0 < meter["tokens"] < meter["padded"]
+        calls.clear()
+        run = pretrain.train(model, {"train": split}, args, loss_fn, None, dict(paths={}), dict(metric="val_loss"), False)
+        meter = calls[1]
+        assert calls == ["start", meter, "eval"] and run["state"]["step"] == 3, calls  # the last step logs, evaluates
+        assert meter["loss"].device.type == "meta" and meter["steps"] == 3 and 0 < meter["tokens"] < meter["padded"]
+        assert run["opt"].state and all(st["step"].device.type == "cpu" for st in run["opt"].state.values())
 
 
 def test_torch_compile_captures_the_whole_layer_stack_in_one_graph():
@@ -844,11 +848,33 @@ def test_pretrain_reads_spt_first_and_the_engine_after():
     import ast
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "pretrain.py")) as f:
         source = f.read()
-    lines = {n.name: n.lineno for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)}
+    tree = ast.parse(source)
+    lines = {n.name: n.lineno for n in tree.body if isinstance(n, ast.FunctionDef)}
     assert lines["mask_batch"] <= 150
     assert lines["mask_batch"] < lines["reconstruction_loss"] < lines["main"] < lines["build_parser"] < lines["train"]
-    engine = source.index("# ==== The engine shared with finetune.py (a first reading can stop here)")
+    engine = source.index("# ==== The engine both stages share (a first reading can stop here)")
     assert source[:engine].count("\ndef ") == sum(1 for n, at in lines.items() if at < source[:engine].count("\n"))
+    train = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
+    assert train.end_lineno - train.body[0].end_lineno <= 80, "pretrain.train: one screen after its docstring"
+
+
+def test_data_py_holds_data_and_no_module_keeps_run_state():
+    """The engine (DDP, the run lock, signals, git) lives in pretrain.py: data.py imports none of its modules. No
+    module keeps a run in a global: the interruption line gets the run from own_run's own dict."""
+    import ast
+    folder = os.path.dirname(os.path.abspath(__file__))
+    tree = ast.parse(open(os.path.join(folder, "data.py")).read())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | {
+        n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    engine = {"torch.distributed", "torch.nn.parallel", "fcntl", "signal", "subprocess"}
+    assert not imported & engine, imported & engine
+    for name in ("data.py", "model.py", "pretrain.py", "finetune.py"):
+        tree = ast.parse(open(os.path.join(folder, name)).read())
+        assert not any(isinstance(n, ast.Global) for n in ast.walk(tree)), name
+        empty = [n for n in tree.body if isinstance(n, ast.Assign) and (isinstance(n.value, ast.Dict) and not
+                 n.value.keys or isinstance(n.value, ast.List) and not n.value.elts)]  # filled at run time
+        mutable = [t.id for n in empty for t in n.targets]
+        assert not [m for m in mutable if m not in ("_STAMPS",)], (name, mutable)  # _STAMPS: a cache of geometry
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1191,7 +1217,7 @@ def test_gpu_run_times_a_real_run_of_a_preset_from_its_log(tmp_path, monkeypatch
         args = argparse.Namespace(out_dir=str(tmp_path), n_train=16, steps=6, log_every=2, compile=False)
         for stage in ("pretrain", "finetune"):
             figures = ablate.gpu_run(task, stage, args)
-            lines = [json.loads(x) for x in open(data.run_paths(str(tmp_path / "gpu" / task), task, stage,
+            lines = [json.loads(x) for x in open(pretrain.run_paths(str(tmp_path / "gpu" / task), task, stage,
                                                                  None if stage == "pretrain" else "scratch")["log"])]
             timed = sorted(e["ms_per_step"] for e in lines if "ms_per_step" in e)
             assert len(timed) == 3 and figures["ms_per_step"] in timed and figures["mfu"] is None  # no MFU on CPU
@@ -1216,20 +1242,20 @@ def test_load_splits_moves_every_input_kind_and_keeps_lengths_on_the_cpu(tmp_pat
 
 
 def test_gpu_peak_flops_are_matched_by_whole_names():
-    assert data.peak_flops_of("NVIDIA H100 80GB HBM3") == 989e12
-    assert data.peak_flops_of("NVIDIA H100 PCIe") == 756e12     # the longest matching name wins
-    assert data.peak_flops_of("NVIDIA H200") == 989e12 and data.peak_flops_of("NVIDIA H200 NVL") == 835e12
-    assert data.peak_flops_of("NVIDIA L40S") == 362e12 and data.peak_flops_of("NVIDIA L4") == 121e12
-    assert data.peak_flops_of("NVIDIA A100-SXM4-80GB") == 312e12
-    assert data.peak_flops_of("NVIDIA A10G") is None and data.peak_flops_of("NVIDIA L40") is None
-    assert data.peak_flops(torch.device("cpu"), torch.bfloat16) is None
+    assert pretrain.peak_flops_of("NVIDIA H100 80GB HBM3") == 989e12
+    assert pretrain.peak_flops_of("NVIDIA H100 PCIe") == 756e12     # the longest matching name wins
+    assert pretrain.peak_flops_of("NVIDIA H200") == 989e12 and pretrain.peak_flops_of("NVIDIA H200 NVL") == 835e12
+    assert pretrain.peak_flops_of("NVIDIA L40S") == 362e12 and pretrain.peak_flops_of("NVIDIA L4") == 121e12
+    assert pretrain.peak_flops_of("NVIDIA A100-SXM4-80GB") == 312e12
+    assert pretrain.peak_flops_of("NVIDIA A10G") is None and pretrain.peak_flops_of("NVIDIA L40") is None
+    assert pretrain.peak_flops(torch.device("cpu"), torch.bfloat16) is None
 
 
 def test_flops_per_token_counts_the_matmuls():
     cfg = tiny_cfg(n_layers=2, d_model=16, d_mlp=32)
     # per layer: Q, K, V, O (4 d^2) + MLP (2 d d_mlp) weights, x 6 for fwd+bwd; attention 12 n_layers d L
     assert pytest.approx(6 * 2 * (4 * 256 + 2 * 16 * 32) + 12 * 2 * 16 * 100) == \
-        data.flops_per_token(cfg, 100)
+        pretrain.flops_per_token(cfg, 100)
     # Against PyTorch's own count of the matmuls of a forward and backward pass (explicit attention, so that the
     # scores are plain matmuls): the SPT model with its reconstruction head at every position.
     from torch.utils.flop_counter import FlopCounterMode
@@ -1238,12 +1264,12 @@ def test_flops_per_token_counts_the_matmuls():
     with FlopCounterMode(display=False) as counter:
         z, _ = model.encode(x, None, need_weights=True)
         model.rec_head(z).square().sum().backward()
-    assert counter.get_total_flops() == data.flops_per_token(spt, 40) * 3 * 40
-    assert data.flops_per_token(spt, 100) - data.flops_per_token(cfg, 100) == 6 * 17 * 16
+    assert counter.get_total_flops() == pretrain.flops_per_token(spt, 40) * 3 * 40
+    assert pretrain.flops_per_token(spt, 100) - pretrain.flops_per_token(cfg, 100) == 6 * 17 * 16
     # Local attention (window w): a query scores its block and the two neighbours, 3 w keys, not L.
     local = tiny_cfg(n_layers=2, d_model=16, d_mlp=32, attn_window=20)
-    assert data.flops_per_token(local, 100) == data.flops_per_token(cfg, 60)
-    assert data.flops_per_token(local, 30) == data.flops_per_token(cfg, 30)  # L < 3 w: all L keys
+    assert pretrain.flops_per_token(local, 100) == pretrain.flops_per_token(cfg, 60)
+    assert pretrain.flops_per_token(local, 30) == pretrain.flops_per_token(cfg, 30)  # L < 3 w: all L keys
 
 
 def test_unwrapped_state_dict_strips_wrapper_prefixes_in_any_order():
@@ -2050,7 +2076,7 @@ def test_ablate_reads_back_a_finished_run_only_if_it_is_the_run_asked_for(synthe
         ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common + ["--data_dir", other])
     with pytest.raises(ValueError, match=r"--max_steps 2 \(asked: 0\)"):  # a flag left out: the preset's value
         ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common[:2] + common[4:])
-    spt = data.run_paths(synthetic_run[1], "synthetic", "pretrain")["best"]
+    spt = pretrain.run_paths(synthetic_run[1], "synthetic", "pretrain")["best"]
     with pytest.raises(ValueError, match="--init scratch"):
         ablate.run_finetune("synthetic", folder, 0, "scratch", spt, common)
     import shutil
@@ -2085,7 +2111,7 @@ def test_ablate_reads_back_a_finished_run_only_if_it_is_the_run_asked_for(synthe
         ablate.run_finetune("synthetic", alibi, 0, "scratch", "scratch", common)
     # A run that recorded no sha256 of its data or of its SPT weights cannot be checked: it is not read back.
     for name, key in (("scratch", "data_sha256"), ("spt", "spt_sha256")):
-        path = data.run_paths(folder, "synthetic", "finetune", name)["json"]
+        path = pretrain.run_paths(folder, "synthetic", "finetune", name)["json"]
         result = json.load(open(path))
         data.save_atomic(dict(result, **{key: None}), path)
         with pytest.raises(ValueError, match="train.pt sha256 None" if key == "data_sha256" else "sha256 None"):
@@ -2099,29 +2125,29 @@ def test_load_newest_takes_the_checkpoint_of_the_latest_step(tmp_path, capsys):
     paths = {step: str(tmp_path / f"ck{step}.pt") for step in (3, 5)}
     for step, path in paths.items():
         data.save_atomic(dict(state=dict(step=step), tag=step), path)
-    assert data.load_newest([paths[3], paths[5]], who="r")["tag"] == 5
-    assert data.load_newest([paths[5], paths[3]], who="r")["tag"] == 5
+    assert pretrain.load_newest([paths[3], paths[5]], who="r")["tag"] == 5
+    assert pretrain.load_newest([paths[5], paths[3]], who="r")["tag"] == 5
     assert "r: continuing from " + paths[5] + " (step 5)" in capsys.readouterr().out
     data.save_atomic(dict(state=dict(step=5), tag="other"), paths[3])
-    assert data.load_newest([paths[3], paths[5]], who="r")["tag"] == "other"
-    assert data.load_newest([str(tmp_path / "none.pt"), paths[5]], who="r")["tag"] == 5
+    assert pretrain.load_newest([paths[3], paths[5]], who="r")["tag"] == "other"
+    assert pretrain.load_newest([str(tmp_path / "none.pt"), paths[5]], who="r")["tag"] == 5
     data.save_atomic(dict(model={}), paths[3])  # loads, but is no training checkpoint: skipped as damaged
-    assert data.load_newest([paths[3], paths[5]], who="r", with_path=True) == (paths[5], data.load_pt(paths[5]))
+    assert pretrain.load_newest([paths[3], paths[5]], who="r", with_path=True) == (paths[5], data.load_pt(paths[5]))
     assert "ck3.pt: holds no training state (state.step)" in capsys.readouterr().out
     # A candidate the program itself guessed gets no "did you mean" (a review found: "did you mean <the other
     # candidate>?"); a folder in a checkpoint's place is a reason, not a crash.
     best = str(tmp_path / "finetune_spt.pt")
     data.save_atomic(dict(state=dict(step=5), tag=5), best)
-    assert data.load_newest([str(tmp_path / "finetune_spt_last.pt"), best], who="r")["tag"] == 5
+    assert pretrain.load_newest([str(tmp_path / "finetune_spt_last.pt"), best], who="r")["tag"] == 5
     assert f"r: {tmp_path / 'finetune_spt_last.pt'}: no such file; skipped\n" in capsys.readouterr().out
     os.makedirs(tmp_path / "dir.pt")
     with pytest.raises(ValueError, match="dir.pt: a folder, not a file"):
-        data.load_newest([str(tmp_path / "dir.pt")], who="r")
+        pretrain.load_newest([str(tmp_path / "dir.pt")], who="r")
     os.symlink(tmp_path / "gone.pt", tmp_path / "link.pt")
     assert str(data.not_a_file(str(tmp_path / "link.pt"))) == (f"{tmp_path / 'link.pt'}: a broken link (to "
                                                                 f"{tmp_path / 'gone.pt'}, which does not exist)")
     with pytest.raises(ValueError, match="no checkpoint could be loaded: .*link.pt: a broken link"):  # not a fresh
-        data.load_newest([str(tmp_path / "link.pt"), str(tmp_path / "nothing.pt")], who="r")  # start over its log
+        pretrain.load_newest([str(tmp_path / "link.pt"), str(tmp_path / "nothing.pt")], who="r")  # start over its log
 
 
 def test_not_a_file_in_an_unreadable_folder_still_names_the_path(tmp_path, monkeypatch):
@@ -2174,12 +2200,12 @@ def test_check_resumable_compares_init_by_content_only_when_both_sides_have_a_sh
     cfg = ModelConfig(vocab_size=17, max_len=8, d_model=8, n_layers=1, n_heads=2, d_mlp=8, n_classes=2)
     ck = dict(model_config=dataclasses.asdict(cfg), state=dict(step=2, n_batches=3), config=dict(init="scratch"))
     with pytest.raises(ValueError, match=r"made with init='scratch'; this run has init='spt.pt'"):
-        data.check_resumable(ck, dataclasses.asdict(cfg), 3, None, dict(init="spt.pt"), init_sha256="ab" * 32)
+        pretrain.check_resumable(ck, dataclasses.asdict(cfg), 3, None, dict(init="spt.pt"), init_sha256="ab" * 32)
     old = dict(ck, config=dict(init="a/pretrain.pt"))  # a checkpoint from before init_sha256 was recorded
     with pytest.raises(ValueError, match=r"made with init='a/pretrain.pt'; this run has init='b/pretrain.pt'"):
-        data.check_resumable(old, dataclasses.asdict(cfg), 3, None, dict(init="b/pretrain.pt"), init_sha256="ab" * 32)
+        pretrain.check_resumable(old, dataclasses.asdict(cfg), 3, None, dict(init="b/pretrain.pt"), init_sha256="ab" * 32)
     same = dict(old, init_sha256="ab" * 32, init="a/pretrain.pt")
-    data.check_resumable(same, dataclasses.asdict(cfg), 3, None, dict(init="b/pretrain.pt"), init_sha256="ab" * 32)  # same weights
+    pretrain.check_resumable(same, dataclasses.asdict(cfg), 3, None, dict(init="b/pretrain.pt"), init_sha256="ab" * 32)  # same weights
 
 
 def test_finetune_resume_refuses_spt_weights_rewritten_behind_the_same_path(listops_dir, tmp_path):
@@ -2257,8 +2283,8 @@ def test_resume_with_every_checkpoint_broken_stops_with_the_reasons_and_keeps_th
     assert open(os.path.join(folder, "pretrain_log.jsonl")).read() == log_before  # not truncated
     # a resume is read onto the CPU (then copied into the model), never mapped onto the training device
     seen = []
-    original = data.load_newest
-    monkeypatch.setattr(data, "load_newest", lambda paths, where, who, **kw: seen.append(where) or
+    original = pretrain.load_newest
+    monkeypatch.setattr(pretrain, "load_newest", lambda paths, where, who, **kw: seen.append(where) or
                         original(paths, where, who, **kw))
     pretrain.main(args + ["--max_steps", "2", "--out_dir", str(tmp_path / "fresh"), "--resume"])  # nothing yet: fresh
     assert seen == ["cpu"]
@@ -2831,10 +2857,10 @@ def test_ablate_ucr_steps_gives_every_stage_that_budget_in_runs_and_a_table_of_t
     assert not (tmp_path / "out" / "ablate" / "reference" / "ucr" / "seed0").exists()  # the preset's runs: apart
     table = open(tmp_path / "out" / "ablate" / "ucr_GunPoint_steps3.md").read()
     assert "Every stage 3 steps (the preset's: 500 SPT, 500 finetuning)" in table
-    commit, _ = data.git_state()  # the commit and machine the runs were made on end the footer
+    commit, _ = pretrain.git_state()  # the commit and machine the runs were made on end the footer
     at = rf" at commit {commit[:7]}( with uncommitted changes)?" if commit else ""  # outside a git checkout: none
     assert re.search(rf"; runs made{at} on "
-                     rf"{re.escape(data.device_name(torch.device('cpu')))}, {torch.get_num_threads()} thread\(s\)$",
+                     rf"{re.escape(pretrain.device_name(torch.device('cpu')))}, {torch.get_num_threads()} thread\(s\)$",
                      table.rstrip())
     assert "command: python ablate.py ucr --datasets GunPoint --steps 3 --seeds 1;" in table
     assert not (tmp_path / "out" / "ablate" / "ucr_GunPoint.md").exists()
@@ -2962,13 +2988,13 @@ def test_git_state_names_the_tracked_files_that_differ_from_the_commit(tmp_path)
         (repo / name).write_text("x = 1\n")
     git("add", "a.py", "b.py")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
-    assert data.git_state(str(repo)) == (git("rev-parse", "HEAD").strip(), [])
+    assert pretrain.git_state(str(repo)) == (git("rev-parse", "HEAD").strip(), [])
     (repo / "b.py").write_text("x = 2\n")
     (repo / "c.py").write_text("untracked\n")
-    assert data.git_state(str(repo)) == (git("rev-parse", "HEAD").strip(), ["b.py"])
+    assert pretrain.git_state(str(repo)) == (git("rev-parse", "HEAD").strip(), ["b.py"])
     outside = tmp_path / "outside"
     outside.mkdir()
-    assert data.git_state(str(outside)) == (None, None)
+    assert pretrain.git_state(str(outside)) == (None, None)
 
 
 def test_finetune_result_records_what_produced_it(listops_dir, tmp_path, monkeypatch):
@@ -2977,13 +3003,13 @@ def test_finetune_result_records_what_produced_it(listops_dir, tmp_path, monkeyp
     res = json.load(open(tmp_path / "listops" / "finetune_scratch.json"))
     assert res["torch_version"] == str(torch.__version__)
     assert {s: data.sha256_of(os.path.join(listops_dir, "listops", f"{s}.pt")) for s in data.SPLITS} == res["data_sha256"]
-    assert res["config"]["seed"] == 0 and [res["git_commit"], res["git_modified"]] == list(data.git_state())
+    assert res["config"]["seed"] == 0 and [res["git_commit"], res["git_modified"]] == list(pretrain.git_state())
     # The CPU's model and thread count: float sums, and so the weights, depend on them (README, determinism).
     assert res["device_name"] and res["threads"] == torch.get_num_threads()
     cpuinfo = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     if "model name" in cpuinfo:  # x86 Linux; an ARM one may have none (then the architecture is recorded)
         assert f"model name\t: {res['device_name']}\n" in cpuinfo
-    assert data.device_name(torch.device("mps")) == f"MPS, {platform.machine()}"  # Apple's GPU: no name from torch
+    assert pretrain.device_name(torch.device("mps")) == f"MPS, {platform.machine()}"  # Apple's GPU: no name from torch
 
 
 def test_train_accuracy_scores_a_random_subset_not_the_first_rows_of_a_class_sorted_split():
@@ -3386,8 +3412,8 @@ def test_attention_analysis_of_a_model_without_absolute_positions_has_no_pe_prob
 def test_displacement_is_measured_from_each_runs_own_init(synthetic_run, tmp_path):
     data_dir, out = synthetic_run
     run = os.path.join(out, "synthetic")
-    assert data.run_init_path(os.path.join(run, "pretrain_last.pt")) == os.path.join(run, "pretrain_init.pt")
-    assert data.run_init_path(os.path.join(run, "finetune_x_step40.pt")) is None  # no finetune_x_init.pt
+    assert pretrain.run_init_path(os.path.join(run, "pretrain_last.pt")) == os.path.join(run, "pretrain_init.pt")
+    assert pretrain.run_init_path(os.path.join(run, "finetune_x_step40.pt")) is None  # no finetune_x_init.pt
     # A checkpoint from a run of its own (other random weights) next to the SPT run's first checkpoint:
     torch.manual_seed(5)
     other = Transformer(analyze.load_model(os.path.join(run, "pretrain.pt"))[0].cfg)
@@ -5414,18 +5440,18 @@ def test_data_writers_go_through_save_atomic(tmp_path, monkeypatch):
 
 
 def test_run_paths_names_the_files_of_a_run():
-    p = data.run_paths("out", "ucr/GunPoint", "pretrain")
+    p = pretrain.run_paths("out", "ucr/GunPoint", "pretrain")
     j = lambda name: os.path.join("out", "ucr/GunPoint", name)  # noqa: E731
     assert p == dict(best=j("pretrain.pt"), last=j("pretrain_last.pt"), init=j("pretrain_init.pt"),
                      log=j("pretrain_log.jsonl"), snapshot=j("pretrain_step{step}.pt"))
-    f = data.run_paths("out", "listops", "finetune", "spt")
+    f = pretrain.run_paths("out", "listops", "finetune", "spt")
     assert {k: os.path.basename(v) for k, v in f.items()} == dict(
         best="finetune_spt.pt", last="finetune_spt_last.pt", init="finetune_spt_init.pt",
         log="finetune_spt_log.jsonl", snapshot="finetune_spt_step{step}.pt", json="finetune_spt.json")
     assert f["snapshot"].format(step=30) == os.path.join("out", "listops", "finetune_spt_step30.pt")
     for args in (("eval",), ("finetune",), ("finetune", ""), ("pretrain", "spt")):
         with pytest.raises(ValueError, match="run_paths: stage"):
-            data.run_paths("out", "listops", *args)
+            pretrain.run_paths("out", "listops", *args)
 
 
 DATA_CONTRACT = ("PAD_ID", "MASK_ID", "SPLITS", "save_atomic", "load_pt", "load_newest", "run_paths", "TaskNames",
@@ -5714,7 +5740,7 @@ def test_a_run_held_by_another_process_is_refused_and_a_dead_holders_lock_is_tak
     files = {f: open(os.path.join(folder, f), "rb").read() for f in os.listdir(folder)}
     lock = os.path.join(folder, "pretrain.lock")
     assert files["pretrain.lock"] == b""  # released: emptied, not removed
-    holder = data.lock_run(lock)  # as another process would (flock: two open files conflict, even in one process)
+    holder = pretrain.lock_run(lock)  # as another process would (flock: two open files conflict, even in one process)
     try:
         for extra in (["--resume"], ["--overwrite"], []):
             with pytest.raises(FileExistsError, match=rf"{re.escape(lock)}: this run is being written by pid "
@@ -5750,7 +5776,7 @@ def test_a_new_run_in_a_finished_runs_folder_is_refused_or_replaces_it_whole(syn
     # checkpoint that a message, analyze.py or a --resume would take for this run's.
     checkpoint = pretrain.evaluate_and_checkpoint
 
-    def killed(run, epoch):
+    def killed(run, meter, epoch):
         raise RuntimeError("killed")
     monkeypatch.setattr(pretrain, "evaluate_and_checkpoint", killed)
     capsys.readouterr()
@@ -5759,7 +5785,7 @@ def test_a_new_run_in_a_finished_runs_folder_is_refused_or_replaces_it_whole(syn
     assert f"removed 8 files in {folder}: the earlier run's (--overwrite)" in capsys.readouterr().out
     assert sorted(os.listdir(folder)) == ["pretrain.lock", "pretrain_init.pt", "pretrain_log.jsonl"]
     assert data.load_pt(os.path.join(folder, "pretrain_init.pt"))["config"]["seed"] == 1
-    assert data.run_init_path(os.path.join(folder, "pretrain.pt")) == os.path.join(folder, "pretrain_init.pt")
+    assert pretrain.run_init_path(os.path.join(folder, "pretrain.pt")) == os.path.join(folder, "pretrain_init.pt")
     # --resume finds no checkpoint: it says so and starts the run again; a killed write's temporary is removed.
     monkeypatch.setattr(pretrain, "evaluate_and_checkpoint", checkpoint)
     open(os.path.join(folder, "pretrain_init.pt.999.tmp"), "wb").close()
@@ -5810,13 +5836,13 @@ def test_skip_nonfinite_gives_up_and_no_finite_evaluation_leaves_no_best_checkpo
     for step in range(300):  # one step in three skipped: the run goes on
         state["step"] = step
         if step % 3 == 0:
-            data.count_skipped(state)
+            pretrain.count_skipped(state)
     assert state["skipped"] == 100 and len(state["recent_skips"]) == 34
     state = {"step": 0}
     with pytest.raises(FloatingPointError, match=r"--skip_nonfinite: 50 of the last 100 steps \(up to step 99\)"):
         for step in range(1, 300, 2):  # one in two: the 50th skip within 100 steps stops it
             state["step"] = step - 1
-            data.count_skipped(state)
+            pretrain.count_skipped(state)
     data_dir, out = synthetic_run[0], str(tmp_path)
     original = pretrain.reconstruction_loss
     monkeypatch.setattr(pretrain, "reconstruction_loss", lambda *a: original(*a) * (
@@ -5884,12 +5910,12 @@ def test_two_processes_on_one_run_ctrl_c_and_sigterm_end_in_one_line_and_resume_
 def test_os_faults_end_in_one_line_naming_the_path(synthetic_run, tmp_path, monkeypatch):
     import errno
     import sys
-    monkeypatch.setattr(data.signal, "signal", lambda *a: None)  # run_cli's SIGTERM handler: not in pytest
+    monkeypatch.setattr(pretrain.signal, "signal", lambda *a: None)  # run_stage's handlers: not in pytest
 
     def cli_error(main_fn, argv=()):
         monkeypatch.setattr(sys, "argv", ["stage.py", *argv])
         with pytest.raises(SystemExit) as e:
-            data.run_cli(main_fn)
+            pretrain.run_stage(main_fn)
         return e.value.code
 
     path = str(tmp_path / "ck.pt")
@@ -5956,8 +5982,8 @@ def test_analyze_says_when_the_data_is_not_the_checkpoints(synthetic_run, tmp_pa
 
 def test_without_fcntl_a_run_is_not_locked_and_says_so(tmp_path, monkeypatch, capsys):
     """Windows has no fcntl: data.py still imports, and lock_run says the run is not locked."""
-    monkeypatch.setattr(data, "fcntl", None)
-    first, second = (data.lock_run(str(tmp_path / "pretrain.lock")) for _ in range(2))
+    monkeypatch.setattr(pretrain, "fcntl", None)
+    first, second = (pretrain.lock_run(str(tmp_path / "pretrain.lock")) for _ in range(2))
     out = capsys.readouterr().out
     assert out.count("not locked (no fcntl on ") == 2 and "taken over" not in out  # the first may still run
     first.close(), second.close()
@@ -5969,26 +5995,26 @@ def test_own_run_edge_cases_names_ranks_overwrite_hint_and_what_skip_nonfinite_t
     check_trained refuses a run --skip_nonfinite mostly skipped, however short."""
     args = argparse.Namespace(resume=False, overwrite=False, rank=0)
     with pytest.raises(ValueError, match="--name a_last: a run name may not end in _last, _init or _step<N>"):
-        with data.own_run(data.run_paths(str(tmp_path), "t", "finetune", "a_last"), args):
+        with pretrain.own_run(pretrain.run_paths(str(tmp_path), "t", "finetune", "a_last"), args):
             pass
-    paths = data.run_paths(str(tmp_path), "t", "pretrain")
+    paths = pretrain.run_paths(str(tmp_path), "t", "pretrain")
     os.makedirs(tmp_path / "t")
     open(paths["best"], "w").close()
     for rank in (0, 1):
         with pytest.raises(FileExistsError, match="holds this run's files already"):
-            with data.own_run(paths, argparse.Namespace(resume=False, overwrite=False, rank=rank)):
+            with pretrain.own_run(paths, argparse.Namespace(resume=False, overwrite=False, rank=rank)):
                 pass
-    with data.own_run(paths, argparse.Namespace(resume=False, overwrite=True, rank=1)):
+    with pretrain.own_run(paths, argparse.Namespace(resume=False, overwrite=True, rank=1)):
         assert os.path.exists(paths["best"])  # rank 1 removes nothing
     for rank, said in ((0, "the same command with --resume instead of --overwrite continues"),
                        (1, "rank 1 stopped (rank 0 says why)")):
         with pytest.raises(KeyboardInterrupt, match=re.escape(said)):
-            with data.own_run(paths, argparse.Namespace(resume=False, overwrite=True, rank=rank)):
+            with pretrain.own_run(paths, argparse.Namespace(resume=False, overwrite=True, rank=rank)):
                 raise KeyboardInterrupt
     assert not os.path.exists(paths["best"])  # rank 0's --overwrite removed it
-    data.check_trained(dict(best_metrics={}, step=30, skipped=14), "val_loss", "")
+    pretrain.check_trained(dict(best_metrics={}, step=30, skipped=14), "val_loss", "")
     with pytest.raises(FloatingPointError, match="--skip_nonfinite skipped 15 of the run's 30 steps: it did not train"):
-        data.check_trained(dict(best_metrics={}, step=30, skipped=15), "val_loss", "")
+        pretrain.check_trained(dict(best_metrics={}, step=30, skipped=15), "val_loss", "")
 
 
 def test_learned_positions_take_init_std_and_swap_to_a_longer_task_unless_inherited(listops_dir, tmp_path):
