@@ -20,6 +20,8 @@ Experiments that ask for the same run share it. A finished run is read back only
 <name>.md (mean +- sd over seeds, beside the paper's numbers). `python ablate.py <subcommand> --help` lists its flags.
 """
 import argparse
+import contextlib
+import io
 import json
 import math
 import os
@@ -1271,19 +1273,30 @@ def experiment_demo(args):
     finetuning, --epochs each. You will see from scratch stay at the majority class, while after SPT finetuning
     passes 0.9 validation accuracy within a few epochs; and the attention go from near uniform (entropy close to
     log L) to a band along the diagonal, which the PE-only probe, fed the positions alone, draws too. Prints the
-    verdict; writes <out_dir>/demo/summary.json, attention.png and curves.png. A second call reads the runs back.
+    verdict; writes <out_dir>/demo/summary.json, attention.png and curves.png (other settings than the defaults:
+    in their runs' folder, <out_dir>/demo/L<L>_n<n>_e<epochs>_seed<seed>/). The stages' own printout goes to
+    demo.log there; the screen gets their evaluations. A second call reads the runs back.
     """
     import time
-    start, L, n, epochs, out = time.time(), args.L, args.n_train, args.epochs, os.path.join(args.out_dir, "demo")
+    start, L, n, epochs = time.time(), args.L, args.n_train, args.epochs
     data_dir = os.path.join(args.data_dir, f"demo_L{L}" + ("" if n == 2000 else f"_n{n}"))
     if not os.path.exists(data.split_path(data_dir, "synthetic")):
         data.prepare_synthetic(data_dir, n_train=n, n_val=500, n_test=500, length=L)
-    folder = os.path.join(out, f"L{L}_n{n}_e{epochs}_seed{args.seed}")
+    folder = os.path.join(args.out_dir, "demo", f"L{L}_n{n}_e{epochs}_seed{args.seed}")
+    defaults = all(getattr(args, k) == build_parser().parse_args(["demo"]).__dict__[k] for k in
+                   ("L", "n_train", "epochs", "seed"))
+    out = os.path.join(args.out_dir, "demo") if defaults else folder  # other settings never overwrite the default's
     common = ["--data_dir", data_dir, "--preset", "cpu", "--device", args.device, "--accept_data", "--epochs",
               str(epochs), "--batch_size", "32", "--eval_every", "100000"]  # an evaluation at each epoch's end
-    scratch = run_finetune("synthetic", folder, args.seed, "scratch", "scratch", common)
-    spt = run_finetune("synthetic", folder, args.seed, "spt", run_pretrain("synthetic", folder, args.seed, common),
-                       common)
+    os.makedirs(folder, exist_ok=True)
+    print(f"demo: the stages' printout goes to {folder}/demo.log; their evaluations:")
+    with open(os.path.join(folder, "demo.log"), "a") as log:
+        with contextlib.redirect_stdout(StageEvaluations(log, "from scratch")):
+            scratch = run_finetune("synthetic", folder, args.seed, "scratch", "scratch", common)
+        with contextlib.redirect_stdout(StageEvaluations(log, "SPT")):
+            checkpoint = run_pretrain("synthetic", folder, args.seed, common)
+        with contextlib.redirect_stdout(StageEvaluations(log, "SPT, then finetune")):
+            spt = run_finetune("synthetic", folder, args.seed, "spt", checkpoint, common)
     pre, kept = pretrain.run_paths(folder, "synthetic", "pretrain"), {
         name: pretrain.run_paths(folder, "synthetic", "finetune", name)["best"] for name in ("scratch", "spt")}
     stats, maps = analyze.analyze_checkpoints({"SPT's init": pre["init"], "after SPT": pre["best"],
@@ -1322,12 +1335,26 @@ def experiment_demo(args):
             ("entropy / log L", f"{s['entropy_init'] / s['log_L']:.2f}", f"{s['entropy_spt'] / s['log_L']:.2f}"),
             (f"band mass, |i - j| <= {s['band']}", f"{s['band_mass_init']:.2f}", f"{s['band_mass_spt']:.2f}"),
             ("PE-only probe: correlation with the attention", "", f"{s['pe_probe_corr']:.3f}")]
-    print(f"demo: synthetic trajectories of {L} steps, {n} for training, seed {args.seed}, init {s['init_scheme']}, "
+    print(f"\ndemo: synthetic trajectories of {L} steps, {n} for training, seed {args.seed}, init {s['init_scheme']}, "
           f"{epochs} epochs per stage; majority class of validation {majority:.3f}\n")
     print("\n".join(f"{a:50s} {b:>14s} {c:>20s}" for a, b, c in rows) + f"\n\nverdict: {s['verdict']}")
     s["seconds"] = time.time() - start  # this command's own time (a rerun reads the runs back)
     data.save_atomic(s, os.path.join(out, "summary.json"))
     print(f"wrote {out}/summary.json, attention.png and curves.png ({s['seconds']:.0f} s)")
+
+
+class StageEvaluations(io.TextIOBase):
+    """Where the demo sends a stage's printout: every line to `log`, and to the screen one line per evaluation
+    ("eval at step ...") or finished run ("read back ...") under the stage's name."""
+    def __init__(self, log, stage):
+        self.log, self.stage, self.screen = log, stage, sys.stdout
+
+    def write(self, text):
+        self.log.write(text)
+        for line in text.splitlines():
+            if line.startswith(("eval at step", "read back", "the run in")):
+                print(f"  {self.stage:20s} {line}", file=self.screen)
+        return len(text)
 
 
 # ---- Command line: one subcommand per experiment, each with its own flags ----

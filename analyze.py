@@ -421,10 +421,11 @@ def displacement(start, model):
     return moved
 
 
-def plot_maps(rows, path, title, command, diverging=False):
+def plot_maps(rows, path, title, command, diverging=False, top=None):
     """Heatmaps, a row of panels per entry of `rows` ({row name: {panel title: (n, m) tensor}}), on ONE colour
-    scale with one colorbar, from 0 (or, `diverging`, from minus) to the largest absolute value shown."""
-    top = max(float(img.abs().max()) for row in rows.values() for img in row.values())
+    scale with one colorbar, from 0 (or, `diverging`, from minus) to `top`: by default the largest absolute value
+    shown; a value above a given `top` takes the scale's brightest colour."""
+    top = top or max(float(img.abs().max()) for row in rows.values() for img in row.values())
     width = max(len(row) for row in rows.values())
     fig, axes = pyplot().subplots(len(rows), width, figsize=(3.6 * width + 1, 3.4 * len(rows)), squeeze=False,
                                   layout="constrained")
@@ -450,14 +451,21 @@ def checkpoint_labels(paths):
     return dict(zip(bare if len(set(bare)) == len(bare) else full, paths))
 
 
-def plot_attention(maps, path, command):
+def plot_attention(maps, path, command, percentile=99.0):
     """analyze_checkpoints' maps on one colour scale: layer 0 head 0's attention of each checkpoint, and below, the
-    PE-only probe of those with sinusoidal positions."""
+    PE-only probe of those with sinusoidal positions. The scale runs from 0 to the `percentile` of every value
+    shown, printed on the figure: a proximity band holds a few % of the entries, which then stand out in full
+    colour, instead of dimmed by the few largest values (the diagonal of one map can reach 0.5 where a band is 0.1)."""
     rows = {"attention": {label: m["attention"][0][0] for label, m in maps.items()}}
     probes = {label: m["probe"][0] for label, m in maps.items() if m["probe"] is not None}
     rows.update({"PE-only probe": probes} if probes else {})
+    values = np.concatenate([img.flatten().numpy() for row in rows.values() for img in row.values()])
+    top, L = float(np.percentile(values, percentile)), next(iter(rows["attention"].values())).shape[-1]
     plot_maps(rows, path, "layer 0, head 0: softmax attention, mean over validation sequences" + (
-        "; PE-only probe softmax(P W_Q^T W_K P^T / sqrt(d_head))" if probes else ""), command)
+        "; PE-only probe softmax(P W_Q^T W_K P^T / sqrt(d_head))" if probes else "") + f"\ncolour scale 0 to {top:.3f} "
+        f"(the {percentile:g}th percentile of every panel; above it: the brightest colour); uniform attention is "
+        f"1/L = {1 / L:.4f}\nLook for a bright band along the diagonal: each position attends to its neighbours",
+        command, top=top)
 
 
 def cmd_attention(args):

@@ -1427,7 +1427,10 @@ def test_analyze_attention_and_curves_write_figures_with_one_colour_scale(synthe
         tops = [float(np.abs(im.get_array()).max()) for im in images]
         assert len(images) == (2 if diverging else 4)  # 2 checkpoints; attention: maps and probes
         assert [ax.get_title() for ax in fig.axes if ax.images][:2] == ["pretrain_init", "pretrain"]
-        assert {im.get_clim() for im in images} == {(-max(tops) if diverging else 0.0, max(tops))}
+        top = max(tops) if diverging else float(np.percentile(np.concatenate([np.ma.getdata(im.get_array()).ravel() for im in images]),
+                                                               99))
+        assert {im.get_clim() for im in images} == {(-top if diverging else 0.0, top)}
+        assert diverging or (top < max(tops) and f"colour scale 0 to {top:.3f}" in fig._suptitle.get_text())
         assert diverging or min(tops) < 0.8 * max(tops)  # unlike ranges (maps, probes): one scale compares them
         assert sum(ax.get_label() == "<colorbar>" for ax in fig.axes) == 1
     analyze.main(["curves", "--run_dir", run, "--data_dir", data_dir, "--out", str(tmp_path)])
@@ -1598,8 +1601,8 @@ def test_ablate_demo_summary_holds_its_runs_numbers_and_its_verdict_follows_plat
     import ablate
     argv = ["demo", "--length", "24", "--n_train", "64", "--epochs", "2", "--data_dir", str(tmp_path / "data"),
             "--out_dir", str(tmp_path / "out"), "--device", "cpu"]
-    demo, data_dir = tmp_path / "out" / "demo", str(tmp_path / "data" / "demo_L24_n64")
-    run = demo / "L24_n64_e2_seed0" / "synthetic"
+    demo, data_dir = tmp_path / "out" / "demo" / "L24_n64_e2_seed0", str(tmp_path / "data" / "demo_L24_n64")
+    run = demo / "synthetic"  # not the default's settings: the summary and figures go beside the runs
 
     def check(printed):
         s = json.load(open(demo / "summary.json"))
@@ -1616,7 +1619,12 @@ def test_ablate_demo_summary_holds_its_runs_numbers_and_its_verdict_follows_plat
         return s
 
     ablate.main(argv)
-    s = check(capsys.readouterr().out)
+    printed = capsys.readouterr().out
+    s = check(printed)
+    assert not (tmp_path / "out" / "demo" / "summary.json").exists()  # the default's files stay the default's
+    assert len(printed.splitlines()) <= 60 and "warning" not in printed and "--resume" not in printed, printed
+    assert printed.count("eval at step") == 3 * 3  # each stage: at init, and the end of each of its 2 epochs
+    assert "--resume: no checkpoint in" in open(demo / "demo.log").read()  # the stages' own lines: in the log
     stats, _ = analyze.analyze_checkpoints({"init": str(run / "pretrain_init.pt"), "spt": str(run / "pretrain.pt")},
                                            data_dir)
     assert (s["entropy_init"], s["entropy_spt"], s["band_mass_spt"], s["pe_probe_corr"]) == (
@@ -1636,7 +1644,7 @@ def test_ablate_demo_summary_holds_its_runs_numbers_and_its_verdict_follows_plat
         data.save_atomic(result, str(path))
     ablate.main(argv)
     printed = capsys.readouterr().out
-    assert printed.count("read back") == 2 and "steps in" not in printed  # nothing trained again
+    assert printed.count("read back") == 2 and printed.count("had already finished") == 1  # nothing trained again
     s = check(printed)
     assert (s["scratch_exit_epoch"], s["spt_exit_epoch"]) == (None, 1.0)
     assert s["verdict"] == ("from scratch stayed on its plateau (at the majority class) for all 2 epochs; after "
@@ -5454,7 +5462,7 @@ def test_run_paths_names_the_files_of_a_run():
             pretrain.run_paths("out", "listops", *args)
 
 
-DATA_CONTRACT = ("PAD_ID", "MASK_ID", "SPLITS", "save_atomic", "load_pt", "load_newest", "run_paths", "TaskNames",
+DATA_CONTRACT = ("PAD_ID", "MASK_ID", "SPLITS", "save_atomic", "load_pt", "TaskNames",
                  "TASKS", "task_family", "INPUT_KEYS", "check_split", "load_split", "load_splits", "single_sequences",
                  "batch_indices", "get_batch")
 
