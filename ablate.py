@@ -26,6 +26,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 import traceback
@@ -247,8 +248,7 @@ def plateau_exit_epoch(result, threshold=0.9):
 
 def mean_and_sd(values):
     """(mean, sample standard deviation) of a non-empty list of numbers; the sd is 0.0 for one value."""
-    m = sum(values) / len(values)
-    return m, math.sqrt(sum((v - m) ** 2 for v in values) / max(1, len(values) - 1))
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def mean_std(values):
@@ -1023,8 +1023,8 @@ def gpu_figures(log):
         raise ValueError("no log lines with ms_per_step after the first: run more steps (--steps)")
 
     def median(key):
-        values = sorted(e[key] for e in lines if e.get(key) is not None)
-        return values[len(values) // 2] if values else None
+        values = [e[key] for e in lines if e.get(key) is not None]
+        return statistics.median_high(values) if values else None
     return dict(ms_per_step=median("ms_per_step"), tokens_per_s=median("tokens_per_s"), mfu=median("mfu"),
                 real_fraction=median("real_fraction"),
                 peak_memory_gib=max((e.get("peak_memory_gib") or 0) for e in lines))

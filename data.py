@@ -2013,12 +2013,15 @@ SEED = number_at_least(int, 0, high=2 ** 32 - 1)  # numpy's range; seed x 1,000,
 def run_cli(main_fn):
     """Run a script's main(argv). A data, file or download error, an OS fault (no space, read-only, permission, not
     a folder: naming the path) or a non-finite loss is one line `error: ...` without a traceback, exit status 1.
-    SPT_TRACEBACK=1 shows the traceback. The stages add their signal handling (pretrain.run_stage)."""
+    Ctrl-C is one line too, exit status 130 (128 + the signal). SPT_TRACEBACK=1 shows the traceback."""
     try:
         main_fn(sys.argv[1:])
-    except (OSError, ValueError, FloatingPointError) as e:
+    except (OSError, ValueError, FloatingPointError, KeyboardInterrupt) as e:
         if os.environ.get("SPT_TRACEBACK"):
             raise
+        if isinstance(e, KeyboardInterrupt):
+            print(" ".join(str(e).split()) or "interrupted", file=sys.stderr)
+            sys.exit(128 + getattr(e, "signum", 2))  # SIGINT is 2; the stages' SIGTERM, SIGHUP (pretrain.run_stage)
         os_fault = isinstance(e, OSError) and e.filename and e.strerror  # not "[Errno 28] ...: 'path'"
         sys.exit("error: " + (f"{e.filename}: {e.strerror}" if os_fault else " ".join(str(e).split())))
 

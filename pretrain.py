@@ -473,16 +473,23 @@ def start_fresh(run):
     save_checkpoint(run, run["paths"]["init"], metrics)
 
 
-def finite_step(run, loss):
+def finite_step(run, loss, window=100, limit=50):
     """--skip_nonfinite: whether this step's loss and gradient norm are finite (a finite loss can still have an
-    inf/NaN gradient). If not, the gradients are dropped (AdamW's step then changes nothing), the step is counted
-    (count_skipped gives up at 50 of the last 100) and said."""
+    inf/NaN gradient). If not, the step is said and counted in the loop state ("skipped", and the steps skipped among
+    the last `window`), and its gradients are dropped: AdamW's step skips a parameter whose gradient is None.
+    FloatingPointError when `limit` of the last `window` steps were skipped: the run no longer trains."""
     grads = [p.grad for p in run["model"].parameters() if p.grad is not None]
     if bool(torch.isfinite(loss) & torch.isfinite(torch.nn.utils.get_total_norm(grads))):
         return True
-    print(f"step {run['state']['step'] + 1}: non-finite loss or gradient, update skipped")
+    state = run["state"]
+    print(f"step {state['step'] + 1}: non-finite loss or gradient, update skipped")
     run["opt"].zero_grad(set_to_none=True)
-    count_skipped(run["state"])
+    state["skipped"] = state.get("skipped", 0) + 1
+    state["recent_skips"] = [s for s in state.get("recent_skips", []) if s > state["step"] - window] + [state["step"]]
+    if len(state["recent_skips"]) >= limit:
+        raise FloatingPointError(f"--skip_nonfinite: {limit} of the last {window} steps (up to step "
+                                 f"{state['step'] + 1}) had a NaN or inf loss or gradient: the run gives up; rerun "
+                                 f"with a lower --lr, a --grad_clip or --dtype fp32")
     return False
 
 
@@ -624,23 +631,12 @@ def last_good(run):
 
 def check_trained(state, metric, where):
     """FloatingPointError unless the loop `state` trained: some evaluation gave a finite `metric`, and --skip_nonfinite
-    skipped fewer than half of its steps (count_skipped's rule needs 100 steps to fire). where: pretrain.last_good."""
+    skipped fewer than half of its steps (finite_step's rule needs 100 steps to fire). where: pretrain.last_good."""
     if state["best_metrics"] is None:  # every evaluation NaN or inf
         raise FloatingPointError(f"no evaluation gave a finite {metric}: no best checkpoint; {where}")
     if state.get("skipped") and 2 * state["skipped"] >= state["step"]:
         raise FloatingPointError(f"--skip_nonfinite skipped {state['skipped']} of the run's {state['step']} steps: "
                                  f"it did not train, whatever its checkpoints hold; {where}")
-
-
-def count_skipped(state, window=100, limit=50):
-    """Count a step skipped by --skip_nonfinite in the loop `state` (its total "skipped", and the steps skipped
-    among the last `window`). FloatingPointError when `limit` of them were: the run no longer trains."""
-    state["skipped"] = state.get("skipped", 0) + 1
-    state["recent_skips"] = [s for s in state.get("recent_skips", []) if s > state["step"] - window] + [state["step"]]
-    if len(state["recent_skips"]) >= limit:
-        raise FloatingPointError(f"--skip_nonfinite: {limit} of the last {window} steps (up to step "
-                                 f"{state['step'] + 1}) had a NaN or inf loss or gradient: the run gives up; rerun "
-                                 f"with a lower --lr, a --grad_clip or --dtype fp32")
 
 
 # The batches of a training epoch, and the evaluation loop both stages share (sharded under torchrun).
@@ -783,10 +779,10 @@ def local_rows(args, *tensors):
 
 # ---- A run's files: paths, checkpoints, the lock, the record of what made a run, resume ----
 
-def load_newest(candidates, map_location="cpu", who="load", with_path=False):
+def load_newest(candidates, map_location="cpu", who="load"):
     """Of the checkpoints `candidates` (paths), the one of the latest state.step (a tie: the earlier). A missing or
-    damaged file is reported (prefixed by `who`) and skipped. Returns it ((path, it) with `with_path`), or None when
-    no file exists. ValueError with every reason when files exist but none loads."""
+    damaged file is reported (prefixed by `who`) and skipped. Returns (its path, it), or (None, None) when no file
+    exists. ValueError with every reason when files exist but none loads."""
     reasons, newest, newest_path = [], None, None
     for path in candidates:
         if not os.path.lexists(path):  # the program's own guess at a name: no "did you mean" (not_a_file)
@@ -805,10 +801,10 @@ def load_newest(candidates, map_location="cpu", who="load", with_path=False):
             newest, newest_path = ck, path
     if newest is not None:
         print(f"{who}: continuing from {newest_path} (step {newest['state']['step']})")
-        return (newest_path, newest) if with_path else newest
+        return newest_path, newest
     if not reasons:
         print(f"{who}: no checkpoint in {os.path.dirname(candidates[0]) or '.'}, starting from scratch")
-        return (None, None) if with_path else None
+        return None, None
     raise ValueError(f"{who}: no checkpoint could be loaded: " + "; ".join(map(str, reasons)) +
                      ". Remove them (or run without --resume) to start over")
 
@@ -1010,7 +1006,7 @@ def resume(model, opt, paths, n_batches, total, args, extra):
     the log lines past it; returns the loop state, or None. ValueError for another run's (check_resumable) or one
     past this run's `total` steps."""
     # Loaded on the CPU: load_state_dict copies onto the model's device, and the CPU copy is freed right after.
-    path, ck = load_newest([paths["last"], paths["best"]], "cpu", "--resume", with_path=True)
+    path, ck = load_newest([paths["last"], paths["best"]], "cpu", "--resume")
     if ck is None:
         return None
     check_resumable(ck, dataclasses.asdict(model.cfg), n_batches, extra.get("data_sha256"), plain_config(args),
@@ -1056,27 +1052,21 @@ def prepare_data(args, preset):
 
 
 class Interrupted(KeyboardInterrupt):
-    """SIGTERM or SIGHUP, raised by run_stage's handler: the run ends as on Ctrl-C (own_run's line)."""
+    """SIGTERM or SIGHUP, raised by run_stage's handler: the run ends as on Ctrl-C, with own_run's line."""
     def __init__(self, signum):
         super().__init__()
-        self.signum = signum
+        self.signum = signum  # data.run_cli exits with 128 + signum
 
 
 def run_stage(main_fn):
-    """Run a stage's main(argv) under data.run_cli (an error is one line, exit status 1). Ctrl-C, SIGTERM and
-    SIGHUP, handled here only, end with one line too (own_run's), exit status 128 + the signal: 130, 143, 129."""
+    """data.run_cli for the stages, which also handle SIGTERM and SIGHUP (here only) as Ctrl-C: one line, the
+    step reached (own_run), exit status 128 + the signal: 130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP."""
     def stop(signum, frame):
         raise Interrupted(signum)
     for name in ("SIGTERM", "SIGHUP"):  # Windows has no SIGHUP
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), stop)
-    try:
-        data.run_cli(main_fn)
-    except KeyboardInterrupt as e:
-        if os.environ.get("SPT_TRACEBACK"):
-            raise
-        print(" ".join(str(e).split()) or "interrupted", file=sys.stderr)
-        sys.exit(128 + getattr(e, "signum", signal.SIGINT))
+    data.run_cli(main_fn)
 
 
 if __name__ == "__main__":

@@ -2133,20 +2133,20 @@ def test_load_newest_takes_the_checkpoint_of_the_latest_step(tmp_path, capsys):
     paths = {step: str(tmp_path / f"ck{step}.pt") for step in (3, 5)}
     for step, path in paths.items():
         data.save_atomic(dict(state=dict(step=step), tag=step), path)
-    assert pretrain.load_newest([paths[3], paths[5]], who="r")["tag"] == 5
-    assert pretrain.load_newest([paths[5], paths[3]], who="r")["tag"] == 5
+    assert pretrain.load_newest([paths[3], paths[5]], who="r")[1]["tag"] == 5
+    assert pretrain.load_newest([paths[5], paths[3]], who="r")[1]["tag"] == 5
     assert "r: continuing from " + paths[5] + " (step 5)" in capsys.readouterr().out
     data.save_atomic(dict(state=dict(step=5), tag="other"), paths[3])
-    assert pretrain.load_newest([paths[3], paths[5]], who="r")["tag"] == "other"
-    assert pretrain.load_newest([str(tmp_path / "none.pt"), paths[5]], who="r")["tag"] == 5
+    assert pretrain.load_newest([paths[3], paths[5]], who="r")[1]["tag"] == "other"
+    assert pretrain.load_newest([str(tmp_path / "none.pt"), paths[5]], who="r")[1]["tag"] == 5
     data.save_atomic(dict(model={}), paths[3])  # loads, but is no training checkpoint: skipped as damaged
-    assert pretrain.load_newest([paths[3], paths[5]], who="r", with_path=True) == (paths[5], data.load_pt(paths[5]))
+    assert pretrain.load_newest([paths[3], paths[5]], who="r") == (paths[5], data.load_pt(paths[5]))
     assert "ck3.pt: holds no training state (state.step)" in capsys.readouterr().out
     # A candidate the program itself guessed gets no "did you mean" (a review found: "did you mean <the other
     # candidate>?"); a folder in a checkpoint's place is a reason, not a crash.
     best = str(tmp_path / "finetune_spt.pt")
     data.save_atomic(dict(state=dict(step=5), tag=5), best)
-    assert pretrain.load_newest([str(tmp_path / "finetune_spt_last.pt"), best], who="r")["tag"] == 5
+    assert pretrain.load_newest([str(tmp_path / "finetune_spt_last.pt"), best], who="r")[1]["tag"] == 5
     assert f"r: {tmp_path / 'finetune_spt_last.pt'}: no such file; skipped\n" in capsys.readouterr().out
     os.makedirs(tmp_path / "dir.pt")
     with pytest.raises(ValueError, match="dir.pt: a folder, not a file"):
@@ -5840,17 +5840,17 @@ def test_a_checkpoint_with_one_changed_byte_is_refused_by_every_reader(synthetic
 
 def test_skip_nonfinite_gives_up_and_no_finite_evaluation_leaves_no_best_checkpoint(synthetic_run, tmp_path,
                                                                                      monkeypatch):
-    state = {"step": 0}
+    nan = torch.tensor(float("nan"))
+    run = dict(state={"step": 0}, model=torch.nn.Linear(1, 1), opt=torch.optim.AdamW(torch.nn.Linear(1, 1).parameters()))
     for step in range(300):  # one step in three skipped: the run goes on
-        state["step"] = step
-        if step % 3 == 0:
-            pretrain.count_skipped(state)
-    assert state["skipped"] == 100 and len(state["recent_skips"]) == 34
-    state = {"step": 0}
+        run["state"]["step"] = step
+        assert pretrain.finite_step(run, nan if step % 3 == 0 else torch.tensor(1.0)) == (step % 3 != 0)
+    assert run["state"]["skipped"] == 100 and len(run["state"]["recent_skips"]) == 34
+    run["state"] = {"step": 0}
     with pytest.raises(FloatingPointError, match=r"--skip_nonfinite: 50 of the last 100 steps \(up to step 99\)"):
         for step in range(1, 300, 2):  # one in two: the 50th skip within 100 steps stops it
-            state["step"] = step - 1
-            pretrain.count_skipped(state)
+            run["state"]["step"] = step - 1
+            pretrain.finite_step(run, nan)
     data_dir, out = synthetic_run[0], str(tmp_path)
     original = pretrain.reconstruction_loss
     monkeypatch.setattr(pretrain, "reconstruction_loss", lambda *a: original(*a) * (
