@@ -26,6 +26,7 @@ import json
 import math
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -101,9 +102,19 @@ def run_dir(args, task, seed, model="1layer"):
 
 
 def run_pretrain(task, folder, seed, common):
-    """SPT for one seed (resumed, or a finished run kept); returns the checkpoint path."""
-    pretrain.main(["--task", task, "--out_dir", folder, "--seed", str(seed), "--resume"] + common)
-    return pretrain.run_paths(folder, task, "pretrain")["best"]
+    """SPT for one seed (resumed, or a finished run kept); returns the checkpoint path. Experiments share runs: a
+    finished run of another budget (--epochs, --max_steps) is refused before anything of it changes."""
+    flags, paths = ["--out_dir", folder, "--seed", str(seed), *common], pretrain.run_paths(folder, task, "pretrain")
+    if os.path.exists(paths["last"]):
+        ck = data.load_pt(paths["last"], mmap=True)
+        state, config, (asked, _) = ck["state"], ck.get("config") or {}, requested_run("pretrain", task, flags)
+        budget = lambda a: min(a["max_steps"] or math.inf, a["epochs"] * state["n_batches"])  # noqa: E731
+        if state["step"] >= budget(config) != budget(vars(asked)):
+            raise ValueError(f"{paths['last']} is a finished run of {state['step']} steps (--epochs {config['epochs']}"
+                             f", --max_steps {config['max_steps']}); this experiment asks for {budget(vars(asked))}: "
+                             f"another experiment's run, kept as it is. Move it away (or pass another --out_dir)")
+    pretrain.main(["--task", task, "--resume", *flags])
+    return paths["best"]
 
 
 def run_finetune(task, folder, seed, name, init, common, extra=()):
@@ -113,8 +124,17 @@ def run_finetune(task, folder, seed, name, init, common, extra=()):
         check_read_back(path, task, init, flags)
     else:
         finetune.main(["--task", task, "--out_dir", folder, "--init", init, "--name", name, "--resume"] + flags)
-    with open(path) as f:
-        return json.load(f)
+    return read_json(path)
+
+
+def read_json(path):
+    """The JSON file `path` (a finished run's result); ValueError naming it when it is empty or damaged."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not a readable JSON file ({e}): a damaged result; remove it (and its run's "
+                         f"checkpoints) to run it again") from e
 
 
 # Not compared flag by flag: the data and the SPT checkpoint (their sha256 are), where and how a run ran, and what
@@ -146,8 +166,7 @@ def check_read_back(path, task, init, argv):
     flags `argv`: the same data and start (sha256 of each split and of the SPT weights), the same resolved value
     of every setting outside READ_BACK_SKIP, the same model. Experiments share run folders: without this check
     another experiment's run would be read back as this one's. FileNotFoundError when its weights are gone."""
-    with open(path) as f:
-        result = json.load(f)
+    result = read_json(path)
     (asked, model), config = requested_run("finetune", task, ["--init", init] + list(argv)), result.get("config") or {}
     weights = os.path.splitext(path)[0] + ".pt"
     if not os.path.exists(weights):
@@ -167,8 +186,7 @@ def check_read_back(path, task, init, argv):
                  and key not in READ_BACK_SKIP and key not in pretrain.MODEL_FLAGS and config[key] != value]
     # The model the preset and the flags imply (a field they leave out: ModelConfig's default) against the run's
     # checkpoint. After SPT the backbone is the checkpoint's (checked above): only finetuning's own fields count.
-    ran = vars(model_lib.config_from_dict(torch.load(weights, map_location="cpu", weights_only=True,
-                                                     mmap=True)["model_config"], weights))
+    ran = vars(model_lib.config_from_dict(data.load_pt(weights)["model_config"], weights))  # CRC-checked
     for field in list(model) + sorted({*pretrain.MODEL_FLAGS.values(), *finetune.FINETUNE_FIELDS} - set(model)):
         value = model.get(field, getattr(model_lib.ModelConfig, field))
         if ran[field] != value and (init == "scratch" or field in finetune.FINETUNE_FIELDS):
@@ -203,11 +221,25 @@ def prepared_tasks(args, tasks):
     return done, skipped
 
 
+def die_with_parent(parent):
+    """A --jobs child's preexec_fn: on Linux the kernel sends the child SIGTERM when its parent dies, even by kill -9
+    (prctl PR_SET_PDEATHSIG), so that no orphan trains on and holds its run's lock. None elsewhere."""
+    if sys.platform != "linux":
+        return None
+
+    def preexec():
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before prctl: no signal would come
+            os._exit(1)
+    return preexec
+
+
 def seeds_here(args, name, *runs):
     """The seeds this process runs: [S] in a --jobs child (--only_seed S). With --jobs N > 1 the parent makes the
     data of `runs` ((task, flags) each) once, then runs every seed in a child, N at a time, one thread each, logging
-    to out/ablate/<name>_seed<S>.log; the experiment then reads their runs back for its table. RuntimeError with the
-    last line and the log of a child that fails."""
+    to out/ablate/<name>_seed<S>.log; the experiment then reads their runs back for its table. ChildProcessError with
+    the last line and the log of a child that fails. Children end with their parent (die_with_parent)."""
     if args.only_seed is not None:
         return [args.only_seed]
     if args.jobs > 1 and args.seeds > 1:
@@ -218,21 +250,31 @@ def seeds_here(args, name, *runs):
         os.makedirs(os.path.join(args.out_dir, "ablate"), exist_ok=True)
         for first in range(0, args.seeds, args.jobs):
             children = []
-            for seed in range(first, min(first + args.jobs, args.seeds)):
-                log = os.path.join(args.out_dir, "ablate", f"{output_name(name, args)}_seed{seed}.log")
-                print(f"{args.experiment}: seed {seed} in a process of its own, log {log}")
-                command = [sys.executable, os.path.abspath(__file__), args.experiment, *argv, "--only_seed", str(seed)]
-                with open(log, "w") as out:  # the child writes to its own copy of the file descriptor
-                    children.append((seed, log, subprocess.Popen(command + ["--jobs", "1"], stdout=out, env={
-                        **os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.STDOUT)))
-            for seed, log, child in children:
-                if child.wait():
-                    for *_, other in children:
-                        other.terminate()
-                    with open(log, errors="replace") as f:
-                        last = (f.read().strip().splitlines() or ["(no output)"])[-1]
-                    raise RuntimeError(f"{args.experiment} --only_seed {seed} failed (exit {child.returncode}): "
-                                       f"{last} (the whole output: {log})")
+            try:
+                for seed in range(first, min(first + args.jobs, args.seeds)):
+                    log = os.path.join(args.out_dir, "ablate", f"{output_name(name, args)}_seed{seed}.log")
+                    print(f"{args.experiment}: seed {seed} in a process of its own, log {log}")
+                    command = [sys.executable, os.path.abspath(__file__), args.experiment, *argv, "--only_seed",
+                               str(seed), "--jobs", "1"]
+                    with open(log, "w") as out:  # the child writes to its own copy of the file descriptor
+                        children.append((seed, log, subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                                                      env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                                                      preexec_fn=die_with_parent(os.getpid()))))
+                for seed, log, child in children:
+                    if child.wait():
+                        with open(log, errors="replace") as f:
+                            last = (f.read().strip().splitlines() or ["(no output)"])[-1]
+                        raise ChildProcessError(f"{args.experiment} --only_seed {seed} failed (exit "
+                                                f"{child.returncode}): {last} (the whole output: {log})")
+            finally:  # a child failed, or this process was interrupted: no child goes on as an orphan
+                running = [(seed, child) for seed, _, child in children if child.poll() is None]
+                for _, child in running:
+                    child.terminate()  # SIGTERM: the child stops as on Ctrl-C, and its lock is released
+                for _, child in running:
+                    child.wait()
+                if running:
+                    print(f"{args.experiment}: stopped the children still running: " + ", ".join(
+                        f"seed {seed} (pid {child.pid})" for seed, child in running), file=sys.stderr)
     return list(range(args.seeds))
 
 
@@ -1217,7 +1259,8 @@ def report(args):
                     raise ValueError(f"{os.path.join(results, page)}: the region of {source} is on {where[source]} "
                                      f"too; remove one")
                 where[source], old[source] = page, text
-    weaker = [f"{s} ({why})" for s, text in new.items() if s.startswith("out/ablate/")
+    shown = lambda source: os.path.join(args.out_dir, source[len("out/"):])  # noqa: E731 (a region names out/...)
+    weaker = [f"{shown(s)} ({why})" for s, text in new.items() if s.startswith("out/ablate/")
               and (why := weaker_table(text, old.get(s)))]
     if weaker and not args.force:
         raise ValueError(f"{'; '.join(weaker)}: a quick look would replace or join the tables of results/; move "
@@ -1237,7 +1280,7 @@ def report(args):
             name = os.path.basename(source)[:-3]
             stem, _, variant = name.partition("_")
             if stem not in TITLES:
-                print(f"skipped {source}: no page names it, and ablate.TITLES has no experiment {stem!r}")
+                print(f"skipped {shown(source)}: no page names it, and ablate.TITLES has no experiment {stem!r}")
                 continue
             page, title = f"{name}.md", TITLES[stem] + (f": {variant}" if variant else "")
         pages[page] = pages.get(page, f"# {title}\n").rstrip("\n") + f"\n\n{PLACEHOLDER[kind]}\n\n{region}\n"
@@ -1380,7 +1423,7 @@ def build_parser():
         if runs:
             arg("--seeds", type=data.POSITIVE, default=seeds, help="runs per row, seeds 0..N-1")
             arg("--jobs", type=data.POSITIVE, default=1, help="seeds run at once, a process of one thread each")
-            arg("--only_seed", type=int, default=None, help=argparse.SUPPRESS)  # a --jobs child's seed: no table
+            arg("--only_seed", type=data.SEED, default=None, help=argparse.SUPPRESS)  # a --jobs child's seed: no table
             arg("--preset", default="cpu", choices=("cpu", "paper"), help="every run's preset (paper: GPU)")
             budget = s.add_mutually_exclusive_group().add_argument  # one budget or the other
             budget("--max_steps", type=data.NON_NEGATIVE, default=0, help="cap every run's steps (a quick look)")
@@ -1394,7 +1437,7 @@ def build_parser():
         if task:
             arg("--task", default="synthetic", choices=ABLATION_TASKS, help="the task")
         if task or name == "synthetic":
-            arg("--length", type=int, default=100, help="synthetic task: trajectory length (runs and tables of "
+            arg("--length", type=data.POSITIVE, default=100, help="synthetic task: trajectory length (runs and tables of "
                 "their own, data in <data_dir>/synthetic_L<length>/)")
         return arg
 
@@ -1402,10 +1445,10 @@ def build_parser():
     add("init", "hybrid initialization and freezing (Table 3)", task=True)
     add("posenc", "ALiBi, RoPE, FIRE from scratch vs SPT (Sec. 4)", task=True)
     add("duration", "SPT epochs before finetuning (Sec. 3)", task=True)(
-        "--durations", type=int, nargs="+", default=None, help="SPT epochs (default: 1 3 10 on cpu, 1 10 100 200)")
+        "--durations", type=data.POSITIVE, nargs="+", default=None, help="SPT epochs (default: 1 3 10 on cpu, 1 10 100 200)")
     arg = add("swap", "dataset swap PathFinder <-> Image (Sec. 3)")
     arg("--difficulty", default="hard", choices=tuple(data.PATHFINDER_DIFFICULTY), help="PathFinder side")
-    arg("--n_images", type=int, default=None, help="PathFinder images generated (default: the preset's data)")
+    arg("--n_images", type=data.POSITIVE, default=None, help="PathFinder images generated (default: the preset's data)")
     add("main", "the LRA table (Table 2)")(
         "--tasks", nargs="+", default=LRA_TASKS, choices=LRA_TASKS + ("pathx",), help="LRA tasks")
     add("frozen", "the deep model from scratch with its attention frozen at init (Sec. 3)")(
@@ -1417,29 +1460,29 @@ def build_parser():
               seeds=2)
     arg("--kinds", nargs="+", default=["reference", "torch"], choices=("reference", "torch"),
         help="tied (reference) or independent (torch) projections at init")
-    arg("--scales", type=float, nargs="+", default=[0.125, 0.25, 0.5, 1.0, 2.0], help="multiples of PyTorch's init")
-    arg("--lengths", type=int, nargs="+", default=[100, 200, 400], help="trajectory lengths L")
-    arg("--n_train", type=int, default=2000, help="training trajectories per length")
-    arg("--n_val", type=int, default=500, help="validation (and test) trajectories per length")
-    arg("--epochs", type=int, default=10, help="epochs of each stage")
-    arg("--batch_size", type=int, default=32, help="trajectories per step")
+    arg("--scales", type=data.POSITIVE_FLOAT, nargs="+", default=[0.125, 0.25, 0.5, 1.0, 2.0], help="multiples of PyTorch's init")
+    arg("--lengths", type=data.POSITIVE, nargs="+", default=[100, 200, 400], help="trajectory lengths L")
+    arg("--n_train", type=data.POSITIVE, default=2000, help="training trajectories per length")
+    arg("--n_val", type=data.POSITIVE, default=500, help="validation (and test) trajectories per length")
+    arg("--epochs", type=data.POSITIVE, default=10, help="epochs of each stage")
+    arg("--batch_size", type=data.POSITIVE, default=32, help="trajectories per step")
     arg = add("bench", "time one SPT step: ours (fused, explicit) vs torch.nn.TransformerEncoder", runs=False)
     arg("--size", default="cpu", help=f"one of {', '.join(BENCH_SIZES)}, or L,d_model,layers,heads,MLP,batch")
     arg("--dtype", default="auto", choices=("auto", "bf16", "fp32"), help="auto = bf16 on CUDA")
-    arg("--steps", type=int, default=5, help="timed steps per repeat")
-    arg("--repeats", type=int, default=5, help="the median over repeats is reported")
+    arg("--steps", type=data.POSITIVE, default=5, help="timed steps per repeat")
+    arg("--repeats", type=data.POSITIVE, default=5, help="the median over repeats is reported")
     arg("--variants", default="fused,explicit,reference", help=f"any of {', '.join(BENCH_VARIANTS)}")
     arg("--name", default=None, help="file name of the result (default: size, L and device type)")
     arg = add("gpu", "time every paper preset on one CUDA GPU: ms/step, tokens/s, MFU, memory, hours", runs=False)
     arg("--tasks", nargs="+", default=list(GPU_TASKS), choices=GPU_TASKS, help="the presets to time")
-    arg("--steps", type=int, default=300, help="steps per stage and task (the first log line is left out)")
-    arg("--log_every", type=int, default=50, help="steps per log line (one figure each)")
-    arg("--n_train", type=int, default=2000, help="training examples of the stand-in data")
+    arg("--steps", type=data.POSITIVE, default=300, help="steps per stage and task (the first log line is left out)")
+    arg("--log_every", type=data.POSITIVE, default=50, help="steps per log line (one figure each)")
+    arg("--n_train", type=data.POSITIVE, default=2000, help="training examples of the stand-in data")
     arg("--compile", action="store_true", help="torch.compile the model (pretrain.py --compile)")
     arg = add("demo", "SPT's effect in one command on a CPU (~40 s): from scratch vs SPT, attention, verdict",
               runs=False)
-    arg("--length", type=int, default=300, dest="L", help="trajectory length L (from scratch stays on its plateau)")
-    arg("--seed", type=int, default=0, help="seed of the three runs (data: seed 0)")
+    arg("--length", type=data.POSITIVE, default=300, dest="L", help="trajectory length L (from scratch stays on its plateau)")
+    arg("--seed", type=data.SEED, default=0, help="seed of the three runs (data: seed 0)")
     arg("--epochs", type=data.POSITIVE, default=10, help="epochs of each stage")
     arg("--n_train", type=data.POSITIVE, default=2000, help="training trajectories")
     arg = add("report", "file the tables and figures of out/ into the pages of results/", runs=False)

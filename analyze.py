@@ -202,7 +202,6 @@ def loss_gradients(path, data_dir, n=64, chunk=None, seed=0, losses=("L_sup", "L
     reconstruction). A pretrain.py checkpoint gets a fresh class head of its preset's kind. `seed` draws the head and
     the masks; `chunk`: sequences at a time (default <= 16, chunk x L^2 <= 2^24). Returns {loss: {"prop1_share":
     [per layer], "grad_norm": {group: ||dL/dW|| / sequences}}}. ValueError for a pair model or local attention."""
-    import pretrain  # the masking and the loss of the SPT stage itself
     model, ck = load_model(path, head_seed=seed)  # eval: dropout off (0 in every preset anyway); gradients flow
     run, meta = ck.get("config") or {}, ck["data_meta"]
     if model.cfg.pair or (model.cfg.attn_window and model.cfg.attn_window < meta["max_len"]):
@@ -264,7 +263,6 @@ def load_model(path, head_seed=None):
     ck = data.load_pt(path)
     cfg = ck["model_config"]
     if head_seed is not None and ck.get("stage") == "pretrain":
-        import pretrain
         preset = pretrain.PRESETS[data.task_family(ck["task"])].get((ck.get("config") or {}).get("preset"), {})
         cfg = dict(cfg, n_classes=ck["data_meta"]["n_classes"], cls_mlp=preset.get("model", {}).get("cls_mlp", False))
     with torch.random.fork_rng():  # the caller's random state left as it was
@@ -598,11 +596,11 @@ def main(argv=None):
             s.add_argument("--ckpt", nargs="+", required=True, help=f"checkpoints, e.g. {ckpt}")
         if split:
             s.add_argument("--data_dir", default="data", help=f"root of data/<task>/ (its {split} split is read)")
-            s.add_argument("--n", type=int, default=64, help=f"{split} sequences used")
+            s.add_argument("--n", type=data.POSITIVE, default=64, help=f"{split} sequences used")
         if band:
-            s.add_argument("--band", type=int, default=3, help="k of the band mass |i - j| <= k")
+            s.add_argument("--band", type=data.NON_NEGATIVE, default=3, help="k of the band mass |i - j| <= k")
         if seed:
-            s.add_argument("--seed", type=int, default=0, help=f"seed of {seed}")
+            s.add_argument("--seed", type=data.SEED, default=0, help=f"seed of {seed}")
         return s
     add("prop1", cmd_prop1, "Proposition 1: derivatives of L_sup and L_SPT at uniform attention",
             "prop1.png and prop1.json", seed="the random tokens and directions")

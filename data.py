@@ -41,6 +41,7 @@ import io
 import json
 import math
 import os
+import pathlib
 import pickle
 import random
 import re
@@ -84,13 +85,8 @@ def save_atomic(obj, path, fsync=True):
     except BaseException as e:
         if isinstance(e, OSError) and e.errno and e.filename in (None, tmp):  # no space...: name the file meant
             e.filename = path
-        _remove_if_there(tmp)
+        pathlib.Path(tmp).unlink(missing_ok=True)
         raise
-
-
-def _remove_if_there(path):
-    if os.path.exists(path):
-        os.remove(path)
 
 
 def load_pt(path, map_location="cpu", mmap=False):
@@ -119,7 +115,9 @@ def load_pt(path, map_location="cpu", mmap=False):
                              f"file{', or a legacy-format save, which cannot be memory-mapped' * pickled}); pass a "
                              f".pt file of this project") from e
         if isinstance(e, pickle.UnpicklingError):  # torch's advice (weights_only=False) is left out: never done here
-            detail = re.split(r"Please |Check the documentation", str(e).split("WeightsUnpickler error:")[-1])[0]
+            # torch's text: its advice (weights_only=False, allowlists: never done here), then the refused global
+            found = re.findall(r"(Unsupported global: GLOBAL \S+|Trying to load unsupported GLOBAL [^\n]*?\.)(?:\s|$)", str(e))
+            detail = found[0] if found else str(e).split("WeightsUnpickler error:")[-1].split("Please ")[0]
             raise ValueError(f"{path}: holds objects the weights-only loader refuses ({detail.strip()}); store "
                              f"tensors and plain Python types (dict, list, str, int, float) only") from e
         detail = re.split(r"\n|\. This is an internal", str(e).strip())[0].rstrip(".")
@@ -436,12 +434,12 @@ def download_file(url, dest, sha256=None, manual="", timeout=60):
             if total and size != total:  # http.client returns a cut connection as a short read
                 raise ConnectionError(f"the connection closed after {size} of {total} bytes")
     except (OSError, http.client.HTTPException) as e:
-        _remove_if_there(part)
+        pathlib.Path(part).unlink(missing_ok=True)
         raise ConnectionError(f"could not download {url} ({e}). {manual}") from e
     digest = h.hexdigest()
     print(f"downloaded {size / 2**20:.2f} MiB, sha256 {digest}")
     if sha256 is not None and digest != sha256.lower():
-        _remove_if_there(part)
+        pathlib.Path(part).unlink(missing_ok=True)
         raise ValueError(f"{url}: sha256 {digest}, expected {sha256}; the download was deleted")
     os.replace(part, dest)
     return digest
@@ -455,9 +453,7 @@ def extract_tar(archive, into, prefix):
     try:
         with tarfile.open(archive) as tar:
             for member in tar:
-                if not member.name.startswith(prefix):
-                    continue
-                if not member.isfile():  # folders are made as needed; links are skipped
+                if not member.name.startswith(prefix) or not member.isfile():  # folders made as needed; links skipped
                     continue
                 try:
                     tar.extract(member.replace(name=member.name[len(prefix):].lstrip("/")), into, filter="data")
@@ -931,14 +927,16 @@ def ucr_label_map(labels):
 
 
 def fill_missing(series, path, lines):
-    """Trim trailing NaNs (a variable-length series' padding) and interpolate those inside linearly (at the
-    start: the first value). Returns (arrays, number filled); ValueError naming file and line for an empty series."""
+    """Fill missing values (NaN) by linear interpolation (before the first value: the first value; after the last:
+    the last). In a .tsv or .txt file trailing NaNs are a variable-length series' padding and are trimmed instead;
+    a .ts file gives each series its own length, so a '?' is a missing value wherever it stands. Returns (arrays,
+    number filled); ValueError naming file and line for an empty series."""
     out, n_filled = [], 0
     for x, line in zip(series, lines):
         observed = np.flatnonzero(~np.isnan(x))
         if len(observed) == 0:
             raise ValueError(f"{path}, line {line}: the series has no value (all missing)")
-        x = x[:observed[-1] + 1].copy()
+        x = (x if path.endswith(".ts") else x[:observed[-1] + 1]).copy()
         missing = np.isnan(x)
         x[missing] = np.interp(np.flatnonzero(missing), observed, x[observed])
         n_filled += int(missing.sum())
@@ -970,21 +968,22 @@ def pad_series(series, width):
 
 def ucr_val_split(labels, val_fraction, seed, where):
     """Sorted (train, val) indices of a validation split carved from TRAIN, stratified: each class gives
-    round(val_fraction * its size) series, chosen with `seed`, but keeps one. ValueError naming `where` if none."""
+    round(val_fraction * its size) series, chosen with `seed`, but keeps one. Where that gives none (many small
+    classes: PigCVP has 52 of 2 series), round(val_fraction * N) classes of 2 or more give one series each.
+    ValueError naming `where` if every class has a single series."""
     g = torch.Generator().manual_seed(seed)
-    val = []
-    for c in range(int(labels.max()) + 1):
-        members = torch.nonzero(labels == c).flatten()
-        members = members[torch.randperm(len(members), generator=g)]
-        val.append(members[:min(int(val_fraction * len(members) + 0.5), len(members) - 1)])
-    val = torch.cat(val).sort().values
-    if len(val) == 0:  # a class of n gives round(val_fraction * n) and keeps one: n >= 2 and >= 0.5 / val_fraction
-        raise ValueError(f"{where}: {len(labels)} training series: too few for a validation fraction of "
-                         f"{val_fraction} (no class gives validation a series: that needs a class of at least "
-                         f"{max(2, math.ceil(0.5 / val_fraction))} series)")
+    classes = [torch.nonzero(labels == c).flatten() for c in range(int(labels.max()) + 1)]
+    classes = [members[torch.randperm(len(members), generator=g)] for members in classes]
+    val = torch.cat([m[:min(int(val_fraction * len(m) + 0.5), len(m) - 1)] for m in classes])
+    spare = [m[0] for m in classes if len(m) >= 2]
+    if len(val) == 0 and spare:
+        val = torch.stack(spare)[torch.randperm(len(spare), generator=g)[:max(1, round(val_fraction * len(labels)))]]
+    if len(val) == 0:
+        raise ValueError(f"{where}: {len(labels)} training series, one per class: no validation split can be "
+                         f"carved from TRAIN without leaving a class out of training")
     train = torch.ones(len(labels), dtype=torch.bool)
     train[val] = False
-    return torch.nonzero(train).flatten(), val
+    return torch.nonzero(train).flatten(), val.sort().values
 
 
 def ucr_package_dirs(name):
@@ -1039,7 +1038,7 @@ def download_ucr(name, folder, base_url=UCR_URL, sha256=None, timeout=60):
     except zipfile.BadZipFile as e:
         problem = f"not a zip file ({e})"
     if problem:
-        _remove_if_there(final)
+        pathlib.Path(final).unlink(missing_ok=True)
         raise ValueError(f"{url}: {problem}; the download was deleted")
     return dict(url=url, sha256=digest, files=files)
 
@@ -1395,7 +1394,7 @@ def download_fashion_mnist(folder, base_url=FASHION_DOWNLOAD_URL, md5=None, time
         with open(dest, "rb") as f:
             got = hashlib.file_digest(f, "md5").hexdigest()
         if got != want:
-            _remove_if_there(dest)
+            pathlib.Path(dest).unlink(missing_ok=True)
             raise ValueError(f"{dest}: MD5 {got}, expected the published {want}; the file was deleted")
         digests[name] = sha256_of(dest)
         print(f"{dest}: MD5 as published; sha256 {digests[name]}")
@@ -1988,17 +1987,20 @@ def token_frequency_entropy(split, chunk=4096):
 
 def number_at_least(kind, low, strict=False, high=None):
     """An argparse type: a `kind` (int or float) >= low (> low if strict; <= high, for int by default 2**63 - 1,
-    what torch's int64 holds). Anything else is a one-line usage error naming the flag, not a traceback later."""
+    what torch's int64 holds), and finite. Anything else is a one-line usage error naming the flag, not a traceback
+    later (an inf learning rate or init scale would end in a NaN loss far from its cause)."""
     high = 2 ** 63 - 1 if high is None and kind is int else high
-    expected = f"{'>' if strict else '>='} {low}" + (f" and <= {high}" if high is not None else "")
+    expected = f"{'>' if strict else '>='} {low}" + (f" and <= {high}" if high is not None else "") + \
+        (", finite" if kind is float else "")
 
     def parse(text):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}")
-        if not (value > low if strict else value >= low) or (high is not None and not value <= high):
-            raise argparse.ArgumentTypeError(f"{text} is out of range: expected {expected}")  # NaN fails both
+        if not (value > low if strict else value >= low) or (high is not None and not value <= high) or \
+                not math.isfinite(value):  # NaN fails every comparison
+            raise argparse.ArgumentTypeError(f"{text} is out of range: expected {expected}")
         return value
     parse.__name__ = f"{kind.__name__} {expected}"
     return parse
@@ -2012,18 +2014,19 @@ SEED = number_at_least(int, 0, high=2 ** 32 - 1)  # numpy's range; seed x 1,000,
 
 def run_cli(main_fn):
     """Run a script's main(argv). A data, file or download error, an OS fault (no space, read-only, permission, not
-    a folder: naming the path) or a non-finite loss is one line `error: ...` without a traceback, exit status 1.
+    a folder: naming the path), a non-finite loss or no memory is one line `error: ...`, exit status 1.
     Ctrl-C is one line too, exit status 130 (128 + the signal). SPT_TRACEBACK=1 shows the traceback."""
     try:
         main_fn(sys.argv[1:])
-    except (OSError, ValueError, FloatingPointError, KeyboardInterrupt) as e:
+    except (OSError, ValueError, FloatingPointError, MemoryError, KeyboardInterrupt) as e:
         if os.environ.get("SPT_TRACEBACK"):
             raise
         if isinstance(e, KeyboardInterrupt):
             print(" ".join(str(e).split()) or "interrupted", file=sys.stderr)
             sys.exit(128 + getattr(e, "signum", 2))  # SIGINT is 2; the stages' SIGTERM, SIGHUP (pretrain.run_stage)
         os_fault = isinstance(e, OSError) and e.filename and e.strerror  # not "[Errno 28] ...: 'path'"
-        sys.exit("error: " + (f"{e.filename}: {e.strerror}" if os_fault else " ".join(str(e).split())))
+        sys.exit("error: " + (f"{e.filename}: {e.strerror}" if os_fault else " ".join(str(e).split()) or
+                              type(e).__name__))
 
 
 class ArgumentParser(argparse.ArgumentParser):

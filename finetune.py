@@ -136,8 +136,13 @@ def model_from_pretrained(path, meta, n_classes, task, device, inherit="all", he
             raise ValueError(f"{path}: {key} has shape {tuple(state[key].shape)}, "
                              f"the model expects {tuple(fresh[key].shape)}")
     model.load_state_dict(hybrid_state_dict(fresh, state, INHERIT[inherit]), strict=True)
-    print(f"checkpoint {path}: --inherit {inherit} takes {', '.join(INHERIT[inherit])} from SPT, the rest is fresh; "
-          f"new keys {new}; dropped keys {dropped}")
+    counts = {}  # parameter group -> [values, taken from SPT]
+    for key, tensor in fresh.items():
+        taken = key in state and param_group(key) in INHERIT[inherit]
+        counts.setdefault(param_group(key), [0, taken])[0] += tensor.numel()
+    print(f"checkpoint {path}: --inherit {inherit}: " + ", ".join(
+        f"{g} ({n:,}) {'from SPT' if taken else 'fresh'}" for g, (n, taken) in counts.items())
+        + f"; new keys {new}; dropped keys {dropped}")
     return model.to(device)
 
 
@@ -185,7 +190,7 @@ def finetune_parser():
 
 def main(argv=None):
     parser = finetune_parser()
-    args, preset = resolve(parser.parse_args(argv), "finetune")
+    args, preset = resolve(parser.parse_args(argv), "finetune", parser)
     if args.init == "scratch" and args.inherit != "all":
         parser.error("--inherit selects groups of an SPT checkpoint: give --init PATH")
     if args.init != "scratch" and not os.path.isfile(args.init):  # before any data is prepared
@@ -194,36 +199,34 @@ def main(argv=None):
             f"--init {args.init}: " + ("a folder; give the checkpoint file in it" if folder else "no such file; make "
             f"it first with python pretrain.py --task {args.task}") + " (the best checkpoint is "
             "<out_dir>/<task>/pretrain.pt), or pass --init scratch")
+    spt = None if args.init == "scratch" else data.load_pt(args.init, mmap=True)  # mmap: only the small fields
     if args.name is None:  # a default that never overwrites the plain SPT run with an ablation or a dataset swap
-        swap = None
-        if args.init != "scratch":
-            swap = data.load_pt(args.init, mmap=True).get("task")
-            swap = None if swap in (None, args.task) else swap.replace("/", "-")
-        args.name = ("scratch" if args.init == "scratch" else "spt") + (f"_from_{swap}" if swap else "") + \
+        swap = None if spt is None or spt.get("task") in (None, args.task) else spt["task"].replace("/", "-")
+        args.name = ("scratch" if spt is None else "spt") + (f"_from_{swap}" if swap else "") + \
             ("" if args.inherit == "all" else f"_inherit-{args.inherit}") + \
             ("" if args.freeze == "none" else f"_freeze-{args.freeze}")
     splits = prepare_data(args, preset)
     meta = splits["train"]["meta"]
-    if args.init == "scratch":
+    if spt is None:
         inputs = dict(vocab_size=meta["vocab_size"]) if meta["kind"] == "tokens" else dict(d_input=meta["d_input"])
         cfg = ModelConfig(**inputs, max_len=meta["max_len"], n_classes=meta["n_classes"], **preset["model"])
         model = Transformer(cfg).to(args.device)
         provenance = {}
     else:
-        init_sha256 = data.sha256_of(args.init)  # the SPT weights this run starts from: --resume checks them
         model = model_from_pretrained(args.init, meta, meta["n_classes"], args.task, args.device, args.inherit,
                                       head={k: preset["model"].get(k, getattr(ModelConfig, k)) for k in FINETUNE_FIELDS})
-        ck = data.load_pt(args.init, mmap=True)  # mmap: the tensors stay on disk, only the small fields are read
-        provenance = dict(spt_task=ck["task"], spt_sha256=init_sha256, spt_data_sha256=ck["data_sha256"],
-                          spt_step=ck["state"]["step"],
-                          spt_data=check_spt_data(ck, args.init, args.task, data_hashes(splits), args.allow_other_data))
-        del ck
-    if args.init != "scratch":  # the checkpoint's model is the run's: a model flag that differs is refused
-        for flag, field in MODEL_FLAGS.items():
+        if holder := pretrain.running_holder(args.init):
+            print(f"note: the SPT run of {args.init} is still running ({holder}): finetuning starts from its "
+                  f"checkpoint as it is now, step {spt['state']['step']}")
+        provenance = dict(spt_task=spt["task"], spt_sha256=data.sha256_of(args.init),  # --resume checks the weights
+                          spt_data_sha256=spt["data_sha256"], spt_step=spt["state"]["step"],
+                          spt_data=check_spt_data(spt, args.init, args.task, data_hashes(splits), args.allow_other_data))
+        for flag, field in MODEL_FLAGS.items():  # the checkpoint's model is the run's: a model flag that differs
             given = getattr(args, flag)
             if given is not None and given != getattr(model.cfg, field):
                 raise ValueError(f"--{flag} {given}: the checkpoint {args.init} has {field}="
                                  f"{getattr(model.cfg, field)!r}, and finetuning keeps it (drop --{flag})")
+    del spt
     frozen = [n for n, param in model.named_parameters() if param_group(n) in FREEZE[args.freeze]]
     for n, param in model.named_parameters():
         param.requires_grad_(n not in frozen)  # frozen tensors get no gradient and are not given to AdamW
@@ -262,8 +265,10 @@ def main(argv=None):
                       best_val_acc=best["val_acc"], test_acc=test["acc"],
                       train_acc=train_acc, train_acc_subset=n_sub, train_acc_rows="random, seed 0",
                       evals=[e for e in log if "val_acc" in e], wall_time_s=best["elapsed_s"] + time.time() - t_trained,
-                      source_sha256=meta.get("sha256"), **provenance, **pretrain.run_record(args))
+                      source_sha256=meta.get("sha256"), label_names=meta.get("label_names"), **provenance,
+                      **pretrain.run_record(args))
         if args.rank == 0:
+            pretrain.check_owned(run)
             data.save_atomic(result, paths["json"])
     if args.world_size > 1:
         torch.distributed.barrier()  # the JSON exists before any rank goes on (ablate.py reads it back)

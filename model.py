@@ -17,6 +17,7 @@ them: the parameter groups of Table 3 and checkpoint helpers (pretrain.flops_per
 This file is a library: it imports no stage.
 """
 import math
+import re
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 
@@ -51,6 +52,16 @@ class ModelConfig:
     init_std: float = 0.02     # std of every Linear and Embedding weight under "normal"; of pos "learned" always
     init_scale: float = 1.0    # multiplies every initialized Linear/Embedding tensor (ablate.py initscale)
 
+    def __post_init__(self):
+        """ValueError for a setting no model has, naming the choices: a string of POSITIONS, POOLINGS or
+        INIT_SCHEMES (a typo would otherwise run another model), or d_model not divisible by n_heads."""
+        for field, choices in (("pos", POSITIONS), ("pooling", POOLINGS), ("init", INIT_SCHEMES)):
+            if getattr(self, field) not in choices:
+                raise ValueError(f"model {field} {getattr(self, field)!r}: expected one of {', '.join(choices)}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}: each head gets "
+                             f"d_model / n_heads features (give --d_model or --n_heads so that it divides)")
+
 
 def sinusoidal_positions(n_pos, d_model, base=10000.0):
     """Fixed sinusoidal encodings P (n_pos, d_model): P[t, 2i] = sin(t / base^(2i/d)), P[t, 2i+1] = cos(...).
@@ -70,6 +81,7 @@ def sinusoidal_positions(n_pos, d_model, base=10000.0):
 # input) or in Attention (relative: a score bias in _position_bias), put its parameters in PARAM_GROUPS["posenc"]
 # and its init in init_weights (an nn.Embedding would get N(0, 1)); buffers non-persistent and constant (pretrain.wrap).
 POSITIONS = ("sinusoidal", "learned", "alibi", "rope", "fire", "none")
+POOLINGS = ("mean", "max")  # ModelConfig.pooling: Transformer.pool over the real positions
 
 
 def alibi_slopes(n_heads):
@@ -254,8 +266,6 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        if cfg.pos not in POSITIONS:
-            raise ValueError(f"ModelConfig.pos is {cfg.pos!r}, expected one of {POSITIONS}")
         self.cfg = cfg
         if cfg.vocab_size > 0:
             self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)   # input encoder for tokens
@@ -403,10 +413,8 @@ def init_weights(model, cfg):
     W_Q = W_K the scores at init are a Gram matrix, which already leans towards nearby positions (sinusoidal
     p_i . p_j peaks at i = j). "torch" is PyTorch's defaults with independent projections; "normal" is the GPT-2
     style N(0, 0.02) under which attention starts almost exactly uniform (the premise of Coser et al.'s
-    Proposition 1). Raises ValueError for an unknown scheme.
+    Proposition 1). ModelConfig refuses an unknown scheme.
     """
-    if cfg.init not in INIT_SCHEMES:
-        raise ValueError(f"ModelConfig.init is {cfg.init!r}, expected one of {INIT_SCHEMES}")
     for m in model.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
             if cfg.init == "normal" or m is model.pos_embed:  # the table: BERT's and GPT-2's N(0, 0.02)
@@ -431,17 +439,12 @@ def init_weights(model, cfg):
 
 # Checkpoints: plain dicts of tensors and Python types, loadable with torch.load(weights_only=True).
 
-WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DistributedDataParallel add these
+WRAPPERS = re.compile(r"^(_orig_mod\.|module\.)+")  # torch.compile, DDP: in any order and number
 
 
 def unwrapped_state_dict(state_dict):
     """A state dict with torch.compile / DDP prefixes removed, so it loads into a plain Transformer."""
-    out = {}
-    for key, value in state_dict.items():
-        while key.startswith(WRAPPER_PREFIXES):  # in any order and number (module._orig_mod., _orig_mod.module.)
-            key = key[len(next(p for p in WRAPPER_PREFIXES if key.startswith(p))):]
-        out[key] = value
-    return out
+    return {WRAPPERS.sub("", key): value for key, value in state_dict.items()}
 
 
 # Fields older checkpoints may hold, at the only value the code still builds.

@@ -17,8 +17,9 @@ Expect on ListOps' CPU preset: validation masked loss ~2.95 -> 2.64, the entropy
 attention to neighbours (the proximity bias) goes below it, and that takes longer than the CPU budget. To see SPT
 work on a CPU, run `python ablate.py demo`.
 
-Reading order: PRESETS, the SPT objective (mask_batch, reconstruction_loss, spt_loss_fn), main. Below the
-double line is the engine both stages share: flags, device, DDP, and the training loop `train`.
+Reading order: PRESETS, the SPT objective (mask_batch, reconstruction_loss, spt_loss_fn), main. Below the double
+line is the engine both stages share: flags, the training loop `train`, device, DDP, a run's files (checkpoints,
+lock, resume) and the command line.
 """
 import argparse
 import contextlib
@@ -243,7 +244,7 @@ def main(argv=None):
     parser = pretrain_parser()
     args = parser.parse_args(argv)
     given = {k: v for k, v in vars(args).items() if v != parser.get_default(k)}  # before the preset fills them
-    args, preset = resolve(args, "pretrain")
+    args, preset = resolve(args, "pretrain", parser)
     if args.mask_ratio is None:
         args.mask_ratio = MASK_RATIO[data.task_family(args.task)]
     splits = prepare_data(args, preset)
@@ -359,13 +360,18 @@ MODEL_FLAGS = {**{k: k for k in MODEL_SIZE_FLAGS}, "pos": "pos", "init_scheme": 
                "init_scale": "init_scale"}
 
 
-def resolve(args, stage):
-    """Fill unset flags from the preset; pick device and dtype. Returns args (modified) and the model preset."""
+def resolve(args, stage, parser):
+    """Fill unset flags from the preset; pick device and dtype. Returns args (modified) and the model preset. A model
+    the preset and flags cannot build (d_model not divisible by n_heads) is the `parser`'s usage error."""
     args.device = pick_device(args.device)
     setup_distributed(args)
     if args.preset == "auto":
         args.preset = "paper" if args.device.type == "cuda" else "cpu"
     preset = fill_from_preset(args, stage)
+    try:
+        ModelConfig(**preset["model"])
+    except ValueError as e:
+        parser.error(str(e))
     if args.init_std is not None and (args.init_scheme or "reference") != "normal" and args.pos != "learned" and \
             getattr(args, "init", "scratch") == "scratch":  # finetuning from a checkpoint: its scheme (finetune.py)
         raise ValueError(f"--init_std sets the std of --init_scheme normal and of --pos learned's table; this run's "
@@ -466,9 +472,14 @@ def start_fresh(run):
     """Step 0 of a new run: a fresh log, an evaluation of the initial weights (the log shows how far training
     moves the metric) and the _init.pt checkpoint the analyses start from."""
     if run["args"].rank == 0:
+        check_owned(run)
         open(run["paths"]["log"], "w").close()
     metrics = run["eval_fn"](0)
     print("eval at step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    if not all(map(math.isfinite, metrics.values())):  # before any step: the learning rate is not at fault
+        raise FloatingPointError(f"the initial weights give a NaN or inf evaluation ({metrics}) before any training "
+                                 f"step: the init is too large (--init_scale {run['model'].cfg.init_scale}), or the "
+                                 f"data holds values too large for float32 arithmetic (check its largest values)")
     append_log(run, dict(step=0, epoch=0, **metrics))
     save_checkpoint(run, run["paths"]["init"], metrics)
 
@@ -546,6 +557,8 @@ def log_progress(run, meter, lr):
     mfu = None if peak is None else meter["flops"] / dt / (peak * args.world_size)  # per GPU
     mem = torch.cuda.max_memory_allocated(args.device) / 2 ** 30 if args.device.type == "cuda" else None
     skipped = f" ({meter['skipped']} skipped)" if meter["skipped"] else ""
+    if meter["steps"] != args.log_every:  # after a --resume, or at the end: a mean over fewer steps
+        skipped += f" (mean of {meter['steps'] - meter['skipped']} steps)"
     print(f"step {state['step']:6d}/{run['total']} | epoch {state['epoch']} | loss "
           f"{'-' if mean_loss is None else f'{mean_loss:.4f}'}{skipped} | lr {lr:.2e} | "
           f"{1000 * dt / meter['steps']:.0f} ms/step | {meter['tokens'] / dt:,.0f} tok/s | "
@@ -608,6 +621,7 @@ def save_checkpoint(run, path, metrics):
     args = run["args"]
     if args.rank != 0:
         return
+    check_owned(run)
     cuda_rng = torch.cuda.get_rng_state(args.device) if args.device.type == "cuda" else None
     run["state"]["elapsed_s"] = run["elapsed0"] + time.time() - run["t_process"]  # carried over a --resume
     data.save_atomic(checkpoint_dict(run["model"], optimizer=run["opt"].state_dict(), state=dict(run["state"]),
@@ -664,14 +678,23 @@ def evaluate(model, split, args, batch_sums, n_sums):
 # ---- Device and dtype: where a stage runs, in which precision, and what the hardware can do (MFU's peak).
 def pick_device(name):
     """'auto' -> cuda if available, else mps, else cpu; any other string is passed to torch.device (and
-    cuda:N becomes the current GPU, so that torch.cuda calls without a device argument mean it)."""
-    if name != "auto":
+    cuda:N becomes the current GPU, so that torch.cuda calls without a device argument mean it). ValueError naming
+    the devices this machine has for one it does not have (cuda without a GPU, cuda:7 with one, foo)."""
+    mps = torch.backends.mps.is_available()
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
+    try:
         device = torch.device(name)
-        if device.type == "cuda" and device.index is not None:
-            torch.cuda.set_device(device)
-        return device
-    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
-    return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
+    except RuntimeError:  # not a device string
+        device = torch.device("meta", 1)  # refused below
+    n_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    if not (device.type == "cpu" or device.type == "meta" and device.index is None or device.type == "mps" and mps
+            or device.type == "cuda" and (device.index or 0) < n_gpus):
+        there = ["cpu", *(f"cuda:{i}" for i in range(torch.cuda.device_count())), *["mps"] * mps]
+        raise ValueError(f"--device {name}: no such device here; this machine has {', '.join(there)} (or auto)")
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    return device
 
 
 def pick_dtype(name, device):
@@ -809,13 +832,20 @@ def load_newest(candidates, map_location="cpu", who="load"):
                      ". Remove them (or run without --resume) to start over")
 
 
+RUN_NAME = re.compile(r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]*")  # no "/", "..", space or newline: it stays in its folder
+
+
 def run_paths(out_dir, task, stage, name=None):
     """The files of one run under <out_dir>/<task>/: "pretrain": best = pretrain.pt (finetune.py --init), last =
     pretrain_last.pt (--resume), init = pretrain_init.pt, log = pretrain_log.jsonl, snapshot = pretrain_step{step}.pt;
-    "finetune" with a run name: the same for finetune_<name>, and json = finetune_<name>.json. Else ValueError."""
+    "finetune" with a run name: the same for finetune_<name>, and json = finetune_<name>.json. Else ValueError.
+    A run name is a plain name (RUN_NAME), so that a run's files stay in <out_dir>/<task>/ and are its own."""
     if stage not in ("pretrain", "finetune") or (stage == "finetune") != bool(name):
         raise ValueError(f"run_paths: stage {stage!r} with name {name!r}; expected 'pretrain', or 'finetune' "
                          f"with a run name")
+    if name is not None and (not RUN_NAME.fullmatch(name) or re.search(r"_(last|init|step\d+)$", name)):
+        raise ValueError(f"--name {name!r}: a run name is letters, digits, '_', '.', '+' and '-', not starting with '.' "
+                         f"and not ending in _last, _init or _step<N> (the names of a run's own files)")
     stem = os.path.join(out_dir, task, "pretrain" if stage == "pretrain" else f"finetune_{name}")
     paths = dict(best=stem + ".pt", last=stem + "_last.pt", init=stem + "_init.pt", log=stem + "_log.jsonl",
                  snapshot=stem + "_step{step}.pt")
@@ -826,9 +856,6 @@ def run_init_path(path):
     """The _init.pt of the run a checkpoint belongs to (run_paths' names), or None if it is missing."""
     init = re.sub(r"(_last|_step\d+|_init)$", "", os.path.splitext(path)[0]) + "_init.pt"
     return init if os.path.exists(init) else None
-
-
-# A run's files: one process at a time (a lock), never mixed with an earlier run's.
 
 
 def run_files(paths):
@@ -866,6 +893,20 @@ def lock_run(path):
     return f
 
 
+def running_holder(checkpoint):
+    """The record (pid, host, command) of the process that holds the run of `checkpoint` (a run_paths file) now,
+    or None: its run is finished, stopped, or never locked (no fcntl)."""
+    lock = re.sub(r"(_last|_init|_step\d+)?\.pt$", "", checkpoint) + ".lock"
+    if fcntl is None or not os.path.exists(lock):
+        return None
+    with open(lock) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f.read().strip() or "another process"
+    return None
+
+
 @contextlib.contextmanager
 def own_run(paths, args):
     """Hold the run whose files are `paths` (run_paths) while a stage writes them: rank 0 takes <stem>.lock
@@ -876,12 +917,10 @@ def own_run(paths, args):
     if args.resume and args.overwrite:
         raise ValueError("--resume continues the run, --overwrite removes it: give one of them")
     stem, folder, lock = paths["log"][:-len("_log.jsonl")], os.path.dirname(paths["log"]) or ".", None
-    if re.search(r"_(last|init|step\d+)$", stem):  # finetune_a_last.pt: run a's last checkpoint, or run a_last's?
-        raise ValueError(f"--name {os.path.basename(stem).split('_', 1)[-1]}: a run name may not end in _last, _init or _step<N>")
     if args.rank == 0:  # the other ranks write nothing
         os.makedirs(folder, exist_ok=True)
         lock = lock_run(stem + ".lock")
-    run = dict(paths=paths, args=args)
+    run = dict(paths=paths, args=args, lock=lock, folder=(folder, os.stat(folder)) if lock else None)
     try:
         old = run_files(paths) if os.path.isdir(folder) else []  # every rank: each refuses on its own
         kept = [os.path.basename(f) for f in old if not f.endswith(".tmp")]
@@ -898,7 +937,7 @@ def own_run(paths, args):
         if getattr(args, "world_size", 1) > 1:
             dist.barrier()  # every rank has checked the folder before rank 0 writes in it
         yield run
-    except KeyboardInterrupt as e:  # one line: the step reached, the last checkpoint, and how to continue
+    except (KeyboardInterrupt, OSError) as e:  # one line: the step reached, the last checkpoint, how to continue
         last = paths["last"]
         try:
             saved = f"the last checkpoint is {last} (step {data.load_pt(last, mmap=True)['state']['step']})"
@@ -906,8 +945,12 @@ def own_run(paths, args):
             saved = "no checkpoint was written yet"
         step = f"at step {run['state']['step']} of {run['total']}" if "state" in run else "before training"
         how = "--resume instead of --overwrite" if args.overwrite else "--resume"
-        e.args = (f"interrupted {step}; {saved}; the same command with {how} continues" if args.rank == 0 else
-                  f"rank {args.rank} stopped (rank 0 says why)",)
+        if isinstance(e, OSError):  # no space, a file too large, ...: once mended, the run goes on
+            if e.strerror and "state" in run:
+                e.strerror += f" (stopped {step}; {saved}; once that is mended, the same command with {how} continues)"
+        else:
+            e.args = (f"interrupted {step}; {saved}; the same command with {how} continues" if args.rank == 0 else
+                      f"rank {args.rank} stopped (rank 0 says why)",)
         raise
     finally:
         if lock:
@@ -995,10 +1038,34 @@ def run_record(args):
 
 
 def append_log(run, entry):
-    """One JSON line in paths["log"] (rank 0 only)."""
+    """One JSON line in paths["log"] (rank 0 only), in the folder the run holds (check_owned). An OS fault (a full
+    disk, a file size limit) names the log; resume drops a half-written last line (truncate_log)."""
     if run["args"].rank == 0:
-        with open(run["paths"]["log"], "a") as f:
-            f.write(json.dumps(entry) + "\n")
+        check_owned(run)
+        try:
+            with open(run["paths"]["log"], "a") as f:
+                f.write(json.dumps(entry) + "\n")
+        except OSError as e:
+            e.filename = e.filename or run["paths"]["log"]
+            raise
+
+
+def check_owned(run):
+    """FileNotFoundError unless the run's folder and lock file are still the ones own_run locked (the same device
+    and inode): a run stopped for a while (kill -STOP) whose folder was removed, or taken by a new run, meanwhile,
+    must not write into another run's files. Called before every checkpoint and log write (rank 0)."""
+    if run.get("lock") is None:  # not a run own_run holds (ranks other than 0 write nothing)
+        return
+    (folder, folder_stat), lock = run["folder"], run["lock"]
+    try:
+        same = os.path.samestat(os.stat(folder), folder_stat) and os.path.samestat(os.stat(lock.name),
+                                                                                    os.fstat(lock.fileno()))
+    except FileNotFoundError:
+        same = False
+    if not same:
+        raise FileNotFoundError(f"{folder}: this run's folder, or its lock {lock.name}, was removed or replaced while "
+                                f"the run was stopped: it stops without writing, so as not to mix its files with "
+                                f"another run's; start it again (in another --out_dir to keep both)")
 
 
 def resume(model, opt, paths, n_batches, total, args, extra):
@@ -1017,6 +1084,10 @@ def resume(model, opt, paths, n_batches, total, args, extra):
                          f"the budget it ran with, or start a new --out_dir")
     if path != paths["last"] and args.rank == 0:  # stopped before its last write, or that file is damaged
         data.save_atomic(ck, paths["last"])
+    here = dict(device_name=device_name(args.device), threads=torch.get_num_threads())
+    if other := {k: ck[k] for k, v in here.items() if ck.get(k) not in (None, v)}:  # float sums in another order
+        print(f"note: the checkpoint was made with {other}, this process has {here}: the run goes on, but not "
+              f"bit-identical to one that never stopped (float sums add in another order)")
     model.load_state_dict(ck["model"])
     opt.load_state_dict(ck["optimizer"])
     torch.set_rng_state(ck["rng_state"])
@@ -1051,22 +1122,27 @@ def prepare_data(args, preset):
     return splits
 
 
-class Interrupted(KeyboardInterrupt):
-    """SIGTERM or SIGHUP, raised by run_stage's handler: the run ends as on Ctrl-C, with own_run's line."""
-    def __init__(self, signum):
-        super().__init__()
-        self.signum = signum  # data.run_cli exits with 128 + signum
-
-
 def run_stage(main_fn):
     """data.run_cli for the stages, which also handle SIGTERM and SIGHUP (here only) as Ctrl-C: one line, the
     step reached (own_run), exit status 128 + the signal: 130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP."""
-    def stop(signum, frame):
-        raise Interrupted(signum)
+    def stop(signum, frame):  # as Ctrl-C: own_run's line; data.run_cli exits with 128 + signum
+        e = KeyboardInterrupt()
+        e.signum = signum
+        raise e
     for name in ("SIGTERM", "SIGHUP"):  # Windows has no SIGHUP
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), stop)
-    data.run_cli(main_fn)
+
+    def main_within_memory(argv):  # out of memory: one line with the way out, not torch's 20 frames
+        try:
+            main_fn(argv)
+        except RuntimeError as e:  # torch.OutOfMemoryError on a GPU, "can't allocate memory" on the CPU
+            if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+                raise
+            raise MemoryError(f"out of memory ({str(e).strip().splitlines()[0][:160]}): rerun with a smaller "
+                              f"--batch_size (or --max_len, or --preset cpu), in a new run (--overwrite or another "
+                              f"--out_dir: --resume keeps the batch size)") from e
+    data.run_cli(main_within_memory)
 
 
 if __name__ == "__main__":

@@ -1712,8 +1712,14 @@ def test_reference_projections_part_after_one_optimizer_step():
 
 
 def test_unknown_init_scheme_and_old_checkpoints(tmp_path):
-    with pytest.raises(ValueError, match="ModelConfig.init is 'xavier'"):
-        Transformer(tiny_cfg(init="xavier"))
+    """Every string setting of ModelConfig is checked when the model is built, naming the choices (a typo would
+    otherwise run another model: pooling "cls" ran max pooling), and d_model must divide among the heads."""
+    for field, bad, choices in (("init", "xavier", model_lib.INIT_SCHEMES), ("pos", "sinusoid", model_lib.POSITIONS),
+                                ("pooling", "cls", model_lib.POOLINGS)):
+        with pytest.raises(ValueError, match=rf"^model {field} '{bad}': expected one of {', '.join(choices)}$"):
+            tiny_cfg(**{field: bad})
+    with pytest.raises(ValueError, match="d_model 30 is not divisible by n_heads 4"):
+        tiny_cfg(d_model=30, n_heads=4)
     assert model_lib.config_from_dict(vars(tiny_cfg(init="torch"))).init == "torch"
     # a field the code no longer has loads at the only value it still builds, and is refused at any other
     old = dict(vars(tiny_cfg()), causal=False, dropout=0.0, attend_padding=False)
@@ -1817,7 +1823,7 @@ def test_ablate_jobs_runs_each_seed_in_a_process_and_the_parent_writes_the_table
     (broken / "synthetic").mkdir(parents=True)
     for split in data.SPLITS:
         (broken / "synthetic" / f"{split}.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(RuntimeError, match=r"synthetic --only_seed \d failed \(exit \d+\): error: .*train.pt: not in "
+    with pytest.raises(ChildProcessError, match=r"synthetic --only_seed \d failed \(exit \d+\): error: .*train.pt: not in "
                                            r"torch.save's zip format.* \(the whole output: .*synthetic_seed\d.log\)"):
         ablate.main(["synthetic", "--jobs", "2", "--seeds", "2", "--data_dir", str(broken), "--out_dir",
                      str(tmp_path / "out2"), "--device", "cpu"])
@@ -2655,10 +2661,16 @@ def test_ucr_labels_a_student_gets_wrong_are_named_with_file_and_line(tmp_path, 
     with pytest.raises(ValueError, match=r"Toy_TRAIN.tsv, line 1: expected a label and at least one value, "
                                          r"tab-separated, got 1 field"):
         data.prepare_ucr(root, "Toy", download=False)
-    write_ucr(folder, "Toy", ".tsv", rows([1, 2, 1, 2]), test)
-    with pytest.raises(ValueError, match=r"Toy_TRAIN.tsv: 4 training series: too few for a validation fraction of "
-                                         r"0.2 \(.*a class of at least 3 series\)"):
+    write_ucr(folder, "Toy", ".tsv", rows([1, 2, 3]), test)
+    with pytest.raises(ValueError, match=r"Toy_TRAIN.tsv: 3 training series, one per class: no validation split"):
         data.prepare_ucr(root, "Toy", download=False)
+    # Many classes of 2 series (PigCVP: 52): no class has a share of its own at 0.2, so round(0.2 x 12) = 2
+    # classes give one series each, and the default split works (the one a stage's error suggests).
+    write_ucr(folder, "Toy", ".tsv", rows([1, 2, 3, 4, 5, 6] * 2), test)
+    data.prepare_ucr(root, "Toy", download=False)
+    val = data.load_split(root, "ucr/Toy", "val")["labels"]
+    assert len(val) == 2 and len(set(val.tolist())) == 2
+    assert len(set(data.load_split(root, "ucr/Toy", "train")["labels"].tolist())) == 6  # every class trains
     data.prepare_ucr(root, "Toy", download=False, val_fraction=0.5)  # 0.5 / 0.5: classes of 2 are enough
     with pytest.raises(ValueError, match=r"^--n_train does not apply to --task ucr/Toy \(it takes: --val_fraction, "
                                          r"--seed, --no_download, base_url, --sha256\)$"):
@@ -2969,7 +2981,7 @@ def test_fire_bias_is_learned_and_unknown_positions_are_refused():
         assert torch.allclose(bias[:, i, j], expected, atol=1e-5), (i, j)
     x = torch.randint(2, 17, (2, 7))  # in float64 too (the bias follows the model's dtype)
     assert torch.allclose(m.double().classify(x), m.float().classify(x).double(), atol=1e-5)
-    with pytest.raises(ValueError, match="pos is 't5_bias'"):
+    with pytest.raises(ValueError, match="model pos 't5_bias': expected one of sinusoidal, learned"):
         Transformer(tiny_cfg(pos="t5_bias"))
 
 
@@ -5599,7 +5611,7 @@ def test_report_places_each_region_by_its_marker_and_refuses_what_it_cannot_plac
     (out / "bench" / "gpu.md").write_text("| gpu | 30 ms |\nrows marked <!-- table from x --> were rerun\n")
     run = lambda *flags: ablate.main(["report", "--out_dir", str(out), "--results_dir", str(results), *flags])
     run()
-    assert "skipped out/ablate/notes.md: no page names it" in capsys.readouterr().out
+    assert f"skipped {out}/ablate/notes.md: no page names it" in capsys.readouterr().out  # --out_dir's, not out/
     placeholder = "(Not described yet: say here what the table shows.)"
     assert (results / "synthetic_L200.md").read_text() == (
         f"# {ablate.TITLES['synthetic']}: L200\n\n{placeholder}\n\n<!-- table from out/ablate/synthetic_L200.md -->\n"
@@ -5858,7 +5870,14 @@ def test_skip_nonfinite_gives_up_and_no_finite_evaluation_leaves_no_best_checkpo
     with pytest.raises(FloatingPointError, match=r"50 of the last 100 steps \(up to step 50\)"):
         pretrain.main(syn_flags(data_dir, out, "--skip_nonfinite", "--max_steps", "80"))
     monkeypatch.setattr(pretrain, "reconstruction_loss", original)
-    monkeypatch.setattr(pretrain, "evaluate_reconstruction", lambda *a: {"val_loss": float("nan"), "val_mae": 1.0})
+    # Too large an init (or data values): the evaluation before any step is not finite, and the error says so
+    # rather than blame the learning rate.
+    with pytest.raises(FloatingPointError, match=r"the initial weights give a NaN or inf evaluation .* before any "
+                                                 r"training step: the init is too large \(--init_scale 1e\+30\)"):
+        pretrain.main(syn_flags(data_dir, out, "--overwrite", "--init_scale", "1e30"))
+    evals = iter([{"val_loss": 1.0, "val_mae": 1.0}])  # finite at init, then NaN
+    monkeypatch.setattr(pretrain, "evaluate_reconstruction", lambda *a: next(evals, {"val_loss": float("nan"),
+                                                                                    "val_mae": 1.0}))
     with pytest.raises(FloatingPointError, match="no evaluation gave a finite val_loss: no best checkpoint; the last "
                                                  "good checkpoint is"):
         pretrain.main(syn_flags(data_dir, out, "--overwrite"))
@@ -6002,9 +6021,11 @@ def test_own_run_edge_cases_names_ranks_overwrite_hint_and_what_skip_nonfinite_t
     but only rank 0 removes files; a run started with --overwrite is told to continue with --resume instead;
     check_trained refuses a run --skip_nonfinite mostly skipped, however short."""
     args = argparse.Namespace(resume=False, overwrite=False, rank=0)
-    with pytest.raises(ValueError, match="--name a_last: a run name may not end in _last, _init or _step<N>"):
-        with pretrain.own_run(pretrain.run_paths(str(tmp_path), "t", "finetune", "a_last"), args):
-            pass
+    for name in ("a_last", "b_step3", "x/../pretrain", "../../../../outside", "two\nlines", ".hidden", "a b"):
+        with pytest.raises(ValueError, match=rf"--name {re.escape(repr(name))}: a run name is letters, digits, '_', "
+                                             r"'.', '\+' and '-', not starting with '.' and not ending in _last"):
+            pretrain.run_paths(str(tmp_path), "t", "finetune", name)
+    assert not os.listdir(tmp_path)
     paths = pretrain.run_paths(str(tmp_path), "t", "pretrain")
     os.makedirs(tmp_path / "t")
     open(paths["best"], "w").close()
@@ -6028,8 +6049,9 @@ def test_own_run_edge_cases_names_ranks_overwrite_hint_and_what_skip_nonfinite_t
 def test_learned_positions_take_init_std_and_swap_to_a_longer_task_unless_inherited(listops_dir, tmp_path):
     """--init_std sets the learned table's std under the default init; a dataset swap to longer sequences
     refuses to inherit a table of another length (--inherit all) and leaves it fresh with --inherit qk."""
-    args, _ = pretrain.resolve(pretrain.build_parser("pretrain", "").parse_args(
-        ["--task", "listops", "--pos", "learned", "--init_std", "0.1", "--device", "cpu"]), "pretrain")
+    parser = pretrain.build_parser("pretrain", "")
+    args, _ = pretrain.resolve(parser.parse_args(["--task", "listops", "--pos", "learned", "--init_std", "0.1",
+                                                  "--device", "cpu"]), "pretrain", parser)
     assert args.init_std == 0.1
     meta = data.load_split(listops_dir, "listops", "train")["meta"]  # max_len 128
     path = str(tmp_path / "short.pt")
@@ -6066,3 +6088,195 @@ if __name__ == "__main__":  # python test_all.py --starter DIR [--exercises 1,3]
         write_starter(args.starter, None if args.exercises is None else args.exercises.split(","))
     except ValueError as e:
         sys.exit(f"test_all.py --starter: {e}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Faults, second trial (#47): run names, flag bounds, ablate's finished runs and children, a replaced folder
+# ----------------------------------------------------------------------------------------------------------
+
+def test_a_run_name_cannot_reach_outside_its_run(synthetic_run, tmp_path):
+    """--name x/../pretrain --overwrite removed the SPT run's files and wrote a finetuning in their place; --name
+    ../../outside wrote outside --out_dir. A run name is now a plain name, refused before anything is touched."""
+    import shutil
+    data_dir, out = synthetic_run[0], str(tmp_path / "out")
+    pretrain.main(syn_flags(data_dir, out))
+    folder = os.path.join(out, "synthetic")
+    before = {f: open(os.path.join(folder, f), "rb").read() for f in os.listdir(folder)}
+    for name in ("x/../pretrain", "../../../../outside", "a\nb"):
+        with pytest.raises(ValueError, match="a run name is letters, digits"):
+            finetune.main(syn_flags(data_dir, out, "--init", "scratch", "--name", name, "--overwrite"))
+    assert {f: open(os.path.join(folder, f), "rb").read() for f in os.listdir(folder)} == before
+    assert sorted(os.listdir(tmp_path)) == ["out"] and sorted(os.listdir(out)) == ["synthetic"]
+    shutil.rmtree(out)
+
+
+def test_every_numeric_flag_is_bounded_and_a_model_that_cannot_be_built_is_a_usage_error(synthetic_run, capsys):
+    """analyze.py gradients --n 0 wrote a share of 0.0 for both losses; attention --n -5 ended in a traceback,
+    --band -1 reported a band mass of 0. An inf learning rate, --d_model 30 --n_heads 4 and a device the machine
+    lacks were tracebacks; each is now one line naming the flag (argparse's usage error, exit 2, or error:)."""
+    import ablate
+    data_dir, out = synthetic_run
+    ckpt = os.path.join(out, "synthetic", "pretrain.pt")
+    for argv in (["gradients", "--ckpt", ckpt, "--n", "0"], ["attention", "--ckpt", ckpt, "--n", "-5"],
+                 ["attention", "--ckpt", ckpt, "--band", "-1"], ["prop1", "--seed", "-1"]):
+        with pytest.raises(SystemExit) as e:
+            analyze.main(argv + ["--data_dir", data_dir])
+        assert e.value.code == 2 and "is out of range" in capsys.readouterr().err, argv
+    for argv in (["demo", "--length", "0"], ["initscale", "--scales", "inf"], ["bench", "--steps", "0"],
+                 ["synthetic", "--length", "-3"], ["gpu", "--n_train", "0"]):
+        with pytest.raises(SystemExit) as e:
+            ablate.main(argv)
+        assert e.value.code == 2 and "is out of range" in capsys.readouterr().err, argv
+    for argv in (["--task", "synthetic", "--n_train", "0"], ["--task", "ucr/Toy", "--val_fraction", "1.5"]):
+        with pytest.raises(SystemExit):
+            data.main(argv)
+        assert "is out of range" in capsys.readouterr().err, argv
+    for flag, value in (("--lr", "inf"), ("--init_scale", "nan"), ("--weight_decay", "inf")):
+        with pytest.raises(SystemExit):
+            pretrain.main(syn_flags(data_dir, out, flag, value))
+        assert f"argument {flag}: {value} is out of range: expected" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        pretrain.main(syn_flags(data_dir, out, "--d_model", "30", "--n_heads", "4"))
+    assert e.value.code == 2 and "d_model 30 is not divisible by n_heads 4" in capsys.readouterr().err
+    for device in ("cuda:7", "foo", "mps") if not torch.cuda.is_available() else ("foo",):
+        with pytest.raises(ValueError, match=rf"--device {device}: no such device here; this machine has cpu"):
+            pretrain.main(syn_flags(data_dir, out, "--device", device))
+
+
+def test_ablate_refuses_a_finished_run_of_another_budget_before_changing_it(tmp_path):
+    """ablate.py synthetic --max_steps 5, then --max_steps 7: the rerun extended the finished run's checkpoints
+    to step 7, then refused at the finetuning read-back, and the first command failed from then on."""
+    import ablate
+    argv = ["synthetic", "--seeds", "1", "--data_dir", str(tmp_path / "data"), "--out_dir", str(tmp_path / "out"),
+            "--device", "cpu"]
+    ablate.main(argv + ["--max_steps", "5"])
+    folder = tmp_path / "out" / "ablate" / "reference" / "synthetic" / "seed0" / "synthetic"
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    with pytest.raises(ValueError, match=r"pretrain_last.pt is a finished run of 5 steps \(--epochs 15, --max_steps "
+                                         r"5\); this experiment asks for 7: another experiment's run, kept as it is"):
+        ablate.main(argv + ["--max_steps", "7"])
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    ablate.main(argv + ["--max_steps", "5"])  # the first command still reads its runs back
+
+
+def test_ablate_jobs_children_die_with_their_parent_and_the_parent_names_them(tmp_path):
+    """SIGTERM to `ablate.py --jobs 2` exited 143 while both children trained on as orphans holding their locks.
+    Now the parent stops them and says which; after kill -9 of the parent the kernel stops them (Linux)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    if sys.platform != "linux":
+        pytest.skip("PR_SET_PDEATHSIG is Linux's")
+    here = os.path.dirname(os.path.abspath(__file__))
+    for how in (signal.SIGTERM, signal.SIGKILL):
+        out = tmp_path / f"out_{how}"
+        argv = [sys.executable, os.path.join(here, "ablate.py"), "synthetic", "--jobs", "2", "--seeds", "2",
+                "--data_dir", str(tmp_path / "data"), "--out_dir", str(out), "--device", "cpu"]
+        parent = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=here)
+        logs = [out / "ablate" / f"synthetic_seed{s}.log" for s in (0, 1)]
+        deadline = time.time() + 120
+        while not all(p.exists() and "step " in p.read_text() for p in logs):  # both children training
+            assert time.time() < deadline and parent.poll() is None, parent.communicate()
+            time.sleep(0.2)
+        children = [int(line.split()[0]) for line in subprocess.run(["ps", "-o", "pid=,ppid=", "-e"],
+                    capture_output=True, text=True).stdout.splitlines() if int(line.split()[1]) == parent.pid]
+        assert len(children) == 2
+        parent.send_signal(how)
+        _, err = parent.communicate(timeout=60)
+        deadline = time.time() + 30
+        while any(os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+                  for pid in children):
+            assert time.time() < deadline, f"children {children} outlived their parent ({how!r})"
+            time.sleep(0.2)
+        if how == signal.SIGTERM:
+            assert parent.returncode == 143, err
+            assert re.search(r"synthetic: stopped the children still running: seed 0 \(pid \d+\), seed 1", err), err
+            assert all("interrupted at step" in p.read_text() for p in logs)  # each child: its own one line
+
+
+def test_a_run_whose_folder_was_replaced_while_it_was_stopped_writes_nothing(synthetic_run, tmp_path, monkeypatch):
+    """A run stopped (kill -STOP), its out_dir removed and a new run started there: the first run, continued,
+    wrote into the new run's files. Before each write a run now checks that its folder and lock file are the ones
+    it locked (device and inode)."""
+    import shutil
+    data_dir, out = synthetic_run[0], str(tmp_path)
+    folder = os.path.join(out, "synthetic")
+    checkpoint = pretrain.evaluate_and_checkpoint
+
+    def replaced(run, meter, epoch):  # while this run was stopped, another removed its folder and began there
+        shutil.rmtree(folder)
+        os.makedirs(folder)
+        open(os.path.join(folder, "pretrain.lock"), "w").write("pid 1 on host: the new run\n")
+        open(os.path.join(folder, "pretrain_log.jsonl"), "w").write('{"step": 0, "the new run": 1}\n')
+        monkeypatch.setattr(pretrain, "evaluate_and_checkpoint", checkpoint)
+        checkpoint(run, meter, epoch)
+    monkeypatch.setattr(pretrain, "evaluate_and_checkpoint", replaced)
+    with pytest.raises(FileNotFoundError, match=rf"{re.escape(folder)}: this run's folder, or its lock .*, was "
+                                                r"removed or replaced while the run was stopped"):
+        pretrain.main(syn_flags(data_dir, out))
+    assert sorted(os.listdir(folder)) == ["pretrain.lock", "pretrain_log.jsonl"]  # the new run's, untouched
+    assert open(os.path.join(folder, "pretrain_log.jsonl")).read() == '{"step": 0, "the new run": 1}\n'
+
+
+def test_partial_results_of_the_second_fault_trial_are_one_line_naming_their_cause(synthetic_run, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """SIGHUP, a log write that fails, a damaged result JSON, a weights-only refusal, a finetuning from a running
+    SPT run, a resume on another thread count, the first loss line after a resume, the groups --init loads and the
+    label names in the result: each says what it is."""
+    import signal
+    import subprocess
+    import sys
+    import ablate
+    data_dir, out = synthetic_run[0], str(tmp_path)
+    here, folder = os.path.dirname(os.path.abspath(__file__)), os.path.join(out, "synthetic")
+    # SIGHUP ends a run as Ctrl-C does: one line, exit status 129
+    proc = subprocess.Popen([sys.executable, os.path.join(here, "pretrain.py"), *syn_flags(
+        data_dir, out, "--max_steps", "100000", "--epochs", "100000", "--eval_every", "20")], cwd=here,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("step") and int(line.split()[1].split("/")[0]) >= 40:
+            break
+    proc.send_signal(signal.SIGHUP)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 129 and re.fullmatch(r"interrupted at step \d+ of \d+; the last checkpoint is .*"
+                                                   r"--resume continues\n", err), err
+    # a log that cannot be written names its file
+    with pytest.raises(OSError) as e:
+        pretrain.append_log(dict(args=argparse.Namespace(rank=0), paths=dict(log="/dev/full")), {"step": 1})
+    assert e.value.filename == "/dev/full"
+    # a damaged result JSON names its file
+    bad = tmp_path / "finetune_x.json"
+    bad.write_text("")
+    with pytest.raises(ValueError, match=rf"{re.escape(str(bad))}: not a readable JSON file"):
+        ablate.read_json(str(bad))
+    # the weights-only refusal never quotes torch's advice to load with weights_only=False
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("true",))
+    torch.save({"a": Evil()}, str(tmp_path / "evil.pt"))
+    with pytest.raises(ValueError) as e:
+        data.load_pt(str(tmp_path / "evil.pt"))
+    assert "GLOBAL posix.system" in str(e.value) and "weights_only" not in str(e.value).replace("weights-only", "")
+    # finetuning from the checkpoint of an SPT run still running says so
+    flags = syn_flags(data_dir, out)
+    pretrain.main(flags + ["--max_steps", "4", "--log_every", "3", "--overwrite"])  # the SIGHUP run's folder
+    spt = os.path.join(folder, "pretrain.pt")
+    held = pretrain.lock_run(os.path.join(folder, "pretrain.lock"))
+    capsys.readouterr()
+    finetune.main(syn_flags(data_dir, out, "--init", spt))
+    printed = capsys.readouterr().out
+    held.close()
+    assert re.search(rf"note: the SPT run of {re.escape(spt)} is still running \(pid {os.getpid()}", printed)
+    assert re.search(r"--inherit all: .*W_Q \([\d,]+\) from SPT, .*head \([\d,]+\) fresh", printed)  # per group
+    result = json.load(open(os.path.join(folder, "finetune_spt.json")))
+    assert result["label_names"] == data.load_split(data_dir, "synthetic", "train")["meta"].get("label_names")
+    # a resume on another CPU or thread count says that it will not be bit-identical; the first loss line after
+    # it says over how many steps its mean is
+    last = os.path.join(folder, "pretrain_last.pt")
+    ck = data.load_pt(last)
+    data.save_atomic(dict(ck, threads=99), last)
+    pretrain.main(flags + ["--max_steps", "8", "--log_every", "3", "--resume"])
+    printed = capsys.readouterr().out
+    assert "note: the checkpoint was made with {'threads': 99}" in printed and "not bit-identical" in printed
+    assert re.search(r"step +6/8 .*loss [\d.]+ \(mean of 2 steps\)", printed), printed
