@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 
 import numpy as np
 import pytest
@@ -4336,6 +4337,75 @@ def write_starter(folder, numbers=None):
           f"written; a test that needs a function not written yet is skipped, naming its exercise)")
 
 
+def grade(student, numbers=None, timeout=600):
+    """Grade a student's copy with this file's graders (README, Exercises): each chosen exercise's grading test (numbers
+    of the README's table; None: all), in a fresh process, on a temporary copy of the student's modules (every
+    top-level .py file but test_all.py and conftest.py, which the student may have edited) beside this test_all.py.
+    Importing the student's modules here would grade this project's own functions instead. Prints one row per
+    exercise: passed, or the first property it breaks (the grader's message). Returns how many failed. ValueError
+    for a folder without the project's modules or an unknown number."""
+    known = {str(exercise_function(name)[0]): name for name in EXERCISES}
+    chosen = list(known) if numbers is None else [str(n).strip() for n in numbers]
+    if unknown := [n for n in chosen if n not in known]:
+        raise ValueError(f"unknown exercise {unknown[0]!r}: the README's table numbers them 1 to {len(known)}")
+    modules = sorted(f for f in os.listdir(student) if f.endswith(".py") and f not in ("test_all.py", "conftest.py")) \
+        if os.path.isdir(student) else []
+    if "model.py" not in modules:
+        raise ValueError(f"{student}: no model.py there: give the folder of a student's copy of the project")
+    failed = 0
+    print(f"| # | function | {student} |\n|---|---|---|")
+    for number in chosen:
+        name = known[number]
+        with tempfile.TemporaryDirectory() as folder:
+            for f in modules:
+                shutil.copy2(os.path.join(student, f), folder)
+            shutil.copy2(os.path.abspath(__file__), os.path.join(folder, "test_all.py"))
+            try:
+                done = subprocess.run([sys.executable, "-c", f"import test_all; test_all.test_exercise_{name}()"],
+                                      cwd=folder, capture_output=True, text=True, timeout=timeout,
+                                      env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": ""})
+                why = [line for line in done.stderr.strip().splitlines() if line.strip()][-1:] or ["no output"]
+                verdict = "passed" if done.returncode == 0 else f"fails: {why[0].strip()[:300]}"
+            except subprocess.TimeoutExpired:
+                verdict = f"fails: no result in {timeout} s"
+        failed += verdict != "passed"
+        print(f"| {number} | {exercise_function(name)[1]} | {verdict} |")
+    print(f"{len(chosen) - failed} of {len(chosen)} exercises pass")
+    return failed
+
+
+def test_grade_runs_the_instructors_tests_on_the_students_functions(tmp_path):
+    """python test_all.py --grade DIR: a blanked exercise fails; a wrong answer fails even where the student
+    weakened its grader in their own test_all.py (and left a conftest.py that would skip it); the right answer
+    passes, with exit status 0."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    conftest = os.path.join(here, "conftest.py")
+    if os.path.exists(conftest) and open(conftest).read() == STARTER_CONFTEST:
+        pytest.skip("a starter copy: the instructor grades in the project")
+    kit = tmp_path / "alice"
+    write_starter(str(kit), ["1"])
+    cli = lambda: subprocess.run([sys.executable, os.path.join(here, "test_all.py"), "--grade", str(kit),  # noqa: E731
+                                  "--exercises", "1"], capture_output=True, text=True, cwd=here)
+    done = cli()
+    assert done.returncode == 1 and re.search(r"^\| 1 \| pretrain.mask_batch \| fails: NotImplementedError: exercise 1",
+                                              done.stdout, re.M), done.stdout + done.stderr
+    source = open(os.path.join(here, "pretrain.py")).read()
+    wrong = source.replace("masked = (u < ratio) & valid", "masked = u < ratio")  # padding masked too
+    assert wrong != source
+    (kit / "pretrain.py").write_text(wrong)
+    with open(kit / "test_all.py", "a") as f:
+        f.write("\n\ndef test_exercise_masking():  # the student's own, weakened\n    pass\n")
+    done = cli()
+    assert done.returncode == 1 and re.search(r"^\| 1 \| pretrain.mask_batch \| fails: AssertionError: row \d+ "
+                                              r"\(length \d+\): padding position \d+ is masked", done.stdout, re.M), \
+        done.stdout + done.stderr
+    (kit / "pretrain.py").write_text(source)
+    done = cli()
+    assert done.returncode == 0 and "| 1 | pretrain.mask_batch | passed |" in done.stdout, done.stdout + done.stderr
+    with pytest.raises(ValueError, match="no model.py there"):
+        grade(str(tmp_path / "nobody"))
+
+
 def test_starter_copy_blanks_the_chosen_functions_keeps_their_specification_and_holds_no_answer(tmp_path, capsys):
     """write_starter: the tracked files without .git, out/, data/; each chosen function keeps its decorators,
     signature and docstring and raises NotImplementedError naming its exercise; the others stay. No two consecutive
@@ -6128,17 +6198,6 @@ def test_starter_copy_of_an_untracked_project_inside_another_git_repository(tmp_
         tmp_path / "class" / "pretrain.py").read_text()
 
 
-if __name__ == "__main__":  # python test_all.py --starter DIR [--exercises 1,3]: a class's copy (README, Exercises)
-    parser = argparse.ArgumentParser(description="Write a starter copy of the project for a class (README, Exercises).")
-    parser.add_argument("--starter", required=True, metavar="DIR", help="a new folder for the copy")
-    parser.add_argument("--exercises", help="numbers of the README's exercise table, comma-separated (default: all)")
-    args = parser.parse_args()
-    try:
-        write_starter(args.starter, None if args.exercises is None else args.exercises.split(","))
-    except ValueError as e:
-        sys.exit(f"test_all.py --starter: {e}")
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Faults, second trial (#47): run names, flag bounds, ablate's finished runs and children, a replaced folder
 # ----------------------------------------------------------------------------------------------------------
@@ -6329,3 +6388,21 @@ def test_partial_results_of_the_second_fault_trial_are_one_line_naming_their_cau
     printed = capsys.readouterr().out
     assert "note: the checkpoint was made with {'threads': 99}" in printed and "not bit-identical" in printed
     assert re.search(r"step +6/8 .*loss [\d.]+ \(mean of 2 steps\)", printed), printed
+
+
+if __name__ == "__main__":  # a class's copy, or grading one (README, Exercises)
+    parser = argparse.ArgumentParser(description="Write a starter copy of the project for a class, or grade a "
+                                                 "student's copy with this file's graders (README, Exercises).")
+    task = parser.add_mutually_exclusive_group(required=True)
+    task.add_argument("--starter", metavar="DIR", help="a new folder for the copy")
+    task.add_argument("--grade", metavar="DIR", help="a student's copy: one row per exercise; exit 1 if one fails")
+    parser.add_argument("--exercises", help="numbers of the README's exercise table, comma-separated (default: all)")
+    args = parser.parse_args()
+    numbers = None if args.exercises is None else args.exercises.split(",")
+    try:
+        if args.starter:
+            write_starter(args.starter, numbers)
+        elif grade(args.grade, numbers):
+            sys.exit(1)
+    except ValueError as e:
+        sys.exit(f"test_all.py --{'starter' if args.starter else 'grade'}: {e}")
