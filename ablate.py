@@ -824,6 +824,46 @@ def experiment_posenc(args):
     write_outputs(output, runs, "\n".join(table), args)
 
 
+def experiment_pooling(args):
+    """Beyond the paper (#48): does removing Prop. 1's blind spot remove the plateau? Mean, max and [CLS] pooling
+    (model.POOLINGS), from scratch against SPT then finetuning, on the demo's synthetic task (L 300, 2,000
+    trajectories, 10 epochs per stage, batch 32). [CLS] pooling reads one summary token: its
+    gradient along Prop. 1's directions is not zero at uniform attention (analyze.py prop1). Per row: accuracy, the
+    plateau-exit epoch, and L_sup's share along Prop. 1's directions on the from-scratch run's initial weights."""
+    data_dir = os.path.join(args.data_dir, "demo_L300")  # the demo's data
+    if not os.path.exists(data.split_path(data_dir, "synthetic")):
+        data.prepare_synthetic(data_dir, n_train=2000, n_val=500, n_test=500, length=300)
+    common = ["--data_dir", data_dir, "--preset", args.preset, "--device", args.device, "--init_scheme",
+              args.init_scheme, "--accept_data", "--epochs", "10", "--batch_size", "32", "--eval_every", "100000"] + (
+        ["--max_steps", str(args.max_steps)] if args.max_steps else [])
+    output, runs = "pooling", []
+    for seed in seeds_here(args, output, ("synthetic", common)):
+        for pooling in model_lib.POOLINGS:
+            folder = os.path.join(args.out_dir, "ablate", args.init_scheme, "pooling_L300", pooling, f"seed{seed}")
+            flags = common + ["--pooling", pooling]
+            ckpt = run_pretrain("synthetic", folder, seed, flags)
+            for name, init in (("scratch", "scratch"), ("spt", ckpt)):
+                result = run_finetune("synthetic", folder, seed, name, init, flags)
+                share = analyze.loss_gradients(pretrain.run_paths(folder, "synthetic", "finetune", name)["init"],
+                                               data_dir, losses=("L_sup",))["L_sup"]["prop1_share"][0]
+                runs.append(summary(seed, result, pooling=pooling, name=name, prop1_share_init=share))
+    majority = majority_rate(data_dir, "synthetic")
+    rows = md_table(["pooling", "run", "val acc", "test acc", "epoch val acc >= 0.9 (runs)",
+                     "L_sup's share along Prop. 1's directions, at its init"],
+                    [[pooling, label, cells(select(runs, pooling=pooling, name=name), "best_val_acc", "test_acc", "exit",
+                                            majority=majority), mean_std([r["prop1_share_init"] for r in select(
+                                                runs, pooling=pooling, name=name)])]
+                     for pooling in model_lib.POOLINGS for name, label in (("scratch", "from scratch"),
+                                                                          ("spt", "SPT, then finetune"))])
+    rows += [""] + paired_table("SPT minus from scratch, test acc paired by seed", [
+        (pooling, select(runs, pooling=pooling, name="spt"), select(runs, pooling=pooling, name="scratch"))
+        for pooling in model_lib.POOLINGS])
+    rows.append(footer(args, "pooling", describe_data(data_dir, "synthetic"),
+                       "the minimal model; 10 epochs per stage, batch 32 (the demo's); the share on 64 training "
+                       "sequences, on each finetuning's own _init.pt (SPT's row: the SPT weights with a fresh head)"))
+    write_outputs(output, runs, "\n".join(rows), args)
+
+
 def experiment_initscale(args):
     """Beyond the paper: where is the from-scratch plateau over (init scale, length), and does SPT remove it? The
     minimal model on trajectories of each --lengths, init --kinds (tied or independent projections) x --scales,
@@ -1161,6 +1201,7 @@ def gpu_table(out):
 TITLES = {"main": "LRA: from scratch versus SPT (Coser et al. Table 2)",
           "synthetic": "Synthetic trajectories: from scratch versus SPT (Coser et al. Sec. 4)",
           "initscale": "Beyond the paper: the from-scratch plateau over init scale and sequence length",
+          "pooling": "Beyond the paper: mean, max and [CLS] pooling, from scratch versus SPT",
           "init": "Hybrid initialization and freezing (Coser et al. Table 3)",
           "posenc": "Relative positions from scratch versus SPT (Coser et al. Sec. 4)",
           "pfcurves": "PathFinder on the CPU: which configuration learns above chance (from scratch)",
@@ -1444,6 +1485,7 @@ def build_parser():
     add("synthetic", "scratch vs SPT on the minimal model (Sec. 4)")
     add("init", "hybrid initialization and freezing (Table 3)", task=True)
     add("posenc", "ALiBi, RoPE, FIRE from scratch vs SPT (Sec. 4)", task=True)
+    add("pooling", "mean, max and [CLS] pooling: from scratch vs SPT at the demo's length (beyond the paper)")
     add("duration", "SPT epochs before finetuning (Sec. 3)", task=True)(
         "--durations", type=data.POSITIVE, nargs="+", default=None, help="SPT epochs (default: 1 3 10 on cpu, 1 10 100 200)")
     arg = add("swap", "dataset swap PathFinder <-> Image (Sec. 3)")
@@ -1494,7 +1536,8 @@ def build_parser():
 
 EXPERIMENTS = {"synthetic": experiment_synthetic, "init": experiment_init, "posenc": experiment_posenc,
                "duration": experiment_duration, "swap": experiment_swap, "main": experiment_main,
-               "frozen": experiment_frozen, "ucr": experiment_ucr, "initscale": experiment_initscale, "bench": bench,
+               "frozen": experiment_frozen, "ucr": experiment_ucr, "initscale": experiment_initscale,
+               "pooling": experiment_pooling, "bench": bench,
                "gpu": experiment_gpu, "demo": experiment_demo, "report": report}
 
 

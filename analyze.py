@@ -225,12 +225,14 @@ def loss_gradients(path, data_dir, n=64, chunk=None, seed=0, losses=("L_sup", "L
             else:
                 inputs, masked = pretrain.mask_batch(x, lengths, ratio, meta.get("mask_id"), g)
                 z, probs = model.encode(inputs, lengths, need_weights=True)
-                targets = pretrain.targets_at(x, None, kind, meta)
-                loss = pretrain.reconstruction_loss(model.rec_head(z), targets, kind, masked) * masked.sum()
+                targets = pretrain.targets_at(x, None, kind, meta)  # the sequence's positions, after the summary token's
+                loss = pretrain.reconstruction_loss(model.rec_head(z[:, model.prefix:]), targets, kind, masked) * \
+                    masked.sum()
             for p in probs:
                 p.retain_grad()
             loss.backward()
-            parts += torch.tensor([prop1_parts(score_gradient(p.detach(), p.grad), lengths) for p in probs])
+            real = None if lengths is None else lengths + model.prefix  # [CLS]: the token is a real query and key
+            parts += torch.tensor([prop1_parts(score_gradient(p.detach(), p.grad), real) for p in probs])
         norms = {}
         for name, param in model.named_parameters():
             if param.grad is not None:
@@ -288,11 +290,11 @@ def attention_maps(model, x, lengths=None, chunk=None):
     x: (B, L) tokens or (B, L, d_input) values; lengths: (B,) or None. Returns lists over layers of (H, L, L) maps
     and (H, L) entropies (nats); row i is the mean over the sequences in which position i is real. The entropy is
     taken per sequence: the averaged map's is larger (concavity). `chunk` sequences at a time (default: chunk x L^2
-    <= 2^24) bound the memory.
+    <= 2^24) bound the memory. Under [CLS] pooling L counts the summary token too: it is position 0.
     """
-    L, layers = x.shape[1], model.cfg.n_layers
+    L, layers = model.prefix + x.shape[1], model.cfg.n_layers
     chunk, sums, ents = chunk or max(1, 2 ** 24 // L ** 2), [0.0] * layers, [0.0] * layers
-    real = torch.ones(len(x), L) if lengths is None else (torch.arange(L) < lengths[:, None]).float()  # (B, L)
+    real = torch.ones(len(x), L) if lengths is None else (torch.arange(L) < model.prefix + lengths[:, None]).float()
     for i in range(0, len(x), chunk):
         part = None if lengths is None else lengths[i:i + chunk]
         _, probs = model.encode(model_inputs(model, x[i:i + chunk]), part, need_weights=True)
@@ -374,7 +376,9 @@ def analyze_checkpoints(paths, data_dir, n=64, band=3):
     """Attention maps, PE probes and statistics of each checkpoint of `paths` ({label: path}) on the first `n`
     validation sequences of its task (Retrieval: the 2n documents of n pairs); "displacement" from the start of the
     checkpoint's own run (pretrain.run_init_path). Returns (results: plain numbers, maps: {label: dict(attention=[(H, L,
-    L) per layer], probe=(H, L, L) or None, qk=(d, d))}).
+    L) per layer], probe=(H, L, L) or None, qk=(d, d))}). Under [CLS] pooling the maps and statistics are over the
+    sequence's positions (rows renormalized without the token's column), and the token's own attention is apart:
+    summary_token_key_mass (what a position gives the token) and summary_token_row_entropy (the token's row).
     """
     results, maps = {}, {}
     for label, path in paths.items():
@@ -384,12 +388,18 @@ def analyze_checkpoints(paths, data_dir, n=64, band=3):
         x, lengths = single_sequences(x, lengths)  # Retrieval: each document of a pair on its own
         padded = None if bool((lengths == x.shape[1]).all()) else lengths
         attn, entropies = attention_maps(model, x, padded)
+        probe = pe_probe(model, model.prefix + x.shape[1])[1] if model.absolute_positions(1) is not None else None
+        token = {}
+        if model.prefix:  # [CLS]: the summary token's row and column apart, the statistics over the sequence's keys
+            token = dict(summary_token_key_mass=attn[0][:, 1:, 0].mean().item(), summary_token_row_entropy=-(
+                attn[0][:, 0] * attn[0][:, 0].clamp_min(1e-30).log()).sum(-1).mean().item())
+            attn = [a[:, 1:, 1:] / a[:, 1:, 1:].sum(-1, keepdim=True) for a in attn]  # renormalized over the keys
+            probe = None if probe is None else probe[:, 1:, 1:] / probe[:, 1:, 1:].sum(-1, keepdim=True)
+            entropies = [None] * len(attn)  # the renormalized map's own entropy
         side = math.isqrt(x.shape[1])  # pixel tasks: square images flattened row by row
         side = side if (ck.get("data_meta") or {}).get("kind") == "pixels" and side * side == x.shape[1] else None
-        stats = attention_stats(attn[0], band, side, entropy=entropies[0], lengths=padded)
-        probe = None
-        if model.absolute_positions(1) is not None:  # the probe feeds the absolute positions P
-            _, probe = pe_probe(model, x.shape[1])
+        stats = dict(attention_stats(attn[0], band, side, entropy=entropies[0], lengths=padded), **token)
+        if probe is not None:  # the probe feeds the absolute positions P
             stats["probe"] = attention_stats(probe, band, side)
             pair = torch.stack([probe.flatten(), attn[0].flatten()])
             stats["probe_corr_with_attention"] = torch.corrcoef(pair)[0, 1].item()

@@ -36,8 +36,10 @@ from pretrain import (MODEL_FLAGS, autocast, build_parser, epoch_batches, evalua
                       resolve, train, wrap)
 
 
-# The groups are model.PARAM_GROUPS (W_Q, W_K, W_V, W_O, mlp, embed, norm, head, posenc), by parameter name.
-_BACKBONE = ("W_Q", "W_K", "W_V", "W_O", "mlp", "embed", "norm", "posenc")
+# The groups are model.PARAM_GROUPS (W_Q, W_K, W_V, W_O, mlp, embed, norm, head, posenc, summary), by parameter name.
+# SPT hands on the summary token of [CLS] pooling with the backbone (--inherit all): SPT trains it as a key every
+# position may attend to (it is never reconstructed), so it arrives as a position the attention already knows.
+_BACKBONE = ("W_Q", "W_K", "W_V", "W_O", "mlp", "embed", "norm", "posenc", "summary")
 # finetune.py --inherit: which groups come from the SPT checkpoint (Coser et al. Table 3); the rest is fresh.
 INHERIT = {"all": _BACKBONE, "qk": ("W_Q", "W_K"), "attn": ("W_Q", "W_K", "W_V", "W_O"),
            "qk+embed+norm": ("W_Q", "W_K", "embed", "norm"),
@@ -102,8 +104,9 @@ def model_from_pretrained(path, meta, n_classes, task, device, inherit="all", he
     ck = data.load_pt(path, map_location="cpu")
     missing = [key for key in ("model", "model_config", "task", "data_meta") if key not in ck]
     if missing or ck.get("stage") != "pretrain":
-        raise ValueError(f"{path}: a {ck.get('stage')!r} checkpoint" + (f" without {missing}" if missing else "")
-                         + "; --init takes one written by pretrain.py")
+        raise ValueError(f"{path}: " + (f"a {ck['stage']!r} checkpoint" if ck.get("stage") else "not a checkpoint "
+                         "(a data split?)") + (f" without {missing}" if missing else "") + "; --init takes one "
+                         "written by pretrain.py (<out_dir>/<task>/pretrain.pt)")
     input_kind = lambda m: (m["kind"], m["vocab_size"] if m["kind"] == "tokens" else m["d_input"])  # tokens, width
     if ck["task"] != task and input_kind(ck["data_meta"]) != input_kind(meta):  # a swap needs one kind of input
         raise ValueError(f"{path}: checkpoint of task {ck['task']!r} with inputs {input_kind(ck['data_meta'])}, "
@@ -127,8 +130,10 @@ def model_from_pretrained(path, meta, n_classes, task, device, inherit="all", he
     model = Transformer(cfg)
     fresh = model.state_dict()
     new, dropped = sorted(set(fresh) - set(state)), sorted(set(state) - set(fresh))
-    bad_new = [k for k in new if not k.startswith("cls_head.")]  # only the class head may be new,
-    bad_dropped = [k for k in dropped if not k.startswith("rec_head.")]  # only the reconstruction head dropped
+    # only the class head may be new and the reconstruction head dropped (and the summary token of [CLS] pooling,
+    # when SPT pooled otherwise: pooling is the finetuning task's, FINETUNE_FIELDS)
+    bad_new = [k for k in new if not k.startswith("cls_head.") and k != "summary_token"]
+    bad_dropped = [k for k in dropped if not k.startswith("rec_head.") and k != "summary_token"]
     if bad_new or bad_dropped:
         raise ValueError(f"{path}: checkpoint does not match the model: missing {bad_new}, unexpected {bad_dropped}")
     for key in set(state) & set(fresh):  # the inherited ones (a learned table grows with max_len in a swap)

@@ -3,7 +3,7 @@
     input encoder (token embedding or linear layer)  +  sinusoidal absolute positions  (Vaswani et al. 2017, 3.5)
     -> n_layers x pre-LayerNorm block:  x + Attention(LN(x)),  x + MLP(LN(x))          (Amos et al. 2024 configs)
     -> final LayerNorm
-    -> reconstruction head (per position, self-pretraining)  and/or  mean pooling + classification head
+    -> reconstruction head (per position, self-pretraining)  and/or  pooling (mean, max, [CLS]) + classification head
 
 Attention keeps W_Q, W_K, W_V, W_O as four Linear layers (`q_proj`, `k_proj`, `v_proj`, `o_proj`), so that
 Coser et al.'s Table 3 can inherit or freeze them one by one. It has two paths that compute the same thing:
@@ -40,7 +40,8 @@ class ModelConfig:
     mlp: bool = True           # False drops the MLP sub-block (minimal model)
     pos: str = "sinusoidal"    # positions (POSITIONS): "sinusoidal" or "learned" (absolute, added to the input),
                                # "alibi", "rope", "fire" (relative, inside attention), "none" (order-blind)
-    pooling: str = "mean"      # "mean" or "max" over non-padding positions
+    pooling: str = "mean"      # POOLINGS: "mean" or "max" over non-padding positions, or "cls": the state of a
+                               # learned summary token put before the sequence (BERT's [CLS]; not the class head)
     pair: bool = False         # dual encoder (LRA Retrieval): classify a pair of documents from [u, v, u*v, u-v]
     cls_mlp: bool = False      # Linear(d, d) + ReLU before the class layer: Amos et al.'s `sequence_nonelinear`
                                # decoder (their Text and Image configs); False: one Linear (ListOps, PathFinder)
@@ -58,6 +59,9 @@ class ModelConfig:
         for field, choices in (("pos", POSITIONS), ("pooling", POOLINGS), ("init", INIT_SCHEMES)):
             if getattr(self, field) not in choices:
                 raise ValueError(f"model {field} {getattr(self, field)!r}: expected one of {', '.join(choices)}")
+        if self.pooling == "cls" and self.attn_window:
+            raise ValueError("pooling 'cls' with local attention (attn_window > 0): the summary token would see only "
+                             "its own block; use mean or max pooling")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}: each head gets "
                              f"d_model / n_heads features (give --d_model or --n_heads so that it divides)")
@@ -81,7 +85,9 @@ def sinusoidal_positions(n_pos, d_model, base=10000.0):
 # input) or in Attention (relative: a score bias in _position_bias), put its parameters in PARAM_GROUPS["posenc"]
 # and its init in init_weights (an nn.Embedding would get N(0, 1)); buffers non-persistent and constant (pretrain.wrap).
 POSITIONS = ("sinusoidal", "learned", "alibi", "rope", "fire", "none")
-POOLINGS = ("mean", "max")  # ModelConfig.pooling: Transformer.pool over the real positions
+# Every ModelConfig.pooling (Transformer.pool). A new one: add it here and in pool; one with weights of its own puts
+# them in PARAM_GROUPS and init_weights, as "cls" does with its summary token (Transformer.prefix positions).
+POOLINGS = ("mean", "max", "cls")
 
 
 def alibi_slopes(n_heads):
@@ -271,9 +277,14 @@ class Transformer(nn.Module):
             self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)   # input encoder for tokens
         else:
             self.embed = nn.Linear(cfg.d_input, cfg.d_model)         # input encoder for continuous values
-        pe = sinusoidal_positions(cfg.max_len, cfg.d_model) if cfg.pos == "sinusoidal" else torch.zeros(0)
+        # [CLS] pooling: a learned summary token at position 0, before the sequence (Devlin et al. 2019). It is
+        # one more position for the positions, the attention and every map; it is never masked nor reconstructed.
+        self.prefix = int(cfg.pooling == "cls")                         # positions before the sequence
+        self.summary_token = nn.Parameter(torch.zeros(cfg.d_model)) if self.prefix else None
+        n_pos = cfg.max_len + self.prefix
+        pe = sinusoidal_positions(n_pos, cfg.d_model) if cfg.pos == "sinusoidal" else torch.zeros(0)
         self.register_buffer("pe", pe, persistent=False)            # a function of the config, not a weight
-        self.pos_embed = nn.Embedding(cfg.max_len, cfg.d_model) if cfg.pos == "learned" else None  # a weight
+        self.pos_embed = nn.Embedding(n_pos, cfg.d_model) if cfg.pos == "learned" else None  # a weight
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model) if cfg.layernorm else nn.Identity()
         self.rec_head = nn.Linear(cfg.d_model, cfg.n_rec) if cfg.n_rec > 0 else None
@@ -292,16 +303,20 @@ class Transformer(nn.Module):
         return self.classify(x, lengths) if positions is None else self.reconstruct(x, lengths, positions)
 
     def encode(self, x, lengths=None, need_weights=False):
-        """Hidden states Z (B, L, d_model) and, with need_weights, the list of attention probs per layer."""
-        L = x.shape[1]
+        """Hidden states Z (B, prefix + L, d_model) and, with need_weights, the list of attention probs per layer
+        (B, H, prefix + L, prefix + L). prefix is 1 under [CLS] pooling (the summary token at position 0), else 0."""
+        L, B = x.shape[1], x.shape[0]
         if L > self.cfg.max_len:
             raise ValueError(f"sequence length {L} exceeds the model's max_len {self.cfg.max_len}")
         # One check per forward (not per layer): with no padding the attention runs without any mask.
         # lengths on the CPU (as data.get_batch returns them) make this check free; on the GPU it would wait.
         padded = lengths is not None and not bool((lengths >= L).all())
-        valid = torch.arange(L, device=x.device)[None, :] < on(lengths, x.device)[:, None] if padded else None
+        valid = torch.arange(self.prefix + L, device=x.device)[None, :] < self.prefix + on(
+            lengths, x.device)[:, None] if padded else None
         h = self.embed(x)                                                 # (B, L, d_model)
-        P = self.absolute_positions(L)
+        if self.prefix:                                                   # the summary token first: (B, 1 + L, d)
+            h = torch.cat([self.summary_token.to(h.dtype).expand(B, 1, -1), h], dim=1)
+        P = self.absolute_positions(self.prefix + L)
         h = h if P is None else h + P
         all_probs = []
         for block in self.blocks:
@@ -317,7 +332,10 @@ class Transformer(nn.Module):
         return self.pos_embed.weight[:L] if self.pos_embed is not None else None
 
     def pool(self, z, lengths=None):
-        """Pooling by cfg.pooling, "mean" or "max", over non-padding positions: (B, L, d) -> (B, d); z unchanged."""
+        """Pooling by cfg.pooling: "mean" or "max" over non-padding positions, or "cls": the summary token's state at
+        position 0 (z from encode: (B, 1 + L, d)). (B, L, d) -> (B, d); z unchanged."""
+        if self.cfg.pooling == "cls":
+            return z[:, 0]
         if lengths is None:
             return z.mean(dim=1) if self.cfg.pooling == "mean" else z.max(dim=1).values
         lengths = on(lengths, z.device)
@@ -354,7 +372,7 @@ class Transformer(nn.Module):
         looking at the mask, so on a GPU nothing waits for the device (picking the M masked positions needs their
         count, a host synchronisation). The price is the head at all B L positions.
         """
-        z, _ = self.encode(x, lengths)
+        z = self.encode(x, lengths)[0][:, self.prefix:]  # the sequence's positions: the summary token is not one
         return in_fp32(self.rec_head, z if positions is True else z[positions])
 
 
@@ -378,6 +396,7 @@ PARAM_GROUPS = {
     "norm": lambda n: ".ln1." in n or ".ln2." in n or n.startswith("ln_f."),
     "head": lambda n: n.startswith(("cls_head.", "rec_head.")),
     "posenc": lambda n: ".attn.fire." in n or n.startswith("pos_embed."),  # learned positions: FIRE, the table
+    "summary": lambda n: n == "summary_token",                        # [CLS] pooling's token (not the class head)
 }
 
 
@@ -402,6 +421,7 @@ def init_weights(model, cfg):
     | Linear bias                          | U(-1/sqrt(d_in), ...)      | as "reference"   | 0                |
     | Embedding (token input encoder)      | N(0, 1)                    | N(0, 1)          | N(0, init_std^2) |
     | learned positions table (pos_embed)  | N(0, init_std^2)           | N(0, init_std^2) | N(0, init_std^2) |
+    | summary token ([CLS] pooling)        | N(0, init_std^2)           | N(0, init_std^2) | N(0, init_std^2) |
     | W_Q, W_K, W_V, W_O of one layer      | equal (one draw, copied)   | independent      | independent      |
     | LayerNorm weight / bias              | 1 / 0                      | 1 / 0            | 1 / 0            |
     Then every Linear weight and bias and every Embedding weight is multiplied by cfg.init_scale (1 = as above).
@@ -430,6 +450,9 @@ def init_weights(model, cfg):
         elif isinstance(m, nn.LayerNorm):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
+    if model.summary_token is not None:  # BERT's [CLS] is a row of its embedding table, N(0, 0.02)
+        with torch.no_grad():
+            model.summary_token.normal_(0.0, cfg.init_std).mul_(cfg.init_scale)
     if cfg.init == "reference":  # clones(): the four projections start as copies of one layer
         for m in model.modules():
             if isinstance(m, Attention):

@@ -44,7 +44,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import data
 from data import NON_NEGATIVE, POSITIVE, POSITIVE_FLOAT, number_at_least
-from model import INIT_SCHEMES, POSITIONS, ModelConfig, Transformer, checkpoint_dict, on
+from model import INIT_SCHEMES, POOLINGS, POSITIONS, ModelConfig, Transformer, checkpoint_dict, on
 try:
     import fcntl
 except ImportError:  # Windows: runs are not locked (lock_run says so)
@@ -290,8 +290,9 @@ def next_commands(task, checkpoint, given):
     def flags(names):
         return "".join(f" --{k}" if given[k] is True else f" --{k} {shlex.quote(str(given[k]))}"
                        for k in names if k in given and given[k] is not None)
-    both = flags(("data_dir", "out_dir", "preset", "seed", "device", "dtype", "max_len", "resolution", "difficulty"))
-    model = flags(MODEL_FLAGS)
+    both = flags(("data_dir", "out_dir", "preset", "seed", "device", "dtype", "max_len", "resolution", "difficulty",
+                  "pooling"))  # pooling: the finetuning task's own (finetune.FINETUNE_FIELDS), so both carry it
+    model = flags([k for k in MODEL_FLAGS if k != "pooling"])
     return (f"python finetune.py --task {task} --init {shlex.quote(checkpoint)}{both}",
             f"python finetune.py --task {task} --init scratch{both}{model}")
 
@@ -338,6 +339,8 @@ def build_parser(stage, description):
         g.add_argument(f"--{name}", type=POSITIVE, default=None, help=what)
     g.add_argument("--pos", default=None, choices=POSITIONS,
                    help="positions (model.POSITIONS); the paper's are sinusoidal")
+    g.add_argument("--pooling", default=None, choices=POOLINGS,
+                   help="pooling for the class head (model.POOLINGS); the paper's is mean; cls: a summary token")
     g.add_argument("--init_scheme", default=None, choices=INIT_SCHEMES,
                    help="initialization (model.init_weights); default reference = Amos et al.'s code")
     g.add_argument("--init_std", type=POSITIVE_FLOAT, default=None, help="std of --init_scheme normal, and of --pos learned (default 0.02)")
@@ -356,8 +359,8 @@ def build_parser(stage, description):
 
 
 # Flags that set ModelConfig fields (flag name -> field name); None means the preset's (or ModelConfig's) value.
-MODEL_FLAGS = {**{k: k for k in MODEL_SIZE_FLAGS}, "pos": "pos", "init_scheme": "init", "init_std": "init_std",
-               "init_scale": "init_scale"}
+MODEL_FLAGS = {**{k: k for k in MODEL_SIZE_FLAGS}, "pos": "pos", "pooling": "pooling", "init_scheme": "init",
+               "init_std": "init_std", "init_scale": "init_scale"}
 
 
 def resolve(args, stage, parser):

@@ -1296,7 +1296,8 @@ def synthetic_run(tmp_path_factory):
 
 def test_every_parameter_is_in_exactly_one_group():
     for cfg in (tiny_cfg(n_classes=3, n_rec=17), tiny_cfg(layernorm=False, mlp=False, n_classes=2),
-                *(tiny_cfg(pos=pos, n_classes=2) for pos in model_lib.POSITIONS)):
+                *(tiny_cfg(pos=pos, n_classes=2, pooling=pooling) for pos in model_lib.POSITIONS
+                  for pooling in model_lib.POOLINGS)):
         groups = {model_lib.param_group(n) for n, _ in Transformer(cfg).named_parameters()}
         assert groups <= set(model_lib.PARAM_GROUPS)
     with pytest.raises(ValueError, match="expected exactly one"):
@@ -1714,9 +1715,9 @@ def test_reference_projections_part_after_one_optimizer_step():
 
 def test_unknown_init_scheme_and_old_checkpoints(tmp_path):
     """Every string setting of ModelConfig is checked when the model is built, naming the choices (a typo would
-    otherwise run another model: pooling "cls" ran max pooling), and d_model must divide among the heads."""
+    otherwise run another model: an unknown pooling ran max pooling), and d_model must divide among the heads."""
     for field, bad, choices in (("init", "xavier", model_lib.INIT_SCHEMES), ("pos", "sinusoid", model_lib.POSITIONS),
-                                ("pooling", "cls", model_lib.POOLINGS)):
+                                ("pooling", "first", model_lib.POOLINGS)):
         with pytest.raises(ValueError, match=rf"^model {field} '{bad}': expected one of {', '.join(choices)}$"):
             tiny_cfg(**{field: bad})
     with pytest.raises(ValueError, match="d_model 30 is not divisible by n_heads 4"):
@@ -3898,11 +3899,18 @@ def test_exercise_hybrid_initialization():
 
 
 def test_exercise_mean_pooling():
-    """model.Transformer.pool: by cfg.pooling, the mean or the max over each sequence's real positions,
-    padding ignored; without lengths every position is real. Checked against loops."""
+    """model.Transformer.pool: by cfg.pooling (every one of model.POOLINGS), the mean or the max over each sequence's
+    real positions, padding ignored, without lengths every position real; "cls": position 0, the summary token's
+    state, whatever the lengths. Checked against loops."""
     z, lengths = torch.randn(3, 7, 16), torch.tensor([7, 2, 5])
-    for pooling in ("mean", "max"):
+    for pooling in model_lib.POOLINGS:
         model = Transformer(tiny_cfg(pos="none", pooling=pooling))
+        if pooling == "cls":
+            for given in (lengths, None):
+                pooled = model.pool(z, given)
+                assert torch.is_tensor(pooled) and torch.equal(pooled, z[:, 0]), \
+                    f"pooling cls, lengths {given}: expected z[:, 0], the state of the summary token at position 0"
+            continue
         reduce = (lambda t: t.mean(dim=0)) if pooling == "mean" else (lambda t: t.max(dim=0).values)
         shifted = z - 10.0  # all negative: a padded 0 must not win the max
         pooled = model.pool(shifted, lengths)
@@ -3921,7 +3929,7 @@ def test_exercise_absolute_positions():
     pos_embed (a gradient reaches exactly them); None for the schemes inside attention and "none"."""
     torch.manual_seed(0)
     stand_in = torch.randn(64, 16)
-    with pytest.MonkeyPatch.context() as patch:  # sinusoidal_positions (exercise 4) replaced: this grader needs only 9
+    with pytest.MonkeyPatch.context() as patch:  # sinusoidal_positions (exercise 1) stood in for: no other exercise
         patch.setattr(model_lib, "sinusoidal_positions", lambda n, d, base=10000.0: stand_in[:n, :d].clone())
         models = {pos: Transformer(tiny_cfg(pos=pos, n_layers=0, layernorm=False)) for pos in model_lib.POSITIONS}
     x = torch.randint(2, 17, (2, 10))
@@ -3950,16 +3958,19 @@ def test_exercise_absolute_positions():
                               f"expected None, got {type(P).__name__}"
 
 
-EXERCISES = {  # name: (object holding the function, its attribute name, the grading test), in the README's order
+EXERCISES = {  # name: (object holding the function, its attribute name, the grading test), in the README's order:
+    # the order they depend on each other (the model needs its positions; pretrain.py needs the model, the masks and
+    # the loss; finetune.py the pooling, then hybrid initialization; analyze.py attention the explicit softmax and
+    # the probe), so that a student who has written 1 to k can run the commands of questions 1 to k
+    "sinusoidal_positions": (model_lib, "sinusoidal_positions", test_exercise_sinusoidal_positions),
+    "absolute_positions": (Transformer, "absolute_positions", test_exercise_absolute_positions),
     "masking": (pretrain, "mask_batch", test_exercise_masking),
     "reconstruction_loss": (pretrain, "reconstruction_loss", test_exercise_reconstruction_loss),
+    "mean_pooling": (Transformer, "pool", test_exercise_mean_pooling),
+    "hybrid_initialization": (finetune, "hybrid_state_dict", test_exercise_hybrid_initialization),
     "explicit_attention": (model_lib.Attention, "explicit_attention", test_exercise_explicit_attention),
-    "sinusoidal_positions": (model_lib, "sinusoidal_positions", test_exercise_sinusoidal_positions),
     "pe_probe": (analyze, "pe_probe", test_exercise_pe_probe),
     "prop1_derivative": (analyze, "closed_form_spt_derivative", test_exercise_prop1_derivative),
-    "hybrid_initialization": (finetune, "hybrid_state_dict", test_exercise_hybrid_initialization),
-    "mean_pooling": (Transformer, "pool", test_exercise_mean_pooling),
-    "absolute_positions": (Transformer, "absolute_positions", test_exercise_absolute_positions),
 }
 
 
@@ -4212,6 +4223,8 @@ WRONG_ANSWERS = {  # exercise: {what is wrong: (real function) -> the wrong func
         "mean over the padded length": lambda real: lambda self, z, lengths=None: real(self, z, lengths) if (
             lengths is None or self.cfg.pooling == "max") else real(self, z, lengths) * lengths[:, None] / z.shape[1],
         "lengths ignored": lambda real: lambda self, z, lengths=None: real(self, z),
+        "cls pooled as the mean": lambda real: lambda self, z, lengths=None: z.mean(dim=1) if self.cfg.pooling == "cls"
+        else real(self, z, lengths),
         "one real position too few": lambda real: lambda self, z, lengths=None: real(
             self, z, None if lengths is None else (lengths - 1).clamp(min=1)),
         "padding of z zeroed in place": lambda real: lambda self, z, lengths=None: real(self, z if lengths is None else
@@ -4326,8 +4339,8 @@ def write_starter(folder, numbers=None):
     for rel, text in blanked.items():
         with open(os.path.join(folder, rel), "w") as f:
             f.write(text)
-    print(f"wrote {folder}: the project's {len(files)} files, without .git, out/ and data/; to write (their "
-          f"docstrings say what):")
+    print(f"wrote {folder}: the project's {len(files)} files, without .git, out/ and data/; to write, in this "
+          f"order (their docstrings say what; the commands of question k need exercises 1 to k at most, README):")
     for number in chosen:
         print(f"  exercise {number}: {exercise_function(known[number])[1]}, graded by python -m pytest -q test_all.py "
               f"-k exercise_{known[number]}")
@@ -4383,11 +4396,11 @@ def test_grade_runs_the_instructors_tests_on_the_students_functions(tmp_path):
     if os.path.exists(conftest) and open(conftest).read() == STARTER_CONFTEST:
         pytest.skip("a starter copy: the instructor grades in the project")
     kit = tmp_path / "alice"
-    write_starter(str(kit), ["1"])
+    write_starter(str(kit), ["3"])  # masking
     cli = lambda: subprocess.run([sys.executable, os.path.join(here, "test_all.py"), "--grade", str(kit),  # noqa: E731
-                                  "--exercises", "1"], capture_output=True, text=True, cwd=here)
+                                  "--exercises", "3"], capture_output=True, text=True, cwd=here)
     done = cli()
-    assert done.returncode == 1 and re.search(r"^\| 1 \| pretrain.mask_batch \| fails: NotImplementedError: exercise 1",
+    assert done.returncode == 1 and re.search(r"^\| 3 \| pretrain.mask_batch \| fails: NotImplementedError: exercise 3",
                                               done.stdout, re.M), done.stdout + done.stderr
     source = open(os.path.join(here, "pretrain.py")).read()
     wrong = source.replace("masked = (u < ratio) & valid", "masked = u < ratio")  # padding masked too
@@ -4396,12 +4409,12 @@ def test_grade_runs_the_instructors_tests_on_the_students_functions(tmp_path):
     with open(kit / "test_all.py", "a") as f:
         f.write("\n\ndef test_exercise_masking():  # the student's own, weakened\n    pass\n")
     done = cli()
-    assert done.returncode == 1 and re.search(r"^\| 1 \| pretrain.mask_batch \| fails: AssertionError: row \d+ "
+    assert done.returncode == 1 and re.search(r"^\| 3 \| pretrain.mask_batch \| fails: AssertionError: row \d+ "
                                               r"\(length \d+\): padding position \d+ is masked", done.stdout, re.M), \
         done.stdout + done.stderr
     (kit / "pretrain.py").write_text(source)
     done = cli()
-    assert done.returncode == 0 and "| 1 | pretrain.mask_batch | passed |" in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 0 and "| 3 | pretrain.mask_batch | passed |" in done.stdout, done.stdout + done.stderr
     with pytest.raises(ValueError, match="no model.py there"):
         grade(str(tmp_path / "nobody"))
 
@@ -4481,9 +4494,9 @@ def test_starter_copy_tests_fail_only_in_the_graders_and_skip_naming_the_blockin
     unnamed = {name: m for name, m in skipped.items() if not re.fullmatch(r"blocked by exercise \d+ \(\S+\)", m)}
     assert len(skipped) > 40 and not unnamed, unnamed
     assert skipped["test_mask_batch_masks_only_real_tokens_at_least_one_each"] == \
-        "blocked by exercise 1 (pretrain.mask_batch)"
+        "blocked by exercise 3 (pretrain.mask_batch)"
     assert skipped["test_every_grader_fails_on_plausible_wrong_answers_with_a_message[masking-padding masked]"] == \
-        "blocked by exercise 1 (pretrain.mask_batch)"
+        "blocked by exercise 3 (pretrain.mask_batch)"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -6194,8 +6207,8 @@ def test_starter_copy_of_an_untracked_project_inside_another_git_repository(tmp_
                           cwd=project, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "the project's 0 files" not in done.stdout and (tmp_path / "class" / "model.py").exists()
-    assert 'raise NotImplementedError("exercise 1: write pretrain.mask_batch' in (
-        tmp_path / "class" / "pretrain.py").read_text()
+    assert 'raise NotImplementedError("exercise 1: write model.sinusoidal_positions' in (
+        tmp_path / "class" / "model.py").read_text()
 
 
 # ----------------------------------------------------------------------------------------------------------
