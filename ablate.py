@@ -1456,11 +1456,11 @@ def build_parser():
         s = sub.add_parser(name, help=help, description=help, formatter_class=fmt)
         s.set_defaults(length=100, download=False, init_scheme="reference", only_seed=None, default_seeds=seeds)
         arg = s.add_argument
-        arg("--out_dir", default="out", help="where runs, tables and figures go (<out_dir>/ablate/, bench/, ...)")
+        arg("--out_dir", type=data.folder, default="out", help="where runs, tables and figures go (<out_dir>/ablate/, bench/, ...)")
         if name not in ("gpu", "report"):
             arg("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
         if runs or name == "demo":
-            arg("--data_dir", default="data", help="root of data/<task>/ (made there when missing)")
+            arg("--data_dir", type=data.folder, default="data", help="root of data/<task>/ (made there when missing)")
         if runs:
             arg("--seeds", type=data.POSITIVE, default=seeds, help="runs per row, seeds 0..N-1")
             arg("--jobs", type=data.POSITIVE, default=1, help="seeds run at once, a process of one thread each")

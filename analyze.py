@@ -601,11 +601,11 @@ def main(argv=None):
     def add(name, func, help, out, split=None, band=False, ckpt=None, seed=None):
         s = sub.add_parser(name, formatter_class=argparse.ArgumentDefaultsHelpFormatter, help=help)
         s.set_defaults(func=func)
-        s.add_argument("--out", default="out/analysis", help=f"folder for {out}")
+        s.add_argument("--out", type=data.folder, default="out/analysis", help=f"folder for {out}")
         if ckpt:
             s.add_argument("--ckpt", nargs="+", required=True, help=f"checkpoints, e.g. {ckpt}")
         if split:
-            s.add_argument("--data_dir", default="data", help=f"root of data/<task>/ (its {split} split is read)")
+            s.add_argument("--data_dir", type=data.folder, default="data", help=f"root of data/<task>/ (its {split} split is read)")
             s.add_argument("--n", type=data.POSITIVE, default=64, help=f"{split} sequences used")
         if band:
             s.add_argument("--band", type=data.NON_NEGATIVE, default=3, help="k of the band mass |i - j| <= k")

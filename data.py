@@ -2006,6 +2006,13 @@ def number_at_least(kind, low, strict=False, high=None):
     return parse
 
 
+def folder(text):
+    """An argparse type: a folder's name, not empty (an empty --out_dir would write into the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty name: give a folder")
+    return text
+
+
 POSITIVE, NON_NEGATIVE = number_at_least(int, 1), number_at_least(int, 0)
 POSITIVE_FLOAT = number_at_least(float, 0.0, strict=True)
 FRACTION = number_at_least(float, 0.0, strict=True, high=1.0)
@@ -2019,8 +2026,11 @@ def run_cli(main_fn):
     try:
         main_fn(sys.argv[1:])
     except (OSError, ValueError, FloatingPointError, MemoryError, KeyboardInterrupt) as e:
-        if os.environ.get("SPT_TRACEBACK"):
+        if os.environ.get("SPT_TRACEBACK", "").lower() not in ("", "0", "false", "no"):
             raise
+        if isinstance(e, BrokenPipeError):  # stdout closed (python x.py | head): end quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(1)
         if isinstance(e, KeyboardInterrupt):
             print(" ".join(str(e).split()) or "interrupted", file=sys.stderr)
             sys.exit(128 + getattr(e, "signum", 2))  # SIGINT is 2; the stages' SIGTERM, SIGHUP (pretrain.run_stage)
@@ -2048,7 +2058,7 @@ def main(argv=None):
                                    "is an error; defaults in parentheses.")
     unset = argparse.SUPPRESS  # a flag not given is not passed at all
     p.add_argument("--task", required=True, choices=TASKS)
-    p.add_argument("--data_dir", default="data", help="the .pt files go to <data_dir>/<task> (data)")
+    p.add_argument("--data_dir", type=folder, default="data", help="the .pt files go to <data_dir>/<task> (data)")
     p.add_argument("--seed", type=SEED, default=unset, help="of the generator or validation split (0; pixel tasks 42)")
     p.add_argument("--n_train", type=POSITIVE, default=unset, help="listops, synthetic (96000, 5000); fashion_mnist subset")
     p.add_argument("--n_val", type=POSITIVE, default=unset, help="listops, synthetic (2000, 1000); image, fashion_mnist "

@@ -220,6 +220,8 @@ def main(argv=None):
     else:
         model = model_from_pretrained(args.init, meta, meta["n_classes"], args.task, args.device, args.inherit,
                                       head={k: preset["model"].get(k, getattr(ModelConfig, k)) for k in FINETUNE_FIELDS})
+        if spt["state"]["step"] == 0:  # pretrain_init.pt: the weights before any SPT step
+            print(f"note: {args.init} holds the weights of SPT's step 0: this run starts from SPT's init, not from SPT")
         if holder := pretrain.running_holder(args.init):
             print(f"note: the SPT run of {args.init} is still running ({holder}): finetuning starts from its "
                   f"checkpoint as it is now, step {spt['state']['step']}")

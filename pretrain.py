@@ -308,8 +308,8 @@ def build_parser(stage, description):
     p = data.ArgumentParser(description=description, formatter_class=HelpFormatter,
                             epilog="A flag shown without a default takes the preset's value (pretrain.PRESETS).")
     p.add_argument("--task", required=True, choices=data.TASKS, help="which data set")
-    p.add_argument("--data_dir", default="data", help="root of data/<task>/*.pt")
-    p.add_argument("--out_dir", default="out", help="root of out/<task>/ checkpoints and logs")
+    p.add_argument("--data_dir", type=data.folder, default="data", help="root of data/<task>/*.pt")
+    p.add_argument("--out_dir", type=data.folder, default="out", help="root of out/<task>/ checkpoints and logs")
     p.add_argument("--preset", default="auto", choices=("auto", "cpu", "paper"),
                    help="model and training size; auto = paper on CUDA, cpu otherwise")
     p.add_argument("--epochs", type=POSITIVE, default=None, help="passes over the training split")
@@ -843,7 +843,7 @@ def run_paths(out_dir, task, stage, name=None):
     pretrain_last.pt (--resume), init = pretrain_init.pt, log = pretrain_log.jsonl, snapshot = pretrain_step{step}.pt;
     "finetune" with a run name: the same for finetune_<name>, and json = finetune_<name>.json. Else ValueError.
     A run name is a plain name (RUN_NAME), so that a run's files stay in <out_dir>/<task>/ and are its own."""
-    if stage not in ("pretrain", "finetune") or (stage == "finetune") != bool(name):
+    if stage not in ("pretrain", "finetune") or (stage == "finetune") != (name is not None):
         raise ValueError(f"run_paths: stage {stage!r} with name {name!r}; expected 'pretrain', or 'finetune' "
                          f"with a run name")
     if name is not None and (not RUN_NAME.fullmatch(name) or re.search(r"_(last|init|step\d+)$", name)):
@@ -1026,9 +1026,10 @@ def check_resumable(ck, cfg, n_batches, data_sha256=None, config=None, init_sha2
                          f"--data_dir, or the data was made again): resume on the same data (or start a new --out_dir)")
     saved_init = ck.get("init_sha256")
     if saved_init and init_sha256 and saved_init != init_sha256:
-        raise ValueError(f"--resume: this run started from SPT weights of sha256 {saved_init[:12]}..., but "
-                         f"--init {ck.get('init')} now holds {init_sha256[:12]}... (pretrained again or further?): "
-                         f"finetune the new weights in a new run (another --name or --out_dir, without --resume)")
+        raise ValueError(f"--resume: this run started from SPT weights of sha256 {saved_init[:12]}... (--init "
+                         f"{ck.get('init')}), but --init {(config or {}).get('init')} holds {init_sha256[:12]}... "
+                         f"(pretrained again or further?): finetune the new weights in a new run (another --name or "
+                         f"--out_dir, without --resume)")
 
 
 def run_record(args):

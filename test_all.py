@@ -2239,8 +2239,8 @@ def test_finetune_resume_refuses_spt_weights_rewritten_behind_the_same_path(list
     record = json.load(open(tmp_path / "ft" / "listops" / "finetune_spt.json"))
     assert record["spt_sha256"] == data.sha256_of(keep)
     shutil.copy(tmp_path / "p1" / "listops" / "pretrain.pt", spt)  # pretrained again, same path
-    with pytest.raises(ValueError, match=r"--resume: this run started from SPT weights of sha256 [0-9a-f]{12}\.\.\., "
-                                         r"but --init .*pretrain.pt now holds"):
+    with pytest.raises(ValueError, match=r"--resume: this run started from SPT weights of sha256 [0-9a-f]{12}\.\.\. "
+                                         r"\(--init .*pretrain.pt\), but --init .*pretrain.pt holds"):
         finetune.main(ft + ["--init", spt, "--max_steps", "4"])
     shutil.copy(keep, spt)
     spelled = str(tmp_path / "p0" / "listops" / ".." / "listops" / "pretrain.pt")  # the same weights, another path
@@ -6298,7 +6298,7 @@ def test_ablate_jobs_children_die_with_their_parent_and_the_parent_names_them(tm
         logs = [out / "ablate" / f"synthetic_seed{s}.log" for s in (0, 1)]
         deadline = time.time() + 120
         while not all(p.exists() and "step " in p.read_text() for p in logs):  # both children training
-            assert time.time() < deadline and parent.poll() is None, parent.communicate()
+            assert time.time() < deadline and parent.poll() is None, "\n".join(parent.communicate())
             time.sleep(0.2)
         children = [int(line.split()[0]) for line in subprocess.run(["ps", "-o", "pid=,ppid=", "-e"],
                     capture_output=True, text=True).stdout.splitlines() if int(line.split()[1]) == parent.pid]
@@ -6338,6 +6338,35 @@ def test_a_run_whose_folder_was_replaced_while_it_was_stopped_writes_nothing(syn
         pretrain.main(syn_flags(data_dir, out))
     assert sorted(os.listdir(folder)) == ["pretrain.lock", "pretrain_log.jsonl"]  # the new run's, untouched
     assert open(os.path.join(folder, "pretrain_log.jsonl")).read() == '{"step": 0, "the new run": 1}\n'
+
+
+def test_a_fresh_eyes_fault_trial_empty_names_traceback_switch_closed_stdout_and_an_spt_init(synthetic_run, tmp_path,
+                                                                                               capsys, monkeypatch):
+    """From a fault trial of our own (36 cases): an empty --out_dir wrote into the current folder and an empty
+    --name raised an internal error; SPT_TRACEBACK=0 showed tracebacks; `| head` ended in "Broken pipe"; finetuning
+    from pretrain_init.pt (SPT's step 0) said nothing."""
+    import subprocess
+    import sys
+    data_dir, out = synthetic_run
+    for flag in ("--out_dir", "--data_dir"):
+        with pytest.raises(SystemExit) as e:
+            pretrain.main(syn_flags(data_dir, out, flag, ""))
+        assert e.value.code == 2 and f"argument {flag}: an empty name: give a folder" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--name '': a run name is letters"):
+        pretrain.run_paths(out, "synthetic", "finetune", "")
+    monkeypatch.setattr(sys, "argv", ["x.py"])
+    for value, shown in (("0", False), ("false", False), ("", False), ("1", True)):
+        monkeypatch.setenv("SPT_TRACEBACK", value)
+        with pytest.raises(FileNotFoundError if shown else SystemExit):
+            data.run_cli(lambda argv: data.load_split(str(tmp_path), "synthetic", "train"))
+    here = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run(f"{sys.executable} pretrain.py --help | head -1", shell=True, cwd=here, capture_output=True,
+                          text=True)
+    assert done.stdout.startswith("usage") and "Broken pipe" not in done.stderr and "Traceback" not in done.stderr
+    init = os.path.join(out, "synthetic", "pretrain_init.pt")
+    capsys.readouterr()
+    finetune.main(syn_flags(data_dir, str(tmp_path), "--init", init))
+    assert f"note: {init} holds the weights of SPT's step 0" in capsys.readouterr().out
 
 
 def test_partial_results_of_the_second_fault_trial_are_one_line_naming_their_cause(synthetic_run, tmp_path, capsys,
