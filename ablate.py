@@ -441,11 +441,11 @@ def exit_threshold(args, task):
     return 0.9 if task_data_dir(args, task, make=False) == args.data_dir else FASHION_CPU["exit_at"]
 
 
-def spt_displacement(task, folder, data_dir, n=64):
+def spt_displacement(task, folder, data_dir):
     """analyze.analyze_checkpoints at init and after the SPT run in `folder`: attention statistics, and under
     ["spt"]["displacement"] norm(W - W_init) / norm(W_init) of W_Q, W_K, W_Q^T W_K, ..."""
     paths = pretrain.run_paths(folder, task, "pretrain")
-    return analyze.analyze_checkpoints({"init": paths["init"], "spt": paths["best"]}, data_dir, n=n)[0]
+    return analyze.analyze_checkpoints({"init": paths["init"], "spt": paths["best"]}, data_dir)[0]
 
 
 def spt_gradients(task, folder, data_dir):
@@ -834,12 +834,13 @@ def experiment_pooling(args):
     if not os.path.exists(data.split_path(data_dir, "synthetic")):
         data.prepare_synthetic(data_dir, n_train=2000, n_val=500, n_test=500, length=300)
     common = ["--data_dir", data_dir, "--preset", args.preset, "--device", args.device, "--init_scheme",
-              args.init_scheme, "--accept_data", "--epochs", "10", "--batch_size", "32", "--eval_every", "100000"] + (
-        ["--max_steps", str(args.max_steps)] if args.max_steps else [])
-    output, runs = "pooling", []
+              args.init_scheme, "--accept_data", "--epochs", "10", "--batch_size", "32", "--eval_every", "100000",
+              "--n_layers", str(args.n_layers)] + (["--max_steps", str(args.max_steps)] if args.max_steps else [])
+    output, runs = "pooling" + f"_layers{args.n_layers}" * (args.n_layers != 1), []
     for seed in seeds_here(args, output, ("synthetic", common)):
         for pooling in model_lib.POOLINGS:
-            folder = os.path.join(args.out_dir, "ablate", args.init_scheme, "pooling_L300", pooling, f"seed{seed}")
+            folder = os.path.join(args.out_dir, "ablate", args.init_scheme, "pooling_L300" + f"_layers{args.n_layers}" * (
+                args.n_layers != 1), pooling, f"seed{seed}")
             flags = common + ["--pooling", pooling]
             ckpt = run_pretrain("synthetic", folder, seed, flags)
             for name, init in (("scratch", "scratch"), ("spt", ckpt)):
@@ -858,8 +859,8 @@ def experiment_pooling(args):
     rows += [""] + paired_table("SPT minus from scratch, test acc paired by seed", [
         (pooling, select(runs, pooling=pooling, name="spt"), select(runs, pooling=pooling, name="scratch"))
         for pooling in model_lib.POOLINGS])
-    rows.append(footer(args, "pooling", describe_data(data_dir, "synthetic"),
-                       "the minimal model; 10 epochs per stage, batch 32 (the demo's); the share on 64 training "
+    rows.append(footer(args, "pooling" + f" --n_layers {args.n_layers}" * (args.n_layers != 1), describe_data(
+                       data_dir, "synthetic"), f"the minimal model, {args.n_layers} layer(s); 10 epochs per stage, batch 32 (the demo's); the share on 64 training "
                        "sequences, on each finetuning's own _init.pt (SPT's row: the SPT weights with a fresh head)"))
     write_outputs(output, runs, "\n".join(rows), args)
 
@@ -1485,7 +1486,8 @@ def build_parser():
     add("synthetic", "scratch vs SPT on the minimal model (Sec. 4)")
     add("init", "hybrid initialization and freezing (Table 3)", task=True)
     add("posenc", "ALiBi, RoPE, FIRE from scratch vs SPT (Sec. 4)", task=True)
-    add("pooling", "mean, max and [CLS] pooling: from scratch vs SPT at the demo's length (beyond the paper)")
+    add("pooling", "mean, max and [CLS] pooling: from scratch vs SPT at the demo's length (beyond the paper)")(
+        "--n_layers", type=data.POSITIVE, default=1, help="layers of the minimal model (no MLP, no LayerNorm)")
     add("duration", "SPT epochs before finetuning (Sec. 3)", task=True)(
         "--durations", type=data.POSITIVE, nargs="+", default=None, help="SPT epochs (default: 1 3 10 on cpu, 1 10 100 200)")
     arg = add("swap", "dataset swap PathFinder <-> Image (Sec. 3)")

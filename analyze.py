@@ -549,15 +549,15 @@ def figure_command(path):
         return image.text.get("Command")
 
 
-def plot_curves(curves, path, title, command, probe=None, hline=None):
+def plot_curves(curves, path, title, command, hline=None):
     """Validation accuracy per epoch, one line per entry of `curves` ({label: finetune.py result dict, or a list of
-    them: their mean}). `probe`: one more curve (label, result), dashed; `hline`: a dotted line (value, label)."""
+    them: their mean}); `hline`: a dotted line (value, label)."""
     fig, ax = pyplot().subplots(figsize=(7, 4))
-    for (label, results), style in [(item, "-") for item in curves.items()] + [(probe, "--")] * bool(probe):
+    for label, results in curves.items():
         results = results if isinstance(results, list) else [results]
         epochs = [e["step"] / results[0]["steps_per_epoch"] for e in results[0]["evals"]]
         accs = [sum(r["evals"][j]["val_acc"] for r in results) / len(results) for j in range(len(epochs))]
-        ax.plot(epochs, accs, style, marker=".", label=label + f" (mean of {len(results)})" * (len(results) > 1))
+        ax.plot(epochs, accs, marker=".", label=label + f" (mean of {len(results)})" * (len(results) > 1))
     if hline is not None:
         ax.axhline(hline[0], ls=":", color="gray", label=hline[1])
     ax.set(xlabel="epoch", ylabel="validation accuracy", title=title)

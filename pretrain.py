@@ -63,14 +63,13 @@ PRESETS = {
                       finetune=dict(batch_size=32, lr=1e-4, warmup=2000, epochs=100, eval_every=3000)),
         "cpu": dict(model=dict(n_layers=2, d_model=64, n_heads=4, d_mlp=128),
                     data=dict(n_train=10000, n_val=1000, n_test=1000),
-                    pretrain=dict(batch_size=16, lr=1e-3, warmup=50, epochs=1, eval_every=150, max_steps=450),
-                    finetune=dict(batch_size=16, lr=1e-3, warmup=50, epochs=1, eval_every=150, max_steps=450))},
+                    **dict.fromkeys(("pretrain", "finetune"), dict(batch_size=16, lr=1e-3, warmup=50, epochs=1,
+                                                                  eval_every=150, max_steps=450)))},
     # The minimal model of Coser et al. Sec. 4: one layer, one head, no LayerNorm, no MLP (width ours: 32).
     "synthetic": dict.fromkeys(("paper", "cpu"), dict(
         model=dict(n_layers=1, d_model=32, n_heads=1, d_mlp=32, layernorm=False, mlp=False),
         data=dict(n_train=5000, n_val=1000, n_test=1000),
-        pretrain=dict(batch_size=64, lr=1e-3, warmup=0, epochs=15, eval_every=500),
-        finetune=dict(batch_size=64, lr=1e-3, warmup=0, epochs=15, eval_every=500))),
+        **dict.fromkeys(("pretrain", "finetune"), dict(batch_size=64, lr=1e-3, warmup=0, epochs=15, eval_every=500)))),
     # Every UCR data set (task ucr/<Name>; the paper gives no sizes). A budget in steps, not epochs: GunPoint's 40
     # training series are 2 batches, and from scratch leaves chance level only after ~100-150 steps.
     "ucr": dict.fromkeys(("paper", "cpu"), dict(
@@ -531,16 +530,16 @@ def new_meter(args):
                 flops=0.0)
 
 
-def count_step(meter, loss, batch_lengths, cfg, width, multiple=64):
+def count_step(meter, loss, batch_lengths, cfg, width):
     """Add one step to the meter. batch_lengths (B,) or (B, 2) live on the CPU, so this never waits for the
-    device; width and multiple give the batch's padded length (data.batch_width). loss None: a skipped step."""
+    device; width gives the batch's padded length (data.batch_width). loss None: a skipped step."""
     if loss is None:
         meter["skipped"] += 1
     else:
         meter["loss"] += loss.detach()
     meter["steps"] += 1
     meter["tokens"] += int(batch_lengths.sum())
-    meter["padded"] += batch_lengths.numel() * data.batch_width(batch_lengths, width, multiple)
+    meter["padded"] += batch_lengths.numel() * data.batch_width(batch_lengths, width)
     L_batch = int(batch_lengths.max())
     meter["flops"] += flops_per_token(cfg, L_batch) * batch_lengths.numel() * L_batch  # x2 for pairs
 

@@ -3724,6 +3724,8 @@ def test_exercise_masking():
     same = [pretrain.mask_batch(x, lengths, ratio, 1, torch.Generator().manual_seed(s))[1] for s in (7, 7, 8)]
     assert torch.equal(same[0], same[1]), "the same generator seed must give the same masks: draw with `generator`"
     assert not torch.equal(same[0], same[2]), "another generator seed must give other masks: draw with `generator`"
+    inputs, masked = pretrain.mask_batch(x, lengths, ratio, 17, g)  # another id: the argument, not data.MASK_ID
+    _check_masking(x, lengths, inputs, masked, 17)
     values, value_lengths = torch.randn(500, 8, 2), torch.randint(1, 9, (500,))
     kept = values.clone()
     inputs, masked = pretrain.mask_batch(values, value_lengths, 0.5, None, g)
@@ -3736,10 +3738,11 @@ def test_exercise_masking():
                       rand(*shape, generator=generator, **kw).to(device))
         for xs, mask_id in ((x[:8], 1), (values[:8], None)):
             try:
-                pretrain.mask_batch(xs.to("meta"), lengths[:8], ratio, mask_id, g)
+                pretrain.mask_batch(xs.to("meta"), lengths[:8].to("meta"), ratio, mask_id, g)
             except Exception as e:
                 raise AssertionError(f"on PyTorch's meta device (shapes, no values) mask_batch raised {e!r}: it must "
-                                     f"not wait for the device (its docstring: no host synchronisation)") from e
+                                     f"not wait for the device (no .item(), int(), loop over rows: its docstring) "
+                                     f"and must draw on x's device") from e
 
 
 def test_exercise_reconstruction_loss():
@@ -3888,7 +3891,8 @@ def test_exercise_hybrid_initialization():
         for groups in [(g,) for g in model_lib.PARAM_GROUPS] + list(finetune.INHERIT.values()):
             merged = finetune.hybrid_state_dict(fresh, spt, groups)
             assert list(merged) == list(fresh), f"pos {pos}, groups {groups}: expected exactly the keys of fresh " \
-                f"(the finetuned model's), got {sorted(set(merged) ^ set(fresh))} extra or missing: start from fresh"
+                f"(the finetuned model's), in its order: " + (f"{sorted(set(merged) ^ set(fresh))} extra or missing: "
+                f"start from fresh" if set(merged) != set(fresh) else "the same keys in another order")
             for n in fresh:
                 want = n in spt and model_lib.param_group(n) in groups
                 assert bool((merged[n] == 1).all()) == want and (want or bool((merged[n] == 0).all())), \
@@ -3915,6 +3919,11 @@ def test_exercise_mean_pooling():
         shifted = z - 10.0  # all negative: a padded 0 must not win the max
         pooled = model.pool(shifted, lengths)
         assert torch.equal(shifted, z - 10.0), f"pooling {pooling}: pool changed its input z (write no padding in place)"
+        leaf = shifted.clone().requires_grad_(True)
+        out = model.pool(leaf, lengths)
+        assert out.dtype == z.dtype, f"pooling {pooling}: expected {z.dtype}, z's dtype, got {out.dtype}"
+        assert out.requires_grad, f"pooling {pooling}: no gradient reaches z through the pooled vector (built anew " \
+                                  f"from numbers?): finetuning would train the head only"
         for b in range(3):
             want = reduce(torch.stack([z[b, t] - 10.0 for t in range(lengths[b])]))
             assert torch.allclose(pooled[b], want, atol=1e-5), \
@@ -3925,37 +3934,46 @@ def test_exercise_mean_pooling():
 
 def test_exercise_absolute_positions():
     """model.Transformer.absolute_positions: the (L, d_model) positions that encode adds to the input. "sinusoidal":
-    the first L rows of the encodings made by sinusoidal_positions; "learned": the first L rows of the table
-    pos_embed (a gradient reaches exactly them); None for the schemes inside attention and "none"."""
+    the first L rows of the buffer made once by sinusoidal_positions; "learned": the first L rows of the table
+    pos_embed (a gradient reaches exactly them); both on the model's device; None for the schemes inside attention
+    and "none"."""
     torch.manual_seed(0)
-    stand_in = torch.randn(64, 16)
-    with pytest.MonkeyPatch.context() as patch:  # sinusoidal_positions (exercise 1) stood in for: no other exercise
-        patch.setattr(model_lib, "sinusoidal_positions", lambda n, d, base=10000.0: stand_in[:n, :d].clone())
+    stand_in, built = torch.randn(64, 16), []
+
+    def sinusoidal(n, d, base=10000.0):  # exercise 1 stood in for: this grader needs no other exercise
+        assert not built, "absolute_positions computed sinusoidal_positions again: a new CPU tensor at every " \
+            "forward (the wrong device on a GPU, work repeated); use the buffer self.pe, made once and moved with it"
+        return stand_in[:n, :d].clone()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model_lib, "sinusoidal_positions", sinusoidal)
         models = {pos: Transformer(tiny_cfg(pos=pos, n_layers=0, layernorm=False)) for pos in model_lib.POSITIONS}
-    x = torch.randint(2, 17, (2, 10))
-    for pos, table in (("sinusoidal", stand_in), ("learned", models["learned"].pos_embed.weight)):
-        for L in (1, 10, 64):
-            P = models[pos].absolute_positions(L)
-            assert P is not None and tuple(P.shape) == (L, 16), \
-                f"pos {pos}, L {L}: expected a ({L}, 16) tensor, got {None if P is None else tuple(P.shape)}"
-            assert torch.equal(P, table[:L]), f"pos {pos}, L {L}: expected the first {L} rows of " + (
-                "the model's buffer self.pe, made once by sinusoidal_positions(max_len, d_model) and moved with the "
-                "model (a table computed again at each forward is a new CPU tensor: the wrong device on a GPU, and "
-                "work repeated; this grader's stand-in table tells the two apart)" if pos == "sinusoidal" else
-                "the table pos_embed.weight")
-        z = models[pos].encode(x)[0]
-        assert torch.allclose(z, models[pos].embed(x) + table[:10], atol=1e-6), \
-            f"pos {pos}: encode (no layers) should give the embeddings plus absolute_positions(10)"
-    P = models["learned"].absolute_positions(10)
-    assert P.requires_grad, "pos learned: expected the table's own rows, which training updates; got no gradient"
-    (P * torch.randn(10, 16)).sum().backward()
-    rows = (models["learned"].pos_embed.weight.grad.abs().sum(dim=1) > 0).nonzero().flatten().tolist()
-    assert rows == list(range(10)), f"pos learned, L 10: a gradient reached table rows {rows}, expected rows 0 to 9"
-    for pos in model_lib.POSITIONS:
-        if pos not in ("sinusoidal", "learned"):
-            P = models[pos].absolute_positions(10)
-            assert P is None, f"pos {pos}: no absolute positions (they act inside attention, or not at all): " \
-                              f"expected None, got {type(P).__name__}"
+        moved = {pos: Transformer(tiny_cfg(pos=pos, n_layers=0, layernorm=False)).to("meta")
+                 for pos in ("sinusoidal", "learned")}
+        built.append(True)
+        x = torch.randint(2, 17, (2, 10))
+        for pos, table in (("sinusoidal", stand_in), ("learned", models["learned"].pos_embed.weight)):
+            for L in (1, 10, 64):
+                P = models[pos].absolute_positions(L)
+                assert P is not None and tuple(P.shape) == (L, 16), \
+                    f"pos {pos}, L {L}: expected a ({L}, 16) tensor, got {None if P is None else tuple(P.shape)}"
+                assert torch.equal(P, table[:L]), f"pos {pos}, L {L}: expected the first {L} rows of " + (
+                    "the model's buffer self.pe" if pos == "sinusoidal" else "the table pos_embed.weight")
+            z = models[pos].encode(x)[0]
+            assert torch.allclose(z, models[pos].embed(x) + table[:10], atol=1e-6), \
+                f"pos {pos}: encode (no layers) should give the embeddings plus absolute_positions(10)"
+            P = moved[pos].absolute_positions(10)
+            assert P.device.type == "meta", f"pos {pos}: on a model moved to another device (here PyTorch's meta " \
+                f"device) the positions came on {P.device}: take them from the model's own buffer or table"
+        P = models["learned"].absolute_positions(10)
+        assert P.requires_grad, "pos learned: expected the table's own rows, which training updates; got no gradient"
+        (P * torch.randn(10, 16)).sum().backward()
+        rows = (models["learned"].pos_embed.weight.grad.abs().sum(dim=1) > 0).nonzero().flatten().tolist()
+        assert rows == list(range(10)), f"pos learned, L 10: a gradient reached table rows {rows}, expected 0 to 9"
+        for pos in model_lib.POSITIONS:
+            if pos not in ("sinusoidal", "learned"):
+                P = models[pos].absolute_positions(10)
+                assert P is None, f"pos {pos}: no absolute positions (they act inside attention, or not at all): " \
+                                  f"expected None, got {type(P).__name__}"
 
 
 EXERCISES = {  # name: (object holding the function, its attribute name, the grading test), in the README's order:
@@ -4358,7 +4376,7 @@ def grade(student, numbers=None, timeout=600):
     exercise: passed, or the first property it breaks (the grader's message). Returns how many failed. ValueError
     for a folder without the project's modules or an unknown number."""
     known = {str(exercise_function(name)[0]): name for name in EXERCISES}
-    chosen = list(known) if numbers is None else [str(n).strip() for n in numbers]
+    chosen = list(known) if numbers is None else list(dict.fromkeys(str(n).strip() for n in numbers))
     if unknown := [n for n in chosen if n not in known]:
         raise ValueError(f"unknown exercise {unknown[0]!r}: the README's table numbers them 1 to {len(known)}")
     modules = sorted(f for f in os.listdir(student) if f.endswith(".py") and f not in ("test_all.py", "conftest.py")) \
@@ -4373,12 +4391,14 @@ def grade(student, numbers=None, timeout=600):
             for f in modules:
                 shutil.copy2(os.path.join(student, f), folder)
             shutil.copy2(os.path.abspath(__file__), os.path.join(folder, "test_all.py"))
+            returned = f"grader returned {random.getrandbits(64):x}"  # a student's exit() or os._exit(0) prints no such line
             try:
-                done = subprocess.run([sys.executable, "-c", f"import test_all; test_all.test_exercise_{name}()"],
-                                      cwd=folder, capture_output=True, text=True, timeout=timeout,
-                                      env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": ""})
-                why = [line for line in done.stderr.strip().splitlines() if line.strip()][-1:] or ["no output"]
-                verdict = "passed" if done.returncode == 0 else f"fails: {why[0].strip()[:300]}"
+                done = subprocess.run([sys.executable, "-c", f"import test_all; test_all.test_exercise_{name}(); "
+                                       f"print({returned!r}, flush=True)"], cwd=folder, capture_output=True, text=True,
+                                      timeout=timeout, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": ""})
+                why = [line for line in done.stderr.strip().splitlines() if line.strip()][-1:] or [
+                    f"the grader did not return (exit status {done.returncode}: an exit() in the student's code?)"]
+                verdict = "passed" if done.returncode == 0 and returned in done.stdout else f"fails: {why[0].strip()}"
             except subprocess.TimeoutExpired:
                 verdict = f"fails: no result in {timeout} s"
         failed += verdict != "passed"
@@ -4412,6 +4432,13 @@ def test_grade_runs_the_instructors_tests_on_the_students_functions(tmp_path):
     assert done.returncode == 1 and re.search(r"^\| 3 \| pretrain.mask_batch \| fails: AssertionError: row \d+ "
                                               r"\(length \d+\): padding position \d+ is masked", done.stdout, re.M), \
         done.stdout + done.stderr
+    (kit / "pretrain.py").write_text(source + "\nimport atexit, os\natexit.register(lambda: os._exit(0))\n")
+    for cheat in ("raise SystemExit(0)", "exit()"):  # a student's exit passes nothing (nor a forced exit status 0)
+        (kit / "model.py").write_text(open(os.path.join(here, "model.py")).read() + f"\n{cheat}\n")
+        done = cli()
+        assert done.returncode == 1 and "| 3 | pretrain.mask_batch | fails: the grader did not return" in done.stdout, \
+            done.stdout + done.stderr
+    shutil.copy(os.path.join(here, "model.py"), kit / "model.py")
     (kit / "pretrain.py").write_text(source)
     done = cli()
     assert done.returncode == 0 and "| 3 | pretrain.mask_batch | passed |" in done.stdout, done.stdout + done.stderr
@@ -5601,9 +5628,11 @@ def test_run_paths_names_the_files_of_a_run():
         best="finetune_spt.pt", last="finetune_spt_last.pt", init="finetune_spt_init.pt",
         log="finetune_spt_log.jsonl", snapshot="finetune_spt_step{step}.pt", json="finetune_spt.json")
     assert f["snapshot"].format(step=30) == os.path.join("out", "listops", "finetune_spt_step30.pt")
-    for args in (("eval",), ("finetune",), ("finetune", ""), ("pretrain", "spt")):
+    for args in (("eval",), ("finetune",), ("pretrain", "spt")):
         with pytest.raises(ValueError, match="run_paths: stage"):
             pretrain.run_paths("out", "listops", *args)
+    with pytest.raises(ValueError, match="--name '': a run name is letters"):  # an empty name: the rule it breaks
+        pretrain.run_paths("out", "listops", "finetune", "")
 
 
 DATA_CONTRACT = ("PAD_ID", "MASK_ID", "SPLITS", "save_atomic", "load_pt", "TaskNames",
