@@ -1713,6 +1713,38 @@ def test_reference_projections_part_after_one_optimizer_step():
     assert all(not torch.equal(a, b) for i, a in enumerate(weights) for b in weights[i + 1:])
 
 
+def test_cls_pooling_reads_a_summary_token_that_spt_never_masks_and_the_analyses_show_apart(synthetic_run, tmp_path):
+    """pooling="cls": a learned summary token at position 0 (the positions one row longer), pooled alone; SPT never
+    masks nor reconstructs it (reconstruct gives the L sequence positions), and hands it on with the backbone (group
+    "summary"); the analyses report the sequence's L x L attention and the token's row and column apart."""
+    data_dir, _ = synthetic_run
+    m = Transformer(tiny_cfg(pooling="cls", n_rec=17, n_classes=3, max_len=64))
+    assert m.pe.shape == (65, 16) and m.summary_token.shape == (16,) and model_lib.param_group("summary_token") == \
+        "summary" and "summary" in finetune.INHERIT["all"] and "summary" not in finetune.INHERIT["qk"]
+    x, lengths = torch.randint(2, 17, (3, 10)), torch.tensor([10, 6, 3])
+    z, probs = m.encode(x, lengths, need_weights=True)
+    assert z.shape == (3, 11, 16) and probs[0].shape == (3, 4, 11, 11)
+    assert torch.equal(m.pool(z, lengths), z[:, 0]) and m.reconstruct(x, lengths).shape == (3, 10, 17)
+    assert probs[0][1, :, :, 7:].abs().max() == 0  # row 1 (length 6): padded keys 7.. (after the token) get nothing
+    alone = m.encode(x[1:2, :6])[0]  # the token's state does not depend on the padding
+    assert torch.allclose(alone[0, :7], z[1, :7], atol=1e-5)
+    out = str(tmp_path)
+    flags = syn_flags(data_dir, out, "--pooling", "cls")
+    pretrain.main(flags)
+    spt = os.path.join(out, "synthetic", "pretrain.pt")
+    finetune.main(flags + ["--init", spt])
+    stats, maps = analyze.analyze_checkpoints({"spt": spt, "ft": os.path.join(out, "synthetic", "finetune_spt.pt")},
+                                              data_dir)
+    for label in ("spt", "ft"):
+        assert maps[label]["attention"][0].shape[-1] == 20 and maps[label]["probe"].shape[-1] == 20  # the sequence
+        assert 0 < stats[label]["summary_token_key_mass"] < 1 and stats[label]["summary_token_row_entropy"] > 0
+        assert torch.allclose(maps[label]["attention"][0].sum(-1), torch.ones(1), atol=1e-5)  # renormalized rows
+    shares = analyze.loss_gradients(spt, data_dir, n=8)
+    assert shares["L_sup"]["prop1_share"][0] > 0.5 and 0 <= shares["L_SPT"]["prop1_share"][0] <= 1  # no blind spot
+    with pytest.raises(ValueError, match="pooling 'cls' with local attention"):
+        tiny_cfg(pooling="cls", attn_window=4)
+
+
 def test_unknown_init_scheme_and_old_checkpoints(tmp_path):
     """Every string setting of ModelConfig is checked when the model is built, naming the choices (a typo would
     otherwise run another model: an unknown pooling ran max pooling), and d_model must divide among the heads."""
