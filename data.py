@@ -314,6 +314,12 @@ def write_splits(task_dir, splits, metas):
             digest.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
             digest.update(t.view(torch.uint8).numpy().data)  # the bytes, whatever the dtype
     stamp = digest.hexdigest()[:16]
+    left = [f for f in (os.listdir(task_dir) if os.path.isdir(task_dir) else []) if re.fullmatch(r"(train|val|test)"
+            r"\.pt\.\d+\.tmp", f)]  # save_atomic's temporaries of a killed preparation
+    for f in left:
+        pathlib.Path(task_dir, f).unlink(missing_ok=True)
+    if left:
+        print(f"removed {len(left)} temporaries of a killed write in {task_dir}")
     for s in SPLITS:
         save_atomic(dict(splits[s], meta=dict(metas[s], preparation=stamp)), os.path.join(task_dir, f"{s}.pt"))
 

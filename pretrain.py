@@ -428,8 +428,10 @@ def train(model, splits, args, loss_fn, eval_fn, run, extra, higher_is_better):
     state = dict(step=0, epoch=0, batch_in_epoch=0, best=None, best_metrics=None, n_batches=n_batches)
     if args.resume:
         state = resume(model, opt, run["paths"], n_batches, total, args, extra) or state
-    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    print(f"{n_params:,} trainable parameters; {total} steps ({n_batches} per epoch)")
+    n_params, rows = sum(p.numel() for p in model.parameters() if p.requires_grad), len(splits["train"]["labels"])
+    print(f"{n_params:,} trainable parameters; {total} steps ({n_batches} per epoch)" + (
+        f"; --batch_size {args.batch_size} > the {rows} training rows: every batch holds all of them" * (
+            args.batch_size > rows)))
     run.update(model=model, opt=opt, state=state, args=args, extra=extra, record=run_record(args), eval_fn=eval_fn,
                higher_is_better=higher_is_better, total=total, t_process=time.time(), start_step=state["step"],
                elapsed0=state.get("elapsed_s", 0.0))  # seconds the run spent in earlier processes (--resume)

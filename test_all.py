@@ -6423,8 +6423,16 @@ def test_a_fresh_eyes_fault_trial_empty_names_traceback_switch_closed_stdout_and
     assert done.stdout.startswith("usage") and "Broken pipe" not in done.stderr and "Traceback" not in done.stderr
     init = os.path.join(out, "synthetic", "pretrain_init.pt")
     capsys.readouterr()
-    finetune.main(syn_flags(data_dir, str(tmp_path), "--init", init))
-    assert f"note: {init} holds the weights of SPT's step 0" in capsys.readouterr().out
+    finetune.main(syn_flags(data_dir, str(tmp_path), "--init", init, "--batch_size", "500"))
+    printed = capsys.readouterr().out
+    assert f"note: {init} holds the weights of SPT's step 0" in printed
+    assert "--batch_size 500 > the 64 training rows: every batch holds all of them" in printed
+    root = tmp_path / "prep"  # a preparation killed mid-write left a temporary; the next one removes it
+    (root / "synthetic").mkdir(parents=True)
+    (root / "synthetic" / "train.pt.4242.tmp").write_bytes(b"half")
+    data.prepare_synthetic(str(root), n_train=8, n_val=4, n_test=4, length=6)
+    assert sorted(os.listdir(root / "synthetic")) == ["test.pt", "train.pt", "val.pt"]
+    assert "removed 1 temporaries of a killed write" in capsys.readouterr().out
 
 
 def test_partial_results_of_the_second_fault_trial_are_one_line_naming_their_cause(synthetic_run, tmp_path, capsys,
