@@ -1351,6 +1351,9 @@ def report(args):
 
 # ---- The demo: SPT's effect in one command, on a CPU ----
 
+DEMO = dict(L=300, n_train=2000, epochs=10, seed=0)  # the demo's settings: its files go to <out_dir>/demo/
+
+
 def experiment_demo(args):
     """python ablate.py demo: what self-pretraining does, in about 40 s on 2 idle CPU cores (38 s measured).
 
@@ -1368,8 +1371,7 @@ def experiment_demo(args):
     if not os.path.exists(data.split_path(data_dir, "synthetic")):
         data.prepare_synthetic(data_dir, n_train=n, n_val=500, n_test=500, length=L)
     folder = os.path.join(args.out_dir, "demo", f"L{L}_n{n}_e{epochs}_seed{args.seed}")
-    defaults = all(getattr(args, k) == build_parser().parse_args(["demo"]).__dict__[k] for k in
-                   ("L", "n_train", "epochs", "seed"))
+    defaults = all(getattr(args, k) == v for k, v in DEMO.items())
     out = os.path.join(args.out_dir, "demo") if defaults else folder  # other settings never overwrite the default's
     common = ["--data_dir", data_dir, "--preset", "cpu", "--device", args.device, "--accept_data", "--epochs",
               str(epochs), "--batch_size", "32", "--eval_every", "100000"]  # an evaluation at each epoch's end
@@ -1525,10 +1527,11 @@ def build_parser():
     arg("--compile", action="store_true", help="torch.compile the model (pretrain.py --compile)")
     arg = add("demo", "SPT's effect in one command on a CPU (~40 s): from scratch vs SPT, attention, verdict",
               runs=False)
-    arg("--length", type=data.POSITIVE, default=300, dest="L", help="trajectory length L (from scratch stays on its plateau)")
-    arg("--seed", type=data.SEED, default=0, help="seed of the three runs (data: seed 0)")
-    arg("--epochs", type=data.POSITIVE, default=10, help="epochs of each stage")
-    arg("--n_train", type=data.POSITIVE, default=2000, help="training trajectories")
+    arg("--length", type=data.POSITIVE, default=DEMO["L"], dest="L", help="trajectory length L (from scratch stays on "
+        "its plateau)")
+    arg("--seed", type=data.SEED, default=DEMO["seed"], help="seed of the three runs (data: seed 0)")
+    arg("--epochs", type=data.POSITIVE, default=DEMO["epochs"], help="epochs of each stage")
+    arg("--n_train", type=data.POSITIVE, default=DEMO["n_train"], help="training trajectories")
     arg = add("report", "file the tables and figures of out/ into the pages of results/", runs=False)
     arg("--results_dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
         help="the pages' folder")

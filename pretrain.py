@@ -856,9 +856,14 @@ def run_paths(out_dir, task, stage, name=None):
     return dict(paths, json=stem + ".json") if stage == "finetune" else paths
 
 
+def run_stem(path):
+    """The stem of the run a checkpoint belongs to (run_paths' names): out/x/pretrain_last.pt -> out/x/pretrain."""
+    return re.sub(r"(_last|_step\d+|_init)$", "", os.path.splitext(path)[0])
+
+
 def run_init_path(path):
     """The _init.pt of the run a checkpoint belongs to (run_paths' names), or None if it is missing."""
-    init = re.sub(r"(_last|_step\d+|_init)$", "", os.path.splitext(path)[0]) + "_init.pt"
+    init = run_stem(path) + "_init.pt"
     return init if os.path.exists(init) else None
 
 
@@ -900,7 +905,7 @@ def lock_run(path):
 def running_holder(checkpoint):
     """The record (pid, host, command) of the process that holds the run of `checkpoint` (a run_paths file) now,
     or None: its run is finished, stopped, or never locked (no fcntl)."""
-    lock = re.sub(r"(_last|_init|_step\d+)?\.pt$", "", checkpoint) + ".lock"
+    lock = run_stem(checkpoint) + ".lock"
     if fcntl is None or not os.path.exists(lock):
         return None
     with open(lock) as f:
