@@ -279,7 +279,7 @@ def main(argv=None):
         dist.destroy_process_group()
     spt, scratch = next_commands(args.task, paths["best"], given)
     print(f"next: {spt}\n  and {scratch}   (the baseline)\n"
-          f"to see SPT's effect on a CPU in about a minute: python ablate.py demo")
+          f"to see SPT's effect on a CPU in about 30 seconds: python ablate.py demo")
 
 
 def next_commands(task, checkpoint, given):
