@@ -64,12 +64,13 @@ SPLITS = ("train", "val", "test")
 
 
 def save_atomic(obj, path, fsync=True):
-    """Write `obj` to `path` through <path>.<pid>.tmp, fsynced (unless fsync=False) and renamed: a crash never
-    leaves a half-written file. obj: JSON data (a .json path), str, bytes, a callable write(f), else torch.save's."""
+    """Write `obj` (JSON data for a .json path, str, bytes, a callable write(f), else torch.save's: a dict gets its
+    "tensors_sha256", which load_pt checks) to `path` through <path>.<pid>.tmp, fsynced and renamed: a crash leaves
+    the old file or the new one, and a link at `path` is replaced, never written through. Errors name `path`."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"  # per process: two writers of one file never share a temporary
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "xb") as f:  # "x": a new file, never an existing one or a link planted at its name
             if path.endswith(".json"):
                 f.write(json.dumps(obj, indent=1).encode())
             elif isinstance(obj, (str, bytes)):
@@ -77,53 +78,50 @@ def save_atomic(obj, path, fsync=True):
             elif callable(obj):
                 obj(f)
             else:
-                torch.save(obj, f)
+                torch.save(dict(obj, tensors_sha256=tensors_sha256(obj)) if isinstance(obj, dict) else obj, f)
             f.flush()
             if fsync:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
-        if isinstance(e, OSError) and e.errno and e.filename in (None, tmp):  # no space...: name the file meant
-            e.filename = path
         pathlib.Path(tmp).unlink(missing_ok=True)
+        e.add_note(f"writing {path}")
         raise
 
 
+def tensors_sha256(obj):
+    """Hex sha256 of every tensor in `obj` (nested dicts, lists, tuples; not the key "tensors_sha256") with its place,
+    dtype and shape: load_pt's check of the bytes torch reads, and a data split's identity wherever it lies."""
+    digest = hashlib.sha256()
+
+    def walk(x, where):
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous()
+            digest.update(f"{where} {t.dtype} {tuple(t.shape)}".encode())
+            digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(x, (dict, list, tuple)):
+            for k, v in x.items() if isinstance(x, dict) else enumerate(x):
+                if k != "tensors_sha256":
+                    walk(v, f"{where}/{k}")
+    walk(obj, "")
+    return digest.hexdigest()
+
+
 def load_pt(path, map_location="cpu", mmap=False):
-    """Load a .pt file of this project with weights_only=True, so no code in it can run (mmap: tensors stay
-    on disk). Raises not_a_file's error, or ValueError naming the path for an empty, damaged or foreign file."""
-    if not os.path.isfile(path):
-        raise not_a_file(path)
-    if os.path.getsize(path) == 0:
-        raise ValueError(f"{path}: the file is empty (an interrupted write?)")
+    """Load a dict that save_atomic wrote, with weights_only=True (no code in the file can run; mmap: tensors stay on
+    disk), and check its tensors against the sha256 stored in it. OSError for a missing file or a folder (naming it);
+    ValueError naming the path for a file torch cannot read, or one whose tensors do not match their sha256."""
     try:
-        # torch.save's zip records carry CRC-32s that torch.load does not check: a changed byte is refused here.
-        # It reads the file once more (0.5 s per GB measured); splits too (their sha256 is only recorded). Not with
-        # mmap: a read of the small fields, of a file checked where its tensors are used. Legacy saves have none.
-        if not mmap and zipfile.is_zipfile(path):
-            with zipfile.ZipFile(path) as z:
-                bad = z.testzip()  # the first record whose bytes do not match their CRC-32, or None
-            if bad:
-                raise zipfile.BadZipFile(f"{bad} does not match its CRC-32")
-        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
-    except Exception as e:  # torch raises several types for truncated archives, refused objects and other files
-        with open(path, "rb") as f:
-            head = f.read(4)
-        zipped, pickled = head == b"PK\x03\x04", head[:1] == b"\x80"  # torch.save's format, its legacy one
-        if not (zipped or pickled) or (mmap and not zipped):
-            raise ValueError(f"{path}: not in torch.save's zip format (it starts with {head!r}: another kind of "
-                             f"file{', or a legacy-format save, which cannot be memory-mapped' * pickled}); pass a "
-                             f".pt file of this project") from e
-        if isinstance(e, pickle.UnpicklingError):  # torch's advice (weights_only=False) is left out: never done here
-            # torch's text: its advice (weights_only=False, allowlists: never done here), then the refused global
-            found = re.findall(r"(Unsupported global: GLOBAL \S+|Trying to load unsupported GLOBAL [^\n]*?\.)(?:\s|$)", str(e))
-            detail = found[0] if found else str(e).split("WeightsUnpickler error:")[-1].split("Please ")[0]
-            raise ValueError(f"{path}: holds objects the weights-only loader refuses ({detail.strip()}); store "
-                             f"tensors and plain Python types (dict, list, str, int, float) only") from e
-        detail = re.split(r"\n|\. This is an internal", str(e).strip())[0].rstrip(".")
-        raise ValueError(f"{path}: cannot be loaded with weights_only=True: a torch.save file, truncated or damaged? "
-                         f"(an interrupted copy or write): {type(e).__name__}{': ' * bool(detail)}{detail}; write it "
-                         f"again") from e
+        obj = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except OSError:
+        raise
+    except Exception as e:  # torch raises several types for truncated, damaged or foreign files
+        raise ValueError(f"{path}: not a readable torch.save file ({type(e).__name__}: "
+                         f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from e
+    if not isinstance(obj, dict) or obj.get("tensors_sha256") != tensors_sha256(obj):
+        raise ValueError(f"{path}: its tensors do not match the sha256 stored with them: a damaged file, or one "
+                         f"not written by data.save_atomic")
+    return obj
 
 
 def not_a_file(path):
@@ -357,11 +355,9 @@ BUCKET = 50  # batches per window sorted by length (batch_indices)
 
 
 def batch_indices(lengths, batch_size, shuffle, seed=0, epoch=0, min_rows=1):
-    """The batches of one epoch: index tensors (B,) covering the split once. Evaluation (no `shuffle`): sorted by
-    length. Training: a permutation seeded by (seed, epoch), cut into windows of BUCKET batches, each sorted by
-    length and cut into batches, which are shuffled: little padding (a departure from Amos et al., README). With
-    `shuffle`, a last batch smaller than `min_rows` (torchrun: the ranks) joins the one before. Pairs sort by their
-    longer document."""
+    """The batches of one epoch: index tensors (B,) covering the split once, sorted by length for evaluation. To
+    train: a permutation seeded by (seed, epoch) in windows of BUCKET batches, each sorted by length (little padding:
+    a departure from Amos et al.) and cut, the batches shuffled; a last batch under `min_rows` joins the one before."""
     if lengths.dim() == 2:
         lengths = lengths.max(dim=1).values
     if not shuffle:
@@ -1972,8 +1968,8 @@ def make_data(task, data_dir, settings, download):
 
 
 def data_hashes(splits):
-    """{split: sha256 of its .pt file} (load_splits), recorded in checkpoints and results."""
-    return {s: split["meta"]["file_sha256"] for s, split in splits.items()}
+    """{split: its tensors' sha256} (tensors_sha256, checked when loaded): the data a checkpoint was trained on."""
+    return {s: split["tensors_sha256"] for s, split in splits.items()}
 
 
 def token_frequency_entropy(split, chunk=4096):
@@ -2026,23 +2022,27 @@ SEED = number_at_least(int, 0, high=2 ** 32 - 1)  # numpy's range; seed x 1,000,
 
 
 def run_cli(main_fn):
-    """Run a script's main(argv). A data, file or download error, an OS fault (no space, read-only, permission, not
-    a folder: naming the path), a non-finite loss or no memory is one line `error: ...`, exit status 1.
-    Ctrl-C is one line too, exit status 130 (128 + the signal). SPT_TRACEBACK=1 shows the traceback."""
+    """Run a script's main(argv) under the one handler of every fault: any error ends in one line `error: ...`
+    (with the notes added on the way, e.g. the file being written or the run's last checkpoint), exit status 1;
+    an OS fault names its path. Ctrl-C is one line too, exit status 128 + the signal (130; SIGTERM, SIGHUP: the
+    stages' run_stage). SPT_TRACEBACK=1 shows the traceback instead."""
     try:
         main_fn(sys.argv[1:])
-    except (OSError, ValueError, FloatingPointError, MemoryError, KeyboardInterrupt) as e:
-        if os.environ.get("SPT_TRACEBACK", "").lower() not in ("", "0", "false", "no"):
+    except (Exception, KeyboardInterrupt) as e:
+        if os.environ.get("SPT_TRACEBACK") == "1":
             raise
         if isinstance(e, BrokenPipeError):  # stdout closed (python x.py | head): end quietly
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(1)
-        if isinstance(e, KeyboardInterrupt):
-            print(" ".join(str(e).split()) or "interrupted", file=sys.stderr)
-            sys.exit(128 + getattr(e, "signum", 2))  # SIGINT is 2; the stages' SIGTERM, SIGHUP (pretrain.run_stage)
-        os_fault = isinstance(e, OSError) and e.filename and e.strerror  # not "[Errno 28] ...: 'path'"
-        sys.exit("error: " + (f"{e.filename}: {e.strerror}" if os_fault else " ".join(str(e).split()) or
-                              type(e).__name__))
+        if isinstance(e, OSError) and e.filename and e.strerror:  # not "[Errno 28] ...: 'path'"
+            text = f"error: {e.filename}: {e.strerror}"
+        elif isinstance(e, KeyboardInterrupt):
+            text = "interrupted"
+        else:
+            plain = isinstance(e, (ValueError, OSError)) and str(e)  # our messages; others say their type
+            text = "error: " + (str(e) if plain else f"{type(e).__name__}: {e}")
+        print(" ".join("; ".join([text, *getattr(e, "__notes__", [])]).split()), file=sys.stderr)
+        sys.exit(128 + getattr(e, "signum", 2) if isinstance(e, KeyboardInterrupt) else 1)
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -21,8 +21,6 @@ reports ~0.56-0.59 with SPT against ~0.40 from scratch at the paper size. On the
 Reading order: INHERIT and FREEZE (Table 3's groups), hybrid_state_dict, model_from_pretrained, then main, whose
 loss_fn is the labels' cross-entropy through mean pooling; the loop is pretrain.train.
 """
-import json
-import os
 import time
 
 import torch
@@ -32,8 +30,8 @@ import data
 import pretrain
 from data import data_hashes
 from model import ModelConfig, Transformer, config_from_dict, param_group, unwrapped_state_dict
-from pretrain import (MODEL_FLAGS, autocast, build_parser, epoch_batches, evaluate, local_rows, own_run, prepare_data,
-                      resolve, train, wrap)
+from pretrain import (MODEL_FLAGS, autocast, build_parser, evaluate, local_rows, own_run, prepare_data, resolve,
+                      train, wrap)
 
 
 # The groups are model.PARAM_GROUPS (W_Q, W_K, W_V, W_O, mlp, embed, norm, head, posenc, summary), by parameter name.
@@ -69,86 +67,54 @@ def hybrid_state_dict(fresh, pretrained, groups):
             for name, tensor in fresh.items()}
 
 
-def check_spt_data(ck, path, task, hashes, allow_other_data=False):
-    """Check that the SPT checkpoint `ck` (from `path`) was pretrained on the data finetuning uses.
+def check_spt_data(ck, task, hashes, allow_other_data=False):
+    """Check that the SPT checkpoint `ck` was pretrained on the data finetuning uses, compared by the sha256 of the
+    training split's tensors (data.data_hashes: the same data prepared in another folder is the same data).
 
-    hashes: {split: sha256} of the finetuning data's .pt files (data.data_hashes). Same task and training
-    file: fine. Another task: a dataset swap (Coser et al. Sec. 3), printed as such. Same task, another training
-    file (re-prepared, other settings or source): ValueError naming both hashes, unless `allow_other_data`.
-    Returns one of "same", "swap", "other".
+    Another task is a dataset swap (Coser et al. Sec. 3), said as such. The same task on another training split:
+    ValueError naming both hashes, unless `allow_other_data`. Returns "same", "swap" or "other".
     """
-    spt, ours = ck["data_sha256"]["train"][:12], hashes["train"][:12]
-    if ck["task"] != task or spt == ours:
-        print(("dataset swap: " if ck["task"] != task else "") + f"SPT on {ck['task']} (train sha256 {spt}), "
-              f"finetuning on {task} (train sha256 {ours})")
-        return "swap" if ck["task"] != task else "same"
-    message = (f"{path} was pretrained on {task} data whose train.pt has sha256 {spt}..., but the data "
-               f"finetuning reads has {ours}... (re-prepared, other settings or another source)")
+    spt, ours = ck["data_sha256"]["train"], hashes["train"]
+    if ck["task"] != task:
+        print(f"dataset swap: SPT on {ck['task']}, finetuning on {task}")
+        return "swap"
+    if spt == ours:
+        return "same"
+    message = f"SPT trained on {task} data of sha256 {spt[:12]}..., this run's is {ours[:12]}..."
     if not allow_other_data:
-        raise ValueError(message + "; finetune on the data SPT used, or pass --allow_other_data if this is intended")
+        raise ValueError(f"--init: {message}: finetune on the data SPT used, or pass --allow_other_data")
     print(f"warning: --allow_other_data: {message}")
     return "other"
 
 
-def model_from_pretrained(path, meta, n_classes, task, device, inherit="all", head=None):
-    """A classification model whose backbone is copied from the SPT checkpoint at `path`.
+def model_from_pretrained(ck, meta, n_classes, task, inherit="all", head=None):
+    """A classification model whose backbone is copied from the SPT checkpoint `ck` (a loaded pretrain.py dict).
 
-    The checkpoint must be a pretraining checkpoint of `task`, or of another task with the same kind of input (a
-    dataset swap, e.g. PathFinder -> Image), and the same vocabulary. Only `cls_head.*` may be new and only
-    `rec_head.*` dropped: anything else, or a shape mismatch, raises ValueError naming the keys. `inherit` (a key
-    of INHERIT) selects the groups copied; the others keep their fresh initialization (hybrid initialization,
-    Coser et al. Table 3). `head` ({field: value} of FINETUNE_FIELDS; None: the checkpoint's) sets what holds no
-    weights and belongs to the finetuning task; whether the model reads pairs (Retrieval) comes from `meta`.
-    Returns the model on `device`; prints the keys and fields that changed.
+    The checkpoint must be of `task`, or of another task with the same kind of input and width (a dataset swap,
+    e.g. PathFinder -> Image); else ValueError. `inherit` (a key of INHERIT) selects the groups copied; the others
+    keep their fresh initialization (hybrid initialization, Coser et al. Table 3). `head` ({field: value} of
+    FINETUNE_FIELDS; None: the checkpoint's) sets what holds no weights and belongs to the finetuning task; whether
+    the model reads pairs (Retrieval) comes from `meta`. Returns the model on the CPU and prints, per group, what
+    came from SPT.
     """
-    ck = data.load_pt(path, map_location="cpu")
-    missing = [key for key in ("model", "model_config", "task", "data_meta") if key not in ck]
-    if missing or ck.get("stage") != "pretrain":
-        raise ValueError(f"{path}: " + (f"a {ck['stage']!r} checkpoint" if ck.get("stage") else "not a checkpoint "
-                         "(a data split?)") + (f" without {missing}" if missing else "") + "; --init takes one "
-                         "written by pretrain.py (<out_dir>/<task>/pretrain.pt)")
-    input_kind = lambda m: (m["kind"], m["vocab_size"] if m["kind"] == "tokens" else m["d_input"])  # tokens, width
-    if ck["task"] != task and input_kind(ck["data_meta"]) != input_kind(meta):  # a swap needs one kind of input
-        raise ValueError(f"{path}: checkpoint of task {ck['task']!r} with inputs {input_kind(ck['data_meta'])}, "
-                         f"but --task {task!r} has {input_kind(meta)}; a dataset swap needs the same kind")
-    if ck["data_meta"].get("vocab") != meta.get("vocab"):
-        raise ValueError(f"{path}: the checkpoint's vocabulary differs from that of {task}'s data files "
-                         f"(a checkpoint of data made with other settings?)")
-    task_fields = dict(head or {}, pair=bool(meta.get("pair")))
-    changed = {k: (ck["model_config"].get(k), v) for k, v in task_fields.items() if ck["model_config"].get(k, v) != v}
-    if changed:
-        print(f"finetuning {task} from a checkpoint of {ck['task']}: " + ", ".join(
-            f"{k} {then!r} -> {now!r}" for k, (then, now) in changed.items()) + " (the finetuning task's)")
-    cfg = config_from_dict(dict(ck["model_config"], n_rec=0, n_classes=n_classes, **task_fields,
-                                max_len=max(ck["model_config"]["max_len"], meta["max_len"])), path)
+    if ck.get("stage") != "pretrain":
+        raise ValueError(f"--init: not a checkpoint written by pretrain.py (stage {ck.get('stage')!r})")
+    kind = lambda m: (m["kind"], m.get("vocab_size"), m.get("d_input"), m.get("vocab"))  # noqa: E731
+    if kind(ck["data_meta"]) != kind(meta):  # a swap needs one kind of input
+        raise ValueError(f"--init: SPT's inputs {kind(ck['data_meta'])[:3]} ({ck['task']}) are not {task}'s "
+                         f"{kind(meta)[:3]}: a dataset swap needs the same kind of input")
+    cfg = config_from_dict(dict(ck["model_config"], n_rec=0, n_classes=n_classes, **(head or {}),
+                                pair=bool(meta.get("pair")), max_len=max(ck["model_config"]["max_len"], meta["max_len"])))
     state = unwrapped_state_dict(ck["model"])
-    if cfg.vocab_size == 0 and cfg.d_input == meta["d_input"] + 1:
-        # SPT on continuous inputs added a mask-indicator channel; finetuning has none: drop its weights.
+    if cfg.vocab_size == 0:  # SPT on continuous inputs added a mask-indicator channel; finetuning has none
         cfg.d_input = meta["d_input"]
         state["embed.weight"] = state["embed.weight"][:, :cfg.d_input]
-        print(f"sliced the mask-indicator column off embed.weight ({cfg.d_input + 1} -> {cfg.d_input} inputs)")
     model = Transformer(cfg)
     fresh = model.state_dict()
-    new, dropped = sorted(set(fresh) - set(state)), sorted(set(state) - set(fresh))
-    # only the class head may be new and the reconstruction head dropped (and the summary token of [CLS] pooling,
-    # when SPT pooled otherwise: pooling is the finetuning task's, FINETUNE_FIELDS)
-    bad_new = [k for k in new if not k.startswith("cls_head.") and k != "summary_token"]
-    bad_dropped = [k for k in dropped if not k.startswith("rec_head.") and k != "summary_token"]
-    if bad_new or bad_dropped:
-        raise ValueError(f"{path}: checkpoint does not match the model: missing {bad_new}, unexpected {bad_dropped}")
-    for key in set(state) & set(fresh):  # the inherited ones (a learned table grows with max_len in a swap)
-        if state[key].shape != fresh[key].shape and param_group(key) in INHERIT[inherit]:
-            raise ValueError(f"{path}: {key} has shape {tuple(state[key].shape)}, "
-                             f"the model expects {tuple(fresh[key].shape)}")
     model.load_state_dict(hybrid_state_dict(fresh, state, INHERIT[inherit]), strict=True)
-    counts = {}  # parameter group -> [values, taken from SPT]
-    for key, tensor in fresh.items():
-        taken = key in state and param_group(key) in INHERIT[inherit]
-        counts.setdefault(param_group(key), [0, taken])[0] += tensor.numel()
-    print(f"checkpoint {path}: --inherit {inherit}: " + ", ".join(
-        f"{g} ({n:,}) {'from SPT' if taken else 'fresh'}" for g, (n, taken) in counts.items())
-        + f"; new keys {new}; dropped keys {dropped}")
-    return model.to(device)
+    groups = {param_group(k): k in state and param_group(k) in INHERIT[inherit] for k in fresh}
+    print(f"--inherit {inherit}: " + ", ".join(f"{g} {'from SPT' if taken else 'fresh'}" for g, taken in groups.items()))
+    return model
 
 
 def evaluate_accuracy(model, split, args):
@@ -174,7 +140,7 @@ def train_accuracy(model, train_split, n_val, args, at_least=1000):
     n_train = len(train_split["labels"])
     n = min(n_train, max(n_val, at_least))
     rows = torch.randperm(n_train, generator=torch.Generator().manual_seed(0))[:n].sort().values
-    subset = {k: (v if k == "meta" else v[rows]) for k, v in train_split.items()}
+    subset = {k: v[rows] if isinstance(v, torch.Tensor) else v for k, v in train_split.items()}
     return evaluate_accuracy(model, subset, args)["acc"], n
 
 
@@ -194,54 +160,43 @@ def finetune_parser():
 
 
 def main(argv=None):
+    """Finetuning: python finetune.py --task TASK --init scratch|PATH [flags]; writes run_paths(..., "finetune",
+    name): the checkpoints, the log, and finetune_<name>.json with the run's results."""
     parser = finetune_parser()
-    args, preset = resolve(parser.parse_args(argv), "finetune", parser)
+    args = parser.parse_args(argv)
+    preset = resolve(args, "finetune", parser)
     if args.init == "scratch" and args.inherit != "all":
         parser.error("--inherit selects groups of an SPT checkpoint: give --init PATH")
-    if args.init != "scratch" and not os.path.isfile(args.init):  # before any data is prepared
-        folder = os.path.isdir(args.init)
-        raise (IsADirectoryError if folder else FileNotFoundError)(
-            f"--init {args.init}: " + ("a folder; give the checkpoint file in it" if folder else "no such file; make "
-            f"it first with python pretrain.py --task {args.task}") + " (the best checkpoint is "
-            "<out_dir>/<task>/pretrain.pt), or pass --init scratch")
-    spt = None if args.init == "scratch" else data.load_pt(args.init, mmap=True)  # mmap: only the small fields
+    # The one read of the SPT checkpoint: its weights, and what the run records of it (provenance), come from it.
+    spt = None if args.init == "scratch" else data.load_pt(args.init)
     if args.name is None:  # a default that never overwrites the plain SPT run with an ablation or a dataset swap
         swap = None if spt is None or spt.get("task") in (None, args.task) else spt["task"].replace("/", "-")
         args.name = ("scratch" if spt is None else "spt") + (f"_from_{swap}" if swap else "") + \
             ("" if args.inherit == "all" else f"_inherit-{args.inherit}") + \
             ("" if args.freeze == "none" else f"_freeze-{args.freeze}")
+    paths = pretrain.run_paths(args.out_dir, args.task, "finetune", args.name)
     splits = prepare_data(args, preset)
     meta = splits["train"]["meta"]
+    provenance = {}
     if spt is None:
         inputs = dict(vocab_size=meta["vocab_size"]) if meta["kind"] == "tokens" else dict(d_input=meta["d_input"])
-        cfg = ModelConfig(**inputs, max_len=meta["max_len"], n_classes=meta["n_classes"], **preset["model"])
-        model = Transformer(cfg).to(args.device)
-        provenance = {}
+        model = Transformer(ModelConfig(**inputs, max_len=meta["max_len"], n_classes=meta["n_classes"],
+                                        **preset["model"]))
     else:
-        model = model_from_pretrained(args.init, meta, meta["n_classes"], args.task, args.device, args.inherit,
-                                      head={k: preset["model"].get(k, getattr(ModelConfig, k)) for k in FINETUNE_FIELDS})
-        if spt["state"]["step"] == 0:  # pretrain_init.pt: the weights before any SPT step
-            print(f"note: {args.init} holds the weights of SPT's step 0: this run starts from SPT's init, not from SPT")
-        if holder := pretrain.running_holder(args.init):
-            print(f"note: the SPT run of {args.init} is still running ({holder}): finetuning starts from its "
-                  f"checkpoint as it is now, step {spt['state']['step']}")
-        provenance = dict(spt_task=spt["task"], spt_sha256=data.sha256_of(args.init),  # --resume checks the weights
-                          spt_data_sha256=spt["data_sha256"], spt_step=spt["state"]["step"],
-                          spt_data=check_spt_data(spt, args.init, args.task, data_hashes(splits), args.allow_other_data))
+        head = {k: preset["model"].get(k, getattr(ModelConfig, k)) for k in FINETUNE_FIELDS}
+        model = model_from_pretrained(spt, meta, meta["n_classes"], args.task, args.inherit, head)
         for flag, field in MODEL_FLAGS.items():  # the checkpoint's model is the run's: a model flag that differs
-            given = getattr(args, flag)
-            if given is not None and given != getattr(model.cfg, field):
-                raise ValueError(f"--{flag} {given}: the checkpoint {args.init} has {field}="
-                                 f"{getattr(model.cfg, field)!r}, and finetuning keeps it (drop --{flag})")
+            if getattr(args, flag) is not None and getattr(args, flag) != getattr(model.cfg, field):
+                parser.error(f"--{flag} {getattr(args, flag)}: the SPT checkpoint has {field}="
+                             f"{getattr(model.cfg, field)!r}, and finetuning keeps it (drop --{flag})")
+        provenance = dict(spt_task=spt["task"], spt_sha256=spt["tensors_sha256"], spt_step=spt["state"]["step"],
+                          spt_data_sha256=spt["data_sha256"],
+                          spt_data=check_spt_data(spt, args.task, data_hashes(splits), args.allow_other_data))
     del spt
-    frozen = [n for n, param in model.named_parameters() if param_group(n) in FREEZE[args.freeze]]
-    for n, param in model.named_parameters():
-        param.requires_grad_(n not in frozen)  # frozen tensors get no gradient and are not given to AdamW
-    if frozen:
-        print(f"--freeze {args.freeze}: {len(frozen)} tensors frozen")
-    paths = pretrain.run_paths(args.out_dir, args.task, "finetune", args.name)
-    train_split = splits["train"]
-    net = wrap(model, args)
+    model = model.to(args.device)
+    for n, param in model.named_parameters():  # frozen tensors get no gradient and are not given to AdamW
+        param.requires_grad_(param_group(n) not in FREEZE[args.freeze])
+    train_split, net = splits["train"], wrap(model, args)
 
     def loss_fn(idx, step):
         x, lengths, labels = local_rows(args, *data.get_batch(train_split, idx, args.device))
@@ -253,36 +208,37 @@ def main(argv=None):
         val = evaluate_accuracy(model, splits["val"], args)
         return {"val_acc": val["acc"], "val_loss": val["loss"]}
 
-    extra = dict(stage="finetune", task=args.task, data_meta=meta, data_sha256=data_hashes(splits), init=args.init,
-                 init_sha256=provenance.get("spt_sha256"), metric="val_acc", tiebreak="val_loss", format_version=1)
+    record = pretrain.run_record(args, stage="finetune", task=args.task, data_meta=meta,
+                                 data_sha256=data_hashes(splits), init=args.init, **provenance,
+                                 same=dict(data=data_hashes(splits), init=provenance.get("spt_sha256"),
+                                           inherit=args.inherit, freeze=args.freeze))
     print(f"finetuning {args.task} from {args.init}: {model.cfg}")
-    with own_run(paths, args) as run:  # the JSON too
-        best = train(model, splits, args, loss_fn, eval_fn, run, extra, higher_is_better=True)
+    with own_run(paths, args):
+        best = train(model, splits, args, loss_fn, eval_fn, paths, record, metric="val_acc", maximize=True)
         t_trained = time.time()
         # Test accuracy of the best-validation weights, and train accuracy for the optimization-failure claim.
         model.load_state_dict(data.load_pt(paths["best"], map_location=args.device)["model"])
         test = evaluate_accuracy(model, splits["test"], args)
         train_acc, n_sub = train_accuracy(model, train_split, len(splits["val"]["labels"]), args)
-        log = [json.loads(line) for line in open(paths["log"])]
+        result_keys = ("stage", "task", "init", "data_meta", "same")
         result = dict(task=args.task, init=args.init, name=args.name, seed=args.seed, preset=args.preset,
-                      steps_per_epoch=len(epoch_batches(train_split, args, 0)),
+                      steps_per_epoch=len(data.batch_indices(train_split["lengths"], args.batch_size, True)),
                       init_scheme=model.cfg.init, init_scale=model.cfg.init_scale,
                       init_std=model.cfg.init_std if model.cfg.init == "normal" else None,
-                      best_step=best["step"], best_epoch=best["epoch"], data_sha256=data_hashes(splits),
-                      best_val_acc=best["val_acc"], test_acc=test["acc"],
-                      train_acc=train_acc, train_acc_subset=n_sub, train_acc_rows="random, seed 0",
-                      evals=[e for e in log if "val_acc" in e], wall_time_s=best["elapsed_s"] + time.time() - t_trained,
-                      source_sha256=meta.get("sha256"), label_names=meta.get("label_names"), **provenance,
-                      **pretrain.run_record(args))
+                      best_step=best["step"], best_epoch=best["epoch"], best_val_acc=best["val_acc"],
+                      test_acc=test["acc"], train_acc=train_acc, train_acc_subset=n_sub,
+                      train_acc_rows="random, seed 0", evals=best["evals"],
+                      wall_time_s=best["elapsed_s"] + time.time() - t_trained,
+                      source_sha256=meta.get("sha256"), label_names=meta.get("label_names"),
+                      **{k: v for k, v in record.items() if k not in result_keys})
         if args.rank == 0:
-            pretrain.check_owned(run)
             data.save_atomic(result, paths["json"])
     if args.world_size > 1:
         torch.distributed.barrier()  # the JSON exists before any rank goes on (ablate.py reads it back)
         torch.distributed.destroy_process_group()
     print(f"{args.task} ({args.name}, init {model.cfg.init}): best validation accuracy {best['val_acc']:.4f} "
-          f"(step {best['step']}, the weights tested), test accuracy "
-          f"{test['acc']:.4f}, train accuracy {train_acc:.4f}; wrote {paths['json']}")
+          f"(step {best['step']}, the weights tested), test accuracy {test['acc']:.4f}, train accuracy "
+          f"{train_acc:.4f}; wrote {paths['json']}")
 
 
 if __name__ == "__main__":

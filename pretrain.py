@@ -18,14 +18,15 @@ attention to neighbours (the proximity bias) goes below it, and that takes longe
 work on a CPU, run `python ablate.py demo`.
 
 Reading order: PRESETS, the SPT objective (mask_batch, reconstruction_loss, spt_loss_fn), main. Below the double
-line is the engine both stages share: flags, the training loop `train`, device, DDP, a run's files (checkpoints,
-lock, resume) and the command line.
+line is the engine both stages share: flags, the training loop `train` (with its checkpoints and --resume), device,
+DDP, a run's files (names, lock, record) and the command line.
 """
 import argparse
 import contextlib
 import copy
 import dataclasses
 import datetime
+import glob
 import json
 import math
 import os
@@ -232,9 +233,9 @@ def pretrain_parser():
     parser.add_argument("--mask_ratio", type=number_at_least(float, 0.0, high=1.0), default=None,
                         help="fraction of positions masked (task default)")
     parser.add_argument("--rec_loss", default="mse", choices=("mse", "l1", "ce"),
-                   help="reconstruction loss for continuous inputs: MSE (the paper's), L1, or for pixel tasks "
-                        "ce = 256-way cross-entropy over the raw intensity (Amos et al.'s code); tokens always "
-                        "use cross-entropy over the vocabulary")
+                        help="reconstruction loss for continuous inputs: MSE (the paper's), L1, or for pixel tasks "
+                             "ce = 256-way cross-entropy over the raw intensity (Amos et al.'s code); tokens always "
+                             "use cross-entropy over the vocabulary")
     return parser
 
 
@@ -243,7 +244,7 @@ def main(argv=None):
     parser = pretrain_parser()
     args = parser.parse_args(argv)
     given = {k: v for k, v in vars(args).items() if v != parser.get_default(k)}  # before the preset fills them
-    args, preset = resolve(args, "pretrain", parser)
+    preset = resolve(args, "pretrain", parser)
     if args.mask_ratio is None:
         args.mask_ratio = MASK_RATIO[data.task_family(args.task)]
     splits = prepare_data(args, preset)
@@ -260,26 +261,22 @@ def main(argv=None):
         cfg = ModelConfig(d_input=meta["d_input"] + 1, max_len=meta["max_len"], n_rec=n_rec, **backbone)
     model = Transformer(cfg).to(args.device)
     paths = run_paths(args.out_dir, args.task, "pretrain")
-    extra = dict(stage="pretrain", task=args.task, data_meta=meta, data_sha256=data.data_hashes(splits),
-                 metric="val_loss", format_version=1)
+    record = run_record(args, stage="pretrain", task=args.task, data_meta=meta, data_sha256=data.data_hashes(splits),
+                        same=dict(data=data.data_hashes(splits), mask_ratio=args.mask_ratio, rec_loss=args.rec_loss))
     print(f"self-pretraining {args.task}: {cfg}")
-    with own_run(paths, args) as run:
+    with own_run(paths, args):
         best = train(model, splits, args, spt_loss_fn(wrap(model, args), splits["train"], args),
-                     lambda step: evaluate_reconstruction(model, splits["val"], args), run, extra, False)
-    print(f"best validation masked loss {best['val_loss']:.4f} (step {best['step']}); "
-          f"{'wrote' if best['steps_trained'] else 'kept'} {paths['best']}")
+                     lambda step: evaluate_reconstruction(model, splits["val"], args), paths, record,
+                     metric="val_loss", maximize=False)
+    print(f"best validation masked loss {best['val_loss']:.4f} (step {best['step']}): {paths['best']}")
     if meta["kind"] == "tokens" and args.rank == 0:  # where the loss stands: frequencies only, or context
         h = data.token_frequency_entropy(splits["train"])
-        gap = best["val_loss"] - h
-        print(f"the token-frequency entropy of {args.task}'s training data is {h:.4f} nats; the validation masked "
-              f"loss is " + ("below it: the model uses the context" if gap < -0.02 else "at it: the model predicts "
-              "masked tokens from their frequencies only, not yet from the context (the plateau that attention to "
-              "neighbours ends)" if gap <= 0.02 else f"above it by {gap:.3f}: train longer"))
+        print(f"the token-frequency entropy of {args.task}'s training data is {h:.4f} nats: a validation masked loss "
+              f"at it predicts masked tokens from their frequencies only; below it, from the context")
     if args.world_size > 1:
         dist.destroy_process_group()
     spt, scratch = next_commands(args.task, paths["best"], given)
-    print(f"next: {spt}\n  and {scratch}   (the baseline)\n"
-          f"to see SPT's effect on a CPU in about 30 seconds: python ablate.py demo")
+    print(f"next: {spt}\n  and {scratch}   (the baseline)\nto see SPT's effect on a CPU: python ablate.py demo")
 
 
 def next_commands(task, checkpoint, given):
@@ -297,7 +294,7 @@ def next_commands(task, checkpoint, given):
 
 # ======================================================================================================
 # ==== The engine both stages share (a first reading can stop here): flags and presets, the training loop
-# ==== `train` and its step, device and dtype, DDP, a run's files (lock, checkpoints, resume, log), the CLI.
+# ==== `train`, device and dtype, DDP, a run's files (paths, the lock, the record) and the command line.
 
 MODEL_SIZE_FLAGS = ("n_layers", "d_model", "n_heads", "d_mlp")
 
@@ -317,7 +314,8 @@ def build_parser(stage, description):
     p.add_argument("--lr", type=POSITIVE_FLOAT, default=None, help="peak learning rate of AdamW")
     p.add_argument("--warmup", type=NON_NEGATIVE, default=None, help="linear warm-up steps, then constant")
     p.add_argument("--weight_decay", type=number_at_least(float, 0.0), default=None, help="AdamW weight decay")
-    p.add_argument("--grad_clip", type=number_at_least(float, 0.0), default=0.0, help="clip the gradient norm (0 = off)")
+    p.add_argument("--grad_clip", type=number_at_least(float, 0.0), default=0.0,
+                   help="clip the gradient norm (0 = off)")
     p.add_argument("--eval_every", type=POSITIVE, default=None, help="steps between validations and checkpoints")
     p.add_argument("--eval_each_epoch", action=argparse.BooleanOptionalAction, default=None,
                    help="also validate and checkpoint at the end of every epoch (default: yes, except UCR)")
@@ -329,8 +327,6 @@ def build_parser(stage, description):
     p.add_argument("--resume", action="store_true", help=f"continue from out/<task>/{stage}*_last.pt")
     p.add_argument("--overwrite", action="store_true", help="remove this run's old files first")
     p.add_argument("--snapshots", action="store_true", help="also keep a checkpoint at every evaluation")
-    p.add_argument("--skip_nonfinite", action="store_true",
-                   help="skip steps with a NaN/inf loss or gradient (checked each step); stop at 50 of the last 100")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (needs a working Triton)")
     g = p.add_argument_group("model (overrides the preset; a finetuning from a checkpoint uses the checkpoint's)")
     for name, what in zip(MODEL_SIZE_FLAGS, ("Transformer blocks", "width of the residual stream",
@@ -342,8 +338,10 @@ def build_parser(stage, description):
                    help="pooling for the class head (model.POOLINGS); the paper's is mean; cls: a summary token")
     g.add_argument("--init_scheme", default=None, choices=INIT_SCHEMES,
                    help="initialization (model.init_weights); default reference = Amos et al.'s code")
-    g.add_argument("--init_std", type=POSITIVE_FLOAT, default=None, help="std of --init_scheme normal, and of --pos learned (default 0.02)")
-    g.add_argument("--init_scale", type=POSITIVE_FLOAT, default=None, help="multiply every initialized weight (default 1)")
+    g.add_argument("--init_std", type=POSITIVE_FLOAT, default=None,
+                   help="std of --init_scheme normal, and of --pos learned (default 0.02)")
+    g.add_argument("--init_scale", type=POSITIVE_FLOAT, default=None,
+                   help="multiply every initialized weight (default 1)")
     d = p.add_argument_group("data (used when data/<task>/ is made, and checked against it when it exists)")
     d.add_argument("--max_len", type=POSITIVE, default=None, help="longest sequence kept (Text, Retrieval, ListOps)")
     d.add_argument("--resolution", type=POSITIVE, default=None,
@@ -360,11 +358,16 @@ def build_parser(stage, description):
 # Flags that set ModelConfig fields (flag name -> field name); None means the preset's (or ModelConfig's) value.
 MODEL_FLAGS = {**{k: k for k in MODEL_SIZE_FLAGS}, "pos": "pos", "pooling": "pooling", "init_scheme": "init",
                "init_std": "init_std", "init_scale": "init_scale"}
+# The flags a --resume must share with its checkpoint (--epochs and --max_steps say where to stop and may grow;
+# --dtype may change, e.g. to fp32 after bf16 overflowed). Each stage adds its own (train's record["same"]).
+SCHEDULE_FLAGS = ("lr", "warmup", "weight_decay", "grad_clip", "seed", "batch_size", "eval_every", "eval_each_epoch")
 
 
 def resolve(args, stage, parser):
-    """Fill unset flags from the preset; pick device and dtype. Returns args (modified) and the model preset. A model
-    the preset and flags cannot build (d_model not divisible by n_heads) is the `parser`'s usage error."""
+    """Pick device, processes (torchrun) and dtype, fill every flag left at None from the preset (fill_from_preset)
+    and seed the initialization. Returns the preset, its model entry updated with the model flags. A model the
+    flags cannot build (d_model not divisible by n_heads), or --init_std where nothing uses it, is the `parser`'s
+    usage error."""
     args.device = pick_device(args.device)
     setup_distributed(args)
     if args.preset == "auto":
@@ -374,27 +377,23 @@ def resolve(args, stage, parser):
         ModelConfig(**preset["model"])
     except ValueError as e:
         parser.error(str(e))
-    if args.init_std is not None and (args.init_scheme or "reference") != "normal" and args.pos != "learned" and \
-            getattr(args, "init", "scratch") == "scratch":  # finetuning from a checkpoint: its scheme (finetune.py)
-        raise ValueError(f"--init_std sets the std of --init_scheme normal and of --pos learned's table; this run's "
-                         f"scheme is {args.init_scheme or 'reference'} (pass --init_scheme normal, or drop --init_std)")
+    if args.init_std is not None and preset["model"].get("init") != "normal" and preset["model"].get("pos") != "learned":
+        parser.error("--init_std sets the std of --init_scheme normal and of --pos learned's table: give one of them")
     args.dtype, reason = pick_dtype(args.dtype, args.device)
     torch.manual_seed(args.seed)  # the model's initialization
     if args.device.type == "cuda":  # TF32 matmuls, unless exact fp32 was asked for
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.dtype != torch.float32
-    threads = f", {torch.get_num_threads()} thread(s)" if args.device.type == "cpu" else ""  # they change float sums
-    ranks = f", {args.world_size} processes ({dist.get_backend()}, torchrun)" if args.world_size > 1 else ""
-    print(f"device {args.device} ({device_name(args.device)}{threads}){ranks}, dtype "
-          f"{str(args.dtype).replace('torch.', '')} ({reason}), preset {args.preset}")
-    return args, preset
+    print(f"device {args.device}, {args.world_size} process(es), dtype {str(args.dtype)[6:]} ({reason}), "
+          f"preset {args.preset}")
+    return preset
 
 
 def fill_from_preset(args, stage):
     """Set every schedule flag of `stage` left at None from PRESETS[task family][args.preset]; returns the preset,
     its model entry updated with the model flags given. No side effect beyond args (ablate.py uses it too)."""
     preset = PRESETS[data.task_family(args.task)][args.preset]
-    preset = dict(preset, model={**preset["model"], **{field: getattr(args, flag) for flag, field in MODEL_FLAGS.items()
-                                                       if getattr(args, flag) is not None}})
+    given = {field: getattr(args, flag) for flag, field in MODEL_FLAGS.items() if getattr(args, flag) is not None}
+    preset = dict(preset, model={**preset["model"], **given})
     for key, value in {"max_steps": 0, "eval_each_epoch": True, "weight_decay": 0.0, **preset[stage]}.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
@@ -402,7 +401,7 @@ def fill_from_preset(args, stage):
 
 
 def mask_generator(args, seed):
-    """The seeded generator of the masks on args.device (a seam the no-host-synchronisation tests replace)."""
+    """The seeded generator of the masks on args.device."""
     return torch.Generator(device=args.device).manual_seed(seed)
 
 
@@ -411,258 +410,136 @@ def get_lr(step, lr, warmup):
     return lr * min(1.0, (step + 1) / max(1, warmup))
 
 
-def train(model, splits, args, loss_fn, eval_fn, run, extra, higher_is_better):
-    """Optimize `model` on splits["train"] with AdamW; evaluate and checkpoint every args.eval_every steps and,
-    with args.eval_each_epoch, at the end of every epoch. With args.resume the run goes on exactly.
-
-    loss_fn(idx (B,) global batch indices, step) -> (sum of the loss over this rank's items, their count).
-    eval_fn(step) -> {"val_...": float}; extra["metric"] names the one that picks the best checkpoint.
-    run: the dict own_run yields (its "paths"); train adds the model, optimizer and loop state to it.
-    Returns the best evaluation's metrics with "step", "epoch", "elapsed_s" (wall-clock seconds over every
-    process that resumed the run) and "steps_trained" (0 for a --resume of a finished run).
-    """
+def train(model, splits, args, loss_fn, eval_fn, paths, record, metric, maximize):
+    """Optimize `model` on splits["train"] with AdamW; evaluate and checkpoint every args.eval_every steps, at the
+    end of every epoch (args.eval_each_epoch) and at the last step. loss_fn(idx (B,) rows, step) -> (the loss summed
+    over this rank's items, their count); eval_fn(step) -> {"val_loss": float, ...}; `metric` picks the best
+    checkpoint, the higher the better if `maximize` (ties: the lower val_loss, then the later evaluation). record:
+    what every checkpoint stores; record["same"]: what a --resume must share with it. With args.resume the run goes
+    on from paths["last"] as if it had never stopped. Returns the best metrics with "step", "epoch", every
+    evaluation ("evals") and "elapsed_s" (seconds over every process of the run)."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.999),
                             weight_decay=args.weight_decay, fused=args.device.type == "cuda")
-    n_batches = len(epoch_batches(splits["train"], args, 0))  # the same for every epoch
+    lengths = splits["train"]["lengths"]  # on the CPU: counting tokens never waits for the device
+    n_batches = len(data.batch_indices(lengths, args.batch_size, True, args.seed, 0, args.world_size))
     total = min(args.max_steps or math.inf, args.epochs * n_batches)
-    state = dict(step=0, epoch=0, batch_in_epoch=0, best=None, best_metrics=None, n_batches=n_batches)
-    if args.resume:
-        state = resume(model, opt, run["paths"], n_batches, total, args, extra) or state
-    n_params, rows = sum(p.numel() for p in model.parameters() if p.requires_grad), len(splits["train"]["labels"])
-    print(f"{n_params:,} trainable parameters; {total} steps ({n_batches} per epoch)" + (
-        f"; --batch_size {args.batch_size} > the {rows} training rows: every batch holds all of them" * (
-            args.batch_size > rows)))
-    run.update(model=model, opt=opt, state=state, args=args, extra=extra, record=run_record(args), eval_fn=eval_fn,
-               higher_is_better=higher_is_better, total=total, t_process=time.time(), start_step=state["step"],
-               elapsed0=state.get("elapsed_s", 0.0))  # seconds the run spent in earlier processes (--resume)
-    if state["step"] == 0:
-        start_fresh(run)
-    meter, lengths, width = new_meter(args), splits["train"]["lengths"], data.split_width(splits["train"])
-    run["t_start"] = time.time()  # for the ETA: the steps from here on
+    same = dict(record["same"], n_batches=n_batches, **{k: getattr(args, k) for k in SCHEDULE_FLAGS},
+                **{f"model {k}": v for k, v in dataclasses.asdict(model.cfg).items()})
+    record, score = dict(record, same=same), lambda m: (m[metric] if maximize else -m[metric], -m["val_loss"])
+    state = dict(step=0, epoch=0, batch_in_epoch=0, best=None, evals=[], elapsed_s=0.0)
+    if args.resume and os.path.exists(paths["last"]):  # exact resume: every bit of the loop's state
+        ck = data.load_pt(paths["last"])
+        if ck["state"]["step"] > total:  # read back as this run, it would hand on weights trained longer than asked
+            raise ValueError(f"--resume: {paths['last']} is at step {ck['state']['step']}, past this run's {total} "
+                             f"steps: give the --epochs and --max_steps it ran with")
+        differ = [k for k in same if ck["same"].get(k) != same[k]]
+        if differ:
+            raise ValueError(f"--resume: {paths['last']} was made with {differ[0]} {ck['same'].get(differ[0])!r}, "
+                             f"this run has {same[differ[0]]!r}: resume with its flags and data, or another --out_dir")
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        torch.set_rng_state(ck["rng_state"])
+        if ck["cuda_rng_state"] is not None:
+            torch.cuda.set_rng_state(ck["cuda_rng_state"], args.device)
+        state = ck["state"]
+        print(f"resumed {paths['last']} at step {state['step']}")
+    if args.rank == 0:  # the log keeps each step once: lines past the checkpoint, or a torn last line, go
+        old = open(paths["log"]).readlines() if state["step"] and os.path.exists(paths["log"]) else []
+        data.save_atomic("".join(l for l in old if l.endswith("\n") and json.loads(l)["step"] <= state["step"]),
+                         paths["log"])
+    t_process, elapsed0 = time.time(), state["elapsed_s"]
+    if state["step"] == 0:  # evaluate the initial weights, and keep them for the analyses
+        metrics = eval_fn(0)
+        print("eval at step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        state["evals"].append(dict(step=0, epoch=0, **metrics))
+        if args.rank == 0:
+            append_log(paths["log"], state["evals"][-1])
+            save_checkpoint(paths["init"], model, opt, state, record)
+    meter = dict(loss=torch.zeros((), device=args.device), steps=0, tokens=0, flops=0.0, t=time.time())
+    start_step, peak = state["step"], peak_flops(args.device, args.dtype)
     model.train()
     while state["step"] < total:
-        batches = epoch_batches(splits["train"], args, state["epoch"])
-        for i in range(state["batch_in_epoch"], len(batches)):
-            idx = batches[i]                                        # the batch: row indices (B,), on the CPU
-            lr = get_lr(state["step"], args.lr, args.warmup)        # the learning rate: warm-up, then constant
+        batches = data.batch_indices(lengths, args.batch_size, True, args.seed, state["epoch"], args.world_size)
+        for i in range(state["batch_in_epoch"], n_batches):
+            idx, lr = batches[i], get_lr(state["step"], args.lr, args.warmup)
             for group in opt.param_groups:
                 group["lr"] = lr
-            loss_sum, count = loss_fn(idx, state["step"])           # forward and loss: this rank's sum and count
-            count = global_sum(count.detach().to(torch.float32), args)
-            # backward; DDP averages gradients over ranks, hence x world_size: the gradient of sum / count overall
+            loss_sum, count = loss_fn(idx, state["step"])           # forward: this rank's sum and count
+            count = global_sum(count.detach().float(), args)
+            # DDP averages gradients over ranks, hence x world_size: the gradient of the global sum / count
             (loss_sum * args.world_size / count).backward()
-            loss = global_sum(loss_sum.detach(), args) / count      # a device tensor: no host synchronisation
-            if args.skip_nonfinite and not finite_step(run, loss):  # a host sync, only with this flag
-                loss = None                                         # skipped: its gradients are dropped
             if args.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-            opt.step()                                              # the AdamW step
+            opt.step()
             opt.zero_grad(set_to_none=True)
-            state["step"], state["batch_in_epoch"] = state["step"] + 1, i + 1
-            count_step(meter, loss, lengths[idx], model.cfg, width)
-            done, end_of_epoch, epoch = state["step"] >= total, i + 1 == len(batches), state["epoch"]
-            if state["step"] % args.log_every == 0 or done:
-                log_progress(run, meter, lr)                        # the loop's one regular host synchronisation
-            if end_of_epoch:
-                state["epoch"], state["batch_in_epoch"] = epoch + 1, 0
-            if state["step"] % args.eval_every == 0 or done or (end_of_epoch and args.eval_each_epoch):
-                evaluate_and_checkpoint(run, meter, epoch)
+            meter["loss"] += global_sum(loss_sum.detach(), args) / count  # a device tensor: no host synchronisation
+            L_batch = int(lengths[idx].max())
+            meter["steps"] += 1
+            meter["tokens"] += int(lengths[idx].sum())
+            meter["flops"] += flops_per_token(model.cfg, L_batch) * lengths[idx].numel() * L_batch
+            epoch = state["epoch"]  # the epoch of this step; the state moves on to the next step's place
+            state.update(step=state["step"] + 1, epoch=epoch + (i + 1) // n_batches, batch_in_epoch=(i + 1) % n_batches)
+            done = state["step"] >= total
+            evaluate_now = state["step"] % args.eval_every == 0 or done or (state["batch_in_epoch"] == 0 and
+                                                                             args.eval_each_epoch)
+            if state["step"] % args.log_every == 0 or evaluate_now:
+                loss = meter["loss"].item() / meter["steps"]  # the loop's one regular host synchronisation
+                if not math.isfinite(loss):  # before any checkpoint holds the weights it made
+                    raise FloatingPointError(f"a NaN or inf training loss before step {state['step']}: rerun with a "
+                                             f"lower --lr, a --grad_clip or --dtype fp32")
+                dt = time.time() - meter["t"]
+                eta = (time.time() - t_process) / (state["step"] - start_step) * (total - state["step"])
+                mfu = meter["flops"] / dt / (peak * args.world_size) if peak else None
+                print(f"step {state['step']:6d}/{total} | epoch {epoch} | loss {loss:.4f} | lr {lr:.2e} | "
+                      f"{1000 * dt / meter['steps']:.0f} ms/step | {meter['tokens'] / dt:,.0f} tok/s | "
+                      + (f"MFU {100 * mfu:.1f}% | " if mfu else "") + f"ETA {eta / 60:.1f} min")
+                if args.rank == 0:
+                    append_log(paths["log"], dict(step=state["step"], epoch=epoch, loss=loss, lr=lr, mfu=mfu,
+                                                  ms_per_step=1000 * dt / meter["steps"],
+                                                  tokens_per_s=meter["tokens"] / dt))
+                meter = dict(meter, loss=torch.zeros((), device=args.device), steps=0, tokens=0, flops=0.0)
+            if evaluate_now:
+                metrics = eval_fn(state["step"])
+                improved = all(map(math.isfinite, score(metrics))) and (
+                    state["best"] is None or score(metrics) >= score(state["best"]))
+                if improved:
+                    state["best"] = dict(metrics, step=state["step"], epoch=state["step"] / n_batches)
+                state["evals"].append(dict(step=state["step"], epoch=epoch, **metrics))
+                state["elapsed_s"] = elapsed0 + time.time() - t_process
+                print(f"eval at step {state['step']}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+                      + (" (best)" if improved else ""))
+                if args.rank == 0:
+                    append_log(paths["log"], state["evals"][-1])
+                    if args.snapshots:  # for curves over training (analyze.py curves)
+                        save_checkpoint(paths["snapshot"].format(step=state["step"]), model, opt, state, record)
+                    if improved:
+                        save_checkpoint(paths["best"], model, opt, state, record)
+                    save_checkpoint(paths["last"], model, opt, state, record)  # the last write: --resume's start
+                meter["t"] = time.time()  # the evaluation's time is not the steps'
             if done:
                 break
-    return finish(run)
-
-
-def start_fresh(run):
-    """Step 0 of a new run: a fresh log, an evaluation of the initial weights (the log shows how far training
-    moves the metric) and the _init.pt checkpoint the analyses start from."""
-    if run["args"].rank == 0:
-        check_owned(run)
-        open(run["paths"]["log"], "w").close()
-    metrics = run["eval_fn"](0)
-    print("eval at step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-    if not all(map(math.isfinite, metrics.values())):  # before any step: the learning rate is not at fault
-        raise FloatingPointError(f"the initial weights give a NaN or inf evaluation ({metrics}) before any training "
-                                 f"step: the init is too large (--init_scale {run['model'].cfg.init_scale}), or the "
-                                 f"data holds values too large for float32 arithmetic (check its largest values)")
-    append_log(run, dict(step=0, epoch=0, **metrics))
-    save_checkpoint(run, run["paths"]["init"], metrics)
-
-
-def finite_step(run, loss, window=100, limit=50):
-    """--skip_nonfinite: whether this step's loss and gradient norm are finite (a finite loss can still have an
-    inf/NaN gradient). If not, the step is said and counted in the loop state ("skipped", and the steps skipped among
-    the last `window`), and its gradients are dropped: AdamW's step skips a parameter whose gradient is None.
-    FloatingPointError when `limit` of the last `window` steps were skipped: the run no longer trains."""
-    grads = [p.grad for p in run["model"].parameters() if p.grad is not None]
-    if bool(torch.isfinite(loss) & torch.isfinite(torch.nn.utils.get_total_norm(grads))):
-        return True
-    state = run["state"]
-    print(f"step {state['step'] + 1}: non-finite loss or gradient, update skipped")
-    run["opt"].zero_grad(set_to_none=True)
-    state["skipped"] = state.get("skipped", 0) + 1
-    state["recent_skips"] = [s for s in state.get("recent_skips", []) if s > state["step"] - window] + [state["step"]]
-    if len(state["recent_skips"]) >= limit:
-        raise FloatingPointError(f"--skip_nonfinite: {limit} of the last {window} steps (up to step "
-                                 f"{state['step'] + 1}) had a NaN or inf loss or gradient: the run gives up; rerun "
-                                 f"with a lower --lr, a --grad_clip or --dtype fp32")
-    return False
-
-
-def finish(run):
-    """The end of `train`: check that the run trained (check_trained), say so, and return the best metrics."""
-    args, state, metric = run["args"], run["state"], run["extra"]["metric"]
-    check_trained(state, metric, last_good(run))  # a finite evaluation, at most half the steps skipped
-    if state["step"] > run["start_step"]:
-        print(f"finished {state['step']} steps in {(time.time() - run['t_start']) / 60:.1f} min; "
-              f"best {metric} {state['best']:.4f}")
-    else:  # --resume of a finished run: its checkpoints are read back, not written again
-        print(f"the run in {os.path.dirname(run['paths']['last']) or '.'} had already finished its {run['total']} "
-              f"steps: nothing trained, its checkpoints are unchanged; best {metric} {state['best']:.4f}")
+    if state["best"] is None:
+        raise FloatingPointError(f"no evaluation gave a finite {metric}, so there is no best checkpoint")
+    print(f"finished {state['step']} steps; best {metric} {state['best'][metric]:.4f} at step {state['best']['step']}")
     if args.world_size > 1:
-        dist.barrier()  # rank 0 has written its checkpoints before anyone reads them
-    return dict(state["best_metrics"], step=state.get("best_step"), epoch=state.get("best_epoch"),
-                elapsed_s=run["elapsed0"] + time.time() - run["t_process"],
-                steps_trained=state["step"] - run["start_step"])
+        dist.barrier()  # rank 0 has written its checkpoints before any rank reads them
+    return dict(state["best"], evals=state["evals"], elapsed_s=elapsed0 + time.time() - t_process)
 
 
-def new_meter(args):
-    """What the next log line reports, summed since the last one: loss (a device tensor), steps, skipped steps,
-    real tokens, padded tokens (the positions computed on), training FLOPs, and the wall-clock start."""
-    return dict(t_last=time.time(), loss=torch.zeros((), device=args.device), steps=0, skipped=0, tokens=0, padded=0,
-                flops=0.0)
+def save_checkpoint(path, model, opt, state, record):
+    """Write a checkpoint atomically (data.save_atomic): the weights and model config (model.checkpoint_dict), the
+    optimizer, the loop state, the RNG states and the run's record: all that an exact --resume needs."""
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    data.save_atomic(checkpoint_dict(model, optimizer=opt.state_dict(), state=state, rng_state=torch.get_rng_state(),
+                                     cuda_rng_state=cuda, **record), path)
 
 
-def count_step(meter, loss, batch_lengths, cfg, width):
-    """Add one step to the meter. batch_lengths (B,) or (B, 2) live on the CPU, so this never waits for the
-    device; width gives the batch's padded length (data.batch_width). loss None: a skipped step."""
-    if loss is None:
-        meter["skipped"] += 1
-    else:
-        meter["loss"] += loss.detach()
-    meter["steps"] += 1
-    meter["tokens"] += int(batch_lengths.sum())
-    meter["padded"] += batch_lengths.numel() * data.batch_width(batch_lengths, width)
-    L_batch = int(batch_lengths.max())
-    meter["flops"] += flops_per_token(cfg, L_batch) * batch_lengths.numel() * L_batch  # x2 for pairs
-
-
-def log_progress(run, meter, lr):
-    """Print and log the mean loss, ms/step, real tokens/s, the real share of the padded tokens, MFU (GPUs in
-    PEAK_BF16_FLOPS), CUDA's peak memory so far and an ETA. The .item() here is the loop's one regular host
-    synchronisation. FloatingPointError on a non-finite mean loss; skipped steps are left out of the mean."""
-    args, state = run["args"], run["state"]
-    counted = meter["steps"] - meter["skipped"]
-    mean_loss = meter["loss"].item() / counted if counted else None
-    if counted:
-        check_finite(run, mean_loss, state["step"] - meter["steps"] + 1)
-    dt = time.time() - meter["t_last"]
-    eta = (time.time() - run["t_start"]) / (state["step"] - run["start_step"]) * (run["total"] - state["step"])
-    peak = peak_flops(args.device, args.dtype)
-    mfu = None if peak is None else meter["flops"] / dt / (peak * args.world_size)  # per GPU
-    mem = torch.cuda.max_memory_allocated(args.device) / 2 ** 30 if args.device.type == "cuda" else None
-    skipped = f" ({meter['skipped']} skipped)" if meter["skipped"] else ""
-    if meter["steps"] != args.log_every:  # after a --resume, or at the end: a mean over fewer steps
-        skipped += f" (mean of {meter['steps'] - meter['skipped']} steps)"
-    print(f"step {state['step']:6d}/{run['total']} | epoch {state['epoch']} | loss "
-          f"{'-' if mean_loss is None else f'{mean_loss:.4f}'}{skipped} | lr {lr:.2e} | "
-          f"{1000 * dt / meter['steps']:.0f} ms/step | {meter['tokens'] / dt:,.0f} tok/s | "
-          f"{100 * meter['tokens'] / meter['padded']:.0f}% real | " + (f"MFU {100 * mfu:.1f}% | " if mfu else "")
-          + (f"peak {mem:.1f} GiB | " if mem is not None else "") + f"ETA {eta / 60:.1f} min")
-    append_log(run, dict(step=state["step"], epoch=state["epoch"], loss=mean_loss, lr=lr,
-                              ms_per_step=1000 * dt / meter["steps"], tokens_per_s=meter["tokens"] / dt,
-                              real_fraction=meter["tokens"] / meter["padded"], mfu=mfu, peak_memory_gib=mem,
-                              **({"skipped": meter["skipped"]} if meter["skipped"] else {})))
-    meter.update(new_meter(args))
-
-
-def evaluate_and_checkpoint(run, meter, epoch):
-    """Check that the loss since the last log line and the weights are finite, evaluate (eval_fn), keep the best
-    metrics (is_better), and write the best checkpoint (if improved), the last one (for --resume) and with
-    --snapshots a copy per evaluation. The evaluation's time is left out of the meter's ms/step and tokens/s."""
-    args, state, paths, metric = run["args"], run["state"], run["paths"], run["extra"]["metric"]
-    if meter["steps"] > meter["skipped"]:  # a NaN/inf loss since the last log line stops the run before any checkpoint
-        check_finite(run, meter["loss"].item(), state["step"] - meter["steps"] + 1)
-    t_eval = time.time()  # .item() above waited for the queued steps: the evaluation's time starts now
-    if not bool(torch.stack([torch.isfinite(p).all() for p in run["model"].parameters()]).all()):  # one host sync
-        bad = [n for n, p in run["model"].named_parameters() if not torch.isfinite(p).all()]
-        raise FloatingPointError(f"non-finite weights at step {state['step']} ({bad[0]}" + (
-            f" and {len(bad) - 1} more" if len(bad) > 1 else "") + "): a gradient was NaN or inf although the loss "
-            f"was finite, and none of them is checkpointed; {last_good(run)}, or --skip_nonfinite to skip such steps")
-    metrics = run["eval_fn"](state["step"])
-    improved = is_better(metrics, state, metric, run["higher_is_better"], run["extra"].get("tiebreak"))
-    if improved:
-        state["best"], state["best_metrics"] = metrics[metric], metrics
-        state["best_step"], state["best_epoch"] = state["step"], state["step"] / state["n_batches"]
-    print(f"eval at step {state['step']}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-          + (" (best)" if improved else ""))
-    append_log(run, dict(step=state["step"], epoch=epoch, **metrics))
-    # Snapshot, best, last: a run stopped inside these writes resumes from the newest complete checkpoint
-    # (load_newest): before this evaluation, which it then makes again, or from the best, after the snapshot.
-    if args.snapshots:  # a copy per evaluation, for curves over training (analyze.py curves)
-        save_checkpoint(run, paths["snapshot"].format(step=state["step"]), metrics)
-    if improved:
-        save_checkpoint(run, paths["best"], metrics)
-    save_checkpoint(run, paths["last"], metrics)
-    meter["t_last"] += time.time() - t_eval
-
-
-def is_better(metrics, state, metric, higher_is_better, tiebreak=None):
-    """Whether an evaluation's `metrics` beat the best so far (state["best_metrics"]) on `metric`. A tie (frequent
-    for accuracy on a small validation split) goes to the lower `tiebreak` loss, and failing that to the later
-    evaluation, so that a tie never keeps an early step merely because it came first."""
-    best, value = state["best_metrics"], metrics[metric]
-    if best is None or not (math.isfinite(value) and math.isfinite(best[metric])):  # NaN, inf: never the best
-        return math.isfinite(value)
-    ref = best[metric]
-    if value != ref:
-        return value > ref if higher_is_better else value < ref
-    return tiebreak is None or metrics[tiebreak] <= best[tiebreak]
-
-
-def save_checkpoint(run, path, metrics):
-    """Write model, optimizer, loop state, RNG states, the run record and the stage's fields (rank 0 only),
-    atomically (save_atomic)."""
-    args = run["args"]
-    if args.rank != 0:
-        return
-    check_owned(run)
-    cuda_rng = torch.cuda.get_rng_state(args.device) if args.device.type == "cuda" else None
-    run["state"]["elapsed_s"] = run["elapsed0"] + time.time() - run["t_process"]  # carried over a --resume
-    data.save_atomic(checkpoint_dict(run["model"], optimizer=run["opt"].state_dict(), state=dict(run["state"]),
-                                     metrics=metrics, rng_state=torch.get_rng_state(), cuda_rng_state=cuda_rng,
-                                     **run["record"], **run["extra"]), path)
-
-
-def check_finite(run, value, first):
-    """FloatingPointError if `value` (a mean loss over steps first..now) is NaN or inf, saying what to do."""
-    if not math.isfinite(value):
-        raise FloatingPointError(f"non-finite loss between steps {first} and {run['state']['step']}; "
-                                 f"{last_good(run)}, or --skip_nonfinite to skip such steps")
-
-
-def last_good(run):
-    """Where a run stopped by non-finite numbers can go on from (what the error says to do)."""
-    last = run["paths"]["last"]
-    return f"the last good checkpoint is {last} (--resume it with --skip_nonfinite, or rerun with a lower --lr in " \
-        f"a new --out_dir)" if os.path.exists(last) else "no checkpoint was written yet (rerun with a lower --lr)"
-
-
-def check_trained(state, metric, where):
-    """FloatingPointError unless the loop `state` trained: some evaluation gave a finite `metric`, and --skip_nonfinite
-    skipped fewer than half of its steps (finite_step's rule needs 100 steps to fire). where: pretrain.last_good."""
-    if state["best_metrics"] is None:  # every evaluation NaN or inf
-        raise FloatingPointError(f"no evaluation gave a finite {metric}: no best checkpoint; {where}")
-    if state.get("skipped") and 2 * state["skipped"] >= state["step"]:
-        raise FloatingPointError(f"--skip_nonfinite skipped {state['skipped']} of the run's {state['step']} steps: "
-                                 f"it did not train, whatever its checkpoints hold; {where}")
-
-
-# The batches of a training epoch, and the evaluation loop both stages share (sharded under torchrun).
-def epoch_batches(split, args, epoch):
-    """The training batches (index tensors) of one epoch, seeded by (seed, epoch) so that a resumed run sees
-    the same ones; under torchrun every batch has at least one row per rank (data.batch_indices)."""
-    return data.batch_indices(split["lengths"], args.batch_size, shuffle=True, seed=args.seed, epoch=epoch,
-                         min_rows=args.world_size)
+def append_log(path, entry):
+    """One JSON line at the end of the run's log, opened without following a link (O_NOFOLLOW): a link planted at
+    the log's name is an error, not a way to write into another file."""
+    nofollow = getattr(os, "O_NOFOLLOW", 0)
+    with open(path, "a", opener=lambda p, flags: os.open(p, flags | nofollow)) as f:
+        f.write(json.dumps(entry) + "\n")
 
 
 @torch.no_grad()
@@ -681,21 +558,12 @@ def evaluate(model, split, args, batch_sums, n_sums):
 
 # ---- Device and dtype: where a stage runs, in which precision, and what the hardware can do (MFU's peak).
 def pick_device(name):
-    """'auto' -> cuda if available, else mps, else cpu; any other string is passed to torch.device (and
-    cuda:N becomes the current GPU, so that torch.cuda calls without a device argument mean it). ValueError naming
-    the devices this machine has for one it does not have (cuda without a GPU, cuda:7 with one, foo)."""
-    mps = torch.backends.mps.is_available()
+    """'auto' -> cuda if available, else mps, else cpu; any other string is torch.device's (cuda:N becomes the
+    current GPU, so that torch.cuda calls without a device argument mean it)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:  # not a device string
-        device = torch.device("meta", 1)  # refused below
-    n_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
-    if not (device.type == "cpu" or device.type == "meta" and device.index is None or device.type == "mps" and mps
-            or device.type == "cuda" and (device.index or 0) < n_gpus):
-        there = ["cpu", *(f"cuda:{i}" for i in range(torch.cuda.device_count())), *["mps"] * mps]
-        raise ValueError(f"--device {name}: no such device here; this machine has {', '.join(there)} (or auto)")
+        return torch.device("cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available()
+                            else "cpu")
+    device = torch.device(name)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     return device
@@ -723,38 +591,19 @@ def autocast(device, dtype):
     return contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
 
 
-# Dense bf16 peak FLOP/s of common GPUs (vendor data sheets); an unknown GPU gets no MFU rather than a wrong one.
-PEAK_BF16_FLOPS = {"H200": 989e12, "H200 NVL": 835e12, "H100": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12,
-                   "A100": 312e12, "L40S": 362e12, "A10": 125e12, "L4": 121e12, "RTX 4090": 165e12, "RTX 3090": 71e12,
-                   "A6000": 155e12}
+# Dense bf16 peak FLOP/s of common GPUs (vendor data sheets), longest names first: "H100 PCIe" before "H100".
+# An unknown GPU gets no MFU rather than a wrong one.
+PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12, "RTX 4090": 165e12,
+                   "RTX 3090": 71e12, "H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
+                   "A6000": 155e12, "A10": 125e12, "L4": 121e12}
 
 
 def peak_flops(device, dtype):
-    """Peak FLOP/s for MFU, or None (CPU, fp32, or a GPU not in PEAK_BF16_FLOPS)."""
+    """Peak FLOP/s for MFU: PEAK_BF16_FLOPS's first name found as whole words in the GPU's ("A10" is not "A10G")."""
     if device.type != "cuda" or dtype != torch.bfloat16:
         return None
-    return peak_flops_of(torch.cuda.get_device_name(device))
-
-
-def device_name(device):
-    """What ran the arithmetic, for run records and logs: the GPU's name on CUDA, "MPS, <arch>" on Apple's GPU,
-    else the CPU's model name (Linux: /proc/cpuinfo; elsewhere platform.processor(), else the architecture)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    if device.type == "mps":
-        return f"MPS, {platform.machine()}"
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    except OSError:
-        names = []
-    return (names[0] if names else "") or platform.processor() or platform.machine()
-
-
-def peak_flops_of(name):
-    """PEAK_BF16_FLOPS of a GPU name: the longest key found in it as whole words ("A10" is not "A10G")."""
-    found = [k for k in PEAK_BF16_FLOPS if re.search(rf"(^|\W){re.escape(k)}($|\W)", name)]
-    return PEAK_BF16_FLOPS[max(found, key=len)] if found else None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if re.search(rf"(^|\W){re.escape(k)}($|\W)", name)), None)
 
 
 def flops_per_token(cfg, L):
@@ -785,7 +634,7 @@ def setup_distributed(args):
 
 
 def global_sum(t, args):
-    """Sum of a tensor over all ranks (itself when not distributed)."""
+    """Sum of a tensor over all ranks, in place (itself when not distributed)."""
     if args.world_size > 1:
         dist.all_reduce(t)
     return t
@@ -804,309 +653,98 @@ def local_rows(args, *tensors):
     return [t[args.rank::args.world_size] for t in tensors]
 
 
-# ---- A run's files: paths, checkpoints, the lock, the record of what made a run, resume ----
-
-def load_newest(candidates, map_location="cpu", who="load"):
-    """Of the checkpoints `candidates` (paths), the one of the latest state.step (a tie: the earlier). A missing or
-    damaged file is reported (prefixed by `who`) and skipped. Returns (its path, it), or (None, None) when no file
-    exists. ValueError with every reason when files exist but none loads."""
-    reasons, newest, newest_path = [], None, None
-    for path in candidates:
-        if not os.path.lexists(path):  # the program's own guess at a name: no "did you mean" (not_a_file)
-            print(f"{who}: {path}: no such file; skipped")
-            continue
-        try:
-            ck = data.load_pt(path, map_location=map_location)
-            state = ck.get("state") if isinstance(ck, dict) else None
-            if not isinstance(state, dict) or not isinstance(state.get("step"), int):
-                raise ValueError(f"{path}: holds no training state (state.step); not a checkpoint of this project")
-        except (OSError, ValueError) as e:  # OSError: a folder or a broken link in the file's place, unreadable
-            print(f"{who}: {e}; skipped")
-            reasons.append(e)
-            continue
-        if newest is None or ck["state"]["step"] > newest["state"]["step"]:
-            newest, newest_path = ck, path
-    if newest is not None:
-        print(f"{who}: continuing from {newest_path} (step {newest['state']['step']})")
-        return newest_path, newest
-    if not reasons:
-        print(f"{who}: no checkpoint in {os.path.dirname(candidates[0]) or '.'}, starting from scratch")
-        return None, None
-    raise ValueError(f"{who}: no checkpoint could be loaded: " + "; ".join(map(str, reasons)) +
-                     ". Remove them (or run without --resume) to start over")
-
+# ---- A run's files: their names, one run per folder, the record of what made a run ----
 
 RUN_NAME = re.compile(r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]*")  # no "/", "..", space or newline: it stays in its folder
 
 
 def run_paths(out_dir, task, stage, name=None):
     """The files of one run under <out_dir>/<task>/: "pretrain": best = pretrain.pt (finetune.py --init), last =
-    pretrain_last.pt (--resume), init = pretrain_init.pt, log = pretrain_log.jsonl, snapshot = pretrain_step{step}.pt;
-    "finetune" with a run name: the same for finetune_<name>, and json = finetune_<name>.json. Else ValueError.
-    A run name is a plain name (RUN_NAME), so that a run's files stay in <out_dir>/<task>/ and are its own."""
-    if stage not in ("pretrain", "finetune") or (stage == "finetune") != (name is not None):
-        raise ValueError(f"run_paths: stage {stage!r} with name {name!r}; expected 'pretrain', or 'finetune' "
-                         f"with a run name")
+    pretrain_last.pt (--resume), init = pretrain_init.pt, log = pretrain_log.jsonl, snapshot = pretrain_step{step}.pt,
+    lock = pretrain.lock; "finetune" with a run name: the same for finetune_<name>, and json = finetune_<name>.json.
+    ValueError for a run name that is not a plain name (RUN_NAME, not ending like a run's own files): so a run's
+    files stay in <out_dir>/<task>/ and are its own."""
+    if (stage == "finetune") != (name is not None):
+        raise ValueError(f"run_paths: stage {stage!r} with name {name!r}: finetuning runs have a name, SPT's not")
     if name is not None and (not RUN_NAME.fullmatch(name) or re.search(r"_(last|init|step\d+)$", name)):
-        raise ValueError(f"--name {name!r}: a run name is letters, digits, '_', '.', '+' and '-', not starting with '.' "
-                         f"and not ending in _last, _init or _step<N> (the names of a run's own files)")
-    stem = os.path.join(out_dir, task, "pretrain" if stage == "pretrain" else f"finetune_{name}")
+        raise ValueError(f"--name {name!r}: a run name is letters, digits, '_', '.', '+' and '-', not starting with "
+                         f"'.' and not ending in _last, _init or _step<N> (the names of a run's own files)")
+    stem = os.path.join(out_dir, task, "pretrain" if name is None else f"finetune_{name}")
     paths = dict(best=stem + ".pt", last=stem + "_last.pt", init=stem + "_init.pt", log=stem + "_log.jsonl",
-                 snapshot=stem + "_step{step}.pt")
-    return dict(paths, json=stem + ".json") if stage == "finetune" else paths
-
-
-def run_stem(path):
-    """The stem of the run a checkpoint belongs to (run_paths' names): out/x/pretrain_last.pt -> out/x/pretrain."""
-    return re.sub(r"(_last|_step\d+|_init)$", "", os.path.splitext(path)[0])
+                 snapshot=stem + "_step{step}.pt", lock=stem + ".lock")
+    return dict(paths, json=stem + ".json") if name is not None else paths
 
 
 def run_init_path(path):
     """The _init.pt of the run a checkpoint belongs to (run_paths' names), or None if it is missing."""
-    init = run_stem(path) + "_init.pt"
+    init = re.sub(r"(_last|_step\d+|_init)$", "", os.path.splitext(path)[0]) + "_init.pt"
     return init if os.path.exists(init) else None
-
-
-def run_files(paths):
-    """The files of the run `paths` (run_paths) that exist: checkpoints, snapshots, log, JSON, and save_atomic's
-    temporaries of them (<file>.<pid>.tmp: left by a killed write). Not the lock."""
-    folder, stem = os.path.split(paths["log"][:-len("_log.jsonl")])
-    ends = "|".join(re.escape(os.path.basename(p)[len(stem):]).replace(r"\{step\}", r"\d+") for p in paths.values())
-    pattern = re.compile(re.escape(stem) + f"({ends})" + r"(\.\d+\.tmp)?")
-    return sorted(os.path.join(folder, f) for f in os.listdir(folder or ".") if pattern.fullmatch(f))
-
-
-def lock_run(path):
-    """The lock file `path`, open and locked (fcntl.flock), holding this process's pid, host and command. The
-    system drops the lock when the process ends, even killed. FileExistsError naming the holder if another process
-    holds it; the record of a process that ended without releasing it (killed) is said and taken over."""
-    f = open(path, "a+")
-    f.seek(0)
-    before = f.read().strip()  # the holder's record, or a killed process's
-    try:
-        if fcntl is None:
-            print(f"{path}: not locked (no fcntl on {platform.system()}): start one run of it at a time")
-        else:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        raise FileExistsError(f"{path}: this run is being written by {before or 'another process'}; wait for it to "
-                              f"end, or give another --out_dir") from None
-    f.seek(0)
-    before = f.read().strip()  # read again under the lock: a record still there is a killed process's
-    if before and fcntl is not None:
-        print(f"{path}: taken over from {before}, which ended without releasing it (killed?)")
-    f.truncate(0)
-    f.write(f"pid {os.getpid()} on {platform.node()}: {' '.join(sys.argv)}\n")
-    f.flush()
-    return f
-
-
-def running_holder(checkpoint):
-    """The record (pid, host, command) of the process that holds the run of `checkpoint` (a run_paths file) now,
-    or None: its run is finished, stopped, or never locked (no fcntl)."""
-    lock = run_stem(checkpoint) + ".lock"
-    if fcntl is None or not os.path.exists(lock):
-        return None
-    with open(lock) as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return f.read().strip() or "another process"
-    return None
 
 
 @contextlib.contextmanager
 def own_run(paths, args):
-    """Hold the run whose files are `paths` (run_paths) while a stage writes them: rank 0 takes <stem>.lock
-    (lock_run; the file stays, emptied at the end: removing it would race with a process locking it). A run whose
-    files exist is refused (FileExistsError) unless args.resume, or args.overwrite, which removes them first;
-    left-over temporaries go. Yields the run: a dict with its "paths", that `train` fills (model, loop state, ...).
-    On Ctrl-C, SIGTERM or SIGHUP the exception gets the one line run_stage prints: the step the run reached."""
+    """Hold the run whose files are `paths` (run_paths) while a stage writes them: one run per folder.
+
+    Rank 0 locks paths["lock"] (fcntl.flock: the system releases it when the process ends, even killed): a second
+    process on a live run's files gets FileExistsError. Files of an earlier run are refused too, unless args.resume
+    continues them or args.overwrite removes them first, so a new run never leaves files mixed with an old one's;
+    temporaries of killed writes go. A fault inside (not a ValueError: bad input) gets a note naming the last
+    checkpoint and that --resume continues from it: the one line data.run_cli prints.
+    """
     if args.resume and args.overwrite:
         raise ValueError("--resume continues the run, --overwrite removes it: give one of them")
-    stem, folder, lock = paths["log"][:-len("_log.jsonl")], os.path.dirname(paths["log"]) or ".", None
-    if args.rank == 0:  # the other ranks write nothing
+    folder, lock = os.path.dirname(paths["log"]), None
+    if args.rank == 0:
         os.makedirs(folder, exist_ok=True)
-        lock = lock_run(stem + ".lock")
-    run = dict(paths=paths, args=args, lock=lock, folder=(folder, os.stat(folder)) if lock else None)
-    try:
-        old = run_files(paths) if os.path.isdir(folder) else []  # every rank: each refuses on its own
-        kept = [os.path.basename(f) for f in old if not f.endswith(".tmp")]
-        if kept and not (args.resume or args.overwrite):
-            raise FileExistsError(f"{folder} holds this run's files already ({', '.join(kept[:4])}"
-                                  f"{', ...' * (len(kept) > 4)}): --resume continues it, --overwrite removes it "
-                                  f"first, or give another --out_dir")
-        removed = (old if args.overwrite else [f for f in old if f.endswith(".tmp")]) if lock else []
-        for f in removed:
-            os.remove(f)
-        if removed:
-            print(f"removed {len(removed)} files in {folder}: " + (
-                "the earlier run's (--overwrite)" if args.overwrite else "temporaries of killed writes"))
-        if getattr(args, "world_size", 1) > 1:
-            dist.barrier()  # every rank has checked the folder before rank 0 writes in it
-        yield run
-    except (KeyboardInterrupt, OSError) as e:  # one line: the step reached, the last checkpoint, how to continue
-        last = paths["last"]
+        lock = open(paths["lock"], "a+", opener=lambda p, flags: os.open(p, flags | getattr(os, "O_NOFOLLOW", 0)))
         try:
-            saved = f"the last checkpoint is {last} (step {data.load_pt(last, mmap=True)['state']['step']})"
-        except (OSError, ValueError, KeyError):
-            saved = "no checkpoint was written yet"
-        step = f"at step {run['state']['step']} of {run['total']}" if "state" in run else "before training"
-        how = "--resume instead of --overwrite" if args.overwrite else "--resume"
-        if isinstance(e, OSError):  # no space, a file too large, ...: once mended, the run goes on
-            if e.strerror and "state" in run:
-                e.strerror += f" (stopped {step}; {saved}; once that is mended, the same command with {how} continues)"
-        else:
-            e.args = (f"interrupted {step}; {saved}; the same command with {how} continues" if args.rank == 0 else
-                      f"rank {args.rank} stopped (rank 0 says why)",)
+            if fcntl:  # Windows has none: runs are not locked there
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            raise FileExistsError(f"{paths['lock']}: the run is live in another process ({lock.read().strip()}); "
+                                  f"wait for it, or give another --out_dir") from None
+        lock.truncate(0)
+        lock.write(f"pid {os.getpid()} on {platform.node()}: {' '.join(sys.argv)}\n")
+        lock.flush()
+        snapshots = re.compile(re.escape(os.path.basename(paths["log"])[:-len("_log.jsonl")]) + r"_step\d+\.pt")
+        old = [paths[k] for k in ("best", "last", "init", "log", "json") if k in paths and os.path.lexists(paths[k])]
+        old += [os.path.join(folder, f) for f in sorted(os.listdir(folder)) if snapshots.fullmatch(f)]
+        if old and not (args.resume or args.overwrite):
+            raise FileExistsError(f"{folder} holds this run's files ({', '.join(map(os.path.basename, old[:3]))}"
+                                  f"...): --resume continues it, --overwrite removes it, or give another --out_dir")
+        for f in (old if args.overwrite else []) + [t for p in old for t in glob.glob(glob.escape(p) + ".*.tmp")]:
+            os.remove(f)
+    if args.world_size > 1:
+        dist.barrier()  # rank 0 has checked the folder before any rank goes on
+    try:
+        yield
+    except BaseException as e:
+        if not isinstance(e, ValueError) and args.rank == 0:
+            e.add_note(f"the last checkpoint is {paths['last']}: the same command with --resume (not --overwrite) "
+                       f"continues from it" if os.path.exists(paths["last"]) else "no checkpoint was written yet")
         raise
     finally:
         if lock:
-            lock.truncate(0)
+            lock.truncate(0)  # the file stays: removing it would race with a process locking it
             lock.close()
 
 
-def plain_config(args):
-    """The run's flags as a JSON- and weights_only-safe dict (devices and dtypes become strings)."""
-    return {k: (str(v) if isinstance(v, (torch.device, torch.dtype)) else v) for k, v in vars(args).items()}
-
-
-def git_state(folder=None):
-    """(commit, modified) of the git checkout holding `folder` (default: this file's): HEAD's hash and the sorted
-    tracked files that differ from it (a run made with uncommitted code says so); (None, None) outside one."""
+def run_record(args, **fields):
+    """The plain-type record every checkpoint of a run stores: `fields` (the stage's: task, data, what a --resume
+    must share), the run's flags, and what produced it: the git commit (with the tracked files that differ from it,
+    or None outside a git checkout), torch, and the CPU threads, on which float sums depend."""
     def git(*cmd):
-        return subprocess.run(["git", *cmd], capture_output=True, text=True, timeout=5,
-                              cwd=folder or os.path.dirname(os.path.abspath(__file__))).stdout
-    try:
-        commit = git("rev-parse", "HEAD").strip() or None
-        if commit is None:
-            return None, None
-        return commit, sorted(line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines())
-    except (OSError, subprocess.SubprocessError):
-        return None, None
-
-
-def truncate_log(path, step):
-    """Drop the lines of a run's log past `step` (logged again by the resumed run) and an unfinished last line,
-    so each step appears once. Rewritten atomically."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        lines = f.readlines()
-    keep = [line for line in lines if line.endswith("\n") and json.loads(line).get("step", 0) <= step]
-    if len(keep) < len(lines):
-        data.save_atomic("".join(keep), path)
-        print(f"--resume: dropped {len(lines) - len(keep)} lines of {path} logged after step {step} (logged again)")
-
-
-# Flags a resumed run must share with its checkpoint (--epochs and --max_steps only say where to stop, and may
-# grow; --dtype may change, e.g. fp32 after bf16 overflowed): the schedule and the evaluation grid.
-RESUME_SAME = ("lr", "warmup", "weight_decay", "grad_clip", "seed", "mask_ratio", "rec_loss", "init", "inherit",
-               "freeze", "batch_size", "eval_every", "eval_each_epoch")
-
-
-def check_resumable(ck, cfg, n_batches, data_sha256=None, config=None, init_sha256=None):
-    """Raise ValueError unless checkpoint `ck` continues this run: the same model config (cfg: ModelConfig's
-    fields as a dict), epoch length (n_batches), data (data_sha256: {split: sha256}), RESUME_SAME flags (config:
-    plain_config of this run) and, for finetuning, SPT weights (init_sha256: the --init file's sha256)."""
-    saved = ck["model_config"]  # a field it lacks (or the code no longer has) is not a difference
-    diff = {k: (saved[k], v) for k, v in cfg.items() if saved.get(k, v) != v}
-    saved_config = ck.get("config") or {}
-    same_weights = bool(ck.get("init_sha256") and init_sha256)  # --init compared by content, not by spelling
-    diff.update({k: (saved_config[k], config[k]) for k in RESUME_SAME
-                 if config and k in saved_config and k in config and saved_config[k] != config[k]
-                 and not (k == "init" and same_weights)})
-    if diff:
-        raise ValueError("--resume: the checkpoint was made with " + ", ".join(
-            f"{k}={old!r}" for k, (old, _) in diff.items()) + "; this run has " + ", ".join(
-            f"{k}={new!r}" for k, (_, new) in diff.items()) + ": resume with the same flags (or start a new --out_dir)")
-    if ck["state"]["n_batches"] != n_batches:
-        raise ValueError(f"--resume: the checkpoint's epochs have {ck['state']['n_batches']} batches, this run's "
-                         f"{n_batches} (another --batch_size or number of processes): resume with the same ones")
-    saved_data = ck.get("data_sha256")
-    if saved_data and data_sha256 and saved_data != data_sha256:
-        split = next(s for s in saved_data if saved_data[s] != data_sha256.get(s))
-        raise ValueError(f"--resume: the checkpoint was trained on other data ({split}.pt sha256 "
-                         f"{saved_data[split][:12]}..., this run's {str(data_sha256.get(split))[:12]}...: another "
-                         f"--data_dir, or the data was made again): resume on the same data (or start a new --out_dir)")
-    saved_init = ck.get("init_sha256")
-    if saved_init and init_sha256 and saved_init != init_sha256:
-        raise ValueError(f"--resume: this run started from SPT weights of sha256 {saved_init[:12]}... (--init "
-                         f"{ck.get('init')}), but --init {(config or {}).get('init')} holds {init_sha256[:12]}... "
-                         f"(pretrained again or further?): finetune the new weights in a new run (another --name or "
-                         f"--out_dir, without --resume)")
-
-
-def run_record(args):
-    """Plain-type description of the run: its settings and what produced it (stored in checkpoints). The CPU and
-    thread count are recorded because float sums, and so trained weights, depend on them."""
-    commit, modified = git_state()
-    return dict(config=plain_config(args), git_commit=commit, git_modified=modified,
-                torch_version=str(torch.__version__), python=platform.python_version(),
-                device_name=device_name(args.device), threads=torch.get_num_threads())
-
-
-def append_log(run, entry):
-    """One JSON line in paths["log"] (rank 0 only), in the folder the run holds (check_owned). An OS fault (a full
-    disk, a file size limit) names the log; resume drops a half-written last line (truncate_log)."""
-    if run["args"].rank == 0:
-        check_owned(run)
         try:
-            with open(run["paths"]["log"], "a") as f:
-                f.write(json.dumps(entry) + "\n")
-        except OSError as e:
-            e.filename = e.filename or run["paths"]["log"]
-            raise
-
-
-def check_owned(run):
-    """FileNotFoundError unless the run's folder and lock file are still the ones own_run locked (the same device
-    and inode): a run stopped for a while (kill -STOP) whose folder was removed, or taken by a new run, meanwhile,
-    must not write into another run's files. Called before every checkpoint and log write (rank 0)."""
-    if run.get("lock") is None:  # not a run own_run holds (ranks other than 0 write nothing)
-        return
-    (folder, folder_stat), lock = run["folder"], run["lock"]
-    try:
-        same = os.path.samestat(os.stat(folder), folder_stat) and os.path.samestat(os.stat(lock.name),
-                                                                                    os.fstat(lock.fileno()))
-    except FileNotFoundError:
-        same = False
-    if not same:
-        raise FileNotFoundError(f"{folder}: this run's folder, or its lock {lock.name}, was removed or replaced while "
-                                f"the run was stopped: it stops without writing, so as not to mix its files with "
-                                f"another run's; start it again (in another --out_dir to keep both)")
-
-
-def resume(model, opt, paths, n_batches, total, args, extra):
-    """Load the newest of paths["last"], paths["best"] into model and optimizer, restore the RNG states and drop
-    the log lines past it; returns the loop state, or None. ValueError for another run's (check_resumable) or one
-    past this run's `total` steps."""
-    # Loaded on the CPU: load_state_dict copies onto the model's device, and the CPU copy is freed right after.
-    path, ck = load_newest([paths["last"], paths["best"]], "cpu", "--resume")
-    if ck is None:
-        return None
-    check_resumable(ck, dataclasses.asdict(model.cfg), n_batches, extra.get("data_sha256"), plain_config(args),
-                    extra.get("init_sha256"))
-    if ck["state"]["step"] > total:  # read back as this run, it would hand on weights trained longer than asked
-        raise ValueError(f"--resume: the checkpoint in {os.path.dirname(path) or '.'} is at step {ck['state']['step']}, "
-                         f"past this run's {total} steps (--epochs {args.epochs}, --max_steps {args.max_steps}): give "
-                         f"the budget it ran with, or start a new --out_dir")
-    if path != paths["last"] and args.rank == 0:  # stopped before its last write, or that file is damaged
-        data.save_atomic(ck, paths["last"])
-    here = dict(device_name=device_name(args.device), threads=torch.get_num_threads())
-    if other := {k: ck[k] for k, v in here.items() if ck.get(k) not in (None, v)}:  # float sums in another order
-        print(f"note: the checkpoint was made with {other}, this process has {here}: the run goes on, but not "
-              f"bit-identical to one that never stopped (float sums add in another order)")
-    model.load_state_dict(ck["model"])
-    opt.load_state_dict(ck["optimizer"])
-    torch.set_rng_state(ck["rng_state"])
-    if args.device.type == "cuda" and ck.get("cuda_rng_state") is not None:
-        torch.cuda.set_rng_state(ck["cuda_rng_state"], args.device)
-    if args.rank == 0:
-        truncate_log(paths["log"], ck["state"]["step"])
-    print(f"resumed at step {ck['state']['step']} (epoch {ck['state']['epoch']})")
-    return ck["state"]
+            return subprocess.run(["git", *cmd], capture_output=True, text=True, timeout=5,
+                                  cwd=os.path.dirname(os.path.abspath(__file__))).stdout
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    commit = git("rev-parse", "HEAD").strip() or None
+    modified = sorted(line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines())
+    config = {k: str(v) if isinstance(v, (torch.device, torch.dtype)) else v for k, v in vars(args).items()}
+    return dict(fields, config=config, git_commit=commit, git_modified=modified if commit else None,
+                torch_version=str(torch.__version__), threads=torch.get_num_threads())
 
 
 # ---- The command line every stage shares ----
@@ -1128,31 +766,21 @@ def prepare_data(args, preset):
     splits = data.load_splits(args.data_dir, args.task, args.device)
     data.check_settings(splits["train"]["meta"], settings, args.task, args.data_dir, args.preset, args.accept_data)
     print(f"data {args.data_dir}/{args.task}: " + ", ".join(
-        f"{s} {len(splits[s]['labels'])} (sha256 {splits[s]['meta']['file_sha256'][:12]})" for s in data.SPLITS))
+        f"{s} {len(splits[s]['labels'])} (sha256 {splits[s]['tensors_sha256'][:12]})" for s in data.SPLITS))
     return splits
 
 
 def run_stage(main_fn):
-    """data.run_cli for the stages, which also handle SIGTERM and SIGHUP (here only) as Ctrl-C: one line, the
-    step reached (own_run), exit status 128 + the signal: 130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP."""
-    def stop(signum, frame):  # as Ctrl-C: own_run's line; data.run_cli exits with 128 + signum
+    """data.run_cli for the stages, which also end on SIGTERM and SIGHUP as on Ctrl-C: one line naming the last
+    checkpoint (own_run), exit status 128 + the signal: 130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP."""
+    def stop(signum, frame):
         e = KeyboardInterrupt()
         e.signum = signum
         raise e
     for name in ("SIGTERM", "SIGHUP"):  # Windows has no SIGHUP
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), stop)
-
-    def main_within_memory(argv):  # out of memory: one line with the way out, not torch's 20 frames
-        try:
-            main_fn(argv)
-        except RuntimeError as e:  # torch.OutOfMemoryError on a GPU, "can't allocate memory" on the CPU
-            if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
-                raise
-            raise MemoryError(f"out of memory ({str(e).strip().splitlines()[0][:160]}): rerun with a smaller "
-                              f"--batch_size (or --max_len, or --preset cpu), in a new run (--overwrite or another "
-                              f"--out_dir: --resume keeps the batch size)") from e
-    data.run_cli(main_within_memory)
+    data.run_cli(main_fn)
 
 
 if __name__ == "__main__":
