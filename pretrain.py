@@ -693,34 +693,36 @@ def own_run(paths, args):
     """
     if args.resume and args.overwrite:
         raise ValueError("--resume continues the run, --overwrite removes it: give one of them")
-    folder, lock = os.path.dirname(paths["log"]), None
-    if args.rank == 0:
-        os.makedirs(folder, exist_ok=True)
-        lock = open(paths["lock"], "a+", opener=lambda p, flags: os.open(p, flags | getattr(os, "O_NOFOLLOW", 0)))
-        try:
-            if fcntl:  # Windows has none: runs are not locked there
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            raise FileExistsError(f"{paths['lock']}: the run is live in another process ({lock.read().strip()}); "
-                                  f"wait for it, or give another --out_dir") from None
-        lock.truncate(0)
-        lock.write(f"pid {os.getpid()} on {platform.node()}: {' '.join(sys.argv)}\n")
-        lock.flush()
-        snapshots = re.compile(re.escape(os.path.basename(paths["log"])[:-len("_log.jsonl")]) + r"_step\d+\.pt")
-        old = [paths[k] for k in ("best", "last", "init", "log", "json") if k in paths and os.path.lexists(paths[k])]
-        old += [os.path.join(folder, f) for f in sorted(os.listdir(folder)) if snapshots.fullmatch(f)]
-        if old and not (args.resume or args.overwrite):
-            raise FileExistsError(f"{folder} holds this run's files ({', '.join(map(os.path.basename, old[:3]))}"
-                                  f"...): --resume continues it, --overwrite removes it, or give another --out_dir")
-        for f in (old if args.overwrite else []) + [t for p in old for t in glob.glob(glob.escape(p) + ".*.tmp")]:
-            os.remove(f)
-    if args.world_size > 1:
-        dist.barrier()  # rank 0 has checked the folder before any rank goes on
+    folder, lock, started = os.path.dirname(paths["log"]), None, False
     try:
+        if args.rank == 0:
+            os.makedirs(folder, exist_ok=True)
+            lock = open(paths["lock"], "a+", opener=lambda p, flags: os.open(p, flags | getattr(os, "O_NOFOLLOW", 0)))
+            try:
+                if fcntl:  # Windows has none: runs are not locked there
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.seek(0)
+                holder, lock = lock.read().strip(), lock.close()
+                raise FileExistsError(f"{paths['lock']}: the run is live in another process ({holder}); wait for "
+                                      f"it, or give another --out_dir") from None
+            lock.truncate(0)
+            lock.write(f"pid {os.getpid()} on {platform.node()}: {' '.join(sys.argv)}\n")
+            lock.flush()
+            snapshot = re.compile(re.escape(os.path.basename(paths["log"])[:-len("_log.jsonl")]) + r"_step\d+\.pt")
+            old = [paths[k] for k in ("best", "last", "init", "log", "json") if k in paths and os.path.lexists(paths[k])]
+            old += [os.path.join(folder, f) for f in sorted(os.listdir(folder)) if snapshot.fullmatch(f)]
+            if old and not (args.resume or args.overwrite):
+                raise FileExistsError(f"{folder} holds this run's files ({', '.join(map(os.path.basename, old[:3]))}"
+                                      f"...): --resume continues it, --overwrite removes it, or give another --out_dir")
+            for f in (old if args.overwrite else []) + [t for p in old for t in glob.glob(glob.escape(p) + ".*.tmp")]:
+                os.remove(f)
+        if args.world_size > 1:
+            dist.barrier()  # rank 0 has checked the folder before any rank goes on
+        started = True
         yield
     except BaseException as e:
-        if not isinstance(e, ValueError) and args.rank == 0:
+        if started and not isinstance(e, ValueError) and args.rank == 0:
             e.add_note(f"the last checkpoint is {paths['last']}: the same command with --resume (not --overwrite) "
                        f"continues from it" if os.path.exists(paths["last"]) else "no checkpoint was written yet")
         raise
