@@ -5792,8 +5792,9 @@ def test_faults_end_in_one_line_naming_the_last_checkpoint(synthetic_run, tmp_pa
         proc = stage_process("pretrain.py", *flags, *extra)
         wait_for_step(proc, log, reached + 9)
         proc.send_signal(sig)
-        assert proc.wait(timeout=120) == status
-        err = proc.stderr.read()
+        err = proc.wait(timeout=120), proc.stderr.read()
+        assert err[0] == status, err
+        err = err[1]
         assert err.count("\n") == 1 and "interrupted" in err and last in err and "--resume" in err, err
     proc = stage_process("pretrain.py", *syn_flags(data_dir, str(tmp_path / "lr")), "--lr", "1e39")
     assert proc.wait(timeout=120) == 1
