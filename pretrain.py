@@ -528,10 +528,10 @@ def train(model, splits, args, loss_fn, eval_fn, paths, record, metric, maximize
 
 def save_checkpoint(path, model, opt, state, record):
     """Write a checkpoint atomically (data.save_atomic): the weights and model config (model.checkpoint_dict), the
-    optimizer, the loop state, the RNG states and the run's record: all that an exact --resume needs."""
+    optimizer, the loop state, the latest evaluation ("metrics"), the RNG states and the run's record."""
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    data.save_atomic(checkpoint_dict(model, optimizer=opt.state_dict(), state=state, rng_state=torch.get_rng_state(),
-                                     cuda_rng_state=cuda, **record), path)
+    data.save_atomic(checkpoint_dict(model, optimizer=opt.state_dict(), state=state, metrics=state["evals"][-1],
+                                     rng_state=torch.get_rng_state(), cuda_rng_state=cuda, **record), path)
 
 
 def append_log(path, entry):

