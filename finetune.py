@@ -15,7 +15,7 @@ Reads data/<task>/{train,val,test}.pt and the --init checkpoint. Writes out/<tas
 validation accuracy), _last.pt (for --resume), _init.pt (the starting weights), _log.jsonl and finetune_<name>.json
 (accuracy per evaluation, best validation, test and train accuracy, seed, wall time). <name> is "spt" or
 "scratch", with "_inherit-<groups>" / "_freeze-<groups>" when those are set.
-Expect: on ListOps' CPU preset ~0.17, near the majority class (450 steps do not leave the plateau); the paper
+Expect on ListOps' CPU preset: near the majority class (the CPU budget does not leave the plateau); the paper
 reports ~0.56-0.59 with SPT against ~0.40 from scratch at the paper size. On the synthetic task see ablate.py demo.
 
 Reading order: INHERIT and FREEZE (Table 3's groups), hybrid_state_dict, model_from_pretrained, then main, whose
@@ -103,8 +103,9 @@ def model_from_pretrained(ck, meta, n_classes, task, inherit="all", head=None):
     if kind(ck["data_meta"]) != kind(meta):  # a swap needs one kind of input
         raise ValueError(f"--init: SPT's inputs {kind(ck['data_meta'])[:3]} ({ck['task']}) are not {task}'s "
                          f"{kind(meta)[:3]}: a dataset swap needs the same kind of input")
+    max_len = max(ck["model_config"]["max_len"], meta["max_len"])
     cfg = config_from_dict(dict(ck["model_config"], n_rec=0, n_classes=n_classes, **(head or {}),
-                                pair=bool(meta.get("pair")), max_len=max(ck["model_config"]["max_len"], meta["max_len"])))
+                                pair=bool(meta.get("pair")), max_len=max_len))
     state = unwrapped_state_dict(ck["model"])
     if cfg.vocab_size == 0:  # SPT on continuous inputs added a mask-indicator channel; finetuning has none
         cfg.d_input = meta["d_input"]
@@ -113,7 +114,7 @@ def model_from_pretrained(ck, meta, n_classes, task, inherit="all", head=None):
     fresh = model.state_dict()
     model.load_state_dict(hybrid_state_dict(fresh, state, INHERIT[inherit]), strict=True)
     groups = {param_group(k): k in state and param_group(k) in INHERIT[inherit] for k in fresh}
-    print(f"--inherit {inherit}: " + ", ".join(f"{g} {'from SPT' if taken else 'fresh'}" for g, taken in groups.items()))
+    print(f"--inherit {inherit}: " + ", ".join(f"{g} {'from SPT' if t else 'fresh'}" for g, t in groups.items()))
     return model
 
 

@@ -6,16 +6,15 @@ channel says "masked". A linear head reconstructs every position; the loss count
 (cross-entropy for tokens, MSE for values), divided by their number. No external data is used. finetune.py then
 starts from the checkpoint with the best validation masked loss.
 
-    python pretrain.py --task listops                  # CPU: 2 x 64 model, 450 steps, ~3 min on 2 cores
+    python pretrain.py --task listops                  # CPU: 2 x 64 model, 450 steps
     python pretrain.py --task listops --preset paper   # GPU: the paper's model (6 x 512, 8 heads), 100 epochs
-    python pretrain.py --task synthetic --snapshots    # the minimal model on trajectories, ~10 s on CPU
+    python pretrain.py --task synthetic --snapshots    # the minimal model on trajectories
     torchrun --standalone --nproc_per_node=8 pretrain.py --task text   # several GPUs (DDP)
 
 Reads data/<task>/{train,val}.pt (made by data.py; here if missing). Writes out/<task>/pretrain.pt (best),
 pretrain_last.pt (for --resume), pretrain_init.pt (the weights at step 0) and pretrain_log.jsonl.
-Expect on ListOps' CPU preset: validation masked loss ~2.95 -> 2.64, the entropy of the token frequencies. Only
-attention to neighbours (the proximity bias) goes below it, and that takes longer than the CPU budget. To see SPT
-work on a CPU, run `python ablate.py demo`.
+On ListOps' CPU preset the validation masked loss falls to the entropy of the token frequencies; only attention to
+neighbours (the proximity bias) goes below it, beyond the CPU budget. To see SPT work on a CPU: python ablate.py demo.
 
 Reading order: PRESETS, the SPT objective (mask_batch, reconstruction_loss, spt_loss_fn), main. Below the double
 line is the engine both stages share: flags, the training loop `train` (with its checkpoints and --resume), device,
@@ -82,7 +81,8 @@ PRESETS = {
     "text": {
         "paper": dict(model=dict(n_layers=6, d_model=512, n_heads=8, d_mlp=2048, cls_mlp=True), data=dict(max_len=4096),
                       pretrain=dict(batch_size=32, lr=1e-3, warmup=5000, epochs=32, eval_every=10**9, weight_decay=0.1),
-                      finetune=dict(batch_size=32, lr=1e-4, warmup=2000, epochs=65, eval_every=10**9, weight_decay=0.1)),
+                      finetune=dict(batch_size=32, lr=1e-4, warmup=2000, epochs=65, eval_every=10**9,
+                                    weight_decay=0.1)),
         "cpu": dict(model=dict(n_layers=2, d_model=64, n_heads=4, d_mlp=128), data=dict(max_len=1024),
                     pretrain=CPU_STAGE, finetune=CPU_STAGE)},
     "retrieval": {
@@ -377,7 +377,8 @@ def resolve(args, stage, parser):
         ModelConfig(**preset["model"])
     except ValueError as e:
         parser.error(str(e))
-    if args.init_std is not None and preset["model"].get("init") != "normal" and preset["model"].get("pos") != "learned":
+    uses_std = preset["model"].get("init") == "normal" or preset["model"].get("pos") == "learned"
+    if args.init_std is not None and not uses_std:
         parser.error("--init_std sets the std of --init_scheme normal and of --pos learned's table: give one of them")
     args.dtype, reason = pick_dtype(args.dtype, args.device)
     torch.manual_seed(args.seed)  # the model's initialization
@@ -710,7 +711,7 @@ def own_run(paths, args):
             lock.write(f"pid {os.getpid()} on {platform.node()}: {' '.join(sys.argv)}\n")
             lock.flush()
             snapshot = re.compile(re.escape(os.path.basename(paths["log"])[:-len("_log.jsonl")]) + r"_step\d+\.pt")
-            old = [paths[k] for k in ("best", "last", "init", "log", "json") if k in paths and os.path.lexists(paths[k])]
+            old = [paths[k] for k in ("best", "last", "init", "log", "json") if os.path.lexists(paths.get(k, ""))]
             old += [os.path.join(folder, f) for f in sorted(os.listdir(folder)) if snapshot.fullmatch(f)]
             if old and not (args.resume or args.overwrite):
                 raise FileExistsError(f"{folder} holds this run's files ({', '.join(map(os.path.basename, old[:3]))}"
