@@ -116,8 +116,8 @@ def load_pt(path, map_location="cpu", mmap=False):
     except OSError:
         raise
     except Exception as e:  # torch raises several types for truncated, damaged or foreign files
-        raise ValueError(f"{path}: not a readable torch.save file ({type(e).__name__}: "
-                         f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from e
+        raise ValueError(f"{path}: not a torch.save file of tensors and plain Python types ({type(e).__name__}): "
+                         f"damaged, truncated or another kind of file") from e
     if not isinstance(obj, dict) or obj.get("tensors_sha256") != tensors_sha256(obj):
         raise ValueError(f"{path}: its tensors do not match the sha256 stored with them: a damaged file, or one "
                          f"not written by data.save_atomic")

@@ -427,7 +427,7 @@ def train(model, splits, args, loss_fn, eval_fn, paths, record, metric, maximize
     same = dict(record["same"], n_batches=n_batches, **{k: getattr(args, k) for k in SCHEDULE_FLAGS},
                 **{f"model {k}": v for k, v in dataclasses.asdict(model.cfg).items()})
     record, score = dict(record, same=same), lambda m: (m[metric] if maximize else -m[metric], -m["val_loss"])
-    state = dict(step=0, epoch=0, batch_in_epoch=0, best=None, evals=[], elapsed_s=0.0)
+    state = dict(step=0, epoch=0, batch_in_epoch=0, n_batches=n_batches, best=None, evals=[], elapsed_s=0.0)
     if args.resume and os.path.exists(paths["last"]):  # exact resume: every bit of the loop's state
         ck = data.load_pt(paths["last"])
         if ck["state"]["step"] > total:  # read back as this run, it would hand on weights trained longer than asked
