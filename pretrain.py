@@ -560,11 +560,14 @@ def evaluate(model, split, args, batch_sums, n_sums):
 # ---- Device and dtype: where a stage runs, in which precision, and what the hardware can do (MFU's peak).
 def pick_device(name):
     """'auto' -> cuda if available, else mps, else cpu; any other string is torch.device's (cuda:N becomes the
-    current GPU, so that torch.cuda calls without a device argument mean it)."""
+    current GPU, so that torch.cuda calls without a device argument mean it). ValueError for a device not here."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available()
                             else "cpu")
-    device = torch.device(name)
+    device = torch.device(name)  # RuntimeError naming the device types for a string that is none
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count() or \
+            device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {name}: not on this machine ({torch.cuda.device_count()} CUDA device(s))")
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     return device
