@@ -21,6 +21,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import time
 import traceback
 
 import torch
@@ -91,10 +92,10 @@ def run_dir(args, task, seed, model="1layer"):
     return os.path.join(*parts, f"seed{seed}")
 
 
-# A run's recorded flags that say where and how it ran, not what it computed, or that the run sets itself (rec_loss:
-# cross-entropy on tokens): not compared when a run is read back or resumed.
+# A run's recorded flags that say where and how it ran, not what it computed, or that the run sets itself when they
+# are left out (mask_ratio: the task's; rec_loss: cross-entropy on tokens): not compared when a run is read back.
 NOT_COMPARED = ("out_dir", "device", "dtype", "download", "accept_data", "allow_other_data", "resume", "overwrite",
-                "log_every", "snapshots", "compile", "rec_loss")
+                "log_every", "snapshots", "compile", "mask_ratio", "rec_loss")
 
 
 def asked_run(stage, task, argv):
@@ -121,9 +122,9 @@ def start_run(stage, task, folder, argv, name=None):
     """Run `python <stage>.py --task <task> --out_dir <folder> [--name <name>] <argv>` in-process; returns its
     pretrain.run_paths. Experiments share run folders, so a run already there (a finished finetuning's JSON, or a
     _last.pt) is first compared with the one asked: its recorded flags ("config") must equal asked_run's, outside
-    NOT_COMPARED and the flags the asked command leaves to the run (None); else ValueError naming the folder and
-    the first differing flag, before anything changes. Then a finished finetuning is read back, any other run
-    started, or resumed (--resume, only when its _last.pt exists)."""
+    NOT_COMPARED; else ValueError naming the run's file and the first differing flag, before anything changes.
+    Then a finished finetuning is read back, and any other run started, or resumed (--resume only when its
+    _last.pt exists)."""
     paths = pretrain.run_paths(folder, task, stage, name)
     argv = ["--out_dir", folder] + (["--name", name] if name else []) + list(argv)
     finished = stage == "finetune" and os.path.exists(paths["json"])
@@ -131,8 +132,7 @@ def start_run(stage, task, folder, argv, name=None):
         recorded = (read_json(paths["json"]) if finished else data.load_pt(paths["last"], mmap=True)).get("config")
         for key, value in vars(asked_run(stage, task, argv)).items():
             theirs = (recorded or {}).get(key, value)
-            if key not in NOT_COMPARED and value is not None and json.dumps(theirs, default=str) != \
-                    json.dumps(value, default=str):
+            if key not in NOT_COMPARED and json.dumps(theirs, default=str) != json.dumps(value, default=str):
                 raise ValueError(f"{paths['json'] if finished else paths['last']}: a run made with --{key} {theirs}; "
                                  f"this experiment asks for --{key} {value}: another experiment's run, kept as it "
                                  f"is. Move it away (or pass another --out_dir)")
@@ -873,14 +873,10 @@ class ReferenceEncoder(torch.nn.Module):
         return self.rec_head(self.encoder(self.embed(x) + self.pe[:x.shape[1]]))
 
 
-def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
-    """Put on `queue` (median seconds, peak memory in bytes, tokens, training FLOPs) of one SPT training step of the
-    BENCH_VARIANTS key on a full-length batch of `size` (BENCH_SIZES' form), or an error message. Run in a fresh
-    process (time_in_process): on the CPU, peak memory is the growth of its resident set."""
-    import resource
-    import time
-    torch.set_num_threads(threads)
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+def time_spt_step(variant, size, device, dtype, steps, repeats):
+    """(median seconds, peak CUDA memory in bytes or None on other devices, tokens, training FLOPs) of one SPT
+    training step of the BENCH_VARIANTS key on a full-length batch of `size` (as BENCH_SIZES), after 3 untimed
+    steps; or the error that stopped it (out of memory, a missing compiler, ...) as a str."""
     L, d, n_layers, n_heads, d_mlp, B = size
     torch.manual_seed(0)
     cfg = model_lib.ModelConfig(vocab_size=32, max_len=L, d_model=d, n_layers=n_layers, n_heads=n_heads, d_mlp=d_mlp,
@@ -893,59 +889,35 @@ def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
                  labels=torch.zeros(B, dtype=torch.long, device=device))
     x, lengths, _ = data.get_batch(split, torch.arange(B), device)  # the training step's batch and masks
     inputs, masked = pretrain.mask_batch(x, lengths, 0.15, 1, torch.Generator(device=device).manual_seed(0))
-
-    def step():
-        with pretrain.autocast(device, dtype):
-            if variant == "explicit":  # the step as it would run if it asked for the attention weights
-                out = model.rec_head(model.encode(inputs, lengths, need_weights=True)[0])
-            else:
-                out = reconstruct(inputs, lengths, True)
-        pretrain.reconstruction_loss(out, x, "ce", masked).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    cuda, times = device.type == "cuda", []
     try:
-        for _ in range(3):  # warm-up (and compilation), not timed
-            step()
-        sync()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        times = []
-        for _ in range(repeats):
+        for i in range(3 + repeats):  # 3 warm-up (and compilation) steps, not timed
             t0 = time.perf_counter()
-            for _ in range(steps):
-                step()
-            sync()
-            times.append((time.perf_counter() - t0) / steps)
-    except Exception as e:  # out of memory, a missing compiler, ...: one line of the table
-        queue.put(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}".replace("|", "/"))
-        return
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
-        (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024
-    queue.put((statistics.median_high(times), peak, B * L, pretrain.flops_per_token(cfg, L) * B * L))
-
-
-def time_in_process(*args):
-    """time_spt_step(*args) in a fresh process: what it put on its queue, or, for a process that ended without a
-    result (killed for memory, crashed), a str naming its exit code."""
-    import multiprocessing
-    import queue as queue_lib
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=time_spt_step, args=args + (queue,))
-    proc.start()
-    proc.join()  # a result is a few numbers: it fits in the pipe, so the process ends before it is read
-    try:
-        return queue.get(timeout=1.0)
-    except queue_lib.Empty:
-        return f"its process ended (exit code {proc.exitcode}) without a result"
+            for _ in range(1 if i < 3 else steps):
+                with pretrain.autocast(device, dtype):
+                    if variant == "explicit":  # the step as it would run if it asked for the attention weights
+                        out = model.rec_head(model.encode(inputs, lengths, need_weights=True)[0])
+                    else:
+                        out = reconstruct(inputs, lengths, True)
+                pretrain.reconstruction_loss(out, x, "ce", masked).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize(device)
+            if cuda and i == 2:
+                torch.cuda.reset_peak_memory_stats(device)
+            if i >= 3:
+                times.append((time.perf_counter() - t0) / steps)
+    except Exception as e:  # one line of the table
+        return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}".replace("|", "/")
+    peak = torch.cuda.max_memory_allocated(device) if cuda else None
+    return statistics.median_high(times), peak, B * L, pretrain.flops_per_token(cfg, L) * B * L
 
 
 def bench(args):
-    """Time each of --variants on the same SPT step, each in its own process (after an untimed one: the first is
-    slower), and the speed ratio fused / reference measured in this run. Writes out/bench/<name>.{json,md};
-    returns the record. ValueError for a --size or --variants it cannot take."""
+    """Time each of --variants on the same SPT step (time_spt_step), and the speed ratio of ours (fused) to
+    torch.nn.TransformerEncoder (reference) measured in this run. Writes out/bench/<name>.{json,md}; returns the
+    record. ValueError for a --size or --variants it cannot take."""
     size = BENCH_SIZES.get(args.size) or tuple(int(v) for v in args.size.split(",") if v.strip().isdigit())
     variants = args.variants.split(",")
     if len(size) != 6 or size[1] % size[3]:
@@ -956,27 +928,28 @@ def bench(args):
     device = pretrain.pick_device(args.device)
     dtype, _ = pretrain.pick_dtype(args.dtype, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
-    threads, peak_flops = torch.get_num_threads(), pretrain.peak_flops(device, dtype)
+    peak_flops = pretrain.peak_flops(device, dtype)
     out = dict(size=dict(zip(("L", "d_model", "n_layers", "n_heads", "d_mlp", "batch"), size)), device=str(device),
                device_name=name, dtype=str(dtype), torch=torch.__version__, steps=args.steps, repeats=args.repeats,
-               threads=threads, command=analyze.command_line("ablate.py", args.argv), results={})
-    time_in_process(variants[0], size, device, dtype, 1, 1, threads)  # untimed: the first process is slower
+               threads=torch.get_num_threads(), command=analyze.command_line("ablate.py", args.argv), results={})
     rows = []
     for v in variants:
-        result = time_in_process(v, size, device, dtype, args.steps, args.repeats, threads)
+        result = time_spt_step(v, size, device, dtype, args.steps, args.repeats)
         if isinstance(result, str):
             out["results"][v] = dict(error=result)
             rows.append([BENCH_VARIANTS[v], result, "", "", ""])
             continue
         sec, peak, tokens, flops = result
-        r = out["results"][v] = dict(ms_per_step=1000 * sec, tokens_per_s=tokens / sec, peak_memory_mb=peak / 2 ** 20,
+        r = out["results"][v] = dict(ms_per_step=1000 * sec, tokens_per_s=tokens / sec,
+                                     peak_memory_mb=None if peak is None else peak / 2 ** 20,
                                      mfu=None if peak_flops is None else flops / sec / peak_flops)
         rows.append([BENCH_VARIANTS[v], f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:,.0f}",
-                     f"{r['peak_memory_mb']:,.0f} MiB", "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"])
+                     "-" if peak is None else f"{r['peak_memory_mb']:,.0f} MiB",
+                     "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"])
     s = out["size"]
     lines = [f"**L {s['L']}, d_model {s['d_model']}, {s['n_layers']} layers, {s['n_heads']} heads, MLP {s['d_mlp']}, "
-             f"batch {s['batch']}**; {name}, {str(dtype)[6:]}, torch {torch.__version__}, {threads} thread(s); median "
-             f"of {args.repeats} x {args.steps} steps; `{out['command']}`", ""]
+             f"batch {s['batch']}**; {name}, {str(dtype)[6:]}, torch {torch.__version__}, {out['threads']} thread(s); "
+             f"median of {args.repeats} x {args.steps} steps; `{out['command']}`", ""]
     lines += md_table(["variant", "ms/step", "tokens/s", "peak memory", "MFU"], rows)
     ms = {k: r.get("ms_per_step") for k, r in out["results"].items()}
     if ms.get("fused") and ms.get("reference"):  # the ratio of tokens/s = inverse ratio of step times
@@ -1207,7 +1180,6 @@ def experiment_demo(args):
     the attention at init and after SPT, and a verdict. Writes <out_dir>/demo/summary.json, attention.png and
     curves.png (other settings: in their runs' folder, <out_dir>/demo/L<L>_n<n>_e<epochs>_seed<seed>/, with the
     stages' own printout in demo.log; the screen gets their evaluations). A second call reads the runs back."""
-    import time
     start, L, n, epochs = time.time(), args.L, args.n_train, args.epochs
     data_dir = synthetic_data(os.path.join(args.data_dir, f"demo_L{L}" + ("" if n == 2000 else f"_n{n}")), n, 500, L)
     folder = os.path.join(args.out_dir, "demo", f"L{L}_n{n}_e{epochs}_seed{args.seed}")
