@@ -22,7 +22,6 @@ import statistics
 import subprocess
 import sys
 import time
-import traceback
 
 import torch
 
@@ -924,7 +923,8 @@ def bench(args):
         raise ValueError(f"--size {args.size}: expected one of {', '.join(BENCH_SIZES)} or six positive integers "
                          "L,d_model,layers,heads,MLP,batch with d_model divisible by heads")
     if not set(variants) <= set(BENCH_VARIANTS):
-        raise ValueError(f"--variants {args.variants}: expected a comma-separated subset of {', '.join(BENCH_VARIANTS)}")
+        raise ValueError(f"--variants {args.variants}: expected a comma-separated subset of "
+                         f"{', '.join(BENCH_VARIANTS)}")
     device = pretrain.pick_device(args.device)
     dtype, _ = pretrain.pick_dtype(args.dtype, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
@@ -1040,9 +1040,10 @@ def experiment_gpu(args):
         try:
             r = gpu_run(task, stage, args)
         except (RuntimeError, ValueError) as e:  # out of memory is a RuntimeError; ValueError: no timed lines
-            failed.append(dict(task=task, stage=stage, error=f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"))
-            rows.append([task, stage, "failed: " + failed[-1]["error"][:200].replace("|", "/")] + [""] * 6)
-            print(f"ablate.py gpu: {task} {stage} failed; timing the other stages\n{traceback.format_exc()}")
+            error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}".replace("|", "/")
+            failed.append(dict(task=task, stage=stage, error=error))
+            rows.append([task, stage, f"failed: {error}"] + [""] * 6)
+            print(f"ablate.py gpu: {task} {stage} failed ({error}); timing the other stages")
             torch.cuda.empty_cache()
         else:
             run = pretrain.PRESETS[task]["paper"][stage]
@@ -1230,7 +1231,8 @@ def experiment_demo(args):
             ("first epoch with validation accuracy >= 0.9", epoch["scratch_exit_epoch"], epoch["spt_exit_epoch"]),
             ("wall time, s (SPT: both its runs)", f"{s['scratch_seconds']:.1f}", f"{s['spt_seconds']:.1f}"),
             ("", "", ""), ("attention (layer 0, 64 validation trajectories)", "at init", "after SPT"),
-            (f"entropy, nats (log L = {s['log_L']:.2f}: uniform)", f"{s['entropy_init']:.2f}", f"{s['entropy_spt']:.2f}"),
+            (f"entropy, nats (log L = {s['log_L']:.2f}: uniform)", f"{s['entropy_init']:.2f}",
+             f"{s['entropy_spt']:.2f}"),
             ("entropy / log L", f"{s['entropy_init'] / s['log_L']:.2f}", f"{s['entropy_spt'] / s['log_L']:.2f}"),
             (f"band mass, |i - j| <= {s['band']}", f"{s['band_mass_init']:.2f}", f"{s['band_mass_spt']:.2f}"),
             ("PE-only probe: correlation with the attention", "", f"{s['pe_probe_corr']:.3f}")]
@@ -1287,7 +1289,7 @@ def build_parser():
                 budget("--steps", type=data.NON_NEGATIVE, default=0, help="steps of every stage, runs and a table "
                        "of their own; 0 = the preset's")
         if runs and name != "initscale":
-            arg("--init_scheme", default="reference", choices=INIT_SCHEMES, help="every run's init (model.init_weights)")
+            arg("--init_scheme", default="reference", choices=INIT_SCHEMES, help="every run's init (model.py)")
             arg("--download", action="store_true", help="download data not found locally")
         if task:
             arg("--task", default="synthetic", choices=ABLATION_TASKS, help="the task")
