@@ -3158,24 +3158,6 @@ def test_fashion_mnist_at_16x16_is_the_mean_of_2x2_blocks_and_keeps_a_counted_tr
             data.prepare_fashion_mnist(root, n_val=5, **bad)
 
 
-def test_ablate_s_fashion_mnist_subset_reads_the_idx_files_where_data_py_downloads_them(tmp_path, monkeypatch):
-    """ablate.py's CPU subset, <data_dir>/fashion_mnist_r16_n<N>/, is made from the IDX files in
-    <data_dir>/fashion_mnist/, where `python data.py --task fashion_mnist` downloads them."""
-    import ablate
-    monkeypatch.setattr(data, "FASHION_DIRS", ())  # no Debian package here
-    monkeypatch.setattr(ablate, "FASHION_CPU", dict(resolution=16, n_train=6, n_val=4, epochs=1, exit_at=0.7))
-    root = tmp_path / "data"
-    os.makedirs(root / "fashion_mnist")
-    rng = np.random.default_rng(0)
-    for prefix, n in (("train", 20), ("t10k", 5)):
-        write_idx(str(root / "fashion_mnist" / f"{prefix}-images-idx3-ubyte"), rng.integers(0, 256, (n, 28, 28)))
-        write_idx(str(root / "fashion_mnist" / f"{prefix}-labels-idx1-ubyte"), rng.integers(0, 10, n))
-    folder = ablate.task_data_dir(argparse.Namespace(preset="cpu", data_dir=str(root), download=False), "fashion_mnist")
-    assert folder == str(root / "fashion_mnist_r16_n6")
-    meta = data.load_split(folder, "fashion_mnist", "train")["meta"]
-    assert meta["split_sizes"] == dict(train=6, val=4, test=5) and meta["source"] == str(root / "fashion_mnist")
-
-
 def test_fashion_mnist_downloads_from_a_local_server_and_checks_the_published_md5(http_root, tmp_path, monkeypatch,
                                                                                   capsys):
     import hashlib
@@ -4822,14 +4804,20 @@ def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run
 
 
 def test_ablate_fashion_mnist_budget_init_duration_and_generated_pathfinder_swap(tmp_path, monkeypatch, capsys):
-    """init and duration on the Fashion-MNIST CPU budget (its own 16x16 subset, shared runs), and swap on
-    generated PathFinder data, all fixture-sized."""
+    """init and duration on the Fashion-MNIST CPU budget (its own 16x16 subset, made from the IDX files where
+    `data.py --task fashion_mnist` downloads them; shared runs), and swap on generated PathFinder data."""
     import ablate
-    installed_fashion_mnist(tmp_path, monkeypatch)
+    monkeypatch.setattr(data, "FASHION_DIRS", ())  # no Debian package here
     monkeypatch.setattr(ablate, "FASHION_CPU", dict(resolution=16, n_train=20, n_val=8, epochs=1, exit_at=0.7))
     root, out = str(tmp_path / "data"), str(tmp_path / "out")
+    os.makedirs(os.path.join(root, "fashion_mnist"))
+    for prefix, n in (("train", 40), ("t10k", 10)):
+        write_idx(os.path.join(root, "fashion_mnist", f"{prefix}-images-idx3-ubyte"), np.ones((n, 28, 28)))
+        write_idx(os.path.join(root, "fashion_mnist", f"{prefix}-labels-idx1-ubyte"), np.arange(n) % 10)
     argv = ["--seeds", "1", "--data_dir", root, "--out_dir", out, "--max_steps", "2", "--device", "cpu"]
     ablate.main(["init", "--task", "fashion_mnist"] + argv)
+    meta = data.load_split(os.path.join(root, "fashion_mnist_r16_n20"), "fashion_mnist", "train")["meta"]
+    assert meta["source"] == os.path.join(root, "fashion_mnist")
     table = open(os.path.join(out, "ablate", "init_fashion_mnist.md")).read()
     assert "averaged to 16x16, a training subset, 1 epochs per stage, 20/8/10 train/val/test" in table
     assert "| epoch val acc >= 0.7 (runs) |" in table
@@ -5450,7 +5438,7 @@ def test_data_py_defines_its_contract_before_any_source():
     assert "Sections: 0. what every stage reads" in doc and "9. command line" in doc
 
 
-def test_report_files_each_table_and_figure_into_its_region_and_keeps_the_rest(tmp_path, capsys):
+def test_report_files_each_table_and_figure_into_its_region_and_keeps_the_rest(tmp_path):
     """report on hand-made out/ files: a region's text replaced and the hand text around it kept; a region whose
     file is not under out/ kept; a new table or figure (copied, with the command it records) at the end of its
     page; the index in the paper's order; a quick look refused, nothing written, unless --force; a second report,
