@@ -58,7 +58,7 @@ ABLATION_TASKS = ("synthetic", "pathfinder", "image", "fashion_mnist")
 FASHION_CPU = dict(resolution=16, n_train=5000, n_val=1000, epochs=10, exit_at=0.7)
 
 
-# ---- Runs: where they live, how they run, when a finished one is read back ----
+# ---- Runs: where they live, how they run, when one found there is read back ----
 
 def task_data_dir(args, task, make=True):
     """<data_dir>, or for Fashion-MNIST at the CPU budget <data_dir>/fashion_mnist_r16_n5000 (made if `make`)."""
@@ -199,40 +199,41 @@ def seeds_here(args, name, *runs):
     the last line and the log of a child that fails. Children end with their parent (die_with_parent)."""
     if args.only_seed is not None:
         return [args.only_seed]
-    if args.jobs > 1 and args.seeds > 1:
-        for task, flags in runs:
-            prepare_run_data(task, flags)
-        argv = list(args.argv)
-        del argv[argv.index(args.experiment)]  # the subcommand itself (a flag's value may be spelled the same)
-        os.makedirs(os.path.join(args.out_dir, "ablate"), exist_ok=True)
-        for first in range(0, args.seeds, args.jobs):
-            children = []
-            try:
-                for seed in range(first, min(first + args.jobs, args.seeds)):
-                    log = os.path.join(args.out_dir, "ablate", f"{output_name(name, args)}_seed{seed}.log")
-                    print(f"{args.experiment}: seed {seed} in a process of its own, log {log}")
-                    command = [sys.executable, os.path.abspath(__file__), args.experiment, *argv, "--only_seed",
-                               str(seed), "--jobs", "1"]
-                    with open(log, "w") as out:  # the child writes to its own copy of the file descriptor
-                        children.append((seed, log, subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                                                      env={**os.environ, "OMP_NUM_THREADS": "1"},
-                                                                      preexec_fn=die_with_parent(os.getpid()))))
-                for seed, log, child in children:
-                    if child.wait():
-                        with open(log, errors="replace") as f:
-                            last = (f.read().strip().splitlines() or ["(no output)"])[-1]
-                        raise ChildProcessError(f"{args.experiment} --only_seed {seed} failed (exit "
-                                                f"{child.returncode}): {last} (the whole output: {log})")
-            finally:  # a child failed, or this process was interrupted: no child goes on as an orphan
-                running = [(seed, child) for seed, _, child in children if child.poll() is None]
-                for _, child in running:
-                    child.terminate()  # SIGTERM: the child stops as on Ctrl-C, and its lock is released
-                for _, child in running:
-                    child.wait()
-                if running:
-                    print(f"{args.experiment}: stopped the children still running: " + ", ".join(
-                        f"seed {seed} (pid {child.pid})" for seed, child in running), file=sys.stderr)
-    return list(range(args.seeds))
+    seeds, argv = list(range(args.seeds)), list(args.argv)
+    if args.jobs == 1 or args.seeds == 1:
+        return seeds
+    for task, flags in runs:
+        prepare_run_data(task, flags)
+    del argv[argv.index(args.experiment)]  # the subcommand itself (a flag's value may be spelled the same)
+    os.makedirs(os.path.join(args.out_dir, "ablate"), exist_ok=True)
+    for first in range(0, args.seeds, args.jobs):
+        children = []
+        try:
+            for seed in seeds[first:first + args.jobs]:
+                log = os.path.join(args.out_dir, "ablate", f"{output_name(name, args)}_seed{seed}.log")
+                print(f"{args.experiment}: seed {seed} in a process of its own, log {log}")
+                command = [sys.executable, os.path.abspath(__file__), args.experiment, *argv, "--only_seed", str(seed),
+                           "--jobs", "1"]
+                with open(log, "w") as out:  # the child writes to its own copy of the file descriptor
+                    children.append((seed, log, subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                                                  env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                                                  preexec_fn=die_with_parent(os.getpid()))))
+            for seed, log, child in children:
+                if child.wait():
+                    with open(log, errors="replace") as f:
+                        last = (f.read().strip().splitlines() or ["(no output)"])[-1]
+                    raise ChildProcessError(f"{args.experiment} --only_seed {seed} failed (exit {child.returncode}): "
+                                            f"{last} (the whole output: {log})")
+        finally:  # a child failed, or this process was interrupted: no child goes on as an orphan
+            running = [(seed, child) for seed, _, child in children if child.poll() is None]
+            for _, child in running:
+                child.terminate()  # SIGTERM: the child stops as on Ctrl-C, and its lock is released
+            for _, child in running:
+                child.wait()
+            if running:
+                print(f"{args.experiment}: stopped the children still running: " + ", ".join(
+                    f"seed {seed} (pid {child.pid})" for seed, child in running), file=sys.stderr)
+    return seeds
 
 
 # ---- Statistics and tables shared by the experiments ----
@@ -357,15 +358,17 @@ def write_table(name, runs, lines, args, command, *notes):
         return
     for flag, value, default in (("seeds", args.seeds, args.default_seeds), ("init_scheme", args.init_scheme,
                                                                             "reference"), ("length", args.length, 100)):
-        command += f" --{flag} {value}" if value != default else ""
+        if value != default:
+            command += f" --{flag} {value}"
     notes += (f"`{AT_MAJORITY.strip()}`: the mean val acc is not more than 0.01 above the majority-class rate",)
-    kinds = getattr(args, "kinds", [args.init_scheme])
     footer = (f"{'; '.join(n for n in notes if n)}. Seeds: {args.seeds}; preset {args.preset}; command: python "
-              f"ablate.py {command}; init scheme {' and '.join(kinds)}")
-    footer += f"; every run capped at {args.max_steps} steps" if args.max_steps else ""
+              f"ablate.py {command}; init scheme {' and '.join(getattr(args, 'kinds', [args.init_scheme]))}")
+    if args.max_steps:
+        footer += f"; every run capped at {args.max_steps} steps"
     made = [f" {word} {' and '.join(sorted({r[key] for r in runs if r.get(key)}))}" for word, key in
             (("at commit", "commit"), ("on", "machine")) if any(r.get(key) for r in runs)]
-    footer += "; runs made" + "".join(made) if made else ""
+    if made:
+        footer += "; runs made" + "".join(made)
     save_table(os.path.join(args.out_dir, "ablate", output_name(name, args)), "\n".join(lines + ["", footer]),
                dict(experiment=output_name(name, args), seeds=args.seeds, runs=runs,
                     init_scheme=getattr(args, "kinds", args.init_scheme)))
