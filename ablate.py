@@ -1,23 +1,13 @@
 """ablate.py: the study's experiments, one subcommand each, and `report`, which files their tables under results/.
 
-    python ablate.py synthetic   # Sec. 4: on 2-D trajectories the minimal model plateaus from scratch; SPT does not
-    python ablate.py init        # Table 3: which SPT weights carry the gain (W_Q, W_K); --task fashion_mnist: images
-    python ablate.py posenc      # Sec. 4: ALiBi, RoPE, FIRE from scratch against sinusoidal + SPT
-    python ablate.py frozen      # Sec. 3: the deep model from scratch with its attention frozen at init
-    python ablate.py swap        # Sec. 3: SPT on PathFinder, finetuning on Image, and the reverse
-    python ablate.py duration    # Sec. 3: SPT for a few epochs or many, then finetuning
-    python ablate.py main        # Table 2: from scratch versus SPT on the LRA tasks (--preset paper: a GPU)
-    python ablate.py ucr         # Sec. 5: from scratch versus SPT on UCR time series
-    python ablate.py initscale   # beyond the paper: the plateau over init scale, length and tied projections
-    python ablate.py bench       # one SPT step: our model against torch.nn.TransformerEncoder
-    python ablate.py gpu         # every paper preset timed on one CUDA GPU
+    python ablate.py demo        # SPT's effect in one command, on a CPU
+    python ablate.py synthetic   # Sec. 4 (init, posenc, frozen, swap, duration, main, ucr: the paper's other tables)
     python ablate.py report      # the tables and figures of out/ filed into the pages of results/
-    python ablate.py demo        # SPT's effect in one command, in about 40 s on 2 CPU cores
 
 Each run calls pretrain.main / finetune.main in-process, in out/ablate/<init scheme>/<task>[/<model>]/seed<s>/.
-Experiments that ask for the same run share it. A finished run is read back only if it is the run asked for
-(check_read_back); an interrupted one resumes. Each experiment writes out/ablate/<name>.json (every run) and
-<name>.md (mean +- sd over seeds, beside the paper's numbers). `python ablate.py <subcommand> --help` lists its flags.
+Experiments that ask for the same run share it; a run found there is read back (or resumed) only if it is the run
+asked for (start_run). Each experiment writes out/ablate/<name>.json (every run) and <name>.md (mean +- sd over
+seeds, beside the paper's numbers). `python ablate.py --help` lists the subcommands, `<subcommand> --help` flags.
 """
 import argparse
 import contextlib
@@ -25,12 +15,13 @@ import io
 import json
 import math
 import os
+import platform
 import re
 import signal
 import statistics
 import subprocess
 import sys
-import traceback
+import time
 
 import torch
 
@@ -63,12 +54,11 @@ LRA_TASKS = ("listops", "text", "retrieval", "image", "pathfinder")
 # The tasks --task accepts for init, posenc and duration; Table 3 is a one-layer model on the LRA pixel tasks.
 ABLATION_TASKS = ("synthetic", "pathfinder", "image", "fashion_mnist")
 # Fashion-MNIST at a CPU budget (preset cpu): 16x16 images (2x2 means, L 256), 5000 training images, 10 epochs
-# per stage. From scratch has no plateau there: the epoch column gives the first epoch with val acc >= exit_at,
-# about 0.9 x what from scratch reaches in twice the budget (0.75-0.78, measured at commit e91f8c4).
+# per stage. From scratch has no plateau there: the epoch column gives the first epoch with val acc >= exit_at.
 FASHION_CPU = dict(resolution=16, n_train=5000, n_val=1000, epochs=10, exit_at=0.7)
 
 
-# ---- Runs: where they live, how they run, when a finished one is read back ----
+# ---- Runs: where they live, how they run, when one found there is read back ----
 
 def task_data_dir(args, task, make=True):
     """<data_dir>, or for Fashion-MNIST at the CPU budget <data_dir>/fashion_mnist_r16_n5000 (made if `make`)."""
@@ -101,30 +91,21 @@ def run_dir(args, task, seed, model="1layer"):
     return os.path.join(*parts, f"seed{seed}")
 
 
-def run_pretrain(task, folder, seed, common):
-    """SPT for one seed (resumed, or a finished run kept); returns the checkpoint path. Experiments share runs: a
-    finished run of another budget (--epochs, --max_steps) is refused before anything of it changes."""
-    flags, paths = ["--out_dir", folder, "--seed", str(seed), *common], pretrain.run_paths(folder, task, "pretrain")
-    if os.path.exists(paths["last"]):
-        ck = data.load_pt(paths["last"], mmap=True)
-        state, config, (asked, _) = ck["state"], ck.get("config") or {}, requested_run("pretrain", task, flags)
-        budget = lambda a: min(a["max_steps"] or math.inf, a["epochs"] * state["n_batches"])  # noqa: E731
-        if state["step"] >= budget(config) != budget(vars(asked)):
-            raise ValueError(f"{paths['last']} is a finished run of {state['step']} steps (--epochs {config['epochs']}"
-                             f", --max_steps {config['max_steps']}); this experiment asks for {budget(vars(asked))}: "
-                             f"another experiment's run, kept as it is. Move it away (or pass another --out_dir)")
-    pretrain.main(["--task", task, "--resume", *flags])
-    return paths["best"]
+# A run's recorded flags that say where and how it ran, not what it computed, or that the run sets itself when they
+# are left out (mask_ratio: the task's; rec_loss: cross-entropy on tokens): not compared when a run is read back.
+NOT_COMPARED = ("out_dir", "device", "dtype", "download", "accept_data", "allow_other_data", "resume", "overwrite",
+                "log_every", "snapshots", "compile", "mask_ratio", "rec_loss")
 
 
-def run_finetune(task, folder, seed, name, init, common, extra=()):
-    """One finetuning run; returns its result dict (a finished one read back, after check_read_back)."""
-    path, flags = pretrain.run_paths(folder, task, "finetune", name)["json"], ["--seed", str(seed), *common, *extra]
-    if os.path.exists(path):
-        check_read_back(path, task, init, flags)
-    else:
-        finetune.main(["--task", task, "--out_dir", folder, "--init", init, "--name", name, "--resume"] + flags)
-    return read_json(path)
+def asked_run(stage, task, argv):
+    """The argparse namespace of `python <stage>.py --task <task> <argv>` with its preset filled in
+    (pretrain.fill_from_preset), as the run records it under "config"."""
+    parser = pretrain.pretrain_parser() if stage == "pretrain" else finetune.finetune_parser()
+    args = parser.parse_args(["--task", task] + list(argv))
+    if args.preset == "auto":  # as pretrain.resolve does
+        args.preset = "paper" if pretrain.pick_device(args.device).type == "cuda" else "cpu"
+    pretrain.fill_from_preset(args, stage)
+    return args
 
 
 def read_json(path):
@@ -133,73 +114,49 @@ def read_json(path):
         with open(path) as f:
             return json.load(f)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not a readable JSON file ({e}): a damaged result; remove it (and its run's "
-                         f"checkpoints) to run it again") from e
+        raise ValueError(f"{path}: not a readable JSON file ({e}); remove it (and its run's checkpoints)") from e
 
 
-# Not compared flag by flag: the data and the SPT checkpoint (their sha256 are), where and how a run ran, and what
-# it only printed or saved besides.
-READ_BACK_SKIP = ("data_dir", "out_dir", "device", "dtype", "download", "accept_data", "allow_other_data", "resume",
-                  "init", "name", "log_every", "snapshots", "compile") + tuple(data.STAGE_DATA_FLAGS)
+def start_run(stage, task, folder, argv, name=None):
+    """Run `python <stage>.py --task <task> --out_dir <folder> [--name <name>] <argv>` in-process; returns its
+    pretrain.run_paths. Experiments share run folders, so a run already there (a finished finetuning's JSON, or a
+    _last.pt) is first compared with the one asked: its recorded flags ("config") must equal asked_run's, outside
+    NOT_COMPARED; else ValueError naming the run's file and the first differing flag, before anything changes.
+    Then a finished finetuning is read back, and any other run started, or resumed (--resume only when its
+    _last.pt exists)."""
+    paths = pretrain.run_paths(folder, task, stage, name)
+    argv = ["--out_dir", folder] + (["--name", name] if name else []) + list(argv)
+    finished = stage == "finetune" and os.path.exists(paths["json"])
+    if finished or os.path.exists(paths["last"]):
+        recorded = (read_json(paths["json"]) if finished else data.load_pt(paths["last"], mmap=True)).get("config")
+        for key, value in vars(asked_run(stage, task, argv)).items():
+            theirs = (recorded or {}).get(key, value)
+            if key not in NOT_COMPARED and json.dumps(theirs, default=str) != json.dumps(value, default=str):
+                raise ValueError(f"{paths['json'] if finished else paths['last']}: a run made with --{key} {theirs}; "
+                                 f"this experiment asks for --{key} {value}: another experiment's run, kept as it "
+                                 f"is. Move it away (or pass another --out_dir)")
+    if finished:
+        print(f"read back {paths['json']}")
+    else:
+        resume = ["--resume"] if os.path.exists(paths["last"]) else []
+        (pretrain.main if stage == "pretrain" else finetune.main)(["--task", task] + argv + resume)
+    return paths
 
 
-def requested_run(stage, task, argv):
-    """(settings, model fields) a pretrain.py / finetune.py command line would run with (pretrain.fill_from_preset)."""
-    parser = pretrain.pretrain_parser() if stage == "pretrain" else finetune.finetune_parser()
-    args = parser.parse_args(["--task", task] + list(argv))
-    if args.preset == "auto":  # as resolve does
-        args.preset = "paper" if pretrain.pick_device(args.device).type == "cuda" else "cpu"
-    return args, pretrain.fill_from_preset(args, stage)["model"]
+def run_pretrain(task, folder, seed, common):
+    """SPT for one seed in `folder` (start_run); returns the path of its weights, pretrain.pt."""
+    return start_run("pretrain", task, folder, ["--seed", str(seed), *common])["best"]
 
 
-_SHA256 = {}  # (path, size, mtime) -> sha256
-
-
-def sha256_once(path):
-    """data.sha256_of(path), computed once per version of the file (a --jobs parent reads back every run)."""
-    key = (os.path.abspath(path), os.path.getsize(path), os.path.getmtime(path))
-    return _SHA256[key] if key in _SHA256 else _SHA256.setdefault(key, data.sha256_of(path))
-
-
-def check_read_back(path, task, init, argv):
-    """Raise ValueError unless the finished finetuning `path` is the run asked for with `init` and the finetune.py
-    flags `argv`: the same data and start (sha256 of each split and of the SPT weights), the same resolved value
-    of every setting outside READ_BACK_SKIP, the same model. Experiments share run folders: without this check
-    another experiment's run would be read back as this one's. FileNotFoundError when its weights are gone."""
-    result = read_json(path)
-    (asked, model), config = requested_run("finetune", task, ["--init", init] + list(argv)), result.get("config") or {}
-    weights = os.path.splitext(path)[0] + ".pt"
-    if not os.path.exists(weights):
-        raise FileNotFoundError(f"{path} is a finished run without its weights {weights}, so its model cannot be "
-                                f"checked (nor analysed): move the folder away (or pass another --out_dir) to rerun it")
-    theirs, problems = result.get("data_sha256") or {}, []
-    for s in data.SPLITS:
-        here = sha256_once(data.split_path(asked.data_dir, task, s))
-        if theirs.get(s) != here:
-            problems.append(f"{s}.pt sha256 {str(theirs.get(s))[:12]}... (here: {here[:12]}... in {asked.data_dir})")
-    if (init == "scratch") != (result.get("init") == "scratch"):
-        problems.append(f"--init {result.get('init')} (asked: {init})")
-    elif init != "scratch" and result.get("spt_sha256") != sha256_once(init):
-        problems.append(f"other SPT weights than {init}'s (sha256 {str(result.get('spt_sha256'))[:12]}...; {init} "
-                        f"was written again since)")
-    problems += [f"--{key} {config[key]} (asked: {value})" for key, value in vars(asked).items() if key in config
-                 and key not in READ_BACK_SKIP and key not in pretrain.MODEL_FLAGS and config[key] != value]
-    # The model the preset and the flags imply (a field they leave out: ModelConfig's default) against the run's
-    # checkpoint. After SPT the backbone is the checkpoint's (checked above): only finetuning's own fields count.
-    ran = vars(model_lib.config_from_dict(data.load_pt(weights)["model_config"], weights))  # CRC-checked
-    for field in list(model) + sorted({*pretrain.MODEL_FLAGS.values(), *finetune.FINETUNE_FIELDS} - set(model)):
-        value = model.get(field, getattr(model_lib.ModelConfig, field))
-        if ran[field] != value and (init == "scratch" or field in finetune.FINETUNE_FIELDS):
-            problems.append(f"model {field}={ran[field]!r} (the preset asks {value!r})")
-    if problems:
-        raise ValueError(f"{path} is a finished run made with " + "; ".join(problems) + ": another experiment with "
-                         "other settings wrote this folder. Move it away (or pass another --out_dir) to run this one")
-    print(f"read back {path}")
+def run_finetune(task, folder, seed, name, init, common, extra=()):
+    """One finetuning run in `folder` (start_run) from `init` ('scratch' or an SPT checkpoint); its result dict."""
+    return read_json(start_run("finetune", task, folder, ["--init", init, "--seed", str(seed), *common, *extra],
+                               name)["json"])
 
 
 def prepare_run_data(task, flags):
     """Make the data a pretrain.py run of `task` with `flags` would make (data.make_data)."""
-    asked, _ = requested_run("pretrain", task, flags)
+    asked = asked_run("pretrain", task, flags)
     preset_data = pretrain.PRESETS[data.task_family(task)][asked.preset]["data"]
     data.make_data(task, asked.data_dir, data.expected_settings(
         task, preset_data, {k: getattr(asked, k) for k in data.STAGE_DATA_FLAGS}), asked.download)
@@ -242,40 +199,41 @@ def seeds_here(args, name, *runs):
     the last line and the log of a child that fails. Children end with their parent (die_with_parent)."""
     if args.only_seed is not None:
         return [args.only_seed]
-    if args.jobs > 1 and args.seeds > 1:
-        for task, flags in runs:
-            prepare_run_data(task, flags)
-        argv = list(args.argv)
-        del argv[argv.index(args.experiment)]  # the subcommand itself (a flag's value may be spelled the same)
-        os.makedirs(os.path.join(args.out_dir, "ablate"), exist_ok=True)
-        for first in range(0, args.seeds, args.jobs):
-            children = []
-            try:
-                for seed in range(first, min(first + args.jobs, args.seeds)):
-                    log = os.path.join(args.out_dir, "ablate", f"{output_name(name, args)}_seed{seed}.log")
-                    print(f"{args.experiment}: seed {seed} in a process of its own, log {log}")
-                    command = [sys.executable, os.path.abspath(__file__), args.experiment, *argv, "--only_seed",
-                               str(seed), "--jobs", "1"]
-                    with open(log, "w") as out:  # the child writes to its own copy of the file descriptor
-                        children.append((seed, log, subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                                                      env={**os.environ, "OMP_NUM_THREADS": "1"},
-                                                                      preexec_fn=die_with_parent(os.getpid()))))
-                for seed, log, child in children:
-                    if child.wait():
-                        with open(log, errors="replace") as f:
-                            last = (f.read().strip().splitlines() or ["(no output)"])[-1]
-                        raise ChildProcessError(f"{args.experiment} --only_seed {seed} failed (exit "
-                                                f"{child.returncode}): {last} (the whole output: {log})")
-            finally:  # a child failed, or this process was interrupted: no child goes on as an orphan
-                running = [(seed, child) for seed, _, child in children if child.poll() is None]
-                for _, child in running:
-                    child.terminate()  # SIGTERM: the child stops as on Ctrl-C, and its lock is released
-                for _, child in running:
-                    child.wait()
-                if running:
-                    print(f"{args.experiment}: stopped the children still running: " + ", ".join(
-                        f"seed {seed} (pid {child.pid})" for seed, child in running), file=sys.stderr)
-    return list(range(args.seeds))
+    seeds, argv = list(range(args.seeds)), list(args.argv)
+    if args.jobs == 1 or args.seeds == 1:
+        return seeds
+    for task, flags in runs:
+        prepare_run_data(task, flags)
+    del argv[argv.index(args.experiment)]  # the subcommand itself (a flag's value may be spelled the same)
+    os.makedirs(os.path.join(args.out_dir, "ablate"), exist_ok=True)
+    for first in range(0, args.seeds, args.jobs):
+        children = []
+        try:
+            for seed in seeds[first:first + args.jobs]:
+                log = os.path.join(args.out_dir, "ablate", f"{output_name(name, args)}_seed{seed}.log")
+                print(f"{args.experiment}: seed {seed} in a process of its own, log {log}")
+                command = [sys.executable, os.path.abspath(__file__), args.experiment, *argv, "--only_seed", str(seed),
+                           "--jobs", "1"]
+                with open(log, "w") as out:  # the child writes to its own copy of the file descriptor
+                    children.append((seed, log, subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                                                  env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                                                  preexec_fn=die_with_parent(os.getpid()))))
+            for seed, log, child in children:
+                if child.wait():
+                    with open(log, errors="replace") as f:
+                        last = (f.read().strip().splitlines() or ["(no output)"])[-1]
+                    raise ChildProcessError(f"{args.experiment} --only_seed {seed} failed (exit {child.returncode}): "
+                                            f"{last} (the whole output: {log})")
+        finally:  # a child failed, or this process was interrupted: no child goes on as an orphan
+            running = [(seed, child) for seed, _, child in children if child.poll() is None]
+            for _, child in running:
+                child.terminate()  # SIGTERM: the child stops as on Ctrl-C, and its lock is released
+            for _, child in running:
+                child.wait()
+            if running:
+                print(f"{args.experiment}: stopped the children still running: " + ", ".join(
+                    f"seed {seed} (pid {child.pid})" for seed, child in running), file=sys.stderr)
+    return seeds
 
 
 # ---- Statistics and tables shared by the experiments ----
@@ -288,18 +246,12 @@ def plateau_exit_epoch(result, threshold=0.9):
     return None
 
 
-def mean_and_sd(values):
-    """(mean, sample standard deviation) of a non-empty list of numbers; the sd is 0.0 for one value."""
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
-
-
 def mean_std(values):
     """"m +- s" over the values that are not None (s: sample std), "(1 seed)" for one, "-" for none."""
     values = [v for v in values if v is not None]
-    if not values:
-        return "-"
-    m, s = mean_and_sd(values)
-    return f"{m:.3f} +- {s:.3f}" + ("" if len(values) > 1 else " (1 seed)")
+    if len(values) < 2:
+        return f"{values[0]:.3f} +- 0.000 (1 seed)" if values else "-"
+    return f"{statistics.fmean(values):.3f} +- {statistics.stdev(values):.3f}"
 
 
 def paired_difference(runs_a, runs_b, key="test_acc"):
@@ -313,11 +265,13 @@ def paired_difference(runs_a, runs_b, key="test_acc"):
                          f"not the same seeds once each")
     b = {r["seed"]: r[key] for r in runs_b}
     diffs = [r[key] - b[r["seed"]] for r in sorted(runs_a, key=lambda r: r["seed"])]
-    n, (m, sd) = len(diffs), mean_and_sd(diffs)
-    sd = sd if n > 1 else None
-    t = f"{m / (sd / math.sqrt(n)):.2f}" if sd is not None and sd > 1e-12 else "-"
-    return (f"{m:+.3f} +- {sd:.3f}" if sd is not None else f"{m:+.3f} (1 seed)") + " | " \
-        + ", ".join(f"{d:+.3f}" for d in diffs) + f" | {sum(d > 0 for d in diffs)} of {n} | {t}"
+    m, n = statistics.fmean(diffs), len(diffs)
+    if n == 1:
+        spread, t = f"{m:+.3f} (1 seed)", "-"
+    else:
+        sd = statistics.stdev(diffs)
+        spread, t = f"{m:+.3f} +- {sd:.3f}", f"{m / (sd / math.sqrt(n)):.2f}" if sd > 1e-12 else "-"
+    return f"{spread} | {', '.join(f'{d:+.3f}' for d in diffs)} | {sum(d > 0 for d in diffs)} of {n} | {t}"
 
 
 def paired_table(title, pairs):
@@ -330,7 +284,7 @@ def clears_majority(values, majority):
     """Whether the mean of `values` (None left out) is more than 0.01 above the majority-class rate `majority`.
     A row that is not says nothing about SPT: a constant prediction scores as much."""
     values = [v for v in values if v is not None]
-    return bool(values) and sum(values) / len(values) > majority + 0.01
+    return bool(values) and statistics.fmean(values) > majority + 0.01
 
 
 AT_MAJORITY = " (majority class)"  # beside a validation accuracy that does not clear its majority-class rate
@@ -347,14 +301,13 @@ def cells(rs, *keys, majority=None):
     there). With `majority`, a best_val_acc cell that does not clear it (clears_majority) gets AT_MAJORITY."""
     out = []
     for key in keys:
+        values = [r["plateau_exit_epoch" if key == "exit" else key] for r in rs]
+        cell = mean_std(values)
         if key == "exit":
-            exits = [r["plateau_exit_epoch"] for r in rs]
-            out.append(f"{mean_std(exits)} ({sum(e is not None for e in exits)}/{len(rs)})")
-        else:
-            values = [r[key] for r in rs]
-            measured = any(v is not None for v in values)  # "-": nothing to mark
-            out.append(mean_std(values) + (AT_MAJORITY if key == "best_val_acc" and majority is not None and measured
-                                           and not clears_majority(values, majority) else ""))
+            cell += f" ({sum(v is not None for v in values)}/{len(rs)})"
+        elif key == "best_val_acc" and majority is not None and cell != "-" and not clears_majority(values, majority):
+            cell += AT_MAJORITY
+        out.append(cell)
     return " | ".join(out)
 
 
@@ -373,7 +326,8 @@ def summary(seed, result, threshold=0.9, **fields):
     """One run's line in <experiment>.json: the figures the tables use, its machine and commit, and `fields`."""
     machine = f"{result['device_name']}, {result.get('threads')} thread(s)" if result.get("device_name") else None
     commit = result.get("git_commit")
-    commit = commit and commit[:7] + (" with uncommitted changes" if result.get("git_modified") else "")
+    if commit:
+        commit = commit[:7] + (" with uncommitted changes" if result.get("git_modified") else "")
     return dict(seed=seed, best_val_acc=result["best_val_acc"], test_acc=result["test_acc"],
                 train_acc=result["train_acc"], plateau_exit_epoch=plateau_exit_epoch(result, threshold),
                 machine=machine, commit=commit, **fields)
@@ -388,30 +342,6 @@ def output_name(name, args):
     return name
 
 
-def footer(args, command, *notes):
-    """A table's footer: `notes`, what AT_MAJORITY means, the seeds, the preset, the command that made it (with
-    its flags off their defaults), the init scheme and the step cap."""
-    flags = f" --seeds {args.seeds}" * (args.seeds != args.default_seeds) + \
-        f" --init_scheme {args.init_scheme}" * (args.init_scheme != "reference") + \
-        f" --length {args.length}" * (args.length != 100)
-    notes += (f"`{AT_MAJORITY.strip()}`: the mean val acc is not more than 0.01 above the majority-class rate",)
-    cap = f"; every run capped at {args.max_steps} steps" if args.max_steps else ""
-    return (f"\n{'; '.join(n for n in notes if n)}. Seeds: {args.seeds}; preset {args.preset}; command: python "
-            f"ablate.py {command}{flags}; init scheme {' and '.join(getattr(args, 'kinds', [args.init_scheme]))}{cap}")
-
-
-def write_outputs(name, runs, table, args):
-    """out/ablate/<output_name>.{json,md}: every run, and the table, its footer ended by the commit and machine
-    the runs were made on."""
-    if args.only_seed is not None:
-        return  # a --jobs child: its parent writes the table, from every seed's runs
-    made = [f" {word} {' and '.join(sorted({r[key] for r in runs if r.get(key)}))}" for word, key in
-            (("at commit", "commit"), ("on", "machine")) if any(r.get(key) for r in runs)]
-    save_table(os.path.join(args.out_dir, "ablate", output_name(name, args)), table + ("; runs made" + "".join(made)
-               if made else ""), dict(experiment=output_name(name, args), seeds=args.seeds, runs=runs,
-                                      init_scheme=getattr(args, "kinds", args.init_scheme)))
-
-
 def save_table(stem, table, record):
     """<stem>.md (the table) and <stem>.json (the record it was made from), written atomically and printed."""
     data.save_atomic(record, stem + ".json")
@@ -419,21 +349,47 @@ def save_table(stem, table, record):
     print("\n" + table + f"\n\nwrote {stem}.json and {stem}.md")
 
 
+def write_table(name, runs, lines, args, command, *notes):
+    """out/ablate/<output_name>.md: the table `lines`, then a footer: `notes`, what AT_MAJORITY means, the seeds,
+    the preset, the command (its flags off their defaults), the init scheme, the step cap and the commits and
+    machines of the runs; out/ablate/<output_name>.json: every run. A --jobs child writes nothing (its parent
+    writes the table of every seed)."""
+    if args.only_seed is not None:
+        return
+    for flag, value, default in (("seeds", args.seeds, args.default_seeds), ("init_scheme", args.init_scheme,
+                                                                            "reference"), ("length", args.length, 100)):
+        if value != default:
+            command += f" --{flag} {value}"
+    notes += (f"`{AT_MAJORITY.strip()}`: the mean val acc is not more than 0.01 above the majority-class rate",)
+    footer = (f"{'; '.join(n for n in notes if n)}. Seeds: {args.seeds}; preset {args.preset}; command: python "
+              f"ablate.py {command}; init scheme {' and '.join(getattr(args, 'kinds', [args.init_scheme]))}")
+    if args.max_steps:
+        footer += f"; every run capped at {args.max_steps} steps"
+    made = [f" {word} {' and '.join(sorted({r[key] for r in runs if r.get(key)}))}" for word, key in
+            (("at commit", "commit"), ("on", "machine")) if any(r.get(key) for r in runs)]
+    if made:
+        footer += "; runs made" + "".join(made)
+    save_table(os.path.join(args.out_dir, "ablate", output_name(name, args)), "\n".join(lines + ["", footer]),
+               dict(experiment=output_name(name, args), seeds=args.seeds, runs=runs,
+                    init_scheme=getattr(args, "kinds", args.init_scheme)))
+
+
 def describe_data(data_dir, task, majority=True):
     """A table's data in a few words, with its validation split's majority-class rate if `majority`."""
     meta = data.load_split(data_dir, task, "train")["meta"]
     sizes, side = meta.get("split_sizes", {}), meta.get("resolution", 32)
-    fashion = "Fashion-MNIST padded to 32x32 (the offline stand-in for CIFAR10)" + (f", averaged to {side}x{side}"
-        if side != 32 else "") + (f", a training subset, {FASHION_CPU['epochs']} epochs per stage" if
-                                  meta.get("train_subset") else "")
-    what = {"fashion_mnist": fashion, "image": "CIFAR10 grayscale",
-            "synthetic": f"synthetic trajectories of {meta['max_len']} steps"}.get(task, task)
+    what = {"image": "CIFAR10 grayscale", "synthetic": f"synthetic trajectories of {meta['max_len']} steps",
+            "fashion_mnist": "Fashion-MNIST padded to 32x32 (the offline stand-in for CIFAR10)"}.get(task, task)
+    if task == "fashion_mnist" and side != 32:
+        what += f", averaged to {side}x{side}"
+    if task == "fashion_mnist" and meta.get("train_subset"):
+        what += f", a training subset, {FASHION_CPU['epochs']} epochs per stage"
     if meta.get("generated") and "resolution" in meta:
         what = f"PathFinder {side}x{side} from our generator"
     elif meta.get("generated") and task == "listops":
         what = "ListOps from our generator"
-    return (f"Data: {what}, {sizes.get('train')}/{sizes.get('val')}/{sizes.get('test')} train/val/test"
-            + (f" (majority class of val: {majority_rate(data_dir, task):.3f})" if majority else ""))
+    what = f"Data: {what}, {sizes.get('train')}/{sizes.get('val')}/{sizes.get('test')} train/val/test"
+    return what + (f" (majority class of val: {majority_rate(data_dir, task):.3f})" if majority else "")
 
 
 def exit_threshold(args, task):
@@ -471,6 +427,13 @@ def displacement_cells(rs):
 
 
 # ---- The experiments ----
+
+def synthetic_data(folder, n_train, n_val, length):
+    """<folder>, holding synthetic trajectories of `length` steps (made there when missing: data.prepare_synthetic)."""
+    if not os.path.exists(data.split_path(folder, "synthetic")):
+        data.prepare_synthetic(folder, n_train=n_train, n_val=n_val, n_test=n_val, length=length)
+    return folder
+
 
 def experiment_synthetic(args):
     """Coser et al. Sec. 4: the minimal model (one layer, one head, no LayerNorm, no MLP) on 2-D trajectories.
@@ -510,11 +473,10 @@ def experiment_synthetic(args):
                                               ("L_SPT", "not 0 (Prop. 1)"))]
     rows += [""] + md_table(["attention (layer 0, mean over validation sequences and heads)", "at init", "after SPT",
                              "paper (Sec. 4)"], attention)
-    rows.append(footer(args, "synthetic", f"log L = {spt[0]['attention_init']['uniform_entropy']:.2f} nats (uniform "
-                       f"attention over {args.length} steps); gradient shares on 64 training sequences, L_sup at the "
-                       f"start of from-scratch training and of finetuning after SPT", f"majority class of val "
-                       f"{majority:.3f}"))
-    write_outputs("synthetic", runs, "\n".join(rows), args)
+    write_table("synthetic", runs, rows, args, "synthetic", f"log L = {spt[0]['attention_init']['uniform_entropy']:.2f}"
+                f" nats (uniform attention over {args.length} steps); gradient shares on 64 training sequences, L_sup "
+                f"at the start of from-scratch training and of finetuning after SPT", f"majority class of val "
+                f"{majority:.3f}")
 
 
 def finetune_rows(args, name, rows, first):
@@ -526,7 +488,7 @@ def finetune_rows(args, name, rows, first):
     runs, results, threshold = [], {}, exit_threshold(args, task)
     for seed in seeds_here(args, name, (task, common)):
         folder = run_dir(args, task, seed)
-        ckpt = run_pretrain(task, folder, seed, common + ["--snapshots"] * (task == "synthetic"))
+        ckpt = run_pretrain(task, folder, seed, common + (["--snapshots"] if task == "synthetic" else []))
         moved = spt_displacement(task, folder, task_data_dir(args, task))["spt"]["displacement"]
         for label, run_name, init, extra, _ in rows:
             result = run_finetune(task, folder, seed, run_name, init or ckpt, common, extra)
@@ -562,20 +524,19 @@ def experiment_init(args):
         analyze.plot_curves(results, os.path.join(args.out_dir, "analysis", output_name(output, args) + "_curves.png"),
                             f"Table 3 on {task}: validation accuracy per epoch",
                             analyze.command_line("ablate.py", args.argv))
-    table.append(footer(args, f"init --task {task}", describe_data(task_data_dir(args, task), task), model,
-                        FROZEN_ROW_NOTE))
-    write_outputs(output, runs, "\n".join(table), args)
+    write_table(output, runs, table, args, f"init --task {task}", describe_data(task_data_dir(args, task), task),
+                model, FROZEN_ROW_NOTE)
 
 
 def experiment_duration(args):
     """Coser et al. Sec. 3: SPT for each of --durations epochs, then finetuning. Fashion-MNIST at the CPU budget
     shares `init`'s runs: its scratch row, and its `inherit all` row for SPT of FASHION_CPU["epochs"] epochs."""
     task = args.task
-    shared = task_data_dir(args, task) != args.data_dir  # Fashion-MNIST at the CPU budget
+    data_dir = task_data_dir(args, task)
+    shared = data_dir != args.data_dir  # Fashion-MNIST at the CPU budget
     common = common_flags(args, one_layer=shared, task=task)
     durations = args.durations or ((1, 10, 100, 200) if args.preset == "paper" else (1, 3, 10))
-    output = "duration" if task == "synthetic" else f"duration_{task}"
-    runs, threshold = [], exit_threshold(args, task)
+    output, runs, threshold = "duration" if task == "synthetic" else f"duration_{task}", [], exit_threshold(args, task)
     for seed in seeds_here(args, output, (task, common)):
         folder = run_dir(args, task, seed, "1layer" if shared else "preset")
         result = run_finetune(task, folder, seed, "init_scratch" if shared else "scratch", "scratch", common)
@@ -585,41 +546,31 @@ def experiment_duration(args):
             spt_dir = folder if same else os.path.join(folder, f"spt_{epochs}ep")
             ckpt = run_pretrain(task, spt_dir, seed, common + ["--epochs", str(epochs)])
             result = run_finetune(task, spt_dir, seed, "init_all" if same else "spt", ckpt, common)
-            moved = spt_displacement(task, spt_dir, task_data_dir(args, task))["spt"]["displacement"]
+            moved = spt_displacement(task, spt_dir, data_dir)["spt"]["displacement"]
             runs.append(summary(seed, result, threshold, epochs=epochs, displacement=moved))
-    majority = majority_rate(task_data_dir(args, task), task)
     rows = md_table(["SPT epochs", "val acc", "train acc", f"finetuning epoch val acc >= {threshold:g} (runs)",
                      "W_Q displacement", "W_K displacement", "W_Q^T W_K displacement"],
-                    [[epochs or "none (from scratch)",
-                      cells(select(runs, epochs=epochs), "best_val_acc", "train_acc", "exit", majority=majority),
+                    [[epochs or "none (from scratch)", cells(select(runs, epochs=epochs), "best_val_acc", "train_acc",
+                                                             "exit", majority=majority_rate(data_dir, task)),
                       *(displacement_cells(select(runs, epochs=epochs)) if epochs else ["0"] * 3)]
                      for epochs in (0,) + tuple(durations)])
     model = "Table 3's one-layer model (runs shared with `ablate.py init`)" if shared else "the preset's model"
-    rows.append(footer(args, f"duration --task {task}", describe_data(task_data_dir(args, task), task), model,
-                       "displacement: norm(W - W_init) / norm(W_init) during SPT"))
-    write_outputs(output, runs, "\n".join(rows), args)
-
-
-def image_task(args):
-    """The Image side of `swap`: CIFAR10 when its data is here (or --download), else the Fashion-MNIST stand-in
-    when installed; FileNotFoundError saying how otherwise."""
-    if os.path.exists(data.split_path(args.data_dir, "image")) or \
-            os.path.exists(os.path.join(args.data_dir, "image", "cifar-10-batches-py", "test_batch")) or args.download:
-        return "image"
-    try:
-        data.find_fashion_mnist(args.data_dir)
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"neither CIFAR10 ({args.data_dir}/image/cifar-10-batches-py/, or pass --download) "
-                                f"nor the stand-in is here. {e}") from None
-    print("CIFAR10 not found: the Image side of this experiment uses the Fashion-MNIST stand-in")
-    return "fashion_mnist"
+    write_table(output, runs, rows, args, f"duration --task {task}", describe_data(data_dir, task), model,
+                "displacement: norm(W - W_init) / norm(W_init) during SPT")
 
 
 def experiment_swap(args):
     """Coser et al. Sec. 3: SPT on PathFinder then finetuning on Image, and the reverse, against from scratch and
-    same-task SPT. --n_images generates PathFinder of --difficulty into <data_dir>/pfcurves/<difficulty>_n<N>/."""
-    image, runs = image_task(args), []
-    tasks, pf_dir = ("pathfinder", image), args.data_dir
+    same-task SPT. Image: CIFAR10 when its data is here (or --download), else the Fashion-MNIST stand-in
+    (FileNotFoundError when neither). --n_images generates PathFinder of --difficulty into
+    <data_dir>/pfcurves/<difficulty>_n<N>/."""
+    image, runs, pf_dir = "image", [], args.data_dir
+    if not (os.path.exists(data.split_path(args.data_dir, "image")) or args.download or os.path.exists(
+            os.path.join(args.data_dir, "image", "cifar-10-batches-py", "test_batch"))):
+        data.find_fashion_mnist(args.data_dir)
+        print("CIFAR10 not found: the Image side of this experiment uses the Fashion-MNIST stand-in")
+        image = "fashion_mnist"
+    tasks = ("pathfinder", image)
     if args.n_images is not None:
         pf_dir = os.path.join(args.data_dir, "pfcurves", f"{args.difficulty}_n{args.n_images}")
         if not os.path.exists(data.split_path(pf_dir, "pathfinder")):
@@ -649,13 +600,12 @@ def experiment_swap(args):
                       cells(select(runs, target=target, source=source), "train_acc", "best_val_acc",
                             majority=majority[target]), f"{majority[target]:.3f}", paper.get((target, source), "-")]
                      for target in tasks for source in ("scratch",) + tasks])
-    command = "swap" + (f" --difficulty {args.difficulty} --n_images {args.n_images}" if args.n_images else "") \
-        + (f" --steps {args.steps}" if args.steps else "")
-    rows.append(footer(args, command, f"{describe_data(pf_dir, 'pathfinder', majority=False)}, difficulty "
-                       f"{args.difficulty}. {describe_data(args.data_dir, image, majority=False)}. The preset's model, "
-                       + (f"{args.steps} steps per stage" if args.steps else "the preset's budget"),
-                       "train accuracy on a fixed random subset of the training split"))
-    write_outputs("swap", runs, "\n".join(rows), args)
+    command = "swap" + (f" --difficulty {args.difficulty} --n_images {args.n_images}" if args.n_images else "")
+    command += f" --steps {args.steps}" if args.steps else ""
+    write_table("swap", runs, rows, args, command, f"{describe_data(pf_dir, 'pathfinder', majority=False)}, "
+                f"difficulty {args.difficulty}. {describe_data(args.data_dir, image, majority=False)}. The preset's "
+                "model, " + (f"{args.steps} steps per stage" if args.steps else "the preset's budget"),
+                "train accuracy on a fixed random subset of the training split")
 
 
 def skipped_note(skipped):
@@ -667,22 +617,21 @@ def experiment_main(args):
     """Coser et al. Table 2: from scratch versus SPT on the LRA tasks of --tasks whose data is here or can be made,
     peak validation accuracy (as the paper reports) beside each validation split's majority-class rate."""
     runs, (done, skipped) = [], prepared_tasks(args, args.tasks)
-    seeds = seeds_here(args, f"main_{args.preset}")
-    for task in done:
-        for seed in seeds:
-            folder, common = run_dir(args, task, seed, "preset"), common_flags(args)
-            ckpt = run_pretrain(task, folder, seed, common)
-            for name, init in (("scratch", "scratch"), ("spt", ckpt)):
-                runs.append(summary(seed, run_finetune(task, folder, seed, name, init, common), task=task, name=name))
+    seeds, common = seeds_here(args, f"main_{args.preset}"), common_flags(args)
+    for task, seed in ((task, seed) for task in done for seed in seeds):
+        folder = run_dir(args, task, seed, "preset")
+        ckpt = run_pretrain(task, folder, seed, common)
+        for name, init in (("scratch", "scratch"), ("spt", ckpt)):
+            runs.append(summary(seed, run_finetune(task, folder, seed, name, init, common), task=task, name=name))
     majority = {task: majority_rate(args.data_dir, task) for task in done}
     rows = md_table(["task", "from scratch (ours)", "SPT (ours)", "majority class (val)", "paper: from scratch",
                      "+SPT (Amos)", "+SPT (Coser)"], [
         [task, *(cells(select(runs, task=task, name=n), "best_val_acc", majority=majority[task])
                  for n in ("scratch", "spt")), f"{majority[task]:.3f}", *PAPER_MAIN.get(task, ("-",) * 3)]
         for task in done])
-    rows.append(footer(args, f"main --preset {args.preset} --tasks {' '.join(args.tasks)}", "Peak validation accuracy",
-                       *(describe_data(args.data_dir, t, majority=False) for t in done), skipped_note(skipped)))
-    write_outputs(f"main_{args.preset}", runs, "\n".join(rows), args)
+    write_table(f"main_{args.preset}", runs, rows, args, f"main --preset {args.preset} --tasks {' '.join(args.tasks)}",
+                "Peak validation accuracy", *(describe_data(args.data_dir, t, majority=False) for t in done),
+                skipped_note(skipped))
 
 
 # Coser et al. Sec. 3, the deep model trained from scratch with its attention frozen at init (MLP + head trained):
@@ -707,7 +656,7 @@ def experiment_frozen(args):
     done, skipped = prepared_tasks(args, args.tasks)
     # other --tasks than the preset's default: a table of their own, not the default one overwritten
     output = f"frozen_{args.preset}" + ("" if args.tasks == default else "_" + "_".join(args.tasks))
-    runs, seeds = [], seeds_here(args, output)
+    runs, seeds, accuracy, moved, shares = [], seeds_here(args, output), [], [], []
     for task in done:
         common, data_dir = common_flags(args, task=task), task_data_dir(args, task)
         model = "preset" if data_dir == args.data_dir else \
@@ -716,15 +665,13 @@ def experiment_frozen(args):
             folder = run_dir(args, task, seed, model)
             ckpt = run_pretrain(task, folder, seed, common)
             for label, init, extra in FROZEN_ROWS:
-                name = ("scratch" if init else "spt") + ("" if not extra else "_freeze-" + extra[1].replace("+", "-"))
+                name = ("scratch" if init else "spt") + ("_freeze-" + extra[1].replace("+", "-") if extra else "")
                 result = run_finetune(task, folder, seed, name, init or ckpt, common, extra)
                 runs.append(summary(seed, result, exit_threshold(args, task), task=task, row=label,
                                     displacement=trained_displacement(folder, task, "finetune", name)))
             runs.append(dict(task=task, seed=seed, row=SPT_STAGE, gradients=spt_gradients(task, folder, data_dir),
                              displacement=trained_displacement(folder, task, "pretrain")))
-    accuracy, moved, shares = [], [], []
-    for task in done:
-        majority = majority_rate(task_data_dir(args, task), task)
+        majority = majority_rate(data_dir, task)
         scratch, frozen = PAPER_FROZEN.get(task, PAPER_FROZEN["image"])  # Fashion-MNIST: beside CIFAR10's
         paper = (scratch, frozen, frozen + " (?)", f"{PAPER_MAIN.get(task, PAPER_MAIN['image'])[2]:.3f} (Table 2)")
         accuracy += [[task, label, cells(select(runs, task=task, row=label), "best_val_acc", "train_acc", "test_acc",
@@ -742,13 +689,12 @@ def experiment_frozen(args):
                              *MOVED_GROUPS], moved)
     rows += [""] + md_table(["task", "layer", "share of L_sup's score gradient along Prop. 1's directions: at init",
                              "after SPT", "share of L_SPT's: at init", "after SPT"], shares)
-    rows.append(footer(args, f"frozen --preset {args.preset} --tasks {' '.join(args.tasks)}",
-                       *(describe_data(task_data_dir(args, t), t, majority=False) for t in done),
-                       skipped_note(skipped), "the preset's model, every layer frozen alike"
-                       + ("; Fashion-MNIST stands beside the paper's CIFAR10" if "fashion_mnist" in done else ""),
-                       FROZEN_ROW_NOTE, "second table: W_Q^T W_K of layer 0, other groups pooled over layers; after "
-                       "SPT the start is the SPT weights", "third table: on 64 training sequences"))
-    write_outputs(output, runs, "\n".join(rows), args)
+    write_table(output, runs, rows, args, f"frozen --preset {args.preset} --tasks {' '.join(args.tasks)}",
+                *(describe_data(task_data_dir(args, t), t, majority=False) for t in done),
+                skipped_note(skipped), "the preset's model, every layer frozen alike"
+                + ("; Fashion-MNIST stands beside the paper's CIFAR10" if "fashion_mnist" in done else ""),
+                FROZEN_ROW_NOTE, "second table: W_Q^T W_K of layer 0, other groups pooled over layers; after "
+                "SPT the start is the SPT weights", "third table: on 64 training sequences")
 
 
 def experiment_ucr(args):
@@ -765,104 +711,97 @@ def experiment_ucr(args):
     default = list(args.datasets) == list(UCR_DATASETS + UCR_OFFLINE)  # other --datasets: a table of their own
     budget = f"steps{args.steps}" if args.steps else ""
     output = ("ucr" if default else "ucr_" + "_".join(args.datasets)) + (f"_{budget}" if budget else "")
-    runs, seeds = [], seeds_here(args, output)
-    for name in found:
-        for seed in seeds:
-            folder = os.path.join(args.out_dir, "ablate", args.init_scheme, "ucr", budget, f"seed{seed}")
-            ckpt = run_pretrain(f"ucr/{name}", folder, seed, common)
-            for run_name, init in (("spt", ckpt), ("scratch", "scratch")):
-                result = run_finetune(f"ucr/{name}", folder, seed, run_name, init, common)
-                runs.append(summary(seed, result, dataset=name, name=run_name, best_step=result.get("best_step"),
-                                    spt_step=result.get("spt_step")))
-    parts = []
+    runs, seeds, lines = [], seeds_here(args, output), []
+    for name, seed in ((name, seed) for name in found for seed in seeds):
+        folder = os.path.join(args.out_dir, "ablate", args.init_scheme, "ucr", budget, f"seed{seed}")
+        ckpt = run_pretrain(f"ucr/{name}", folder, seed, common)
+        for run_name, init in (("spt", ckpt), ("scratch", "scratch")):
+            result = run_finetune(f"ucr/{name}", folder, seed, run_name, init, common)
+            runs.append(summary(seed, result, dataset=name, name=run_name, best_step=result.get("best_step"),
+                                spt_step=result.get("spt_step")))
     for name in found:
         meta = data.load_split(args.data_dir, f"ucr/{name}", "train")["meta"]
         sizes, majority = meta["split_sizes"], majority_rate(args.data_dir, f"ucr/{name}")
         spt, scratch = select(runs, dataset=name, name="spt"), select(runs, dataset=name, name="scratch")
-        rows = [f"**{name}** ({sizes['train']} train / {sizes['val']} validation series from TRAIN, {sizes['test']} "
-                f"test, length <= {meta['max_len']}, {meta['n_classes']} classes; majority class of val: "
-                f"{majority:.3f})", ""]
-        rows += md_table(["run", "test acc", "val acc", "train acc", "step of the tested weights, per seed",
-                          "step of the SPT checkpoint, per seed"],
-                         [[label, cells(rs, "test_acc", "best_val_acc", "train_acc", majority=majority),
-                           ", ".join(str(r["best_step"]) for r in rs),
-                           ", ".join(str(r["spt_step"]) for r in rs) if rs is spt else "-"]
-                          for label, rs in (("from scratch", scratch), ("SPT, then finetune", spt))])
-        rows += [""] + paired_table("SPT minus from scratch, test acc paired by seed", [(name, spt, scratch)])
-        parts.append("\n".join(rows))
-
-    def mean_over_datasets(run_name):  # per seed: the mean test accuracy over the data sets, then mean +- std
-        return mean_std([sum(r["test_acc"] for r in select(runs, name=run_name, seed=seed)) / len(found)
-                         for seed in range(args.seeds)])
-    parts.append("\n".join(md_table(["mean test acc over the data sets", "from scratch", "SPT, then finetune"], [
-        [f"ours ({', '.join(found)})", mean_over_datasets("scratch"), mean_over_datasets("spt")],
-        ["paper (GunPoint, ECG200 and two unnamed)", f"{PAPER_UCR['scratch']:.3f}", f"{PAPER_UCR['spt']:.3f}"]])))
+        lines += [f"**{name}** ({sizes['train']} train / {sizes['val']} validation series from TRAIN, {sizes['test']} "
+                  f"test, length <= {meta['max_len']}, {meta['n_classes']} classes; majority class of val: "
+                  f"{majority:.3f})", ""]
+        lines += md_table(["run", "test acc", "val acc", "train acc", "step of the tested weights, per seed",
+                           "step of the SPT checkpoint, per seed"],
+                          [[label, cells(rs, "test_acc", "best_val_acc", "train_acc", majority=majority),
+                            ", ".join(str(r["best_step"]) for r in rs),
+                            ", ".join(str(r["spt_step"]) for r in rs) if rs is spt else "-"]
+                           for label, rs in (("from scratch", scratch), ("SPT, then finetune", spt))])
+        lines += [""] + paired_table("SPT minus from scratch, test acc paired by seed", [(name, spt, scratch)]) + [""]
+    over = {run_name: mean_std([statistics.fmean(r["test_acc"] for r in select(runs, name=run_name, seed=seed))
+                                for seed in range(args.seeds)]) for run_name in ("scratch", "spt")}
+    lines += md_table(["mean test acc over the data sets", "from scratch", "SPT, then finetune"], [
+        [f"ours ({', '.join(found)})", over["scratch"], over["spt"]],
+        ["paper (GunPoint, ECG200 and two unnamed)", f"{PAPER_UCR['scratch']:.3f}", f"{PAPER_UCR['spt']:.3f}"]])
     preset = pretrain.PRESETS["ucr"][args.preset]
     steps = (f"Every stage {args.steps} steps (the preset's: {preset['pretrain']['max_steps']} SPT, "
              f"{preset['finetune']['max_steps']} finetuning)" if args.steps else "")
-    command = "ucr" + ("" if default else " --datasets " + " ".join(args.datasets)) \
-        + (f" --steps {args.steps}" if args.steps else "")
-    parts.append(footer(args, command, "Test accuracy on the archive's TEST split", skipped_note(skipped), steps)[1:])
-    write_outputs(output, runs, "\n\n".join(parts), args)
+    command = "ucr" + ("" if default else " --datasets " + " ".join(args.datasets))
+    command += f" --steps {args.steps}" if args.steps else ""
+    write_table(output, runs, lines, args, command, "Test accuracy on the archive's TEST split", skipped_note(skipped),
+                steps)
 
 
 def experiment_posenc(args):
-    """Coser et al. Sec. 4: sinusoidal, ALiBi, RoPE, FIRE and (beyond the paper) learned and no positions, from scratch on
-    --task, beside sinusoidal + SPT, with paired differences to sinusoidal from scratch."""
+    """Coser et al. Sec. 4: sinusoidal, ALiBi, RoPE, FIRE and (beyond the paper) learned and no positions, from
+    scratch on --task, beside sinusoidal + SPT, with paired differences to sinusoidal from scratch."""
     paper = {"sinusoidal": ("0.501", "-"), "alibi": ("0.564", "0.500"), "rope": ("tested, no number", "-"),
              "fire": ("tested, no number", "-")}  # every other scheme of model.POSITIONS is beyond the paper
     rows = [(("no positions" if pos == "none" else pos) + ", from scratch",
-             "scratch" + f"_{pos}" * (pos != "sinusoidal"), "scratch", ("--pos", pos) * (pos != "sinusoidal"),
-             paper.get(pos, ("-", "-"))) for pos in model_lib.POSITIONS]
+             "scratch" if pos == "sinusoidal" else f"scratch_{pos}", "scratch",
+             () if pos == "sinusoidal" else ("--pos", pos), paper.get(pos, ("-", "-"))) for pos in model_lib.POSITIONS]
     rows.append(("sinusoidal + SPT", "spt", None, (), ("0.740 (Amos, full model)", "0.880 (Amos)")))
     output = "posenc" if args.task == "synthetic" else f"posenc_{args.task}"
     runs, _, table = finetune_rows(args, output, rows, "positions")
     table += [""] + paired_table("minus sinusoidal from scratch, test acc paired by seed", [
         (label, select(runs, row=label), select(runs, row=rows[0][0])) for label, *_ in rows[1:]])
-    table.append(footer(args, f"posenc --task {args.task}", describe_data(task_data_dir(args, args.task), args.task),
-                        "one layer; ALiBi symmetric in |i - j|, FIRE on |i - j| (our encoder is bidirectional)"))
-    write_outputs(output, runs, "\n".join(table), args)
+    write_table(output, runs, table, args, f"posenc --task {args.task}",
+                describe_data(task_data_dir(args, args.task), args.task),
+                "one layer; ALiBi symmetric in |i - j|, FIRE on |i - j| (our encoder is bidirectional)")
 
 
 def experiment_pooling(args):
-    """Beyond the paper (#48): does removing Prop. 1's blind spot remove the plateau? Mean, max and [CLS] pooling
-    (model.POOLINGS), from scratch against SPT then finetuning, on the demo's synthetic task (L 300, 2,000
-    trajectories, 10 epochs per stage, batch 32). [CLS] pooling reads one summary token: its
-    gradient along Prop. 1's directions is not zero at uniform attention (analyze.py prop1). Per row: accuracy, the
-    plateau-exit epoch, and L_sup's share along Prop. 1's directions on the from-scratch run's initial weights."""
-    data_dir = os.path.join(args.data_dir, "demo_L300")  # the demo's data
-    if not os.path.exists(data.split_path(data_dir, "synthetic")):
-        data.prepare_synthetic(data_dir, n_train=2000, n_val=500, n_test=500, length=300)
+    """Beyond the paper: does removing Prop. 1's blind spot remove the plateau? Mean, max and [CLS] pooling
+    (model.POOLINGS; [CLS]'s gradient along Prop. 1's directions is not zero at uniform attention), from scratch
+    against SPT then finetuning, on the demo's synthetic task (L 300, 2,000 trajectories, 10 epochs per stage,
+    batch 32). Per row: accuracy, the plateau-exit epoch, and L_sup's share along Prop. 1's directions on the
+    from-scratch run's initial weights."""
+    data_dir = synthetic_data(os.path.join(args.data_dir, "demo_L300"), 2000, 500, 300)  # the demo's data
     common = ["--data_dir", data_dir, "--preset", args.preset, "--device", args.device, "--init_scheme",
               args.init_scheme, "--accept_data", "--epochs", "10", "--batch_size", "32", "--eval_every", "100000",
               "--n_layers", str(args.n_layers)] + (["--max_steps", str(args.max_steps)] if args.max_steps else [])
-    output, runs = "pooling" + f"_layers{args.n_layers}" * (args.n_layers != 1), []
-    for seed in seeds_here(args, output, ("synthetic", common)):
-        for pooling in model_lib.POOLINGS:
-            folder = os.path.join(args.out_dir, "ablate", args.init_scheme, "pooling_L300" + f"_layers{args.n_layers}" * (
-                args.n_layers != 1), pooling, f"seed{seed}")
-            flags = common + ["--pooling", pooling]
-            ckpt = run_pretrain("synthetic", folder, seed, flags)
-            for name, init in (("scratch", "scratch"), ("spt", ckpt)):
-                result = run_finetune("synthetic", folder, seed, name, init, flags)
-                share = analyze.loss_gradients(pretrain.run_paths(folder, "synthetic", "finetune", name)["init"],
-                                               data_dir, losses=("L_sup",))["L_sup"]["prop1_share"][0]
-                runs.append(summary(seed, result, pooling=pooling, name=name, prop1_share_init=share))
+    layers = f"_layers{args.n_layers}" if args.n_layers != 1 else ""
+    output, runs = "pooling" + layers, []
+    for seed, pooling in ((seed, p) for seed in seeds_here(args, output, ("synthetic", common)) for p in
+                          model_lib.POOLINGS):
+        folder = os.path.join(args.out_dir, "ablate", args.init_scheme, "pooling_L300" + layers, pooling, f"seed{seed}")
+        flags = common + ["--pooling", pooling]
+        ckpt = run_pretrain("synthetic", folder, seed, flags)
+        for name, init in (("scratch", "scratch"), ("spt", ckpt)):
+            result = run_finetune("synthetic", folder, seed, name, init, flags)
+            share = analyze.loss_gradients(pretrain.run_paths(folder, "synthetic", "finetune", name)["init"],
+                                           data_dir, losses=("L_sup",))["L_sup"]["prop1_share"][0]
+            runs.append(summary(seed, result, pooling=pooling, name=name, prop1_share_init=share))
     majority = majority_rate(data_dir, "synthetic")
     rows = md_table(["pooling", "run", "val acc", "test acc", "epoch val acc >= 0.9 (runs)",
                      "L_sup's share along Prop. 1's directions, at its init"],
-                    [[pooling, label, cells(select(runs, pooling=pooling, name=name), "best_val_acc", "test_acc", "exit",
-                                            majority=majority), mean_std([r["prop1_share_init"] for r in select(
-                                                runs, pooling=pooling, name=name)])]
+                    [[pooling, label, cells(rs, "best_val_acc", "test_acc", "exit", majority=majority),
+                      mean_std([r["prop1_share_init"] for r in rs])]
                      for pooling in model_lib.POOLINGS for name, label in (("scratch", "from scratch"),
-                                                                          ("spt", "SPT, then finetune"))])
+                                                                          ("spt", "SPT, then finetune"))
+                     for rs in [select(runs, pooling=pooling, name=name)]])
     rows += [""] + paired_table("SPT minus from scratch, test acc paired by seed", [
         (pooling, select(runs, pooling=pooling, name="spt"), select(runs, pooling=pooling, name="scratch"))
         for pooling in model_lib.POOLINGS])
-    rows.append(footer(args, "pooling" + f" --n_layers {args.n_layers}" * (args.n_layers != 1), describe_data(
-                       data_dir, "synthetic"), f"the minimal model, {args.n_layers} layer(s); 10 epochs per stage, batch 32 (the demo's); the share on 64 training "
-                       "sequences, on each finetuning's own _init.pt (SPT's row: the SPT weights with a fresh head)"))
-    write_outputs(output, runs, "\n".join(rows), args)
+    write_table(output, runs, rows, args, "pooling" + (f" --n_layers {args.n_layers}" if layers else ""),
+                describe_data(data_dir, "synthetic"), f"the minimal model, {args.n_layers} layer(s); 10 epochs per "
+                "stage, batch 32 (the demo's); the share on 64 training sequences, on each finetuning's own _init.pt "
+                "(SPT's row: the SPT weights with a fresh head)")
 
 
 def experiment_initscale(args):
@@ -872,12 +811,9 @@ def experiment_initscale(args):
     Writes out/ablate/initscale.{json,md} and the phase diagram out/analysis/initscale.png."""
     budget = ["--epochs", str(args.epochs), "--batch_size", str(args.batch_size), "--eval_every", "100000"]
     budget += ["--max_steps", str(args.max_steps)] if args.max_steps else []
-    data_dirs = {}
-    for length in args.lengths:  # its own data per length and size (not the synthetic preset's: --accept_data)
-        data_dirs[length] = os.path.join(args.data_dir, "initscale", f"L{length}_n{args.n_train}_{args.n_val}")
-        if not os.path.exists(data.split_path(data_dirs[length], "synthetic")):
-            data.prepare_synthetic(data_dirs[length], n_train=args.n_train, n_val=args.n_val, n_test=args.n_val,
-                                   length=length)
+    data_dirs = {length: synthetic_data(os.path.join(args.data_dir, "initscale", f"L{length}_n{args.n_train}_"
+                                                     f"{args.n_val}"), args.n_train, args.n_val, length)
+                 for length in args.lengths}  # its own data per length and size (not the preset's: --accept_data)
     runs, seeds = [], seeds_here(args, "initscale")
     for length, kind, scale, seed in ((L, k, s, seed) for L in args.lengths for k in args.kinds for s in args.scales
                                       for seed in seeds):
@@ -905,15 +841,14 @@ def experiment_initscale(args):
     rows = md_table(["init", "scale", "L", "entropy at init / log L", "L_sup's score-gradient share along Prop. 1's "
                      "directions at init", "val acc, from scratch", "epoch >= 0.9 (runs)", "val acc, SPT then finetune",
                      "epoch >= 0.9 (runs)"], rows)
-    rows.append(footer(args, "initscale", f"Budget per stage and cell: {args.epochs} epochs of {args.n_train} "
-                       f"trajectories (batch {args.batch_size}), validation on {args.n_val}; scale 1 = PyTorch's "
-                       f"default init; entropy and gradient share of the from-scratch model at init, on 32 "
-                       f"trajectories", "majority class of val: " + ", ".join(f"L {L}: {m:.3f}"
-                                                                               for L, m in majorities.items())))
     if args.only_seed is None:
         analyze.plot_initscale(runs, args.kinds, args.scales, args.lengths, args.seeds, os.path.join(
             args.out_dir, "analysis", "initscale.png"), analyze.command_line("ablate.py", args.argv))
-    write_outputs("initscale", runs, "\n".join(rows), args)
+    write_table("initscale", runs, rows, args, "initscale", f"Budget per stage and cell: {args.epochs} epochs of "
+                f"{args.n_train} trajectories (batch {args.batch_size}), validation on {args.n_val}; scale 1 = "
+                f"PyTorch's default init; entropy and gradient share of the from-scratch model at init, on 32 "
+                f"trajectories", "majority class of val: " + ", ".join(f"L {L}: {m:.3f}" for L, m in
+                                                                         majorities.items()))
 
 
 # ---- Performance: one SPT step against torch.nn.TransformerEncoder (bench), every paper preset on a GPU (gpu) ----
@@ -940,14 +875,10 @@ class ReferenceEncoder(torch.nn.Module):
         return self.rec_head(self.encoder(self.embed(x) + self.pe[:x.shape[1]]))
 
 
-def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
-    """Put on `queue` (median seconds, peak memory in bytes, tokens, training FLOPs) of one SPT training step of the
-    BENCH_VARIANTS key on a full-length batch, or an error message. Runs in a fresh process (time_in_process): on
-    the CPU, peak memory is the growth of its resident set."""
-    import resource
-    import time
-    torch.set_num_threads(threads)
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+def time_spt_step(variant, size, device, dtype, steps, repeats):
+    """(median seconds, peak CUDA memory in bytes or None on other devices, tokens, training FLOPs) of one SPT
+    training step of the BENCH_VARIANTS key on a full-length batch of `size` (as BENCH_SIZES), after 3 untimed
+    steps; or the error that stopped it (out of memory, a missing compiler, ...) as a str."""
     L, d, n_layers, n_heads, d_mlp, B = size
     torch.manual_seed(0)
     cfg = model_lib.ModelConfig(vocab_size=32, max_len=L, d_model=d, n_layers=n_layers, n_heads=n_heads, d_mlp=d_mlp,
@@ -960,109 +891,78 @@ def time_spt_step(variant, size, device, dtype, steps, repeats, threads, queue):
                  labels=torch.zeros(B, dtype=torch.long, device=device))
     x, lengths, _ = data.get_batch(split, torch.arange(B), device)  # the training step's batch and masks
     inputs, masked = pretrain.mask_batch(x, lengths, 0.15, 1, torch.Generator(device=device).manual_seed(0))
-
-    def step():
-        with pretrain.autocast(device, dtype):  # the training step's form (pretrain.spt_loss_fn)
-            if variant == "explicit":  # the step as it would run if it asked for the attention weights
-                out = model.rec_head(model.encode(inputs, lengths, need_weights=True)[0])
-            else:
-                out = reconstruct(inputs, lengths, True)
-        pretrain.reconstruction_loss(out, x, "ce", masked).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    cuda, times = device.type == "cuda", []
     try:
-        for _ in range(3):  # warm-up (and compilation), not timed
-            step()
-        sync()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        times = []
-        for _ in range(repeats):
+        for i in range(3 + repeats):  # 3 warm-up (and compilation) steps, not timed
             t0 = time.perf_counter()
-            for _ in range(steps):
-                step()
-            sync()
-            times.append((time.perf_counter() - t0) / steps)
-    except Exception as e:  # out of memory, a missing compiler, ...: one line of the table (torch.compile's run long)
-        first = (str(e).strip().splitlines() or [""])[0]
-        queue.put("out of memory" if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {first}")
-        return
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
-        (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024
-    queue.put((sorted(times)[len(times) // 2], peak, B * L, pretrain.flops_per_token(cfg, L) * B * L))
-
-
-def time_in_process(*args):
-    """time_spt_step(*args) in a fresh process: what it put on its queue, or, for a process that ended without a
-    result (killed for memory, crashed), a str naming its exit code."""
-    import multiprocessing
-    import queue as queue_lib
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=time_spt_step, args=args + (queue,))
-    proc.start()
-    proc.join()  # a result is a few numbers: it fits in the pipe, so the process ends before it is read
-    try:
-        return queue.get(timeout=1.0)
-    except queue_lib.Empty:
-        return f"its process ended (exit code {proc.exitcode}) without a result"
+            for _ in range(1 if i < 3 else steps):
+                with pretrain.autocast(device, dtype):
+                    if variant == "explicit":  # the step as it would run if it asked for the attention weights
+                        out = model.rec_head(model.encode(inputs, lengths, need_weights=True)[0])
+                    else:
+                        out = reconstruct(inputs, lengths, True)
+                pretrain.reconstruction_loss(out, x, "ce", masked).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize(device)
+            if cuda and i == 2:
+                torch.cuda.reset_peak_memory_stats(device)
+            if i >= 3:
+                times.append((time.perf_counter() - t0) / steps)
+    except Exception as e:  # one line of the table
+        return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}".replace("|", "/")
+    peak = torch.cuda.max_memory_allocated(device) if cuda else None
+    return statistics.median_high(times), peak, B * L, pretrain.flops_per_token(cfg, L) * B * L
 
 
 def bench(args):
-    """Time each of --variants on the same SPT step, each in its own process (after an untimed one: the first is
-    slower), and the speed ratio fused / reference. Writes out/bench/<name>.{json,md}; returns the dict."""
-    size, variants = BENCH_SIZES.get(args.size) or tuple(int(v) for v in args.size.split(",") if v.strip().isdigit()), \
-        args.variants.split(",")
+    """Time each of --variants on the same SPT step (time_spt_step), and the speed ratio of ours (fused) to
+    torch.nn.TransformerEncoder (reference) measured in this run. Writes out/bench/<name>.{json,md}; returns the
+    record. ValueError for a --size or --variants it cannot take."""
+    size = BENCH_SIZES.get(args.size) or tuple(int(v) for v in args.size.split(",") if v.strip().isdigit())
+    variants = args.variants.split(",")
     if len(size) != 6 or size[1] % size[3]:
         raise ValueError(f"--size {args.size}: expected one of {', '.join(BENCH_SIZES)} or six positive integers "
                          "L,d_model,layers,heads,MLP,batch with d_model divisible by heads")
     if not set(variants) <= set(BENCH_VARIANTS):
-        raise ValueError(f"--variants {args.variants}: expected a comma-separated subset of {', '.join(BENCH_VARIANTS)}")
+        raise ValueError(f"--variants {args.variants}: expected a comma-separated subset of "
+                         f"{', '.join(BENCH_VARIANTS)}")
     device = pretrain.pick_device(args.device)
-    dtype, reason = pretrain.pick_dtype(args.dtype, device)
-    name, threads, peak_fl = pretrain.device_name(device), torch.get_num_threads(), pretrain.peak_flops(device, dtype)
-    print(f"benchmark: L, d_model, layers, heads, MLP, batch = {size} | {device} {name} | {str(dtype)[6:]} "
-          f"({reason}) | torch {torch.__version__} | median of {args.repeats} x {args.steps} steps after 3 warm-up steps")
+    dtype, _ = pretrain.pick_dtype(args.dtype, device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    peak_flops = pretrain.peak_flops(device, dtype)
     out = dict(size=dict(zip(("L", "d_model", "n_layers", "n_heads", "d_mlp", "batch"), size)), device=str(device),
                device_name=name, dtype=str(dtype), torch=torch.__version__, steps=args.steps, repeats=args.repeats,
-               threads=threads, command=analyze.command_line("ablate.py", args.argv), results={})
-    time_in_process(variants[0], size, device, dtype, 1, 1, threads)  # untimed: the first process is slower
+               threads=torch.get_num_threads(), command=analyze.command_line("ablate.py", args.argv), results={})
+    rows = []
     for v in variants:
-        result = time_in_process(v, size, device, dtype, args.steps, args.repeats, threads)
+        result = time_spt_step(v, size, device, dtype, args.steps, args.repeats)
         if isinstance(result, str):
             out["results"][v] = dict(error=result)
-        else:
-            sec, peak, tokens, flops = result
-            out["results"][v] = dict(ms_per_step=1000 * sec, tokens_per_s=tokens / sec, peak_memory_mb=peak / 2 ** 20,
-                                     mfu=None if peak_fl is None else flops / sec / peak_fl)
+            rows.append([BENCH_VARIANTS[v], result, "", "", ""])
+            continue
+        sec, peak, tokens, flops = result
+        r = out["results"][v] = dict(ms_per_step=1000 * sec, tokens_per_s=tokens / sec,
+                                     peak_memory_mb=None if peak is None else peak / 2 ** 20,
+                                     mfu=None if peak_flops is None else flops / sec / peak_flops)
+        rows.append([BENCH_VARIANTS[v], f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:,.0f}",
+                     "-" if peak is None else f"{r['peak_memory_mb']:,.0f} MiB",
+                     "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"])
+    s = out["size"]
+    lines = [f"**L {s['L']}, d_model {s['d_model']}, {s['n_layers']} layers, {s['n_heads']} heads, MLP {s['d_mlp']}, "
+             f"batch {s['batch']}**; {name}, {str(dtype)[6:]}, torch {torch.__version__}, {out['threads']} thread(s); "
+             f"median of {args.repeats} x {args.steps} steps; `{out['command']}`", ""]
+    lines += md_table(["variant", "ms/step", "tokens/s", "peak memory", "MFU"], rows)
     ms = {k: r.get("ms_per_step") for k, r in out["results"].items()}
     if ms.get("fused") and ms.get("reference"):  # the ratio of tokens/s = inverse ratio of step times
         out["speed_ratio_fused_vs_reference"] = ms["reference"] / ms["fused"]
-    save_table(os.path.join(args.out_dir, "bench", args.name or f"{args.size.replace(',', 'x')}_L{size[0]}_"
-                            f"{device.type}"), bench_table(out), out)
+        lines += ["", f"Speed ratio, ours fused / torch.nn.TransformerEncoder, same run: "
+                      f"**{out['speed_ratio_fused_vs_reference']:.2f}**."]
+    stem = args.name or f"{args.size.replace(',', 'x')}_L{size[0]}_{device.type}"
+    save_table(os.path.join(args.out_dir, "bench", stem), "\n".join(lines), out)
     return out
 
-
-def bench_table(out):
-    """The Markdown table of one benchmark run (a region of results/performance.md, via `report`)."""
-    s = out["size"]
-    rows = md_table(["variant", "ms/step", "tokens/s", "peak memory", "MFU"], [
-        [BENCH_VARIANTS[v], r["error"].replace("|", "/"), "", "", ""] if "error" in r else
-        [BENCH_VARIANTS[v], f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:,.0f}", f"{r['peak_memory_mb']:,.0f} MiB",
-         f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"] for v, r in out["results"].items()])
-    rows.insert(0, f"**L {s['L']}, d_model {s['d_model']}, {s['n_layers']} layers, {s['n_heads']} heads, MLP "
-                   f"{s['d_mlp']}, batch {s['batch']}**; {out['device_name'] or out['device']}, {out['dtype'][6:]}, "
-                   f"torch {out['torch']}, {out['threads']} thread(s); median of {out['repeats']} x {out['steps']} "
-                   f"steps; `{out['command']}`\n")
-    if "speed_ratio_fused_vs_reference" in out:
-        rows.append(f"\nSpeed ratio, ours fused / torch.nn.TransformerEncoder, same run: "
-                    f"**{out['speed_ratio_fused_vs_reference']:.2f}**.")
-    return "\n".join(rows)
-
-
-# ---- The GPU path measured: a short real run of every paper preset on one CUDA GPU (results/performance.md) ----
 
 GPU_TASKS = ("listops", "text", "retrieval", "image", "pathfinder", "pathx")
 # Training examples of the real data sets (data.py's table), for the projected wall time of a full preset.
@@ -1076,46 +976,33 @@ def gpu_data(task, folder, n):
     and test."""
     if task == "listops":
         return data.prepare_listops(folder, n_train=n, n_val=n // 8, n_test=n // 8)
-    g, sizes, splits = torch.Generator().manual_seed(0), dict(train=n, val=n // 8, test=n // 8), {}
-    for s, m in sizes.items():
-        if task in ("text", "retrieval"):
-            L = pretrain.PRESETS[task]["paper"]["data"]["max_len"]
+    g, splits = torch.Generator().manual_seed(0), {}
+    tokens = task in ("text", "retrieval")
+    L = pretrain.PRESETS[task]["paper"]["data"]["max_len"] if tokens else 16384 if task == "pathx" else 1024
+    for s, m in dict(train=n, val=n // 8, test=n // 8).items():
+        labels = torch.randint(0, 10 if task == "image" else 2, (m,), generator=g)
+        if tokens:
             shape = (m, 2) if task == "retrieval" else (m,)
             lengths = torch.randint(L // 4, L + 1, shape, generator=g)
-            tokens = torch.randint(2, 258, shape + (L,), generator=g, dtype=torch.int16)
-            tokens[torch.arange(L) >= lengths[..., None]] = data.PAD_ID
-            splits[s] = dict(tokens=tokens, lengths=lengths, labels=torch.randint(0, 2, (m,), generator=g))
+            x = torch.randint(2, 258, shape + (L,), generator=g, dtype=torch.int16)
+            x[torch.arange(L) >= lengths[..., None]] = data.PAD_ID
+            splits[s] = dict(tokens=x, lengths=lengths, labels=labels)
         else:
-            L = 16384 if task == "pathx" else 1024
             splits[s] = dict(pixels=torch.randint(0, 256, (m, L), generator=g, dtype=torch.uint8),
-                             lengths=torch.full((m,), L), labels=torch.randint(0, 10 if task == "image" else 2, (m,),
-                                                                                generator=g))
-    if task in ("text", "retrieval"):
-        meta = dict(data._meta(task, data.BYTE_VOCAB, L, 2, "random bytes (ablate.py gpu)", 0, {}), pair=task == "retrieval")
+                             lengths=torch.full((m,), L), labels=labels)
+    if tokens:
+        meta = dict(data._meta(task, data.BYTE_VOCAB, L, 2, "random bytes (ablate.py gpu)", 0, {}),
+                    pair=task == "retrieval")
     else:
         meta = data._pixel_meta(task, L, 10 if task == "image" else 2, 0.5, 0.25, "random pixels (ablate.py gpu)", 0)
     return data._save_splits(os.path.join(folder, task), splits, meta)
 
 
-def gpu_figures(log):
-    """Medians of ms/step, real tokens/s, MFU and real share of padded tokens, and the peak memory (GiB), over a
-    run's log lines with ms_per_step, less the first (kernel selection, compilation). A figure no line has: None
-    (peak memory: 0). ValueError when no line is left."""
-    lines = [e for e in log if "ms_per_step" in e][1:]
-    if not lines:
-        raise ValueError("no log lines with ms_per_step after the first: run more steps (--steps)")
-
-    def median(key):
-        values = [e[key] for e in lines if e.get(key) is not None]
-        return statistics.median_high(values) if values else None
-    return dict(ms_per_step=median("ms_per_step"), tokens_per_s=median("tokens_per_s"), mfu=median("mfu"),
-                real_fraction=median("real_fraction"),
-                peak_memory_gib=max((e.get("peak_memory_gib") or 0) for e in lines))
-
-
 def gpu_run(task, stage, args):
-    """gpu_figures of a run of `task`'s paper preset (pretrain.py, or finetune.py --init scratch) for args.steps
-    steps on gpu_data in <out_dir>/gpu/<task>/, on the device pick_device chooses (the tests: the CPU)."""
+    """A run of `task`'s paper preset (pretrain.py, or finetune.py --init scratch) for args.steps steps on gpu_data
+    in <out_dir>/gpu/<task>/, on the device pick_device chooses (the tests: the CPU). Returns, over its log lines
+    less the first (kernel selection, compilation), the medians of ms/step, real tokens/s, MFU and real share of
+    padded tokens (None where no line has one) and the peak memory (GiB); ValueError when no line is left."""
     folder = os.path.join(args.out_dir, "gpu", task)
     if not os.path.exists(data.split_path(folder, task)):
         gpu_data(task, folder, args.n_train)
@@ -1131,70 +1018,64 @@ def gpu_run(task, stage, args):
     else:
         finetune.main(flags + ["--init", "scratch"])
     with open(pretrain.run_paths(folder, task, stage, None if stage == "pretrain" else "scratch")["log"]) as f:
-        return gpu_figures([json.loads(line) for line in f])
-
-
-def gpu_projection(task, stage, ms_per_step):
-    """(steps, hours) of the full paper preset of `task`'s `stage` at `ms_per_step`."""
-    run = pretrain.PRESETS[task]["paper"][stage]
-    steps = -(-FULL_TRAIN[task] // run["batch_size"]) * run["epochs"]
-    return steps, steps * ms_per_step / 3.6e6
+        lines = [e for e in map(json.loads, f) if "ms_per_step" in e][1:]
+    if not lines:
+        raise ValueError(f"{f.name}: no log lines with ms_per_step after the first: run more steps (--steps)")
+    figures = {key: [e[key] for e in lines if e.get(key) is not None]
+               for key in ("ms_per_step", "tokens_per_s", "mfu", "real_fraction")}
+    figures = {key: statistics.median_high(v) if v else None for key, v in figures.items()}
+    return dict(figures, peak_memory_gib=max(e.get("peak_memory_gib") or 0 for e in lines))
 
 
 def experiment_gpu(args):
-    """Time each stage of every paper preset of --tasks on one CUDA GPU (gpu_run), with projected hours. Writes
-    out/bench/gpu.{json,md} after every stage, so a run stopped by a time limit keeps the stages it finished. A
-    stage that fails is a row of the table and the others still run; SystemExit at the end if any failed, and at
-    once without CUDA."""
+    """Time each stage of every paper preset of --tasks on one CUDA GPU (gpu_run), with the hours of the full preset
+    (FULL_TRAIN examples) projected. Writes out/bench/gpu.{json,md} after every stage, so a run stopped by a time
+    limit keeps the stages it finished. A stage that fails is a row of the table and the others still run;
+    SystemExit at the end if any failed, and at once without CUDA."""
     if not torch.cuda.is_available():
         raise SystemExit("ablate.py gpu times the paper presets on a CUDA GPU, and torch.cuda.is_available() is False "
                          "here; on a CPU, python ablate.py bench times one SPT step instead")
-    results, failed = [], []
     out = dict(device_name=torch.cuda.get_device_name(), torch=torch.__version__, steps=args.steps,
                compile=args.compile, date=__import__("datetime").date.today().isoformat(),
-               planned=2 * len(args.tasks), results=results, failed=failed)
-    stem = os.path.join(args.out_dir, "bench", "gpu" + ("_compile" if args.compile else ""))
-    for task in args.tasks:
-        for stage in ("pretrain", "finetune"):
-            try:
-                figures = gpu_run(task, stage, args)
-            except (RuntimeError, ValueError) as e:  # out of memory is a RuntimeError; ValueError: no timed lines
-                first = str(e).strip().splitlines()[0][:200]
-                failed.append(dict(task=task, stage=stage, error=f"{type(e).__name__}: {first}"))
-                print(f"ablate.py gpu: {task} {stage} failed; timing the other stages\n{traceback.format_exc()}")
-                torch.cuda.empty_cache()
-            else:
-                steps, hours = gpu_projection(task, stage, figures["ms_per_step"])
-                results.append(dict(task=task, stage=stage, full_steps=steps, projected_hours=hours, **figures))
-            save_table(stem, gpu_table(out), out)  # after every stage: a run stopped midway keeps what it timed
+               planned=2 * len(args.tasks), results=[], failed=[])
+    rows, hours, failed = [], {}, out["failed"]
+    for task, stage in ((task, stage) for task in args.tasks for stage in ("pretrain", "finetune")):
+        try:
+            r = gpu_run(task, stage, args)
+        except (RuntimeError, ValueError) as e:  # out of memory is a RuntimeError; ValueError: no timed lines
+            error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}".replace("|", "/")
+            failed.append(dict(task=task, stage=stage, error=error))
+            rows.append([task, stage, f"failed: {error}"] + [""] * 6)
+            print(f"ablate.py gpu: {task} {stage} failed ({error}); timing the other stages")
+            torch.cuda.empty_cache()
+        else:
+            run = pretrain.PRESETS[task]["paper"][stage]
+            r["full_steps"] = -(-FULL_TRAIN[task] // run["batch_size"]) * run["epochs"]
+            r["projected_hours"] = hours[task, stage] = r["full_steps"] * r["ms_per_step"] / 3.6e6
+            out["results"].append(dict(task=task, stage=stage, **r))
+            rows.append([task, stage, f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:,.0f}",
+                         "-" if r["real_fraction"] is None else f"{100 * r['real_fraction']:.0f}%",
+                         "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%", f"{r['peak_memory_gib']:.1f} GiB",
+                         f"{r['full_steps']:,}", f"{r['projected_hours']:.1f}"])
+        done = len(rows)
+        lines = [f"**Paper presets on one GPU**: {out['device_name']}, torch {out['torch']}, {out['date']}; "
+                 f"{args.steps} steps per stage on stand-in data of each preset's shapes"
+                 + (", torch.compile" if args.compile else "") + "; figures: medians over the log lines after the "
+                 "first" + (f" (**{done} of {out['planned']} stages**: the run stopped before the others)"
+                            if done < out["planned"] else ""), ""]
+        lines += md_table(["task", "stage", "ms/step", "real tokens/s", "real / padded tokens", "MFU", "peak memory",
+                           "steps of the full preset", "projected hours"], rows)
+        lra = [t for t in LRA_TASKS if (t, "pretrain") in hours and (t, "finetune") in hours]
+        if lra:
+            total = sum(hours[t, "pretrain"] + 2 * hours[t, "finetune"] for t in lra)
+            lines += ["", f"Table 2 on this GPU ({', '.join(lra)}: SPT, then finetuning from scratch and from SPT): "
+                          f"**{total:.0f} hours** ({total / 24:.1f} days) projected."]
+        save_table(os.path.join(args.out_dir, "bench", "gpu" + ("_compile" if args.compile else "")),
+                   "\n".join(lines), out)  # after every stage: a run stopped midway keeps what it timed
     if failed:
         raise SystemExit(f"ablate.py gpu: {len(failed)} of {out['planned']} stages failed (in the table): "
                          + "; ".join(f"{f['task']} {f['stage']}: {f['error']}" for f in failed))
     return out
-
-
-def gpu_table(out):
-    """The table of one `ablate.py gpu` run, with Table 2's projected hours (SPT and two finetunings per task)."""
-    done = len(out["results"]) + len(out["failed"])
-    rows = md_table(["task", "stage", "ms/step", "real tokens/s", "real / padded tokens", "MFU", "peak memory",
-                     "steps of the full preset", "projected hours"], [
-        [r["task"], r["stage"], f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:,.0f}",
-         "-" if r["real_fraction"] is None else f"{100 * r['real_fraction']:.0f}%",
-         "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%", f"{r['peak_memory_gib']:.1f} GiB",
-         f"{r['full_steps']:,}", f"{r['projected_hours']:.1f}"] for r in out["results"]]
-        + [[f["task"], f["stage"], f"failed: {f['error'].replace('|', '/')}"] + [""] * 6 for f in out["failed"]])
-    rows.insert(0, f"**Paper presets on one GPU**: {out['device_name']}, torch {out['torch']}, {out['date']}; "
-                   f"{out['steps']} steps per stage on stand-in data of each preset's shapes"
-                   + (", torch.compile" if out["compile"] else "") + "; figures: medians over the log lines after "
-                   "the first" + (f" (**{done} of {out['planned']} stages**: the run stopped before the others)"
-                                  if done < out["planned"] else "") + "\n")
-    hours = {(r["task"], r["stage"]): r["projected_hours"] for r in out["results"]}
-    lra = [t for t in LRA_TASKS if (t, "pretrain") in hours and (t, "finetune") in hours]
-    if lra:
-        total = sum(hours[(t, "pretrain")] + 2 * hours[(t, "finetune")] for t in lra)
-        rows.append(f"\nTable 2 on this GPU ({', '.join(lra)}: SPT, then finetuning from scratch and from SPT): "
-                    f"**{total:.0f} hours** ({total / 24:.1f} days) projected.")
-    return "\n".join(rows)
 
 
 # ---- report: the tables and figures of out/ filed into the pages of results/ ----
@@ -1213,97 +1094,47 @@ TITLES = {"main": "LRA: from scratch versus SPT (Coser et al. Table 2)",
 # A region of a page: `<!-- table from out/ablate/x.md -->` (or `figure from out/analysis/y.png`), the generated
 # text, `<!-- end table -->`. Everything outside the regions is written by hand, and report never changes it.
 REGION = re.compile(r"^<!-- (table|figure) from (out/\S+) -->\n(.*?)\n<!-- end \1 -->$", re.M | re.S)
-MARKER = re.compile(r"^<!-- ((table|figure) from |end (table|figure|summary) -->$|summary -->$)", re.M)
-SUMMARY = re.compile(r"^<!-- summary -->\n(.*?\n)?<!-- end summary -->\n*", re.M | re.S)
-PLACEHOLDER = {"table": "(Not described yet: say here what the table shows.)",
-               "figure": "(Not described yet: say here what to look for.)"}
 
 
-def weaker_table(text, old):
-    """Why a table of out/ablate/ is a quick look that must not replace `old` without --force, or None: capped
-    runs (--max_steps), or fewer seeds than `old`."""
-    if cap := re.search(r"every run capped at \d+ steps", text):
-        return cap.group(0)
-    seeds = [int(m.group(1)) if (m := re.search(r"Seeds: (\d+);", t or "", re.I)) else None for t in (text, old)]
-    return f"{seeds[0]} seed(s), where results/ has {seeds[1]}" if None not in seeds and seeds[0] < seeds[1] else None
-
-
-def summary_row(name, text):
-    """A summary row for the region `name` from its own tables: from scratch's and SPT's test accuracy, SPT's paired
-    gain (mean +- sd, seeds > 0, t); "-" for what it lacks."""
-    found, header = dict(scratch="-", spt="-", paired=["-"] * 3), None
-    for line in text.splitlines():
-        row = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else None
-        if row is None or header is None:
-            header = row  # a table's header, or None between tables
-        elif not re.fullmatch(r"[-:| ]+", line):
-            kind = "scratch" if row[0].startswith("from scratch") else "spt" if row[0].startswith("SPT") else None
-            if kind and "test acc" in header and found[kind] == "-":
-                found[kind] = row[header.index("test acc")]
-            if header[0].startswith("SPT minus from scratch") and found["paired"][0] == "-" and len(row) == 5:
-                found["paired"] = [row[1], row[3], row[4]]
-    return [name, found["scratch"], found["spt"], *found["paired"]]
-
-
-def figure_text(analysis, figure):
-    """A figure's region: the image (in results/figures/, a/b.png as a_b.png) and the command recorded in it
-    (analyze.save_figure). ValueError for a file that is not a readable PNG."""
-    path = os.path.join(analysis, figure)
-    try:
-        command = analyze.figure_command(path)
-    except OSError as e:  # PIL.UnidentifiedImageError too: it would be copied into results/figures/ as it is
-        raise ValueError(f"{path}: not a PNG image that can be read ({e}); draw it again or remove it") from e
-    return (f"![{figure}](figures/{figure.replace('/', '_')})\n\n"
-            + (f"Drawn by `{command}`." if command else "(The PNG holds no record of the command that drew it.)"))
-
-
-def page_order(page):
-    """Sort key of a page in the index: the experiments in the order of TITLES (the paper's story), then the rest."""
-    stem = page[:-3].partition("_")[0]
-    return (list(TITLES).index(stem) if stem in TITLES else len(TITLES), page)
+def quick_look(text, old):
+    """Why the table `text` must not replace the table `old` of results/ without --force, or None: its runs were
+    capped (--max_steps), or it has fewer seeds than `old`."""
+    capped = re.search(r"every run capped at \d+ steps", text)
+    seeds = [re.search(r"Seeds: (\d+);", t or "") for t in (text, old)]
+    if not capped and all(seeds) and int(seeds[0][1]) < int(seeds[1][1]):
+        return f"{seeds[0][1]} seed(s), where results/ has {seeds[1][1]}"
+    return capped and capped[0]
 
 
 def report(args):
-    """File what out/ holds into the pages of results/. Each table of out/ablate/ and out/bench/ and each figure
-    of out/analysis/ is a REGION of one page. report rewrites the regions whose file is under out/ and keeps the
-    others. A new table gets a page, results/<name>.md (bench: performance.md; figures: figures.md). A page with
-    two or more tables of out/ablate/ gets a summary region. results/README.md, the index, is written whole.
-    ValueError, before writing anything, for a quick look (weaker_table; --force takes it), an out/ file holding
-    a region marker, a page whose markers do not pair up, and a region on two pages."""
-    results = args.results_dir
-    new, copies = {}, {}  # source (out/...) -> its region's text; figure path -> its name in results/figures/
+    """File what out/ holds into the pages of results/. Each table of out/ablate/ and out/bench/ and each figure of
+    out/analysis/ (copied to results/figures/, a/b.png as a_b.png, shown with the command it records) is a REGION
+    of one page: report rewrites the regions whose file is under out/ and keeps the rest of every page. A file
+    with no region yet goes at the end of results/<name>.md (a new page titled from TITLES; bench: performance.md;
+    figures: figures.md). results/README.md, the index, is written whole. ValueError, before anything is written,
+    for a table of out/ablate/ that is a quick look (quick_look; --force takes it)."""
+    new, results = {}, args.results_dir  # out/... -> the text of its region
     for sub in ("ablate", "bench"):
         folder = os.path.join(args.out_dir, sub)
         for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
             if name.endswith(".md"):
                 with open(os.path.join(folder, name)) as f:
                     new[f"out/{sub}/{name}"] = f.read().rstrip()
-                if MARKER.search(new[f"out/{sub}/{name}"]):
-                    raise ValueError(f"{os.path.join(folder, name)}: holds a region marker of results/ ('<!-- table "
-                                     f"from', '<!-- end table -->', ...), which would split its page; remove it")
     analysis = os.path.join(args.out_dir, "analysis")
     for d, _, files in sorted(os.walk(analysis)):
         for f in sorted(f for f in files if f.endswith(".png")):
             figure = os.path.relpath(os.path.join(d, f), analysis).replace(os.sep, "/")
-            new[f"out/analysis/{figure}"] = figure_text(analysis, figure)
-            copies[os.path.join(d, f)] = figure.replace("/", "_")
-    pages, where, old = {}, {}, {}  # page -> text; source -> its page; source -> its region's text now
+            command = analyze.figure_command(os.path.join(d, f))
+            new[f"out/analysis/{figure}"] = f"![{figure}](figures/{figure.replace('/', '_')})\n\n" + (
+                f"Drawn by `{command}`." if command else "(The PNG holds no record of the command that drew it.)")
+    pages, where = {}, {}  # page -> its text; out/... -> (its page, the text of its region there)
     for page in sorted(os.listdir(results)) if os.path.isdir(results) else []:
         if page.endswith(".md") and page != "README.md":
             with open(os.path.join(results, page)) as f:
                 pages[page] = f.read()
-            regions, markers = REGION.findall(pages[page]), len(MARKER.findall(pages[page]))
-            if markers != 2 * len(regions) + 2 * len(SUMMARY.findall(pages[page])):
-                raise ValueError(f"{os.path.join(results, page)}: {markers} region markers, {len(regions)} whole "
-                                 f"region(s): a marker lost its pair; mend it by hand")
-            for _, source, text in regions:
-                if source in where:
-                    raise ValueError(f"{os.path.join(results, page)}: the region of {source} is on {where[source]} "
-                                     f"too; remove one")
-                where[source], old[source] = page, text
-    shown = lambda source: os.path.join(args.out_dir, source[len("out/"):])  # noqa: E731 (a region names out/...)
-    weaker = [f"{shown(s)} ({why})" for s, text in new.items() if s.startswith("out/ablate/")
-              and (why := weaker_table(text, old.get(s)))]
+            where.update({source: (page, text) for _, source, text in REGION.findall(pages[page])})
+    weaker = [f"{args.out_dir}/{s[4:]} ({why})" for s, text in new.items() if s.startswith("out/ablate/")
+              and (why := quick_look(text, where.get(s, (None, None))[1]))]
     if weaker and not args.force:
         raise ValueError(f"{'; '.join(weaker)}: a quick look would replace or join the tables of results/; move "
                          f"these files out of {args.out_dir}/, or pass --force to take them")
@@ -1311,42 +1142,35 @@ def report(args):
         kind = "figure" if source.endswith(".png") else "table"
         region = f"<!-- {kind} from {source} -->\n{text}\n<!-- end {kind} -->"
         if source in where:  # a function as replacement: the text is taken as it is, backslashes included
-            pages[where[source]] = REGION.sub(lambda m: region if m.group(2) == source else m.group(0),
-                                              pages[where[source]])
+            page = where[source][0]
+            pages[page] = REGION.sub(lambda m: region if m[2] == source else m[0], pages[page])
             continue
+        name = os.path.basename(source)[:-3]
+        stem, _, variant = name.partition("_")
         if kind == "figure":
             page, title = "figures.md", "Figures"
         elif source.startswith("out/bench/"):
             page, title = "performance.md", "Performance"
-        else:
-            name = os.path.basename(source)[:-3]
-            stem, _, variant = name.partition("_")
-            if stem not in TITLES:
-                print(f"skipped {shown(source)}: no page names it, and ablate.TITLES has no experiment {stem!r}")
-                continue
+        elif stem in TITLES:
             page, title = f"{name}.md", TITLES[stem] + (f": {variant}" if variant else "")
-        pages[page] = pages.get(page, f"# {title}\n").rstrip("\n") + f"\n\n{PLACEHOLDER[kind]}\n\n{region}\n"
-        where[source] = page
-    for page, text in pages.items():  # the summary of a page with two or more experiment tables
-        tables = [(os.path.basename(s)[:-3], t) for _, s, t in REGION.findall(text) if s.startswith("out/ablate/")]
-        if len(tables) >= 2:
-            block = "\n".join(["<!-- summary -->"] + md_table(
-                ["table", "from scratch, test acc", "SPT, test acc", "SPT minus from scratch, paired by seed",
-                 "seeds > 0", "paired t"], [summary_row(name, t) for name, t in tables]) + ["<!-- end summary -->\n\n"])
-            first = REGION.search(text).start()
-            pages[page] = SUMMARY.sub(lambda m: block, text, 1) if SUMMARY.search(text) else \
-                text[:first] + block + text[first:]
+        else:
+            print(f"skipped {args.out_dir}/{source[4:]}: no page names it, and ablate.TITLES has no {stem!r}")
+            continue
+        pages[page] = pages.get(page, f"# {title}\n").rstrip("\n") + f"\n\n(Not described yet.)\n\n{region}\n"
+        where[source] = (page, text)
+    order = list(TITLES)  # the index: the experiments in the paper's story, then the other pages
     index = ["# Results", "", "One page per experiment: what it shows, its verdict, its command and its table.", ""]
-    index += [f"- [{pages[p].partition(chr(10))[0].lstrip('# ')}]({p})" for p in sorted(pages, key=page_order)]
-    for path, name in copies.items():
-        with open(path, "rb") as f:
-            data.save_atomic(f.read(), os.path.join(results, "figures", name))
+    index += [f"- [{pages[p].partition(chr(10))[0].lstrip('# ')}]({p})" for p in sorted(pages, key=lambda p: (
+        order.index(p[:-3].partition("_")[0]) if p[:-3].partition("_")[0] in order else len(order), p))]
+    for source in new:
+        figure = source[len("out/analysis/"):]
+        if source.endswith(".png"):
+            with open(os.path.join(analysis, figure), "rb") as f:
+                data.save_atomic(f.read(), os.path.join(results, "figures", figure.replace("/", "_")))
     for page, text in pages.items():
         data.save_atomic(text, os.path.join(results, page))
     data.save_atomic("\n".join(index) + "\n", os.path.join(results, "README.md"))
-    kept = [s for s in where if s not in new]
-    print(f"report: {len(where) - len(kept)} region(s) from {args.out_dir}/ and {len(kept)} kept (no file under "
-          f"{args.out_dir}/) in {len(pages)} page(s) of {results}/; {len(copies)} figure(s) copied to figures/")
+    print(f"report: {len(new)} region(s) from {args.out_dir}/ in {len(pages)} page(s) of {results}/")
 
 
 # ---- The demo: SPT's effect in one command, on a CPU ----
@@ -1355,21 +1179,13 @@ DEMO = dict(L=300, n_train=2000, epochs=10, seed=0)  # the demo's settings: its 
 
 
 def experiment_demo(args):
-    """python ablate.py demo: what self-pretraining does, in about 40 s on 2 idle CPU cores (38 s measured).
-
-    The minimal model of Sec. 4 learns to classify 2-D trajectories of --length steps: from scratch, and SPT then
-    finetuning, --epochs each. You will see from scratch stay at the majority class, while after SPT finetuning
-    passes 0.9 validation accuracy within a few epochs; and the attention go from near uniform (entropy close to
-    log L) to a band along the diagonal, which the PE-only probe, fed the positions alone, draws too. Prints the
-    verdict; writes <out_dir>/demo/summary.json, attention.png and curves.png (other settings than the defaults:
-    in their runs' folder, <out_dir>/demo/L<L>_n<n>_e<epochs>_seed<seed>/). The stages' own printout goes to
-    demo.log there; the screen gets their evaluations. A second call reads the runs back.
-    """
-    import time
+    """python ablate.py demo: what self-pretraining does, on a CPU. The minimal model of Sec. 4 classifies 2-D
+    trajectories of --length steps, from scratch and SPT then finetuning, --epochs each; prints their accuracy,
+    the attention at init and after SPT, and a verdict. Writes <out_dir>/demo/summary.json, attention.png and
+    curves.png (other settings: in their runs' folder, <out_dir>/demo/L<L>_n<n>_e<epochs>_seed<seed>/, with the
+    stages' own printout in demo.log; the screen gets their evaluations). A second call reads the runs back."""
     start, L, n, epochs = time.time(), args.L, args.n_train, args.epochs
-    data_dir = os.path.join(args.data_dir, f"demo_L{L}" + ("" if n == 2000 else f"_n{n}"))
-    if not os.path.exists(data.split_path(data_dir, "synthetic")):
-        data.prepare_synthetic(data_dir, n_train=n, n_val=500, n_test=500, length=L)
+    data_dir = synthetic_data(os.path.join(args.data_dir, f"demo_L{L}" + ("" if n == 2000 else f"_n{n}")), n, 500, L)
     folder = os.path.join(args.out_dir, "demo", f"L{L}_n{n}_e{epochs}_seed{args.seed}")
     defaults = all(getattr(args, k) == v for k, v in DEMO.items())
     out = os.path.join(args.out_dir, "demo") if defaults else folder  # other settings never overwrite the default's
@@ -1418,7 +1234,8 @@ def experiment_demo(args):
             ("first epoch with validation accuracy >= 0.9", epoch["scratch_exit_epoch"], epoch["spt_exit_epoch"]),
             ("wall time, s (SPT: both its runs)", f"{s['scratch_seconds']:.1f}", f"{s['spt_seconds']:.1f}"),
             ("", "", ""), ("attention (layer 0, 64 validation trajectories)", "at init", "after SPT"),
-            (f"entropy, nats (log L = {s['log_L']:.2f}: uniform)", f"{s['entropy_init']:.2f}", f"{s['entropy_spt']:.2f}"),
+            (f"entropy, nats (log L = {s['log_L']:.2f}: uniform)", f"{s['entropy_init']:.2f}",
+             f"{s['entropy_spt']:.2f}"),
             ("entropy / log L", f"{s['entropy_init'] / s['log_L']:.2f}", f"{s['entropy_spt'] / s['log_L']:.2f}"),
             (f"band mass, |i - j| <= {s['band']}", f"{s['band_mass_init']:.2f}", f"{s['band_mass_spt']:.2f}"),
             ("PE-only probe: correlation with the attention", "", f"{s['pe_probe_corr']:.3f}")]
@@ -1459,7 +1276,7 @@ def build_parser():
         s = sub.add_parser(name, help=help, description=help, formatter_class=fmt)
         s.set_defaults(length=100, download=False, init_scheme="reference", only_seed=None, default_seeds=seeds)
         arg = s.add_argument
-        arg("--out_dir", type=data.folder, default="out", help="where runs, tables and figures go (<out_dir>/ablate/, bench/, ...)")
+        arg("--out_dir", type=data.folder, default="out", help="where runs, tables and figures go")
         if name not in ("gpu", "report"):
             arg("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
         if runs or name == "demo":
@@ -1472,41 +1289,42 @@ def build_parser():
             budget = s.add_mutually_exclusive_group().add_argument  # one budget or the other
             budget("--max_steps", type=data.NON_NEGATIVE, default=0, help="cap every run's steps (a quick look)")
             if name in ("swap", "ucr"):
-                budget("--steps", type=data.NON_NEGATIVE, default=0, help="steps of every stage, runs and a table of "
-                       "their own; 0 = the preset's")
+                budget("--steps", type=data.NON_NEGATIVE, default=0, help="steps of every stage, runs and a table "
+                       "of their own; 0 = the preset's")
         if runs and name != "initscale":
-            arg("--init_scheme", default="reference", choices=INIT_SCHEMES,
-                help="every run's initialization (model.init_weights); reference = Amos et al.'s code")
+            arg("--init_scheme", default="reference", choices=INIT_SCHEMES, help="every run's init (model.py)")
             arg("--download", action="store_true", help="download data not found locally")
         if task:
             arg("--task", default="synthetic", choices=ABLATION_TASKS, help="the task")
         if task or name == "synthetic":
-            arg("--length", type=data.POSITIVE, default=100, help="synthetic task: trajectory length (runs and tables of "
-                "their own, data in <data_dir>/synthetic_L<length>/)")
+            arg("--length", type=data.POSITIVE, default=100, help="synthetic trajectory length (its own runs, tables "
+                "and data, <data_dir>/synthetic_L<length>/)")
         return arg
 
-    add("synthetic", "scratch vs SPT on the minimal model (Sec. 4)")
-    add("init", "hybrid initialization and freezing (Table 3)", task=True)
-    add("posenc", "ALiBi, RoPE, FIRE from scratch vs SPT (Sec. 4)", task=True)
+    for name, help in (("synthetic", "scratch vs SPT on the minimal model (Sec. 4)"),
+                       ("init", "hybrid initialization and freezing (Table 3)"),
+                       ("posenc", "ALiBi, RoPE, FIRE from scratch vs SPT (Sec. 4)")):
+        add(name, help, task=name != "synthetic")
     add("pooling", "mean, max and [CLS] pooling: from scratch vs SPT at the demo's length (beyond the paper)")(
         "--n_layers", type=data.POSITIVE, default=1, help="layers of the minimal model (no MLP, no LayerNorm)")
     add("duration", "SPT epochs before finetuning (Sec. 3)", task=True)(
-        "--durations", type=data.POSITIVE, nargs="+", default=None, help="SPT epochs (default: 1 3 10 on cpu, 1 10 100 200)")
+        "--durations", type=data.POSITIVE, nargs="+", help="SPT epochs (default: 1 3 10 on cpu, 1 10 100 200)")
     arg = add("swap", "dataset swap PathFinder <-> Image (Sec. 3)")
     arg("--difficulty", default="hard", choices=tuple(data.PATHFINDER_DIFFICULTY), help="PathFinder side")
-    arg("--n_images", type=data.POSITIVE, default=None, help="PathFinder images generated (default: the preset's data)")
+    arg("--n_images", type=data.POSITIVE, help="PathFinder images generated (default: the preset's data)")
     add("main", "the LRA table (Table 2)")(
         "--tasks", nargs="+", default=LRA_TASKS, choices=LRA_TASKS + ("pathx",), help="LRA tasks")
     add("frozen", "the deep model from scratch with its attention frozen at init (Sec. 3)")(
-        "--tasks", nargs="+", default=None, choices=LRA_TASKS + ("fashion_mnist",),
+        "--tasks", nargs="+", choices=LRA_TASKS + ("fashion_mnist",),
         help="default: fashion_mnist (at its CPU budget) on the cpu preset, the LRA tasks on paper")
-    arg = add("ucr", "UCR time series (Sec. 5)")
-    arg("--datasets", nargs="+", default=UCR_DATASETS + UCR_OFFLINE, help="the UCR data sets to run")
+    add("ucr", "UCR time series (Sec. 5)")("--datasets", nargs="+", default=UCR_DATASETS + UCR_OFFLINE,
+                                          help="the UCR data sets to run")
     arg = add("initscale", "from scratch and SPT over init scale x length x tied/independent (beyond the paper)",
               seeds=2)
     arg("--kinds", nargs="+", default=["reference", "torch"], choices=("reference", "torch"),
         help="tied (reference) or independent (torch) projections at init")
-    arg("--scales", type=data.POSITIVE_FLOAT, nargs="+", default=[0.125, 0.25, 0.5, 1.0, 2.0], help="multiples of PyTorch's init")
+    arg("--scales", type=data.POSITIVE_FLOAT, nargs="+", default=[0.125, 0.25, 0.5, 1.0, 2.0],
+        help="multiples of PyTorch's init")
     arg("--lengths", type=data.POSITIVE, nargs="+", default=[100, 200, 400], help="trajectory lengths L")
     arg("--n_train", type=data.POSITIVE, default=2000, help="training trajectories per length")
     arg("--n_val", type=data.POSITIVE, default=500, help="validation (and test) trajectories per length")
@@ -1518,17 +1336,15 @@ def build_parser():
     arg("--steps", type=data.POSITIVE, default=5, help="timed steps per repeat")
     arg("--repeats", type=data.POSITIVE, default=5, help="the median over repeats is reported")
     arg("--variants", default="fused,explicit,reference", help=f"any of {', '.join(BENCH_VARIANTS)}")
-    arg("--name", default=None, help="file name of the result (default: size, L and device type)")
+    arg("--name", help="file name of the result (default: size, L and device type)")
     arg = add("gpu", "time every paper preset on one CUDA GPU: ms/step, tokens/s, MFU, memory, hours", runs=False)
     arg("--tasks", nargs="+", default=list(GPU_TASKS), choices=GPU_TASKS, help="the presets to time")
     arg("--steps", type=data.POSITIVE, default=300, help="steps per stage and task (the first log line is left out)")
     arg("--log_every", type=data.POSITIVE, default=50, help="steps per log line (one figure each)")
     arg("--n_train", type=data.POSITIVE, default=2000, help="training examples of the stand-in data")
     arg("--compile", action="store_true", help="torch.compile the model (pretrain.py --compile)")
-    arg = add("demo", "SPT's effect in one command on a CPU (~40 s): from scratch vs SPT, attention, verdict",
-              runs=False)
-    arg("--length", type=data.POSITIVE, default=DEMO["L"], dest="L", help="trajectory length L (from scratch stays on "
-        "its plateau)")
+    arg = add("demo", "SPT's effect in one command on a CPU: from scratch vs SPT, attention, verdict", runs=False)
+    arg("--length", type=data.POSITIVE, default=DEMO["L"], dest="L", help="trajectory length L")
     arg("--seed", type=data.SEED, default=DEMO["seed"], help="seed of the three runs (data: seed 0)")
     arg("--epochs", type=data.POSITIVE, default=DEMO["epochs"], help="epochs of each stage")
     arg("--n_train", type=data.POSITIVE, default=DEMO["n_train"], help="training trajectories")
@@ -1542,11 +1358,12 @@ def build_parser():
 EXPERIMENTS = {"synthetic": experiment_synthetic, "init": experiment_init, "posenc": experiment_posenc,
                "duration": experiment_duration, "swap": experiment_swap, "main": experiment_main,
                "frozen": experiment_frozen, "ucr": experiment_ucr, "initscale": experiment_initscale,
-               "pooling": experiment_pooling, "bench": bench,
-               "gpu": experiment_gpu, "demo": experiment_demo, "report": report}
+               "pooling": experiment_pooling, "bench": bench, "gpu": experiment_gpu, "demo": experiment_demo,
+               "report": report}
 
 
 def main(argv=None):
+    """python ablate.py <subcommand> [flags]: parse, make the data of a --length variant, run the experiment."""
     argv = sys.argv[1:] if argv is None else list(argv)
     p = build_parser()
     args = p.parse_args(argv)
@@ -1556,7 +1373,8 @@ def main(argv=None):
             p.error("--length applies to the synthetic task (experiments synthetic, init, posenc, duration)")
         args.data_dir = os.path.join(args.data_dir, f"synthetic_L{args.length}")
         if not os.path.exists(data.split_path(args.data_dir, "synthetic")):
-            data.prepare_synthetic(args.data_dir, length=args.length, **pretrain.PRESETS["synthetic"][args.preset]["data"])
+            data.prepare_synthetic(args.data_dir, length=args.length,
+                                   **pretrain.PRESETS["synthetic"][args.preset]["data"])
     EXPERIMENTS[args.experiment](args)
 
 

