@@ -739,7 +739,7 @@ def own_run(paths, args):
 def run_record(args, **fields):
     """The plain-type record every checkpoint of a run stores: `fields` (the stage's: task, data, what a --resume
     must share), the run's flags, and what produced it: the git commit (with the tracked files that differ from it,
-    or None outside a git checkout), torch, and the CPU threads, on which float sums depend."""
+    or None outside a git checkout), torch, the device and the CPU threads, on which float sums depend."""
     def git(*cmd):
         try:
             return subprocess.run(["git", *cmd], capture_output=True, text=True, timeout=5,
@@ -749,8 +749,10 @@ def run_record(args, **fields):
     commit = git("rev-parse", "HEAD").strip() or None
     modified = sorted(line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines())
     config = {k: str(v) if isinstance(v, (torch.device, torch.dtype)) else v for k, v in vars(args).items()}
+    device = getattr(args, "device", torch.device("cpu"))
     return dict(fields, config=config, git_commit=commit, git_modified=modified if commit else None,
-                torch_version=str(torch.__version__), threads=torch.get_num_threads())
+                torch_version=str(torch.__version__), threads=torch.get_num_threads(),
+                device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine())
 
 
 # ---- The command line every stage shares ----

@@ -1521,7 +1521,7 @@ def test_ablate_demo_summary_holds_its_runs_numbers_and_its_verdict_follows_plat
         data.save_atomic(dict(result, best_val_acc=max(accs)), str(run / f"finetune_{name}.json"))
     ablate.main(argv)
     s, printed = check()
-    assert printed.count("read back") == 2 and printed.count("had already finished") == 1  # nothing trained again
+    assert printed.count("read back") == 2  # the finetunings read back; SPT, at its last step, trains nothing
     assert s["verdict"] == ("from scratch stayed on its plateau (at the majority class) for all 2 epochs; after "
                             "SPT, finetuning reached 0.9 at epoch 1.")
 
@@ -2396,7 +2396,7 @@ def test_ablate_ucr_runs_what_it_finds_skips_the_rest_and_steps_gives_runs_and_a
     table = open(tmp_path / "out" / "ablate" / "ucr_GunPoint_steps3.md").read()
     assert "Every stage 3 steps (the preset's: 500 SPT, 500 finetuning)" in table
     assert "command: python ablate.py ucr --datasets GunPoint --steps 3 --seeds 1;" in table
-    commit, _ = pretrain.git_state()
+    commit = pretrain.run_record(argparse.Namespace())["git_commit"]
     if commit:  # the commit and machine the runs were made on end the footer
         assert re.search(rf"; runs made at commit {commit[:7]}.* thread\(s\)$", table.rstrip())
     with pytest.raises(SystemExit):  # one budget or the other
