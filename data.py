@@ -899,10 +899,11 @@ def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, down
         ours = sorted(f for f in (os.listdir(folder) if os.path.isdir(folder) else [])
                       if f.lower().startswith(f"{name}_".lower()))
         if ours or not download:  # with some of its files there, the archive's would replace the user's
-            raise FileNotFoundError(f"UCR data set {name!r}: no pair {name}_TRAIN, {name}_TEST of one format (.tsv, "
-                                    f".txt, .ts or none; names are case-sensitive) in {folder}/ (it holds {ours}) "
-                                    f"or in the packages {', '.join(p for p, _, _ in UCR_PACKAGES)}. " +
-                                    (f"{DOWNLOAD_HINT}, or get it from {UCR_URL}/{name}.zip" if not ours else ""))
+            where = f"{folder}/ (it holds {', '.join(ours)}; names are case-sensitive)" if ours else f"{folder}/"
+            fetch = "nothing was downloaded" if ours else f"{DOWNLOAD_HINT}, or get {UCR_URL}/{name}.zip"
+            raise FileNotFoundError(f"UCR data set {name!r} not found: no pair {name}_TRAIN, {name}_TEST of one "
+                                    f"format (.tsv, .txt, .ts or none) in {where} or in the packages "
+                                    f"{', '.join(p for p, _, _ in UCR_PACKAGES)}; {fetch}")
         downloaded = download_ucr(name, folder, base_url, sha256)
         found = find_ucr(name, data_dir)
     print(f"UCR {name}: reading {found['train']} and {found['test']} (found in {found['found_in']})")
