@@ -3027,8 +3027,7 @@ def test_text_reads_aclimdb_as_bytes_and_counts_truncations(tmp_path, capsys):
     assert train["labels"].tolist() == [0] * 6 + [1] * 6 and train["meta"]["vocab_size"] == 258
     val, test = (data.load_split(root, "text", s) for s in ("val", "test"))
     assert torch.equal(val["tokens"], test["tokens"]) and val["meta"]["val_is_test"]
-    with pytest.raises(FileNotFoundError, match=re.escape(os.path.join(str(tmp_path), "none", "text", "aclImdb", "train"))
-                       + r".* fetch it with --download \(data.py unless --no_download\); or: Download https://"):
+    with pytest.raises(FileNotFoundError, match=re.escape(os.path.join(str(tmp_path), "none", "text", "aclImdb"))):
         data.prepare_text(str(tmp_path / "none"), download=False)
 
 
@@ -3042,20 +3041,6 @@ def write_aan(folder, rows_per_split=8):
                 a = "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(5, 60)))
                 b = "".join(rng.choice("xyz\u00fc ") for _ in range(rng.randint(5, 60)))
                 f.write(f"{label}\tdoc{i}a\tdoc{i}b\t{a}\t{b}\n")
-
-
-def test_an_empty_review_or_aan_text_is_named_by_file_and_line(tmp_path):
-    write_aclimdb(str(tmp_path))
-    open(tmp_path / "aclImdb" / "train" / "pos" / "3_8.txt", "w").close()
-    with pytest.raises(ValueError, match=r"aclImdb/train/pos/3_8.txt: the review is empty \(zero bytes\)"):
-        data.read_imdb(str(tmp_path / "aclImdb"), "train")
-    path = tmp_path / "new_aan_pairs.train.tsv"
-    path.write_bytes(b"1\ta\tb\tsome text\tother text\n0\ta\tc\tsome text\t\n")
-    with pytest.raises(ValueError, match=r"new_aan_pairs.train.tsv, line 2: field 5 \(text2\) is empty"):
-        data.read_aan_tsv(str(path))
-    path.write_bytes(b"1\ta\tb\t\tother text\n")
-    with pytest.raises(ValueError, match=r"new_aan_pairs.train.tsv, line 1: field 4 \(text1\) is empty"):
-        data.read_aan_tsv(str(path))
 
 
 def test_retrieval_reads_aan_pairs_and_encodes_each_document_on_its_own(tmp_path):
@@ -3085,15 +3070,20 @@ def test_aan_reader_keeps_a_bare_carriage_return_inside_a_text_and_its_bytes_as_
     assert docs1 == [b"line one\rstill one", b"x"] and docs2 == [b"caf\xc3\xa9 \xff", b"y"] and labels == [1, 0]
 
 
-@pytest.mark.parametrize("line, message", [
-    ("1\ta\tb\tonly four fields", "line 2: 4 tab-separated fields, expected 5"),
-    ("2.0\ta\tb\tx\ty", "line 2: label '2.0', expected 0 or 1"),
-    ("yes\ta\tb\tx\ty", "line 2: label 'yes', expected 0 or 1")])
-def test_aan_reader_errors_name_file_and_line(tmp_path, line, message):
+@pytest.mark.parametrize("line", ["1\ta\tb\tonly four fields", "2.0\ta\tb\tx\ty", "yes\ta\tb\tx\ty",
+                                  "1\ta\tb\tx\t", "1\ta\tb\t\ty"])
+def test_aan_reader_errors_name_file_and_line(tmp_path, line):
     path = tmp_path / "new_aan_pairs.train.tsv"
     path.write_text("1\ta\tb\tx\ty\n" + line + "\n")
-    with pytest.raises(ValueError, match=f"{path}, {message}"):
+    with pytest.raises(ValueError, match="^" + re.escape(f"{path}, line 2: ")):
         data.read_aan_tsv(str(path))
+
+
+def test_an_empty_review_is_named(tmp_path):
+    write_aclimdb(str(tmp_path))
+    open(tmp_path / "aclImdb" / "train" / "pos" / "3_8.txt", "w").close()
+    with pytest.raises(ValueError, match="^" + re.escape(str(tmp_path / "aclImdb" / "train" / "pos" / "3_8.txt"))):
+        data.read_imdb(str(tmp_path / "aclImdb"), "train")
 
 
 def write_cifar(folder, n_per_batch=20, seed=0):
@@ -3172,11 +3162,11 @@ def test_fashion_mnist_idx_padded_to_1024_pixels(tmp_path, monkeypatch):
     assert torch.equal(square[:, 2:30, 2:30], torch.from_numpy(images[:7]).to(torch.uint8))
     assert square[:, :2].sum() == 0 and square[:, :, 30:].sum() == 0 and test["labels"].tolist() == list(range(7))
     write_idx(os.path.join(folder, "t10k-labels-idx1-ubyte"), np.arange(6))
-    with pytest.raises(ValueError, match="t10k images .* and labels"):
+    with pytest.raises(ValueError, match="t10k-images-idx3-ubyte: "):
         data.prepare_fashion_mnist(root, n_val=5)
     with open(os.path.join(folder, "bad"), "wb") as f:
         f.write(bytes([0, 0, 8, 1, 0, 0, 0, 9, 1, 2]))
-    with pytest.raises(ValueError, match="2 data bytes, the header announces"):
+    with pytest.raises(ValueError, match="bad: not an IDX file"):
         data.read_idx(os.path.join(folder, "bad"))
     monkeypatch.setattr(data, "FASHION_DIRS", ())   # this machine may have the Debian package installed
     with pytest.raises(FileNotFoundError, match="dataset-fashion-mnist"):
@@ -3194,7 +3184,6 @@ def test_fashion_mnist_at_16x16_is_the_mean_of_2x2_blocks_and_keeps_a_counted_tr
     write_idx(os.path.join(folder, "t10k-images-idx3-ubyte"), images[:4])
     write_idx(os.path.join(folder, "t10k-labels-idx1-ubyte"), np.arange(4))
     assert data.prepare_fashion_mnist(root, n_val=5, resolution=16, n_train=12) == {"train": 12, "val": 5, "test": 4}
-    assert "a training subset of 12 images (13 of the split left out)" in capsys.readouterr().out
     test = data.load_split(root, "fashion_mnist", "test")
     assert test["meta"]["max_len"] == 256 and test["meta"]["resolution"] == 16 and test["meta"]["train_subset"]
     padded = np.pad(images[:4], ((0, 0), (2, 2), (2, 2))).astype(float)
@@ -3252,7 +3241,6 @@ def test_fashion_mnist_downloads_from_a_local_server_and_checks_the_published_md
     meta = data.load_split(root, "fashion_mnist", "test")["meta"]
     assert meta["sha256"] == {n: hashlib.sha256((www / "fm" / n).read_bytes()).hexdigest() for n in arrays}
     assert not any(name.endswith(".part") for name in os.listdir(os.path.join(root, "fashion_mnist")))
-    assert "MD5 as published" in capsys.readouterr().out
     with pytest.raises(ConnectionError, match="apt install dataset-fashion-mnist"):
         data.download_fashion_mnist(str(tmp_path / "other"), base + "/missing")
     plain = os.path.join(root, "fashion_mnist", "train-labels-idx1-ubyte")  # preferred to its .gz when both are there
