@@ -3491,9 +3491,9 @@ def test_lra_and_imdb_archives_download_from_a_local_server(http_root, tmp_path,
     assert sizes == {"train": 12, "val": 12, "test": 12} and "downloaded" in capsys.readouterr().out
     # A file that is not a tar archive is refused by name.
     (www / "junk.gz").write_bytes(b"<html>not an archive</html>")
-    with pytest.raises(ValueError, match="not a readable, complete tar archive"):
+    with pytest.raises(ValueError, match="cifar-10-python.tar.gz: not a complete tar archive"):
         data.prepare_image(str(tmp_path / "d2"), url=base_url.replace("/aeon-toolkit", "/junk.gz"))
-    assert os.listdir(tmp_path / "d2" / "image") == []   # the junk download is not kept for the next run
+    assert not os.path.exists(tmp_path / "d2" / "image" / "cifar-10-python.tar.gz")  # not kept for the next run
 
 
 @pytest.mark.parametrize("flag, value, expected", [
@@ -3528,8 +3528,9 @@ def test_a_usage_error_is_short_and_an_unknown_task_says_how_ucr_sets_are_named(
     assert "invalid choice" in (err := capsys.readouterr().err) and "a UCR data set is" not in err
 
 
-def test_extract_tar_refuses_a_member_outside_its_folder_and_skips_links(tmp_path):
-    """data.extract_tar: "../" and a symlink already in the folder cannot write outside it; links are skipped."""
+def test_extraction_writes_only_inside_its_folder(tmp_path):
+    """extract_tar refuses a member that would leave its folder ("../", a link already there) and skips links;
+    a preparation extracts into a fresh folder, so a link planted where a staging folder was is never followed."""
     def make_tar(path, names, link=None):
         with tarfile.open(path, "w") as tar:
             for name in names:
@@ -3538,27 +3539,27 @@ def test_extract_tar_refuses_a_member_outside_its_folder_and_skips_links(tmp_pat
                 tar.addfile(info, io.BytesIO(b"ok"))
             if link:
                 info = tarfile.TarInfo(link)
-                info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
+                info.type, info.linkname = tarfile.SYMTYPE, str(outside)
                 tar.addfile(info)
-    into = tmp_path / "into"
-    into.mkdir()
-    good = str(tmp_path / "good.tar")
-    make_tar(good, ["pre/a.txt", "pre/sub/b.txt", "other/c.txt"], link="pre/link")
-    assert data.extract_tar(good, str(into), "pre/") == 2
-    assert (into / "a.txt").read_bytes() == b"ok" and (into / "sub" / "b.txt").exists()
-    assert not (into / "link").exists()
-    dotdot = str(tmp_path / "dotdot.tar")
-    make_tar(dotdot, ["pre/../../evil.txt"])
-    with pytest.raises(ValueError, match=r"dotdot.tar: member 'pre/../../evil.txt' would be written outside"):
-        data.extract_tar(dotdot, str(into), "pre/")
-    outside = tmp_path / "outside"
+    outside, into = tmp_path / "outside", tmp_path / "into"
     outside.mkdir()
-    os.symlink(outside, into / "escape")          # a symlink left in the folder by something else
-    through = str(tmp_path / "through.tar")
-    make_tar(through, ["pre/escape/evil.txt"])
-    with pytest.raises(ValueError, match="would be written outside"):
-        data.extract_tar(through, str(into), "pre/")
-    assert not (tmp_path / "evil.txt").exists() and os.listdir(outside) == []
+    into.mkdir()
+    make_tar(tmp_path / "good.tar", ["pre/a.txt", "pre/sub/b.txt", "other/c.txt"], link="pre/link")
+    assert data.extract_tar(str(tmp_path / "good.tar"), str(into), "pre/") == 2
+    assert (into / "a.txt").read_bytes() == b"ok" and (into / "sub" / "b.txt").exists()
+    assert not os.path.lexists(into / "link")
+    os.symlink(outside, into / "escape")
+    for name in ("pre/../../evil.txt", "pre/escape/evil.txt"):
+        make_tar(tmp_path / "bad.tar", [name])
+        with pytest.raises(ValueError, match="^" + re.escape(f"{tmp_path / 'bad.tar'}: ")):
+            data.extract_tar(str(tmp_path / "bad.tar"), str(into), "pre/")
+    task_dir = tmp_path / "data" / "text"
+    (task_dir / "aclImdb").mkdir(parents=True)
+    os.symlink(outside, task_dir / "aclImdb" / ".partial")  # planted where a staging folder went
+    make_tar(task_dir / "aclImdb_v1.tar.gz", [f"aclImdb/{s}/{c}/0_1.txt" for s in ("train", "test")
+                                              for c in ("neg", "pos")], link="aclImdb/train/pos/1_9.txt")
+    assert data.prepare_text(str(tmp_path / "data"), max_len=8) == {"train": 2, "val": 2, "test": 2}
+    assert os.listdir(outside) == [] and not (tmp_path / "evil.txt").exists()
 
 
 # ----------------------------------------------------------------------------------------------------------
