@@ -4519,22 +4519,14 @@ def test_pathfinder_pixel_statistics_are_at_chance(pathfinder32):
     assert abs(acc - 0.5) <= 0.05, f"mean/variance/ink predict the label with accuracy {acc:.3f}"
 
 
-def test_pathfinder_classes_balanced(pathfinder32):
-    _, labels, _ = pathfinder32
-    assert labels.dtype == np.int64 and set(np.unique(labels)) == {0, 1}
-    assert 0.45 <= labels.mean() <= 0.55
-
-
-def test_pathfinder_deterministic_for_a_seed():
+def test_pathfinder_classes_balanced_and_deterministic_for_a_seed(pathfinder32):
+    labels = pathfinder32[1]
+    assert labels.dtype == np.int64 and set(np.unique(labels)) == {0, 1} and 0.45 <= labels.mean() <= 0.55
     a_img, a_lab = data.generate_pathfinder(20, seed=7)
     b_img, b_lab = data.generate_pathfinder(20, seed=7)
-    c_img, c_lab = data.generate_pathfinder(20, seed=8)
     assert np.array_equal(a_img, b_img) and np.array_equal(a_lab, b_lab)
-    assert not np.array_equal(a_img, c_img)
-
-
-def test_pathfinder_unknown_resolution_raises():
-    with pytest.raises(ValueError, match=r"resolution 48 has no settings; choose one of \["):
+    assert not np.array_equal(a_img, data.generate_pathfinder(20, seed=8)[0])
+    with pytest.raises(ValueError, match="resolution 48"):
         data.generate_pathfinder(1, seed=0, resolution=48)
 
 
@@ -4547,135 +4539,17 @@ def pathfinder_release(tmp_path, pathfinder32):
     return root, images, labels
 
 
-def test_pathfinder_write_read_round_trip(pathfinder_release):
+def test_pathfinder_write_read_round_trip_in_the_release_layout(pathfinder_release):
+    """Plain-text metadata/<k>.npy (read in the order of k), 8-bit PNGs; files not named <k>.npy are not read,
+    and an empty or missing PNG is skipped and named."""
     root, images, labels = pathfinder_release
     got_images, got_labels, skipped = data.read_pathfinder_release(root)
-    assert skipped == []
-    assert got_images.dtype == np.uint8 and got_labels.dtype == np.int64
+    assert skipped == [] and got_images.dtype == np.uint8 and got_labels.dtype == np.int64
     assert np.array_equal(got_images, images) and np.array_equal(got_labels, labels)
-    assert not any(name.endswith(".tmp") for _, _, names in os.walk(root) for name in names)
-
-
-def test_pathfinder_reader_skips_other_files_and_refuses_what_it_would_clip(pathfinder_release):
-    """Files in metadata/ not named <k>.npy are not read; an image named on two lines is read twice, where it
-    stands; a 16-bit PNG is an error (convert("L") would clip it), and so are bytes that are not UTF-8."""
-    import shutil
-    root, images, labels = pathfinder_release
-    meta = os.path.join(root, "metadata")
-    shutil.copy(os.path.join(meta, "1.npy"), os.path.join(meta, "1.npy.bak"))
-    with open(os.path.join(meta, "0.npy")) as f:
-        first = f.readline()
-    with open(os.path.join(meta, "0.npy"), "a") as f:
-        f.write(first)
-    got, got_labels, _ = data.read_pathfinder_release(root)
-    assert len(got) == len(images) + 1 and np.array_equal(got[7], images[0])  # the repeat, read where it stands
-    folder, name = first.split()[:2]
-    Image.fromarray(images[0].astype(np.uint16) * 257).save(os.path.join(root, folder, name))  # mode I;16
-    with pytest.raises(ValueError, match=rf"{name}: image mode 'I;16', expected 8-bit grey scale"):
-        data.read_pathfinder_release(root)
-    with open(os.path.join(meta, "0.npy"), "ab") as f:
-        f.write(b"imgs/0 \xff.png 0 1\n")
-    with pytest.raises(ValueError, match=r"0.npy, line 9: bytes that are not UTF-8"):
-        data.read_pathfinder_release(root)
-
-
-def test_text_readers_name_the_file_and_line_of_bytes_that_are_not_utf8(tmp_path):
-    tsv = tmp_path / "basic_train.tsv"
-    tsv.write_bytes(b"Source\tTarget\n[MAX 2 3 ]\t3\n[MIN 2 \xff ]\t2\n")
-    with pytest.raises(ValueError, match=r"basic_train.tsv, line 3: bytes that are not UTF-8 \(invalid start byte"):
-        data.read_listops_tsv(str(tsv))
-    ucr = tmp_path / "X_TRAIN.tsv"
-    ucr.write_bytes(b"1\t0.5\t1.5\n2\t0.5\t1.5\n\xfe\t0.1\t0.2\n")
-    with pytest.raises(ValueError, match=r"X_TRAIN.tsv, line 3: bytes that are not UTF-8"):
-        data.read_ucr_tsv(str(ucr))
-    ts = tmp_path / "X_TRAIN.ts"
-    ts.write_bytes(b"@problemName X\n@classLabel true 1 2\n@data\n0.1,0.2:1\n0.1,\xff:2\n")
-    with pytest.raises(ValueError, match=r"X_TRAIN.ts, line 5: bytes that are not UTF-8"):
-        data.read_ucr_ts(str(ts))
-
-
-def test_broken_gzip_and_tar_files_are_named(tmp_path):
-    import gzip
-    good = tmp_path / "labels-idx1-ubyte.gz"
-    write_idx(str(good), np.arange(200) % 10)
-    cut = tmp_path / "cut-idx1-ubyte.gz"
-    cut.write_bytes(good.read_bytes()[:30])
-    plain = tmp_path / "plain-idx1-ubyte.gz"
-    plain.write_bytes(gzip.decompress(good.read_bytes()))  # a .gz name, but not gzip
-    for path in (cut, plain):
-        with pytest.raises(ValueError, match=rf"{path.name}: not a complete gzip file"):
-            data.read_idx(str(path))
-    archive = tmp_path / "a.tar.gz"
-    with tarfile.open(archive, "w:gz") as tar:
-        member = tmp_path / "x.txt"
-        member.write_bytes(os.urandom(50_000))
-        tar.add(member, arcname="p/x.txt")
-    archive.write_bytes(archive.read_bytes()[:20_000])
-    with pytest.raises(ValueError, match=r"a.tar.gz: not a readable, complete tar archive"):
-        data.extract_tar(str(archive), str(tmp_path / "out"), "p/")
-
-
-def test_a_header_only_split_is_refused_before_anything_is_written(tmp_path):
-    folder = tmp_path / "listops"
-    folder.mkdir()
-    rows = data.generate_listops(6, 1, min_length=5, max_length=30)
-    for split, part in zip(data.SPLITS, (rows[:4], [], rows[4:])):
-        data.write_listops_tsv(str(folder / f"basic_{split}.tsv"), part)
-    with pytest.raises(ValueError, match=r"listops val: the split is empty \(0 examples\)"):
-        data.prepare_listops(str(tmp_path), max_len=32)
-    assert not any(name.endswith(".pt") for name in os.listdir(folder))
-
-
-def test_pathfinder_metadata_is_plain_text(pathfinder_release):
-    root, _, labels = pathfinder_release
-    path = os.path.join(root, "metadata", "1.npy")
-    with pytest.raises((ValueError, OSError, pickle.UnpicklingError)):
-        np.load(path)
-    with open(path) as f:
-        lines = f.read().splitlines()
-    assert len(lines) == 7
-    fields = lines[2].split()
-    assert fields[:4] == ["imgs/1", "sample_2.png", "2", str(labels[9])]
-    assert len(fields) == 11 and all(float(x) >= 0 for x in fields[4:])
-    with Image.open(os.path.join(root, "imgs", "1", "sample_2.png")) as im:
-        assert im.mode == "L"
-
-
-def _edit_line(path, line_no, text):
-    with open(path) as f:
-        lines = f.read().splitlines()
-    lines[line_no - 1] = text
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-
-
-def test_pathfinder_short_line_raises(pathfinder_release):
-    root = pathfinder_release[0]
-    meta = os.path.join(root, "metadata", "3.npy")
-    _edit_line(meta, 2, "imgs/3 sample_1.png 1")
-    with pytest.raises(ValueError, match=r"3\.npy, line 2: expected at least 4"):
-        data.read_pathfinder_release(root)
-
-
-def test_pathfinder_bad_label_raises(pathfinder_release):
-    root = pathfinder_release[0]
-    meta = os.path.join(root, "metadata", "0.npy")
-    _edit_line(meta, 1, "imgs/0 sample_0.png 0 2 1.0 14 4 2 0.5 1 1")
-    with pytest.raises(ValueError, match=r"0\.npy, line 1: label '2'"):
-        data.read_pathfinder_release(root)
-
-
-def test_pathfinder_missing_folders_raise(tmp_path, pathfinder_release):
-    missing = str(tmp_path / "no_such_dir")
-    with pytest.raises(FileNotFoundError, match=r"no_such_dir: no such folder \(expected a PathFinder difficulty"):
-        data.read_pathfinder_release(missing)
-    os.makedirs(tmp_path / "empty_root")
-    with pytest.raises(FileNotFoundError, match=re.escape(os.path.join("empty_root", "metadata")) + ": no such folder"):
-        data.read_pathfinder_release(str(tmp_path / "empty_root"))
-
-
-def test_pathfinder_empty_and_missing_png_are_skipped(pathfinder_release):
-    root, images, labels = pathfinder_release
+    with open(os.path.join(root, "metadata", "1.npy")) as f:
+        fields = f.read().splitlines()[2].split()
+    assert fields[:4] == ["imgs/1", "sample_2.png", "2", str(labels[9])] and len(fields) == 11
+    shutil.copy(os.path.join(root, "metadata", "1.npy"), os.path.join(root, "metadata", "1.npy.bak"))
     empty = os.path.join(root, "imgs", "0", "sample_3.png")      # image 3
     missing = os.path.join(root, "imgs", "2", "sample_5.png")    # image 2 * 7 + 5 = 19
     open(empty, "w").close()
@@ -4686,11 +4560,23 @@ def test_pathfinder_empty_and_missing_png_are_skipped(pathfinder_release):
     assert np.array_equal(got_images, images[keep]) and np.array_equal(got_labels, labels[keep])
 
 
-def test_pathfinder_wrong_image_size_raises(pathfinder_release):
-    root = pathfinder_release[0]
-    odd = os.path.join(root, "imgs", "1", "sample_0.png")
-    Image.fromarray(np.zeros((16, 16), dtype=np.uint8)).save(odd)
-    with pytest.raises(ValueError, match="sample_0.png: image is 16x16"):
+@pytest.mark.parametrize("fault", ["short line", "label 2", "not utf-8", "16-bit image", "other size"])
+def test_pathfinder_reader_errors_name_the_file(pathfinder_release, fault):
+    root, images, _ = pathfinder_release
+    meta = os.path.join(root, "metadata", "0.npy")
+    with open(meta) as f:
+        lines = f.read().splitlines()
+    named = f"{meta}, line 2: "
+    if fault in ("short line", "label 2", "not utf-8"):
+        lines[1] = {"short line": "imgs/0 sample_1.png 1", "label 2": "imgs/0 sample_1.png 1 2",
+                    "not utf-8": "imgs/0 \udcff.png 1 1"}[fault]
+        with open(meta, "w", errors="surrogateescape") as f:
+            f.write("\n".join(lines) + "\n")
+    else:
+        named = os.path.join(root, "imgs", "0", "sample_1.png") + ": "
+        image = images[1].astype(np.uint16) * 257 if fault == "16-bit image" else np.zeros((16, 16), np.uint8)
+        Image.fromarray(image).save(named[:-2])
+    with pytest.raises(ValueError, match="^" + re.escape(named)):
         data.read_pathfinder_release(root)
 
 
@@ -4705,23 +4591,18 @@ def test_pathfinder_generate_command_prepare_and_train_a_few_steps(tmp_path, cap
     root, out = str(tmp_path / "data"), str(tmp_path / "out")
     data.main(["--task", "pathfinder", "--data_dir", root, "--generate", "60"])
     release = os.path.join(root, "pathfinder", "pathfinder32", "curv_contour_length_14")
-    assert os.path.exists(os.path.join(release, "metadata", "0.npy")) and \
-        os.path.exists(os.path.join(root, "pathfinder", "samples.png"))
+    assert os.path.exists(os.path.join(root, "pathfinder", "samples.png"))
     splits = {s: data.load_split(root, "pathfinder", s) for s in data.SPLITS}
     assert [len(splits[s]["labels"]) for s in data.SPLITS] == [48, 6, 6]
     assert splits["train"]["pixels"].shape == (48, 1024) and splits["train"]["meta"]["generated"]
     x, _, _ = data.get_batch(splits["val"], torch.arange(6), "cpu")
-    assert x.min() >= -1 and x.max() <= 1 and x.min() == -1          # (p / 255 - 0.5) / 0.5, background -1
-    # A missing image is skipped, counted and named; real release data is never overwritten by --generate.
+    assert x.min() == -1 and x.max() <= 1          # (p / 255 - 0.5) / 0.5, background -1
+    # A missing image is skipped and named; real release data is never overwritten by --generate.
     os.remove(os.path.join(release, "imgs", "0", "sample_5.png"))
-    capsys.readouterr()
-    data.prepare_pathfinder(root)
-    printed = capsys.readouterr().out
-    assert "skipped 1 images" in printed and "sample_5.png (missing file)" in printed
-    assert sum(len(data.load_split(root, "pathfinder", s)["labels"]) for s in data.SPLITS) == 59
     os.remove(os.path.join(release, "generated.json"))
-    data.prepare_pathfinder(root)  # now counts as release data, split as s4 splits the release: torch's
-    # random_split (train, val, test), seed 42
+    capsys.readouterr()
+    data.prepare_pathfinder(root)  # now counts as release data, split as s4 splits it: random_split, seed 42
+    assert "sample_5.png (missing file)" in capsys.readouterr().out
     images = torch.from_numpy(data.read_pathfinder_release(release)[0]).flatten(1)
     parts = torch.utils.data.random_split(range(59), [49, 5, 5], generator=torch.Generator().manual_seed(42))
     for s, part in zip(data.SPLITS, parts):
@@ -4734,6 +4615,44 @@ def test_pathfinder_generate_command_prepare_and_train_a_few_steps(tmp_path, cap
     pretrain.main(common + TINY + ["--rec_loss", "ce"])
     finetune.main(common + TINY + ["--init", os.path.join(out, "pathfinder", "pretrain.pt")])
     assert json.load(open(os.path.join(out, "pathfinder", "finetune_spt.json")))["task"] == "pathfinder"
+
+
+@pytest.mark.parametrize("reader, content, line", [
+    ("read_listops_tsv", b"Source\tTarget\n[MAX 2 3 ]\t3\n[MIN 2 \xff ]\t2\n", 3),
+    ("read_ucr_tsv", b"1\t0.5\t1.5\n2\t0.5\t1.5\n\xfe\t0.1\t0.2\n", 3),
+    ("read_ucr_ts", b"@problemName X\n@classLabel true 1 2\n@data\n0.1,0.2:1\n0.1,\xff:2\n", 5)])
+def test_text_readers_name_the_file_and_line_of_bytes_that_are_not_utf8(tmp_path, reader, content, line):
+    path = tmp_path / "X_TRAIN"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match="^" + re.escape(f"{path}, line {line}: ")):
+        getattr(data, reader)(str(path))
+
+
+def test_broken_gzip_and_tar_files_are_named(tmp_path):
+    import gzip
+    good = tmp_path / "labels-idx1-ubyte.gz"
+    write_idx(str(good), np.arange(200) % 10)
+    cut = tmp_path / "cut-idx1-ubyte.gz"
+    cut.write_bytes(good.read_bytes()[:30])
+    plain = tmp_path / "plain-idx1-ubyte.gz"
+    plain.write_bytes(gzip.decompress(good.read_bytes()))  # a .gz name, but not gzip
+    archive = tmp_path / "a.tar.gz"
+    archive.write_bytes(good.read_bytes())  # gzip, but not a tar
+    for path, read in ((cut, data.read_idx), (plain, data.read_idx),
+                       (archive, lambda p: data.extract_tar(p, str(tmp_path / "out"), "p/"))):
+        with pytest.raises(ValueError, match="^" + re.escape(f"{path}: ")):
+            read(str(path))
+
+
+def test_a_header_only_split_is_refused_before_anything_is_written(tmp_path):
+    folder = tmp_path / "listops"
+    folder.mkdir()
+    rows = data.generate_listops(6, 1, min_length=5, max_length=30)
+    for split, part in zip(data.SPLITS, (rows[:4], [], rows[4:])):
+        data.write_listops_tsv(str(folder / f"basic_{split}.tsv"), part)
+    with pytest.raises(ValueError, match=re.escape(str(folder / "val.pt"))):
+        data.prepare_listops(str(tmp_path), max_len=32)
+    assert not any(name.endswith(".pt") for name in os.listdir(folder))
 
 
 def test_grayscale_is_pils_convert_l_as_torchvision_grayscale():
@@ -4753,8 +4672,6 @@ def test_cifar10_validation_split_is_s4s_random_split_and_fashion_mnist_keeps_it
     train, val = (split(False)[s]["labels"].tolist() for s in ("train", "val"))  # val: the permutation's first 50
     assert val == sorted(torch.randperm(500, generator=torch.Generator().manual_seed(42))[:50].tolist())
     assert sorted(train + val) == list(range(500))
-    with pytest.raises(ValueError, match="n_val 500: expected 1..499"):
-        data._pixel_splits(images, labels, images, labels, 500, 42, True)
 
 
 def test_pathfinder_interrupted_generation_or_extraction_leaves_no_set_to_read(tmp_path, monkeypatch):
@@ -4768,10 +4685,10 @@ def test_pathfinder_interrupted_generation_or_extraction_leaves_no_set_to_read(t
     monkeypatch.setattr(data, "write_pathfinder_release", interrupted)
     with pytest.raises(KeyboardInterrupt):
         data.prepare_pathfinder(root, generate_if_missing=40)
-    assert not os.path.exists(release)  # only release.partial: nothing a later run would take for a whole set
+    assert not os.path.exists(release)  # nothing a later run would take for a whole set
     monkeypatch.setattr(data, "write_pathfinder_release", real_write)
     assert data.prepare_pathfinder(root, generate_if_missing=40) == {"train": 32, "val": 4, "test": 4}
-    assert not os.path.exists(release + ".partial")
+    assert os.listdir(os.path.dirname(release)) == ["curv_contour_length_14"]  # no staging folder left
     # An extraction stopped midway (the marker metadata/ would exist early in a plain extraction):
     archive = str(tmp_path / "lra_release.gz")
     with tarfile.open(archive, "w:gz") as tar:
@@ -4784,7 +4701,8 @@ def test_pathfinder_interrupted_generation_or_extraction_leaves_no_set_to_read(t
     monkeypatch.setattr(data, "extract_tar", stopped)
     with pytest.raises(KeyboardInterrupt):
         data.prepare_pathfinder(root, difficulty="intermediate", download=True)
-    assert not os.path.exists(os.path.join(root, "pathfinder", "pathfinder32", "curv_contour_length_9"))
+    middle = os.path.join(root, "pathfinder", "pathfinder32", "curv_contour_length_9")
+    assert not os.path.exists(os.path.join(middle, "metadata"))
     monkeypatch.setattr(data, "extract_tar", real_extract)
     assert data.prepare_pathfinder(root, difficulty="intermediate", download=True)["train"] == 32
     # Images of another size than --resolution are refused, not read as a quarter of each image.
