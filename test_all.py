@@ -4932,111 +4932,36 @@ def test_ablate_frozen_freezes_every_layer_and_measures_how_far_each_group_moved
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Input validation (issue 15): readers
+# Input validation: raw files a clone holds without its data, and the check of every loaded split
 # ----------------------------------------------------------------------------------------------------------
 
-LFS_POINTER = ("version https://git-lfs.github.com/spec/v1\n"
-               "oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\nsize 80741843\n")
 ANNEX_KEY = "SHA256E-s80741843--4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393"
-POINTER_MESSAGES = dict.fromkeys(["annex-link", "annex-file"], r"a git-annex link, not the data")
-POINTER_MESSAGES["lfs"] = r"a Git LFS pointer, not the data"
-
-
-def put_stand_in(path, kind):
-    """Replace `path` by what a clone without the data holds: a Git LFS pointer, a broken git-annex symlink, or
-    an unlocked git-annex pointer file (one line: /annex/objects/<key>)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    if os.path.lexists(path):
-        os.remove(path)
-    if kind == "lfs":
-        with open(path, "w") as f:
-            f.write(LFS_POINTER)
-    elif kind == "annex-link":
-        os.symlink(f"../.git/annex/objects/Pq/Z1/{ANNEX_KEY}/{ANNEX_KEY}", path)
-    else:
-        with open(path, "w") as f:
-            f.write(f"/annex/objects/{ANNEX_KEY}\n")
-
-
-def _pointer_case(tmp_path, reader, kind):
-    """(the stand-in's path, a call that reads it) for one reader; the other files it reads are real."""
-    root = str(tmp_path)
-    if reader == "imdb":
-        write_aclimdb(os.path.join(root, "text"), n=3)
-        path = os.path.join(root, "text", "aclImdb", "train", "pos", "1_8.txt")
-        put_stand_in(path, kind)
-        return path, lambda: data.read_imdb(os.path.join(root, "text", "aclImdb"), "train")
-    if reader in ("pathfinder_meta", "pathfinder_png"):
-        pf = os.path.join(root, "pathfinder32", "curv_contour_length_14")
-        data.write_pathfinder_release(pf, np.full((6, 32, 32), 7, dtype=np.uint8), [0, 1] * 3, per_folder=3)
-        path = os.path.join(pf, "metadata", "1.npy") if reader == "pathfinder_meta" else \
-            os.path.join(pf, "imgs", "1", "sample_2.png")
-        put_stand_in(path, kind)
-        return path, lambda: data.read_pathfinder_release(pf)
-    name, read = {"listops": ("basic_train.tsv", data.read_listops_tsv),
-                  "aan": ("new_aan_pairs.train.tsv", data.read_aan_tsv),
-                  "ucr_tsv": ("Toy_TRAIN.tsv", data.read_ucr_tsv), "ucr_txt": ("Toy_TRAIN.txt", data.read_ucr_txt),
-                  "ucr_ts": ("Toy_TRAIN.ts", data.read_ucr_ts),
-                  "ucr_2015": ("Toy_TRAIN", lambda p: data.UCR_READERS[""](p)),
-                  "cifar": ("data_batch_1", data.read_cifar_batch),
-                  "idx": ("train-images-idx3-ubyte.gz", data.read_idx)}[reader]
-    path = os.path.join(root, "raw", name)
-    put_stand_in(path, kind)
-    return path, lambda: read(path)
 
 
 @pytest.mark.parametrize("kind", ["lfs", "annex-link", "annex-file"])
-@pytest.mark.parametrize("reader", ["listops", "aan", "ucr_tsv", "ucr_txt", "ucr_ts", "ucr_2015", "cifar", "idx",
-                                    "imdb", "pathfinder_meta", "pathfinder_png"])
-def test_every_reader_refuses_lfs_pointers_and_annex_links(tmp_path, reader, kind):
-    path, read = _pointer_case(tmp_path, reader, kind)
-    with pytest.raises(ValueError, match=POINTER_MESSAGES[kind] + r" \(a clone made without its content\): get it "
-                                         r"with `git lfs pull` or `git annex get` in that clone, or download the "
-                                         r"data set$") as e:
-        read()
-    assert str(e.value).startswith(f"{path}: ")
-
-
-def test_prepare_names_annex_links_instead_of_looking_elsewhere_or_downloading(tmp_path, monkeypatch):
-    """A folder of broken annex links counts as found: the reader names the link, no download or fallback."""
-    root = str(tmp_path)
-    for split in ("train", "eval", "test"):
-        put_stand_in(os.path.join(root, "retrieval", f"new_aan_pairs.{split}.tsv"), "annex-link")
-    with pytest.raises(ValueError, match=r"new_aan_pairs.train.tsv: a git-annex link"):
-        data.prepare_retrieval(root, download=False)
+def test_a_clone_without_its_data_is_named_not_read_or_downloaded(tmp_path, kind):
+    """A Git LFS pointer, a broken git-annex link or an unlocked annex pointer file counts as found (no download)
+    and is named by the reader; a present annex link and a short real file are data."""
+    folder = tmp_path / "ucr" / "Toy"
+    folder.mkdir(parents=True)
     for split in ("TRAIN", "TEST"):
-        put_stand_in(os.path.join(root, "ucr", "Toy", f"Toy_{split}.tsv"), "annex-link")
-    with pytest.raises(ValueError, match=r"Toy_TRAIN.tsv: a git-annex link"):
-        data.prepare_ucr(root, "Toy", download=False)
-    for stem in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
-                 "t10k-labels-idx1-ubyte"):
-        put_stand_in(os.path.join(root, "fashion_mnist", stem + ".gz"), "annex-link")
-    monkeypatch.setattr(data, "FASHION_DIRS", ())
-    with pytest.raises(ValueError, match=r"train-images-idx3-ubyte.gz: a git-annex link"):
-        data.prepare_fashion_mnist(root)
-    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        put_stand_in(os.path.join(root, "image", "cifar-10-batches-py", name), "annex-link")
-    with pytest.raises(ValueError, match=r"data_batch_1: a git-annex link"):
-        data.prepare_image(root, download=False)
-
-
-def test_annex_links_with_content_and_small_real_files_are_data(tmp_path):
-    """A git-annex symlink whose content is present is read through; a short real file is not a pointer."""
-    objects = tmp_path / ".git" / "annex" / "objects" / "ab"
+        path = folder / f"Toy_{split}.tsv"
+        if kind == "lfs":
+            path.write_text(f"version https://git-lfs.github.com/spec/v1\noid sha256:{ANNEX_KEY[-64:]}\nsize 8\n")
+        elif kind == "annex-link":
+            os.symlink(f"../.git/annex/objects/Pq/Z1/{ANNEX_KEY}/{ANNEX_KEY}", path)
+        else:
+            path.write_text(f"/annex/objects/{ANNEX_KEY}\n")
+    with pytest.raises(ValueError, match="^" + re.escape(f"{folder / 'Toy_TRAIN.tsv'}: ")):
+        data.prepare_ucr(str(tmp_path), "Toy", base_url="http://127.0.0.1:9/none")
+    objects = tmp_path / ".git" / "annex" / "objects"
     objects.mkdir(parents=True)
-    (objects / "Toy_TRAIN.tsv").write_text("1\t0.5\t1.5\n2\t3\t4\n")
-    link = tmp_path / "Toy_TRAIN.tsv"
-    os.symlink(os.path.join(".git", "annex", "objects", "ab", "Toy_TRAIN.tsv"), link)
-    series, labels, _ = data.read_ucr_tsv(str(link))
-    assert labels == ["1", "2"] and series[1].tolist() == [3, 4]
-    with data.open_raw(str(link)) as f:
-        assert f.read() == b"1\t0.5\t1.5\n2\t3\t4\n"
-    short = tmp_path / "neg.txt"
-    short.write_text("version 2 of this film is worse; see /annex/objects/ in the credits")
-    with data.open_raw(str(short)) as f:
+    (objects / "x").write_text("1\t0.5\t1.5\n2\t3\t4\n")
+    os.symlink(objects / "x", tmp_path / "link.tsv")
+    assert data.read_ucr_tsv(str(tmp_path / "link.tsv"))[1] == ["1", "2"]
+    (tmp_path / "short.txt").write_text("version 2 of this film is worse; see /annex/objects/ in the credits")
+    with data.open_raw(str(tmp_path / "short.txt")) as f:
         assert f.read().startswith(b"version 2")
-    with pytest.raises(FileNotFoundError, match="no_such_file"):  # missing: open's own error names it
-        data.open_raw(str(tmp_path / "no_such_file"))
 
 
 def _write_listops_release(folder, rows_by_split):
@@ -5044,53 +4969,41 @@ def _write_listops_release(folder, rows_by_split):
         data.write_listops_tsv(os.path.join(folder, f"basic_{s}.tsv"), rows)
 
 
-def test_listops_release_sub_folders_are_found_and_split_balance_is_reported(tmp_path, capsys):
-    import shutil
-    root = str(tmp_path)
-    rows = data.generate_listops(80, seed=3, min_length=5, max_length=40)
-    release = os.path.join(root, "listops", "lra_release", "lra_release", "listops-1000")
-    splits = {"train": rows[:50], "val": rows[50:60], "test": rows[60:]}
-    _write_listops_release(release, splits)
-    sizes = data.prepare_listops(root, n_train=10, n_val=5, n_test=5, max_len=64, min_length=5, max_length=40)
-    out = capsys.readouterr().out
-    assert sizes == {s: len(splits[s]) for s in data.SPLITS}
-    assert f"ListOps: reading basic_{{train,val,test}}.tsv in {release}/" in out
-    assert not os.path.exists(os.path.join(root, "listops", "generated"))   # nothing generated
-    for s in data.SPLITS:
-        d = data.load_split(root, "listops", s)
-        assert d["labels"].tolist() == [y for _, y in splits[s]]
-        assert d["meta"]["source"] == os.path.join(release, f"basic_{s}.tsv")
-    train = [y for _, y in splits["train"]]
-    want = " ".join(f"{c}:{100 * train.count(c) / len(train):.0f}%" for c in range(10))
-    assert f"listops train: {len(train)} examples, classes {want}" in out
-    assert d["meta"]["seed"] is None and not d["meta"]["generated"]  # the release's: no seed of ours
-    # Two folders holding the files: which data set is meant is unclear, so refuse and list both.
-    other = os.path.join(root, "listops", "listops-1000")
-    _write_listops_release(other, splits)
-    with pytest.raises(ValueError, match="in 2 folders") as e:
-        data.prepare_listops(root, n_train=10, n_val=5, n_test=5, max_len=64, min_length=5, max_length=40)
-    assert f"{other}/" in str(e.value) and f"{release}/" in str(e.value)
-    shutil.rmtree(os.path.join(root, "listops", "lra_release"))
-    os.remove(os.path.join(other, "basic_test.tsv"))
-    with pytest.raises(FileNotFoundError, match=r"incomplete LRA ListOps release: .*listops-1000/ holds "
-                                                r"basic_train.tsv, basic_val.tsv but not basic_test.tsv"):
-        data.prepare_listops(root, n_train=10, n_val=5, n_test=5, max_len=64, min_length=5, max_length=40)
+def test_a_failed_or_stopped_preparation_is_never_loaded_as_one(tmp_path, monkeypatch):
+    """A preparation that fails on its input writes nothing (the old files stay); one stopped while writing leaves
+    no train.pt, so the stages prepare again instead of loading a mixed set. The same inputs give the same files."""
+    root, folder = str(tmp_path), tmp_path / "listops"
+    rows = data.generate_listops(12, 1, min_length=5, max_length=30)
+    _write_listops_release(str(folder), {"train": rows[:8], "val": rows[8:10], "test": rows[10:]})
+    data.prepare_listops(root, max_len=32)
+    files = {s: open(data.split_path(root, "listops", s), "rb").read() for s in data.SPLITS}
+    long = [("[MAX " + " ".join(["2"] * 40) + " ]", 2)]
+    _write_listops_release(str(folder), {"val": long})
+    with pytest.raises(ValueError, match=re.escape(f"{folder / 'basic_val.tsv'}, line 2: ")):
+        data.prepare_listops(root, max_len=32)
+    assert {s: open(data.split_path(root, "listops", s), "rb").read() for s in data.SPLITS} == files
+    _write_listops_release(str(folder), {"val": rows[8:10]})
+    data.prepare_listops(root, max_len=32)
+    assert open(data.split_path(root, "listops", "train"), "rb").read() == files["train"]
+    real_save = data.save_atomic
 
-
-def test_report_balance_prints_each_splits_class_fractions_and_refuses_an_empty_split(capsys):
-    data.report_balance({"train": [0, 1, 1, 0], "val": [1, 1, 1, 1], "test": torch.tensor([0, 2, 0, 2])}, 3, "t")
-    assert capsys.readouterr().out.splitlines() == ["t train: 4 examples, classes 0:50% 1:50% 2:0%",
-                                                    "t val: 4 examples, classes 0:0% 1:100% 2:0%",
-                                                    "t test: 4 examples, classes 0:50% 1:0% 2:50%"]
-    with pytest.raises(ValueError, match=r"t test: the split is empty \(0 examples\)"):
-        data.report_balance({"train": [0, 1], "val": [0, 1], "test": []}, 2, "t")
+    def stopped(obj, path, **kw):
+        if path.endswith("val.pt"):
+            raise KeyboardInterrupt
+        real_save(obj, path, **kw)
+    monkeypatch.setattr(data, "save_atomic", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        data.prepare_listops(root, max_len=32)
+    assert not os.path.exists(data.split_path(root, "listops", "train"))
+    with pytest.raises(FileNotFoundError, match="train.pt not found"):
+        data.load_splits(root, "listops")
 
 
 def _toy_meta(tensors, **fields):
-    """A complete meta for the toy tensors (data.check_meta's fields for their kind), updated with `fields`."""
+    """A complete meta for the toy tensors (data.KINDS's fields for their kind), updated with `fields`."""
     key = next(k for k in data.INPUT_KEYS if k in tensors)
-    kind = {"tokens": dict(kind="tokens", vocab_size=17, pad_id=0, mask_id=1), "values": dict(kind="continuous", d_input=1),
-            "pixels": dict(kind="pixels", pixel_mean=0.5, pixel_std=0.5)}[key]
+    kind = {"tokens": dict(kind="tokens", vocab_size=17), "values": dict(kind="continuous", d_input=1),
+            "pixels": dict(kind="pixels", d_input=1, pixel_mean=0.5, pixel_std=0.5)}[key]
     return dict(task="toy", n_classes=2, max_len=tensors[key].shape[-1 if key != "values" else 1], **kind, **fields)
 
 
@@ -5101,159 +5014,49 @@ def _save_toy(tmp_path, **tensors):
 
 
 TOKENS = torch.full((3, 4), 2, dtype=torch.uint8)  # the smallest real id
+FOUR, LABELS = torch.tensor([4, 4, 4]), torch.tensor([0, 1, 1])
 
 
-def test_the_preparation_stamp_covers_the_tensors_not_only_the_meta(tmp_path):
-    splits = {s: dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1]))
-              for s in data.SPLITS}
-    metas = {s: _toy_meta(splits[s]) for s in data.SPLITS}
-    stamps = []
-    for label in (1, 0):
-        splits["val"] = dict(splits["val"], labels=torch.tensor([0, 1, label]))
-        data.write_splits(str(tmp_path), splits, metas)
-        stamps.append({data.load_pt(str(tmp_path / f"{s}.pt"))["meta"]["preparation"] for s in data.SPLITS})
-    assert len(stamps[0]) == len(stamps[1]) == 1 and stamps[0] != stamps[1]
-
-
-def test_load_splits_refuses_splits_of_two_preparations(tmp_path):
-    """A re-preparation stopped after train.pt (here: a larger training set) leaves the old val.pt beside it; ListOps
-    and the generators draw all splits from one seeded stream, so the old validation rows could be in the new
-    training split. load_splits names both files and the differing field."""
-    import shutil
-    root = str(tmp_path)
-    data.prepare_synthetic(root, n_train=64, n_val=16, n_test=16, length=12)
-    assert set(data.load_splits(root, "synthetic")) == set(data.SPLITS)  # one preparation: loads
-    shutil.copy(data.split_path(root, "synthetic", "val"), tmp_path / "old_val.pt")
-    data.prepare_synthetic(root, n_train=80, n_val=16, n_test=16, length=12)
-    shutil.copy(tmp_path / "old_val.pt", data.split_path(root, "synthetic", "val"))
-    with pytest.raises(ValueError, match=r"val.pt and .*train.pt are not of one preparation: preparation '[0-9a-f]+' "
-                                         r"against '[0-9a-f]+'; split_sizes \{'train': 64, .*\} against "
-                                         r"\{'train': 80, .*prepare all three again"):
-        data.load_splits(root, "synthetic")
-
-
-def test_a_failed_or_mixed_listops_preparation_is_never_loaded_as_one(tmp_path, capsys):
-    """Release TSVs A prepared, then replaced by B of the same sizes and settings: (1) B with one val row longer
-    than max_len fails before any split is written, so A's three files stay as they were; (2) B's train.pt beside
-    A's val.pt (a preparation stopped after train.pt) is refused by the preparation stamp, though every setting
-    and size agrees (only the per-file source hashes differ)."""
-    import shutil
-    root, folder = str(tmp_path), tmp_path / "listops"
-    folder.mkdir()
-
-    def write(seed, long_val=False):
-        rows = data.generate_listops(12, seed, min_length=5, max_length=30)
-        if long_val:
-            rows[8] = ("[MAX " + " ".join(["2"] * 40) + " ]", 2)
-        for split, part in zip(data.SPLITS, (rows[:8], rows[8:10], rows[10:12])):
-            data.write_listops_tsv(str(folder / f"basic_{split}.tsv"), part)
-
-    write(seed=1)
-    data.prepare_listops(root, max_len=32)
-    files_a = {s: open(data.split_path(root, "listops", s), "rb").read() for s in data.SPLITS}
-    assert len({data.load_pt(data.split_path(root, "listops", s))["meta"]["preparation"] for s in data.SPLITS}) == 1
-    write(seed=2, long_val=True)
-    with pytest.raises(ValueError, match=r"basic_val.tsv: line 2 has 4\d tokens > max_len 32"):
-        data.prepare_listops(root, max_len=32)
-    assert {s: open(data.split_path(root, "listops", s), "rb").read() for s in data.SPLITS} == files_a
-    shutil.copy(data.split_path(root, "listops", "val"), tmp_path / "val_a.pt")
-    write(seed=2)
-    data.prepare_listops(root, max_len=32)
-    data.load_splits(root, "listops")  # B alone: one preparation, loads
-    shutil.copy(tmp_path / "val_a.pt", data.split_path(root, "listops", "val"))
-    with pytest.raises(ValueError, match=r"val.pt and .*train.pt are not of one preparation: preparation '[0-9a-f]{16}' "
-                                         r"against '[0-9a-f]{16}'; prepare all three again"):
-        data.load_splits(root, "listops")
-    write(seed=2)  # the same inputs, settings and code again: byte-identical files (a checkpoint's data sha256 holds)
-    before = open(data.split_path(root, "listops", "train"), "rb").read()
-    data.prepare_listops(root, max_len=32)
-    assert open(data.split_path(root, "listops", "train"), "rb").read() == before
-
-
-@pytest.mark.parametrize("tensors, message", [
-    (dict(tokens=TOKENS, lengths=torch.tensor([4, 0, 2]), labels=torch.tensor([0, 1, 1])),
-     r"train.pt, row 1: length 0, expected 1..4 \(the width of tokens"),
-    (dict(tokens=TOKENS, lengths=torch.tensor([5, 1, 2]), labels=torch.tensor([0, 1, 1])),
-     r"train.pt, row 0: length 5, expected 1..4"),
-    (dict(pixels=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 2, 1])),
-     r"train.pt, row 1: label 2, expected 0..1 \(meta n_classes 2\)"),
-    (dict(values=torch.zeros(3, 4, 1), lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([-1, 0, 1])),
-     r"train.pt, row 0: label -1, expected 0..1"),
-    (dict(values=torch.zeros(3, 4, 1), lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 0, 1]),
-          meta=dict(task="toy", kind="continuous", max_len=4, n_classes=2)),
-     r"train.pt: meta has no 'd_input'; a continuous split's meta needs max_len, n_classes and d_input"),
-    (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 0, 1]),
-          meta=dict(task="toy", max_len=4, n_classes=2, vocab_size=17)), r"train.pt: meta has no 'kind', expected one of"),
-    (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 0, 1]),
-          meta=dict(task="toy", kind="pixels", max_len=4, n_classes=2, pixel_mean=0.5, pixel_std=0.5)),
-     r"train.pt: meta kind 'pixels' is stored as 'pixels', but the file holds \['tokens'\]"),
-    (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 0, 1]),
-          meta=dict(task="toy", kind="tokens", max_len=4, n_classes=0, vocab_size=17, pad_id=0, mask_id=1)),
-     r"train.pt: meta n_classes is 0, expected a positive integer"),
-    (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 0, 1]),
-          meta=dict(task="toy", kind="tokens", max_len=4, n_classes=2, vocab_size=17)),
-     r"train.pt: meta has no 'pad_id'; a tokens split's meta needs max_len, n_classes and vocab_size, pad_id, "
-     r"mask_id \(the form of data.py's docstring; README: Use your own data\)"),
-    (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 0, 1]),
-          meta=dict(task="toy", kind="tokens", max_len=4, n_classes=2, vocab_size=17, pad_id=0, mask_id=2)),
-     r"train.pt: meta pad_id 0, mask_id 2; expected 0 and 1 \(data.PAD_ID, MASK_ID"),
-    (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1])),
-     r"train.pt: lengths \(3,\) and labels \(2,\), expected \(3,\) and \(3,\) for tokens \(3, 4\)"),
-    (dict(tokens=torch.ones(3, 2, 4, dtype=torch.int16), lengths=torch.tensor([[4, 4], [2, 0], [1, 1]]),
-          labels=torch.tensor([0, 1, 1])), r"train.pt, row 1, document 1: length 0, expected 1..4"),
-    (dict(tokens=torch.ones(3, 2, 4, dtype=torch.int16), lengths=torch.tensor([4, 4, 4]),
-          labels=torch.tensor([0, 1, 1])), r"lengths \(3,\) and labels \(3,\), expected \(3, 2\) and \(3,\)"),
-    (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0.0, 1.0, 1.0])),
-     r"train.pt: labels are torch.float32, expected torch.int64"),
-    (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1], dtype=torch.int32)),
-     r"train.pt: labels are torch.int32, expected torch.int64"),  # cross_entropy would refuse them mid-run
-    (dict(tokens=TOKENS.float() + 0.7, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1])),
-     r"train.pt: tokens are torch.float32, expected integer ids"),  # .long() would have cut 1.7 to 1
-    (dict(tokens=torch.full((3, 4), 50, dtype=torch.uint8), lengths=torch.tensor([4, 4, 4]),
-          labels=torch.tensor([0, 1, 1])), r"train.pt: token ids span 50..50, expected 0..16 \(meta vocab_size 17\)"),
-    (dict(tokens=torch.full((3, 4), 17, dtype=torch.uint8), lengths=torch.tensor([4, 4, 4]),
-          labels=torch.tensor([0, 1, 1])), r"train.pt: token ids span 17..17, expected 0..16"),  # one past the end
-    (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4], dtype=torch.int32), labels=torch.tensor([0, 1, 1])),
-     r"train.pt: lengths are torch.int32, expected torch.int64"),
-    (dict(values=torch.zeros(3, 4, 1).index_put_((torch.tensor([0]), torch.tensor([3])), torch.tensor(float("inf"))),
-          lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1])),
-     r"train.pt, row 0, position 3: value inf, expected finite values"),
-    (dict(tokens=torch.full((3, 4), -1, dtype=torch.int16), lengths=torch.tensor([4, 4, 4]),
-          labels=torch.tensor([0, 1, 1])), r"train.pt: token ids span -1..-1, expected 0..16"),
-    (dict(pixels=TOKENS.float() / 255, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1])),
-     r"train.pt: pixels are torch.float32, expected torch.uint8"),  # would be divided by 255 a second time
-    (dict(pixels=TOKENS.to(torch.int16) * 300, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1])),
-     r"train.pt: pixels are torch.int16, expected torch.uint8"),
-    (dict(values=torch.zeros(3, 4, 3), lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1])),
-     r"train.pt: values are torch.float32 of shape \(3, 4, 3\), expected floats \(N, L, 1\) \(meta d_input 1\)"),
+@pytest.mark.parametrize("tensors, field", [
+    (dict(tokens=TOKENS, lengths=torch.tensor([4, 0, 2]), labels=LABELS), "lengths"),  # no position to pool
+    (dict(tokens=TOKENS, lengths=torch.tensor([5, 1, 2]), labels=LABELS), "lengths"),
+    (dict(pixels=TOKENS, lengths=FOUR, labels=torch.tensor([0, 2, 1])), "labels"),
+    (dict(values=torch.zeros(3, 4, 1), lengths=FOUR, labels=torch.tensor([-1, 0, 1])), "labels"),
+    (dict(values=torch.zeros(3, 4, 1), lengths=FOUR, labels=LABELS,
+          meta=dict(task="toy", kind="continuous", max_len=4, n_classes=2)), "d_input"),
+    (dict(tokens=TOKENS, lengths=FOUR, labels=LABELS, meta=dict(task="toy", max_len=4, n_classes=2)), "meta"),
+    (dict(tokens=TOKENS, lengths=FOUR, labels=LABELS, meta=_toy_meta(dict(pixels=TOKENS))), "pixels"),
+    (dict(tokens=TOKENS, lengths=FOUR, labels=torch.tensor([0, 1])), "labels"),
+    (dict(tokens=torch.full((3, 2, 4), 2, dtype=torch.int16), lengths=FOUR, labels=LABELS), "lengths"),
+    (dict(tokens=torch.full((3, 2, 4), 2, dtype=torch.int16), lengths=torch.tensor([[4, 4], [2, 0], [1, 1]]),
+          labels=LABELS), "lengths"),
+    (dict(tokens=TOKENS, lengths=FOUR, labels=LABELS.float()), "labels"),
+    (dict(tokens=TOKENS, lengths=FOUR, labels=LABELS.int()), "labels"),  # cross_entropy would refuse them mid-run
+    (dict(tokens=TOKENS, lengths=FOUR.int(), labels=LABELS), "lengths"),
+    (dict(tokens=TOKENS.float() + 0.7, lengths=FOUR, labels=LABELS), "tokens"),  # .long() would cut 1.7 to 1
+    (dict(tokens=torch.full((3, 4), 17, dtype=torch.uint8), lengths=FOUR, labels=LABELS), "tokens"),  # vocab_size
+    (dict(tokens=torch.full((3, 4), -1, dtype=torch.int16), lengths=FOUR, labels=LABELS), "tokens"),
+    (dict(pixels=TOKENS.float() / 255, lengths=FOUR, labels=LABELS), "pixels"),  # would be divided by 255 again
+    (dict(values=torch.zeros(3, 4, 3), lengths=FOUR, labels=LABELS), "values"),  # d_input 1
     (dict(values=torch.zeros(3, 4, 1).index_put_((torch.tensor([2]), torch.tensor([1])), torch.tensor(float("nan"))),
-          lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1])),
-     r"train.pt, row 2, position 1: value nan, expected finite values"),
-    (dict(tokens=TOKENS[:0], lengths=torch.tensor([], dtype=torch.int64), labels=torch.tensor([], dtype=torch.int64)),
-     r"train.pt: the split holds no examples \(N = 0\)"),
-    # A new-user check: a mask id (1) or padding id (0) inside the length trained without a word (SPT would take
-    # a real 1 for a masked position), and ids after the length were ignored.
+          lengths=FOUR, labels=LABELS), "values"),
+    (dict(tokens=TOKENS[:0], lengths=FOUR[:0], labels=LABELS[:0]), "tokens"),  # no examples
+    # A mask id or padding id inside the length (SPT would take a real 1 for a masked position); ids after it.
     (dict(tokens=TOKENS.index_put((torch.tensor([1]), torch.tensor([2])), torch.tensor(1, dtype=torch.uint8)),
-          lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1])),
-     r"train.pt, row 1, position 2: token id 1, expected a real id >= 2 inside the length 4 \(0 is the padding id, "
-     r"1 the mask id\)"),
-    (dict(tokens=TOKENS.index_put((torch.tensor([0]), torch.tensor([0])), torch.tensor(0, dtype=torch.uint8)),
-          lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1])),
-     r"train.pt, row 0, position 0: token id 0, expected a real id >= 2"),
-    (dict(tokens=TOKENS, lengths=torch.tensor([4, 3, 4]), labels=torch.tensor([0, 1, 1])),
-     r"train.pt, row 1, position 3: token id 2, expected 0 \(padding\) after the length 3"),
+          lengths=FOUR, labels=LABELS), "tokens"),
+    (dict(tokens=TOKENS, lengths=torch.tensor([4, 3, 4]), labels=LABELS), "tokens"),
     (dict(tokens=torch.full((3, 2, 4), 2, dtype=torch.int16), lengths=torch.tensor([[4, 4], [4, 2], [4, 4]]),
-          labels=torch.tensor([0, 1, 1])), r"train.pt, row 1, document 1, position 2: token id 2, expected 0"),
+          labels=LABELS), "tokens"),
 ])
-def test_load_split_refuses_tensors_that_disagree(tmp_path, tensors, message):
+def test_load_split_refuses_tensors_that_disagree(tmp_path, tensors, field):
     pairs = torch.tensor([[4, 1], [2, 3], [1, 1]])
     _save_toy(tmp_path, tokens=(2 * (torch.arange(4) < pairs[..., None])).to(torch.int16), lengths=pairs,
-              labels=torch.tensor([0, 1, 1]))
-    assert data.load_split(str(tmp_path), "toy", "train")["lengths"].shape == (3, 2)   # consistent: loads
+              labels=LABELS)
+    good = data.load_split(str(tmp_path), "toy", "train")   # consistent: loads
+    data.check_split(dict(good, tensors_sha256="0" * 64), "p")  # save_atomic's key: not a field of the check
     path = _save_toy(tmp_path, **tensors)
-    with pytest.raises(ValueError, match=message) as e:
+    with pytest.raises(ValueError, match="^" + re.escape(path) + ".*" + field):
         data.load_split(str(tmp_path), "toy", "train")
-    assert str(e.value).startswith(path)
 
 
 # ----------------------------------------------------------------------------------------------------------
