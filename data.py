@@ -1650,9 +1650,10 @@ PREPARE = {"listops": prepare_listops, "synthetic": prepare_synthetic, "ucr": pr
            "pathfinder": prepare_pathfinder, "pathx": prepare_pathx}
 
 
-def cli_flag(keyword):
-    """The data.py flag that sets a keyword of a prepare function."""
-    return "--no_download" if keyword == "download" else f"--{keyword}"
+# The data.py flag that sets each keyword of a prepare function (a keyword no flag sets goes by its name).
+CLI_FLAGS = dict({k: f"--{k}" for k in ("seed", "n_train", "n_val", "n_test", "max_len", "length", "truncate",
+                                        "val_fraction", "generate", "resolution", "difficulty", "sha256")},
+                 download="--no_download")
 
 
 def prepare_keywords(task):
@@ -1667,8 +1668,9 @@ def prepare(task, data_dir="data", **kwargs):
     task does not take is a ValueError naming it as its data.py flag, before anything is read."""
     wrong = [k for k in kwargs if k not in prepare_keywords(task)]
     if wrong:
-        raise ValueError(f"{', '.join(map(cli_flag, wrong))}: does not apply to --task {task} (it takes: "
-                         f"{', '.join(map(cli_flag, prepare_keywords(task))) or 'no settings'})")
+        flags = [CLI_FLAGS.get(k, k) for k in prepare_keywords(task)]
+        raise ValueError(f"{', '.join(CLI_FLAGS.get(k, k) for k in wrong)}: does not apply to --task {task} (it "
+                         f"takes: {', '.join(flags) or 'no settings'})")
     family, _, name = task.partition("/")
     return PREPARE["ucr"](data_dir, name, **kwargs) if family == "ucr" else PREPARE[family](data_dir, **kwargs)
 
@@ -1725,15 +1727,17 @@ def check_settings(meta, settings, task, data_dir, preset, accept=False):
         print(f"warning: --accept_data: training on {data_dir}/{task} as it is ({what})")
         return
     other = f"{data_dir}_{preset}"
+    generated = meta.get("generated") or settings.get("generate_if_missing")
+    reuse = "" if generated else f" (copy {data_dir}/{task}/ to {other}/{task}/ first to reuse its raw files)"
     raise ValueError(f"{data_dir}/{task} was prepared with other settings than preset {preset} and the flags imply "
                      f"({what}): prepare the data this run expects in another folder, "
-                     f"`{prepare_command(task, other, settings)}`, and pass --data_dir {other}; or pass "
+                     f"`{prepare_command(task, other, settings)}`{reuse}, and pass --data_dir {other}; or pass "
                      f"--accept_data to train on the data as it is")
 
 
 def prepare_command(task, data_dir, settings):
     """The `python data.py` command that prepares `task` with `settings`."""
-    flags = "".join(f" --{k} {v}" for k, v in settings.items() if k in DATA_SETTINGS and v is not None)
+    flags = "".join(f" {CLI_FLAGS[k]} {v}" for k, v in settings.items() if k in DATA_SETTINGS and v is not None)
     if settings.get("generate_if_missing"):
         flags += f" --generate {settings['generate_if_missing']}"
     return f"python data.py --task {task} --data_dir {data_dir}{flags}"
