@@ -10,8 +10,7 @@ loaded with weights_only=True.
     lengths  (N,) int64, (N, 2) pairs  number of real positions per sequence
     labels   (N,) int64                class index in 0..n_classes-1
     meta     dict of plain Python      task, kind (tokens | continuous | pixels), vocab_size or d_input, max_len,
-                                       n_classes, pixel_mean/std, source, sha256, split sizes, seed, and the
-                                       preparation stamp shared by the three splits (write_splits)
+                                       n_classes, pixel_mean/std, source, sha256, split sizes, seed (check_split)
 
 Commands (pretrain.py and finetune.py run these themselves when data/<task>/ is missing):
     python data.py --task listops                      # LRA files in data/listops/, else generated (~2.5 min)
@@ -489,10 +488,8 @@ def eval_listops(source):
             stack.append((tok, args))
             args = []
         elif tok == LISTOPS_END:
-            if not stack:
-                raise ValueError(f"unbalanced ']' in ListOps expression: {source[:80]!r}")
-            if not args:
-                raise ValueError(f"operator {stack[-1][0]} with no arguments in {source[:80]!r}")
+            if not stack or not args:
+                raise ValueError(f"a ']' without an open operator or its arguments in {source[:80]!r}")
             op, outer = stack.pop()
             outer.append(_LISTOPS_APPLY[op](args))
             args = outer
@@ -543,8 +540,8 @@ def write_listops_tsv(path, rows):
 
 
 def read_listops_tsv(path, with_lines=False):
-    """Read an LRA ListOps file -> (sources, labels), and with_lines each sample's file line. Columns are found by header name (Source,
-    Target). ValueError naming the file and line for a missing column, a wrong field count, an unknown token or a
+    """Read an LRA ListOps file -> (sources, labels), and with_lines each sample's file line. Columns are found by
+    header name (Source, Target). ValueError naming the file and line for a missing column, a wrong field count, an unknown token or a
     Target other than what eval_listops gives."""
     def parse(f):
         header = [h.strip() for h in f.readline().rstrip("\r\n").split("\t")]
@@ -1245,7 +1242,7 @@ def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, download=True, u
         splits["train"] = {k: v[:n_train] for k, v in splits["train"].items()}
     train01 = splits["train"]["pixels"].float() / 255
     meta = _pixel_meta("fashion_mnist", resolution * resolution, 10, float(train01.mean()), float(train01.std()),
-                       "Fashion-MNIST IDX files", seed, stand_in_for="image", resolution=resolution,
+                       os.path.basename(folder), seed, stand_in_for="image", resolution=resolution,
                        train_subset=n_train is not None, sha256={os.path.basename(p): sha256_of(p) for p in read})
     return _save_splits(os.path.join(data_dir, "fashion_mnist"), splits, meta)
 
@@ -1846,17 +1843,16 @@ def main(argv=None):
     p.add_argument("--task", required=True, choices=TASKS)
     p.add_argument("--data_dir", type=folder, default="data", help="the .pt files go to <data_dir>/<task> (data)")
     p.add_argument("--seed", type=SEED, default=unset, help="of the generator or validation split (0; pixel tasks 42)")
-    p.add_argument("--n_train", type=POSITIVE, default=unset, help="listops, synthetic (96000, 5000); fashion_mnist subset")
-    p.add_argument("--n_val", type=POSITIVE, default=unset, help="listops, synthetic (2000, 1000); image, fashion_mnist "
-                   "(5000)")
+    p.add_argument("--n_train", type=POSITIVE, default=unset, help="listops, synthetic (96000, 5000); fashion_mnist")
+    p.add_argument("--n_val", type=POSITIVE, default=unset, help="listops, synthetic (2000, 1000); image (5000)")
     p.add_argument("--n_test", type=POSITIVE, default=unset, help="listops, synthetic (2000, 1000)")
     p.add_argument("--max_len", type=POSITIVE, default=unset, help="listops (2000), text (4096), retrieval (4000)")
     p.add_argument("--length", type=POSITIVE, default=unset, help="synthetic trajectory length (100)")
     p.add_argument("--truncate", action="store_true", default=unset, help="listops: cut longer sequences, counted")
     p.add_argument("--val_fraction", type=FRACTION, default=unset, help="ucr: share of TRAIN for validation (0.2)")
     p.add_argument("--generate", type=POSITIVE, default=unset, help="pathfinder, pathx: generate this many images")
-    p.add_argument("--resolution", type=POSITIVE, default=unset, help="pathfinder (32), pathx (128), fashion_mnist (32; 16)")
-    p.add_argument("--difficulty", default=unset, choices=tuple(PATHFINDER_DIFFICULTY), help="pathfinder, pathx (hard)")
+    p.add_argument("--resolution", type=POSITIVE, default=unset, help="pathfinder (32), pathx (128), fashion_mnist")
+    p.add_argument("--difficulty", default=unset, choices=tuple(PATHFINDER_DIFFICULTY), help="pathfinder, pathx")
     p.add_argument("--no_download", dest="download", action="store_false", default=unset, help="fail if not found")
     p.add_argument("--sha256", default=unset, help="expected sha256 of a downloaded archive")
     a = p.parse_args(argv)

@@ -145,7 +145,8 @@ def test_listops_generates_in_its_own_folder_once_per_settings_and_reads_release
         (release / f"basic_{s}.tsv").write_text(theirs)
     assert data.prepare_listops(root, n_train=5, **small) == dict(train=1, val=1, test=1)
     meta = data.load_split(root, "listops", "train")["meta"]
-    assert meta["generated"] is False and meta["seed"] is None and "listops train: 1 examples" in capsys.readouterr().out
+    assert meta["generated"] is False and meta["seed"] is None
+    assert "listops train: 1 examples" in capsys.readouterr().out
     assert (generated / "basic_train.tsv").exists()  # the generated set is left as it was
 
 
@@ -2433,17 +2434,16 @@ def test_command_line_data_errors_are_one_line_without_traceback(tmp_path):
     for s in data.SPLITS:
         (folder / f"{s}.pt").write_bytes(b"not a checkpoint")
     here = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.run([sys.executable, os.path.join(here, "finetune.py"), "--task", "synthetic", "--init", "scratch",
-                           "--data_dir", str(tmp_path), "--device", "cpu"], capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1
-    assert proc.stderr.startswith(f"error: {folder / 'train.pt'}: not in torch.save's zip format")
+    proc = subprocess.run([sys.executable, os.path.join(here, "finetune.py"), "--task", "synthetic", "--init",
+                           "scratch", "--data_dir", str(tmp_path), "--device", "cpu"], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1
+    assert proc.stderr.startswith(f"error: {folder / 'train.pt'}: ")
     # analyze.py too: a missing checkpoint, a run folder without snapshots
-    for argv, message in ((["attention", "--ckpt", str(tmp_path / "none.pt")], f"error: {tmp_path / 'none.pt'}: no such file"),
+    for argv, message in ((["attention", "--ckpt", str(tmp_path / "none.pt")], f"error: {tmp_path / 'none.pt'}: "),
                           (["curves", "--run_dir", str(folder)], f"error: no pretrain_step*.pt in {folder}")):
-        proc = subprocess.run([sys.executable, os.path.join(here, "analyze.py")] + argv, capture_output=True, text=True,
-                              timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        proc = subprocess.run([sys.executable, os.path.join(here, "analyze.py")] + argv, capture_output=True,
+                              text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith(message), proc.stderr
 
@@ -3280,7 +3280,8 @@ def test_lra_tasks_pretrain_then_finetune_a_few_steps(tmp_path, task, extra):
         assert data.load_pt(os.path.join(out, task, "finetune_spt.pt"))["model"]["cls_head.0.weight"].shape[1] == 64
     # the attention analysis reads every task's checkpoints (Retrieval: each document of a pair on its own)
     stats, maps = analyze.analyze_checkpoints({"spt": os.path.join(out, task, "pretrain.pt")}, root, n=5)
-    assert 0 < stats["spt"]["band_mass"] <= 1 and maps["spt"]["attention"][0].shape[-1] == maps["spt"]["probe"].shape[-1]
+    assert 0 < stats["spt"]["band_mass"] <= 1
+    assert maps["spt"]["attention"][0].shape[-1] == maps["spt"]["probe"].shape[-1]
 
 
 def test_attention_maps_average_real_rows_and_take_entropy_per_sequence_in_any_chunks():
