@@ -3146,7 +3146,7 @@ def installed_fashion_mnist(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "FASHION_DIRS", (str(folder),))
 
 
-def test_fashion_mnist_idx_padded_to_1024_pixels(tmp_path, monkeypatch):
+def test_fashion_mnist_idx_padded_to_1024_pixels_or_averaged_to_16x16(tmp_path, monkeypatch):
     root = str(tmp_path)
     folder = os.path.join(root, "fashion_mnist")
     os.makedirs(folder)
@@ -3161,38 +3161,26 @@ def test_fashion_mnist_idx_padded_to_1024_pixels(tmp_path, monkeypatch):
     square = test["pixels"].view(7, 32, 32)
     assert torch.equal(square[:, 2:30, 2:30], torch.from_numpy(images[:7]).to(torch.uint8))
     assert square[:, :2].sum() == 0 and square[:, :, 30:].sum() == 0 and test["labels"].tolist() == list(range(7))
+    assert data.prepare_fashion_mnist(root, n_val=5, resolution=16, n_train=12) == {"train": 12, "val": 5, "test": 7}
+    test = data.load_split(root, "fashion_mnist", "test")
+    assert test["meta"]["max_len"] == 256 and test["meta"]["train_subset"]
+    padded = np.pad(images[:7], ((0, 0), (2, 2), (2, 2))).astype(float)
+    for n, i, j in ((0, 0, 0), (1, 7, 9), (3, 15, 15), (2, 1, 14)):  # a loop over blocks, rounded half up
+        block = padded[n, 2 * i:2 * i + 2, 2 * j:2 * j + 2]
+        assert test["pixels"][n, 16 * i + j].item() == int(math.floor(block.mean() + 0.5))
+    for bad in (dict(resolution=8), dict(n_train=26)):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} {next(iter(bad.values()))}"):
+            data.prepare_fashion_mnist(root, n_val=5, **bad)
     write_idx(os.path.join(folder, "t10k-labels-idx1-ubyte"), np.arange(6))
     with pytest.raises(ValueError, match="t10k-images-idx3-ubyte: "):
         data.prepare_fashion_mnist(root, n_val=5)
     with open(os.path.join(folder, "bad"), "wb") as f:
-        f.write(bytes([0, 0, 8, 1, 0, 0, 0, 9, 1, 2]))
+        f.write(bytes([0, 0, 8, 1, 0, 0, 0, 9, 1, 2]))  # 2 bytes where the header says 9
     with pytest.raises(ValueError, match="bad: not an IDX file"):
         data.read_idx(os.path.join(folder, "bad"))
     monkeypatch.setattr(data, "FASHION_DIRS", ())   # this machine may have the Debian package installed
     with pytest.raises(FileNotFoundError, match="dataset-fashion-mnist"):
         data.find_fashion_mnist(str(tmp_path / "elsewhere"))
-
-
-def test_fashion_mnist_at_16x16_is_the_mean_of_2x2_blocks_and_keeps_a_counted_training_subset(tmp_path, capsys):
-    root = str(tmp_path)
-    folder = os.path.join(root, "fashion_mnist")
-    os.makedirs(folder)
-    rng = np.random.default_rng(3)
-    images = rng.integers(0, 256, (30, 28, 28))
-    write_idx(os.path.join(folder, "train-images-idx3-ubyte"), images)
-    write_idx(os.path.join(folder, "train-labels-idx1-ubyte"), rng.integers(0, 10, 30))
-    write_idx(os.path.join(folder, "t10k-images-idx3-ubyte"), images[:4])
-    write_idx(os.path.join(folder, "t10k-labels-idx1-ubyte"), np.arange(4))
-    assert data.prepare_fashion_mnist(root, n_val=5, resolution=16, n_train=12) == {"train": 12, "val": 5, "test": 4}
-    test = data.load_split(root, "fashion_mnist", "test")
-    assert test["meta"]["max_len"] == 256 and test["meta"]["resolution"] == 16 and test["meta"]["train_subset"]
-    padded = np.pad(images[:4], ((0, 0), (2, 2), (2, 2))).astype(float)
-    for n, i, j in ((0, 0, 0), (1, 7, 9), (3, 15, 15), (2, 1, 14)):  # a loop over blocks, rounded half up
-        block = padded[n, 2 * i:2 * i + 2, 2 * j:2 * j + 2]
-        assert test["pixels"][n, 16 * i + j].item() == int(math.floor(block.mean() + 0.5))
-    for bad, match in ((dict(resolution=8), "resolution 8"), (dict(n_train=26), "n_train 26: expected 1..25")):
-        with pytest.raises(ValueError, match=match):
-            data.prepare_fashion_mnist(root, n_val=5, **bad)
 
 
 def test_ablate_s_fashion_mnist_subset_reads_the_idx_files_where_data_py_downloads_them(tmp_path, monkeypatch):
@@ -3214,8 +3202,7 @@ def test_ablate_s_fashion_mnist_subset_reads_the_idx_files_where_data_py_downloa
     assert meta["split_sizes"] == dict(train=6, val=4, test=5) and meta["source"] == str(root / "fashion_mnist")
 
 
-def test_fashion_mnist_downloads_from_a_local_server_and_checks_the_published_md5(http_root, tmp_path, monkeypatch,
-                                                                                  capsys):
+def test_fashion_mnist_downloads_from_a_local_server_and_checks_the_published_md5(http_root, tmp_path, monkeypatch):
     import hashlib
     www, _ = http_root
     base = http_root[1].replace("/aeon-toolkit", "/fm")
@@ -3231,23 +3218,15 @@ def test_fashion_mnist_downloads_from_a_local_server_and_checks_the_published_md
     monkeypatch.setattr(data, "FASHION_DIRS", ())   # this machine may have the Debian package installed
     monkeypatch.setattr(data, "FASHION_MD5", md5)   # the test's files, with their own checksums
     root = str(tmp_path / "data")
-    with pytest.raises(FileNotFoundError, match="python data.py --task fashion_mnist"):
-        data.prepare_fashion_mnist(root, n_val=4, download=False)
     wrong = dict(md5, **{"t10k-labels-idx1-ubyte.gz": "0" * 32})
-    with pytest.raises(ValueError, match="t10k-labels-idx1-ubyte.gz: MD5 .*, expected the published 0000"):
+    with pytest.raises(ValueError, match="t10k-labels-idx1-ubyte.gz: "):
         data.download_fashion_mnist(os.path.join(root, "fashion_mnist"), base, wrong)
     assert not os.path.exists(os.path.join(root, "fashion_mnist", "t10k-labels-idx1-ubyte.gz"))  # deleted
     assert data.prepare_fashion_mnist(root, n_val=4, url=base) == {"train": 16, "val": 4, "test": 6}
     meta = data.load_split(root, "fashion_mnist", "test")["meta"]
     assert meta["sha256"] == {n: hashlib.sha256((www / "fm" / n).read_bytes()).hexdigest() for n in arrays}
-    assert not any(name.endswith(".part") for name in os.listdir(os.path.join(root, "fashion_mnist")))
-    with pytest.raises(ConnectionError, match="apt install dataset-fashion-mnist"):
+    with pytest.raises(ConnectionError, match=re.escape(base + "/missing")):
         data.download_fashion_mnist(str(tmp_path / "other"), base + "/missing")
-    plain = os.path.join(root, "fashion_mnist", "train-labels-idx1-ubyte")  # preferred to its .gz when both are there
-    write_idx(plain, (arrays["train-labels-idx1-ubyte.gz"] + 1) % 10)
-    data.prepare_fashion_mnist(root, n_val=4, url=base)
-    recorded = data.load_split(root, "fashion_mnist", "train")["meta"]["sha256"]
-    assert recorded["train-labels-idx1-ubyte"] == data.sha256_of(plain) and "train-labels-idx1-ubyte.gz" not in recorded
 
 
 def _lra_fixture(task, root):
@@ -3451,12 +3430,12 @@ def test_a_last_batch_smaller_than_the_ranks_joins_the_one_before():
         assert sorted(torch.cat(batches).tolist()) == list(range(10))  # every sequence exactly once
 
 
-def test_lra_and_imdb_archives_download_from_a_local_server(http_root, tmp_path, capsys):
-    """The LRA release (a tar.gz with an outer and an inner copy) and the IMDb tar.gz, served on 127.0.0.1."""
+def test_lra_and_imdb_archives_download_from_a_local_server(http_root, tmp_path):
+    """The LRA release (a tar.gz with an outer and an inner copy) and the IMDb tar.gz, served on 127.0.0.1; a
+    download that is not a tar archive is refused and not kept."""
     import hashlib
-    import io
-    import tarfile
     www, base_url = http_root
+    base_url = base_url.replace("/aeon-toolkit", "")
 
     def make_tar(path, files):
         with tarfile.open(path, "w:gz") as tar:
@@ -3466,34 +3445,24 @@ def test_lra_and_imdb_archives_download_from_a_local_server(http_root, tmp_path,
                 info.size = len(blob)
                 tar.addfile(info, io.BytesIO(blob))
 
-    src = tmp_path / "aan"
+    src, imdb = tmp_path / "aan", tmp_path / "imdb"
     write_aan(str(src))
     inner = {f"lra_release/lra_release/tsv_data/{p.name}": p.read_text(encoding="utf-8") for p in src.iterdir()}
     outer = {"lra_release/tsv_data/new_aan_pairs.train.tsv": "0\tx\ty\tthe outer copy\tz\n"}
     make_tar(www / "lra_release.gz", {**outer, **inner})
     digest = hashlib.sha256((www / "lra_release.gz").read_bytes()).hexdigest()
     root = str(tmp_path / "data")
-    with pytest.raises(ValueError, match=f"sha256 {digest}, expected 00"):
-        data.prepare_retrieval(root, url=base_url.replace("/aeon-toolkit", "/lra_release.gz"), sha256="00")
-    assert not os.path.exists(os.path.join(root, "lra_release.gz")) and \
-        not os.path.exists(os.path.join(root, "lra_release.gz.part"))
-    with pytest.raises(ConnectionError, match="Download .* by hand and extract lra_release/lra_release/tsv_data/"):
-        data.prepare_retrieval(root, url=base_url + "/missing.gz")
-    sizes = data.prepare_retrieval(root, url=base_url.replace("/aeon-toolkit", "/lra_release.gz"), sha256=digest)
+    sizes = data.prepare_retrieval(root, url=f"{base_url}/lra_release.gz", sha256=digest)
     assert sizes == {"train": 8, "val": 8, "test": 8}   # the inner copy, not the one-line outer one
     assert data.load_split(root, "retrieval", "train")["meta"]["download"]["sha256"] == digest
-    # IMDb: the archive's top folder is aclImdb/.
-    imdb = tmp_path / "imdb"
-    write_aclimdb(str(imdb))
+    write_aclimdb(str(imdb))  # the archive's top folder is aclImdb/
     make_tar(www / "aclImdb_v1.tar.gz", {str(p.relative_to(imdb)): p.read_text(encoding="utf-8")
                                          for p in imdb.rglob("*.txt")})
-    capsys.readouterr()
-    sizes = data.prepare_text(root, url=base_url.replace("/aeon-toolkit", "/aclImdb_v1.tar.gz"), max_len=64)
-    assert sizes == {"train": 12, "val": 12, "test": 12} and "downloaded" in capsys.readouterr().out
-    # A file that is not a tar archive is refused by name.
+    sizes = data.prepare_text(root, url=f"{base_url}/aclImdb_v1.tar.gz", max_len=64)
+    assert sizes == {"train": 12, "val": 12, "test": 12}
     (www / "junk.gz").write_bytes(b"<html>not an archive</html>")
     with pytest.raises(ValueError, match="cifar-10-python.tar.gz: not a complete tar archive"):
-        data.prepare_image(str(tmp_path / "d2"), url=base_url.replace("/aeon-toolkit", "/junk.gz"))
+        data.prepare_image(str(tmp_path / "d2"), url=f"{base_url}/junk.gz")
     assert not os.path.exists(tmp_path / "d2" / "image" / "cifar-10-python.tar.gz")  # not kept for the next run
 
 
@@ -4581,18 +4550,12 @@ def test_pathfinder_reader_errors_name_the_file(pathfinder_release, fault):
         data.read_pathfinder_release(root)
 
 
-def test_pathfinder_grid_is_written(tmp_path, pathfinder32):
-    path = str(tmp_path / "grid.png")
-    data.save_pathfinder_grid(pathfinder32[0], pathfinder32[1], path, n=4)
-    with Image.open(path) as im:
-        assert im.size[0] > 100 and im.size[1] > 100
-
-
 def test_pathfinder_generate_command_prepare_and_train_a_few_steps(tmp_path, capsys):
     root, out = str(tmp_path / "data"), str(tmp_path / "out")
     data.main(["--task", "pathfinder", "--data_dir", root, "--generate", "60"])
     release = os.path.join(root, "pathfinder", "pathfinder32", "curv_contour_length_14")
-    assert os.path.exists(os.path.join(root, "pathfinder", "samples.png"))
+    with Image.open(os.path.join(root, "pathfinder", "samples.png")) as im:  # a look at 16 of them
+        assert im.size[0] > 100 and im.size[1] > 100
     splits = {s: data.load_split(root, "pathfinder", s) for s in data.SPLITS}
     assert [len(splits[s]["labels"]) for s in data.SPLITS] == [48, 6, 6]
     assert splits["train"]["pixels"].shape == (48, 1024) and splits["train"]["meta"]["generated"]
