@@ -183,25 +183,23 @@ def check_split(d, path):
             raise ValueError(f"{path}: meta field {field!r} is {meta.get(field)!r}, expected a number")
     x = d.get(key)
     if not isinstance(x, torch.Tensor) or x.dim() not in dims or len(x) == 0:
-        raise ValueError(f"{path}: field {key!r} is {describe(x)}, expected {' or '.join(map(str, dims))} dims and "
-                         f"at least one row")
-    pair = key == "tokens" and x.dim() == 3
+        raise ValueError(f"{path}: field {key!r} is {describe(x)}, expected {dims} dims and at least one row")
+    pair, width = key == "tokens" and x.dim() == 3, x.shape[-1] if key == "tokens" else x.shape[1]
     for name, shape in (("lengths", tuple(x.shape[:2]) if pair else (len(x),)), ("labels", (len(x),))):
         t = d.get(name)
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or tuple(t.shape) != shape:
             raise ValueError(f"{path}: field {name!r} is {describe(t)}, expected torch.int64 {shape}")
+    expected = {"tokens": f"integer ids in 0..{meta.get('vocab_size', 0) - 1}", "pixels": "uint8 intensities",
+                "values": f"finite floats (N, L, {meta.get('d_input')})"}[key]
     if key == "tokens":
         integer = not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
-        ok = integer and (x.numel() == 0 or 0 <= int(x.min()) <= int(x.max()) < meta["vocab_size"])
-        expected = f"integer ids in 0..{meta['vocab_size'] - 1}"
+        ok = integer and 0 <= int(x.min()) <= int(x.max()) < meta["vocab_size"]
     elif key == "values":
         ok = x.is_floating_point() and x.shape[2] == meta["d_input"] and bool(torch.isfinite(x).all())
-        expected = f"finite floats (N, L, {meta['d_input']})"
     else:
-        ok, expected = x.dtype == torch.uint8, "uint8 intensities 0..255"
+        ok = x.dtype == torch.uint8
     if not ok:
         raise ValueError(f"{path}: field {key!r} is {describe(x)}, expected {expected}")
-    width = x.shape[-1] if key == "tokens" else x.shape[1]
     for name, low, high in (("lengths", 1, width), ("labels", 0, meta["n_classes"] - 1)):
         bad = torch.nonzero((d[name] < low) | (d[name] > high))
         if len(bad):
@@ -541,8 +539,8 @@ def write_listops_tsv(path, rows):
 
 def read_listops_tsv(path, with_lines=False):
     """Read an LRA ListOps file -> (sources, labels), and with_lines each sample's file line. Columns are found by
-    header name (Source, Target). ValueError naming the file and line for a missing column, a wrong field count, an unknown token or a
-    Target other than what eval_listops gives."""
+    header name (Source, Target). ValueError naming the file and line for a missing column, a wrong field count,
+    an unknown token or a Target other than what eval_listops gives."""
     def parse(f):
         header = [h.strip() for h in f.readline().rstrip("\r\n").split("\t")]
         if "Source" not in header or "Target" not in header:
