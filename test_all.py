@@ -3455,8 +3455,8 @@ def test_lra_and_imdb_archives_download_from_a_local_server(http_root, tmp_path)
     ("--eval_every", "0", ">= 1"), ("--log_every", "0", ">= 1"), ("--lr", "0", "> 0.0"), ("--lr", "nan", "> 0.0"),
     ("--n_layers", "0", ">= 1"), ("--mask_ratio", "1.5", ">= 0.0 and <= 1.0"), ("--batch_size", "x", "not an integer")])
 def test_a_numeric_flag_out_of_range_is_a_usage_error_naming_it(flag, value, expected, capsys):
-    """Out-of-range numbers stop at parsing with one line naming the flag (they used to fail steps later with a
-    ZeroDivisionError or TypeError, or, for --mask_ratio 1.5, run with every position masked)."""
+    """Out-of-range numbers stop at parsing with one line naming the flag, not steps later (a ZeroDivisionError,
+    or --mask_ratio 1.5 masking every position)."""
     with pytest.raises(SystemExit):
         pretrain.pretrain_parser().parse_args(["--task", "synthetic", flag, value])
     err = capsys.readouterr().err
