@@ -258,8 +258,11 @@ def data_identity(split, path):
 def write_splits(task_dir, splits, metas):
     """Write <task_dir>/{train,val,test}.pt, each dict(splits[s], meta=metas[s]). train.pt goes first out and
     last in, so a stopped preparation leaves no train.pt (make_data prepares again), never a mixed set."""
-    for f in glob.glob(os.path.join(glob.escape(task_dir), "*.pt.*.tmp")):  # save_atomic's, of a killed write
+    left = glob.glob(os.path.join(glob.escape(task_dir), "*.pt.*.tmp"))  # save_atomic's, of a killed write
+    for f in left:
         os.remove(f)
+    if left:
+        print(f"removed {len(left)} temporaries of a killed write in {task_dir}")
     pathlib.Path(task_dir, "train.pt").unlink(missing_ok=True)
     for s in reversed(SPLITS):
         save_atomic(dict(splits[s], meta=metas[s]), os.path.join(task_dir, f"{s}.pt"))
