@@ -243,6 +243,7 @@ def load_split(data_dir, task, split, checkpoint=None):
     if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float32:
         if not torch.equal(torch.isfinite(x.float()), torch.isfinite(x)):
             raise ValueError(f"{path}: field 'values' holds values beyond float32's range (+-3.4e38)")
+        print(f"note: {path}: values converted from {x.dtype} to float32")
         d["values"] = x.float()
     check_split(d, path)
     if d["meta"].get("task") != task:

@@ -5601,13 +5601,14 @@ def test_os_faults_end_in_one_line_naming_the_path(synthetic_run, tmp_path, monk
         cli_error(fault)
 
 
-def test_hand_made_values_of_another_float_dtype_become_float32_or_are_refused(synthetic_run, tmp_path):
+def test_hand_made_values_of_another_float_dtype_become_float32_or_are_refused(synthetic_run, tmp_path, capsys):
     d = data.load_split(synthetic_run[0], "synthetic", "val")
     for dtype in (torch.float16, torch.bfloat16, torch.float64):
         root = str(tmp_path / str(dtype))
         data.save_atomic(dict(d, values=d["values"].to(dtype)), data.split_path(root, "synthetic", "val"))
         got = data.load_split(root, "synthetic", "val")
         assert got["values"].dtype == torch.float32 and torch.equal(got["values"], d["values"].to(dtype).float())
+        assert f"{dtype} to float32" in capsys.readouterr().out
     path = data.split_path(root, "synthetic", "val")
     big = d["values"].double()
     big[3, 5, 1] = 1e39
