@@ -189,15 +189,15 @@ def check_split(d, path):
         t = d.get(name)
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or tuple(t.shape) != shape:
             raise ValueError(f"{path}: field {name!r} is {describe(t)}, expected torch.int64 {shape}")
-    expected = {"tokens": f"integer ids in 0..{meta.get('vocab_size', 0) - 1}", "pixels": "uint8 intensities",
-                "values": f"finite floats (N, L, {meta.get('d_input')})"}[key]
     if key == "tokens":
         integer = not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
-        ok = integer and 0 <= int(x.min()) <= int(x.max()) < meta["vocab_size"]
+        ok = integer and (x.numel() == 0 or 0 <= int(x.min()) <= int(x.max()) < meta["vocab_size"])
+        expected = f"integer ids in 0..{meta['vocab_size'] - 1}"
     elif key == "values":
         ok = x.is_floating_point() and x.shape[2] == meta["d_input"] and bool(torch.isfinite(x).all())
+        expected = f"finite floats (N, L, {meta['d_input']})"
     else:
-        ok = x.dtype == torch.uint8
+        ok, expected = x.dtype == torch.uint8, "uint8 intensities"
     if not ok:
         raise ValueError(f"{path}: field {key!r} is {describe(x)}, expected {expected}")
     for name, low, high in (("lengths", 1, width), ("labels", 0, meta["n_classes"] - 1)):
