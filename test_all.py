@@ -692,24 +692,13 @@ def test_finetune_refuses_checkpoints_of_another_task_or_shape(listops_dir, tmp_
         finetune.model_from_pretrained(ck, meta, 10, "listops")
 
 
-def test_same_seed_same_losses_and_exact_resume(listops_dir, tmp_path):
-    def run(out, steps, extra=()):
-        pretrain.main(["--task", "listops", "--data_dir", listops_dir, "--out_dir", out, "--max_steps", str(steps),
-                       "--eval_every", "4", "--epochs", "5"] + TINY + list(extra))
-        log = [json.loads(x) for x in open(os.path.join(out, "listops", "pretrain_log.jsonl"))]
-        return [e["loss"] for e in log if "loss" in e], data.load_pt(os.path.join(out, "listops", "pretrain_last.pt"))
-    a_losses, a = run(str(tmp_path / "a"), 16)
-    b_losses, _ = run(str(tmp_path / "b"), 16)
-    assert a_losses == b_losses
-    c_losses, _ = run(str(tmp_path / "c"), 16, ["--seed", "1"])
-    assert c_losses != a_losses
-    # Interrupted after 8 steps (a step limit), then resumed to 16: bit-identical weights to the full run.
-    _, first = run(str(tmp_path / "d"), 8)
-    _, d = run(str(tmp_path / "d"), 16, ["--resume"])
-    for key in a["model"]:
-        assert torch.equal(a["model"][key], d["model"][key]), key
-    assert d["state"]["step"] == 16
-    assert d["state"]["elapsed_s"] > first["state"]["elapsed_s"] > 0  # the run's time carries over the resume
+def test_same_seed_same_losses(listops_dir, tmp_path):
+    def run(out, extra=()):
+        pretrain.main(["--task", "listops", "--data_dir", listops_dir, "--out_dir", out, "--max_steps", "8",
+                       "--eval_every", "4"] + TINY + list(extra))
+        log = open(os.path.join(out, "listops", "pretrain_log.jsonl"))
+        return [e["loss"] for e in map(json.loads, log) if "loss" in e]
+    assert run(str(tmp_path / "a")) == run(str(tmp_path / "b")) != run(str(tmp_path / "c"), ["--seed", "1"])
 
 
 
@@ -4885,6 +4874,17 @@ def test_flags_that_do_not_apply_or_are_out_of_range_are_usage_errors(synthetic_
         with pytest.raises(SystemExit) as e:
             main(syn_flags(data_dir, out, *extra))
         assert e.value.code == 2 and named in capsys.readouterr().err, extra
+    import ablate
+    ckpt = os.path.join(out, "synthetic", "pretrain.pt")
+    for main, argv in ((analyze.main, ["gradients", "--ckpt", ckpt, "--n", "0"]), (analyze.main, ["prop1", "--seed",
+                       "-1"]), (ablate.main, ["demo", "--length", "0"]), (ablate.main, ["initscale", "--scales", "inf"]),
+                       (data.main, ["--task", "ucr/Toy", "--val_fraction", "1.5"])):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and argv[-2] in capsys.readouterr().err, argv
+    for device in ("cuda:7", "mps") if not torch.cuda.is_available() else ("cuda:99",):
+        with pytest.raises(ValueError, match=rf"--device {device}: not on this machine"):
+            pretrain.main(syn_flags(data_dir, out, "--device", device))
 
 
 def test_hand_made_values_of_another_float_dtype_become_float32_or_are_refused(synthetic_run, tmp_path, capsys):
@@ -4951,39 +4951,6 @@ def test_starter_copy_of_an_untracked_project_inside_another_git_repository(tmp_
 # ----------------------------------------------------------------------------------------------------------
 # Faults, second trial (#47): run names, flag bounds, ablate's finished runs and children, a replaced folder
 # ----------------------------------------------------------------------------------------------------------
-
-def test_every_numeric_flag_is_bounded_and_a_model_that_cannot_be_built_is_a_usage_error(synthetic_run, capsys):
-    """analyze.py gradients --n 0 wrote a share of 0.0 for both losses; attention --n -5 ended in a traceback,
-    --band -1 reported a band mass of 0. An inf learning rate, --d_model 30 --n_heads 4 and a device the machine
-    lacks were tracebacks; each is now one line naming the flag (argparse's usage error, exit 2, or error:)."""
-    import ablate
-    data_dir, out = synthetic_run
-    ckpt = os.path.join(out, "synthetic", "pretrain.pt")
-    for argv in (["gradients", "--ckpt", ckpt, "--n", "0"], ["attention", "--ckpt", ckpt, "--n", "-5"],
-                 ["attention", "--ckpt", ckpt, "--band", "-1"], ["prop1", "--seed", "-1"]):
-        with pytest.raises(SystemExit) as e:
-            analyze.main(argv + ["--data_dir", data_dir])
-        assert e.value.code == 2 and "is out of range" in capsys.readouterr().err, argv
-    for argv in (["demo", "--length", "0"], ["initscale", "--scales", "inf"], ["bench", "--steps", "0"],
-                 ["synthetic", "--length", "-3"], ["gpu", "--n_train", "0"]):
-        with pytest.raises(SystemExit) as e:
-            ablate.main(argv)
-        assert e.value.code == 2 and "is out of range" in capsys.readouterr().err, argv
-    for argv in (["--task", "synthetic", "--n_train", "0"], ["--task", "ucr/Toy", "--val_fraction", "1.5"]):
-        with pytest.raises(SystemExit):
-            data.main(argv)
-        assert "is out of range" in capsys.readouterr().err, argv
-    for flag, value in (("--lr", "inf"), ("--init_scale", "nan"), ("--weight_decay", "inf")):
-        with pytest.raises(SystemExit):
-            pretrain.main(syn_flags(data_dir, out, flag, value))
-        assert f"argument {flag}: {value} is out of range: expected" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as e:
-        pretrain.main(syn_flags(data_dir, out, "--d_model", "30", "--n_heads", "4"))
-    assert e.value.code == 2 and "d_model 30 is not divisible by n_heads 4" in capsys.readouterr().err
-    for device in ("cuda:7", "mps") if not torch.cuda.is_available() else ("cuda:99",):
-        with pytest.raises(ValueError, match=rf"--device {device}: not on this machine"):
-            pretrain.main(syn_flags(data_dir, out, "--device", device))
-
 
 def test_ablate_jobs_children_die_with_their_parent_and_the_parent_names_them(tmp_path):
     """SIGTERM to `ablate.py --jobs 2`: the parent stops its children and says which; after kill -9 of the parent
