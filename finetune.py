@@ -223,7 +223,7 @@ def main(argv=None):
         train_acc, n_sub = train_accuracy(model, train_split, len(splits["val"]["labels"]), args)
         result_keys = ("stage", "task", "init", "data_meta", "same")
         result = dict(task=args.task, init=args.init, name=args.name, seed=args.seed, preset=args.preset,
-                      steps_per_epoch=len(data.batch_indices(train_split["lengths"], args.batch_size, True)),
+                      steps_per_epoch=best["n_batches"],
                       init_scheme=model.cfg.init, init_scale=model.cfg.init_scale,
                       init_std=model.cfg.init_std if model.cfg.init == "normal" else None,
                       best_step=best["step"], best_epoch=best["epoch"], best_val_acc=best["val_acc"],

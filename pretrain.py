@@ -418,7 +418,7 @@ def train(model, splits, args, loss_fn, eval_fn, paths, record, metric, maximize
     checkpoint, the higher the better if `maximize` (ties: the lower val_loss, then the later evaluation). record:
     what every checkpoint stores; record["same"]: what a --resume must share with it. With args.resume the run goes
     on from paths["last"] as if it had never stopped. Returns the best metrics with "step", "epoch", every
-    evaluation ("evals") and "elapsed_s" (seconds over every process of the run)."""
+    evaluation ("evals"), "n_batches" per epoch and "elapsed_s" (seconds over every process of the run)."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.999),
                             weight_decay=args.weight_decay, fused=args.device.type == "cuda")
     lengths = splits["train"]["lengths"]  # on the CPU: counting tokens never waits for the device
@@ -524,7 +524,7 @@ def train(model, splits, args, loss_fn, eval_fn, paths, record, metric, maximize
     print(f"finished {state['step']} steps; best {metric} {state['best'][metric]:.4f} at step {state['best']['step']}")
     if args.world_size > 1:
         dist.barrier()  # rank 0 has written its checkpoints before any rank reads them
-    return dict(state["best"], evals=state["evals"], elapsed_s=elapsed0 + time.time() - t_process)
+    return dict(state["best"], evals=state["evals"], n_batches=n_batches, elapsed_s=elapsed0 + time.time() - t_process)
 
 
 def save_checkpoint(path, model, opt, state, record):
@@ -721,6 +721,8 @@ def own_run(paths, args):
                                       f"...): --resume continues it, --overwrite removes it, or give another --out_dir")
             for f in (old if args.overwrite else []) + [t for p in old for t in glob.glob(glob.escape(p) + ".*.tmp")]:
                 os.remove(f)
+        if args.resume and not os.path.exists(paths["last"]):
+            print(f"--resume: no {paths['last']} yet: the run starts at step 0")
         if args.world_size > 1:
             dist.barrier()  # rank 0 has checked the folder before any rank goes on
         started = True
