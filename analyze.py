@@ -81,10 +81,8 @@ def prop1_losses(x, d, a, w, y, pooling="mean"):
 def prop1_derivatives(x, d, w, y, pooling="mean", a0=0.0):
     """(L_sup'(a0), L_SPT'(a0)) as floats, by autograd through `prop1_losses` (a0 = 0: uniform attention)."""
     a = torch.tensor(a0, dtype=torch.float64, requires_grad=True)
-    l_sup, l_spt = prop1_losses(x, d, a, w, y, pooling)
-    d_sup = torch.autograd.grad(l_sup, a, retain_graph=True)[0]
-    d_spt = torch.autograd.grad(l_spt, a)[0]
-    return d_sup.item(), d_spt.item()
+    losses = prop1_losses(x, d, a, w, y, pooling)
+    return tuple(torch.autograd.grad(loss, a, retain_graph=True)[0].item() for loss in losses)
 
 
 def closed_form_spt_derivative(x, d, c=None):
@@ -200,15 +198,13 @@ def loss_gradients(path, data_dir, n=64, chunk=None, seed=0, losses=("L_sup", "L
     reconstruction). A pretrain.py checkpoint gets a fresh class head of its preset's kind. `seed` draws the head and
     the masks; `chunk`: sequences at a time (default <= 16, chunk x L^2 <= 2^24). Returns {loss: {"prop1_share":
     [per layer], "grad_norm": {group: ||dL/dW|| / sequences}}}. ValueError for a pair model or local attention."""
-    model, ck = load_model(path, head_seed=seed)  # eval: dropout off (0 in every preset anyway); gradients flow
-    run, meta = ck.get("config") or {}, ck["data_meta"]
+    model, ck = load_model(path, head_seed=seed)
+    meta = ck["data_meta"]
     if model.cfg.pair or (model.cfg.attn_window and model.cfg.attn_window < meta["max_len"]):
         raise ValueError(f"{path}: a pair model (Retrieval) or one with local attention; Prop. 1's measure needs "
                          f"one sequence through full attention")
     split = data.load_split(data_dir, ck["task"], "train", ck)
     count = min(n, len(split["labels"]))
-    ratio = run.get("mask_ratio") or pretrain.MASK_RATIO[data.task_family(ck["task"])]
-    kind = run.get("rec_loss") or ("ce" if meta["kind"] == "tokens" else "mse")
     g = torch.Generator().manual_seed(seed)
     chunk = chunk or max(1, min(16, 2 ** 24 // data.split_width(split) ** 2))
     out = {}
@@ -221,11 +217,12 @@ def loss_gradients(path, data_dir, n=64, chunk=None, seed=0, losses=("L_sup", "L
                 z, probs = model.encode(model_inputs(model, x), lengths, need_weights=True)
                 loss = F.cross_entropy(model.class_head(model.pool(z, lengths)), labels, reduction="sum")
             else:
-                inputs, masked = pretrain.mask_batch(x, lengths, ratio, meta.get("mask_id"), g)
+                run = ck["config"]  # the pretrain.py run's masks and loss
+                inputs, masked = pretrain.mask_batch(x, lengths, run["mask_ratio"], meta.get("mask_id"), g)
                 z, probs = model.encode(inputs, lengths, need_weights=True)
                 outputs = model.rec_head(z[:, model.prefix:])  # the sequence's positions, after the summary token
-                targets = pretrain.targets_at(x, kind, meta)
-                loss = pretrain.reconstruction_loss(outputs, targets, masked, kind) * masked.sum()
+                targets = pretrain.targets_at(x, run["rec_loss"], meta)
+                loss = pretrain.reconstruction_loss(outputs, targets, masked, run["rec_loss"]) * masked.sum()
             for p in probs:
                 p.retain_grad()
             loss.backward()
@@ -263,8 +260,8 @@ def load_model(path, head_seed=None):
     ck = data.load_pt(path)
     cfg = ck["model_config"]
     if head_seed is not None and ck.get("stage") == "pretrain":
-        preset = pretrain.PRESETS[data.task_family(ck["task"])].get((ck.get("config") or {}).get("preset"), {})
-        cfg = dict(cfg, n_classes=ck["data_meta"]["n_classes"], cls_mlp=preset.get("model", {}).get("cls_mlp", False))
+        preset = pretrain.PRESETS[data.task_family(ck["task"])][ck["config"]["preset"]]
+        cfg = dict(cfg, n_classes=ck["data_meta"]["n_classes"], cls_mlp=preset["model"].get("cls_mlp", False))
     with torch.random.fork_rng():  # the caller's random state left as it was
         torch.manual_seed(head_seed or 0)
         model = Transformer(config_from_dict(cfg, path))
@@ -313,9 +310,8 @@ def pe_probe(model, length, layer=0):
     P = model.absolute_positions(length)
     if P is None:
         raise ValueError(f"the PE-only probe needs absolute positions; this model's pos is {model.cfg.pos!r}")
-    p = block.ln1(P)                                                            # (L, d_model)
-    q = (p @ attn.q_proj.weight.T).view(length, attn.n_heads, attn.d_head).transpose(0, 1)  # (H, L, d_head)
-    k = (p @ attn.k_proj.weight.T).view(length, attn.n_heads, attn.d_head).transpose(0, 1)
+    q, k = ((block.ln1(P) @ proj.weight.T).view(length, attn.n_heads, attn.d_head).transpose(0, 1)  # (H, L, d_head)
+            for proj in (attn.q_proj, attn.k_proj))
     scores = q @ k.transpose(1, 2) / math.sqrt(attn.d_head)
     return scores, scores.softmax(-1)
 
