@@ -805,9 +805,10 @@ def prop1_setup():
     return x, w, y, dirs
 
 
-def test_prop1_losses_match_per_token_loops(prop1_setup):
+@pytest.mark.parametrize("a0", [0.0, 0.8])
+def test_prop1_losses_match_per_token_loops_and_autograd_finite_differences(prop1_setup, a0):
     x, w, y, dirs = prop1_setup
-    d, a = dirs[0], torch.tensor(0.9, dtype=torch.float64)
+    d, a = dirs[0], torch.tensor(a0, dtype=torch.float64)
     n, length, _ = x.shape
     attn = torch.softmax(a * d, dim=-1)
     o = torch.stack([torch.stack([sum(attn[i, j] * x[m, j] for j in range(length)) for i in range(length)])
@@ -816,6 +817,13 @@ def test_prop1_losses_match_per_token_loops(prop1_setup):
     spt = sum(((x[:, i] - o[:, i]) ** 2).sum(-1).mean() for i in range(length)) / (2 * length)
     got_sup, got_spt = analyze.prop1_losses(x, d, a, w, y)
     assert torch.allclose(got_sup, sup, rtol=1e-12) and torch.allclose(got_spt, spt, rtol=1e-12)
+    eps = 1e-5
+    for d in (dirs[1], analyze.column_centred(dirs[1])):
+        auto = analyze.prop1_derivatives(x, d, w, y, a0=a0)
+        plus, minus = (analyze.prop1_losses(x, d, torch.tensor(a0 + s, dtype=torch.float64), w, y) for s in (eps, -eps))
+        for k in range(2):
+            fd = ((plus[k] - minus[k]) / (2 * eps)).item()
+            assert abs(auto[k] - fd) < 1e-6 * max(abs(fd), 1e-3)
 
 
 def test_prop1_derivatives_at_uniform_attention_against_the_closed_forms(prop1_setup):
@@ -837,19 +845,6 @@ def test_prop1_derivatives_at_uniform_attention_against_the_closed_forms(prop1_s
         assert abs(d_sup) > 1e-6 and analyze.rel_err(analyze.exact_spt_derivative(x, d), d_spt) < 1e-6
         assert analyze.rel_err(analyze.closed_form_spt_derivative(x, d), d_spt) > 1e-3  # the paper's needs 1^T D = 0
     assert abs(analyze.prop1_derivatives(x, analyze.column_centred(dirs[0]), w, y, pooling="cls")[0]) > 1e-6
-
-
-@pytest.mark.parametrize("a0", [0.0, 0.8])
-def test_prop1_autograd_matches_finite_difference(prop1_setup, a0):
-    x, w, y, dirs = prop1_setup
-    for d in (dirs[1], analyze.column_centred(dirs[1])):
-        auto = analyze.prop1_derivatives(x, d, w, y, a0=a0)
-        eps = 1e-5
-        plus = analyze.prop1_losses(x, d, torch.tensor(a0 + eps, dtype=torch.float64), w, y)
-        minus = analyze.prop1_losses(x, d, torch.tensor(a0 - eps, dtype=torch.float64), w, y)
-        for k in range(2):
-            fd = ((plus[k] - minus[k]) / (2 * eps)).item()
-            assert abs(auto[k] - fd) < 1e-6 * max(abs(fd), 1e-3)
 
 
 def test_prop1_main_writes_png_and_json(tmp_path):
@@ -3215,13 +3210,11 @@ def test_attention_maps_average_real_rows_and_take_entropy_per_sequence_in_any_c
     # Brute force: loop over layers, heads, query positions and the sequences in which that position is real.
     for chunk in (1, 2, 5):
         maps, entropies = analyze.attention_maps(model, x, lengths, chunk=chunk)
-        for layer, p in enumerate(probs):
-            for h in range(p.shape[1]):
-                for i in range(12):
-                    rows = [p[b, h, i] for b in range(5) if i < lengths[b]]
-                    assert torch.allclose(maps[layer][h, i], sum(rows) / len(rows), atol=1e-6)
-                    ent = [-(r * r.clamp_min(1e-30).log()).sum() for r in rows]
-                    assert entropies[layer][h, i].item() == pytest.approx(sum(ent).item() / len(rows), abs=1e-5)
+        for layer, h, i in np.ndindex(2, 4, 12):
+            rows = [probs[layer][b, h, i] for b in range(5) if i < lengths[b]]
+            assert torch.allclose(maps[layer][h, i], sum(rows) / len(rows), atol=1e-6)
+            ent = sum(-(r * r.clamp_min(1e-30).log()).sum() for r in rows) / len(rows)
+            assert entropies[layer][h, i].item() == pytest.approx(ent.item(), abs=1e-5)
     # Two sequences that each attend to one (different) key: each row has entropy 0, the averaged map log 2.
     sharp = torch.zeros(2, 1, 2, 2)
     sharp[0, :, :, 0], sharp[1, :, :, 1] = 1, 1
@@ -3235,29 +3228,25 @@ def test_attention_stats_of_a_padded_batch_are_means_over_real_rows_against_each
     every real (sequence, query) pair, of each sequence's own statistics computed alone at its own length, and
     exactly uniform attention (W_Q = W_K = 0) reads as uniform (entropy log n, the band mass of n real keys)."""
     torch.manual_seed(0)
+    lengths = torch.tensor([20, 13, 7, 20, 4])
+    x = torch.randint(2, 17, (5, 20)) * (torch.arange(20) < lengths[:, None])
     for zero_qk in (True, False):
         model = Transformer(tiny_cfg(n_layers=1, init="normal", init_std=0.3)).eval()
-        if zero_qk:
-            with torch.no_grad():
-                for proj in (model.blocks[0].attn.q_proj, model.blocks[0].attn.k_proj):
-                    proj.weight.zero_(), proj.bias.zero_()
-        lengths = torch.tensor([20, 13, 7, 20, 4])
-        x = torch.randint(2, 17, (5, 20)) * (torch.arange(20) < lengths[:, None])
+        for proj in (model.blocks[0].attn.q_proj, model.blocks[0].attn.k_proj) if zero_qk else ():
+            torch.nn.init.zeros_(proj.weight), torch.nn.init.zeros_(proj.bias)
         maps, entropies = analyze.attention_maps(model, x, lengths)
-        s = analyze.attention_stats(maps[0], band=2, side=None, entropy=entropies[0], lengths=lengths)
+        s = analyze.attention_stats(maps[0], band=2, entropy=entropies[0], lengths=lengths)
         alone = []   # brute force: each sequence unpadded, on its own, its statistics weighted by its length
         for b, n in enumerate(lengths.tolist()):
             m, e = analyze.attention_maps(model, x[b:b + 1, :n])
             alone.append((n, analyze.attention_stats(m[0], band=2, entropy=e[0])))
-        total = lengths.sum().item()
         for key in ("entropy", "uniform_entropy", "band_mass", "uniform_band_mass", "mean_distance"):
-            assert s[key] == pytest.approx(sum(n * a[key] for n, a in alone) / total, rel=1e-5), key
+            want = sum(n * a[key] for n, a in alone) / lengths.sum().item()
+            assert s[key] == pytest.approx(want, rel=1e-5), key
         if zero_qk:
-            assert s["entropy"] == pytest.approx(s["uniform_entropy"], rel=1e-6)
+            assert s["entropy"] == pytest.approx(s["uniform_entropy"], rel=1e-6) and s["entropy"] < np.log(20)
             assert s["band_mass"] == pytest.approx(s["uniform_band_mass"], rel=1e-6)
-            assert s["uniform_entropy"] < np.log(20)  # not the reference of length-20 sequences
-    # Without padding, lengths changes nothing.
-    probs = torch.softmax(torch.randn(2, 9, 9), -1)
+    probs = torch.softmax(torch.randn(2, 9, 9), -1)  # without padding, lengths changes nothing
     assert analyze.attention_stats(probs, band=1, lengths=torch.tensor([9, 9])) == analyze.attention_stats(probs,
                                                                                                             band=1)
 
