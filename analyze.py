@@ -194,10 +194,10 @@ def score_gradient(probs, probs_grad):
 
 def loss_gradients(path, data_dir, n=64, chunk=None, seed=0, losses=("L_sup", "L_SPT")):
     """Prop. 1 in a checkpoint's model, on its task's first n training sequences: the attention-score gradients of
-    L_sup (cross-entropy through the model's pooling) and, for a pretrain.py checkpoint, of L_SPT (its run's masked
-    reconstruction). A pretrain.py checkpoint gets a fresh class head of its preset's kind. `seed` draws the head and
-    the masks; `chunk`: sequences at a time (default <= 16, chunk x L^2 <= 2^24). Returns {loss: {"prop1_share":
-    [per layer], "grad_norm": {group: ||dL/dW|| / sequences}}}. ValueError for a pair model or local attention."""
+    L_sup (through the model's pooling; a pretrain.py checkpoint gets a fresh class head of its preset's kind) and,
+    for a pretrain.py checkpoint, of L_SPT (its run's masks and loss). `seed` draws the head and the masks; `chunk`:
+    sequences at a time (default: <= 16 and chunk x L^2 <= 2^24). Returns {loss: {"prop1_share": [per layer],
+    "grad_norm": {group: ||dL/dW|| / sequences}}}. ValueError for a pair model or local attention."""
     model, ck = load_model(path, head_seed=seed)
     meta = ck["data_meta"]
     if model.cfg.pair or (model.cfg.attn_window and model.cfg.attn_window < meta["max_len"]):
@@ -330,7 +330,7 @@ def attention_stats(probs, band=3, side=None, entropy=None, lengths=None):
     entropy: the mean row entropy in nats, or the mean of `entropy` (..., L), attention_maps' per-sequence ones
     (then entropy_of_mean_map is that of `probs`). band_mass: attention within |i - j| <= band. mean_distance:
     sum_j A_ij |i - j|. uniform_*: the values of uniform attention. `side` (an image, L = side^2): band_mass_2d
-    within the (2 band + 1)^2 pixels around the query, mean_distance_2d in pixels; ValueError if side^2 != L.
+    within the (2 band + 1)^2 pixels around the query, mean_distance_2d in pixels.
     `lengths` (B,): of the sequences an attention_maps mean was taken over; each row counts once per real sequence.
     """
     L = probs.shape[-1]
@@ -356,8 +356,6 @@ def attention_stats(probs, band=3, side=None, entropy=None, lengths=None):
     if entropy is not None:
         stats["entropy_of_mean_map"] = map_entropy
     if side is not None:
-        if side * side != L:
-            raise ValueError(f"side {side}: an image of side x side pixels has {side * side} positions, not {L}")
         dr = (pos[:, None] // side - pos[None, :] // side).abs().to(probs.dtype)
         dc = (pos[:, None] % side - pos[None, :] % side).abs().to(probs.dtype)
         near = torch.maximum(dr, dc) <= band

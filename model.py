@@ -429,10 +429,9 @@ def init_weights(model, cfg):
                     nn.init.zeros_(m.bias)
             else:
                 m.reset_parameters()  # PyTorch's own default (kaiming-uniform a = sqrt 5; Embedding N(0, 1))
-            if cfg.init_scale != 1.0:
-                with torch.no_grad():
-                    for p in m.parameters(recurse=False):
-                        p.mul_(cfg.init_scale)
+            with torch.no_grad():  # init_scale 1: x * 1.0 is x exactly
+                for p in m.parameters(recurse=False):
+                    p.mul_(cfg.init_scale)
         elif isinstance(m, nn.LayerNorm):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)

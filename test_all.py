@@ -1246,8 +1246,6 @@ def test_attention_stats_closed_forms():
         near += w * (max(abs(ri - rj), abs(ci - cj)) <= 1)
         dist += w * math.hypot(ri - rj, ci - cj)
     assert s["band_mass_2d"] == pytest.approx(near, rel=1e-5) and s["mean_distance_2d"] == pytest.approx(dist, rel=1e-5)
-    with pytest.raises(ValueError, match="side 4"):
-        analyze.attention_stats(uniform, side=4)
 
 
 def test_pe_probe_equals_attention_on_zero_input_without_biases():
