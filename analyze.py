@@ -151,6 +151,7 @@ def plot_prop1(x, w, y, d, path, command):
 
 
 def cmd_prop1(args):
+    """Writes prop1.png; returns the numbers of prop1.json (main writes it), as every cmd_* does."""
     rows, settings, (x, w, y) = prop1_table(seed=args.seed)
     plot_prop1(x, w, y, band_direction(settings["length"]), os.path.join(args.out, "prop1.png"), args.command_line)
     head = (f"{'case':38s} {'Lsup_prime(0)':>13s} {'Lspt_prime(0)':>13s} {'paper form':>13s} {'rel.err':>8s}"
@@ -164,8 +165,7 @@ def cmd_prop1(args):
     paper = max(r["rel_err_paper"] for r in zero if "population" not in r["case"])
     print(f"\nzero column sums, mean pool: max |L_sup'(0)| {sup:.1e}; the paper's form matches autograd to {paper:.1e}"
           f" (empirical C; the exact form for every D). [CLS] pooling: L_sup'(0) = {rows[-1]['dsup']:.2e}, not 0.")
-    data.save_atomic(dict(settings=settings, rows=rows), os.path.join(args.out, "prop1.json"))
-    print(f"wrote {os.path.join(args.out, 'prop1.png')} and prop1.json")
+    return "prop1.json", dict(settings=settings, rows=rows)
 
 
 # 1b. Proposition 1 in the model itself: where each loss's gradient points at the attention scores.
@@ -248,8 +248,7 @@ def cmd_gradients(args):
                   + f";  |dL/dW_Q| / |dL/dW_V| {ratio:.3g}")
     print(f"L_sup's share depends on the checkpoint: how far its attention is from uniform (Prop. 1: 0 only at "
           f"uniform attention), and a pretrain.py checkpoint's fresh class head (--seed {args.seed}).")
-    data.save_atomic(dict(n=args.n, seed=args.seed, results=results), os.path.join(args.out, "gradients.json"))
-    print(f"wrote {os.path.join(args.out, 'gradients.json')}")
+    return "gradients.json", dict(n=args.n, seed=args.seed, results=results)
 
 
 # ---- 2. Attention after self-pretraining (Coser et al., Sec. 4): maps, PE-only probe, W_Q^T W_K, proximity ----
@@ -459,7 +458,7 @@ def plot_attention(maps, path, command, percentile=99.0):
     """analyze_checkpoints' maps on one colour scale: layer 0 head 0's attention of each checkpoint, and below, the
     PE-only probe of those with sinusoidal positions. The scale runs from 0 to the `percentile` of every value
     shown, printed on the figure: a proximity band holds a few % of the entries, which then stand out in full
-    colour, instead of dimmed by the few largest values (the diagonal of one map can reach 0.5 where a band is 0.1)."""
+    colour, instead of dimmed by the few largest values (such as a diagonal)."""
     rows = {"attention": {label: m["attention"][0][0] for label, m in maps.items()}}
     title = "layer 0, head 0: softmax attention, mean over validation sequences"
     probes = {label: m["probe"][0] for label, m in maps.items() if m["probe"] is not None}
@@ -478,7 +477,6 @@ def cmd_attention(args):
     plot_attention(maps, os.path.join(args.out, "attention.png"), args.command_line)
     plot_maps({"W_Q^T W_K": {label: m["qk"] for label, m in maps.items()}}, os.path.join(args.out, "qk_product.png"),
               "W_Q^T W_K, layer 0 head 0", args.command_line, diverging=True)
-    data.save_atomic(results, os.path.join(args.out, "attention.json"))
     for label, r in results.items():
         parts = [f"entropy {r['entropy']:.2f} (uniform {r['uniform_entropy']:.2f})",
                  f"band mass (|i-j|<={r['band']}) {r['band_mass']:.2f}", f"mean distance {r['mean_distance']:.1f}"]
@@ -488,7 +486,7 @@ def cmd_attention(args):
         if "displacement" in r:
             parts.append(f"W_Q^T W_K moved {r['displacement']['W_Q^T W_K']:.2f}")
         print(f"{label:24s} " + " | ".join(parts))
-    print(f"wrote attention.png, qk_product.png and attention.json in {args.out}")
+    return "attention.json", results
 
 
 def cmd_curves(args):
@@ -511,8 +509,7 @@ def cmd_curves(args):
     fig.suptitle(f"proximity of attention over {args.stage} ({args.run_dir})")
     fig.tight_layout()
     save_figure(fig, os.path.join(args.out, f"curves_{args.stage}.png"), args.command_line)
-    data.save_atomic(dict(steps=xs, stats=list(results.values())), os.path.join(args.out, f"curves_{args.stage}.json"))
-    print(f"wrote {os.path.join(args.out, f'curves_{args.stage}.png')} and .json")
+    return f"curves_{args.stage}.json", dict(steps=xs, stats=list(results.values()))
 
 
 # ---- 3. Figures: how every PNG is saved, and the figures of ablate.py's experiments ----
@@ -627,7 +624,9 @@ def main(argv=None):
     for path in getattr(args, "ckpt", None) or []:  # every file, before the first one's work
         if not os.path.isfile(path):
             raise data.not_a_file(path)
-    args.func(args)
+    name, numbers = args.func(args)
+    data.save_atomic(numbers, os.path.join(args.out, name))
+    print(f"wrote {os.path.join(args.out, name)} and its figures")
 
 
 if __name__ == "__main__":
