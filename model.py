@@ -142,10 +142,8 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.d_head = cfg.n_heads, cfg.d_model // cfg.n_heads
         self.pos, self.window = cfg.pos, cfg.attn_window
-        self.q_proj = nn.Linear(cfg.d_model, cfg.d_model)  # W_Q
-        self.k_proj = nn.Linear(cfg.d_model, cfg.d_model)  # W_K
-        self.v_proj = nn.Linear(cfg.d_model, cfg.d_model)  # W_V
-        self.o_proj = nn.Linear(cfg.d_model, cfg.d_model)  # W_O
+        # W_Q, W_K, W_V, W_O
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(cfg.d_model, cfg.d_model) for _ in range(4))
         if cfg.pos == "alibi":
             self.register_buffer("slopes", alibi_slopes(cfg.n_heads), persistent=False)
         self.fire = FIRE(cfg.n_heads) if cfg.pos == "fire" else None
@@ -274,8 +272,7 @@ class Transformer(nn.Module):
         # the input encoder: of tokens, or of continuous values
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model) if cfg.vocab_size > 0 else \
             nn.Linear(cfg.d_input, cfg.d_model)
-        # [CLS] pooling: a learned summary token at position 0, before the sequence (Devlin et al. 2019). It is
-        # one more position for the positions, the attention and every map; it is never masked nor reconstructed.
+        # [CLS] pooling: a learned summary token at position 0 (Devlin et al. 2019), never masked nor reconstructed
         self.prefix = int(cfg.pooling == "cls")                         # positions before the sequence
         self.summary_token = nn.Parameter(torch.zeros(cfg.d_model)) if self.prefix else None
         n_pos = cfg.max_len + self.prefix
@@ -304,8 +301,7 @@ class Transformer(nn.Module):
         B, L = x.shape[:2]
         if L > self.cfg.max_len:
             raise ValueError(f"sequence length {L} exceeds the model's max_len {self.cfg.max_len}")
-        # One check per forward (not per layer): with no padding the attention runs without any mask.
-        # lengths on the CPU (as data.get_batch returns them) make this check free; on the GPU it would wait.
+        # One check per forward: without padding no mask. Free with lengths on the CPU (as data.get_batch gives them).
         valid = None
         if lengths is not None and not bool((lengths >= L).all()):
             valid = F.pad(real_positions(lengths, L, x.device), (self.prefix, 0), value=True)  # the token is real

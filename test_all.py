@@ -275,6 +275,7 @@ def test_outputs_ignore_padded_positions():
     assert torch.allclose(model.classify(x, lengths), model.classify(x2, lengths))
     # ...and a sequence padded to a longer batch gives the same logits as on its own
     assert torch.allclose(model.classify(x[1:, :7], None), model.classify(x, lengths)[1:], atol=1e-6)
+    assert model_lib.real_positions(torch.tensor([2, 0]), 3, "cpu").tolist() == [[True, True, False], [False] * 3]
 
 
 def test_the_pair_head_by_hand():
