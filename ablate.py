@@ -871,7 +871,7 @@ class ReferenceEncoder(torch.nn.Module):
                                            batch_first=True, norm_first=True)
         self.encoder = nn.TransformerEncoder(layer, cfg.n_layers, nn.LayerNorm(cfg.d_model), enable_nested_tensor=False)
 
-    def reconstruct(self, x, lengths, positions=True):
+    def reconstruct(self, x, lengths=None):
         return self.rec_head(self.encoder(self.embed(x) + self.pe[:x.shape[1]]))
 
 
@@ -900,8 +900,8 @@ def time_spt_step(variant, size, device, dtype, steps, repeats):
                     if variant == "explicit":  # the step as it would run if it asked for the attention weights
                         out = model.rec_head(model.encode(inputs, lengths, need_weights=True)[0])
                     else:
-                        out = reconstruct(inputs, lengths, True)
-                pretrain.reconstruction_loss(out, x, "ce", masked).backward()
+                        out = reconstruct(inputs, lengths)
+                pretrain.reconstruction_loss(out, x, masked).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             if cuda:

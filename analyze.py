@@ -7,13 +7,11 @@ r"""analyze.py -- what self-pretraining does to attention, and the theory behind
     python analyze.py curves --run_dir out/synthetic                      # proximity over training (--snapshots)
 
 Reads checkpoints of any task and the task's data; trains nothing. Writes PNG figures and JSON numbers into --out.
-Expect: prop1 in ~10 s (supervised derivative ~1e-18, closed form to ~1e-15). attention on the synthetic run in
-~10 s, under the reference init: entropy 4.56 -> ~2.2 nats, band mass 0.11 -> ~0.87, PE-only probe correlation
-0.87 -> ~0.98.
 
 Sections: 1. Proposition 1 (1b: in the model)  2. attention after self-pretraining  3. figures  4. command line
 """
 import argparse
+import glob
 import math
 import os
 import shlex
@@ -26,7 +24,7 @@ import torch.nn.functional as F
 import data
 import pretrain
 from data import single_sequences
-from model import Transformer, config_from_dict, param_group, unwrapped_state_dict
+from model import Transformer, config_from_dict, param_group, real_positions, unwrapped_state_dict
 
 # ---- 1. Proposition 1 (Coser et al., Prop. 1): gradients of the two losses at uniform attention ----
 #
@@ -83,10 +81,8 @@ def prop1_losses(x, d, a, w, y, pooling="mean"):
 def prop1_derivatives(x, d, w, y, pooling="mean", a0=0.0):
     """(L_sup'(a0), L_SPT'(a0)) as floats, by autograd through `prop1_losses` (a0 = 0: uniform attention)."""
     a = torch.tensor(a0, dtype=torch.float64, requires_grad=True)
-    l_sup, l_spt = prop1_losses(x, d, a, w, y, pooling)
-    d_sup = torch.autograd.grad(l_sup, a, retain_graph=True)[0]
-    d_spt = torch.autograd.grad(l_spt, a)[0]
-    return d_sup.item(), d_spt.item()
+    losses = prop1_losses(x, d, a, w, y, pooling)
+    return tuple(torch.autograd.grad(loss, a, retain_graph=True)[0].item() for loss in losses)
 
 
 def closed_form_spt_derivative(x, d, c=None):
@@ -144,7 +140,8 @@ def plot_prop1(x, w, y, d, path, command):
     axes[1].plot(grid, losses[:, 1], label="L_SPT(a)")
     axes[1].plot(grid, l0 + slope * grid, "--", label="tangent, -(1/L^2)<Dbar, C>")
     axes[1].set(xlabel="a (scores = a D)", ylabel="L_SPT(a)", title="reconstruction loss")
-    axes[1].set_ylim(losses[:, 1].min() - 0.1 * np.ptp(losses[:, 1]), losses[:, 1].max() + 0.1 * np.ptp(losses[:, 1]))
+    margin = 0.1 * np.ptp(losses[:, 1])
+    axes[1].set_ylim(losses[:, 1].min() - margin, losses[:, 1].max() + margin)
     axes[1].legend()
     for ax in axes:
         ax.axvline(0, color="gray", lw=0.5)
@@ -154,6 +151,7 @@ def plot_prop1(x, w, y, d, path, command):
 
 
 def cmd_prop1(args):
+    """Writes prop1.png; returns the numbers of prop1.json (main writes it), as every cmd_* does."""
     rows, settings, (x, w, y) = prop1_table(seed=args.seed)
     plot_prop1(x, w, y, band_direction(settings["length"]), os.path.join(args.out, "prop1.png"), args.command_line)
     head = (f"{'case':38s} {'Lsup_prime(0)':>13s} {'Lspt_prime(0)':>13s} {'paper form':>13s} {'rel.err':>8s}"
@@ -167,8 +165,7 @@ def cmd_prop1(args):
     paper = max(r["rel_err_paper"] for r in zero if "population" not in r["case"])
     print(f"\nzero column sums, mean pool: max |L_sup'(0)| {sup:.1e}; the paper's form matches autograd to {paper:.1e}"
           f" (empirical C; the exact form for every D). [CLS] pooling: L_sup'(0) = {rows[-1]['dsup']:.2e}, not 0.")
-    data.save_atomic(dict(settings=settings, rows=rows), os.path.join(args.out, "prop1.json"))
-    print(f"wrote {os.path.join(args.out, 'prop1.png')} and prop1.json")
+    return "prop1.json", dict(settings=settings, rows=rows)
 
 
 # 1b. Proposition 1 in the model itself: where each loss's gradient points at the attention scores.
@@ -183,9 +180,8 @@ def prop1_parts(grad, lengths=None):
     along Prop. 1's directions, and in all (their ratio: the share). grad: (B, H, L, L) dL/dS of one layer; lengths:
     (B,) or None. Only real query rows count, and gbar is their mean (padded keys have zero gradient)."""
     B, H, L, _ = grad.shape
-    real = torch.ones(B, L, dtype=grad.dtype) if lengths is None else \
-        (torch.arange(L)[None, :] < lengths[:, None]).to(grad.dtype)
-    w = real[:, None, :, None]                                                      # (B, 1, L, 1) query rows
+    lengths = torch.full((B,), L) if lengths is None else lengths
+    w = real_positions(lengths, L, "cpu").to(grad.dtype)[:, None, :, None]          # (B, 1, L, 1) query rows
     mean_row = (grad * w).sum(2, keepdim=True) / w.sum(2, keepdim=True)            # (B, H, 1, L)
     return ((grad - mean_row).pow(2) * w).sum().item(), (grad.pow(2) * w).sum().item()
 
@@ -198,19 +194,17 @@ def score_gradient(probs, probs_grad):
 
 def loss_gradients(path, data_dir, n=64, chunk=None, seed=0, losses=("L_sup", "L_SPT")):
     """Prop. 1 in a checkpoint's model, on its task's first n training sequences: the attention-score gradients of
-    L_sup (cross-entropy through the model's pooling) and, for a pretrain.py checkpoint, of L_SPT (its run's masked
-    reconstruction). A pretrain.py checkpoint gets a fresh class head of its preset's kind. `seed` draws the head and
-    the masks; `chunk`: sequences at a time (default <= 16, chunk x L^2 <= 2^24). Returns {loss: {"prop1_share":
-    [per layer], "grad_norm": {group: ||dL/dW|| / sequences}}}. ValueError for a pair model or local attention."""
-    model, ck = load_model(path, head_seed=seed)  # eval: dropout off (0 in every preset anyway); gradients flow
-    run, meta = ck.get("config") or {}, ck["data_meta"]
+    L_sup (through the model's pooling; a pretrain.py checkpoint gets a fresh class head of its preset's kind) and,
+    for a pretrain.py checkpoint, of L_SPT (its run's masks and loss). `seed` draws the head and the masks; `chunk`:
+    sequences at a time (default: <= 16 and chunk x L^2 <= 2^24). Returns {loss: {"prop1_share": [per layer],
+    "grad_norm": {group: ||dL/dW|| / sequences}}}. ValueError for a pair model or local attention."""
+    model, ck = load_model(path, head_seed=seed)
+    meta = ck["data_meta"]
     if model.cfg.pair or (model.cfg.attn_window and model.cfg.attn_window < meta["max_len"]):
         raise ValueError(f"{path}: a pair model (Retrieval) or one with local attention; Prop. 1's measure needs "
                          f"one sequence through full attention")
     split = data.load_split(data_dir, ck["task"], "train", ck)
     count = min(n, len(split["labels"]))
-    ratio = run.get("mask_ratio") or pretrain.MASK_RATIO[data.task_family(ck["task"])]
-    kind = run.get("rec_loss") or ("ce" if meta["kind"] == "tokens" else "mse")
     g = torch.Generator().manual_seed(seed)
     chunk = chunk or max(1, min(16, 2 ** 24 // data.split_width(split) ** 2))
     out = {}
@@ -223,11 +217,12 @@ def loss_gradients(path, data_dir, n=64, chunk=None, seed=0, losses=("L_sup", "L
                 z, probs = model.encode(model_inputs(model, x), lengths, need_weights=True)
                 loss = F.cross_entropy(model.class_head(model.pool(z, lengths)), labels, reduction="sum")
             else:
-                inputs, masked = pretrain.mask_batch(x, lengths, ratio, meta.get("mask_id"), g)
+                run = ck["config"]  # the pretrain.py run's masks and loss
+                inputs, masked = pretrain.mask_batch(x, lengths, run["mask_ratio"], meta.get("mask_id"), g)
                 z, probs = model.encode(inputs, lengths, need_weights=True)
-                targets = pretrain.targets_at(x, None, kind, meta)  # the sequence's positions, after the summary token's
-                loss = pretrain.reconstruction_loss(model.rec_head(z[:, model.prefix:]), targets, kind, masked) * \
-                    masked.sum()
+                outputs = model.rec_head(z[:, model.prefix:])  # the sequence's positions, after the summary token
+                targets = pretrain.targets_at(x, run["rec_loss"], meta)
+                loss = pretrain.reconstruction_loss(outputs, targets, masked, run["rec_loss"]) * masked.sum()
             for p in probs:
                 p.retain_grad()
             loss.backward()
@@ -253,8 +248,7 @@ def cmd_gradients(args):
                   + f";  |dL/dW_Q| / |dL/dW_V| {ratio:.3g}")
     print(f"L_sup's share depends on the checkpoint: how far its attention is from uniform (Prop. 1: 0 only at "
           f"uniform attention), and a pretrain.py checkpoint's fresh class head (--seed {args.seed}).")
-    data.save_atomic(dict(n=args.n, seed=args.seed, results=results), os.path.join(args.out, "gradients.json"))
-    print(f"wrote {os.path.join(args.out, 'gradients.json')}")
+    return "gradients.json", dict(n=args.n, seed=args.seed, results=results)
 
 
 # ---- 2. Attention after self-pretraining (Coser et al., Sec. 4): maps, PE-only probe, W_Q^T W_K, proximity ----
@@ -265,8 +259,8 @@ def load_model(path, head_seed=None):
     ck = data.load_pt(path)
     cfg = ck["model_config"]
     if head_seed is not None and ck.get("stage") == "pretrain":
-        preset = pretrain.PRESETS[data.task_family(ck["task"])].get((ck.get("config") or {}).get("preset"), {})
-        cfg = dict(cfg, n_classes=ck["data_meta"]["n_classes"], cls_mlp=preset.get("model", {}).get("cls_mlp", False))
+        preset = pretrain.PRESETS[data.task_family(ck["task"])][ck["config"]["preset"]]
+        cfg = dict(cfg, n_classes=ck["data_meta"]["n_classes"], cls_mlp=preset["model"].get("cls_mlp", False))
     with torch.random.fork_rng():  # the caller's random state left as it was
         torch.manual_seed(head_seed or 0)
         model = Transformer(config_from_dict(cfg, path))
@@ -294,7 +288,7 @@ def attention_maps(model, x, lengths=None, chunk=None):
     """
     L, layers = model.prefix + x.shape[1], model.cfg.n_layers
     chunk, sums, ents = chunk or max(1, 2 ** 24 // L ** 2), [0.0] * layers, [0.0] * layers
-    real = torch.ones(len(x), L) if lengths is None else (torch.arange(L) < model.prefix + lengths[:, None]).float()
+    real = torch.ones(len(x), L) if lengths is None else real_positions(model.prefix + lengths, L, "cpu").float()
     for i in range(0, len(x), chunk):
         part = None if lengths is None else lengths[i:i + chunk]
         _, probs = model.encode(model_inputs(model, x[i:i + chunk]), part, need_weights=True)
@@ -315,9 +309,8 @@ def pe_probe(model, length, layer=0):
     P = model.absolute_positions(length)
     if P is None:
         raise ValueError(f"the PE-only probe needs absolute positions; this model's pos is {model.cfg.pos!r}")
-    p = block.ln1(P)                                                            # (L, d_model)
-    q = (p @ attn.q_proj.weight.T).view(length, attn.n_heads, attn.d_head).transpose(0, 1)  # (H, L, d_head)
-    k = (p @ attn.k_proj.weight.T).view(length, attn.n_heads, attn.d_head).transpose(0, 1)
+    q, k = ((block.ln1(P) @ proj.weight.T).view(length, attn.n_heads, attn.d_head).transpose(0, 1)  # (H, L, d_head)
+            for proj in (attn.q_proj, attn.k_proj))
     scores = q @ k.transpose(1, 2) / math.sqrt(attn.d_head)
     return scores, scores.softmax(-1)
 
@@ -336,14 +329,14 @@ def attention_stats(probs, band=3, side=None, entropy=None, lengths=None):
     entropy: the mean row entropy in nats, or the mean of `entropy` (..., L), attention_maps' per-sequence ones
     (then entropy_of_mean_map is that of `probs`). band_mass: attention within |i - j| <= band. mean_distance:
     sum_j A_ij |i - j|. uniform_*: the values of uniform attention. `side` (an image, L = side^2): band_mass_2d
-    within the (2 band + 1)^2 pixels around the query, mean_distance_2d in pixels; ValueError if side^2 != L.
+    within the (2 band + 1)^2 pixels around the query, mean_distance_2d in pixels.
     `lengths` (B,): of the sequences an attention_maps mean was taken over; each row counts once per real sequence.
     """
     L = probs.shape[-1]
     pos = torch.arange(L)
     dist = (pos[:, None] - pos[None, :]).abs().to(probs.dtype)
     lengths = torch.tensor([L]) if lengths is None else lengths
-    real = (pos < lengths[:, None]).to(probs.dtype)                      # (sequences, L): which rows and keys
+    real = real_positions(lengths, L, "cpu").to(probs.dtype)             # (sequences, L): which rows and keys
     weight = real.sum(0)                                                 # (L,): sequences real at each row
 
     def mean(per_row):  # (..., L) per query row -> the mean over real (sequence, row) pairs and leading dims
@@ -362,8 +355,6 @@ def attention_stats(probs, band=3, side=None, entropy=None, lengths=None):
     if entropy is not None:
         stats["entropy_of_mean_map"] = map_entropy
     if side is not None:
-        if side * side != L:
-            raise ValueError(f"side {side}: an image of side x side pixels has {side * side} positions, not {L}")
         dr = (pos[:, None] // side - pos[None, :] // side).abs().to(probs.dtype)
         dc = (pos[:, None] % side - pos[None, :] % side).abs().to(probs.dtype)
         near = torch.maximum(dr, dc) <= band
@@ -452,28 +443,33 @@ def plot_maps(rows, path, title, command, diverging=False, top=None):
 
 def checkpoint_labels(paths):
     """{label: path}: each path relative to the folder all share, without .pt (s0/pretrain.pt, s1/pretrain.pt:
-    s0/pretrain, s1/pretrain), or with it where two labels would be the same (x.pt, x.pth)."""
+    s0/pretrain, s1/pretrain), or with it where two labels would be the same (x.pt, x.pth). ValueError for one
+    file named twice (out/x.pt, ./out/x.pt)."""
     root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in paths])
     full = [os.path.relpath(os.path.abspath(p), root) for p in paths]
     bare = [os.path.splitext(f)[0] for f in full]
-    return dict(zip(bare if len(set(bare)) == len(bare) else full, paths))
+    labels = dict(zip(bare if len(set(bare)) == len(bare) else full, paths))
+    if len(labels) < len(paths):
+        raise ValueError(f"--ckpt names one file twice: {' '.join(paths)}")
+    return labels
 
 
 def plot_attention(maps, path, command, percentile=99.0):
     """analyze_checkpoints' maps on one colour scale: layer 0 head 0's attention of each checkpoint, and below, the
     PE-only probe of those with sinusoidal positions. The scale runs from 0 to the `percentile` of every value
     shown, printed on the figure: a proximity band holds a few % of the entries, which then stand out in full
-    colour, instead of dimmed by the few largest values (the diagonal of one map can reach 0.5 where a band is 0.1)."""
+    colour, instead of dimmed by the few largest values (such as a diagonal)."""
     rows = {"attention": {label: m["attention"][0][0] for label, m in maps.items()}}
+    title = "layer 0, head 0: softmax attention, mean over validation sequences"
     probes = {label: m["probe"][0] for label, m in maps.items() if m["probe"] is not None}
-    rows.update({"PE-only probe": probes} if probes else {})
+    if probes:
+        rows["PE-only probe"] = probes
+        title += "; PE-only probe softmax(P W_Q^T W_K P^T / sqrt(d_head))"
     values = np.concatenate([img.flatten().numpy() for row in rows.values() for img in row.values()])
     top, L = float(np.percentile(values, percentile)), next(iter(rows["attention"].values())).shape[-1]
-    plot_maps(rows, path, "layer 0, head 0: softmax attention, mean over validation sequences" + (
-        "; PE-only probe softmax(P W_Q^T W_K P^T / sqrt(d_head))" if probes else "") + f"\ncolour scale 0 to {top:.3f} "
-        f"(the {percentile:g}th percentile of every panel; above it: the brightest colour); uniform attention is "
-        f"1/L = {1 / L:.4f}\nLook for a bright band along the diagonal: each position attends to its neighbours",
-        command, top=top)
+    plot_maps(rows, path, f"{title}\ncolour scale 0 to {top:.3f} (the {percentile:g}th percentile of every panel; "
+              f"above it: the brightest colour); uniform attention is 1/L = {1 / L:.4f}\nLook for a bright band "
+              f"along the diagonal: each position attends to its neighbours", command, top=top)
 
 
 def cmd_attention(args):
@@ -481,20 +477,20 @@ def cmd_attention(args):
     plot_attention(maps, os.path.join(args.out, "attention.png"), args.command_line)
     plot_maps({"W_Q^T W_K": {label: m["qk"] for label, m in maps.items()}}, os.path.join(args.out, "qk_product.png"),
               "W_Q^T W_K, layer 0 head 0", args.command_line, diverging=True)
-    data.save_atomic(results, os.path.join(args.out, "attention.json"))
     for label, r in results.items():
-        print(f"{label:24s} entropy {r['entropy']:.2f} (uniform {r['uniform_entropy']:.2f}) | band mass (|i-j|<="
-              f"{r['band']}) {r['band_mass']:.2f} | mean distance {r['mean_distance']:.1f}"
-              + (f" | 2-D band mass {r['band_mass_2d']:.2f} (uniform {r['uniform_band_mass_2d']:.2f})"
-                 if "band_mass_2d" in r else "")
-              + (f" | PE probe corr {r['probe_corr_with_attention']:.3f}" if "probe" in r else " | no PE probe")
-              + (f" | W_Q^T W_K moved {r['displacement']['W_Q^T W_K']:.2f}" if "displacement" in r else ""))
-    print(f"wrote attention.png, qk_product.png and attention.json in {args.out}")
+        parts = [f"entropy {r['entropy']:.2f} (uniform {r['uniform_entropy']:.2f})",
+                 f"band mass (|i-j|<={r['band']}) {r['band_mass']:.2f}", f"mean distance {r['mean_distance']:.1f}"]
+        if "band_mass_2d" in r:
+            parts.append(f"2-D band mass {r['band_mass_2d']:.2f} (uniform {r['uniform_band_mass_2d']:.2f})")
+        parts.append(f"PE probe corr {r['probe_corr_with_attention']:.3f}" if "probe" in r else "no PE probe")
+        if "displacement" in r:
+            parts.append(f"W_Q^T W_K moved {r['displacement']['W_Q^T W_K']:.2f}")
+        print(f"{label:24s} " + " | ".join(parts))
+    return "attention.json", results
 
 
 def cmd_curves(args):
     """Proximity statistics over training, from the snapshots of a run (pretrain.py --snapshots)."""
-    import glob
     prefix = os.path.join(args.run_dir, args.stage + "_step")  # pretrain.run_paths' snapshot names
     steps = sorted((int(f[len(prefix):-3]), f) for f in glob.glob(prefix + "*.pt") if f[len(prefix):-3].isdigit())
     if not steps:
@@ -513,8 +509,7 @@ def cmd_curves(args):
     fig.suptitle(f"proximity of attention over {args.stage} ({args.run_dir})")
     fig.tight_layout()
     save_figure(fig, os.path.join(args.out, f"curves_{args.stage}.png"), args.command_line)
-    data.save_atomic(dict(steps=xs, stats=list(results.values())), os.path.join(args.out, f"curves_{args.stage}.json"))
-    print(f"wrote {os.path.join(args.out, f'curves_{args.stage}.png')} and .json")
+    return f"curves_{args.stage}.json", dict(steps=xs, stats=list(results.values()))
 
 
 # ---- 3. Figures: how every PNG is saved, and the figures of ablate.py's experiments ----
@@ -557,7 +552,7 @@ def plot_curves(curves, path, title, command, hline=None):
         results = results if isinstance(results, list) else [results]
         epochs = [e["step"] / results[0]["steps_per_epoch"] for e in results[0]["evals"]]
         accs = [sum(r["evals"][j]["val_acc"] for r in results) / len(results) for j in range(len(epochs))]
-        ax.plot(epochs, accs, marker=".", label=label + f" (mean of {len(results)})" * (len(results) > 1))
+        ax.plot(epochs, accs, marker=".", label=label if len(results) == 1 else f"{label} (mean of {len(results)})")
     if hline is not None:
         ax.axhline(hline[0], ls=":", color="gray", label=hline[1])
     ax.set(xlabel="epoch", ylabel="validation accuracy", title=title)
@@ -598,48 +593,40 @@ def main(argv=None):
     p = data.ArgumentParser(description="Numerical checks of Coser et al. (2026)")
     sub = p.add_subparsers(dest="command", required=True)
 
-    def add(name, func, help, out, split=None, band=False, ckpt=None, seed=None):
+    def add(name, func, help, split=None, ckpt=None, seed=None):
         s = sub.add_parser(name, formatter_class=argparse.ArgumentDefaultsHelpFormatter, help=help)
         s.set_defaults(func=func)
-        s.add_argument("--out", type=data.folder, default="out/analysis", help=f"folder for {out}")
+        s.add_argument("--out", type=data.folder, default="out/analysis", help="folder for the figures and JSON")
         if ckpt:
             s.add_argument("--ckpt", nargs="+", required=True, help=f"checkpoints, e.g. {ckpt}")
         if split:
-            s.add_argument("--data_dir", type=data.folder, default="data", help=f"root of data/<task>/ (its {split} split is read)")
+            s.add_argument("--data_dir", type=data.folder, default="data", help=f"root of data/<task>/ (its {split})")
             s.add_argument("--n", type=data.POSITIVE, default=64, help=f"{split} sequences used")
-        if band:
-            s.add_argument("--band", type=data.NON_NEGATIVE, default=3, help="k of the band mass |i - j| <= k")
         if seed:
             s.add_argument("--seed", type=data.SEED, default=0, help=f"seed of {seed}")
+        if split == "validation":
+            s.add_argument("--band", type=data.NON_NEGATIVE, default=3, help="k of the band mass |i - j| <= k")
         return s
     add("prop1", cmd_prop1, "Proposition 1: derivatives of L_sup and L_SPT at uniform attention",
-            "prop1.png and prop1.json", seed="the random tokens and directions")
+        seed="the random tokens and directions")
     add("gradients", cmd_gradients, "Proposition 1 in the model: the share of each loss's score gradient along "
-            "Prop. 1's directions", "gradients.json", "training", ckpt="out/synthetic/pretrain.pt (L_sup and L_SPT) "
-            "out/synthetic/finetune_spt.pt (L_sup)", seed="the fresh class head and of the masks")
+        "Prop. 1's directions", "training", ckpt="out/synthetic/pretrain.pt (L_sup and L_SPT) "
+        "out/synthetic/finetune_spt.pt (L_sup)", seed="the fresh class head and of the masks")
     add("attention", cmd_attention, "attention maps, PE-only probe, W_Q^T W_K and proximity statistics",
-            "attention.png, qk_product.png and attention.json", "validation", band=True,
-            ckpt="out/synthetic/pretrain_init.pt out/synthetic/pretrain.pt out/synthetic/finetune_spt.pt")
-    s = add("curves", cmd_curves, "proximity statistics over training from --snapshots checkpoints",
-            "curves_<stage>.png and .json", "validation", band=True)
+        "validation", ckpt="out/synthetic/pretrain_init.pt out/synthetic/pretrain.pt out/synthetic/finetune_spt.pt")
+    s = add("curves", cmd_curves, "proximity statistics over training from --snapshots checkpoints", "validation")
     s.add_argument("--run_dir", required=True, help="folder with <stage>_init.pt and <stage>_step*.pt")
     s.add_argument("--stage", default="pretrain", choices=("pretrain", "finetune_spt", "finetune_scratch"),
                    help="which run's snapshots (file name prefix)")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
     args.command_line = command_line("analyze.py", argv)  # recorded in every figure this run draws
-    seen = {}
-    for path in getattr(args, "ckpt", None) or []:  # every file, before the first one's minutes of work
+    for path in getattr(args, "ckpt", None) or []:  # every file, before the first one's work
         if not os.path.isfile(path):
             raise data.not_a_file(path)
-        if os.path.realpath(path) in seen:  # one file, however spelled (out/x.pt, ./out/x.pt, its absolute path)
-            raise ValueError(f"--ckpt names one file twice: {seen[os.path.realpath(path)]} and {path}")
-        seen[os.path.realpath(path)] = path
-    if getattr(args, "run_dir", None) is not None and not os.path.isdir(args.run_dir):
-        what = "a file, not a folder" if os.path.isfile(args.run_dir) else "no such folder"
-        raise FileNotFoundError(f"--run_dir {args.run_dir}: {what} (a run's folder, e.g. out/synthetic, holding "
-                                f"{args.stage}_init.pt and {args.stage}_step*.pt)")
-    args.func(args)
+    name, numbers = args.func(args)
+    data.save_atomic(numbers, os.path.join(args.out, name))
+    print(f"wrote {os.path.join(args.out, name)} and its figures")
 
 
 if __name__ == "__main__":

@@ -5,16 +5,13 @@
     -> final LayerNorm
     -> reconstruction head (per position, self-pretraining)  and/or  pooling (mean, max, [CLS]) + classification head
 
-Attention keeps W_Q, W_K, W_V, W_O as four Linear layers (`q_proj`, `k_proj`, `v_proj`, `o_proj`), so that
-Coser et al.'s Table 3 can inherit or freeze them one by one. It has two paths that compute the same thing:
-  * fast: torch.nn.functional.scaled_dot_product_attention (fused kernels);
-  * explicit: softmax(Q K^T / sqrt(d_head)) written out, returning the attention probabilities for analysis.
-LayerNorm and the MLP can be switched off: the paper's minimal one-layer, one-head model (Sec. 4).
+Attention keeps W_Q, W_K, W_V, W_O as four Linear layers, so that Coser et al.'s Table 3 can inherit or freeze them
+one by one. Its fast path is torch's scaled_dot_product_attention; its explicit path writes softmax(Q K^T / sqrt(d))
+out and returns the probabilities for analysis. LayerNorm and the MLP can be switched off: the paper's minimal model.
 
 Reading order: ModelConfig; sinusoidal_positions (then ALiBi, RoPE and FIRE, the relative schemes of --pos);
-Attention.forward and explicit_attention; Transformer (encode, pool, classify, reconstruct); init_weights. Below
-them: the parameter groups of Table 3 and checkpoint helpers (pretrain.flops_per_token counts this model's FLOPs).
-This file is a library: it imports no stage.
+Attention.forward and explicit_attention; Transformer (encode, pool, classify, reconstruct); init_weights; the
+parameter groups of Table 3 and checkpoint helpers. This file is a library: it imports no stage.
 """
 import math
 import re
@@ -40,11 +37,9 @@ class ModelConfig:
     mlp: bool = True           # False drops the MLP sub-block (minimal model)
     pos: str = "sinusoidal"    # positions (POSITIONS): "sinusoidal" or "learned" (absolute, added to the input),
                                # "alibi", "rope", "fire" (relative, inside attention), "none" (order-blind)
-    pooling: str = "mean"      # POOLINGS: "mean" or "max" over non-padding positions, or "cls": the state of a
-                               # learned summary token put before the sequence (BERT's [CLS]; not the class head)
+    pooling: str = "mean"      # POOLINGS: "mean", "max" over real positions, "cls": a learned summary token's state
     pair: bool = False         # dual encoder (LRA Retrieval): classify a pair of documents from [u, v, u*v, u-v]
-    cls_mlp: bool = False      # Linear(d, d) + ReLU before the class layer: Amos et al.'s `sequence_nonelinear`
-                               # decoder (their Text and Image configs); False: one Linear (ListOps, PathFinder)
+    cls_mlp: bool = False      # Linear(d, d) + ReLU before the class layer (Amos et al.'s `sequence_nonelinear`)
     attn_window: int = 0       # > 0: local attention, blocks of this many positions see their neighbour blocks
     n_classes: int = 0         # > 0 adds the classification head (finetuning)
     n_rec: int = 0             # > 0 adds the per-position reconstruction head with this many outputs (SPT)
@@ -82,9 +77,10 @@ def sinusoidal_positions(n_pos, d_model, base=10000.0):
 
 
 # Every scheme of ModelConfig.pos. A new one: add it here, build it in Transformer.absolute_positions (added to the
-# input) or in Attention (relative: a score bias in _position_bias), put its parameters in PARAM_GROUPS["posenc"]
-# and its init in init_weights (an nn.Embedding would get N(0, 1)); buffers non-persistent and constant (pretrain.wrap).
+# input) or in Attention (relative: a score bias in _position_bias, listed in SCORE_BIASES), put its parameters in
+# PARAM_GROUPS["posenc"] and its init in init_weights; buffers non-persistent and constant (pretrain.wrap).
 POSITIONS = ("sinusoidal", "learned", "alibi", "rope", "fire", "none")
+SCORE_BIASES = ("alibi", "fire")  # the schemes that add a bias (H, L, L) to the attention scores
 # Every ModelConfig.pooling (Transformer.pool). A new one: add it here and in pool; one with weights of its own puts
 # them in PARAM_GROUPS and init_weights, as "cls" does with its summary token (Transformer.prefix positions).
 POOLINGS = ("mean", "max", "cls")
@@ -137,25 +133,21 @@ class Attention(nn.Module):
     """Multi-head self-attention with separate W_Q, W_K, W_V, W_O (bias included, as in Amos et al.).
 
     forward(x (B, L, d_model), valid (B, L) bool or None, need_weights) -> (y (B, L, d_model), probs or None)
-    `valid[b, t]` is True at real tokens (None: no padding in the batch); padded keys get no attention. Padded
-    queries still produce an output (ignored downstream). With need_weights the explicit path runs and returns
-    probs (B, H, L, L). Relative positions (cfg.pos): "alibi" and "fire" add a bias (H, L, L)
-    to the scores, "rope" rotates Q and K; "sinusoidal" positions are added to the input by Transformer, not here.
+    `valid[b, t]` is True at real tokens (None: no padding); padded keys get no attention, padded queries an output
+    that is ignored. need_weights runs the explicit path and returns probs (B, H, L, L). Relative positions:
+    SCORE_BIASES add a bias (H, L, L) to the scores, "rope" rotates Q and K.
     """
 
     def __init__(self, cfg):
         super().__init__()
-        assert cfg.d_model % cfg.n_heads == 0, "d_model must be divisible by n_heads"
         self.n_heads, self.d_head = cfg.n_heads, cfg.d_model // cfg.n_heads
         self.pos, self.window = cfg.pos, cfg.attn_window
-        self.q_proj = nn.Linear(cfg.d_model, cfg.d_model)  # W_Q
-        self.k_proj = nn.Linear(cfg.d_model, cfg.d_model)  # W_K
-        self.v_proj = nn.Linear(cfg.d_model, cfg.d_model)  # W_V
-        self.o_proj = nn.Linear(cfg.d_model, cfg.d_model)  # W_O
+        # W_Q, W_K, W_V, W_O
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(cfg.d_model, cfg.d_model) for _ in range(4))
         if cfg.pos == "alibi":
             self.register_buffer("slopes", alibi_slopes(cfg.n_heads), persistent=False)
         self.fire = FIRE(cfg.n_heads) if cfg.pos == "fire" else None
-        if self.window and self._position_bias(1, "cpu") is not None:  # local_attention adds no bias
+        if self.window and cfg.pos in SCORE_BIASES:  # local_attention adds no bias
             raise ValueError(f"local attention (attn_window > 0) does not support pos {cfg.pos!r}: its score bias")
 
     def forward(self, x, valid=None, need_weights=False):
@@ -165,36 +157,38 @@ class Attention(nn.Module):
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
         if self.pos == "rope":
             q, k = rope(q), rope(k)
-        bias = self._position_bias(L, x.device)  # (H, L, L) float or None
-        mask = self._mask(valid, L, x.device, full=need_weights)
-        if bias is not None:  # a float mask: the bias, and -inf where the bool mask forbids
-            mask = bias[None].to(q.dtype) if mask is None else \
-                bias[None].to(q.dtype).masked_fill(~mask, float("-inf"))
         if need_weights:
-            y, probs = self.explicit_attention(q, k, v, mask)
+            y, probs = self.explicit_attention(q, k, v, self._mask(valid, q, local=True))
         elif self.window and L > self.window:
             y, probs = self.local_attention(q, k, v, valid), None
         else:
-            y, probs = F.scaled_dot_product_attention(q, k, v, attn_mask=mask), None
+            y, probs = F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(valid, q)), None
         y = y.transpose(1, 2).reshape(B, L, -1)  # (B, H, L, d_head) -> (B, L, d_model)
         return self.o_proj(y), probs
 
     def _position_bias(self, L, device):
+        """The score bias (H, L, L) of the schemes in SCORE_BIASES."""
         if self.pos == "alibi":  # -m_h |i - j|: the symmetric (bidirectional) form of ALiBi's linear penalty
             dist = (torch.arange(L, device=device)[:, None] - torch.arange(L, device=device)[None, :]).abs()
             return -self.slopes[:, None, None] * dist
-        return self.fire(L, device) if self.fire is not None else None
+        return self.fire(L, device)
 
-    def _mask(self, valid, L, device, full):
-        """Boolean mask (True = may attend) of padded keys, (B, 1, 1, L), or None if nothing is masked. With
-        `full` (the explicit path) and local attention, the (B or 1, 1, L, L) form of local_attention's pattern."""
+    def _mask(self, valid, q, local=False):
+        """The mask of the scores of q (B, H, L, d_head), or None when nothing is masked: boolean (True = may
+        attend) of the padded keys (B, 1, 1, L); with `local` and a window shorter than L, also local_attention's
+        band of blocks (B or 1, 1, L, L); with a score bias, a float mask (B or 1, H, L, L) of q's dtype: the bias,
+        -inf where the boolean one forbids."""
+        L, device = q.shape[-2], q.device
         mask = None if valid is None else valid[:, None, None, :]                # (B, 1, 1, L) keys
-        if self.window and full and L > self.window:
+        if local and self.window and L > self.window:
             block = torch.arange(L, device=device) // self.window
-            local = (block[:, None] - block[None, :]).abs() <= 1                 # (L, L)
+            band = (block[:, None] - block[None, :]).abs() <= 1                  # (L, L)
             # A padded query may see every key of its window, so that no row is empty (its output is ignored).
-            mask = local if mask is None else (mask | ~valid[:, None, :, None]) & local
-        return mask
+            mask = band if mask is None else (mask | ~valid[:, None, :, None]) & band
+        if self.pos not in SCORE_BIASES:
+            return mask
+        bias = self._position_bias(L, device)[None].to(q.dtype)
+        return bias if mask is None else bias.masked_fill(~mask, float("-inf"))
 
     def local_attention(self, q, k, v, valid):
         """Block-local attention, as Amos et al. used for PathX: blocks of `window` positions, each attending to
@@ -257,9 +251,11 @@ class Block(nn.Module):
         return x, probs
 
 
-def on(t, device):
-    """`t` on `device`; from pinned CPU memory without waiting for queued GPU work (non_blocking)."""
-    return t.to(device, non_blocking=t.is_pinned())
+def real_positions(lengths, L, device):
+    """(B, L) bool on `device`, True at the real positions t < lengths[b] of each sequence (False: padding).
+    lengths (B,) int64 on any device; from pinned CPU memory the copy does not wait for queued GPU work."""
+    lengths = lengths.to(device, non_blocking=lengths.is_pinned())
+    return torch.arange(L, device=device) < lengths[:, None]
 
 
 class Transformer(nn.Module):
@@ -273,12 +269,10 @@ class Transformer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        if cfg.vocab_size > 0:
-            self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)   # input encoder for tokens
-        else:
-            self.embed = nn.Linear(cfg.d_input, cfg.d_model)         # input encoder for continuous values
-        # [CLS] pooling: a learned summary token at position 0, before the sequence (Devlin et al. 2019). It is
-        # one more position for the positions, the attention and every map; it is never masked nor reconstructed.
+        # the input encoder: of tokens, or of continuous values
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model) if cfg.vocab_size > 0 else \
+            nn.Linear(cfg.d_input, cfg.d_model)
+        # [CLS] pooling: a learned summary token at position 0 (Devlin et al. 2019), never masked nor reconstructed
         self.prefix = int(cfg.pooling == "cls")                         # positions before the sequence
         self.summary_token = nn.Parameter(torch.zeros(cfg.d_model)) if self.prefix else None
         n_pos = cfg.max_len + self.prefix
@@ -288,31 +282,29 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model) if cfg.layernorm else nn.Identity()
         self.rec_head = nn.Linear(cfg.d_model, cfg.n_rec) if cfg.n_rec > 0 else None
-        if cfg.n_classes > 0 and cfg.pair:  # LRA's dual-encoder head on [u, v, u*v, u-v]
-            self.cls_head = nn.Sequential(nn.Linear(4 * cfg.d_model, cfg.d_model), nn.GELU(),
-                                          nn.Linear(cfg.d_model, cfg.n_classes))
-        elif cfg.n_classes > 0 and cfg.cls_mlp:
-            self.cls_head = nn.Sequential(nn.Linear(cfg.d_model, cfg.d_model), nn.ReLU(),
-                                          nn.Linear(cfg.d_model, cfg.n_classes))
-        else:
-            self.cls_head = nn.Linear(cfg.d_model, cfg.n_classes) if cfg.n_classes > 0 else None
+        self.cls_head = None
+        if cfg.n_classes > 0 and (cfg.pair or cfg.cls_mlp):  # pair: LRA's dual-encoder head on [u, v, u*v, u-v]
+            d_in, act = (4 * cfg.d_model, nn.GELU()) if cfg.pair else (cfg.d_model, nn.ReLU())
+            self.cls_head = nn.Sequential(nn.Linear(d_in, cfg.d_model), act, nn.Linear(cfg.d_model, cfg.n_classes))
+        elif cfg.n_classes > 0:
+            self.cls_head = nn.Linear(cfg.d_model, cfg.n_classes)
         init_weights(self, cfg)
 
-    def forward(self, x, lengths=None, positions=None):
-        """Reconstruction outputs if `positions` is given (SPT: see reconstruct), else class logits (finetuning)."""
-        return self.classify(x, lengths) if positions is None else self.reconstruct(x, lengths, positions)
+    def forward(self, x, lengths=None, reconstruct=False):
+        """Class logits (classify), or with `reconstruct` the reconstruction outputs at every position (reconstruct).
+        The training steps of both stages go through here (DistributedDataParallel hooks forward)."""
+        return self.reconstruct(x, lengths) if reconstruct else self.classify(x, lengths)
 
     def encode(self, x, lengths=None, need_weights=False):
         """Hidden states Z (B, prefix + L, d_model) and, with need_weights, the list of attention probs per layer
         (B, H, prefix + L, prefix + L). prefix is 1 under [CLS] pooling (the summary token at position 0), else 0."""
-        L, B = x.shape[1], x.shape[0]
+        B, L = x.shape[:2]
         if L > self.cfg.max_len:
             raise ValueError(f"sequence length {L} exceeds the model's max_len {self.cfg.max_len}")
-        # One check per forward (not per layer): with no padding the attention runs without any mask.
-        # lengths on the CPU (as data.get_batch returns them) make this check free; on the GPU it would wait.
-        padded = lengths is not None and not bool((lengths >= L).all())
-        valid = torch.arange(self.prefix + L, device=x.device)[None, :] < self.prefix + on(
-            lengths, x.device)[:, None] if padded else None
+        # One check per forward: without padding no mask. Free with lengths on the CPU (as data.get_batch gives them).
+        valid = None
+        if lengths is not None and not bool((lengths >= L).all()):
+            valid = F.pad(real_positions(lengths, L, x.device), (self.prefix, 0), value=True)  # the token is real
         h = self.embed(x)                                                 # (B, L, d_model)
         if self.prefix:                                                   # the summary token first: (B, 1 + L, d)
             h = torch.cat([self.summary_token.to(h.dtype).expand(B, 1, -1), h], dim=1)
@@ -338,10 +330,9 @@ class Transformer(nn.Module):
             return z[:, 0]
         if lengths is None:
             return z.mean(dim=1) if self.cfg.pooling == "mean" else z.max(dim=1).values
-        lengths = on(lengths, z.device)
-        valid = (torch.arange(z.shape[1], device=z.device)[None, :] < lengths[:, None])[..., None]  # (B, L, 1)
+        valid = real_positions(lengths, z.shape[1], z.device)[..., None]          # (B, L, 1)
         if self.cfg.pooling == "mean":
-            return (z * valid).sum(dim=1) / lengths[:, None].to(z.dtype)
+            return (z * valid).sum(dim=1) / valid.sum(dim=1).to(z.dtype)
         return z.masked_fill(~valid, float("-inf")).max(dim=1).values
 
     def classify(self, x, lengths=None):
@@ -351,29 +342,24 @@ class Transformer(nn.Module):
         encoder, their pooled vectors u, v (B, d) are combined as [u, v, u*v, u-v] (Tay et al. 2021, Sec. 3.4).
         """
         if self.cfg.pair:
-            B = x.shape[0]
             flat_lengths = None if lengths is None else lengths.flatten()
             z, _ = self.encode(x.flatten(0, 1), flat_lengths)
-            u, v = self.pool(z, flat_lengths).view(B, 2, -1).unbind(dim=1)
+            u, v = self.pool(z, flat_lengths).view(len(x), 2, -1).unbind(dim=1)
             return self.class_head(torch.cat([u, v, u * v, u - v], dim=-1))
         z, _ = self.encode(x, lengths)
         return self.class_head(self.pool(z, lengths))
 
     def class_head(self, h):
-        """cls_head in float32 (in_fp32): h (B, d_in) -> logits (B, n_classes). In bf16, logits closer than ~0.4%
-        tie and argmax gives ties to class 0, so near chance the accuracy would read as class 0's frequency."""
+        """cls_head in float32 (in_fp32): h (B, d_in) -> logits (B, n_classes). In bf16, close logits tie and
+        argmax gives ties to class 0, so near chance the accuracy would read as class 0's frequency."""
         return in_fp32(self.cls_head, h)
 
-    def reconstruct(self, x, lengths, positions=True):
-        """Reconstruction outputs, float32 (the head runs in float32, as class_head): with `positions` True, at
-        every position, (B, L, n_rec); with a (B, L) bool tensor, at the M positions where it is True, (M, n_rec).
-
-        The training step asks for every position (pretrain.spt_loss_fn): the output's shape is then known without
-        looking at the mask, so on a GPU nothing waits for the device (picking the M masked positions needs their
-        count, a host synchronisation). The price is the head at all B L positions.
-        """
-        z = self.encode(x, lengths)[0][:, self.prefix:]  # the sequence's positions: the summary token is not one
-        return in_fp32(self.rec_head, z if positions is True else z[positions])
+    def reconstruct(self, x, lengths=None):
+        """Reconstruction outputs (B, L, n_rec) float32 at every position of the sequence (not the summary token);
+        the head runs in float32, as class_head. Every position, not the masked ones: the shape is known without
+        looking at the mask, so on a GPU nothing waits for the device."""
+        z = self.encode(x, lengths)[0][:, self.prefix:]
+        return in_fp32(self.rec_head, z)
 
 
 def in_fp32(head, h):
@@ -426,14 +412,10 @@ def init_weights(model, cfg):
     | LayerNorm weight / bias              | 1 / 0                      | 1 / 0            | 1 / 0            |
     Then every Linear weight and bias and every Embedding weight is multiplied by cfg.init_scale (1 = as above).
 
-    "reference" is the initialization of the code the paper's LRA numbers come from (Amos et al., repository
-    not-from-scratch, attention layer MultiheadAttentionFlash): PyTorch's default initialization, with the four
-    projections built as `clones(nn.Linear(d, d), 4)`, i.e. `copy.deepcopy` of ONE layer, so that W_Q, W_K, W_V
-    and W_O (and their biases) are identical at initialization and only training makes them differ. With
-    W_Q = W_K the scores at init are a Gram matrix, which already leans towards nearby positions (sinusoidal
-    p_i . p_j peaks at i = j). "torch" is PyTorch's defaults with independent projections; "normal" is the GPT-2
-    style N(0, 0.02) under which attention starts almost exactly uniform (the premise of Coser et al.'s
-    Proposition 1). ModelConfig refuses an unknown scheme.
+    "reference" is the code the paper's LRA numbers come from (Amos et al., not-from-scratch,
+    MultiheadAttentionFlash): PyTorch's defaults, the four projections `copy.deepcopy` of ONE layer, so W_Q = W_K
+    makes the scores at init a Gram matrix, which leans towards nearby positions. "torch": PyTorch's defaults with
+    independent projections; "normal": GPT-2's N(0, 0.02), attention almost exactly uniform (Prop. 1's premise).
     """
     for m in model.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -443,10 +425,9 @@ def init_weights(model, cfg):
                     nn.init.zeros_(m.bias)
             else:
                 m.reset_parameters()  # PyTorch's own default (kaiming-uniform a = sqrt 5; Embedding N(0, 1))
-            if cfg.init_scale != 1.0:
-                with torch.no_grad():
-                    for p in m.parameters(recurse=False):
-                        p.mul_(cfg.init_scale)
+            with torch.no_grad():  # init_scale 1: x * 1.0 is x exactly
+                for p in m.parameters(recurse=False):
+                    p.mul_(cfg.init_scale)
         elif isinstance(m, nn.LayerNorm):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
@@ -470,14 +451,8 @@ def unwrapped_state_dict(state_dict):
     return {WRAPPERS.sub("", key): value for key, value in state_dict.items()}
 
 
-# Fields older checkpoints may hold, at the only value the code still builds.
-REMOVED_FIELDS = {"causal": False, "dropout": 0.0, "attend_padding": False}
-
-
 def config_from_dict(d, where="checkpoint"):
-    """ModelConfig from a plain dict; raises ValueError naming unknown fields (or removed ones at another value
-    than the one the code still builds)."""
-    d = {k: v for k, v in d.items() if not (k in REMOVED_FIELDS and v == REMOVED_FIELDS[k])}
+    """ModelConfig from a plain dict; raises ValueError naming `where` and the unknown fields."""
     unknown = set(d) - {f.name for f in fields(ModelConfig)}
     if unknown:
         raise ValueError(f"{where}: unknown model_config fields {sorted(unknown)}")

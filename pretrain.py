@@ -44,7 +44,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import data
 from data import NON_NEGATIVE, POSITIVE, POSITIVE_FLOAT, number_at_least
-from model import INIT_SCHEMES, POOLINGS, POSITIONS, ModelConfig, Transformer, checkpoint_dict, on
+from model import INIT_SCHEMES, POOLINGS, POSITIONS, ModelConfig, Transformer, checkpoint_dict, real_positions
 try:
     import fcntl
 except ImportError:  # Windows: runs are not locked (lock_run says so)
@@ -138,7 +138,7 @@ def mask_batch(x, lengths, ratio, mask_id, generator):
     rows; draw with torch.rand(..., generator=generator, device=x.device). Tested on the meta device.
     """
     B, L = x.shape[:2]
-    valid = torch.arange(L, device=x.device)[None, :] < on(lengths, x.device)[:, None]
+    valid = real_positions(lengths, L, x.device)
     u = torch.rand(B, L, generator=generator, device=x.device)
     masked = (u < ratio) & valid
     # The real position with the smallest u is the one to force-mask in rows that drew none.
@@ -150,44 +150,37 @@ def mask_batch(x, lengths, ratio, mask_id, generator):
     return torch.cat([x * (1 - indicator), indicator], dim=-1), masked
 
 
-def reconstruction_loss(outputs, targets, kind="ce", mask=None):
+def reconstruction_loss(outputs, targets, masked, kind="ce"):
     """Mean reconstruction loss over the M masked positions (Coser et al., Sec. 2, L_SPT).
 
-    Without `mask`: outputs (M, n_rec) at the masked positions; targets (M,) int64 for "ce" (cross-entropy over
-    the vocabulary), (M, n_rec) float for "mse" (1/2 ||r - u||^2) and "l1". With `mask` (B, L) bool: outputs
-    (B, L, n_rec) and targets (B, L) or (B, L, n_rec) at every position, and the loss of the positions where
-    `mask` is True (the training step's form: no data-dependent shape, so no host synchronisation on a GPU).
-    Normalized by M, the number of masked positions; M = 0 gives 0 (a zero with a graph, not 0/0 = NaN).
+    outputs (B, L, n_rec) at every position; targets (B, L) int64 for "ce" (cross-entropy over the vocabulary),
+    (B, L, n_rec) float for "mse" (1/2 ||r - u||^2) and "l1" (||r - u||_1); masked (B, L) bool. The per-position
+    losses where `masked` is True, summed and divided by M; M = 0 gives 0 (a zero with a graph, not 0/0 = NaN).
+    No data-dependent shape (no outputs[masked]), so a GPU never waits for the device.
     """
     if kind == "ce":
         per = F.cross_entropy(outputs.float().flatten(0, -2), targets.flatten(), reduction="none")
-    elif kind in ("mse", "l1"):
+    else:
         diff = outputs.float() - targets
         per = (0.5 * diff.pow(2) if kind == "mse" else diff.abs()).sum(dim=-1).flatten()
-    else:
-        raise ValueError(f"unknown reconstruction loss {kind!r}")
-    if mask is None:
-        return per.sum() / max(per.numel(), 1)
-    mask = mask.flatten().to(per.dtype)
-    return (per * mask).sum() / mask.sum().clamp(min=1)
+    weight = masked.flatten().to(per.dtype)
+    return (per * weight).sum() / weight.sum().clamp(min=1)
 
 
-def targets_at(x, masked, rec_loss, meta):
-    """Reconstruction targets at the masked positions (`masked` (B, L) bool: (M,) or (M, C)) or, with masked
-    None, at every position ((B, L) or (B, L, C)): token ids, values, or for pixel tasks with the cross-entropy
-    loss the raw intensity class 0..255, undoing the normalization of data.get_batch."""
-    targets = x if masked is None else x[masked]
+def targets_at(x, rec_loss, meta):
+    """Reconstruction targets at every position, (B, L) or (B, L, C): token ids, values, or for pixel tasks with the
+    cross-entropy loss the raw intensity class 0..255, undoing the normalization of data.get_batch."""
     if rec_loss == "ce" and meta["kind"] == "pixels":
-        pixels = (targets[..., 0] * meta["pixel_std"] + meta["pixel_mean"]) * 255
+        pixels = (x[..., 0] * meta["pixel_std"] + meta["pixel_mean"]) * 255
         return pixels.round().long().clamp(0, 255)
-    return targets
+    return x
 
 
 def spt_loss_fn(net, split, args):
     """The training step's loss_fn for `train`: (idx (B,), step) -> (sum of the masked loss over this rank's
     masked positions, their number). Masks differ per step and are reproducible (seeded by seed and step), so a
     resumed run draws the same ones. Retrieval: each document of a pair is masked on its own."""
-    meta, g = split["meta"], mask_generator(args, 0)
+    meta, g = split["meta"], torch.Generator(device=args.device)
 
     def loss_fn(idx, step):
         x, lengths = data.single_sequences(*data.get_batch(split, idx, args.device)[:2])
@@ -195,9 +188,9 @@ def spt_loss_fn(net, split, args):
         inputs, masked = mask_batch(x, lengths, args.mask_ratio, meta.get("mask_id"), g)
         x, lengths, inputs, masked = local_rows(args, x, lengths, inputs, masked)  # this rank's rows
         with autocast(args.device, args.dtype):
-            out = net(inputs, lengths, True)  # every position: (B, L, n_rec), no host synchronisation
+            out = net(inputs, lengths, reconstruct=True)
         n = masked.sum()
-        return reconstruction_loss(out, targets_at(x, None, args.rec_loss, meta), args.rec_loss, masked) * n, n
+        return reconstruction_loss(out, targets_at(x, args.rec_loss, meta), masked, args.rec_loss) * n, n
     return loss_fn
 
 
@@ -211,17 +204,17 @@ def evaluate_reconstruction(model, split, args):
 
     def batch_sums(i, idx):  # loss sum, correct (or absolute error) sum, count
         x, lengths = data.single_sequences(*data.get_batch(split, idx, args.device)[:2])
-        g = mask_generator(args, 12345 + i)  # the same masks at every evaluation: the weights decide the best
+        g = torch.Generator(device=args.device).manual_seed(12345 + i)  # the weights decide the best, not the masks
         inputs, masked = mask_batch(x, lengths, args.mask_ratio, meta.get("mask_id"), g)
         with autocast(args.device, args.dtype):
-            out = model.reconstruct(inputs, lengths, True)  # as in training: every position, then the mask
+            out = model.reconstruct(inputs, lengths)
         acc = accumulator_dtype(args.device)  # the sums in float64 (float32 on MPS), as the loop adds them
-        targets, n = targets_at(x, None, args.rec_loss, meta), masked.sum().to(acc)
+        targets, n = targets_at(x, args.rec_loss, meta), masked.sum().to(acc)
         if args.rec_loss == "ce":
             second = ((out.argmax(-1) == targets) & masked).sum()
         else:  # |r - u| averaged over the channels, summed over the masked positions
             second = ((out.float() - targets).abs().mean(dim=-1) * masked).sum()
-        return torch.stack([reconstruction_loss(out, targets, args.rec_loss, masked).to(acc) * n, second.to(acc), n])
+        return torch.stack([reconstruction_loss(out, targets, masked, args.rec_loss).to(acc) * n, second.to(acc), n])
 
     loss_sum, second, count = evaluate(model, split, args, batch_sums, 3)
     return {"val_loss": loss_sum / count, ("val_acc" if args.rec_loss == "ce" else "val_mae"): second / count}
@@ -399,11 +392,6 @@ def fill_from_preset(args, stage):
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     return preset
-
-
-def mask_generator(args, seed):
-    """The seeded generator of the masks on args.device."""
-    return torch.Generator(device=args.device).manual_seed(seed)
 
 
 def get_lr(step, lr, warmup):

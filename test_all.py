@@ -214,51 +214,21 @@ def test_batches_cover_the_split_once_and_are_seeded():
 # Model
 # ----------------------------------------------------------------------------------------------------------
 
-def test_sinusoidal_positions_closed_form():
-    P = sinusoidal_positions(50, 8)
-    t = 17  # with i = 3: column 2i = 6 is sin, 2i+1 = 7 is cos of t / 10000^(6/8)
-    assert torch.isclose(P[t, 6], torch.tensor(np.sin(t / 10000 ** (6 / 8)), dtype=torch.float32))
-    assert torch.isclose(P[t, 7], torch.tensor(np.cos(t / 10000 ** (6 / 8)), dtype=torch.float32))
-
-
-@pytest.mark.parametrize("padded", [False, True])
-def test_fast_and_explicit_attention_agree(padded):
-    torch.manual_seed(0)
-    model = Transformer(tiny_cfg(n_rec=17)).eval()
-    for p in model.parameters():  # larger weights than the init, so attention is far from uniform
-        p.data.normal_(0, 0.3)
-    x = torch.randint(2, 17, (3, 20))
-    lengths = torch.tensor([20, 13, 5]) if padded else None
-    z_fast, _ = model.encode(x, lengths)
-    z_slow, probs = model.encode(x, lengths, need_weights=True)
-    valid = torch.ones(3, 20, dtype=torch.bool) if lengths is None else torch.arange(20)[None] < lengths[:, None]
-    assert torch.allclose(z_fast[valid], z_slow[valid], atol=1e-5)
-    assert len(probs) == 2 and probs[0].shape == (3, 4, 20, 20)
-    assert torch.allclose(probs[0].sum(-1), torch.ones(3, 4, 20))
-    if padded:
-        assert probs[0][1, :, :, 13:].abs().max() == 0  # no attention to padded keys
-
-
 def test_explicit_attention_matches_a_loop():
-    """The explicit path against a per-head, per-query loop written from the definition."""
+    """Attention.forward's explicit path (projections, softmax per head, o_proj) against a per-head, per-query loop."""
     torch.manual_seed(1)
-    cfg = tiny_cfg(n_layers=1)
-    attn = Transformer(cfg).blocks[0].attn
+    attn = Transformer(tiny_cfg(n_layers=1)).blocks[0].attn
     for p in attn.parameters():
         p.data.normal_(0, 0.3)
     x = torch.randn(2, 7, 16)
     y, probs = attn(x, need_weights=True)
-    d_h = 4
     q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
     out = torch.zeros(2, 7, 16)
-    for b in range(2):
-        for h in range(4):
-            sl = slice(h * d_h, (h + 1) * d_h)
-            for i in range(7):
-                s = torch.stack([q[b, i, sl] @ k[b, j, sl] / d_h ** 0.5 for j in range(7)])
-                a = torch.exp(s - s.max()) / torch.exp(s - s.max()).sum()
-                assert torch.allclose(probs[b, h, i], a, atol=1e-6)
-                out[b, i, sl] = (a[:, None] * v[b, :, sl]).sum(0)
+    for b, h, i in np.ndindex(2, 4, 7):
+        sl = slice(4 * h, 4 * h + 4)  # d_head 4
+        a = torch.stack([q[b, i, sl] @ k[b, j, sl] / 2.0 for j in range(7)]).softmax(0)
+        assert torch.allclose(probs[b, h, i], a, atol=1e-6)
+        out[b, i, sl] = (a[:, None] * v[b, :, sl]).sum(0)
     assert torch.allclose(y, attn.o_proj(out), atol=1e-5)
 
 
@@ -275,82 +245,47 @@ def test_outputs_ignore_padded_positions():
     assert torch.allclose(model.classify(x, lengths), model.classify(x2, lengths))
     # ...and a sequence padded to a longer batch gives the same logits as on its own
     assert torch.allclose(model.classify(x[1:, :7], None), model.classify(x, lengths)[1:], atol=1e-6)
+    assert model_lib.real_positions(torch.tensor([2, 0]), 3, "cpu").tolist() == [[True, True, False], [False] * 3]
 
 
-def test_max_pooling_and_the_pair_head_by_hand():
-    """Max pooling (PathX) over real positions only, against each sequence alone and an explicit max; the
-    Retrieval head on [u, v, u*v, u-v] of the two documents' mean-pooled encodings (Tay et al. 2021, Sec. 3.4),
-    worked out by hand from encode and the head's layers."""
+def test_the_pair_head_by_hand():
+    """The Retrieval head on [u, v, u*v, u-v] of the two documents' mean-pooled encodings (Tay et al. 2021, Sec.
+    3.4), each document encoded alone, through the head's layers."""
     torch.manual_seed(0)
-    model = Transformer(tiny_cfg(n_classes=3, pooling="max")).eval()
-    x, lengths = torch.randint(2, 17, (3, 12)), torch.tensor([12, 7, 3])
-    z, _ = model.encode(x, lengths)
-    by_hand = torch.stack([z[b, :n].max(dim=0).values for b, n in enumerate(lengths.tolist())])
-    assert torch.equal(model.pool(z, lengths), by_hand)
-    z_alone = [model.encode(x[b:b + 1, :n])[0][0] for b, n in enumerate(lengths.tolist())]
-    assert torch.allclose(model.pool(z, lengths), torch.stack([a.max(dim=0).values for a in z_alone]), atol=1e-5)
     pair = Transformer(tiny_cfg(n_classes=2, pair=True)).eval()
     docs, doc_lengths = torch.randint(2, 17, (2, 2, 10)), torch.tensor([[10, 4], [6, 9]])
-    logits = pair.classify(docs, doc_lengths)
+    logits, head = pair.classify(docs, doc_lengths), pair.cls_head
     for b in range(2):
         u, v = (pair.encode(docs[b, k:k + 1, :doc_lengths[b, k]])[0][0].mean(dim=0) for k in (0, 1))
-        features = torch.cat([u, v, u * v, u - v])
-        head = pair.cls_head
-        expected = head[2](head[1](head[0](features)))
-        assert torch.allclose(logits[b], expected, atol=1e-5), b
+        assert torch.allclose(logits[b], head[2](head[1](head[0](torch.cat([u, v, u * v, u - v])))), atol=1e-5), b
 
 
-def test_class_logits_are_float32_under_bf16_autocast_so_close_logits_do_not_tie():
-    """Logits 1.0 and 1.001 (the head's bias, weights zero) are one value in bf16 (spacing 1/128 at 1), where
-    argmax would give the tie to class 0; the class head runs in float32 under autocast, so class 1 wins."""
-    torch.manual_seed(0)
-    model = Transformer(tiny_cfg(n_classes=2)).eval()
-    with torch.no_grad():
-        model.cls_head.weight.zero_()
-        model.cls_head.bias.copy_(torch.tensor([1.0, 1.001]))
-    x, lengths = torch.randint(2, 17, (3, 12)), torch.tensor([12, 7, 3])
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        logits = model.classify(x, lengths)
-        bf16_head = model.cls_head(model.pool(model.encode(x, lengths)[0], lengths))  # what autocast alone gives
-    assert bf16_head.dtype == torch.bfloat16 and bf16_head.argmax(-1).tolist() == [0, 0, 0]  # the tie
-    assert logits.dtype == torch.float32 and logits.argmax(-1).tolist() == [1, 1, 1]
-
-
-def test_masked_token_accuracy_takes_its_argmax_from_a_float32_head_under_bf16_autocast(listops_dir):
-    """The evaluation's masked-token accuracy (pretrain.evaluate_reconstruction) under bf16 autocast (on the CPU
-    here, as CUDA's on a GPU): with every token of the split one id, 7, and a head (weights zero) whose bias gives
-    every id 1000 and id 7 1000.5, bf16 rounds them all to 1000 (spacing 4 there) and argmax would give the tie to
-    id 0 (accuracy 0); the head runs in float32 at evaluation, so id 7 wins at every masked position (1.0)."""
+def test_heads_run_in_float32_under_bf16_autocast_so_close_outputs_do_not_tie(listops_dir):
+    """Under bf16 autocast (the CPU's here, CUDA's on a GPU) 1000 and 1000.5 are one value, and argmax gives the tie
+    to index 0. With a reconstruction head whose bias gives every id 1000 and id 7 1000.5, on a split whose tokens
+    are all 7, the evaluation's masked-token accuracy (evaluate_reconstruction) is 1.0, not 0: the heads run in
+    float32 (the class logits too)."""
     split = data.load_split(listops_dir, "listops", "val")
     real = torch.arange(split["tokens"].shape[1]) < split["lengths"][:, None]
     split = dict(split, tokens=torch.where(real, torch.full_like(split["tokens"], 7), split["tokens"]))
-    model = Transformer(tiny_cfg(vocab_size=split["meta"]["vocab_size"], max_len=128,
-                                 n_rec=split["meta"]["vocab_size"])).eval()
+    vocab = split["meta"]["vocab_size"]
+    model = Transformer(tiny_cfg(vocab_size=vocab, max_len=128, n_rec=vocab, n_classes=2)).eval()
+    x, lengths = torch.randint(2, 17, (3, 12)), torch.tensor([12, 7, 3])
     with torch.no_grad():
         model.rec_head.weight.zero_()
         model.rec_head.bias.fill_(1000.0)
         model.rec_head.bias[7] = 1000.5
-    x, lengths = split["tokens"][:2, :40].long(), torch.tensor([40, 30])
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        z = model.encode(x, lengths)[0]
-        assert model.rec_head(z).argmax(-1).eq(0).all()  # the tie, as autocast alone gives it
-        assert model.reconstruct(x, lengths).dtype == torch.float32
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert model.rec_head(model.encode(x, lengths)[0]).argmax(-1).eq(0).all()  # the tie
+            assert model.classify(x, lengths).dtype == torch.float32
     args = argparse.Namespace(device=torch.device("cpu"), dtype=torch.bfloat16, mask_ratio=0.15, rec_loss="ce",
                               batch_size=8, world_size=1, rank=0)
     assert pretrain.evaluate_reconstruction(model, split, args)["val_acc"] == 1.0
 
 
-def test_minimal_model_has_no_layernorm_and_no_mlp():
-    model = Transformer(tiny_cfg(n_layers=1, n_heads=1, layernorm=False, mlp=False, n_classes=2))
-    names = [n for n, _ in model.named_parameters()]
-    assert not any("ln" in n or "mlp" in n for n in names)
-    assert {"blocks.0.attn.q_proj.weight", "blocks.0.attn.k_proj.weight"} <= set(names)
-
-
 def test_max_len_is_enforced():
-    model = Transformer(tiny_cfg(max_len=8, n_classes=2))
-    with pytest.raises(ValueError, match="exceeds the model's max_len 8"):
-        model.classify(torch.ones(1, 9, dtype=torch.long))
+    with pytest.raises(ValueError, match="max_len 8"):
+        Transformer(tiny_cfg(max_len=8, n_classes=2)).classify(torch.ones(1, 9, dtype=torch.long))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -370,81 +305,59 @@ def test_token_frequency_entropy_is_that_of_the_real_positions(listops_dir):
 
 
 def test_mask_batch_masks_only_real_tokens_at_least_one_each():
-    tokens = torch.randint(2, 17, (64, 30))
-    lengths = torch.randint(1, 31, (64,))
+    """Tokens: masked ids become mask_id. Values: zeroed, and an indicator channel appended. Padding is never
+    masked; every row gets one at least (length 1: its only position). The rates: test_exercise_masking."""
+    tokens, lengths = torch.randint(2, 17, (64, 30)), torch.randint(1, 31, (64,))
     g = torch.Generator().manual_seed(0)
     inputs, masked = pretrain.mask_batch(tokens, lengths, 0.1, data.MASK_ID, g)
-    valid = torch.arange(30)[None] < lengths[:, None]
-    assert not (masked & ~valid).any()
-    assert masked.sum(1).min() >= 1
-    assert torch.equal(inputs[masked], torch.full_like(inputs[masked], data.MASK_ID))
-    assert torch.equal(inputs[~masked], tokens[~masked])
-    big = pretrain.mask_batch(torch.randint(2, 17, (200, 500)), torch.full((200,), 500), 0.1, 1, g)[1]
-    assert abs(big.float().mean().item() - 0.1) < 0.005
+    assert not (masked & ~(torch.arange(30) < lengths[:, None])).any() and masked.sum(1).min() >= 1
+    assert (inputs[masked] == data.MASK_ID).all() and torch.equal(inputs[~masked], tokens[~masked])
+    x = torch.randn(4, 10, 2)
+    inputs, masked = pretrain.mask_batch(x, torch.tensor([10, 10, 5, 1]), 0.5, None, g)
+    assert inputs.shape == (4, 10, 3) and torch.equal(inputs[..., 2], masked.float())
+    assert (inputs[masked][:, :2] == 0).all() and torch.equal(inputs[~masked][:, :2], x[~masked])
+    assert masked[3].tolist() == [True] + [False] * 9
 
 
-def test_reconstruction_loss_is_ce_over_masked_positions_only():
+def test_reconstruction_loss_is_the_mean_over_the_masked_positions_of_the_outputs():
+    """reconstruction_loss of Transformer.reconstruct (every position): the mean of -log softmax at the masked
+    positions, by brute force from encode and the head, with the brute force's gradient; padding changes nothing."""
     torch.manual_seed(0)
     model = Transformer(tiny_cfg(n_rec=17)).eval()
-    tokens = torch.randint(2, 17, (3, 10))
-    lengths = torch.tensor([10, 6, 3])
+    tokens, lengths = torch.randint(2, 17, (3, 10)), torch.tensor([10, 6, 3])
     masked = torch.zeros(3, 10, dtype=torch.bool)
     masked[0, [1, 4]] = masked[1, 5] = masked[2, 0] = True
     inputs = tokens.masked_fill(masked, data.MASK_ID)
-    loss = pretrain.reconstruction_loss(model.reconstruct(inputs, lengths, masked), tokens[masked])
-    # Brute force: full per-position logits, -log softmax at each masked position, mean over the 4 of them.
-    z, _ = model.encode(inputs, lengths)
-    logits = model.rec_head(z)
-    terms = [-torch.log_softmax(logits[b, t], -1)[tokens[b, t]] for b, t in masked.nonzero().tolist()]
-    assert torch.allclose(loss, torch.stack(terms).mean(), atol=1e-6)
-    # Padding positions do not change the loss at all.
-    inputs2 = inputs.clone()
-    inputs2[2, 3:] = 5
-    loss2 = pretrain.reconstruction_loss(model.reconstruct(inputs2, lengths, masked), tokens[masked])
-    assert torch.allclose(loss, loss2, atol=1e-6)
-    # MSE and L1 closed forms, and no NaN when nothing is masked.
-    r, u = torch.randn(5, 3), torch.randn(5, 3)
-    assert torch.allclose(pretrain.reconstruction_loss(r, u, "mse"), 0.5 * ((r - u) ** 2).sum(1).mean())
-    assert torch.allclose(pretrain.reconstruction_loss(r, u, "l1"), (r - u).abs().sum(1).mean())
-    empty = pretrain.reconstruction_loss(torch.zeros(0, 17, requires_grad=True), torch.zeros(0, dtype=torch.long))
-    assert empty.item() == 0.0
-
-
-def test_masked_loss_over_every_position_equals_the_loss_at_the_selected_positions():
-    torch.manual_seed(1)
-    model = Transformer(tiny_cfg(n_rec=17)).eval()
-    tokens, lengths = torch.randint(2, 17, (4, 12)), torch.tensor([12, 7, 3, 9])
-    inputs, masked = pretrain.mask_batch(tokens, lengths, 0.3, data.MASK_ID, torch.Generator().manual_seed(0))
-    every, selected = model.reconstruct(inputs, lengths, True), model.reconstruct(inputs, lengths, masked)
-    assert every.shape == (4, 12, 17) and torch.allclose(every[masked], selected, atol=1e-6)
-    a = pretrain.reconstruction_loss(every, tokens, "ce", masked)
-    b = pretrain.reconstruction_loss(selected, tokens[masked], "ce")
-    ga = torch.autograd.grad(a, model.blocks[0].attn.q_proj.weight)[0]
-    gb = torch.autograd.grad(b, model.blocks[0].attn.q_proj.weight)[0]
-    assert torch.allclose(a, b, atol=1e-6) and torch.allclose(ga, gb, atol=1e-6)
-    r, u, m = torch.randn(2, 5, 3), torch.randn(2, 5, 3), torch.rand(2, 5) < 0.5
-    for kind in ("mse", "l1"):
-        assert torch.allclose(pretrain.reconstruction_loss(r, u, kind, m), pretrain.reconstruction_loss(r[m], u[m], kind))
-    assert pretrain.reconstruction_loss(r, u, "mse", torch.zeros(2, 5, dtype=torch.bool)).item() == 0.0
+    loss = pretrain.reconstruction_loss(model.reconstruct(inputs, lengths), tokens, masked)
+    logits = model.rec_head(model.encode(inputs, lengths)[0])
+    brute = torch.stack([-torch.log_softmax(logits[b, t], -1)[tokens[b, t]] for b, t in masked.nonzero().tolist()])
+    assert torch.allclose(loss, brute.mean(), atol=1e-6)
+    w = model.blocks[0].attn.q_proj.weight
+    assert torch.allclose(torch.autograd.grad(loss, w)[0], torch.autograd.grad(brute.mean(), w)[0], atol=1e-6)
+    inputs[2, 3:] = 5  # padding
+    assert torch.allclose(pretrain.reconstruction_loss(model.reconstruct(inputs, lengths), tokens, masked), loss)
 
 
 @pytest.fixture
 def masks_on_meta(monkeypatch):
-    """The meta device has no random generator: the masks' draws are made on the CPU and moved there."""
-    class NoGenerator:
-        def manual_seed(self, seed):
-            return self
+    """The meta device has no random generator: the masks' generator is a CPU one, their draws moved there."""
+    real_generator, real_rand = torch.Generator, torch.rand
 
-    monkeypatch.setattr(pretrain, "mask_generator", lambda args, seed: NoGenerator())
-    real_rand = torch.rand
-    monkeypatch.setattr(torch, "rand", lambda *shape, generator=None, device=None, **kw: real_rand(*shape, **kw).to(device))
+    class CPUGenerator(real_generator):
+        def __new__(cls, device="cpu"):
+            return real_generator.__new__(cls, "cpu" if torch.device(device).type == "meta" else device)
+
+        def __init__(self, device="cpu"):
+            pass
+    monkeypatch.setattr(torch, "Generator", CPUGenerator)
+    monkeypatch.setattr(torch, "rand", lambda *shape, generator=None, device=None, **kw: real_rand(
+        *shape, generator=generator, **kw).to(device))
 
 
 def test_the_training_step_of_spt_never_waits_for_the_device(synthetic_run, listops_dir, masks_on_meta):
     """pretrain.spt_loss_fn and its backward on PyTorch's meta device (tensors with shapes and no values), with
     the batch lengths on the CPU as data.get_batch keeps them: any op that needs a device value on the host
-    (.item(), boolean indexing, nonzero: on a GPU a wait every step) raises there. Only the random draws of the
-    masks are replaced (the meta device has no generator)."""
+    (.item(), boolean indexing, nonzero: on a GPU a wait every step) raises there."""
     for data_dir, task in ((listops_dir, "listops"), (synthetic_run[0], "synthetic")):
         split = data.load_split(data_dir, task, "train")
         meta = split["meta"]
@@ -458,9 +371,8 @@ def test_the_training_step_of_spt_never_waits_for_the_device(synthetic_run, list
         loss_sum, n = pretrain.spt_loss_fn(model, split, args)(idx, 0)
         (loss_sum / n).backward()
         assert loss_sum.device.type == "meta" and model.blocks[0].attn.q_proj.weight.grad is not None
-        x = torch.zeros(2, 4, dtype=torch.long) if cfg.vocab_size else torch.zeros(2, 4, cfg.d_input)
-        with pytest.raises(NotImplementedError):  # the check can fail: selecting masked positions needs their count
-            model.reconstruct(x.to("meta"), None, torch.ones(2, 4, dtype=torch.bool, device="meta"))
+        with pytest.raises(NotImplementedError):  # the check can fail: the outputs at the masked positions
+            loss_sum.new_zeros(2, 4)[torch.ones(2, 4, dtype=torch.bool, device="meta")]
 
 
 def test_a_whole_optimizer_step_of_either_stage_never_waits_for_the_device(listops_dir, masks_on_meta, monkeypatch):
@@ -485,7 +397,8 @@ def test_a_whole_optimizer_step_of_either_stage_never_waits_for_the_device(listo
         return F.cross_entropy(model(x, lengths).float(), labels, reduction="sum"), torch.ones_like(labels).sum()
     for loss_fn in (classification_loss, pretrain.spt_loss_fn(model, split, args)):
         calls.clear()
-        run = pretrain.train(model, {"train": split}, args, loss_fn, None, dict(paths={}), dict(metric="val_loss"), False)
+        run = pretrain.train(model, {"train": split}, args, loss_fn, None, dict(paths={}), dict(metric="val_loss"),
+                             False)
         meter = calls[1]
         assert calls == ["start", meter, "eval"] and run["state"]["step"] == 3, calls  # the last step logs, evaluates
         assert meter["loss"].device.type == "meta" and meter["steps"] == 3 and 0 < meter["tokens"] < meter["padded"]
@@ -498,11 +411,11 @@ def test_torch_compile_captures_the_whole_layer_stack_in_one_graph():
     head are in one graph."""
     model = Transformer(tiny_cfg(vocab_size=20, n_layers=3, n_classes=3, n_rec=20, max_len=64))
     x, lengths = torch.randint(2, 20, (4, 64)), torch.tensor([64, 50, 40, 64])
-    for fn, inputs in ((model.reconstruct, (x, lengths, True)), (model.classify, (x, lengths))):
-        explained = torch._dynamo.explain(fn)(*inputs)
+    for fn in (model.reconstruct, model.classify):
+        explained = torch._dynamo.explain(fn)(x, lengths)
         sdpa = [sum("scaled_dot_product_attention" in str(n.target) for n in g.graph.nodes) for g in explained.graphs]
         assert max(sdpa) == 3 == sum(sdpa), sdpa  # all three layers' attention in a single graph
-        assert {frame.name for b in explained.break_reasons for frame in b.user_stack[-1:]} <= {"encode", "on"}
+        assert {b.user_stack[-1].name for b in explained.break_reasons} <= {"encode", "real_positions"}
         assert explained.graph_break_count <= 4
     torch._dynamo.reset()
 
@@ -804,9 +717,10 @@ def prop1_setup():
     return x, w, y, dirs
 
 
-def test_prop1_losses_match_per_token_loops(prop1_setup):
+@pytest.mark.parametrize("a0", [0.0, 0.8])
+def test_prop1_losses_match_per_token_loops_and_autograd_finite_differences(prop1_setup, a0):
     x, w, y, dirs = prop1_setup
-    d, a = dirs[0], torch.tensor(0.9, dtype=torch.float64)
+    d, a = dirs[0], torch.tensor(a0, dtype=torch.float64)
     n, length, _ = x.shape
     attn = torch.softmax(a * d, dim=-1)
     o = torch.stack([torch.stack([sum(attn[i, j] * x[m, j] for j in range(length)) for i in range(length)])
@@ -815,73 +729,48 @@ def test_prop1_losses_match_per_token_loops(prop1_setup):
     spt = sum(((x[:, i] - o[:, i]) ** 2).sum(-1).mean() for i in range(length)) / (2 * length)
     got_sup, got_spt = analyze.prop1_losses(x, d, a, w, y)
     assert torch.allclose(got_sup, sup, rtol=1e-12) and torch.allclose(got_spt, spt, rtol=1e-12)
-
-
-def test_prop1_supervised_derivative_zero_for_zero_column_sums(prop1_setup):
-    x, w, y, dirs = prop1_setup
-    for d in [analyze.column_centred(d) for d in dirs] + [analyze.band_direction(x.shape[1], 1)]:
-        assert d.sum(0).abs().max() < 1e-12
-        d_sup, d_spt = analyze.prop1_derivatives(x, d, w, y)
-        assert abs(d_sup) < 1e-12
-        assert abs(d_spt) > 1e-4          # reconstruction does see the direction
-
-
-def test_prop1_closed_form_matches_autograd(prop1_setup):
-    x, w, y, dirs = prop1_setup
-    for d in [analyze.column_centred(d) for d in dirs] + [analyze.band_direction(x.shape[1], 2)]:
-        _, d_spt = analyze.prop1_derivatives(x, d, w, y)
-        assert analyze.rel_err(analyze.closed_form_spt_derivative(x, d), d_spt) < 1e-6
-        assert analyze.rel_err(analyze.exact_spt_derivative(x, d), d_spt) < 1e-6
-    # uncentred iid tokens too: the identity does not need centring, C is the uncentred second moment
-    x_raw = torch.randn(32, 6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(5)) + 0.7
-    d = analyze.column_centred(torch.randn(6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(6)))
-    _, d_spt = analyze.prop1_derivatives(x_raw, d, w[:4], y[:32])
-    assert analyze.rel_err(analyze.closed_form_spt_derivative(x_raw, d), d_spt) < 1e-6
-
-
-def test_prop1_nonzero_column_sums(prop1_setup):
-    x, w, y, dirs = prop1_setup
-    for d in dirs:                         # generic directions: 1^T D != 0
-        d_sup, d_spt = analyze.prop1_derivatives(x, d, w, y)
-        assert abs(d_sup) > 1e-6
-        assert analyze.rel_err(analyze.exact_spt_derivative(x, d), d_spt) < 1e-6
-        assert analyze.rel_err(analyze.closed_form_spt_derivative(x, d), d_spt) > 1e-3   # paper form needs 1^T D = 0
-
-
-def test_prop1_cls_pooling_has_nonzero_supervised_derivative(prop1_setup):
-    x, w, y, dirs = prop1_setup
-    d_sup, _ = analyze.prop1_derivatives(x, analyze.column_centred(dirs[0]), w, y, pooling="cls")
-    assert abs(d_sup) > 1e-6
-
-
-@pytest.mark.parametrize("a0", [0.0, 0.8])
-def test_prop1_autograd_matches_finite_difference(prop1_setup, a0):
-    x, w, y, dirs = prop1_setup
+    eps = 1e-5
     for d in (dirs[1], analyze.column_centred(dirs[1])):
         auto = analyze.prop1_derivatives(x, d, w, y, a0=a0)
-        eps = 1e-5
-        plus = analyze.prop1_losses(x, d, torch.tensor(a0 + eps, dtype=torch.float64), w, y)
-        minus = analyze.prop1_losses(x, d, torch.tensor(a0 - eps, dtype=torch.float64), w, y)
+        plus, minus = (analyze.prop1_losses(x, d, torch.tensor(a0 + s, dtype=torch.float64), w, y) for s in (eps, -eps))
         for k in range(2):
             fd = ((plus[k] - minus[k]) / (2 * eps)).item()
             assert abs(auto[k] - fd) < 1e-6 * max(abs(fd), 1e-3)
 
 
+def test_prop1_derivatives_at_uniform_attention_against_the_closed_forms(prop1_setup):
+    """Zero column sums: L_sup'(0) = 0 and the paper's closed form is L_SPT'(0) (also for uncentred iid tokens);
+    other directions: L_sup'(0) != 0, only the exact form holds; [CLS] pooling: L_sup'(0) != 0."""
+    x, w, y, dirs = prop1_setup
+    for d in [analyze.column_centred(d) for d in dirs] + [analyze.band_direction(x.shape[1], 2)]:
+        assert d.sum(0).abs().max() < 1e-12
+        d_sup, d_spt = analyze.prop1_derivatives(x, d, w, y)
+        assert abs(d_sup) < 1e-12 and abs(d_spt) > 1e-4  # reconstruction does see the direction
+        assert analyze.rel_err(analyze.closed_form_spt_derivative(x, d), d_spt) < 1e-6
+        assert analyze.rel_err(analyze.exact_spt_derivative(x, d), d_spt) < 1e-6
+    x_raw = torch.randn(32, 6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(5)) + 0.7
+    d = analyze.column_centred(torch.randn(6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(6)))
+    _, d_spt = analyze.prop1_derivatives(x_raw, d, w[:4], y[:32])
+    assert analyze.rel_err(analyze.closed_form_spt_derivative(x_raw, d), d_spt) < 1e-6
+    for d in dirs:  # generic directions: 1^T D != 0
+        d_sup, d_spt = analyze.prop1_derivatives(x, d, w, y)
+        assert abs(d_sup) > 1e-6 and analyze.rel_err(analyze.exact_spt_derivative(x, d), d_spt) < 1e-6
+        assert analyze.rel_err(analyze.closed_form_spt_derivative(x, d), d_spt) > 1e-3  # the paper's needs 1^T D = 0
+    assert abs(analyze.prop1_derivatives(x, analyze.column_centred(dirs[0]), w, y, pooling="cls")[0]) > 1e-6
+
+
 def test_prop1_main_writes_png_and_json(tmp_path):
     analyze.main(["prop1", "--out", str(tmp_path)])
-    png, js = tmp_path / "prop1.png", tmp_path / "prop1.json"
-    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
-    rows = json.loads(js.read_text())["rows"]
+    assert (tmp_path / "prop1.png").read_bytes()[:4] == b"\x89PNG"
+    rows = json.loads((tmp_path / "prop1.json").read_text())["rows"]
     assert len(rows) >= 5
     for r in rows:
-        if "population" in r["case"]:      # population C: only up to sampling error
+        if "population" in r["case"]:  # population C: only up to sampling error
             assert 1e-6 < r["rel_err_paper"] < 0.2
             continue
         assert r["rel_err_exact"] < 1e-6
-        if r["max_abs_col_sum"] < 1e-12:
-            assert r["rel_err_paper"] < 1e-6
-            if r["pooling"] == "mean":
-                assert abs(r["dsup"]) < 1e-12
+        assert r["max_abs_col_sum"] > 1e-12 or (r["rel_err_paper"] < 1e-6 and (r["pooling"] == "cls" or
+                                                                              abs(r["dsup"]) < 1e-12))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -936,15 +825,6 @@ def test_synthetic_pretrain_finetune_slices_the_mask_channel(tmp_path):
     assert torch.equal(model.blocks[0].attn.k_proj.weight, ck["model"]["blocks.0.attn.k_proj.weight"])
     finetune.main(common + ["--init", os.path.join(out, "synthetic", "pretrain.pt"), "--max_steps", "3"])
     assert json.load(open(os.path.join(out, "synthetic", "finetune_spt.json")))["test_acc"] >= 0
-
-
-def test_continuous_masking_zeroes_values_and_adds_an_indicator():
-    x = torch.randn(4, 10, 2)
-    inputs, masked = pretrain.mask_batch(x, torch.tensor([10, 10, 5, 1]), 0.5, None, torch.Generator().manual_seed(0))
-    assert inputs.shape == (4, 10, 3)
-    assert torch.equal(inputs[..., 2], masked.float())
-    assert (inputs[masked][:, :2] == 0).all() and torch.equal(inputs[~masked][:, :2], x[~masked])
-    assert masked[3].tolist() == [True] + [False] * 9  # length 1: its only real position is forced
 
 
 def test_training_never_calls_the_explicit_attention_path(listops_dir, tmp_path, monkeypatch):
@@ -1115,11 +995,6 @@ def test_flops_per_token_counts_the_matmuls():
     assert pretrain.flops_per_token(local, 30) == pretrain.flops_per_token(cfg, 30)  # L < 3 w: all L keys
 
 
-def test_unwrapped_state_dict_strips_wrapper_prefixes_in_any_order():
-    sd = {"module._orig_mod.embed.weight": 1, "_orig_mod.module.ln_f.bias": 2, "module.x": 3, "y": 4}
-    assert model_lib.unwrapped_state_dict(sd) == {"embed.weight": 1, "ln_f.bias": 2, "x": 3, "y": 4}
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Hybrid initialization, freezing, attention analyses, ablations
 # ----------------------------------------------------------------------------------------------------------
@@ -1137,12 +1012,14 @@ def synthetic_run(tmp_path_factory):
 
 
 def test_every_parameter_is_in_exactly_one_group():
-    for cfg in (tiny_cfg(n_classes=3, n_rec=17), tiny_cfg(layernorm=False, mlp=False, n_classes=2),
-                *(tiny_cfg(pos=pos, n_classes=2, pooling=pooling) for pos in model_lib.POSITIONS
-                  for pooling in model_lib.POOLINGS)):
+    for cfg in (tiny_cfg(n_classes=3, n_rec=17), *(tiny_cfg(pos=pos, n_classes=2, pooling=pooling)
+                                                   for pos in model_lib.POSITIONS for pooling in model_lib.POOLINGS)):
         groups = {model_lib.param_group(n) for n, _ in Transformer(cfg).named_parameters()}
         assert groups <= set(model_lib.PARAM_GROUPS)
-    with pytest.raises(ValueError, match="expected exactly one"):
+    minimal = Transformer(tiny_cfg(n_layers=1, n_heads=1, layernorm=False, mlp=False, n_classes=2))
+    assert {model_lib.param_group(n) for n, _ in minimal.named_parameters()} == {"W_Q", "W_K", "W_V", "W_O", "embed",
+                                                                                 "head"}
+    with pytest.raises(ValueError, match="something.else"):
         model_lib.param_group("something.else")
 
 
@@ -1208,18 +1085,17 @@ def test_attention_stats_closed_forms():
     probs = torch.rand(2, 16, 16).softmax(-1)  # a 4 x 4 image, against loops over pixel pairs
     s = analyze.attention_stats(probs, band=1, side=4)
     near = dist = 0.0
-    for i in range(16):
-        for j in range(16):
-            (ri, ci), (rj, cj) = divmod(i, 4), divmod(j, 4)
-            w = probs[:, i, j].mean().item() / 16
-            near += w * (max(abs(ri - rj), abs(ci - cj)) <= 1)
-            dist += w * math.hypot(ri - rj, ci - cj)
+    for i, j in np.ndindex(16, 16):
+        (ri, ci), (rj, cj) = divmod(i, 4), divmod(j, 4)
+        w = probs[:, i, j].mean().item() / 16
+        near += w * (max(abs(ri - rj), abs(ci - cj)) <= 1)
+        dist += w * math.hypot(ri - rj, ci - cj)
     assert s["band_mass_2d"] == pytest.approx(near, rel=1e-5) and s["mean_distance_2d"] == pytest.approx(dist, rel=1e-5)
-    with pytest.raises(ValueError, match="side 4: an image of side x side pixels has 16 positions, not 9"):
-        analyze.attention_stats(uniform, side=4)
 
 
 def test_pe_probe_equals_attention_on_zero_input_without_biases():
+    """With zero input, no biases and no LayerNorm, layer 0's attention is the PE-only probe (the product itself is
+    checked by test_exercise_pe_probe); qk_product is head 0's W_Q^T W_K."""
     torch.manual_seed(0)
     m = Transformer(tiny_cfg(vocab_size=0, d_input=2, n_layers=1, n_heads=2, layernorm=False, mlp=False,
                              n_classes=2)).eval()
@@ -1227,12 +1103,10 @@ def test_pe_probe_equals_attention_on_zero_input_without_biases():
         p.data.normal_(0, 0.3)
     for lin in (m.embed, m.blocks[0].attn.q_proj, m.blocks[0].attn.k_proj):
         lin.bias.data.zero_()
-    scores, probe = analyze.pe_probe(m, 16)
+    _, probe = analyze.pe_probe(m, 16)
     _, probs = m.encode(torch.zeros(1, 16, 2), need_weights=True)
     assert torch.allclose(probe, probs[0][0], atol=1e-6)
-    # and the scores are P W_Q^T W_K P^T / sqrt(d_head) for head 0, written out
-    P, Wq, Wk = m.pe[:16], m.blocks[0].attn.q_proj.weight[:8], m.blocks[0].attn.k_proj.weight[:8]
-    assert torch.allclose(scores[0], P @ Wq.T @ Wk @ P.T / np.sqrt(8), atol=1e-5)
+    Wq, Wk = m.blocks[0].attn.q_proj.weight[:8], m.blocks[0].attn.k_proj.weight[:8]
     assert torch.allclose(analyze.qk_product(m, 0, 0), Wq.T @ Wk)
 
 
@@ -1253,36 +1127,29 @@ def test_displacement_by_group_over_the_weights_both_models_have():
 
 def test_analyze_attention_and_curves_write_figures_with_one_colour_scale(synthetic_run, tmp_path, monkeypatch):
     """analyze.py attention draws the maps of every checkpoint and, below them, their PE-only probes in one figure,
-    on one colour scale from 0 to the largest value shown, with one colorbar; W_Q^T W_K on one scale symmetric about
-    0. analyze.py curves draws the statistics over a run's snapshots."""
+    on one colour scale from 0 to the 99th percentile of the values shown, with one colorbar; W_Q^T W_K on one scale
+    symmetric about 0. analyze.py curves draws the statistics over a run's snapshots."""
     data_dir, out = synthetic_run
     run = os.path.join(out, "synthetic")
     figures, save = {}, analyze.save_figure
-    monkeypatch.setattr(analyze, "save_figure", lambda fig, path, command, **kw: (
-        figures.__setitem__(os.path.basename(path), fig), save(fig, path, command, **kw)))
+    monkeypatch.setattr(analyze, "save_figure", lambda fig, path, command: (
+        figures.__setitem__(os.path.basename(path), fig), save(fig, path, command)))
     analyze.main(["attention", "--ckpt", os.path.join(run, "pretrain_init.pt"), os.path.join(run, "pretrain.pt"),
                   "--data_dir", data_dir, "--out", str(tmp_path)])
     res = json.load(open(tmp_path / "attention.json"))
     assert res["pretrain_init"]["uniform_entropy"] == pytest.approx(np.log(20))
     assert "W_Q^T W_K" in res["pretrain"]["displacement"]
     for name, diverging in (("attention.png", False), ("qk_product.png", True)):
-        fig = figures[name]
-        images = [im for ax in fig.axes for im in ax.images]
-        tops = [float(np.abs(im.get_array()).max()) for im in images]
+        images = [im for ax in figures[name].axes for im in ax.images]
+        values = np.concatenate([np.ma.getdata(im.get_array()).ravel() for im in images])
         assert len(images) == (2 if diverging else 4)  # 2 checkpoints; attention: maps and probes
-        assert [ax.get_title() for ax in fig.axes if ax.images][:2] == ["pretrain_init", "pretrain"]
-        top = max(tops) if diverging else float(np.percentile(np.concatenate([np.ma.getdata(im.get_array()).ravel() for im in images]),
-                                                               99))
+        assert [ax.get_title() for ax in figures[name].axes if ax.images][:2] == ["pretrain_init", "pretrain"]
+        top = np.abs(values).max() if diverging else np.percentile(values, 99)
         assert {im.get_clim() for im in images} == {(-top if diverging else 0.0, top)}
-        assert diverging or (top < max(tops) and f"colour scale 0 to {top:.3f}" in fig._suptitle.get_text())
-        assert diverging or min(tops) < 0.8 * max(tops)  # unlike ranges (maps, probes): one scale compares them
-        assert sum(ax.get_label() == "<colorbar>" for ax in fig.axes) == 1
+        assert sum(ax.get_label() == "<colorbar>" for ax in figures[name].axes) == 1
     analyze.main(["curves", "--run_dir", run, "--data_dir", data_dir, "--out", str(tmp_path)])
-    curves = json.load(open(tmp_path / "curves_pretrain.json"))
-    assert curves["steps"] == [0, 3, 4, 6]  # step 0, then every eval: step 3, the epoch end at 4, step 6
-    for name in ("attention.png", "qk_product.png", "curves_pretrain.png"):
-        assert (tmp_path / name).stat().st_size > 1000
-    assert not (tmp_path / "pe_probe.png").exists()  # the probes are in attention.png
+    assert json.load(open(tmp_path / "curves_pretrain.json"))["steps"] == [0, 3, 4, 6]  # every eval, the epoch end
+    assert (tmp_path / "curves_pretrain.png").stat().st_size > 1000
 
 
 def test_initscale_panels_share_one_colour_scale(tmp_path, monkeypatch):
@@ -1307,16 +1174,12 @@ def test_analyze_gradients_prints_each_figure_with_its_name_and_writes_the_same_
     analyze.main(["gradients", "--ckpt", ckpt, "--data_dir", data_dir, "--n", "8", "--out", str(tmp_path)])
     res = json.load(open(tmp_path / "gradients.json"))["results"][ckpt]
     printed = capsys.readouterr().out
+    assert printed.startswith(f"checkpoint {ckpt}: ")
     lines = {line.split()[0]: line for line in printed.splitlines() if line.startswith("  L_")}
     assert sorted(lines) == sorted(res) == ["L_SPT", "L_sup"]  # a pretrain.py checkpoint: both losses
-    # which checkpoint the numbers are of, and that L_sup's share depends on it (0.072 here is not 0.107 there)
-    assert printed.splitlines()[0].startswith(f"checkpoint {ckpt}: ")
-    assert "L_sup's share depends on the checkpoint" in printed
-    for loss_name, r in res.items():  # every line names both of its figures, as the JSON holds them
+    for loss_name, r in res.items():  # every line holds the JSON's numbers
         ratio = r["grad_norm"]["W_Q"] / r["grad_norm"]["W_V"]
-        assert lines[loss_name] == (f"  {loss_name:5s} Prop. 1 share per layer "
-                                    + " ".join(f"{s:.3g}" for s in r["prop1_share"])
-                                    + f";  |dL/dW_Q| / |dL/dW_V| {ratio:.3g}")
+        assert all(f"{x:.3g}" in lines[loss_name] for x in r["prop1_share"] + [ratio]), lines[loss_name]
 
 
 def test_score_gradient_is_the_softmax_backward_and_prop1_parts_the_zero_column_sum_projection():
@@ -1328,27 +1191,18 @@ def test_score_gradient_is_the_softmax_backward_and_prop1_parts_the_zero_column_
     assert torch.allclose(analyze.score_gradient(probs.detach(), r), s.grad, atol=1e-12)
     grad, lengths = torch.randn(2, 3, 5, 5, generator=g, dtype=torch.float64), torch.tensor([5, 3])
     along = total = 0.0
-    for b in range(2):  # brute force: per column, minus the mean over the real query rows
-        n = int(lengths[b])
-        for h in range(3):
-            for j in range(5):
-                col = [grad[b, h, i, j].item() for i in range(n)]
-                along += sum((c - sum(col) / n) ** 2 for c in col)
-                total += sum(c ** 2 for c in col)
+    for b, h, j in np.ndindex(2, 3, 5):  # brute force: per column, minus the mean over the real query rows
+        col = [grad[b, h, i, j].item() for i in range(int(lengths[b]))]
+        along += sum((c - sum(col) / len(col)) ** 2 for c in col)
+        total += sum(c ** 2 for c in col)
     assert analyze.prop1_parts(grad, lengths) == pytest.approx((along, total), rel=1e-12)
     same_rows = grad[:, :, :1].expand(-1, -1, 5, -1)  # G = 1 g^T: no component along Prop. 1's directions
     assert analyze.prop1_parts(same_rows)[0] == pytest.approx(0.0, abs=1e-15)
-    # The residual G - 1 gbar^T is the orthogonal projection onto {D : 1^T D = 0}: it lies in that subspace, it
-    # is orthogonal to every 1 g^T, and <G, D> = <residual, D> for every D of the subspace.
+    # G - 1 gbar^T is the orthogonal projection onto {D : 1^T D = 0}: <G, D> = <G - 1 gbar^T, D> for every such D
     G = grad[0, 0]
-    residual = G - G.mean(0, keepdim=True)
     D = torch.randn(5, 5, generator=g, dtype=torch.float64)
     D = D - D.mean(0, keepdim=True)
-    ones_g = torch.ones(5, 1, dtype=torch.float64) * torch.randn(1, 5, generator=g, dtype=torch.float64)
-    assert residual.sum(0).abs().max() < 1e-12 and abs((residual * ones_g).sum()) < 1e-12
-    assert (G * D).sum().item() == pytest.approx((residual * D).sum().item(), abs=1e-12)
-    parts = (residual.norm().item() ** 2, G.norm().item() ** 2)
-    assert analyze.prop1_parts(G[None, None]) == pytest.approx(parts, rel=1e-12)
+    assert (G * D).sum().item() == pytest.approx(((G - G.mean(0, keepdim=True)) * D).sum().item(), abs=1e-12)
 
 
 def test_prop1_holds_in_the_minimal_model_at_uniform_attention_and_not_with_an_mlp(synthetic_run, tmp_path,
@@ -1357,30 +1211,28 @@ def test_prop1_holds_in_the_minimal_model_at_uniform_attention_and_not_with_an_m
     LayerNorm or MLP the supervised score gradient has no component along Prop. 1's directions, the reconstruction
     one does, and an MLP after the attention breaks the premise (the supervised one gets a component too)."""
     data_dir, out = synthetic_run
-    ck = data.load_pt(os.path.join(out, "synthetic", "pretrain_init.pt"))
+    init = os.path.join(out, "synthetic", "pretrain_init.pt")
+    ck = data.load_pt(init)
     assert ck["model_config"]["mlp"] is False and ck["model_config"]["layernorm"] is False
-    uniform = {k: (torch.zeros_like(v) if ".q_proj." in k or ".k_proj." in k else v) for k, v in ck["model"].items()}
+    qk_zero = lambda sd: {k: (torch.zeros_like(v) if ".q_proj." in k or ".k_proj." in k else v) for k, v in sd.items()}
     path = str(tmp_path / "uniform.pt")
-    data.save_atomic(dict(ck, model=uniform), path)
+    data.save_atomic(dict(ck, model=qk_zero(ck["model"])), path)
     res = analyze.loss_gradients(path, data_dir, n=32)
     assert res["L_sup"]["prop1_share"][0] < 1e-9 < 0.1 < res["L_SPT"]["prop1_share"][0]
-    whole = analyze.loss_gradients(os.path.join(out, "synthetic", "pretrain_init.pt"), data_dir, n=32, chunk=32)
-    parts = analyze.loss_gradients(os.path.join(out, "synthetic", "pretrain_init.pt"), data_dir, n=32, chunk=5)
+    assert res["L_sup"]["grad_norm"]["W_V"] > 0  # the supervised loss does train the values
+    whole, parts = (analyze.loss_gradients(init, data_dir, n=32, chunk=chunk) for chunk in (32, 5))
     assert parts["L_sup"]["prop1_share"][0] == pytest.approx(whole["L_sup"]["prop1_share"][0], rel=1e-4)
     assert parts["L_sup"]["grad_norm"]["W_Q"] == pytest.approx(whole["L_sup"]["grad_norm"]["W_Q"], rel=1e-4)
     assert 0 < whole["L_sup"]["prop1_share"][0] < 1  # the trained init is not uniform: not 0
-    assert res["L_sup"]["grad_norm"]["W_V"] > 0  # the supervised loss does train the values
     cfg = dict(ck["model_config"], mlp=True, layernorm=True, n_layers=2)
-    deep = Transformer(model_lib.config_from_dict(cfg, "test")).state_dict()
-    deep = {k: (torch.zeros_like(v) if ".q_proj." in k or ".k_proj." in k else v) for k, v in deep.items()}
     path = str(tmp_path / "mlp.pt")
-    data.save_atomic(dict(ck, model=deep, model_config=cfg), path)
+    data.save_atomic(dict(ck, model=qk_zero(Transformer(ModelConfig(**cfg)).state_dict()), model_config=cfg), path)
     res = analyze.loss_gradients(path, data_dir, n=32)
     assert len(res["L_sup"]["prop1_share"]) == 2 and res["L_sup"]["prop1_share"][0] > 1e-3
-    # A finetuning checkpoint is scored on L_sup alone, with its own class head (here: a head set to zero, so that
-    # every logit is its bias and the loss gradient vanishes: nothing of a fresh head would give that).
+    # A finetuning checkpoint is scored on L_sup alone, with its own class head (here zero, so that every logit is
+    # its bias and the loss gradient vanishes: nothing of a fresh head would give that).
     cfg = dict(ck["model_config"], d_input=ck["model_config"]["d_input"] - 1, n_rec=0, n_classes=2)
-    model = Transformer(model_lib.config_from_dict(cfg, "test"))
+    model = Transformer(ModelConfig(**cfg))
     torch.nn.init.zeros_(model.cls_head.weight)
     path = str(tmp_path / "finetune_scratch_init.pt")
     data.save_atomic(dict(ck, stage="finetune", model=model.state_dict(), model_config=cfg), path)
@@ -1389,14 +1241,14 @@ def test_prop1_holds_in_the_minimal_model_at_uniform_attention_and_not_with_an_m
     # A pretrain.py checkpoint gets the class head finetuning would give it: its preset's (here made the MLP head).
     heads = []
     monkeypatch.setattr(analyze, "Transformer", lambda cfg: heads.append(cfg.cls_mlp) or Transformer(cfg))
-    linear = analyze.loss_gradients(os.path.join(out, "synthetic", "pretrain_init.pt"), data_dir, n=8)
+    linear = analyze.loss_gradients(init, data_dir, n=8)
     monkeypatch.setitem(pretrain.PRESETS["synthetic"][ck["config"]["preset"]]["model"], "cls_mlp", True)
-    mlp = analyze.loss_gradients(os.path.join(out, "synthetic", "pretrain_init.pt"), data_dir, n=8)
+    mlp = analyze.loss_gradients(init, data_dir, n=8)
     assert heads == [False, True] and mlp["L_sup"]["prop1_share"] != linear["L_sup"]["prop1_share"]
     assert mlp["L_SPT"] == linear["L_SPT"]  # the head does not enter the reconstruction loss
     local = str(tmp_path / "local.pt")
     data.save_atomic(dict(ck, model_config=dict(ck["model_config"], attn_window=8)), local)
-    with pytest.raises(ValueError, match="local attention"):
+    with pytest.raises(ValueError, match="local.pt"):
         analyze.loss_gradients(local, data_dir)
     broken = str(tmp_path / "broken.pt")  # weights other than a class head missing: refused, named
     data.save_atomic(dict(ck, model={k: v for k, v in ck["model"].items() if ".q_proj." not in k}), broken)
@@ -1489,10 +1341,12 @@ def _uniform_std(d_in):
 
 @pytest.mark.parametrize("scheme", ["reference", "torch", "normal"])
 def test_init_schemes_give_the_documented_statistics(scheme):
+    """init_weights' table, tensor by tensor; init_scale multiplies every initialized tensor but LayerNorm's; the
+    reference scheme's tied projections part after one optimizer step."""
     torch.manual_seed(0)
     d, d_mlp = 128, 256
-    model = Transformer(ModelConfig(vocab_size=300, d_model=d, n_layers=2, n_heads=4, d_mlp=d_mlp, n_classes=3,
-                                    init=scheme, init_std=0.05))
+    cfg = dict(vocab_size=300, d_model=d, n_layers=2, n_heads=4, d_mlp=d_mlp, n_classes=3, init=scheme, init_std=0.05)
+    model = Transformer(ModelConfig(**cfg))
     attn, mlp = model.blocks[0].attn, model.blocks[0].mlp
     want = {"embed": 1.0, "W_Q": _uniform_std(d), "W_O": _uniform_std(d), "mlp_in": _uniform_std(d),
             "mlp_out": _uniform_std(d_mlp), "head": _uniform_std(d)} if scheme != "normal" else \
@@ -1514,29 +1368,14 @@ def test_init_schemes_give_the_documented_statistics(scheme):
     assert tied == (scheme == "reference")
     # the two layers are separate draws under every scheme
     assert not torch.equal(model.blocks[1].attn.q_proj.weight, attn.q_proj.weight)
-
-
-def test_init_scale_multiplies_every_initialized_tensor_but_not_layernorm():
-    cfg = dict(vocab_size=50, d_model=32, n_layers=1, n_heads=2, d_mlp=64, n_classes=2)
-    torch.manual_seed(3)
-    base = Transformer(ModelConfig(**cfg)).state_dict()
-    torch.manual_seed(3)
-    scaled = Transformer(ModelConfig(**cfg, init_scale=0.25)).state_dict()
-    for key, value in base.items():
-        factor = 1.0 if ".ln" in key or key.startswith("ln_f") else 0.25
-        assert torch.allclose(scaled[key], factor * value), key
-
-
-def test_reference_projections_part_after_one_optimizer_step():
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(d_input=2, max_len=16, d_model=16, n_layers=1, n_heads=2, n_classes=2))
-    attn = model.blocks[0].attn
-    assert torch.equal(attn.q_proj.weight, attn.k_proj.weight) and torch.equal(attn.v_proj.weight, attn.o_proj.weight)
+    scaled = Transformer(ModelConfig(**cfg, init_scale=0.25)).state_dict()
+    for key, value in model.state_dict().items():
+        assert torch.allclose(scaled[key], (1.0 if ".ln" in key or key.startswith("ln_f") else 0.25) * value), key
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    F.cross_entropy(model(torch.randn(8, 16, 2)), torch.randint(0, 2, (8,))).backward()
+    F.cross_entropy(model(torch.randint(0, 300, (8, 16))), torch.randint(0, 3, (8,))).backward()
     opt.step()
-    weights = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight]
-    assert all(not torch.equal(a, b) for i, a in enumerate(weights) for b in weights[i + 1:])
+    assert all(not torch.equal(a.weight, b.weight) for i, a in enumerate(projections) for b in projections[i + 1:])
 
 
 def test_cls_pooling_reads_a_summary_token_that_spt_never_masks_and_the_analyses_show_apart(synthetic_run, tmp_path):
@@ -1552,8 +1391,7 @@ def test_cls_pooling_reads_a_summary_token_that_spt_never_masks_and_the_analyses
     assert z.shape == (3, 11, 16) and probs[0].shape == (3, 4, 11, 11)
     assert torch.equal(m.pool(z, lengths), z[:, 0]) and m.reconstruct(x, lengths).shape == (3, 10, 17)
     assert probs[0][1, :, :, 7:].abs().max() == 0  # row 1 (length 6): padded keys 7.. (after the token) get nothing
-    alone = m.encode(x[1:2, :6])[0]  # the token's state does not depend on the padding
-    assert torch.allclose(alone[0, :7], z[1, :7], atol=1e-5)
+    assert torch.allclose(m.encode(x[1:2, :6])[0][0, :7], z[1, :7], atol=1e-5)  # as without the padding
     out = str(tmp_path)
     flags = syn_flags(data_dir, out, "--pooling", "cls")
     pretrain.main(flags)
@@ -1567,25 +1405,22 @@ def test_cls_pooling_reads_a_summary_token_that_spt_never_masks_and_the_analyses
         assert torch.allclose(maps[label]["attention"][0].sum(-1), torch.ones(1), atol=1e-5)  # renormalized rows
     shares = analyze.loss_gradients(spt, data_dir, n=8)
     assert shares["L_sup"]["prop1_share"][0] > 0.5 and 0 <= shares["L_SPT"]["prop1_share"][0] <= 1  # no blind spot
-    with pytest.raises(ValueError, match="pooling 'cls' with local attention"):
+    with pytest.raises(ValueError, match="pooling 'cls'"):
         tiny_cfg(pooling="cls", attn_window=4)
 
 
-def test_unknown_init_scheme_and_old_checkpoints(tmp_path):
+def test_unknown_model_settings_are_refused_naming_the_choices():
     """Every string setting of ModelConfig is checked when the model is built, naming the choices (a typo would
-    otherwise run another model: an unknown pooling ran max pooling), and d_model must divide among the heads."""
+    otherwise run another model), d_model must divide among the heads, and a checkpoint's unknown field is named."""
     for field, bad, choices in (("init", "xavier", model_lib.INIT_SCHEMES), ("pos", "sinusoid", model_lib.POSITIONS),
                                 ("pooling", "first", model_lib.POOLINGS)):
         with pytest.raises(ValueError, match=rf"^model {field} '{bad}': expected one of {', '.join(choices)}$"):
             tiny_cfg(**{field: bad})
-    with pytest.raises(ValueError, match="d_model 30 is not divisible by n_heads 4"):
+    with pytest.raises(ValueError, match="d_model 30 .* n_heads 4"):
         tiny_cfg(d_model=30, n_heads=4)
-    assert model_lib.config_from_dict(vars(tiny_cfg(init="torch"))).init == "torch"
-    # a field the code no longer has loads at the only value it still builds, and is refused at any other
-    old = dict(vars(tiny_cfg()), causal=False, dropout=0.0, attend_padding=False)
-    assert model_lib.config_from_dict(old) == tiny_cfg()
-    with pytest.raises(ValueError, match=r"old.pt: unknown model_config fields \['attend_padding'\]"):
-        model_lib.config_from_dict(dict(old, attend_padding=True), "old.pt")
+    assert model_lib.config_from_dict(vars(tiny_cfg(init="normal"))) == tiny_cfg(init="normal")
+    with pytest.raises(ValueError, match=r"old.pt: .*\['causal'\]"):
+        model_lib.config_from_dict(dict(vars(tiny_cfg()), causal=False), "old.pt")
 
 
 def test_checkpoints_record_the_scheme_and_finetuning_keeps_it(synthetic_run, tmp_path, capsys):
@@ -1958,43 +1793,29 @@ def test_command_line_data_errors_are_one_line_without_traceback(tmp_path):
 
 
 def test_analyze_names_what_is_wrong_with_a_checkpoint_path_before_any_work(synthetic_run, tmp_path, capsys):
-    """A new-user check's mistakes: a run folder as --ckpt (was: [Errno 21]), a misspelled file, a file not made
-    yet, a second --ckpt missing (was found after the first one's results), a --run_dir that does not exist (was:
-    'no pretrain_step*.pt'), a log file as --ckpt; and two checkpoints of one name (seed0/pretrain.pt,
-    seed1/pretrain.pt) get two labels, not one silently kept."""
+    """A run folder as --ckpt, a misspelled file, a second --ckpt missing, a log file, one file named twice, a
+    --run_dir that does not exist: refused naming it, before the first checkpoint's work. Two checkpoints of one
+    name (s0/pretrain.pt, s1/pretrain.pt) get two labels."""
     data_dir, out = synthetic_run
     run = os.path.join(out, "synthetic")
     good = os.path.join(run, "pretrain.pt")
-    for argv, error, message in (
-            (["attention", "--ckpt", run], IsADirectoryError, f"{run}: a folder, not a file; give a .pt file in it ("),
-            (["attention", "--ckpt", os.path.join(run, "pretrian.pt")], FileNotFoundError,
-             f"{os.path.join(run, 'pretrian.pt')}: no such file"),
-            (["gradients", "--ckpt", good, os.path.join(run, "pretrain_step9.pt")], FileNotFoundError,
-             f"{os.path.join(run, 'pretrain_step9.pt')}: no such file"),
-            (["curves", "--run_dir", str(tmp_path / "synthtic")], FileNotFoundError,
-             f"--run_dir {tmp_path / 'synthtic'}: no such folder"),
-            (["curves", "--run_dir", good], FileNotFoundError, f"--run_dir {good}: a file, not a folder (a run's "
-                                                               f"folder, e.g. out/synthetic, holding pretrain_init.pt"),
-            (["attention", "--ckpt", os.path.join(run, "pretrain_log.jsonl")], ValueError,
-             "another kind of file); pass a .pt file of this project")):
-        with pytest.raises(error, match=re.escape(message)):
+    for argv, error, named in (
+            (["attention", "--ckpt", run], IsADirectoryError, run),
+            (["attention", "--ckpt", os.path.join(run, "pretrian.pt")], FileNotFoundError, "pretrian.pt"),
+            (["gradients", "--ckpt", good, os.path.join(run, "pretrain_step9.pt")], FileNotFoundError, "step9.pt"),
+            (["attention", "--ckpt", os.path.join(run, "pretrain_log.jsonl")], ValueError, "pretrain_log.jsonl"),
+            (["attention", "--ckpt", good, os.path.join(run, ".", "pretrain.pt")], ValueError, "--ckpt"),
+            (["curves", "--run_dir", str(tmp_path / "synthtic")], FileNotFoundError, "synthtic")):
+        with pytest.raises(error, match=re.escape(named)):
             analyze.main(argv + ["--data_dir", data_dir, "--out", str(tmp_path / "a")])
         assert "share" not in capsys.readouterr().out  # refused before the first checkpoint's work
     assert not (tmp_path / "a").exists()
     paths = ["out/s0/pretrain.pt", "out/s1/pretrain.pt", "out/s1/finetune_spt.pt"]
     assert list(analyze.checkpoint_labels(paths)) == ["s0/pretrain", "s1/pretrain", "s1/finetune_spt"]
-    assert list(analyze.checkpoint_labels(["out/x/pretrain.pt", "out/x/finetune_spt.pt"])) == ["pretrain", "finetune_spt"]
+    assert list(analyze.checkpoint_labels(["out/x/pretrain.pt", "out/x/finetune_spt.pt"])) == ["pretrain",
+                                                                                                "finetune_spt"]
     paths = ["a/x.pt", "a/x.pth", "c/y.pt"]  # a/x twice without extensions: every label keeps its own
-    assert analyze.checkpoint_labels(paths) == {"a/x.pt": "a/x.pt", "a/x.pth": "a/x.pth", "c/y.pt": "c/y.pt"}
-    os.makedirs(tmp_path / "d")
-    for name in ("x.pt", "x.pt.pt"):  # two files, labels "x" and "x.pt": both kept
-        shutil.copy(good, tmp_path / "d" / name)
-    analyze.main(["attention", "--ckpt", str(tmp_path / "d" / "x.pt"), str(tmp_path / "d" / "x.pt.pt"), "--n", "2",
-                  "--data_dir", data_dir, "--out", str(tmp_path / "b")])
-    assert len(json.load(open(tmp_path / "b" / "attention.json"))) == 2
-    again = os.path.join(run, ".", "pretrain.pt")  # the same file, spelled otherwise
-    with pytest.raises(ValueError, match=re.escape(f"--ckpt names one file twice: {good} and {again}")):
-        analyze.main(["attention", "--ckpt", good, again, "--data_dir", data_dir, "--out", str(tmp_path / "a")])
+    assert list(analyze.checkpoint_labels(paths)) == paths
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -2286,21 +2107,25 @@ def test_ablate_ucr_runs_what_it_finds_skips_the_rest_and_steps_gives_runs_and_a
 
 @pytest.mark.parametrize("pos", model_lib.POSITIONS)
 def test_position_variants_fast_and_explicit_agree(pos):
+    """The fused path and the explicit one give the same states, with and without padding; the probabilities sum
+    to 1 over the keys and give padded keys nothing."""
     torch.manual_seed(0)
     model = Transformer(tiny_cfg(pos=pos, n_classes=3)).eval()
-    for p in model.parameters():
+    for p in model.parameters():  # larger weights than the init, so attention is far from uniform
         p.data.normal_(0, 0.3)
-    x, lengths = torch.randint(2, 17, (3, 20)), torch.tensor([20, 13, 5])
-    valid = torch.arange(20)[None] < lengths[:, None]
-    z_fast, _ = model.encode(x, lengths)
-    z_slow, probs = model.encode(x, lengths, need_weights=True)
-    assert torch.allclose(z_fast[valid], z_slow[valid], atol=1e-5)
+    x = torch.randint(2, 17, (3, 20))
+    for lengths in (None, torch.tensor([20, 13, 5])):
+        valid = torch.ones(3, 20, dtype=torch.bool) if lengths is None else torch.arange(20)[None] < lengths[:, None]
+        z_fast, _ = model.encode(x, lengths)
+        z_slow, probs = model.encode(x, lengths, need_weights=True)
+        assert torch.allclose(z_fast[valid], z_slow[valid], atol=1e-5)
+        assert len(probs) == 2 and torch.allclose(probs[0].sum(-1), torch.ones(3, 4, 20))
     assert probs[0][1, :, :, 13:].abs().max() == 0
 
 
 def test_learned_positions_are_a_posenc_table_initialized_as_stated_and_probed(tmp_path):
     """pos="learned": a (max_len, d_model) table in group "posenc", N(0, init_std^2) under every init scheme
-    (init_weights' table), saved in checkpoints, left fresh by --inherit qk, and fed to the PE-only probe."""
+    (init_weights' table), saved in checkpoints, left fresh by --inherit qk; the PE-only probe needs such a table."""
     for scheme in model_lib.INIT_SCHEMES:
         m = Transformer(tiny_cfg(pos="learned", max_len=400, d_model=64, n_heads=4, init=scheme, n_classes=2))
         table = m.pos_embed.weight
@@ -2311,73 +2136,55 @@ def test_learned_positions_are_a_posenc_table_initialized_as_stated_and_probed(t
     spt = {n: torch.ones_like(t) for n, t in m.state_dict().items()}
     merged = finetune.hybrid_state_dict(m.state_dict(), spt, finetune.INHERIT["qk"])
     assert torch.equal(merged["pos_embed.weight"], table) and merged["blocks.0.attn.q_proj.weight"].eq(1).all()
-    P = m.absolute_positions(12)
-    wq, wk = m.blocks[0].attn.q_proj.weight, m.blocks[0].attn.k_proj.weight
-    scores, _ = analyze.pe_probe(m, 12)
-    want = (m.blocks[0].ln1(P) @ wq[:16].T) @ (m.blocks[0].ln1(P) @ wk[:16].T).T / 4.0
-    assert torch.allclose(scores[0], want, atol=1e-5)
-    with pytest.raises(ValueError, match="needs absolute positions; this model's pos is 'rope'"):
+    with pytest.raises(ValueError, match="'rope'"):
         analyze.pe_probe(Transformer(tiny_cfg(pos="rope")), 12)
 
 
-def test_alibi_slopes_follow_the_published_recipe():
-    import model as model_module
-    assert torch.allclose(model_module.alibi_slopes(8), torch.tensor([2.0 ** -k for k in range(1, 9)]))
+def test_alibi_slopes_follow_the_published_recipe_and_the_bias_is_minus_slope_times_distance():
+    assert torch.allclose(model_lib.alibi_slopes(8), torch.tensor([2.0 ** -k for k in range(1, 9)]))
     six = [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8, 2.0 ** -1, 2.0 ** -3]  # 4 of n=4, then odd ones of n=8
-    assert torch.allclose(model_module.alibi_slopes(6), torch.tensor(six))
-
-
-def test_alibi_bias_is_minus_slope_times_distance():
-    torch.manual_seed(0)
+    assert torch.allclose(model_lib.alibi_slopes(6), torch.tensor(six))
     m = Transformer(tiny_cfg(pos="alibi", n_layers=1, n_heads=2, n_classes=2))
-    bias = m.blocks[0].attn._position_bias(5, "cpu")
-    slopes = model_lib.alibi_slopes(2)
-    for h in range(2):
-        for i in range(5):
-            for j in range(5):
-                assert bias[h, i, j].item() == pytest.approx(-slopes[h].item() * abs(i - j))
+    bias, slopes = m.blocks[0].attn._position_bias(5, "cpu"), model_lib.alibi_slopes(2)
+    for h, i, j in np.ndindex(2, 5, 5):
+        assert bias[h, i, j].item() == pytest.approx(-slopes[h].item() * abs(i - j))
 
 
 def test_rope_scores_depend_only_on_relative_position():
-    import model as model_module
     torch.manual_seed(0)
     q, k = torch.randn(1, 1, 1, 8).expand(1, 1, 12, 8), torch.randn(1, 1, 1, 8).expand(1, 1, 12, 8)
-    s = (model_module.rope(q) @ model_module.rope(k).transpose(-2, -1))[0, 0]   # (12, 12)
+    s = (model_lib.rope(q) @ model_lib.rope(k).transpose(-2, -1))[0, 0]   # (12, 12)
     for offset in range(-5, 6):
         diag = torch.diagonal(s, offset)
         assert torch.allclose(diag, diag[0].expand_as(diag), atol=1e-5)
-    assert torch.allclose(model_module.rope(q)[..., 0, :], q[..., 0, :])  # position 0 is not rotated
-    assert torch.allclose(model_module.rope(q).norm(dim=-1), q.norm(dim=-1), atol=1e-6)  # a rotation
+    assert torch.allclose(model_lib.rope(q)[..., 0, :], q[..., 0, :])  # position 0 is not rotated
+    assert torch.allclose(model_lib.rope(q).norm(dim=-1), q.norm(dim=-1), atol=1e-6)  # a rotation
 
 
-def test_fire_bias_is_learned_and_unknown_positions_are_refused():
+def test_fire_bias_is_learned_and_follows_its_equation():
+    """FIRE's parameters are in group "posenc"; its bias is Li et al.'s Eq. 5 term by term, b_h(i, j) =
+    MLP(psi(|i - j|) / psi(max(threshold, i + 1)))_h with psi(x) = log(cx + 1), past the threshold (L 40 > 32) and
+    with c != 1; the model runs in float64 too (the bias follows its dtype)."""
     m = Transformer(tiny_cfg(pos="fire", n_layers=1, n_classes=2))
-    names = [n for n, _ in m.named_parameters()]
-    assert any(".attn.fire." in n for n in names)
     assert model_lib.param_group("blocks.0.attn.fire.log_c") == "posenc"
-    bias = m.blocks[0].attn._position_bias(7, "cpu")
-    # below the learned threshold (32) the normalizer is constant, so the bias depends on |i - j| only
-    assert bias.shape == (4, 7, 7) and torch.allclose(bias, bias.transpose(1, 2))
-    # Li et al. Eq. 5 term by term: b_h(i, j) = MLP(psi(|i - j|) / psi(max(threshold, i + 1)))_h, psi(x) = log(cx + 1),
-    # past the threshold (L 40 > 32) and with c != 1.
     fire = m.blocks[0].attn.fire
     with torch.no_grad():
         fire.log_c.fill_(0.7)
     c, threshold = math.exp(0.7), math.exp(fire.log_threshold.item())
-    bias = fire(40, "cpu")
+    bias = m.blocks[0].attn._position_bias(40, "cpu")
     for i, j in ((0, 0), (0, 39), (5, 2), (35, 3), (39, 39), (20, 37)):
         ratio = math.log(c * abs(i - j) + 1) / math.log(c * max(threshold, i + 1) + 1)
         with torch.no_grad():
             expected = fire.net(torch.tensor([[ratio]], dtype=torch.float32))[0]
         assert torch.allclose(bias[:, i, j], expected, atol=1e-5), (i, j)
-    x = torch.randint(2, 17, (2, 7))  # in float64 too (the bias follows the model's dtype)
+    x = torch.randint(2, 17, (2, 7))
     assert torch.allclose(m.double().classify(x), m.float().classify(x).double(), atol=1e-5)
-    with pytest.raises(ValueError, match="model pos 't5_bias': expected one of sinusoidal, learned"):
-        Transformer(tiny_cfg(pos="t5_bias"))
 
 
 def test_checkpoints_of_compiled_or_ddp_models_load_into_a_plain_one(listops_dir, tmp_path):
-    """State dicts with torch.compile ('_orig_mod.') and DDP ('module.') prefixes load for finetuning."""
+    """State dicts with torch.compile ('_orig_mod.') and DDP ('module.') prefixes, in any order, load for finetuning."""
+    sd = {"module._orig_mod.embed.weight": 1, "_orig_mod.module.ln_f.bias": 2, "module.x": 3, "y": 4}
+    assert model_lib.unwrapped_state_dict(sd) == {"embed.weight": 1, "ln_f.bias": 2, "x": 3, "y": 4}
     meta = data.load_split(listops_dir, "listops", "train")["meta"]
     model = Transformer(tiny_cfg(n_rec=17))
     ck = checkpoint_dict(model, stage="pretrain", task="listops", data_meta=meta)
@@ -2686,13 +2493,11 @@ def test_attention_maps_average_real_rows_and_take_entropy_per_sequence_in_any_c
     # Brute force: loop over layers, heads, query positions and the sequences in which that position is real.
     for chunk in (1, 2, 5):
         maps, entropies = analyze.attention_maps(model, x, lengths, chunk=chunk)
-        for layer, p in enumerate(probs):
-            for h in range(p.shape[1]):
-                for i in range(12):
-                    rows = [p[b, h, i] for b in range(5) if i < lengths[b]]
-                    assert torch.allclose(maps[layer][h, i], sum(rows) / len(rows), atol=1e-6)
-                    ent = [-(r * r.clamp_min(1e-30).log()).sum() for r in rows]
-                    assert entropies[layer][h, i].item() == pytest.approx(sum(ent).item() / len(rows), abs=1e-5)
+        for layer, h, i in np.ndindex(2, 4, 12):
+            rows = [probs[layer][b, h, i] for b in range(5) if i < lengths[b]]
+            assert torch.allclose(maps[layer][h, i], sum(rows) / len(rows), atol=1e-6)
+            ent = sum(-(r * r.clamp_min(1e-30).log()).sum() for r in rows) / len(rows)
+            assert entropies[layer][h, i].item() == pytest.approx(ent.item(), abs=1e-5)
     # Two sequences that each attend to one (different) key: each row has entropy 0, the averaged map log 2.
     sharp = torch.zeros(2, 1, 2, 2)
     sharp[0, :, :, 0], sharp[1, :, :, 1] = 1, 1
@@ -2706,43 +2511,38 @@ def test_attention_stats_of_a_padded_batch_are_means_over_real_rows_against_each
     every real (sequence, query) pair, of each sequence's own statistics computed alone at its own length, and
     exactly uniform attention (W_Q = W_K = 0) reads as uniform (entropy log n, the band mass of n real keys)."""
     torch.manual_seed(0)
+    lengths = torch.tensor([20, 13, 7, 20, 4])
+    x = torch.randint(2, 17, (5, 20)) * (torch.arange(20) < lengths[:, None])
     for zero_qk in (True, False):
         model = Transformer(tiny_cfg(n_layers=1, init="normal", init_std=0.3)).eval()
-        if zero_qk:
-            with torch.no_grad():
-                for proj in (model.blocks[0].attn.q_proj, model.blocks[0].attn.k_proj):
-                    proj.weight.zero_(), proj.bias.zero_()
-        lengths = torch.tensor([20, 13, 7, 20, 4])
-        x = torch.randint(2, 17, (5, 20)) * (torch.arange(20) < lengths[:, None])
+        for proj in (model.blocks[0].attn.q_proj, model.blocks[0].attn.k_proj) if zero_qk else ():
+            torch.nn.init.zeros_(proj.weight), torch.nn.init.zeros_(proj.bias)
         maps, entropies = analyze.attention_maps(model, x, lengths)
-        s = analyze.attention_stats(maps[0], band=2, side=None, entropy=entropies[0], lengths=lengths)
+        s = analyze.attention_stats(maps[0], band=2, entropy=entropies[0], lengths=lengths)
         alone = []   # brute force: each sequence unpadded, on its own, its statistics weighted by its length
         for b, n in enumerate(lengths.tolist()):
             m, e = analyze.attention_maps(model, x[b:b + 1, :n])
             alone.append((n, analyze.attention_stats(m[0], band=2, entropy=e[0])))
-        total = lengths.sum().item()
         for key in ("entropy", "uniform_entropy", "band_mass", "uniform_band_mass", "mean_distance"):
-            assert s[key] == pytest.approx(sum(n * a[key] for n, a in alone) / total, rel=1e-5), key
+            want = sum(n * a[key] for n, a in alone) / lengths.sum().item()
+            assert s[key] == pytest.approx(want, rel=1e-5), key
         if zero_qk:
-            assert s["entropy"] == pytest.approx(s["uniform_entropy"], rel=1e-6)
+            assert s["entropy"] == pytest.approx(s["uniform_entropy"], rel=1e-6) and s["entropy"] < np.log(20)
             assert s["band_mass"] == pytest.approx(s["uniform_band_mass"], rel=1e-6)
-            assert s["uniform_entropy"] < np.log(20)  # not the reference of length-20 sequences
-    # Without padding, lengths changes nothing.
-    probs = torch.softmax(torch.randn(2, 9, 9), -1)
-    assert analyze.attention_stats(probs, band=1, lengths=torch.tensor([9, 9])) == analyze.attention_stats(probs, band=1)
+    probs = torch.softmax(torch.randn(2, 9, 9), -1)  # without padding, lengths changes nothing
+    assert analyze.attention_stats(probs, band=1, lengths=torch.tensor([9, 9])) == analyze.attention_stats(probs,
+                                                                                                            band=1)
 
 
 def test_attention_analysis_of_a_model_without_absolute_positions_has_no_pe_probe(synthetic_run, tmp_path):
-    """analyze.py attention on a RoPE checkpoint (ablate.py posenc): the maps and statistics, and no PE-only probe
-    (there are no absolute encodings to feed), instead of a crash."""
+    """analyze.py attention on a RoPE checkpoint (ablate.py posenc): the maps and statistics, no PE-only probe."""
     data_dir, out = synthetic_run
     ck = data.load_pt(os.path.join(out, "synthetic", "pretrain.pt"))
     path = str(tmp_path / "rope.pt")
     data.save_atomic(dict(ck, model_config=dict(ck["model_config"], pos="rope")), path)
     analyze.main(["attention", "--ckpt", path, "--data_dir", data_dir, "--out", str(tmp_path)])
     res = json.load(open(tmp_path / "attention.json"))["rope"]
-    assert "probe" not in res and 0 < res["band_mass"] <= 1
-    assert (tmp_path / "attention.png").exists()
+    assert "probe" not in res and 0 < res["band_mass"] <= 1 and (tmp_path / "attention.png").exists()
 
 
 def test_displacement_is_measured_from_each_runs_own_init(synthetic_run, tmp_path):
@@ -2750,12 +2550,10 @@ def test_displacement_is_measured_from_each_runs_own_init(synthetic_run, tmp_pat
     run = os.path.join(out, "synthetic")
     assert pretrain.run_init_path(os.path.join(run, "pretrain_last.pt")) == os.path.join(run, "pretrain_init.pt")
     assert pretrain.run_init_path(os.path.join(run, "finetune_x_step40.pt")) is None  # no finetune_x_init.pt
-    # A checkpoint from a run of its own (other random weights) next to the SPT run's first checkpoint:
-    torch.manual_seed(5)
-    other = Transformer(analyze.load_model(os.path.join(run, "pretrain.pt"))[0].cfg)
     ck = data.load_pt(os.path.join(run, "pretrain.pt"))
-    for stem, weights in (("finetune_other_init", other), ("finetune_other", other)):
-        data.save_atomic(dict(ck, model=weights.state_dict()), str(tmp_path / f"{stem}.pt"))
+    torch.manual_seed(5)
+    other = Transformer(ModelConfig(**ck["model_config"]))  # a run of its own: other random weights
+    data.save_atomic(dict(ck, model=other.state_dict()), str(tmp_path / "finetune_other_init.pt"))
     with torch.no_grad():
         other.blocks[0].attn.q_proj.weight.mul_(3)  # the "trained" one: W_Q (weight and bias) tripled
         other.blocks[0].attn.q_proj.bias.mul_(3)
@@ -2764,19 +2562,16 @@ def test_displacement_is_measured_from_each_runs_own_init(synthetic_run, tmp_pat
                                           "other": str(tmp_path / "finetune_other.pt")}, data_dir, n=4)
     assert "displacement" not in res["first"]
     assert res["other"]["displacement_from"] == str(tmp_path / "finetune_other_init.pt")
-    assert res["other"]["displacement"]["W_Q"] == pytest.approx(2.0, rel=1e-5)  # not its distance to "first"
-    assert res["other"]["displacement"]["W_K"] == pytest.approx(0.0, abs=1e-7)
-    # W_Q^T W_K of every head triples too: it moves 2x the norm of its start (norm(3P - P) / norm(P)).
-    assert res["other"]["displacement"]["W_Q^T W_K"] == pytest.approx(2.0, rel=1e-5)
+    moved = res["other"]["displacement"]  # 2 = norm(3P - P) / norm(P), not its distance to "first"
+    assert moved["W_Q"] == pytest.approx(2.0, rel=1e-5) == moved["W_Q^T W_K"] and moved["W_K"] < 1e-7
 
 
 def test_pixel_ce_targets_are_the_raw_intensities():
     meta = dict(kind="pixels", pixel_mean=122.6 / 255, pixel_std=61.0 / 255)
     pixels = torch.tensor([[0, 17, 122, 255]], dtype=torch.uint8)
     x = ((pixels.float() / 255 - meta["pixel_mean"]) / meta["pixel_std"])[..., None]
-    masked = torch.tensor([[True, True, False, True]])
-    assert pretrain.targets_at(x, masked, "ce", meta).tolist() == [0, 17, 255]
-    assert torch.equal(pretrain.targets_at(x, masked, "mse", meta), x[masked])
+    assert pretrain.targets_at(x, "ce", meta).tolist() == [[0, 17, 122, 255]]
+    assert torch.equal(pretrain.targets_at(x, "mse", meta), x)
 
 
 def test_dataset_swap_between_tasks_of_one_input_kind(tmp_path, capsys):
@@ -2812,25 +2607,23 @@ def test_dataset_swap_between_tasks_of_one_input_kind(tmp_path, capsys):
 
 def test_local_attention_matches_the_explicit_band_and_keeps_memory_linear(monkeypatch):
     sdpa, ranks = F.scaled_dot_product_attention, []
-    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, *a, **kw: ranks.append(q.dim()) or sdpa(q, *a, **kw))
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, *a, **kw: ranks.append(q.dim()) or sdpa(
+        q, *a, **kw))
     torch.manual_seed(0)
-    cfg = tiny_cfg(attn_window=8, init="normal", init_std=0.3, max_len=64)
-    model = Transformer(cfg).eval()
+    model = Transformer(tiny_cfg(attn_window=8, init="normal", init_std=0.3, max_len=64)).eval()
     for L, lengths in ((50, [50, 37, 3]), (64, [64, 64, 64]), (20, [20, 9, 1]), (50, [50, 50, 50])):
-        x = torch.randint(2, 17, (3, L))
-        lengths = torch.tensor(lengths)
+        x, lengths = torch.randint(2, 17, (3, L)), torch.tensor(lengths)
         fast, _ = model.encode(x, lengths)
         slow, probs = model.encode(x, lengths, need_weights=True)
         valid = torch.arange(L)[None] < lengths[:, None]
         assert torch.allclose(fast[valid], slow[valid], atol=1e-5) and not fast.isnan().any()
         # Independent check of the pattern: a real query i never attends to a key two blocks away.
         i, j = torch.meshgrid(torch.arange(L), torch.arange(L), indexing="ij")
-        far = ((i // 8) - (j // 8)).abs() > 1
-        assert probs[0][0][:, far].abs().max() == 0   # layer 0, batch row 0: (H, L, L)
+        assert probs[0][0][:, ((i // 8) - (j // 8)).abs() > 1].abs().max() == 0   # layer 0, batch row 0: (H, L, L)
     assert ranks and set(ranks) == {4}  # blocks folded into the batch: the fused CUDA kernels take 4-D only
     for pos in model_lib.POSITIONS:  # a score bias is refused: local_attention would drop it
-        if pos in ("alibi", "fire"):
-            with pytest.raises(ValueError, match=f"local attention .* does not support pos '{pos}'"):
+        if pos in model_lib.SCORE_BIASES:
+            with pytest.raises(ValueError, match=f"'{pos}'"):
                 Transformer(tiny_cfg(attn_window=8, pos=pos))
         else:
             Transformer(tiny_cfg(attn_window=8, pos=pos))
@@ -3110,9 +2903,9 @@ def test_exercise_masking():
 
 
 def test_exercise_reconstruction_loss():
-    """pretrain.reconstruction_loss, each kind in both forms: at the M masked positions (M, ...) and the training
-    step's mask= form (B, L, ...). The mean over the M masked positions of the per-position loss (cross-entropy;
-    1/2 ||r - u||^2 and ||r - u||_1 summed over channels), against loops; no masked position: 0, differentiable."""
+    """pretrain.reconstruction_loss, each kind: outputs (B, L, ...) at every position and the mask (B, L). The mean
+    over the M masked positions of the per-position loss (cross-entropy; 1/2 ||r - u||^2 and ||r - u||_1 summed over
+    channels), against loops; no masked position: 0, differentiable; no data-dependent shape (the meta device)."""
     torch.manual_seed(0)
     mask = torch.tensor([[1, 0, 1, 0, 0], [0, 0, 0, 0, 0], [1, 1, 0, 1, 1]], dtype=torch.bool)  # M 6, B 3, B L 15
     cases = {"ce": (torch.randn(3, 5, 4), torch.randint(4, (3, 5))),  # (outputs, targets) at every position
@@ -3124,25 +2917,20 @@ def test_exercise_reconstruction_loss():
                 terms.append(math.log(sum(math.exp(v) for v in o[b, t].tolist())) - o[b, t, u[b, t]].item())
             else:
                 terms.append(sum(0.5 * e * e if kind == "mse" else abs(e) for e in (o[b, t] - u[b, t]).tolist()))
-        want = sum(terms) / len(terms)
-        for form, value in (("outputs (M, ...) at the M = 6 masked positions",
-                             float(pretrain.reconstruction_loss(o[mask], u[mask], kind))),
-                            ("the mask= form, outputs (B, L, ...) and mask (B, L)",
-                             float(pretrain.reconstruction_loss(o, u, kind, mask)))):
-            assert abs(value - want) < 1e-5, f"{kind}, {form}: expected {want:.6f} (the mean over the 6 masked " \
-                                             f"positions), got {value:.6f}"
+        want, value = sum(terms) / len(terms), float(pretrain.reconstruction_loss(o, u, mask, kind))
+        assert abs(value - want) < 1e-5, f"{kind}: expected {want:.6f} (the mean over the 6 masked positions), got " \
+                                         f"{value:.6f}"
         try:  # the meta device has shapes but no values: a data-dependent shape (o[mask]) cannot run there
-            pretrain.reconstruction_loss(o.to("meta"), u.to("meta"), kind, mask.to("meta"))
+            pretrain.reconstruction_loss(o.to("meta"), u.to("meta"), mask.to("meta"), kind)
         except Exception as e:
-            raise AssertionError(f"{kind}, the mask= form on PyTorch's meta device raised {e!r}: it must not wait for "
-                                 f"the device (its docstring: no data-dependent shape, e.g. no outputs[mask])") from e
+            raise AssertionError(f"{kind}, on PyTorch's meta device raised {e!r}: it must not wait for the device (its "
+                                 f"docstring: no data-dependent shape, e.g. no outputs[masked])") from e
         o = o.clone().requires_grad_(True)
-        for form, value in (("outputs (0, ...)", pretrain.reconstruction_loss(o[:0, 0], u[:0, 0], kind)),
-                            ("mask all False", pretrain.reconstruction_loss(o, u, kind, mask & False))):
-            grad = torch.autograd.grad(value, o, allow_unused=True)[0] if value.requires_grad else None
-            assert value.item() == 0.0 and grad is not None and not grad.any(), \
-                f"{kind}, {form}: expected 0 computed from the outputs (gradient 0, not None; not 0/0 = NaN), got " \
-                f"{value!r} with gradient {None if grad is None else grad.abs().max().item()}"
+        value = pretrain.reconstruction_loss(o, u, mask & False, kind)
+        grad = torch.autograd.grad(value, o, allow_unused=True)[0] if value.requires_grad else None
+        assert value.item() == 0.0 and grad is not None and not grad.any(), \
+            f"{kind}, mask all False: expected 0 computed from the outputs (gradient 0, not None; not 0/0 = NaN), " \
+            f"got {value!r} with gradient {None if grad is None else grad.abs().max().item()}"
 
 
 def test_exercise_mean_pooling():
@@ -3455,25 +3243,21 @@ WRONG_ANSWERS = {  # exercise: {what is wrong: (real function) -> the wrong func
         "forced mask at (rand * L) % length": lambda real: functools.partial(_forced_modulo_length, real),
         "waits for the device": lambda real: functools.partial(_waits_for_the_device, real)},
     "reconstruction_loss": {
-        "mask= form normalised by every position": lambda real: lambda o, t, kind="ce", mask=None: real(
-            o, t, kind, mask) * (1 if mask is None else mask.sum() / mask.numel()),
-        "mask= form normalised by the batch size": lambda real: lambda o, t, kind="ce", mask=None: real(
-            o, t, kind, mask) * (1 if mask is None else mask.sum() / mask.shape[0]),
-        "mask= form ignores the mask": lambda real: lambda o, t, kind="ce", mask=None: real(
-            o, t, kind) if mask is None else real(o.flatten(0, 1), t.flatten(0, 1), kind),
-        "sum instead of mean": lambda real: lambda o, t, kind="ce", mask=None: real(o, t, kind, mask) * (
-            len(o) if mask is None else mask.sum()),
-        "mse without the 1/2": lambda real: lambda o, t, kind="ce", mask=None: real(o, t, kind, mask) * (
+        "normalised by every position": lambda real: lambda o, t, m, kind="ce": real(
+            o, t, m, kind) * m.sum() / m.numel(),
+        "normalised by the batch size": lambda real: lambda o, t, m, kind="ce": real(o, t, m, kind) * m.sum() / len(m),
+        "ignores the mask": lambda real: lambda o, t, m, kind="ce": real(o, t, torch.ones_like(m), kind),
+        "sum instead of mean": lambda real: lambda o, t, m, kind="ce": real(o, t, m, kind) * m.sum(),
+        "mse without the 1/2": lambda real: lambda o, t, m, kind="ce": real(o, t, m, kind) * (
             2 if kind == "mse" else 1),
-        "mean over channels": lambda real: lambda o, t, kind="ce", mask=None: real(o, t, kind, mask) / (
+        "mean over channels": lambda real: lambda o, t, m, kind="ce": real(o, t, m, kind) / (
             1 if kind == "ce" else o.shape[-1]),
-        "NaN without masked positions": lambda real: lambda o, t, kind="ce", mask=None: real(o, t, kind, mask) * (
-            float("nan") if (len(o) if mask is None else int(mask.sum())) == 0 else 1),
-        "mask= form by indexing outputs[mask] (waits for the device)": lambda real: lambda o, t, kind="ce",
-        mask=None: real(o, t, kind) if mask is None else real(o[mask], t[mask], kind),
-        "a zero not computed from the outputs": lambda real: lambda o, t, kind="ce", mask=None: torch.zeros(
-            (), requires_grad=True) if o.device.type != "meta" and (len(o) if mask is None else int(mask.sum())) == 0
-        else real(o, t, kind, mask)},
+        "NaN without masked positions": lambda real: lambda o, t, m, kind="ce": real(o, t, m, kind) * (
+            float("nan") if int(m.sum()) == 0 else 1),
+        "by indexing outputs[masked] (waits for the device)": lambda real: lambda o, t, m, kind="ce": real(
+            o[m][None], t[m][None], m[m][None], kind),
+        "a zero not computed from the outputs": lambda real: lambda o, t, m, kind="ce": torch.zeros(
+            (), requires_grad=True) if o.device.type != "meta" and int(m.sum()) == 0 else real(o, t, m, kind)},
     "explicit_attention": {
         "ignores a float mask": lambda real: lambda self, q, k, v, mask: real(
             self, q, k, v, mask if mask is None or mask.dtype == torch.bool else None),
@@ -4909,10 +4693,9 @@ def test_analyze_says_when_the_data_is_not_the_checkpoints(synthetic_run, tmp_pa
     data.prepare_synthetic(other, n_train=64, n_val=32, n_test=32, length=20, seed=1)
     ckpt = os.path.join(out, "synthetic", "pretrain.pt")
     analyze.analyze_checkpoints({"spt": ckpt}, data_dir)
-    assert "not the data" not in capsys.readouterr().out
+    assert "note:" not in capsys.readouterr().out
     analyze.analyze_checkpoints({"spt": ckpt}, other)
-    assert f"note: {data.split_path(other, 'synthetic', 'val')} is not the data the checkpoint was trained on " \
-           f"(sha256 {data.load_pt(ckpt)['data_sha256']['val'][:12]}...)" in capsys.readouterr().out
+    assert f"note: {data.split_path(other, 'synthetic', 'val')} is not the data" in capsys.readouterr().out
 
 
 def test_learned_positions_take_init_std_and_swap_to_a_longer_task_unless_inherited(listops_dir, tmp_path):
