@@ -321,7 +321,7 @@ def get_batch(split, idx, device, multiple=64):
         meta = split["meta"]
         x = ((split["pixels"][idx, :L].float() / 255 - meta["pixel_mean"]) / meta["pixel_std"])[..., None]
     if torch.device(device).type == "cuda":
-        lengths = lengths.pin_memory()  # the model copies them to the GPU without waiting (model.on)
+        lengths = lengths.pin_memory()  # the model copies them to the GPU without waiting
     return x.to(device), lengths, split["labels"][idx].to(device)
 
 
