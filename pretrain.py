@@ -486,7 +486,7 @@ def train(model, splits, args, loss_fn, eval_fn, paths, record, metric, maximize
                     append_log(paths["log"], dict(step=state["step"], epoch=epoch, loss=loss, lr=lr, mfu=mfu,
                                                   ms_per_step=1000 * dt / meter["steps"],
                                                   tokens_per_s=meter["tokens"] / dt))
-                meter = dict(meter, loss=torch.zeros((), device=args.device), steps=0, tokens=0, flops=0.0)
+                meter = dict(loss=torch.zeros((), device=args.device), steps=0, tokens=0, flops=0.0, t=time.time())
             if evaluate_now:
                 metrics = eval_fn(state["step"])
                 improved = all(map(math.isfinite, score(metrics))) and (
