@@ -1311,14 +1311,8 @@ def _reserve(pieces, shape, margin):
     for r, c, intensity in pieces:
         h, w = intensity.shape
         mask[r:r + h, c:c + w] |= intensity > 0
-    for _ in range(margin):  # one pixel at a time, rows then columns
-        grown = mask.copy()
-        grown[1:] |= mask[:-1]
-        grown[:-1] |= mask[1:]
-        mask = grown.copy()
-        mask[:, 1:] |= grown[:, :-1]
-        mask[:, :-1] |= grown[:, 1:]
-    return mask
+    grown = torch.nn.functional.max_pool2d(torch.from_numpy(mask)[None].float(), 2 * margin + 1, 1, margin)
+    return grown[0].bool().numpy()
 
 
 def _draw(img, pieces):
@@ -1437,7 +1431,7 @@ def write_pathfinder_release(root, images, labels, per_folder=1000, contour_leng
 def read_pathfinder_release(root):
     """Read one LRA PathFinder difficulty folder -> (images uint8 (N, R, R), labels int64 (N,),
     skipped) in the s4 / LRA order: metadata/<k>.npy by the integer k, lines in order; of each line: folder, file
-    name, index, label. An empty or missing PNG (the release has one) is skipped: (path, reason). FileNotFoundError
+    name, index, label. An empty or missing PNG (the release has one) is skipped (its path). FileNotFoundError
     for a missing folder; ValueError naming file and line for a short line or a label not 0/1, and naming the image
     for one that does not decode, has more than 8 bits, or another size than the first."""
     meta_dir = os.path.join(root, "metadata")
@@ -1454,7 +1448,7 @@ def read_pathfinder_release(root):
                                  f"label 0 or 1")
             path = os.path.join(root, fields[0], fields[1])
             if not os.path.lexists(path) or os.path.isfile(path) and os.path.getsize(path) == 0:  # lexists: annex
-                skipped.append((path, "missing file" if not os.path.lexists(path) else "empty file (0 bytes)"))
+                skipped.append(path)
                 continue
             try:
                 with open_raw(path) as f, Image.open(f) as im:
@@ -1478,8 +1472,6 @@ def save_pathfinder_grid(images, labels, path, n=16):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     n = min(n, len(images))
-    if n < 1:
-        raise ValueError(f"no images to draw into {path}")
     cols = math.ceil(math.sqrt(n))
     rows = math.ceil(n / cols)
     fig = Figure(figsize=(2.0 * cols, 2.2 * rows + 0.4))
@@ -1534,7 +1526,7 @@ def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=4
         raise ValueError(f"{root}: images are {images.shape[1]}x{images.shape[2]}, expected {resolution}x{resolution} "
                          f"(--resolution {resolution})")
     if skipped:
-        print(f"{root}: skipped {len(skipped)} images: " + "; ".join(f"{path} ({why})" for path, why in skipped[:20]))
+        print(f"{root}: skipped {len(skipped)} missing or empty images: {', '.join(skipped[:20])}")
     generated, n, L = os.path.exists(marker), len(labels), resolution ** 2
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     perm = perm.roll(-2 * (n // 10)) if generated else perm
@@ -1543,7 +1535,7 @@ def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=4
     splits = {s: dict(pixels=pixels[i], lengths=torch.full((len(i),), L), labels=labels[i]) for s, i in parts.items()}
     meta = _pixel_meta(task, L, 2, 0.5, 0.5, sub, seed, resolution=resolution, difficulty=difficulty,
                        split_order="val, test, train" if generated else "s4 random_split", generated=generated,
-                       skipped=[os.path.relpath(p, root) for p, _ in skipped], download=fetched)
+                       skipped=[os.path.relpath(p, root) for p in skipped], download=fetched)
     return _save_splits(os.path.join(data_dir, task), splits, meta)
 
 
