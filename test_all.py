@@ -2564,10 +2564,12 @@ def _lra_fixture(task, root):
     elif task == "image":
         write_cifar(os.path.join(root, "image", "cifar-10-batches-py"))
         data.prepare_image(root, n_val=10, download=False)
+    elif task == "pathfinder":
+        data.prepare_pathfinder(root, generate=40)
 
 
 @pytest.mark.parametrize("task, extra", [("text", []), ("retrieval", []), ("image", ["--rec_loss", "ce"]),
-                                         ("image", ["--rec_loss", "l1"])])
+                                         ("image", ["--rec_loss", "l1"]), ("pathfinder", ["--rec_loss", "ce"])])
 def test_lra_tasks_pretrain_then_finetune_a_few_steps(tmp_path, task, extra):
     root, out = str(tmp_path / "data"), str(tmp_path / "out")
     _lra_fixture(task, root)
@@ -2753,38 +2755,39 @@ def test_a_last_batch_smaller_than_the_ranks_joins_the_one_before():
         assert sorted(torch.cat(batches).tolist()) == list(range(10))  # every sequence exactly once
 
 
+def make_tar(path, files, link=None, target=None):
+    """A tar (gzipped for a .gz path) of `files` {name: text}, and a symbolic link `link` -> `target`."""
+    with tarfile.open(path, "w:gz" if str(path).endswith(".gz") else "w") as tar:
+        for name, text in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(text.encode("utf-8"))
+            tar.addfile(info, io.BytesIO(text.encode("utf-8")))
+        if link:
+            info = tarfile.TarInfo(link)
+            info.type, info.linkname = tarfile.SYMTYPE, str(target)
+            tar.addfile(info)
+
+
 def test_lra_and_imdb_archives_download_from_a_local_server(http_root, tmp_path):
     """The LRA release (a tar.gz with an outer and an inner copy) and the IMDb tar.gz, served on 127.0.0.1; a
     download that is not a tar archive is refused and not kept."""
     import hashlib
-    www, base_url = http_root
-    base_url = base_url.replace("/aeon-toolkit", "")
-
-    def make_tar(path, files):
-        with tarfile.open(path, "w:gz") as tar:
-            for name, text in files.items():
-                blob = text.encode("utf-8")
-                info = tarfile.TarInfo(name)
-                info.size = len(blob)
-                tar.addfile(info, io.BytesIO(blob))
-
-    src, imdb = tmp_path / "aan", tmp_path / "imdb"
+    www, base_url = http_root[0], http_root[1].replace("/aeon-toolkit", "")
+    src, imdb, root = tmp_path / "aan", tmp_path / "imdb", str(tmp_path / "data")
     write_aan(str(src))
     inner = {f"lra_release/lra_release/tsv_data/{p.name}": p.read_text(encoding="utf-8") for p in src.iterdir()}
     outer = {"lra_release/tsv_data/new_aan_pairs.train.tsv": "0\tx\ty\tthe outer copy\tz\n"}
     make_tar(www / "lra_release.gz", {**outer, **inner})
     digest = hashlib.sha256((www / "lra_release.gz").read_bytes()).hexdigest()
-    root = str(tmp_path / "data")
     sizes = data.prepare_retrieval(root, url=f"{base_url}/lra_release.gz", sha256=digest)
     assert sizes == {"train": 8, "val": 8, "test": 8}   # the inner copy, not the one-line outer one
     assert data.load_split(root, "retrieval", "train")["meta"]["download"]["sha256"] == digest
     write_aclimdb(str(imdb))  # the archive's top folder is aclImdb/
     make_tar(www / "aclImdb_v1.tar.gz", {str(p.relative_to(imdb)): p.read_text(encoding="utf-8")
                                          for p in imdb.rglob("*.txt")})
-    sizes = data.prepare_text(root, url=f"{base_url}/aclImdb_v1.tar.gz", max_len=64)
-    assert sizes == {"train": 12, "val": 12, "test": 12}
+    assert data.prepare_text(root, url=f"{base_url}/aclImdb_v1.tar.gz", max_len=64)["train"] == 12
     (www / "junk.gz").write_bytes(b"<html>not an archive</html>")
-    with pytest.raises(ValueError, match="cifar-10-python.tar.gz: not a complete tar archive"):
+    with pytest.raises(ValueError, match="cifar-10-python.tar.gz: "):
         data.prepare_image(str(tmp_path / "d2"), url=f"{base_url}/junk.gz")
     assert not os.path.exists(tmp_path / "d2" / "image" / "cifar-10-python.tar.gz")  # not kept for the next run
 
@@ -2820,33 +2823,23 @@ def test_a_usage_error_is_short_and_an_unknown_task_names_the_choices(capsys):
 def test_extraction_writes_only_inside_its_folder(tmp_path):
     """extract_tar refuses a member that would leave its folder ("../", a link already there) and skips links;
     a preparation extracts into a fresh folder, so a link planted where a staging folder was is never followed."""
-    def make_tar(path, names, link=None):
-        with tarfile.open(path, "w") as tar:
-            for name in names:
-                info = tarfile.TarInfo(name)
-                info.size = 2
-                tar.addfile(info, io.BytesIO(b"ok"))
-            if link:
-                info = tarfile.TarInfo(link)
-                info.type, info.linkname = tarfile.SYMTYPE, str(outside)
-                tar.addfile(info)
     outside, into = tmp_path / "outside", tmp_path / "into"
     outside.mkdir()
     into.mkdir()
-    make_tar(tmp_path / "good.tar", ["pre/a.txt", "pre/sub/b.txt", "other/c.txt"], link="pre/link")
+    make_tar(tmp_path / "good.tar", {"pre/a.txt": "ok", "pre/sub/b.txt": "ok", "other/c.txt": "ok"}, "pre/link", outside)
     assert data.extract_tar(str(tmp_path / "good.tar"), str(into), "pre/") == 2
     assert (into / "a.txt").read_bytes() == b"ok" and (into / "sub" / "b.txt").exists()
     assert not os.path.lexists(into / "link")
     os.symlink(outside, into / "escape")
     for name in ("pre/../../evil.txt", "pre/escape/evil.txt"):
-        make_tar(tmp_path / "bad.tar", [name])
+        make_tar(tmp_path / "bad.tar", {name: "ok"})
         with pytest.raises(ValueError, match="^" + re.escape(f"{tmp_path / 'bad.tar'}: ")):
             data.extract_tar(str(tmp_path / "bad.tar"), str(into), "pre/")
     task_dir = tmp_path / "data" / "text"
     (task_dir / "aclImdb").mkdir(parents=True)
     os.symlink(outside, task_dir / "aclImdb" / ".partial")  # planted where a staging folder went
-    make_tar(task_dir / "aclImdb_v1.tar.gz", [f"aclImdb/{s}/{c}/0_1.txt" for s in ("train", "test")
-                                              for c in ("neg", "pos")], link="aclImdb/train/pos/1_9.txt")
+    make_tar(task_dir / "aclImdb_v1.tar.gz", {f"aclImdb/{s}/{c}/0_1.txt": "ok" for s in ("train", "test")
+                                              for c in ("neg", "pos")}, "aclImdb/train/pos/1_9.txt", outside)
     assert data.prepare_text(str(tmp_path / "data"), max_len=8) == {"train": 2, "val": 2, "test": 2}
     assert os.listdir(outside) == [] and not (tmp_path / "evil.txt").exists()
 
@@ -3851,8 +3844,8 @@ def test_pathfinder_reader_errors_name_the_file(pathfinder_release, fault):
         data.read_pathfinder_release(root)
 
 
-def test_pathfinder_generate_command_prepare_and_train_a_few_steps(tmp_path, capsys):
-    root, out = str(tmp_path / "data"), str(tmp_path / "out")
+def test_pathfinder_generate_command_and_the_release_split(tmp_path, capsys):
+    root = str(tmp_path / "data")
     data.main(["--task", "pathfinder", "--data_dir", root, "--generate", "60"])
     release = os.path.join(root, "pathfinder", "pathfinder32", "curv_contour_length_14")
     with Image.open(os.path.join(root, "pathfinder", "samples.png")) as im:  # a look at 16 of them
@@ -3875,10 +3868,6 @@ def test_pathfinder_generate_command_prepare_and_train_a_few_steps(tmp_path, cap
         data.prepare_pathfinder(root, generate=10)
     with pytest.raises(FileNotFoundError, match=r"pathfinder128/curv_contour_length_14"):
         data.prepare_pathx(root, download=False)
-    common = ["--task", "pathfinder", "--data_dir", root, "--out_dir", out, "--max_steps", "2", "--eval_every", "2"]
-    pretrain.main(common + TINY + ["--rec_loss", "ce"])
-    finetune.main(common + TINY + ["--init", os.path.join(out, "pathfinder", "pretrain.pt")])
-    assert json.load(open(os.path.join(out, "pathfinder", "finetune_spt.json")))["task"] == "pathfinder"
 
 
 @pytest.mark.parametrize("reader, content, line", [
@@ -3974,12 +3963,6 @@ def test_pathx_runs_a_few_steps_with_local_attention(tmp_path):
     ck = data.load_pt(os.path.join(out, "pathx", "pretrain.pt"))
     assert ck["model_config"]["attn_window"] == 256 and ck["model_config"]["pooling"] == "max"
     finetune.main(common + ["--init", os.path.join(out, "pathx", "pretrain.pt")])
-    # A PathFinder checkpoint (mean pooling, full attention) finetuned on PathX pools and attends as PathX does.
-    data.prepare_pathfinder(root, generate=20)
-    pretrain.main(["--task", "pathfinder"] + common[2:])
-    finetune.main(common + ["--init", os.path.join(out, "pathfinder", "pretrain.pt")])
-    cfg = data.load_pt(os.path.join(out, "pathx", "finetune_spt_from_pathfinder.pt"))["model_config"]
-    assert cfg["pooling"] == "max" and cfg["attn_window"] == 256 and cfg["max_len"] == 16384
 
 
 def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run, tmp_path, monkeypatch):
@@ -4127,25 +4110,20 @@ def test_a_clone_without_its_data_is_named_not_read_or_downloaded(tmp_path, kind
         assert f.read().startswith(b"version 2")
 
 
-def _write_listops_release(folder, rows_by_split):
-    for s, rows in rows_by_split.items():
-        data.write_listops_tsv(os.path.join(folder, f"basic_{s}.tsv"), rows)
-
-
 def test_a_failed_or_stopped_preparation_is_never_loaded_as_one(tmp_path, monkeypatch):
     """A preparation that fails on its input writes nothing (the old files stay); one stopped while writing leaves
     no train.pt, so the stages prepare again instead of loading a mixed set. The same inputs give the same files."""
     root, folder = str(tmp_path), tmp_path / "listops"
     rows = data.generate_listops(12, 1, min_length=5, max_length=30)
-    _write_listops_release(str(folder), {"train": rows[:8], "val": rows[8:10], "test": rows[10:]})
+    for s, part in zip(data.SPLITS, (rows[:8], rows[8:10], rows[10:])):
+        data.write_listops_tsv(str(folder / f"basic_{s}.tsv"), part)
     data.prepare_listops(root, max_len=32)
     files = {s: open(data.split_path(root, "listops", s), "rb").read() for s in data.SPLITS}
-    long = [("[MAX " + " ".join(["2"] * 40) + " ]", 2)]
-    _write_listops_release(str(folder), {"val": long})
+    data.write_listops_tsv(str(folder / "basic_val.tsv"), [("[MAX " + " ".join(["2"] * 40) + " ]", 2)])
     with pytest.raises(ValueError, match=re.escape(f"{folder / 'basic_val.tsv'}, line 2: ")):
         data.prepare_listops(root, max_len=32)
     assert {s: open(data.split_path(root, "listops", s), "rb").read() for s in data.SPLITS} == files
-    _write_listops_release(str(folder), {"val": rows[8:10]})
+    data.write_listops_tsv(str(folder / "basic_val.tsv"), rows[8:10])
     data.prepare_listops(root, max_len=32)
     assert open(data.split_path(root, "listops", "train"), "rb").read() == files["train"]
     real_save = data.save_atomic
@@ -4157,8 +4135,7 @@ def test_a_failed_or_stopped_preparation_is_never_loaded_as_one(tmp_path, monkey
     monkeypatch.setattr(data, "save_atomic", stopped)
     with pytest.raises(KeyboardInterrupt):
         data.prepare_listops(root, max_len=32)
-    assert not os.path.exists(data.split_path(root, "listops", "train"))
-    with pytest.raises(FileNotFoundError, match="train.pt not found"):
+    with pytest.raises(FileNotFoundError, match=re.escape(data.split_path(root, "listops", "train"))):
         data.load_splits(root, "listops")
 
 
@@ -4191,18 +4168,12 @@ FOUR, LABELS = torch.tensor([4, 4, 4]), torch.tensor([0, 1, 1])
     (dict(tokens=TOKENS, lengths=FOUR, labels=LABELS, meta=_toy_meta(dict(pixels=TOKENS))), "pixels"),
     (dict(tokens=TOKENS, lengths=FOUR, labels=torch.tensor([0, 1])), "labels"),
     (dict(tokens=torch.full((3, 2, 4), 2, dtype=torch.int16), lengths=FOUR, labels=LABELS), "lengths"),
-    (dict(tokens=torch.full((3, 2, 4), 2, dtype=torch.int16), lengths=torch.tensor([[4, 4], [2, 0], [1, 1]]),
-          labels=LABELS), "lengths"),
-    (dict(tokens=TOKENS, lengths=FOUR, labels=LABELS.float()), "labels"),
     (dict(tokens=TOKENS, lengths=FOUR, labels=LABELS.int()), "labels"),  # cross_entropy would refuse them mid-run
-    (dict(tokens=TOKENS, lengths=FOUR.int(), labels=LABELS), "lengths"),
     (dict(tokens=TOKENS.float() + 0.7, lengths=FOUR, labels=LABELS), "tokens"),  # .long() would cut 1.7 to 1
     (dict(tokens=torch.full((3, 4), 17, dtype=torch.uint8), lengths=FOUR, labels=LABELS), "tokens"),  # vocab_size
-    (dict(tokens=torch.full((3, 4), -1, dtype=torch.int16), lengths=FOUR, labels=LABELS), "tokens"),
     (dict(pixels=TOKENS.float() / 255, lengths=FOUR, labels=LABELS), "pixels"),  # would be divided by 255 again
     (dict(values=torch.zeros(3, 4, 3), lengths=FOUR, labels=LABELS), "values"),  # d_input 1
-    (dict(values=torch.zeros(3, 4, 1).index_put_((torch.tensor([2]), torch.tensor([1])), torch.tensor(float("nan"))),
-          lengths=FOUR, labels=LABELS), "values"),
+    (dict(values=torch.full((3, 4, 1), float("nan")), lengths=FOUR, labels=LABELS), "values"),
     (dict(tokens=TOKENS[:0], lengths=FOUR[:0], labels=LABELS[:0]), "tokens"),  # no examples
     # A mask id or padding id inside the length (SPT would take a real 1 for a masked position); ids after it.
     (dict(tokens=TOKENS.index_put((torch.tensor([1]), torch.tensor([2])), torch.tensor(1, dtype=torch.uint8)),
@@ -4215,8 +4186,7 @@ def test_load_split_refuses_tensors_that_disagree(tmp_path, tensors, field):
     pairs = torch.tensor([[4, 1], [2, 3], [1, 1]])
     _save_toy(tmp_path, tokens=(2 * (torch.arange(4) < pairs[..., None])).to(torch.int16), lengths=pairs,
               labels=LABELS)
-    good = data.load_split(str(tmp_path), "toy", "train")   # consistent: loads
-    data.check_split(dict(good, tensors_sha256="0" * 64), "p")  # save_atomic's key: not a field of the check
+    data.load_split(str(tmp_path), "toy", "train")   # consistent: loads
     path = _save_toy(tmp_path, **tensors)
     with pytest.raises(ValueError, match="^" + re.escape(path) + ".*" + field):
         data.load_split(str(tmp_path), "toy", "train")
@@ -4265,42 +4235,17 @@ def test_data_cli_rejects_flags_that_do_not_apply_and_passes_exactly_the_flags_g
     assert calls[1][1] == {}  # no flag given: the prepare function's own defaults, nothing passed for them
 
 
-def test_data_cli_prepares_listops_and_synthetic_with_the_flags_given(tmp_path):
-    root = str(tmp_path)
-    data.main(["--task", "synthetic", "--data_dir", root, "--n_train", "20", "--n_val", "5", "--n_test", "5",
-               "--length", "10", "--seed", "3"])
-    d = {s: data.load_split(root, "synthetic", s) for s in data.SPLITS}
-    assert [len(d[s]["labels"]) for s in data.SPLITS] == [20, 5, 5] and d["train"]["values"].shape == (20, 10, 2)
-    assert d["train"]["meta"]["seed"] == 3
-    data.main(["--task", "listops", "--data_dir", root, "--n_train", "6", "--n_val", "3", "--n_test", "3",
-               "--max_len", "700", "--truncate", "--seed", "2"])
-    d = data.load_split(root, "listops", "train")
-    assert len(d["labels"]) == 6 and d["tokens"].shape[1] == 700 and int(d["lengths"].max()) == 700  # cut, not failed
-    assert int(d["lengths"].min()) > 500
-    with pytest.raises(SystemExit, match=r"^error: --max_len: does not apply to --task synthetic"):
-        data.run_cli(lambda argv: data.main(["--task", "synthetic", "--data_dir", root, "--max_len", "50"]))
-
-
 def test_prepare_refuses_keywords_the_task_does_not_take(tmp_path):
-    """Every keyword a task does not take is named (as its flag), before anything is read; every preset's data
-    settings are keywords of its task; no prepare function swallows keywords with **kwargs."""
-    root = str(tmp_path)
-    with pytest.raises(ValueError, match=r"^--max_len, url: does not apply to --task synthetic \(it takes: --n_train"):
-        data.prepare("synthetic", root, n_train=4, max_len=5, url="x")
-    with pytest.raises(ValueError, match=r"^--no_download: does not apply to --task listops"):
-        data.prepare("listops", root, download=False)
-    with pytest.raises(ValueError, match=r"^name: does not apply to --task ucr/GunPoint"):
-        data.prepare("ucr/GunPoint", root, name="Coffee")
-    assert os.listdir(root) == []
+    """Every keyword a task does not take is named before anything is read; every preset's data settings are
+    keywords of its task; no prepare function swallows keywords with **kwargs."""
+    with pytest.raises(ValueError, match=r"^--max_len, url: does not apply to --task synthetic"):
+        data.prepare("synthetic", str(tmp_path), n_train=4, max_len=5, url="x")
+    assert os.listdir(tmp_path) == []
     for task, presets in pretrain.PRESETS.items():
         for preset in presets.values():
-            settings = dict(data.IMPLIED_DATA.get(task, {}), **preset["data"])
-            if task in data.DOWNLOADED:
-                settings["download"] = False
-            assert set(settings) <= set(data.prepare_keywords(task)), (task, settings)
-    for task in data.TASKS:
-        assert all(q.kind != q.VAR_KEYWORD for q in inspect.signature(data.PREPARE[data.task_family(task)])
-                   .parameters.values()), task
+            assert set(data.IMPLIED_DATA.get(task, {})) | set(preset["data"]) <= set(data.prepare_keywords(task))
+    for family, prepare in data.PREPARE.items():
+        assert all(q.kind != q.VAR_KEYWORD for q in inspect.signature(prepare).parameters.values()), family
     assert sorted(map(data.task_family, data.TASKS)) == sorted(data.PREPARE)
 
 
@@ -4356,25 +4301,18 @@ DATA_CONTRACT = ("PAD_ID", "MASK_ID", "SPLITS", "save_atomic", "load_pt", "TaskN
 
 
 def test_data_py_defines_its_contract_before_any_source():
-    import ast
-    tree = ast.parse(open(data.__file__).read())
     line = {}
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            line.setdefault(node.name, node.lineno)
-        elif isinstance(node, ast.Assign):
-            for target in node.targets:
-                for name in ast.walk(target):
-                    if isinstance(name, ast.Name):
-                        line.setdefault(name.id, node.lineno)
+    for node in ast.parse(open(data.__file__).read()).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node]
+        for target in targets:
+            for name in ast.walk(target):
+                if isinstance(name, (ast.Name, ast.FunctionDef, ast.ClassDef)):
+                    line.setdefault(getattr(name, "id", getattr(name, "name", None)), node.lineno)
     assert set(DATA_CONTRACT) <= set(line), set(DATA_CONTRACT) - set(line)
-    first_source = min(n for name, n in line.items() if name in ("sha256_of", "download_file")
-                       or (name.startswith("prepare_") and name[8:] in data.PREPARE))
+    first_source = min(line[name] for name in ["sha256_of", "download_file"] + [f.__name__ for f in
+                                                                                data.PREPARE.values()])
     late = {name: line[name] for name in DATA_CONTRACT if line[name] > first_source}
     assert not late, f"defined after the first source-specific code (line {first_source}): {late}"
-    assert line["PREPARE"] > max(line[f.__name__] for f in data.PREPARE.values())
-    doc = ast.get_docstring(tree)
-    assert "Sections: 0. what every stage reads" in doc and "9. command line" in doc
 
 
 def test_report_files_each_table_and_figure_into_its_region_and_keeps_the_rest(tmp_path):
@@ -4458,16 +4396,8 @@ def test_figures_record_the_command_that_drew_them(tmp_path):
         analyze.figure_command(str(tmp_path / "bad.png"))
 
 
-def _raw_fixture(task, src):
-    """Raw files of `task` in the real format under the root `src`; returns data.py's extra flags for it."""
-    if task == "ucr/Toy":
-        rows = "".join(f"{i % 2}\t" + "\t".join(str(v) for v in np.arange(5) * (i + 1)) + "\n" for i in range(10))
-        write_ucr(os.path.join(src, "ucr", "Toy"), "Toy", ".tsv", rows, rows)
-        return ["--val_fraction", "0.2"]
-    return ["--generate", "20", "--difficulty", "hard"]
-
-
 # A data setting each task's prepared fixture does not have, for the settings-mismatch command.
+# A data setting each task's prepared data does not have, for the settings-mismatch command; ucr/Toy is raw data.
 OTHER_SETTINGS = {"ucr/Toy": {"val_fraction": 0.5}, "pathfinder": {"difficulty": "easy", "generate_if_missing": 20}}
 
 
@@ -4479,11 +4409,12 @@ def test_data_settings_mismatch_command_runs_as_printed_and_makes_the_data_the_r
     monkeypatch.setattr(data, "UCR_PACKAGES", ())
     monkeypatch.setattr(data, "download_file", lambda *a, **k: pytest.fail(f"a download was started: {a}"))
     src = str(tmp_path / "src")
-    data.main(["--task", task, "--data_dir", src] + _raw_fixture(task, src))
+    rows = "".join(f"{i % 2}\t" + "\t".join(str(v) for v in np.arange(5) * (i + 1)) + "\n" for i in range(10))
+    write_ucr(os.path.join(src, "ucr", "Toy"), "Toy", ".tsv", rows, rows)
+    data.main(["--task", task, "--data_dir", src] + (["--generate", "20"] if task == "pathfinder" else []))
     with pytest.raises(ValueError) as e:
         data.check_settings(data.load_split(src, task, "train")["meta"], OTHER_SETTINGS[task], task, src, "paper")
     command = re.search(r"`(python data\.py [^`]*)`", str(e.value)).group(1)
-    assert command.startswith(f"python data.py --task {task} --data_dir {src}_paper ")
     assert (f"copy {src}/{task}/ to {src}_paper/{task}/" in str(e.value)) == (task != "pathfinder")
     if task != "pathfinder":
         shutil.copytree(os.path.join(src, task), os.path.join(src + "_paper", task))
