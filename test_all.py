@@ -867,20 +867,11 @@ def test_prop1_main_writes_png_and_json(tmp_path):
 # Synthetic trajectories
 # ----------------------------------------------------------------------------------------------------------
 
-def _logistic_accuracy(feat_train, y_train, feat_val, y_val, steps=300):
-    """Accuracy of a logistic regression fitted by full-batch LBFGS (features standardized)."""
-    mu, sd = feat_train.mean(0), feat_train.std(0) + 1e-8
-    a, b = (feat_train - mu) / sd, (feat_val - mu) / sd
-    w = torch.zeros(a.shape[1] + 1, requires_grad=True)
-    opt = torch.optim.LBFGS([w], max_iter=steps)
-
-    def closure():
-        opt.zero_grad()
-        loss = F.binary_cross_entropy_with_logits(a @ w[:-1] + w[-1], y_train.float())
-        loss.backward()
-        return loss
-    opt.step(closure)
-    return ((b @ w[:-1] + w[-1] > 0).long() == y_val).float().mean().item()
+def _linear_accuracy(f_train, y_train, f_val, y_val):
+    """Validation accuracy of a least-squares linear classifier (targets -1/+1, a bias) fitted on the features."""
+    a, b = (torch.cat([torch.as_tensor(f), torch.ones(len(f), 1)], 1).double() for f in (f_train, f_val))
+    w = torch.linalg.lstsq(a, 2 * torch.as_tensor(y_train).double()[:, None] - 1).solution
+    return ((b @ w)[:, 0] > 0).long().eq(torch.as_tensor(y_val)).double().mean().item()
 
 
 def test_synthetic_label_is_invisible_to_linear_statistics_but_in_neighbour_interactions():
@@ -888,16 +879,14 @@ def test_synthetic_label_is_invisible_to_linear_statistics_but_in_neighbour_inte
     x_va, y_va = data.generate_trajectories(2000, seed=1)
     assert x_tr.shape == (4000, 100, 2) and set(y_tr.tolist()) == {0, 1}
     assert torch.equal(x_tr, data.generate_trajectories(4000, seed=0)[0])
-    # A linear classifier on the mean-pooled tokens is at chance ...
-    acc_mean = _logistic_accuracy(x_tr.mean(1), y_tr, x_va.mean(1), y_va)
-    assert 0.45 < acc_mean < 0.55, acc_mean
-    # ... and on the full flattened sequence too (every linear statistic of the tokens) ...
-    acc_flat = _logistic_accuracy(x_tr.flatten(1), y_tr, x_va.flatten(1), y_va, steps=100)
-    assert acc_flat < 0.58, acc_flat
-    # ... while the mean cross product of neighbouring steps d_t x d_{t+1} gives the label.
+    # A linear classifier on the mean-pooled tokens is at chance, and on the full flattened sequence too (every
+    # linear statistic of the tokens), while the mean cross product of neighbouring steps d_t x d_{t+1} gives it.
+    assert 0.45 < _linear_accuracy(x_tr.mean(1), y_tr, x_va.mean(1), y_va) < 0.55
+    assert _linear_accuracy(x_tr.flatten(1), y_tr, x_va.flatten(1), y_va) < 0.58
+
     def cross(x):
         return (x[:, :-1, 0] * x[:, 1:, 1] - x[:, :-1, 1] * x[:, 1:, 0]).mean(1, keepdim=True)
-    assert _logistic_accuracy(cross(x_tr), y_tr, cross(x_va), y_va) > 0.97
+    assert _linear_accuracy(cross(x_tr), y_tr, cross(x_va), y_va) > 0.97
 
 
 def test_synthetic_pretrain_finetune_slices_the_mask_channel(tmp_path):
@@ -2826,7 +2815,8 @@ def test_extraction_writes_only_inside_its_folder(tmp_path):
     outside, into = tmp_path / "outside", tmp_path / "into"
     outside.mkdir()
     into.mkdir()
-    make_tar(tmp_path / "good.tar", {"pre/a.txt": "ok", "pre/sub/b.txt": "ok", "other/c.txt": "ok"}, "pre/link", outside)
+    files = {"pre/a.txt": "ok", "pre/sub/b.txt": "ok", "other/c.txt": "ok"}
+    make_tar(tmp_path / "good.tar", files, "pre/link", outside)
     assert data.extract_tar(str(tmp_path / "good.tar"), str(into), "pre/") == 2
     assert (into / "a.txt").read_bytes() == b"ok" and (into / "sub" / "b.txt").exists()
     assert not os.path.lexists(into / "link")
@@ -3776,14 +3766,7 @@ def test_pathfinder_pixel_statistics_are_at_chance(pathfinder32):
     images, labels, _ = pathfinder32
     x = images.reshape(len(images), -1).astype(np.float64) / 255
     feats = np.stack([x.mean(1), x.var(1), (x > 0).mean(1)], axis=1)      # mean, variance, ink fraction
-    train, test = slice(0, 2000), slice(2000, 3000)
-    mu, sd = feats[train].mean(0), feats[train].std(0)
-    f = np.hstack([(feats - mu) / sd, np.ones((len(feats), 1))])
-    w = np.zeros(f.shape[1])
-    for _ in range(500):  # logistic regression by gradient descent (the loss is convex)
-        p = 1 / (1 + np.exp(-f[train] @ w))
-        w -= 0.5 * f[train].T @ (p - labels[train]) / 2000
-    acc = ((f[test] @ w > 0) == labels[test]).mean()
+    acc = _linear_accuracy(feats[:2000], labels[:2000], feats[2000:], labels[2000:])
     assert abs(acc - 0.5) <= 0.05, f"mean/variance/ink predict the label with accuracy {acc:.3f}"
 
 
