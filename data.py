@@ -1480,8 +1480,6 @@ def save_pathfinder_grid(images, labels, path, n=16):
         ax = fig.add_subplot(rows, cols, i + 1, xticks=[], yticks=[])
         ax.imshow(images[i], cmap="gray", vmin=0, vmax=255, interpolation="nearest")
         ax.set_title("connected" if labels[i] == 1 else "not connected", fontsize=10)
-    fig.suptitle(f"PathFinder {images.shape[1]}x{images.shape[1]}: are the two marker dots on the same contour?",
-                 fontsize=11)
     fig.tight_layout()
     save_atomic(lambda f: fig.savefig(f, format="png", dpi=100), path)
 

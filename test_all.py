@@ -2009,7 +2009,7 @@ def test_ucr_label_mapping():
         ids("3")
 
 
-def test_ucr_znormalize_fill_missing_and_prepare(tmp_path, capsys):
+def test_ucr_clean_series_and_prepare(tmp_path):
     rng = np.random.default_rng(0)
     # np.full(7, 0.7).std() is 1.1e-16, not 0: rounding noise that must not be blown up to +-1
     x = [3.0 + 5.0 * rng.standard_normal(40), np.full(7, 0.7), np.zeros(5), 1e-12 * np.arange(4.0),
@@ -4087,7 +4087,7 @@ def test_a_clone_without_its_data_is_named_not_read_or_downloaded(tmp_path, kind
     objects.mkdir(parents=True)
     (objects / "x").write_text("1\t0.5\t1.5\n2\t3\t4\n")
     os.symlink(objects / "x", tmp_path / "link.tsv")
-    assert data.read_ucr_tsv(str(tmp_path / "link.tsv"))[1] == ["1", "2"]
+    assert data.read_ucr_text(str(tmp_path / "link.tsv"))[1] == ["1", "2"]
     (tmp_path / "short.txt").write_text("version 2 of this film is worse; see /annex/objects/ in the credits")
     with data.open_raw(str(tmp_path / "short.txt")) as f:
         assert f.read().startswith(b"version 2")
@@ -4663,20 +4663,18 @@ def test_flags_that_do_not_apply_or_are_out_of_range_are_usage_errors(synthetic_
         assert e.value.code == 2 and named in capsys.readouterr().err, extra
 
 
-def test_hand_made_values_of_another_float_dtype_become_float32_or_are_refused(synthetic_run, tmp_path, capsys):
+def test_hand_made_values_of_another_float_dtype_become_float32_or_are_refused(synthetic_run, tmp_path):
     d = data.load_split(synthetic_run[0], "synthetic", "val")
+    path = data.split_path(str(tmp_path), "synthetic", "val")
     for dtype in (torch.float16, torch.bfloat16, torch.float64):
-        root = str(tmp_path / str(dtype))
-        data.save_atomic(dict(d, values=d["values"].to(dtype)), data.split_path(root, "synthetic", "val"))
-        got = data.load_split(root, "synthetic", "val")
+        data.save_atomic(dict(d, values=d["values"].to(dtype)), path)
+        got = data.load_split(str(tmp_path), "synthetic", "val")
         assert got["values"].dtype == torch.float32 and torch.equal(got["values"], d["values"].to(dtype).float())
-        assert f"{dtype} to float32" in capsys.readouterr().out
-    path = data.split_path(root, "synthetic", "val")
     big = d["values"].double()
-    big[3, 5, 1] = 1e39
+    big[3, 5, 1] = 1e39  # beyond float32's range
     data.save_atomic(dict(d, values=big), path)
     with pytest.raises(ValueError, match=rf"^{re.escape(path)}: field 'values'"):
-        data.load_split(root, "synthetic", "val")
+        data.load_split(str(tmp_path), "synthetic", "val")
 
 
 def test_analyze_says_when_the_data_is_not_the_checkpoints(synthetic_run, tmp_path, capsys):
