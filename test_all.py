@@ -1856,11 +1856,8 @@ def test_a_task_of_ones_own_runs_after_the_readme_steps(tmp_path, monkeypatch):
         meta = dict(task="mytask", kind="tokens", max_len=12, n_classes=2, vocab_size=6, pad_id=0, mask_id=1)
         data.save_atomic(dict(tokens=tokens, lengths=torch.full((n,), 12), labels=labels, meta=meta),
                          str(root / "mytask" / f"{split}.pt"))
-
-    def prepare_mytask(data_dir="data"):
-        raise FileNotFoundError(f"{data_dir}/mytask/: write its .pt files first")
     monkeypatch.setattr(data, "TASKS", data.TaskNames(tuple(data.TASKS) + ("mytask",)))
-    monkeypatch.setitem(data.PREPARE, "mytask", prepare_mytask)
+    monkeypatch.setitem(data.PREPARE, "mytask", lambda data_dir="data": None)
     preset = {name: dict(p, data={}) for name, p in pretrain.PRESETS["listops"].items()}  # the README: data {}
     monkeypatch.setitem(pretrain.PRESETS, "mytask", preset)
     monkeypatch.setitem(pretrain.MASK_RATIO, "mytask", 0.15)
@@ -1871,9 +1868,6 @@ def test_a_task_of_ones_own_runs_after_the_readme_steps(tmp_path, monkeypatch):
     finetune.main(common + ["--init", str(tmp_path / "out" / "mytask" / "pretrain.pt")])
     res = json.load(open(tmp_path / "out" / "mytask" / "finetune_spt.json"))
     assert res["task"] == "mytask" and 0 <= res["test_acc"] <= 1
-    shutil.rmtree(root / "mytask")  # the files missing: the stages call prepare_mytask, whose message is seen
-    with pytest.raises(FileNotFoundError, match=r"mytask/: write its .pt files first"):
-        pretrain.main(common)
 
 
 def test_command_line_data_errors_are_one_line_without_traceback(tmp_path):
@@ -4109,14 +4103,12 @@ FOUR, LABELS = torch.tensor([4, 4, 4]), torch.tensor([0, 1, 1])
 
 @pytest.mark.parametrize("tensors, field", [
     (dict(tokens=TOKENS, lengths=torch.tensor([4, 0, 2]), labels=LABELS), "lengths"),  # no position to pool
-    (dict(tokens=TOKENS, lengths=torch.tensor([5, 1, 2]), labels=LABELS), "lengths"),
     (dict(pixels=TOKENS, lengths=FOUR, labels=torch.tensor([0, 2, 1])), "labels"),
     (dict(values=torch.zeros(3, 4, 1), lengths=FOUR, labels=torch.tensor([-1, 0, 1])), "labels"),
     (dict(values=torch.zeros(3, 4, 1), lengths=FOUR, labels=LABELS,
           meta=dict(task="toy", kind="continuous", max_len=4, n_classes=2)), "d_input"),
     (dict(tokens=TOKENS, lengths=FOUR, labels=LABELS, meta=dict(task="toy", max_len=4, n_classes=2)), "meta"),
     (dict(tokens=TOKENS, lengths=FOUR, labels=LABELS, meta=_toy_meta(dict(pixels=TOKENS))), "pixels"),
-    (dict(tokens=TOKENS, lengths=FOUR, labels=torch.tensor([0, 1])), "labels"),
     (dict(tokens=torch.full((3, 2, 4), 2, dtype=torch.int16), lengths=FOUR, labels=LABELS), "lengths"),
     (dict(tokens=TOKENS, lengths=FOUR, labels=LABELS.int()), "labels"),  # cross_entropy would refuse them mid-run
     (dict(tokens=TOKENS.float() + 0.7, lengths=FOUR, labels=LABELS), "tokens"),  # .long() would cut 1.7 to 1
