@@ -215,8 +215,8 @@ def split_path(data_dir, task, split="train"):
 def load_split(data_dir, task, split, checkpoint=None):
     """Load data/<task>/<split>.pt -> dict(tokens | values | pixels, lengths, labels, meta), checked (check_split).
     Values of another float dtype become float32 (beyond its range: inf, refused). With a `checkpoint` (dict) a
-    file other than the one it was trained on (its data_sha256) is said in one line. Raises FileNotFoundError naming the command that makes it, or
-    ValueError naming the file."""
+    file other than the one it was trained on (its data_sha256) is said in one line. Raises FileNotFoundError
+    naming the command that makes it, or ValueError naming the file."""
     path = split_path(data_dir, task, split)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: run `python data.py --task {task} --data_dir {data_dir}`")
@@ -769,8 +769,7 @@ def ucr_val_split(labels, val_fraction, seed, where):
     if len(val) == 0 and spare:
         val = torch.stack(spare)[torch.randperm(len(spare), generator=g)[:max(1, round(val_fraction * len(labels)))]]
     if len(val) == 0:
-        raise ValueError(f"{where}: {len(labels)} training series, one per class: no validation split can be "
-                         f"carved from TRAIN without leaving a class out of training")
+        raise ValueError(f"{where}: {len(labels)} series, one per class: none can go to validation")
     train = torch.ones(len(labels), dtype=torch.bool)
     train[val] = False
     return torch.nonzero(train).flatten(), val.sort().values
@@ -826,10 +825,9 @@ def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, down
         ours = [f for f in sorted(os.listdir(folder) if os.path.isdir(folder) else [])
                 if f.lower().startswith(f"{name}_".lower())]  # names are case-sensitive
         if ours or not download:
-            raise FileNotFoundError(f"UCR data set {name!r} not found: no pair {name}_TRAIN, {name}_TEST of one "
-                                    f"format (.tsv, .txt, .ts or none) in {folder}/ (it holds {ours}) or in the "
-                                    f"packages {[p for p, _, _ in UCR_PACKAGES]}; {DOWNLOAD_HINT}, or get "
-                                    f"{UCR_URL}/{name}.zip")
+            raise FileNotFoundError(f"UCR data set {name!r} not found: no {name}_TRAIN, {name}_TEST of one format "
+                                    f"(.tsv, .txt, .ts, none) in {folder}/ (it holds {ours}) or in the packages "
+                                    f"{[p for p, _, _ in UCR_PACKAGES]}; {DOWNLOAD_HINT}")
         downloaded = download_ucr(name, folder, base_url, sha256)
         found = find_ucr(name, data_dir)
     print(f"UCR {name}: reading {found['train']} and {found['test']} (found in {found['found_in']})")
@@ -1147,8 +1145,7 @@ def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, download=True, u
     for i in (0, 2):  # the training set, then the test set (t10k): images and labels
         images, labels = read_idx(files[i]), read_idx(files[i + 1]).astype(np.int64)
         if images.shape[1:] != (28, 28) or len(images) != len(labels):
-            raise ValueError(f"{files[i]}: images {images.shape} and labels {labels.shape}, expected (N, 28, 28) "
-                             f"and (N,)")
+            raise ValueError(f"{files[i]}: {images.shape} images, {labels.shape} labels; expected (N, 28, 28), (N,)")
         images = np.pad(images, ((0, 0), (2, 2), (2, 2)))
         if resolution == 16:  # the mean of each 2x2 block, rounded half up
             blocks = images.reshape(len(images), 16, 2, 16, 2).astype(np.uint16).sum(axis=(2, 4))
@@ -1444,8 +1441,7 @@ def read_pathfinder_release(root):
             if not fields:
                 continue
             if len(fields) < 4 or fields[3] not in ("0", "1"):
-                raise ValueError(f"{meta}, line {line_no}: expected space-separated fields folder, file name, index, "
-                                 f"label 0 or 1")
+                raise ValueError(f"{meta}, line {line_no}: expected folder, file name, index, label (0 or 1)")
             path = os.path.join(root, fields[0], fields[1])
             if not os.path.lexists(path) or os.path.isfile(path) and os.path.getsize(path) == 0:  # lexists: annex
                 skipped.append(path)
@@ -1502,8 +1498,7 @@ def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=4
     found = os.path.isdir(os.path.join(root, "metadata"))
     generate, fetched = generate or (None if found else generate_if_missing), None
     if generate and found and not os.path.exists(marker):
-        raise FileExistsError(f"{root} holds data not made by our generator; not overwriting it (use another "
-                              f"--data_dir to generate)")
+        raise FileExistsError(f"{root}: data not made by our generator; not overwriting it (give another --data_dir)")
     if generate:
         images, labels = generate_pathfinder(generate, seed, resolution, contour_length)
         partial = fresh_folder(os.path.dirname(root))  # renamed to `root` once complete: never a half set there
@@ -1595,8 +1590,7 @@ def expected_settings(task, preset_data, flags):
     for key, value in flags.items():
         if value is not None:
             if family not in STAGE_DATA_FLAGS[key]:
-                raise ValueError(f"--{key} does not apply to --task {task} (only to "
-                                 f"{', '.join(STAGE_DATA_FLAGS[key])})")
+                raise ValueError(f"--{key} does not apply to --task {task} (only {', '.join(STAGE_DATA_FLAGS[key])})")
             settings[key] = value
     return settings
 
