@@ -2000,13 +2000,6 @@ def test_ucr_clean_series_and_prepare(tmp_path):
     assert d["val"]["labels"].bincount().tolist() == [2, 2] and d["train"]["labels"].bincount().tolist() == [9, 9]
 
 
-def test_ucr_2015_archive_files_without_extension(tmp_path):
-    train = "".join(f"{1 if i % 2 else -1},{i * 0.1:.2f},{1 + i},{2 - i * 0.5},{i % 3}\n" for i in range(10))
-    write_ucr(os.path.join(tmp_path, "ucr", "ECG200"), "ECG200", "", train, "1,0.5,1.5,2.5,0\n-1,3,2,1,0\n")
-    assert data.prepare_ucr(str(tmp_path), "ECG200", download=False) == {"train": 8, "val": 2, "test": 2}
-    assert data.load_split(str(tmp_path), "ucr/ECG200", "test")["meta"]["source"] == "ECG200_TEST"
-
-
 def test_ucr_prepare_errors_name_the_file(tmp_path):
     """A test label not in training, one class only, too few series for a validation split, files found nowhere:
     each error names the file or folder. Many classes of 2 series (PigCVP: 52) still give a validation split."""
@@ -2028,6 +2021,10 @@ def test_ucr_prepare_errors_name_the_file(tmp_path):
     assert len(set(data.load_split(root, "ucr/Toy", "train")["labels"].tolist())) == 6  # every class trains
     with pytest.raises(FileNotFoundError, match=re.escape(f"{root}/ucr/Nowhere/")):
         data.prepare_ucr(root, "Nowhere", download=False)
+    train = "".join(f"{1 if i % 2 else -1},{i * 0.1:.2f},{1 + i},{2 - i * 0.5},{i % 3}\n" for i in range(10))
+    write_ucr(os.path.join(root, "ucr", "ECG200"), "ECG200", "", train, "1,0.5,1.5,2.5,0\n-1,3,2,1,0\n")  # 2015
+    assert data.prepare_ucr(root, "ECG200", download=False) == {"train": 8, "val": 2, "test": 2}
+    assert data.load_split(root, "ucr/ECG200", "test")["meta"]["source"] == "ECG200_TEST"
     assert "ucr/ECG200" in data.TASKS and not any(bad in data.TASKS for bad in ("ucr/../x", "ucr/", "ucr/a/b", "ucr"))
 
 
@@ -3692,31 +3689,23 @@ def check_pathfinder_labels_by_tracing(images, labels, info, resolution):
         assert 14 * data.PATHFINDER_SETTINGS[resolution]["paddle_length"] <= region.sum() < (img > 0).sum()
 
 
-def test_pathfinder_labels_match_connectivity_32(pathfinder32):
-    images, labels, info = pathfinder32
-    check_pathfinder_labels_by_tracing(images[:200], labels[:200], info[:200], 32)
+@pytest.mark.parametrize("resolution", [32, 128])
+def test_pathfinder_labels_match_connectivity(pathfinder32, resolution):
+    images, labels, info = pathfinder32 if resolution == 32 else \
+        data.generate_pathfinder(20, seed=1, resolution=128, return_info=True)
+    check_pathfinder_labels_by_tracing(images[:200], labels[:200], info[:200], resolution)
 
 
-def test_pathfinder_labels_match_connectivity_128():
-    images, labels, info = data.generate_pathfinder(20, seed=1, resolution=128, return_info=True)
-    assert images.shape == (20, 128, 128) and images.dtype == np.uint8
-    check_pathfinder_labels_by_tracing(images, labels, info, 128)
-
-
-def test_pathfinder_pixel_statistics_are_at_chance(pathfinder32):
+def test_pathfinder_classes_are_balanced_reproducible_and_pixel_statistics_at_chance(pathfinder32):
     images, labels, _ = pathfinder32
-    x = images.reshape(len(images), -1).astype(np.float64) / 255
-    feats = np.stack([x.mean(1), x.var(1), (x > 0).mean(1)], axis=1)      # mean, variance, ink fraction
-    acc = _linear_accuracy(feats[:2000], labels[:2000], feats[2000:], labels[2000:])
-    assert abs(acc - 0.5) <= 0.05, f"mean/variance/ink predict the label with accuracy {acc:.3f}"
-
-
-def test_pathfinder_classes_balanced_and_deterministic_for_a_seed(pathfinder32):
-    labels = pathfinder32[1]
     assert labels.dtype == np.int64 and set(np.unique(labels)) == {0, 1} and 0.45 <= labels.mean() <= 0.55
     a, b = data.generate_pathfinder(20, seed=7), data.generate_pathfinder(20, seed=7)
     assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
     assert not np.array_equal(a[0], data.generate_pathfinder(20, seed=8)[0])
+    x = images.reshape(len(images), -1).astype(np.float64) / 255
+    feats = np.stack([x.mean(1), x.var(1), (x > 0).mean(1)], axis=1)      # mean, variance, ink fraction
+    acc = _linear_accuracy(feats[:2000], labels[:2000], feats[2000:], labels[2000:])
+    assert abs(acc - 0.5) <= 0.05, f"mean/variance/ink predict the label with accuracy {acc:.3f}"
 
 
 @pytest.fixture
