@@ -2430,7 +2430,7 @@ def installed_fashion_mnist(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "FASHION_DIRS", (str(folder),))
 
 
-def test_fashion_mnist_idx_padded_to_1024_pixels_or_averaged_to_16x16(tmp_path, monkeypatch):
+def test_fashion_mnist_idx_padded_to_1024_pixels_or_averaged_to_16x16(tmp_path):
     root = str(tmp_path)
     folder = os.path.join(root, "fashion_mnist")
     os.makedirs(folder)
