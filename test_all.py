@@ -2337,8 +2337,6 @@ def test_text_reads_aclimdb_as_bytes_and_counts_truncations(tmp_path):
     assert train["labels"].tolist() == [0] * 6 + [1] * 6 and train["meta"]["vocab_size"] == 258
     val, test = (data.load_split(root, "text", s) for s in ("val", "test"))
     assert torch.equal(val["tokens"], test["tokens"]) and val["meta"]["val_is_test"]
-    with pytest.raises(FileNotFoundError, match=re.escape(os.path.join(str(tmp_path), "none", "text", "aclImdb"))):
-        data.prepare_text(str(tmp_path / "none"), download=False)
     open(path, "w").close()  # an empty review is named
     with pytest.raises(ValueError, match="^" + re.escape(path)):
         data.prepare_text(root, max_len=64, download=False)
@@ -2403,8 +2401,6 @@ def test_image_reads_cifar_to_grayscale_pixels_and_normalizes_at_batch_time(tmp_
     x, _, _ = data.get_batch(test, torch.tensor([3]), "cpu")
     want = (test["pixels"][3].double() / 255 - 122.6 / 255) / (61.0 / 255)
     assert x.shape == (1, 1024, 1) and torch.allclose(x[0, :, 0].double(), want, atol=1e-5)
-    train, val = data.load_split(root, "image", "train"), data.load_split(root, "image", "val")
-    assert len(set(map(tuple, train["pixels"].tolist())) & set(map(tuple, val["pixels"].tolist()))) == 0
     with open(os.path.join(folder, "data_batch_1"), "wb") as f:
         pickle.dump({b"data": os.system, b"labels": [0]}, f)   # a pickle that would import os.system
     with pytest.raises(ValueError, match="refusing to load"):
