@@ -748,14 +748,6 @@ def clean_series(series, path, lines, rel_floor=1e-8):
     return out, n_filled, n_constant
 
 
-def pad_series(series, width):
-    """N float64 arrays -> (values (N, width, 1) float32 right-padded with 0, lengths (N,) int64)."""
-    values = torch.zeros(len(series), width, 1)
-    for i, x in enumerate(series):
-        values[i, :len(x), 0] = torch.from_numpy(x)
-    return values, torch.tensor([len(x) for x in series], dtype=torch.int64)
-
-
 def ucr_val_split(labels, val_fraction, seed, where):
     """Sorted (train, val) indices of a validation split carved from TRAIN, stratified: each class gives
     round(val_fraction * its size) series, chosen with `seed`, but keeps one. Where that gives none (many small
@@ -849,7 +841,11 @@ def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, down
         print(f"{found[s]}: {len(raw)} series, {n_filled} missing values inside series filled by interpolation, "
               f"{n_constant} constant series set to zeros")
     max_len = max(len(x) for s in series for x in series[s])  # the model's positions must cover every split
-    padded = {s: dict(zip(("values", "lengths"), pad_series(series[s], max_len)), labels=labels[s]) for s in series}
+    padded = {s: dict(values=torch.zeros(len(series[s]), max_len, 1), labels=labels[s],
+                      lengths=torch.tensor([len(x) for x in series[s]])) for s in series}  # right-padded with 0
+    for s in series:
+        for i, x in enumerate(series[s]):
+            padded[s]["values"][i, :len(x), 0] = torch.from_numpy(x)
     train, val = ucr_val_split(labels["train"], val_fraction, seed, found["train"])
     splits = {"train": {k: v[train] for k, v in padded["train"].items()},
               "val": {k: v[val] for k, v in padded["train"].items()}, "test": padded["test"]}
@@ -1480,20 +1476,15 @@ def save_pathfinder_grid(images, labels, path, n=16):
     save_atomic(lambda f: fig.savefig(f, format="png", dpi=100), path)
 
 
-def pathfinder_folder(root_dir, task, resolution, difficulty):
-    """<root_dir>/<task>/pathfinder<resolution>/<difficulty folder>: a set in the release layout."""
-    return os.path.join(root_dir, task, f"pathfinder{resolution}", PATHFINDER_DIFFICULTY[difficulty][0])
-
-
 def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=42, generate=None,
                        generate_if_missing=None, download=True, url=LRA_URL, sha256=None, task="pathfinder"):
-    """Write data/<task>/{train,val,test}.pt from the release layout in pathfinder_folder(): with `generate=N`,
-    N images of our generator (a real release folder is never overwritten); else the folder as it is; else, with
-    `generate_if_missing=N` (the CPU presets), N generated; else extracted from the LRA release (downloaded if
-    absent). Split 80/10/10 by a permutation seeded with `seed`: s4's order for release data, else val, test, train
-    (the README's tables were made so)."""
+    """Write data/<task>/{train,val,test}.pt from the release layout in data/<task>/pathfinder<resolution>/<the
+    difficulty's release folder>: with `generate=N`, N images of our generator (a real release folder is never
+    overwritten); else the folder as it is; else, with `generate_if_missing=N` (the CPU presets), N generated; else
+    extracted from the LRA release (downloaded if absent). Split 80/10/10 by a permutation seeded with `seed`: s4's
+    order for release data, else val, test, train (the README's tables were made so)."""
     sub, contour_length = PATHFINDER_DIFFICULTY[difficulty]
-    root = pathfinder_folder(data_dir, task, resolution, difficulty)
+    root = os.path.join(data_dir, task, f"pathfinder{resolution}", sub)
     marker = os.path.join(root, "generated.json")  # tells our generated sets from real release data
     found = os.path.isdir(os.path.join(root, "metadata"))
     generate, fetched = generate or (None if found else generate_if_missing), None
