@@ -193,12 +193,11 @@ def seeds_here(args, name, *runs):
     the last line and the log of a child that fails. Children end with their parent (die_with_parent)."""
     if args.only_seed is not None:
         return [args.only_seed]
-    seeds, argv = list(range(args.seeds)), list(args.argv)
+    seeds = list(range(args.seeds))
     if args.jobs == 1 or args.seeds == 1:
         return seeds
     for task, flags in runs:
         prepare_run_data(task, flags)
-    del argv[argv.index(args.experiment)]  # the subcommand itself (a flag's value may be spelled the same)
     os.makedirs(os.path.join(args.out_dir, "ablate"), exist_ok=True)
     for first in range(0, args.seeds, args.jobs):
         children = []
@@ -206,7 +205,7 @@ def seeds_here(args, name, *runs):
             for seed in seeds[first:first + args.jobs]:
                 log = os.path.join(args.out_dir, "ablate", f"{output_name(name, args)}_seed{seed}.log")
                 print(f"{args.experiment}: seed {seed} in a process of its own, log {log}")
-                command = [sys.executable, os.path.abspath(__file__), args.experiment, *argv, "--only_seed", str(seed),
+                command = [sys.executable, os.path.abspath(__file__), *args.argv, "--only_seed", str(seed),
                            "--jobs", "1"]
                 with open(log, "w") as out:  # the child writes to its own copy of the file descriptor
                     children.append((seed, log, subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
@@ -725,7 +724,8 @@ def experiment_posenc(args):
     runs, _, table = finetune_rows(args, output, rows, "positions")
     table += [""] + paired_table("minus sinusoidal from scratch, test acc paired by seed", [
         (label, select(runs, row=label), select(runs, row=rows[0][0])) for label, *_ in rows[1:]])
-    write_table(output, runs, table, args, majority_note(task_data_dir(args, args.task), args.task), "one layer; ALiBi symmetric in |i - j|, FIRE on |i - j| (our encoder is bidirectional)")
+    write_table(output, runs, table, args, majority_note(task_data_dir(args, args.task), args.task), 
+                "one layer; ALiBi symmetric in |i - j|, FIRE on |i - j| (our encoder is bidirectional)")
 
 
 def experiment_pooling(args):
@@ -761,8 +761,9 @@ def experiment_pooling(args):
     rows += [""] + paired_table("SPT minus from scratch, test acc paired by seed", [
         (pooling, select(runs, pooling=pooling, name="spt"), select(runs, pooling=pooling, name="scratch"))
         for pooling in model_lib.POOLINGS])
-    write_table(output, runs, rows, args, majority_note(data_dir, "synthetic"), f"the minimal model, {args.n_layers} layer(s); 10 epochs per "
-                "stage, batch 32 (the demo's); the share on 64 training sequences, on each finetuning's own _init.pt "
+    write_table(output, runs, rows, args, majority_note(data_dir, "synthetic"), f"the minimal model, {args.n_layers} "
+                "layer(s); 10 epochs per stage, batch 32 (the demo's); the share on 64 training sequences, on each "
+                "finetuning's own _init.pt "
                 "(SPT's row: the SPT weights with a fresh head)")
 
 
@@ -837,6 +838,16 @@ class ReferenceEncoder(torch.nn.Module):
         return self.rec_head(self.encoder(self.embed(x) + self.pe[:x.shape[1]]))
 
 
+def one_line(error):
+    """An exception as one table cell: its type and the first line of its message."""
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}".replace("|", "/")
+
+
+def percent(fraction, digits):
+    """A table cell: `fraction` as a percentage, or "-" for None."""
+    return "-" if fraction is None else f"{100 * fraction:.{digits}f}%"
+
+
 def time_spt_step(variant, size, device, dtype, steps, repeats):
     """(median seconds, peak CUDA memory in bytes or None on other devices, tokens, training FLOPs) of one SPT
     training step of the BENCH_VARIANTS key on a full-length batch of `size` (as BENCH_SIZES), after 3 untimed
@@ -870,7 +881,7 @@ def time_spt_step(variant, size, device, dtype, steps, repeats):
             if i >= 3:
                 times.append((time.perf_counter() - t0) / steps)
     except Exception as e:  # one line of the table
-        return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}".replace("|", "/")
+        return one_line(e)
     peak = torch.cuda.max_memory_allocated(device) if cuda else None
     return statistics.median_high(times), peak, B * L, pretrain.flops_per_token(cfg, L) * B * L
 
@@ -906,8 +917,7 @@ def bench(args):
                                      peak_memory_mb=None if peak is None else peak / 2 ** 20,
                                      mfu=None if peak_flops is None else flops / sec / peak_flops)
         rows.append([BENCH_VARIANTS[v], f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:,.0f}",
-                     "-" if peak is None else f"{r['peak_memory_mb']:,.0f} MiB",
-                     "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"])
+                     "-" if peak is None else f"{r['peak_memory_mb']:,.0f} MiB", percent(r["mfu"], 1)])
     s = out["size"]
     lines = [f"**L {s['L']}, d_model {s['d_model']}, {s['n_layers']} layers, {s['n_heads']} heads, MLP {s['d_mlp']}, "
              f"batch {s['batch']}**; {name}, {str(dtype)[6:]}, torch {torch.__version__}, {out['threads']} thread(s); "
@@ -935,25 +945,21 @@ def gpu_data(task, folder, n):
     and test."""
     if task == "listops":
         return data.prepare_listops(folder, n_train=n, n_val=n // 8, n_test=n // 8)
-    g, splits = torch.Generator().manual_seed(0), {}
-    tokens = task in ("text", "retrieval")
-    L = pretrain.PRESETS[task]["paper"]["data"]["max_len"] if tokens else 16384 if task == "pathx" else 1024
-    for s, m in dict(train=n, val=n // 8, test=n // 8).items():
-        labels = torch.randint(0, 10 if task == "image" else 2, (m,), generator=g)
-        if tokens:
-            shape = (m, 2) if task == "retrieval" else (m,)
-            lengths = torch.randint(L // 4, L + 1, shape, generator=g)
-            x = torch.randint(2, 258, shape + (L,), generator=g, dtype=torch.int16)
-            x[torch.arange(L) >= lengths[..., None]] = data.PAD_ID
-            splits[s] = dict(tokens=x, lengths=lengths, labels=labels)
-        else:
-            splits[s] = dict(pixels=torch.randint(0, 256, (m, L), generator=g, dtype=torch.uint8),
-                             lengths=torch.full((m,), L), labels=labels)
+    g, splits, tokens, n_classes = torch.Generator().manual_seed(0), {}, task in ("text", "retrieval"), 2
     if tokens:
+        L = pretrain.PRESETS[task]["paper"]["data"]["max_len"]
         meta = dict(data._meta(task, data.BYTE_VOCAB, L, 2, "random bytes (ablate.py gpu)", 0, {}),
                     pair=task == "retrieval")
     else:
-        meta = data._pixel_meta(task, L, 10 if task == "image" else 2, 0.5, 0.25, "random pixels (ablate.py gpu)", 0)
+        L, n_classes = 16384 if task == "pathx" else 1024, 10 if task == "image" else 2
+        meta = data._pixel_meta(task, L, n_classes, 0.5, 0.25, "random pixels (ablate.py gpu)", 0)
+    for s, m in dict(train=n, val=n // 8, test=n // 8).items():
+        shape = (m, 2) if task == "retrieval" else (m,)
+        lengths = torch.randint(L // 4, L + 1, shape, generator=g) if tokens else torch.full(shape, L)
+        x = torch.randint(2, 258, shape + (L,), generator=g, dtype=torch.int16 if tokens else torch.uint8)
+        x[torch.arange(L) >= lengths[..., None]] = data.PAD_ID
+        splits[s] = {"tokens" if tokens else "pixels": x, "lengths": lengths,
+                     "labels": torch.randint(0, n_classes, (m,), generator=g)}
     return data._save_splits(os.path.join(folder, task), splits, meta)
 
 
@@ -988,24 +994,20 @@ def gpu_run(task, stage, args):
 
 def experiment_gpu(args):
     """Time each stage of every paper preset of --tasks on one CUDA GPU (gpu_run), with the hours of the full preset
-    (FULL_TRAIN examples) projected. Writes out/bench/gpu.{json,md} after every stage, so a run stopped by a time
-    limit keeps the stages it finished. A stage that fails is a row of the table and the others still run;
-    SystemExit at the end if any failed, and at once without CUDA."""
+    (FULL_TRAIN examples) projected. Writes out/bench/gpu.{json,md} after every stage, so a run stopped midway keeps
+    the stages it finished. A stage that fails is a row of the table and the others still run; SystemExit at the
+    end if any failed, and at once without CUDA."""
     if not torch.cuda.is_available():
-        raise SystemExit("ablate.py gpu times the paper presets on a CUDA GPU, and torch.cuda.is_available() is False "
-                         "here; on a CPU, python ablate.py bench times one SPT step instead")
+        raise SystemExit("ablate.py gpu needs a CUDA GPU (on a CPU, python ablate.py bench times one SPT step)")
     out = dict(device_name=torch.cuda.get_device_name(), torch=torch.__version__, steps=args.steps,
-               compile=args.compile, date=__import__("datetime").date.today().isoformat(),
-               planned=2 * len(args.tasks), results=[], failed=[])
-    rows, hours, failed = [], {}, out["failed"]
+               compile=args.compile, date=time.strftime("%Y-%m-%d"), results=[], failed=[])
+    rows, hours = [], {}
     for task, stage in ((task, stage) for task in args.tasks for stage in ("pretrain", "finetune")):
         try:
             r = gpu_run(task, stage, args)
         except (RuntimeError, ValueError) as e:  # out of memory is a RuntimeError; ValueError: no timed lines
-            error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}".replace("|", "/")
-            failed.append(dict(task=task, stage=stage, error=error))
-            rows.append([task, stage, f"failed: {error}"] + [""] * 6)
-            print(f"ablate.py gpu: {task} {stage} failed ({error}); timing the other stages")
+            out["failed"].append(dict(task=task, stage=stage, error=one_line(e)))
+            rows.append([task, stage, f"failed: {one_line(e)}"] + [""] * 6)
             torch.cuda.empty_cache()
         else:
             run = pretrain.PRESETS[task]["paper"][stage]
@@ -1013,15 +1015,12 @@ def experiment_gpu(args):
             r["projected_hours"] = hours[task, stage] = r["full_steps"] * r["ms_per_step"] / 3.6e6
             out["results"].append(dict(task=task, stage=stage, **r))
             rows.append([task, stage, f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:,.0f}",
-                         "-" if r["real_fraction"] is None else f"{100 * r['real_fraction']:.0f}%",
-                         "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%", f"{r['peak_memory_gib']:.1f} GiB",
+                         percent(r["real_fraction"], 0), percent(r["mfu"], 1), f"{r['peak_memory_gib']:.1f} GiB",
                          f"{r['full_steps']:,}", f"{r['projected_hours']:.1f}"])
-        done = len(rows)
         lines = [f"**Paper presets on one GPU**: {out['device_name']}, torch {out['torch']}, {out['date']}; "
                  f"{args.steps} steps per stage on stand-in data of each preset's shapes"
                  + (", torch.compile" if args.compile else "") + "; figures: medians over the log lines after the "
-                 "first" + (f" (**{done} of {out['planned']} stages**: the run stopped before the others)"
-                            if done < out["planned"] else ""), ""]
+                 "first", ""]
         lines += md_table(["task", "stage", "ms/step", "real tokens/s", "real / padded tokens", "MFU", "peak memory",
                            "steps of the full preset", "projected hours"], rows)
         lra = [t for t in LRA_TASKS if (t, "pretrain") in hours and (t, "finetune") in hours]
@@ -1030,10 +1029,10 @@ def experiment_gpu(args):
             lines += ["", f"Table 2 on this GPU ({', '.join(lra)}: SPT, then finetuning from scratch and from SPT): "
                           f"**{total:.0f} hours** ({total / 24:.1f} days) projected."]
         save_table(os.path.join(args.out_dir, "bench", "gpu" + ("_compile" if args.compile else "")),
-                   "\n".join(lines), out)  # after every stage: a run stopped midway keeps what it timed
-    if failed:
-        raise SystemExit(f"ablate.py gpu: {len(failed)} of {out['planned']} stages failed (in the table): "
-                         + "; ".join(f"{f['task']} {f['stage']}: {f['error']}" for f in failed))
+                   "\n".join(lines), out)
+    if out["failed"]:
+        raise SystemExit(f"ablate.py gpu: {len(out['failed'])} stage(s) failed (in the table): "
+                         + "; ".join(f"{f['task']} {f['stage']}: {f['error']}" for f in out["failed"]))
     return out
 
 
@@ -1199,94 +1198,97 @@ class StageEvaluations(io.TextIOBase):
 
 # ---- Command line: one subcommand per experiment, each with its own flags ----
 
+def flag(name, **kwargs):
+    """(name, add_argument's keyword arguments): one row of a subcommand's table of flags."""
+    return name, kwargs
+
+
+OUT = [flag("--out_dir", type=data.folder, default="out", help="where runs, tables and figures go")]
+DEVICE = [flag("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")]
+DATA = [flag("--data_dir", type=data.folder, default="data", help="root of data/<task>/ (made there when missing)")]
+
+
+def seeded(seeds=5):
+    """The flags of an experiment of seeded runs: where, on what, how many seeds and processes, which preset."""
+    return OUT + DEVICE + DATA + [
+        flag("--seeds", type=data.POSITIVE, default=seeds, help="runs per row, seeds 0..N-1"),
+        flag("--jobs", type=data.POSITIVE, default=1, help="seeds run at once, a process of one thread each"),
+        flag("--only_seed", type=data.SEED, default=None, help=argparse.SUPPRESS),  # a --jobs child's: no table
+        flag("--preset", default="cpu", choices=("cpu", "paper"), help="every run's preset (paper: GPU)"),
+        flag("--max_steps", type=data.NON_NEGATIVE, default=0, help="cap every run's steps (a quick look)")]
+
+
+RUNS = seeded()
+SCHEME = [flag("--init_scheme", default="reference", choices=INIT_SCHEMES, help="every run's init (model.py)"),
+          flag("--download", action="store_true", help="download data not found locally")]
+LENGTH = [flag("--length", type=data.POSITIVE, default=100, help="synthetic trajectory length (its own runs, "
+               "tables and data, <data_dir>/synthetic_L<length>/)")]
+TASK = [flag("--task", default="synthetic", choices=ABLATION_TASKS, help="the task")] + LENGTH
+STEPS = [flag("--steps", type=data.NON_NEGATIVE, default=0, help="steps of every stage, runs and a table of their "
+              "own; 0 = the preset's")]
+SUBCOMMANDS = {  # name: (help, its flags)
+    "synthetic": ("scratch vs SPT on the minimal model (Sec. 4)", RUNS + SCHEME + LENGTH),
+    "init": ("hybrid initialization and freezing (Table 3)", RUNS + SCHEME + TASK),
+    "posenc": ("ALiBi, RoPE, FIRE from scratch vs SPT (Sec. 4)", RUNS + SCHEME + TASK),
+    "pooling": ("mean, max and [CLS] pooling: from scratch vs SPT at the demo's length (beyond the paper)",
+                RUNS + SCHEME + [flag("--n_layers", type=data.POSITIVE, default=1, help="layers of the model")]),
+    "duration": ("SPT epochs before finetuning (Sec. 3)", RUNS + SCHEME + TASK + [
+        flag("--durations", type=data.POSITIVE, nargs="+", help="SPT epochs (default: 1 3 10 on cpu, 1 10 100 200)")]),
+    "swap": ("dataset swap PathFinder <-> Image (Sec. 3)", RUNS + SCHEME + STEPS + [
+        flag("--difficulty", default="hard", choices=tuple(data.PATHFINDER_DIFFICULTY), help="PathFinder side"),
+        flag("--n_images", type=data.POSITIVE, help="PathFinder images generated (default: the preset's data)")]),
+    "main": ("the LRA table (Table 2)", RUNS + SCHEME + [
+        flag("--tasks", nargs="+", default=LRA_TASKS, choices=LRA_TASKS + ("pathx",), help="LRA tasks")]),
+    "frozen": ("the deep model from scratch with its attention frozen at init (Sec. 3)", RUNS + SCHEME + [
+        flag("--tasks", nargs="+", choices=LRA_TASKS + ("fashion_mnist",),
+             help="default: fashion_mnist (at its CPU budget) on the cpu preset, the LRA tasks on paper")]),
+    "ucr": ("UCR time series (Sec. 5)", RUNS + SCHEME + STEPS + [
+        flag("--datasets", nargs="+", default=UCR_DATASETS + UCR_OFFLINE, help="the UCR data sets to run")]),
+    "initscale": ("from scratch and SPT over init scale x length x tied/independent (beyond the paper)", seeded(2) + [
+        flag("--kinds", nargs="+", default=["reference", "torch"], choices=("reference", "torch"),
+             help="tied (reference) or independent (torch) projections at init"),
+        flag("--scales", type=data.POSITIVE_FLOAT, nargs="+", default=[0.125, 0.25, 0.5, 1.0, 2.0],
+             help="multiples of PyTorch's init"),
+        flag("--lengths", type=data.POSITIVE, nargs="+", default=[100, 200, 400], help="trajectory lengths L"),
+        flag("--n_train", type=data.POSITIVE, default=2000, help="training trajectories per length"),
+        flag("--n_val", type=data.POSITIVE, default=500, help="validation (and test) trajectories per length"),
+        flag("--epochs", type=data.POSITIVE, default=10, help="epochs of each stage"),
+        flag("--batch_size", type=data.POSITIVE, default=32, help="trajectories per step")]),
+    "bench": ("time one SPT step: ours vs torch.nn.TransformerEncoder", OUT + DEVICE + [
+        flag("--size", default="cpu", help=f"one of {', '.join(BENCH_SIZES)}, or L,d_model,layers,heads,MLP,batch"),
+        flag("--dtype", default="auto", choices=("auto", "bf16", "fp32"), help="auto = bf16 on CUDA"),
+        flag("--steps", type=data.POSITIVE, default=5, help="timed steps per repeat"),
+        flag("--repeats", type=data.POSITIVE, default=5, help="the median over repeats is reported"),
+        flag("--variants", default="fused,reference", help=f"any of {', '.join(BENCH_VARIANTS)}"),
+        flag("--name", help="file name of the result (default: size, L and device type)")]),
+    "gpu": ("time every paper preset on one CUDA GPU: ms/step, tokens/s, MFU, memory, hours", OUT + [
+        flag("--tasks", nargs="+", default=list(GPU_TASKS), choices=GPU_TASKS, help="the presets to time"),
+        flag("--steps", type=data.POSITIVE, default=300, help="steps per stage and task (the first is left out)"),
+        flag("--log_every", type=data.POSITIVE, default=50, help="steps per log line (one figure each)"),
+        flag("--n_train", type=data.POSITIVE, default=2000, help="training examples of the stand-in data"),
+        flag("--compile", action="store_true", help="torch.compile the model (pretrain.py --compile)")]),
+    "demo": ("SPT's effect in one command on a CPU: from scratch vs SPT, attention, verdict", OUT + DEVICE + DATA + [
+        flag("--length", type=data.POSITIVE, default=DEMO["L"], dest="L", help="trajectory length L"),
+        flag("--seed", type=data.SEED, default=DEMO["seed"], help="seed of the three runs (data: seed 0)"),
+        flag("--epochs", type=data.POSITIVE, default=DEMO["epochs"], help="epochs of each stage"),
+        flag("--n_train", type=data.POSITIVE, default=DEMO["n_train"], help="training trajectories")]),
+    "report": ("file the tables and figures of out/ into the pages of results/", OUT + [
+        flag("--results_dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+             help="the pages' folder")])}
+
+
 def build_parser():
-    """`python ablate.py <subcommand> [its flags]`. Each subcommand gets its own copies of the flags it takes
-    (argparse parents would share one default between subcommands)."""
+    """`python ablate.py <subcommand> [its flags]`: SUBCOMMANDS, each flag added to each subcommand anew (argparse
+    parents would share one default between subcommands); --max_steps and --steps exclude each other."""
     fmt = argparse.ArgumentDefaultsHelpFormatter
     p = data.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()), formatter_class=fmt)
     sub = p.add_subparsers(dest="experiment", required=True)
-
-    def add(name, help, runs=True, seeds=5, task=False):
-        """A subcommand; returns its add_argument. runs: seeded runs (--seeds, --jobs, where, which preset);
-        task: --task and --length (a synthetic variant)."""
+    for name, (help, flags) in SUBCOMMANDS.items():
         s = sub.add_parser(name, help=help, description=help, formatter_class=fmt)
-        s.set_defaults(length=100, download=False, init_scheme="reference", only_seed=None, )
-        arg = s.add_argument
-        arg("--out_dir", type=data.folder, default="out", help="where runs, tables and figures go")
-        if name not in ("gpu", "report"):
-            arg("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
-        if runs or name == "demo":
-            arg("--data_dir", type=data.folder, default="data", help="root of data/<task>/ (made there when missing)")
-        if runs:
-            arg("--seeds", type=data.POSITIVE, default=seeds, help="runs per row, seeds 0..N-1")
-            arg("--jobs", type=data.POSITIVE, default=1, help="seeds run at once, a process of one thread each")
-            arg("--only_seed", type=data.SEED, default=None, help=argparse.SUPPRESS)  # a --jobs child's seed: no table
-            arg("--preset", default="cpu", choices=("cpu", "paper"), help="every run's preset (paper: GPU)")
-            budget = s.add_mutually_exclusive_group().add_argument  # one budget or the other
-            budget("--max_steps", type=data.NON_NEGATIVE, default=0, help="cap every run's steps (a quick look)")
-            if name in ("swap", "ucr"):
-                budget("--steps", type=data.NON_NEGATIVE, default=0, help="steps of every stage, runs and a table "
-                       "of their own; 0 = the preset's")
-        if runs and name != "initscale":
-            arg("--init_scheme", default="reference", choices=INIT_SCHEMES, help="every run's init (model.py)")
-            arg("--download", action="store_true", help="download data not found locally")
-        if task:
-            arg("--task", default="synthetic", choices=ABLATION_TASKS, help="the task")
-        if task or name == "synthetic":
-            arg("--length", type=data.POSITIVE, default=100, help="synthetic trajectory length (its own runs, tables "
-                "and data, <data_dir>/synthetic_L<length>/)")
-        return arg
-
-    for name, help in (("synthetic", "scratch vs SPT on the minimal model (Sec. 4)"),
-                       ("init", "hybrid initialization and freezing (Table 3)"),
-                       ("posenc", "ALiBi, RoPE, FIRE from scratch vs SPT (Sec. 4)")):
-        add(name, help, task=name != "synthetic")
-    add("pooling", "mean, max and [CLS] pooling: from scratch vs SPT at the demo's length (beyond the paper)")(
-        "--n_layers", type=data.POSITIVE, default=1, help="layers of the minimal model (no MLP, no LayerNorm)")
-    add("duration", "SPT epochs before finetuning (Sec. 3)", task=True)(
-        "--durations", type=data.POSITIVE, nargs="+", help="SPT epochs (default: 1 3 10 on cpu, 1 10 100 200)")
-    arg = add("swap", "dataset swap PathFinder <-> Image (Sec. 3)")
-    arg("--difficulty", default="hard", choices=tuple(data.PATHFINDER_DIFFICULTY), help="PathFinder side")
-    arg("--n_images", type=data.POSITIVE, help="PathFinder images generated (default: the preset's data)")
-    add("main", "the LRA table (Table 2)")(
-        "--tasks", nargs="+", default=LRA_TASKS, choices=LRA_TASKS + ("pathx",), help="LRA tasks")
-    add("frozen", "the deep model from scratch with its attention frozen at init (Sec. 3)")(
-        "--tasks", nargs="+", choices=LRA_TASKS + ("fashion_mnist",),
-        help="default: fashion_mnist (at its CPU budget) on the cpu preset, the LRA tasks on paper")
-    add("ucr", "UCR time series (Sec. 5)")("--datasets", nargs="+", default=UCR_DATASETS + UCR_OFFLINE,
-                                          help="the UCR data sets to run")
-    arg = add("initscale", "from scratch and SPT over init scale x length x tied/independent (beyond the paper)",
-              seeds=2)
-    arg("--kinds", nargs="+", default=["reference", "torch"], choices=("reference", "torch"),
-        help="tied (reference) or independent (torch) projections at init")
-    arg("--scales", type=data.POSITIVE_FLOAT, nargs="+", default=[0.125, 0.25, 0.5, 1.0, 2.0],
-        help="multiples of PyTorch's init")
-    arg("--lengths", type=data.POSITIVE, nargs="+", default=[100, 200, 400], help="trajectory lengths L")
-    arg("--n_train", type=data.POSITIVE, default=2000, help="training trajectories per length")
-    arg("--n_val", type=data.POSITIVE, default=500, help="validation (and test) trajectories per length")
-    arg("--epochs", type=data.POSITIVE, default=10, help="epochs of each stage")
-    arg("--batch_size", type=data.POSITIVE, default=32, help="trajectories per step")
-    arg = add("bench", "time one SPT step: ours vs torch.nn.TransformerEncoder", runs=False)
-    arg("--size", default="cpu", help=f"one of {', '.join(BENCH_SIZES)}, or L,d_model,layers,heads,MLP,batch")
-    arg("--dtype", default="auto", choices=("auto", "bf16", "fp32"), help="auto = bf16 on CUDA")
-    arg("--steps", type=data.POSITIVE, default=5, help="timed steps per repeat")
-    arg("--repeats", type=data.POSITIVE, default=5, help="the median over repeats is reported")
-    arg("--variants", default="fused,reference", help=f"any of {', '.join(BENCH_VARIANTS)}")
-    arg("--name", help="file name of the result (default: size, L and device type)")
-    arg = add("gpu", "time every paper preset on one CUDA GPU: ms/step, tokens/s, MFU, memory, hours", runs=False)
-    arg("--tasks", nargs="+", default=list(GPU_TASKS), choices=GPU_TASKS, help="the presets to time")
-    arg("--steps", type=data.POSITIVE, default=300, help="steps per stage and task (the first log line is left out)")
-    arg("--log_every", type=data.POSITIVE, default=50, help="steps per log line (one figure each)")
-    arg("--n_train", type=data.POSITIVE, default=2000, help="training examples of the stand-in data")
-    arg("--compile", action="store_true", help="torch.compile the model (pretrain.py --compile)")
-    arg = add("demo", "SPT's effect in one command on a CPU: from scratch vs SPT, attention, verdict", runs=False)
-    arg("--length", type=data.POSITIVE, default=DEMO["L"], dest="L", help="trajectory length L")
-    arg("--seed", type=data.SEED, default=DEMO["seed"], help="seed of the three runs (data: seed 0)")
-    arg("--epochs", type=data.POSITIVE, default=DEMO["epochs"], help="epochs of each stage")
-    arg("--n_train", type=data.POSITIVE, default=DEMO["n_train"], help="training trajectories")
-    arg = add("report", "file the tables and figures of out/ into the pages of results/", runs=False)
-    arg("--results_dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-        help="the pages' folder")
+        s.set_defaults(length=100, download=False, init_scheme="reference", only_seed=None)
+        budget = s.add_mutually_exclusive_group() if "--max_steps" in dict(flags) else s  # one budget or the other
+        for flag_name, kwargs in flags:
+            (budget if flag_name in ("--max_steps", "--steps") else s).add_argument(flag_name, **kwargs)
     return p
 
 
