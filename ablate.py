@@ -113,11 +113,9 @@ def read_json(path):
 
 def start_run(stage, task, folder, argv, name=None):
     """Run `python <stage>.py --task <task> --out_dir <folder> [--name <name>] <argv>` in-process; returns its
-    pretrain.run_paths. Experiments share run folders, so a run already there (a finished finetuning's JSON, or a
-    _last.pt) is first compared with the one asked: its recorded flags ("config") must equal asked_run's, outside
-    NOT_COMPARED; else ValueError naming the run's file and the first differing flag, before anything changes.
-    Then a finished finetuning is read back, and any other run started, or resumed (--resume only when its
-    _last.pt exists)."""
+    pretrain.run_paths. A run already there (a finished finetuning's JSON, or a _last.pt) must have recorded the
+    flags ("config") asked_run gives, outside NOT_COMPARED, else ValueError naming its file and the first flag that
+    differs, before anything changes. Then a finished finetuning is read back, any other run started or resumed."""
     paths = pretrain.run_paths(folder, task, stage, name)
     argv = ["--out_dir", folder] + (["--name", name] if name else []) + list(argv)
     finished = stage == "finetune" and os.path.exists(paths["json"])
@@ -127,8 +125,7 @@ def start_run(stage, task, folder, argv, name=None):
             theirs = (recorded or {}).get(key, value)
             if key not in NOT_COMPARED and json.dumps(theirs, default=str) != json.dumps(value, default=str):
                 raise ValueError(f"{paths['json'] if finished else paths['last']}: a run made with --{key} {theirs}; "
-                                 f"this experiment asks for --{key} {value}: another experiment's run, kept as it "
-                                 f"is. Move it away (or pass another --out_dir)")
+                                 f"this experiment asks for --{key} {value} (move it away, or use another --out_dir)")
     if finished:
         print(f"read back {paths['json']}")
     else:
@@ -189,8 +186,8 @@ def die_with_parent(parent):
 def seeds_here(args, name, *runs):
     """The seeds this process runs: [S] in a --jobs child (--only_seed S). With --jobs N > 1 the parent makes the
     data of `runs` ((task, flags) each) once, then runs every seed in a child, N at a time, one thread each, logging
-    to out/ablate/<name>_seed<S>.log; the experiment then reads their runs back for its table. ChildProcessError with
-    the last line and the log of a child that fails. Children end with their parent (die_with_parent)."""
+    to out/ablate/<name>_seed<S>.log, and returns every seed: the experiment reads their runs back. A child that
+    fails: ChildProcessError with its last line. Children end with their parent (die_with_parent, and SIGTERM)."""
     if args.only_seed is not None:
         return [args.only_seed]
     seeds = list(range(args.seeds))
@@ -215,17 +212,15 @@ def seeds_here(args, name, *runs):
                 if child.wait():
                     with open(log, errors="replace") as f:
                         last = (f.read().strip().splitlines() or ["(no output)"])[-1]
-                    raise ChildProcessError(f"{args.experiment} --only_seed {seed} failed (exit {child.returncode}): "
-                                            f"{last} (the whole output: {log})")
+                    raise ChildProcessError(f"{log}: seed {seed} failed (exit {child.returncode}): {last}")
         finally:  # a child failed, or this process was interrupted: no child goes on as an orphan
             running = [(seed, child) for seed, _, child in children if child.poll() is None]
+            if running:
+                print(f"{args.experiment}: stopping the children still running: " + ", ".join(
+                    f"seed {seed} (pid {child.pid})" for seed, child in running), file=sys.stderr)
             for _, child in running:
                 child.terminate()  # SIGTERM: the child stops as on Ctrl-C, and its lock is released
-            for _, child in running:
                 child.wait()
-            if running:
-                print(f"{args.experiment}: stopped the children still running: " + ", ".join(
-                    f"seed {seed} (pid {child.pid})" for seed, child in running), file=sys.stderr)
     return seeds
 
 
@@ -250,12 +245,8 @@ def mean_std(values):
 def paired_difference(runs_a, runs_b, key="test_acc"):
     """A minus B paired by seed (the runs of a seed share its random draws), as the cells "mean +- sd | d_0, d_1,
     ... | k of n | t": the mean and sample sd of the differences, each (seed order), how many are > 0, and the
-    paired t, mean / (sd / sqrt(n)) ("-" for one seed or no spread). runs_a, runs_b: summary() dicts. Raises
-    ValueError unless both hold the same seeds once each."""
-    seeds_a, seeds_b = [r["seed"] for r in runs_a], [r["seed"] for r in runs_b]
-    if sorted(seeds_a) != sorted(seeds_b) or len(set(seeds_a)) != len(seeds_a) or not seeds_a:
-        raise ValueError(f"paired by seed: the runs hold seeds {sorted(seeds_a)} and {sorted(seeds_b)}, "
-                         f"not the same seeds once each")
+    paired t, mean / (sd / sqrt(n)) ("-" for one seed or no spread). runs_a, runs_b: summary() dicts of the same
+    seeds (KeyError for a seed of A that B lacks)."""
     b = {r["seed"]: r[key] for r in runs_b}
     diffs = [r[key] - b[r["seed"]] for r in sorted(runs_a, key=lambda r: r["seed"])]
     m, n = statistics.fmean(diffs), len(diffs)
@@ -956,7 +947,8 @@ def gpu_data(task, folder, n):
     for s, m in dict(train=n, val=n // 8, test=n // 8).items():
         shape = (m, 2) if task == "retrieval" else (m,)
         lengths = torch.randint(L // 4, L + 1, shape, generator=g) if tokens else torch.full(shape, L)
-        x = torch.randint(2, 258, shape + (L,), generator=g, dtype=torch.int16 if tokens else torch.uint8)
+        x = torch.randint(*((2, 258) if tokens else (0, 256)), shape + (L,), generator=g,
+                          dtype=torch.int16 if tokens else torch.uint8)
         x[torch.arange(L) >= lengths[..., None]] = data.PAD_ID
         splits[s] = {"tokens" if tokens else "pixels": x, "lengths": lengths,
                      "labels": torch.randint(0, n_classes, (m,), generator=g)}
