@@ -93,12 +93,10 @@ NOT_COMPARED = ("out_dir", "device", "dtype", "download", "accept_data", "allow_
 
 
 def asked_run(stage, task, argv):
-    """The argparse namespace of `python <stage>.py --task <task> <argv>` with its preset filled in
-    (pretrain.fill_from_preset), as the run records it under "config"."""
+    """The argparse namespace of `python <stage>.py --task <task> <argv>` (argv names its --preset) with the preset
+    filled in (pretrain.fill_from_preset), as the run records it under "config"."""
     parser = pretrain.pretrain_parser() if stage == "pretrain" else finetune.finetune_parser()
     args = parser.parse_args(["--task", task] + list(argv))
-    if args.preset == "auto":  # as pretrain.resolve does
-        args.preset = "paper" if pretrain.pick_device(args.device).type == "cuda" else "cpu"
     pretrain.fill_from_preset(args, stage)
     return args
 
@@ -644,10 +642,9 @@ def experiment_frozen(args):
                              *MOVED_GROUPS], moved)
     rows += [""] + md_table(["task", "layer", "share of L_sup's score gradient along Prop. 1's directions: at init",
                              "after SPT", "share of L_SPT's: at init", "after SPT"], shares)
-    write_table(output, runs, rows, args, skipped_note(skipped), "the preset's model, every layer frozen alike"
-                + ("; Fashion-MNIST stands beside the paper's CIFAR10" if "fashion_mnist" in done else ""),
-                FROZEN_ROW_NOTE, "second table: W_Q^T W_K of layer 0, other groups pooled over layers; after "
-                "SPT the start is the SPT weights", "third table: on 64 training sequences")
+    write_table(output, runs, rows, args, skipped_note(skipped), "the preset's model, every layer frozen alike; "
+                "Fashion-MNIST beside the paper's CIFAR10", FROZEN_ROW_NOTE, "second table: W_Q^T W_K of layer 0, "
+                "other groups pooled over layers; third table: on 64 training sequences")
 
 
 def experiment_ucr(args):
@@ -672,12 +669,9 @@ def experiment_ucr(args):
             runs.append(summary(seed, result, dataset=name, name=run_name, best_step=result.get("best_step"),
                                 spt_step=result.get("spt_step")))
     for name in found:
-        meta = data.load_split(args.data_dir, f"ucr/{name}", "train")["meta"]
-        sizes, majority = meta["split_sizes"], majority_rate(args.data_dir, f"ucr/{name}")
+        majority = majority_rate(args.data_dir, f"ucr/{name}")
         spt, scratch = select(runs, dataset=name, name="spt"), select(runs, dataset=name, name="scratch")
-        lines += [f"**{name}** ({sizes['train']} train / {sizes['val']} validation series from TRAIN, {sizes['test']} "
-                  f"test, length <= {meta['max_len']}, {meta['n_classes']} classes; majority class of val: "
-                  f"{majority:.3f})", ""]
+        lines += [f"**{name}** (majority class of val: {majority:.3f})", ""]
         lines += md_table(["run", "test acc", "val acc", "train acc", "step of the tested weights, per seed",
                            "step of the SPT checkpoint, per seed"],
                           [[label, cells(rs, "test_acc", "best_val_acc", "train_acc", majority=majority),
@@ -690,11 +684,7 @@ def experiment_ucr(args):
     lines += md_table(["mean test acc over the data sets", "from scratch", "SPT, then finetune"], [
         [f"ours ({', '.join(found)})", over["scratch"], over["spt"]],
         ["paper (GunPoint, ECG200 and two unnamed)", f"{PAPER_UCR['scratch']:.3f}", f"{PAPER_UCR['spt']:.3f}"]])
-    preset = pretrain.PRESETS["ucr"][args.preset]
-    steps = (f"Every stage {args.steps} steps (the preset's: {preset['pretrain']['max_steps']} SPT, "
-             f"{preset['finetune']['max_steps']} finetuning)" if args.steps else "")
-    write_table(output, runs, lines, args, "Test accuracy on the archive's TEST split", skipped_note(skipped),
-                steps)
+    write_table(output, runs, lines, args, "Test accuracy on the archive's TEST split", skipped_note(skipped))
 
 
 def experiment_posenc(args):
@@ -744,10 +734,8 @@ def experiment_pooling(args):
     rows += [""] + paired_table("SPT minus from scratch, test acc paired by seed", [
         (pooling, select(runs, pooling=pooling, name="spt"), select(runs, pooling=pooling, name="scratch"))
         for pooling in model_lib.POOLINGS])
-    write_table(output, runs, rows, args, majority_note(data_dir, "synthetic"), f"the minimal model, {args.n_layers} "
-                "layer(s); 10 epochs per stage, batch 32 (the demo's); the share on 64 training sequences, on each "
-                "finetuning's own _init.pt "
-                "(SPT's row: the SPT weights with a fresh head)")
+    write_table(output, runs, rows, args, majority_note(data_dir, "synthetic"), "the demo's model and budget; the "
+                "share on 64 training sequences, at each finetuning's own _init.pt")
 
 
 def experiment_initscale(args):
@@ -789,11 +777,9 @@ def experiment_initscale(args):
     if args.only_seed is None:
         analyze.plot_initscale(runs, args.kinds, args.scales, args.lengths, args.seeds, os.path.join(
             args.out_dir, "analysis", "initscale.png"), analyze.command_line("ablate.py", args.argv))
-    write_table("initscale", runs, rows, args, f"Budget per stage and cell: {args.epochs} epochs of "
-                f"{args.n_train} trajectories (batch {args.batch_size}), validation on {args.n_val}; scale 1 = "
-                f"PyTorch's default init; entropy and gradient share of the from-scratch model at init, on 32 "
-                f"trajectories", "majority class of val: " + ", ".join(f"L {L}: {m:.3f}" for L, m in
-                                                                         majorities.items()))
+    write_table("initscale", runs, rows, args, "scale 1 = PyTorch's default init; entropy and gradient share of the "
+                "from-scratch model at init, on 32 trajectories", "majority class of val: " + ", ".join(
+                    f"L {L}: {m:.3f}" for L, m in majorities.items()))
 
 
 # ---- Performance: one SPT step against torch.nn.TransformerEncoder (bench), every paper preset on a GPU (gpu) ----
@@ -874,11 +860,9 @@ def bench(args):
     record. ValueError for a --size or --variants it cannot take."""
     size = BENCH_SIZES.get(args.size) or tuple(int(v) for v in args.size.split(",") if v.strip().isdigit())
     variants = args.variants.split(",")
-    if len(size) != 6 or size[1] % size[3]:
-        raise ValueError(f"--size {args.size}: expected one of {', '.join(BENCH_SIZES)} or six positive integers "
-                         "L,d_model,layers,heads,MLP,batch with d_model divisible by heads")
-    if not set(variants) <= set(BENCH_VARIANTS):
-        raise ValueError(f"--variants {args.variants}: expected a comma-separated subset of "
+    if len(size) != 6 or size[1] % size[3] or not set(variants) <= set(BENCH_VARIANTS):
+        raise ValueError(f"--size {args.size} --variants {args.variants}: expected a size of {', '.join(BENCH_SIZES)}"
+                         f" or L,d_model,layers,heads,MLP,batch (d_model divisible by heads), variants of "
                          f"{', '.join(BENCH_VARIANTS)}")
     device = pretrain.pick_device(args.device)
     dtype, _ = pretrain.pick_dtype(args.dtype, device)
@@ -948,9 +932,9 @@ def gpu_data(task, folder, n):
 
 def gpu_run(task, stage, args):
     """A run of `task`'s paper preset (pretrain.py, or finetune.py --init scratch) for args.steps steps on gpu_data
-    in <out_dir>/gpu/<task>/. Returns, over its log lines less the first (compilation), the medians of ms/step,
-    real tokens/s, MFU and real share of padded tokens (None if no line has one) and the peak memory (GiB);
-    ValueError when no line is left."""
+    in <out_dir>/gpu/<task>/. Returns the medians over its log lines less the first (compilation) of ms/step, real
+    tokens/s and MFU (None if no line has one), and the peak CUDA memory (GiB; None on other devices); ValueError
+    when no line is left."""
     folder = os.path.join(args.out_dir, "gpu", task)
     if not os.path.exists(data.split_path(folder, task)):
         gpu_data(task, folder, args.n_train)
@@ -969,10 +953,9 @@ def gpu_run(task, stage, args):
         lines = [e for e in map(json.loads, f) if "ms_per_step" in e][1:]
     if not lines:
         raise ValueError(f"{f.name}: no log lines with ms_per_step after the first: run more steps (--steps)")
-    figures = {key: [e[key] for e in lines if e.get(key) is not None]
-               for key in ("ms_per_step", "tokens_per_s", "mfu", "real_fraction")}
-    figures = {key: statistics.median_high(v) if v else None for key, v in figures.items()}
-    return dict(figures, peak_memory_gib=max(e.get("peak_memory_gib") or 0 for e in lines))
+    figures = {key: [e[key] for e in lines if e.get(key) is not None] for key in ("ms_per_step", "tokens_per_s", "mfu")}
+    return dict({key: statistics.median_high(v) if v else None for key, v in figures.items()},
+                peak_memory_gib=torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else None)
 
 
 def experiment_gpu(args):
@@ -990,22 +973,21 @@ def experiment_gpu(args):
             r = gpu_run(task, stage, args)
         except (RuntimeError, ValueError) as e:  # out of memory is a RuntimeError; ValueError: no timed lines
             out["failed"].append(dict(task=task, stage=stage, error=one_line(e)))
-            rows.append([task, stage, f"failed: {one_line(e)}"] + [""] * 6)
+            rows.append([task, stage, f"failed: {one_line(e)}"] + [""] * 5)
             torch.cuda.empty_cache()
         else:
             run = pretrain.PRESETS[task]["paper"][stage]
             r["full_steps"] = -(-FULL_TRAIN[task] // run["batch_size"]) * run["epochs"]
             r["projected_hours"] = hours[task, stage] = r["full_steps"] * r["ms_per_step"] / 3.6e6
             out["results"].append(dict(task=task, stage=stage, **r))
-            rows.append([task, stage, f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:,.0f}",
-                         percent(r["real_fraction"], 0), percent(r["mfu"], 1), f"{r['peak_memory_gib']:.1f} GiB",
-                         f"{r['full_steps']:,}", f"{r['projected_hours']:.1f}"])
+            rows.append([task, stage, f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:,.0f}", percent(r["mfu"], 1),
+                         f"{r['peak_memory_gib']:.1f} GiB", f"{r['full_steps']:,}", f"{r['projected_hours']:.1f}"])
         lines = [f"**Paper presets on one GPU**: {out['device_name']}, torch {out['torch']}, {out['date']}; "
                  f"{args.steps} steps per stage on stand-in data of each preset's shapes"
                  + (", torch.compile" if args.compile else "") + "; figures: medians over the log lines after the "
                  "first", ""]
-        lines += md_table(["task", "stage", "ms/step", "real tokens/s", "real / padded tokens", "MFU", "peak memory",
-                           "steps of the full preset", "projected hours"], rows)
+        lines += md_table(["task", "stage", "ms/step", "real tokens/s", "MFU", "peak memory", "steps of the full preset",
+                           "projected hours"], rows)
         lra = [t for t in LRA_TASKS if (t, "pretrain") in hours and (t, "finetune") in hours]
         if lra:
             total = sum(hours[t, "pretrain"] + 2 * hours[t, "finetune"] for t in lra)

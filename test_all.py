@@ -1014,22 +1014,22 @@ def test_gpu_command_writes_its_table_after_every_stage_and_goes_on_after_a_fail
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 54.00 GiB\nmore detail")
         if len(calls) == 6:
             raise KeyboardInterrupt  # stopped midway
-        return dict(ms_per_step=30.0, tokens_per_s=1e6, mfu=0.2, real_fraction=0.9, peak_memory_gib=4.0)
+        return dict(ms_per_step=30.0, tokens_per_s=1e6, mfu=0.2, peak_memory_gib=4.0)
     monkeypatch.setattr(ablate, "gpu_run", fake_run)
     argv = ["gpu", "--tasks", "listops", "text", "--out_dir", str(tmp_path)]
     with pytest.raises(SystemExit, match="text pretrain: OutOfMemoryError"):
         ablate.main(argv)
     assert len(calls) == 4
     table = (tmp_path / "bench" / "gpu.md").read_text()
-    assert f"| text | finetune | 30.0 | 1,000,000 | 90% | 20.0% | 4.0 GiB | {-(-25000 // 32) * 65:,} |" in table
+    assert f"| text | finetune | 30.0 | 1,000,000 | 20.0% | 4.0 GiB | {-(-25000 // 32) * 65:,} |" in table
     assert "| text | pretrain | failed: OutOfMemoryError: CUDA out of memory. Tried to allocate 54.00 GiB |" in table
     hours = 3 * 3000 * 100 * 0.030 / 3600  # listops: SPT and two finetunings of 96000 / 32 steps x 100 epochs
     assert f"(listops: SPT, then finetuning from scratch and from SPT): **{hours:.0f} hours**" in table
     with pytest.raises(KeyboardInterrupt):
         ablate.main(argv[:3] + argv[4:])
     assert json.load(open(tmp_path / "bench" / "gpu.json"))["results"] == [dict(
-        task="listops", stage="pretrain", ms_per_step=30.0, tokens_per_s=1e6, mfu=0.2, real_fraction=0.9,
-        peak_memory_gib=4.0, full_steps=300000, projected_hours=2.5)]
+        task="listops", stage="pretrain", ms_per_step=30.0, tokens_per_s=1e6, mfu=0.2, peak_memory_gib=4.0,
+        full_steps=300000, projected_hours=2.5)]
 
 
 def test_pretrain_suggests_finetunings_that_run_on_its_data_and_rebuild_its_model(listops_dir, tmp_path, capsys):
