@@ -817,9 +817,9 @@ def percent(fraction, digits):
 
 
 def time_spt_step(variant, size, device, dtype, steps, repeats):
-    """(median seconds, peak CUDA memory in bytes or None on other devices, tokens, training FLOPs) of one SPT
-    training step of the BENCH_VARIANTS key on a full-length batch of `size` (as BENCH_SIZES), after 3 untimed
-    steps; or the error that stopped it (out of memory, a missing compiler, ...) as a str."""
+    """One SPT training step of the BENCH_VARIANTS key on a full-length batch of `size` (as BENCH_SIZES), after 3
+    untimed steps: {ms_per_step (median over repeats), tokens_per_s, peak_memory_mb (CUDA; else None), mfu (None
+    without a known peak)}, or {error: the one line of what stopped it (out of memory, a missing compiler, ...)}."""
     L, d, n_layers, n_heads, d_mlp, B = size
     torch.manual_seed(0)
     cfg = model_lib.ModelConfig(vocab_size=32, max_len=L, d_model=d, n_layers=n_layers, n_heads=n_heads, d_mlp=d_mlp,
@@ -849,9 +849,11 @@ def time_spt_step(variant, size, device, dtype, steps, repeats):
             if i >= 3:
                 times.append((time.perf_counter() - t0) / steps)
     except Exception as e:  # one line of the table
-        return one_line(e)
-    peak = torch.cuda.max_memory_allocated(device) if cuda else None
-    return statistics.median_high(times), peak, B * L, pretrain.flops_per_token(cfg, L) * B * L
+        return dict(error=one_line(e))
+    sec, peak = statistics.median_high(times), pretrain.peak_flops(device, dtype)
+    return dict(ms_per_step=1000 * sec, tokens_per_s=B * L / sec,
+                peak_memory_mb=torch.cuda.max_memory_allocated(device) / 2 ** 20 if cuda else None,
+                mfu=pretrain.flops_per_token(cfg, L) * B * L / sec / peak if peak else None)
 
 
 def bench(args):
@@ -867,23 +869,15 @@ def bench(args):
     device = pretrain.pick_device(args.device)
     dtype, _ = pretrain.pick_dtype(args.dtype, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
-    peak_flops = pretrain.peak_flops(device, dtype)
     out = dict(size=dict(zip(("L", "d_model", "n_layers", "n_heads", "d_mlp", "batch"), size)), device=str(device),
                device_name=name, dtype=str(dtype), torch=torch.__version__, steps=args.steps, repeats=args.repeats,
                threads=torch.get_num_threads(), command=analyze.command_line("ablate.py", args.argv), results={})
     rows = []
     for v in variants:
-        result = time_spt_step(v, size, device, dtype, args.steps, args.repeats)
-        if isinstance(result, str):
-            out["results"][v] = dict(error=result)
-            rows.append([BENCH_VARIANTS[v], result, "", "", ""])
-            continue
-        sec, peak, tokens, flops = result
-        r = out["results"][v] = dict(ms_per_step=1000 * sec, tokens_per_s=tokens / sec,
-                                     peak_memory_mb=None if peak is None else peak / 2 ** 20,
-                                     mfu=None if peak_flops is None else flops / sec / peak_flops)
-        rows.append([BENCH_VARIANTS[v], f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:,.0f}",
-                     "-" if peak is None else f"{r['peak_memory_mb']:,.0f} MiB", percent(r["mfu"], 1)])
+        r = out["results"][v] = time_spt_step(v, size, device, dtype, args.steps, args.repeats)
+        rows.append([BENCH_VARIANTS[v], r["error"], "", "", ""] if "error" in r else [
+            BENCH_VARIANTS[v], f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:,.0f}",
+            "-" if r["peak_memory_mb"] is None else f"{r['peak_memory_mb']:,.0f} MiB", percent(r["mfu"], 1)])
     s = out["size"]
     lines = [f"**L {s['L']}, d_model {s['d_model']}, {s['n_layers']} layers, {s['n_heads']} heads, MLP {s['d_mlp']}, "
              f"batch {s['batch']}**; {name}, {str(dtype)[6:]}, torch {torch.__version__}, {out['threads']} thread(s); "
