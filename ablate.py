@@ -150,8 +150,8 @@ def prepare_run_data(task, flags):
 
 
 def prepared_tasks(args, tasks):
-    """(the tasks whose data is here or was made now, [(task, why not) for the others]); FileNotFoundError when
-    there is none."""
+    """(the tasks whose data is here or was made now, a footer's note "Skipped: task (why), ..." of the others or
+    ""); FileNotFoundError when there is none."""
     done, skipped = [], []
     for task in tasks:
         try:
@@ -159,10 +159,10 @@ def prepared_tasks(args, tasks):
             done.append(task)
         except (FileNotFoundError, ConnectionError) as e:
             print(f"skipping {task}: {e}")
-            skipped.append((task, str(e).split(": ")[0]))
+            skipped.append(f"{task} ({str(e).split(': ')[0]})")
     if not done:
-        raise FileNotFoundError("no data for any of " + ", ".join(f"{t} ({why})" for t, why in skipped))
-    return done, skipped
+        raise FileNotFoundError("no data for any of " + ", ".join(skipped))
+    return done, "Skipped: " + ", ".join(skipped) if skipped else ""
 
 
 def die_with_parent(parent):
@@ -527,7 +527,6 @@ def experiment_swap(args):
     image, runs, pf_dir = "image", [], args.data_dir
     if not (os.path.exists(data.split_path(args.data_dir, "image")) or args.download or os.path.exists(
             os.path.join(args.data_dir, "image", "cifar-10-batches-py", "test_batch"))):
-        data.find_fashion_mnist(args.data_dir)
         print("CIFAR10 not found: the Image side of this experiment uses the Fashion-MNIST stand-in")
         image = "fashion_mnist"
     tasks = ("pathfinder", image)
@@ -565,11 +564,6 @@ def experiment_swap(args):
                 "train accuracy on a fixed random subset of the training split")
 
 
-def skipped_note(skipped):
-    """"Skipped: task (why), ..." for a table's footer, or "" when nothing was skipped."""
-    return "Skipped: " + ", ".join(f"{t} ({why})" for t, why in skipped) if skipped else ""
-
-
 def experiment_main(args):
     """Coser et al. Table 2: from scratch versus SPT on the LRA tasks of --tasks whose data is here or can be made,
     peak validation accuracy (as the paper reports) beside each validation split's majority-class rate."""
@@ -586,7 +580,7 @@ def experiment_main(args):
         [task, *(cells(select(runs, task=task, name=n), "best_val_acc", majority=majority[task])
                  for n in ("scratch", "spt")), f"{majority[task]:.3f}", *PAPER_MAIN.get(task, ("-",) * 3)]
         for task in done])
-    write_table(f"main_{args.preset}", runs, rows, args, "Peak validation accuracy", skipped_note(skipped))
+    write_table(f"main_{args.preset}", runs, rows, args, "Peak validation accuracy", skipped)
 
 
 # Coser et al. Sec. 3, the deep model from scratch with its attention frozen at init: (from scratch, frozen) val acc.
@@ -642,7 +636,7 @@ def experiment_frozen(args):
                              *MOVED_GROUPS], moved)
     rows += [""] + md_table(["task", "layer", "share of L_sup's score gradient along Prop. 1's directions: at init",
                              "after SPT", "share of L_SPT's: at init", "after SPT"], shares)
-    write_table(output, runs, rows, args, skipped_note(skipped), "the preset's model, every layer frozen alike; "
+    write_table(output, runs, rows, args, skipped, "the preset's model, every layer frozen alike; "
                 "Fashion-MNIST beside the paper's CIFAR10", FROZEN_ROW_NOTE, "second table: W_Q^T W_K of layer 0, "
                 "other groups pooled over layers; third table: on 64 training sequences")
 
@@ -655,7 +649,7 @@ def experiment_ucr(args):
     if wrong:
         raise ValueError(f"--datasets: {wrong[0]!r} is not a UCR data set name (letters, digits, '_' and '-')")
     done, skipped = prepared_tasks(args, [f"ucr/{name}" for name in args.datasets])
-    found, skipped = [t[4:] for t in done], [(t[4:], why) for t, why in skipped]
+    found = [t[4:] for t in done]
     common = common_flags(args) + (["--max_steps", str(args.steps)] if args.steps else [])
     default = list(args.datasets) == list(UCR_DATASETS + UCR_OFFLINE)  # other --datasets: a table of their own
     budget = f"steps{args.steps}" if args.steps else ""
@@ -684,7 +678,7 @@ def experiment_ucr(args):
     lines += md_table(["mean test acc over the data sets", "from scratch", "SPT, then finetune"], [
         [f"ours ({', '.join(found)})", over["scratch"], over["spt"]],
         ["paper (GunPoint, ECG200 and two unnamed)", f"{PAPER_UCR['scratch']:.3f}", f"{PAPER_UCR['spt']:.3f}"]])
-    write_table(output, runs, lines, args, "Test accuracy on the archive's TEST split", skipped_note(skipped))
+    write_table(output, runs, lines, args, "Test accuracy on the archive's TEST split", skipped)
 
 
 def experiment_posenc(args):
@@ -1148,7 +1142,7 @@ class StageEvaluations(io.TextIOBase):
     def write(self, text):
         self.log.write(text)
         for line in text.splitlines():
-            if line.startswith(("eval at step", "read back", "the run in")):
+            if line.startswith(("eval at step", "read back")):
                 print(f"  {self.stage:20s} {line}", file=self.screen)
         return len(text)
 

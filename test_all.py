@@ -1056,19 +1056,18 @@ def test_gpu_run_times_a_real_run_of_a_preset_on_stand_in_data_of_its_shapes(tmp
     import ablate
     ablate.gpu_data("pathx", str(tmp_path / "shapes"), 8)
     assert data.load_split(str(tmp_path / "shapes"), "pathx", "train")["pixels"].shape == (8, 16384)
-    for task in ("retrieval", "image"):
-        stage = dict(batch_size=4, lr=1e-3, warmup=1, epochs=100, eval_every=10 ** 9)
-        monkeypatch.setitem(pretrain.PRESETS[task], "paper", dict(
-            model=dict(n_layers=1, d_model=16, n_heads=2, d_mlp=32, pair=task == "retrieval"),
-            data=dict(max_len=64) if task == "retrieval" else {}, pretrain=stage, finetune=stage))
-        args = argparse.Namespace(out_dir=str(tmp_path), n_train=16, steps=6, log_every=2, compile=False)
-        for stage in ("pretrain", "finetune"):
-            figures = ablate.gpu_run(task, stage, args)
-            log = pretrain.run_paths(str(tmp_path / "gpu" / task), task, stage, None if stage == "pretrain" else
-                                     "scratch")["log"]
-            timed = [e["ms_per_step"] for e in map(json.loads, open(log)) if "ms_per_step" in e]
-            assert len(timed) == 3 and figures["ms_per_step"] == max(timed[1:])  # the upper median after the first
-            assert figures["mfu"] is None  # no MFU on a CPU
+    stage = dict(batch_size=4, lr=1e-3, warmup=1, epochs=100, eval_every=10 ** 9)
+    monkeypatch.setitem(pretrain.PRESETS["retrieval"], "paper", dict(
+        model=dict(n_layers=1, d_model=16, n_heads=2, d_mlp=32, pair=True), data=dict(max_len=64), pretrain=stage,
+        finetune=stage))
+    args = argparse.Namespace(out_dir=str(tmp_path), n_train=16, steps=6, log_every=2, compile=False)
+    for stage in ("pretrain", "finetune"):
+        figures = ablate.gpu_run("retrieval", stage, args)
+        log = pretrain.run_paths(str(tmp_path / "gpu" / "retrieval"), "retrieval", stage,
+                                 None if stage == "pretrain" else "scratch")["log"]
+        timed = [e["ms_per_step"] for e in map(json.loads, open(log)) if "ms_per_step" in e]
+        assert len(timed) == 3 and figures["ms_per_step"] == max(timed[1:])  # the upper median after the first
+        assert figures["mfu"] is None and figures["peak_memory_gib"] is None  # no MFU, no CUDA memory on a CPU
 
 
 def test_load_splits_moves_every_input_kind_and_keeps_lengths_on_the_cpu(tmp_path, capsys):
@@ -1450,9 +1449,6 @@ def test_ablate_demo_summary_holds_its_runs_numbers_and_its_verdict_follows_plat
     ablate.main(argv)
     assert capsys.readouterr().out.count("eval at step") == 3 * 3  # init and each epoch's end, per stage
     assert not (tmp_path / "out" / "demo" / "summary.json").exists()  # the default's files stay the default's
-    stats, _ = analyze.analyze_checkpoints({"spt": str(demo / "synthetic" / "pretrain.pt")},
-                                           str(tmp_path / "data" / "demo_L24_n64"))
-    assert json.load(open(demo / "summary.json"))["pe_probe_corr"] == stats["spt"]["probe_corr_with_attention"]
     assert analyze.figure_command(str(demo / "attention.png")) == "python ablate.py " + shlex.join(argv)
     for name, accs in (("scratch", [0.5, 0.49, 0.5]), ("spt", [0.5, 0.95, 0.97])):  # 2 steps per epoch
         result = json.load(open(results[name]))
@@ -1617,9 +1613,6 @@ def test_ablate_initscale_runs_its_grid_and_writes_table_and_figure(tmp_path):
     assert sum(small) < sum(large)  # more uniform attention at a smaller init: closer to Prop. 1's zero
     assert "| torch | 1 | 20 |" in open(tmp_path / "out" / "ablate" / "initscale.md").read()
     assert analyze.figure_command(str(tmp_path / "out" / "analysis" / "initscale.png")).endswith(" ".join(argv[-4:]))
-    ck = data.load_pt(str(tmp_path / "out" / "ablate" / "initscale" / "torch" / "x0.5" / "L20" / "seed0" /
-                          "synthetic" / "pretrain.pt"))
-    assert (ck["model_config"]["init"], ck["model_config"]["init_scale"]) == ("torch", 0.5)
 
 
 def test_ablate_jobs_runs_each_seed_in_a_child_and_a_length_variant_has_its_own_data_and_table(tmp_path, capsys):
@@ -2215,7 +2208,7 @@ def test_ablate_ucr_runs_what_it_finds_skips_the_rest_and_steps_gives_runs_of_th
     res = json.load(open(tmp_path / "out" / "ablate" / "ucr_GunPoint_ECG200.json"))  # not the default list: its own
     assert {(r["dataset"], r["name"]) for r in res["runs"]} == {("GunPoint", "spt"), ("GunPoint", "scratch")}
     table = open(tmp_path / "out" / "ablate" / "ucr_GunPoint_ECG200.md").read()
-    assert "| 0.921 | 0.951 |" in table and "Skipped: ECG200 (UCR data set 'ECG200' not found)" in table
+    assert "| 0.921 | 0.951 |" in table and "Skipped: ucr/ECG200 (UCR data set 'ECG200' not found)" in table
     acc = {r["name"]: r["test_acc"] for r in res["runs"]}  # SPT's gain, one seed: no sd, no t
     gain = acc["spt"] - acc["scratch"]
     assert f"| GunPoint | {gain:+.3f} (1 seed) | {gain:+.3f} | {int(gain > 0)} of 1 | - |" in table
