@@ -11,6 +11,7 @@ seeds, beside the paper's numbers). `python ablate.py --help` lists the subcomma
 """
 import argparse
 import contextlib
+import glob
 import io
 import json
 import math
@@ -93,10 +94,12 @@ NOT_COMPARED = ("out_dir", "device", "dtype", "download", "accept_data", "allow_
 
 
 def asked_run(stage, task, argv):
-    """The argparse namespace of `python <stage>.py --task <task> <argv>` (argv names its --preset) with the preset
-    filled in (pretrain.fill_from_preset), as the run records it under "config"."""
+    """The argparse namespace of `python <stage>.py --task <task> <argv>` with its preset filled in
+    (pretrain.fill_from_preset), as the run records it under "config"."""
     parser = pretrain.pretrain_parser() if stage == "pretrain" else finetune.finetune_parser()
     args = parser.parse_args(["--task", task] + list(argv))
+    if args.preset == "auto":  # as pretrain.resolve does
+        args.preset = "paper" if pretrain.pick_device(args.device).type == "cuda" else "cpu"
     pretrain.fill_from_preset(args, stage)
     return args
 
@@ -1013,18 +1016,14 @@ def report(args):
     file with no region yet goes at the end of results/<name>.md (new: titled from TITLES), bench's to
     performance.md, figures to figures.md. results/README.md, the index, is written whole."""
     new, results, analysis = {}, args.results_dir, os.path.join(args.out_dir, "analysis")  # out/... -> its text
-    for sub in ("ablate", "bench"):
-        folder = os.path.join(args.out_dir, sub)
-        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-            if name.endswith(".md"):
-                with open(os.path.join(folder, name)) as f:
-                    new[f"out/{sub}/{name}"] = f.read().rstrip()
-    for d, _, files in sorted(os.walk(analysis)):
-        for f in sorted(f for f in files if f.endswith(".png")):
-            figure = os.path.relpath(os.path.join(d, f), analysis).replace(os.sep, "/")
-            command = analyze.figure_command(os.path.join(d, f))
-            new[f"out/analysis/{figure}"] = f"![{figure}](figures/{figure.replace('/', '_')})\n\n" + (
-                f"Drawn by `{command}`." if command else "(The PNG holds no record of the command that drew it.)")
+    for path in sorted(glob.glob(os.path.join(args.out_dir, "ablate", "*.md")) +
+                       glob.glob(os.path.join(args.out_dir, "bench", "*.md"))):
+        with open(path) as f:
+            new["out/" + os.path.relpath(path, args.out_dir).replace(os.sep, "/")] = f.read().rstrip()
+    for path in sorted(glob.glob(os.path.join(analysis, "**", "*.png"), recursive=True)):
+        figure, command = os.path.relpath(path, analysis).replace(os.sep, "/"), analyze.figure_command(path)
+        new[f"out/analysis/{figure}"] = f"![{figure}](figures/{figure.replace('/', '_')})\n\n" + (
+            f"Drawn by `{command}`." if command else "(The PNG holds no record of the command that drew it.)")
     pages, where = {}, {}  # page -> its text; out/... -> the page that holds its region
     for page in sorted(os.listdir(results)) if os.path.isdir(results) else []:
         if page.endswith(".md") and page != "README.md":
