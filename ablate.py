@@ -977,8 +977,8 @@ def experiment_gpu(args):
                  f"{args.steps} steps per stage on stand-in data of each preset's shapes"
                  + (", torch.compile" if args.compile else "") + "; figures: medians over the log lines after the "
                  "first", ""]
-        lines += md_table(["task", "stage", "ms/step", "real tokens/s", "MFU", "peak memory", "steps of the full preset",
-                           "projected hours"], rows)
+        lines += md_table(["task", "stage", "ms/step", "real tokens/s", "MFU", "peak memory",
+                           "steps of the full preset", "projected hours"], rows)
         lra = [t for t in LRA_TASKS if (t, "pretrain") in hours and (t, "finetune") in hours]
         if lra:
             total = sum(hours[t, "pretrain"] + 2 * hours[t, "finetune"] for t in lra)
