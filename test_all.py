@@ -996,8 +996,8 @@ def test_bench_reports_its_ratio_against_the_reference_measured_in_the_same_run(
 
 
 def test_gpu_command_writes_its_table_after_every_stage_and_goes_on_after_a_failed_one(tmp_path, monkeypatch):
-    """experiment_gpu with gpu_run faked (no GPU here): refused without CUDA; an out-of-memory stage is a row and
-    the others still run; a run stopped midway leaves the table of the stages it finished."""
+    """gpu_run faked: refused without CUDA; a stage out of memory is a row and the others still run; a run stopped
+    midway leaves the table of the stages it finished."""
     import ablate
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="CUDA"):
@@ -1051,8 +1051,7 @@ def test_pretrain_suggests_finetunings_that_run_on_its_data_and_rebuild_its_mode
 
 
 def test_gpu_run_times_a_real_run_of_a_preset_on_stand_in_data_of_its_shapes(tmp_path, monkeypatch):
-    """ablate.gpu_run end to end on the CPU, with the paper presets shrunk to a fixture size; gpu_data's stand-in
-    data has each preset's lengths."""
+    """gpu_run end to end on the CPU, the paper preset shrunk; gpu_data's stand-in has the preset's lengths."""
     import ablate
     ablate.gpu_data("pathx", str(tmp_path / "shapes"), 8)
     assert data.load_split(str(tmp_path / "shapes"), "pathx", "train")["pixels"].shape == (8, 16384)
@@ -1438,9 +1437,8 @@ def test_ablate_synthetic_init_and_posenc_run_and_read_their_runs_back(synthetic
 
 
 def test_ablate_demo_summary_holds_its_runs_numbers_and_its_verdict_follows_plateau_exit_epoch(tmp_path, capsys):
-    """python ablate.py demo, small: summary.json holds the runs' own numbers, the figures record their command,
-    the printed first epochs and verdict follow plateau_exit_epoch. A second call reads the runs back; here their
-    curves are edited first, so that SPT's crosses 0.9 at epoch 1 and from scratch stays put."""
+    """python ablate.py demo, small; then again, reading back runs whose curves were edited so that SPT's crosses
+    0.9 at epoch 1 and from scratch stays put: the summary, printed table and verdict follow."""
     import ablate
     argv = ["demo", "--length", "24", "--n_train", "64", "--epochs", "2", "--data_dir", str(tmp_path / "data"),
             "--out_dir", str(tmp_path / "out"), "--device", "cpu"]
@@ -1616,9 +1614,8 @@ def test_ablate_initscale_runs_its_grid_and_writes_table_and_figure(tmp_path):
 
 
 def test_ablate_jobs_runs_each_seed_in_a_child_and_a_length_variant_has_its_own_data_and_table(tmp_path, capsys):
-    """--jobs 2: the parent makes the data once, each seed runs in a child (its own log), the parent reads the runs
-    back and writes the table; --length 16: its own data folder, run folders and table; a child that fails is
-    named with its log; each experiment takes only its own flags."""
+    """--jobs 2: the parent makes the data, each seed runs in a child (its own log), the parent reads the runs back
+    and writes the table; --length 16 has its own data and table; a failed child is named; flags are per experiment."""
     import ablate
     root, out = str(tmp_path / "data"), str(tmp_path / "out")
     argv = ["synthetic", "--jobs", "2", "--length", "16", "--seeds", "2", "--data_dir", root, "--out_dir", out,
@@ -1757,9 +1754,8 @@ def test_the_paper_presets_mlp_head_is_finetunings_not_in_the_spt_checkpoint(tmp
 
 
 def test_table_cells_paired_differences_and_the_majority_mark_against_the_statistics_module():
-    """mean_std: mean +- sample std (n - 1) of the values not None; plateau_exit_epoch: the first evaluation at or
-    above the threshold, in epochs; cells: how many runs got there, and "(majority class)" beside a val acc whose
-    mean is not 0.01 above the majority rate; paired_difference: A minus B by seed, with the paired t."""
+    """mean_std, plateau_exit_epoch, cells (runs that got there, the majority mark) and paired_difference (A minus
+    B by seed, with the paired t), against the statistics module."""
     import statistics
     import ablate
     values = [0.71, 0.65, None, 0.80, 0.74]
@@ -1786,9 +1782,8 @@ def test_table_cells_paired_differences_and_the_majority_mark_against_the_statis
 
 
 def test_ablate_reads_back_a_finished_run_only_if_it_is_the_run_asked_for(synthetic_run, tmp_path):
-    """Experiments share run folders: a run already there whose recorded flags differ from the ones asked (one
-    typed, or the preset's for a flag left out) is refused before anything of it changes, the file and the flag
-    named; the run asked for is read back, and a finished SPT run is neither extended nor retrained."""
+    """A run already there whose recorded flags differ from the ones asked (typed, or the preset's) is refused, its
+    file and the flag named, nothing changed; the run asked for is read back, a finished SPT run kept."""
     import ablate
     data_dir, _ = synthetic_run
     folder, common = str(tmp_path / "run"), ["--data_dir", data_dir, "--max_steps", "2", "--device", "cpu",
@@ -4440,10 +4435,9 @@ def test_data_py_defines_its_contract_before_any_source():
 
 
 def test_report_files_each_table_and_figure_into_its_region_and_keeps_the_rest(tmp_path):
-    """report on hand-made out/ files: a region's text replaced and the hand text around it kept; a region whose
-    file is not under out/ kept; a new table or figure (copied, with the command it records) at the end of its
-    page; the index in the paper's order; a PNG that is not one refused before anything is written; a second
-    report changes nothing."""
+    """report on hand-made out/ files: a region's text replaced, hand text and regions of no file under out/ kept,
+    new tables and figures at the end of their page, the index in the paper's order, a bad PNG refused before
+    anything is written, and a second report changes nothing."""
     import ablate
     import matplotlib.pyplot as plt
     results, out = tmp_path / "results", tmp_path / "out"
