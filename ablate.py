@@ -562,8 +562,7 @@ def experiment_swap(args):
                       cells(select(runs, target=target, source=source), "train_acc", "best_val_acc",
                             majority=majority[target]), f"{majority[target]:.3f}", paper.get((target, source), "-")]
                      for target in tasks for source in ("scratch",) + tasks])
-    write_table("swap", runs, rows, args, f"Image: {image}; the preset's model, " + (
-        f"{args.steps} steps per stage" if args.steps else "the preset's budget"),
+    write_table("swap", runs, rows, args, f"Image: {image}; the preset's model",
                 "train accuracy on a fixed random subset of the training split")
 
 
