@@ -282,7 +282,7 @@ def get_batch(split, idx, device, multiple=64):
     """
     lengths = split["lengths"][idx]
     key = next(k for k in INPUT_KEYS if k in split)
-    L = batch_width(lengths, split_width(split), multiple)
+    L = -(-int(lengths.max()) // multiple) * multiple  # a slice stops at the stored width
     on = split["labels"].device  # to CUDA through pinned memory: the copy does not wait for queued GPU work
     idx = idx.pin_memory().to(on, non_blocking=True) if on.type == "cuda" else idx.to(on)
     if key == "tokens":
@@ -301,11 +301,6 @@ def split_width(split):
     """The stored sequence width of a loaded split."""
     key = next(k for k in INPUT_KEYS if k in split)
     return split[key].shape[-1 if key == "tokens" else 1]
-
-
-def batch_width(lengths, width, multiple=64):
-    """L_batch of get_batch: the longest of `lengths` rounded up to `multiple`, at most `width`."""
-    return min(-(-int(lengths.max()) // multiple) * multiple, width)
 
 
 # ---- 1. File helpers and downloads (standard library only: urllib, hashlib, tarfile, zipfile) ----
