@@ -27,21 +27,14 @@ from model import Transformer, config_from_dict, param_group, real_positions, un
 
 # ---- 1. Proposition 1 (Coser et al., Prop. 1): gradients of the two losses at uniform attention ----
 #
-# Setting. Tokens X_1..X_L in R^d; scores s(a) = a D for a direction D (L x L); A(a) = row-softmax(s(a));
-# o_i = sum_j A_ij X_j; mean pool h = (1/L) sum_i o_i; L_sup(a) = E[l(h(a), Y)];
-# L_SPT(a) = (1/(2L)) sum_i E||X_i - o_i(a)||^2. E is the average over a sample of N sequences.
-#
-# Derivation. At a = 0 attention is uniform, A = 11^T/L, and dA/da(0) = Dbar/L, with Dbar = D J the row-centred
-# direction (J = I - 11^T/L, the centring matrix; not the positions P). Hence o_i'(0) = (1/L) sum_j Dbar_ij X_j and
-#     h'(0) = (1/L^2) sum_j (1^T Dbar)_j X_j,      1^T Dbar = 1^T D J.
-# If D has zero column sums (1^T D = 0), h'(0) = 0 for every sample: L_sup'(0) = 0 for ANY loss l.
-# For reconstruction, X_i - o_i(0) = (J X)_i is not zero, so
-#     L_SPT'(0) = -(1/L) sum_i E[(J X)_i . o_i'(0)] = -(1/L^2) <J D J, C>_F,    C_ij = E[X_i . X_j].
-# C is the uncentred second moment: the tokens need no centring. If 1^T D = 0, then J D J = Dbar and this is the
-# paper's -(1/L^2) <Dbar, C>_F; otherwise the two differ by +(1/L^3) sum_j (1^T Dbar)_j (1^T C)_j.
-# Both are exact with the empirical C of the sample; with the population C, up to sampling error.
-# With [CLS] pooling (h = o_1), h'(0) = (1/L) sum_j Dbar_1j X_j does not vanish unless row 1 of D is constant:
-# the argument does not carry over (the table reports the numbers).
+# Tokens X_1..X_L in R^d; scores a D for a direction D (L x L); A(a) = row-softmax(a D); o_i = sum_j A_ij X_j; mean
+# pool h = (1/L) sum_i o_i; L_sup(a) = E[l(h(a), Y)]; L_SPT(a) = (1/(2L)) sum_i E||X_i - o_i(a)||^2 (E: the sample
+# mean). At a = 0, dA/da = Dbar/L with Dbar = D J the row-centred direction (J = I - 11^T/L), so
+#     h'(0) = (1/L^2) sum_j (1^T Dbar)_j X_j:  0 for every sample, and L_sup'(0) = 0 for ANY loss, if 1^T D = 0;
+#     L_SPT'(0) = -(1/L) sum_i E[(J X)_i . o_i'(0)] = -(1/L^2) <J D J, C>_F,    C_ij = E[X_i . X_j] (uncentred).
+# If 1^T D = 0, J D J = Dbar: the paper's -(1/L^2) <Dbar, C>_F; otherwise they differ by +(1/L^3) sum_j (1^T Dbar)_j
+# (1^T C)_j. Exact with the sample's C; with the population C, up to sampling error. With [CLS] pooling (h = o_1),
+# h'(0) = (1/L) sum_j Dbar_1j X_j vanishes only if row 1 of D is constant (the table reports the numbers).
 
 def ar1_tokens(n, length, dim, rho=0.8, seed=0):
     """(n, length, dim) float64 tokens, a stationary AR(1) process along the sequence (corr rho^|i-j|), centred
@@ -66,9 +59,8 @@ def band_direction(length, width=2):
 
 
 def prop1_losses(x, d, a, w, y, pooling="mean"):
-    """(L_sup, L_SPT) of Coser et al., Prop. 1, at attention scores a * D: the cross-entropy of h @ w against y,
-    and (1/(2L)) sum_i mean_n ||X_i - o_i||^2. x: (N, L, d) tokens; d: (L, L); a: scalar tensor; w: (d, K), a fixed
-    linear classifier; y: (N,) labels; pooling: "mean" (h = mean_i o_i) or "cls" (h = o_1)."""
+    """(L_sup, L_SPT) of Prop. 1 at scores a * D: cross-entropy of h @ w against y, (1/(2L)) sum_i mean_n ||X_i -
+    o_i||^2. x: (N, L, d); d: (L, L); a: scalar tensor; w: (d, K); y: (N,); pooling: "mean" or "cls" (h = o_1)."""
     attn = torch.softmax(a * d, dim=-1)                # (L, L), the same for every sequence
     o = torch.einsum("ij,njd->nid", attn, x)           # (N, L, d)
     h = o.mean(1) if pooling == "mean" else o[:, 0]    # (N, d)
@@ -77,9 +69,9 @@ def prop1_losses(x, d, a, w, y, pooling="mean"):
     return l_sup, l_spt
 
 
-def prop1_derivatives(x, d, w, y, pooling="mean", a0=0.0):
-    """(L_sup'(a0), L_SPT'(a0)) as floats, by autograd through `prop1_losses` (a0 = 0: uniform attention)."""
-    a = torch.tensor(a0, dtype=torch.float64, requires_grad=True)
+def prop1_derivatives(x, d, w, y, pooling="mean"):
+    """(L_sup'(0), L_SPT'(0)) as floats at uniform attention, by autograd through `prop1_losses`."""
+    a = torch.tensor(0.0, dtype=torch.float64, requires_grad=True)
     losses = prop1_losses(x, d, a, w, y, pooling)
     return tuple(torch.autograd.grad(loss, a, retain_graph=True)[0].item() for loss in losses)
 
@@ -92,18 +84,13 @@ def closed_form_spt_derivative(x, d, c=None):
     return (-((d - d.mean(1, keepdim=True)) * c).sum() / x.shape[1] ** 2).item()
 
 
-def exact_spt_derivative(x, d, c=None):
-    """L_SPT'(0) = -(1/L^2) <J D J, C>_F with J = I - 11^T/L, exact for every direction D. It is the paper's
-    closed form applied to J D, the direction with its columns centred (row-centring J D gives J D J)."""
-    return closed_form_spt_derivative(x, column_centred(d), c)
-
-
 def rel_err(value, reference):
     return abs(value - reference) / max(abs(reference), 1e-300)
 
 
 def prop1_table(n=512, length=16, dim=8, n_classes=3, n_random=3, seed=0):
-    """Rows (dicts) of the Proposition 1 check: autograd derivatives at a = 0 against the closed forms."""
+    """Rows (dicts) of the Proposition 1 check: autograd derivatives at a = 0 against the closed forms (the exact
+    one, -(1/L^2) <J D J, C>_F for every D, is the paper's applied to J D: row-centring J D gives J D J)."""
     x, c_pop = ar1_tokens(n, length, dim, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     w = torch.randn(dim, n_classes, generator=g, dtype=torch.float64)
@@ -119,7 +106,7 @@ def prop1_table(n=512, length=16, dim=8, n_classes=3, n_random=3, seed=0):
     rows = []
     for name, xs, d, pooling, c in cases:
         sup, spt = prop1_derivatives(xs, d, w, y, pooling)
-        paper, exact = closed_form_spt_derivative(xs, d, c), exact_spt_derivative(xs, d, c)
+        paper, exact = closed_form_spt_derivative(xs, d, c), closed_form_spt_derivative(xs, column_centred(d), c)
         rows.append(dict(case=name, pooling=pooling, max_abs_col_sum=d.sum(0).abs().max().item(), dsup=sup,
                          dspt=spt, paper=paper, rel_err_paper=rel_err(paper, spt),
                          exact=exact, rel_err_exact=rel_err(exact, spt)))
@@ -128,9 +115,11 @@ def prop1_table(n=512, length=16, dim=8, n_classes=3, n_random=3, seed=0):
     return rows, settings, (x, w, y)
 
 
-def plot_prop1(x, w, y, d, path, command):
-    """Both losses along a in [-3, 3] for direction d, with the closed-form tangent of L_SPT at 0."""
-    grid = np.linspace(-3, 3, 121)
+def cmd_prop1(args):
+    """prop1.png: both losses along a in [-3, 3] for the band direction, with the closed-form tangent of L_SPT at 0;
+    the table printed. Returns the name and numbers of prop1.json (main writes it), as every cmd_* does."""
+    rows, settings, (x, w, y) = prop1_table(seed=args.seed)
+    d, grid = band_direction(settings["length"]), np.linspace(-3, 3, 121)
     losses = np.array([[v.item() for v in prop1_losses(x, d, torch.tensor(a), w, y)] for a in grid])
     slope, l0 = closed_form_spt_derivative(x, d), losses[60, 1]  # a = 0
     fig, axes = pyplot().subplots(1, 2, figsize=(10, 4))
@@ -144,13 +133,8 @@ def plot_prop1(x, w, y, d, path, command):
     axes[1].legend()
     for ax in axes:
         ax.axvline(0, color="gray", lw=0.5)
-    save_figure(fig, path, command, "Coser et al. Prop. 1: band direction (column-centred), AR(1) tokens")
-
-
-def cmd_prop1(args):
-    """Writes prop1.png; returns the name and numbers of prop1.json (main writes it), as every cmd_* does."""
-    rows, settings, (x, w, y) = prop1_table(seed=args.seed)
-    plot_prop1(x, w, y, band_direction(settings["length"]), os.path.join(args.out, "prop1.png"), args.command_line)
+    save_figure(fig, os.path.join(args.out, "prop1.png"), args.command_line,
+                "Coser et al. Prop. 1: band direction (column-centred), AR(1) tokens")
     head = (f"{'case':38s} {'Lsup_prime(0)':>13s} {'Lspt_prime(0)':>13s} {'paper form':>13s} {'rel.err':>8s}"
             f" {'exact form':>13s} {'rel.err':>8s}")
     print(head + "\n" + "-" * len(head))
@@ -171,9 +155,8 @@ def cmd_prop1(args):
 # layer, no LayerNorm, no MLP, mean pooling, a linear head) at uniform attention, positive otherwise.
 
 def prop1_parts(grad, lengths=None):
-    """(sum ||G_bh - 1 gbar_bh^T||^2, sum ||G_bh||^2) over sequences b and heads h: the squared norm along Prop. 1's
-    directions, and in all. grad: (B, H, L, L) dL/dS of one layer; lengths: (B,) or None. Only real query rows
-    count, and gbar is their mean (padded keys have zero gradient)."""
+    """(sum ||G_bh - 1 gbar_bh^T||^2, sum ||G_bh||^2) over sequences b and heads h of grad (B, H, L, L), dL/dS of one
+    layer: the part along Prop. 1's directions and the whole. Only real query rows count; gbar is their mean."""
     B, H, L, _ = grad.shape
     lengths = torch.full((B,), L) if lengths is None else lengths
     w = real_positions(lengths, L, "cpu").to(grad.dtype)[:, None, :, None]          # (B, 1, L, 1) query rows
@@ -188,11 +171,10 @@ def score_gradient(probs, probs_grad):
 
 
 def loss_gradients(path, data_dir, n=64, chunk=None, seed=0, losses=("L_sup", "L_SPT")):
-    """Prop. 1 in a checkpoint's model, on its task's first n training sequences: the attention-score gradients of
-    L_sup (a pretrain.py checkpoint gets a fresh class head of its preset's kind) and, for a pretrain.py checkpoint,
-    of L_SPT (its run's masks and loss). `seed` draws the head and the masks; `chunk`: sequences at a time (default:
-    <= 16 and chunk x L^2 <= 2^24). Returns {loss: {"prop1_share": [per layer], "grad_norm": {group: ||dL/dW|| /
-    sequences}}}. ValueError for a pair model or local attention."""
+    """Prop. 1 in a checkpoint's model, on its task's first n training sequences: the score gradients of L_sup (a
+    pretrain.py checkpoint gets a class head of its preset's kind, drawn from `seed` as the masks) and of a pretrain.py
+    checkpoint's L_SPT. Returns {loss: {"prop1_share": [per layer], "grad_norm": {group: ||dL/dW|| / sequences}}};
+    `chunk` sequences at a time. ValueError for a pair model or local attention."""
     model, ck = load_model(path, head_seed=seed)
     meta, run = ck["data_meta"], ck["config"]  # run: a pretrain.py run's masks and loss
     if model.cfg.pair or (model.cfg.attn_window and model.cfg.attn_window < meta["max_len"]):
@@ -276,13 +258,9 @@ def row_entropy(probs):
 
 @torch.no_grad()
 def attention_maps(model, x, lengths=None, chunk=None):
-    """Softmax attention of every layer averaged over a batch, and the mean entropy of its rows.
-
-    x: (B, L) tokens or (B, L, d_input) values; lengths: (B,) or None. Returns lists over layers of (H, L, L) maps
-    and (H, L) entropies (nats); row i is the mean over the sequences in which position i is real. The entropy is
-    taken per sequence: the averaged map's is larger (concavity). `chunk` sequences at a time (default: chunk x L^2
-    <= 2^24) bound the memory. Under [CLS] pooling L counts the summary token too: it is position 0.
-    """
+    """Softmax attention of every layer averaged over a batch x (B, L) or (B, L, d_input), lengths (B,) or None:
+    lists over layers of (H, L, L) maps and (H, L) row entropies (nats, taken per sequence), row i the mean over the
+    sequences where position i is real ([CLS]: the token is position 0). `chunk` sequences at a time bound memory."""
     L, layers = model.prefix + x.shape[1], model.cfg.n_layers
     chunk, sums, ents = chunk or max(1, 2 ** 24 // L ** 2), [0.0] * layers, [0.0] * layers
     real = torch.ones(len(x), L) if lengths is None else real_positions(model.prefix + lengths, L, "cpu").float()
@@ -321,14 +299,10 @@ def qk_product(model, layer=0, head=0):
 
 
 def attention_stats(probs, band=3, side=None, entropy=None, lengths=None):
-    """Proximity statistics of attention probabilities (..., L, L), averaged over rows and leading dims.
-
-    entropy: the mean row entropy in nats, or the mean of `entropy` (..., L), attention_maps' per-sequence ones
-    (then entropy_of_mean_map is that of `probs`). band_mass: attention within |i - j| <= band. mean_distance:
-    sum_j A_ij |i - j|. uniform_*: of uniform attention. `side` (an image, L = side^2): band_mass_2d within the
-    (2 band + 1)^2 pixels around the query, mean_distance_2d in pixels. `lengths` (B,): of the sequences an
-    attention_maps mean was taken over; each row counts once per real sequence.
-    """
+    """Proximity statistics of attention probabilities (..., L, L), averaged over rows and leading dims: entropy
+    (nats; or the mean of attention_maps' `entropy` (..., L), then entropy_of_mean_map is probs'), band_mass within
+    |i - j| <= band, mean_distance, uniform_*: of uniform attention; `side` (L = side^2 pixels): the 2-D band and
+    distance. `lengths` (B,): of the sequences behind an attention_maps mean, each row counted once per real one."""
     L = probs.shape[-1]
     pos = torch.arange(L)
     dist = (pos[:, None] - pos[None, :]).abs().to(probs.dtype)
@@ -358,13 +332,10 @@ def attention_stats(probs, band=3, side=None, entropy=None, lengths=None):
 
 
 def analyze_checkpoints(paths, data_dir, n=64, band=3):
-    """Attention maps, PE probes and statistics of each checkpoint of `paths` ({label: path}) on the first `n`
-    validation sequences of its task (Retrieval: the 2n documents of n pairs); "displacement" from the start of its
-    own run (pretrain.run_init_path). Returns (results: plain numbers, maps: {label: dict(attention=[(H, L, L) per
-    layer], probe=(H, L, L) or None, qk=(d, d))}). Under [CLS] pooling the maps and statistics are over the
-    sequence's positions (rows renormalized without the token's column), and the token's own attention is apart:
-    summary_token_key_mass (what a position gives the token) and summary_token_row_entropy (the token's row).
-    """
+    """Attention maps, PE probes and statistics of each checkpoint of `paths` ({label: path}) on its task's first
+    `n` validation sequences (Retrieval: 2n documents), and the displacement from its run's start. Returns (numbers,
+    {label: dict(attention=[(H, L, L) per layer], probe=(H, L, L) or None, qk=(d, d))}). [CLS]: the maps over the
+    sequence (rows renormalized), the token's key mass and row entropy apart."""
     results, maps = {}, {}
     for label, path in paths.items():
         model, ck = load_model(path)
@@ -414,9 +385,8 @@ def displacement(start, model):
 
 
 def checkpoint_labels(paths):
-    """{label: path}: each path relative to the folder all share, without .pt (s0/pretrain.pt, s1/pretrain.pt:
-    s0/pretrain, s1/pretrain), or with it where two labels would be the same (x.pt, x.pth). ValueError for one
-    file named twice (out/x.pt, ./out/x.pt)."""
+    """{label: path}: each path relative to the folder all share, without .pt unless two labels would be the same
+    (x.pt, x.pth). ValueError for one file named twice (out/x.pt, ./out/x.pt)."""
     root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in paths])
     full = [os.path.relpath(os.path.abspath(p), root) for p in paths]
     bare = [os.path.splitext(f)[0] for f in full]
@@ -480,9 +450,8 @@ def command_line(script, argv):
 
 
 def save_figure(fig, path, command, title=None):
-    """Write a matplotlib figure as PNG atomically (data.save_atomic) and close it, with `title` on top; a figure
-    without a layout engine (constrained) is tightened first. `command`, the one that drew it, goes into the PNG's
-    text chunk "Command": figure_command reads it back, ablate.py report prints it."""
+    """Write a figure as PNG atomically (data.save_atomic), `title` on top, tightened unless constrained, and close
+    it. `command`, the one that drew it, goes into the PNG's text chunk "Command" (figure_command reads it)."""
     if title:
         fig.suptitle(title)
     if fig.get_layout_engine() is None:
@@ -502,9 +471,8 @@ def figure_command(path):
 
 
 def plot_maps(rows, path, title, command, diverging=False, top=None):
-    """Heatmaps, a row of panels per entry of `rows` ({row name: {panel title: (n, m) tensor}}), on ONE colour
-    scale with one colorbar, from 0 (or, `diverging`, from minus) to `top`: by default the largest absolute value
-    shown; a value above a given `top` takes the scale's brightest colour."""
+    """Heatmaps, a row of panels per entry of `rows` ({row name: {panel title: (n, m) tensor}}), on ONE colour scale
+    with one colorbar, from 0 (`diverging`: from -top) to `top` (default: the largest absolute value shown)."""
     top = top or max(float(img.abs().max()) for row in rows.values() for img in row.values())
     width = max(len(row) for row in rows.values())
     fig, axes = pyplot().subplots(len(rows), width, figsize=(3.6 * width + 1, 3.4 * len(rows)), squeeze=False,
@@ -522,9 +490,8 @@ def plot_maps(rows, path, title, command, diverging=False, top=None):
 
 
 def plot_attention(maps, path, command, percentile=99.0):
-    """analyze_checkpoints' maps on one colour scale (plot_maps): layer 0 head 0's attention of each checkpoint,
-    below it the PE-only probe of those with sinusoidal positions. The scale runs from 0 to the `percentile` of
-    every value shown: a proximity band holds a few % of the entries, which then stand out in full colour."""
+    """analyze_checkpoints' maps (plot_maps): layer 0 head 0's attention of each checkpoint, below it the PE-only
+    probes; the scale from 0 to the `percentile` of every value shown, so that a proximity band stands out."""
     rows = {"attention": {label: m["attention"][0][0] for label, m in maps.items()}}
     title = "layer 0, head 0: softmax attention, mean over validation sequences"
     probes = {label: m["probe"][0] for label, m in maps.items() if m["probe"] is not None}
@@ -556,9 +523,8 @@ def plot_curves(curves, path, title, command, hline=None):
 
 
 def plot_initscale(runs, kinds, scales, lengths, seeds, path, command):
-    """ablate.py initscale's phase diagram: mean best validation accuracy per (init scale, length), written in each
-    cell; a panel per init kind (row) and stage (column), one colour scale. runs: dicts with kind, stage, scale,
-    length, best_val_acc."""
+    """ablate.py initscale's phase diagram: mean best_val_acc of `runs` (dicts) per (scale, length) in each cell; a
+    panel per init kind (row) and stage (column), one colour scale."""
     stages = (("scratch", "from scratch"), ("spt", "SPT, then finetune"))
     mean = lambda rs: sum(r["best_val_acc"] for r in rs) / len(rs) if rs else float("nan")
     grids = {(kind, stage): np.array([[mean([r for r in runs if (r["kind"], r["stage"], r["scale"], r["length"]) ==
@@ -582,24 +548,20 @@ def plot_initscale(runs, kinds, scales, lengths, seeds, path, command):
 # ---- 4. Command line: a table of subcommands, each with the flags it takes ----
 
 FLAGS = {  # flag: argparse keywords
-    "--out": dict(type=data.folder, default="out/analysis", help="folder for the figures and JSON"),
-    "--ckpt": dict(nargs="+", required=True, help="checkpoints, e.g. out/synthetic/pretrain.pt"),
-    "--data_dir": dict(type=data.folder, default="data", help="root of data/<task>/"),
-    "--n": dict(type=data.POSITIVE, default=64, help="sequences used (gradients: training; else validation)"),
-    "--seed": dict(type=data.SEED, default=0, help="seed of the random tokens (prop1), of the class head and masks"),
-    "--band": dict(type=data.NON_NEGATIVE, default=3, help="k of the band mass |i - j| <= k"),
-    "--run_dir": dict(required=True, help="folder with <stage>_init.pt and <stage>_step*.pt"),
-    "--stage": dict(default="pretrain", choices=("pretrain", "finetune_spt", "finetune_scratch"),
-                    help="which run's snapshots (file name prefix)"),
+    "out": dict(type=data.folder, default="out/analysis", help="folder for the figures and JSON"),
+    "ckpt": dict(nargs="+", required=True, help="checkpoints, e.g. out/synthetic/pretrain.pt"),
+    "data_dir": dict(type=data.folder, default="data", help="root of data/<task>/"),
+    "n": dict(type=data.POSITIVE, default=64, help="sequences used (gradients: training; else validation)"),
+    "seed": dict(type=data.SEED, default=0, help="seed of the random tokens (prop1), of the class head and masks"),
+    "band": dict(type=data.NON_NEGATIVE, default=3, help="k of the band mass |i - j| <= k"),
+    "run_dir": dict(required=True, help="folder with <stage>_init.pt and <stage>_step*.pt"),
+    "stage": dict(default="pretrain", choices=("pretrain", "finetune_spt", "finetune_scratch"), help="whose snapshots"),
 }
-COMMANDS = {  # name: (function, help, flags)
-    "prop1": (cmd_prop1, "Proposition 1: derivatives of L_sup and L_SPT at uniform attention", ("--seed",)),
-    "gradients": (cmd_gradients, "Proposition 1 in the model: the share of each loss's score gradient along Prop. "
-                  "1's directions", ("--ckpt", "--data_dir", "--n", "--seed")),
-    "attention": (cmd_attention, "attention maps, PE-only probe, W_Q^T W_K and proximity statistics",
-                  ("--ckpt", "--data_dir", "--n", "--band")),
-    "curves": (cmd_curves, "proximity statistics over training from --snapshots checkpoints",
-               ("--run_dir", "--stage", "--data_dir", "--n", "--band")),
+COMMANDS = {  # name: (function, help, flags besides --out)
+    "prop1": (cmd_prop1, "Proposition 1: L_sup'(0) and L_SPT'(0) at uniform attention", ("seed",)),
+    "gradients": (cmd_gradients, "Proposition 1 in a model: score gradient shares", ("ckpt", "data_dir", "n", "seed")),
+    "attention": (cmd_attention, "maps, PE-only probe, W_Q^T W_K, proximity", ("ckpt", "data_dir", "n", "band")),
+    "curves": (cmd_curves, "proximity over training (--snapshots)", ("run_dir", "stage", "data_dir", "n", "band")),
 }
 
 
@@ -609,8 +571,8 @@ def main(argv=None):
     for name, (func, help, flags) in COMMANDS.items():
         s = sub.add_parser(name, formatter_class=argparse.ArgumentDefaultsHelpFormatter, help=help)
         s.set_defaults(func=func)
-        for flag in ("--out",) + flags:
-            s.add_argument(flag, **FLAGS[flag])
+        for flag in ("out",) + flags:
+            s.add_argument("--" + flag, **FLAGS[flag])
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
     args.command_line = command_line("analyze.py", argv)  # recorded in every figure this run draws
