@@ -216,10 +216,8 @@ def test_the_pair_head_by_hand():
 
 
 def test_heads_run_in_float32_under_bf16_autocast_so_close_outputs_do_not_tie(listops_dir):
-    """Under bf16 autocast (the CPU's here, CUDA's on a GPU) 1000 and 1000.5 are one value, and argmax gives the tie
-    to index 0. With a reconstruction head whose bias gives every id 1000 and id 7 1000.5, on a split whose tokens
-    are all 7, the evaluation's masked-token accuracy (evaluate_reconstruction) is 1.0, not 0: the heads run in
-    float32 (the class logits too)."""
+    """In bf16 1000 and 1000.5 tie (argmax: index 0). A reconstruction head giving every id 1000 and id 7 1000.5, on
+    tokens all 7: evaluate_reconstruction's accuracy under bf16 autocast is 1.0, the heads run in float32."""
     split = data.load_split(listops_dir, "listops", "val")
     real = torch.arange(split["tokens"].shape[1]) < split["lengths"][:, None]
     split = dict(split, tokens=torch.where(real, torch.full_like(split["tokens"], 7), split["tokens"]))
@@ -236,11 +234,6 @@ def test_heads_run_in_float32_under_bf16_autocast_so_close_outputs_do_not_tie(li
     args = argparse.Namespace(device=torch.device("cpu"), dtype=torch.bfloat16, mask_ratio=0.15, rec_loss="ce",
                               batch_size=8, world_size=1, rank=0)
     assert pretrain.evaluate_reconstruction(model, split, args)["val_acc"] == 1.0
-
-
-def test_max_len_is_enforced():
-    with pytest.raises(ValueError, match="max_len 8"):
-        Transformer(tiny_cfg(max_len=8, n_classes=2)).classify(torch.ones(1, 9, dtype=torch.long))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -653,10 +646,9 @@ def prop1_setup():
     return x, w, y, dirs
 
 
-@pytest.mark.parametrize("a0", [0.0, 0.8])
-def test_prop1_losses_match_per_token_loops_and_autograd_finite_differences(prop1_setup, a0):
+def test_prop1_losses_match_per_token_loops_and_autograd_finite_differences(prop1_setup):
     x, w, y, dirs = prop1_setup
-    d, a = dirs[0], torch.tensor(a0, dtype=torch.float64)
+    d, a = dirs[0], torch.tensor(0.8, dtype=torch.float64)  # away from uniform attention
     n, length, _ = x.shape
     attn = torch.softmax(a * d, dim=-1)
     o = torch.stack([torch.stack([sum(attn[i, j] * x[m, j] for j in range(length)) for i in range(length)])
@@ -667,8 +659,8 @@ def test_prop1_losses_match_per_token_loops_and_autograd_finite_differences(prop
     assert torch.allclose(got_sup, sup, rtol=1e-12) and torch.allclose(got_spt, spt, rtol=1e-12)
     eps = 1e-5
     for d in (dirs[1], analyze.column_centred(dirs[1])):
-        auto = analyze.prop1_derivatives(x, d, w, y, a0=a0)
-        plus, minus = (analyze.prop1_losses(x, d, torch.tensor(a0 + s, dtype=torch.float64), w, y) for s in (eps, -eps))
+        auto = analyze.prop1_derivatives(x, d, w, y)
+        plus, minus = (analyze.prop1_losses(x, d, torch.tensor(s, dtype=torch.float64), w, y) for s in (eps, -eps))
         for k in range(2):
             fd = ((plus[k] - minus[k]) / (2 * eps)).item()
             assert abs(auto[k] - fd) < 1e-6 * max(abs(fd), 1e-3)
@@ -676,23 +668,24 @@ def test_prop1_losses_match_per_token_loops_and_autograd_finite_differences(prop
 
 def test_prop1_derivatives_at_uniform_attention_against_the_closed_forms(prop1_setup):
     """Zero column sums: L_sup'(0) = 0 and the paper's closed form is L_SPT'(0) (also for uncentred iid tokens);
-    other directions: L_sup'(0) != 0, only the exact form holds; [CLS] pooling: L_sup'(0) != 0."""
+    other directions: L_sup'(0) != 0, only the exact form (the paper's applied to the column-centred D) holds; [CLS]
+    pooling: L_sup'(0) != 0."""
     x, w, y, dirs = prop1_setup
-    for d in [analyze.column_centred(d) for d in dirs] + [analyze.band_direction(x.shape[1], 2)]:
+    closed, centred = analyze.closed_form_spt_derivative, analyze.column_centred
+    for d in [centred(d) for d in dirs] + [analyze.band_direction(x.shape[1], 2)]:
         assert d.sum(0).abs().max() < 1e-12
         d_sup, d_spt = analyze.prop1_derivatives(x, d, w, y)
         assert abs(d_sup) < 1e-12 and abs(d_spt) > 1e-4  # reconstruction does see the direction
-        assert analyze.rel_err(analyze.closed_form_spt_derivative(x, d), d_spt) < 1e-6
-        assert analyze.rel_err(analyze.exact_spt_derivative(x, d), d_spt) < 1e-6
+        assert analyze.rel_err(closed(x, d), d_spt) < 1e-6
     x_raw = torch.randn(32, 6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(5)) + 0.7
     d = analyze.column_centred(torch.randn(6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(6)))
     _, d_spt = analyze.prop1_derivatives(x_raw, d, w[:4], y[:32])
-    assert analyze.rel_err(analyze.closed_form_spt_derivative(x_raw, d), d_spt) < 1e-6
+    assert analyze.rel_err(closed(x_raw, d), d_spt) < 1e-6
     for d in dirs:  # generic directions: 1^T D != 0
         d_sup, d_spt = analyze.prop1_derivatives(x, d, w, y)
-        assert abs(d_sup) > 1e-6 and analyze.rel_err(analyze.exact_spt_derivative(x, d), d_spt) < 1e-6
-        assert analyze.rel_err(analyze.closed_form_spt_derivative(x, d), d_spt) > 1e-3  # the paper's needs 1^T D = 0
-    assert abs(analyze.prop1_derivatives(x, analyze.column_centred(dirs[0]), w, y, pooling="cls")[0]) > 1e-6
+        assert abs(d_sup) > 1e-6 and analyze.rel_err(closed(x, centred(d)), d_spt) < 1e-6
+        assert analyze.rel_err(closed(x, d), d_spt) > 1e-3  # the paper's form needs 1^T D = 0
+    assert abs(analyze.prop1_derivatives(x, centred(dirs[0]), w, y, pooling="cls")[0]) > 1e-6
 
 
 def test_prop1_main_writes_png_and_json(tmp_path):
@@ -1044,24 +1037,29 @@ def test_displacement_by_group_over_the_weights_both_models_have():
 
 
 def test_analyze_attention_and_curves_write_figures_with_one_colour_scale(synthetic_run, tmp_path, monkeypatch):
-    """analyze.py attention draws the maps of every checkpoint and, below them, their PE-only probes in one figure,
-    on one colour scale from 0 to the 99th percentile of the values shown, with one colorbar; W_Q^T W_K on one scale
-    symmetric about 0. analyze.py curves draws the statistics over a run's snapshots."""
+    """analyze.py attention draws the maps of every checkpoint and, below them, the PE-only probes of those with
+    absolute positions (not RoPE's) in one figure, on one colour scale from 0 to the 99th percentile of the values
+    shown, with one colorbar; W_Q^T W_K on one scale symmetric about 0. curves: the statistics over snapshots."""
     data_dir, out = synthetic_run
     run = os.path.join(out, "synthetic")
     figures, save = {}, analyze.save_figure
-    monkeypatch.setattr(analyze, "save_figure", lambda fig, path, command: (
-        figures.__setitem__(os.path.basename(path), fig), save(fig, path, command)))
-    analyze.main(["attention", "--ckpt", os.path.join(run, "pretrain_init.pt"), os.path.join(run, "pretrain.pt"),
+    monkeypatch.setattr(analyze, "save_figure", lambda fig, path, *args: (
+        figures.__setitem__(os.path.basename(path), fig), save(fig, path, *args)))
+    for name in ("pretrain_init.pt", "pretrain.pt"):
+        shutil.copy(os.path.join(run, name), tmp_path / name)
+    ck = data.load_pt(os.path.join(run, "pretrain.pt"))
+    data.save_atomic(dict(ck, model_config=dict(ck["model_config"], pos="rope")), str(tmp_path / "rope.pt"))
+    analyze.main(["attention", "--ckpt", *(str(tmp_path / f) for f in ("pretrain_init.pt", "pretrain.pt", "rope.pt")),
                   "--data_dir", data_dir, "--out", str(tmp_path)])
     res = json.load(open(tmp_path / "attention.json"))
     assert res["pretrain_init"]["uniform_entropy"] == pytest.approx(np.log(20))
     assert "W_Q^T W_K" in res["pretrain"]["displacement"]
+    assert "probe" not in res["rope"] and 0 < res["rope"]["band_mass"] <= 1
     for name, diverging in (("attention.png", False), ("qk_product.png", True)):
         images = [im for ax in figures[name].axes for im in ax.images]
         values = np.concatenate([np.ma.getdata(im.get_array()).ravel() for im in images])
-        assert len(images) == (2 if diverging else 4)  # 2 checkpoints; attention: maps and probes
-        assert [ax.get_title() for ax in figures[name].axes if ax.images][:2] == ["pretrain_init", "pretrain"]
+        assert len(images) == (3 if diverging else 5)  # 3 checkpoints; attention: maps and 2 probes
+        assert [ax.get_title() for ax in figures[name].axes if ax.images][:3] == ["pretrain_init", "pretrain", "rope"]
         top = np.abs(values).max() if diverging else np.percentile(values, 99)
         assert {im.get_clim() for im in images} == {(-top if diverging else 0.0, top)}
         assert sum(ax.get_label() == "<colorbar>" for ax in figures[name].axes) == 1
@@ -1074,7 +1072,7 @@ def test_initscale_panels_share_one_colour_scale(tmp_path, monkeypatch):
     """analyze.plot_initscale: every panel on one scale, from 0.5 (or the lowest cell below it) to 1, one colorbar
     that names it."""
     figures = []
-    monkeypatch.setattr(analyze, "save_figure", lambda fig, path, command, **kw: figures.append(fig))
+    monkeypatch.setattr(analyze, "save_figure", lambda fig, *args: figures.append(fig))
     runs = [dict(kind=kind, stage=stage, scale=scale, length=100, best_val_acc=acc)
             for kind in ("reference", "torch") for stage, scale, acc in
             (("scratch", 0.5, 0.42), ("scratch", 1.0, 0.51), ("spt", 0.5, 0.99), ("spt", 1.0, 1.0))]
@@ -1133,9 +1131,8 @@ def test_prop1_holds_in_the_minimal_model_at_uniform_attention_and_not_with_an_m
     ck = data.load_pt(init)
     assert ck["model_config"]["mlp"] is False and ck["model_config"]["layernorm"] is False
     qk_zero = lambda sd: {k: (torch.zeros_like(v) if ".q_proj." in k or ".k_proj." in k else v) for k, v in sd.items()}
-    path = str(tmp_path / "uniform.pt")
-    data.save_atomic(dict(ck, model=qk_zero(ck["model"])), path)
-    res = analyze.loss_gradients(path, data_dir, n=32)
+    save = lambda name, **kw: data.save_atomic(dict(ck, **kw), str(tmp_path / name)) or str(tmp_path / name)
+    res = analyze.loss_gradients(save("uniform.pt", model=qk_zero(ck["model"])), data_dir, n=32)
     assert res["L_sup"]["prop1_share"][0] < 1e-9 < 0.1 < res["L_SPT"]["prop1_share"][0]
     assert res["L_sup"]["grad_norm"]["W_V"] > 0  # the supervised loss does train the values
     whole, parts = (analyze.loss_gradients(init, data_dir, n=32, chunk=chunk) for chunk in (32, 5))
@@ -1143,18 +1140,15 @@ def test_prop1_holds_in_the_minimal_model_at_uniform_attention_and_not_with_an_m
     assert parts["L_sup"]["grad_norm"]["W_Q"] == pytest.approx(whole["L_sup"]["grad_norm"]["W_Q"], rel=1e-4)
     assert 0 < whole["L_sup"]["prop1_share"][0] < 1  # the trained init is not uniform: not 0
     cfg = dict(ck["model_config"], mlp=True, layernorm=True, n_layers=2)
-    path = str(tmp_path / "mlp.pt")
-    data.save_atomic(dict(ck, model=qk_zero(Transformer(ModelConfig(**cfg)).state_dict()), model_config=cfg), path)
-    res = analyze.loss_gradients(path, data_dir, n=32)
+    res = analyze.loss_gradients(save("mlp.pt", model=qk_zero(Transformer(ModelConfig(**cfg)).state_dict()),
+                                      model_config=cfg), data_dir, n=32)
     assert len(res["L_sup"]["prop1_share"]) == 2 and res["L_sup"]["prop1_share"][0] > 1e-3
-    # A finetuning checkpoint is scored on L_sup alone, with its own class head (here zero, so that every logit is
-    # its bias and the loss gradient vanishes: nothing of a fresh head would give that).
+    # A finetuning checkpoint: L_sup alone, with its own class head (zero: every logit its bias, no gradient)
     cfg = dict(ck["model_config"], d_input=ck["model_config"]["d_input"] - 1, n_rec=0, n_classes=2)
     model = Transformer(ModelConfig(**cfg))
     torch.nn.init.zeros_(model.cls_head.weight)
-    path = str(tmp_path / "finetune_scratch_init.pt")
-    data.save_atomic(dict(ck, stage="finetune", model=model.state_dict(), model_config=cfg), path)
-    res = analyze.loss_gradients(path, data_dir, n=32)
+    res = analyze.loss_gradients(save("finetune_scratch_init.pt", stage="finetune", model=model.state_dict(),
+                                      model_config=cfg), data_dir, n=32)
     assert set(res) == {"L_sup"} and res["L_sup"]["grad_norm"]["W_Q"] == 0.0
     # A pretrain.py checkpoint gets the class head finetuning would give it: its preset's (here made the MLP head).
     heads = []
@@ -1164,14 +1158,11 @@ def test_prop1_holds_in_the_minimal_model_at_uniform_attention_and_not_with_an_m
     mlp = analyze.loss_gradients(init, data_dir, n=8)
     assert heads == [False, True] and mlp["L_sup"]["prop1_share"] != linear["L_sup"]["prop1_share"]
     assert mlp["L_SPT"] == linear["L_SPT"]  # the head does not enter the reconstruction loss
-    local = str(tmp_path / "local.pt")
-    data.save_atomic(dict(ck, model_config=dict(ck["model_config"], attn_window=8)), local)
     with pytest.raises(ValueError, match="local.pt"):
-        analyze.loss_gradients(local, data_dir)
-    broken = str(tmp_path / "broken.pt")  # weights other than a class head missing: refused, named
-    data.save_atomic(dict(ck, model={k: v for k, v in ck["model"].items() if ".q_proj." not in k}), broken)
+        analyze.loss_gradients(save("local.pt", model_config=dict(ck["model_config"], attn_window=8)), data_dir)
+    broken = save("broken.pt", model={k: v for k, v in ck["model"].items() if ".q_proj." not in k})
     with pytest.raises(ValueError, match=re.escape(f"{broken}: weights ['blocks.0.attn.q_proj.weight'")):
-        analyze.load_model(broken, head_seed=0)
+        analyze.load_model(broken, head_seed=0)  # weights other than a class head missing: refused, named
 
 
 def test_ablate_synthetic_init_and_posenc_run_and_read_their_runs_back(synthetic_run, tmp_path, capsys):
@@ -1328,14 +1319,16 @@ def test_cls_pooling_reads_a_summary_token_that_spt_never_masks_and_the_analyses
 
 
 def test_unknown_model_settings_are_refused_naming_the_choices():
-    """Every string setting of ModelConfig is checked when the model is built, naming the choices (a typo would
-    otherwise run another model), d_model must divide among the heads, and a checkpoint's unknown field is named."""
+    """Every string setting of ModelConfig is checked, naming the choices (a typo would run another model); d_model
+    must divide among the heads; a sequence longer than max_len and a checkpoint's unknown field are named."""
     for field, bad, choices in (("init", "xavier", model_lib.INIT_SCHEMES), ("pos", "sinusoid", model_lib.POSITIONS),
                                 ("pooling", "first", model_lib.POOLINGS)):
         with pytest.raises(ValueError, match=rf"^model {field} '{bad}': expected one of {', '.join(choices)}$"):
             tiny_cfg(**{field: bad})
     with pytest.raises(ValueError, match="d_model 30 .* n_heads 4"):
         tiny_cfg(d_model=30, n_heads=4)
+    with pytest.raises(ValueError, match="max_len 8"):
+        Transformer(tiny_cfg(max_len=8, n_classes=2)).classify(torch.ones(1, 9, dtype=torch.long))
     assert model_lib.config_from_dict(vars(tiny_cfg(init="normal"))) == tiny_cfg(init="normal")
     with pytest.raises(ValueError, match=r"old.pt: .*\['causal'\]"):
         model_lib.config_from_dict(dict(vars(tiny_cfg()), causal=False), "old.pt")
@@ -1976,23 +1969,6 @@ def test_position_variants_fast_and_explicit_agree(pos):
     assert probs[0][1, :, :, 13:].abs().max() == 0
 
 
-def test_learned_positions_are_a_posenc_table_initialized_as_stated_and_probed(tmp_path):
-    """pos="learned": a (max_len, d_model) table in group "posenc", N(0, init_std^2) under every init scheme
-    (init_weights' table), saved in checkpoints, left fresh by --inherit qk; the PE-only probe needs such a table."""
-    for scheme in model_lib.INIT_SCHEMES:
-        m = Transformer(tiny_cfg(pos="learned", max_len=400, d_model=64, n_heads=4, init=scheme, n_classes=2))
-        table = m.pos_embed.weight
-        assert table.shape == (400, 64) and model_lib.param_group("pos_embed.weight") == "posenc"
-        assert abs(table.std().item() - 0.02) < 0.002 and abs(table.mean().item()) < 0.002, (scheme, table.std())
-        assert torch.equal(m.absolute_positions(30), table[:30])
-    assert "pos_embed.weight" in checkpoint_dict(m)["model"]
-    spt = {n: torch.ones_like(t) for n, t in m.state_dict().items()}
-    merged = finetune.hybrid_state_dict(m.state_dict(), spt, finetune.INHERIT["qk"])
-    assert torch.equal(merged["pos_embed.weight"], table) and merged["blocks.0.attn.q_proj.weight"].eq(1).all()
-    with pytest.raises(ValueError, match="'rope'"):
-        analyze.pe_probe(Transformer(tiny_cfg(pos="rope")), 12)
-
-
 def test_alibi_slopes_follow_the_published_recipe_and_the_bias_is_minus_slope_times_distance():
     assert torch.allclose(model_lib.alibi_slopes(8), torch.tensor([2.0 ** -k for k in range(1, 9)]))
     six = [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8, 2.0 ** -1, 2.0 ** -3]  # 4 of n=4, then odd ones of n=8
@@ -2035,17 +2011,22 @@ def test_fire_bias_is_learned_and_follows_its_equation():
 
 
 def test_checkpoints_of_compiled_or_ddp_models_load_into_a_plain_one(listops_dir, tmp_path):
-    """State dicts with torch.compile ('_orig_mod.') and DDP ('module.') prefixes, in any order, load for finetuning."""
+    """State dicts with torch.compile ('_orig_mod.') and DDP ('module.') prefixes, in any order, load for finetuning,
+    every weight (--inherit all) FIRE's too, which --freeze attn freezes."""
     sd = {"module._orig_mod.embed.weight": 1, "_orig_mod.module.ln_f.bias": 2, "module.x": 3, "y": 4}
     assert model_lib.unwrapped_state_dict(sd) == {"embed.weight": 1, "ln_f.bias": 2, "x": 3, "y": 4}
     meta = data.load_split(listops_dir, "listops", "train")["meta"]
-    model = Transformer(tiny_cfg(n_rec=17))
+    model = Transformer(tiny_cfg(n_rec=17, pos="fire"))
+    for p in model.parameters():
+        p.data.normal_(0, 0.3)
     ck = checkpoint_dict(model, stage="pretrain", task="listops", data_meta=meta)
     ck["model"] = {f"_orig_mod.module.{k}": v for k, v in ck["model"].items()}
     path = str(tmp_path / "wrapped.pt")
     data.save_atomic(ck, path)
     loaded = finetune.model_from_pretrained(data.load_pt(path), meta, 10, "listops")
     assert torch.equal(loaded.blocks[1].attn.q_proj.weight, model.blocks[1].attn.q_proj.weight)
+    assert torch.equal(loaded.blocks[0].attn.fire.log_c, model.blocks[0].attn.fire.log_c)
+    assert "posenc" in finetune.FREEZE["attn"]
 
 
 def test_finetune_result_records_what_produced_it(listops_dir, tmp_path, monkeypatch):
@@ -2075,18 +2056,6 @@ def test_train_accuracy_scores_a_random_subset_not_the_first_rows_of_a_class_sor
     acc, rows = finetune.train_accuracy(AlwaysZero(), split, n_val=10, args=args, at_least=20)
     picked = torch.randperm(n, generator=torch.Generator().manual_seed(0))[:20]
     assert rows == 20 and acc == pytest.approx((picked < 30).float().mean().item()) and 0.2 < acc < 0.8
-
-
-def test_inherit_all_copies_fire_and_freeze_attn_freezes_it(tmp_path):
-    meta = dict(task="synthetic", kind="continuous", d_input=2, max_len=20, n_classes=2)
-    model = Transformer(tiny_cfg(vocab_size=0, d_input=3, max_len=20, pos="fire", n_rec=2))
-    for p in model.parameters():
-        p.data.normal_(0, 0.3)
-    path = str(tmp_path / "fire.pt")
-    data.save_atomic(checkpoint_dict(model, stage="pretrain", task="synthetic", data_meta=meta), path)
-    loaded = finetune.model_from_pretrained(data.load_pt(path), meta, 2, "synthetic", inherit="all")
-    assert torch.equal(loaded.blocks[0].attn.fire.log_c, model.blocks[0].attn.fire.log_c)
-    assert "posenc" in finetune.FREEZE["attn"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -2340,17 +2309,6 @@ def test_attention_stats_of_a_padded_batch_are_means_over_real_rows_against_each
     probs = torch.softmax(torch.randn(2, 9, 9), -1)  # without padding, lengths changes nothing
     assert analyze.attention_stats(probs, band=1, lengths=torch.tensor([9, 9])) == analyze.attention_stats(probs,
                                                                                                             band=1)
-
-
-def test_attention_analysis_of_a_model_without_absolute_positions_has_no_pe_probe(synthetic_run, tmp_path):
-    """analyze.py attention on a RoPE checkpoint (ablate.py posenc): the maps and statistics, no PE-only probe."""
-    data_dir, out = synthetic_run
-    ck = data.load_pt(os.path.join(out, "synthetic", "pretrain.pt"))
-    path = str(tmp_path / "rope.pt")
-    data.save_atomic(dict(ck, model_config=dict(ck["model_config"], pos="rope")), path)
-    analyze.main(["attention", "--ckpt", path, "--data_dir", data_dir, "--out", str(tmp_path)])
-    res = json.load(open(tmp_path / "attention.json"))["rope"]
-    assert "probe" not in res and 0 < res["band_mass"] <= 1 and (tmp_path / "attention.png").exists()
 
 
 def test_displacement_is_measured_from_each_runs_own_init(synthetic_run, tmp_path):
@@ -4401,8 +4359,17 @@ def test_analyze_says_when_the_data_is_not_the_checkpoints(synthetic_run, tmp_pa
 
 
 def test_learned_positions_take_init_std_and_swap_to_a_longer_task_unless_inherited(listops_dir, tmp_path):
-    """--init_std sets the learned table's std under the default init; a dataset swap to longer sequences
-    refuses to inherit a table of another length (--inherit all) and leaves it fresh with --inherit qk."""
+    """pos="learned": a (max_len, d_model) table in group "posenc", N(0, init_std^2) under every init scheme, std
+    --init_std; a swap to longer sequences refuses a table of another length (--inherit all), leaves it fresh with
+    --inherit qk. The PE-only probe needs absolute positions."""
+    for scheme in model_lib.INIT_SCHEMES:
+        m = Transformer(tiny_cfg(pos="learned", max_len=400, d_model=64, n_heads=4, init=scheme, n_classes=2))
+        table = m.pos_embed.weight
+        assert table.shape == (400, 64) and model_lib.param_group("pos_embed.weight") == "posenc"
+        assert abs(table.std().item() - 0.02) < 0.002 and abs(table.mean().item()) < 0.002, (scheme, table.std())
+        assert torch.equal(m.absolute_positions(30), table[:30])
+    with pytest.raises(ValueError, match="'rope'"):
+        analyze.pe_probe(Transformer(tiny_cfg(pos="rope")), 12)
     parser = pretrain.build_parser("pretrain", "")
     args = parser.parse_args(["--task", "listops", "--pos", "learned", "--init_std", "0.1", "--device", "cpu"])
     assert pretrain.resolve(args, "pretrain", parser)["model"]["init_std"] == 0.1
