@@ -187,22 +187,6 @@ def test_explicit_attention_matches_a_loop():
     assert torch.allclose(y, attn.o_proj(out), atol=1e-5)
 
 
-def test_outputs_ignore_padded_positions():
-    torch.manual_seed(0)
-    model = Transformer(tiny_cfg(n_classes=3)).eval()
-    x = torch.randint(2, 17, (2, 12))
-    lengths = torch.tensor([12, 7])
-    x2 = x.clone()
-    x2[1, 7:] = torch.randint(2, 17, (5,))
-    z1, _ = model.encode(x, lengths)
-    z2, _ = model.encode(x2, lengths)
-    assert torch.equal(z1[1, :7], z2[1, :7])
-    assert torch.allclose(model.classify(x, lengths), model.classify(x2, lengths))
-    # ...and a sequence padded to a longer batch gives the same logits as on its own
-    assert torch.allclose(model.classify(x[1:, :7], None), model.classify(x, lengths)[1:], atol=1e-6)
-    assert model_lib.real_positions(torch.tensor([2, 0]), 3, "cpu").tolist() == [[True, True, False], [False] * 3]
-
-
 def test_the_pair_head_by_hand():
     """The Retrieval head on [u, v, u*v, u-v] of the two documents' mean-pooled encodings (Tay et al. 2021, Sec.
     3.4), each document encoded alone, through the head's layers."""
@@ -1008,32 +992,13 @@ def test_pe_probe_equals_attention_on_zero_input_without_biases():
     """With zero input, no biases and no LayerNorm, layer 0's attention is the PE-only probe (the product itself is
     checked by test_exercise_pe_probe); qk_product is head 0's W_Q^T W_K."""
     torch.manual_seed(0)
-    m = Transformer(tiny_cfg(vocab_size=0, d_input=2, n_layers=1, n_heads=2, layernorm=False, mlp=False,
-                             n_classes=2)).eval()
-    for p in m.parameters():
-        p.data.normal_(0, 0.3)
-    for lin in (m.embed, m.blocks[0].attn.q_proj, m.blocks[0].attn.k_proj):
-        lin.bias.data.zero_()
+    m = Transformer(tiny_cfg(vocab_size=0, d_input=2, n_layers=1, n_heads=2, layernorm=False, mlp=False, n_classes=2,
+                             init="normal", init_std=0.3)).eval()  # every bias 0
     _, probe = analyze.pe_probe(m, 16)
     _, probs = m.encode(torch.zeros(1, 16, 2), need_weights=True)
     assert torch.allclose(probe, probs[0][0], atol=1e-6)
     Wq, Wk = m.blocks[0].attn.q_proj.weight[:8], m.blocks[0].attn.k_proj.weight[:8]
     assert torch.allclose(analyze.qk_product(m, 0, 0), Wq.T @ Wk)
-
-
-def test_displacement_by_group_over_the_weights_both_models_have():
-    """analyze.displacement: norm(W - W_start) / norm(W_start) per parameter group and for W_Q^T W_K; a head of
-    another shape (another number of classes) is left out."""
-    torch.manual_seed(0)
-    start, model = Transformer(tiny_cfg(n_layers=1, n_classes=3)), Transformer(tiny_cfg(n_layers=1, n_classes=5))
-    model.load_state_dict({k: v for k, v in start.state_dict().items() if not k.startswith("cls_head.")}, strict=False)
-    with torch.no_grad():
-        model.blocks[0].attn.q_proj.weight.mul_(2)  # W_Q's weight doubled, its bias kept
-    moved = analyze.displacement(start, model)
-    q = start.blocks[0].attn.q_proj
-    assert moved["W_Q"] == pytest.approx((q.weight.norm() / torch.cat([q.weight.flatten(), q.bias]).norm()).item())
-    assert moved["W_Q^T W_K"] == pytest.approx(1.0, rel=1e-5)  # every head's W_Q,h^T W_K,h doubled
-    assert moved["W_K"] == moved["embed"] == moved["W_V"] == 0.0 and "head" not in moved
 
 
 def test_analyze_attention_and_curves_write_figures_with_one_colour_scale(synthetic_run, tmp_path, monkeypatch):
@@ -1114,11 +1079,6 @@ def test_score_gradient_is_the_softmax_backward_and_prop1_parts_the_zero_column_
     assert analyze.prop1_parts(grad, lengths) == pytest.approx((along, total), rel=1e-12)
     same_rows = grad[:, :, :1].expand(-1, -1, 5, -1)  # G = 1 g^T: no component along Prop. 1's directions
     assert analyze.prop1_parts(same_rows)[0] == pytest.approx(0.0, abs=1e-15)
-    # G - 1 gbar^T is the orthogonal projection onto {D : 1^T D = 0}: <G, D> = <G - 1 gbar^T, D> for every such D
-    G = grad[0, 0]
-    D = torch.randn(5, 5, generator=g, dtype=torch.float64)
-    D = D - D.mean(0, keepdim=True)
-    assert (G * D).sum().item() == pytest.approx(((G - G.mean(0, keepdim=True)) * D).sum().item(), abs=1e-12)
 
 
 def test_prop1_holds_in_the_minimal_model_at_uniform_attention_and_not_with_an_mlp(synthetic_run, tmp_path,
@@ -1244,10 +1204,6 @@ def test_ablate_demo_summary_holds_its_runs_numbers_and_its_verdict_follows_plat
 # Initialization schemes (model.init_weights) and the init-scale experiment
 # ----------------------------------------------------------------------------------------------------------
 
-def _uniform_std(d_in):
-    return 1 / math.sqrt(3 * d_in)  # std of U(-1/sqrt(d_in), 1/sqrt(d_in)), PyTorch's nn.Linear default
-
-
 @pytest.mark.parametrize("scheme", ["reference", "torch", "normal"])
 def test_init_schemes_give_the_documented_statistics(scheme):
     """init_weights' table, tensor by tensor; init_scale multiplies every initialized tensor but LayerNorm's; the
@@ -1257,9 +1213,9 @@ def test_init_schemes_give_the_documented_statistics(scheme):
     cfg = dict(vocab_size=300, d_model=d, n_layers=2, n_heads=4, d_mlp=d_mlp, n_classes=3, init=scheme, init_std=0.05)
     model = Transformer(ModelConfig(**cfg))
     attn, mlp = model.blocks[0].attn, model.blocks[0].mlp
-    want = {"embed": 1.0, "W_Q": _uniform_std(d), "W_O": _uniform_std(d), "mlp_in": _uniform_std(d),
-            "mlp_out": _uniform_std(d_mlp), "head": _uniform_std(d)} if scheme != "normal" else \
-        dict.fromkeys(("embed", "W_Q", "W_O", "mlp_in", "mlp_out", "head"), 0.05)
+    u = lambda d_in: 1 / math.sqrt(3 * d_in)  # std of U(-1/sqrt(d_in), 1/sqrt(d_in)), nn.Linear's default
+    want = {"embed": 1.0, "W_Q": u(d), "W_O": u(d), "mlp_in": u(d), "mlp_out": u(d_mlp), "head": u(d)} \
+        if scheme != "normal" else dict.fromkeys(("embed", "W_Q", "W_O", "mlp_in", "mlp_out", "head"), 0.05)
     got = {"embed": model.embed.weight, "W_Q": attn.q_proj.weight, "W_O": attn.o_proj.weight,
            "mlp_in": mlp[0].weight, "mlp_out": mlp[2].weight, "head": model.cls_head.weight}
     for name, tensor in got.items():
@@ -1288,9 +1244,8 @@ def test_init_schemes_give_the_documented_statistics(scheme):
 
 
 def test_cls_pooling_reads_a_summary_token_that_spt_never_masks_and_the_analyses_show_apart(synthetic_run, tmp_path):
-    """pooling="cls": a learned summary token at position 0 (the positions one row longer), pooled alone; SPT never
-    masks nor reconstructs it (reconstruct gives the L sequence positions), and hands it on with the backbone (group
-    "summary"); the analyses report the sequence's L x L attention and the token's row and column apart."""
+    """pooling="cls": a learned summary token at position 0, pooled alone, never masked nor reconstructed, handed on
+    with the backbone (group "summary"); the analyses report the sequence's attention and the token's apart."""
     data_dir, _ = synthetic_run
     m = Transformer(tiny_cfg(pooling="cls", n_rec=17, n_classes=3, max_len=64))
     assert m.pe.shape == (65, 16) and m.summary_token.shape == (16,) and model_lib.param_group("summary_token") == \
@@ -1308,10 +1263,10 @@ def test_cls_pooling_reads_a_summary_token_that_spt_never_masks_and_the_analyses
     finetune.main(flags + ["--init", spt])
     stats, maps = analyze.analyze_checkpoints({"spt": spt, "ft": os.path.join(out, "synthetic", "finetune_spt.pt")},
                                               data_dir)
-    for label in ("spt", "ft"):
-        assert maps[label]["attention"][0].shape[-1] == 20 and maps[label]["probe"].shape[-1] == 20  # the sequence
+    for label, m in maps.items():
+        assert m["attention"][0].shape[-1] == 20 == m["probe"].shape[-1]  # the sequence, rows renormalized:
+        assert torch.allclose(m["attention"][0].sum(-1), torch.ones(1), atol=1e-5)
         assert 0 < stats[label]["summary_token_key_mass"] < 1 and stats[label]["summary_token_row_entropy"] > 0
-        assert torch.allclose(maps[label]["attention"][0].sum(-1), torch.ones(1), atol=1e-5)  # renormalized rows
     shares = analyze.loss_gradients(spt, data_dir, n=8)
     assert shares["L_sup"]["prop1_share"][0] > 0.5 and 0 <= shares["L_SPT"]["prop1_share"][0] <= 1  # no blind spot
     with pytest.raises(ValueError, match="pooling 'cls'"):
@@ -1684,9 +1639,8 @@ def test_command_line_data_errors_are_one_line_without_traceback(tmp_path):
 
 
 def test_analyze_names_what_is_wrong_with_a_checkpoint_path_before_any_work(synthetic_run, tmp_path, capsys):
-    """A run folder as --ckpt, a misspelled file, a second --ckpt missing, a log file, one file named twice, a
-    --run_dir that does not exist: refused naming it, before the first checkpoint's work. Two checkpoints of one
-    name (s0/pretrain.pt, s1/pretrain.pt) get two labels."""
+    """A run folder as --ckpt, a misspelled file, a second --ckpt missing, a log file, one file named twice, a missing
+    --run_dir: refused naming it, before the first checkpoint's work. Checkpoints of one name get two labels."""
     data_dir, out = synthetic_run
     run = os.path.join(out, "synthetic")
     good = os.path.join(run, "pretrain.pt")
@@ -1701,12 +1655,10 @@ def test_analyze_names_what_is_wrong_with_a_checkpoint_path_before_any_work(synt
             analyze.main(argv + ["--data_dir", data_dir, "--out", str(tmp_path / "a")])
         assert "share" not in capsys.readouterr().out  # refused before the first checkpoint's work
     assert not (tmp_path / "a").exists()
-    paths = ["out/s0/pretrain.pt", "out/s1/pretrain.pt", "out/s1/finetune_spt.pt"]
-    assert list(analyze.checkpoint_labels(paths)) == ["s0/pretrain", "s1/pretrain", "s1/finetune_spt"]
-    assert list(analyze.checkpoint_labels(["out/x/pretrain.pt", "out/x/finetune_spt.pt"])) == ["pretrain",
-                                                                                                "finetune_spt"]
-    paths = ["a/x.pt", "a/x.pth", "c/y.pt"]  # a/x twice without extensions: every label keeps its own
-    assert list(analyze.checkpoint_labels(paths)) == paths
+    for paths, labels in ((["out/s0/pretrain.pt", "out/s1/pretrain.pt"], ["s0/pretrain", "s1/pretrain"]),
+                          (["out/x/pretrain.pt", "out/x/finetune_spt.pt"], ["pretrain", "finetune_spt"]),
+                          (["a/x.pt", "a/x.pth", "c/y.pt"], ["a/x.pt", "a/x.pth", "c/y.pt"])):  # a/x twice bare
+        assert list(analyze.checkpoint_labels(paths)) == labels
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1952,9 +1904,10 @@ def test_ablate_ucr_runs_what_it_finds_skips_the_rest_and_steps_gives_runs_and_a
 # ----------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("pos", model_lib.POSITIONS)
-def test_position_variants_fast_and_explicit_agree(pos):
+def test_position_variants_fast_and_explicit_agree_and_ignore_padding(pos):
     """The fused path and the explicit one give the same states, with and without padding; the probabilities sum
-    to 1 over the keys and give padded keys nothing."""
+    to 1 over the keys and give padded keys nothing; what stands in the padding changes no real position, and a
+    sequence padded to a longer batch gets the logits it gets alone."""
     torch.manual_seed(0)
     model = Transformer(tiny_cfg(pos=pos, n_classes=3)).eval()
     for p in model.parameters():  # larger weights than the init, so attention is far from uniform
@@ -1967,6 +1920,11 @@ def test_position_variants_fast_and_explicit_agree(pos):
         assert torch.allclose(z_fast[valid], z_slow[valid], atol=1e-5)
         assert len(probs) == 2 and torch.allclose(probs[0].sum(-1), torch.ones(3, 4, 20))
     assert probs[0][1, :, :, 13:].abs().max() == 0
+    x2 = x.clone()
+    x2[1, 13:] = torch.randint(2, 17, (7,))
+    assert torch.equal(model.encode(x2, lengths)[0][1, :13], z_fast[1, :13])
+    assert torch.allclose(model.classify(x[1:2, :13]), model.classify(x2, lengths)[1:2], atol=1e-5)
+    assert model_lib.real_positions(torch.tensor([2, 0]), 3, "cpu").tolist() == [[True, True, False], [False] * 3]
 
 
 def test_alibi_slopes_follow_the_published_recipe_and_the_bias_is_minus_slope_times_distance():
@@ -2312,6 +2270,8 @@ def test_attention_stats_of_a_padded_batch_are_means_over_real_rows_against_each
 
 
 def test_displacement_is_measured_from_each_runs_own_init(synthetic_run, tmp_path):
+    """analyze.displacement: norm(W - W_start) / norm(W_start) per parameter group, over the weights both have (a
+    head of another shape is left out), and for W_Q^T W_K, from the start of each checkpoint's own run."""
     data_dir, out = synthetic_run
     run = os.path.join(out, "synthetic")
     assert pretrain.run_init_path(os.path.join(run, "pretrain_last.pt")) == os.path.join(run, "pretrain_init.pt")
@@ -2321,15 +2281,18 @@ def test_displacement_is_measured_from_each_runs_own_init(synthetic_run, tmp_pat
     other = Transformer(ModelConfig(**ck["model_config"]))  # a run of its own: other random weights
     data.save_atomic(dict(ck, model=other.state_dict()), str(tmp_path / "finetune_other_init.pt"))
     with torch.no_grad():
-        other.blocks[0].attn.q_proj.weight.mul_(3)  # the "trained" one: W_Q (weight and bias) tripled
-        other.blocks[0].attn.q_proj.bias.mul_(3)
+        other.blocks[0].attn.q_proj.weight.mul_(3)  # the "trained" one: W_Q's weight tripled, its bias kept
     data.save_atomic(dict(ck, model=other.state_dict()), str(tmp_path / "finetune_other.pt"))
     res, _ = analyze.analyze_checkpoints({"first": os.path.join(run, "pretrain_init.pt"),
                                           "other": str(tmp_path / "finetune_other.pt")}, data_dir, n=4)
     assert "displacement" not in res["first"]
     assert res["other"]["displacement_from"] == str(tmp_path / "finetune_other_init.pt")
-    moved = res["other"]["displacement"]  # 2 = norm(3P - P) / norm(P), not its distance to "first"
-    assert moved["W_Q"] == pytest.approx(2.0, rel=1e-5) == moved["W_Q^T W_K"] and moved["W_K"] < 1e-7
+    moved, w, b = res["other"]["displacement"], other.blocks[0].attn.q_proj.weight / 3, other.blocks[0].attn.q_proj.bias
+    assert moved["W_Q"] == pytest.approx((2 * w.norm() / torch.cat([w.flatten(), b]).norm()).item(), rel=1e-5)
+    assert moved["W_Q^T W_K"] == pytest.approx(2.0, rel=1e-5)  # not the distance to "first"
+    assert moved["W_K"] == moved["W_V"] == moved["embed"] == 0.0
+    start, model = Transformer(tiny_cfg(n_layers=1, n_classes=3)), Transformer(tiny_cfg(n_layers=1, n_classes=5))
+    assert "head" not in analyze.displacement(start, model) and "W_Q" in analyze.displacement(start, model)
 
 
 def test_pixel_ce_targets_are_the_raw_intensities():
