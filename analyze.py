@@ -149,10 +149,9 @@ def cmd_prop1(args):
     return "prop1.json", dict(settings=settings, rows=rows)
 
 
-# 1b. Proposition 1 in the model itself. Prop. 1's directions are the score directions D with zero column sums; a
-# score gradient G = dL/dS (L x L) is orthogonal to all of them exactly when its rows are equal (G = 1 g^T). Its
-# share along them is ||G - 1 gbar^T||^2 / ||G||^2 (gbar: the mean row): 0 for L_sup in the minimal model (one
-# layer, no LayerNorm, no MLP, mean pooling, a linear head) at uniform attention, positive otherwise.
+# 1b. Proposition 1 in the model: a score gradient G = dL/dS (L x L) is orthogonal to every direction with zero column
+# sums exactly when its rows are equal. Its share along them, ||G - 1 gbar^T||^2 / ||G||^2, is 0 for L_sup in the
+# minimal model (one layer, no LayerNorm, no MLP, mean pooling, a linear head) at uniform attention.
 
 def prop1_parts(grad, lengths=None):
     """(sum ||G_bh - 1 gbar_bh^T||^2, sum ||G_bh||^2) over sequences b and heads h of grad (B, H, L, L), dL/dS of one
