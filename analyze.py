@@ -1,13 +1,12 @@
 r"""analyze.py -- what self-pretraining does to attention, and the theory behind it (Coser et al. 2026).
 
-    python analyze.py prop1                     # Proposition 1 checked numerically (CPU, seconds)
+    python analyze.py prop1                     # Proposition 1 checked numerically
     python analyze.py gradients --ckpt out/synthetic/pretrain_init.pt out/synthetic/pretrain.pt   # ... in the model
     python analyze.py attention --ckpt out/synthetic/pretrain_init.pt out/synthetic/pretrain.pt \
                                        out/synthetic/finetune_spt.pt     # maps, PE-only probe, W_Q^T W_K
     python analyze.py curves --run_dir out/synthetic                      # proximity over training (--snapshots)
 
-Reads checkpoints of any task and the task's data; trains nothing. Writes PNG figures and JSON numbers into --out.
-
+Reads checkpoints of any task and the task's data; trains nothing; writes PNG figures and JSON numbers into --out.
 Sections: 1. Proposition 1 (1b: in the model)  2. attention after self-pretraining  3. figures  4. command line
 """
 import argparse
@@ -28,21 +27,14 @@ from model import Transformer, config_from_dict, param_group, real_positions, un
 
 # ---- 1. Proposition 1 (Coser et al., Prop. 1): gradients of the two losses at uniform attention ----
 #
-# Setting. Tokens X_1..X_L in R^d; scores s(a) = a D for a direction D (L x L); A(a) = row-softmax(s(a));
-# o_i = sum_j A_ij X_j; mean pool h = (1/L) sum_i o_i; L_sup(a) = E[l(h(a), Y)];
-# L_SPT(a) = (1/(2L)) sum_i E||X_i - o_i(a)||^2. E is the average over a sample of N sequences.
-#
-# Derivation. At a = 0 attention is uniform, A = 11^T/L, and dA/da(0) = Dbar/L, with Dbar = D J the row-centred
-# direction (J = I - 11^T/L, the centring matrix; not the positions P). Hence o_i'(0) = (1/L) sum_j Dbar_ij X_j and
-#     h'(0) = (1/L^2) sum_j (1^T Dbar)_j X_j,      1^T Dbar = 1^T D J.
-# If D has zero column sums (1^T D = 0), h'(0) = 0 for every sample: L_sup'(0) = 0 for ANY loss l.
-# For reconstruction, X_i - o_i(0) = (J X)_i is not zero, so
-#     L_SPT'(0) = -(1/L) sum_i E[(J X)_i . o_i'(0)] = -(1/L^2) <J D J, C>_F,    C_ij = E[X_i . X_j].
-# C is the uncentred second moment: the tokens need no centring. If 1^T D = 0, then J D J = Dbar and this is the
-# paper's -(1/L^2) <Dbar, C>_F; otherwise the two differ by +(1/L^3) sum_j (1^T Dbar)_j (1^T C)_j.
-# Both are exact with the empirical C of the sample; with the population C, up to sampling error.
-# With [CLS] pooling (h = o_1), h'(0) = (1/L) sum_j Dbar_1j X_j does not vanish unless row 1 of D is constant:
-# the argument does not carry over (the table reports the numbers).
+# Tokens X_1..X_L in R^d; scores a D for a direction D (L x L); A(a) = row-softmax(a D); o_i = sum_j A_ij X_j; mean
+# pool h = (1/L) sum_i o_i; L_sup(a) = E[l(h(a), Y)]; L_SPT(a) = (1/(2L)) sum_i E||X_i - o_i(a)||^2 (E: the sample
+# mean). At a = 0, dA/da = Dbar/L with Dbar = D J the row-centred direction (J = I - 11^T/L), so
+#     h'(0) = (1/L^2) sum_j (1^T Dbar)_j X_j:  0 for every sample, and L_sup'(0) = 0 for ANY loss, if 1^T D = 0;
+#     L_SPT'(0) = -(1/L) sum_i E[(J X)_i . o_i'(0)] = -(1/L^2) <J D J, C>_F,    C_ij = E[X_i . X_j] (uncentred).
+# If 1^T D = 0, J D J = Dbar: the paper's -(1/L^2) <Dbar, C>_F; otherwise they differ by +(1/L^3) sum_j (1^T Dbar)_j
+# (1^T C)_j. Exact with the sample's C; with the population C, up to sampling error. With [CLS] pooling (h = o_1),
+# h'(0) = (1/L) sum_j Dbar_1j X_j vanishes only if row 1 of D is constant (the table reports the numbers).
 
 def ar1_tokens(n, length, dim, rho=0.8, seed=0):
     """(n, length, dim) float64 tokens, a stationary AR(1) process along the sequence (corr rho^|i-j|), centred
@@ -67,9 +59,8 @@ def band_direction(length, width=2):
 
 
 def prop1_losses(x, d, a, w, y, pooling="mean"):
-    """(L_sup, L_SPT) of Coser et al., Prop. 1, at attention scores a * D: the cross-entropy of h @ w against y,
-    and (1/(2L)) sum_i mean_n ||X_i - o_i||^2. x: (N, L, d) tokens; d: (L, L); a: scalar tensor; w: (d, K), a fixed
-    linear classifier; y: (N,) labels; pooling: "mean" (h = mean_i o_i) or "cls" (h = o_1)."""
+    """(L_sup, L_SPT) of Prop. 1 at scores a * D: cross-entropy of h @ w against y, (1/(2L)) sum_i mean_n ||X_i -
+    o_i||^2. x: (N, L, d); d: (L, L); a: scalar tensor; w: (d, K); y: (N,); pooling: "mean" or "cls" (h = o_1)."""
     attn = torch.softmax(a * d, dim=-1)                # (L, L), the same for every sequence
     o = torch.einsum("ij,njd->nid", attn, x)           # (N, L, d)
     h = o.mean(1) if pooling == "mean" else o[:, 0]    # (N, d)
@@ -78,9 +69,9 @@ def prop1_losses(x, d, a, w, y, pooling="mean"):
     return l_sup, l_spt
 
 
-def prop1_derivatives(x, d, w, y, pooling="mean", a0=0.0):
-    """(L_sup'(a0), L_SPT'(a0)) as floats, by autograd through `prop1_losses` (a0 = 0: uniform attention)."""
-    a = torch.tensor(a0, dtype=torch.float64, requires_grad=True)
+def prop1_derivatives(x, d, w, y, pooling="mean"):
+    """(L_sup'(0), L_SPT'(0)) as floats at uniform attention, by autograd through `prop1_losses`."""
+    a = torch.tensor(0.0, dtype=torch.float64, requires_grad=True)
     losses = prop1_losses(x, d, a, w, y, pooling)
     return tuple(torch.autograd.grad(loss, a, retain_graph=True)[0].item() for loss in losses)
 
@@ -93,18 +84,13 @@ def closed_form_spt_derivative(x, d, c=None):
     return (-((d - d.mean(1, keepdim=True)) * c).sum() / x.shape[1] ** 2).item()
 
 
-def exact_spt_derivative(x, d, c=None):
-    """L_SPT'(0) = -(1/L^2) <J D J, C>_F with J = I - 11^T/L, exact for every direction D. It is the paper's
-    closed form applied to J D, the direction with its columns centred (row-centring J D gives J D J)."""
-    return closed_form_spt_derivative(x, column_centred(d), c)
-
-
 def rel_err(value, reference):
     return abs(value - reference) / max(abs(reference), 1e-300)
 
 
 def prop1_table(n=512, length=16, dim=8, n_classes=3, n_random=3, seed=0):
-    """Rows (dicts) of the Proposition 1 check: autograd derivatives at a = 0 against the closed forms."""
+    """Rows (dicts) of the Proposition 1 check: autograd derivatives at a = 0 against the closed forms (the exact
+    one, -(1/L^2) <J D J, C>_F for every D, is the paper's applied to J D: row-centring J D gives J D J)."""
     x, c_pop = ar1_tokens(n, length, dim, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     w = torch.randn(dim, n_classes, generator=g, dtype=torch.float64)
@@ -120,7 +106,7 @@ def prop1_table(n=512, length=16, dim=8, n_classes=3, n_random=3, seed=0):
     rows = []
     for name, xs, d, pooling, c in cases:
         sup, spt = prop1_derivatives(xs, d, w, y, pooling)
-        paper, exact = closed_form_spt_derivative(xs, d, c), exact_spt_derivative(xs, d, c)
+        paper, exact = closed_form_spt_derivative(xs, d, c), closed_form_spt_derivative(xs, column_centred(d), c)
         rows.append(dict(case=name, pooling=pooling, max_abs_col_sum=d.sum(0).abs().max().item(), dsup=sup,
                          dspt=spt, paper=paper, rel_err_paper=rel_err(paper, spt),
                          exact=exact, rel_err_exact=rel_err(exact, spt)))
@@ -129,9 +115,11 @@ def prop1_table(n=512, length=16, dim=8, n_classes=3, n_random=3, seed=0):
     return rows, settings, (x, w, y)
 
 
-def plot_prop1(x, w, y, d, path, command):
-    """Both losses along a in [-3, 3] for direction d, with the closed-form tangent of L_SPT at 0."""
-    grid = np.linspace(-3, 3, 121)
+def cmd_prop1(args):
+    """prop1.png: both losses along a in [-3, 3] for the band direction, with the closed-form tangent of L_SPT at 0;
+    the table printed. Returns the name and numbers of prop1.json (main writes it), as every cmd_* does."""
+    rows, settings, (x, w, y) = prop1_table(seed=args.seed)
+    d, grid = band_direction(settings["length"]), np.linspace(-3, 3, 121)
     losses = np.array([[v.item() for v in prop1_losses(x, d, torch.tensor(a), w, y)] for a in grid])
     slope, l0 = closed_form_spt_derivative(x, d), losses[60, 1]  # a = 0
     fig, axes = pyplot().subplots(1, 2, figsize=(10, 4))
@@ -145,15 +133,8 @@ def plot_prop1(x, w, y, d, path, command):
     axes[1].legend()
     for ax in axes:
         ax.axvline(0, color="gray", lw=0.5)
-    fig.suptitle("Coser et al. Prop. 1: band direction (column-centred), AR(1) tokens")
-    fig.tight_layout()
-    save_figure(fig, path, command)
-
-
-def cmd_prop1(args):
-    """Writes prop1.png; returns the numbers of prop1.json (main writes it), as every cmd_* does."""
-    rows, settings, (x, w, y) = prop1_table(seed=args.seed)
-    plot_prop1(x, w, y, band_direction(settings["length"]), os.path.join(args.out, "prop1.png"), args.command_line)
+    save_figure(fig, os.path.join(args.out, "prop1.png"), args.command_line,
+                "Coser et al. Prop. 1: band direction (column-centred), AR(1) tokens")
     head = (f"{'case':38s} {'Lsup_prime(0)':>13s} {'Lspt_prime(0)':>13s} {'paper form':>13s} {'rel.err':>8s}"
             f" {'exact form':>13s} {'rel.err':>8s}")
     print(head + "\n" + "-" * len(head))
@@ -168,17 +149,13 @@ def cmd_prop1(args):
     return "prop1.json", dict(settings=settings, rows=rows)
 
 
-# 1b. Proposition 1 in the model itself: where each loss's gradient points at the attention scores.
-# Prop. 1's directions are the score directions D with zero column sums. A score gradient G = dL/dS (L x L) is
-# orthogonal to all of them exactly when its rows are equal (G = 1 g^T): a key salience, no proximity. The share
-# of ||G||^2 along them is ||G - 1 gbar^T||^2 / ||G||^2 (gbar: the mean row). Prop. 1 makes it 0 for L_sup in the
-# minimal model (one layer, no LayerNorm, no MLP, mean pooling, a linear head) at uniform attention; an MLP,
-# LayerNorm or non-uniform attention make it positive.
+# 1b. Proposition 1 in the model: a score gradient G = dL/dS (L x L) is orthogonal to every direction with zero column
+# sums exactly when its rows are equal. Its share along them, ||G - 1 gbar^T||^2 / ||G||^2, is 0 for L_sup in the
+# minimal model (one layer, no LayerNorm, no MLP, mean pooling, a linear head) at uniform attention.
 
 def prop1_parts(grad, lengths=None):
-    """(sum ||G_bh - 1 gbar_bh^T||^2, sum ||G_bh||^2) over sequences b and heads h: the score gradients' squared norm
-    along Prop. 1's directions, and in all (their ratio: the share). grad: (B, H, L, L) dL/dS of one layer; lengths:
-    (B,) or None. Only real query rows count, and gbar is their mean (padded keys have zero gradient)."""
+    """(sum ||G_bh - 1 gbar_bh^T||^2, sum ||G_bh||^2) over sequences b and heads h of grad (B, H, L, L), dL/dS of one
+    layer: the part along Prop. 1's directions and the whole. Only real query rows count; gbar is their mean."""
     B, H, L, _ = grad.shape
     lengths = torch.full((B,), L) if lengths is None else lengths
     w = real_positions(lengths, L, "cpu").to(grad.dtype)[:, None, :, None]          # (B, 1, L, 1) query rows
@@ -193,16 +170,14 @@ def score_gradient(probs, probs_grad):
 
 
 def loss_gradients(path, data_dir, n=64, chunk=None, seed=0, losses=("L_sup", "L_SPT")):
-    """Prop. 1 in a checkpoint's model, on its task's first n training sequences: the attention-score gradients of
-    L_sup (through the model's pooling; a pretrain.py checkpoint gets a fresh class head of its preset's kind) and,
-    for a pretrain.py checkpoint, of L_SPT (its run's masks and loss). `seed` draws the head and the masks; `chunk`:
-    sequences at a time (default: <= 16 and chunk x L^2 <= 2^24). Returns {loss: {"prop1_share": [per layer],
-    "grad_norm": {group: ||dL/dW|| / sequences}}}. ValueError for a pair model or local attention."""
+    """Prop. 1 in a checkpoint's model, on its task's first n training sequences: the score gradients of L_sup (a
+    pretrain.py checkpoint gets a class head of its preset's kind, drawn from `seed` as the masks) and of a pretrain.py
+    checkpoint's L_SPT. Returns {loss: {"prop1_share": [per layer], "grad_norm": {group: ||dL/dW|| / sequences}}};
+    `chunk` sequences at a time. ValueError for a pair model or local attention."""
     model, ck = load_model(path, head_seed=seed)
-    meta = ck["data_meta"]
+    meta, run = ck["data_meta"], ck["config"]  # run: a pretrain.py run's masks and loss
     if model.cfg.pair or (model.cfg.attn_window and model.cfg.attn_window < meta["max_len"]):
-        raise ValueError(f"{path}: a pair model (Retrieval) or one with local attention; Prop. 1's measure needs "
-                         f"one sequence through full attention")
+        raise ValueError(f"{path}: a pair model or local attention; Prop. 1's measure needs full attention")
     split = data.load_split(data_dir, ck["task"], "train", ck)
     count = min(n, len(split["labels"]))
     g = torch.Generator().manual_seed(seed)
@@ -216,13 +191,11 @@ def loss_gradients(path, data_dir, n=64, chunk=None, seed=0, losses=("L_sup", "L
             if loss_name == "L_sup":
                 z, probs = model.encode(model_inputs(model, x), lengths, need_weights=True)
                 loss = F.cross_entropy(model.class_head(model.pool(z, lengths)), labels, reduction="sum")
-            else:
-                run = ck["config"]  # the pretrain.py run's masks and loss
+            else:  # the outputs at the sequence's positions, after the summary token
                 inputs, masked = pretrain.mask_batch(x, lengths, run["mask_ratio"], meta.get("mask_id"), g)
                 z, probs = model.encode(inputs, lengths, need_weights=True)
-                outputs = model.rec_head(z[:, model.prefix:])  # the sequence's positions, after the summary token
-                targets = pretrain.targets_at(x, run["rec_loss"], meta)
-                loss = pretrain.reconstruction_loss(outputs, targets, masked, run["rec_loss"]) * masked.sum()
+                loss = pretrain.reconstruction_loss(model.rec_head(z[:, model.prefix:]), pretrain.targets_at(
+                    x, run["rec_loss"], meta), masked, run["rec_loss"]) * masked.sum()
             for p in probs:
                 p.retain_grad()
             loss.backward()
@@ -277,15 +250,16 @@ def model_inputs(model, x):
     return x
 
 
+def row_entropy(probs):
+    """The entropy in nats of each row of attention probabilities (..., L) -> (...)."""
+    return -(probs * probs.clamp_min(1e-30).log()).sum(-1)
+
+
 @torch.no_grad()
 def attention_maps(model, x, lengths=None, chunk=None):
-    """Softmax attention of every layer averaged over a batch, and the mean entropy of its rows.
-
-    x: (B, L) tokens or (B, L, d_input) values; lengths: (B,) or None. Returns lists over layers of (H, L, L) maps
-    and (H, L) entropies (nats); row i is the mean over the sequences in which position i is real. The entropy is
-    taken per sequence: the averaged map's is larger (concavity). `chunk` sequences at a time (default: chunk x L^2
-    <= 2^24) bound the memory. Under [CLS] pooling L counts the summary token too: it is position 0.
-    """
+    """Softmax attention of every layer averaged over a batch x (B, L) or (B, L, d_input), lengths (B,) or None:
+    lists over layers of (H, L, L) maps and (H, L) row entropies (nats, taken per sequence), row i the mean over the
+    sequences where position i is real ([CLS]: the token is position 0). `chunk` sequences at a time bound memory."""
     L, layers = model.prefix + x.shape[1], model.cfg.n_layers
     chunk, sums, ents = chunk or max(1, 2 ** 24 // L ** 2), [0.0] * layers, [0.0] * layers
     real = torch.ones(len(x), L) if lengths is None else real_positions(model.prefix + lengths, L, "cpu").float()
@@ -294,7 +268,7 @@ def attention_maps(model, x, lengths=None, chunk=None):
         _, probs = model.encode(model_inputs(model, x[i:i + chunk]), part, need_weights=True)
         w = real[i:i + chunk, None, :]                                                    # (chunk, 1, L)
         sums = [s + (p * w[..., None]).sum(0) for s, p in zip(sums, probs)]
-        ents = [s + (-(p * p.clamp_min(1e-30).log()).sum(-1) * w).sum(0) for s, p in zip(ents, probs)]
+        ents = [s + (row_entropy(p) * w).sum(0) for s, p in zip(ents, probs)]
     count = real.sum(0).clamp_min(1)  # sequences in which each position is real
     return [s / count[:, None] for s in sums], [e / count for e in ents]
 
@@ -324,20 +298,15 @@ def qk_product(model, layer=0, head=0):
 
 
 def attention_stats(probs, band=3, side=None, entropy=None, lengths=None):
-    """Proximity statistics of attention probabilities (..., L, L), averaged over rows and leading dims.
-
-    entropy: the mean row entropy in nats, or the mean of `entropy` (..., L), attention_maps' per-sequence ones
-    (then entropy_of_mean_map is that of `probs`). band_mass: attention within |i - j| <= band. mean_distance:
-    sum_j A_ij |i - j|. uniform_*: the values of uniform attention. `side` (an image, L = side^2): band_mass_2d
-    within the (2 band + 1)^2 pixels around the query, mean_distance_2d in pixels.
-    `lengths` (B,): of the sequences an attention_maps mean was taken over; each row counts once per real sequence.
-    """
+    """Proximity statistics of attention probabilities (..., L, L), averaged over rows and leading dims: entropy
+    (nats; or the mean of attention_maps' `entropy` (..., L), then entropy_of_mean_map is probs'), band_mass within
+    |i - j| <= band, mean_distance, uniform_*: of uniform attention; `side` (L = side^2 pixels): the 2-D band and
+    distance. `lengths` (B,): of the sequences behind an attention_maps mean, each row counted once per real one."""
     L = probs.shape[-1]
     pos = torch.arange(L)
     dist = (pos[:, None] - pos[None, :]).abs().to(probs.dtype)
-    lengths = torch.tensor([L]) if lengths is None else lengths
-    real = real_positions(lengths, L, "cpu").to(probs.dtype)             # (sequences, L): which rows and keys
-    weight = real.sum(0)                                                 # (L,): sequences real at each row
+    real = real_positions(torch.tensor([L]) if lengths is None else lengths, L, "cpu").to(probs.dtype)  # (B, L)
+    weight, n = real.sum(0), real.sum(1)                          # sequences real at each row, real rows of each
 
     def mean(per_row):  # (..., L) per query row -> the mean over real (sequence, row) pairs and leading dims
         return ((per_row * weight).sum(-1) / weight.sum()).mean().item()
@@ -345,12 +314,10 @@ def attention_stats(probs, band=3, side=None, entropy=None, lengths=None):
     def uniform(near):  # band mass of uniform attention over each sequence's real keys, over its real rows
         per_row = (real @ near.to(probs.dtype).T) / real.sum(1, keepdim=True)         # (sequences, L)
         return ((per_row * real).sum() / real.sum()).item()
-    n = real.sum(1)
-    map_entropy = mean(-(probs * probs.clamp_min(1e-30).log()).sum(-1))
+    map_entropy = mean(row_entropy(probs))
     stats = dict(entropy=map_entropy if entropy is None else mean(entropy),
                  uniform_entropy=((n * n.log()).sum() / n.sum()).item(),
-                 band_mass=mean((probs * (dist <= band)).sum(-1)), band=band,
-                 uniform_band_mass=uniform(dist <= band),
+                 band_mass=mean((probs * (dist <= band)).sum(-1)), band=band, uniform_band_mass=uniform(dist <= band),
                  mean_distance=mean((probs * dist).sum(-1)))
     if entropy is not None:
         stats["entropy_of_mean_map"] = map_entropy
@@ -364,13 +331,10 @@ def attention_stats(probs, band=3, side=None, entropy=None, lengths=None):
 
 
 def analyze_checkpoints(paths, data_dir, n=64, band=3):
-    """Attention maps, PE probes and statistics of each checkpoint of `paths` ({label: path}) on the first `n`
-    validation sequences of its task (Retrieval: the 2n documents of n pairs); "displacement" from the start of the
-    checkpoint's own run (pretrain.run_init_path). Returns (results: plain numbers, maps: {label: dict(attention=[(H, L,
-    L) per layer], probe=(H, L, L) or None, qk=(d, d))}). Under [CLS] pooling the maps and statistics are over the
-    sequence's positions (rows renormalized without the token's column), and the token's own attention is apart:
-    summary_token_key_mass (what a position gives the token) and summary_token_row_entropy (the token's row).
-    """
+    """Attention maps, PE probes and statistics of each checkpoint of `paths` ({label: path}) on its task's first
+    `n` validation sequences (Retrieval: 2n documents), and the displacement from its run's start. Returns (numbers,
+    {label: dict(attention=[(H, L, L) per layer], probe=(H, L, L) or None, qk=(d, d))}). [CLS]: the maps over the
+    sequence (rows renormalized), the token's key mass and row entropy apart."""
     results, maps = {}, {}
     for label, path in paths.items():
         model, ck = load_model(path)
@@ -381,9 +345,9 @@ def analyze_checkpoints(paths, data_dir, n=64, band=3):
         attn, entropies = attention_maps(model, x, padded)
         probe = pe_probe(model, model.prefix + x.shape[1])[1] if model.absolute_positions(1) is not None else None
         token = {}
-        if model.prefix:  # [CLS]: the summary token's row and column apart, the statistics over the sequence's keys
-            token = dict(summary_token_key_mass=attn[0][:, 1:, 0].mean().item(), summary_token_row_entropy=-(
-                attn[0][:, 0] * attn[0][:, 0].clamp_min(1e-30).log()).sum(-1).mean().item())
+        if model.prefix:  # [CLS]: the token's row and column apart, the rest renormalized over the sequence's keys
+            token = dict(summary_token_key_mass=attn[0][:, 1:, 0].mean().item(),
+                         summary_token_row_entropy=row_entropy(attn[0][:, 0]).mean().item())
             attn = [a[:, 1:, 1:] / a[:, 1:, 1:].sum(-1, keepdim=True) for a in attn]  # renormalized over the keys
             probe = None if probe is None else probe[:, 1:, 1:] / probe[:, 1:, 1:].sum(-1, keepdim=True)
             entropies = [None] * len(attn)  # the renormalized map's own entropy
@@ -397,8 +361,7 @@ def analyze_checkpoints(paths, data_dir, n=64, band=3):
         stats["stage"], stats["path"] = ck.get("stage"), path
         start = pretrain.run_init_path(path)  # the weights this checkpoint's own run started from
         if start is not None and os.path.abspath(start) != os.path.abspath(path):
-            stats["displacement"] = displacement(load_model(start)[0], model)
-            stats["displacement_from"] = start
+            stats.update(displacement=displacement(load_model(start)[0], model), displacement_from=start)
         results[label] = stats
         maps[label] = dict(attention=attn, probe=probe, qk=qk_product(model))
     return results, maps
@@ -420,31 +383,9 @@ def displacement(start, model):
     return moved
 
 
-def plot_maps(rows, path, title, command, diverging=False, top=None):
-    """Heatmaps, a row of panels per entry of `rows` ({row name: {panel title: (n, m) tensor}}), on ONE colour
-    scale with one colorbar, from 0 (or, `diverging`, from minus) to `top`: by default the largest absolute value
-    shown; a value above a given `top` takes the scale's brightest colour."""
-    top = top or max(float(img.abs().max()) for row in rows.values() for img in row.values())
-    width = max(len(row) for row in rows.values())
-    fig, axes = pyplot().subplots(len(rows), width, figsize=(3.6 * width + 1, 3.4 * len(rows)), squeeze=False,
-                                  layout="constrained")
-    x_label, y_label = ("key feature", "query feature") if diverging else ("key position j", "query position i")
-    for ax_row, (name, row) in zip(axes, rows.items()):
-        for ax, (label, img) in zip(ax_row, row.items()):
-            im = ax.imshow(img.numpy(), cmap="RdBu_r" if diverging else "viridis", vmin=-top if diverging else 0,
-                           vmax=top)
-            ax.set(title=label, xlabel=x_label, ylabel=f"{name}\n{y_label}")
-        for ax in ax_row[len(row):]:
-            ax.axis("off")
-    fig.colorbar(im, ax=axes, shrink=0.8, label="one scale for every panel")
-    fig.suptitle(title)
-    save_figure(fig, path, command)
-
-
 def checkpoint_labels(paths):
-    """{label: path}: each path relative to the folder all share, without .pt (s0/pretrain.pt, s1/pretrain.pt:
-    s0/pretrain, s1/pretrain), or with it where two labels would be the same (x.pt, x.pth). ValueError for one
-    file named twice (out/x.pt, ./out/x.pt)."""
+    """{label: path}: each path relative to the folder all share, without .pt unless two labels would be the same
+    (x.pt, x.pth). ValueError for one file named twice (out/x.pt, ./out/x.pt)."""
     root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in paths])
     full = [os.path.relpath(os.path.abspath(p), root) for p in paths]
     bare = [os.path.splitext(f)[0] for f in full]
@@ -452,24 +393,6 @@ def checkpoint_labels(paths):
     if len(labels) < len(paths):
         raise ValueError(f"--ckpt names one file twice: {' '.join(paths)}")
     return labels
-
-
-def plot_attention(maps, path, command, percentile=99.0):
-    """analyze_checkpoints' maps on one colour scale: layer 0 head 0's attention of each checkpoint, and below, the
-    PE-only probe of those with sinusoidal positions. The scale runs from 0 to the `percentile` of every value
-    shown, printed on the figure: a proximity band holds a few % of the entries, which then stand out in full
-    colour, instead of dimmed by the few largest values (such as a diagonal)."""
-    rows = {"attention": {label: m["attention"][0][0] for label, m in maps.items()}}
-    title = "layer 0, head 0: softmax attention, mean over validation sequences"
-    probes = {label: m["probe"][0] for label, m in maps.items() if m["probe"] is not None}
-    if probes:
-        rows["PE-only probe"] = probes
-        title += "; PE-only probe softmax(P W_Q^T W_K P^T / sqrt(d_head))"
-    values = np.concatenate([img.flatten().numpy() for row in rows.values() for img in row.values()])
-    top, L = float(np.percentile(values, percentile)), next(iter(rows["attention"].values())).shape[-1]
-    plot_maps(rows, path, f"{title}\ncolour scale 0 to {top:.3f} (the {percentile:g}th percentile of every panel; "
-              f"above it: the brightest colour); uniform attention is 1/L = {1 / L:.4f}\nLook for a bright band "
-              f"along the diagonal: each position attends to its neighbours", command, top=top)
 
 
 def cmd_attention(args):
@@ -494,8 +417,7 @@ def cmd_curves(args):
     prefix = os.path.join(args.run_dir, args.stage + "_step")  # pretrain.run_paths' snapshot names
     steps = sorted((int(f[len(prefix):-3]), f) for f in glob.glob(prefix + "*.pt") if f[len(prefix):-3].isdigit())
     if not steps:
-        raise FileNotFoundError(f"no {args.stage}_step*.pt in {args.run_dir}: run {args.stage.split('_')[0]}.py "
-                                f"with --snapshots")
+        raise FileNotFoundError(f"no {args.stage}_step*.pt in {args.run_dir}: run with --snapshots")
     paths = {"step0": os.path.join(args.run_dir, args.stage + "_init.pt"), **{f"step{s}": f for s, f in steps}}
     results, _ = analyze_checkpoints(paths, args.data_dir, args.n, args.band)
     xs = [0] + [s for s, _ in steps]
@@ -506,9 +428,8 @@ def cmd_curves(args):
         ax.set(xlabel="training step", ylabel=label)
     axes[0].axhline(results["step0"]["uniform_entropy"], ls="--", color="gray", label="log L (uniform)")
     axes[0].legend()
-    fig.suptitle(f"proximity of attention over {args.stage} ({args.run_dir})")
-    fig.tight_layout()
-    save_figure(fig, os.path.join(args.out, f"curves_{args.stage}.png"), args.command_line)
+    save_figure(fig, os.path.join(args.out, f"curves_{args.stage}.png"), args.command_line,
+                f"proximity of attention over {args.stage} ({args.run_dir})")
     return f"curves_{args.stage}.json", dict(steps=xs, stats=list(results.values()))
 
 
@@ -527,9 +448,13 @@ def command_line(script, argv):
     return "python " + shlex.join([script, *argv])
 
 
-def save_figure(fig, path, command):
-    """Write a matplotlib figure as PNG atomically (data.save_atomic) and close it. `command`, the one that drew it,
-    goes into the PNG's text chunk "Command": figure_command reads it back, ablate.py report prints it."""
+def save_figure(fig, path, command, title=None):
+    """Write a figure as PNG atomically (data.save_atomic), `title` on top, tightened unless constrained, and close
+    it. `command`, the one that drew it, goes into the PNG's text chunk "Command" (figure_command reads it)."""
+    if title:
+        fig.suptitle(title)
+    if fig.get_layout_engine() is None:
+        fig.tight_layout()
     data.save_atomic(lambda f: fig.savefig(f, format="png", dpi=110, metadata={"Command": command}), path)
     pyplot().close(fig)
 
@@ -542,6 +467,41 @@ def figure_command(path):
         if image.format != "PNG":  # a JPEG or GIF under a .png name has no text chunks
             raise OSError(f"{path}: a {image.format} image, not a PNG")
         return image.text.get("Command")
+
+
+def plot_maps(rows, path, title, command, diverging=False, top=None):
+    """Heatmaps, a row of panels per entry of `rows` ({row name: {panel title: (n, m) tensor}}), on ONE colour scale
+    with one colorbar, from 0 (`diverging`: from -top) to `top` (default: the largest absolute value shown)."""
+    top = top or max(float(img.abs().max()) for row in rows.values() for img in row.values())
+    width = max(len(row) for row in rows.values())
+    fig, axes = pyplot().subplots(len(rows), width, figsize=(3.6 * width + 1, 3.4 * len(rows)), squeeze=False,
+                                  layout="constrained")
+    x_label, y_label = ("key feature", "query feature") if diverging else ("key position j", "query position i")
+    for ax_row, (name, row) in zip(axes, rows.items()):
+        for ax, (label, img) in zip(ax_row, row.items()):
+            im = ax.imshow(img.numpy(), cmap="RdBu_r" if diverging else "viridis", vmin=-top if diverging else 0,
+                           vmax=top)
+            ax.set(title=label, xlabel=x_label, ylabel=f"{name}\n{y_label}")
+        for ax in ax_row[len(row):]:
+            ax.axis("off")
+    fig.colorbar(im, ax=axes, shrink=0.8, label="one scale for every panel")
+    save_figure(fig, path, command, title)
+
+
+def plot_attention(maps, path, command, percentile=99.0):
+    """analyze_checkpoints' maps (plot_maps): layer 0 head 0's attention of each checkpoint, below it the PE-only
+    probes; the scale from 0 to the `percentile` of every value shown, so that a proximity band stands out."""
+    rows = {"attention": {label: m["attention"][0][0] for label, m in maps.items()}}
+    title = "layer 0, head 0: softmax attention, mean over validation sequences"
+    probes = {label: m["probe"][0] for label, m in maps.items() if m["probe"] is not None}
+    if probes:
+        rows["PE-only probe"] = probes
+        title += "; PE-only probe softmax(P W_Q^T W_K P^T / sqrt(d_head))"
+    values = np.concatenate([img.flatten().numpy() for row in rows.values() for img in row.values()])
+    top, L = float(np.percentile(values, percentile)), next(iter(rows["attention"].values())).shape[-1]
+    plot_maps(rows, path, f"{title}\ncolour scale 0 to {top:.3f} (the {percentile:g}th percentile of every panel; "
+              f"above it: the brightest colour); uniform attention is 1/L = {1 / L:.4f}\nLook for a bright band "
+              f"along the diagonal: each position attends to its neighbours", command, top=top)
 
 
 def plot_curves(curves, path, title, command, hline=None):
@@ -558,14 +518,12 @@ def plot_curves(curves, path, title, command, hline=None):
     ax.set(xlabel="epoch", ylabel="validation accuracy", title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
     save_figure(fig, path, command)
 
 
 def plot_initscale(runs, kinds, scales, lengths, seeds, path, command):
-    """ablate.py initscale's phase diagram: mean best validation accuracy per (init scale, length), written in each
-    cell; a panel per init kind (row) and stage (column), one colour scale. runs: dicts with kind, stage, scale,
-    length, best_val_acc."""
+    """ablate.py initscale's phase diagram: mean best_val_acc of `runs` (dicts) per (scale, length) in each cell; a
+    panel per init kind (row) and stage (column), one colour scale."""
     stages = (("scratch", "from scratch"), ("spt", "SPT, then finetune"))
     mean = lambda rs: sum(r["best_val_acc"] for r in rs) / len(rs) if rs else float("nan")
     grids = {(kind, stage): np.array([[mean([r for r in runs if (r["kind"], r["stage"], r["scale"], r["length"]) ==
@@ -583,47 +541,42 @@ def plot_initscale(runs, kinds, scales, lengths, seeds, path, command):
             ax.set_yticks(range(len(lengths)), [str(L) for L in lengths])
             ax.set(xlabel="init scale (x PyTorch default)", ylabel="sequence length L", title=f"{kind}: {title}")
     fig.colorbar(im, ax=axes, shrink=0.8, label=f"best val acc (one scale, {low:.2f} to 1)")
-    fig.suptitle(f"Synthetic trajectories: best validation accuracy, mean of {seeds} seed(s)")
-    save_figure(fig, path, command)
+    save_figure(fig, path, command, f"Synthetic trajectories: best validation accuracy, mean of {seeds} seed(s)")
 
 
-# ---- 4. Command line ----
+# ---- 4. Command line: a table of subcommands, each with the flags it takes ----
+
+FLAGS = {  # flag: argparse keywords
+    "out": dict(type=data.folder, default="out/analysis", help="folder for the figures and JSON"),
+    "ckpt": dict(nargs="+", required=True, help="checkpoints, e.g. out/synthetic/pretrain.pt"),
+    "data_dir": dict(type=data.folder, default="data", help="root of data/<task>/"),
+    "n": dict(type=data.POSITIVE, default=64, help="sequences used (gradients: training; else validation)"),
+    "seed": dict(type=data.SEED, default=0, help="seed of the random tokens (prop1), of the class head and masks"),
+    "band": dict(type=data.NON_NEGATIVE, default=3, help="k of the band mass |i - j| <= k"),
+    "run_dir": dict(required=True, help="folder with <stage>_init.pt and <stage>_step*.pt"),
+    "stage": dict(default="pretrain", choices=("pretrain", "finetune_spt", "finetune_scratch"), help="whose snapshots"),
+}
+COMMANDS = {  # name: (function, help, flags besides --out)
+    "prop1": (cmd_prop1, "Proposition 1: L_sup'(0) and L_SPT'(0) at uniform attention", ("seed",)),
+    "gradients": (cmd_gradients, "Proposition 1 in a model: score gradient shares", ("ckpt", "data_dir", "n", "seed")),
+    "attention": (cmd_attention, "maps, PE-only probe, W_Q^T W_K, proximity", ("ckpt", "data_dir", "n", "band")),
+    "curves": (cmd_curves, "proximity over training (--snapshots)", ("run_dir", "stage", "data_dir", "n", "band")),
+}
+
 
 def main(argv=None):
     p = data.ArgumentParser(description="Numerical checks of Coser et al. (2026)")
     sub = p.add_subparsers(dest="command", required=True)
-
-    def add(name, func, help, split=None, ckpt=None, seed=None):
+    for name, (func, help, flags) in COMMANDS.items():
         s = sub.add_parser(name, formatter_class=argparse.ArgumentDefaultsHelpFormatter, help=help)
         s.set_defaults(func=func)
-        s.add_argument("--out", type=data.folder, default="out/analysis", help="folder for the figures and JSON")
-        if ckpt:
-            s.add_argument("--ckpt", nargs="+", required=True, help=f"checkpoints, e.g. {ckpt}")
-        if split:
-            s.add_argument("--data_dir", type=data.folder, default="data", help=f"root of data/<task>/ (its {split})")
-            s.add_argument("--n", type=data.POSITIVE, default=64, help=f"{split} sequences used")
-        if seed:
-            s.add_argument("--seed", type=data.SEED, default=0, help=f"seed of {seed}")
-        if split == "validation":
-            s.add_argument("--band", type=data.NON_NEGATIVE, default=3, help="k of the band mass |i - j| <= k")
-        return s
-    add("prop1", cmd_prop1, "Proposition 1: derivatives of L_sup and L_SPT at uniform attention",
-        seed="the random tokens and directions")
-    add("gradients", cmd_gradients, "Proposition 1 in the model: the share of each loss's score gradient along "
-        "Prop. 1's directions", "training", ckpt="out/synthetic/pretrain.pt (L_sup and L_SPT) "
-        "out/synthetic/finetune_spt.pt (L_sup)", seed="the fresh class head and of the masks")
-    add("attention", cmd_attention, "attention maps, PE-only probe, W_Q^T W_K and proximity statistics",
-        "validation", ckpt="out/synthetic/pretrain_init.pt out/synthetic/pretrain.pt out/synthetic/finetune_spt.pt")
-    s = add("curves", cmd_curves, "proximity statistics over training from --snapshots checkpoints", "validation")
-    s.add_argument("--run_dir", required=True, help="folder with <stage>_init.pt and <stage>_step*.pt")
-    s.add_argument("--stage", default="pretrain", choices=("pretrain", "finetune_spt", "finetune_scratch"),
-                   help="which run's snapshots (file name prefix)")
+        for flag in ("out",) + flags:
+            s.add_argument("--" + flag, **FLAGS[flag])
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
     args.command_line = command_line("analyze.py", argv)  # recorded in every figure this run draws
-    for path in getattr(args, "ckpt", None) or []:  # every file, before the first one's work
-        if not os.path.isfile(path):
-            raise data.not_a_file(path)
+    for path in getattr(args, "ckpt", None) or []:  # every file opens (an OSError names it) before any work
+        open(path, "rb").close()
     name, numbers = args.func(args)
     data.save_atomic(numbers, os.path.join(args.out, name))
     print(f"wrote {os.path.join(args.out, name)} and its figures")

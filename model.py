@@ -6,12 +6,8 @@
     -> reconstruction head (per position, self-pretraining)  and/or  pooling (mean, max, [CLS]) + classification head
 
 Attention keeps W_Q, W_K, W_V, W_O as four Linear layers, so that Coser et al.'s Table 3 can inherit or freeze them
-one by one. Its fast path is torch's scaled_dot_product_attention; its explicit path writes softmax(Q K^T / sqrt(d))
-out and returns the probabilities for analysis. LayerNorm and the MLP can be switched off: the paper's minimal model.
-
-Reading order: ModelConfig; sinusoidal_positions (then ALiBi, RoPE and FIRE, the relative schemes of --pos);
-Attention.forward and explicit_attention; Transformer (encode, pool, classify, reconstruct); init_weights; the
-parameter groups of Table 3 and checkpoint helpers. This file is a library: it imports no stage.
+one by one; its fast path is torch's scaled_dot_product_attention, its explicit path returns the probabilities for
+analysis. LayerNorm and the MLP can be switched off: the paper's minimal model. A library: it imports no stage.
 """
 import math
 import re
@@ -43,31 +39,27 @@ class ModelConfig:
     attn_window: int = 0       # > 0: local attention, blocks of this many positions see their neighbour blocks
     n_classes: int = 0         # > 0 adds the classification head (finetuning)
     n_rec: int = 0             # > 0 adds the per-position reconstruction head with this many outputs (SPT)
-    init: str = "reference"    # initialization scheme (INIT_SCHEMES, init_weights): "reference" = Amos et al.'s
-                               # code (PyTorch defaults, W_Q = W_K = W_V = W_O at init), "torch", "normal"
+    init: str = "reference"    # INIT_SCHEMES (init_weights): "reference" (Amos et al.'s code), "torch", "normal"
     init_std: float = 0.02     # std of every Linear and Embedding weight under "normal"; of pos "learned" always
     init_scale: float = 1.0    # multiplies every initialized Linear/Embedding tensor (ablate.py initscale)
 
     def __post_init__(self):
         """ValueError for a setting no model has, naming the choices: a string of POSITIONS, POOLINGS or
-        INIT_SCHEMES (a typo would otherwise run another model), or d_model not divisible by n_heads."""
+        INIT_SCHEMES (a typo would otherwise run another model), local attention with a score bias or [CLS] pooling,
+        or d_model not divisible by n_heads."""
         for field, choices in (("pos", POSITIONS), ("pooling", POOLINGS), ("init", INIT_SCHEMES)):
             if getattr(self, field) not in choices:
                 raise ValueError(f"model {field} {getattr(self, field)!r}: expected one of {', '.join(choices)}")
-        if self.pooling == "cls" and self.attn_window:
-            raise ValueError("pooling 'cls' with local attention (attn_window > 0): the summary token would see only "
-                             "its own block; use mean or max pooling")
+        if self.attn_window and (self.pos in SCORE_BIASES or self.pooling == "cls"):  # neither fits the blocks
+            raise ValueError(f"local attention (attn_window > 0) with pos {self.pos!r}, pooling {self.pooling!r}: "
+                             f"it takes no score bias ({', '.join(SCORE_BIASES)}) and no [CLS] token")
         if self.d_model % self.n_heads:
-            raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}: each head gets "
-                             f"d_model / n_heads features (give --d_model or --n_heads so that it divides)")
+            raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
 
 
 def sinusoidal_positions(n_pos, d_model, base=10000.0):
-    """Fixed sinusoidal encodings P (n_pos, d_model): P[t, 2i] = sin(t / base^(2i/d)), P[t, 2i+1] = cos(...).
-
-    Source: Vaswani et al. 2017, Sec. 3.5. These are the absolute positions that SPT turns into a proximity
-    bias through W_Q^T W_K (Coser et al., Sec. 4).
-    """
+    """Fixed sinusoidal encodings P (n_pos, d_model): P[t, 2i] = sin(t / base^(2i/d)), P[t, 2i+1] = cos(...)
+    (Vaswani et al. 2017, Sec. 3.5): what SPT turns into a proximity bias through W_Q^T W_K (Coser et al., Sec. 4)."""
     t = torch.arange(n_pos, dtype=torch.float32)[:, None]                         # (n_pos, 1)
     inv_freq = base ** (-torch.arange(0, d_model, 2, dtype=torch.float32) / d_model)  # (ceil(d/2),)
     P = torch.zeros(n_pos, d_model)
@@ -77,12 +69,11 @@ def sinusoidal_positions(n_pos, d_model, base=10000.0):
 
 
 # Every scheme of ModelConfig.pos. A new one: add it here, build it in Transformer.absolute_positions (added to the
-# input) or in Attention (relative: a score bias in _position_bias, listed in SCORE_BIASES), put its parameters in
-# PARAM_GROUPS["posenc"] and its init in init_weights; buffers non-persistent and constant (pretrain.wrap).
+# input) or in Attention (relative: a score bias in _position_bias, listed in SCORE_BIASES); its parameters go in
+# PARAM_GROUPS["posenc"] and init_weights, its buffers non-persistent and constant (pretrain.wrap).
 POSITIONS = ("sinusoidal", "learned", "alibi", "rope", "fire", "none")
 SCORE_BIASES = ("alibi", "fire")  # the schemes that add a bias (H, L, L) to the attention scores
-# Every ModelConfig.pooling (Transformer.pool). A new one: add it here and in pool; one with weights of its own puts
-# them in PARAM_GROUPS and init_weights, as "cls" does with its summary token (Transformer.prefix positions).
+# Every ModelConfig.pooling (Transformer.pool); weights of its own go in PARAM_GROUPS and init_weights, as cls's.
 POOLINGS = ("mean", "max", "cls")
 
 
@@ -90,8 +81,7 @@ def alibi_slopes(n_heads):
     """ALiBi head slopes m_h (Press et al. 2022, Sec. 3 and their reference code): for n a power of two,
     m_h = 2^(-8h/n), h = 1..n; otherwise the n' = largest power of two below n gives the first n' slopes and
     the odd-indexed slopes of 2n' fill the rest. Returns (n_heads,) float32."""
-    def power_of_two(n):
-        return [2 ** (-8 * h / n) for h in range(1, n + 1)]
+    power_of_two = lambda n: [2 ** (-8 * h / n) for h in range(1, n + 1)]
     n = 2 ** math.floor(math.log2(n_heads))
     slopes = power_of_two(n) + power_of_two(2 * n)[0::2][: n_heads - n]
     return torch.tensor(slopes, dtype=torch.float32)
@@ -132,33 +122,27 @@ class FIRE(nn.Module):
 class Attention(nn.Module):
     """Multi-head self-attention with separate W_Q, W_K, W_V, W_O (bias included, as in Amos et al.).
 
-    forward(x (B, L, d_model), valid (B, L) bool or None, need_weights) -> (y (B, L, d_model), probs or None)
-    `valid[b, t]` is True at real tokens (None: no padding); padded keys get no attention, padded queries an output
-    that is ignored. need_weights runs the explicit path and returns probs (B, H, L, L). Relative positions:
-    SCORE_BIASES add a bias (H, L, L) to the scores, "rope" rotates Q and K.
-    """
+    forward(x (B, L, d_model), valid (B, L) bool or None, need_weights) -> (y (B, L, d_model), probs or None).
+    valid is True at real tokens (None: no padding); padded keys get no attention. need_weights: the explicit path,
+    probs (B, H, L, L). SCORE_BIASES add a bias (H, L, L) to the scores, "rope" rotates Q and K."""
 
     def __init__(self, cfg):
         super().__init__()
         self.n_heads, self.d_head = cfg.n_heads, cfg.d_model // cfg.n_heads
         self.pos, self.window = cfg.pos, cfg.attn_window
-        # W_Q, W_K, W_V, W_O
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(cfg.d_model, cfg.d_model) for _ in range(4))
         if cfg.pos == "alibi":
             self.register_buffer("slopes", alibi_slopes(cfg.n_heads), persistent=False)
         self.fire = FIRE(cfg.n_heads) if cfg.pos == "fire" else None
-        if self.window and cfg.pos in SCORE_BIASES:  # local_attention adds no bias
-            raise ValueError(f"local attention (attn_window > 0) does not support pos {cfg.pos!r}: its score bias")
 
     def forward(self, x, valid=None, need_weights=False):
         B, L, _ = x.shape
-        # (B, L, d_model) -> (B, H, L, d_head) for each of Q, K, V
-        q, k, v = (proj(x).view(B, L, self.n_heads, self.d_head).transpose(1, 2)
+        q, k, v = (proj(x).view(B, L, self.n_heads, self.d_head).transpose(1, 2)  # (B, H, L, d_head)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
         if self.pos == "rope":
             q, k = rope(q), rope(k)
         if need_weights:
-            y, probs = self.explicit_attention(q, k, v, self._mask(valid, q, local=True))
+            y, probs = self.explicit_attention(q, k, v, self._mask(valid, q))
         elif self.window and L > self.window:
             y, probs = self.local_attention(q, k, v, valid), None
         else:
@@ -173,14 +157,13 @@ class Attention(nn.Module):
             return -self.slopes[:, None, None] * dist
         return self.fire(L, device)
 
-    def _mask(self, valid, q, local=False):
-        """The mask of the scores of q (B, H, L, d_head), or None when nothing is masked: boolean (True = may
-        attend) of the padded keys (B, 1, 1, L); with `local` and a window shorter than L, also local_attention's
-        band of blocks (B or 1, 1, L, L); with a score bias, a float mask (B or 1, H, L, L) of q's dtype: the bias,
-        -inf where the boolean one forbids."""
+    def _mask(self, valid, q):
+        """The mask of the scores of q (B, H, L, d_head), or None: boolean (True = may attend) of the padded keys
+        (B, 1, 1, L), with a window shorter than L also local_attention's band of blocks (B or 1, 1, L, L); with a
+        score bias a float mask (B or 1, H, L, L) of q's dtype: the bias, -inf where the boolean one forbids."""
         L, device = q.shape[-2], q.device
         mask = None if valid is None else valid[:, None, None, :]                # (B, 1, 1, L) keys
-        if local and self.window and L > self.window:
+        if self.window and L > self.window:
             block = torch.arange(L, device=device) // self.window
             band = (block[:, None] - block[None, :]).abs() <= 1                  # (L, L)
             # A padded query may see every key of its window, so that no row is empty (its output is ignored).
@@ -197,8 +180,7 @@ class Attention(nn.Module):
         B, H, L, d = q.shape
         w, pad = self.window, -L % self.window
         n = (L + pad) // w
-        key_ok = torch.ones(B, L, dtype=torch.bool, device=q.device) if valid is None else valid
-        key_ok = F.pad(key_ok, (0, pad))                                              # (B, n * w)
+        key_ok = F.pad(torch.ones(B, L, dtype=torch.bool, device=q.device) if valid is None else valid, (0, pad))
         q, k, v = (F.pad(t, (0, 0, 0, pad)).view(B, H, n, w, d) for t in (q, k, v))
 
         def with_neighbours(t):  # (B, H, n, w, c) -> (B, H, n, 3w, c): blocks b-1, b, b+1 (zeros outside)
@@ -210,19 +192,14 @@ class Attention(nn.Module):
         keys = with_neighbours(key_ok.view(B, 1, n, w, 1)).transpose(-1, -2)         # (B, 1, n, 1, 3w)
         # Padded queries see their whole window, so that no row is empty (their output is ignored).
         mask = keys if valid is None else keys | ~key_ok.view(B, 1, n, w, 1)        # (B, 1, n, 1 or w, 3w)
-
-        def fold(t):  # (B, H, n, ...) -> (B n, H, ...): 4-D inputs, which the fused CUDA kernels require
-            return t.transpose(1, 2).flatten(0, 1)
-
+        fold = lambda t: t.transpose(1, 2).flatten(0, 1)  # (B, H, n, ...) -> (B n, H, ...): 4-D for fused kernels
         y = F.scaled_dot_product_attention(fold(q), fold(k), fold(v), attn_mask=fold(mask))  # (B n, H, w, d)
         return y.view(B, n, H, w, d).transpose(1, 2).reshape(B, H, n * w, d)[:, :, :L]
 
     def explicit_attention(self, q, k, v, mask):
         """softmax(Q K^T / sqrt(d_head) + mask) V written out. q, k, v: (B, H, L, d_head); mask: bool (True =
         may attend) or float (added to the scores), broadcastable to (B, H, L, L), or None.
-
-        Returns (y (B, H, L, d_head), probs (B, H, L, L)). Used only when attention weights are asked for.
-        """
+        Returns (y (B, H, L, d_head), probs (B, H, L, L)). Used only when attention weights are asked for."""
         scores = q @ k.transpose(-2, -1) / math.sqrt(self.d_head)                  # (B, H, L, L)
         if mask is not None and mask.dtype == torch.bool:
             scores = scores.masked_fill(~mask, float("-inf"))  # every row keeps >= 1 key, so no NaN
@@ -259,17 +236,13 @@ def real_positions(lengths, L, device):
 
 
 class Transformer(nn.Module):
-    """The encoder of the study plus its two heads. See the module docstring for the layout.
-
-    Inputs: tokens (B, L) int64 for discrete tasks, or values (B, L, d_input) float for continuous ones;
-    lengths (B,) int64 real length of each sequence (None = no padding), on any device: on the CPU (as
-    data.get_batch returns them) the has-padding check needs no GPU synchronisation.
-    """
+    """The encoder of the study plus its two heads (the module docstring's layout). Inputs: tokens (B, L) int64, or
+    values (B, L, d_input) float; lengths (B,) int64 real length of each sequence (None = no padding), on any
+    device: on the CPU (as data.get_batch returns them) the has-padding check needs no GPU synchronisation."""
 
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        # the input encoder: of tokens, or of continuous values
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model) if cfg.vocab_size > 0 else \
             nn.Linear(cfg.d_input, cfg.d_model)
         # [CLS] pooling: a learned summary token at position 0 (Devlin et al. 2019), never masked nor reconstructed
@@ -355,9 +328,8 @@ class Transformer(nn.Module):
         return in_fp32(self.cls_head, h)
 
     def reconstruct(self, x, lengths=None):
-        """Reconstruction outputs (B, L, n_rec) float32 at every position of the sequence (not the summary token);
-        the head runs in float32, as class_head. Every position, not the masked ones: the shape is known without
-        looking at the mask, so on a GPU nothing waits for the device."""
+        """Reconstruction outputs (B, L, n_rec) float32 (as class_head) at every position of the sequence, not the
+        summary token: not only the masked ones, whose count a GPU would have to be waited for."""
         z = self.encode(x, lengths)[0][:, self.prefix:]
         return in_fp32(self.rec_head, z)
 
@@ -366,8 +338,7 @@ def in_fp32(head, h):
     """head(h) in float32 with autocast switched off on h's device: h (..., d_in) -> (..., d_out) float32 (the
     head's weights are float32). A device without autocast (e.g. "meta") has nothing to switch off."""
     kind = h.device.type
-    off = torch.autocast(kind, enabled=False) if torch.amp.is_autocast_available(kind) else nullcontext()
-    with off:
+    with torch.autocast(kind, enabled=False) if torch.amp.is_autocast_available(kind) else nullcontext():
         return head(h.to(next(head.parameters()).dtype))
 
 
@@ -406,16 +377,14 @@ def init_weights(model, cfg):
     |   heads, FIRE's MLP)                 |   1/sqrt(3 d_in)           |                  |                  |
     | Linear bias                          | U(-1/sqrt(d_in), ...)      | as "reference"   | 0                |
     | Embedding (token input encoder)      | N(0, 1)                    | N(0, 1)          | N(0, init_std^2) |
-    | learned positions table (pos_embed)  | N(0, init_std^2)           | N(0, init_std^2) | N(0, init_std^2) |
-    | summary token ([CLS] pooling)        | N(0, init_std^2)           | N(0, init_std^2) | N(0, init_std^2) |
+    | pos_embed, summary token             | N(0, init_std^2)           | N(0, init_std^2) | N(0, init_std^2) |
     | W_Q, W_K, W_V, W_O of one layer      | equal (one draw, copied)   | independent      | independent      |
-    | LayerNorm weight / bias              | 1 / 0                      | 1 / 0            | 1 / 0            |
-    Then every Linear weight and bias and every Embedding weight is multiplied by cfg.init_scale (1 = as above).
+    LayerNorm keeps weight 1, bias 0. Then every Linear weight and bias and every Embedding weight is multiplied by
+    cfg.init_scale (1 = as above).
 
-    "reference" is the code the paper's LRA numbers come from (Amos et al., not-from-scratch,
-    MultiheadAttentionFlash): PyTorch's defaults, the four projections `copy.deepcopy` of ONE layer, so W_Q = W_K
-    makes the scores at init a Gram matrix, which leans towards nearby positions. "torch": PyTorch's defaults with
-    independent projections; "normal": GPT-2's N(0, 0.02), attention almost exactly uniform (Prop. 1's premise).
+    "reference": Amos et al.'s code behind the paper's LRA numbers (MultiheadAttentionFlash deep-copies ONE layer),
+    so W_Q = W_K makes the scores at init a Gram matrix, leaning towards nearby positions. "normal": GPT-2's
+    N(0, 0.02), attention almost exactly uniform (Prop. 1's premise).
     """
     for m in model.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -428,17 +397,13 @@ def init_weights(model, cfg):
             with torch.no_grad():  # init_scale 1: x * 1.0 is x exactly
                 for p in m.parameters(recurse=False):
                     p.mul_(cfg.init_scale)
-        elif isinstance(m, nn.LayerNorm):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
     if model.summary_token is not None:  # BERT's [CLS] is a row of its embedding table, N(0, 0.02)
         with torch.no_grad():
             model.summary_token.normal_(0.0, cfg.init_std).mul_(cfg.init_scale)
     if cfg.init == "reference":  # clones(): the four projections start as copies of one layer
-        for m in model.modules():
-            if isinstance(m, Attention):
-                for proj in (m.k_proj, m.v_proj, m.o_proj):
-                    proj.load_state_dict(m.q_proj.state_dict())
+        for attn in (block.attn for block in model.blocks):
+            for proj in (attn.k_proj, attn.v_proj, attn.o_proj):
+                proj.load_state_dict(attn.q_proj.state_dict())
 
 
 # Checkpoints: plain dicts of tensors and Python types, loadable with torch.load(weights_only=True).

@@ -187,22 +187,6 @@ def test_explicit_attention_matches_a_loop():
     assert torch.allclose(y, attn.o_proj(out), atol=1e-5)
 
 
-def test_outputs_ignore_padded_positions():
-    torch.manual_seed(0)
-    model = Transformer(tiny_cfg(n_classes=3)).eval()
-    x = torch.randint(2, 17, (2, 12))
-    lengths = torch.tensor([12, 7])
-    x2 = x.clone()
-    x2[1, 7:] = torch.randint(2, 17, (5,))
-    z1, _ = model.encode(x, lengths)
-    z2, _ = model.encode(x2, lengths)
-    assert torch.equal(z1[1, :7], z2[1, :7])
-    assert torch.allclose(model.classify(x, lengths), model.classify(x2, lengths))
-    # ...and a sequence padded to a longer batch gives the same logits as on its own
-    assert torch.allclose(model.classify(x[1:, :7], None), model.classify(x, lengths)[1:], atol=1e-6)
-    assert model_lib.real_positions(torch.tensor([2, 0]), 3, "cpu").tolist() == [[True, True, False], [False] * 3]
-
-
 def test_the_pair_head_by_hand():
     """The Retrieval head on [u, v, u*v, u-v] of the two documents' mean-pooled encodings (Tay et al. 2021, Sec.
     3.4), each document encoded alone, through the head's layers."""
@@ -216,10 +200,8 @@ def test_the_pair_head_by_hand():
 
 
 def test_heads_run_in_float32_under_bf16_autocast_so_close_outputs_do_not_tie(listops_dir):
-    """Under bf16 autocast (the CPU's here, CUDA's on a GPU) 1000 and 1000.5 are one value, and argmax gives the tie
-    to index 0. With a reconstruction head whose bias gives every id 1000 and id 7 1000.5, on a split whose tokens
-    are all 7, the evaluation's masked-token accuracy (evaluate_reconstruction) is 1.0, not 0: the heads run in
-    float32 (the class logits too)."""
+    """In bf16 1000 and 1000.5 tie (argmax: index 0). A reconstruction head giving every id 1000 and id 7 1000.5, on
+    tokens all 7: evaluate_reconstruction's accuracy under bf16 autocast is 1.0, the heads run in float32."""
     split = data.load_split(listops_dir, "listops", "val")
     real = torch.arange(split["tokens"].shape[1]) < split["lengths"][:, None]
     split = dict(split, tokens=torch.where(real, torch.full_like(split["tokens"], 7), split["tokens"]))
@@ -238,25 +220,16 @@ def test_heads_run_in_float32_under_bf16_autocast_so_close_outputs_do_not_tie(li
     assert pretrain.evaluate_reconstruction(model, split, args)["val_acc"] == 1.0
 
 
-def test_max_len_is_enforced():
-    with pytest.raises(ValueError, match="max_len 8"):
-        Transformer(tiny_cfg(max_len=8, n_classes=2)).classify(torch.ones(1, 9, dtype=torch.long))
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Masked reconstruction
 # ----------------------------------------------------------------------------------------------------------
 
 def test_token_frequency_entropy_is_that_of_the_real_positions(listops_dir):
     split = data.load_split(listops_dir, "listops", "train")
-    counts = {}
-    for row, n in zip(split["tokens"].tolist(), split["lengths"].tolist()):
-        for t in row[:n]:
-            counts[t] = counts.get(t, 0) + 1
-    total = sum(counts.values())
-    want = -sum(c / total * math.log(c / total) for c in counts.values())
+    real = [t for row, n in zip(split["tokens"].tolist(), split["lengths"].tolist()) for t in row[:n]]
+    assert 0 not in real  # padding is not a real position
+    want = -sum(real.count(t) / len(real) * math.log(real.count(t) / len(real)) for t in set(real))
     assert data.token_frequency_entropy(split) == pytest.approx(want, rel=1e-9)
-    assert 0 not in counts  # padding is not a real position
 
 
 def test_mask_batch_masks_only_real_tokens_at_least_one_each():
@@ -653,10 +626,9 @@ def prop1_setup():
     return x, w, y, dirs
 
 
-@pytest.mark.parametrize("a0", [0.0, 0.8])
-def test_prop1_losses_match_per_token_loops_and_autograd_finite_differences(prop1_setup, a0):
+def test_prop1_losses_match_per_token_loops_and_autograd_finite_differences(prop1_setup):
     x, w, y, dirs = prop1_setup
-    d, a = dirs[0], torch.tensor(a0, dtype=torch.float64)
+    d, a = dirs[0], torch.tensor(0.8, dtype=torch.float64)  # away from uniform attention
     n, length, _ = x.shape
     attn = torch.softmax(a * d, dim=-1)
     o = torch.stack([torch.stack([sum(attn[i, j] * x[m, j] for j in range(length)) for i in range(length)])
@@ -667,32 +639,29 @@ def test_prop1_losses_match_per_token_loops_and_autograd_finite_differences(prop
     assert torch.allclose(got_sup, sup, rtol=1e-12) and torch.allclose(got_spt, spt, rtol=1e-12)
     eps = 1e-5
     for d in (dirs[1], analyze.column_centred(dirs[1])):
-        auto = analyze.prop1_derivatives(x, d, w, y, a0=a0)
-        plus, minus = (analyze.prop1_losses(x, d, torch.tensor(a0 + s, dtype=torch.float64), w, y) for s in (eps, -eps))
+        auto = analyze.prop1_derivatives(x, d, w, y)
+        plus, minus = (analyze.prop1_losses(x, d, torch.tensor(s, dtype=torch.float64), w, y) for s in (eps, -eps))
         for k in range(2):
             fd = ((plus[k] - minus[k]) / (2 * eps)).item()
             assert abs(auto[k] - fd) < 1e-6 * max(abs(fd), 1e-3)
 
 
 def test_prop1_derivatives_at_uniform_attention_against_the_closed_forms(prop1_setup):
-    """Zero column sums: L_sup'(0) = 0 and the paper's closed form is L_SPT'(0) (also for uncentred iid tokens);
-    other directions: L_sup'(0) != 0, only the exact form holds; [CLS] pooling: L_sup'(0) != 0."""
+    """Zero column sums: L_sup'(0) = 0 and the paper's closed form is L_SPT'(0) (uncentred iid tokens: prop1's table);
+    other directions: L_sup'(0) != 0, only the exact form (the paper's applied to the column-centred D) holds; [CLS]
+    pooling: L_sup'(0) != 0."""
     x, w, y, dirs = prop1_setup
-    for d in [analyze.column_centred(d) for d in dirs] + [analyze.band_direction(x.shape[1], 2)]:
+    closed, centred = analyze.closed_form_spt_derivative, analyze.column_centred
+    for d in [centred(d) for d in dirs] + [analyze.band_direction(x.shape[1], 2)]:
         assert d.sum(0).abs().max() < 1e-12
         d_sup, d_spt = analyze.prop1_derivatives(x, d, w, y)
         assert abs(d_sup) < 1e-12 and abs(d_spt) > 1e-4  # reconstruction does see the direction
-        assert analyze.rel_err(analyze.closed_form_spt_derivative(x, d), d_spt) < 1e-6
-        assert analyze.rel_err(analyze.exact_spt_derivative(x, d), d_spt) < 1e-6
-    x_raw = torch.randn(32, 6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(5)) + 0.7
-    d = analyze.column_centred(torch.randn(6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(6)))
-    _, d_spt = analyze.prop1_derivatives(x_raw, d, w[:4], y[:32])
-    assert analyze.rel_err(analyze.closed_form_spt_derivative(x_raw, d), d_spt) < 1e-6
+        assert analyze.rel_err(closed(x, d), d_spt) < 1e-6
     for d in dirs:  # generic directions: 1^T D != 0
         d_sup, d_spt = analyze.prop1_derivatives(x, d, w, y)
-        assert abs(d_sup) > 1e-6 and analyze.rel_err(analyze.exact_spt_derivative(x, d), d_spt) < 1e-6
-        assert analyze.rel_err(analyze.closed_form_spt_derivative(x, d), d_spt) > 1e-3  # the paper's needs 1^T D = 0
-    assert abs(analyze.prop1_derivatives(x, analyze.column_centred(dirs[0]), w, y, pooling="cls")[0]) > 1e-6
+        assert abs(d_sup) > 1e-6 and analyze.rel_err(closed(x, centred(d)), d_spt) < 1e-6
+        assert analyze.rel_err(closed(x, d), d_spt) > 1e-3  # the paper's form needs 1^T D = 0
+    assert abs(analyze.prop1_derivatives(x, centred(dirs[0]), w, y, pooling="cls")[0]) > 1e-6
 
 
 def test_prop1_main_writes_png_and_json(tmp_path):
@@ -753,11 +722,9 @@ def test_synthetic_pretrain_finetune_slices_the_mask_channel(tmp_path):
 
 
 def test_training_never_calls_the_explicit_attention_path(listops_dir, tmp_path, monkeypatch):
-    import model as model_module
-
     def forbidden(*args, **kwargs):
         raise AssertionError("explicit attention called during training")
-    monkeypatch.setattr(model_module.Attention, "explicit_attention", forbidden)
+    monkeypatch.setattr(model_lib.Attention, "explicit_attention", forbidden)
     out = str(tmp_path / "out")
     common = ["--task", "listops", "--data_dir", listops_dir, "--out_dir", out, "--max_steps", "2"] + TINY
     pretrain.main(common)
@@ -1005,12 +972,8 @@ def test_pe_probe_equals_attention_on_zero_input_without_biases():
     """With zero input, no biases and no LayerNorm, layer 0's attention is the PE-only probe (the product itself is
     checked by test_exercise_pe_probe); qk_product is head 0's W_Q^T W_K."""
     torch.manual_seed(0)
-    m = Transformer(tiny_cfg(vocab_size=0, d_input=2, n_layers=1, n_heads=2, layernorm=False, mlp=False,
-                             n_classes=2)).eval()
-    for p in m.parameters():
-        p.data.normal_(0, 0.3)
-    for lin in (m.embed, m.blocks[0].attn.q_proj, m.blocks[0].attn.k_proj):
-        lin.bias.data.zero_()
+    m = Transformer(tiny_cfg(vocab_size=0, d_input=2, n_layers=1, n_heads=2, layernorm=False, mlp=False, n_classes=2,
+                             init="normal", init_std=0.3)).eval()  # every bias 0
     _, probe = analyze.pe_probe(m, 16)
     _, probs = m.encode(torch.zeros(1, 16, 2), need_weights=True)
     assert torch.allclose(probe, probs[0][0], atol=1e-6)
@@ -1018,40 +981,30 @@ def test_pe_probe_equals_attention_on_zero_input_without_biases():
     assert torch.allclose(analyze.qk_product(m, 0, 0), Wq.T @ Wk)
 
 
-def test_displacement_by_group_over_the_weights_both_models_have():
-    """analyze.displacement: norm(W - W_start) / norm(W_start) per parameter group and for W_Q^T W_K; a head of
-    another shape (another number of classes) is left out."""
-    torch.manual_seed(0)
-    start, model = Transformer(tiny_cfg(n_layers=1, n_classes=3)), Transformer(tiny_cfg(n_layers=1, n_classes=5))
-    model.load_state_dict({k: v for k, v in start.state_dict().items() if not k.startswith("cls_head.")}, strict=False)
-    with torch.no_grad():
-        model.blocks[0].attn.q_proj.weight.mul_(2)  # W_Q's weight doubled, its bias kept
-    moved = analyze.displacement(start, model)
-    q = start.blocks[0].attn.q_proj
-    assert moved["W_Q"] == pytest.approx((q.weight.norm() / torch.cat([q.weight.flatten(), q.bias]).norm()).item())
-    assert moved["W_Q^T W_K"] == pytest.approx(1.0, rel=1e-5)  # every head's W_Q,h^T W_K,h doubled
-    assert moved["W_K"] == moved["embed"] == moved["W_V"] == 0.0 and "head" not in moved
-
-
 def test_analyze_attention_and_curves_write_figures_with_one_colour_scale(synthetic_run, tmp_path, monkeypatch):
-    """analyze.py attention draws the maps of every checkpoint and, below them, their PE-only probes in one figure,
-    on one colour scale from 0 to the 99th percentile of the values shown, with one colorbar; W_Q^T W_K on one scale
-    symmetric about 0. analyze.py curves draws the statistics over a run's snapshots."""
+    """analyze.py attention draws the maps of every checkpoint and, below them, the PE-only probes of those with
+    absolute positions (not RoPE's) in one figure, on one colour scale from 0 to the 99th percentile of the values
+    shown, with one colorbar; W_Q^T W_K on one scale symmetric about 0. curves: the statistics over snapshots."""
     data_dir, out = synthetic_run
     run = os.path.join(out, "synthetic")
     figures, save = {}, analyze.save_figure
-    monkeypatch.setattr(analyze, "save_figure", lambda fig, path, command: (
-        figures.__setitem__(os.path.basename(path), fig), save(fig, path, command)))
-    analyze.main(["attention", "--ckpt", os.path.join(run, "pretrain_init.pt"), os.path.join(run, "pretrain.pt"),
+    monkeypatch.setattr(analyze, "save_figure", lambda fig, path, *args: (
+        figures.__setitem__(os.path.basename(path), fig), save(fig, path, *args)))
+    for name in ("pretrain_init.pt", "pretrain.pt"):
+        shutil.copy(os.path.join(run, name), tmp_path / name)
+    ck = data.load_pt(os.path.join(run, "pretrain.pt"))
+    data.save_atomic(dict(ck, model_config=dict(ck["model_config"], pos="rope")), str(tmp_path / "rope.pt"))
+    analyze.main(["attention", "--ckpt", *(str(tmp_path / f) for f in ("pretrain_init.pt", "pretrain.pt", "rope.pt")),
                   "--data_dir", data_dir, "--out", str(tmp_path)])
     res = json.load(open(tmp_path / "attention.json"))
     assert res["pretrain_init"]["uniform_entropy"] == pytest.approx(np.log(20))
     assert "W_Q^T W_K" in res["pretrain"]["displacement"]
+    assert "probe" not in res["rope"] and 0 < res["rope"]["band_mass"] <= 1
     for name, diverging in (("attention.png", False), ("qk_product.png", True)):
         images = [im for ax in figures[name].axes for im in ax.images]
         values = np.concatenate([np.ma.getdata(im.get_array()).ravel() for im in images])
-        assert len(images) == (2 if diverging else 4)  # 2 checkpoints; attention: maps and probes
-        assert [ax.get_title() for ax in figures[name].axes if ax.images][:2] == ["pretrain_init", "pretrain"]
+        assert len(images) == (3 if diverging else 5)  # 3 checkpoints; attention: maps and 2 probes
+        assert [ax.get_title() for ax in figures[name].axes if ax.images][:3] == ["pretrain_init", "pretrain", "rope"]
         top = np.abs(values).max() if diverging else np.percentile(values, 99)
         assert {im.get_clim() for im in images} == {(-top if diverging else 0.0, top)}
         assert sum(ax.get_label() == "<colorbar>" for ax in figures[name].axes) == 1
@@ -1064,7 +1017,7 @@ def test_initscale_panels_share_one_colour_scale(tmp_path, monkeypatch):
     """analyze.plot_initscale: every panel on one scale, from 0.5 (or the lowest cell below it) to 1, one colorbar
     that names it."""
     figures = []
-    monkeypatch.setattr(analyze, "save_figure", lambda fig, path, command, **kw: figures.append(fig))
+    monkeypatch.setattr(analyze, "save_figure", lambda fig, *args: figures.append(fig))
     runs = [dict(kind=kind, stage=stage, scale=scale, length=100, best_val_acc=acc)
             for kind in ("reference", "torch") for stage, scale, acc in
             (("scratch", 0.5, 0.42), ("scratch", 1.0, 0.51), ("spt", 0.5, 0.99), ("spt", 1.0, 1.0))]
@@ -1106,11 +1059,6 @@ def test_score_gradient_is_the_softmax_backward_and_prop1_parts_the_zero_column_
     assert analyze.prop1_parts(grad, lengths) == pytest.approx((along, total), rel=1e-12)
     same_rows = grad[:, :, :1].expand(-1, -1, 5, -1)  # G = 1 g^T: no component along Prop. 1's directions
     assert analyze.prop1_parts(same_rows)[0] == pytest.approx(0.0, abs=1e-15)
-    # G - 1 gbar^T is the orthogonal projection onto {D : 1^T D = 0}: <G, D> = <G - 1 gbar^T, D> for every such D
-    G = grad[0, 0]
-    D = torch.randn(5, 5, generator=g, dtype=torch.float64)
-    D = D - D.mean(0, keepdim=True)
-    assert (G * D).sum().item() == pytest.approx(((G - G.mean(0, keepdim=True)) * D).sum().item(), abs=1e-12)
 
 
 def test_prop1_holds_in_the_minimal_model_at_uniform_attention_and_not_with_an_mlp(synthetic_run, tmp_path,
@@ -1123,9 +1071,8 @@ def test_prop1_holds_in_the_minimal_model_at_uniform_attention_and_not_with_an_m
     ck = data.load_pt(init)
     assert ck["model_config"]["mlp"] is False and ck["model_config"]["layernorm"] is False
     qk_zero = lambda sd: {k: (torch.zeros_like(v) if ".q_proj." in k or ".k_proj." in k else v) for k, v in sd.items()}
-    path = str(tmp_path / "uniform.pt")
-    data.save_atomic(dict(ck, model=qk_zero(ck["model"])), path)
-    res = analyze.loss_gradients(path, data_dir, n=32)
+    save = lambda name, **kw: data.save_atomic(dict(ck, **kw), str(tmp_path / name)) or str(tmp_path / name)
+    res = analyze.loss_gradients(save("uniform.pt", model=qk_zero(ck["model"])), data_dir, n=32)
     assert res["L_sup"]["prop1_share"][0] < 1e-9 < 0.1 < res["L_SPT"]["prop1_share"][0]
     assert res["L_sup"]["grad_norm"]["W_V"] > 0  # the supervised loss does train the values
     whole, parts = (analyze.loss_gradients(init, data_dir, n=32, chunk=chunk) for chunk in (32, 5))
@@ -1133,18 +1080,15 @@ def test_prop1_holds_in_the_minimal_model_at_uniform_attention_and_not_with_an_m
     assert parts["L_sup"]["grad_norm"]["W_Q"] == pytest.approx(whole["L_sup"]["grad_norm"]["W_Q"], rel=1e-4)
     assert 0 < whole["L_sup"]["prop1_share"][0] < 1  # the trained init is not uniform: not 0
     cfg = dict(ck["model_config"], mlp=True, layernorm=True, n_layers=2)
-    path = str(tmp_path / "mlp.pt")
-    data.save_atomic(dict(ck, model=qk_zero(Transformer(ModelConfig(**cfg)).state_dict()), model_config=cfg), path)
-    res = analyze.loss_gradients(path, data_dir, n=32)
+    res = analyze.loss_gradients(save("mlp.pt", model=qk_zero(Transformer(ModelConfig(**cfg)).state_dict()),
+                                      model_config=cfg), data_dir, n=32)
     assert len(res["L_sup"]["prop1_share"]) == 2 and res["L_sup"]["prop1_share"][0] > 1e-3
-    # A finetuning checkpoint is scored on L_sup alone, with its own class head (here zero, so that every logit is
-    # its bias and the loss gradient vanishes: nothing of a fresh head would give that).
+    # A finetuning checkpoint: L_sup alone, with its own class head (zero: every logit its bias, no gradient)
     cfg = dict(ck["model_config"], d_input=ck["model_config"]["d_input"] - 1, n_rec=0, n_classes=2)
     model = Transformer(ModelConfig(**cfg))
     torch.nn.init.zeros_(model.cls_head.weight)
-    path = str(tmp_path / "finetune_scratch_init.pt")
-    data.save_atomic(dict(ck, stage="finetune", model=model.state_dict(), model_config=cfg), path)
-    res = analyze.loss_gradients(path, data_dir, n=32)
+    res = analyze.loss_gradients(save("finetune_scratch_init.pt", stage="finetune", model=model.state_dict(),
+                                      model_config=cfg), data_dir, n=32)
     assert set(res) == {"L_sup"} and res["L_sup"]["grad_norm"]["W_Q"] == 0.0
     # A pretrain.py checkpoint gets the class head finetuning would give it: its preset's (here made the MLP head).
     heads = []
@@ -1154,14 +1098,11 @@ def test_prop1_holds_in_the_minimal_model_at_uniform_attention_and_not_with_an_m
     mlp = analyze.loss_gradients(init, data_dir, n=8)
     assert heads == [False, True] and mlp["L_sup"]["prop1_share"] != linear["L_sup"]["prop1_share"]
     assert mlp["L_SPT"] == linear["L_SPT"]  # the head does not enter the reconstruction loss
-    local = str(tmp_path / "local.pt")
-    data.save_atomic(dict(ck, model_config=dict(ck["model_config"], attn_window=8)), local)
     with pytest.raises(ValueError, match="local.pt"):
-        analyze.loss_gradients(local, data_dir)
-    broken = str(tmp_path / "broken.pt")  # weights other than a class head missing: refused, named
-    data.save_atomic(dict(ck, model={k: v for k, v in ck["model"].items() if ".q_proj." not in k}), broken)
+        analyze.loss_gradients(save("local.pt", model_config=dict(ck["model_config"], attn_window=8)), data_dir)
+    broken = save("broken.pt", model={k: v for k, v in ck["model"].items() if ".q_proj." not in k})
     with pytest.raises(ValueError, match=re.escape(f"{broken}: weights ['blocks.0.attn.q_proj.weight'")):
-        analyze.load_model(broken, head_seed=0)
+        analyze.load_model(broken, head_seed=0)  # weights other than a class head missing: refused, named
 
 
 def test_ablate_synthetic_init_and_posenc_run_and_read_their_runs_back(synthetic_run, tmp_path, capsys):
@@ -1227,10 +1168,6 @@ def test_ablate_demo_summary_holds_its_runs_numbers_and_its_verdict_follows_plat
 # Initialization schemes (model.init_weights) and the init-scale experiment
 # ----------------------------------------------------------------------------------------------------------
 
-def _uniform_std(d_in):
-    return 1 / math.sqrt(3 * d_in)  # std of U(-1/sqrt(d_in), 1/sqrt(d_in)), PyTorch's nn.Linear default
-
-
 @pytest.mark.parametrize("scheme", ["reference", "torch", "normal"])
 def test_init_schemes_give_the_documented_statistics(scheme):
     """init_weights' table, tensor by tensor; init_scale multiplies every initialized tensor but LayerNorm's; the
@@ -1240,19 +1177,16 @@ def test_init_schemes_give_the_documented_statistics(scheme):
     cfg = dict(vocab_size=300, d_model=d, n_layers=2, n_heads=4, d_mlp=d_mlp, n_classes=3, init=scheme, init_std=0.05)
     model = Transformer(ModelConfig(**cfg))
     attn, mlp = model.blocks[0].attn, model.blocks[0].mlp
-    want = {"embed": 1.0, "W_Q": _uniform_std(d), "W_O": _uniform_std(d), "mlp_in": _uniform_std(d),
-            "mlp_out": _uniform_std(d_mlp), "head": _uniform_std(d)} if scheme != "normal" else \
-        dict.fromkeys(("embed", "W_Q", "W_O", "mlp_in", "mlp_out", "head"), 0.05)
+    u = lambda d_in: 1 / math.sqrt(3 * d_in)  # std of U(-1/sqrt(d_in), 1/sqrt(d_in)), nn.Linear's default
+    want = {"embed": 1.0, "W_Q": u(d), "W_O": u(d), "mlp_in": u(d), "mlp_out": u(d_mlp), "head": u(d)} \
+        if scheme != "normal" else dict.fromkeys(("embed", "W_Q", "W_O", "mlp_in", "mlp_out", "head"), 0.05)
     got = {"embed": model.embed.weight, "W_Q": attn.q_proj.weight, "W_O": attn.o_proj.weight,
            "mlp_in": mlp[0].weight, "mlp_out": mlp[2].weight, "head": model.cls_head.weight}
     for name, tensor in got.items():
         assert abs(tensor.std().item() / want[name] - 1) < 0.08, (name, tensor.std().item(), want[name])
         assert abs(tensor.mean().item()) < 0.1 * want[name]
-    bias = attn.q_proj.bias
-    if scheme == "normal":
-        assert not bias.any()
-    else:  # U(-1/sqrt(d), 1/sqrt(d)): inside the bound, and not all zero
-        assert bias.abs().max() <= 1 / math.sqrt(d) and bias.abs().max() > 0.5 / math.sqrt(d)
+    top = attn.q_proj.bias.abs().max().item()  # normal: 0; else U(-1/sqrt(d), 1/sqrt(d)): inside, not all 0
+    assert top == 0 if scheme == "normal" else 0.5 / math.sqrt(d) < top <= 1 / math.sqrt(d)
     assert torch.equal(model.blocks[0].ln1.weight, torch.ones(d)) and not model.blocks[0].ln1.bias.any()
     projections = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
     tied = all(torch.equal(p.weight, attn.q_proj.weight) and torch.equal(p.bias, attn.q_proj.bias)
@@ -1271,9 +1205,8 @@ def test_init_schemes_give_the_documented_statistics(scheme):
 
 
 def test_cls_pooling_reads_a_summary_token_that_spt_never_masks_and_the_analyses_show_apart(synthetic_run, tmp_path):
-    """pooling="cls": a learned summary token at position 0 (the positions one row longer), pooled alone; SPT never
-    masks nor reconstructs it (reconstruct gives the L sequence positions), and hands it on with the backbone (group
-    "summary"); the analyses report the sequence's L x L attention and the token's row and column apart."""
+    """pooling="cls": a learned summary token at position 0, pooled alone, never masked nor reconstructed, handed on
+    with the backbone (group "summary"); the analyses report the sequence's attention and the token's apart."""
     data_dir, _ = synthetic_run
     m = Transformer(tiny_cfg(pooling="cls", n_rec=17, n_classes=3, max_len=64))
     assert m.pe.shape == (65, 16) and m.summary_token.shape == (16,) and model_lib.param_group("summary_token") == \
@@ -1291,25 +1224,25 @@ def test_cls_pooling_reads_a_summary_token_that_spt_never_masks_and_the_analyses
     finetune.main(flags + ["--init", spt])
     stats, maps = analyze.analyze_checkpoints({"spt": spt, "ft": os.path.join(out, "synthetic", "finetune_spt.pt")},
                                               data_dir)
-    for label in ("spt", "ft"):
-        assert maps[label]["attention"][0].shape[-1] == 20 and maps[label]["probe"].shape[-1] == 20  # the sequence
+    for label, m in maps.items():
+        assert m["attention"][0].shape[-1] == 20 == m["probe"].shape[-1]  # the sequence, rows renormalized:
+        assert torch.allclose(m["attention"][0].sum(-1), torch.ones(1), atol=1e-5)
         assert 0 < stats[label]["summary_token_key_mass"] < 1 and stats[label]["summary_token_row_entropy"] > 0
-        assert torch.allclose(maps[label]["attention"][0].sum(-1), torch.ones(1), atol=1e-5)  # renormalized rows
     shares = analyze.loss_gradients(spt, data_dir, n=8)
     assert shares["L_sup"]["prop1_share"][0] > 0.5 and 0 <= shares["L_SPT"]["prop1_share"][0] <= 1  # no blind spot
-    with pytest.raises(ValueError, match="pooling 'cls'"):
-        tiny_cfg(pooling="cls", attn_window=4)
 
 
 def test_unknown_model_settings_are_refused_naming_the_choices():
-    """Every string setting of ModelConfig is checked when the model is built, naming the choices (a typo would
-    otherwise run another model), d_model must divide among the heads, and a checkpoint's unknown field is named."""
+    """Every string setting of ModelConfig is checked, naming the choices (a typo would run another model); d_model
+    must divide among the heads; a sequence longer than max_len and a checkpoint's unknown field are named."""
     for field, bad, choices in (("init", "xavier", model_lib.INIT_SCHEMES), ("pos", "sinusoid", model_lib.POSITIONS),
                                 ("pooling", "first", model_lib.POOLINGS)):
         with pytest.raises(ValueError, match=rf"^model {field} '{bad}': expected one of {', '.join(choices)}$"):
             tiny_cfg(**{field: bad})
     with pytest.raises(ValueError, match="d_model 30 .* n_heads 4"):
         tiny_cfg(d_model=30, n_heads=4)
+    with pytest.raises(ValueError, match="max_len 8"):
+        Transformer(tiny_cfg(max_len=8, n_classes=2)).classify(torch.ones(1, 9, dtype=torch.long))
     assert model_lib.config_from_dict(vars(tiny_cfg(init="normal"))) == tiny_cfg(init="normal")
     with pytest.raises(ValueError, match=r"old.pt: .*\['causal'\]"):
         model_lib.config_from_dict(dict(vars(tiny_cfg()), causal=False), "old.pt")
@@ -1630,9 +1563,8 @@ def test_command_line_data_errors_are_one_line_without_traceback(tmp_path):
 
 
 def test_analyze_names_what_is_wrong_with_a_checkpoint_path_before_any_work(synthetic_run, tmp_path, capsys):
-    """A run folder as --ckpt, a misspelled file, a second --ckpt missing, a log file, one file named twice, a
-    --run_dir that does not exist: refused naming it, before the first checkpoint's work. Two checkpoints of one
-    name (s0/pretrain.pt, s1/pretrain.pt) get two labels."""
+    """A run folder as --ckpt, a misspelled file, a second --ckpt missing, a log file, one file named twice, a missing
+    --run_dir: refused naming it, before the first checkpoint's work. Checkpoints of one name get two labels."""
     data_dir, out = synthetic_run
     run = os.path.join(out, "synthetic")
     good = os.path.join(run, "pretrain.pt")
@@ -1647,12 +1579,10 @@ def test_analyze_names_what_is_wrong_with_a_checkpoint_path_before_any_work(synt
             analyze.main(argv + ["--data_dir", data_dir, "--out", str(tmp_path / "a")])
         assert "share" not in capsys.readouterr().out  # refused before the first checkpoint's work
     assert not (tmp_path / "a").exists()
-    paths = ["out/s0/pretrain.pt", "out/s1/pretrain.pt", "out/s1/finetune_spt.pt"]
-    assert list(analyze.checkpoint_labels(paths)) == ["s0/pretrain", "s1/pretrain", "s1/finetune_spt"]
-    assert list(analyze.checkpoint_labels(["out/x/pretrain.pt", "out/x/finetune_spt.pt"])) == ["pretrain",
-                                                                                                "finetune_spt"]
-    paths = ["a/x.pt", "a/x.pth", "c/y.pt"]  # a/x twice without extensions: every label keeps its own
-    assert list(analyze.checkpoint_labels(paths)) == paths
+    for paths, labels in ((["out/s0/pretrain.pt", "out/s1/pretrain.pt"], ["s0/pretrain", "s1/pretrain"]),
+                          (["out/x/pretrain.pt", "out/x/finetune_spt.pt"], ["pretrain", "finetune_spt"]),
+                          (["a/x.pt", "a/x.pth", "c/y.pt"], ["a/x.pt", "a/x.pth", "c/y.pt"])):  # a/x twice bare
+        assert list(analyze.checkpoint_labels(paths)) == labels
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1891,9 +1821,10 @@ def test_ablate_ucr_runs_what_it_finds_skips_the_rest_and_steps_gives_runs_of_th
 # ----------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("pos", model_lib.POSITIONS)
-def test_position_variants_fast_and_explicit_agree(pos):
+def test_position_variants_fast_and_explicit_agree_and_ignore_padding(pos):
     """The fused path and the explicit one give the same states, with and without padding; the probabilities sum
-    to 1 over the keys and give padded keys nothing."""
+    to 1 over the keys and give padded keys nothing; what stands in the padding changes no real position, and a
+    sequence padded to a longer batch gets the logits it gets alone."""
     torch.manual_seed(0)
     model = Transformer(tiny_cfg(pos=pos, n_classes=3)).eval()
     for p in model.parameters():  # larger weights than the init, so attention is far from uniform
@@ -1906,23 +1837,11 @@ def test_position_variants_fast_and_explicit_agree(pos):
         assert torch.allclose(z_fast[valid], z_slow[valid], atol=1e-5)
         assert len(probs) == 2 and torch.allclose(probs[0].sum(-1), torch.ones(3, 4, 20))
     assert probs[0][1, :, :, 13:].abs().max() == 0
-
-
-def test_learned_positions_are_a_posenc_table_initialized_as_stated_and_probed(tmp_path):
-    """pos="learned": a (max_len, d_model) table in group "posenc", N(0, init_std^2) under every init scheme
-    (init_weights' table), saved in checkpoints, left fresh by --inherit qk; the PE-only probe needs such a table."""
-    for scheme in model_lib.INIT_SCHEMES:
-        m = Transformer(tiny_cfg(pos="learned", max_len=400, d_model=64, n_heads=4, init=scheme, n_classes=2))
-        table = m.pos_embed.weight
-        assert table.shape == (400, 64) and model_lib.param_group("pos_embed.weight") == "posenc"
-        assert abs(table.std().item() - 0.02) < 0.002 and abs(table.mean().item()) < 0.002, (scheme, table.std())
-        assert torch.equal(m.absolute_positions(30), table[:30])
-    assert "pos_embed.weight" in checkpoint_dict(m)["model"]
-    spt = {n: torch.ones_like(t) for n, t in m.state_dict().items()}
-    merged = finetune.hybrid_state_dict(m.state_dict(), spt, finetune.INHERIT["qk"])
-    assert torch.equal(merged["pos_embed.weight"], table) and merged["blocks.0.attn.q_proj.weight"].eq(1).all()
-    with pytest.raises(ValueError, match="'rope'"):
-        analyze.pe_probe(Transformer(tiny_cfg(pos="rope")), 12)
+    x2 = x.clone()
+    x2[1, 13:] = torch.randint(2, 17, (7,))
+    assert torch.equal(model.encode(x2, lengths)[0][1, :13], z_fast[1, :13])
+    assert torch.allclose(model.classify(x[1:2, :13]), model.classify(x2, lengths)[1:2], atol=1e-5)
+    assert model_lib.real_positions(torch.tensor([2, 0]), 3, "cpu").tolist() == [[True, True, False], [False] * 3]
 
 
 def test_alibi_slopes_follow_the_published_recipe_and_the_bias_is_minus_slope_times_distance():
@@ -1967,17 +1886,22 @@ def test_fire_bias_is_learned_and_follows_its_equation():
 
 
 def test_checkpoints_of_compiled_or_ddp_models_load_into_a_plain_one(listops_dir, tmp_path):
-    """State dicts with torch.compile ('_orig_mod.') and DDP ('module.') prefixes, in any order, load for finetuning."""
+    """State dicts with torch.compile ('_orig_mod.') and DDP ('module.') prefixes, in any order, load for finetuning,
+    every weight (--inherit all) FIRE's too, which --freeze attn freezes."""
     sd = {"module._orig_mod.embed.weight": 1, "_orig_mod.module.ln_f.bias": 2, "module.x": 3, "y": 4}
     assert model_lib.unwrapped_state_dict(sd) == {"embed.weight": 1, "ln_f.bias": 2, "x": 3, "y": 4}
     meta = data.load_split(listops_dir, "listops", "train")["meta"]
-    model = Transformer(tiny_cfg(n_rec=17))
+    model = Transformer(tiny_cfg(n_rec=17, pos="fire"))
+    for p in model.parameters():
+        p.data.normal_(0, 0.3)
     ck = checkpoint_dict(model, stage="pretrain", task="listops", data_meta=meta)
     ck["model"] = {f"_orig_mod.module.{k}": v for k, v in ck["model"].items()}
     path = str(tmp_path / "wrapped.pt")
     data.save_atomic(ck, path)
     loaded = finetune.model_from_pretrained(data.load_pt(path), meta, 10, "listops")
     assert torch.equal(loaded.blocks[1].attn.q_proj.weight, model.blocks[1].attn.q_proj.weight)
+    assert torch.equal(loaded.blocks[0].attn.fire.log_c, model.blocks[0].attn.fire.log_c)
+    assert "posenc" in finetune.FREEZE["attn"]
 
 
 def test_finetune_result_records_what_produced_it(listops_dir, tmp_path, monkeypatch):
@@ -2007,18 +1931,6 @@ def test_train_accuracy_scores_a_random_subset_not_the_first_rows_of_a_class_sor
     acc, rows = finetune.train_accuracy(AlwaysZero(), split, n_val=10, args=args, at_least=20)
     picked = torch.randperm(n, generator=torch.Generator().manual_seed(0))[:20]
     assert rows == 20 and acc == pytest.approx((picked < 30).float().mean().item()) and 0.2 < acc < 0.8
-
-
-def test_inherit_all_copies_fire_and_freeze_attn_freezes_it(tmp_path):
-    meta = dict(task="synthetic", kind="continuous", d_input=2, max_len=20, n_classes=2)
-    model = Transformer(tiny_cfg(vocab_size=0, d_input=3, max_len=20, pos="fire", n_rec=2))
-    for p in model.parameters():
-        p.data.normal_(0, 0.3)
-    path = str(tmp_path / "fire.pt")
-    data.save_atomic(checkpoint_dict(model, stage="pretrain", task="synthetic", data_meta=meta), path)
-    loaded = finetune.model_from_pretrained(data.load_pt(path), meta, 2, "synthetic", inherit="all")
-    assert torch.equal(loaded.blocks[0].attn.fire.log_c, model.blocks[0].attn.fire.log_c)
-    assert "posenc" in finetune.FREEZE["attn"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -2225,7 +2137,7 @@ def test_lra_tasks_pretrain_then_finetune_a_few_steps(tmp_path, task, extra):
     assert maps["spt"]["attention"][0].shape[-1] == maps["spt"]["probe"].shape[-1]
 
 
-def test_attention_maps_average_real_rows_and_take_entropy_per_sequence_in_any_chunks():
+def test_attention_maps_average_real_rows_and_take_entropy_per_sequence_in_any_chunks_and_stats_count_real_rows():
     torch.manual_seed(0)
     model = Transformer(tiny_cfg(init="normal", init_std=0.3)).eval()
     x, lengths = torch.randint(2, 17, (5, 12)), torch.tensor([12, 7, 12, 3, 9])
@@ -2244,13 +2156,8 @@ def test_attention_maps_average_real_rows_and_take_entropy_per_sequence_in_any_c
     ent = -(sharp * sharp.clamp_min(1e-30).log()).sum(-1).mean(0)
     s = analyze.attention_stats(sharp.mean(0), band=0, entropy=ent)
     assert s["entropy"] == pytest.approx(0.0) and s["entropy_of_mean_map"] == pytest.approx(np.log(2))
-
-
-def test_attention_stats_of_a_padded_batch_are_means_over_real_rows_against_each_sequence_alone():
-    """analyze.attention_stats(..., lengths): the statistics of attention_maps' padded mean equal the mean, over
-    every real (sequence, query) pair, of each sequence's own statistics computed alone at its own length, and
-    exactly uniform attention (W_Q = W_K = 0) reads as uniform (entropy log n, the band mass of n real keys)."""
-    torch.manual_seed(0)
+    # attention_stats(..., lengths) of attention_maps' padded mean: the mean over every real (sequence, query) pair
+    # of each sequence's statistics alone; exactly uniform attention (W_Q = W_K = 0) reads as uniform.
     lengths = torch.tensor([20, 13, 7, 20, 4])
     x = torch.randint(2, 17, (5, 20)) * (torch.arange(20) < lengths[:, None])
     for zero_qk in (True, False):
@@ -2270,22 +2177,12 @@ def test_attention_stats_of_a_padded_batch_are_means_over_real_rows_against_each
             assert s["entropy"] == pytest.approx(s["uniform_entropy"], rel=1e-6) and s["entropy"] < np.log(20)
             assert s["band_mass"] == pytest.approx(s["uniform_band_mass"], rel=1e-6)
     probs = torch.softmax(torch.randn(2, 9, 9), -1)  # without padding, lengths changes nothing
-    assert analyze.attention_stats(probs, band=1, lengths=torch.tensor([9, 9])) == analyze.attention_stats(probs,
-                                                                                                            band=1)
-
-
-def test_attention_analysis_of_a_model_without_absolute_positions_has_no_pe_probe(synthetic_run, tmp_path):
-    """analyze.py attention on a RoPE checkpoint (ablate.py posenc): the maps and statistics, no PE-only probe."""
-    data_dir, out = synthetic_run
-    ck = data.load_pt(os.path.join(out, "synthetic", "pretrain.pt"))
-    path = str(tmp_path / "rope.pt")
-    data.save_atomic(dict(ck, model_config=dict(ck["model_config"], pos="rope")), path)
-    analyze.main(["attention", "--ckpt", path, "--data_dir", data_dir, "--out", str(tmp_path)])
-    res = json.load(open(tmp_path / "attention.json"))["rope"]
-    assert "probe" not in res and 0 < res["band_mass"] <= 1 and (tmp_path / "attention.png").exists()
+    assert analyze.attention_stats(probs, 1, lengths=torch.tensor([9, 9])) == analyze.attention_stats(probs, 1)
 
 
 def test_displacement_is_measured_from_each_runs_own_init(synthetic_run, tmp_path):
+    """analyze.displacement: norm(W - W_start) / norm(W_start) per parameter group, over the weights both have (a
+    head of another shape is left out), and for W_Q^T W_K, from the start of each checkpoint's own run."""
     data_dir, out = synthetic_run
     run = os.path.join(out, "synthetic")
     assert pretrain.run_init_path(os.path.join(run, "pretrain_last.pt")) == os.path.join(run, "pretrain_init.pt")
@@ -2295,15 +2192,18 @@ def test_displacement_is_measured_from_each_runs_own_init(synthetic_run, tmp_pat
     other = Transformer(ModelConfig(**ck["model_config"]))  # a run of its own: other random weights
     data.save_atomic(dict(ck, model=other.state_dict()), str(tmp_path / "finetune_other_init.pt"))
     with torch.no_grad():
-        other.blocks[0].attn.q_proj.weight.mul_(3)  # the "trained" one: W_Q (weight and bias) tripled
-        other.blocks[0].attn.q_proj.bias.mul_(3)
+        other.blocks[0].attn.q_proj.weight.mul_(3)  # the "trained" one: W_Q's weight tripled, its bias kept
     data.save_atomic(dict(ck, model=other.state_dict()), str(tmp_path / "finetune_other.pt"))
     res, _ = analyze.analyze_checkpoints({"first": os.path.join(run, "pretrain_init.pt"),
                                           "other": str(tmp_path / "finetune_other.pt")}, data_dir, n=4)
     assert "displacement" not in res["first"]
     assert res["other"]["displacement_from"] == str(tmp_path / "finetune_other_init.pt")
-    moved = res["other"]["displacement"]  # 2 = norm(3P - P) / norm(P), not its distance to "first"
-    assert moved["W_Q"] == pytest.approx(2.0, rel=1e-5) == moved["W_Q^T W_K"] and moved["W_K"] < 1e-7
+    moved, w, b = res["other"]["displacement"], other.blocks[0].attn.q_proj.weight / 3, other.blocks[0].attn.q_proj.bias
+    assert moved["W_Q"] == pytest.approx((2 * w.norm() / torch.cat([w.flatten(), b]).norm()).item(), rel=1e-5)
+    assert moved["W_Q^T W_K"] == pytest.approx(2.0, rel=1e-5)  # not the distance to "first"
+    assert moved["W_K"] == moved["W_V"] == moved["embed"] == 0.0
+    start, model = Transformer(tiny_cfg(n_layers=1, n_classes=3)), Transformer(tiny_cfg(n_layers=1, n_classes=5))
+    assert "head" not in analyze.displacement(start, model) and "W_Q" in analyze.displacement(start, model)
 
 
 def test_pixel_ce_targets_are_the_raw_intensities():
@@ -2361,12 +2261,9 @@ def test_local_attention_matches_the_explicit_band_and_keeps_memory_linear(monke
         i, j = torch.meshgrid(torch.arange(L), torch.arange(L), indexing="ij")
         assert probs[0][0][:, ((i // 8) - (j // 8)).abs() > 1].abs().max() == 0   # layer 0, batch row 0: (H, L, L)
     assert ranks and set(ranks) == {4}  # blocks folded into the batch: the fused CUDA kernels take 4-D only
-    for pos in model_lib.POSITIONS:  # a score bias is refused: local_attention would drop it
-        if pos in model_lib.SCORE_BIASES:
-            with pytest.raises(ValueError, match=f"'{pos}'"):
-                Transformer(tiny_cfg(attn_window=8, pos=pos))
-        else:
-            Transformer(tiny_cfg(attn_window=8, pos=pos))
+    for refused in [dict(pos=pos) for pos in model_lib.SCORE_BIASES] + [dict(pooling="cls")]:  # what blocks drop
+        with pytest.raises(ValueError, match=repr(next(iter(refused.values())))):
+            tiny_cfg(attn_window=8, **refused)
 
 
 def test_a_last_batch_smaller_than_the_ranks_joins_the_one_before():
@@ -4301,8 +4198,17 @@ def test_analyze_says_when_the_data_is_not_the_checkpoints(synthetic_run, tmp_pa
 
 
 def test_learned_positions_take_init_std_and_swap_to_a_longer_task_unless_inherited(listops_dir, tmp_path):
-    """--init_std sets the learned table's std under the default init; a dataset swap to longer sequences
-    refuses to inherit a table of another length (--inherit all) and leaves it fresh with --inherit qk."""
+    """pos="learned": a (max_len, d_model) table in group "posenc", N(0, init_std^2) under every init scheme, std
+    --init_std; a swap to longer sequences refuses a table of another length (--inherit all), leaves it fresh with
+    --inherit qk. The PE-only probe needs absolute positions."""
+    for scheme in model_lib.INIT_SCHEMES:
+        m = Transformer(tiny_cfg(pos="learned", max_len=400, d_model=64, n_heads=4, init=scheme, n_classes=2))
+        table = m.pos_embed.weight
+        assert table.shape == (400, 64) and model_lib.param_group("pos_embed.weight") == "posenc"
+        assert abs(table.std().item() - 0.02) < 0.002 and abs(table.mean().item()) < 0.002, (scheme, table.std())
+        assert torch.equal(m.absolute_positions(30), table[:30])
+    with pytest.raises(ValueError, match="'rope'"):
+        analyze.pe_probe(Transformer(tiny_cfg(pos="rope")), 12)
     parser = pretrain.build_parser("pretrain", "")
     args = parser.parse_args(["--task", "listops", "--pos", "learned", "--init_std", "0.1", "--device", "cpu"])
     assert pretrain.resolve(args, "pretrain", parser)["model"]["init_std"] == 0.1
