@@ -105,14 +105,12 @@ def test_listops_eval_matches_brute_force_and_generated_sets_are_reproducible():
     assert all(500 < len([t for t in s.split() if t not in "()"]) < 2000 for s, _ in rows)
 
 
-def test_listops_generates_in_its_own_folder_once_per_settings_and_reads_release_files_first(tmp_path, capsys):
+def test_listops_generates_in_its_own_folder_once_per_settings_and_reads_release_files_first(tmp_path):
     """Generated TSVs live in data/listops/generated/ (generated.json: their settings), made again only for other
-    settings, and the tensors decode back to them; the release's files (in a release sub-folder) are read as they
-    are."""
+    settings, and the tensors decode back to them; the release's files are read first, as they are."""
     root, generated = str(tmp_path), tmp_path / "listops" / "generated"
     small = dict(n_val=3, n_test=3, seed=0, min_length=10, max_length=60, max_len=64)
     assert data.prepare_listops(root, n_train=5, **small) == dict(train=5, val=3, test=3)
-    before = (generated / "basic_train.tsv").read_text()
     train = data.load_split(root, "listops", "train")
     sources, labels = data.read_listops_tsv(str(generated / "basic_train.tsv"))
     vocab = train["meta"]["vocab"]
@@ -120,9 +118,9 @@ def test_listops_generates_in_its_own_folder_once_per_settings_and_reads_release
         ids = train["tokens"][i, :train["lengths"][i]].tolist()
         assert [vocab[j] for j in ids] == [t for t in src.split() if t not in "()"]
     assert train["labels"].tolist() == labels and vocab[:2] == ["<pad>", "<mask>"]
-    capsys.readouterr()
+    made = os.stat(generated).st_ino
     data.prepare_listops(root, n_train=5, **small)  # the same settings: read again, nothing generated
-    assert "generating" not in capsys.readouterr().out and (generated / "basic_train.tsv").read_text() == before
+    assert os.stat(generated).st_ino == made
     data.prepare_listops(root, n_train=6, **dict(small, seed=7))  # other settings: made again
     assert json.load(open(generated / "generated.json"))["seed"] == 7
     assert sorted(os.listdir(tmp_path / "listops")) == ["generated", "test.pt", "train.pt", "val.pt"]  # no staging
@@ -130,18 +128,9 @@ def test_listops_generates_in_its_own_folder_once_per_settings_and_reads_release
     release.mkdir(parents=True)
     for s in data.SPLITS:
         (release / f"basic_{s}.tsv").write_bytes(b"Source\tTarget\r\n( [MAX 2 3 ] )\t3")  # CRLF, no final newline
-    assert data.prepare_listops(root, n_train=5, **small) == dict(train=1, val=1, test=1)
-    assert data.load_split(root, "listops", "train")["meta"]["generated"] is False
-
-
-def test_encode_tokens_length_limit_and_unknown_token():
-    vocab, long = data.LISTOPS_VOCAB, ["[MAX", "1", "2", "3", "]"]
-    with pytest.raises(ValueError, match="^f, line 8: "):
-        data.encode_tokens([["1"], long], vocab, 4, False, "f", [7, 8])
-    tokens, lengths = data.encode_tokens([["1"], long], vocab, 4, True, "f", [7, 8])  # --truncate: cut
-    assert lengths.tolist() == [1, 4] and tokens[1].tolist() == [vocab.index(t) for t in long[:4]]
-    with pytest.raises(ValueError, match="^f, line 7: "):
-        data.encode_tokens([["7x"]], vocab, 4, False, "f", [7])
+    data.prepare_listops(root, n_train=5, **dict(small, max_len=3), truncate=True)
+    train = data.load_split(root, "listops", "train")
+    assert train["meta"]["generated"] is False and train["lengths"].tolist() == [3]  # --truncate: cut to max_len
 
 
 def test_batches_cover_the_split_once_and_are_seeded():
@@ -153,8 +142,7 @@ def test_batches_cover_the_split_once_and_are_seeded():
     assert not all(torch.equal(x, y) for x, y in zip(b1, b2))
     ev = torch.cat(data.batch_indices(lengths, 8, shuffle=False))
     assert torch.equal(lengths[ev], lengths.sort(stable=True).values)
-    # Windows of data.BUCKET batches sorted by length: far less padding than random batches (a seeded permutation
-    # cut into slices), close to a full sort's; every batch full but the last, which is kept.
+    # Length-sorted windows: far less padding than random batches, close to a full sort's; the last batch is kept.
     lengths = torch.randint(1, 1000, (3200,), generator=torch.Generator().manual_seed(0))
     bucketed = data.batch_indices(lengths, 32, shuffle=True)
     random_batches = torch.split(torch.randperm(3200, generator=torch.Generator().manual_seed(1)), 32)
@@ -1614,7 +1602,10 @@ def test_ablate_reads_back_a_finished_run_only_if_it_is_the_run_asked_for(synthe
     assert ablate.run_pretrain("synthetic", folder, 0, common) == spt and files() == before  # finished: kept
 
 
-def test_data_settings_of_the_preset_are_checked_against_the_data(tmp_path, capsys):
+def test_data_settings_of_the_preset_are_checked_against_the_data_and_the_printed_command_fixes_it(tmp_path,
+                                                                                                    monkeypatch):
+    """A run on data prepared otherwise than its preset says stops, naming the settings and the command that makes
+    <data_dir>_<preset>: for raw data, after copying the raw files there (then nothing is downloaded)."""
     data_dir = str(tmp_path / "data")
     data.prepare_synthetic(data_dir, n_train=64, n_val=32, n_test=32, length=20)
     args = ["--task", "synthetic", "--data_dir", data_dir, "--out_dir", str(tmp_path / "out"), "--max_steps", "1",
@@ -1622,14 +1613,25 @@ def test_data_settings_of_the_preset_are_checked_against_the_data(tmp_path, caps
     with pytest.raises(ValueError) as err:
         pretrain.main(args)  # the synthetic preset is 5000/1000/1000 trajectories
     assert "n_train" in str(err.value) and "n_test" in str(err.value)
-    command = str(err.value).split("`")[1].split()  # the suggested command prepares data the run accepts
-    data.main(command[2:])
+    data.main(shlex.split(str(err.value).split("`")[1])[2:])
     pretrain.main(args[:3] + [f"{data_dir}_cpu"] + args[4:])
+    pretrain.main(args + ["--accept_data", "--overwrite"])  # the data as it is, in the same folder
     with pytest.raises(ValueError, match="--max_len"):
         finetune.main(args + ["--init", "scratch", "--max_len", "30"])  # a data flag that does not apply
-    capsys.readouterr()
-    pretrain.main(args + ["--accept_data", "--overwrite"])  # the run above, in the same folder, on other data
-    assert "warning: --accept_data" in capsys.readouterr().out
+    monkeypatch.setattr(data, "UCR_PACKAGES", ())
+    monkeypatch.setattr(data, "download_file", lambda *a, **k: pytest.fail(f"a download was started: {a}"))
+    rows = "".join(f"{i % 2}\t" + "\t".join(str(v) for v in np.arange(5) * (i + 1)) + "\n" for i in range(10))
+    write_ucr(os.path.join(data_dir, "ucr", "Toy"), "Toy", ".tsv", rows, rows)
+    for task, other in (("ucr/Toy", {"val_fraction": 0.5}), ("pathfinder", {"difficulty": "easy",
+                                                                            "generate_if_missing": 20})):
+        data.main(["--task", task, "--data_dir", data_dir] + (["--generate", "20"] if task == "pathfinder" else []))
+        with pytest.raises(ValueError) as err:
+            data.check_settings(data.load_split(data_dir, task, "train")["meta"], other, task, data_dir, "paper")
+        if task == "ucr/Toy":  # raw data, not generated: copied first
+            assert f"copy {data_dir}/{task}/ to {data_dir}_paper/{task}/" in str(err.value)
+            shutil.copytree(os.path.join(data_dir, task), os.path.join(data_dir + "_paper", task))
+        data.main(shlex.split(str(err.value).split("`")[1])[2:])
+        assert not data.data_mismatches(data.load_split(data_dir + "_paper", task, "train")["meta"], other)
     # real data (not generated) keeps its own split sizes: the LRA ListOps release under the CPU preset
     rows = data.generate_listops(24, seed=3, min_length=5, max_length=40)
     release = tmp_path / "lra" / "listops" / "listops-1000"
@@ -1676,8 +1678,6 @@ def test_a_task_of_ones_own_runs_after_the_readme_steps(tmp_path, monkeypatch):
 
 
 def test_command_line_data_errors_are_one_line_without_traceback(tmp_path):
-    import subprocess
-    import sys
     folder = tmp_path / "synthetic"
     folder.mkdir()
     for s in data.SPLITS:
@@ -4078,32 +4078,6 @@ def test_figures_record_the_command_that_drew_them(tmp_path):
     Image.new("RGB", (4, 4)).save(tmp_path / "bad.png", format="JPEG")
     with pytest.raises(OSError, match="bad.png: a JPEG image, not a PNG"):
         analyze.figure_command(str(tmp_path / "bad.png"))
-
-
-# A data setting each task's prepared fixture does not have, for the settings-mismatch command.
-# A data setting each task's prepared data does not have, for the settings-mismatch command; ucr/Toy is raw data.
-OTHER_SETTINGS = {"ucr/Toy": {"val_fraction": 0.5}, "pathfinder": {"difficulty": "easy", "generate_if_missing": 20}}
-
-
-@pytest.mark.parametrize("task", sorted(OTHER_SETTINGS))
-def test_data_settings_mismatch_command_runs_as_printed_and_makes_the_data_the_run_expects(tmp_path, task,
-                                                                                              monkeypatch):
-    """The command check_settings prints prepares <data_dir>_<preset>; for raw data it says to copy the raw files
-    there first (then nothing is downloaded); data we generate (a CPU preset's PathFinder) is generated there."""
-    monkeypatch.setattr(data, "UCR_PACKAGES", ())
-    monkeypatch.setattr(data, "download_file", lambda *a, **k: pytest.fail(f"a download was started: {a}"))
-    src = str(tmp_path / "src")
-    rows = "".join(f"{i % 2}\t" + "\t".join(str(v) for v in np.arange(5) * (i + 1)) + "\n" for i in range(10))
-    write_ucr(os.path.join(src, "ucr", "Toy"), "Toy", ".tsv", rows, rows)
-    data.main(["--task", task, "--data_dir", src] + (["--generate", "20"] if task == "pathfinder" else []))
-    with pytest.raises(ValueError) as e:
-        data.check_settings(data.load_split(src, task, "train")["meta"], OTHER_SETTINGS[task], task, src, "paper")
-    command = re.search(r"`(python data\.py [^`]*)`", str(e.value)).group(1)
-    assert (f"copy {src}/{task}/ to {src}_paper/{task}/" in str(e.value)) == (task != "pathfinder")
-    if task != "pathfinder":
-        shutil.copytree(os.path.join(src, task), os.path.join(src + "_paper", task))
-    data.main(shlex.split(command)[2:])
-    assert not data.data_mismatches(data.load_split(src + "_paper", task, "train")["meta"], OTHER_SETTINGS[task])
 
 
 # ----------------------------------------------------------------------------------------------------------
