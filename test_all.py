@@ -3381,28 +3381,21 @@ def pathfinder_component(img, seed):
     return region
 
 
-def check_pathfinder_labels_by_tracing(images, labels, info, resolution):
-    assert 0 < labels.sum() < len(labels), "need both classes to test both directions"
-    for i, (img, label, markers) in enumerate(zip(images, labels, info)):
-        origin, terminal = (tuple(int(round(x)) for x in markers[k]) for k in ("origin", "terminal"))
-        assert img[origin] >= 200 and img[terminal] >= 200, f"image {i}: no bright marker"
-        region = pathfinder_component(img, origin)
-        assert region[terminal] == (label == 1), f"image {i}: label {label} but markers connected={region[terminal]}"
-        # The origin marker sits on a long target contour (14 paddles: hard), not on a short distractor, and
-        # everything else in the image is separate from it (the label is not decided by one big blob).
-        assert 14 * data.PATHFINDER_SETTINGS[resolution]["paddle_length"] <= region.sum() < (img > 0).sum()
-
-
-@pytest.mark.parametrize("resolution", [32, 128])
-def test_pathfinder_labels_match_connectivity(pathfinder32, resolution):
-    images, labels, info = pathfinder32 if resolution == 32 else \
-        data.generate_pathfinder(20, seed=1, resolution=128, return_info=True)
-    check_pathfinder_labels_by_tracing(images[:200], labels[:200], info[:200], resolution)
-
-
-def test_pathfinder_classes_are_balanced_reproducible_and_pixel_statistics_at_chance(pathfinder32):
+def test_pathfinder_labels_match_connectivity_and_pixel_statistics_are_at_chance(pathfinder32):
+    """From pixels: the markers are in one 8-connected component of image > 0 iff the label is 1, and the origin's
+    component is a long target contour (14 paddles: hard), not all the ink. The classes are balanced and
+    reproducible, and mean, variance and ink fraction do not predict them."""
+    for resolution, (images, labels, info) in ((32, pathfinder32), (128, data.generate_pathfinder(
+            20, seed=1, resolution=128, return_info=True))):
+        assert set(labels[:200].tolist()) == {0, 1}, "need both classes to test both directions"
+        for i, (img, label, markers) in enumerate(zip(images[:200], labels, info)):
+            origin, terminal = (tuple(int(round(x)) for x in markers[k]) for k in ("origin", "terminal"))
+            assert img[origin] >= 200 and img[terminal] >= 200, f"image {i}: no bright marker"
+            region = pathfinder_component(img, origin)
+            assert region[terminal] == (label == 1), f"image {i}: label {label}, markers connected {region[terminal]}"
+            assert 14 * data.PATHFINDER_SETTINGS[resolution]["paddle_length"] <= region.sum() < (img > 0).sum()
     images, labels, _ = pathfinder32
-    assert labels.dtype == np.int64 and set(np.unique(labels)) == {0, 1} and 0.45 <= labels.mean() <= 0.55
+    assert labels.dtype == np.int64 and 0.45 <= labels.mean() <= 0.55
     a, b = data.generate_pathfinder(20, seed=7), data.generate_pathfinder(20, seed=7)
     assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
     assert not np.array_equal(a[0], data.generate_pathfinder(20, seed=8)[0])
@@ -3441,75 +3434,84 @@ def test_pathfinder_write_read_round_trip_in_the_release_layout(pathfinder_relea
     assert np.array_equal(got_labels, labels[keep])
 
 
-@pytest.mark.parametrize("fault", ["short line", "label 2", "not utf-8", "16-bit image", "other size"])
+@pytest.mark.parametrize("fault", ["short line", "16-bit image", "other size"])
 def test_pathfinder_reader_errors_name_the_file(pathfinder_release, fault):
     root, images, _ = pathfinder_release
-    meta = os.path.join(root, "metadata", "0.npy")
-    with open(meta) as f:
-        lines = f.read().splitlines()
-    named = f"{meta}, line 2: "
-    if fault in ("short line", "label 2", "not utf-8"):
-        lines[1] = {"short line": "imgs/0 sample_1.png 1", "label 2": "imgs/0 sample_1.png 1 2",
-                    "not utf-8": "imgs/0 \udcff.png 1 1"}[fault]
-        with open(meta, "w", errors="surrogateescape") as f:
-            f.write("\n".join(lines) + "\n")
+    meta, png = os.path.join(root, "metadata", "0.npy"), os.path.join(root, "imgs", "0", "sample_1.png")
+    if fault == "short line":
+        lines = open(meta).read().splitlines()
+        lines[1] = "imgs/0 sample_1.png 1"
+        open(meta, "w").write("\n".join(lines) + "\n")
     else:
-        named = os.path.join(root, "imgs", "0", "sample_1.png") + ": "
-        image = images[1].astype(np.uint16) * 257 if fault == "16-bit image" else np.zeros((16, 16), np.uint8)
-        Image.fromarray(image).save(named[:-2])
-    with pytest.raises(ValueError, match="^" + re.escape(named)):
+        Image.fromarray(images[1].astype(np.uint16) * 257 if fault == "16-bit image" else np.zeros((16, 16), np.uint8)
+                        ).save(png)
+    with pytest.raises(ValueError, match="^" + re.escape(f"{meta}, line 2: " if fault == "short line" else f"{png}: ")):
         data.read_pathfinder_release(root)
 
 
-def test_pathfinder_generate_command_and_the_release_split(tmp_path, capsys):
+def test_pathfinder_generate_command_the_release_split_and_stopped_preparations(tmp_path, monkeypatch):
+    """A generation or extraction stopped midway leaves no set a later run would read; a generated set read as
+    release data is split as s4 splits it; real release data is never overwritten by --generate."""
     root = str(tmp_path / "data")
-    data.main(["--task", "pathfinder", "--data_dir", root, "--generate", "60"])
     release = os.path.join(root, "pathfinder", "pathfinder32", "curv_contour_length_14")
-    with Image.open(os.path.join(root, "pathfinder", "samples.png")) as im:  # a look at 16 of them
-        assert im.size[0] > 100 and im.size[1] > 100
+    real_write, real_extract = data.write_pathfinder_release, data.extract_tar
+
+    def interrupted(folder, images, labels, **kw):  # the first 10 images written, then the run is stopped
+        real_write(folder, images[:10], labels[:10], per_folder=5, **kw)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(data, "write_pathfinder_release", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        data.main(["--task", "pathfinder", "--data_dir", root, "--generate", "60"])
+    assert not os.path.exists(release)
+    monkeypatch.setattr(data, "write_pathfinder_release", real_write)
+    data.main(["--task", "pathfinder", "--data_dir", root, "--generate", "60"])
+    assert os.listdir(os.path.dirname(release)) == ["curv_contour_length_14"]  # no staging folder left
+    assert os.path.exists(os.path.join(root, "pathfinder", "samples.png"))  # a look at 16 of them
     splits = {s: data.load_split(root, "pathfinder", s) for s in data.SPLITS}
     assert [len(splits[s]["labels"]) for s in data.SPLITS] == [48, 6, 6] and splits["train"]["meta"]["generated"]
     x, _, _ = data.get_batch(splits["val"], torch.arange(6), "cpu")
     assert x.min() == -1 and x.max() <= 1          # (p / 255 - 0.5) / 0.5, background -1
-    # A missing image is skipped and named; real release data is never overwritten by --generate.
     os.remove(os.path.join(release, "imgs", "0", "sample_5.png"))
     os.remove(os.path.join(release, "generated.json"))
-    capsys.readouterr()
     data.prepare_pathfinder(root)  # now counts as release data, split as s4 splits it: random_split, seed 42
-    assert "sample_5.png" in capsys.readouterr().out
+    assert data.load_split(root, "pathfinder", "train")["meta"]["skipped"] == ["imgs/0/sample_5.png"]
     images = torch.from_numpy(data.read_pathfinder_release(release)[0]).flatten(1)
     parts = torch.utils.data.random_split(range(59), [49, 5, 5], generator=torch.Generator().manual_seed(42))
     for s, part in zip(data.SPLITS, parts):
         assert torch.equal(data.load_split(root, "pathfinder", s)["pixels"], images[part.indices])
     with pytest.raises(FileExistsError, match=re.escape(release)):
         data.prepare_pathfinder(root, generate=10)
-    with pytest.raises(FileNotFoundError, match=r"pathfinder128/curv_contour_length_14"):
-        data.prepare_pathx(root, download=False)
+    archive = str(tmp_path / "data" / "lra_release.gz")  # an extraction stopped midway: no metadata/ marker
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(release, arcname=data.LRA_INNER + "pathfinder32/curv_contour_length_9")
+
+    def stopped(archive, into, prefix):
+        real_extract(archive, into, prefix)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(data, "extract_tar", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        data.prepare_pathfinder(root, difficulty="intermediate")
+    assert not os.path.exists(os.path.join(os.path.dirname(release), "curv_contour_length_9", "metadata"))
+    monkeypatch.setattr(data, "extract_tar", real_extract)
+    assert data.prepare_pathfinder(root, difficulty="intermediate")["train"] == 49
+    big = os.path.join(os.path.dirname(release), "curv_baseline")  # images of another size than --resolution
+    data.write_pathfinder_release(big, np.zeros((4, 128, 128), np.uint8), np.array([0, 1, 0, 1]))
+    with pytest.raises(ValueError, match=re.escape(big)):
+        data.prepare_pathfinder(root, difficulty="easy")
 
 
 @pytest.mark.parametrize("reader, content, line", [  # line None: the error names the file only
     ("read_listops_tsv", "Target\tSource\n3\t[MAX 1 3 ]\n", 1),                  # not the release's header
     ("read_listops_tsv", "Source\tTarget\n[MAX 1 2 ]\t12\n", 2),                # not the value
     ("read_listops_tsv", "Source\tTarget\n[MAX 1 2 ]\t2\n[FOO 1 ]\t1\n", 3),    # an unknown token
-    ("read_listops_tsv", "Source\tTarget\n[MAX 1 2 ]\t2\textra\n", 2),          # a field too many
     ("read_listops_tsv", b"Source\tTarget\n[MAX 2 3 ]\t3\n[MIN 2 \xff ]\t2\n", 3),  # not UTF-8
     ("read_ucr_ts", "@problemName X\n@classLabel true 1 2\n1,2:1\n", None),      # no @data
     ("read_ucr_ts", "@targetLabel true\n@data\n1,2:1\n", 2),                      # regression: no @classLabel
     ("read_ucr_ts", "@dimensions 2\n@classLabel true 1\n@data\n1,2:3,4:1\n", 4),  # multivariate
-    ("read_ucr_ts", "@timeStamps true\n@classLabel true 1\n@data\n(0,1):1\n", 4),
-    ("read_ucr_ts", "@classLabel true 1 2\n@data\n1,2:3\n", 3),                   # a label not declared
     ("read_ucr_ts", "@classLabel true 1\n@data\n1,x,2:1\n", 3),                   # not a number
-    ("read_ucr_ts", b"@classLabel true 1 2\n@data\n0.1,0.2:1\n0.1,\xff:2\n", 4),
-    ("read_ucr_text", "1\t0.5\t1\n2\t0.5\tabc\t1\n", 2),
-    ("read_ucr_text", "1\t0.5\t\t1\n", 1),                                         # an empty tab field
     ("read_ucr_text", "1\t0.5\t1.5\n\t2.0\t3.0\n", 2),                             # no label: not shifted
-    ("read_ucr_text", "1\t2\nNaN\t0.5\t1\n", 2),                                   # a missing label
     ("read_ucr_text", "1,2,3\n2,inf,3\n", 2),
-    ("read_ucr_text", "1\n", 1),                                                   # no value
-    ("read_ucr_text", b"1\t0.5\t1.5\n2\t0.5\t1.5\n\xfe\t0.1\t0.2\n", 3),
-    ("read_aan_tsv", "1\ta\tb\tx\ty\n1\ta\tb\tonly four fields\n", 2),
     ("read_aan_tsv", "1\ta\tb\tx\ty\n2.0\ta\tb\tx\ty\n", 2),                       # a label not 0 or 1
-    ("read_aan_tsv", "1\ta\tb\tx\ty\n1\ta\tb\tx\t\n", 2),                           # an empty text
 ])
 def test_text_readers_name_the_file_and_line_of_bad_input(tmp_path, reader, content, line):
     path = tmp_path / "X_TRAIN"
@@ -3519,16 +3521,13 @@ def test_text_readers_name_the_file_and_line_of_bad_input(tmp_path, reader, cont
 
 
 def test_broken_gzip_idx_and_tar_files_are_named(tmp_path):
-    import gzip
     good = tmp_path / "labels-idx1-ubyte.gz"
     write_idx(str(good), np.arange(200) % 10)
-    cut, plain, short = tmp_path / "cut-idx1-ubyte.gz", tmp_path / "plain-idx1-ubyte.gz", tmp_path / "short-idx"
+    cut, short, archive = tmp_path / "cut-idx1-ubyte.gz", tmp_path / "short-idx", tmp_path / "a.tar.gz"
     cut.write_bytes(good.read_bytes()[:30])
-    plain.write_bytes(gzip.decompress(good.read_bytes()))  # a .gz name, but not gzip
     short.write_bytes(bytes([0, 0, 8, 1, 0, 0, 0, 9, 1, 2]))  # 2 bytes where the header says 9
-    archive = tmp_path / "a.tar.gz"
     archive.write_bytes(good.read_bytes())  # gzip, but not a tar
-    for path, read in ((cut, data.read_idx), (plain, data.read_idx), (short, data.read_idx),
+    for path, read in ((cut, data.read_idx), (short, data.read_idx),
                        (archive, lambda p: data.extract_tar(p, str(tmp_path / "out"), "p/"))):
         with pytest.raises(ValueError, match="^" + re.escape(f"{path}: ")):
             read(str(path))
@@ -3551,42 +3550,6 @@ def test_cifar10_validation_split_is_s4s_random_split_and_fashion_mnist_keeps_it
     train, val = (split(False)[s]["labels"].tolist() for s in ("train", "val"))  # val: the permutation's first 50
     assert val == sorted(torch.randperm(500, generator=torch.Generator().manual_seed(42))[:50].tolist())
     assert sorted(train + val) == list(range(500))
-
-
-def test_pathfinder_interrupted_generation_or_extraction_leaves_no_set_to_read(tmp_path, monkeypatch):
-    root = str(tmp_path)
-    release = os.path.join(root, "pathfinder", "pathfinder32", "curv_contour_length_14")
-    real_write, real_extract = data.write_pathfinder_release, data.extract_tar
-
-    def interrupted(folder, images, labels, **kw):  # the first 10 images written, then the run is stopped
-        real_write(folder, images[:10], labels[:10], per_folder=5, **kw)
-        raise KeyboardInterrupt
-    monkeypatch.setattr(data, "write_pathfinder_release", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        data.prepare_pathfinder(root, generate_if_missing=40)
-    assert not os.path.exists(release)  # nothing a later run would take for a whole set
-    monkeypatch.setattr(data, "write_pathfinder_release", real_write)
-    assert data.prepare_pathfinder(root, generate_if_missing=40) == {"train": 32, "val": 4, "test": 4}
-    assert os.listdir(os.path.dirname(release)) == ["curv_contour_length_14"]  # no staging folder left
-    # An extraction stopped midway (the marker metadata/ would exist early in a plain extraction):
-    archive = str(tmp_path / "lra_release.gz")
-    with tarfile.open(archive, "w:gz") as tar:
-        tar.add(release, arcname=data.LRA_INNER + "pathfinder32/curv_contour_length_9")
-
-    def stopped(archive, into, prefix):
-        real_extract(archive, into, prefix)
-        raise KeyboardInterrupt
-    monkeypatch.setattr(data, "extract_tar", stopped)
-    with pytest.raises(KeyboardInterrupt):
-        data.prepare_pathfinder(root, difficulty="intermediate", download=True)
-    assert not os.path.exists(os.path.join(root, "pathfinder", "pathfinder32", "curv_contour_length_9", "metadata"))
-    monkeypatch.setattr(data, "extract_tar", real_extract)
-    assert data.prepare_pathfinder(root, difficulty="intermediate", download=True)["train"] == 32
-    # Images of another size than --resolution are refused, not read as a quarter of each image.
-    big = os.path.join(root, "pathfinder", "pathfinder32", "curv_baseline")
-    data.write_pathfinder_release(big, np.zeros((4, 128, 128), np.uint8), np.array([0, 1, 0, 1]))
-    with pytest.raises(ValueError, match=re.escape(big)):
-        data.prepare_pathfinder(root, difficulty="easy")
 
 
 def test_pathx_runs_a_few_steps_with_local_attention(tmp_path):
