@@ -1632,14 +1632,10 @@ def test_data_settings_of_the_preset_are_checked_against_the_data_and_the_printe
             shutil.copytree(os.path.join(data_dir, task), os.path.join(data_dir + "_paper", task))
         data.main(shlex.split(str(err.value).split("`")[1])[2:])
         assert not data.data_mismatches(data.load_split(data_dir + "_paper", task, "train")["meta"], other)
-    # real data (not generated) keeps its own split sizes: the LRA ListOps release under the CPU preset
-    rows = data.generate_listops(24, seed=3, min_length=5, max_length=40)
-    release = tmp_path / "lra" / "listops" / "listops-1000"
-    release.mkdir(parents=True)
-    for s, part in zip(data.SPLITS, (rows[:16], rows[16:20], rows[20:])):
-        data.write_listops_tsv(str(release / f"basic_{s}.tsv"), part)
-    pretrain.main(["--task", "listops", "--data_dir", str(tmp_path / "lra"), "--out_dir", str(tmp_path / "out"),
-                   "--max_steps", "1", "--device", "cpu", "--n_layers", "1", "--d_model", "16"])  # 16 of 96000
+    # split sizes are compared for generated data only (the ListOps release has its own)
+    sizes = {"split_sizes": {"train": 16}}
+    assert data.data_mismatches(sizes, {"n_train": 96000}) == []
+    assert data.data_mismatches(dict(sizes, generated=True), {"n_train": 96000}) == [("n_train", 96000, 16)]
     assert data.data_mismatches({"difficulty": "easy"}, {"difficulty": "hard", "resolution": 32}) == \
         [("difficulty", "hard", "easy")]  # resolution: not recorded, not compared
 
@@ -1778,13 +1774,19 @@ def test_ucr_clean_series_prepare_and_errors_naming_the_file(tmp_path):
     meta = d["train"]["meta"]
     assert meta["label_names"] == ["-1", "1"] and meta["max_len"] == 8 and len(meta["sha256"]) == 64
     assert d["test"]["labels"].tolist() == [1, 0] and d["test"]["lengths"].tolist() == [3, 8]
-    for s in data.SPLITS:
-        for v, n in zip(d[s]["values"][..., 0], d[s]["lengths"]):
-            real = v[:n].double()
-            assert (v[n:] == 0).all()
-            assert (real == 0).all() or (abs(real.mean()) < 1e-6 and abs(real.std(unbiased=False) - 1) < 1e-5)
+    for s in data.SPLITS:  # each series z-normalized (or zeros) on its own, then padded with zeros
+        for v, n in zip(d[s]["values"][..., 0].double(), d[s]["lengths"]):
+            assert (v[n:] == 0).all() and ((v[:n] == 0).all() or abs(v[:n].std(unbiased=False) - 1) < 1e-5)
     assert d["val"]["labels"].bincount().tolist() == [2, 2] and d["train"]["labels"].bincount().tolist() == [9, 9]
-    # A test label not in training, one class only, one series per class: each error names the file.
+    # Some of the files only (the archive's would replace them: no download), a test label not in training, one
+    # class only, one series per class: each error names the file or folder.
+    for files in (["Toy_TEST.txt", "Toy_TRAIN.tsv"], ["toy_TRAIN.tsv", "toy_test.tsv"]):
+        shutil.rmtree(folder)
+        os.makedirs(folder)
+        for f in files:
+            (folder / f).write_text("1\t1.0\t2.0\n2\t3.0\t1.0\n")
+        with pytest.raises(FileNotFoundError, match=re.escape(f"{folder}/ (it holds {files}")):
+            data.prepare_ucr(root, "Toy", base_url="http://127.0.0.1:9/none")
     shutil.rmtree(folder)
     write_ucr(folder, "Toy", ".ts", TS_HEADER + "1,2,3:a\n4,5,7:b\n3,1,2:a\n2,2,1:b\n",
               TS_HEADER.replace("a b", "a b c") + "1,2,3:a\n4,5,6:c\n")
@@ -1831,19 +1833,6 @@ def http_root(tmp_path):
     yield root, f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
-
-
-def test_a_ucr_folder_with_some_of_its_files_says_so_and_downloads_nothing(tmp_path):
-    """With Toy_TEST.tsv missing, the archive's files would replace the user's: nothing is downloaded."""
-    folder = tmp_path / "ucr" / "Toy"
-    for files in (["Toy_TEST.txt", "Toy_TRAIN.tsv"], ["toy_TRAIN.tsv", "toy_test.tsv"]):
-        shutil.rmtree(folder, ignore_errors=True)
-        os.makedirs(folder)
-        for f in files:
-            (folder / f).write_text("1\t1.0\t2.0\n2\t3.0\t1.0\n")
-        with pytest.raises(FileNotFoundError, match=re.escape(f"{folder}/ (it holds {files}")):
-            data.prepare_ucr(str(tmp_path), "Toy", base_url="http://127.0.0.1:9/none")
-        assert sorted(os.listdir(folder)) == sorted(files)
 
 
 def _pyts_installed():
@@ -2130,6 +2119,10 @@ def test_image_reads_cifar_to_grayscale_pixels_and_normalizes_at_batch_time(tmp_
     test = data.load_split(root, "image", "test")
     assert torch.equal(test["pixels"], torch.from_numpy(data.to_grayscale(rgb)).flatten(1))
     assert test["labels"].tolist() == labels.tolist()
+    rgb = np.concatenate([data.read_cifar_batch(os.path.join(folder, f"data_batch_{i}"))[0] for i in range(1, 6)])
+    _, val = torch.utils.data.random_split(range(100), [90, 10], generator=torch.Generator().manual_seed(42))  # s4's
+    want = torch.from_numpy(data.to_grayscale(rgb[sorted(val.indices)])).flatten(1)
+    assert torch.equal(data.load_split(root, "image", "val")["pixels"], want)
     x, _, _ = data.get_batch(test, torch.tensor([3]), "cpu")
     want = (test["pixels"][3].double() / 255 - 122.6 / 255) / (61.0 / 255)
     assert x.shape == (1, 1024, 1) and torch.allclose(x[0, :, 0].double(), want, atol=1e-5)
@@ -2182,6 +2175,9 @@ def test_fashion_mnist_downloads_checks_the_md5_and_pads_to_1024_pixels_or_avera
     assert test["meta"]["sha256"] == {n: hashlib.sha256((www / n).read_bytes()).hexdigest() for n in arrays}
     padded = np.pad(images[:7], ((0, 0), (2, 2), (2, 2)))
     assert torch.equal(test["pixels"].view(7, 32, 32), torch.from_numpy(padded).to(torch.uint8))
+    first = torch.randperm(30, generator=torch.Generator().manual_seed(42))[:5].sort().values  # val: the first 5
+    assert torch.equal(data.load_split(root, "fashion_mnist", "val")["pixels"].view(5, 32, 32),
+                       torch.from_numpy(np.pad(images, ((0, 0), (2, 2), (2, 2)))[first.numpy()]).to(torch.uint8))
     assert data.prepare_fashion_mnist(root, n_val=5, resolution=16, n_train=12) == {"train": 12, "val": 5, "test": 7}
     test = data.load_split(root, "fashion_mnist", "test")
     for n, i, j in ((0, 0, 0), (1, 7, 9), (3, 15, 15), (2, 1, 14)):  # a loop over blocks, rounded half up
@@ -3405,25 +3401,19 @@ def test_pathfinder_labels_match_connectivity_and_pixel_statistics_are_at_chance
     assert abs(acc - 0.5) <= 0.05, f"mean/variance/ink predict the label with accuracy {acc:.3f}"
 
 
-@pytest.fixture
-def pathfinder_release(tmp_path, pathfinder32):
-    """80 images written with 7 per folder: 12 folders, so lexicographic order ('10' < '2') would be wrong."""
+def test_pathfinder_write_read_round_trip_in_the_release_layout_and_errors_naming_the_file(tmp_path, pathfinder32):
+    """Plain-text metadata/<k>.npy read in the order of k (12 folders: '10' < '2' would be wrong), 8-bit PNGs;
+    files not named <k>.npy are not read; an empty or missing PNG is skipped and named; a short line, a 16-bit
+    image or one of another size is an error naming its file."""
     images, labels = pathfinder32[0][:80], pathfinder32[1][:80]
     root = str(tmp_path / "pathfinder32" / "curv_contour_length_14")
     data.write_pathfinder_release(root, images, labels, per_folder=7)
-    return root, images, labels
-
-
-def test_pathfinder_write_read_round_trip_in_the_release_layout(pathfinder_release):
-    """Plain-text metadata/<k>.npy (read in the order of k), 8-bit PNGs; files not named <k>.npy are not read,
-    and an empty or missing PNG is skipped and named."""
-    root, images, labels = pathfinder_release
     got_images, got_labels, skipped = data.read_pathfinder_release(root)
     assert skipped == [] and np.array_equal(got_images, images) and np.array_equal(got_labels, labels)
-    with open(os.path.join(root, "metadata", "1.npy")) as f:
-        fields = f.read().splitlines()[2].split()
-    assert fields[:4] == ["imgs/1", "sample_2.png", "2", str(labels[9])] and len(fields) == 11
-    shutil.copy(os.path.join(root, "metadata", "1.npy"), os.path.join(root, "metadata", "1.npy.bak"))
+    meta, png = os.path.join(root, "metadata", "1.npy"), os.path.join(root, "imgs", "1", "sample_1.png")
+    lines = open(meta).read().splitlines()
+    assert lines[2].split()[:4] == ["imgs/1", "sample_2.png", "2", str(labels[9])] and len(lines[2].split()) == 11
+    shutil.copy(meta, meta + ".bak")
     empty = os.path.join(root, "imgs", "0", "sample_3.png")      # image 3
     missing = os.path.join(root, "imgs", "2", "sample_5.png")    # image 2 * 7 + 5 = 19
     open(empty, "w").close()
@@ -3432,21 +3422,15 @@ def test_pathfinder_write_read_round_trip_in_the_release_layout(pathfinder_relea
     keep = np.setdiff1d(np.arange(len(images)), [3, 19])
     assert skipped == [empty, missing] and np.array_equal(got_images, images[keep])
     assert np.array_equal(got_labels, labels[keep])
-
-
-@pytest.mark.parametrize("fault", ["short line", "16-bit image", "other size"])
-def test_pathfinder_reader_errors_name_the_file(pathfinder_release, fault):
-    root, images, _ = pathfinder_release
-    meta, png = os.path.join(root, "metadata", "0.npy"), os.path.join(root, "imgs", "0", "sample_1.png")
-    if fault == "short line":
-        lines = open(meta).read().splitlines()
-        lines[1] = "imgs/0 sample_1.png 1"
-        open(meta, "w").write("\n".join(lines) + "\n")
-    else:
-        Image.fromarray(images[1].astype(np.uint16) * 257 if fault == "16-bit image" else np.zeros((16, 16), np.uint8)
-                        ).save(png)
-    with pytest.raises(ValueError, match="^" + re.escape(f"{meta}, line 2: " if fault == "short line" else f"{png}: ")):
+    with open(meta, "w") as f:
+        f.write("\n".join([lines[0], "imgs/1 sample_1.png 1"] + lines[2:]) + "\n")
+    with pytest.raises(ValueError, match="^" + re.escape(f"{meta}, line 2: ")):
         data.read_pathfinder_release(root)
+    shutil.copy(meta + ".bak", meta)
+    for image in (images[8].astype(np.uint16) * 257, np.zeros((16, 16), np.uint8)):  # 16 bits; another size
+        Image.fromarray(image).save(png)
+        with pytest.raises(ValueError, match="^" + re.escape(f"{png}: ")):
+            data.read_pathfinder_release(root)
 
 
 def test_pathfinder_generate_command_the_release_split_and_stopped_preparations(tmp_path, monkeypatch):
@@ -3469,8 +3453,6 @@ def test_pathfinder_generate_command_the_release_split_and_stopped_preparations(
     assert os.path.exists(os.path.join(root, "pathfinder", "samples.png"))  # a look at 16 of them
     splits = {s: data.load_split(root, "pathfinder", s) for s in data.SPLITS}
     assert [len(splits[s]["labels"]) for s in data.SPLITS] == [48, 6, 6] and splits["train"]["meta"]["generated"]
-    x, _, _ = data.get_batch(splits["val"], torch.arange(6), "cpu")
-    assert x.min() == -1 and x.max() <= 1          # (p / 255 - 0.5) / 0.5, background -1
     os.remove(os.path.join(release, "imgs", "0", "sample_5.png"))
     os.remove(os.path.join(release, "generated.json"))
     data.prepare_pathfinder(root)  # now counts as release data, split as s4 splits it: random_split, seed 42
@@ -3539,17 +3521,6 @@ def test_grayscale_is_pils_convert_l_as_torchvision_grayscale():
     ours = data.to_grayscale(rgb)
     pil = np.stack([np.asarray(Image.fromarray(im.transpose(1, 2, 0)).convert("L")) for im in rgb])
     assert np.array_equal(ours, pil) and ours[0, 0, 0] == 255
-
-
-def test_cifar10_validation_split_is_s4s_random_split_and_fashion_mnist_keeps_its_own():
-    images, labels = np.zeros((500, 1, 1), np.uint8), np.arange(500)  # a label is the image's index
-    split = lambda s4_order: data._pixel_splits(images, labels, images[:3], labels[:3], 50, 42, s4_order)  # noqa
-    s4_train, s4_val = torch.utils.data.random_split(range(500), [450, 50], generator=torch.Generator().manual_seed(42))
-    train, val = (split(True)[s]["labels"].tolist() for s in ("train", "val"))
-    assert train == sorted(s4_train.indices) and val == sorted(s4_val.indices)
-    train, val = (split(False)[s]["labels"].tolist() for s in ("train", "val"))  # val: the permutation's first 50
-    assert val == sorted(torch.randperm(500, generator=torch.Generator().manual_seed(42))[:50].tolist())
-    assert sorted(train + val) == list(range(500))
 
 
 def test_pathx_runs_a_few_steps_with_local_attention(tmp_path):
