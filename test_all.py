@@ -2123,6 +2123,9 @@ def test_image_reads_cifar_to_grayscale_pixels_and_normalizes_at_batch_time(tmp_
     _, val = torch.utils.data.random_split(range(100), [90, 10], generator=torch.Generator().manual_seed(42))  # s4's
     want = torch.from_numpy(data.to_grayscale(rgb[sorted(val.indices)])).flatten(1)
     assert torch.equal(data.load_split(root, "image", "val")["pixels"], want)
+    rgb[0, :, 0, :4] = [[255, 0, 0, 255], [255, 0, 255, 0], [255, 255, 0, 0]]  # white and corners of the cube
+    pil = np.stack([np.asarray(Image.fromarray(im.transpose(1, 2, 0)).convert("L")) for im in rgb])
+    assert np.array_equal(data.to_grayscale(rgb), pil)  # PIL's convert("L"), as torchvision's Grayscale
     x, _, _ = data.get_batch(test, torch.tensor([3]), "cpu")
     want = (test["pixels"][3].double() / 255 - 122.6 / 255) / (61.0 / 255)
     assert x.shape == (1, 1024, 1) and torch.allclose(x[0, :, 0].double(), want, atol=1e-5)
@@ -3515,14 +3518,6 @@ def test_broken_gzip_idx_and_tar_files_are_named(tmp_path):
             read(str(path))
 
 
-def test_grayscale_is_pils_convert_l_as_torchvision_grayscale():
-    rgb = np.random.default_rng(0).integers(0, 256, (5, 3, 8, 8), dtype=np.uint8)
-    rgb[0, :, 0, :4] = [[255, 0, 0, 255], [255, 0, 255, 0], [255, 255, 0, 0]]  # white and corners of the cube
-    ours = data.to_grayscale(rgb)
-    pil = np.stack([np.asarray(Image.fromarray(im.transpose(1, 2, 0)).convert("L")) for im in rgb])
-    assert np.array_equal(ours, pil) and ours[0, 0, 0] == 255
-
-
 def test_pathx_runs_a_few_steps_with_local_attention(tmp_path):
     root, out = str(tmp_path / "data"), str(tmp_path / "out")
     data.prepare_pathx(root, generate=20)
@@ -3738,17 +3733,21 @@ FOUR, LABELS = torch.tensor([4, 4, 4]), torch.tensor([0, 1, 1])
     (dict(tokens=TOKENS, lengths=FOUR, labels=LABELS.int()), "labels"),  # cross_entropy would refuse them mid-run
     (dict(tokens=torch.full((3, 4), 17, dtype=torch.uint8), lengths=FOUR, labels=LABELS), "tokens"),  # vocab_size
     (dict(pixels=TOKENS.float() / 255, lengths=FOUR, labels=LABELS), "pixels"),  # would be divided by 255 again
-    (dict(values=torch.full((3, 4, 1), float("nan")), lengths=FOUR, labels=LABELS), "values"),
+    (dict(values=torch.full((3, 4, 1), 1e39, dtype=torch.float64), lengths=FOUR, labels=LABELS), "values"),  # inf
     # A mask id inside the length (SPT would take a real 1 for a masked position); a real id after it.
     (dict(tokens=TOKENS.index_put((torch.tensor([1]), torch.tensor([2])), torch.tensor(1, dtype=torch.uint8)),
           lengths=FOUR, labels=LABELS), "tokens"),
     (dict(tokens=TOKENS, lengths=torch.tensor([4, 3, 4]), labels=LABELS), "tokens"),
 ])
-def test_load_split_refuses_tensors_that_disagree(tmp_path, tensors, field):
+def test_load_split_converts_other_float_values_and_refuses_tensors_that_disagree(tmp_path, tensors, field):
     pairs = torch.tensor([[4, 1], [2, 3], [1, 1]])
     _save_toy(tmp_path, tokens=(2 * (torch.arange(4) < pairs[..., None])).to(torch.int16), lengths=pairs,
               labels=LABELS)
     data.load_split(str(tmp_path), "toy", "train")   # consistent: loads
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):  # hand-made values become float32
+        values = torch.randn(3, 4, 1).to(dtype)
+        _save_toy(tmp_path, values=values, lengths=FOUR, labels=LABELS)
+        assert torch.equal(data.load_split(str(tmp_path), "toy", "train")["values"], values.float())
     path = _save_toy(tmp_path, **tensors)
     with pytest.raises(ValueError, match="^" + re.escape(path) + ".*" + field):
         data.load_split(str(tmp_path), "toy", "train")
@@ -3769,32 +3768,9 @@ DATA_CLI_CASES = [
 ]
 
 
-@pytest.mark.parametrize("task, good, passed, bad", DATA_CLI_CASES, ids=[c[0] for c in DATA_CLI_CASES])
-def test_data_cli_rejects_flags_that_do_not_apply_and_passes_exactly_the_flags_given(tmp_path, monkeypatch, task,
-                                                                                        good, passed, bad):
-    root = str(tmp_path / "d")
-    with pytest.raises(ValueError, match=rf"^{bad[0]}: does not apply to --task {task} \(it takes: ") as e:
-        data.main(["--task", task, "--data_dir", root] + good + bad)
-    takes = str(e.value).split("(it takes: ")[1]
-    assert all(f in takes for f in good if f.startswith("--")), takes  # the flags that do apply are listed
-    assert not os.path.exists(root)  # refused before anything is read or written
-    family = data.task_family(task)
-    real, calls = data.PREPARE[family], []
-
-    @functools.wraps(real)  # the same signature, so prepare's check sees the real function's parameters
-    def spy(*args, **kwargs):
-        calls.append((args, kwargs))
-        return {}
-    monkeypatch.setitem(data.PREPARE, family, spy)
-    data.main(["--task", task, "--data_dir", root] + good)
-    data.main(["--task", task, "--data_dir", root])
-    assert calls[0] == ((root, "GunPoint") if family == "ucr" else (root,), passed)
-    assert calls[1][1] == {}  # no flag given: the prepare function's own defaults, nothing passed for them
-
-
-def test_prepare_refuses_keywords_the_task_does_not_take(tmp_path):
-    """Every keyword a task does not take is named before anything is read; every preset's data settings are
-    keywords of its task; no prepare function swallows keywords with **kwargs."""
+def test_data_cli_and_prepare_refuse_what_does_not_apply_and_pass_exactly_the_flags_given(tmp_path, monkeypatch):
+    """A flag or keyword a task does not take is named before anything is read; main passes the flags given and
+    nothing else; every preset's data settings are keywords of its task; no prepare function takes **kwargs."""
     with pytest.raises(ValueError, match=r"^--max_len, url: does not apply to --task synthetic"):
         data.prepare("synthetic", str(tmp_path), n_train=4, max_len=5, url="x")
     assert os.listdir(tmp_path) == []
@@ -3804,6 +3780,24 @@ def test_prepare_refuses_keywords_the_task_does_not_take(tmp_path):
     for family, prepare in data.PREPARE.items():
         assert all(q.kind != q.VAR_KEYWORD for q in inspect.signature(prepare).parameters.values()), family
     assert sorted(map(data.task_family, data.TASKS)) == sorted(data.PREPARE)
+    root = str(tmp_path / "d")
+    for task, good, passed, bad in DATA_CLI_CASES:
+        with pytest.raises(ValueError, match=rf"^{bad[0]}: does not apply to --task {task} \(it takes: ") as e:
+            data.main(["--task", task, "--data_dir", root] + good + bad)
+        takes = str(e.value).split("(it takes: ")[1]
+        assert all(f in takes for f in good if f.startswith("--")), takes  # the flags that do apply are listed
+        assert not os.path.exists(root)  # refused before anything is read or written
+        family, calls = data.task_family(task), []
+
+        @functools.wraps(data.PREPARE[family])  # the same signature: prepare's check sees the real parameters
+        def spy(*args, **kwargs):
+            calls.append((args, kwargs))
+            return {}
+        monkeypatch.setitem(data.PREPARE, family, spy)
+        data.main(["--task", task, "--data_dir", root] + good)
+        data.main(["--task", task, "--data_dir", root])
+        assert calls[0] == ((root, "GunPoint") if family == "ucr" else (root,), passed)
+        assert calls[1][1] == {}  # no flag given: the prepare function's own defaults, nothing passed for them
 
 
 def test_save_atomic_round_trips_every_kind_leaves_no_tmp_and_every_data_writer_goes_through_it(tmp_path,
@@ -4208,20 +4202,6 @@ def test_flags_that_do_not_apply_or_are_out_of_range_are_usage_errors(synthetic_
     for device in ("cuda:7", "mps") if not torch.cuda.is_available() else ("cuda:99",):
         with pytest.raises(ValueError, match=rf"--device {device}: not on this machine"):
             pretrain.main(syn_flags(data_dir, out, "--device", device))
-
-
-def test_hand_made_values_of_another_float_dtype_become_float32_or_are_refused(synthetic_run, tmp_path):
-    d = data.load_split(synthetic_run[0], "synthetic", "val")
-    path = data.split_path(str(tmp_path), "synthetic", "val")
-    for dtype in (torch.float16, torch.bfloat16, torch.float64):
-        data.save_atomic(dict(d, values=d["values"].to(dtype)), path)
-        got = data.load_split(str(tmp_path), "synthetic", "val")
-        assert got["values"].dtype == torch.float32 and torch.equal(got["values"], d["values"].to(dtype).float())
-    big = d["values"].double()
-    big[3, 5, 1] = 1e39  # beyond float32's range
-    data.save_atomic(dict(d, values=big), path)
-    with pytest.raises(ValueError, match=rf"^{re.escape(path)}: field 'values'"):
-        data.load_split(str(tmp_path), "synthetic", "val")
 
 
 def test_analyze_says_when_the_data_is_not_the_checkpoints(synthetic_run, tmp_path, capsys):
