@@ -237,14 +237,9 @@ def test_max_len_is_enforced():
 
 def test_token_frequency_entropy_is_that_of_the_real_positions(listops_dir):
     split = data.load_split(listops_dir, "listops", "train")
-    counts = {}
-    for row, n in zip(split["tokens"].tolist(), split["lengths"].tolist()):
-        for t in row[:n]:
-            counts[t] = counts.get(t, 0) + 1
-    total = sum(counts.values())
-    want = -sum(c / total * math.log(c / total) for c in counts.values())
-    assert data.token_frequency_entropy(split) == pytest.approx(want, rel=1e-9)
-    assert 0 not in counts  # padding is not a real position
+    real = [t for row, n in zip(split["tokens"].tolist(), split["lengths"].tolist()) for t in row[:n]]
+    want = -sum(real.count(t) / len(real) * math.log(real.count(t) / len(real)) for t in set(real))
+    assert data.token_frequency_entropy(split) == pytest.approx(want, rel=1e-9) and 0 not in real  # 0: padding
 
 
 def test_mask_batch_masks_only_real_tokens_at_least_one_each():
@@ -1649,8 +1644,7 @@ def test_stages_never_download_unasked(tmp_path, monkeypatch):
 
 
 def test_a_task_of_ones_own_runs_after_the_readme_steps(tmp_path, monkeypatch):
-    """README, Use your own data (2): hand-written .pt files, a TASKS entry, a prepare function, a preset and a
-    mask ratio; then SPT and finetuning run on it."""
+    """README, Use your own data (2): hand-written .pt files, a TASKS entry, a prepare, a preset, a mask ratio."""
     g = torch.Generator().manual_seed(0)
     root = tmp_path / "data"
     for split, n in (("train", 32), ("val", 8), ("test", 8)):
@@ -2394,9 +2388,8 @@ def make_tar(path, files, link=None, target=None):
 
 
 def test_lra_imdb_and_ucr_archives_download_from_a_local_server(http_root, tmp_path):
-    """The UCR zip, the LRA release (a tar.gz with an outer and an inner copy) and the IMDb tar.gz, served on
-    127.0.0.1. A wrong sha256, a cut connection or a file that is not the archive: an error naming the URL or
-    archive, and no file is kept."""
+    """The UCR zip, the LRA release (a tar.gz with an outer and an inner copy), the IMDb tar.gz. A wrong sha256, a
+    cut connection or not the archive: an error naming the URL or archive, and no file kept."""
     import hashlib
     import zipfile
     www, base_url = http_root
@@ -2460,8 +2453,7 @@ def test_a_usage_error_is_short_and_an_unknown_task_names_the_choices(capsys):
 
 
 def test_extraction_writes_only_inside_its_folder(tmp_path):
-    """extract_tar refuses a member that would leave its folder ("../", a link already there) and skips links;
-    a preparation extracts into a fresh folder, so a link planted where a staging folder was is never followed."""
+    """No member leaves its folder ("../", a link there, a link member); nor does a planted staging folder."""
     outside, into = tmp_path / "outside", tmp_path / "into"
     outside.mkdir()
     into.mkdir()
@@ -3647,25 +3639,22 @@ def test_ablate_frozen_freezes_every_layer_and_measures_how_far_each_group_moved
 # Input validation: raw files a clone holds without its data, and the check of every loaded split
 # ----------------------------------------------------------------------------------------------------------
 
-ANNEX_KEY = "SHA256E-s80741843--4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393"
-
-
-@pytest.mark.parametrize("kind", ["lfs", "annex-link", "annex-file"])
-def test_a_clone_without_its_data_is_named_not_read_or_downloaded(tmp_path, kind):
+def test_a_clone_without_its_data_is_named_not_read_or_downloaded(tmp_path):
     """A Git LFS pointer, a broken git-annex link or an unlocked annex pointer file counts as found (no download)
     and is named by the reader; a present annex link and a short real file are data."""
-    folder = tmp_path / "ucr" / "Toy"
-    folder.mkdir(parents=True)
-    for split in ("TRAIN", "TEST"):
-        path = folder / f"Toy_{split}.tsv"
-        if kind == "lfs":
-            path.write_text(f"version https://git-lfs.github.com/spec/v1\noid sha256:{ANNEX_KEY[-64:]}\nsize 8\n")
-        elif kind == "annex-link":
-            os.symlink(f"../.git/annex/objects/Pq/Z1/{ANNEX_KEY}/{ANNEX_KEY}", path)
-        else:
-            path.write_text(f"/annex/objects/{ANNEX_KEY}\n")
-    with pytest.raises(ValueError, match="^" + re.escape(f"{folder / 'Toy_TRAIN.tsv'}: ")):
-        data.prepare_ucr(str(tmp_path), "Toy", base_url="http://127.0.0.1:9/none")
+    key = "SHA256E-s80741843--4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393"
+    pointers = {"lfs": f"version https://git-lfs.github.com/spec/v1\noid sha256:{key[-64:]}\nsize 8\n",
+                "annex-file": f"/annex/objects/{key}\n", "annex-link": None}
+    for kind, pointer in pointers.items():
+        folder = tmp_path / kind / "ucr" / "Toy"
+        folder.mkdir(parents=True)
+        for split in ("TRAIN", "TEST"):
+            if pointer:
+                (folder / f"Toy_{split}.tsv").write_text(pointer)
+            else:
+                os.symlink(f"../.git/annex/objects/Pq/Z1/{key}/{key}", folder / f"Toy_{split}.tsv")
+        with pytest.raises(ValueError, match="^" + re.escape(f"{folder / 'Toy_TRAIN.tsv'}: ")):
+            data.prepare_ucr(str(tmp_path / kind), "Toy", base_url="http://127.0.0.1:9/none")
     objects = tmp_path / ".git" / "annex" / "objects"
     objects.mkdir(parents=True)
     (objects / "x").write_text("1\t0.5\t1.5\n2\t3\t4\n")
