@@ -122,16 +122,6 @@ def load_pt(path, map_location="cpu", mmap=False):
     return obj
 
 
-def not_a_file(path):
-    """The error for a .pt `path` that is not a file: IsADirectoryError listing the .pt files of the folder it
-    is, else FileNotFoundError (a broken link says where it points)."""
-    if os.path.isdir(path):
-        pts = sorted(f for f in os.listdir(path) if f.endswith(".pt"))
-        return IsADirectoryError(f"{path}: a folder, not a file; give a .pt file in it ({', '.join(pts) or 'none'})")
-    link = f" (a broken link to {os.readlink(path)})" if os.path.islink(path) else ""
-    return FileNotFoundError(f"{path}: no such file{link}")
-
-
 class TaskNames(tuple):
     """The --task choices: the task families, ucr/<Name> standing for any UCR data set. `in` accepts
     every ucr/<Name> (letters, digits, _ -), so argparse's choices=TASKS does."""
