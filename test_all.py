@@ -692,23 +692,6 @@ def test_synthetic_label_is_invisible_to_linear_statistics_but_in_neighbour_inte
     assert _linear_accuracy(cross(x_tr), y_tr, cross(x_va), y_va) > 0.97
 
 
-def test_synthetic_pretrain_finetune_slices_the_mask_channel(tmp_path):
-    root, out = str(tmp_path / "data"), str(tmp_path / "out")
-    data.prepare_synthetic(root, n_train=64, n_val=32, n_test=32, length=20)
-    common = ["--task", "synthetic", "--data_dir", root, "--out_dir", out, "--batch_size", "16", "--device", "cpu"]
-    pretrain.main(common + ["--max_steps", "3", "--eval_every", "3"])
-    ck = data.load_pt(os.path.join(out, "synthetic", "pretrain.pt"))
-    assert ck["model_config"]["d_input"] == 3 and ck["model_config"]["layernorm"] is False
-    meta = data.load_split(root, "synthetic", "train")["meta"]
-    spt = data.load_pt(os.path.join(out, "synthetic", "pretrain.pt"))
-    model = finetune.model_from_pretrained(spt, meta, 2, "synthetic")
-    assert model.cfg.d_input == 2
-    assert torch.equal(model.embed.weight, ck["model"]["embed.weight"][:, :2])
-    assert torch.equal(model.blocks[0].attn.k_proj.weight, ck["model"]["blocks.0.attn.k_proj.weight"])
-    finetune.main(common + ["--init", os.path.join(out, "synthetic", "pretrain.pt"), "--max_steps", "3"])
-    assert json.load(open(os.path.join(out, "synthetic", "finetune_spt.json")))["test_acc"] >= 0
-
-
 def test_training_never_calls_the_explicit_attention_path(listops_dir, tmp_path, monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("explicit attention called during training")
@@ -926,7 +909,8 @@ def test_frozen_groups_stay_bit_identical(synthetic_run, tmp_path):
     assert moved == {"cls_head.weight", "cls_head.bias"}  # no MLP in this model: only the head trains
     for freeze, name in (("attn", "fire"), ("none", "fire_free")):  # FIRE's learned bias: frozen with attn only
         finetune.main(["--task", "synthetic", "--data_dir", data_dir, "--out_dir", out2, "--init", "scratch", "--pos",
-                       "fire", "--freeze", freeze, "--max_steps", "5", "--lr", "1e-2", "--device", "cpu", "--name", name])
+                       "fire", "--freeze", freeze, "--max_steps", "5", "--lr", "1e-2", "--device", "cpu",
+                       "--name", name])
         run = os.path.join(out2, "synthetic", f"finetune_{name}")
         before, after = (data.load_pt(run + suffix)["model"] for suffix in ("_init.pt", "_last.pt"))
         fire = [n for n in before if ".attn.fire." in n]
@@ -3904,6 +3888,7 @@ def test_finetuning_trains_on_the_data_spt_saw_wherever_it_lies(synthetic_run, t
     assert (result["spt_sha256"], result["spt_step"]) == (ck["tensors_sha256"], ck["state"]["step"])
     start = data.load_pt(os.path.join(out, "synthetic", "finetune_spt_init.pt"))["model"]
     assert all(torch.equal(start[k], v) for k, v in ck["model"].items() if not k.startswith(("rec_head", "embed")))
+    assert torch.equal(start["embed.weight"], ck["model"]["embed.weight"][:, :2])  # SPT's mask channel sliced off
     other = str(tmp_path / "other")
     data.prepare_synthetic(other, n_train=64, n_val=32, n_test=32, length=20, seed=5)
     with pytest.raises(ValueError, match="--allow_other_data"):
@@ -3979,8 +3964,9 @@ def test_flags_that_do_not_apply_or_are_out_of_range_are_usage_errors(synthetic_
         assert e.value.code == 2 and named in capsys.readouterr().err, extra
     import ablate
     ckpt = os.path.join(out, "synthetic", "pretrain.pt")
-    for main, argv in ((analyze.main, ["gradients", "--ckpt", ckpt, "--n", "0"]), (analyze.main, ["prop1", "--seed",
-                       "-1"]), (ablate.main, ["demo", "--length", "0"]), (ablate.main, ["initscale", "--scales", "inf"]),
+    for main, argv in ((analyze.main, ["gradients", "--ckpt", ckpt, "--n", "0"]),
+                       (analyze.main, ["prop1", "--seed", "-1"]), (ablate.main, ["demo", "--length", "0"]),
+                       (ablate.main, ["initscale", "--scales", "inf"]),
                        (data.main, ["--task", "ucr/Toy", "--val_fraction", "1.5"])):
         with pytest.raises(SystemExit) as e:
             main(argv)
