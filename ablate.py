@@ -247,12 +247,12 @@ def mean_std(values):
     return f"{statistics.fmean(values):.3f} +- {statistics.stdev(values):.3f}"
 
 
-def paired_difference(runs_a, runs_b, key="test_acc"):
-    """A minus B paired by seed, as the cells "mean +- sd | d_0, d_1, ... | k of n | t": the differences' mean and
+def paired_difference(runs_a, runs_b):
+    """A minus B of test_acc paired by seed, as the cells "mean +- sd | d_0, d_1, ... | k of n | t": their mean and
     sample sd, each one (seed order), how many are > 0, the paired t ("-" for one seed or no spread). runs_a, runs_b:
     summary() dicts of the same seeds (KeyError for a seed of A that B lacks)."""
-    b = {r["seed"]: r[key] for r in runs_b}
-    diffs = [r[key] - b[r["seed"]] for r in sorted(runs_a, key=lambda r: r["seed"])]
+    b = {r["seed"]: r["test_acc"] for r in runs_b}
+    diffs = [r["test_acc"] - b[r["seed"]] for r in sorted(runs_a, key=lambda r: r["seed"])]
     m, n = statistics.fmean(diffs), len(diffs)
     if n == 1:
         spread, t = f"{m:+.3f} (1 seed)", "-"
@@ -786,9 +786,9 @@ def one_line(error):
     return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}".replace("|", "/")
 
 
-def percent(fraction, digits):
+def percent(fraction):
     """A table cell: `fraction` as a percentage, or "-" for None."""
-    return "-" if fraction is None else f"{100 * fraction:.{digits}f}%"
+    return "-" if fraction is None else f"{100 * fraction:.1f}%"
 
 
 def time_spt_step(variant, size, device, dtype, steps, repeats):
@@ -848,7 +848,7 @@ def bench(args):
         r = out["results"][v] = time_spt_step(v, size, device, dtype, args.steps, args.repeats)
         rows.append([BENCH_VARIANTS[v], r["error"], "", "", ""] if "error" in r else [
             BENCH_VARIANTS[v], f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:,.0f}",
-            "-" if r["peak_memory_mb"] is None else f"{r['peak_memory_mb']:,.0f} MiB", percent(r["mfu"], 1)])
+            "-" if r["peak_memory_mb"] is None else f"{r['peak_memory_mb']:,.0f} MiB", percent(r["mfu"])])
     s = out["size"]
     lines = [f"**L {s['L']}, d_model {s['d_model']}, {s['n_layers']} layers, {s['n_heads']} heads, MLP {s['d_mlp']}, "
              f"batch {s['batch']}**; {name}, {str(dtype)[6:]}, torch {torch.__version__}, {out['threads']} thread(s); "
@@ -939,7 +939,7 @@ def experiment_gpu(args):
             r["full_steps"] = -(-FULL_TRAIN[task] // run["batch_size"]) * run["epochs"]
             r["projected_hours"] = hours[task, stage] = r["full_steps"] * r["ms_per_step"] / 3.6e6
             out["results"].append(dict(task=task, stage=stage, **r))
-            rows.append([task, stage, f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:,.0f}", percent(r["mfu"], 1),
+            rows.append([task, stage, f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:,.0f}", percent(r["mfu"]),
                          f"{r['peak_memory_gib']:.1f} GiB", f"{r['full_steps']:,}", f"{r['projected_hours']:.1f}"])
         lines = [f"**Paper presets on one GPU**: {out['device_name']}, torch {out['torch']}, {out['date']}; "
                  f"{args.steps} steps per stage on stand-in data of each preset's shapes"
@@ -1013,7 +1013,6 @@ def report(args):
         else:
             page, title = f"{name}.md", TITLES.get(stem, stem) + (f": {variant}" if variant else "")
         pages[page] = pages.get(page, f"# {title}\n").rstrip("\n") + f"\n\n(Not described yet.)\n\n{region}\n"
-        where[source] = page
     rank = {stem: i for i, stem in enumerate(TITLES)}  # the index: the experiments in the paper's story, then others
     index = ["# Results", "", "One page per experiment: what it shows, its verdict, its command and its table.", ""]
     index += [f"- [{pages[p].partition(chr(10))[0].lstrip('# ')}]({p})"
