@@ -409,10 +409,10 @@ def experiment_synthetic(args):
     3x. Accuracy, the plateau's end (val acc 0.9), attention at init and after SPT, Prop. 1's gradient shares."""
     common, runs = common_flags(args), []
     lr = pretrain.PRESETS["synthetic"][args.preset]["finetune"]["lr"]
+    finetunings = (("spt", None, ()), ("scratch", "scratch", ()), ("scratch_lr3x", "scratch", ("--lr", str(3 * lr))))
     for seed in seeds_here(args, "synthetic", ("synthetic", common)):
         folder = run_dir(args, "synthetic", seed)
-        results = spt_then_finetune("synthetic", folder, seed, common, (("spt", None, ()), (
-            "scratch", "scratch", ()), ("scratch_lr3x", "scratch", ("--lr", str(3 * lr)))), ["--snapshots"])
+        results = spt_then_finetune("synthetic", folder, seed, common, finetunings, ["--snapshots"])
         stats = spt_displacement("synthetic", folder, args.data_dir)
         grads = spt_gradients("synthetic", folder, args.data_dir)
         runs += [summary(seed, result, name=name, attention_init=stats["init"], attention_spt=stats["spt"],
@@ -531,7 +531,8 @@ def experiment_swap(args):
     tasks = ("pathfinder", image)
     budget = ["--max_steps", str(args.steps), "--eval_every", str(args.steps)] if args.steps else []
     flags = {task: common_flags(args) + budget for task in tasks}
-    model = {task: "preset" + (f"_steps{args.steps}" if args.steps else "") for task in tasks}  # what is not main's
+    # Run folders name what differs from `main`'s runs of the same task (the preset's data and budget).
+    model = {task: "preset" + (f"_steps{args.steps}" if args.steps else "") for task in tasks}
     if args.n_images is not None:
         pf_dir = os.path.join(args.data_dir, "pfcurves", f"{args.difficulty}_n{args.n_images}")
         if not os.path.exists(data.split_path(pf_dir, "pathfinder")):
@@ -592,7 +593,8 @@ def experiment_frozen(args):
     default = list(LRA_TASKS) if args.preset == "paper" else ["fashion_mnist"]
     args.tasks = args.tasks or default
     done, skipped = prepared_tasks(args, args.tasks)
-    output = f"frozen_{args.preset}" + ("" if args.tasks == default else "_" + "_".join(args.tasks))  # own table
+    # other --tasks than the preset's default: a table of their own, not the default one overwritten
+    output = f"frozen_{args.preset}" + ("" if args.tasks == default else "_" + "_".join(args.tasks))
     runs, seeds, accuracy, moved, shares = [], seeds_here(args, output), [], [], []
     for task in done:
         common, data_dir = common_flags(args, task=task), task_data_dir(args, task)
