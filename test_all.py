@@ -374,35 +374,14 @@ def _load_run_model(path):
     return model.eval(), ck
 
 
-def test_kept_checkpoints_and_reported_metrics_match_a_loop_over_single_sequences(listops_dir, tmp_path):
-    """The numbers a run reports, recomputed from the weights it kept by a plain loop that runs every sequence
-    alone, unpadded: pretrain.pt holds the evaluation with the lowest validation masked loss (that loss recomputed
-    with the evaluation's own masks: pretrain.mask_batch, per batch, generator 12345 + i), finetune_scratch.pt the
-    one with the highest validation accuracy (then the lower loss), and test_acc is those weights' accuracy on
-    the test split. The run is chosen so that its best finetuning evaluation is not its last one."""
+def test_finetuning_keeps_the_best_validation_weights_and_tests_them(listops_dir, tmp_path):
+    """finetune_scratch.pt holds the evaluation with the highest validation accuracy (then the lower loss), and
+    test_acc is those weights' accuracy on the test split, recomputed by a plain loop over single unpadded
+    sequences. The run is chosen so that its best evaluation is not its last one."""
     out = str(tmp_path / "out")
-    common = ["--task", "listops", "--data_dir", listops_dir, "--out_dir", out] + TINY
-    pretrain.main(common + ["--max_steps", "8", "--eval_every", "2", "--lr", "3e-3"])
+    finetune.main(["--task", "listops", "--data_dir", listops_dir, "--out_dir", out, "--init", "scratch",
+                   "--max_steps", "12", "--eval_every", "2", "--lr", "0.3", "--seed", "2"] + TINY)
     run = os.path.join(out, "listops")
-    evals = [e for e in map(json.loads, open(os.path.join(run, "pretrain_log.jsonl"))) if "val_loss" in e]
-    best = min(evals, key=lambda e: e["val_loss"])        # the first of equal minima: an improvement must be strict
-    model, ck = _load_run_model(os.path.join(run, "pretrain.pt"))
-    assert ck["state"]["step"] == best["step"] and ck["metrics"]["val_loss"] == best["val_loss"]
-    split, cfg = data.load_split(listops_dir, "listops", "val"), ck["config"]
-    total, count = 0.0, 0
-    for i, idx in enumerate(data.batch_indices(split["lengths"], cfg["batch_size"], shuffle=False)):
-        x, lengths, _ = data.get_batch(split, idx, "cpu")
-        inputs, masked = pretrain.mask_batch(x, lengths, cfg["mask_ratio"], data.MASK_ID,
-                                             torch.Generator().manual_seed(12345 + i))
-        for b in range(len(idx)):
-            n, m = int(lengths[b]), masked[b, :int(lengths[b])]
-            with torch.no_grad():
-                logits = model.reconstruct(inputs[b:b + 1, :n], lengths[b:b + 1])[0]
-            total += F.cross_entropy(logits[m], x[b, :n][m], reduction="sum").item()
-            count += int(m.sum())
-    assert total / count == pytest.approx(best["val_loss"], rel=1e-5)
-    finetune.main(common + ["--init", "scratch", "--max_steps", "12", "--eval_every", "2", "--lr", "0.3",
-                            "--seed", "2"])
     result = json.load(open(os.path.join(run, "finetune_scratch.json")))
     best = max(result["evals"], key=lambda e: (e["val_acc"], -e["val_loss"]))  # max keeps the first of ties
     assert result["best_step"] == best["step"] < result["evals"][-1]["step"]
@@ -428,21 +407,22 @@ def test_kept_checkpoints_and_reported_metrics_match_a_loop_over_single_sequence
 
 
 @pytest.mark.parametrize("task", ["listops", "synthetic"])
-def test_reported_masked_accuracy_or_mae_matches_a_loop_and_the_validation_masks_are_fixed(task, listops_dir,
-                                                                                          synthetic_run, tmp_path):
-    """The masked-token accuracy (ListOps) or masked MAE (synthetic, a regression) that pretrain.py reports for
-    its kept evaluation, recomputed from the kept weights by a loop over single unpadded sequences with that
-    evaluation's masks (pretrain.mask_batch, generator 12345 + i). The masks are the same at every evaluation:
-    the same weights evaluated twice give one loss."""
+def test_spt_keeps_the_lowest_validation_loss_and_its_metrics_match_a_loop(task, listops_dir, synthetic_run,
+                                                                           tmp_path):
+    """pretrain.pt holds the evaluation with the lowest validation masked loss; that loss and the masked-token
+    accuracy (ListOps) or masked MAE (synthetic, a regression), recomputed from the kept weights by a loop over
+    single unpadded sequences with the evaluation's masks (pretrain.mask_batch, generator 12345 + i). The masks
+    are the same at every evaluation: the same weights evaluated twice give one loss."""
     data_dir = listops_dir if task == "listops" else synthetic_run[0]
     out = str(tmp_path / "out")
     pretrain.main(["--task", task, "--data_dir", data_dir, "--out_dir", out, "--max_steps", "8", "--eval_every", "2",
                    "--lr", "3e-3", "--accept_data"] + TINY)
-    metric = "val_acc" if task == "listops" else "val_mae"
+    evals = [e for e in map(json.loads, open(os.path.join(out, task, "pretrain_log.jsonl"))) if "val_loss" in e]
+    best = min(evals, key=lambda e: e["val_loss"])  # the first of equal minima: an improvement must be strict
     model, ck = _load_run_model(os.path.join(out, task, "pretrain.pt"))
-    best = ck["metrics"]
+    assert ck["state"]["step"] == best["step"]
     split, cfg = data.load_split(data_dir, task, "val"), ck["config"]
-    total, count = 0.0, 0
+    loss, second, count = 0.0, 0.0, 0
     for i, idx in enumerate(data.batch_indices(split["lengths"], cfg["batch_size"], shuffle=False)):
         x, lengths, _ = data.get_batch(split, idx, "cpu")
         g = torch.Generator().manual_seed(12345 + i)
@@ -450,13 +430,17 @@ def test_reported_masked_accuracy_or_mae_matches_a_loop_and_the_validation_masks
         for b in range(len(idx)):
             n, m = int(lengths[b]), masked[b, :int(lengths[b])]
             with torch.no_grad():
-                out_b = model.reconstruct(inputs[b:b + 1, :n], lengths[b:b + 1])[0]
+                out_b, u = model.reconstruct(inputs[b:b + 1, :n], lengths[b:b + 1])[0][m], x[b, :n][m]
             if task == "listops":
-                total += int((out_b[m].argmax(-1) == x[b, :n][m]).sum())
+                loss += F.cross_entropy(out_b, u, reduction="sum").item()
+                second += int((out_b.argmax(-1) == u).sum())
             else:
-                total += (out_b[m] - x[b, :n][m]).abs().mean(-1).sum().item()
+                loss += 0.5 * (out_b - u).pow(2).sum().item()
+                second += (out_b - u).abs().mean(-1).sum().item()
             count += int(m.sum())
-    assert total / count == pytest.approx(best[metric], rel=1e-5)
+    metric = "val_acc" if task == "listops" else "val_mae"
+    assert (loss / count, second / count) == (pytest.approx(best["val_loss"], rel=1e-5),
+                                              pytest.approx(best[metric], rel=1e-5))
     args = argparse.Namespace(**dict(cfg, device=torch.device("cpu"), dtype=torch.float32))
     again = [pretrain.evaluate_reconstruction(model, split, args)["val_loss"] for _ in range(2)]
     assert again[0] == again[1] == pytest.approx(best["val_loss"], rel=1e-6)
