@@ -2468,9 +2468,8 @@ def test_extraction_writes_only_inside_its_folder(tmp_path):
 
 # ----------------------------------------------------------------------------------------------------------
 # Exercises (README, "Exercises"): one grading test per function a teacher can blank out, in the README table's
-# order (its numbers). Each calls its function through the module, so the tests of the tests can swap in a stub,
-# and needs no other exercise's function. `python test_all.py --starter DIR` writes the class's copy.
-#   python -m pytest test_all.py -k exercise_masking
+# order. Each calls its function through the module (the tests of the tests swap in wrong answers) and needs no
+# other exercise's function.   python -m pytest test_all.py -k exercise_masking
 # ----------------------------------------------------------------------------------------------------------
 
 def _check_masking(x, lengths, inputs, masked, mask_id):
@@ -2520,10 +2519,9 @@ def test_exercise_sinusoidal_positions():
 
 
 def test_exercise_absolute_positions():
-    """model.Transformer.absolute_positions: the (L, d_model) positions that encode adds to the input. "sinusoidal":
-    the first L rows of the buffer made once by sinusoidal_positions; "learned": the first L rows of the table
-    pos_embed (a gradient reaches exactly them); both on the model's device; None for the schemes inside attention
-    and "none"."""
+    """model.Transformer.absolute_positions: the (L, d_model) positions that encode adds to the input, on the model's
+    device. "sinusoidal": the first L rows of the buffer made once by sinusoidal_positions; "learned": the first L
+    rows of the table pos_embed, which training updates; None for the schemes inside attention and "none"."""
     torch.manual_seed(0)
     stand_in, built = torch.randn(64, 16), []
 
@@ -2533,11 +2531,9 @@ def test_exercise_absolute_positions():
         return stand_in[:n, :d].clone()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(model_lib, "sinusoidal_positions", sinusoidal)
-        models = {pos: Transformer(tiny_cfg(pos=pos, n_layers=0, layernorm=False)) for pos in model_lib.POSITIONS}
-        moved = {pos: Transformer(tiny_cfg(pos=pos, n_layers=0, layernorm=False)).to("meta")
-                 for pos in ("sinusoidal", "learned")}
+        models = {pos: Transformer(tiny_cfg(pos=pos, n_layers=0)) for pos in model_lib.POSITIONS}
+        moved = {pos: Transformer(tiny_cfg(pos=pos, n_layers=0)).to("meta") for pos in ("sinusoidal", "learned")}
         built.append(True)
-        x = torch.randint(2, 17, (2, 10))
         for pos, table in (("sinusoidal", stand_in), ("learned", models["learned"].pos_embed.weight)):
             for L in (1, 10, 64):
                 P = models[pos].absolute_positions(L)
@@ -2545,22 +2541,15 @@ def test_exercise_absolute_positions():
                     f"pos {pos}, L {L}: expected a ({L}, 16) tensor, got {None if P is None else tuple(P.shape)}"
                 assert torch.equal(P, table[:L]), f"pos {pos}, L {L}: expected the first {L} rows of " + (
                     "the model's buffer self.pe" if pos == "sinusoidal" else "the table pos_embed.weight")
-            z = models[pos].encode(x)[0]
-            assert torch.allclose(z, models[pos].embed(x) + table[:10], atol=1e-6), \
-                f"pos {pos}: encode (no layers) should give the embeddings plus absolute_positions(10)"
             P = moved[pos].absolute_positions(10)
             assert P.device.type == "meta", f"pos {pos}: on a model moved to another device (here PyTorch's meta " \
                 f"device) the positions came on {P.device}: take them from the model's own buffer or table"
-        P = models["learned"].absolute_positions(10)
-        assert P.requires_grad, "pos learned: expected the table's own rows, which training updates; got no gradient"
-        (P * torch.randn(10, 16)).sum().backward()
-        rows = (models["learned"].pos_embed.weight.grad.abs().sum(dim=1) > 0).nonzero().flatten().tolist()
-        assert rows == list(range(10)), f"pos learned, L 10: a gradient reached table rows {rows}, expected 0 to 9"
-        for pos in model_lib.POSITIONS:
-            if pos not in ("sinusoidal", "learned"):
-                P = models[pos].absolute_positions(10)
-                assert P is None, f"pos {pos}: no absolute positions (they act inside attention, or not at all): " \
-                                  f"expected None, got {type(P).__name__}"
+        assert models["learned"].absolute_positions(10).requires_grad, \
+            "pos learned: expected the table's own rows, which training updates; got no gradient"
+        for pos in set(model_lib.POSITIONS) - {"sinusoidal", "learned"}:
+            P = models[pos].absolute_positions(10)
+            assert P is None, f"pos {pos}: no absolute positions (they act inside attention, or not at all): " \
+                              f"expected None, got {type(P).__name__}"
 
 
 def test_exercise_masking():
@@ -2579,7 +2568,6 @@ def test_exercise_masking():
     valid = torch.arange(L)[None] < lengths[:, None]
     for t in range(L):
         _about(masked[valid[:, t], t], ratio + forced[valid[:, t]].mean().item(), f"position {t}")
-    _about(masked[torch.arange(B), lengths - 1], ratio + forced.mean().item(), "the last real position")
     counts = pretrain.mask_batch(x[:, :20], torch.full((B,), 20), ratio, 1, g)[1].sum(dim=1).double()
     want = 20 * ratio * (1 - ratio)
     assert 0.8 * want < counts.var().item() < 1.2 * want, \
@@ -2594,13 +2582,9 @@ def test_exercise_masking():
     _check_masking(x, lengths, inputs, one, 1)
     many = (one.sum(dim=1) != 1).nonzero().flatten().tolist()
     assert not many, f"ratio 0: row {many[0]} has {one[many[0]].sum().item()} masked positions, expected 1 (forced)"
-    hits, want = pretrain.mask_batch(x, torch.full((B,), L), 0.0, 1, g)[1].sum(dim=0), B / L
-    bad = ((hits - want).abs() > 5 * math.sqrt(want)).nonzero().flatten().tolist()
-    assert not bad, f"ratio 0, rows of length {L}: the forced mask fell on position {bad[0]} in {hits[bad[0]].item()}" \
-                    f" of {B} rows, expected {want:.0f} +- {5 * math.sqrt(want):.0f}: a uniformly random real position"
-    for short in (5, 7):  # rows shorter than the batch: uniform over the row's own real positions
-        hits, want = pretrain.mask_batch(torch.randint(2, 17, (5 * B, L)), torch.full((5 * B,), short), 0.0, 1, g)[1][
-            :, :short].sum(dim=0), 5 * B / short
+    for short in (L, 5, 7):  # the forced mask: uniform over the row's own real positions
+        hits = pretrain.mask_batch(x.repeat(5, 1), torch.full((5 * B,), short), 0.0, 1, g)[1][:, :short].sum(dim=0)
+        want = 5 * B / short
         bad = ((hits - want).abs() > 5 * math.sqrt(want)).nonzero().flatten().tolist()
         assert not bad, f"ratio 0, rows of length {short} in a batch of width {L}: the forced mask fell on position " \
                         f"{bad[0]} in {hits[bad[0]].item()} of {5 * B} rows, expected {want:.0f} +- " \
@@ -2611,9 +2595,7 @@ def test_exercise_masking():
     inputs, masked = pretrain.mask_batch(x, lengths, ratio, 17, g)  # another id: the argument, not data.MASK_ID
     _check_masking(x, lengths, inputs, masked, 17)
     values, value_lengths = torch.randn(500, 8, 2), torch.randint(1, 9, (500,))
-    kept = values.clone()
     inputs, masked = pretrain.mask_batch(values, value_lengths, 0.5, None, g)
-    assert torch.equal(values, kept), "mask_batch changed its input values in place: return new tensors"
     _check_masking(values, value_lengths, inputs, masked, None)
     _about(masked[:, 0], 0.5 + ((0.5 ** value_lengths.double()) / value_lengths).mean().item(), "values, position 0")
     rand = torch.rand
@@ -2674,14 +2656,12 @@ def test_exercise_mean_pooling():
                     f"pooling cls, lengths {given}: expected z[:, 0], the state of the summary token at position 0"
             continue
         reduce = (lambda t: t.mean(dim=0)) if pooling == "mean" else (lambda t: t.max(dim=0).values)
-        shifted = z - 10.0  # all negative: a padded 0 must not win the max
+        shifted = z.clone().requires_grad_(True) - 10.0  # all negative: a padded 0 must not win the max
         pooled = model.pool(shifted, lengths)
-        assert torch.equal(shifted, z - 10.0), f"pooling {pooling}: pool changed its input z (write no padding in place)"
-        leaf = shifted.clone().requires_grad_(True)
-        out = model.pool(leaf, lengths)
-        assert out.dtype == z.dtype, f"pooling {pooling}: expected {z.dtype}, z's dtype, got {out.dtype}"
-        assert out.requires_grad, f"pooling {pooling}: no gradient reaches z through the pooled vector (built anew " \
-                                  f"from numbers?): finetuning would train the head only"
+        assert torch.equal(shifted, z - 10.0), f"pooling {pooling}: pool changed its input z (no padding in place)"
+        assert pooled.dtype == z.dtype and pooled.requires_grad, f"pooling {pooling}: expected a {z.dtype} tensor " \
+            f"through which a gradient reaches z, got {pooled.dtype}, requires_grad {pooled.requires_grad} (built " \
+            f"anew from numbers?): finetuning would train the head only"
         for b in range(3):
             want = reduce(torch.stack([z[b, t] - 10.0 for t in range(lengths[b])]))
             assert torch.allclose(pooled[b], want, atol=1e-5), \
@@ -2709,8 +2689,8 @@ def test_exercise_hybrid_initialization():
                 assert bool((merged[n] == 1).all()) == want and (want or bool((merged[n] == 0).all())), \
                     f"pos {pos}, groups {groups}: {n} (group {model_lib.param_group(n)}) should come from " \
                     f"{'SPT' if want else 'fresh'}: choose by model.param_group(name), not by part of the name"
-            assert all(bool((v == 0).all()) for v in fresh.values()) and all(bool((v == 1).all()) for v in spt.values()) \
-                and merged is not fresh, f"pos {pos}, groups {groups}: an input was modified; return a new dict"
+            untouched = all((v == 0).all() for v in fresh.values()) and all((v == 1).all() for v in spt.values())
+            assert untouched and merged is not fresh, f"pos {pos}, groups {groups}: an input was modified; return a new dict"
 
 
 def test_exercise_explicit_attention():
@@ -2795,10 +2775,8 @@ def test_exercise_prop1_derivative():
             f"{scale * grad.item():.10f} (the form is linear in C), got {got:.10f}"
 
 
-EXERCISES = {  # name: (object holding the function, its attribute name, the grading test), in the README's order:
-    # the order they depend on each other (the model needs its positions; pretrain.py needs the model, the masks and
-    # the loss; finetune.py the pooling, then hybrid initialization; analyze.py attention the explicit softmax and
-    # the probe), so that a student who has written 1 to k can run the commands of questions 1 to k
+EXERCISES = {  # name: (object holding the function, its attribute name, the grading test), in the README's order,
+    # which is the order they need each other in: a student who wrote 1 to k can run the commands of questions 1 to k
     "sinusoidal_positions": (model_lib, "sinusoidal_positions", test_exercise_sinusoidal_positions),
     "absolute_positions": (Transformer, "absolute_positions", test_exercise_absolute_positions),
     "masking": (pretrain, "mask_batch", test_exercise_masking),
@@ -2838,27 +2816,12 @@ def _slightly_wrong(x):
     return x + 0.05 * (abs(x) + 1e-3)
 
 
-@pytest.mark.parametrize("name", sorted(EXERCISES))
-def test_every_exercise_test_fails_on_a_blanked_or_slightly_wrong_function(name, monkeypatch):
-    """The test of the tests: with the function's body replaced by `raise NotImplementedError`, its grading
-    test must fail, and it must also fail on an answer that runs but is slightly wrong (the real result through
-    _slightly_wrong), so a grading test without assertions cannot pass (it passes with the project's code: it
-    runs on its own above)."""
-    owner, attribute, grading_test = EXERCISES[name]
-    real = getattr(owner, attribute)
+# ---- Plausible wrong answers wrong(real function, the call's arguments), built from the real function (so that a
+# starter copy holds no answer) ----
 
-    def blanked(*args, **kwargs):
-        raise NotImplementedError
+def _blanked(real, *args, **kwargs):
+    raise NotImplementedError
 
-    monkeypatch.setattr(owner, attribute, blanked)
-    with pytest.raises((NotImplementedError, AssertionError)):
-        grading_test()
-    monkeypatch.setattr(owner, attribute, lambda *args, **kwargs: _slightly_wrong(real(*args, **kwargs)))
-    with pytest.raises(AssertionError):
-        grading_test()
-
-
-# ---- Plausible wrong answers, each built from the real function (so that a starter copy holds no answer) ----
 
 def _with_masks(real, x, lengths, masked, mask_id, g):
     """mask_batch's (inputs, masked) for the masks `masked` (real positions only), made by the real function: with
@@ -2874,6 +2837,20 @@ def _drawn(real, x, lengths, ratio, mask_id, g):
     B, L = x.shape[:2]
     more = torch.cat([x, x[:, :1].expand(B, 400, *x.shape[2:])], dim=1)
     return real(more, torch.full((B,), L + 400), ratio, mask_id, g)[1][:, :L] & (torch.arange(L) < lengths[:, None])
+
+
+def _forced_wrongly(real, x, lengths, ratio, mask_id, g, where):
+    """The real draws with the forced mask in every row ("always"), or in a row that drew none at position 0
+    ("at 0") or at int(rand * L) % length ("modulo": in a row shorter than the batch, biased to its first positions)."""
+    drawn, L = _drawn(real, x, lengths, ratio, mask_id, g), x.shape[1]
+    none = ~drawn.any(dim=1, keepdim=True)
+    if where == "always":
+        drawn |= real(x, lengths, 0.0, mask_id, g)[1]
+    elif where == "at 0":
+        drawn[:, :1] |= none
+    else:
+        drawn |= F.one_hot((torch.rand(len(x), generator=g) * L).long() % lengths, L).bool() & none
+    return _with_masks(real, x, lengths, drawn, mask_id, g)
 
 
 def _fixed_count(real, x, lengths, ratio, mask_id, g):
@@ -2895,24 +2872,10 @@ def _ratio_of_padded_length(real, x, lengths, ratio, mask_id, g):
     return inputs, masked
 
 
-def _forced_at_0(real, x, lengths, ratio, mask_id, g):
-    drawn = _drawn(real, x, lengths, ratio, mask_id, g)
-    drawn[:, 0] |= ~drawn.any(dim=1)
-    return _with_masks(real, x, lengths, drawn, mask_id, g)
-
-
 def _in_place(x, inputs, masked):
     """mask_batch's answer, also written into x itself (a masked_fill_ where masked_fill was meant)."""
     x.copy_(inputs if inputs.shape == x.shape else inputs[..., :-1])
     return inputs, masked
-
-
-def _forced_modulo_length(real, x, lengths, ratio, mask_id, g):
-    """The forced mask at int(rand * L) % length: in a row shorter than the batch, biased to its first positions."""
-    drawn, L = _drawn(real, x, lengths, ratio, mask_id, g), x.shape[1]
-    at = (torch.rand(len(x), generator=g) * L).long() % lengths
-    drawn |= F.one_hot(at, L).bool() & ~drawn.any(dim=1, keepdim=True)
-    return _with_masks(real, x, lengths, drawn, mask_id, g)
 
 
 def _values_not_zeroed(real, x, lengths, ratio, mask_id, g):
@@ -2925,25 +2888,24 @@ def _waits_for_the_device(real, x, *args):
     return real(x, *args)
 
 
+def _loss_times(factor):
+    """A wrong reconstruction_loss: the real one times factor(outputs, masked, kind)."""
+    return lambda real, o, t, m, kind="ce": real(o, t, m, kind) * factor(o, m, kind)
+
+
 def _sin_cos_swapped(real, n, d, base=10000.0):
     P, even = real(n, d, base), d - d % 2
     return torch.cat([P[:, :even].view(n, -1, 2).flip(-1).flatten(1), P[:, even:]], dim=1)
 
 
-def _patched(real, patch, *args):
-    """real(*args) with the attribute patch = (object, name, value) set during the call (not by MonkeyPatch: it
-    deletes on undo what is not in the instance's __dict__, such as a torch submodule)."""
-    owner, name, value = patch
-    old = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        return real(*args)
-    finally:
-        setattr(owner, name, old)
+def _where_absolute(wrong):
+    """A wrong absolute_positions: wrong(real, model, L) where the real one gives positions, None where it does not."""
+    return lambda real, model, L: None if real(model, L) is None else wrong(real, model, L)
 
 
-def _from_scores(scores, dim):
-    return scores, scores.softmax(dim)
+def _mask_as(change):
+    """A wrong explicit_attention: the real one given change(mask, q) for a mask that is not None."""
+    return lambda real, self, q, k, v, mask: real(self, q, k, v, mask if mask is None else change(mask, q))
 
 
 def _softmax_over_queries(real, self, q, k, v, mask):
@@ -2951,127 +2913,127 @@ def _softmax_over_queries(real, self, q, k, v, mask):
     return p @ v, p
 
 
-WRONG_ANSWERS = {  # exercise: {what is wrong: (real function) -> the wrong function}
+def _probe_scores(change, dim=-1):
+    """A wrong pe_probe: change(scores, d_head) of the real scores, and their softmax over `dim`."""
+    def wrong(real, model, length, layer=0):
+        scores = change(real(model, length, layer)[0], model.blocks[layer].attn.d_head)
+        return scores, scores.softmax(dim)
+    return wrong
+
+
+def _probe_patched(patch_of):
+    """A wrong pe_probe: the real one while the attribute patch_of(model, layer) = (object, name, value) is set (not
+    by MonkeyPatch, which deletes on undo what is not in the instance's __dict__, such as a torch submodule)."""
+    def wrong(real, model, length, layer=0):
+        owner, name, value = patch_of(model, layer)
+        old = getattr(owner, name)
+        setattr(owner, name, value)
+        try:
+            return real(model, length, layer)
+        finally:
+            setattr(owner, name, old)
+    return wrong
+
+
+ANY_EXERCISE = {"blanked": _blanked,
+                "slightly wrong": lambda real, *args, **kwargs: _slightly_wrong(real(*args, **kwargs))}
+WRONG_ANSWERS = {  # exercise: {what is wrong: wrong(real function, the call's arguments)}
     "masking": {
-        "a fixed count per row": lambda real: functools.partial(_fixed_count, real),
-        "never masks the last real position": lambda real: lambda x, lengths, *a: real(
-            x, (lengths - 1).clamp(min=1), *a),
-        "forced mask always added": lambda real: lambda x, lengths, ratio, mask_id, g: _with_masks(
-            real, x, lengths, real(x, lengths, ratio, mask_id, g)[1] | real(x, lengths, 0.0, mask_id, g)[1],
-            mask_id, g),
-        "forced mask always at position 0": lambda real: functools.partial(_forced_at_0, real),
-        "ratio applied to the padded length": lambda real: functools.partial(_ratio_of_padded_length, real),
-        "padding masked": lambda real: lambda x, lengths, *a: real(x, torch.full_like(lengths, x.shape[1]), *a),
-        "generator ignored": lambda real: lambda *a: real(
-            *a[:4], torch.Generator().manual_seed(random.randrange(2 ** 31))),
-        "masked values not zeroed": lambda real: functools.partial(_values_not_zeroed, real),
-        "masks written into x in place": lambda real: lambda x, lengths, ratio, mask_id, g: _in_place(
-            x, *real(x, lengths, ratio, mask_id, g)),
-        "forced mask at (rand * L) % length": lambda real: functools.partial(_forced_modulo_length, real),
-        "waits for the device": lambda real: functools.partial(_waits_for_the_device, real)},
+        "a fixed count per row": _fixed_count,
+        "never masks the last real position": lambda real, x, lengths, *a: real(x, (lengths - 1).clamp(min=1), *a),
+        "forced mask always added": functools.partial(_forced_wrongly, where="always"),
+        "forced mask always at position 0": functools.partial(_forced_wrongly, where="at 0"),
+        "forced mask at (rand * L) % length": functools.partial(_forced_wrongly, where="modulo"),
+        "ratio applied to the padded length": _ratio_of_padded_length,
+        "padding masked": lambda real, x, lengths, *a: real(x, torch.full_like(lengths, x.shape[1]), *a),
+        "generator ignored": lambda real, *a: real(*a[:4], torch.Generator().manual_seed(random.randrange(2 ** 31))),
+        "masked values not zeroed": _values_not_zeroed,
+        "masks written into x in place": lambda real, x, *a: _in_place(x, *real(x, *a)),
+        "waits for the device": _waits_for_the_device},
     "reconstruction_loss": {
-        "normalised by every position": lambda real: lambda o, t, m, kind="ce": real(
-            o, t, m, kind) * m.sum() / m.numel(),
-        "normalised by the batch size": lambda real: lambda o, t, m, kind="ce": real(o, t, m, kind) * m.sum() / len(m),
-        "ignores the mask": lambda real: lambda o, t, m, kind="ce": real(o, t, torch.ones_like(m), kind),
-        "sum instead of mean": lambda real: lambda o, t, m, kind="ce": real(o, t, m, kind) * m.sum(),
-        "mse without the 1/2": lambda real: lambda o, t, m, kind="ce": real(o, t, m, kind) * (
-            2 if kind == "mse" else 1),
-        "mean over channels": lambda real: lambda o, t, m, kind="ce": real(o, t, m, kind) / (
-            1 if kind == "ce" else o.shape[-1]),
-        "NaN without masked positions": lambda real: lambda o, t, m, kind="ce": real(o, t, m, kind) * (
-            float("nan") if int(m.sum()) == 0 else 1),
-        "by indexing outputs[masked] (waits for the device)": lambda real: lambda o, t, m, kind="ce": real(
+        "normalised by every position": _loss_times(lambda o, m, kind: m.sum() / m.numel()),
+        "normalised by the batch size": _loss_times(lambda o, m, kind: m.sum() / len(m)),
+        "sum instead of mean": _loss_times(lambda o, m, kind: m.sum()),
+        "mse without the 1/2": _loss_times(lambda o, m, kind: 2 if kind == "mse" else 1),
+        "mean over channels": _loss_times(lambda o, m, kind: 1 if kind == "ce" else 1 / o.shape[-1]),
+        "NaN without masked positions": _loss_times(lambda o, m, kind: torch.where(m.any(), 1.0, float("nan"))),
+        "ignores the mask": lambda real, o, t, m, kind="ce": real(o, t, torch.ones_like(m), kind),
+        "by indexing outputs[masked] (waits for the device)": lambda real, o, t, m, kind="ce": real(
             o[m][None], t[m][None], m[m][None], kind),
-        "a zero not computed from the outputs": lambda real: lambda o, t, m, kind="ce": torch.zeros(
-            (), requires_grad=True) if o.device.type != "meta" and int(m.sum()) == 0 else real(o, t, m, kind)},
+        "a zero not computed from the outputs": lambda real, o, t, m, kind="ce": real(o, t, m, kind) if (
+            o.device.type == "meta" or m.any()) else torch.zeros((), requires_grad=True)},
     "explicit_attention": {
-        "ignores a float mask": lambda real: lambda self, q, k, v, mask: real(
-            self, q, k, v, mask if mask is None or mask.dtype == torch.bool else None),
-        "adds a boolean mask as 0/1": lambda real: lambda self, q, k, v, mask: real(
-            self, q, k, v, mask.to(q.dtype) if mask is not None and mask.dtype == torch.bool else mask),
-        "scaled by sqrt(d_model), not sqrt(d_head)": lambda real: lambda self, q, k, v, mask: real(
-            self, q * math.sqrt(q.shape[-1] / (q.shape[-1] * self.n_heads)), k, v, mask),
-        "not scaled": lambda real: lambda self, q, k, v, mask: real(self, q * math.sqrt(q.shape[-1]), k, v, mask),
-        "softmax over the queries": lambda real: lambda self, *qkv_mask: _softmax_over_queries(real, self, *qkv_mask),
-        "mask applied to the queries": lambda real: lambda self, q, k, v, mask: real(
-            self, q, k, v, None if mask is None else mask.transpose(-1, -2))},
+        "ignores a float mask": _mask_as(lambda mask, q: mask if mask.dtype == torch.bool else None),
+        "adds a boolean mask as 0/1": _mask_as(lambda mask, q: mask.to(q.dtype) if mask.dtype == torch.bool else mask),
+        "mask applied to the queries": _mask_as(lambda mask, q: mask.transpose(-1, -2)),
+        "scaled by sqrt(d_model), not sqrt(d_head)": lambda real, self, q, *a: real(
+            self, q / math.sqrt(self.n_heads), *a),
+        "not scaled": lambda real, self, q, *a: real(self, q * math.sqrt(q.shape[-1]), *a),
+        "softmax over the queries": _softmax_over_queries},
     "sinusoidal_positions": {
-        "sin and cos swapped": lambda real: functools.partial(_sin_cos_swapped, real),
-        "sines first, then cosines": lambda real: lambda n, d, base=10000.0: torch.cat(
+        "sin and cos swapped": _sin_cos_swapped,
+        "sines first, then cosines": lambda real, n, d, base=10000.0: torch.cat(
             [real(n, d, base)[:, 0::2], real(n, d, base)[:, 1::2]], dim=1),
-        "exponent i/d, not 2i/d": lambda real: lambda n, d, base=10000.0: real(n, 2 * d, base)[:, :d],
-        "base ignored": lambda real: lambda n, d, base=10000.0: real(n, d),
-        "positions from 1": lambda real: lambda n, d, base=10000.0: real(n + 1, d, base)[1:],
-        "built in numpy, float64": lambda real: lambda n, d, base=10000.0: torch.from_numpy(np.array(
-            [[math.sin(t / base ** ((c - c % 2) / d)) if c % 2 == 0 else math.cos(t / base ** ((c - c % 2) / d))
-              for c in range(d)] for t in range(n)]))},
+        "exponent i/d, not 2i/d": lambda real, n, d, base=10000.0: real(n, 2 * d, base)[:, :d],
+        "base ignored": lambda real, n, d, base=10000.0: real(n, d),
+        "positions from 1": lambda real, n, d, base=10000.0: real(n + 1, d, base)[1:],
+        "float64 (numpy's default)": lambda real, *a: real(*a).double()},
     "pe_probe": {
-        "no LayerNorm": lambda real: lambda model, length, layer=0: _patched(
-            real, (model.blocks[layer], "ln1", torch.nn.Identity()), model, length, layer),
-        "sinusoidal positions for every model": lambda real: lambda model, length, layer=0: _patched(
-            real, (model, "absolute_positions", lambda L: model_lib.sinusoidal_positions(L, model.cfg.d_model)),
-            model, length, layer),
-        "layer 0 always": lambda real: lambda model, length, layer=0: real(model, length),
-        "not scaled": lambda real: lambda model, length, layer=0: _from_scores(
-            real(model, length, layer)[0] * math.sqrt(model.blocks[layer].attn.d_head), -1),
-        "Q and K swapped": lambda real: lambda model, length, layer=0: _from_scores(
-            real(model, length, layer)[0].transpose(-1, -2), -1),
-        "softmax over the columns": lambda real: lambda model, length, layer=0: _from_scores(
-            real(model, length, layer)[0], -2)},
+        "no LayerNorm": _probe_patched(lambda model, layer: (model.blocks[layer], "ln1", torch.nn.Identity())),
+        "sinusoidal positions for every model": _probe_patched(lambda model, layer: (
+            model, "absolute_positions", lambda L: model_lib.sinusoidal_positions(L, model.cfg.d_model))),
+        "layer 0 always": lambda real, model, length, layer=0: real(model, length),
+        "not scaled": _probe_scores(lambda scores, d_head: scores * math.sqrt(d_head)),
+        "Q and K swapped": _probe_scores(lambda scores, d_head: scores.transpose(-1, -2)),
+        "softmax over the columns": _probe_scores(lambda scores, d_head: scores, dim=-2)},
     "prop1_derivative": {
-        "sign flipped": lambda real: lambda x, d, c=None: -real(x, d, c),
-        "1/L, not 1/L^2": lambda real: lambda x, d, c=None: real(x, d, c) * x.shape[1],
-        "c ignored": lambda real: lambda x, d, c=None: real(x, d),
-        "sum over sequences, not mean": lambda real: lambda x, d, c=None: real(x, d, c) * (len(x) if c is None else 1)},
+        "sign flipped": lambda real, x, d, c=None: -real(x, d, c),
+        "1/L, not 1/L^2": lambda real, x, d, c=None: real(x, d, c) * x.shape[1],
+        "c ignored": lambda real, x, d, c=None: real(x, d),
+        "sum over sequences, not mean": lambda real, x, d, c=None: real(x, d, c) * (len(x) if c is None else 1)},
     "hybrid_initialization": {
-        "every group from SPT": lambda real: lambda fresh, spt, groups: real(fresh, spt, finetune.INHERIT["all"]),
-        "the other groups from SPT": lambda real: lambda fresh, spt, groups: real(
+        "every group from SPT": lambda real, fresh, spt, groups: real(fresh, spt, finetune.INHERIT["all"]),
+        "the other groups from SPT": lambda real, fresh, spt, groups: real(
             fresh, spt, [g for g in finetune.INHERIT["all"] if g not in groups]),
-        "fresh modified in place": lambda real: lambda fresh, spt, groups: fresh.update(
-            real(fresh, spt, groups)) or fresh,
-        "keys missing from SPT dropped": lambda real: lambda fresh, spt, groups: {
+        "fresh modified in place": lambda real, fresh, spt, groups: fresh.update(real(fresh, spt, groups)) or fresh,
+        "keys missing from SPT dropped": lambda real, fresh, spt, groups: {
             n: t for n, t in real(fresh, spt, groups).items() if n in spt},
-        "groups by a name substring": lambda real: lambda fresh, spt, groups: {
-            n: spt[n] if n in spt and any(g.lower().replace("w_", "") + ("_proj" if g.startswith("W_") else ".") in n
-                                          for g in groups) else t for n, t in fresh.items()},
-        "starts from a copy of the SPT dict": lambda real: lambda fresh, spt, groups: {
-            **{n: t for n, t in spt.items() if model_lib.param_group(n) in groups},
-            **{n: t for n, t in fresh.items() if not (n in spt and model_lib.param_group(n) in groups)},
-            **{n: fresh.get(n, t) for n, t in spt.items() if model_lib.param_group(n) not in groups}}},
+        "groups by a name substring": lambda real, fresh, spt, groups: {n: spt[n] if n in spt and any(
+            g.lower().replace("w_", "") + ("_proj" if g.startswith("W_") else ".") in n for g in groups) else t
+            for n, t in fresh.items()},
+        "starts from a copy of the SPT dict": lambda real, fresh, spt, groups: {**spt, **real(fresh, spt, groups)}},
     "absolute_positions": {
-        "sinusoidal for every scheme": lambda real: lambda self, L: None if real(self, L) is None else
-        model_lib.sinusoidal_positions(L, self.cfg.d_model),
-        "a copy of the table": lambda real: lambda self, L: None if real(self, L) is None else real(
-            self, L).detach().clone(),
-        "the whole table": lambda real: lambda self, L: None if real(self, L) is None else real(
-            self, self.cfg.max_len),
-        "the last L rows": lambda real: lambda self, L: None if real(self, L) is None else real(
-            self, self.cfg.max_len)[-L:],
-        "zeros for the relative schemes": lambda real: lambda self, L: torch.zeros(L, self.cfg.d_model) if real(
-            self, L) is None else real(self, L),
-        "the sinusoids computed again": lambda real: lambda self, L: model_lib.sinusoidal_positions(
-            L, self.cfg.d_model) if self.cfg.pos == "sinusoidal" else real(self, L)},
+        "sinusoidal for every scheme": _where_absolute(
+            lambda real, model, L: model_lib.sinusoidal_positions(L, model.cfg.d_model)),
+        "a copy of the table": _where_absolute(lambda real, model, L: real(model, L).detach().clone()),
+        "the whole table": _where_absolute(lambda real, model, L: real(model, model.cfg.max_len)),
+        "the last L rows": _where_absolute(lambda real, model, L: real(model, model.cfg.max_len)[-L:]),
+        "zeros for the relative schemes": lambda real, model, L: torch.zeros(L, model.cfg.d_model) if real(
+            model, L) is None else real(model, L),
+        "the sinusoids computed again": lambda real, model, L: model_lib.sinusoidal_positions(
+            L, model.cfg.d_model) if model.cfg.pos == "sinusoidal" else real(model, L)},
     "mean_pooling": {
-        "mean over the padded length": lambda real: lambda self, z, lengths=None: real(self, z, lengths) if (
-            lengths is None or self.cfg.pooling == "max") else real(self, z, lengths) * lengths[:, None] / z.shape[1],
-        "lengths ignored": lambda real: lambda self, z, lengths=None: real(self, z),
-        "cls pooled as the mean": lambda real: lambda self, z, lengths=None: z.mean(dim=1) if self.cfg.pooling == "cls"
-        else real(self, z, lengths),
-        "one real position too few": lambda real: lambda self, z, lengths=None: real(
-            self, z, None if lengths is None else (lengths - 1).clamp(min=1)),
-        "padding of z zeroed in place": lambda real: lambda self, z, lengths=None: real(self, z if lengths is None else
+        "mean over the padded length": lambda real, model, z, lengths=None: real(model, z, lengths) if (
+            lengths is None or model.cfg.pooling == "max") else real(model, z, lengths) * lengths[:, None] / z.shape[1],
+        "lengths ignored": lambda real, model, z, lengths=None: real(model, z),
+        "cls pooled as the mean": lambda real, model, z, lengths=None: z.mean(dim=1) if model.cfg.pooling == "cls"
+        else real(model, z, lengths),
+        "one real position too few": lambda real, model, z, lengths=None: real(
+            model, z, None if lengths is None else (lengths - 1).clamp(min=1)),
+        "padding of z zeroed in place": lambda real, model, z, lengths=None: real(model, z if lengths is None else
             z.masked_fill_(torch.arange(z.shape[1])[None, :, None] >= lengths[:, None, None], 0.0), lengths)},
 }
 
 
-@pytest.mark.parametrize("name, wrong", [(n, w) for n in WRONG_ANSWERS for w in WRONG_ANSWERS[n]])
+@pytest.mark.parametrize("name, wrong", [(n, w) for n in EXERCISES for w in [*ANY_EXERCISE, *WRONG_ANSWERS[n]]])
 def test_every_grader_fails_on_plausible_wrong_answers_with_a_message(name, wrong, monkeypatch):
-    """The test of the tests, wrong answer by wrong answer: the grading test fails, and the assertion that catches
-    it says what was expected (a message of its own, not pytest's `assert ...` rewrite)."""
+    """The test of the tests: each grading test fails on its function blanked (NotImplementedError), slightly wrong
+    (the real result through _slightly_wrong: a grader without assertions cannot pass) and each of its WRONG_ANSWERS,
+    with an assertion that says what was expected (a message of its own, not pytest's `assert ...` rewrite)."""
     owner, attribute, grading_test = EXERCISES[name]
-    monkeypatch.setattr(owner, attribute, WRONG_ANSWERS[name][wrong](getattr(owner, attribute)))
-    with pytest.raises(AssertionError) as failed:
+    real, answer = getattr(owner, attribute), {**ANY_EXERCISE, **WRONG_ANSWERS[name]}[wrong]
+    monkeypatch.setattr(owner, attribute, lambda *args, **kwargs: answer(real, *args, **kwargs))
+    with pytest.raises(NotImplementedError if wrong == "blanked" else AssertionError) as failed:
         grading_test()
     assert not str(failed.value).startswith("assert "), f"{name}, {wrong}: the grader failed without a message"
 
