@@ -2476,10 +2476,9 @@ def _check_masking(x, lengths, inputs, masked, mask_id):
     """The deterministic part of mask_batch's contract, for tokens (mask_id) or values (mask_id None)."""
     B, L = x.shape[:2]
     want = (B, L) if mask_id is not None else (B, L, x.shape[2] + 1)
-    assert masked.dtype == torch.bool and tuple(masked.shape) == (B, L), \
-        f"masked: expected a ({B}, {L}) bool tensor, got {tuple(masked.shape)} {masked.dtype}"
-    assert tuple(inputs.shape) == want and inputs.dtype == x.dtype, \
-        f"inputs: expected shape {want} {x.dtype}, got {tuple(inputs.shape)} {inputs.dtype}"
+    assert masked.dtype == torch.bool and masked.shape == (B, L) and inputs.shape == want and inputs.dtype == x.dtype, \
+        f"expected masked ({B}, {L}) bool and inputs {want} {x.dtype}, got masked {tuple(masked.shape)} " \
+        f"{masked.dtype} and inputs {tuple(inputs.shape)} {inputs.dtype}"
     valid = torch.arange(L)[None] < lengths[:, None]
     bad = (masked & ~valid).nonzero().tolist()
     assert not bad, f"row {bad[0][0]} (length {lengths[bad[0][0]]}): padding position {bad[0][1]} is masked"
@@ -2503,14 +2502,13 @@ def _about(draws, p, what):
 
 
 def test_exercise_sinusoidal_positions():
-    """model.sinusoidal_positions: P[t, 2i] = sin(t / base^(2i/d)), P[t, 2i+1] = cos(t / base^(2i/d)), for an even
-    and an odd d_model and another base."""
+    """model.sinusoidal_positions: P[t, 2i] = sin(t / base^(2i/d)), P[t, 2i+1] = cos(t / base^(2i/d)), float32, for
+    an even and an odd d_model and another base."""
     for n_pos, d, base in ((12, 6, 10000.0), (40, 7, 10000.0), (9, 4, 100.0)):
         P = model_lib.sinusoidal_positions(n_pos, d, base)
-        assert isinstance(P, torch.Tensor) and P.dtype == torch.float32, \
-            f"expected a float32 tensor, the model's dtype, got {type(P).__name__} {getattr(P, 'dtype', '')}: a " \
-            f"float64 table (numpy's default) would turn every forward pass into float64"
-        assert tuple(P.shape) == (n_pos, d), f"expected ({n_pos}, {d}), got {tuple(P.shape)}"
+        assert isinstance(P, torch.Tensor) and P.dtype == torch.float32 and P.shape == (n_pos, d), \
+            f"expected a ({n_pos}, {d}) float32 tensor, got {getattr(P, 'shape', type(P))} {getattr(P, 'dtype', '')}" \
+            f": a float64 table (numpy's default) would turn every forward pass into float64"
         for t, c in np.ndindex(n_pos, d):
             angle = t / base ** ((c - c % 2) / d)
             want = math.sin(angle) if c % 2 == 0 else math.cos(angle)
@@ -2537,10 +2535,8 @@ def test_exercise_absolute_positions():
         for pos, table in (("sinusoidal", stand_in), ("learned", models["learned"].pos_embed.weight)):
             for L in (1, 10, 64):
                 P = models[pos].absolute_positions(L)
-                assert P is not None and tuple(P.shape) == (L, 16), \
-                    f"pos {pos}, L {L}: expected a ({L}, 16) tensor, got {None if P is None else tuple(P.shape)}"
-                assert torch.equal(P, table[:L]), f"pos {pos}, L {L}: expected the first {L} rows of " + (
-                    "the model's buffer self.pe" if pos == "sinusoidal" else "the table pos_embed.weight")
+                assert P is not None and torch.equal(P, table[:L]), f"pos {pos}, L {L}: expected the first {L} " \
+                    f"rows of {'the buffer self.pe' if pos == 'sinusoidal' else 'the table pos_embed.weight'}"
             P = moved[pos].absolute_positions(10)
             assert P.device.type == "meta", f"pos {pos}: on a model moved to another device (here PyTorch's meta " \
                 f"device) the positions came on {P.device}: take them from the model's own buffer or table"
@@ -2554,9 +2550,8 @@ def test_exercise_absolute_positions():
 
 def test_exercise_masking():
     """pretrain.mask_batch, property by property, on thousands of rows: every real position, the last included, is
-    masked with probability `ratio`; the draws are independent (the count per row varies as a binomial's); a row
-    that drew none gets exactly one mask, at a uniformly random real position, and no other row gets one; padding
-    never; tokens and values; reproducible from `generator`; runs on PyTorch's meta device (no host sync)."""
+    masked with probability `ratio`, independently; a row that drew none gets exactly one mask, at a uniformly random
+    real position; padding never; tokens and values; reproducible from `generator`; no host sync (meta device)."""
     B, L, ratio, g = 4000, 24, 0.3, torch.Generator().manual_seed(0)
     x, lengths = torch.randint(2, 17, (B, L)), torch.randint(12, L + 1, (B,))
     kept = x.clone(), lengths.clone()
@@ -2568,30 +2563,24 @@ def test_exercise_masking():
     valid = torch.arange(L)[None] < lengths[:, None]
     for t in range(L):
         _about(masked[valid[:, t], t], ratio + forced[valid[:, t]].mean().item(), f"position {t}")
-    counts = pretrain.mask_batch(x[:, :20], torch.full((B,), 20), ratio, 1, g)[1].sum(dim=1).double()
-    want = 20 * ratio * (1 - ratio)
-    assert 0.8 * want < counts.var().item() < 1.2 * want, \
-        f"rows of length 20: the count of masked positions per row has variance {counts.var().item():.2f}, " \
-        f"expected about {want:.2f} (20 ratio (1 - ratio)): each position is drawn independently"
-    counts = pretrain.mask_batch(x[:, :4], torch.full((B,), 4), ratio, 1, g)[1].sum(dim=1).double()
-    want, tol = 4 * ratio + (1 - ratio) ** 4, 5 / math.sqrt(B)  # the count's std is below 1
-    assert abs(counts.mean().item() - want) <= tol, \
-        f"rows of length 4: {counts.mean().item():.3f} masked positions per row, expected {want:.3f} +- {tol:.3f}: " \
-        f"4 ratio drawn, plus one forced mask only in the (1 - ratio)^4 of rows that drew none"
-    inputs, one = pretrain.mask_batch(x, lengths, 0.0, 1, g)
-    _check_masking(x, lengths, inputs, one, 1)
-    many = (one.sum(dim=1) != 1).nonzero().flatten().tolist()
-    assert not many, f"ratio 0: row {many[0]} has {one[many[0]].sum().item()} masked positions, expected 1 (forced)"
-    for short in (L, 5, 7):  # the forced mask: uniform over the row's own real positions
-        hits = pretrain.mask_batch(x.repeat(5, 1), torch.full((5 * B,), short), 0.0, 1, g)[1][:, :short].sum(dim=0)
-        want = 5 * B / short
+    for n in (4, 20):  # the count per row: a binomial's, plus 1 in the rows that drew none
+        count = pretrain.mask_batch(x[:, :n], torch.full((B,), n), ratio, 1, g)[1].sum(dim=1).double()
+        none, drawn = (1 - ratio) ** n, n * ratio
+        mean, var = drawn + none, drawn * (1 - ratio) + drawn ** 2 + none - (drawn + none) ** 2
+        assert abs(count.mean() - mean) < 5 * math.sqrt(var / B) and 0.8 * var < count.var() < 1.2 * var, \
+            f"rows of length {n}: {count.mean():.3f} masked positions per row, variance {count.var():.3f}, expected " \
+            f"{mean:.3f} and {var:.3f}: each position drawn independently, one forced mask only in a row that drew none"
+    for n in (L, 5, 7):  # ratio 0: one forced mask per row, uniform over the row's own real positions
+        one = pretrain.mask_batch(x.repeat(5, 1), torch.full((5 * B,), n), 0.0, 1, g)[1]
+        hits, want, many = one[:, :n].sum(dim=0), 5 * B / n, (one.sum(dim=1) != 1).nonzero().flatten().tolist()
+        assert not many, f"ratio 0: row {many[0]} has {one[many[0]].sum().item()} masked positions, expected 1 (forced)"
         bad = ((hits - want).abs() > 5 * math.sqrt(want)).nonzero().flatten().tolist()
-        assert not bad, f"ratio 0, rows of length {short} in a batch of width {L}: the forced mask fell on position " \
+        assert not bad, f"ratio 0, rows of length {n} in a batch of width {L}: the forced mask fell on position " \
                         f"{bad[0]} in {hits[bad[0]].item()} of {5 * B} rows, expected {want:.0f} +- " \
-                        f"{5 * math.sqrt(want):.0f}: uniform over the row's {short} real positions"
+                        f"{5 * math.sqrt(want):.0f}: uniform over the row's {n} real positions"
     same = [pretrain.mask_batch(x, lengths, ratio, 1, torch.Generator().manual_seed(s))[1] for s in (7, 7, 8)]
-    assert torch.equal(same[0], same[1]), "the same generator seed must give the same masks: draw with `generator`"
-    assert not torch.equal(same[0], same[2]), "another generator seed must give other masks: draw with `generator`"
+    assert torch.equal(same[0], same[1]) and not torch.equal(same[0], same[2]), \
+        "the masks must come from `generator`: the same seed the same masks, another seed others"
     inputs, masked = pretrain.mask_batch(x, lengths, ratio, 17, g)  # another id: the argument, not data.MASK_ID
     _check_masking(x, lengths, inputs, masked, 17)
     values, value_lengths = torch.randn(500, 8, 2), torch.randint(1, 9, (500,))
@@ -2606,28 +2595,25 @@ def test_exercise_masking():
             try:
                 pretrain.mask_batch(xs.to("meta"), lengths[:8].to("meta"), ratio, mask_id, g)
             except Exception as e:
-                raise AssertionError(f"on PyTorch's meta device (shapes, no values) mask_batch raised {e!r}: it must "
-                                     f"not wait for the device (no .item(), int(), loop over rows: its docstring) "
-                                     f"and must draw on x's device") from e
+                raise AssertionError(f"on PyTorch's meta device (shapes, no values) mask_batch raised {e!r}: no "
+                                     f"host sync (no .item(), int(), loop over rows); draw on x's device") from e
 
 
 def test_exercise_reconstruction_loss():
-    """pretrain.reconstruction_loss, each kind: outputs (B, L, ...) at every position and the mask (B, L). The mean
-    over the M masked positions of the per-position loss (cross-entropy; 1/2 ||r - u||^2 and ||r - u||_1 summed over
-    channels), against loops; no masked position: 0, differentiable; no data-dependent shape (the meta device)."""
+    """pretrain.reconstruction_loss, each kind: the mean over the M masked positions of the per-position loss
+    (cross-entropy; 1/2 ||r - u||^2 and ||r - u||_1 summed over channels), against loops; no masked position: 0,
+    differentiable; no data-dependent shape (the meta device)."""
     torch.manual_seed(0)
     mask = torch.tensor([[1, 0, 1, 0, 0], [0, 0, 0, 0, 0], [1, 1, 0, 1, 1]], dtype=torch.bool)  # M 6, B 3, B L 15
     cases = {"ce": (torch.randn(3, 5, 4), torch.randint(4, (3, 5))),  # (outputs, targets) at every position
              "mse": (torch.randn(3, 5, 3), torch.randn(3, 5, 3)), "l1": (torch.randn(3, 5, 3), torch.randn(3, 5, 3))}
+    per_position = {"ce": lambda r, u: math.log(sum(math.exp(v) for v in r.tolist())) - r[u].item(),
+                    "mse": lambda r, u: sum(0.5 * e * e for e in (r - u).tolist()),
+                    "l1": lambda r, u: sum(abs(e) for e in (r - u).tolist())}
     for kind, (o, u) in cases.items():
-        terms = []
-        for b, t in mask.nonzero().tolist():
-            if kind == "ce":
-                terms.append(math.log(sum(math.exp(v) for v in o[b, t].tolist())) - o[b, t, u[b, t]].item())
-            else:
-                terms.append(sum(0.5 * e * e if kind == "mse" else abs(e) for e in (o[b, t] - u[b, t]).tolist()))
-        want, value = sum(terms) / len(terms), float(pretrain.reconstruction_loss(o, u, mask, kind))
-        assert abs(value - want) < 1e-5, f"{kind}: expected {want:.6f} (the mean over the 6 masked positions), got " \
+        want = sum(per_position[kind](o[b, t], u[b, t]) for b, t in mask.nonzero().tolist()) / 6
+        value = float(pretrain.reconstruction_loss(o, u, mask, kind))
+        assert abs(value - want) < 1e-5, f"{kind}: expected {want:.6f}, the mean over the 6 masked positions, got " \
                                          f"{value:.6f}"
         try:  # the meta device has shapes but no values: a data-dependent shape (o[mask]) cannot run there
             pretrain.reconstruction_loss(o.to("meta"), u.to("meta"), mask.to("meta"), kind)
@@ -2660,8 +2646,7 @@ def test_exercise_mean_pooling():
         pooled = model.pool(shifted, lengths)
         assert torch.equal(shifted, z - 10.0), f"pooling {pooling}: pool changed its input z (no padding in place)"
         assert pooled.dtype == z.dtype and pooled.requires_grad, f"pooling {pooling}: expected a {z.dtype} tensor " \
-            f"through which a gradient reaches z, got {pooled.dtype}, requires_grad {pooled.requires_grad} (built " \
-            f"anew from numbers?): finetuning would train the head only"
+            f"through which a gradient reaches z, got {pooled.dtype}, requires_grad {pooled.requires_grad}"
         for b in range(3):
             want = reduce(torch.stack([z[b, t] - 10.0 for t in range(lengths[b])]))
             assert torch.allclose(pooled[b], want, atol=1e-5), \
@@ -2690,38 +2675,31 @@ def test_exercise_hybrid_initialization():
                     f"pos {pos}, groups {groups}: {n} (group {model_lib.param_group(n)}) should come from " \
                     f"{'SPT' if want else 'fresh'}: choose by model.param_group(name), not by part of the name"
             untouched = all((v == 0).all() for v in fresh.values()) and all((v == 1).all() for v in spt.values())
-            assert untouched and merged is not fresh, \
-                f"pos {pos}, groups {groups}: an input was modified; return a new dict"
+            assert untouched and merged is not fresh, f"pos {pos}, groups {groups}: an input was modified: return " \
+                                                      f"a new dict"
 
 
 def test_exercise_explicit_attention():
     """model.Attention.explicit_attention with each mask that training passes: none, boolean (True = may attend;
-    padded keys) and additive float (ALiBi's and FIRE's bias, -inf where padding forbids), against loops over
-    softmax_j(q_i . k_j / sqrt(d_head) + bias_ij) and its weighted sum of v."""
+    padded keys) and additive float (ALiBi's and FIRE's bias, -inf where padding forbids), against
+    softmax_j(q_i . k_j / sqrt(d_head) + bias_ij) and its weighted sum of v, query by query."""
     torch.manual_seed(0)
-    attn = model_lib.Attention(tiny_cfg(d_model=8, n_heads=2))                    # d_head 4, d_model 8
-    q, k, v = torch.randn(3, 2, 2, 5, 4).unbind(0)                                  # (B 2, H 2, L 5, d_head 4)
-    keys = torch.tensor([[True, True, True, False, False], [True] * 5])             # row 0: keys 3, 4 are padding
-    bias = torch.randn(2, 5, 5)                                                     # (H, L, L)
-    padded = lambda b, j: 0.0 if keys[b, j] else -math.inf
-    forms = {"no mask": (None, lambda b, h, i, j: 0.0),  # form: (mask, what it adds to score i, j)
-             "boolean mask (B, 1, 1, L)": (keys[:, None, None], lambda b, h, i, j: padded(b, j)),
-             "float mask (1, H, L, L)": (bias[None], lambda b, h, i, j: bias[h, i, j].item()),
-             "float mask (B, H, L, L) with -inf": (bias[None].masked_fill(~keys[:, None, None], -math.inf),
-                                                   lambda b, h, i, j: bias[h, i, j].item() + padded(b, j))}
+    attn = model_lib.Attention(tiny_cfg(d_model=8, n_heads=2))                      # d_head 4, d_model 8
+    q, k, v = torch.randn(3, 2, 2, 5, 4).unbind(0)                                    # (B 2, H 2, L 5, d_head 4)
+    keys = torch.tensor([[True, True, True, False, False], [True] * 5])[:, None, None]  # row 0: keys 3, 4 padding
+    bias, padded = torch.randn(1, 2, 5, 5), torch.zeros(2, 1, 1, 5).masked_fill(~keys, -math.inf)
+    forms = {"no mask": (None, 0.0), "boolean mask (B, 1, 1, L)": (keys, padded),  # form: (mask, what it adds)
+             "float mask (1, H, L, L)": (bias, bias), "float mask (B, H, L, L) with -inf": (bias + padded,) * 2}
     for form, (mask, add) in forms.items():
         y, probs = attn.explicit_attention(q, k, v, mask)
         assert tuple(y.shape) == (2, 2, 5, 4) and tuple(probs.shape) == (2, 2, 5, 5), \
             f"{form}: expected y (2, 2, 5, 4) and probs (2, 2, 5, 5), got {tuple(y.shape)} and {tuple(probs.shape)}"
+        p = (q @ k.transpose(-1, -2) / 2.0 + add).softmax(-1)
         for b, h, i in np.ndindex(2, 2, 5):
-            scores = [(q[b, h, i] @ k[b, h, j]).item() / 2.0 + add(b, h, i, j) for j in range(5)]
-            e = [math.exp(s - max(scores)) for s in scores]
-            p = torch.tensor([w / sum(e) for w in e])
-            got = [round(w, 4) for w in probs[b, h, i].tolist()]
-            assert torch.allclose(probs[b, h, i], p, atol=1e-5), f"{form}, batch {b}, head {h}, query {i}: " \
-                f"expected probabilities {[round(w, 4) for w in p.tolist()]}, got {got}"
-            assert torch.allclose(y[b, h, i], p @ v[b, h], atol=1e-5), f"{form}, batch {b}, head {h}, query {i}: " \
-                f"expected output {(p @ v[b, h]).tolist()} (probabilities times v), got {y[b, h, i].tolist()}"
+            assert torch.allclose(probs[b, h, i], p[b, h, i], atol=1e-5), f"{form}, batch {b}, head {h}, query " \
+                f"{i}: expected probabilities {p[b, h, i].tolist()}, got {probs[b, h, i].tolist()}"
+            assert torch.allclose(y[b, h, i], p[b, h, i] @ v[b, h], atol=1e-5), f"{form}, batch {b}, head {h}, " \
+                f"query {i}: expected the probabilities times v, {(p[b, h, i] @ v[b, h]).tolist()}, got {y[b, h, i]}"
 
 
 def test_exercise_pe_probe():
@@ -2740,14 +2718,10 @@ def test_exercise_pe_probe():
             assert tuple(scores.shape) == tuple(probs.shape) == (4, 10, 10), \
                 f"expected scores and probabilities (H 4, L 10, L 10), got {tuple(scores.shape)}, {tuple(probs.shape)}"
             block = model.blocks[layer]
-            p = P
-            if layernorm:
-                p = (P - P.mean(-1, keepdim=True)) / (P.var(-1, unbiased=False, keepdim=True) + 1e-5).sqrt()
-                p = p * block.ln1.weight + block.ln1.bias
-            wq, wk = block.attn.q_proj.weight, block.attn.k_proj.weight
+            p = F.layer_norm(P, (16,), block.ln1.weight, block.ln1.bias) if layernorm else P
             for h in range(4):
                 rows = slice(4 * h, 4 * h + 4)
-                want = (p @ wq[rows].T) @ (p @ wk[rows].T).T / 2.0
+                want = (p @ block.attn.q_proj.weight[rows].T) @ (p @ block.attn.k_proj.weight[rows].T).T / 2.0
                 assert torch.allclose(scores[h], want, atol=1e-4), f"layernorm {layernorm}, layer {layer}, head " \
                     f"{h}: scores differ from (P W_Q,h^T)(P W_K,h^T)^T / sqrt(d_head) by up to " \
                     f"{(scores[h] - want).abs().max().item():.3g}" + (", P after the layer's ln1" if layernorm else "")
@@ -2767,13 +2741,12 @@ def test_exercise_prop1_derivative():
     o = torch.einsum("ij,njd->nid", torch.softmax(a * d, -1), x)
     loss = sum(((x[:, i] - o[:, i]) ** 2).sum(-1).mean() for i in range(6)) / (2 * 6)
     (grad,) = torch.autograd.grad(loss, a)
-    got = analyze.closed_form_spt_derivative(x, d)
-    assert abs(got - grad.item()) < 1e-10, f"c None: expected the derivative {grad.item():.10f}, got {got:.10f}"
     c = torch.einsum("nid,njd->ij", x, x) / len(x)                   # the empirical second moments
-    for scale in (1, 2):
-        got = analyze.closed_form_spt_derivative(x, d, scale * c)
-        assert abs(got - scale * grad.item()) < 1e-10, f"c = {scale} x the empirical C: expected " \
-            f"{scale * grad.item():.10f} (the form is linear in C), got {got:.10f}"
+    for scale in (None, 1, 2):
+        got = analyze.closed_form_spt_derivative(x, d, None if scale is None else scale * c)
+        want = (scale or 1) * grad.item()
+        assert abs(got - want) < 1e-10, f"c {'None' if scale is None else f'{scale} x the empirical C'}: " \
+            f"expected {want:.10f}, got {got:.10f}"
 
 
 EXERCISES = {  # name: (object holding the function, its attribute name, the grading test), in the README's order,
