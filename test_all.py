@@ -2774,14 +2774,11 @@ def exercise_function(name):
 def _slightly_wrong(x):
     """A plausible wrong answer of the same type and shape: floats shifted by 5% of their scale, one integer
     raised by 1, one boolean flipped; tuples, lists and dicts element by element."""
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return x.detach() + 0.05 * (x.detach().abs().max() + 1e-3)
     if isinstance(x, torch.Tensor):
         y = x.detach().clone()
-        if y.dtype == torch.bool:
-            y.view(-1)[0] = ~y.view(-1)[0]
-        elif y.is_floating_point():
-            y = y + 0.05 * (y.abs().max() + 1e-3)
-        else:
-            y.view(-1)[0] += 1
+        y.view(-1)[0] = ~y.view(-1)[0] if y.dtype == torch.bool else y.view(-1)[0] + 1
         return y
     if isinstance(x, (tuple, list)):
         return type(x)(_slightly_wrong(v) for v in x)
@@ -2896,16 +2893,11 @@ def _probe_scores(change, dim=-1):
 
 
 def _probe_patched(patch_of):
-    """A wrong pe_probe: the real one while the attribute patch_of(model, layer) = (object, name, value) is set (not
-    by MonkeyPatch, which deletes on undo what is not in the instance's __dict__, such as a torch submodule)."""
+    """A wrong pe_probe: the real one while the attribute patch_of(model) = (object, name, value) is set."""
     def wrong(real, model, length, layer=0):
-        owner, name, value = patch_of(model, layer)
-        old = getattr(owner, name)
-        setattr(owner, name, value)
-        try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(*patch_of(model))
             return real(model, length, layer)
-        finally:
-            setattr(owner, name, old)
     return wrong
 
 
@@ -2953,8 +2945,8 @@ WRONG_ANSWERS = {  # exercise: {what is wrong: wrong(real function, the call's a
         "positions from 1": lambda real, n, d, base=10000.0: real(n + 1, d, base)[1:],
         "float64 (numpy's default)": lambda real, *a: real(*a).double()},
     "pe_probe": {
-        "no LayerNorm": _probe_patched(lambda model, layer: (model.blocks[layer], "ln1", torch.nn.Identity())),
-        "sinusoidal positions for every model": _probe_patched(lambda model, layer: (
+        "no LayerNorm": _probe_patched(lambda model: (torch.nn.LayerNorm, "forward", lambda self, x: x)),
+        "sinusoidal positions for every model": _probe_patched(lambda model: (
             model, "absolute_positions", lambda L: model_lib.sinusoidal_positions(L, model.cfg.d_model))),
         "layer 0 always": lambda real, model, length, layer=0: real(model, length),
         "not scaled": _probe_scores(lambda scores, d_head: scores * math.sqrt(d_head)),
@@ -3170,7 +3162,7 @@ def grade(student, numbers=None, timeout=600):
 def test_grade_runs_the_instructors_tests_on_the_students_functions(tmp_path):
     """python test_all.py --grade DIR: a blanked exercise fails; a wrong answer fails even where the student
     weakened its grader in their own test_all.py; an exit in the student's code passes nothing; the right answer
-    passes, with exit status 0."""
+    passes, with exit status 0; a folder without model.py is refused."""
     here = os.path.dirname(os.path.abspath(__file__))
     kit = tmp_path / "alice"
     write_starter(str(kit), ["3"])  # masking
@@ -3202,14 +3194,28 @@ def test_grade_runs_the_instructors_tests_on_the_students_functions(tmp_path):
         grade(str(tmp_path / "nobody"))
 
 
-def test_starter_copy_blanks_the_chosen_functions_keeps_their_specification_and_holds_no_answer(tmp_path, capsys):
-    """write_starter: the tracked files without .git, out/, data/; each chosen function keeps its decorators,
-    signature and docstring and raises NotImplementedError naming its exercise; the others stay. No two consecutive
-    lines of a blanked body are anywhere in the copy (no test copies an answer). An unknown number writes nothing."""
-    root = os.path.dirname(os.path.abspath(__file__))
-    for kit, numbers in ((tmp_path / "all", None), (tmp_path / "two", [2, "9"])):
-        write_starter(str(kit), numbers)
-        printed = capsys.readouterr().out
+@instructors_only
+def test_starter_copy_blanks_the_chosen_functions_and_its_tests_fail_only_in_the_graders(tmp_path):
+    """python test_all.py --starter, in an untracked copy of the project inside another git repository (git lists no
+    file: the folder is walked, without out/ and data/). Each chosen function keeps its decorators, signature and
+    docstring and raises NotImplementedError naming its exercise; the others stay; no two consecutive lines of a
+    blanked body are anywhere in the copy. Under pytest in the copy of every exercise: failures only in the graders,
+    each naming its function; skips elsewhere, each naming the exercise that blocks it. A folder that is not empty,
+    an unknown number: one line, nothing written."""
+    import xml.etree.ElementTree as ElementTree
+    root, project, report = os.path.dirname(os.path.abspath(__file__)), tmp_path / "outer" / "spt", tmp_path / "x.xml"
+    shutil.copytree(root, project, ignore=shutil.ignore_patterns(".git", "out", "data", ".venv", "*cache*"))
+    subprocess.run(["git", "init", "-q", str(project.parent)], check=True)
+    for folder in ("out", "data"):
+        (project / folder).mkdir()
+        (project / folder / "run.log").write_text("not for the class")
+
+    def starter(*argv):
+        return subprocess.run([sys.executable, "test_all.py", "--starter", *argv], cwd=project, capture_output=True,
+                              text=True)
+    for kit, numbers in ((tmp_path / "all", None), (tmp_path / "two", ["2", "9"])):
+        made = starter(str(kit), *(["--exercises", ",".join(numbers)] if numbers else []))
+        assert made.returncode == 0 and f"start: cd {kit} && python -m pytest -q test_all.py" in made.stdout, made
         files = sorted(os.path.relpath(os.path.join(d, f), kit) for d, _, fs in os.walk(kit) for f in fs)
         assert "conftest.py" in files and not {f.split(os.sep)[0] for f in files} & {".git", "out", "data"}
         lines = set()  # consecutive pairs of stripped lines, over every text file of the copy
@@ -3221,45 +3227,28 @@ def test_starter_copy_blanks_the_chosen_functions_keeps_their_specification_and_
             lines |= set(zip(text, text[1:]))
         for name in EXERCISES:
             number, function, source = exercise_function(name)
-            qualname, relative = function.split(".", 1)[1], os.path.relpath(source, root)
-            ours, theirs = open(source).read(), open(kit / relative).read()
-            node, copy = _function_node(ours, qualname), _function_node(theirs, qualname)
+            qualname, ours = function.split(".", 1)[1], open(source).read()
+            node, copy = _function_node(ours, qualname), _function_node(open(kit / os.path.basename(source)).read(),
+                                                                        qualname)
             body = [line.strip() for line in ours.splitlines()[node.body[0].end_lineno:node.end_lineno] if line.strip()]
-            if numbers is not None and str(number) not in map(str, numbers):
+            if numbers is not None and str(number) not in numbers:
                 assert ast.dump(copy) == ast.dump(node), f"{function} was not chosen but changed"
                 continue
             assert f"exercise {number}: {function}, graded by python -m pytest -q test_all.py -k exercise_{name}" \
-                in printed
+                in made.stdout
             raised, copy.body, node.body = copy.body[1:], copy.body[:1], node.body[:1]
             assert ast.dump(copy) == ast.dump(node), f"{function}: its signature, decorators or docstring changed"
             assert ast.unparse(raised) == f"raise NotImplementedError('exercise {number}: write {function} " \
                                           f"(README, Exercises)')"
             leaked = [pair for pair in zip(body, body[1:]) if pair in lines]
             assert not leaked, f"{function}: the starter copy holds lines of its answer: {leaked}"
-    with pytest.raises(ValueError, match="'0'"):
-        write_starter(str(tmp_path / "new"), [1, 0])
+    for argv, named in (([str(tmp_path / "all")], "all"), ([str(tmp_path / "new"), "--exercises", "1,0"], "'0'")):
+        refused = starter(*argv)
+        assert refused.returncode == 1 and refused.stderr.count("\n") == 1 and named in refused.stderr, refused
     assert not (tmp_path / "new").exists()
-
-
-@instructors_only
-def test_starter_copy_tests_fail_only_in_the_graders_and_skip_naming_the_blocking_exercise(tmp_path):
-    """The command's copy with every exercise blanked, written from an untracked copy of the project inside another
-    git repository (git lists no file: the folder is walked), under pytest: the graders, the tests of the tests, and
-    tests and fixtures that reach blanked functions. Failures only in the graders, each naming its function; skips
-    elsewhere, each naming the exercise that blocks it; no errors. The command refuses its folder again in a line."""
-    import xml.etree.ElementTree as ElementTree
-    kit, report, project = tmp_path / "kit", tmp_path / "report.xml", tmp_path / "outer" / "spt"
-    shutil.copytree(os.path.dirname(os.path.abspath(__file__)), project,
-                    ignore=shutil.ignore_patterns(".git", "out", "data", ".venv", "__pycache__", ".pytest_cache"))
-    subprocess.run(["git", "init", "-q", str(project.parent)], check=True)
-    made, again = (subprocess.run([sys.executable, "test_all.py", "--starter", str(kit)], cwd=project,
-                                  capture_output=True, text=True) for _ in range(2))
-    assert made.returncode == 0 and f"start: cd {kit} && python -m pytest -q test_all.py" in made.stdout, made.stderr
-    assert again.returncode == 1 and again.stderr.startswith("test_all.py --starter: ") and \
-        again.stderr.count("\n") == 1 and str(kit) in again.stderr, again.stderr
     chosen = "(exercise or grader or never_waits or mask_batch_masks or fast_and_explicit or learned) and not starter"
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_all.py", "-k", chosen,
-                    "--junitxml", str(report)], cwd=kit, capture_output=True, text=True, timeout=600)
+                    "--junitxml", str(report)], cwd=tmp_path / "all", capture_output=True, text=True, timeout=600)
     outcomes = {}
     for case in ElementTree.parse(report).iter("testcase"):
         found = [child for child in case if child.tag in ("failure", "error", "skipped")]
