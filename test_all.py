@@ -2517,9 +2517,8 @@ def test_exercise_sinusoidal_positions():
 
 
 def test_exercise_absolute_positions():
-    """model.Transformer.absolute_positions: the (L, d_model) positions that encode adds to the input, on the model's
-    device. "sinusoidal": the first L rows of the buffer made once by sinusoidal_positions; "learned": the first L
-    rows of the table pos_embed, which training updates; None for the schemes inside attention and "none"."""
+    """model.Transformer.absolute_positions, on the model's device: the first L rows of the buffer made once by
+    sinusoidal_positions, or of the table pos_embed (with its gradient); None for the other schemes."""
     torch.manual_seed(0)
     stand_in, built = torch.randn(64, 16), []
 
@@ -2549,9 +2548,9 @@ def test_exercise_absolute_positions():
 
 
 def test_exercise_masking():
-    """pretrain.mask_batch, property by property, on thousands of rows: every real position, the last included, is
-    masked with probability `ratio`, independently; a row that drew none gets exactly one mask, at a uniformly random
-    real position; padding never; tokens and values; reproducible from `generator`; no host sync (meta device)."""
+    """pretrain.mask_batch on thousands of rows: each real position masked independently with probability `ratio`;
+    a row that drew none gets one mask, uniform over its real positions; padding never; tokens and values; the masks
+    from `generator`; no host sync (the meta device)."""
     B, L, ratio, g = 4000, 24, 0.3, torch.Generator().manual_seed(0)
     x, lengths = torch.randint(2, 17, (B, L)), torch.randint(12, L + 1, (B,))
     kept = x.clone(), lengths.clone()
@@ -2600,9 +2599,8 @@ def test_exercise_masking():
 
 
 def test_exercise_reconstruction_loss():
-    """pretrain.reconstruction_loss, each kind: the mean over the M masked positions of the per-position loss
-    (cross-entropy; 1/2 ||r - u||^2 and ||r - u||_1 summed over channels), against loops; no masked position: 0,
-    differentiable; no data-dependent shape (the meta device)."""
+    """pretrain.reconstruction_loss, each kind: the mean over the masked positions of the per-position loss, against
+    loops; no masked position: 0 with a gradient; no data-dependent shape (the meta device)."""
     torch.manual_seed(0)
     mask = torch.tensor([[1, 0, 1, 0, 0], [0, 0, 0, 0, 0], [1, 1, 0, 1, 1]], dtype=torch.bool)  # M 6, B 3, B L 15
     cases = {"ce": (torch.randn(3, 5, 4), torch.randint(4, (3, 5))),  # (outputs, targets) at every position
@@ -2629,9 +2627,8 @@ def test_exercise_reconstruction_loss():
 
 
 def test_exercise_mean_pooling():
-    """model.Transformer.pool: by cfg.pooling (every one of model.POOLINGS), the mean or the max over each sequence's
-    real positions, padding ignored, without lengths every position real; "cls": position 0, the summary token's
-    state, whatever the lengths. Checked against loops."""
+    """model.Transformer.pool, each of model.POOLINGS, against loops: the mean or the max over each sequence's real
+    positions (without lengths: every position); "cls": position 0, whatever the lengths."""
     z, lengths = torch.randn(3, 7, 16), torch.tensor([7, 2, 5])
     for pooling in model_lib.POOLINGS:
         model = Transformer(tiny_cfg(pos="none", pooling=pooling))
@@ -2656,9 +2653,8 @@ def test_exercise_mean_pooling():
 
 
 def test_exercise_hybrid_initialization():
-    """finetune.hybrid_state_dict: the listed parameter groups (model.param_group) from SPT, everything else fresh,
-    a name missing from the SPT state dict fresh too; a new dict with exactly the keys of `fresh`, in its order,
-    neither input modified. For every group alone and every --inherit, under every position scheme."""
+    """finetune.hybrid_state_dict, for every group alone and every --inherit, under every position scheme: the listed
+    groups from SPT, the rest fresh; a new dict with exactly the keys of `fresh`, in order; no input modified."""
     for pos in model_lib.POSITIONS:
         with pytest.MonkeyPatch.context() as patch:  # sinusoidal_positions (another exercise) stood in for
             patch.setattr(model_lib, "sinusoidal_positions", lambda n, d, base=10000.0: torch.zeros(n, d))
@@ -2680,9 +2676,8 @@ def test_exercise_hybrid_initialization():
 
 
 def test_exercise_explicit_attention():
-    """model.Attention.explicit_attention with each mask that training passes: none, boolean (True = may attend;
-    padded keys) and additive float (ALiBi's and FIRE's bias, -inf where padding forbids), against
-    softmax_j(q_i . k_j / sqrt(d_head) + bias_ij) and its weighted sum of v, query by query."""
+    """model.Attention.explicit_attention with each mask that training passes (none, boolean: True = may attend,
+    additive float with -inf), query by query: softmax_j(q_i . k_j / sqrt(d_head) + bias_ij) and its sum over v."""
     torch.manual_seed(0)
     attn = model_lib.Attention(tiny_cfg(d_model=8, n_heads=2))                      # d_head 4, d_model 8
     q, k, v = torch.randn(3, 2, 2, 5, 4).unbind(0)                                    # (B 2, H 2, L 5, d_head 4)
@@ -2703,9 +2698,8 @@ def test_exercise_explicit_attention():
 
 
 def test_exercise_pe_probe():
-    """analyze.pe_probe: the model's absolute positions P (model.absolute_positions) through layer `layer`'s first
-    LayerNorm (if any), then per head scores_h = (P W_Q,h^T)(P W_K,h^T)^T / sqrt(d_head), without the biases, and
-    the softmax of each row; checked per layer and head against the same product written out."""
+    """analyze.pe_probe, per layer and head: P = model.absolute_positions through the layer's ln1 (if any),
+    scores_h = (P W_Q,h^T)(P W_K,h^T)^T / sqrt(d_head) without the biases, and the softmax of each row."""
     torch.manual_seed(0)
     P = torch.randn(10, 16)
     for layers, layernorm in ((2, True), (1, False)):
@@ -2730,9 +2724,8 @@ def test_exercise_pe_probe():
 
 
 def test_exercise_prop1_derivative():
-    """analyze.closed_form_spt_derivative: -(1/L^2) <Dbar, C>_F equals the autograd derivative at 0 of an
-    independently written reconstruction loss, for a direction with zero column sums; a given c is used (the form
-    is linear in it)."""
+    """analyze.closed_form_spt_derivative: the autograd derivative at 0 of a reconstruction loss written here, for a
+    direction with zero column sums; a given c is used (the form is linear in it)."""
     torch.manual_seed(0)
     x = torch.randn(64, 6, 3, dtype=torch.float64)
     d = torch.randn(6, 6, dtype=torch.float64)
@@ -2749,8 +2742,7 @@ def test_exercise_prop1_derivative():
             f"expected {want:.10f}, got {got:.10f}"
 
 
-EXERCISES = {  # name: (object holding the function, its attribute name, the grading test), in the README's order,
-    # which is the order they need each other in: a student who wrote 1 to k can run the commands of questions 1 to k
+EXERCISES = {  # name: (owner of the function, its attribute, its grader), in the README's order: each needs those above
     "sinusoidal_positions": (model_lib, "sinusoidal_positions", test_exercise_sinusoidal_positions),
     "absolute_positions": (Transformer, "absolute_positions", test_exercise_absolute_positions),
     "masking": (pretrain, "mask_batch", test_exercise_masking),
@@ -2787,41 +2779,32 @@ def _slightly_wrong(x):
     return x + 0.05 * (abs(x) + 1e-3)
 
 
-# ---- Plausible wrong answers wrong(real function, the call's arguments), built from the real function (so that a
-# starter copy holds no answer) ----
+# ---- Plausible wrong answers wrong(real function, the call's arguments): from the real one, so a copy holds no answer
 
 def _blanked(real, *args, **kwargs):
     raise NotImplementedError
 
 
-def _with_masks(real, x, lengths, masked, mask_id, g):
-    """mask_batch's (inputs, masked) for the masks `masked` (real positions only), made by the real function: with
-    ratio 1 on [x, x] and these lengths, the first copy comes back hidden at real positions, the second as it is."""
-    both = real(torch.cat([x, x], dim=1), lengths, 1.0, mask_id, g)[0]
-    L = x.shape[1]
-    return torch.where(masked.view(*masked.shape, *[1] * (x.dim() - 2)), both[:, :L], both[:, L:]), masked
+def _masks(choose):
+    """A wrong mask_batch: the masks choose(real, x, lengths, ratio, mask_id, g) (B, L), hidden by the real function
+    (with ratio 1 on [x, x], the first copy comes back hidden at real positions, the second as it is)."""
+    def wrong(real, x, lengths, ratio, mask_id, g):
+        masked, L = choose(real, x, lengths, ratio, mask_id, g), x.shape[1]
+        both = real(torch.cat([x, x], dim=1), lengths, 1.0, mask_id, g)[0]
+        return torch.where(masked.view(*masked.shape, *[1] * (x.dim() - 2)), both[:, :L], both[:, L:]), masked
+    return wrong
 
 
-def _drawn(real, x, lengths, ratio, mask_id, g):
-    """The real function's Bernoulli draws without its forced mask: 400 extra real positions each row (dropped
-    after) make a row that drew none practically impossible."""
-    B, L = x.shape[:2]
-    more = torch.cat([x, x[:, :1].expand(B, 400, *x.shape[2:])], dim=1)
-    return real(more, torch.full((B,), L + 400), ratio, mask_id, g)[1][:, :L] & (torch.arange(L) < lengths[:, None])
-
-
-def _forced_wrongly(real, x, lengths, ratio, mask_id, g, where):
-    """The real draws with the forced mask in every row ("always"), or in a row that drew none at position 0
-    ("at 0") or at int(rand * L) % length ("modulo": in a row shorter than the batch, biased to its first positions)."""
-    drawn, L = _drawn(real, x, lengths, ratio, mask_id, g), x.shape[1]
-    none = ~drawn.any(dim=1, keepdim=True)
-    if where == "always":
-        drawn |= real(x, lengths, 0.0, mask_id, g)[1]
-    elif where == "at 0":
-        drawn[:, :1] |= none
-    else:
-        drawn |= F.one_hot((torch.rand(len(x), generator=g) * L).long() % lengths, L).bool() & none
-    return _with_masks(real, x, lengths, drawn, mask_id, g)
+def _forced_at(at):
+    """A wrong mask_batch: the real Bernoulli draws (400 more real positions make a row that drew none practically
+    impossible) and, in a row that drew none, a forced mask at at(u, lengths, L), u uniform in [0, 1) per row."""
+    def choose(real, x, lengths, ratio, mask_id, g):
+        B, L = x.shape[:2]
+        more = torch.cat([x, x[:, :1].expand(B, 400, *x.shape[2:])], dim=1)
+        drawn = real(more, torch.full((B,), L + 400), ratio, mask_id, g)[1][:, :L]
+        drawn &= torch.arange(L) < lengths[:, None]
+        return drawn | F.one_hot(at(torch.rand(B, generator=g), lengths, L), L).bool() & ~drawn.any(1, keepdim=True)
+    return _masks(choose)
 
 
 def _fixed_count(real, x, lengths, ratio, mask_id, g):
@@ -2831,15 +2814,6 @@ def _fixed_count(real, x, lengths, ratio, mask_id, g):
     while todo.any():
         inputs[todo], masked[todo] = real(x[todo], lengths[todo], ratio, mask_id, g)
         todo = masked.sum(dim=1) != (ratio * lengths).round().clamp(min=1)
-    return inputs, masked
-
-
-def _ratio_of_padded_length(real, x, lengths, ratio, mask_id, g):
-    """ratio * L masks expected per row, L the padded length: rows of length n at the rate ratio L / n."""
-    inputs, masked = real(x, lengths, ratio, mask_id, g)
-    for n in lengths.unique().tolist():
-        rows = lengths == n
-        inputs[rows], masked[rows] = real(x[rows], lengths[rows], min(1.0, ratio * x.shape[1] / n), mask_id, g)
     return inputs, masked
 
 
@@ -2907,10 +2881,12 @@ WRONG_ANSWERS = {  # exercise: {what is wrong: wrong(real function, the call's a
     "masking": {
         "a fixed count per row": _fixed_count,
         "never masks the last real position": lambda real, x, lengths, *a: real(x, (lengths - 1).clamp(min=1), *a),
-        "forced mask always added": functools.partial(_forced_wrongly, where="always"),
-        "forced mask always at position 0": functools.partial(_forced_wrongly, where="at 0"),
-        "forced mask at (rand * L) % length": functools.partial(_forced_wrongly, where="modulo"),
-        "ratio applied to the padded length": _ratio_of_padded_length,
+        "forced mask always added": _masks(lambda real, x, lengths, ratio, *a: real(x, lengths, ratio, *a)[1] | real(
+            x, lengths, 0.0, *a)[1]),
+        "forced mask always at position 0": _forced_at(lambda u, lengths, L: torch.zeros_like(lengths)),
+        "forced mask at (rand * L) % length": _forced_at(lambda u, lengths, L: (u * L).long() % lengths),
+        "ratio applied to the padded length": lambda real, x, lengths, ratio, *a: real(  # at the batch's mean length
+            x, lengths, min(1.0, ratio * x.shape[1] / lengths.double().mean().item()), *a),
         "padding masked": lambda real, x, lengths, *a: real(x, torch.full_like(lengths, x.shape[1]), *a),
         "generator ignored": lambda real, *a: real(*a[:4], torch.Generator().manual_seed(random.randrange(2 ** 31))),
         "masked values not zeroed": _values_not_zeroed,
@@ -2993,9 +2969,8 @@ WRONG_ANSWERS = {  # exercise: {what is wrong: wrong(real function, the call's a
 
 @pytest.mark.parametrize("name, wrong", [(n, w) for n in EXERCISES for w in [*ANY_EXERCISE, *WRONG_ANSWERS[n]]])
 def test_every_grader_fails_on_plausible_wrong_answers_with_a_message(name, wrong, monkeypatch):
-    """The test of the tests: each grading test fails on its function blanked (NotImplementedError), slightly wrong
-    (the real result through _slightly_wrong: a grader without assertions cannot pass) and each of its WRONG_ANSWERS,
-    with an assertion that says what was expected (a message of its own, not pytest's `assert ...` rewrite)."""
+    """The test of the tests: each grader fails on its function blanked, slightly wrong (_slightly_wrong) and each of
+    its WRONG_ANSWERS, with a message of its own saying what was expected (not pytest's `assert ...` rewrite)."""
     owner, attribute, grading_test = EXERCISES[name]
     real, answer = getattr(owner, attribute), {**ANY_EXERCISE, **WRONG_ANSWERS[name]}[wrong]
     monkeypatch.setattr(owner, attribute, lambda *args, **kwargs: answer(real, *args, **kwargs))
@@ -3025,10 +3000,9 @@ pytest_runtest_makereport = pytest.hookimpl(wrapper=True)(test_all.skip_if_block
 
 
 def skip_if_blocked_by_an_exercise(item, call):
-    """The starter copy's pytest_runtest_makereport (a wrapper: STARTER_CONFTEST). A test that failed with a blanked
-    function's NotImplementedError("exercise N: write module.function ...") in its report (its traceback, or the
-    captured output of a process it ran) is reported as skipped, "blocked by exercise N (module.function)", unless
-    it is exercise N's grading test: that one fails."""
+    """The starter copy's pytest_runtest_makereport (a wrapper: STARTER_CONFTEST). A test whose report (traceback or
+    captured output) holds a blanked function's NotImplementedError("exercise N: write module.function ...") is
+    skipped, "blocked by exercise N (module.function)", unless it is exercise N's grader: that one fails."""
     report = yield
     text = str(report.longrepr) + "".join(content for _, content in report.sections)
     blocking = re.findall(r"exercise (\d+): write (\S+) \(README", text) if report.failed else []
@@ -3040,12 +3014,9 @@ def skip_if_blocked_by_an_exercise(item, call):
     return report
 
 
-def _is_a_starter_copy():
-    conftest = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conftest.py")
-    return os.path.exists(conftest) and open(conftest).read() == STARTER_CONFTEST
-
-
-instructors_only = pytest.mark.skipif(_is_a_starter_copy(), reason="a starter copy: the instructor runs this test")
+_CONFTEST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conftest.py")
+instructors_only = pytest.mark.skipif(os.path.exists(_CONFTEST) and open(_CONFTEST).read() == STARTER_CONFTEST,
+                                      reason="a starter copy: the instructor runs this test")
 
 
 def _function_node(source, qualname):
@@ -3081,13 +3052,10 @@ def chosen_exercises(numbers):
 
 
 def write_starter(folder, numbers=None):
-    """Write a class's starter copy of this project into `folder` (new or empty) and print how to start.
-
-    Copied: the files git tracks (outside a git checkout: all but .git, out/, data/ and caches). In each chosen
-    exercise's function (chosen_exercises(numbers)) blank_function writes
-    raise NotImplementedError("exercise N: write module.function (README, Exercises)"). conftest.py is
-    STARTER_CONFTEST. ValueError for a folder that is not empty or an unknown number.
-    """
+    """Write a class's starter copy of this project into `folder` (new or empty) and print how to start: the files
+    git tracks (outside a git checkout: all but .git, out/, data/ and caches), each chosen exercise's function
+    (chosen_exercises(numbers)) blanked by blank_function, conftest.py STARTER_CONFTEST. ValueError for a folder that
+    is not empty or an unknown number."""
     root = os.path.dirname(os.path.abspath(__file__))
     chosen = chosen_exercises(numbers)
     if os.path.exists(folder) and (not os.path.isdir(folder) or os.listdir(folder)):
@@ -3115,21 +3083,17 @@ def write_starter(folder, numbers=None):
     for rel, text in [*blanked.items(), ("conftest.py", STARTER_CONFTEST)]:
         with open(os.path.join(folder, rel), "w") as f:
             f.write(text)
-    print(f"wrote {folder}: the project's {len(files)} files, without .git, out/ and data/; to write, in this "
-          f"order (their docstrings say what; the commands of question k need exercises 1 to k at most, README):")
+    print(f"wrote {folder}: the project's {len(files)} files; to write, in this order (their docstrings say what):")
     for number, name in chosen:
         print(f"  exercise {number}: {exercise_function(name)[1]}, graded by python -m pytest -q test_all.py "
               f"-k exercise_{name}")
-    print(f"start: cd {folder} && python -m pytest -q test_all.py (the graders fail until their function is "
-          f"written; a test that needs a function not written yet is skipped, naming its exercise)")
+    print(f"start: cd {folder} && python -m pytest -q test_all.py (a test that needs an unwritten function skips)")
 
 
 def grade(student, numbers=None, timeout=600):
-    """Grade a student's copy with this file's graders (README, Exercises) and print one row per exercise: passed, or
-    the first property it breaks (the grader's message). Each chosen exercise (chosen_exercises(numbers)) runs in a
-    fresh process, on a temporary copy of the student's top-level modules beside this test_all.py (their own
-    test_all.py and conftest.py stay out). Returns how many failed. ValueError for a folder without model.py or an
-    unknown number."""
+    """Grade a student's copy with this file's graders, each chosen exercise (chosen_exercises(numbers)) in a fresh
+    process on a temporary copy of the student's modules beside this test_all.py, and print one row per exercise:
+    passed, or the grader's message. Returns how many failed. ValueError for a folder without model.py."""
     chosen = chosen_exercises(numbers)
     modules = [f for f in os.listdir(student) if f.endswith(".py") and f not in ("test_all.py", "conftest.py")] \
         if os.path.isdir(student) else []
@@ -3160,9 +3124,8 @@ def grade(student, numbers=None, timeout=600):
 
 @instructors_only
 def test_grade_runs_the_instructors_tests_on_the_students_functions(tmp_path):
-    """python test_all.py --grade DIR: a blanked exercise fails; a wrong answer fails even where the student
-    weakened its grader in their own test_all.py; an exit in the student's code passes nothing; the right answer
-    passes, with exit status 0; a folder without model.py is refused."""
+    """--grade: a blanked or wrong answer fails even with the student's own weakened grader, an exit in the student's
+    code passes nothing, the right answer passes with exit status 0; a folder without model.py is refused."""
     here = os.path.dirname(os.path.abspath(__file__))
     kit = tmp_path / "alice"
     write_starter(str(kit), ["3"])  # masking
@@ -3196,12 +3159,10 @@ def test_grade_runs_the_instructors_tests_on_the_students_functions(tmp_path):
 
 @instructors_only
 def test_starter_copy_blanks_the_chosen_functions_and_its_tests_fail_only_in_the_graders(tmp_path):
-    """python test_all.py --starter, in an untracked copy of the project inside another git repository (git lists no
-    file: the folder is walked, without out/ and data/). Each chosen function keeps its decorators, signature and
-    docstring and raises NotImplementedError naming its exercise; the others stay; no two consecutive lines of a
-    blanked body are anywhere in the copy. Under pytest in the copy of every exercise: failures only in the graders,
-    each naming its function; skips elsewhere, each naming the exercise that blocks it. A folder that is not empty,
-    an unknown number: one line, nothing written."""
+    """--starter in an untracked copy of the project inside another git repository (walked, without out/, data/): a
+    chosen function keeps decorators, signature and docstring and raises naming its exercise, the others stay, no two
+    lines of an answer are in the copy; under pytest there, failures only in the graders, skips naming the exercise
+    that blocks them. A folder that is not empty, an unknown number: one line, nothing written."""
     import xml.etree.ElementTree as ElementTree
     root, project, report = os.path.dirname(os.path.abspath(__file__)), tmp_path / "outer" / "spt", tmp_path / "x.xml"
     shutil.copytree(root, project, ignore=shutil.ignore_patterns(".git", "out", "data", ".venv", "*cache*"))
