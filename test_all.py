@@ -2690,11 +2690,10 @@ def test_exercise_explicit_attention():
         assert tuple(y.shape) == (2, 2, 5, 4) and tuple(probs.shape) == (2, 2, 5, 5), \
             f"{form}: expected y (2, 2, 5, 4) and probs (2, 2, 5, 5), got {tuple(y.shape)} and {tuple(probs.shape)}"
         p = (q @ k.transpose(-1, -2) / 2.0 + add).softmax(-1)
-        for b, h, i in np.ndindex(2, 2, 5):
-            assert torch.allclose(probs[b, h, i], p[b, h, i], atol=1e-5), f"{form}, batch {b}, head {h}, query " \
-                f"{i}: expected probabilities {p[b, h, i].tolist()}, got {probs[b, h, i].tolist()}"
-            assert torch.allclose(y[b, h, i], p[b, h, i] @ v[b, h], atol=1e-5), f"{form}, batch {b}, head {h}, " \
-                f"query {i}: expected the probabilities times v, {(p[b, h, i] @ v[b, h]).tolist()}, got {y[b, h, i]}"
+        for what, got, want in (("probabilities", probs, p), ("outputs (the probabilities times v)", y, p @ v)):
+            bad = [tuple(at[:3]) for at in (~torch.isclose(got, want, atol=1e-5)).nonzero().tolist()]
+            assert not bad, f"{form}: {what} at batch, head, query {bad[0]}: expected {want[bad[0]].tolist()}, got " \
+                            f"{got[bad[0]].tolist()}"
 
 
 def test_exercise_pe_probe():
@@ -2713,14 +2712,12 @@ def test_exercise_pe_probe():
                 f"expected scores and probabilities (H 4, L 10, L 10), got {tuple(scores.shape)}, {tuple(probs.shape)}"
             block = model.blocks[layer]
             p = F.layer_norm(P, (16,), block.ln1.weight, block.ln1.bias) if layernorm else P
-            for h in range(4):
-                rows = slice(4 * h, 4 * h + 4)
-                want = (p @ block.attn.q_proj.weight[rows].T) @ (p @ block.attn.k_proj.weight[rows].T).T / 2.0
-                assert torch.allclose(scores[h], want, atol=1e-4), f"layernorm {layernorm}, layer {layer}, head " \
-                    f"{h}: scores differ from (P W_Q,h^T)(P W_K,h^T)^T / sqrt(d_head) by up to " \
-                    f"{(scores[h] - want).abs().max().item():.3g}" + (", P after the layer's ln1" if layernorm else "")
-                assert torch.allclose(probs[h], want.softmax(-1), atol=1e-5), \
-                    f"layernorm {layernorm}, layer {layer}, head {h}: expected the softmax of each row of the scores"
+            wq, wk = (w.weight.view(4, 4, 16) for w in (block.attn.q_proj, block.attn.k_proj))  # (head, d_head, d)
+            want = torch.stack([(p @ wq[h].T) @ (p @ wk[h].T).T / 2.0 for h in range(4)])
+            assert torch.allclose(scores, want, atol=1e-4), f"layernorm {layernorm}, layer {layer}: scores differ " \
+                f"from (P W_Q,h^T)(P W_K,h^T)^T / sqrt(d_head), P after ln1 if any, by {(scores - want).abs().max():.3g}"
+            assert torch.allclose(probs, want.softmax(-1), atol=1e-5), \
+                f"layernorm {layernorm}, layer {layer}: expected the softmax of each row of the scores"
 
 
 def test_exercise_prop1_derivative():
@@ -2808,13 +2805,9 @@ def _forced_at(at):
 
 
 def _fixed_count(real, x, lengths, ratio, mask_id, g):
-    """round(ratio * length) masks in every row (at least 1): the real draws, redrawn per row until they have it."""
-    inputs, masked = real(x, lengths, ratio, mask_id, g)
-    todo = masked.sum(dim=1) != (ratio * lengths).round().clamp(min=1)
-    while todo.any():
-        inputs[todo], masked[todo] = real(x[todo], lengths[todo], ratio, mask_id, g)
-        todo = masked.sum(dim=1) != (ratio * lengths).round().clamp(min=1)
-    return inputs, masked
+    """Masks for _masks: round(ratio * length) in every row (at least 1), at random real positions."""
+    u = torch.rand(x.shape[:2], generator=g).masked_fill(torch.arange(x.shape[1]) >= lengths[:, None], 2.0)
+    return u.argsort(1).argsort(1) < (ratio * lengths).round().clamp(min=1)[:, None]
 
 
 def _in_place(x, inputs, masked):
@@ -2836,11 +2829,6 @@ def _waits_for_the_device(real, x, *args):
 def _loss_times(factor):
     """A wrong reconstruction_loss: the real one times factor(outputs, masked, kind)."""
     return lambda real, o, t, m, kind="ce": real(o, t, m, kind) * factor(o, m, kind)
-
-
-def _sin_cos_swapped(real, n, d, base=10000.0):
-    P, even = real(n, d, base), d - d % 2
-    return torch.cat([P[:, :even].view(n, -1, 2).flip(-1).flatten(1), P[:, even:]], dim=1)
 
 
 def _where_absolute(wrong):
@@ -2879,7 +2867,7 @@ ANY_EXERCISE = {"blanked": _blanked,
                 "slightly wrong": lambda real, *args, **kwargs: _slightly_wrong(real(*args, **kwargs))}
 WRONG_ANSWERS = {  # exercise: {what is wrong: wrong(real function, the call's arguments)}
     "masking": {
-        "a fixed count per row": _fixed_count,
+        "a fixed count per row": _masks(_fixed_count),
         "never masks the last real position": lambda real, x, lengths, *a: real(x, (lengths - 1).clamp(min=1), *a),
         "forced mask always added": _masks(lambda real, x, lengths, ratio, *a: real(x, lengths, ratio, *a)[1] | real(
             x, lengths, 0.0, *a)[1]),
@@ -2913,7 +2901,7 @@ WRONG_ANSWERS = {  # exercise: {what is wrong: wrong(real function, the call's a
         "not scaled": lambda real, self, q, *a: real(self, q * math.sqrt(q.shape[-1]), *a),
         "softmax over the queries": _softmax_over_queries},
     "sinusoidal_positions": {
-        "sin and cos swapped": _sin_cos_swapped,
+        "sin and cos swapped": lambda real, n, d, *a: real(n, d, *a)[:, [c ^ 1 if c ^ 1 < d else c for c in range(d)]],
         "sines first, then cosines": lambda real, n, d, base=10000.0: torch.cat(
             [real(n, d, base)[:, 0::2], real(n, d, base)[:, 1::2]], dim=1),
         "exponent i/d, not 2i/d": lambda real, n, d, base=10000.0: real(n, 2 * d, base)[:, :d],
@@ -4237,8 +4225,7 @@ def test_ablate_jobs_children_die_with_their_parent_and_the_parent_names_them(tm
 
 
 if __name__ == "__main__":  # a class's copy, or grading one (README, Exercises)
-    parser = argparse.ArgumentParser(description="Write a starter copy of the project for a class, or grade a "
-                                                 "student's copy with this file's graders (README, Exercises).")
+    parser = argparse.ArgumentParser(description="A class's starter copy, or grading a student's (README, Exercises)")
     task = parser.add_mutually_exclusive_group(required=True)
     task.add_argument("--starter", metavar="DIR", help="a new folder for the copy")
     task.add_argument("--grade", metavar="DIR", help="a student's copy: one row per exercise; exit 1 if one fails")
