@@ -2715,7 +2715,7 @@ def test_exercise_pe_probe():
             wq, wk = (w.weight.view(4, 4, 16) for w in (block.attn.q_proj, block.attn.k_proj))  # (head, d_head, d)
             want = torch.stack([(p @ wq[h].T) @ (p @ wk[h].T).T / 2.0 for h in range(4)])
             assert torch.allclose(scores, want, atol=1e-4), f"layernorm {layernorm}, layer {layer}: scores differ " \
-                f"from (P W_Q,h^T)(P W_K,h^T)^T / sqrt(d_head), P after ln1 if any, by {(scores - want).abs().max():.3g}"
+                f"from (P W_Q,h^T)(P W_K,h^T)^T / sqrt(d_head) (P after ln1) by {(scores - want).abs().max():.3g}"
             assert torch.allclose(probs, want.softmax(-1), atol=1e-5), \
                 f"layernorm {layernorm}, layer {layer}: expected the softmax of each row of the scores"
 
