@@ -2506,9 +2506,8 @@ def test_exercise_sinusoidal_positions():
     an even and an odd d_model and another base."""
     for n_pos, d, base in ((12, 6, 10000.0), (40, 7, 10000.0), (9, 4, 100.0)):
         P = model_lib.sinusoidal_positions(n_pos, d, base)
-        assert isinstance(P, torch.Tensor) and P.dtype == torch.float32 and P.shape == (n_pos, d), \
-            f"expected a ({n_pos}, {d}) float32 tensor, got {getattr(P, 'shape', type(P))} {getattr(P, 'dtype', '')}" \
-            f": a float64 table (numpy's default) would turn every forward pass into float64"
+        assert isinstance(P, torch.Tensor) and P.dtype == torch.float32 and P.shape == (n_pos, d), f"expected a " \
+            f"({n_pos}, {d}) float32 tensor (not float64), got {getattr(P, 'shape', P)} {getattr(P, 'dtype', '')}"
         for t, c in np.ndindex(n_pos, d):
             angle = t / base ** ((c - c % 2) / d)
             want = math.sin(angle) if c % 2 == 0 else math.cos(angle)
@@ -2543,8 +2542,7 @@ def test_exercise_absolute_positions():
             "pos learned: expected the table's own rows, which training updates; got no gradient"
         for pos in set(model_lib.POSITIONS) - {"sinusoidal", "learned"}:
             P = models[pos].absolute_positions(10)
-            assert P is None, f"pos {pos}: no absolute positions (they act inside attention, or not at all): " \
-                              f"expected None, got {type(P).__name__}"
+            assert P is None, f"pos {pos}: expected None (no absolute positions), got {type(P).__name__}"
 
 
 def test_exercise_masking():
@@ -2574,9 +2572,8 @@ def test_exercise_masking():
         hits, want, many = one[:, :n].sum(dim=0), 5 * B / n, (one.sum(dim=1) != 1).nonzero().flatten().tolist()
         assert not many, f"ratio 0: row {many[0]} has {one[many[0]].sum().item()} masked positions, expected 1 (forced)"
         bad = ((hits - want).abs() > 5 * math.sqrt(want)).nonzero().flatten().tolist()
-        assert not bad, f"ratio 0, rows of length {n} in a batch of width {L}: the forced mask fell on position " \
-                        f"{bad[0]} in {hits[bad[0]].item()} of {5 * B} rows, expected {want:.0f} +- " \
-                        f"{5 * math.sqrt(want):.0f}: uniform over the row's {n} real positions"
+        assert not bad, f"ratio 0, rows of length {n} (batch width {L}): the forced mask fell on position {bad[0]} " \
+                        f"in {hits[bad[0]]} of {5 * B} rows, expected {want:.0f} +- {5 * math.sqrt(want):.0f} (uniform)"
     same = [pretrain.mask_batch(x, lengths, ratio, 1, torch.Generator().manual_seed(s))[1] for s in (7, 7, 8)]
     assert torch.equal(same[0], same[1]) and not torch.equal(same[0], same[2]), \
         "the masks must come from `generator`: the same seed the same masks, another seed others"
@@ -2611,34 +2608,25 @@ def test_exercise_reconstruction_loss():
     for kind, (o, u) in cases.items():
         want = sum(per_position[kind](o[b, t], u[b, t]) for b, t in mask.nonzero().tolist()) / 6
         value = float(pretrain.reconstruction_loss(o, u, mask, kind))
-        assert abs(value - want) < 1e-5, f"{kind}: expected {want:.6f}, the mean over the 6 masked positions, got " \
-                                         f"{value:.6f}"
+        assert abs(value - want) < 1e-5, f"{kind}: expected {want:.6f}, the mean over the masked positions, got {value}"
         try:  # the meta device has shapes but no values: a data-dependent shape (o[mask]) cannot run there
             pretrain.reconstruction_loss(o.to("meta"), u.to("meta"), mask.to("meta"), kind)
         except Exception as e:
-            raise AssertionError(f"{kind}, on PyTorch's meta device raised {e!r}: it must not wait for the device (its "
-                                 f"docstring: no data-dependent shape, e.g. no outputs[masked])") from e
+            raise AssertionError(f"{kind}: on the meta device: {e!r}: no data-dependent shape (outputs[masked])") from e
         o = o.clone().requires_grad_(True)
         value = pretrain.reconstruction_loss(o, u, mask & False, kind)
         grad = torch.autograd.grad(value, o, allow_unused=True)[0] if value.requires_grad else None
-        assert value.item() == 0.0 and grad is not None and not grad.any(), \
-            f"{kind}, mask all False: expected 0 computed from the outputs (gradient 0, not None; not 0/0 = NaN), " \
-            f"got {value!r} with gradient {None if grad is None else grad.abs().max().item()}"
+        assert value.item() == 0.0 and grad is not None and not grad.any(), f"{kind}, mask all False: expected 0 " \
+            f"computed from the outputs (gradient 0, not None; not 0/0 = NaN), got {value!r}, gradient {grad}"
 
 
 def test_exercise_mean_pooling():
     """model.Transformer.pool, each of model.POOLINGS, against loops: the mean or the max over each sequence's real
     positions (without lengths: every position); "cls": position 0, whatever the lengths."""
     z, lengths = torch.randn(3, 7, 16), torch.tensor([7, 2, 5])
+    reductions = {"mean": lambda t: t.mean(dim=0), "max": lambda t: t.max(dim=0).values, "cls": lambda t: t[0]}
     for pooling in model_lib.POOLINGS:
-        model = Transformer(tiny_cfg(pos="none", pooling=pooling))
-        if pooling == "cls":
-            for given in (lengths, None):
-                pooled = model.pool(z, given)
-                assert torch.is_tensor(pooled) and torch.equal(pooled, z[:, 0]), \
-                    f"pooling cls, lengths {given}: expected z[:, 0], the state of the summary token at position 0"
-            continue
-        reduce = (lambda t: t.mean(dim=0)) if pooling == "mean" else (lambda t: t.max(dim=0).values)
+        model, reduce = Transformer(tiny_cfg(pos="none", pooling=pooling)), reductions[pooling]
         shifted = z.clone().requires_grad_(True) - 10.0  # all negative: a padded 0 must not win the max
         pooled = model.pool(shifted, lengths)
         assert torch.equal(shifted, z - 10.0), f"pooling {pooling}: pool changed its input z (no padding in place)"
@@ -2646,8 +2634,8 @@ def test_exercise_mean_pooling():
             f"through which a gradient reaches z, got {pooled.dtype}, requires_grad {pooled.requires_grad}"
         for b in range(3):
             want = reduce(torch.stack([z[b, t] - 10.0 for t in range(lengths[b])]))
-            assert torch.allclose(pooled[b], want, atol=1e-5), \
-                f"pooling {pooling}, row {b}: expected the {pooling} over its {lengths[b]} real positions"
+            assert torch.allclose(pooled[b], want, atol=1e-5), f"pooling {pooling}, row {b}: expected " + (
+                "position 0, the summary token" if pooling == "cls" else f"the {pooling} of its {lengths[b]} positions")
         assert torch.allclose(model.pool(z), reduce(z.transpose(0, 1)), atol=1e-5), \
             f"pooling {pooling}, lengths None: expected the {pooling} over every position"
 
@@ -2662,17 +2650,15 @@ def test_exercise_hybrid_initialization():
                 ).items()} for value, head in ((0, dict(n_classes=3)), (1, dict(n_rec=17))))
         for groups in [(g,) for g in model_lib.PARAM_GROUPS] + list(finetune.INHERIT.values()):
             merged = finetune.hybrid_state_dict(fresh, spt, groups)
-            assert list(merged) == list(fresh), f"pos {pos}, groups {groups}: expected exactly the keys of fresh " \
-                f"(the finetuned model's), in its order: " + (f"{sorted(set(merged) ^ set(fresh))} extra or missing: "
-                f"start from fresh" if set(merged) != set(fresh) else "the same keys in another order")
+            assert list(merged) == list(fresh), f"pos {pos}, groups {groups}: expected exactly the keys of fresh, " \
+                f"in its order; extra or missing: {sorted(set(merged) ^ set(fresh)) or 'none, another order'}"
             for n in fresh:
                 want = n in spt and model_lib.param_group(n) in groups
                 assert bool((merged[n] == 1).all()) == want and (want or bool((merged[n] == 0).all())), \
                     f"pos {pos}, groups {groups}: {n} (group {model_lib.param_group(n)}) should come from " \
                     f"{'SPT' if want else 'fresh'}: choose by model.param_group(name), not by part of the name"
             untouched = all((v == 0).all() for v in fresh.values()) and all((v == 1).all() for v in spt.values())
-            assert untouched and merged is not fresh, f"pos {pos}, groups {groups}: an input was modified: return " \
-                                                      f"a new dict"
+            assert untouched and merged is not fresh, f"pos {pos}, groups {groups}: an input was modified (or returned)"
 
 
 def test_exercise_explicit_attention():
