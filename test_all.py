@@ -2817,16 +2817,6 @@ def _loss_times(factor):
     return lambda real, o, t, m, kind="ce": real(o, t, m, kind) * factor(o, m, kind)
 
 
-def _where_absolute(wrong):
-    """A wrong absolute_positions: wrong(real, model, L) where the real one gives positions, None where it does not."""
-    return lambda real, model, L: None if real(model, L) is None else wrong(real, model, L)
-
-
-def _mask_as(change):
-    """A wrong explicit_attention: the real one given change(mask, q) for a mask that is not None."""
-    return lambda real, self, q, k, v, mask: real(self, q, k, v, mask if mask is None else change(mask, q))
-
-
 def _softmax_over_queries(real, self, q, k, v, mask):
     p = real(self, k, q, v, None if mask is None else mask.transpose(-1, -2))[1].transpose(-1, -2)
     return p @ v, p
@@ -2879,17 +2869,18 @@ WRONG_ANSWERS = {  # exercise: {what is wrong: wrong(real function, the call's a
         "a zero not computed from the outputs": lambda real, o, t, m, kind="ce": real(o, t, m, kind) if (
             o.device.type == "meta" or m.any()) else torch.zeros((), requires_grad=True)},
     "explicit_attention": {
-        "ignores a float mask": _mask_as(lambda mask, q: mask if mask.dtype == torch.bool else None),
-        "adds a boolean mask as 0/1": _mask_as(lambda mask, q: mask.to(q.dtype) if mask.dtype == torch.bool else mask),
-        "mask applied to the queries": _mask_as(lambda mask, q: mask.transpose(-1, -2)),
-        "scaled by sqrt(d_model), not sqrt(d_head)": lambda real, self, q, *a: real(
-            self, q / math.sqrt(self.n_heads), *a),
+        "ignores a float mask": lambda real, self, q, k, v, mask: real(
+            self, q, k, v, mask if mask is None or mask.dtype == torch.bool else None),
+        "adds a boolean mask as 0/1": lambda real, self, q, k, v, mask: real(
+            self, q, k, v, mask.to(q.dtype) if mask is not None and mask.dtype == torch.bool else mask),
+        "mask applied to the queries": lambda real, self, q, k, v, mask: real(
+            self, q, k, v, None if mask is None else mask.transpose(-1, -2)),
+        "scaled by sqrt(d_model), not sqrt(d_head)": lambda real, self, q, *a: real(self, q / self.n_heads ** 0.5, *a),
         "not scaled": lambda real, self, q, *a: real(self, q * math.sqrt(q.shape[-1]), *a),
         "softmax over the queries": _softmax_over_queries},
     "sinusoidal_positions": {
         "sin and cos swapped": lambda real, n, d, *a: real(n, d, *a)[:, [c ^ 1 if c ^ 1 < d else c for c in range(d)]],
-        "sines first, then cosines": lambda real, n, d, base=10000.0: torch.cat(
-            [real(n, d, base)[:, 0::2], real(n, d, base)[:, 1::2]], dim=1),
+        "sines first, then cosines": lambda real, n, d, *a: real(n, d, *a)[:, [*range(0, d, 2), *range(1, d, 2)]],
         "exponent i/d, not 2i/d": lambda real, n, d, base=10000.0: real(n, 2 * d, base)[:, :d],
         "base ignored": lambda real, n, d, base=10000.0: real(n, d),
         "positions from 1": lambda real, n, d, base=10000.0: real(n + 1, d, base)[1:],
@@ -2918,24 +2909,22 @@ WRONG_ANSWERS = {  # exercise: {what is wrong: wrong(real function, the call's a
             g.lower().replace("w_", "") + ("_proj" if g.startswith("W_") else ".") in n for g in groups) else t
             for n, t in fresh.items()},
         "starts from a copy of the SPT dict": lambda real, fresh, spt, groups: {**spt, **real(fresh, spt, groups)}},
-    "absolute_positions": {
-        "sinusoidal for every scheme": _where_absolute(
-            lambda real, model, L: model_lib.sinusoidal_positions(L, model.cfg.d_model)),
-        "a copy of the table": _where_absolute(lambda real, model, L: real(model, L).detach().clone()),
-        "the whole table": _where_absolute(lambda real, model, L: real(model, model.cfg.max_len)),
-        "the last L rows": _where_absolute(lambda real, model, L: real(model, model.cfg.max_len)[-L:]),
-        "zeros for the relative schemes": lambda real, model, L: torch.zeros(L, model.cfg.d_model) if real(
-            model, L) is None else real(model, L),
-        "the sinusoids computed again": lambda real, model, L: model_lib.sinusoidal_positions(
-            L, model.cfg.d_model) if model.cfg.pos == "sinusoidal" else real(model, L)},
+    "absolute_positions": {  # m: the model
+        "sinusoidal for every scheme": lambda real, m, L: None if real(m, L) is None else (
+            model_lib.sinusoidal_positions(L, m.cfg.d_model)),
+        "a copy of the table": lambda real, m, L: None if real(m, L) is None else real(m, L).detach().clone(),
+        "the whole table": lambda real, m, L: None if real(m, L) is None else real(m, m.cfg.max_len),
+        "the last L rows": lambda real, m, L: None if real(m, L) is None else real(m, m.cfg.max_len)[-L:],
+        "zeros for the relative schemes": lambda real, m, L: torch.zeros(L, m.cfg.d_model) if real(
+            m, L) is None else real(m, L),
+        "the sinusoids computed again": lambda real, m, L: model_lib.sinusoidal_positions(
+            L, m.cfg.d_model) if m.cfg.pos == "sinusoidal" else real(m, L)},
     "mean_pooling": {
         "mean over the padded length": lambda real, model, z, lengths=None: real(model, z, lengths) if (
             lengths is None or model.cfg.pooling == "max") else real(model, z, lengths) * lengths[:, None] / z.shape[1],
         "lengths ignored": lambda real, model, z, lengths=None: real(model, z),
-        "cls pooled as the mean": lambda real, model, z, lengths=None: z.mean(dim=1) if model.cfg.pooling == "cls"
-        else real(model, z, lengths),
-        "one real position too few": lambda real, model, z, lengths=None: real(
-            model, z, None if lengths is None else (lengths - 1).clamp(min=1)),
+        "cls pooled as the mean": lambda real, m, z, *a: z.mean(dim=1) if m.cfg.pooling == "cls" else real(m, z, *a),
+        "one real position too few": lambda real, m, z, n=None: real(m, z, n if n is None else (n - 1).clamp(min=1)),
         "padding of z zeroed in place": lambda real, model, z, lengths=None: real(model, z if lengths is None else
             z.masked_fill_(torch.arange(z.shape[1])[None, :, None] >= lengths[:, None, None], 0.0), lengths)},
 }
