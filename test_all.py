@@ -3056,7 +3056,7 @@ def write_starter(folder, numbers=None):
 def grade(student, numbers=None, timeout=600):
     """Grade a student's copy with this file's graders, each chosen exercise (chosen_exercises(numbers)) in a fresh
     process on a temporary copy of the student's modules beside this test_all.py, and print one row per exercise:
-    passed, or the grader's message. Returns how many failed. ValueError for a folder without model.py."""
+    passed, or the grader's message. Returns how many failed. ValueError: no model.py there, or an unknown number."""
     chosen = chosen_exercises(numbers)
     modules = [f for f in os.listdir(student) if f.endswith(".py") and f not in ("test_all.py", "conftest.py")] \
         if os.path.isdir(student) else []
