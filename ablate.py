@@ -879,7 +879,7 @@ def gpu_data(task, folder, n):
     g, splits, tokens, n_classes = torch.Generator().manual_seed(0), {}, task in ("text", "retrieval"), 2
     if tokens:
         L = pretrain.PRESETS[task]["paper"]["data"]["max_len"]
-        meta = dict(data._meta(task, data.BYTE_VOCAB, L, 2, "random bytes (ablate.py gpu)", 0, {}),
+        meta = dict(data._meta(task, data.BYTE_VOCAB, L, 2, "random bytes (ablate.py gpu)", 0),
                     pair=task == "retrieval")
     else:
         L, n_classes = 16384 if task == "pathx" else 1024, 10 if task == "image" else 2
