@@ -24,8 +24,7 @@ Commands (pretrain.py and finetune.py run these themselves when data/<task>/ is 
     python data.py --task pathx                        # PathFinder 128x128 from the LRA release
 
 Start with generate_trajectories (section 3), then load_split and get_batch (section 0: what every stage reads).
-1. file helpers and downloads. 2-7. one per source. 8. any task by name and the settings a run checks against its
-data. 9. command line. The training engine (device, DDP, a run's files, resume) is in pretrain.py.
+Sections: 1. files and downloads 2-7. one per source 8. any task by name, and the settings a run checks 9. command line
 """
 import argparse
 import glob
@@ -287,12 +286,6 @@ def get_batch(split, idx, device, multiple=64):
     return x.to(device), lengths, split["labels"][idx].to(device)
 
 
-def split_width(split):
-    """The stored sequence width of a loaded split."""
-    key = next(k for k in INPUT_KEYS if k in split)
-    return split[key].shape[-1 if key == "tokens" else 1]
-
-
 # ---- 1. File helpers and downloads (standard library only: urllib, hashlib, tarfile, zipfile) ----
 
 def sha256_of(path):
@@ -355,13 +348,12 @@ def extract_tar(archive, into, prefix):
 def open_raw(path):
     """`path` opened to read bytes, for every reader of raw data. ValueError naming the file for a Git LFS pointer
     or a git-annex link (what a clone made without its data holds)."""
-    link = os.readlink(path) if os.path.islink(path) else ""
-    if not ("/annex/objects/" in link and not os.path.exists(path)):  # else a broken git-annex link
+    broken_annex = os.path.islink(path) and "/annex/objects/" in os.readlink(path) and not os.path.exists(path)
+    if not broken_annex:
         f = open(path, "rb")
         head = f.read(1024)  # a pointer is under 1 KB
-        lfs = head.startswith(b"version https://git-lfs")
-        annex = len(head.split()) == 1 and b"/annex/objects/" in head
-        if len(head) == 1024 or not (lfs or annex):
+        pointer = head.startswith(b"version https://git-lfs") or len(head.split()) == 1 and b"/annex/objects/" in head
+        if len(head) == 1024 or not pointer:
             f.seek(0)
             return f
         f.close()
@@ -473,13 +465,13 @@ def listops_tree_to_string(tree):
     return f"( {listops_tree_to_string(tree[0])} {listops_tree_to_string(tree[1])} )"
 
 
-def generate_listops(n, seed, min_length=500, max_length=2000, **tree_kwargs):
+def generate_listops(n, seed, min_length=500, max_length=2000):
     """`n` distinct (source, label) pairs with min_length < length < max_length, reproducible from `seed`
     (as LRA: trees outside the bounds are rejected, duplicates dropped, so no expression is in two splits)."""
     rng = random.Random(seed)
     samples = {}  # insertion-ordered, unlike the set LRA used, so the split order is reproducible
     while len(samples) < n:
-        tree, length = generate_listops_tree(rng, **tree_kwargs)
+        tree, length = generate_listops_tree(rng)
         if min_length < length < max_length:
             source = listops_tree_to_string(tree)
             samples.setdefault(source, eval_listops(source))
