@@ -1148,11 +1148,20 @@ _TARGET_BACKTRACKS = 3       # paddles a target contour may take back at dead en
 _MAX_DISTRACTOR_TRIALS = 4   # start points tried for one distractor before it is left out
 _MAX_IMAGE_RESTARTS = 50     # then generate_pathfinder gives up with a RuntimeError
 _ALL_HEADINGS = np.arange(_HEADINGS)
-_STAMPS = {}                 # geometry key -> precomputed pieces (_stamps)
+_STAMPS = {}                 # resolution -> _geometry's dict, computed once
 
 
 def _geometry(resolution):
-    """Drawing constants of one resolution (lengths in pixels)."""
+    """Drawing constants of one resolution (lengths in pixels), and every piece the generator draws, precomputed
+    once over the (W, W) window of pixel offsets -pad..pad around the pixel of its start, which lies at sub-pixel
+    offset (a, b) / _SUBPIXEL from it:
+      intensity       float32 (M, S, S, W, W)  paddle of heading m: contrast * clip(rim - distance, 0, 1)
+      footprint       float32 (S, S, M, W * W) intensity > 0, laid out to count blocked pixels of all headings at once
+      halo            bool (M, S, S, W, W)     distance < rim + margin (where the contour's older paddles keep out)
+      disc_intensity  float32 (S, S, W, W)     marker disc: contrast * clip(marker_radius + 0.5 - distance, 0, 1)
+    """
+    if resolution in _STAMPS:
+        return _STAMPS[resolution]
     s = PATHFINDER_SETTINGS[resolution]
     step = s["paddle_length"] + 2 * s["paddle_margin"]   # the original's paddle pitch; our paddles span all of it
     rim = s["paddle_thickness"] / 2 + 0.5                # pixels whose centre is closer than this are drawn
@@ -1161,39 +1170,26 @@ def _geometry(resolution):
     j_max = math.ceil(_HEADINGS / (4 * s["continuity"])) - 1  # turns of weight cos^2(continuity * turn) > 0
     turns = np.arange(-j_max, j_max + 1)
     angle = 2 * math.pi * np.arange(_HEADINGS) / _HEADINGS
-    return dict(key=(resolution, step, rim, s["paddle_margin"], s["marker_radius"], s["contrast"]),
-                res=resolution, step=step, rim=rim, margin=s["paddle_margin"], padding=s["padding"],
-                pad=int(math.ceil(step + rim + s["paddle_margin"])),  # canvas border: every window fits in it
-                seed_distance=s["seed_distance"], marker_radius=s["marker_radius"], contrast=s["contrast"],
-                turns=turns, log_weights=2 * np.log(np.cos(s["continuity"] * turns * 2 * math.pi / _HEADINGS)),
-                # the tip displacement of one paddle per heading, in 1/_SUBPIXEL pixels (integers, so exact)
-                moves=[(round(_SUBPIXEL * step * math.sin(x)), round(_SUBPIXEL * step * math.cos(x))) for x in angle],
-                candidates=[(m + turns) % _HEADINGS for m in range(_HEADINGS)])  # the headings after heading m
-
-
-def _stamps(g):
-    """Every piece the generator draws, precomputed once per resolution, over the (W, W) window of pixel
-    offsets -pad..pad around the pixel of its start, which lies at sub-pixel offset (a, b) / _SUBPIXEL from it:
-      intensity       float32 (M, S, S, W, W)  paddle of heading m: contrast * clip(rim - distance, 0, 1)
-      footprint       float32 (S, S, M, W * W) intensity > 0, laid out to count blocked pixels of all headings at once
-      halo            bool (M, S, S, W, W)     distance < rim + margin (where the contour's older paddles keep out)
-      disc_intensity  float32 (S, S, W, W)     marker disc: contrast * clip(marker_radius + 0.5 - distance, 0, 1)
-    """
-    if g["key"] not in _STAMPS:
-        off = np.arange(2 * g["pad"] + 1) - g["pad"]
-        sub = np.arange(_SUBPIXEL) / _SUBPIXEL
-        dr = off[None, None, :, None] - sub[:, None, None, None]                                   # (S, 1, W, 1)
-        dc = off[None, None, None, :] - sub[None, :, None, None]                                   # (1, S, 1, W)
-        angle = 2 * math.pi * np.arange(_HEADINGS) / _HEADINGS
-        vr, vc = g["step"] * np.stack([np.sin(angle), np.cos(angle)])[:, :, None, None, None, None]  # (M, 1...)
-        t = np.clip((dr * vr + dc * vc) / g["step"] ** 2, 0.0, 1.0)  # the nearest point along the paddle
-        dist = np.sqrt((dr - t * vr) ** 2 + (dc - t * vc) ** 2)                                    # (M, S, S, W, W)
-        intensity = (g["contrast"] * np.clip(g["rim"] - dist, 0.0, 1.0)).astype(np.float32)
-        footprint = np.moveaxis(intensity > 0, 0, 2).reshape(_SUBPIXEL, _SUBPIXEL, _HEADINGS, -1)
-        disc = g["contrast"] * np.clip(g["marker_radius"] + 0.5 - np.sqrt(dr ** 2 + dc ** 2), 0.0, 1.0)
-        _STAMPS[g["key"]] = dict(intensity=intensity, footprint=footprint.astype(np.float32),
-                                 halo=dist < g["rim"] + g["margin"], disc_intensity=disc.astype(np.float32))
-    return _STAMPS[g["key"]]
+    pad = int(math.ceil(step + rim + s["paddle_margin"]))  # canvas border: every window fits in it
+    off = np.arange(2 * pad + 1) - pad
+    sub = np.arange(_SUBPIXEL) / _SUBPIXEL
+    dr = off[None, None, :, None] - sub[:, None, None, None]                                       # (S, 1, W, 1)
+    dc = off[None, None, None, :] - sub[None, :, None, None]                                       # (1, S, 1, W)
+    vr, vc = step * np.stack([np.sin(angle), np.cos(angle)])[:, :, None, None, None, None]         # (M, 1...)
+    t = np.clip((dr * vr + dc * vc) / step ** 2, 0.0, 1.0)  # the nearest point along the paddle
+    dist = np.sqrt((dr - t * vr) ** 2 + (dc - t * vc) ** 2)                                        # (M, S, S, W, W)
+    intensity = (s["contrast"] * np.clip(rim - dist, 0.0, 1.0)).astype(np.float32)
+    footprint = np.moveaxis(intensity > 0, 0, 2).reshape(_SUBPIXEL, _SUBPIXEL, _HEADINGS, -1)
+    disc = s["contrast"] * np.clip(s["marker_radius"] + 0.5 - np.sqrt(dr ** 2 + dc ** 2), 0.0, 1.0)
+    _STAMPS[resolution] = dict(
+        res=resolution, margin=s["paddle_margin"], padding=s["padding"], pad=pad, seed_distance=s["seed_distance"],
+        turns=turns, log_weights=2 * np.log(np.cos(s["continuity"] * turns * 2 * math.pi / _HEADINGS)),
+        # the tip displacement of one paddle per heading, in 1/_SUBPIXEL pixels (integers, so exact)
+        moves=[(round(_SUBPIXEL * step * math.sin(x)), round(_SUBPIXEL * step * math.cos(x))) for x in angle],
+        candidates=[(m + turns) % _HEADINGS for m in range(_HEADINGS)],  # the headings after heading m
+        intensity=intensity, footprint=footprint.astype(np.float32), halo=dist < rim + s["paddle_margin"],
+        disc_intensity=disc.astype(np.float32))
+    return _STAMPS[resolution]
 
 
 # Positions: a tip is a pair of integers in 1/_SUBPIXEL pixel units (pixel (i, j) has its centre at (i, j)).
@@ -1203,7 +1199,7 @@ def _stamps(g):
 def _disc(tip, g, taken):
     """The marker disc centred on `tip` -> piece, or None if it would touch `taken`."""
     (r, a), (c, b) = divmod(tip[0], _SUBPIXEL), divmod(tip[1], _SUBPIXEL)
-    intensity = _stamps(g)["disc_intensity"][a, b]
+    intensity = g["disc_intensity"][a, b]
     w = len(intensity)
     return None if (taken[r:r + w, c:c + w] & (intensity > 0)).any() else (r, c, intensity)
 
@@ -1213,8 +1209,7 @@ def _grow_contour(rng, start, n_paddles, taken, g, max_backtracks, end_avoid=Non
     Each step draws a free turn with weight cos^2(continuity * turn) (Gumbel-max), the original's rule. Given
     `end_avoid`, the end tip also needs room for a marker disc clear of it. At a dead end the newest paddle is
     redrawn, at most `max_backtracks` times. Returns (pieces, end tip, end disc or None)."""
-    stamps = _stamps(g)
-    footprint, halo, moves, candidates = stamps["footprint"], stamps["halo"], g["moves"], g["candidates"]
+    footprint, halo, moves, candidates = g["footprint"], g["halo"], g["moves"], g["candidates"]
     w = 2 * g["pad"] + 1
     n_steps = n_paddles + 2 * max_backtracks       # the most steps this call can take; each uses its own keys
     scores = g["log_weights"] + rng.gumbel(size=(n_steps, len(g["turns"])))
@@ -1256,7 +1251,7 @@ def _grow_contour(rng, start, n_paddles, taken, g, max_backtracks, end_avoid=Non
         blocked = taken.copy()
         for pr, pc, ph, pa, pb, _ in placed[:-1]:
             blocked[pr:pr + w, pc:pc + w] |= halo[ph, pa, pb]
-    return [(r, c, stamps["intensity"][m, a, b]) for r, c, m, a, b, _ in placed], tip, disc
+    return [(r, c, g["intensity"][m, a, b]) for r, c, m, a, b, _ in placed], tip, disc
 
 
 def _reserve(pieces, shape, margin):
