@@ -236,9 +236,7 @@ def load_splits(data_dir, task, device="cpu"):
 def single_sequences(x, lengths):
     """Document pairs (B, 2, L), lengths (B, 2) -> 2B single sequences, so that SPT masks and
     reconstructs each document on its own; any other batch is returned as it is."""
-    if lengths.dim() == 2:
-        return x.flatten(0, 1), lengths.flatten()
-    return x, lengths
+    return (x.flatten(0, 1), lengths.flatten()) if lengths.dim() == 2 else (x, lengths)
 
 
 BUCKET = 50  # batches per window sorted by length (batch_indices)
