@@ -219,10 +219,13 @@ def seeds_here(args, name, *runs):
                         last = (f.read().strip().splitlines() or ["(no output)"])[-1]
                     raise ChildProcessError(f"{log}: seed {seed} failed (exit {child.returncode}): {last}")
         finally:  # a child failed, or this process was interrupted: no child goes on as an orphan
-            for _, _, child in children:
-                if child.poll() is None:
-                    child.terminate()  # SIGTERM: the child stops as on Ctrl-C, and its lock is released
-                    child.wait()
+            running = [(seed, child) for seed, _, child in children if child.poll() is None]
+            if running:
+                print(f"{args.experiment}: stopping the children still running: " + ", ".join(
+                    f"seed {seed} (pid {child.pid})" for seed, child in running), file=sys.stderr)
+            for _, child in running:
+                child.terminate()  # SIGTERM: the child stops as on Ctrl-C, and its lock is released
+                child.wait()
     return seeds
 
 
