@@ -1050,8 +1050,7 @@ def read_idx(path):
     return np.frombuffer(raw[4 + 4 * len(shape):], dtype=np.uint8).reshape(shape)
 
 
-FASHION_STEMS = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
-                 "t10k-labels-idx1-ubyte")
+FASHION_STEMS = tuple(name.removesuffix(".gz") for name in FASHION_MD5)  # training images, labels; test's
 
 
 def _idx_files(folder):
