@@ -367,13 +367,6 @@ def exit_threshold(args, task):
     return 0.9 if task_data_dir(args, task) == args.data_dir else FASHION_CPU["exit_at"]
 
 
-def spt_displacement(task, folder, data_dir):
-    """analyze.analyze_checkpoints at init and after the SPT run in `folder`: attention statistics, and under
-    ["spt"]["displacement"] norm(W - W_init) / norm(W_init) of W_Q, W_K, W_Q^T W_K, ..."""
-    paths = pretrain.run_paths(folder, task, "pretrain")
-    return analyze.analyze_checkpoints({"init": paths["init"], "spt": paths["best"]}, data_dir)[0]
-
-
 def spt_gradients(task, folder, data_dir):
     """analyze.loss_gradients of each loss on the model it trains, {"init" | "spt": {"L_sup" | "L_SPT": ...}}: L_sup
     at the start of from-scratch training and of finetuning after SPT, L_SPT at the start and the end of SPT."""
@@ -413,7 +406,8 @@ def experiment_synthetic(args):
     for seed in seeds_here(args, "synthetic", ("synthetic", common)):
         folder = run_dir(args, "synthetic", seed)
         results = spt_then_finetune("synthetic", folder, seed, common, finetunings, ["--snapshots"])
-        stats = spt_displacement("synthetic", folder, args.data_dir)
+        pre = pretrain.run_paths(folder, "synthetic", "pretrain")
+        stats = analyze.analyze_checkpoints({"init": pre["init"], "spt": pre["best"]}, args.data_dir)[0]
         grads = spt_gradients("synthetic", folder, args.data_dir)
         runs += [summary(seed, result, name=name, attention_init=stats["init"], attention_spt=stats["spt"],
                          gradients=grads) for name, result in results.items()]
@@ -453,7 +447,7 @@ def finetune_rows(args, name, rows, first):
         folder = run_dir(args, task, seed)
         done = spt_then_finetune(task, folder, seed, common, [row[1:4] for row in rows],
                                  ["--snapshots"] if task == "synthetic" else [])
-        moved = spt_displacement(task, folder, task_data_dir(args, task))["spt"]["displacement"]
+        moved = trained_displacement(folder, task, "pretrain")
         for label, run_name, *_ in rows:
             results.setdefault(label, []).append(done[run_name])
             runs.append(summary(seed, done[run_name], threshold, row=label, displacement=moved))
@@ -506,7 +500,7 @@ def experiment_duration(args):
             spt_dir = folder if same else os.path.join(folder, f"spt_{epochs}ep")
             ckpt = run_pretrain(task, spt_dir, seed, common + ["--epochs", str(epochs)])
             result = run_finetune(task, spt_dir, seed, "init_all" if same else "spt", ckpt, common)
-            moved = spt_displacement(task, spt_dir, data_dir)["spt"]["displacement"]
+            moved = trained_displacement(spt_dir, task, "pretrain")
             runs.append(summary(seed, result, threshold, epochs=epochs, displacement=moved))
     rows = md_table(["SPT epochs", "val acc", "train acc", f"finetuning epoch val acc >= {threshold:g} (runs)",
                      "W_Q displacement", "W_K displacement", "W_Q^T W_K displacement"],
@@ -879,7 +873,7 @@ def gpu_data(task, folder, n):
     g, splits, tokens, n_classes = torch.Generator().manual_seed(0), {}, task in ("text", "retrieval"), 2
     if tokens:
         L = pretrain.PRESETS[task]["paper"]["data"]["max_len"]
-        meta = dict(data._meta(task, data.BYTE_VOCAB, L, 2, "random bytes (ablate.py gpu)", 0, {}),
+        meta = dict(data._meta(task, data.BYTE_VOCAB, L, 2, "random bytes (ablate.py gpu)", 0),
                     pair=task == "retrieval")
     else:
         L, n_classes = 16384 if task == "pathx" else 1024, 10 if task == "image" else 2

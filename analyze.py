@@ -181,7 +181,7 @@ def loss_gradients(path, data_dir, n=64, chunk=None, seed=0, losses=("L_sup", "L
     split = data.load_split(data_dir, ck["task"], "train", ck)
     count = min(n, len(split["labels"]))
     g = torch.Generator().manual_seed(seed)
-    chunk = chunk or max(1, min(16, 2 ** 24 // data.split_width(split) ** 2))
+    chunk = chunk or max(1, min(16, 2 ** 24 // split["meta"]["max_len"] ** 2))
     out = {}
     for loss_name in [name for name in losses if name == "L_sup" or model.rec_head is not None]:
         model.zero_grad(set_to_none=True)
