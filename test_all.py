@@ -1158,7 +1158,7 @@ def test_unknown_model_settings_are_refused_naming_the_choices():
     must divide among the heads; a sequence longer than max_len and a checkpoint's unknown field are named."""
     for field, bad, choices in (("init", "xavier", model_lib.INIT_SCHEMES), ("pos", "sinusoid", model_lib.POSITIONS),
                                 ("pooling", "first", model_lib.POOLINGS)):
-        with pytest.raises(ValueError, match=rf"^model {field} '{bad}': expected one of {', '.join(choices)}$"):
+        with pytest.raises(ValueError, match=rf"{field} '{bad}'.*{', '.join(choices)}"):
             tiny_cfg(**{field: bad})
     with pytest.raises(ValueError, match="d_model 30 .* n_heads 4"):
         tiny_cfg(d_model=30, n_heads=4)
@@ -1333,7 +1333,7 @@ def test_ablate_reads_back_a_finished_run_only_if_it_is_the_run_asked_for(synthe
                                ("finetune", common[:2] + common[4:], "--max_steps"),  # left out: the preset's
                                ("pretrain", common + ["--max_steps", "3"], "--max_steps")):
         name = "pretrain_last.pt" if stage == "pretrain" else "finetune_scratch.json"
-        with pytest.raises(ValueError, match=f"{name}: a run made with {flag} .*asks for {flag}"):
+        with pytest.raises(ValueError, match=f"{name}: .*{flag}"):
             if stage == "pretrain":
                 ablate.run_pretrain("synthetic", folder, 0, flags)
             else:
@@ -1586,7 +1586,7 @@ def test_ablate_ucr_runs_what_it_finds_skips_the_rest_and_steps_gives_runs_of_th
     acc = {r["name"]: r["test_acc"] for r in res["runs"]}  # SPT's gain, one seed: no sd, no t
     gain = acc["spt"] - acc["scratch"]
     assert f"| GunPoint | {gain:+.3f} (1 seed) | {gain:+.3f} | {int(gain > 0)} of 1 | - |" in table
-    with pytest.raises(FileNotFoundError, match=r"no data for any of ucr/NoSuchSet"):
+    with pytest.raises(FileNotFoundError, match="ucr/NoSuchSet"):
         ablate.main(argv[:-2] + ["NoSuchSet"])
     argv = argv[:3] + ["--steps", "3"] + argv[5:-1]
     ablate.main(argv)
@@ -3373,7 +3373,7 @@ DATA_CLI_CASES = [
 def test_data_cli_and_prepare_refuse_what_does_not_apply_and_pass_exactly_the_flags_given(tmp_path, monkeypatch):
     """A flag or keyword a task does not take is named before anything is read; main passes the flags given and
     nothing else; every preset's data settings are keywords of its task; no prepare function takes **kwargs."""
-    with pytest.raises(ValueError, match=r"^--max_len, url: does not apply to --task synthetic"):
+    with pytest.raises(ValueError, match=r"^--max_len, url: .*synthetic"):
         data.prepare("synthetic", str(tmp_path), n_train=4, max_len=5, url="x")
     assert os.listdir(tmp_path) == []
     for task, presets in pretrain.PRESETS.items():
@@ -3590,7 +3590,7 @@ def test_one_run_per_folder(synthetic_run, tmp_path):
                 pretrain.main(flags + extra)
     with pytest.raises(FileExistsError, match=re.escape(folder) + " holds this run's files"):
         pretrain.main(flags)
-    with pytest.raises(ValueError, match="--resume continues the run, --overwrite removes it"):
+    with pytest.raises(ValueError, match="--resume.*--overwrite"):
         pretrain.main(flags + ["--resume", "--overwrite"])
     assert {f: open(os.path.join(folder, f), "rb").read() for f in os.listdir(folder)} == files
     open(os.path.join(folder, "pretrain_last.pt.12345.tmp"), "wb").close()  # a killed write's temporary
@@ -3750,7 +3750,7 @@ def test_flags_that_do_not_apply_or_are_out_of_range_are_usage_errors(synthetic_
             main(argv)
         assert e.value.code == 2 and argv[-2] in capsys.readouterr().err, argv
     for device in ("cuda:7", "mps") if not torch.cuda.is_available() else ("cuda:99",):
-        with pytest.raises(ValueError, match=rf"--device {device}: not on this machine"):
+        with pytest.raises(ValueError, match=rf"--device {device}"):
             pretrain.main(syn_flags(data_dir, out, "--device", device))
 
 
