@@ -85,6 +85,7 @@ def closed_form_spt_derivative(x, d, c=None):
 
 
 def rel_err(value, reference):
+    """|value - reference| / |reference| (floats; a zero reference counts as 1e-300)."""
     return abs(value - reference) / max(abs(reference), 1e-300)
 
 
@@ -211,6 +212,7 @@ def loss_gradients(path, data_dir, n=64, chunk=None, seed=0, losses=("L_sup", "L
 
 
 def cmd_gradients(args):
+    """analyze.py gradients: loss_gradients of each --ckpt, printed; returns (the JSON's name, its contents)."""
     results = {}
     for path in args.ckpt:
         results[path] = res = loss_gradients(path, args.data_dir, args.n, seed=args.seed)
@@ -396,6 +398,7 @@ def checkpoint_labels(paths):
 
 
 def cmd_attention(args):
+    """analyze.py attention: analyze_checkpoints of --ckpt and its figure; returns (the JSON's name, contents)."""
     results, maps = analyze_checkpoints(checkpoint_labels(args.ckpt), args.data_dir, args.n, args.band)
     plot_attention(maps, os.path.join(args.out, "attention.png"), args.command_line)
     plot_maps({"W_Q^T W_K": {label: m["qk"] for label, m in maps.items()}}, os.path.join(args.out, "qk_product.png"),
@@ -565,6 +568,7 @@ COMMANDS = {  # name: (function, help, flags besides --out)
 
 
 def main(argv=None):
+    """python analyze.py prop1 | gradients | attention | curves [flags]: one subcommand, its JSON and figures."""
     p = data.ArgumentParser(description="Numerical checks of Coser et al. (2026)")
     sub = p.add_subparsers(dest="command", required=True)
     for name, (func, help, flags) in COMMANDS.items():
