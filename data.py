@@ -1646,15 +1646,17 @@ def run_cli(main_fn):
         if isinstance(e, BrokenPipeError):  # stdout closed (python x.py | head): end quietly
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(1)
-        if isinstance(e, OSError) and e.filename and e.strerror:  # not "[Errno 28] ...: 'path'"
-            text = f"error: {e.filename}: {e.strerror}"
-        elif isinstance(e, KeyboardInterrupt):
+        # A Ctrl-C inside torch.save comes out as torch's own error about its half-written zip: still a Ctrl-C.
+        interrupted = next((c for c in (e, e.__context__) if isinstance(c, KeyboardInterrupt)), None)
+        if interrupted:
             text = "interrupted"
+        elif isinstance(e, OSError) and e.filename and e.strerror:  # not "[Errno 28] ...: 'path'"
+            text = f"error: {e.filename}: {e.strerror}"
         else:
             plain = isinstance(e, (ValueError, OSError)) and str(e)  # our messages; others say their type
             text = "error: " + (str(e) if plain else f"{type(e).__name__}: {e}")
         print(" ".join("; ".join([text, *getattr(e, "__notes__", [])]).split()), file=sys.stderr)
-        sys.exit(128 + getattr(e, "signum", 2) if isinstance(e, KeyboardInterrupt) else 1)
+        sys.exit(128 + getattr(interrupted, "signum", 2) if interrupted else 1)
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -3531,10 +3531,21 @@ def test_resume_refuses_a_checkpoint_of_other_flags_or_data(change, synthetic_ru
     assert {f: open(os.path.join(folder, f), "rb").read() for f in os.listdir(folder)} == before
 
 
-def test_faults_end_in_one_line_naming_the_last_checkpoint(synthetic_run, tmp_path):
-    """Ctrl-C and SIGTERM (exit 130, 143), an overflowing learning rate, a file size limit hit inside a checkpoint
-    write, bad data: each ends in one line naming the last checkpoint and --resume, or the file."""
+def test_faults_end_in_one_line_naming_the_last_checkpoint(synthetic_run, tmp_path, monkeypatch, capsys):
+    """Ctrl-C and SIGTERM (exit 130, 143), also inside a checkpoint write, an overflowing learning rate, a file size
+    limit hit inside a checkpoint write, bad data: each ends in one line naming the last checkpoint and --resume,
+    or the file."""
     import resource
+    def interrupted_save(obj, f):  # torch.save's zip writer, stopped mid-record by Ctrl-C, raises its own error
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise RuntimeError("[enforce fail at inline_container.cc] . unexpected pos")
+    monkeypatch.setattr(sys, "argv", ["pretrain.py"])
+    with monkeypatch.context() as patch, pytest.raises(SystemExit) as e:
+        patch.setattr(torch, "save", interrupted_save)
+        data.run_cli(lambda argv: data.save_atomic({"x": torch.ones(2)}, str(tmp_path / "ck.pt")))
+    assert e.value.code == 130 and capsys.readouterr().err == f"interrupted; writing {tmp_path / 'ck.pt'}\n"
     data_dir, out = synthetic_run[0], str(tmp_path)
     last = os.path.join(out, "synthetic", "pretrain_last.pt")
     flags = syn_flags(data_dir, out, "--max_steps", "100000", "--epochs", "100000", "--no-eval_each_epoch")
