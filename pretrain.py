@@ -434,8 +434,8 @@ def train(model, splits, args, loss_fn, eval_fn, paths, record, metric, maximize
         print(f"resumed {paths['last']} at step {state['step']}")
     if args.rank == 0:  # the log keeps each step once: lines past the checkpoint, or a torn last line, go
         old = open(paths["log"]).readlines() if state["step"] and os.path.exists(paths["log"]) else []
-        data.save_atomic("".join(l for l in old if l.endswith("\n") and json.loads(l)["step"] <= state["step"]),
-                         paths["log"])
+        kept = [line for line in old if line.endswith("\n") and json.loads(line)["step"] <= state["step"]]
+        data.save_atomic("".join(kept), paths["log"])
     t_process, elapsed0 = time.time(), state["elapsed_s"]
     if state["step"] == 0:  # evaluate the initial weights, and keep them for the analyses
         metrics = eval_fn(0)
