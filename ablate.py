@@ -680,35 +680,74 @@ def experiment_posenc(args):
                 "one layer; ALiBi symmetric in |i - j|, FIRE on |i - j| (our encoder is bidirectional)")
 
 
+POOLING_EPOCHS = 30  # finetuning's budget in both arms: long enough to tell a plateau from slow learning
+GRADIENT_COLUMNS = (("L_sup", "seq_along", "along, sequence rows"), ("L_SPT", "seq_along", "along, sequence rows"),
+                    ("L_sup", "seq_share", "share, sequence rows"), ("L_SPT", "seq_share", "share, sequence rows"),
+                    ("L_sup", "summary_row", "on the summary row"), ("L_sup", "prop1_share", "share, all rows"))
+
+
+def epochs_at_majority(result, majority, band=0.02):
+    """(epochs validation accuracy stayed within `band` of the majority-class rate before first leaving it, whether
+    it left): over a run's evaluations after step 0."""
+    spent = 0.0
+    for e in result["evals"]:
+        if e["step"] > 0:
+            if abs(e["val_acc"] - majority) > band:
+                return spent, True
+            spent = e["step"] / result["steps_per_epoch"]
+    return spent, False
+
+
 def experiment_pooling(args):
     """Beyond the paper: does removing Prop. 1's blind spot remove the plateau? Each of model.POOLINGS from scratch
-    and SPT then finetune, at the demo's data and budget: accuracy, plateau exit, L_sup's Prop. 1 share at init."""
+    and SPT then finetune (POOLING_EPOCHS each) on the demo's data: per seed, the epoch of crossing 0.9, the epochs at
+    the majority class, and L_sup's and L_SPT's score gradients on the same initial weights (pretrain's _init.pt), by
+    rows (analyze.loss_gradients); the curves in out/analysis/pooling[_layers<n>]_curves.png."""
     data_dir = synthetic_data(os.path.join(args.data_dir, "demo_L300"), 2000, 500, 300)  # the demo's data
     common = ["--data_dir", data_dir, "--preset", args.preset, "--device", args.device, "--init_scheme",
               args.init_scheme, "--accept_data", "--epochs", "10", "--batch_size", "32", "--eval_every", "100000",
               "--n_layers", str(args.n_layers)] + (["--max_steps", str(args.max_steps)] if args.max_steps else [])
+    longer = ("--epochs", str(POOLING_EPOCHS))
     layers = f"_layers{args.n_layers}" if args.n_layers != 1 else ""
-    output, runs = "pooling" + layers, []
+    output, runs, majority = "pooling" + layers, [], majority_rate(data_dir, "synthetic")
     for seed, pooling in ((seed, p) for seed in seeds_here(args, output, ("synthetic", common)) for p in
                           model_lib.POOLINGS):
-        folder = os.path.join(args.out_dir, "ablate", args.init_scheme, "pooling_L300" + layers, pooling, f"seed{seed}")
-        for name, result in spt_then_finetune("synthetic", folder, seed, common + ["--pooling", pooling]).items():
-            share = analyze.loss_gradients(pretrain.run_paths(folder, "synthetic", "finetune", name)["init"],
-                                           data_dir, losses=("L_sup",))["L_sup"]["prop1_share"][0]
-            runs.append(summary(seed, result, pooling=pooling, name=name, prop1_share_init=share))
-    majority = majority_rate(data_dir, "synthetic")
-    rows = md_table(["pooling", "run", "val acc", "test acc", "epoch val acc >= 0.9 (runs)",
-                     "L_sup's share along Prop. 1's directions, at its init"],
-                    [[pooling, label, cells(rs, "best_val_acc", "test_acc", "exit", majority=majority),
-                      mean_std([r["prop1_share_init"] for r in rs])]
+        folder = os.path.join(args.out_dir, "ablate", args.init_scheme, f"pooling_L300_e{POOLING_EPOCHS}" + layers,
+                              pooling, f"seed{seed}")
+        results = spt_then_finetune("synthetic", folder, seed, common + ["--pooling", pooling],
+                                    rows=(("scratch", "scratch", longer), ("spt", None, longer)))
+        grads = analyze.loss_gradients(pretrain.run_paths(folder, "synthetic", "pretrain")["init"], data_dir)
+        for name, result in results.items():
+            runs.append(summary(seed, result, pooling=pooling, name=name, gradients=grads,
+                                at_majority=epochs_at_majority(result, majority),
+                                curve=[(e["step"] / result["steps_per_epoch"], e["val_acc"])
+                                       for e in result["evals"]]))
+    rows = md_table(["pooling", "run", "val acc", "test acc", f"epoch val acc >= 0.9 (runs, of {POOLING_EPOCHS})"],
+                    [[pooling, label, cells(rs, "best_val_acc", "test_acc", "exit", majority=majority)]
                      for pooling in model_lib.POOLINGS for name, label in (("scratch", "from scratch"),
                                                                           ("spt", "SPT, then finetune"))
                      for rs in [select(runs, pooling=pooling, name=name)]])
     rows += [""] + paired_table("SPT minus from scratch, test acc paired by seed", [
         (pooling, select(runs, pooling=pooling, name="spt"), select(runs, pooling=pooling, name="scratch"))
         for pooling in model_lib.POOLINGS])
-    write_table(output, runs, rows, args, majority_note(data_dir, "synthetic"), "the demo's model and budget; the "
-                "share on 64 training sequences, at each finetuning's own _init.pt")
+    crossing = lambda r: "not within" if r["plateau_exit_epoch"] is None else f"{r['plateau_exit_epoch']:.0f}"
+    at_majority = lambda r: f"{r['at_majority'][0]:.0f}" + ("" if r["at_majority"][1] else " (never left)")
+    by_layer = lambda values: " / ".join(f"{v:.2g}" for v in values)
+    rows += [""] + md_table(["pooling", "seed", "scratch: epoch >= 0.9", "scratch: epochs at majority",
+                             "SPT: epoch >= 0.9", "SPT: epochs at majority"] + [
+        f"{loss} {label}" for loss, _, label in GRADIENT_COLUMNS], [
+        [pooling, seed] + [f(r) for r in (scratch, spt) for f in (crossing, at_majority)] +
+        [by_layer(scratch["gradients"][loss][key]) if loss in scratch["gradients"] else "-"
+         for loss, key, _ in GRADIENT_COLUMNS]
+        for pooling in model_lib.POOLINGS for seed in sorted({r['seed'] for r in runs})
+        for scratch, spt in [(select(runs, pooling=pooling, name=n, seed=seed)[0] for n in ("scratch", "spt"))]])
+    if args.only_seed is None:
+        analyze.plot_seed_curves(runs, majority, os.path.join(args.out_dir, "analysis", output + "_curves.png"),
+                                 analyze.command_line("ablate.py", args.argv))
+    write_table(output, runs, rows, args, majority_note(data_dir, "synthetic"), "the demo's model and data; SPT "
+                f"10 epochs, finetuning {POOLING_EPOCHS}, batch 32; epochs at majority: val acc within 0.02 of the "
+                "majority rate; gradients on 64 training sequences at SPT's initial weights (with a class head drawn "
+                "from seed 0), per layer (layer 0 / 1): along = root mean square per sequence")
 
 
 def experiment_initscale(args):

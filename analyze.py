@@ -10,7 +10,9 @@ Reads checkpoints of any task and the task's data; trains nothing; writes PNG fi
 Sections: 1. Proposition 1 (1b: in the model)  2. attention after self-pretraining  3. figures  4. command line
 """
 import argparse
+import collections
 import glob
+import itertools
 import math
 import os
 import shlex
@@ -154,14 +156,23 @@ def cmd_prop1(args):
 # sums exactly when its rows are equal. Its share along them, ||G - 1 gbar^T||^2 / ||G||^2, is 0 for L_sup in the
 # minimal model (one layer, no LayerNorm, no MLP, mean pooling, a linear head) at uniform attention.
 
-def prop1_parts(grad, lengths=None):
-    """(sum ||G_bh - 1 gbar_bh^T||^2, sum ||G_bh||^2) over sequences b and heads h of grad (B, H, L, L), dL/dS of one
-    layer: the part along Prop. 1's directions and the whole. Only real query rows count; gbar is their mean."""
+def prop1_parts(grad, lengths=None, prefix=0):
+    """Squared norms of grad (B, H, L, L), dL/dS of one layer, summed over sequences b, heads h and real query rows:
+    "along": ||G_bh - 1 gbar_bh^T||^2, the part along Prop. 1's directions (gbar: the mean real row), and "whole":
+    ||G_bh||^2; "seq_along" and "seq_whole" the same over the sequence's own rows (the `prefix` rows of a summary
+    token left out, gbar their mean); "summary": ||G_bh||^2 on the `prefix` rows. A group of one row is all "along"
+    but 1/L of itself, so the summary row is reported apart, as a magnitude."""
     B, H, L, _ = grad.shape
     lengths = torch.full((B,), L) if lengths is None else lengths
-    w = real_positions(lengths, L, "cpu").to(grad.dtype)[:, None, :, None]          # (B, 1, L, 1) query rows
-    mean_row = (grad * w).sum(2, keepdim=True) / w.sum(2, keepdim=True)            # (B, H, 1, L)
-    return ((grad - mean_row).pow(2) * w).sum().item(), (grad.pow(2) * w).sum().item()
+    real = real_positions(lengths, L, "cpu").to(grad.dtype)[:, None, :, None]     # (B, 1, L, 1) query rows
+    own = real * (torch.arange(L) >= prefix).to(grad.dtype)[None, None, :, None]   # the sequence's own rows
+    out = {}
+    for key, w in (("", real), ("seq_", own)):
+        mean_row = (grad * w).sum(2, keepdim=True) / w.sum(2, keepdim=True).clamp(min=1)  # (B, H, 1, L)
+        out[key + "along"] = ((grad - mean_row).pow(2) * w).sum().item()
+        out[key + "whole"] = (grad.pow(2) * w).sum().item()
+    out["summary"] = (grad.pow(2) * (real - own)).sum().item()
+    return out
 
 
 def score_gradient(probs, probs_grad):
@@ -173,7 +184,9 @@ def score_gradient(probs, probs_grad):
 def loss_gradients(path, data_dir, n=64, chunk=None, seed=0, losses=("L_sup", "L_SPT")):
     """Prop. 1 in a checkpoint's model, on its task's first n training sequences: the score gradients of L_sup (a
     pretrain.py checkpoint gets a class head of its preset's kind, drawn from `seed` as the masks) and of a pretrain.py
-    checkpoint's L_SPT. Returns {loss: {"prop1_share": [per layer], "grad_norm": {group: ||dL/dW|| / sequences}}};
+    checkpoint's L_SPT. Returns {loss: {"prop1_share": [per layer] (all real query rows), "seq_share": [...] (the
+    sequence's own rows), "seq_along": [...] (their norm along Prop. 1's directions, root mean square per sequence),
+    "summary_row": [...] (the summary token's row, same norm), "grad_norm": {group: ||dL/dW|| / sequences}}};
     `chunk` sequences at a time. ValueError for a pair model or local attention."""
     model, ck = load_model(path, head_seed=seed)
     meta, run = ck["data_meta"], ck["config"]  # run: a pretrain.py run's masks and loss
@@ -186,7 +199,7 @@ def loss_gradients(path, data_dir, n=64, chunk=None, seed=0, losses=("L_sup", "L
     out = {}
     for loss_name in [name for name in losses if name == "L_sup" or model.rec_head is not None]:
         model.zero_grad(set_to_none=True)
-        parts = torch.zeros(model.cfg.n_layers, 2, dtype=torch.float64)  # prop1_parts per layer, summed over chunks
+        parts = [collections.Counter() for _ in range(model.cfg.n_layers)]  # prop1_parts per layer, over chunks
         for i in range(0, count, chunk):
             x, lengths, labels = data.get_batch(split, torch.arange(i, min(i + chunk, count)), "cpu", multiple=1)
             if loss_name == "L_sup":
@@ -201,12 +214,16 @@ def loss_gradients(path, data_dir, n=64, chunk=None, seed=0, losses=("L_sup", "L
                 p.retain_grad()
             loss.backward()
             real = None if lengths is None else lengths + model.prefix  # [CLS]: the token is a real query and key
-            parts += torch.tensor([prop1_parts(score_gradient(p.detach(), p.grad), real) for p in probs])
+            for layer, p in zip(parts, probs):
+                layer.update(prop1_parts(score_gradient(p.detach(), p.grad), real, model.prefix))
         norms = {}
         for name, param in model.named_parameters():
             if param.grad is not None:
                 norms[param_group(name)] = norms.get(param_group(name), 0.0) + param.grad.pow(2).sum().item()
-        out[loss_name] = dict(prop1_share=[a / b if b > 0 else 0.0 for a, b in parts.tolist()],
+        share = lambda a, b: [p[a] / p[b] if p[b] > 0 else 0.0 for p in parts]
+        per_sequence = lambda key: [math.sqrt(p[key] / count) for p in parts]
+        out[loss_name] = dict(prop1_share=share("along", "whole"), seq_share=share("seq_along", "seq_whole"),
+                              seq_along=per_sequence("seq_along"), summary_row=per_sequence("summary"),
                               grad_norm={k: math.sqrt(v) / count for k, v in norms.items()})
     return out
 
@@ -216,11 +233,15 @@ def cmd_gradients(args):
     results = {}
     for path in args.ckpt:
         results[path] = res = loss_gradients(path, args.data_dir, args.n, seed=args.seed)
-        print(f"checkpoint {path}: each loss's score-gradient share along Prop. 1's directions, per layer:")
+        print(f"checkpoint {path}: each loss's score gradient per layer: its share along Prop. 1's directions over "
+              f"all query rows; on the sequence's own rows its norm along them (per sequence) and share; the summary "
+              f"token's row")
         for loss_name, r in res.items():  # (L_SPT only for a pretrain.py checkpoint)
             ratio = r["grad_norm"]["W_Q"] / r["grad_norm"]["W_V"] if r["grad_norm"].get("W_V") else float("nan")
-            print(f"  {loss_name:5s} Prop. 1 share per layer " + " ".join(f"{s:.3g}" for s in r["prop1_share"])
-                  + f";  |dL/dW_Q| / |dL/dW_V| {ratio:.3g}")
+            for layer, parts in enumerate(zip(r["prop1_share"], r["seq_along"], r["seq_share"], r["summary_row"])):
+                print(f"  {loss_name:5s} layer {layer}: share {parts[0]:.3g}; sequence rows {parts[1]:.3g}, "
+                      f"share {parts[2]:.3g}; summary row {parts[3]:.3g}")
+            print(f"  {loss_name:5s} |dL/dW_Q| / |dL/dW_V| {ratio:.3g}")
     print(f"L_sup's share depends on the checkpoint: how far its attention is from uniform (Prop. 1: 0 only at "
           f"uniform attention), and a pretrain.py checkpoint's fresh class head (--seed {args.seed}).")
     return "gradients.json", dict(n=args.n, seed=args.seed, results=results)
@@ -545,6 +566,23 @@ def plot_initscale(runs, kinds, scales, lengths, seeds, path, command):
             ax.set(xlabel="init scale (x PyTorch default)", ylabel="sequence length L", title=f"{kind}: {title}")
     fig.colorbar(im, ax=axes, shrink=0.8, label=f"best val acc (one scale, {low:.2f} to 1)")
     save_figure(fig, path, command, f"Synthetic trajectories: best validation accuracy, mean of {seeds} seed(s)")
+
+
+def plot_seed_curves(runs, majority, path, command):
+    """ablate.py pooling's curves: validation accuracy per epoch of each run (r["curve"]: (epoch, val acc) pairs), a
+    line per seed; a panel per pooling (row) and run (column: r["name"]), the majority rate and 0.9 dashed."""
+    poolings, names = sorted({r["pooling"] for r in runs}), sorted({r["name"] for r in runs})
+    fig, axes = pyplot().subplots(len(poolings), len(names), figsize=(4.5 * len(names), 2.6 * len(poolings)),
+                                  squeeze=False, sharex=True, sharey=True, layout="constrained")
+    for (row, pooling), (col, name) in itertools.product(enumerate(poolings), enumerate(names)):
+        ax = axes[row][col]
+        for r in sorted((r for r in runs if (r["pooling"], r["name"]) == (pooling, name)), key=lambda r: r["seed"]):
+            ax.plot(*zip(*r["curve"]), label=f"seed {r['seed']}")
+        for level in (majority, 0.9):
+            ax.axhline(level, color="gray", linestyle="--", linewidth=0.8)
+        ax.set(title=f"{pooling} pooling, {name}", xlabel="epoch", ylabel="val acc")
+    axes[0][0].legend(fontsize=7)
+    save_figure(fig, path, command, "Validation accuracy per epoch (dashed: the majority rate and 0.9)")
 
 
 # ---- 4. Command line: a table of subcommands, each with the flags it takes ----

@@ -962,11 +962,15 @@ def test_analyze_gradients_prints_each_figure_with_its_name_and_writes_the_same_
     res = json.load(open(tmp_path / "gradients.json"))["results"][ckpt]
     printed = capsys.readouterr().out
     assert printed.startswith(f"checkpoint {ckpt}: ")
-    lines = {line.split()[0]: line for line in printed.splitlines() if line.startswith("  L_")}
+    lines = {}
+    for line in printed.splitlines():
+        if line.startswith("  L_"):
+            lines[line.split()[0]] = lines.get(line.split()[0], "") + line
     assert sorted(lines) == sorted(res) == ["L_SPT", "L_sup"]  # a pretrain.py checkpoint: both losses
-    for loss_name, r in res.items():  # every line holds the JSON's numbers
-        ratio = r["grad_norm"]["W_Q"] / r["grad_norm"]["W_V"]
-        assert all(f"{x:.3g}" in lines[loss_name] for x in r["prop1_share"] + [ratio]), lines[loss_name]
+    for loss_name, r in res.items():  # its lines hold the JSON's numbers
+        numbers = r["prop1_share"] + r["seq_along"] + r["seq_share"] + r["summary_row"]
+        numbers.append(r["grad_norm"]["W_Q"] / r["grad_norm"]["W_V"])
+        assert all(f"{x:.3g}" in lines[loss_name] for x in numbers), lines[loss_name]
 
 
 def test_score_gradient_is_the_softmax_backward_and_prop1_parts_the_zero_column_sum_projection():
@@ -982,9 +986,28 @@ def test_score_gradient_is_the_softmax_backward_and_prop1_parts_the_zero_column_
         col = [grad[b, h, i, j].item() for i in range(int(lengths[b]))]
         along += sum((c - sum(col) / len(col)) ** 2 for c in col)
         total += sum(c ** 2 for c in col)
-    assert analyze.prop1_parts(grad, lengths) == pytest.approx((along, total), rel=1e-12)
+    parts = analyze.prop1_parts(grad, lengths)
+    assert (parts["along"], parts["whole"]) == pytest.approx((along, total), rel=1e-12)
     same_rows = grad[:, :, :1].expand(-1, -1, 5, -1)  # G = 1 g^T: no component along Prop. 1's directions
-    assert analyze.prop1_parts(same_rows)[0] == pytest.approx(0.0, abs=1e-15)
+    assert analyze.prop1_parts(same_rows)["along"] == pytest.approx(0.0, abs=1e-15)
+
+
+def test_prop1_parts_report_the_summary_row_apart_from_the_sequence_rows():
+    """A gradient on one row (the summary token's) is 1 - 1/L along Prop. 1's directions by construction; the
+    sequence rows' measure reports what lies on the other rows: nothing. A closed form checks the magnitude."""
+    L, v = 7, torch.arange(1.0, 8.0, dtype=torch.float64)
+    grad = torch.zeros(1, 1, L, L, dtype=torch.float64)
+    grad[0, 0, 0] = v
+    parts = analyze.prop1_parts(grad, prefix=1)
+    assert parts["along"] / parts["whole"] == pytest.approx(1 - 1 / L, rel=1e-12)
+    assert parts["seq_along"] == parts["seq_whole"] == 0.0
+    assert parts["summary"] == pytest.approx((v @ v).item(), rel=1e-12)
+    a = torch.tensor([0.0, 3.0, -1.0, 2.0, 5.0, 1.0, 4.0], dtype=torch.float64)  # rows 1..6: a_i u^T, row 0 a_0 u^T
+    u = torch.tensor([1.0, -2.0, 0.5, 0.0, 1.0, 3.0, -1.0], dtype=torch.float64)
+    parts = analyze.prop1_parts((a[:, None] * u)[None, None], torch.tensor([6]), prefix=1)  # row 6 is padding
+    seq = a[1:6]
+    assert parts["seq_along"] == pytest.approx((((seq - seq.mean()) ** 2).sum() * (u @ u)).item(), rel=1e-12)
+    assert parts["seq_whole"] == pytest.approx(((seq @ seq) * (u @ u)).item(), rel=1e-12) and parts["summary"] == 0.0
 
 
 def test_prop1_holds_in_the_minimal_model_at_uniform_attention_and_not_with_an_mlp(synthetic_run, tmp_path,
@@ -1058,6 +1081,16 @@ def test_ablate_synthetic_init_and_posenc_run_and_read_their_runs_back(synthetic
     ablate.main(["pooling", "--data_dir", str(tmp_path / "data")] + argv[:2] + argv[4:])  # on the demo's data
     assert {(r["pooling"], r["name"], r["seed"]) for r in json.load(open(tmp_path / "ablate" / "pooling.json"))[
         "runs"]} == {(p, n, s) for p in model_lib.POOLINGS for n in ("scratch", "spt") for s in (0, 1)}
+    table = open(tmp_path / "ablate" / "pooling.md").read()  # a row per pooling and seed; the curves drawn
+    assert all(f"| {p} | {s} | " in table for p in model_lib.POOLINGS for s in (0, 1))
+    assert os.path.exists(tmp_path / "analysis" / "pooling_curves.png")
+
+
+def test_epochs_at_majority_counts_the_epochs_before_validation_accuracy_first_leaves_the_band():
+    evals = lambda *accs: dict(steps_per_epoch=10, evals=[dict(step=10 * i, val_acc=a) for i, a in enumerate(accs)])
+    assert ablate.epochs_at_majority(evals(0.2, 0.51, 0.515, 0.6, 0.5), 0.5) == (2.0, True)  # step 0 not counted
+    assert ablate.epochs_at_majority(evals(0.5, 0.49, 0.515), 0.5) == (2.0, False)  # never left: the whole budget
+    assert ablate.epochs_at_majority(evals(0.5, 0.9), 0.5) == (0.0, True)
 
 
 def test_ablate_demo_summary_holds_its_runs_numbers_and_its_verdict_follows_plateau_exit_epoch(tmp_path, capsys):
