@@ -31,7 +31,6 @@ import math
 import os
 import platform
 import re
-import shlex
 import signal
 import subprocess
 import sys
@@ -236,7 +235,6 @@ def main(argv=None):
     """Self-pretraining: python pretrain.py --task TASK [flags]; writes run_paths(out_dir, task, "pretrain")."""
     parser = pretrain_parser()
     args = parser.parse_args(argv)
-    given = {k: v for k, v in vars(args).items() if v != parser.get_default(k)}  # before the preset fills them
     preset = resolve(args, "pretrain", parser)
     if args.mask_ratio is None:
         args.mask_ratio = MASK_RATIO[data.task_family(args.task)]
@@ -268,22 +266,9 @@ def main(argv=None):
               f"at it predicts masked tokens from their frequencies only; below it, from the context")
     if args.world_size > 1:
         dist.destroy_process_group()
-    spt, scratch = next_commands(args.task, paths["best"], given)
-    print(f"next: {spt}\n  and {scratch}   (the baseline)\nto see SPT's effect on a CPU: python ablate.py demo")
+    print(f"next: python finetune.py --task {args.task} --init {paths['best']}, and --init scratch for the "
+          f"baseline\nto see SPT's effect on a CPU: python ablate.py demo")
 
-
-def next_commands(task, checkpoint, given):
-    """The two finetune.py commands that follow a pretrain.py run (shell strings): from its checkpoint, and the
-    from-scratch baseline. Both carry the run's data and run flags (`given`: {name: value} of the flags that
-    differ from their defaults); the baseline also its model flags, so that it builds the model SPT trained."""
-    def flags(names):
-        return "".join(f" --{k}" if given[k] is True else f" --{k} {shlex.quote(str(given[k]))}"
-                       for k in names if k in given and given[k] is not None)
-    both = flags(("data_dir", "out_dir", "preset", "seed", "device", "dtype", "max_len", "resolution", "difficulty",
-                  "pooling"))  # pooling: the finetuning task's own (finetune.FINETUNE_FIELDS), so both carry it
-    model = flags([k for k in MODEL_FLAGS if k != "pooling"])
-    return (f"python finetune.py --task {task} --init {shlex.quote(checkpoint)}{both}",
-            f"python finetune.py --task {task} --init scratch{both}{model}")
 
 # ======================================================================================================
 # ==== The engine both stages share (a first reading can stop here): flags and presets, the training loop

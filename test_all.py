@@ -656,7 +656,7 @@ def test_prop1_main_writes_json_and_a_png_that_records_its_command(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The synthetic task; speed: bench, the GPU command, FLOPs; the commands pretrain.py prints
+# The synthetic task; speed: bench, the GPU command, FLOPs
 # ----------------------------------------------------------------------------------------------------------
 
 def _linear_accuracy(f_train, y_train, f_val, y_val):
@@ -735,26 +735,6 @@ def test_gpu_command_writes_its_table_after_every_stage_and_goes_on_after_a_fail
     assert json.load(open(tmp_path / "bench" / "gpu.json"))["results"] == [dict(
         task="listops", stage="pretrain", ms_per_step=30.0, tokens_per_s=1e6, mfu=0.2, peak_memory_gib=4.0,
         full_steps=300000, projected_hours=2.5)]
-
-
-def test_pretrain_suggests_finetunings_that_run_on_its_data_and_rebuild_its_model(listops_dir, tmp_path, capsys):
-    """The two finetune.py commands pretrain.py prints at its end (pretrain.next_commands) run as printed, and the
-    from-scratch baseline builds the model SPT trained (its size, positions and init flags), not the preset's."""
-    out = str(tmp_path / "a dir")  # a space: the printed folders must be quoted
-    pretrain.main(["--task", "listops", "--data_dir", listops_dir, "--out_dir", out, "--max_steps", "2", "--seed",
-                   "3", "--preset", "cpu", "--pos", "alibi", "--init_scale", "2", "--eval_every", "1000"] + TINY)
-    spt_line, scratch_line, demo_line = capsys.readouterr().out.split("next: ")[1].splitlines()
-    assert demo_line.endswith("python ablate.py demo")  # the main job points to the demo last
-    scratch_line = scratch_line.split("   (the baseline)")[0]
-    assert scratch_line.strip().startswith("and python finetune.py")
-    steps = ["--max_steps", "2", "--eval_every", "1000", "--no-eval_each_epoch"]
-    for line in (spt_line, scratch_line.strip()[len("and "):]):
-        words = shlex.split(line)
-        assert words[:2] == ["python", "finetune.py"] and "--seed" in words and "--preset" in words
-        finetune.main(words[2:] + steps)
-    spt = data.load_pt(os.path.join(out, "listops", "finetune_spt.pt"))["model_config"]
-    scratch = data.load_pt(os.path.join(out, "listops", "finetune_scratch.pt"))["model_config"]
-    assert scratch == spt and (spt["d_model"], spt["pos"], spt["init_scale"]) == (16, "alibi", 2.0)
 
 
 def test_gpu_run_times_a_real_run_of_a_preset_on_stand_in_data_of_its_shapes(tmp_path, monkeypatch):
