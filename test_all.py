@@ -694,7 +694,7 @@ def test_bench_reports_its_ratio_against_the_reference_measured_in_the_same_run(
     table = (tmp_path / "bench" / "tiny.md").read_text()
     assert f"| torch.nn.TransformerEncoder | {r['reference']['ms_per_step']:.1f} |" in table
     assert f"**{ratio:.2f}**" in table
-    for bad in (["--variants", "fused,padded"], ["--size", "64,16"], ["--size", "64,15,1,2,32,2"]):
+    for bad in (["--size", "64,16"], ["--size", "64,15,1,2,32,2"]):
         with pytest.raises(ValueError, match=bad[0]):
             ablate.main(argv[:1] + bad)
     monkeypatch.setattr(pretrain, "reconstruction_loss", lambda *a: 1 / 0)  # a variant that fails: a row, named
