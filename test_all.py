@@ -2889,18 +2889,29 @@ def test_pathfinder_labels_match_connectivity_and_pixel_statistics_are_at_chance
     assert abs(acc - 0.5) <= 0.05, f"mean/variance/ink predict the label with accuracy {acc:.3f}"
 
 
-def test_pathfinder_write_read_round_trip_in_the_release_layout_and_errors_naming_the_file(tmp_path, pathfinder32):
+def write_release(root, images, labels, per_folder=1000):
+    """The LRA release layout: image j as imgs/<k>/sample_<i>.png (k, i = divmod(j, per_folder)), and a line per
+    image in the plain-text metadata/<k>.npy: folder, file name, index, label, then fields the reader skips."""
+    for j, (image, label) in enumerate(zip(images, labels)):
+        k, i = divmod(j, per_folder)
+        os.makedirs(os.path.join(root, "imgs", str(k)), exist_ok=True)
+        os.makedirs(os.path.join(root, "metadata"), exist_ok=True)
+        Image.fromarray(image).save(os.path.join(root, "imgs", str(k), f"sample_{i}.png"))
+        with open(os.path.join(root, "metadata", f"{k}.npy"), "a") as f:
+            f.write(f"imgs/{k} sample_{i}.png {i} {int(label)} 1.8 14 4 5 1.5 2 1\n")
+
+
+def test_pathfinder_release_reader_keeps_the_order_skips_empty_images_and_names_bad_files(tmp_path, pathfinder32):
     """Plain-text metadata/<k>.npy read in the order of k (12 folders: '10' < '2' would be wrong), 8-bit PNGs;
     files not named <k>.npy are not read; an empty or missing PNG is skipped and named; a short line, a 16-bit
     image or one of another size is an error naming its file."""
     images, labels = pathfinder32[0][:80], pathfinder32[1][:80]
     root = str(tmp_path / "pathfinder32" / "curv_contour_length_14")
-    data.write_pathfinder_release(root, images, labels, per_folder=7)
+    write_release(root, images, labels, per_folder=7)
     got_images, got_labels, skipped = data.read_pathfinder_release(root)
     assert skipped == [] and np.array_equal(got_images, images) and np.array_equal(got_labels, labels)
     meta, png = os.path.join(root, "metadata", "1.npy"), os.path.join(root, "imgs", "1", "sample_1.png")
     lines = open(meta).read().splitlines()
-    assert lines[2].split()[:4] == ["imgs/1", "sample_2.png", "2", str(labels[9])] and len(lines[2].split()) == 11
     shutil.copy(meta, meta + ".bak")
     empty = os.path.join(root, "imgs", "0", "sample_3.png")      # image 3
     missing = os.path.join(root, "imgs", "2", "sample_5.png")    # image 2 * 7 + 5 = 19
@@ -2921,39 +2932,31 @@ def test_pathfinder_write_read_round_trip_in_the_release_layout_and_errors_namin
             data.read_pathfinder_release(root)
 
 
-def test_pathfinder_generate_command_the_release_split_and_stopped_preparations(tmp_path, monkeypatch):
-    """A generation or extraction stopped midway leaves no set a later run would read; a generated set read as
-    release data is split as s4 splits it; real release data is never overwritten by --generate."""
+def test_pathfinder_generated_and_release_splits_and_a_stopped_extraction(tmp_path, monkeypatch):
+    """A generated set is split val, test, train of the seeded permutation, with a look at 16 images; release data
+    is split as s4 splits it; an extraction stopped midway leaves no set a later run would read."""
     root = str(tmp_path / "data")
-    release = os.path.join(root, "pathfinder", "pathfinder32", "curv_contour_length_14")
-    real_write, real_extract = data.write_pathfinder_release, data.extract_tar
-
-    def interrupted(folder, images, labels, **kw):  # the first 10 images written, then the run is stopped
-        real_write(folder, images[:10], labels[:10], per_folder=5, **kw)
-        raise KeyboardInterrupt
-    monkeypatch.setattr(data, "write_pathfinder_release", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        data.main(["--task", "pathfinder", "--data_dir", root, "--generate", "60"])
-    assert not os.path.exists(release)
-    monkeypatch.setattr(data, "write_pathfinder_release", real_write)
     data.main(["--task", "pathfinder", "--data_dir", root, "--generate", "60"])
-    assert os.listdir(os.path.dirname(release)) == ["curv_contour_length_14"]  # no staging folder left
     assert os.path.exists(os.path.join(root, "pathfinder", "samples.png"))  # a look at 16 of them
     splits = {s: data.load_split(root, "pathfinder", s) for s in data.SPLITS}
     assert [len(splits[s]["labels"]) for s in data.SPLITS] == [48, 6, 6] and splits["train"]["meta"]["generated"]
+    images, labels = data.generate_pathfinder(60, 42)
+    perm = torch.randperm(60, generator=torch.Generator().manual_seed(42))
+    assert torch.equal(torch.cat([splits[s]["pixels"] for s in ("val", "test", "train")]),
+                       torch.from_numpy(images).flatten(1)[perm])
+    release = os.path.join(root, "pathfinder", "pathfinder32", "curv_contour_length_14")
+    write_release(release, images, labels, per_folder=50)
     os.remove(os.path.join(release, "imgs", "0", "sample_5.png"))
-    os.remove(os.path.join(release, "generated.json"))
-    data.prepare_pathfinder(root)  # now counts as release data, split as s4 splits it: random_split, seed 42
+    data.prepare_pathfinder(root)  # release data, split as s4 splits it: random_split, seed 42
     assert data.load_split(root, "pathfinder", "train")["meta"]["skipped"] == ["imgs/0/sample_5.png"]
-    images = torch.from_numpy(data.read_pathfinder_release(release)[0]).flatten(1)
+    pixels = torch.from_numpy(np.delete(images, 5, axis=0)).flatten(1)
     parts = torch.utils.data.random_split(range(59), [49, 5, 5], generator=torch.Generator().manual_seed(42))
     for s, part in zip(data.SPLITS, parts):
-        assert torch.equal(data.load_split(root, "pathfinder", s)["pixels"], images[part.indices])
-    with pytest.raises(FileExistsError, match=re.escape(release)):
-        data.prepare_pathfinder(root, generate=10)
+        assert torch.equal(data.load_split(root, "pathfinder", s)["pixels"], pixels[part.indices])
     archive = str(tmp_path / "data" / "lra_release.gz")  # an extraction stopped midway: no metadata/ marker
     with tarfile.open(archive, "w:gz") as tar:
         tar.add(release, arcname=data.LRA_INNER + "pathfinder32/curv_contour_length_9")
+    real_extract = data.extract_tar
 
     def stopped(archive, into, prefix):
         real_extract(archive, into, prefix)
@@ -2965,7 +2968,7 @@ def test_pathfinder_generate_command_the_release_split_and_stopped_preparations(
     monkeypatch.setattr(data, "extract_tar", real_extract)
     assert data.prepare_pathfinder(root, difficulty="intermediate")["train"] == 49
     big = os.path.join(os.path.dirname(release), "curv_baseline")  # images of another size than --resolution
-    data.write_pathfinder_release(big, np.zeros((4, 128, 128), np.uint8), np.array([0, 1, 0, 1]))
+    write_release(big, np.zeros((4, 128, 128), np.uint8), np.array([0, 1, 0, 1]))
     with pytest.raises(ValueError, match=re.escape(big)):
         data.prepare_pathfinder(root, difficulty="easy")
 
@@ -3290,10 +3293,8 @@ def test_save_atomic_round_trips_every_kind_leaves_no_tmp_and_every_data_writer_
     data.write_listops_tsv(str(tmp_path / "basic_train.tsv"), [("( [MAX 2 9 ] )", 9), ("[MIN 3 4 ]", 3)])
     assert (tmp_path / "basic_train.tsv").read_text() == "Source\tTarget\n( [MAX 2 9 ] )\t9\n[MIN 3 4 ]\t3\n"
     images, labels = data.generate_pathfinder(3, 0, 32)
-    data.write_pathfinder_release(str(tmp_path / "pf"), images, labels, per_folder=2)
     data.save_pathfinder_grid(images, labels, str(tmp_path / "grid.png"))
-    assert written == ["basic_train.tsv", "sample_0.png", "sample_1.png", "0.npy", "sample_0.png", "1.npy",
-                       "grid.png"]
+    assert written == ["basic_train.tsv", "grid.png"]
     assert [f for _, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".tmp")] == []
 
 
