@@ -1558,19 +1558,6 @@ def data_hashes(splits):
     return {s: split["tensors_sha256"] for s, split in splits.items()}
 
 
-def token_frequency_entropy(split, chunk=4096):
-    """Entropy (nats) of the token frequencies over the real positions of a token split: the masked loss of a
-    model that predicts every masked token from the unigram distribution, without the context."""
-    tokens, lengths = single_sequences(split["tokens"], split["lengths"])
-    counts = torch.zeros(split["meta"]["vocab_size"], dtype=torch.float64, device=tokens.device)
-    for start in range(0, len(tokens), chunk):
-        rows, n = tokens[start:start + chunk], lengths[start:start + chunk].to(tokens.device)
-        valid = torch.arange(tokens.shape[1], device=tokens.device)[None, :] < n[:, None]
-        counts += torch.bincount(rows[valid], minlength=len(counts)).double()
-    p = counts[counts > 0] / counts.sum()
-    return -(p * p.log()).sum().item()
-
-
 # ---- 9. Command line ----
 
 def number_at_least(kind, low, strict=False, high=None):

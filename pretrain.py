@@ -260,10 +260,6 @@ def main(argv=None):
                      lambda step: evaluate_reconstruction(model, splits["val"], args), paths, record,
                      metric="val_loss", maximize=False)
     print(f"best validation masked loss {best['val_loss']:.4f} (step {best['step']}): {paths['best']}")
-    if meta["kind"] == "tokens" and args.rank == 0:  # where the loss stands: frequencies only, or context
-        h = data.token_frequency_entropy(splits["train"])
-        print(f"the token-frequency entropy of {args.task}'s training data is {h:.4f} nats: a validation masked loss "
-              f"at it predicts masked tokens from their frequencies only; below it, from the context")
     if args.world_size > 1:
         dist.destroy_process_group()
     print(f"next: python finetune.py --task {args.task} --init {paths['best']}, and --init scratch for the "
@@ -292,8 +288,6 @@ def build_parser(stage, description):
     p.add_argument("--lr", type=POSITIVE_FLOAT, default=None, help="peak learning rate of AdamW")
     p.add_argument("--warmup", type=NON_NEGATIVE, default=None, help="linear warm-up steps, then constant")
     p.add_argument("--weight_decay", type=number_at_least(float, 0.0), default=None, help="AdamW weight decay")
-    p.add_argument("--grad_clip", type=number_at_least(float, 0.0), default=0.0,
-                   help="clip the gradient norm (0 = off)")
     p.add_argument("--eval_every", type=POSITIVE, default=None, help="steps between validations and checkpoints")
     p.add_argument("--eval_each_epoch", action=argparse.BooleanOptionalAction, default=None,
                    help="also validate and checkpoint at the end of every epoch (default: yes, except UCR)")
@@ -338,7 +332,7 @@ MODEL_FLAGS = {**{k: k for k in MODEL_SIZE_FLAGS}, "pos": "pos", "pooling": "poo
                "init_std": "init_std", "init_scale": "init_scale"}
 # The flags a --resume must share with its checkpoint (--epochs and --max_steps say where to stop and may grow;
 # --dtype may change, e.g. to fp32 after bf16 overflowed). Each stage adds its own (train's record["same"]).
-SCHEDULE_FLAGS = ("lr", "warmup", "weight_decay", "grad_clip", "seed", "batch_size", "eval_every", "eval_each_epoch")
+SCHEDULE_FLAGS = ("lr", "warmup", "weight_decay", "seed", "batch_size", "eval_every", "eval_each_epoch")
 
 
 def resolve(args, stage, parser):
@@ -442,8 +436,6 @@ def train(model, splits, args, loss_fn, eval_fn, paths, record, metric, maximize
             count = global_sum(count.detach().float(), args)
             # DDP averages gradients over ranks, hence x world_size: the gradient of the global sum / count
             (loss_sum * args.world_size / count).backward()
-            if args.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
             meter["loss"] += global_sum(loss_sum.detach(), args) / count  # a device tensor: no host synchronisation
@@ -460,7 +452,7 @@ def train(model, splits, args, loss_fn, eval_fn, paths, record, metric, maximize
                 loss = meter["loss"].item() / meter["steps"]  # the loop's one regular host synchronisation
                 if not math.isfinite(loss):  # before any checkpoint holds the weights it made
                     raise FloatingPointError(f"a NaN or inf training loss before step {state['step']}: rerun with a "
-                                             f"lower --lr, a --grad_clip or --dtype fp32")
+                                             f"lower --lr or --dtype fp32")
                 dt = time.time() - meter["t"]
                 eta = (time.time() - t_process) / (state["step"] - start_step) * (total - state["step"])
                 mfu = meter["flops"] / dt / (peak * args.world_size) if peak else None
