@@ -95,8 +95,6 @@ def asked_run(stage, task, argv):
     """The namespace of `python <stage>.py --task <task> <argv>`, preset filled in, as a run records its "config"."""
     parser = pretrain.pretrain_parser() if stage == "pretrain" else finetune.finetune_parser()
     args = parser.parse_args(["--task", task] + list(argv))
-    if args.preset == "auto":  # as pretrain.resolve does
-        args.preset = "paper" if pretrain.pick_device(args.device).type == "cuda" else "cpu"
     pretrain.fill_from_preset(args, stage)
     return args
 

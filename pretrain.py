@@ -25,6 +25,7 @@ import contextlib
 import copy
 import dataclasses
 import datetime
+import fcntl
 import glob
 import json
 import math
@@ -44,10 +45,6 @@ from torch.nn.parallel import DistributedDataParallel
 import data
 from data import NON_NEGATIVE, POSITIVE, POSITIVE_FLOAT, number_at_least
 from model import INIT_SCHEMES, POOLINGS, POSITIONS, ModelConfig, Transformer, checkpoint_dict, real_positions
-try:
-    import fcntl
-except ImportError:  # Windows: runs are not locked (lock_run says so)
-    fcntl = None
 
 # Presets per task: "paper" (Coser et al. Sec. 5; Amos et al.'s configs) and "cpu" (minutes on 2 cores). --preset
 # auto picks paper on CUDA, cpu elsewhere; any flag overrides. eval_every 10**9: validate at the end of each epoch.
@@ -310,8 +307,6 @@ def build_parser(stage, description):
                    help="pooling for the class head (model.POOLINGS); the paper's is mean; cls: a summary token")
     g.add_argument("--init_scheme", default=None, choices=INIT_SCHEMES,
                    help="initialization (model.init_weights); default reference = Amos et al.'s code")
-    g.add_argument("--init_std", type=POSITIVE_FLOAT, default=None,
-                   help="std of --init_scheme normal, and of --pos learned (default 0.02)")
     g.add_argument("--init_scale", type=POSITIVE_FLOAT, default=None,
                    help="multiply every initialized weight (default 1)")
     d = p.add_argument_group("data (used when data/<task>/ is made, and checked against it when it exists)")
@@ -329,7 +324,7 @@ def build_parser(stage, description):
 
 # Flags that set ModelConfig fields (flag name -> field name); None means the preset's (or ModelConfig's) value.
 MODEL_FLAGS = {**{k: k for k in MODEL_SIZE_FLAGS}, "pos": "pos", "pooling": "pooling", "init_scheme": "init",
-               "init_std": "init_std", "init_scale": "init_scale"}
+               "init_scale": "init_scale"}
 # The flags a --resume must share with its checkpoint (--epochs and --max_steps say where to stop and may grow;
 # --dtype may change, e.g. to fp32 after bf16 overflowed). Each stage adds its own (train's record["same"]).
 SCHEDULE_FLAGS = ("lr", "warmup", "weight_decay", "seed", "batch_size", "eval_every", "eval_each_epoch")
@@ -338,20 +333,14 @@ SCHEDULE_FLAGS = ("lr", "warmup", "weight_decay", "seed", "batch_size", "eval_ev
 def resolve(args, stage, parser):
     """Pick device, processes (torchrun) and dtype, fill every flag left at None from the preset (fill_from_preset)
     and seed the initialization. Returns the preset, its model entry updated with the model flags. A model the
-    flags cannot build (d_model not divisible by n_heads), or --init_std where nothing uses it, is the `parser`'s
-    usage error."""
+    flags cannot build (d_model not divisible by n_heads) is the `parser`'s usage error."""
     args.device = pick_device(args.device)
     setup_distributed(args)
-    if args.preset == "auto":
-        args.preset = "paper" if args.device.type == "cuda" else "cpu"
     preset = fill_from_preset(args, stage)
     try:
         ModelConfig(**preset["model"])
     except ValueError as e:
         parser.error(str(e))
-    uses_std = preset["model"].get("init") == "normal" or preset["model"].get("pos") == "learned"
-    if args.init_std is not None and not uses_std:
-        parser.error("--init_std sets the std of --init_scheme normal and of --pos learned's table: give one of them")
     args.dtype, reason = pick_dtype(args.dtype, args.device)
     torch.manual_seed(args.seed)  # the model's initialization
     if args.device.type == "cuda":  # TF32 matmuls, unless exact fp32 was asked for
@@ -362,8 +351,11 @@ def resolve(args, stage, parser):
 
 
 def fill_from_preset(args, stage):
-    """Set every schedule flag of `stage` left at None from PRESETS[task family][args.preset]; returns the preset,
-    its model entry updated with the model flags given. No side effect beyond args (ablate.py uses it too)."""
+    """Set every schedule flag of `stage` left at None from PRESETS[task family][args.preset] (auto: paper on CUDA,
+    cpu elsewhere); returns the preset, its model entry updated with the model flags given. No side effect beyond
+    args (ablate.py uses it too)."""
+    if args.preset == "auto":
+        args.preset = "paper" if pick_device(args.device).type == "cuda" else "cpu"
     preset = PRESETS[data.task_family(args.task)][args.preset]
     given = {field: getattr(args, flag) for flag, field in MODEL_FLAGS.items() if getattr(args, flag) is not None}
     preset = dict(preset, model={**preset["model"], **given})
@@ -633,8 +625,6 @@ def run_paths(out_dir, task, stage, name=None):
     lock = pretrain.lock; "finetune" with a run name: the same for finetune_<name>, and json = finetune_<name>.json.
     ValueError for a run name that is not a plain name (RUN_NAME, not ending like a run's own files): so a run's
     files stay in <out_dir>/<task>/ and are its own."""
-    if (stage == "finetune") != (name is not None):
-        raise ValueError(f"run_paths: stage {stage!r} with name {name!r}: finetuning runs have a name, SPT's not")
     if name is not None and (not RUN_NAME.fullmatch(name) or re.search(r"_(last|init|step\d+)$", name)):
         raise ValueError(f"--name {name!r}: a run name is letters, digits, '_', '.', '+' and '-', not starting with "
                          f"'.' and not ending in _last, _init or _step<N> (the names of a run's own files)")
@@ -668,8 +658,7 @@ def own_run(paths, args):
             os.makedirs(folder, exist_ok=True)
             lock = open(paths["lock"], "a+", opener=lambda p, flags: os.open(p, flags | getattr(os, "O_NOFOLLOW", 0)))
             try:
-                if fcntl:  # Windows has none: runs are not locked there
-                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 lock.seek(0)
                 holder, lock = lock.read().strip(), lock.close()
@@ -752,9 +741,8 @@ def run_stage(main_fn):
         e = KeyboardInterrupt()
         e.signum = signum
         raise e
-    for name in ("SIGTERM", "SIGHUP"):  # Windows has no SIGHUP
-        if hasattr(signal, name):
-            signal.signal(getattr(signal, name), stop)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, stop)
     data.run_cli(main_fn)
 
 

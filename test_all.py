@@ -3579,7 +3579,6 @@ def test_flags_that_do_not_apply_or_are_out_of_range_are_usage_errors(synthetic_
              (pretrain.main, ("--init_scale", "nan"), "> 0.0"), (pretrain.main, ("--epochs", "0"), ">= 1"),
              (pretrain.main, ("--seed", str(2 ** 32)), "<= 4294967295"), (pretrain.main, ("--max_steps", "-1"), ">= 0"),
              (pretrain.main, ("--mask_ratio", "1.5"), "<= 1.0"), (pretrain.main, ("--batch_size", "x"), "an integer"),
-             (pretrain.main, ("--init_std", "0.1"), "--init_scheme normal"),
              (pretrain.main, ("--d_model", "30", "--n_heads", "4"), "divisible"),
              (finetune.main, ("--init", "scratch", "--inherit", "qk"), "--init PATH"))
     for main, extra, expected in cases:
@@ -3603,8 +3602,8 @@ def test_flags_that_do_not_apply_or_are_out_of_range_are_usage_errors(synthetic_
             pretrain.main(syn_flags(data_dir, out, "--device", device))
 
 
-def test_learned_positions_take_init_std_and_swap_to_a_longer_task_unless_inherited(listops_dir, tmp_path):
-    """pos="learned": a (max_len, d_model) table, group "posenc", N(0, --init_std^2) under every scheme; a swap to
+def test_learned_positions_are_a_table_and_swap_to_a_longer_task_unless_inherited(listops_dir, tmp_path):
+    """pos="learned": a (max_len, d_model) table, group "posenc", N(0, init_std^2) under every scheme; a swap to
     longer sequences refuses it (--inherit all), keeps it fresh with --inherit qk."""
     for scheme in model_lib.INIT_SCHEMES:
         m = Transformer(tiny_cfg(pos="learned", max_len=400, d_model=64, n_heads=4, init=scheme, n_classes=2))
@@ -3614,9 +3613,6 @@ def test_learned_positions_take_init_std_and_swap_to_a_longer_task_unless_inheri
         assert torch.equal(m.absolute_positions(30), table[:30])
     with pytest.raises(ValueError, match="'rope'"):
         analyze.pe_probe(Transformer(tiny_cfg(pos="rope")), 12)
-    parser = pretrain.build_parser("pretrain", "")
-    args = parser.parse_args(["--task", "listops", "--pos", "learned", "--init_std", "0.1", "--device", "cpu"])
-    assert pretrain.resolve(args, "pretrain", parser)["model"]["init_std"] == 0.1
     meta = data.load_split(listops_dir, "listops", "train")["meta"]  # max_len 128
     path = str(tmp_path / "short.pt")
     short = Transformer(tiny_cfg(pos="learned", vocab_size=meta["vocab_size"], max_len=64, n_rec=meta["vocab_size"]))
