@@ -87,8 +87,8 @@ def run_dir(args, task, seed, model="1layer"):
 
 
 # Recorded flags not compared when a run is read back: where and how it ran, or what the run sets itself.
-NOT_COMPARED = ("out_dir", "device", "dtype", "download", "accept_data", "allow_other_data", "resume", "overwrite",
-                "log_every", "snapshots", "compile", "mask_ratio", "rec_loss")
+NOT_COMPARED = ("out_dir", "device", "dtype", "download", "accept_data", "resume", "overwrite", "log_every",
+                "snapshots", "compile", "mask_ratio", "rec_loss")
 
 
 def asked_run(stage, task, argv):

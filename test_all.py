@@ -3461,7 +3461,7 @@ def test_a_run_name_stays_inside_out_dir(synthetic_run, tmp_path):
 
 def test_finetuning_trains_on_the_data_spt_saw_wherever_it_lies(synthetic_run, tmp_path, monkeypatch, capsys):
     """The data is its tensors' sha256: the same data in another folder is the same data; other data is refused
-    unless --allow_other_data, and analyze.py notes it. The run records the SPT checkpoint it used, read once."""
+    and analyze.py notes it. The run records the SPT checkpoint it used, read once."""
     data_dir, out = synthetic_run[0], str(tmp_path / "out")
     pretrain.main(syn_flags(data_dir, out))
     spt = os.path.join(out, "synthetic", "pretrain.pt")
@@ -3480,10 +3480,8 @@ def test_finetuning_trains_on_the_data_spt_saw_wherever_it_lies(synthetic_run, t
     assert torch.equal(start["embed.weight"], ck["model"]["embed.weight"][:, :2])  # SPT's mask channel sliced off
     other = str(tmp_path / "other")
     data.prepare_synthetic(other, n_train=64, n_val=32, n_test=32, length=20, seed=5)
-    with pytest.raises(ValueError, match="--allow_other_data"):
+    with pytest.raises(ValueError, match=ck["data_sha256"]["train"][:12]):
         finetune.main(syn_flags(other, out, "--init", spt, "--max_steps", "2", "--overwrite"))
-    finetune.main(syn_flags(other, out, "--init", spt, "--max_steps", "2", "--overwrite", "--allow_other_data"))
-    assert json.load(open(os.path.join(out, "synthetic", "finetune_spt.json")))["spt_data"] == "other"
     capsys.readouterr()
     analyze.analyze_checkpoints({"spt": spt}, copy)
     assert "note:" not in capsys.readouterr().out
