@@ -13,8 +13,7 @@ starts from the checkpoint with the best validation masked loss.
 
 Reads data/<task>/{train,val}.pt (made by data.py; here if missing). Writes out/<task>/pretrain.pt (best),
 pretrain_last.pt (for --resume), pretrain_init.pt (the weights at step 0) and pretrain_log.jsonl.
-On ListOps' CPU preset the validation masked loss falls to the entropy of the token frequencies; only attention to
-neighbours (the proximity bias) goes below it, beyond the CPU budget. To see SPT work on a CPU: python ablate.py demo.
+On ListOps' CPU preset SPT shows that the pipeline runs, not an SPT effect. To see SPT work on a CPU: ablate.py demo.
 
 Reading order: PRESETS, the SPT objective (mask_batch, reconstruction_loss, spt_loss_fn), main. Below the double
 line is the engine both stages share: flags, the training loop `train` (with its checkpoints and --resume), device,
