@@ -87,16 +87,14 @@ def run_dir(args, task, seed, model="1layer"):
 
 
 # Recorded flags not compared when a run is read back: where and how it ran, or what the run sets itself.
-NOT_COMPARED = ("out_dir", "device", "dtype", "download", "accept_data", "allow_other_data", "resume", "overwrite",
-                "log_every", "snapshots", "compile", "mask_ratio", "rec_loss")
+NOT_COMPARED = ("out_dir", "device", "dtype", "download", "accept_data", "resume", "overwrite", "log_every",
+                "snapshots", "compile", "mask_ratio", "rec_loss")
 
 
 def asked_run(stage, task, argv):
     """The namespace of `python <stage>.py --task <task> <argv>`, preset filled in, as a run records its "config"."""
     parser = pretrain.pretrain_parser() if stage == "pretrain" else finetune.finetune_parser()
     args = parser.parse_args(["--task", task] + list(argv))
-    if args.preset == "auto":  # as pretrain.resolve does
-        args.preset = "paper" if pretrain.pick_device(args.device).type == "cuda" else "cpu"
     pretrain.fill_from_preset(args, stage)
     return args
 
@@ -796,8 +794,7 @@ def experiment_initscale(args):
 
 BENCH_SIZES = {"cpu": (1024, 128, 4, 4, 256, 8),  # name: (L, d_model, n_layers, n_heads, d_mlp, batch)
                "listops-paper": (2048, 512, 6, 8, 2048, 32), "text-paper": (4096, 512, 6, 8, 2048, 32)}
-BENCH_VARIANTS = {"fused": "ours, fused attention", "reference": "torch.nn.TransformerEncoder",
-                  "compile": "ours, fused + torch.compile"}
+BENCH_VARIANTS = {"fused": "ours, fused attention", "reference": "torch.nn.TransformerEncoder"}
 
 
 class ReferenceEncoder(torch.nn.Module):
@@ -834,7 +831,6 @@ def time_spt_step(variant, size, device, dtype, steps, repeats):
     cfg = model_lib.ModelConfig(vocab_size=32, max_len=L, d_model=d, n_layers=n_layers, n_heads=n_heads, d_mlp=d_mlp,
                                 n_rec=32)
     model = (ReferenceEncoder(cfg) if variant == "reference" else model_lib.Transformer(cfg)).to(device)
-    reconstruct = torch.compile(model.reconstruct) if variant == "compile" else model.reconstruct  # not forward
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     split = dict(tokens=torch.randint(2, 32, (B, L), dtype=torch.uint8).to(device), lengths=torch.full((B,), L),
                  labels=torch.zeros(B, dtype=torch.long, device=device))
@@ -842,11 +838,11 @@ def time_spt_step(variant, size, device, dtype, steps, repeats):
     inputs, masked = pretrain.mask_batch(x, lengths, 0.15, 1, torch.Generator(device=device).manual_seed(0))
     cuda, times = device.type == "cuda", []
     try:
-        for i in range(3 + repeats):  # 3 warm-up (and compilation) steps, not timed
+        for i in range(3 + repeats):  # 3 warm-up steps, not timed
             t0 = time.perf_counter()
             for _ in range(1 if i < 3 else steps):
                 with pretrain.autocast(device, dtype):
-                    out = reconstruct(inputs, lengths)
+                    out = model.reconstruct(inputs, lengths)
                 pretrain.reconstruction_loss(out, x, masked).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -864,14 +860,12 @@ def time_spt_step(variant, size, device, dtype, steps, repeats):
 
 
 def bench(args):
-    """Time --variants on one SPT step (time_spt_step), with the speed ratio fused / reference of this run: writes
-    and returns out/bench/<name>.{json,md}'s record. ValueError for a --size or --variants it cannot take."""
+    """Time both BENCH_VARIANTS on one SPT step (time_spt_step), with the speed ratio fused / reference of this run:
+    writes and returns out/bench/<name>.{json,md}'s record. ValueError for a --size it cannot take."""
     size = BENCH_SIZES.get(args.size) or tuple(int(v) for v in args.size.split(",") if v.strip().isdigit())
-    variants = args.variants.split(",")
-    if len(size) != 6 or size[1] % size[3] or not set(variants) <= set(BENCH_VARIANTS):
-        raise ValueError(f"--size {args.size} --variants {args.variants}: expected a size of {', '.join(BENCH_SIZES)}"
-                         f" or L,d_model,layers,heads,MLP,batch (d_model divisible by heads), variants of "
-                         f"{', '.join(BENCH_VARIANTS)}")
+    if len(size) != 6 or size[1] % size[3]:
+        raise ValueError(f"--size {args.size}: expected one of {', '.join(BENCH_SIZES)} or "
+                         f"L,d_model,layers,heads,MLP,batch (d_model divisible by heads)")
     device = pretrain.pick_device(args.device)
     dtype, _ = pretrain.pick_dtype(args.dtype, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
@@ -879,7 +873,7 @@ def bench(args):
                device_name=name, dtype=str(dtype), torch=torch.__version__, steps=args.steps, repeats=args.repeats,
                threads=torch.get_num_threads(), command=analyze.command_line("ablate.py", args.argv), results={})
     rows = []
-    for v in variants:
+    for v in BENCH_VARIANTS:
         r = out["results"][v] = time_spt_step(v, size, device, dtype, args.steps, args.repeats)
         rows.append([BENCH_VARIANTS[v], r["error"], "", "", ""] if "error" in r else [
             BENCH_VARIANTS[v], f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:,.0f}",
@@ -1205,7 +1199,6 @@ SUBCOMMANDS = {  # name: (its function, help, its flags)
         flag("--dtype", default="auto", choices=("auto", "bf16", "fp32"), help="auto = bf16 on CUDA"),
         flag("--steps", type=data.POSITIVE, default=5, help="timed steps per repeat"),
         flag("--repeats", type=data.POSITIVE, default=5, help="the median over repeats is reported"),
-        flag("--variants", default="fused,reference", help=f"any of {', '.join(BENCH_VARIANTS)}"),
         flag("--name", help="file name of the result (default: size, L and device type)")]),
     "gpu": (experiment_gpu, "time every paper preset on one CUDA GPU: ms/step, tokens/s, MFU, memory, hours", OUT + [
         flag("--tasks", nargs="+", default=list(GPU_TASKS), choices=GPU_TASKS, help="the presets to time"),

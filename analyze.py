@@ -320,11 +320,11 @@ def qk_product(model, layer=0, head=0):
     return attn.q_proj.weight[rows].T @ attn.k_proj.weight[rows]
 
 
-def attention_stats(probs, band=3, side=None, entropy=None, lengths=None):
+def attention_stats(probs, band=3, entropy=None, lengths=None):
     """Proximity statistics of attention probabilities (..., L, L), averaged over rows and leading dims: entropy
     (nats; or the mean of attention_maps' `entropy` (..., L), then entropy_of_mean_map is probs'), band_mass within
-    |i - j| <= band, mean_distance, uniform_*: of uniform attention; `side` (L = side^2 pixels): the 2-D band and
-    distance. `lengths` (B,): of the sequences behind an attention_maps mean, each row counted once per real one."""
+    |i - j| <= band, mean_distance, uniform_*: of uniform attention. `lengths` (B,): of the sequences behind an
+    attention_maps mean, each row counted once per real one."""
     L = probs.shape[-1]
     pos = torch.arange(L)
     dist = (pos[:, None] - pos[None, :]).abs().to(probs.dtype)
@@ -344,12 +344,6 @@ def attention_stats(probs, band=3, side=None, entropy=None, lengths=None):
                  mean_distance=mean((probs * dist).sum(-1)))
     if entropy is not None:
         stats["entropy_of_mean_map"] = map_entropy
-    if side is not None:
-        dr = (pos[:, None] // side - pos[None, :] // side).abs().to(probs.dtype)
-        dc = (pos[:, None] % side - pos[None, :] % side).abs().to(probs.dtype)
-        near = torch.maximum(dr, dc) <= band
-        stats.update(band_mass_2d=mean((probs * near).sum(-1)), uniform_band_mass_2d=uniform(near),
-                     mean_distance_2d=mean((probs * torch.hypot(dr, dc)).sum(-1)))
     return stats
 
 
@@ -374,11 +368,9 @@ def analyze_checkpoints(paths, data_dir, n=64, band=3):
             attn = [a[:, 1:, 1:] / a[:, 1:, 1:].sum(-1, keepdim=True) for a in attn]  # renormalized over the keys
             probe = None if probe is None else probe[:, 1:, 1:] / probe[:, 1:, 1:].sum(-1, keepdim=True)
             entropies = [None] * len(attn)  # the renormalized map's own entropy
-        side = math.isqrt(x.shape[1])  # pixel tasks: square images flattened row by row
-        side = side if (ck.get("data_meta") or {}).get("kind") == "pixels" and side * side == x.shape[1] else None
-        stats = dict(attention_stats(attn[0], band, side, entropy=entropies[0], lengths=padded), **token)
+        stats = dict(attention_stats(attn[0], band, entropy=entropies[0], lengths=padded), **token)
         if probe is not None:  # the probe feeds the absolute positions P
-            stats["probe"] = attention_stats(probe, band, side)
+            stats["probe"] = attention_stats(probe, band)
             pair = torch.stack([probe.flatten(), attn[0].flatten()])
             stats["probe_corr_with_attention"] = torch.corrcoef(pair)[0, 1].item()
         stats["stage"], stats["path"] = ck.get("stage"), path
@@ -427,8 +419,6 @@ def cmd_attention(args):
     for label, r in results.items():
         parts = [f"entropy {r['entropy']:.2f} (uniform {r['uniform_entropy']:.2f})",
                  f"band mass (|i-j|<={r['band']}) {r['band_mass']:.2f}", f"mean distance {r['mean_distance']:.1f}"]
-        if "band_mass_2d" in r:
-            parts.append(f"2-D band mass {r['band_mass_2d']:.2f} (uniform {r['uniform_band_mass_2d']:.2f})")
         parts.append(f"PE probe corr {r['probe_corr_with_attention']:.3f}" if "probe" in r else "no PE probe")
         if "displacement" in r:
             parts.append(f"W_Q^T W_K moved {r['displacement']['W_Q^T W_K']:.2f}")

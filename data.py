@@ -20,7 +20,7 @@ Commands (pretrain.py and finetune.py run these themselves when data/<task>/ is 
     python data.py --task retrieval                    # AAN pairs from the LRA release (downloaded if absent)
     python data.py --task image                        # CIFAR-10 (downloaded if absent, 163 MB)
     python data.py --task fashion_mnist                # the offline stand-in for Image (found, else downloaded)
-    python data.py --task pathfinder --generate 2000   # our PathFinder generator, in the LRA release layout
+    python data.py --task pathfinder --generate 2000   # our PathFinder generator
     python data.py --task pathx                        # PathFinder 128x128 from the LRA release
 
 Start with generate_trajectories (section 3), then load_split and get_batch (section 0: what every stage reads).
@@ -1355,26 +1355,6 @@ def generate_pathfinder(n, seed, resolution=32, contour_length=14, return_info=F
     return (images, labels, info) if return_info else (images, labels)
 
 
-def write_pathfinder_release(root, images, labels, per_folder=1000, contour_length=14):
-    """Write images (uint8 (N, R, R), R a key of PATHFINDER_SETTINGS) and labels (N,) in the LRA release layout
-    under `root`: image j as the PNG imgs/<k>/sample_<i>.png (k = j // per_folder, i = j % per_folder), and a line
-    per image in the plain-text metadata/<k>.npy:
-        imgs/<k> sample_<i>.png <i> <label> <continuity> <contour_length> <distractor_length> <paddle_length>
-        <paddle_thickness> <paddle_margin> <n_paddle_contrasts>
-    Readers use the first four fields. Every file goes through save_atomic."""
-    s = PATHFINDER_SETTINGS[images.shape[1]]
-    extra = (f"{s['continuity']:g} {contour_length} {contour_length // 3} {s['paddle_length']} "
-             f"{s['paddle_thickness']:g} {s['paddle_margin']} 1")
-    for k in range(math.ceil(len(images) / per_folder)):
-        lines = []
-        for i in range(min(per_folder, len(images) - k * per_folder)):
-            image = Image.fromarray(images[k * per_folder + i])  # 2-D uint8: mode "L"
-            save_atomic(lambda f: image.save(f, format="PNG"), os.path.join(root, f"imgs/{k}/sample_{i}.png"),
-                        fsync=False)  # thousands of small files
-            lines.append(f"imgs/{k} sample_{i}.png {i} {int(labels[k * per_folder + i])} {extra}\n")
-        save_atomic("".join(lines), os.path.join(root, "metadata", f"{k}.npy"))
-
-
 def read_pathfinder_release(root):
     """Read one LRA PathFinder difficulty folder -> (images uint8 (N, R, R), labels int64 (N,),
     skipped) in the s4 / LRA order: metadata/<k>.npy by the integer k, lines in order; of each line: folder, file
@@ -1432,40 +1412,32 @@ def save_pathfinder_grid(images, labels, path, n=16):
 
 def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=42, generate=None,
                        generate_if_missing=None, download=True, url=LRA_URL, sha256=None, task="pathfinder"):
-    """Write data/<task>/{train,val,test}.pt from the release layout in data/<task>/pathfinder<resolution>/<the
-    difficulty's release folder>: with `generate=N`, N images of our generator (a real release folder is never
-    overwritten); else the folder as it is; else, with `generate_if_missing=N` (the CPU presets), N generated; else
-    extracted from the LRA release (downloaded if absent). Split 80/10/10 by a permutation seeded with `seed`: s4's
-    order for release data, else val, test, train (the README's tables were made so)."""
+    """Write data/<task>/{train,val,test}.pt: with `generate=N`, N images of our generator (and a look at 16 of
+    them in data/<task>/samples.png); else from the release layout in data/<task>/pathfinder<resolution>/<the
+    difficulty's release folder>; else, with `generate_if_missing=N` (the CPU presets), N generated; else extracted
+    from the LRA release (downloaded if absent). Split 80/10/10 by a permutation seeded with `seed`: s4's order
+    for release data, else val, test, train (the README's tables were made so)."""
     sub, contour_length = PATHFINDER_DIFFICULTY[difficulty]
     root = os.path.join(data_dir, task, f"pathfinder{resolution}", sub)
-    marker = os.path.join(root, "generated.json")  # tells our generated sets from real release data
     found = os.path.isdir(os.path.join(root, "metadata"))
-    generate, fetched = generate or (None if found else generate_if_missing), None
-    if generate and found and not os.path.exists(marker):
-        raise FileExistsError(f"{root}: data not made by our generator; not overwriting it (give another --data_dir)")
+    generate, fetched, skipped = generate or (None if found else generate_if_missing), None, []
     if generate:
         images, labels = generate_pathfinder(generate, seed, resolution, contour_length)
-        partial = fresh_folder(os.path.dirname(root))  # renamed to `root` once complete: never a half set there
-        write_pathfinder_release(partial, images, labels, contour_length=contour_length)
-        save_atomic(dict(n=generate, seed=seed, resolution=resolution, contour_length=contour_length),
-                    os.path.join(partial, "generated.json"))
-        shutil.rmtree(root, ignore_errors=True)
-        os.replace(partial, root)
         save_pathfinder_grid(images, labels, os.path.join(data_dir, task, "samples.png"))
-        print(f"generated {generate} images in {root}; a look at 16 of them: {data_dir}/{task}/samples.png")
-    elif not found:
-        fetched = _fetch(root, "metadata", url, os.path.join(data_dir, "lra_release.gz"),
-                         f"{LRA_INNER}pathfinder{resolution}/{sub}/", download, sha256,
-                         f"PathFinder {resolution}x{resolution} ({difficulty})",
-                         f"Or generate a set with our generator: python data.py --task {task} --generate 2000")
-    images, labels, skipped = read_pathfinder_release(root)
-    if images.shape[1] != resolution:
-        raise ValueError(f"{root}: images are {images.shape[1]}x{images.shape[2]}, expected {resolution}x{resolution} "
-                         f"(--resolution {resolution})")
-    if skipped:
-        print(f"{root}: skipped {len(skipped)} missing or empty images: {', '.join(skipped[:20])}")
-    generated, n, L = os.path.exists(marker), len(labels), resolution ** 2
+        print(f"generated {generate} images; a look at 16 of them: {data_dir}/{task}/samples.png")
+    else:
+        if not found:
+            fetched = _fetch(root, "metadata", url, os.path.join(data_dir, "lra_release.gz"),
+                             f"{LRA_INNER}pathfinder{resolution}/{sub}/", download, sha256,
+                             f"PathFinder {resolution}x{resolution} ({difficulty})",
+                             f"Or generate a set with our generator: python data.py --task {task} --generate 2000")
+        images, labels, skipped = read_pathfinder_release(root)
+        if images.shape[1] != resolution:
+            raise ValueError(f"{root}: images are {images.shape[1]}x{images.shape[2]}, expected "
+                             f"{resolution}x{resolution} (--resolution {resolution})")
+        if skipped:
+            print(f"{root}: skipped {len(skipped)} missing or empty images: {', '.join(skipped[:20])}")
+    generated, n, L = bool(generate), len(labels), resolution ** 2
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     perm = perm.roll(-2 * (n // 10)) if generated else perm
     parts = dict(zip(SPLITS, torch.split(perm, [n - 2 * (n // 10), n // 10, n // 10])))
@@ -1584,19 +1556,6 @@ def make_data(task, data_dir, settings, download):
 def data_hashes(splits):
     """{split: its tensors' sha256} (tensors_sha256, checked when loaded): the data a checkpoint was trained on."""
     return {s: split["tensors_sha256"] for s, split in splits.items()}
-
-
-def token_frequency_entropy(split, chunk=4096):
-    """Entropy (nats) of the token frequencies over the real positions of a token split: the masked loss of a
-    model that predicts every masked token from the unigram distribution, without the context."""
-    tokens, lengths = single_sequences(split["tokens"], split["lengths"])
-    counts = torch.zeros(split["meta"]["vocab_size"], dtype=torch.float64, device=tokens.device)
-    for start in range(0, len(tokens), chunk):
-        rows, n = tokens[start:start + chunk], lengths[start:start + chunk].to(tokens.device)
-        valid = torch.arange(tokens.shape[1], device=tokens.device)[None, :] < n[:, None]
-        counts += torch.bincount(rows[valid], minlength=len(counts)).double()
-    p = counts[counts > 0] / counts.sum()
-    return -(p * p.log()).sum().item()
 
 
 # ---- 9. Command line ----

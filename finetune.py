@@ -67,24 +67,21 @@ def hybrid_state_dict(fresh, pretrained, groups):
             for name, tensor in fresh.items()}
 
 
-def check_spt_data(ck, task, hashes, allow_other_data=False):
+def check_spt_data(ck, task, hashes):
     """Check that the SPT checkpoint `ck` was pretrained on the data finetuning uses, compared by the sha256 of the
     training split's tensors (data.data_hashes: the same data prepared in another folder is the same data).
 
     Another task is a dataset swap (Coser et al. Sec. 3), said as such. The same task on another training split:
-    ValueError naming both hashes, unless `allow_other_data`. Returns "same", "swap" or "other".
+    ValueError naming both hashes. Returns "same" or "swap".
     """
     spt, ours = ck["data_sha256"]["train"], hashes["train"]
     if ck["task"] != task:
         print(f"dataset swap: SPT on {ck['task']}, finetuning on {task}")
         return "swap"
-    if spt == ours:
-        return "same"
-    message = f"SPT trained on {task} data of sha256 {spt[:12]}..., this run's is {ours[:12]}..."
-    if not allow_other_data:
-        raise ValueError(f"--init: {message}: finetune on the data SPT used, or pass --allow_other_data")
-    print(f"warning: --allow_other_data: {message}")
-    return "other"
+    if spt != ours:
+        raise ValueError(f"--init: SPT trained on {task} data of sha256 {spt[:12]}..., this run's is {ours[:12]}...: "
+                         f"finetune on the data SPT used")
+    return "same"
 
 
 def model_from_pretrained(ck, meta, n_classes, task, inherit="all", head=None):
@@ -155,8 +152,6 @@ def finetune_parser():
                    help="parameter groups taken from the SPT checkpoint; the rest is freshly initialized")
     parser.add_argument("--freeze", default="none", choices=tuple(FREEZE),
                    help="parameter groups kept at their initial values during finetuning")
-    parser.add_argument("--allow_other_data", action="store_true",
-                   help="finetune even if the SPT checkpoint was pretrained on other data of the same task")
     return parser
 
 
@@ -192,7 +187,7 @@ def main(argv=None):
                              f"{getattr(model.cfg, field)!r}, and finetuning keeps it (drop --{flag})")
         provenance = dict(spt_task=spt["task"], spt_sha256=spt["tensors_sha256"], spt_step=spt["state"]["step"],
                           spt_data_sha256=spt["data_sha256"],
-                          spt_data=check_spt_data(spt, args.task, data_hashes(splits), args.allow_other_data))
+                          spt_data=check_spt_data(spt, args.task, data_hashes(splits)))
     del spt
     model = model.to(args.device)
     for n, param in model.named_parameters():  # frozen tensors get no gradient and are not given to AdamW
