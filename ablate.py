@@ -311,12 +311,15 @@ def md_table(header, rows):
 def summary(seed, result, threshold=0.9, **fields):
     """One run's line in <experiment>.json: the figures the tables use, its machine and commit, and `fields`."""
     machine = f"{result['device_name']}, {result.get('threads')} thread(s)" if result.get("device_name") else None
-    commit = result.get("git_commit")
-    if commit:
-        commit = commit[:7] + (" with uncommitted changes" if result.get("git_modified") else "")
     return dict(seed=seed, best_val_acc=result["best_val_acc"], test_acc=result["test_acc"],
                 train_acc=result["train_acc"], plateau_exit_epoch=plateau_exit_epoch(result, threshold),
-                machine=machine, commit=commit, **fields)
+                machine=machine, commit=commit_of(result), **fields)
+
+
+def commit_of(record):
+    """A run_record's commit: "abc1234", "abc1234 with uncommitted changes", or None outside a git checkout."""
+    commit = record.get("git_commit")
+    return commit and commit[:7] + (" with uncommitted changes" if record.get("git_modified") else "")
 
 
 def output_name(name, args):
@@ -350,6 +353,7 @@ def write_table(name, runs, lines, args, *notes):
             (("at commit", "commit"), ("on", "machine")) if any(r.get(key) for r in runs)]
     if made:
         footer += "; runs made" + "".join(made)
+    footer += f"; table made at commit {commit_of(pretrain.run_record(argparse.Namespace()))}"
     save_table(os.path.join(args.out_dir, "ablate", output_name(name, args)), "\n".join(lines + ["", footer]),
                dict(experiment=output_name(name, args), seeds=args.seeds, runs=runs,
                     init_scheme=getattr(args, "kinds", args.init_scheme)))
@@ -684,13 +688,14 @@ GRADIENT_COLUMNS = (("L_sup", "seq_along", "along, sequence rows"), ("L_SPT", "s
                     ("L_sup", "summary_row", "on the summary row"), ("L_sup", "prop1_share", "share, all rows"))
 
 
-def epochs_at_majority(result, majority, band=0.02):
-    """(epochs validation accuracy stayed within `band` of the majority-class rate before first leaving it, whether
-    it left): over a run's evaluations after step 0."""
+def epochs_at_majority(result, majority, margin=0.02):
+    """(epochs before validation accuracy first rose more than `margin` above the majority-class rate, whether it
+    rose): the plateau's length, over a run's evaluations after step 0. Below that rate is still the plateau: a
+    constant prediction of another class scores less."""
     spent = 0.0
     for e in result["evals"]:
         if e["step"] > 0:
-            if abs(e["val_acc"] - majority) > band:
+            if e["val_acc"] > majority + margin:
                 return spent, True
             spent = e["step"] / result["steps_per_epoch"]
     return spent, False
@@ -729,10 +734,10 @@ def experiment_pooling(args):
         (pooling, select(runs, pooling=pooling, name="spt"), select(runs, pooling=pooling, name="scratch"))
         for pooling in model_lib.POOLINGS])
     crossing = lambda r: "not within" if r["plateau_exit_epoch"] is None else f"{r['plateau_exit_epoch']:.0f}"
-    at_majority = lambda r: f"{r['at_majority'][0]:.0f}" + ("" if r["at_majority"][1] else " (never left)")
+    at_majority = lambda r: f"{r['at_majority'][0]:.0f}" + ("" if r["at_majority"][1] else " (never rose)")
     by_layer = lambda values: " / ".join(f"{v:.2g}" for v in values)
-    rows += [""] + md_table(["pooling", "seed", "scratch: epoch >= 0.9", "scratch: epochs at majority",
-                             "SPT: epoch >= 0.9", "SPT: epochs at majority"] + [
+    rows += [""] + md_table(["pooling", "seed", "scratch: epoch >= 0.9", "scratch: plateau (epochs)",
+                             "SPT: epoch >= 0.9", "SPT: plateau (epochs)"] + [
         f"{loss} {label}" for loss, _, label in GRADIENT_COLUMNS], [
         [pooling, seed] + [f(r) for r in (scratch, spt) for f in (crossing, at_majority)] +
         [by_layer(scratch["gradients"][loss][key]) if loss in scratch["gradients"] else "-"
@@ -743,8 +748,8 @@ def experiment_pooling(args):
         analyze.plot_seed_curves(runs, majority, os.path.join(args.out_dir, "analysis", output + "_curves.png"),
                                  analyze.command_line("ablate.py", args.argv))
     write_table(output, runs, rows, args, majority_note(data_dir, "synthetic"), "the demo's model and data; SPT "
-                f"10 epochs, finetuning {POOLING_EPOCHS}, batch 32; epochs at majority: val acc within 0.02 of the "
-                "majority rate; gradients on 64 training sequences at SPT's initial weights (with a class head drawn "
+                f"10 epochs, finetuning {POOLING_EPOCHS}, batch 32; plateau: the epochs before val acc first rises "
+                "more than 0.02 above the majority rate; gradients on 64 training sequences at SPT's initial weights (with a class head drawn "
                 "from seed 0), per layer (layer 0 / 1): along = root mean square per sequence")
 
 

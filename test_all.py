@@ -1045,10 +1045,10 @@ def test_ablate_synthetic_init_and_posenc_run_and_read_their_runs_back(synthetic
     assert os.path.exists(tmp_path / "analysis" / "pooling_curves.png")
 
 
-def test_epochs_at_majority_counts_the_epochs_before_validation_accuracy_first_leaves_the_band():
+def test_epochs_at_majority_counts_the_epochs_before_validation_accuracy_first_rises_above_it():
     evals = lambda *accs: dict(steps_per_epoch=10, evals=[dict(step=10 * i, val_acc=a) for i, a in enumerate(accs)])
-    assert ablate.epochs_at_majority(evals(0.2, 0.51, 0.515, 0.6, 0.5), 0.5) == (2.0, True)  # step 0 not counted
-    assert ablate.epochs_at_majority(evals(0.5, 0.49, 0.515), 0.5) == (2.0, False)  # never left: the whole budget
+    assert ablate.epochs_at_majority(evals(0.9, 0.51, 0.515, 0.6, 0.5), 0.5) == (2.0, True)  # step 0 not counted
+    assert ablate.epochs_at_majority(evals(0.5, 0.3, 0.515), 0.5) == (2.0, False)  # below: still the plateau
     assert ablate.epochs_at_majority(evals(0.5, 0.9), 0.5) == (0.0, True)
 
 
@@ -1587,8 +1587,9 @@ def test_ablate_ucr_runs_what_it_finds_skips_the_rest_and_steps_gives_runs_of_th
         assert max(json.loads(line)["step"] for line in open(run / f"{name}_log.jsonl")) == 3, name
     table = open(tmp_path / "out" / "ablate" / "ucr_GunPoint_steps3.md").read()
     commit = pretrain.run_record(argparse.Namespace())["git_commit"]
-    if commit:  # the commit and machine the runs were made on end the footer
-        assert re.search(rf"; runs made at commit {commit[:7]}.* thread\(s\)$", table.rstrip())
+    if commit:  # the commit and machine the runs were made on, then the commit the table was made at, end the footer
+        assert re.search(rf"; runs made at commit {commit[:7]}.* thread\(s\); table made at commit {commit[:7]}",
+                         table.rstrip().splitlines()[-1])
     with pytest.raises(SystemExit):  # one budget or the other
         ablate.main(argv + ["--max_steps", "2"])
     assert "--max_steps: not allowed with argument --steps" in capsys.readouterr().err
