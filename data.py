@@ -476,15 +476,10 @@ def generate_listops(n, seed, min_length=500, max_length=2000):
     return list(samples.items())
 
 
-def write_listops_tsv(path, rows):
-    """Write (source, label) rows in the LRA release format: a header 'Source<TAB>Target', then one row a line."""
-    save_atomic(lambda f: f.writelines(f"{s}\t{y}\n".encode() for s, y in [("Source", "Target"), *rows]), path)
-
-
-def read_listops_tsv(path, with_lines=False):
-    """Read an LRA ListOps file (a header Source<TAB>Target, then a row per sample) -> (sources, labels), and
-    with_lines each sample's file line. ValueError naming the file and line for another header, a wrong field
-    count, an unknown token or a Target other than what eval_listops gives."""
+def read_listops_tsv(path):
+    """Read an LRA ListOps file (a header Source<TAB>Target, then a row per sample) -> (sources, labels, each
+    sample's file line). ValueError naming the file and line for another header, a wrong field count, an unknown
+    token or a Target other than what eval_listops gives."""
     def parse(f):
         header = [h.strip() for h in f.readline().split("\t")]
         if header != ["Source", "Target"]:
@@ -505,7 +500,7 @@ def read_listops_tsv(path, with_lines=False):
             sources.append(row[0])
             labels.append(value)
             lines.append(line)
-        return (sources, labels, lines) if with_lines else (sources, labels)
+        return sources, labels, lines
     return read_text(path, parse)
 
 
@@ -541,35 +536,30 @@ LISTOPS_DIRS = ("", "listops-1000", "lra_release/lra_release/listops-1000")
 def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, seed=0, max_len=2000,
                     truncate=False, min_length=500, max_length=2000):
     """Write data/listops/{train,val,test}.pt from the LRA release's TSVs in the first folder of LISTOPS_DIRS
-    under data/listops/ that holds basic_train.tsv, else from TSVs our generator writes to data/listops/generated/
-    once per settings (generated.json). min_length < length < max_length bounds the expressions (LRA: 500, 2000)."""
+    under data/listops/ that holds basic_train.tsv, else from expressions of our generator (generate_listops with
+    `seed`). min_length < length < max_length bounds the generated expressions (LRA: 500, 2000)."""
     task_dir = os.path.join(data_dir, "listops")
     folders = [os.path.join(task_dir, *sub.split("/")) for sub in LISTOPS_DIRS]
     folder = next((f for f in folders if os.path.lexists(os.path.join(f, "basic_train.tsv"))), None)  # lexists: annex
-    generated, marker = os.path.join(task_dir, "generated"), os.path.join(task_dir, "generated", "generated.json")
-    wanted = dict(n_train=n_train, n_val=n_val, n_test=n_test, seed=seed, min_length=min_length,
-                  max_length=max_length)
-    if folder is None and not (os.path.exists(marker) and json.loads(pathlib.Path(marker).read_text()) == wanted):
+    if folder is None:
         print(f"no LRA ListOps files (basic_train.tsv) in {', '.join(folders)}: generating {n_train}/{n_val}/"
-              f"{n_test} expressions with seed {seed} in {generated}/")
+              f"{n_test} expressions with seed {seed}")
         rows = generate_listops(n_train + n_val + n_test, seed, min_length, max_length)
-        partial = fresh_folder(task_dir)
-        for s, part in zip(SPLITS, (rows[:n_train], rows[n_train:n_train + n_val], rows[n_train + n_val:])):
-            write_listops_tsv(os.path.join(partial, f"basic_{s}.tsv"), part)
-        save_atomic(wanted, os.path.join(partial, "generated.json"))
-        shutil.rmtree(generated, ignore_errors=True)
-        os.replace(partial, generated)
-    print(f"ListOps: reading basic_{{train,val,test}}.tsv in {folder or generated}/")
-    tsv = {s: os.path.join(folder or generated, f"basic_{s}.tsv") for s in SPLITS}
-    splits = {}
+        parts = dict(zip(SPLITS, (rows[:n_train], rows[n_train:n_train + n_val], rows[n_train + n_val:])))
+    splits, per_split = {}, {}
     for s in SPLITS:  # all three encoded (and checked) before any is written
-        sources, labels, lines = read_listops_tsv(tsv[s], with_lines=True)
+        if folder is None:  # an expression's "line" is its row in the split
+            where, per_split[s] = f"generated ListOps {s} split", dict(source=f"generate_listops(seed={seed})")
+            sources, labels, lines = [r[0] for r in parts[s]], [r[1] for r in parts[s]], range(1, len(parts[s]) + 1)
+        else:
+            where = os.path.join(folder, f"basic_{s}.tsv")
+            sources, labels, lines = read_listops_tsv(where)
+            per_split[s] = dict(source=os.path.basename(where), sha256=sha256_of(where))
         token_lists = [[t for t in src.split() if t not in ("(", ")")] for src in sources]
-        tokens, lengths = encode_tokens(token_lists, LISTOPS_VOCAB, max_len, truncate, tsv[s], lines)
+        tokens, lengths = encode_tokens(token_lists, LISTOPS_VOCAB, max_len, truncate, where, lines)
         splits[s] = dict(tokens=tokens, lengths=lengths, labels=torch.tensor(labels, dtype=torch.int64))
     meta = dict(_meta("listops", LISTOPS_VOCAB, max_len, 10, None, None if folder else seed), generated=folder is None)
-    return _save_splits(task_dir, splits, meta,
-                        {s: dict(source=os.path.basename(tsv[s]), sha256=sha256_of(tsv[s])) for s in SPLITS})
+    return _save_splits(task_dir, splits, meta, per_split)
 
 
 # ---- 3. Synthetic 2-D trajectories (the minimal task of Coser et al., Sec. 4; our design, see the README) ----

@@ -54,7 +54,7 @@ from model import ModelConfig, Transformer, checkpoint_dict
 
 @pytest.fixture(scope="session")
 def listops_dir(tmp_path_factory):
-    """data/listops with short generated expressions (20 < length < 120) in the LRA release format."""
+    """data/listops with short generated expressions (20 < length < 120)."""
     root = str(tmp_path_factory.mktemp("data"))
     data.prepare_listops(root, n_train=96, n_val=32, n_test=32, seed=1, max_len=128, min_length=20, max_length=120)
     return root
@@ -122,25 +122,26 @@ def test_listops_eval_matches_brute_force_and_generated_sets_are_reproducible():
     assert all(500 < len([t for t in s.split() if t not in "()"]) < 2000 for s, _ in rows)
 
 
-def test_listops_generates_in_its_own_folder_once_per_settings_and_reads_release_files_first(tmp_path):
-    """Generated TSVs live in data/listops/generated/ (generated.json: their settings), made again only for other
-    settings, and the tensors decode back to them; the release's files are read first, as they are."""
-    root, generated = str(tmp_path), tmp_path / "listops" / "generated"
+def write_listops_tsv(path, rows):
+    """(source, label) rows in the LRA release format: a header Source<TAB>Target, then a row a line."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.writelines(f"{src}\t{y}\n" for src, y in [("Source", "Target"), *rows])
+
+
+def test_listops_generated_sets_go_straight_to_their_splits_and_release_files_are_read_first(tmp_path):
+    """Without release files the generator's expressions are encoded as they are (the tensors decode back to them);
+    the release's files are read first, as they are."""
+    root = str(tmp_path)
     small = dict(n_val=3, n_test=3, seed=0, min_length=10, max_length=60, max_len=64)
     assert data.prepare_listops(root, n_train=5, **small) == dict(train=5, val=3, test=3)
     train = data.load_split(root, "listops", "train")
-    sources, labels = data.read_listops_tsv(str(generated / "basic_train.tsv"))
-    vocab = train["meta"]["vocab"]
-    for i, src in enumerate(sources):
+    rows, vocab = data.generate_listops(11, 0, 10, 60)[:5], train["meta"]["vocab"]
+    for i, (src, _) in enumerate(rows):
         ids = train["tokens"][i, :train["lengths"][i]].tolist()
         assert [vocab[j] for j in ids] == [t for t in src.split() if t not in "()"]
-    assert train["labels"].tolist() == labels and vocab[:2] == ["<pad>", "<mask>"]
-    made = os.stat(generated).st_ino
-    data.prepare_listops(root, n_train=5, **small)  # the same settings: read again, nothing generated
-    assert os.stat(generated).st_ino == made
-    data.prepare_listops(root, n_train=6, **dict(small, seed=7))  # other settings: made again
-    assert json.load(open(generated / "generated.json"))["seed"] == 7
-    assert sorted(os.listdir(tmp_path / "listops")) == ["generated", "test.pt", "train.pt", "val.pt"]  # no staging
+    assert train["labels"].tolist() == [y for _, y in rows] and vocab[:2] == ["<pad>", "<mask>"]
+    assert sorted(os.listdir(tmp_path / "listops")) == ["test.pt", "train.pt", "val.pt"]
     release = tmp_path / "listops" / "lra_release" / "lra_release" / "listops-1000"
     release.mkdir(parents=True)
     for s in data.SPLITS:
@@ -3571,14 +3572,14 @@ def test_a_failed_or_stopped_preparation_is_never_loaded_as_one(tmp_path, monkey
     root, folder = str(tmp_path), tmp_path / "listops"
     rows = data.generate_listops(12, 1, min_length=5, max_length=30)
     for s, part in zip(data.SPLITS, (rows[:8], rows[8:10], rows[10:])):
-        data.write_listops_tsv(str(folder / f"basic_{s}.tsv"), part)
+        write_listops_tsv(str(folder / f"basic_{s}.tsv"), part)
     data.prepare_listops(root, max_len=32)
     files = {s: open(data.split_path(root, "listops", s), "rb").read() for s in data.SPLITS}
-    data.write_listops_tsv(str(folder / "basic_val.tsv"), [("[MAX " + " ".join(["2"] * 40) + " ]", 2)])
+    write_listops_tsv(str(folder / "basic_val.tsv"), [("[MAX " + " ".join(["2"] * 40) + " ]", 2)])
     with pytest.raises(ValueError, match=re.escape(f"{folder / 'basic_val.tsv'}, line 2: ")):
         data.prepare_listops(root, max_len=32)
     assert {s: open(data.split_path(root, "listops", s), "rb").read() for s in data.SPLITS} == files
-    data.write_listops_tsv(str(folder / "basic_val.tsv"), rows[8:10])
+    write_listops_tsv(str(folder / "basic_val.tsv"), rows[8:10])
     data.prepare_listops(root, max_len=32)
     assert open(data.split_path(root, "listops", "train"), "rb").read() == files["train"]
     real_save = data.save_atomic
@@ -3713,11 +3714,9 @@ def test_save_atomic_round_trips_every_kind_leaves_no_tmp_and_every_data_writer_
         written.append(os.path.basename(path))
         real(obj, path, **kw)
     monkeypatch.setattr(data, "save_atomic", spy)
-    data.write_listops_tsv(str(tmp_path / "basic_train.tsv"), [("( [MAX 2 9 ] )", 9), ("[MIN 3 4 ]", 3)])
-    assert (tmp_path / "basic_train.tsv").read_text() == "Source\tTarget\n( [MAX 2 9 ] )\t9\n[MIN 3 4 ]\t3\n"
     images, labels = data.generate_pathfinder(3, 0, 32)
     data.save_pathfinder_grid(images, labels, str(tmp_path / "grid.png"))
-    assert written == ["basic_train.tsv", "grid.png"]
+    assert written == ["grid.png"]
     assert [f for _, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".tmp")] == []
 
 
