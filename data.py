@@ -150,7 +150,7 @@ KINDS = {"tokens": ("tokens", (2, 3), ("vocab_size",)), "continuous": ("values",
 def check_split(d, path):
     """Raise ValueError naming `path` and the field unless the split `d` has what the stages read: meta with kind,
     max_len, n_classes and the fields of its kind (KINDS); N >= 1 rows of tokens (N, L) or (N, 2, L) integer ids
-    below vocab_size, >= 2 inside each length and PAD_ID after it / values (N, L, d_input) finite floats / pixels
+    below vocab_size, >= 2 inside each length and PAD_ID after it / values (N, L, d_input) finite float32 / pixels
     (N, L) uint8; lengths (N,) or (N, 2) int64 in 1..L; labels (N,) int64 in 0..n_classes-1. Other keys are ignored."""
     meta = d.get("meta")
     if not isinstance(meta, dict) or meta.get("kind") not in KINDS:
@@ -183,8 +183,8 @@ def check_split(d, path):
                 raise ValueError(f"{path}, row {start + int(bad[0])}: field 'tokens', expected ids >= 2 inside the "
                                  f"length and {PAD_ID} (padding) after it")
     elif key == "values":
-        ok = x.is_floating_point() and x.shape[2] == meta["d_input"] and bool(torch.isfinite(x).all())
-        expected = f"finite floats (N, L, {meta['d_input']})"
+        ok = x.dtype == torch.float32 and x.shape[2] == meta["d_input"] and bool(torch.isfinite(x).all())
+        expected = f"finite float32 (N, L, {meta['d_input']})"
     else:
         ok, expected = x.dtype == torch.uint8, "uint8 intensities"
     if not ok:
@@ -203,9 +203,8 @@ def split_path(data_dir, task, split="train"):
 
 def load_split(data_dir, task, split, checkpoint=None):
     """Load data/<task>/<split>.pt -> dict(tokens | values | pixels, lengths, labels, meta), checked (check_split).
-    Values of another float dtype become float32 (beyond its range: inf, refused). With a `checkpoint` (dict) a
-    file other than the one it was trained on (its data_sha256) is said in one line. Raises FileNotFoundError
-    naming the command that makes it, or ValueError naming the file."""
+    With a `checkpoint` (dict) a file other than the one it was trained on (its data_sha256) is said in one line.
+    Raises FileNotFoundError naming the command that makes it, or ValueError naming the file."""
     path = split_path(data_dir, task, split)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: run `python data.py --task {task} --data_dir {data_dir}`")
@@ -213,10 +212,6 @@ def load_split(data_dir, task, split, checkpoint=None):
     theirs = ((checkpoint or {}).get("data_sha256") or {}).get(split)
     if theirs and d["tensors_sha256"] != theirs:
         print(f"note: {path} is not the data the checkpoint was trained on (sha256 {theirs[:12]}...)")
-    x = d.get("values")
-    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float32:
-        print(f"note: {path}: values converted from {x.dtype} to float32")
-        d["values"] = x.float()
     check_split(d, path)
     if d["meta"].get("task") != task:
         raise ValueError(f"{path}: meta field 'task' is {d['meta'].get('task')!r}, expected {task!r}")
