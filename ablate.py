@@ -521,10 +521,8 @@ def experiment_swap(args):
         print("CIFAR10 not found: the Image side of this experiment uses the Fashion-MNIST stand-in")
         image = "fashion_mnist"
     tasks = ("pathfinder", image)
-    budget = ["--max_steps", str(args.steps), "--eval_every", str(args.steps)] if args.steps else []
-    flags = {task: common_flags(args) + budget for task in tasks}
-    # Run folders name what differs from `main`'s runs of the same task (the preset's data and budget).
-    model = {task: "preset" + (f"_steps{args.steps}" if args.steps else "") for task in tasks}
+    flags = {task: common_flags(args) for task in tasks}
+    model = {task: "preset" for task in tasks}  # the folders of `main`'s runs, or of another PathFinder set's
     if args.n_images is not None:
         pf_dir = os.path.join(args.data_dir, "pfcurves", f"{args.difficulty}_n{args.n_images}")
         if not os.path.exists(data.split_path(pf_dir, "pathfinder")):
@@ -1165,7 +1163,6 @@ SCHEME = [flag("--init_scheme", default="reference", choices=INIT_SCHEMES, help=
           flag("--download", action="store_true", help="download data not found locally")]
 LENGTH = [flag("--length", type=data.POSITIVE, default=100, help="synthetic trajectory length (own data and runs)")]
 TASK = [flag("--task", default="synthetic", choices=ABLATION_TASKS, help="the task")] + LENGTH
-STEPS = [flag("--steps", type=data.NON_NEGATIVE, default=0, help="steps of every stage (own runs); 0: the preset's")]
 SUBCOMMANDS = {  # name: (its function, help, its flags)
     "synthetic": (experiment_synthetic, "scratch vs SPT on the minimal model (Sec. 4)", RUNS + SCHEME + LENGTH),
     "init": (experiment_init, "hybrid initialization and freezing (Table 3)", RUNS + SCHEME + TASK),
@@ -1174,14 +1171,15 @@ SUBCOMMANDS = {  # name: (its function, help, its flags)
                 "paper)", RUNS + SCHEME + [flag("--n_layers", type=data.POSITIVE, default=1, help="model layers")]),
     "duration": (experiment_duration, "SPT epochs before finetuning (Sec. 3)", RUNS + SCHEME + TASK + [
         flag("--durations", type=data.POSITIVE, nargs="+", help="SPT epochs (default: 1 3 10 on cpu, 1 10 100 200)")]),
-    "swap": (experiment_swap, "dataset swap PathFinder <-> Image (Sec. 3)", RUNS + SCHEME + STEPS + [
+    "swap": (experiment_swap, "dataset swap PathFinder <-> Image (Sec. 3)", RUNS + SCHEME + [
         flag("--difficulty", default="hard", choices=tuple(data.PATHFINDER_DIFFICULTY), help="PathFinder side"),
         flag("--n_images", type=data.POSITIVE, help="PathFinder images generated (default: the preset's data)")]),
     "main": (experiment_main, "the LRA table (Table 2)", RUNS + SCHEME + [
         flag("--tasks", nargs="+", default=LRA_TASKS, choices=LRA_TASKS + ("pathx",), help="LRA tasks")]),
     "frozen": (experiment_frozen, "the deep model from scratch, attention frozen at init (Sec. 3)", RUNS + SCHEME + [
         flag("--tasks", nargs="+", choices=LRA_TASKS + ("fashion_mnist",), help="cpu: fashion_mnist, paper: LRA")]),
-    "ucr": (experiment_ucr, "UCR time series (Sec. 5)", RUNS + SCHEME + STEPS + [
+    "ucr": (experiment_ucr, "UCR time series (Sec. 5)", RUNS + SCHEME + [
+        flag("--steps", type=data.NON_NEGATIVE, default=0, help="steps of every stage (own runs); 0: the preset's"),
         flag("--datasets", nargs="+", default=UCR_DATASETS + UCR_OFFLINE, help="the UCR data sets to run")]),
     "initscale": (experiment_initscale, "from scratch and SPT over init scale x length x tied/independent (beyond "
                   "the paper)", seeded(2) + [

@@ -3494,9 +3494,8 @@ def test_ablate_fashion_mnist_budget_init_duration_and_generated_pathfinder_swap
     ablate.main(["duration", "--task", "fashion_mnist", "--durations", "1", "3"] + argv)
     assert re.search(r"read back .*finetune_init_scratch.json(.|\n)*read back .*finetune_init_all.json",
                      capsys.readouterr().out)  # init's runs
-    argv = ["--seeds", "1", "--data_dir", root, "--out_dir", out, "--device", "cpu"]  # swap's budget: --steps
     data.prepare_fashion_mnist(root, n_val=10)  # the swap's Image side at 32x32, as a user would prepare it
-    ablate.main(["swap", "--difficulty", "easy", "--n_images", "40", "--steps", "2"] + argv)
+    ablate.main(["swap", "--difficulty", "easy", "--n_images", "40"] + argv)
     meta = data.load_split(os.path.join(root, "pfcurves", "easy_n40"), "pathfinder", "train")["meta"]
     assert (meta["difficulty"], meta["split_sizes"]["train"]) == ("easy", 32)
     assert "Image: fashion_mnist" in open(os.path.join(out, "ablate", "swap.md")).read()
