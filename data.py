@@ -338,26 +338,10 @@ def extract_tar(archive, into, prefix):
     return n
 
 
-def open_raw(path):
-    """`path` opened to read bytes, for every reader of raw data. ValueError naming the file for a Git LFS pointer
-    or a git-annex link (what a clone made without its data holds)."""
-    broken_annex = os.path.islink(path) and "/annex/objects/" in os.readlink(path) and not os.path.exists(path)
-    if not broken_annex:
-        f = open(path, "rb")
-        head = f.read(1024)  # a pointer is under 1 KB
-        pointer = head.startswith(b"version https://git-lfs") or len(head.split()) == 1 and b"/annex/objects/" in head
-        if len(head) == 1024 or not pointer:
-            f.seek(0)
-            return f
-        f.close()
-    raise ValueError(f"{path}: a Git LFS pointer or git-annex link, not the data: get it with `git lfs pull` or "
-                     f"`git annex get`, or download the data set")
-
-
 def read_text(path, read, encoding="utf-8"):
     """read(f) of `path` opened as text. ValueError naming the file and line of bytes that are not UTF-8."""
     try:
-        with io.TextIOWrapper(open_raw(path), encoding=encoding) as f:
+        with open(path, encoding=encoding) as f:
             return read(f)
     except UnicodeDecodeError:
         with open(path, "rb") as f:
@@ -841,7 +825,7 @@ def read_imdb(folder, split):
     for label, sub in enumerate(("neg", "pos")):
         path = os.path.join(folder, split, sub)
         for name in sorted(n for n in os.listdir(path) if n.endswith(".txt")):
-            with open_raw(os.path.join(path, name)) as f:
+            with open(os.path.join(path, name), "rb") as f:
                 docs.append(f.read())
             if not docs[-1]:
                 raise ValueError(f"{os.path.join(path, name)}: the review is empty; expected its text")
@@ -900,7 +884,7 @@ def read_aan_tsv(path):
     """Read an LRA new_aan_pairs.<split>.tsv (label, id1, id2, text1, text2) -> (docs1, docs2: bytes, labels).
     ValueError naming file and line for a wrong field count, a label not 0 or 1, or an empty text."""
     docs1, docs2, labels = [], [], []
-    with open_raw(path) as f:  # bytes: a text-mode read would also split at a bare \r
+    with open(path, "rb") as f:  # bytes: a text-mode read would also split at a bare \r
         for line, text in enumerate(f, 1):
             fields = text.rstrip(b"\r\n").split(b"\t")  # LRA reads these without quote handling
             if len(fields) != 5 or fields[0] not in (b"0", b"1", b"0.0", b"1.0") or not (fields[3] and fields[4]):
@@ -962,7 +946,7 @@ class _ArraysOnly(pickle.Unpickler):
 def read_cifar_batch(path):
     """One CIFAR-10 python-version file (Krizhevsky 2009) -> (rgb uint8 (N, 3, 32, 32), labels int64
     (N,)). FileNotFoundError or ValueError naming the file."""
-    with open_raw(path) as f:
+    with open(path, "rb") as f:
         raw = f.read()
     try:
         d = _ArraysOnly(io.BytesIO(raw), encoding="bytes").load()
@@ -1023,7 +1007,7 @@ def prepare_image(data_dir="data", n_val=5000, seed=42, download=True, url=CIFAR
 def read_idx(path):
     """An IDX file of unsigned bytes (MNIST's format; optionally .gz) -> numpy uint8 array. ValueError naming
     the file for another type, a size other than the header's, or a broken gzip."""
-    with open_raw(path) as f:
+    with open(path, "rb") as f:
         raw = f.read()
     try:
         raw = gzip.decompress(raw) if path.endswith(".gz") else raw
@@ -1362,7 +1346,7 @@ def read_pathfinder_release(root):
                 skipped.append(path)
                 continue
             try:
-                with open_raw(path) as f, Image.open(f) as im:
+                with open(path, "rb") as f, Image.open(f) as im:
                     if im.mode not in ("1", "L", "LA", "P", "RGB", "RGBA"):  # 16-bit / float: convert would clip
                         raise OSError(f"image mode {im.mode!r}, expected 8 bits")
                     img = np.asarray(im.convert("L"), dtype=np.uint8)
