@@ -483,27 +483,21 @@ def read_listops_tsv(path):
     return read_text(path, parse)
 
 
-def encode_tokens(token_lists, vocab, max_len, truncate, where, lines):
+def encode_tokens(token_lists, vocab, max_len, where, lines):
     """Token strings -> (tokens (N, max_len) uint8|int16 right-padded with PAD_ID, lengths (N,) int64).
-    A sequence longer than `max_len` (unless `truncate`: cut, and counted) or an unknown token is a ValueError
-    naming `where` and the sample's file line (`lines`)."""
+    A sequence longer than `max_len` or an unknown token is a ValueError naming `where` and the sample's file line
+    (`lines`)."""
     index = {tok: i for i, tok in enumerate(vocab)}
     out = np.full((len(token_lists), max_len), PAD_ID, dtype=np.uint8 if len(vocab) <= 256 else np.int16)
     lengths = np.zeros(len(token_lists), dtype=np.int64)
-    n_cut = 0
     for i, toks in enumerate(token_lists):
         if len(toks) > max_len:
-            if not truncate:
-                raise ValueError(f"{where}, line {lines[i]}: {len(toks)} tokens > max_len {max_len} (raise "
-                                 f"--max_len, or add --truncate to cut long sequences, counted)")
-            toks, n_cut = toks[:max_len], n_cut + 1
+            raise ValueError(f"{where}, line {lines[i]}: {len(toks)} tokens > max_len {max_len} (raise --max_len)")
         try:
             out[i, :len(toks)] = [index[t] for t in toks]
         except KeyError as e:
             raise ValueError(f"{where}, line {lines[i]}: unknown token {e.args[0]!r}") from None
         lengths[i] = len(toks)
-    if n_cut:
-        print(f"{where}: truncated {n_cut} of {len(token_lists)} sequences to {max_len} tokens")
     return torch.from_numpy(out), torch.from_numpy(lengths)
 
 
@@ -512,8 +506,8 @@ def encode_tokens(token_lists, vocab, max_len, truncate, where, lines):
 LISTOPS_DIRS = ("", "listops-1000", "lra_release/lra_release/listops-1000")
 
 
-def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, seed=0, max_len=2000,
-                    truncate=False, min_length=500, max_length=2000):
+def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, seed=0, max_len=2000, min_length=500,
+                    max_length=2000):
     """Write data/listops/{train,val,test}.pt from the LRA release's TSVs in the first folder of LISTOPS_DIRS
     under data/listops/ that holds basic_train.tsv, else from expressions of our generator (generate_listops with
     `seed`). min_length < length < max_length bounds the generated expressions (LRA: 500, 2000)."""
@@ -535,7 +529,7 @@ def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, see
             sources, labels, lines = read_listops_tsv(where)
             per_split[s] = dict(source=os.path.basename(where), sha256=sha256_of(where))
         token_lists = [[t for t in src.split() if t not in ("(", ")")] for src in sources]
-        tokens, lengths = encode_tokens(token_lists, LISTOPS_VOCAB, max_len, truncate, where, lines)
+        tokens, lengths = encode_tokens(token_lists, LISTOPS_VOCAB, max_len, where, lines)
         splits[s] = dict(tokens=tokens, lengths=lengths, labels=torch.tensor(labels, dtype=torch.int64))
     meta = dict(_meta("listops", LISTOPS_VOCAB, max_len, 10, None, None if folder else seed), generated=folder is None)
     return _save_splits(task_dir, splits, meta, per_split)
@@ -1433,7 +1427,7 @@ PREPARE = {"listops": prepare_listops, "synthetic": prepare_synthetic, "ucr": pr
 
 
 # The data.py flag that sets each keyword of a prepare function (a keyword no flag sets goes by its name).
-CLI_FLAGS = dict({k: f"--{k}" for k in ("seed", "n_train", "n_val", "n_test", "max_len", "length", "truncate",
+CLI_FLAGS = dict({k: f"--{k}" for k in ("seed", "n_train", "n_val", "n_test", "max_len", "length",
                                         "val_fraction", "generate", "resolution", "difficulty", "sha256")},
                  download="--no_download")
 
@@ -1610,7 +1604,6 @@ def main(argv=None):
     p.add_argument("--n_test", type=POSITIVE, default=unset, help="listops, synthetic (2000, 1000)")
     p.add_argument("--max_len", type=POSITIVE, default=unset, help="listops (2000), text (4096), retrieval (4000)")
     p.add_argument("--length", type=POSITIVE, default=unset, help="synthetic trajectory length (100)")
-    p.add_argument("--truncate", action="store_true", default=unset, help="listops: cut longer sequences, counted")
     p.add_argument("--val_fraction", type=FRACTION, default=unset, help="ucr: share of TRAIN for validation (0.2)")
     p.add_argument("--generate", type=POSITIVE, default=unset, help="pathfinder, pathx: generate this many images")
     p.add_argument("--resolution", type=POSITIVE, default=unset, help="pathfinder (32), pathx (128), fashion_mnist")

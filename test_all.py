@@ -146,9 +146,9 @@ def test_listops_generated_sets_go_straight_to_their_splits_and_release_files_ar
     release.mkdir(parents=True)
     for s in data.SPLITS:
         (release / f"basic_{s}.tsv").write_bytes(b"Source\tTarget\r\n( [MAX 2 3 ] )\t3")  # CRLF, no final newline
-    data.prepare_listops(root, n_train=5, **dict(small, max_len=3), truncate=True)
+    data.prepare_listops(root, n_train=5, **dict(small, max_len=4))
     train = data.load_split(root, "listops", "train")
-    assert train["meta"]["generated"] is False and train["lengths"].tolist() == [3]  # --truncate: cut to max_len
+    assert train["meta"]["generated"] is False and train["lengths"].tolist() == [4]
 
 
 def test_batches_cover_the_split_once_and_are_seeded():
@@ -3644,8 +3644,8 @@ def test_load_split_refuses_tensors_that_disagree(tmp_path, tensors, field):
 # Per task family: CLI flags that apply (and the keywords main must pass for them, nothing else), and one that does
 # not (with the task's name as it appears in the error).
 DATA_CLI_CASES = [
-    ("listops", ["--n_train", "8", "--n_val", "4", "--n_test", "4", "--seed", "1", "--max_len", "3000", "--truncate"],
-     dict(n_train=8, n_val=4, n_test=4, seed=1, max_len=3000, truncate=True), ["--length", "10"]),
+    ("listops", ["--n_train", "8", "--n_val", "4", "--n_test", "4", "--seed", "1", "--max_len", "3000"],
+     dict(n_train=8, n_val=4, n_test=4, seed=1, max_len=3000), ["--length", "10"]),
     ("ucr/GunPoint", ["--val_fraction", "0.3", "--seed", "1", "--no_download", "--sha256", "ab"],
      dict(val_fraction=0.3, seed=1, download=False, sha256="ab"), ["--n_train", "10"]),
 ]
