@@ -12,16 +12,10 @@ loaded with weights_only=True.
     meta     dict of plain Python      task, kind (tokens | continuous | pixels), vocab_size or d_input, max_len,
                                        n_classes, pixel_mean/std, source, sha256, split sizes, seed (check_split)
 
-Commands (pretrain.py and finetune.py run these themselves when data/<task>/ is missing):
+Commands (pretrain.py and finetune.py run these themselves when data/<task>/ is missing; README: the sources):
     python data.py --task listops                      # LRA files in data/listops/, else generated
-    python data.py --task synthetic                    # 2-D trajectories, 5000/1000/1000
     python data.py --task ucr/GunPoint                 # a UCR data set: data/ucr/GunPoint/, a package, or download
-    python data.py --task text                         # IMDb, data/text/aclImdb/ (downloaded if absent, 84 MB)
-    python data.py --task retrieval                    # AAN pairs from the LRA release (downloaded if absent)
-    python data.py --task image                        # CIFAR-10 (downloaded if absent, 163 MB)
-    python data.py --task fashion_mnist                # the offline stand-in for Image (found, else downloaded)
     python data.py --task pathfinder --generate 2000   # our PathFinder generator
-    python data.py --task pathx                        # PathFinder 128x128 from the LRA release
 
 Start with generate_trajectories (section 3), then load_split and get_batch (section 0: what every stage reads).
 Sections: 1. files and downloads 2-7. one per source 8. any task by name, and the settings a run checks 9. command line

@@ -11,12 +11,9 @@ cross-entropy. Validation accuracy picks the weights tested. --inherit and --fre
     python finetune.py --task synthetic --init out/synthetic/pretrain.pt --inherit qk    # only W_Q, W_K from SPT
     python finetune.py --task image --init out/pathfinder/pretrain.pt    # dataset swap (both 1024 pixels)
 
-Reads data/<task>/{train,val,test}.pt and the --init checkpoint. Writes out/<task>/finetune_<name>.pt (best
-validation accuracy), _last.pt (for --resume), _init.pt (the starting weights), _log.jsonl and finetune_<name>.json
-(accuracy per evaluation, best validation, test and train accuracy, seed, wall time). <name> is "spt" or
-"scratch", with "_inherit-<groups>" / "_freeze-<groups>" when those are set.
-Expect on ListOps' CPU preset: near the majority class (the CPU budget does not leave the plateau); the paper
-reports ~0.56-0.59 with SPT against ~0.40 from scratch at the paper size. On the synthetic task see ablate.py demo.
+Reads data/<task>/{train,val,test}.pt and the --init checkpoint. Writes out/<task>/finetune_<name>.* (run_paths;
+the .json: accuracy per evaluation, best validation, test and train accuracy). <name> is "spt" or "scratch", with
+"_inherit-<groups>" / "_freeze-<groups>" when those are set. To see SPT's effect on a CPU: ablate.py demo.
 
 Reading order: INHERIT and FREEZE (Table 3's groups), hybrid_state_dict, model_from_pretrained, then main, whose
 loss_fn is the labels' cross-entropy through mean pooling; the loop is pretrain.train.
