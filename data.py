@@ -280,10 +280,10 @@ def sha256_of(path):
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def download_file(url, dest, sha256=None, manual="", timeout=60):
+def download_file(url, dest, manual="", timeout=60):
     """Download `url` to `dest` through <dest>.part, renamed when complete; returns its sha256 (hex).
     ConnectionError ending with `manual` (what to fetch by hand, and where to put it) for an unreachable server,
-    an HTTP error or a cut connection; ValueError when `sha256` is given and differs. No file is left then."""
+    an HTTP error or a cut connection; no file is left then."""
     part = dest + ".part"
     os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
     print(f"downloading {url}")
@@ -305,9 +305,6 @@ def download_file(url, dest, sha256=None, manual="", timeout=60):
         raise ConnectionError(f"could not download {url} ({e}). {manual}") from e
     digest = h.hexdigest()
     print(f"downloaded {size / 2**20:.2f} MiB, sha256 {digest}")
-    if sha256 is not None and digest != sha256.lower():
-        pathlib.Path(part).unlink(missing_ok=True)
-        raise ValueError(f"{url}: sha256 {digest}, expected {sha256}; the download was deleted")
     os.replace(part, dest)
     return digest
 
@@ -710,12 +707,12 @@ def find_ucr(name, data_dir):
     return None
 
 
-def download_ucr(name, folder, base_url=UCR_URL, sha256=None):
+def download_ucr(name, folder, base_url=UCR_URL):
     """Download <base_url>/<name>.zip into `folder` and extract its <name>_TRAIN and _TEST files there. Returns
     dict(url, sha256, files). Raises as download_file, and ValueError (the zip deleted) for a zip without them."""
     url, final = f"{base_url.rstrip('/')}/{name}.zip", os.path.join(folder, f"{name}.zip")
     manual = f"Download it by hand and put {name}_TRAIN and {name}_TEST (.tsv, .txt or .ts) in {folder}/"
-    digest = download_file(url, final, sha256, manual)
+    digest = download_file(url, final, manual)
     try:
         with zipfile.ZipFile(final) as z:
             inside = {os.path.basename(m): m for m in z.namelist()}
@@ -730,8 +727,7 @@ def download_ucr(name, folder, base_url=UCR_URL, sha256=None):
     return dict(url=url, sha256=digest, files=[os.path.basename(f) for f in files])
 
 
-def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, download=True, base_url=UCR_URL,
-                sha256=None):
+def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, download=True, base_url=UCR_URL):
     """Write data/ucr/<name>/{train,val,test}.pt (task ucr/<name>; Coser et al. Sec. 5): values (N, max_len, 1).
     The files are found (find_ucr), else downloaded unless download=False or the folder holds some of them (the
     archive's would replace the user's). Labels map to 0..K-1 (meta label_names), missing values are filled, each
@@ -745,7 +741,7 @@ def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, down
             raise FileNotFoundError(f"UCR data set {name!r} not found: no {name}_TRAIN, {name}_TEST of one format "
                                     f"(.tsv, .txt, .ts, none) in {folder}/ (it holds {ours}) or in the packages "
                                     f"{[p for p, _, _ in UCR_PACKAGES]}; {DOWNLOAD_HINT}")
-        downloaded = download_ucr(name, folder, base_url, sha256)
+        downloaded = download_ucr(name, folder, base_url)
         found = find_ucr(name, data_dir)
     print(f"UCR {name}: reading {found['train']} and {found['test']} (found in {found['found_in']})")
     parsed = {s: (read_ucr_ts if found[s].endswith(".ts") else read_ucr_text)(found[s]) for s in ("train", "test")}
@@ -819,7 +815,7 @@ def read_imdb(folder, split):
     return docs, labels
 
 
-def _fetch(folder, marker, url, archive, prefix, download, sha256, what, hint=""):
+def _fetch(folder, marker, url, archive, prefix, download, what, hint=""):
     """Make sure `marker` exists under `folder`: else extract `prefix` of `archive` (downloaded from `url` if
     absent) into a fresh_folder inside `folder` and move its contents in, `marker` last, so a stopped extraction
     never leaves `marker` over a half set. Returns dict(url, sha256) when it extracted. FileNotFoundError saying
@@ -831,7 +827,7 @@ def _fetch(folder, marker, url, archive, prefix, download, sha256, what, hint=""
         raise FileNotFoundError(f"{what} not found: {os.path.join(folder, marker)} does not exist. "
                                 f"{DOWNLOAD_HINT}; or: {manual}")
     downloaded = not os.path.exists(archive)
-    digest = download_file(url, archive, sha256, manual) if downloaded else sha256_of(archive)
+    digest = download_file(url, archive, manual) if downloaded else sha256_of(archive)
     staging = fresh_folder(folder)
     try:
         extract_tar(archive, staging, prefix)
@@ -849,13 +845,13 @@ def _fetch(folder, marker, url, archive, prefix, download, sha256, what, hint=""
     return dict(url=url, sha256=digest)
 
 
-def prepare_text(data_dir="data", max_len=4096, download=True, url=IMDB_URL, sha256=None):
+def prepare_text(data_dir="data", max_len=4096, download=True, url=IMDB_URL):
     """Write data/text/{train,val,test}.pt from data/text/aclImdb/ (downloaded if absent): tokens (N, max_len)
     int16; val and test are both the IMDb test set (LRA; Amos et al.)."""
     task_dir = os.path.join(data_dir, "text")
     folder = os.path.join(task_dir, "aclImdb")
     fetched = _fetch(folder, "train", url, os.path.join(task_dir, "aclImdb_v1.tar.gz"), "aclImdb/", download,
-                     sha256, "IMDb (aclImdb)")
+                     "IMDb (aclImdb)")
     splits = {}
     for s in ("train", "test"):
         docs, labels = read_imdb(folder, s)
@@ -882,12 +878,12 @@ def read_aan_tsv(path):
     return docs1, docs2, labels
 
 
-def prepare_retrieval(data_dir="data", max_len=4000, download=True, url=LRA_URL, sha256=None):
+def prepare_retrieval(data_dir="data", max_len=4000, download=True, url=LRA_URL):
     """Write data/retrieval/{train,val,test}.pt from new_aan_pairs.{train,eval,test}.tsv of the LRA release
     (downloaded if absent): tokens (N, 2, max_len) int16, lengths (N, 2), each document cut on its own."""
     task_dir = os.path.join(data_dir, "retrieval")
     fetched = _fetch(task_dir, "new_aan_pairs.train.tsv", url, os.path.join(data_dir, "lra_release.gz"),
-                     LRA_INNER + "tsv_data/", download, sha256, "LRA Retrieval (AAN)")
+                     LRA_INNER + "tsv_data/", download, "LRA Retrieval (AAN)")
     splits = {}
     for s, source in (("train", "train"), ("val", "eval"), ("test", "test")):
         path = os.path.join(task_dir, f"new_aan_pairs.{source}.tsv")
@@ -972,13 +968,13 @@ def _pixel_meta(task, L, n_classes, mean, std, source, seed, **more):
                 pixel_std=std, source=source, seed=seed, **more)
 
 
-def prepare_image(data_dir="data", n_val=5000, seed=42, download=True, url=CIFAR_URL, sha256=None):
+def prepare_image(data_dir="data", n_val=5000, seed=42, download=True, url=CIFAR_URL):
     """Write data/image/{train,val,test}.pt from cifar-10-batches-py/ (downloaded if absent): grayscale,
     1024 pixels, 45k/5k train/val (seed 42, as s4 / Amos et al.), the 10k test set."""
     task_dir = os.path.join(data_dir, "image")
     folder = os.path.join(task_dir, "cifar-10-batches-py")
     fetched = _fetch(folder, "test_batch", url, os.path.join(task_dir, "cifar-10-python.tar.gz"),
-                     "cifar-10-batches-py/", download, sha256, "CIFAR-10 (python version)")
+                     "cifar-10-batches-py/", download, "CIFAR-10 (python version)")
     parts = [read_cifar_batch(os.path.join(folder, f"data_batch_{i}")) for i in range(1, 6)]
     test_rgb, test_labels = read_cifar_batch(os.path.join(folder, "test_batch"))
     images = to_grayscale(np.concatenate([p[0] for p in parts]))
@@ -1366,7 +1362,7 @@ def save_pathfinder_grid(images, labels, path, n=16):
 
 
 def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=42, generate=None,
-                       generate_if_missing=None, download=True, url=LRA_URL, sha256=None, task="pathfinder"):
+                       generate_if_missing=None, download=True, url=LRA_URL, task="pathfinder"):
     """Write data/<task>/{train,val,test}.pt: with `generate=N`, N images of our generator (and a look at 16 of
     them in data/<task>/samples.png); else from the release layout in data/<task>/pathfinder<resolution>/<the
     difficulty's release folder>; else, with `generate_if_missing=N` (the CPU presets), N generated; else extracted
@@ -1383,7 +1379,7 @@ def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=4
     else:
         if not found:
             fetched = _fetch(root, "metadata", url, os.path.join(data_dir, "lra_release.gz"),
-                             f"{LRA_INNER}pathfinder{resolution}/{sub}/", download, sha256,
+                             f"{LRA_INNER}pathfinder{resolution}/{sub}/", download,
                              f"PathFinder {resolution}x{resolution} ({difficulty})",
                              f"Or generate a set with our generator: python data.py --task {task} --generate 2000")
         images, labels, skipped = read_pathfinder_release(root)
@@ -1405,10 +1401,10 @@ def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=4
 
 
 def prepare_pathx(data_dir="data", resolution=128, difficulty="hard", seed=42, generate=None,
-                  generate_if_missing=None, download=True, url=LRA_URL, sha256=None):
+                  generate_if_missing=None, download=True, url=LRA_URL):
     """PathX: PathFinder at 128 x 128 (L = 16384), the hard set (LRA), in data/pathx/."""
     return prepare_pathfinder(data_dir, resolution, difficulty, seed, generate, generate_if_missing, download, url,
-                              sha256, "pathx")
+                              "pathx")
 
 
 # ---- 8. Any task by name: prepare, and the data settings the stages check against the prepared data ----
@@ -1420,7 +1416,7 @@ PREPARE = {"listops": prepare_listops, "synthetic": prepare_synthetic, "ucr": pr
 
 # The data.py flag that sets each keyword of a prepare function (a keyword no flag sets goes by its name).
 CLI_FLAGS = dict({k: f"--{k}" for k in ("seed", "n_train", "n_val", "n_test", "max_len", "length",
-                                        "val_fraction", "generate", "resolution", "difficulty", "sha256")},
+                                        "val_fraction", "generate", "resolution", "difficulty")},
                  download="--no_download")
 
 
@@ -1598,7 +1594,6 @@ def main(argv=None):
     p.add_argument("--resolution", type=POSITIVE, default=unset, help="pathfinder (32), pathx (128), fashion_mnist")
     p.add_argument("--difficulty", default=unset, choices=tuple(PATHFINDER_DIFFICULTY), help="pathfinder, pathx")
     p.add_argument("--no_download", dest="download", action="store_false", default=unset, help="fail if not found")
-    p.add_argument("--sha256", default=unset, help="expected sha256 of a downloaded archive")
     a = p.parse_args(argv)
     prepare(a.task, a.data_dir, **{k: v for k, v in vars(a).items() if k not in ("task", "data_dir")})
 

@@ -2025,8 +2025,8 @@ def make_tar(path, files, link=None, target=None):
 
 
 def test_lra_imdb_and_ucr_archives_download_from_a_local_server(http_root, tmp_path):
-    """The UCR zip, the LRA release (a tar.gz with an outer and an inner copy), the IMDb tar.gz. A wrong sha256, a
-    cut connection or not the archive: an error naming the URL or archive, and no file kept."""
+    """The UCR zip, the LRA release (a tar.gz with an outer and an inner copy), the IMDb tar.gz. A cut connection or
+    not the archive: an error naming the URL or archive, and no file kept; a download's sha256 recorded."""
     import zipfile
     www, base_url = http_root
     root = str(tmp_path / "data")
@@ -2034,12 +2034,12 @@ def test_lra_imdb_and_ucr_archives_download_from_a_local_server(http_root, tmp_p
         z.writestr("Toy_TRAIN.ts", TS_HEADER + "1,2,3:a\n4,5,7:b\n3,1,2:a\n2,2,1:b\n")
         z.writestr("Toy/Toy_TEST.ts", TS_HEADER + "1,2,3:b\n")   # in a subfolder: extracted by its base name
     (www / "Junk.zip").write_bytes(b"<html>not a zip</html>")
-    for name, sha256 in (("Toy", "00ff"), ("Cut", None), ("Junk", None)):
+    for name in ("Cut", "Junk"):
         with pytest.raises((ConnectionError, ValueError), match=re.escape(f"{base_url}/{name}.zip")):
-            data.prepare_ucr(root, name, base_url=base_url, sha256=sha256)
+            data.prepare_ucr(root, name, base_url=base_url)
         assert os.listdir(os.path.join(root, "ucr", name)) == []
     digest = hashlib.sha256((www / "Toy.zip").read_bytes()).hexdigest()
-    sizes = data.prepare_ucr(root, "Toy", val_fraction=0.5, base_url=base_url, sha256=digest.upper())
+    sizes = data.prepare_ucr(root, "Toy", val_fraction=0.5, base_url=base_url)
     assert sizes == {"train": 2, "val": 2, "test": 1}
     meta = data.load_split(root, "ucr/Toy", "test")["meta"]
     assert meta["download"]["sha256"] == digest and meta["source"] == "Toy_TEST.ts"
@@ -2049,7 +2049,7 @@ def test_lra_imdb_and_ucr_archives_download_from_a_local_server(http_root, tmp_p
     outer = {"lra_release/tsv_data/new_aan_pairs.train.tsv": "0\tx\ty\tthe outer copy\tz\n"}
     make_tar(www / "lra_release.gz", {**outer, **inner})
     digest = hashlib.sha256((www / "lra_release.gz").read_bytes()).hexdigest()
-    sizes = data.prepare_retrieval(root, url=f"{base_url}/lra_release.gz", sha256=digest)
+    sizes = data.prepare_retrieval(root, url=f"{base_url}/lra_release.gz")
     assert sizes == {"train": 8, "val": 8, "test": 8}   # the inner copy, not the one-line outer one
     assert data.load_split(root, "retrieval", "train")["meta"]["download"]["sha256"] == digest
     write_aclimdb(str(imdb))  # the archive's top folder is aclImdb/
@@ -3644,8 +3644,8 @@ def test_load_split_refuses_tensors_that_disagree(tmp_path, tensors, field):
 DATA_CLI_CASES = [
     ("listops", ["--n_train", "8", "--n_val", "4", "--n_test", "4", "--seed", "1", "--max_len", "3000"],
      dict(n_train=8, n_val=4, n_test=4, seed=1, max_len=3000), ["--length", "10"]),
-    ("ucr/GunPoint", ["--val_fraction", "0.3", "--seed", "1", "--no_download", "--sha256", "ab"],
-     dict(val_fraction=0.3, seed=1, download=False, sha256="ab"), ["--n_train", "10"]),
+    ("ucr/GunPoint", ["--val_fraction", "0.3", "--seed", "1", "--no_download"],
+     dict(val_fraction=0.3, seed=1, download=False), ["--n_train", "10"]),
 ]
 
 
