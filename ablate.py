@@ -1167,8 +1167,8 @@ SUBCOMMANDS = {  # name: (its function, help, its flags)
     "synthetic": (experiment_synthetic, "scratch vs SPT on the minimal model (Sec. 4)", RUNS + SCHEME + LENGTH),
     "init": (experiment_init, "hybrid initialization and freezing (Table 3)", RUNS + SCHEME + TASK),
     "posenc": (experiment_posenc, "ALiBi, RoPE, FIRE from scratch vs SPT (Sec. 4)", RUNS + SCHEME + TASK),
-    "pooling": (experiment_pooling, "mean, max and [CLS] pooling: scratch vs SPT at the demo's length (beyond the "
-                "paper)", RUNS + SCHEME + [flag("--n_layers", type=data.POSITIVE, default=1, help="model layers")]),
+    "pooling": (experiment_pooling, "mean, max and [CLS] pooling: scratch vs SPT (beyond the paper)", RUNS + SCHEME + [
+        flag("--n_layers", type=data.POSITIVE, default=1, help="model layers")]),
     "duration": (experiment_duration, "SPT epochs before finetuning (Sec. 3)", RUNS + SCHEME + TASK + [
         flag("--durations", type=data.POSITIVE, nargs="+", help="SPT epochs (default: 1 3 10 on cpu, 1 10 100 200)")]),
     "swap": (experiment_swap, "dataset swap PathFinder <-> Image (Sec. 3)", RUNS + SCHEME + [
@@ -1181,12 +1181,9 @@ SUBCOMMANDS = {  # name: (its function, help, its flags)
     "ucr": (experiment_ucr, "UCR time series (Sec. 5)", RUNS + SCHEME + [
         flag("--steps", type=data.NON_NEGATIVE, default=0, help="steps of every stage (own runs); 0: the preset's"),
         flag("--datasets", nargs="+", default=UCR_DATASETS + UCR_OFFLINE, help="the UCR data sets to run")]),
-    "initscale": (experiment_initscale, "from scratch and SPT over init scale x length x tied/independent (beyond "
-                  "the paper)", seeded(2) + [
-        flag("--kinds", nargs="+", default=["reference", "torch"], choices=("reference", "torch"),
-             help="tied (reference) or independent (torch) projections at init"),
-        flag("--scales", type=data.POSITIVE_FLOAT, nargs="+", default=[0.125, 0.25, 0.5, 1.0, 2.0],
-             help="multiples of PyTorch's init"),
+    "initscale": (experiment_initscale, "scratch vs SPT over init scale and length (beyond the paper)", seeded(2) + [
+        flag("--kinds", nargs="+", default=["reference", "torch"], choices=("reference", "torch"), help="init schemes"),
+        flag("--scales", type=data.POSITIVE_FLOAT, nargs="+", default=[0.125, 0.25, 0.5, 1.0, 2.0], help="init scales"),
         flag("--lengths", type=data.POSITIVE, nargs="+", default=[100, 200, 400], help="trajectory lengths L"),
         flag("--n_train", type=data.POSITIVE, default=2000, help="training trajectories per length"),
         flag("--n_val", type=data.POSITIVE, default=500, help="validation (and test) trajectories per length"),
@@ -1204,15 +1201,13 @@ SUBCOMMANDS = {  # name: (its function, help, its flags)
         flag("--log_every", type=data.POSITIVE, default=50, help="steps per log line (one figure each)"),
         flag("--n_train", type=data.POSITIVE, default=2000, help="training examples of the stand-in data"),
         flag("--compile", action="store_true", help="torch.compile the model (pretrain.py --compile)")]),
-    "demo": (experiment_demo, "SPT's effect in one command on a CPU: from scratch vs SPT, attention, verdict",
-             OUT + DEVICE + DATA + [
+    "demo": (experiment_demo, "SPT's effect in one command on a CPU: scratch vs SPT", OUT + DEVICE + DATA + [
         flag("--length", type=data.POSITIVE, default=DEMO["L"], dest="L", help="trajectory length L"),
         flag("--seed", type=data.SEED, default=DEMO["seed"], help="seed of the three runs (data: seed 0)"),
         flag("--epochs", type=data.POSITIVE, default=DEMO["epochs"], help="epochs of each stage"),
         flag("--n_train", type=data.POSITIVE, default=DEMO["n_train"], help="training trajectories")]),
     "report": (report, "file the tables and figures of out/ into the pages of results/", OUT + [
-        flag("--results_dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-             help="the pages' folder")])}
+        flag("--results_dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))])}
 
 
 def build_parser():

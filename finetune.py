@@ -145,10 +145,8 @@ def finetune_parser():
     parser = build_parser("finetune", __doc__.split("\n")[0])
     parser.add_argument("--init", required=True, help="'scratch' or the path of a pretrain.py checkpoint")
     parser.add_argument("--name", default=None, help="run name in out/<task>/finetune_<name>.* (default spt/scratch)")
-    parser.add_argument("--inherit", default="all", choices=tuple(INHERIT),
-                   help="parameter groups taken from the SPT checkpoint; the rest is freshly initialized")
-    parser.add_argument("--freeze", default="none", choices=tuple(FREEZE),
-                   help="parameter groups kept at their initial values during finetuning")
+    parser.add_argument("--inherit", default="all", choices=tuple(INHERIT), help="INHERIT: groups taken from SPT")
+    parser.add_argument("--freeze", default="none", choices=tuple(FREEZE), help="FREEZE: groups kept at their init")
     return parser
 
 

@@ -221,9 +221,7 @@ def pretrain_parser():
     parser.add_argument("--mask_ratio", type=number_at_least(float, 0.0, high=1.0), default=None,
                         help="fraction of positions masked (task default)")
     parser.add_argument("--rec_loss", default="mse", choices=("mse", "l1", "ce"),
-                        help="reconstruction loss for continuous inputs: MSE (the paper's), L1, or for pixel tasks "
-                             "ce = 256-way cross-entropy over the raw intensity (Amos et al.'s code); tokens always "
-                             "use cross-entropy over the vocabulary")
+                        help="of values and pixels (reconstruction_loss; ce: pixels only); tokens: always ce")
     return parser
 
 
@@ -276,8 +274,7 @@ def build_parser(stage, description):
     p.add_argument("--task", required=True, choices=data.TASKS, help="which data set")
     p.add_argument("--data_dir", type=data.folder, default="data", help="root of data/<task>/*.pt")
     p.add_argument("--out_dir", type=data.folder, default="out", help="root of out/<task>/ checkpoints and logs")
-    p.add_argument("--preset", default="auto", choices=("auto", "cpu", "paper"),
-                   help="model and training size; auto = paper on CUDA, cpu otherwise")
+    p.add_argument("--preset", default="auto", choices=("auto", "cpu", "paper"), help="auto: paper on CUDA, else cpu")
     p.add_argument("--epochs", type=POSITIVE, default=None, help="passes over the training split")
     p.add_argument("--max_steps", type=NON_NEGATIVE, default=None, help="cap on optimizer steps (0 = no cap)")
     p.add_argument("--batch_size", type=POSITIVE, default=None, help="sequences per step")
@@ -285,39 +282,28 @@ def build_parser(stage, description):
     p.add_argument("--warmup", type=NON_NEGATIVE, default=None, help="linear warm-up steps, then constant")
     p.add_argument("--weight_decay", type=number_at_least(float, 0.0), default=None, help="AdamW weight decay")
     p.add_argument("--eval_every", type=POSITIVE, default=None, help="steps between validations and checkpoints")
-    p.add_argument("--eval_each_epoch", action=argparse.BooleanOptionalAction, default=None,
-                   help="also validate and checkpoint at the end of every epoch (default: yes, except UCR)")
+    p.add_argument("--eval_each_epoch", action=argparse.BooleanOptionalAction, default=None, help="also at epoch ends")
     p.add_argument("--log_every", type=POSITIVE, default=10, help="steps between log lines")
     p.add_argument("--seed", type=data.SEED, default=0, help="training seed: init, batch order, masks")
     p.add_argument("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
-    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
-                   help="auto = bf16 autocast where supported (CUDA), else fp32")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"), help="auto: bf16 on CUDA, else fp32")
     p.add_argument("--resume", action="store_true", help=f"continue from out/<task>/{stage}*_last.pt")
     p.add_argument("--overwrite", action="store_true", help="remove this run's old files first")
     p.add_argument("--snapshots", action="store_true", help="also keep a checkpoint at every evaluation")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (needs a working Triton)")
     g = p.add_argument_group("model (overrides the preset; a finetuning from a checkpoint uses the checkpoint's)")
-    for name, what in zip(MODEL_SIZE_FLAGS, ("Transformer blocks", "width of the residual stream",
-                                              "attention heads (must divide d_model)", "hidden width of the MLP")):
-        g.add_argument(f"--{name}", type=POSITIVE, default=None, help=what)
-    g.add_argument("--pos", default=None, choices=POSITIONS,
-                   help="positions (model.POSITIONS); the paper's are sinusoidal")
-    g.add_argument("--pooling", default=None, choices=POOLINGS,
-                   help="pooling for the class head (model.POOLINGS); the paper's is mean; cls: a summary token")
-    g.add_argument("--init_scheme", default=None, choices=INIT_SCHEMES,
-                   help="initialization (model.init_weights); default reference = Amos et al.'s code")
-    g.add_argument("--init_scale", type=POSITIVE_FLOAT, default=None,
-                   help="multiply every initialized weight (default 1)")
+    for name in MODEL_SIZE_FLAGS:  # model.ModelConfig's fields
+        g.add_argument(f"--{name}", type=POSITIVE, default=None)
+    g.add_argument("--pos", default=None, choices=POSITIONS, help="model.POSITIONS; the paper's: sinusoidal")
+    g.add_argument("--pooling", default=None, choices=POOLINGS, help="model.POOLINGS; the paper's: mean")
+    g.add_argument("--init_scheme", default=None, choices=INIT_SCHEMES, help="model.init_weights")
+    g.add_argument("--init_scale", type=POSITIVE_FLOAT, default=None, help="multiplies every initialized weight")
     d = p.add_argument_group("data (used when data/<task>/ is made, and checked against it when it exists)")
     d.add_argument("--max_len", type=POSITIVE, default=None, help="longest sequence kept (Text, Retrieval, ListOps)")
-    d.add_argument("--resolution", type=POSITIVE, default=None,
-                   help="PathFinder/PathX image side (32 / 128); Fashion-MNIST 32 or 16 (2x2 means)")
-    d.add_argument("--difficulty", default=None, choices=("easy", "intermediate", "hard"),
-                   help="PathFinder/PathX contour length 6 / 9 / 14 (default hard)")
-    d.add_argument("--download", action="store_true",
-                   help="download missing data (IMDb 84 MB, CIFAR-10 163 MB, Fashion-MNIST 30 MB, LRA 8.2 GB, UCR)")
-    d.add_argument("--accept_data", action="store_true",
-                   help="train on data/<task>/ even if its settings differ from the preset's (a warning)")
+    d.add_argument("--resolution", type=POSITIVE, default=None, help="image side (PathFinder, PathX, Fashion-MNIST)")
+    d.add_argument("--difficulty", default=None, choices=tuple(data.PATHFINDER_DIFFICULTY), help="PathFinder, PathX")
+    d.add_argument("--download", action="store_true", help="download missing data (LRA's release: 8.2 GB)")
+    d.add_argument("--accept_data", action="store_true", help="train on data of other settings (a warning)")
     return p
 
 
