@@ -287,24 +287,17 @@ def download_file(url, dest, manual="", timeout=60):
     part = dest + ".part"
     os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
     print(f"downloading {url}")
-    h, size = hashlib.sha256(), 0
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response, open(part, "wb") as f:
-            total, next_report = int(response.headers.get("Content-Length") or 0), 0.1
-            for chunk in iter(lambda: response.read(1 << 16), b""):
-                f.write(chunk)
-                h.update(chunk)
-                size += len(chunk)
-                if total and size >= next_report * total:  # progress every 10%
-                    print(f"  {size / 2**20:.1f} / {total / 2**20:.1f} MiB")
-                    next_report += 0.1
-            if total and size != total:  # http.client returns a cut connection as a short read
-                raise ConnectionError(f"the connection closed after {size} of {total} bytes")
+            shutil.copyfileobj(response, f)
+            total = int(response.headers.get("Content-Length") or f.tell())
+            if f.tell() != total:  # http.client returns a cut connection as a short read
+                raise ConnectionError(f"the connection closed after {f.tell()} of {total} bytes")
     except (OSError, http.client.HTTPException) as e:
         pathlib.Path(part).unlink(missing_ok=True)
         raise ConnectionError(f"could not download {url} ({e}). {manual}") from e
-    digest = h.hexdigest()
-    print(f"downloaded {size / 2**20:.2f} MiB, sha256 {digest}")
+    digest = sha256_of(part)
+    print(f"downloaded {os.path.getsize(part) / 2**20:.2f} MiB, sha256 {digest}")
     os.replace(part, dest)
     return digest
 
