@@ -865,7 +865,7 @@ def bench(args):
         raise ValueError(f"--size {args.size}: expected one of {', '.join(BENCH_SIZES)} or "
                          f"L,d_model,layers,heads,MLP,batch (d_model divisible by heads)")
     device = pretrain.pick_device(args.device)
-    dtype, _ = pretrain.pick_dtype(args.dtype, device)
+    dtype, _ = pretrain.pick_dtype("auto", device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     out = dict(size=dict(zip(("L", "d_model", "n_layers", "n_heads", "d_mlp", "batch"), size)), device=str(device),
                device_name=name, dtype=str(dtype), torch=torch.__version__, steps=args.steps, repeats=args.repeats,
@@ -921,12 +921,12 @@ def gpu_data(task, folder, n):
 
 
 def gpu_run(task, stage, args):
-    """`stage` of `task`'s paper preset for args.steps steps on gpu_data in <out_dir>/gpu/<task>/: medians of
-    ms/step, real tokens/s and MFU (or None) over the log lines but the first, peak CUDA memory (GiB, or None).
-    ValueError when no line is left."""
+    """`stage` of `task`'s paper preset for args.steps steps on gpu_data (2,000 training examples) in
+    <out_dir>/gpu/<task>/: medians of ms/step, real tokens/s and MFU (or None) over the log lines but the first, peak
+    CUDA memory (GiB, or None). ValueError when no line is left."""
     folder = os.path.join(args.out_dir, "gpu", task)
     if not os.path.exists(data.split_path(folder, task)):
-        gpu_data(task, folder, args.n_train)
+        gpu_data(task, folder, 2000)
     flags = ["--task", task, "--data_dir", folder, "--out_dir", folder, "--preset", "paper", "--accept_data",
              "--max_steps", str(args.steps), "--eval_every", str(10 ** 9), "--no-eval_each_epoch",
              "--log_every", str(args.log_every), "--overwrite"] + (["--compile"] if args.compile else [])
@@ -1191,7 +1191,6 @@ SUBCOMMANDS = {  # name: (its function, help, its flags)
         flag("--batch_size", type=data.POSITIVE, default=32, help="trajectories per step")]),
     "bench": (bench, "time one SPT step: ours vs torch.nn.TransformerEncoder", OUT + DEVICE + [
         flag("--size", default="cpu", help=f"one of {', '.join(BENCH_SIZES)}, or L,d_model,layers,heads,MLP,batch"),
-        flag("--dtype", default="auto", choices=("auto", "bf16", "fp32"), help="auto = bf16 on CUDA"),
         flag("--steps", type=data.POSITIVE, default=5, help="timed steps per repeat"),
         flag("--repeats", type=data.POSITIVE, default=5, help="the median over repeats is reported"),
         flag("--name", help="file name of the result (default: size, L and device type)")]),
@@ -1199,7 +1198,6 @@ SUBCOMMANDS = {  # name: (its function, help, its flags)
         flag("--tasks", nargs="+", default=list(GPU_TASKS), choices=GPU_TASKS, help="the presets to time"),
         flag("--steps", type=data.POSITIVE, default=300, help="steps per stage and task (the first is left out)"),
         flag("--log_every", type=data.POSITIVE, default=50, help="steps per log line (one figure each)"),
-        flag("--n_train", type=data.POSITIVE, default=2000, help="training examples of the stand-in data"),
         flag("--compile", action="store_true", help="torch.compile the model (pretrain.py --compile)")]),
     "demo": (experiment_demo, "SPT's effect in one command on a CPU: scratch vs SPT", OUT + DEVICE + DATA + [
         flag("--length", type=data.POSITIVE, default=DEMO["L"], dest="L", help="trajectory length L"),

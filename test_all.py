@@ -736,7 +736,7 @@ def test_gpu_run_times_a_real_run_of_a_preset_on_stand_in_data_of_its_shapes(tmp
     monkeypatch.setitem(pretrain.PRESETS["retrieval"], "paper", dict(
         model=dict(n_layers=1, d_model=16, n_heads=2, d_mlp=32, pair=True), data=dict(max_len=64), pretrain=stage,
         finetune=stage))
-    args = argparse.Namespace(out_dir=str(tmp_path), n_train=16, steps=6, log_every=2, compile=False)
+    args = argparse.Namespace(out_dir=str(tmp_path), steps=6, log_every=2, compile=False)
     for stage in ("pretrain", "finetune"):
         figures = ablate.gpu_run("retrieval", stage, args)
         log = pretrain.run_paths(str(tmp_path / "gpu" / "retrieval"), "retrieval", stage,
