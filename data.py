@@ -353,8 +353,6 @@ def _save_splits(task_dir, splits, meta, per_split=None):
         shares = torch.bincount(splits[s]["labels"], minlength=meta["n_classes"]) / sizes[s]
         print(f"{meta['task']} {s}: {sizes[s]} examples, classes "
               + " ".join(f"{i}:{100 * p:.0f}%" for i, p in enumerate(shares.tolist())))
-    for f in glob.glob(os.path.join(glob.escape(task_dir), "*.pt.*.tmp")):  # save_atomic's, of a killed write
-        os.remove(f)
     pathlib.Path(task_dir, "train.pt").unlink(missing_ok=True)
     for s in reversed(SPLITS):
         save_atomic(dict(splits[s], meta=metas[s]), os.path.join(task_dir, f"{s}.pt"))

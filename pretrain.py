@@ -11,8 +11,7 @@ starts from the checkpoint with the best validation masked loss.
     python pretrain.py --task synthetic --snapshots    # the minimal model on trajectories
     torchrun --standalone --nproc_per_node=8 pretrain.py --task text   # several GPUs (DDP)
 
-Reads data/<task>/{train,val}.pt (made by data.py; here if missing). Writes out/<task>/pretrain.pt (best),
-pretrain_last.pt (for --resume), pretrain_init.pt (the weights at step 0) and pretrain_log.jsonl.
+Reads data/<task>/{train,val}.pt (made by data.py; here if missing). Writes out/<task>/pretrain*.* (run_paths).
 On ListOps' CPU preset SPT shows that the pipeline runs, not an SPT effect. To see SPT work on a CPU: ablate.py demo.
 
 Reading order: PRESETS, the SPT objective (mask_batch, reconstruction_loss, spt_loss_fn), main. Below the double
@@ -65,8 +64,7 @@ PRESETS = {
         model=dict(n_layers=1, d_model=32, n_heads=1, d_mlp=32, layernorm=False, mlp=False),
         data=dict(n_train=5000, n_val=1000, n_test=1000),
         **dict.fromkeys(("pretrain", "finetune"), dict(batch_size=64, lr=1e-3, warmup=0, epochs=15, eval_every=500)))),
-    # Every UCR data set (task ucr/<Name>; the paper gives no sizes). A budget in steps, not epochs: GunPoint's 40
-    # training series are 2 batches, and from scratch leaves chance level only after ~100-150 steps.
+    # Every UCR data set (task ucr/<Name>; the paper gives no sizes): a budget in steps, as sets have a few batches.
     "ucr": dict.fromkeys(("paper", "cpu"), dict(
         model=dict(n_layers=2, d_model=64, n_heads=4, d_mlp=128), data=dict(val_fraction=0.2),
         pretrain=dict(batch_size=32, lr=3e-3, warmup=20, epochs=10**6, eval_every=20,
