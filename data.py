@@ -21,6 +21,7 @@ Start with generate_trajectories (section 3), then load_split and get_batch (sec
 Sections: 1. files and downloads 2-7. one per source 8. any task by name, and the settings a run checks 9. command line
 """
 import argparse
+import functools
 import glob
 import gzip
 import hashlib
@@ -1391,18 +1392,12 @@ def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=4
     return _save_splits(os.path.join(data_dir, task), splits, meta)
 
 
-def prepare_pathx(data_dir="data", resolution=128, difficulty="hard", seed=42, generate=None,
-                  generate_if_missing=None, download=True, url=LRA_URL):
-    """PathX: PathFinder at 128 x 128 (L = 16384), the hard set (LRA), in data/pathx/."""
-    return prepare_pathfinder(data_dir, resolution, difficulty, seed, generate, generate_if_missing, download, url,
-                              "pathx")
-
-
 # ---- 8. Any task by name: prepare, and the data settings the stages check against the prepared data ----
 
 PREPARE = {"listops": prepare_listops, "synthetic": prepare_synthetic, "ucr": prepare_ucr, "text": prepare_text,
            "retrieval": prepare_retrieval, "image": prepare_image, "fashion_mnist": prepare_fashion_mnist,
-           "pathfinder": prepare_pathfinder, "pathx": prepare_pathx}
+           "pathfinder": prepare_pathfinder,  # PathX: PathFinder at 128 x 128 (L = 16384), in data/pathx/
+           "pathx": functools.partial(prepare_pathfinder, resolution=128, task="pathx")}
 
 
 # The data.py flag that sets each keyword of a prepare function (a keyword no flag sets goes by its name).

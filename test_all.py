@@ -3430,7 +3430,7 @@ def test_broken_gzip_idx_and_tar_files_are_named(tmp_path):
 
 def test_pathx_runs_a_few_steps_with_local_attention(tmp_path):
     root, out = str(tmp_path / "data"), str(tmp_path / "out")
-    data.prepare_pathx(root, generate=20)
+    data.prepare("pathx", root, generate=20)
     assert data.load_split(root, "pathx", "train")["pixels"].shape == (16, 16384)
     common = ["--task", "pathx", "--data_dir", root, "--out_dir", out, "--max_steps", "1", "--eval_every", "1"] + TINY
     pretrain.main(common)
