@@ -556,8 +556,8 @@ def test_data_py_holds_data_its_contract_on_top_and_no_module_keeps_run_state():
                 if isinstance(name, (ast.Name, ast.FunctionDef, ast.ClassDef)):
                     line.setdefault(getattr(name, "id", getattr(name, "name", None)), node.lineno)
     assert set(DATA_CONTRACT) <= set(line), set(DATA_CONTRACT) - set(line)
-    first_source = min(line[name] for name in ["sha256_of", "download_file"] + [f.__name__ for f in
-                                                                                data.PREPARE.values()])
+    first_source = min(line[name] for name in ["sha256_of", "download_file"] + [getattr(f, "func", f).__name__ for f
+                                                                                in data.PREPARE.values()])
     late = {name: line[name] for name in DATA_CONTRACT if line[name] > first_source}
     assert not late, f"defined after the first source-specific code (line {first_source}): {late}"
     for name in ("data.py", "model.py", "pretrain.py", "finetune.py"):
