@@ -213,12 +213,10 @@ def main(argv=None):
         train_acc, n_sub = train_accuracy(model, train_split, len(splits["val"]["labels"]), args)
         result_keys = ("stage", "task", "init", "data_meta", "same")
         result = dict(task=args.task, init=args.init, name=args.name, seed=args.seed, preset=args.preset,
-                      steps_per_epoch=best["n_batches"],
-                      init_scheme=model.cfg.init, init_scale=model.cfg.init_scale,
+                      steps_per_epoch=best["n_batches"], init_scheme=model.cfg.init, init_scale=model.cfg.init_scale,
                       init_std=model.cfg.init_std if model.cfg.init == "normal" else None,
                       best_step=best["step"], best_epoch=best["epoch"], best_val_acc=best["val_acc"],
-                      test_acc=test["acc"], train_acc=train_acc, train_acc_subset=n_sub,
-                      train_acc_rows="random, seed 0", evals=best["evals"],
+                      test_acc=test["acc"], train_acc=train_acc, train_acc_subset=n_sub, evals=best["evals"],
                       wall_time_s=best["elapsed_s"] + time.time() - t_trained,
                       source_sha256=meta.get("sha256"), label_names=meta.get("label_names"),
                       **{k: v for k, v in record.items() if k not in result_keys})
