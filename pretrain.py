@@ -101,13 +101,11 @@ PRESETS = {
     # none for PathX; their PathX config's 5e-4, both stages.
     "pathx": {
         "paper": dict(model=dict(n_layers=4, d_model=128, n_heads=4, d_mlp=128, pooling="max", attn_window=4096),
-                      data=dict(),
-                      pretrain=dict(batch_size=32, lr=5e-4, warmup=5000, epochs=200, eval_every=10**9),
-                      finetune=dict(batch_size=32, lr=5e-4, warmup=5000, epochs=200, eval_every=10**9)),
+                      data=dict(), **dict.fromkeys(("pretrain", "finetune"), dict(
+                          batch_size=32, lr=5e-4, warmup=5000, epochs=200, eval_every=10**9))),
         "cpu": dict(model=dict(n_layers=2, d_model=64, n_heads=4, d_mlp=128, pooling="max", attn_window=256),
-                    data=dict(generate_if_missing=200),
-                    pretrain=dict(batch_size=2, lr=1e-3, warmup=20, epochs=1000, eval_every=20, max_steps=20),
-                    finetune=dict(batch_size=2, lr=1e-3, warmup=20, epochs=1000, eval_every=20, max_steps=20))},
+                    data=dict(generate_if_missing=200), **dict.fromkeys(("pretrain", "finetune"), dict(
+                        batch_size=2, lr=1e-3, warmup=20, epochs=1000, eval_every=20, max_steps=20)))},
 }
 PRESETS["fashion_mnist"] = copy.deepcopy(PRESETS["image"])  # the offline stand-in for Image: the same sizes
 # Masking ratios: Amos et al.; Coser et al. Sec. 2 (pixels 50%, Text/Retrieval 15%, ListOps 10%). UCR: the paper
