@@ -686,10 +686,7 @@ def find_ucr(name, data_dir):
     and the installed packages of UCR_PACKAGES, or None. A broken link counts as found, so its reader names it."""
     candidates = [(os.path.join(data_dir, "ucr", name), ext, "data_dir") for ext in UCR_FORMATS]
     for package, sub, ext in UCR_PACKAGES:
-        try:
-            spec = importlib.util.find_spec(package)
-        except (ImportError, ValueError):  # a broken installation counts as not installed
-            spec = None
+        spec = importlib.util.find_spec(package)  # a top-level name: nothing is imported
         for root in (spec.submodule_search_locations or []) if spec else []:
             candidates.append((os.path.join(root, sub, name), ext, package))
     for folder, ext, where in candidates:
