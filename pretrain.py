@@ -476,8 +476,7 @@ def save_checkpoint(path, model, opt, state, record):
 def append_log(path, entry):
     """One JSON line at the end of the run's log, opened without following a link (O_NOFOLLOW): a link planted at
     the log's name is an error, not a way to write into another file."""
-    nofollow = getattr(os, "O_NOFOLLOW", 0)
-    with open(path, "a", opener=lambda p, flags: os.open(p, flags | nofollow)) as f:
+    with open(path, "a", opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW)) as f:
         f.write(json.dumps(entry) + "\n")
 
 
@@ -639,7 +638,7 @@ def own_run(paths, args):
     try:
         if args.rank == 0:
             os.makedirs(folder, exist_ok=True)
-            lock = open(paths["lock"], "a+", opener=lambda p, flags: os.open(p, flags | getattr(os, "O_NOFOLLOW", 0)))
+            lock = open(paths["lock"], "a+", opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW))
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
