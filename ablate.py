@@ -855,12 +855,9 @@ def time_spt_step(variant, size, device, dtype, steps, repeats):
 
 
 def bench(args):
-    """Time both BENCH_VARIANTS on one SPT step (time_spt_step), with the speed ratio fused / reference of this run:
-    writes and returns out/bench/<name>.{json,md}'s record. ValueError for a --size it cannot take."""
-    size = BENCH_SIZES.get(args.size) or tuple(int(v) for v in args.size.split(",") if v.strip().isdigit())
-    if len(size) != 6 or size[1] % size[3]:
-        raise ValueError(f"--size {args.size}: expected one of {', '.join(BENCH_SIZES)} or "
-                         f"L,d_model,layers,heads,MLP,batch (d_model divisible by heads)")
+    """Time both BENCH_VARIANTS on one SPT step (time_spt_step) at a size of BENCH_SIZES, with the speed ratio
+    fused / reference of this run: writes and returns out/bench/<name>.{json,md}'s record."""
+    size = BENCH_SIZES[args.size]
     device = pretrain.pick_device(args.device)
     dtype, _ = pretrain.pick_dtype("auto", device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
@@ -883,7 +880,7 @@ def bench(args):
         out["speed_ratio_fused_vs_reference"] = ms["reference"] / ms["fused"]
         lines += ["", f"Speed ratio, ours fused / torch.nn.TransformerEncoder, same run: "
                       f"**{out['speed_ratio_fused_vs_reference']:.2f}**."]
-    stem = args.name or f"{args.size.replace(',', 'x')}_L{size[0]}_{device.type}"
+    stem = args.name or f"{args.size}_L{size[0]}_{device.type}"
     save_table(os.path.join(args.out_dir, "bench", stem), "\n".join(lines), out)
     return out
 
@@ -1187,7 +1184,7 @@ SUBCOMMANDS = {  # name: (its function, help, its flags)
         flag("--epochs", type=data.POSITIVE, default=10, help="epochs of each stage"),
         flag("--batch_size", type=data.POSITIVE, default=32, help="trajectories per step")]),
     "bench": (bench, "time one SPT step: ours vs torch.nn.TransformerEncoder", OUT + DEVICE + [
-        flag("--size", default="cpu", help=f"one of {', '.join(BENCH_SIZES)}, or L,d_model,layers,heads,MLP,batch"),
+        flag("--size", default="cpu", choices=BENCH_SIZES, help="BENCH_SIZES: (L, d_model, layers, heads, MLP, batch)"),
         flag("--steps", type=data.POSITIVE, default=5, help="timed steps per repeat"),
         flag("--repeats", type=data.POSITIVE, default=5, help="the median over repeats is reported"),
         flag("--name", help="file name of the result (default: size, L and device type)")]),
