@@ -252,8 +252,7 @@ def main(argv=None):
     print(f"best validation masked loss {best['val_loss']:.4f} (step {best['step']}): {paths['best']}")
     if args.world_size > 1:
         dist.destroy_process_group()
-    print(f"next: python finetune.py --task {args.task} --init {paths['best']}, and --init scratch for the "
-          f"baseline\nto see SPT's effect on a CPU: python ablate.py demo")
+    print(f"next: python finetune.py --task {args.task} --init {paths['best']}, and --init scratch for the baseline")
 
 
 # ======================================================================================================
