@@ -525,10 +525,8 @@ def experiment_swap(args):
         print("CIFAR10 not found: the Image side of this experiment uses the Fashion-MNIST stand-in")
         image = "fashion_mnist"
     tasks = ("pathfinder", image)
-    budget = ["--max_steps", str(args.steps), "--eval_every", str(args.steps)] if args.steps else []
-    flags = {task: common_flags(args) + budget for task in tasks}
-    # Run folders name what differs from `main`'s runs of the same task (the preset's data and budget).
-    model = {task: "preset" + (f"_steps{args.steps}" if args.steps else "") for task in tasks}
+    flags = {task: common_flags(args) for task in tasks}
+    model = {task: "preset" for task in tasks}  # the folders of `main`'s runs, or of another PathFinder set's
     if args.n_images is not None:
         pf_dir = os.path.join(args.data_dir, "pfcurves", f"{args.difficulty}_n{args.n_images}")
         if not os.path.exists(data.split_path(pf_dir, "pathfinder")):
@@ -632,9 +630,6 @@ def experiment_frozen(args):
 def experiment_ucr(args):
     """Coser et al. Sec. 5: from scratch vs SPT on the --datasets found or downloaded (others skipped, said why);
     test accuracy on the TEST split at the best validation accuracy. --steps N: N steps a stage, its own runs."""
-    wrong = [name for name in args.datasets if f"ucr/{name}" not in data.TASKS]
-    if wrong:
-        raise ValueError(f"--datasets: {wrong[0]!r} is not a UCR data set name (letters, digits, '_' and '-')")
     done, skipped = prepared_tasks(args, [f"ucr/{name}" for name in args.datasets])
     found = [t[4:] for t in done]
     common = common_flags(args) + (["--max_steps", str(args.steps)] if args.steps else [])
@@ -865,14 +860,11 @@ def time_spt_step(variant, size, device, dtype, steps, repeats):
 
 
 def bench(args):
-    """Time both BENCH_VARIANTS on one SPT step (time_spt_step), with the speed ratio fused / reference of this run:
-    writes and returns out/bench/<name>.{json,md}'s record. ValueError for a --size it cannot take."""
-    size = BENCH_SIZES.get(args.size) or tuple(int(v) for v in args.size.split(",") if v.strip().isdigit())
-    if len(size) != 6 or size[1] % size[3]:
-        raise ValueError(f"--size {args.size}: expected one of {', '.join(BENCH_SIZES)} or "
-                         f"L,d_model,layers,heads,MLP,batch (d_model divisible by heads)")
+    """Time both BENCH_VARIANTS on one SPT step (time_spt_step) at a size of BENCH_SIZES, with the speed ratio
+    fused / reference of this run: writes and returns out/bench/<name>.{json,md}'s record."""
+    size = BENCH_SIZES[args.size]
     device = pretrain.pick_device(args.device)
-    dtype, _ = pretrain.pick_dtype(args.dtype, device)
+    dtype, _ = pretrain.pick_dtype("auto", device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     out = dict(size=dict(zip(("L", "d_model", "n_layers", "n_heads", "d_mlp", "batch"), size)), device=str(device),
                device_name=name, dtype=str(dtype), torch=torch.__version__, steps=args.steps, repeats=args.repeats,
@@ -893,7 +885,7 @@ def bench(args):
         out["speed_ratio_fused_vs_reference"] = ms["reference"] / ms["fused"]
         lines += ["", f"Speed ratio, ours fused / torch.nn.TransformerEncoder, same run: "
                       f"**{out['speed_ratio_fused_vs_reference']:.2f}**."]
-    stem = args.name or f"{args.size.replace(',', 'x')}_L{size[0]}_{device.type}"
+    stem = args.name or f"{args.size}_L{size[0]}_{device.type}"
     save_table(os.path.join(args.out_dir, "bench", stem), "\n".join(lines), out)
     return out
 
@@ -928,12 +920,12 @@ def gpu_data(task, folder, n):
 
 
 def gpu_run(task, stage, args):
-    """`stage` of `task`'s paper preset for args.steps steps on gpu_data in <out_dir>/gpu/<task>/: medians of
-    ms/step, real tokens/s and MFU (or None) over the log lines but the first, peak CUDA memory (GiB, or None).
-    ValueError when no line is left."""
+    """`stage` of `task`'s paper preset for args.steps steps on gpu_data (2,000 training examples) in
+    <out_dir>/gpu/<task>/: medians of ms/step, real tokens/s and MFU (or None) over the log lines but the first, peak
+    CUDA memory (GiB, or None). ValueError when no line is left."""
     folder = os.path.join(args.out_dir, "gpu", task)
     if not os.path.exists(data.split_path(folder, task)):
-        gpu_data(task, folder, args.n_train)
+        gpu_data(task, folder, 2000)
     flags = ["--task", task, "--data_dir", folder, "--out_dir", folder, "--preset", "paper", "--accept_data",
              "--max_steps", str(args.steps), "--eval_every", str(10 ** 9), "--no-eval_each_epoch",
              "--log_every", str(args.log_every), "--overwrite"] + (["--compile"] if args.compile else [])
@@ -1170,38 +1162,34 @@ SCHEME = [flag("--init_scheme", default="reference", choices=INIT_SCHEMES, help=
           flag("--download", action="store_true", help="download data not found locally")]
 LENGTH = [flag("--length", type=data.POSITIVE, default=100, help="synthetic trajectory length (own data and runs)")]
 TASK = [flag("--task", default="synthetic", choices=ABLATION_TASKS, help="the task")] + LENGTH
-STEPS = [flag("--steps", type=data.NON_NEGATIVE, default=0, help="steps of every stage (own runs); 0: the preset's")]
 SUBCOMMANDS = {  # name: (its function, help, its flags)
     "synthetic": (experiment_synthetic, "scratch vs SPT on the minimal model (Sec. 4)", RUNS + SCHEME + LENGTH),
     "init": (experiment_init, "hybrid initialization and freezing (Table 3)", RUNS + SCHEME + TASK),
     "posenc": (experiment_posenc, "ALiBi, RoPE, FIRE from scratch vs SPT (Sec. 4)", RUNS + SCHEME + TASK),
-    "pooling": (experiment_pooling, "mean, max and [CLS] pooling: scratch vs SPT at the demo's length (beyond the "
-                "paper)", RUNS + SCHEME + [flag("--n_layers", type=data.POSITIVE, default=1, help="model layers")]),
+    "pooling": (experiment_pooling, "mean, max and [CLS] pooling: scratch vs SPT (beyond the paper)", RUNS + SCHEME + [
+        flag("--n_layers", type=data.POSITIVE, default=1, help="model layers")]),
     "duration": (experiment_duration, "SPT epochs before finetuning (Sec. 3)", RUNS + SCHEME + TASK + [
         flag("--durations", type=data.POSITIVE, nargs="+", help="SPT epochs (default: 1 3 10 on cpu, 1 10 100 200)")]),
-    "swap": (experiment_swap, "dataset swap PathFinder <-> Image (Sec. 3)", RUNS + SCHEME + STEPS + [
+    "swap": (experiment_swap, "dataset swap PathFinder <-> Image (Sec. 3)", RUNS + SCHEME + [
         flag("--difficulty", default="hard", choices=tuple(data.PATHFINDER_DIFFICULTY), help="PathFinder side"),
         flag("--n_images", type=data.POSITIVE, help="PathFinder images generated (default: the preset's data)")]),
     "main": (experiment_main, "the LRA table (Table 2)", RUNS + SCHEME + [
         flag("--tasks", nargs="+", default=LRA_TASKS, choices=LRA_TASKS + ("pathx",), help="LRA tasks")]),
     "frozen": (experiment_frozen, "the deep model from scratch, attention frozen at init (Sec. 3)", RUNS + SCHEME + [
         flag("--tasks", nargs="+", choices=LRA_TASKS + ("fashion_mnist",), help="cpu: fashion_mnist, paper: LRA")]),
-    "ucr": (experiment_ucr, "UCR time series (Sec. 5)", RUNS + SCHEME + STEPS + [
+    "ucr": (experiment_ucr, "UCR time series (Sec. 5)", RUNS + SCHEME + [
+        flag("--steps", type=data.NON_NEGATIVE, default=0, help="steps of every stage (own runs); 0: the preset's"),
         flag("--datasets", nargs="+", default=UCR_DATASETS + UCR_OFFLINE, help="the UCR data sets to run")]),
-    "initscale": (experiment_initscale, "from scratch and SPT over init scale x length x tied/independent (beyond "
-                  "the paper)", seeded(2) + [
-        flag("--kinds", nargs="+", default=["reference", "torch"], choices=("reference", "torch"),
-             help="tied (reference) or independent (torch) projections at init"),
-        flag("--scales", type=data.POSITIVE_FLOAT, nargs="+", default=[0.125, 0.25, 0.5, 1.0, 2.0],
-             help="multiples of PyTorch's init"),
+    "initscale": (experiment_initscale, "scratch vs SPT over init scale and length (beyond the paper)", seeded(2) + [
+        flag("--kinds", nargs="+", default=["reference", "torch"], choices=("reference", "torch"), help="init schemes"),
+        flag("--scales", type=data.POSITIVE_FLOAT, nargs="+", default=[0.125, 0.25, 0.5, 1.0, 2.0], help="init scales"),
         flag("--lengths", type=data.POSITIVE, nargs="+", default=[100, 200, 400], help="trajectory lengths L"),
         flag("--n_train", type=data.POSITIVE, default=2000, help="training trajectories per length"),
         flag("--n_val", type=data.POSITIVE, default=500, help="validation (and test) trajectories per length"),
         flag("--epochs", type=data.POSITIVE, default=10, help="epochs of each stage"),
         flag("--batch_size", type=data.POSITIVE, default=32, help="trajectories per step")]),
     "bench": (bench, "time one SPT step: ours vs torch.nn.TransformerEncoder", OUT + DEVICE + [
-        flag("--size", default="cpu", help=f"one of {', '.join(BENCH_SIZES)}, or L,d_model,layers,heads,MLP,batch"),
-        flag("--dtype", default="auto", choices=("auto", "bf16", "fp32"), help="auto = bf16 on CUDA"),
+        flag("--size", default="cpu", choices=BENCH_SIZES, help="BENCH_SIZES: (L, d_model, layers, heads, MLP, batch)"),
         flag("--steps", type=data.POSITIVE, default=5, help="timed steps per repeat"),
         flag("--repeats", type=data.POSITIVE, default=5, help="the median over repeats is reported"),
         flag("--name", help="file name of the result (default: size, L and device type)")]),
@@ -1209,17 +1197,14 @@ SUBCOMMANDS = {  # name: (its function, help, its flags)
         flag("--tasks", nargs="+", default=list(GPU_TASKS), choices=GPU_TASKS, help="the presets to time"),
         flag("--steps", type=data.POSITIVE, default=300, help="steps per stage and task (the first is left out)"),
         flag("--log_every", type=data.POSITIVE, default=50, help="steps per log line (one figure each)"),
-        flag("--n_train", type=data.POSITIVE, default=2000, help="training examples of the stand-in data"),
         flag("--compile", action="store_true", help="torch.compile the model (pretrain.py --compile)")]),
-    "demo": (experiment_demo, "SPT's effect in one command on a CPU: from scratch vs SPT, attention, verdict",
-             OUT + DEVICE + DATA + [
+    "demo": (experiment_demo, "SPT's effect in one command on a CPU: scratch vs SPT", OUT + DEVICE + DATA + [
         flag("--length", type=data.POSITIVE, default=DEMO["L"], dest="L", help="trajectory length L"),
         flag("--seed", type=data.SEED, default=DEMO["seed"], help="seed of the three runs (data: seed 0)"),
         flag("--epochs", type=data.POSITIVE, default=DEMO["epochs"], help="epochs of each stage"),
         flag("--n_train", type=data.POSITIVE, default=DEMO["n_train"], help="training trajectories")]),
     "report": (report, "file the tables and figures of out/ into the pages of results/", OUT + [
-        flag("--results_dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-             help="the pages' folder")])}
+        flag("--results_dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))])}
 
 
 def build_parser():

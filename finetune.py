@@ -11,12 +11,9 @@ cross-entropy. Validation accuracy picks the weights tested. --inherit and --fre
     python finetune.py --task synthetic --init out/synthetic/pretrain.pt --inherit qk    # only W_Q, W_K from SPT
     python finetune.py --task image --init out/pathfinder/pretrain.pt    # dataset swap (both 1024 pixels)
 
-Reads data/<task>/{train,val,test}.pt and the --init checkpoint. Writes out/<task>/finetune_<name>.pt (best
-validation accuracy), _last.pt (for --resume), _init.pt (the starting weights), _log.jsonl and finetune_<name>.json
-(accuracy per evaluation, best validation, test and train accuracy, seed, wall time). <name> is "spt" or
-"scratch", with "_inherit-<groups>" / "_freeze-<groups>" when those are set.
-Expect on ListOps' CPU preset: near the majority class (the CPU budget does not leave the plateau); the paper
-reports ~0.56-0.59 with SPT against ~0.40 from scratch at the paper size. On the synthetic task see ablate.py demo.
+Reads data/<task>/{train,val,test}.pt and the --init checkpoint. Writes out/<task>/finetune_<name>.* (run_paths;
+the .json: accuracy per evaluation, best validation, test and train accuracy). <name> is "spt" or "scratch", with
+"_inherit-<groups>" / "_freeze-<groups>" when those are set. To see SPT's effect on a CPU: ablate.py demo.
 
 Reading order: INHERIT and FREEZE (Table 3's groups), hybrid_state_dict, model_from_pretrained, then main, whose
 loss_fn is the labels' cross-entropy through mean pooling; the loop is pretrain.train.
@@ -147,10 +144,8 @@ def finetune_parser():
     parser = build_parser("finetune", __doc__.split("\n")[0])
     parser.add_argument("--init", required=True, help="'scratch' or the path of a pretrain.py checkpoint")
     parser.add_argument("--name", default=None, help="run name in out/<task>/finetune_<name>.* (default spt/scratch)")
-    parser.add_argument("--inherit", default="all", choices=tuple(INHERIT),
-                   help="parameter groups taken from the SPT checkpoint; the rest is freshly initialized")
-    parser.add_argument("--freeze", default="none", choices=tuple(FREEZE),
-                   help="parameter groups kept at their initial values during finetuning")
+    parser.add_argument("--inherit", default="all", choices=tuple(INHERIT), help="INHERIT: groups taken from SPT")
+    parser.add_argument("--freeze", default="none", choices=tuple(FREEZE), help="FREEZE: groups kept at their init")
     return parser
 
 
@@ -217,12 +212,10 @@ def main(argv=None):
         train_acc, n_sub = train_accuracy(model, train_split, len(splits["val"]["labels"]), args)
         result_keys = ("stage", "task", "init", "data_meta", "same")
         result = dict(task=args.task, init=args.init, name=args.name, seed=args.seed, preset=args.preset,
-                      steps_per_epoch=best["n_batches"],
-                      init_scheme=model.cfg.init, init_scale=model.cfg.init_scale,
+                      steps_per_epoch=best["n_batches"], init_scheme=model.cfg.init, init_scale=model.cfg.init_scale,
                       init_std=model.cfg.init_std if model.cfg.init == "normal" else None,
                       best_step=best["step"], best_epoch=best["epoch"], best_val_acc=best["val_acc"],
-                      test_acc=test["acc"], train_acc=train_acc, train_acc_subset=n_sub,
-                      train_acc_rows="random, seed 0", evals=best["evals"],
+                      test_acc=test["acc"], train_acc=train_acc, train_acc_subset=n_sub, evals=best["evals"],
                       wall_time_s=best["elapsed_s"] + time.time() - t_trained,
                       source_sha256=meta.get("sha256"), label_names=meta.get("label_names"),
                       **{k: v for k, v in record.items() if k not in result_keys})

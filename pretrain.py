@@ -11,8 +11,7 @@ starts from the checkpoint with the best validation masked loss.
     python pretrain.py --task synthetic --snapshots    # the minimal model on trajectories
     torchrun --standalone --nproc_per_node=8 pretrain.py --task text   # several GPUs (DDP)
 
-Reads data/<task>/{train,val}.pt (made by data.py; here if missing). Writes out/<task>/pretrain.pt (best),
-pretrain_last.pt (for --resume), pretrain_init.pt (the weights at step 0) and pretrain_log.jsonl.
+Reads data/<task>/{train,val}.pt (made by data.py; here if missing). Writes out/<task>/pretrain*.* (run_paths).
 On ListOps' CPU preset SPT shows that the pipeline runs, not an SPT effect. To see SPT work on a CPU: ablate.py demo.
 
 Reading order: PRESETS, the SPT objective (mask_batch, reconstruction_loss, spt_loss_fn), main. Below the double
@@ -65,8 +64,7 @@ PRESETS = {
         model=dict(n_layers=1, d_model=32, n_heads=1, d_mlp=32, layernorm=False, mlp=False),
         data=dict(n_train=5000, n_val=1000, n_test=1000),
         **dict.fromkeys(("pretrain", "finetune"), dict(batch_size=64, lr=1e-3, warmup=0, epochs=15, eval_every=500)))),
-    # Every UCR data set (task ucr/<Name>; the paper gives no sizes). A budget in steps, not epochs: GunPoint's 40
-    # training series are 2 batches, and from scratch leaves chance level only after ~100-150 steps.
+    # Every UCR data set (task ucr/<Name>; the paper gives no sizes): a budget in steps, as sets have a few batches.
     "ucr": dict.fromkeys(("paper", "cpu"), dict(
         model=dict(n_layers=2, d_model=64, n_heads=4, d_mlp=128), data=dict(val_fraction=0.2),
         pretrain=dict(batch_size=32, lr=3e-3, warmup=20, epochs=10**6, eval_every=20,
@@ -103,13 +101,11 @@ PRESETS = {
     # none for PathX; their PathX config's 5e-4, both stages.
     "pathx": {
         "paper": dict(model=dict(n_layers=4, d_model=128, n_heads=4, d_mlp=128, pooling="max", attn_window=4096),
-                      data=dict(),
-                      pretrain=dict(batch_size=32, lr=5e-4, warmup=5000, epochs=200, eval_every=10**9),
-                      finetune=dict(batch_size=32, lr=5e-4, warmup=5000, epochs=200, eval_every=10**9)),
+                      data=dict(), **dict.fromkeys(("pretrain", "finetune"), dict(
+                          batch_size=32, lr=5e-4, warmup=5000, epochs=200, eval_every=10**9))),
         "cpu": dict(model=dict(n_layers=2, d_model=64, n_heads=4, d_mlp=128, pooling="max", attn_window=256),
-                    data=dict(generate_if_missing=200),
-                    pretrain=dict(batch_size=2, lr=1e-3, warmup=20, epochs=1000, eval_every=20, max_steps=20),
-                    finetune=dict(batch_size=2, lr=1e-3, warmup=20, epochs=1000, eval_every=20, max_steps=20))},
+                    data=dict(generate_if_missing=200), **dict.fromkeys(("pretrain", "finetune"), dict(
+                        batch_size=2, lr=1e-3, warmup=20, epochs=1000, eval_every=20, max_steps=20)))},
 }
 PRESETS["fashion_mnist"] = copy.deepcopy(PRESETS["image"])  # the offline stand-in for Image: the same sizes
 # Masking ratios: Amos et al.; Coser et al. Sec. 2 (pixels 50%, Text/Retrieval 15%, ListOps 10%). UCR: the paper
@@ -221,9 +217,7 @@ def pretrain_parser():
     parser.add_argument("--mask_ratio", type=number_at_least(float, 0.0, high=1.0), default=None,
                         help="fraction of positions masked (task default)")
     parser.add_argument("--rec_loss", default="mse", choices=("mse", "l1", "ce"),
-                        help="reconstruction loss for continuous inputs: MSE (the paper's), L1, or for pixel tasks "
-                             "ce = 256-way cross-entropy over the raw intensity (Amos et al.'s code); tokens always "
-                             "use cross-entropy over the vocabulary")
+                        help="of values and pixels (reconstruction_loss; ce: pixels only); tokens: always ce")
     return parser
 
 
@@ -258,8 +252,7 @@ def main(argv=None):
     print(f"best validation masked loss {best['val_loss']:.4f} (step {best['step']}): {paths['best']}")
     if args.world_size > 1:
         dist.destroy_process_group()
-    print(f"next: python finetune.py --task {args.task} --init {paths['best']}, and --init scratch for the "
-          f"baseline\nto see SPT's effect on a CPU: python ablate.py demo")
+    print(f"next: python finetune.py --task {args.task} --init {paths['best']}, and --init scratch for the baseline")
 
 
 # ======================================================================================================
@@ -271,13 +264,12 @@ MODEL_SIZE_FLAGS = ("n_layers", "d_model", "n_heads", "d_mlp")
 
 def build_parser(stage, description):
     """The flags every stage shares (defaults of None are filled from the preset by `resolve`)."""
-    p = data.ArgumentParser(description=description, formatter_class=HelpFormatter,
-                            epilog="A flag shown without a default takes the preset's value (pretrain.PRESETS).")
+    p = data.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                            epilog="A flag of default None takes the preset's value (pretrain.PRESETS).")
     p.add_argument("--task", required=True, choices=data.TASKS, help="which data set")
     p.add_argument("--data_dir", type=data.folder, default="data", help="root of data/<task>/*.pt")
     p.add_argument("--out_dir", type=data.folder, default="out", help="root of out/<task>/ checkpoints and logs")
-    p.add_argument("--preset", default="auto", choices=("auto", "cpu", "paper"),
-                   help="model and training size; auto = paper on CUDA, cpu otherwise")
+    p.add_argument("--preset", default="auto", choices=("auto", "cpu", "paper"), help="auto: paper on CUDA, else cpu")
     p.add_argument("--epochs", type=POSITIVE, default=None, help="passes over the training split")
     p.add_argument("--max_steps", type=NON_NEGATIVE, default=None, help="cap on optimizer steps (0 = no cap)")
     p.add_argument("--batch_size", type=POSITIVE, default=None, help="sequences per step")
@@ -285,39 +277,28 @@ def build_parser(stage, description):
     p.add_argument("--warmup", type=NON_NEGATIVE, default=None, help="linear warm-up steps, then constant")
     p.add_argument("--weight_decay", type=number_at_least(float, 0.0), default=None, help="AdamW weight decay")
     p.add_argument("--eval_every", type=POSITIVE, default=None, help="steps between validations and checkpoints")
-    p.add_argument("--eval_each_epoch", action=argparse.BooleanOptionalAction, default=None,
-                   help="also validate and checkpoint at the end of every epoch (default: yes, except UCR)")
+    p.add_argument("--eval_each_epoch", action=argparse.BooleanOptionalAction, default=None, help="also at epoch ends")
     p.add_argument("--log_every", type=POSITIVE, default=10, help="steps between log lines")
     p.add_argument("--seed", type=data.SEED, default=0, help="training seed: init, batch order, masks")
     p.add_argument("--device", default="auto", help="auto (cuda, mps, cpu) or a torch device string")
-    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
-                   help="auto = bf16 autocast where supported (CUDA), else fp32")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"), help="auto: bf16 on CUDA, else fp32")
     p.add_argument("--resume", action="store_true", help=f"continue from out/<task>/{stage}*_last.pt")
     p.add_argument("--overwrite", action="store_true", help="remove this run's old files first")
     p.add_argument("--snapshots", action="store_true", help="also keep a checkpoint at every evaluation")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (needs a working Triton)")
     g = p.add_argument_group("model (overrides the preset; a finetuning from a checkpoint uses the checkpoint's)")
-    for name, what in zip(MODEL_SIZE_FLAGS, ("Transformer blocks", "width of the residual stream",
-                                              "attention heads (must divide d_model)", "hidden width of the MLP")):
-        g.add_argument(f"--{name}", type=POSITIVE, default=None, help=what)
-    g.add_argument("--pos", default=None, choices=POSITIONS,
-                   help="positions (model.POSITIONS); the paper's are sinusoidal")
-    g.add_argument("--pooling", default=None, choices=POOLINGS,
-                   help="pooling for the class head (model.POOLINGS); the paper's is mean; cls: a summary token")
-    g.add_argument("--init_scheme", default=None, choices=INIT_SCHEMES,
-                   help="initialization (model.init_weights); default reference = Amos et al.'s code")
-    g.add_argument("--init_scale", type=POSITIVE_FLOAT, default=None,
-                   help="multiply every initialized weight (default 1)")
+    for name in MODEL_SIZE_FLAGS:  # model.ModelConfig's fields
+        g.add_argument(f"--{name}", type=POSITIVE, default=None)
+    g.add_argument("--pos", default=None, choices=POSITIONS, help="model.POSITIONS; the paper's: sinusoidal")
+    g.add_argument("--pooling", default=None, choices=POOLINGS, help="model.POOLINGS; the paper's: mean")
+    g.add_argument("--init_scheme", default=None, choices=INIT_SCHEMES, help="model.init_weights")
+    g.add_argument("--init_scale", type=POSITIVE_FLOAT, default=None, help="multiplies every initialized weight")
     d = p.add_argument_group("data (used when data/<task>/ is made, and checked against it when it exists)")
     d.add_argument("--max_len", type=POSITIVE, default=None, help="longest sequence kept (Text, Retrieval, ListOps)")
-    d.add_argument("--resolution", type=POSITIVE, default=None,
-                   help="PathFinder/PathX image side (32 / 128); Fashion-MNIST 32 or 16 (2x2 means)")
-    d.add_argument("--difficulty", default=None, choices=("easy", "intermediate", "hard"),
-                   help="PathFinder/PathX contour length 6 / 9 / 14 (default hard)")
-    d.add_argument("--download", action="store_true",
-                   help="download missing data (IMDb 84 MB, CIFAR-10 163 MB, Fashion-MNIST 30 MB, LRA 8.2 GB, UCR)")
-    d.add_argument("--accept_data", action="store_true",
-                   help="train on data/<task>/ even if its settings differ from the preset's (a warning)")
+    d.add_argument("--resolution", type=POSITIVE, default=None, help="image side (PathFinder, PathX, Fashion-MNIST)")
+    d.add_argument("--difficulty", default=None, choices=tuple(data.PATHFINDER_DIFFICULTY), help="PathFinder, PathX")
+    d.add_argument("--download", action="store_true", help="download missing data (LRA's release: 8.2 GB)")
+    d.add_argument("--accept_data", action="store_true", help="train on data of other settings (a warning)")
     return p
 
 
@@ -494,8 +475,7 @@ def save_checkpoint(path, model, opt, state, record):
 def append_log(path, entry):
     """One JSON line at the end of the run's log, opened without following a link (O_NOFOLLOW): a link planted at
     the log's name is an error, not a way to write into another file."""
-    nofollow = getattr(os, "O_NOFOLLOW", 0)
-    with open(path, "a", opener=lambda p, flags: os.open(p, flags | nofollow)) as f:
+    with open(path, "a", opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW)) as f:
         f.write(json.dumps(entry) + "\n")
 
 
@@ -657,7 +637,7 @@ def own_run(paths, args):
     try:
         if args.rank == 0:
             os.makedirs(folder, exist_ok=True)
-            lock = open(paths["lock"], "a+", opener=lambda p, flags: os.open(p, flags | getattr(os, "O_NOFOLLOW", 0)))
+            lock = open(paths["lock"], "a+", opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW))
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -713,12 +693,6 @@ def run_record(args, **fields):
 
 
 # ---- The command line every stage shares ----
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help with each flag's default, except None: those flags take the preset's value (pretrain.resolve)."""
-    def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
-
 
 def prepare_data(args, preset):
     """Load train/val/test of args.task onto args.device, made first if missing (by rank 0 under torchrun), and
