@@ -744,8 +744,9 @@ def experiment_pooling(args):
                                  analyze.command_line("ablate.py", args.argv))
     write_table(output, runs, rows, args, majority_note(data_dir, "synthetic"), "the demo's model and data; SPT "
                 f"10 epochs, finetuning {POOLING_EPOCHS}, batch 32; plateau: the epochs before val acc first rises "
-                "more than 0.02 above the majority rate; gradients on 64 training sequences at SPT's initial weights (with a class head drawn "
-                "from seed 0), per layer (layer 0 / 1): along = root mean square per sequence")
+                "more than 0.02 above the majority rate; score gradients on 64 training sequences at SPT's initial "
+                "weights (L_sup with a class head drawn from seed 0; L_SPT summed over a sequence's masked positions), "
+                "per layer (layer 0 / 1); along: the norm along Prop. 1's directions, root mean square per sequence")
 
 
 def experiment_initscale(args):
