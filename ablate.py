@@ -683,7 +683,7 @@ GRADIENT_COLUMNS = (("L_sup", "seq_along", "along, sequence rows"), ("L_SPT", "s
                     ("L_sup", "summary_row", "on the summary row"), ("L_sup", "prop1_share", "share, all rows"))
 
 
-def epochs_at_majority(result, majority, margin=0.02):
+def epochs_at_majority(result, majority, margin):
     """(epochs before validation accuracy first rose more than `margin` above the majority-class rate, whether it
     rose): the plateau's length, over a run's evaluations after step 0. Below that rate is still the plateau: a
     constant prediction of another class scores less."""
@@ -698,16 +698,18 @@ def epochs_at_majority(result, majority, margin=0.02):
 
 def experiment_pooling(args):
     """Beyond the paper: does removing Prop. 1's blind spot remove the plateau? Each of model.POOLINGS from scratch
-    and SPT then finetune (POOLING_EPOCHS each) on the demo's data: per seed, the epoch of crossing 0.9, the epochs at
-    the majority class, and L_sup's and L_SPT's score gradients on the same initial weights (pretrain's _init.pt), by
+    and SPT then finetune (POOLING_EPOCHS each) on the demo's data: per seed, the epoch of crossing 0.9, the
+    plateau's length (epochs_at_majority), and L_sup's and L_SPT's score gradients on the same initial weights (pretrain's _init.pt), by
     rows (analyze.loss_gradients); the curves in out/analysis/pooling[_layers<n>]_curves.png."""
-    data_dir = synthetic_data(os.path.join(args.data_dir, "demo_L300"), 2000, 500, 300)  # the demo's data
+    n_val = 500
+    data_dir = synthetic_data(os.path.join(args.data_dir, "demo_L300"), 2000, n_val, 300)  # the demo's data
     common = ["--data_dir", data_dir, "--preset", args.preset, "--device", args.device, "--init_scheme",
               args.init_scheme, "--accept_data", "--epochs", "10", "--batch_size", "32", "--eval_every", "100000",
               "--n_layers", str(args.n_layers)] + (["--max_steps", str(args.max_steps)] if args.max_steps else [])
     longer = ("--epochs", str(POOLING_EPOCHS))
     layers = f"_layers{args.n_layers}" if args.n_layers != 1 else ""
     output, runs, majority = "pooling" + layers, [], majority_rate(data_dir, "synthetic")
+    margin = 3 * math.sqrt(majority * (1 - majority) / n_val)  # 3 standard errors of a constant prediction's accuracy
     for seed, pooling in ((seed, p) for seed in seeds_here(args, output, ("synthetic", common)) for p in
                           model_lib.POOLINGS):
         folder = os.path.join(args.out_dir, "ablate", args.init_scheme, f"pooling_L300_e{POOLING_EPOCHS}" + layers,
@@ -717,7 +719,7 @@ def experiment_pooling(args):
         grads = analyze.loss_gradients(pretrain.run_paths(folder, "synthetic", "pretrain")["init"], data_dir)
         for name, result in results.items():
             runs.append(summary(seed, result, pooling=pooling, name=name, gradients=grads,
-                                at_majority=epochs_at_majority(result, majority),
+                                at_majority=epochs_at_majority(result, majority, margin),
                                 curve=[(e["step"] / result["steps_per_epoch"], e["val_acc"])
                                        for e in result["evals"]]))
     rows = md_table(["pooling", "run", "val acc", "test acc", f"epoch val acc >= 0.9 (runs, of {POOLING_EPOCHS})"],
@@ -744,7 +746,7 @@ def experiment_pooling(args):
                                  analyze.command_line("ablate.py", args.argv))
     write_table(output, runs, rows, args, majority_note(data_dir, "synthetic"), "the demo's model and data; SPT "
                 f"10 epochs, finetuning {POOLING_EPOCHS}, batch 32; plateau: the epochs before val acc first rises "
-                "more than 0.02 above the majority rate; score gradients on 64 training sequences at SPT's initial "
+                f"more than {margin:.3f} (3 standard errors of a constant prediction) above the majority rate; score gradients on 64 training sequences at SPT's initial "
                 "weights (L_sup with a class head drawn from seed 0; L_SPT summed over a sequence's masked positions), "
                 "per layer (layer 0 / 1); along: the norm along Prop. 1's directions, root mean square per sequence")
 

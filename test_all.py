@@ -1048,9 +1048,9 @@ def test_ablate_synthetic_init_and_posenc_run_and_read_their_runs_back(synthetic
 
 def test_epochs_at_majority_counts_the_epochs_before_validation_accuracy_first_rises_above_it():
     evals = lambda *accs: dict(steps_per_epoch=10, evals=[dict(step=10 * i, val_acc=a) for i, a in enumerate(accs)])
-    assert ablate.epochs_at_majority(evals(0.9, 0.51, 0.515, 0.6, 0.5), 0.5) == (2.0, True)  # step 0 not counted
-    assert ablate.epochs_at_majority(evals(0.5, 0.3, 0.515), 0.5) == (2.0, False)  # below: still the plateau
-    assert ablate.epochs_at_majority(evals(0.5, 0.9), 0.5) == (0.0, True)
+    assert ablate.epochs_at_majority(evals(0.9, 0.51, 0.515, 0.6, 0.5), 0.5, 0.02) == (2.0, True)  # not step 0
+    assert ablate.epochs_at_majority(evals(0.5, 0.3, 0.515), 0.5, 0.02) == (2.0, False)  # below: still the plateau
+    assert ablate.epochs_at_majority(evals(0.5, 0.9), 0.5, 0.02) == (0.0, True)
 
 
 def test_ablate_demo_summary_holds_its_runs_numbers_and_its_verdict_follows_plateau_exit_epoch(tmp_path, capsys):
