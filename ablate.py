@@ -699,8 +699,8 @@ def epochs_at_majority(result, majority, margin):
 def experiment_pooling(args):
     """Beyond the paper: does removing Prop. 1's blind spot remove the plateau? Each of model.POOLINGS from scratch
     and SPT then finetune (POOLING_EPOCHS each) on the demo's data: per seed, the epoch of crossing 0.9, the
-    plateau's length (epochs_at_majority), and L_sup's and L_SPT's score gradients on the same initial weights (pretrain's _init.pt), by
-    rows (analyze.loss_gradients); the curves in out/analysis/pooling[_layers<n>]_curves.png."""
+    plateau's length (epochs_at_majority), and L_sup's and L_SPT's score gradients on the same initial weights
+    (pretrain's _init.pt), by rows (analyze.loss_gradients); curves in out/analysis/pooling[_layers<n>]_curves.png."""
     n_val = 500
     data_dir = synthetic_data(os.path.join(args.data_dir, "demo_L300"), 2000, n_val, 300)  # the demo's data
     common = ["--data_dir", data_dir, "--preset", args.preset, "--device", args.device, "--init_scheme",
@@ -746,9 +746,10 @@ def experiment_pooling(args):
                                  analyze.command_line("ablate.py", args.argv))
     write_table(output, runs, rows, args, majority_note(data_dir, "synthetic"), "the demo's model and data; SPT "
                 f"10 epochs, finetuning {POOLING_EPOCHS}, batch 32; plateau: the epochs before val acc first rises "
-                f"more than {margin:.3f} (3 standard errors of a constant prediction) above the majority rate; score gradients on 64 training sequences at SPT's initial "
-                "weights (L_sup with a class head drawn from seed 0; L_SPT summed over a sequence's masked positions), "
-                "per layer (layer 0 / 1); along: the norm along Prop. 1's directions, root mean square per sequence")
+                f"more than {margin:.3f} (3 standard errors of a constant prediction) above the majority rate; score "
+                "gradients on 64 training sequences at SPT's initial weights (L_sup with a class head drawn from seed "
+                "0; L_SPT summed over a sequence's masked positions), per layer (layer 0 / 1); along: the norm along "
+                "Prop. 1's directions, root mean square per sequence")
 
 
 def experiment_initscale(args):
