@@ -47,6 +47,7 @@ import model as model_lib
 import pretrain
 from model import ModelConfig, Transformer, checkpoint_dict
 
+HERE = os.path.dirname(os.path.abspath(__file__))  # the project's folder
 
 # ----------------------------------------------------------------------------------------------------------
 # Fixtures: a tiny ListOps data set in the real release format, and tiny models
@@ -233,41 +234,6 @@ def test_heads_run_in_float32_under_bf16_autocast_so_close_outputs_do_not_tie(li
 # Masked reconstruction
 # ----------------------------------------------------------------------------------------------------------
 
-def test_mask_batch_masks_only_real_tokens_at_least_one_each():
-    """Tokens: masked ids become mask_id. Values: zeroed, and an indicator channel appended. Padding is never
-    masked; every row gets one at least (length 1: its only position). The rates: test_exercise_masking."""
-    tokens, lengths = torch.randint(2, 17, (64, 30)), torch.randint(1, 31, (64,))
-    g = torch.Generator().manual_seed(0)
-    inputs, masked = pretrain.mask_batch(tokens, lengths, 0.1, data.MASK_ID, g)
-    assert not (masked & ~(torch.arange(30) < lengths[:, None])).any() and masked.sum(1).min() >= 1
-    assert (inputs[masked] == data.MASK_ID).all() and torch.equal(inputs[~masked], tokens[~masked])
-    x = torch.randn(4, 10, 2)
-    inputs, masked = pretrain.mask_batch(x, torch.tensor([10, 10, 5, 1]), 0.5, None, g)
-    assert inputs.shape == (4, 10, 3) and torch.equal(inputs[..., 2], masked.float())
-    assert (inputs[masked][:, :2] == 0).all() and torch.equal(inputs[~masked][:, :2], x[~masked])
-    assert masked[3].tolist() == [True] + [False] * 9
-
-
-@instructors_only
-def test_reconstruction_loss_is_the_mean_over_the_masked_positions_of_the_outputs():
-    """reconstruction_loss of Transformer.reconstruct (every position): the mean of -log softmax at the masked
-    positions, by brute force from encode and the head, with the brute force's gradient; padding changes nothing."""
-    torch.manual_seed(0)
-    model = Transformer(tiny_cfg(n_rec=17)).eval()
-    tokens, lengths = torch.randint(2, 17, (3, 10)), torch.tensor([10, 6, 3])
-    masked = torch.zeros(3, 10, dtype=torch.bool)
-    masked[0, [1, 4]] = masked[1, 5] = masked[2, 0] = True
-    inputs = tokens.masked_fill(masked, data.MASK_ID)
-    loss = pretrain.reconstruction_loss(model.reconstruct(inputs, lengths), tokens, masked)
-    logits = model.rec_head(model.encode(inputs, lengths)[0])
-    brute = torch.stack([-torch.log_softmax(logits[b, t], -1)[tokens[b, t]] for b, t in masked.nonzero().tolist()])
-    assert torch.allclose(loss, brute.mean(), atol=1e-6)
-    w = model.blocks[0].attn.q_proj.weight
-    assert torch.allclose(torch.autograd.grad(loss, w)[0], torch.autograd.grad(brute.mean(), w)[0], atol=1e-6)
-    inputs[2, 3:] = 5  # padding
-    assert torch.allclose(pretrain.reconstruction_loss(model.reconstruct(inputs, lengths), tokens, masked), loss)
-
-
 @pytest.fixture
 def masks_on_meta(monkeypatch):
     """The meta device has no random generator: the masks' generator is a CPU one, their draws moved there."""
@@ -284,39 +250,35 @@ def masks_on_meta(monkeypatch):
         *shape, generator=generator, **kw).to(device))
 
 
-def test_the_training_step_of_spt_on_values_never_waits_for_the_device(synthetic_run, masks_on_meta):
-    """pretrain.spt_loss_fn on continuous values and its backward on PyTorch's meta device (shapes, no values; the
-    lengths on the CPU, as data.get_batch keeps them), where any read of a device value on the host raises."""
-    split = data.load_split(synthetic_run[0], "synthetic", "train")
-    model = Transformer(tiny_cfg(vocab_size=0, n_rec=2, d_input=3, max_len=split["meta"]["max_len"])).to("meta")
+@pytest.mark.parametrize("task", ["listops", "synthetic"])
+def test_a_whole_optimizer_step_of_either_stage_never_waits_for_the_device(task, listops_dir, synthetic_run,
+                                                                           masks_on_meta, tmp_path):
+    """pretrain.train's steps (batch, lr, loss, backward, AdamW, the meter) on PyTorch's meta device (shapes, no
+    values; the lengths on the CPU, as data.get_batch keeps them), where any read of a device value on the host
+    raises: three steps of the SPT loss (tokens, values) and of the finetuning loss (tokens) run, and the first value
+    read is the log line's loss."""
+    split = data.load_split(listops_dir if task == "listops" else synthetic_run[0], task, "train")
+    tokens = split["meta"]["kind"] == "tokens"
+    n_rec = split["meta"]["vocab_size" if tokens else "d_input"]  # values: SPT's input has an indicator channel more
+    model = Transformer(tiny_cfg(vocab_size=n_rec if tokens else 0, d_input=n_rec + 1, n_classes=10, n_rec=n_rec,
+                                 max_len=split["meta"]["max_len"])).to("meta")
     args = argparse.Namespace(device=torch.device("meta"), dtype=torch.float32, seed=0, mask_ratio=0.3,
-                              rec_loss="mse", rank=0, world_size=1, pad_multiple=64)
-    loss_sum, n = pretrain.spt_loss_fn(model, split, args)(data.batch_indices(split["lengths"], 8, True)[0], 0)
-    (loss_sum / n).backward()
-    assert loss_sum.device.type == "meta" and model.blocks[0].attn.q_proj.weight.grad is not None
-    with pytest.raises(NotImplementedError):  # the check can fail: the outputs at the masked positions
-        loss_sum.new_zeros(2, 4)[torch.ones(2, 4, dtype=torch.bool, device="meta")]
-
-
-def test_a_whole_optimizer_step_of_either_stage_never_waits_for_the_device(listops_dir, masks_on_meta, tmp_path):
-    """pretrain.train's steps (batch, lr, loss, backward, AdamW, the meter) on the meta device: three steps
-    of the finetuning loss and of the SPT loss on tokens run, and the first value read is the log line's loss."""
-    split = data.load_split(listops_dir, "listops", "train")
-    model = Transformer(tiny_cfg(vocab_size=split["meta"]["vocab_size"], n_classes=10,
-                                 n_rec=split["meta"]["vocab_size"], max_len=128)).to("meta")
-    args = argparse.Namespace(device=torch.device("meta"), dtype=torch.float32, seed=0, mask_ratio=0.3, rec_loss="ce",
-                              rank=1, world_size=1, lr=1e-3, warmup=2, weight_decay=0.0, epochs=1,
-                              max_steps=3, batch_size=8, log_every=3, eval_every=10 ** 6, eval_each_epoch=False,
-                              resume=False, snapshots=False)  # rank 1: a process that writes no file
+                              rec_loss="ce" if tokens else "mse", rank=1, world_size=1, lr=1e-3, warmup=2,
+                              weight_decay=0.0, epochs=1, max_steps=3, batch_size=8, log_every=3,
+                              eval_every=10 ** 6, eval_each_epoch=False, resume=False, snapshots=False,
+                              pad_multiple=64)  # rank 1: a process that writes no file
 
     def classification_loss(idx, step):  # finetune.py's loss_fn
         x, lengths, labels = data.get_batch(split, idx, "meta")
         return F.cross_entropy(model(x, lengths).float(), labels, reduction="sum"), torch.ones_like(labels).sum()
-    for loss_fn in (classification_loss, pretrain.spt_loss_fn(model, split, args)):
+    loss_fns = [pretrain.spt_loss_fn(model, split, args)]
+    if tokens:
+        loss_fns.append(classification_loss)
+    for loss_fn in loss_fns:
         steps = []
         with pytest.raises(RuntimeError, match="meta"):
             pretrain.train(model, {"train": split}, args, lambda idx, step: steps.append(step) or loss_fn(idx, step),
-                           lambda step: {"val_loss": 1.0}, pretrain.run_paths(str(tmp_path), "listops", "pretrain"),
+                           lambda step: {"val_loss": 1.0}, pretrain.run_paths(str(tmp_path), task, "pretrain"),
                            dict(same={}), "val_loss", False)
         assert steps == [0, 1, 2]
 
@@ -380,7 +342,7 @@ def test_pretrain_then_finetune_end_to_end(listops_dir, tmp_path, monkeypatch):
     assert res["torch_version"] == str(torch.__version__) and res["threads"] == torch.get_num_threads()
     assert res["data_sha256"] == {s: data.load_split(listops_dir, "listops", s)["tensors_sha256"] for s in data.SPLITS}
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+                          cwd=HERE).stdout.strip() or None
     assert res["config"]["seed"] == 0 and res["git_commit"] == head
     losses = [[e["loss"] for e in run if "loss" in e] for run in (log, spt(str(tmp_path / "b")),
                                                                   spt(str(tmp_path / "c"), "--seed", "1"))]
@@ -475,10 +437,10 @@ def test_weight_decay_and_lr_reach_the_optimizer(listops_dir, tmp_path):
 
 def test_readme_quickstart_matches_ci():
     """The README's quickstart commands are exactly the lines .ci/run executes."""
-    readme = open(os.path.join(os.path.dirname(__file__), "README.md")).read()
+    readme = open(os.path.join(HERE, "README.md")).read()
     block = readme.split("## Quickstart")[1].split("```bash\n")[1].split("```")[0]
     commands = [line for line in block.splitlines() if line.strip()]
-    ci = open(os.path.join(os.path.dirname(__file__), ".ci", "run")).read().splitlines()
+    ci = open(os.path.join(HERE, ".ci", "run")).read().splitlines()
     assert len(commands) == 2 and [c for c in commands if c in ci] == commands, commands
 
 
@@ -501,10 +463,9 @@ def project_imports(source):
 
 
 def test_imports_follow_the_order_data_model_pretrain_finetune_analyze_ablate():
-    here = os.path.dirname(os.path.abspath(__file__))
     assert project_imports("def f():\n    from pretrain import train\n    import model as m\n") == {"pretrain", "model"}
     for name, rank in STAGE_ORDER.items():
-        deps = project_imports(open(os.path.join(here, name + ".py")).read())
+        deps = project_imports(open(os.path.join(HERE, name + ".py")).read())
         if rank == 0:  # the two libraries import no stage, nor each other
             assert deps == set(), (name, deps)
         later = {d for d in deps if STAGE_ORDER[d] >= rank}
@@ -512,8 +473,7 @@ def test_imports_follow_the_order_data_model_pretrain_finetune_analyze_ablate():
 
 
 def test_pretrain_reads_spt_first_and_the_engine_after():
-    here = os.path.dirname(os.path.abspath(__file__))
-    source = open(os.path.join(here, "pretrain.py")).read()
+    source = open(os.path.join(HERE, "pretrain.py")).read()
     tree = ast.parse(source)
     lines = {n.name: n.lineno for n in tree.body if isinstance(n, ast.FunctionDef)}
     assert lines["mask_batch"] <= 150
@@ -521,7 +481,7 @@ def test_pretrain_reads_spt_first_and_the_engine_after():
     engine = source.index("# ==== The engine both stages share (a first reading can stop here)")
     assert source[:engine].count("\ndef ") == sum(1 for n, at in lines.items() if at < source[:engine].count("\n"))
     # One training step reads in about 200 lines: train and what it reaches in pretrain.py and data.py by name.
-    defs = {n.name: n for f in ("data.py", "pretrain.py") for n in ast.parse(open(os.path.join(here, f)).read()).body
+    defs = {n.name: n for f in ("data.py", "pretrain.py") for n in ast.parse(open(os.path.join(HERE, f)).read()).body
             if isinstance(n, ast.FunctionDef)}
     reached, todo = {}, ["train"]
     while todo:
@@ -542,8 +502,7 @@ DATA_CONTRACT = ("PAD_ID", "MASK_ID", "SPLITS", "save_atomic", "load_pt", "TaskN
 def test_data_py_holds_data_its_contract_on_top_and_no_module_keeps_run_state():
     """data.py defines DATA_CONTRACT before any source's code and imports none of the engine's modules (DDP, the run
     lock, signals, git: pretrain.py). No module keeps a run in a global (own_run keeps its own dict)."""
-    folder = os.path.dirname(os.path.abspath(__file__))
-    tree = ast.parse(open(os.path.join(folder, "data.py")).read())
+    tree = ast.parse(open(os.path.join(HERE, "data.py")).read())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | {
         n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     engine = {"torch.distributed", "torch.nn.parallel", "fcntl", "signal", "subprocess"}
@@ -560,7 +519,7 @@ def test_data_py_holds_data_its_contract_on_top_and_no_module_keeps_run_state():
     late = {name: line[name] for name in DATA_CONTRACT if line[name] > first_source}
     assert not late, f"defined after the first source-specific code (line {first_source}): {late}"
     for name in ("data.py", "model.py", "pretrain.py", "finetune.py"):
-        tree = ast.parse(open(os.path.join(folder, name)).read())
+        tree = ast.parse(open(os.path.join(HERE, name)).read())
         assert not any(isinstance(n, ast.Global) for n in ast.walk(tree)), name
         empty = [n for n in tree.body if isinstance(n, ast.Assign) and (isinstance(n.value, ast.Dict) and not
                  n.value.keys or isinstance(n.value, ast.List) and not n.value.elts)]  # filled at run time
@@ -1235,14 +1194,13 @@ def test_ablate_jobs_runs_each_seed_in_a_child_and_a_length_variant_has_its_own_
 def test_two_process_ddp_matches_one_process(listops_dir, tmp_path):
     """torchrun with 2 CPU processes (gloo) trains the same weights as 1 process with the same global batch, in
     either stage; finetuning's (reduced) accuracies agree too."""
-    here = os.path.dirname(os.path.abspath(__file__))
     args = ["--task", "listops", "--data_dir", listops_dir, "--max_steps", "4", "--eval_every", "2",
             "--accept_data"] + TINY  # the subprocesses do not see this file's patch of the data check
     for main, stage, extra in ((pretrain.main, "pretrain", []), (finetune.main, "finetune", ["--init", "scratch"])):
         main(args + extra + ["--out_dir", str(tmp_path / "one")])
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                               os.path.join(here, f"{stage}.py")] + args + extra + ["--out_dir", str(tmp_path / "two")],
-                              cwd=here, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                               os.path.join(HERE, f"{stage}.py")] + args + extra + ["--out_dir", str(tmp_path / "two")],
+                              cwd=HERE, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                               timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         last = "pretrain_last.pt" if stage == "pretrain" else "finetune_scratch_last.pt"
@@ -3777,9 +3735,8 @@ def syn_flags(data_dir, out, *extra):
 
 def stage_process(*argv):
     """A stage (pretrain.py, finetune.py) in its own process with one thread: Popen, stdout to /dev/null."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    return subprocess.Popen([sys.executable, os.path.join(here, argv[0]), *argv[1:]], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, cwd=here, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    return subprocess.Popen([sys.executable, os.path.join(HERE, argv[0]), *argv[1:]], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, cwd=HERE, env=dict(os.environ, OMP_NUM_THREADS="1"),
                             start_new_session=True)
 
 
@@ -4008,10 +3965,9 @@ def test_faults_end_in_one_line_naming_the_last_checkpoint(synthetic_run, tmp_pa
     def limit():
         os.setsid()
         resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))  # Python ignores SIGXFSZ: writes fail
-    here = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.run([sys.executable, os.path.join(here, "pretrain.py"),
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "pretrain.py"),
                            *syn_flags(data_dir, str(tmp_path / "full"), "--d_model", "64")],
-                          capture_output=True, text=True, cwd=here, preexec_fn=limit, timeout=120)
+                          capture_output=True, text=True, cwd=HERE, preexec_fn=limit, timeout=120)
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: "), proc.stderr
     assert ".pt" in proc.stderr and not glob_tmp(str(tmp_path / "full"))
 
@@ -4075,10 +4031,9 @@ def test_ablate_jobs_children_die_with_their_parent_and_the_parent_names_them(tm
     the kernel stops them (Linux, PR_SET_PDEATHSIG)."""
     if sys.platform != "linux":
         pytest.skip("PR_SET_PDEATHSIG is Linux's")
-    here = os.path.dirname(os.path.abspath(__file__))
     for how in (signal.SIGTERM, signal.SIGKILL):
         out = tmp_path / f"out_{how}"
-        parent = subprocess.Popen([sys.executable, os.path.join(here, "ablate.py"), "synthetic", "--jobs", "2",
+        parent = subprocess.Popen([sys.executable, os.path.join(HERE, "ablate.py"), "synthetic", "--jobs", "2",
                                    "--seeds", "2", "--data_dir", str(tmp_path / "data"), "--out_dir", str(out),
                                    "--device", "cpu"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         logs, deadline = [out / "ablate" / f"synthetic_seed{s}.log" for s in (0, 1)], time.time() + 120
