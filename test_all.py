@@ -76,6 +76,11 @@ def tiny_cfg(**kw):
     return ModelConfig(**base)
 
 
+def file_bytes(folder):
+    """{path: bytes} of every file under `folder`: what a refused command must leave as it was."""
+    return {os.path.join(d, f): open(os.path.join(d, f), "rb").read() for d, _, fs in os.walk(folder) for f in fs}
+
+
 def instructors_only(test):
     """Mark `test` as the instructor's: a grader, or a test that computes an exercise's answer by its own formula or
     loop. write_starter leaves it out of a student's copy (README, Exercises)."""
@@ -308,8 +313,8 @@ def test_lr_schedule_is_linear_warmup_then_constant():
 # ----------------------------------------------------------------------------------------------------------
 
 def test_pretrain_then_finetune_end_to_end(listops_dir, tmp_path, monkeypatch):
-    """SPT, then finetuning from it and from scratch, never on the explicit attention path: the backbone is handed
-    on exactly, the results record what made them, and the same seed gives the same losses."""
+    """SPT, then finetuning from it and from scratch, never on the explicit attention path: the results record what
+    made them, and the same seed gives the same losses."""
     monkeypatch.setattr(model_lib.Attention, "explicit_attention", lambda *a, **k: 1 / 0)
 
     def spt(out, *extra):  # a 6-step SPT run in `out`: its log
@@ -322,17 +327,8 @@ def test_pretrain_then_finetune_end_to_end(listops_dir, tmp_path, monkeypatch):
     ck = data.load_pt(os.path.join(out, "listops", "pretrain.pt"))
     assert ck["stage"] == "pretrain" and ck["data_meta"]["vocab"] == data.LISTOPS_VOCAB
     assert [e["step"] for e in log if "val_loss" in e] == [0, 3, 6]
-    # pretrain -> finetune transfers every backbone tensor exactly; only the heads differ
-    meta = data.load_split(listops_dir, "listops", "train")["meta"]
-    sd = finetune.model_from_pretrained(ck, meta, 10, "listops").state_dict()
-    for key, value in ck["model"].items():
-        if key.startswith("rec_head."):
-            assert key not in sd
-        else:
-            assert torch.equal(sd[key], value), key
-    assert set(sd) - set(ck["model"]) == {"cls_head.weight", "cls_head.bias"}
     with pytest.raises(ValueError, match="pretrain.py"):  # a finetuning's checkpoint is not an SPT one
-        finetune.model_from_pretrained(dict(ck, stage="finetune"), meta, 10, "listops")
+        finetune.model_from_pretrained(dict(ck, stage="finetune"), ck["data_meta"], 10, "listops")
     finetune.main(common + ["--init", os.path.join(out, "listops", "pretrain.pt"), "--max_steps", "4",
                             "--eval_every", "2"])
     finetune.main(common + ["--init", "scratch", "--max_steps", "4", "--eval_every", "2"])
@@ -751,9 +747,7 @@ def synthetic_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("syn")
     data_dir, out = str(root / "data"), str(root / "out")
     data.prepare_synthetic(data_dir, n_train=64, n_val=32, n_test=32, length=20)
-    pretrain.main(["--task", "synthetic", "--data_dir", data_dir, "--out_dir", out, "--batch_size", "16",
-                   "--max_steps", "6", "--eval_every", "3", "--lr", "1e-2", "--device", "cpu", "--snapshots",
-                   "--accept_data"])  # tiny on purpose
+    pretrain.main(syn_flags(data_dir, out, "--lr", "1e-2", "--snapshots"))
     return data_dir, out
 
 
@@ -1245,12 +1239,9 @@ def test_ablate_reads_back_a_finished_run_only_if_it_is_the_run_asked_for(synthe
     data_dir, _ = synthetic_run
     folder, common = str(tmp_path / "run"), ["--data_dir", data_dir, "--max_steps", "2", "--device", "cpu",
                                              "--accept_data", "--no-eval_each_epoch"]
-
-    def files():
-        return {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
     spt = ablate.run_pretrain("synthetic", folder, 0, common)
     first = ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common)
-    before = files()
+    before = file_bytes(folder)
     for stage, flags, flag in (("finetune", common + ["--max_steps", "3"], "--max_steps"),
                                ("finetune", common + ["--eval_each_epoch"], "--eval_each_epoch"),
                                ("finetune", common + ["--pos", "alibi"], "--pos"),
@@ -1263,9 +1254,9 @@ def test_ablate_reads_back_a_finished_run_only_if_it_is_the_run_asked_for(synthe
                 ablate.run_pretrain("synthetic", folder, 0, flags)
             else:
                 ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", flags)
-        assert files() == before
+        assert file_bytes(folder) == before
     assert ablate.run_finetune("synthetic", folder, 0, "scratch", "scratch", common) == first  # read back
-    assert ablate.run_pretrain("synthetic", folder, 0, common) == spt and files() == before  # finished: kept
+    assert ablate.run_pretrain("synthetic", folder, 0, common) == spt and file_bytes(folder) == before  # finished: kept
 
 
 def test_data_settings_of_the_preset_are_checked_against_the_data_and_the_printed_command_fixes_it(tmp_path,
@@ -1468,7 +1459,6 @@ class _CutHandler(http.server.SimpleHTTPRequestHandler):
 @pytest.fixture
 def http_root(tmp_path):
     """An HTTP server on 127.0.0.1 serving tmp_path/www, in a thread. Yields (folder, base URL)."""
-    import threading
     root = tmp_path / "www"
     root.mkdir()
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_CutHandler, directory=str(root)))
@@ -3651,9 +3641,6 @@ def test_report_files_each_table_and_figure_into_its_region_and_keeps_the_rest(t
 
     def run():
         ablate.main(["report", "--out_dir", str(out), "--results_dir", str(results)])
-
-    def pages():
-        return {p: p.read_bytes() for p in results.rglob("*") if p.is_file()}
     (results / "swap.md").write_text("# Swap\n\nHand text.\n\n<!-- table from out/ablate/swap.md -->\nold\n"
                                      "<!-- end table -->\n\nMore hand text.\n")
     (results / "ucr_Old.md").write_text("# Old\n\n<!-- table from out/ablate/ucr_Old.md -->\nold\n<!-- end table -->\n")
@@ -3676,14 +3663,14 @@ def test_report_files_each_table_and_figure_into_its_region_and_keeps_the_rest(t
     assert (results / "README.md").read_text().splitlines()[4:] == [  # the index, in the paper's order
         "- [Swap](swap.md)", f"- [{ablate.TITLES['duration']}](duration.md)", "- [Old](ucr_Old.md)",
         "- [Figures](figures.md)", "- [Performance](performance.md)"]
-    done = pages()
+    done = file_bytes(results)
     run()
-    assert pages() == done  # a second report changes nothing
+    assert file_bytes(results) == done  # a second report changes nothing
     (out / "ablate" / "swap.md").write_text("new rows\n")
     (out / "analysis" / "bad.png").write_bytes(b"\x89PNG stand-in")
     with pytest.raises(OSError, match="bad.png"):  # not a PNG: refused, named, before anything is written
         run()
-    assert pages() == done
+    assert file_bytes(results) == done
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -3787,7 +3774,7 @@ def test_one_run_per_folder(synthetic_run, tmp_path):
     pretrain.main(flags)
     folder = os.path.join(out, "synthetic")
     snapshot_of_seed_0 = os.path.join(folder, "pretrain_step3.pt")
-    files = {f: open(os.path.join(folder, f), "rb").read() for f in os.listdir(folder)}
+    files = file_bytes(folder)
     with open(os.path.join(folder, "pretrain.lock"), "a+") as holder:  # a live run holds its lock
         fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
         for extra in ([], ["--resume"], ["--overwrite"]):
@@ -3797,7 +3784,7 @@ def test_one_run_per_folder(synthetic_run, tmp_path):
         pretrain.main(flags)
     with pytest.raises(ValueError, match="--resume.*--overwrite"):
         pretrain.main(flags + ["--resume", "--overwrite"])
-    assert {f: open(os.path.join(folder, f), "rb").read() for f in os.listdir(folder)} == files
+    assert file_bytes(folder) == files
     open(os.path.join(folder, "pretrain_last.pt.12345.tmp"), "wb").close()  # a killed write's temporary
     pretrain.main(syn_flags(data_dir, out, "--overwrite", "--seed", "1", "--eval_every", "6"))
     assert not os.path.exists(snapshot_of_seed_0) and not glob_tmp(out)
@@ -3828,11 +3815,11 @@ def test_a_run_name_stays_inside_out_dir(synthetic_run, tmp_path):
     data_dir, out = synthetic_run[0], str(tmp_path / "out")
     pretrain.main(syn_flags(data_dir, out))
     folder = os.path.join(out, "synthetic")
-    before = {f: open(os.path.join(folder, f), "rb").read() for f in os.listdir(folder)}
+    before = file_bytes(folder)
     for name in ("x/../pretrain", "../../../../outside", "a\nb", "", " ", ".hidden", "spt_last", "spt_step3"):
         with pytest.raises(ValueError, match="--name"):
             finetune.main(syn_flags(data_dir, out, "--init", "scratch", "--name", name, "--overwrite"))
-    assert {f: open(os.path.join(folder, f), "rb").read() for f in os.listdir(folder)} == before
+    assert file_bytes(folder) == before
     assert sorted(os.listdir(tmp_path)) == ["out"] and sorted(os.listdir(out)) == ["synthetic"]
     assert pretrain.run_paths(out, "synthetic", "finetune", "a.b+c-d")["json"] == \
         os.path.join(folder, "finetune_a.b+c-d.json")
@@ -3840,7 +3827,8 @@ def test_a_run_name_stays_inside_out_dir(synthetic_run, tmp_path):
 
 def test_finetuning_trains_on_the_data_spt_saw_wherever_it_lies(synthetic_run, tmp_path, monkeypatch, capsys):
     """The data is its tensors' sha256: the same data in another folder is the same data; other data is refused
-    and analyze.py notes it. The run records the SPT checkpoint it used, read once."""
+    and analyze.py notes it. The run records the SPT checkpoint it used, read once, and starts from its backbone
+    exactly, a class head in place of the reconstruction head."""
     data_dir, out = synthetic_run[0], str(tmp_path / "out")
     pretrain.main(syn_flags(data_dir, out))
     spt = os.path.join(out, "synthetic", "pretrain.pt")
@@ -3856,6 +3844,7 @@ def test_finetuning_trains_on_the_data_spt_saw_wherever_it_lies(synthetic_run, t
     assert (result["spt_sha256"], result["spt_step"]) == (ck["tensors_sha256"], ck["state"]["step"])
     start = data.load_pt(os.path.join(out, "synthetic", "finetune_spt_init.pt"))["model"]
     assert all(torch.equal(start[k], v) for k, v in ck["model"].items() if not k.startswith(("rec_head", "embed")))
+    assert set(start) ^ set(ck["model"]) == {"cls_head.weight", "cls_head.bias", "rec_head.weight", "rec_head.bias"}
     assert torch.equal(start["embed.weight"], ck["model"]["embed.weight"][:, :2])  # SPT's mask channel sliced off
     other = str(tmp_path / "other")
     data.prepare_synthetic(other, n_train=64, n_val=32, n_test=32, length=20, seed=5)
@@ -3876,14 +3865,14 @@ def test_resume_refuses_a_checkpoint_of_other_flags_or_data(change, synthetic_ru
     data_dir, out = synthetic_run[0], str(tmp_path / "out")
     pretrain.main(syn_flags(data_dir, out))
     folder = os.path.join(out, "synthetic")
-    before = {f: open(os.path.join(folder, f), "rb").read() for f in os.listdir(folder)}
+    before = file_bytes(folder)
     if change == "data":
         data_dir = str(tmp_path / "other")
         data.prepare_synthetic(data_dir, n_train=64, n_val=32, n_test=32, length=20, seed=5)
         change = ()
     with pytest.raises(ValueError, match=re.escape(os.path.join(folder, "pretrain_last.pt"))):
         pretrain.main(syn_flags(data_dir, out, "--resume", *change))
-    assert {f: open(os.path.join(folder, f), "rb").read() for f in os.listdir(folder)} == before
+    assert file_bytes(folder) == before
 
 
 def test_faults_end_in_one_line_naming_the_last_checkpoint(synthetic_run, tmp_path, monkeypatch, capsys):
