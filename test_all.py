@@ -578,7 +578,7 @@ def test_prop1_derivatives_at_uniform_attention_against_the_closed_forms(prop1_s
 
 def test_prop1_main_writes_json_and_a_png_that_records_its_command(tmp_path):
     """The PNG records its command (analyze.save_figure), which report prints under it; a PNG drawn otherwise has
-    none; a file that is not a PNG is refused, named."""
+    none."""
     import matplotlib.pyplot as plt
     analyze.main(["prop1", "--out", str(tmp_path)])
     assert analyze.figure_command(str(tmp_path / "prop1.png")) == f"python analyze.py prop1 --out {tmp_path}"
@@ -586,10 +586,7 @@ def test_prop1_main_writes_json_and_a_png_that_records_its_command(tmp_path):
         "python analyze.py attention --ckpt 'a b.pt'"  # shell-quoted: pastes back as one argument
     plt.figure().savefig(tmp_path / "plain.png")
     plt.close("all")
-    assert analyze.figure_command(str(tmp_path / "plain.png")) is None
-    Image.new("RGB", (4, 4)).save(tmp_path / "bad.png", format="JPEG")
-    with pytest.raises(OSError, match="bad.png"):
-        analyze.figure_command(str(tmp_path / "bad.png"))
+    assert analyze.figure_command(str(tmp_path / "plain.png")) is None  # a file not a PNG: the report's test
     rows = json.loads((tmp_path / "prop1.json").read_text())["rows"]
     assert len(rows) >= 5
     for r in rows:
@@ -861,7 +858,7 @@ def test_analyze_gradients_prints_each_figure_with_its_name_and_writes_the_same_
         assert all(f"{x:.3g}" in lines[loss_name] for x in numbers), lines[loss_name]
 
 
-def test_score_gradient_is_the_softmax_backward_and_prop1_parts_the_zero_column_sum_projection():
+def test_score_gradient_is_the_softmax_backward_and_prop1_parts_project_with_the_summary_row_apart():
     g = torch.Generator().manual_seed(0)
     s = torch.randn(2, 3, 5, 5, generator=g, dtype=torch.float64, requires_grad=True)
     r = torch.randn(2, 3, 5, 5, generator=g, dtype=torch.float64)
@@ -878,11 +875,8 @@ def test_score_gradient_is_the_softmax_backward_and_prop1_parts_the_zero_column_
     assert (parts["along"], parts["whole"]) == pytest.approx((along, total), rel=1e-12)
     same_rows = grad[:, :, :1].expand(-1, -1, 5, -1)  # G = 1 g^T: no component along Prop. 1's directions
     assert analyze.prop1_parts(same_rows)["along"] == pytest.approx(0.0, abs=1e-15)
-
-
-def test_prop1_parts_report_the_summary_row_apart_from_the_sequence_rows():
-    """A gradient on one row (the summary token's) is 1 - 1/L along Prop. 1's directions by construction; the
-    sequence rows' measure reports what lies on the other rows: nothing. A closed form checks the magnitude."""
+    # The summary token's row apart: a gradient on it alone is 1 - 1/L along Prop. 1's directions by construction,
+    # and the sequence rows' measure reports what lies on the other rows (nothing; a closed form, the magnitude).
     L, v = 7, torch.arange(1.0, 8.0, dtype=torch.float64)
     grad = torch.zeros(1, 1, L, L, dtype=torch.float64)
     grad[0, 0, 0] = v
@@ -972,13 +966,6 @@ def test_ablate_synthetic_init_and_posenc_run_and_read_their_runs_back(synthetic
     table = open(tmp_path / "ablate" / "pooling.md").read()  # a row per pooling and seed; the curves drawn
     assert all(f"| {p} | {s} | " in table for p in model_lib.POOLINGS for s in (0, 1))
     assert os.path.exists(tmp_path / "analysis" / "pooling_curves.png")
-
-
-def test_epochs_at_majority_counts_the_epochs_before_validation_accuracy_first_leaves_the_band():
-    evals = lambda *accs: dict(steps_per_epoch=10, evals=[dict(step=10 * i, val_acc=a) for i, a in enumerate(accs)])
-    assert ablate.epochs_at_majority(evals(0.2, 0.51, 0.515, 0.6, 0.5), 0.5) == (2.0, True)  # step 0 not counted
-    assert ablate.epochs_at_majority(evals(0.5, 0.49, 0.515), 0.5) == (2.0, False)  # never left: the whole budget
-    assert ablate.epochs_at_majority(evals(0.5, 0.9), 0.5) == (0.0, True)
 
 
 def test_ablate_demo_summary_holds_its_runs_numbers_and_its_verdict_follows_plateau_exit_epoch(tmp_path, capsys):
@@ -1075,14 +1062,12 @@ def test_cls_pooling_reads_a_summary_token_that_spt_never_masks_and_the_analyses
 
 
 def test_unknown_model_settings_are_refused_naming_the_choices():
-    """Every string setting of ModelConfig is checked, naming the choices (a typo would run another model); d_model
-    must divide among the heads; a sequence longer than max_len and a checkpoint's unknown field are named."""
+    """Every string setting of ModelConfig is checked, naming the choices (a typo would run another model); a
+    sequence longer than max_len and a checkpoint's unknown field are named."""
     for field, bad, choices in (("init", "xavier", model_lib.INIT_SCHEMES), ("pos", "sinusoid", model_lib.POSITIONS),
                                 ("pooling", "first", model_lib.POOLINGS)):
         with pytest.raises(ValueError, match=rf"{field} '{bad}'.*{', '.join(choices)}"):
             tiny_cfg(**{field: bad})
-    with pytest.raises(ValueError, match="d_model 30 .* n_heads 4"):
-        tiny_cfg(d_model=30, n_heads=4)
     with pytest.raises(ValueError, match="max_len 8"):
         Transformer(tiny_cfg(max_len=8, n_classes=2)).classify(torch.ones(1, 9, dtype=torch.long))
     assert model_lib.config_from_dict(vars(tiny_cfg(init="normal"))) == tiny_cfg(init="normal")
@@ -1210,7 +1195,12 @@ def test_paper_presets_take_amos_et_als_classification_head_and_text_weight_deca
 
 def test_table_cells_paired_differences_and_the_majority_mark_against_the_statistics_module():
     """mean_std, plateau_exit_epoch, cells (runs that got there, the majority mark) and paired_difference (A minus
-    B by seed, with the paired t), against the statistics module."""
+    B by seed, with the paired t), against the statistics module; epochs_at_majority, the epochs before validation
+    accuracy first leaves the band."""
+    evals = lambda *accs: dict(steps_per_epoch=10, evals=[dict(step=10 * i, val_acc=a) for i, a in enumerate(accs)])
+    assert ablate.epochs_at_majority(evals(0.2, 0.51, 0.515, 0.6, 0.5), 0.5) == (2.0, True)  # step 0 not counted
+    assert ablate.epochs_at_majority(evals(0.5, 0.49, 0.515), 0.5) == (2.0, False)  # never left: the whole budget
+    assert ablate.epochs_at_majority(evals(0.5, 0.9), 0.5) == (0.0, True)
     values = [0.71, 0.65, None, 0.80, 0.74]
     real = [v for v in values if v is not None]
     assert ablate.mean_std(values) == f"{statistics.mean(real):.3f} +- {statistics.stdev(real):.3f}"
