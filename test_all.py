@@ -1701,15 +1701,16 @@ def write_idx(path, array):
         f.write(header + array.astype(np.uint8).tobytes())
 
 
-def installed_fashion_mnist(tmp_path, monkeypatch):
-    """Fashion-MNIST as the Debian package installs it (40 training, 10 test images, random), found by data.py."""
-    folder = tmp_path / "fashion"
-    folder.mkdir()
+def installed_fashion_mnist(tmp_path, monkeypatch, folder=None):
+    """Fashion-MNIST's IDX files (40 training, 10 test images, random) as the Debian package installs them, found
+    by data.py; or in `folder` (where data.py downloads them), no package installed."""
+    installed, folder = folder is None, folder or str(tmp_path / "fashion")
+    os.makedirs(folder)
     rng = np.random.default_rng(0)
     for prefix, n in (("train", 40), ("t10k", 10)):
-        write_idx(str(folder / f"{prefix}-images-idx3-ubyte"), rng.integers(0, 256, (n, 28, 28)))
-        write_idx(str(folder / f"{prefix}-labels-idx1-ubyte"), rng.integers(0, 10, n))
-    monkeypatch.setattr(data, "FASHION_DIRS", (str(folder),))
+        write_idx(os.path.join(folder, f"{prefix}-images-idx3-ubyte"), rng.integers(0, 256, (n, 28, 28)))
+        write_idx(os.path.join(folder, f"{prefix}-labels-idx1-ubyte"), rng.integers(0, 10, n))
+    monkeypatch.setattr(data, "FASHION_DIRS", (folder,) if installed else ())
 
 
 def test_fashion_mnist_downloads_checks_the_md5_and_pads_to_1024_pixels_or_averages_to_16x16(http_root, tmp_path,
@@ -3345,13 +3346,9 @@ def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run
 def test_ablate_fashion_mnist_budget_init_duration_and_generated_pathfinder_swap(tmp_path, monkeypatch, capsys):
     """init and duration on the Fashion-MNIST CPU budget (its own 16x16 subset, made from the IDX files where
     `data.py --task fashion_mnist` downloads them; shared runs), and swap on generated PathFinder data."""
-    monkeypatch.setattr(data, "FASHION_DIRS", ())  # no Debian package here
     monkeypatch.setattr(ablate, "FASHION_CPU", dict(resolution=16, n_train=20, n_val=8, epochs=1, exit_at=0.7))
     root, out = str(tmp_path / "data"), str(tmp_path / "out")
-    os.makedirs(os.path.join(root, "fashion_mnist"))
-    for prefix, n in (("train", 40), ("t10k", 10)):
-        write_idx(os.path.join(root, "fashion_mnist", f"{prefix}-images-idx3-ubyte"), np.ones((n, 28, 28)))
-        write_idx(os.path.join(root, "fashion_mnist", f"{prefix}-labels-idx1-ubyte"), np.arange(n) % 10)
+    installed_fashion_mnist(tmp_path, monkeypatch, os.path.join(root, "fashion_mnist"))
     argv = ["--seeds", "1", "--data_dir", root, "--out_dir", out, "--max_steps", "2", "--device", "cpu"]
     ablate.main(["init", "--task", "fashion_mnist"] + argv)
     assert data.load_split(os.path.join(root, "fashion_mnist_r16_n20"), "fashion_mnist", "train")["meta"][
