@@ -933,10 +933,7 @@ def test_ablate_synthetic_init_and_posenc_run_and_read_their_runs_back(synthetic
     disp = [r["attention_spt"]["displacement"]["W_Q"] for r in res["runs"] if r["name"] == "spt"]
     assert f"| {sum(disp) / 2:.3f} +- " in table  # the mean over the 2 seeds, as computed by analyze.py
     share = [r["gradients"]["init"]["L_SPT"]["prop1_share"][0] for r in res["runs"] if r["name"] == "spt"]
-    assert f"| share of L_SPT's score gradient along Prop. 1's directions (analyze.py gradients) | " \
-           f"{sum(share) / 2:.3f} +- " in table and 0 < share[0] <= 1
-    ablate.main(["synthetic"] + argv)  # everything is read back, nothing retrained
-    assert capsys.readouterr().out.count("read back") == 6
+    assert f"| {sum(share) / 2:.3f} +- " in table and 0 < share[0] <= 1  # reading back: the --jobs test
     ablate.main(["init"] + argv)
     assert "0.607 +- 0.012" in open(tmp_path / "ablate" / "init.md").read()  # the paper's, beside SPT, inherit qk
     ablate.main(["posenc"] + argv)
@@ -1253,16 +1250,14 @@ def test_data_settings_of_the_preset_are_checked_against_the_data_and_the_printe
             pretrain.main(["--task", task] + args[2:])
     rows = "".join(f"{i % 2}\t" + "\t".join(str(v) for v in np.arange(5) * (i + 1)) + "\n" for i in range(10))
     write_ucr(os.path.join(data_dir, "ucr", "Toy"), "Toy", ".tsv", rows, rows)
-    for task, other in (("ucr/Toy", {"val_fraction": 0.5}), ("pathfinder", {"difficulty": "easy",
-                                                                            "generate_if_missing": 20})):
-        data.main(["--task", task, "--data_dir", data_dir] + (["--generate", "20"] if task == "pathfinder" else []))
-        with pytest.raises(ValueError) as err:
-            data.check_settings(data.load_split(data_dir, task, "train")["meta"], other, task, data_dir, "paper")
-        if task == "ucr/Toy":  # raw data, not generated: copied first
-            assert f"copy {data_dir}/{task}/ to {data_dir}_paper/{task}/" in str(err.value)
-            shutil.copytree(os.path.join(data_dir, task), os.path.join(data_dir + "_paper", task))
-        data.main(shlex.split(str(err.value).split("`")[1])[2:])
-        assert not data.data_mismatches(data.load_split(data_dir + "_paper", task, "train")["meta"], other)
+    data.main(["--task", "ucr/Toy", "--data_dir", data_dir])
+    paper = {"val_fraction": 0.5}
+    with pytest.raises(ValueError) as err:  # raw data, not generated: the command after copying it
+        data.check_settings(data.load_split(data_dir, "ucr/Toy", "train")["meta"], paper, "ucr/Toy", data_dir, "paper")
+    assert f"copy {data_dir}/ucr/Toy/ to {data_dir}_paper/ucr/Toy/" in str(err.value)
+    shutil.copytree(os.path.join(data_dir, "ucr", "Toy"), os.path.join(data_dir + "_paper", "ucr", "Toy"))
+    data.main(shlex.split(str(err.value).split("`")[1])[2:])
+    assert not data.data_mismatches(data.load_split(data_dir + "_paper", "ucr/Toy", "train")["meta"], paper)
     # split sizes are compared for generated data only (the ListOps release has its own)
     sizes = {"split_sizes": {"train": 16}}
     assert data.data_mismatches(sizes, {"n_train": 96000}) == []
@@ -1815,8 +1810,6 @@ def test_attention_maps_average_real_rows_and_take_entropy_per_sequence_in_any_c
         if zero_qk:
             assert s["entropy"] == pytest.approx(s["uniform_entropy"], rel=1e-6) and s["entropy"] < np.log(20)
             assert s["band_mass"] == pytest.approx(s["uniform_band_mass"], rel=1e-6)
-    probs = torch.softmax(torch.randn(2, 9, 9), -1)  # without padding, lengths changes nothing
-    assert analyze.attention_stats(probs, 1, lengths=torch.tensor([9, 9])) == analyze.attention_stats(probs, 1)
 
 
 def test_displacement_is_measured_from_each_runs_own_init(synthetic_run, tmp_path):
@@ -3666,14 +3659,11 @@ def test_checkpoints_are_weights_only_and_checked_over_their_tensors_by_every_re
     for read in readers:
         with pytest.raises(ValueError, match=re.escape(last) + ": its tensors do not match"):
             read()
-    good = tmp_path / "good.pt"
-    data.save_atomic({"a": torch.ones(3)}, str(good))
-    files = {"trunc.pt": good.read_bytes()[:40], "notes.pt": b"hello\n"}
-    for name, blob in files.items():
-        (tmp_path / name).write_bytes(blob)
+    (tmp_path / "trunc.pt").write_bytes(open(last, "rb").read()[:40])
+    (tmp_path / "notes.pt").write_bytes(b"hello\n")
     torch.save({"obj": random.Random(0)}, str(tmp_path / "evil.pt"))  # an arbitrary pickled object: never run
     torch.save({"a": torch.ones(3)}, str(tmp_path / "plain.pt"))  # no sha256 to check it against
-    for name in (*files, "evil.pt", "plain.pt"):
+    for name in ("trunc.pt", "notes.pt", "evil.pt", "plain.pt"):
         with pytest.raises(ValueError, match=re.escape(str(tmp_path / name))):
             data.load_pt(str(tmp_path / name))
 
@@ -3926,11 +3916,10 @@ def test_learned_positions_are_a_table_and_swap_to_a_longer_task_unless_inherite
 
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
 def test_ablate_jobs_children_die_with_their_parent_and_the_parent_names_them(tmp_path):
     """SIGTERM to `ablate.py --jobs 2`: the parent stops its children and says which; after kill -9 of the parent
     the kernel stops them (Linux, PR_SET_PDEATHSIG)."""
-    if sys.platform != "linux":
-        pytest.skip("PR_SET_PDEATHSIG is Linux's")
     for how in (signal.SIGTERM, signal.SIGKILL):
         out = tmp_path / f"out_{how}"
         parent = subprocess.Popen([sys.executable, os.path.join(HERE, "ablate.py"), "synthetic", "--jobs", "2",
