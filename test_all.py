@@ -921,7 +921,7 @@ def test_prop1_holds_in_the_minimal_model_at_uniform_attention_and_not_with_an_m
         analyze.load_model(broken, head_seed=0)  # weights other than a class head missing: refused, named
 
 
-def test_ablate_synthetic_init_and_posenc_run_and_read_their_runs_back(synthetic_run, tmp_path, capsys):
+def test_ablate_synthetic_init_posenc_and_pooling_write_their_tables(synthetic_run, tmp_path, capsys):
     data_dir, _ = synthetic_run
     argv = ["--seeds", "2", "--data_dir", data_dir, "--out_dir", str(tmp_path), "--max_steps", "2", "--device", "cpu"]
     ablate.main(["synthetic"] + argv)
@@ -3296,9 +3296,10 @@ def test_pathx_runs_a_few_steps_with_local_attention(tmp_path):
     finetune.main(common + ["--init", os.path.join(out, "pathx", "pretrain.pt")])
 
 
-def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run, tmp_path, monkeypatch):
+def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run, tmp_path, monkeypatch, capsys):
     """swap (PathFinder <-> the Fashion-MNIST stand-in), duration and main, 2 steps per run; each val acc cell
-    says "(majority class)" exactly when its mean does not clear the rate recomputed here."""
+    says "(majority class)" exactly when its mean does not clear the rate recomputed here; frozen on an LRA task
+    reads main's from-scratch and SPT runs back."""
     root, out = str(tmp_path / "data"), str(tmp_path / "out")
     data.prepare_pathfinder(root, generate=40)
     installed_fashion_mnist(tmp_path, monkeypatch)
@@ -3312,6 +3313,9 @@ def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run
         [0, 1, 2]
     ablate.main(["main", "--tasks", "listops", "text", "pathfinder"] + argv)
     assert "Skipped: text" in open(os.path.join(out, "ablate", "main_cpu.md")).read()
+    capsys.readouterr()
+    ablate.main(["frozen", "--tasks", "listops"] + argv)  # a table of its own
+    assert "read back" in capsys.readouterr().out and os.path.exists(f"{out}/ablate/frozen_cpu_listops.md")
     for table, key, rows in (("swap", ("target", "source"), [(t, s) for t in ("pathfinder", "fashion_mnist")
                                                               for s in ("scratch", "pathfinder", "fashion_mnist")]),
                              ("main_cpu", ("task", "name"), [(t, n) for t in ("listops", "pathfinder")
@@ -3353,10 +3357,9 @@ def test_ablate_fashion_mnist_budget_init_duration_and_generated_pathfinder_swap
     assert "Image: fashion_mnist" in open(os.path.join(out, "ablate", "swap.md")).read()
 
 
-def test_ablate_frozen_freezes_every_layer_and_measures_how_far_each_group_moved(listops_dir, tmp_path, monkeypatch,
-                                                                                   capsys):
+def test_ablate_frozen_freezes_every_layer_and_measures_how_far_each_group_moved(tmp_path, monkeypatch):
     """frozen: the preset's 2-layer model, attention frozen, moves W_Q...W_O by 0 and its MLP by the amount
-    recomputed from the two checkpoints; LRA tasks share main's from-scratch and SPT runs."""
+    recomputed from the two checkpoints."""
     installed_fashion_mnist(tmp_path, monkeypatch)
     monkeypatch.setattr(ablate, "FASHION_CPU", dict(resolution=16, n_train=20, n_val=8, epochs=1, exit_at=0.7))
     root, out = str(tmp_path / "data"), str(tmp_path / "out")
@@ -3380,11 +3383,6 @@ def test_ablate_frozen_freezes_every_layer_and_measures_how_far_each_group_moved
     assert rows["SPT, then finetuned"]["displacement"]["W_Q"] == pytest.approx(q, rel=1e-5)
     share = rows["SPT stage (masked reconstruction)"]["gradients"]["init"]["L_sup"]["prop1_share"][1]  # layer 1
     assert f"| fashion_mnist | 1 | {share:.3f} +- " in open(os.path.join(out, "ablate", "frozen_cpu.md")).read()
-    shutil.copytree(os.path.join(listops_dir, "listops"), os.path.join(root, "listops"))
-    ablate.main(["main", "--tasks", "listops"] + argv)
-    capsys.readouterr()
-    ablate.main(["frozen", "--tasks", "listops"] + argv)  # main's runs, read back; a table of its own
-    assert "read back" in capsys.readouterr().out and os.path.exists(f"{out}/ablate/frozen_cpu_listops.md")
 
 
 # ----------------------------------------------------------------------------------------------------------
