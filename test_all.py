@@ -725,7 +725,7 @@ def test_flops_per_token_counts_the_matmuls_and_gpu_peaks_match_whole_names(monk
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Hybrid initialization, freezing, attention analyses, ablations
+# Freezing, attention and gradient analyses, ablations
 # ----------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="session")
@@ -738,16 +738,8 @@ def synthetic_run(tmp_path_factory):
     return data_dir, out
 
 
-def test_parameter_groups_of_a_minimal_model_and_an_unknown_name():
-    """Every position scheme's names: the hybrid initialization's grader; the summary token's: the [CLS] test."""
-    minimal = Transformer(tiny_cfg(n_layers=1, n_heads=1, layernorm=False, mlp=False, n_classes=2))
-    assert {model_lib.param_group(n) for n, _ in minimal.named_parameters()} == {"W_Q", "W_K", "W_V", "W_O", "embed",
-                                                                                 "head"}
-    with pytest.raises(ValueError, match="something.else"):
-        model_lib.param_group("something.else")
-
-
 def test_frozen_groups_stay_bit_identical(synthetic_run, tmp_path):
+    """--freeze, by model.param_group (which refuses a name of no group)."""
     def moved(name, *flags):  # the tensors that a 5-step finetuning from scratch with `flags` changed
         finetune.main(["--task", "synthetic", "--data_dir", synthetic_run[0], "--out_dir", str(tmp_path), "--init",
                        "scratch", "--max_steps", "5", "--lr", "1e-2", "--device", "cpu", "--name", name, *flags])
@@ -760,6 +752,8 @@ def test_frozen_groups_stay_bit_identical(synthetic_run, tmp_path):
     for freeze in ("attn", "none"):  # FIRE's learned bias: frozen with attn only
         fire = [k for k in moved(f"fire_{freeze}", "--pos", "fire", "--freeze", freeze) if ".attn.fire." in k]
         assert bool(fire) == (freeze == "none"), (freeze, fire)
+    with pytest.raises(ValueError, match="something.else"):
+        model_lib.param_group("something.else")
 
 
 def test_attention_stats_closed_forms():
@@ -1576,7 +1570,7 @@ def test_train_accuracy_scores_a_random_subset_not_the_first_rows_of_a_class_sor
 
 
 # ----------------------------------------------------------------------------------------------------------
-# LRA Text, Retrieval, Image, Fashion-MNIST: formats, swaps, downloads; attention analyses; usage errors
+# LRA Text, Retrieval, Image, Fashion-MNIST: formats, swaps, downloads; attention analyses
 # ----------------------------------------------------------------------------------------------------------
 
 def write_aclimdb(root, n=6, long_review=300):
