@@ -1157,11 +1157,6 @@ def test_paper_presets_take_amos_et_als_classification_head_and_text_weight_deca
         spt = pretrain.pretrain_parser().parse_args(["--task", task, "--preset", "paper"])
         pretrain.fill_from_preset(spt, "pretrain")
         assert args.weight_decay == spt.weight_decay == wd, task
-    x = torch.randint(0, 5, (2, 8))
-    model = Transformer(ModelConfig(vocab_size=5, max_len=8, n_classes=3, cls_mlp=True, d_model=16, n_heads=2))
-    h = model.pool(model.encode(x)[0], None)
-    head = model.cls_head
-    assert torch.allclose(model.classify(x), head[2](torch.relu(head[0](h))), atol=1e-6)
 
 
 def test_table_cells_paired_differences_and_the_majority_mark_against_the_statistics_module():
