@@ -355,13 +355,6 @@ def test_pretrain_then_finetune_end_to_end(listops_dir, tmp_path, monkeypatch):
         Transformer(tiny_cfg()).encode(torch.ones(1, 4, dtype=torch.long), need_weights=True)
 
 
-def _load_run_model(path):
-    ck = data.load_pt(path)
-    model = Transformer(model_lib.config_from_dict(ck["model_config"], path))
-    model.load_state_dict(ck["model"])
-    return model.eval(), ck
-
-
 def test_finetuning_keeps_the_best_validation_weights_and_tests_them(listops_dir, tmp_path):
     """finetune_scratch.pt holds the evaluation of highest validation accuracy (then lower loss), not the last one;
     test_acc is those weights' accuracy, both recomputed by a loop over single unpadded sequences."""
@@ -372,7 +365,7 @@ def test_finetuning_keeps_the_best_validation_weights_and_tests_them(listops_dir
     result = json.load(open(os.path.join(run, "finetune_scratch.json")))
     best = max(result["evals"], key=lambda e: (e["val_acc"], -e["val_loss"]))  # max keeps the first of ties
     assert result["best_step"] == best["step"] < result["evals"][-1]["step"]
-    model, ck = _load_run_model(os.path.join(run, "finetune_scratch.pt"))
+    model, ck = analyze.load_model(os.path.join(run, "finetune_scratch.pt"))
     assert ck["state"]["step"] == best["step"]
 
     def accuracy_and_loss(model, split):
@@ -389,7 +382,7 @@ def test_finetuning_keeps_the_best_validation_weights_and_tests_them(listops_dir
     assert acc == pytest.approx(best["val_acc"], abs=1e-9) and loss == pytest.approx(best["val_loss"], rel=1e-5)
     assert accuracy_and_loss(model, test)[0] == pytest.approx(result["test_acc"], abs=1e-9)
     # This run's last weights score another test accuracy, so the check above tells the two apart.
-    assert accuracy_and_loss(_load_run_model(os.path.join(run, "finetune_scratch_last.pt"))[0], test)[0] != \
+    assert accuracy_and_loss(analyze.load_model(os.path.join(run, "finetune_scratch_last.pt"))[0], test)[0] != \
         pytest.approx(result["test_acc"], abs=1e-9)
 
 
@@ -404,7 +397,7 @@ def test_spt_keeps_the_lowest_validation_loss_and_its_metrics_match_a_loop(task,
                    "--lr", "3e-3", "--accept_data"] + TINY)
     evals = [e for e in map(json.loads, open(os.path.join(out, task, "pretrain_log.jsonl"))) if "val_loss" in e]
     best = min(evals, key=lambda e: e["val_loss"])  # the first of equal minima: an improvement must be strict
-    model, ck = _load_run_model(os.path.join(out, task, "pretrain.pt"))
+    model, ck = analyze.load_model(os.path.join(out, task, "pretrain.pt"))
     assert ck["state"]["step"] == best["step"]
     split, cfg = data.load_split(data_dir, task, "val"), ck["config"]
     loss, second, count = 0.0, 0.0, 0
