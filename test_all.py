@@ -1785,6 +1785,8 @@ def test_attention_maps_average_real_rows_and_take_entropy_per_sequence_in_any_c
         if zero_qk:
             assert s["entropy"] == pytest.approx(s["uniform_entropy"], rel=1e-6) and s["entropy"] < np.log(20)
             assert s["band_mass"] == pytest.approx(s["uniform_band_mass"], rel=1e-6)
+    probs = torch.softmax(torch.randn(2, 9, 9), -1)  # without padding, lengths changes nothing
+    assert analyze.attention_stats(probs, 1, lengths=torch.tensor([9, 9])) == analyze.attention_stats(probs, 1)
 
 
 def test_displacement_is_measured_from_each_runs_own_init(synthetic_run, tmp_path):
