@@ -244,14 +244,8 @@ def test_heads_run_in_float32_under_bf16_autocast_so_close_outputs_do_not_tie(li
 def masks_on_meta(monkeypatch):
     """The meta device has no random generator: the masks' generator is a CPU one, their draws moved there."""
     real_generator, real_rand = torch.Generator, torch.rand
-
-    class CPUGenerator(real_generator):
-        def __new__(cls, device="cpu"):
-            return real_generator.__new__(cls, "cpu" if torch.device(device).type == "meta" else device)
-
-        def __init__(self, device="cpu"):
-            pass
-    monkeypatch.setattr(torch, "Generator", CPUGenerator)
+    monkeypatch.setattr(torch, "Generator", lambda device="cpu": real_generator(
+        "cpu" if torch.device(device).type == "meta" else device))
     monkeypatch.setattr(torch, "rand", lambda *shape, generator=None, device=None, **kw: real_rand(
         *shape, generator=generator, **kw).to(device))
 
