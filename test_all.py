@@ -1563,8 +1563,7 @@ def write_aclimdb(root, n=6, long_review=300):
 
 def test_text_reads_aclimdb_as_bytes_and_counts_truncations(tmp_path):
     root = str(tmp_path)
-    write_aclimdb(os.path.join(root, "text"))
-    assert data.prepare_text(root, max_len=64, download=False) == {"train": 12, "val": 12, "test": 12}
+    assert _lra_fixture("text", root) == {"train": 12, "val": 12, "test": 12}
     train = data.load_split(root, "text", "train")
     # Independent decoding: ids - 2 are the UTF-8 bytes of the file (sorted: neg files, then pos files).
     path = os.path.join(root, "text", "aclImdb", "train", "pos", "0_8.txt")
@@ -1592,8 +1591,7 @@ def write_aan(folder, rows_per_split=8):
 
 def test_retrieval_reads_aan_pairs_and_encodes_each_document_on_its_own(tmp_path):
     root = str(tmp_path)
-    write_aan(os.path.join(root, "retrieval"))
-    assert data.prepare_retrieval(root, max_len=40, download=False) == {"train": 8, "val": 8, "test": 8}
+    assert _lra_fixture("retrieval", root) == {"train": 8, "val": 8, "test": 8}
     d = data.load_split(root, "retrieval", "val")
     assert d["tokens"].shape == (8, 2, 40) and d["lengths"].shape == (8, 2)
     lines = open(os.path.join(root, "retrieval", "new_aan_pairs.eval.tsv"), encoding="utf-8").read().splitlines()
@@ -1624,8 +1622,7 @@ def write_cifar(folder, n_per_batch=20, seed=0):
 def test_image_reads_cifar_to_grayscale_pixels_and_normalizes_at_batch_time(tmp_path):
     root = str(tmp_path)
     folder = os.path.join(root, "image", "cifar-10-batches-py")
-    write_cifar(folder)
-    assert data.prepare_image(root, n_val=10, download=False) == {"train": 90, "val": 10, "test": 20}
+    assert _lra_fixture("image", root) == {"train": 90, "val": 10, "test": 20}
     rgb, labels = data.read_cifar_batch(os.path.join(folder, "test_batch"))
     test = data.load_split(root, "image", "test")
     assert torch.equal(test["pixels"], torch.from_numpy(data.to_grayscale(rgb)).flatten(1))
@@ -1707,16 +1704,15 @@ def test_fashion_mnist_downloads_checks_the_md5_and_pads_to_1024_pixels_or_avera
 
 
 def _lra_fixture(task, root):
-    """Write `task`'s raw files in the real format under root and prepare them."""
+    """Write `task`'s raw files in the real format under root and prepare them: the split sizes."""
     if task == "text":
         write_aclimdb(os.path.join(root, "text"))
-        data.prepare_text(root, max_len=64, download=False)
-    elif task == "retrieval":
+        return data.prepare_text(root, max_len=64, download=False)
+    if task == "retrieval":
         write_aan(os.path.join(root, "retrieval"))
-        data.prepare_retrieval(root, max_len=40, download=False)
-    elif task == "image":
-        write_cifar(os.path.join(root, "image", "cifar-10-batches-py"))
-        data.prepare_image(root, n_val=10, download=False)
+        return data.prepare_retrieval(root, max_len=40, download=False)
+    write_cifar(os.path.join(root, "image", "cifar-10-batches-py"))
+    return data.prepare_image(root, n_val=10, download=False)
 
 
 @pytest.mark.parametrize("task, extra", [("retrieval", []), ("image", ["--rec_loss", "ce"]),
