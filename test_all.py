@@ -513,22 +513,16 @@ def test_data_py_holds_data_its_contract_on_top_and_no_module_keeps_run_state():
 # ----------------------------------------------------------------------------------------------------------
 # Proposition 1 (analyze.py prop1)
 # ----------------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def prop1_setup():
-    """Small AR(1) sample, a fixed random linear classifier and random labels (float64)."""
+def test_prop1_losses_match_loops_and_their_derivatives_finite_differences_and_the_closed_forms():
+    """A small AR(1) sample, a fixed random linear classifier and random labels (float64). Zero column sums:
+    L_sup'(0) = 0 and the paper's closed form is L_SPT'(0); other directions: L_sup'(0) != 0 and only the paper's
+    form of the column-centred D holds; [CLS] pooling: L_sup'(0) != 0."""
     n, length, dim, k = 64, 7, 5, 3
     x, _ = analyze.ar1_tokens(n, length, dim, rho=0.7, seed=3)
     g = torch.Generator().manual_seed(4)
-    w = torch.randn(dim, k, generator=g, dtype=torch.float64)
-    y = torch.randint(k, (n,), generator=g)
+    w, y = torch.randn(dim, k, generator=g, dtype=torch.float64), torch.randint(k, (n,), generator=g)
     dirs = [torch.randn(length, length, generator=g, dtype=torch.float64) for _ in range(4)]
-    return x, w, y, dirs
-
-
-def test_prop1_losses_match_per_token_loops_and_autograd_finite_differences(prop1_setup):
-    x, w, y, dirs = prop1_setup
     d, a = dirs[0], torch.tensor(0.8, dtype=torch.float64)  # away from uniform attention
-    n, length, _ = x.shape
     attn = torch.softmax(a * d, dim=-1)
     o = torch.stack([torch.stack([sum(attn[i, j] * x[m, j] for j in range(length)) for i in range(length)])
                      for m in range(n)])
@@ -543,12 +537,6 @@ def test_prop1_losses_match_per_token_loops_and_autograd_finite_differences(prop
         for k in range(2):
             fd = ((plus[k] - minus[k]) / (2 * eps)).item()
             assert abs(auto[k] - fd) < 1e-6 * max(abs(fd), 1e-3)
-
-
-def test_prop1_derivatives_at_uniform_attention_against_the_closed_forms(prop1_setup):
-    """Zero column sums: L_sup'(0) = 0 and the paper's closed form is L_SPT'(0); other directions: L_sup'(0) != 0
-    and only the paper's form of the column-centred D holds; [CLS] pooling: L_sup'(0) != 0."""
-    x, w, y, dirs = prop1_setup
     closed, centred = analyze.closed_form_spt_derivative, analyze.column_centred
     for d in [centred(d) for d in dirs] + [analyze.band_direction(x.shape[1], 2)]:
         assert d.sum(0).abs().max() < 1e-12
