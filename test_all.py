@@ -240,19 +240,9 @@ def test_heads_run_in_float32_under_bf16_autocast_so_close_outputs_do_not_tie(li
 # Masked reconstruction
 # ----------------------------------------------------------------------------------------------------------
 
-@pytest.fixture
-def masks_on_meta(monkeypatch):
-    """The meta device has no random generator: the masks' generator is a CPU one, their draws moved there."""
-    real_generator, real_rand = torch.Generator, torch.rand
-    monkeypatch.setattr(torch, "Generator", lambda device="cpu": real_generator(
-        "cpu" if torch.device(device).type == "meta" else device))
-    monkeypatch.setattr(torch, "rand", lambda *shape, generator=None, device=None, **kw: real_rand(
-        *shape, generator=generator, **kw).to(device))
-
-
 @pytest.mark.parametrize("task", ["listops", "synthetic", "fashion_mnist"])
-def test_a_whole_optimizer_step_of_either_stage_never_waits_for_the_device(task, listops_dir, synthetic_run,
-                                                                           masks_on_meta, tmp_path, monkeypatch):
+def test_a_whole_optimizer_step_of_either_stage_never_waits_for_the_device(task, listops_dir, synthetic_run, tmp_path,
+                                                                           monkeypatch):
     """pretrain.train's steps (batch, lr, loss, backward, AdamW, the meter) on PyTorch's meta device (shapes, no
     values), where any read of a device value on the host raises, the data as data.load_splits moves it (lengths
     stay on the CPU): three steps of the SPT loss (tokens, values, pixels) and of the finetuning loss (tokens) run,
@@ -262,6 +252,11 @@ def test_a_whole_optimizer_step_of_either_stage_never_waits_for_the_device(task,
         installed_fashion_mnist(tmp_path, monkeypatch)
         data.prepare_fashion_mnist(data_dir, n_val=4)
     split = data.load_splits(data_dir, task, "meta")["train"]
+    real_generator, real_rand = torch.Generator, torch.rand  # the meta device has none: the masks drawn on the CPU
+    monkeypatch.setattr(torch, "Generator", lambda device="cpu": real_generator(
+        "cpu" if torch.device(device).type == "meta" else device))
+    monkeypatch.setattr(torch, "rand", lambda *shape, generator=None, device=None, **kw: real_rand(
+        *shape, generator=generator, **kw).to(device))
     tokens = split["meta"]["kind"] == "tokens"
     n_rec = split["meta"]["vocab_size" if tokens else "d_input"]  # values: SPT's input has an indicator channel more
     model = Transformer(tiny_cfg(vocab_size=n_rec if tokens else 0, d_input=n_rec + 1, n_classes=10, n_rec=n_rec,
