@@ -1710,9 +1710,7 @@ def test_lra_tasks_pretrain_then_finetune_a_few_steps(tmp_path, task, extra):
     assert ck["model_config"]["n_rec"] == n_rec
     finetune.main(common + ["--init", os.path.join(out, task, "pretrain.pt")])
     result = json.load(open(os.path.join(out, task, "finetune_spt.json")))
-    assert 0 <= result["test_acc"] <= 1 and len(result["evals"]) >= 2
-    if task == "retrieval":   # the dual-encoder head sees [u, v, u*v, u-v]
-        assert data.load_pt(os.path.join(out, task, "finetune_spt.pt"))["model"]["cls_head.0.weight"].shape[1] == 64
+    assert 0 <= result["test_acc"] <= 1 and len(result["evals"]) >= 2  # Retrieval's head: the swap and pair tests
     # the attention analysis reads every task's checkpoints (Retrieval: each document of a pair on its own)
     stats, maps = analyze.analyze_checkpoints({"spt": os.path.join(out, task, "pretrain.pt")}, root, n=5)
     assert 0 < stats["spt"]["band_mass"] <= 1
@@ -1767,7 +1765,6 @@ def test_displacement_is_measured_from_each_runs_own_init(synthetic_run, tmp_pat
     head of another shape is left out), and for W_Q^T W_K, from the start of each checkpoint's own run."""
     data_dir, out = synthetic_run
     run = os.path.join(out, "synthetic")
-    assert pretrain.run_init_path(os.path.join(run, "pretrain_last.pt")) == os.path.join(run, "pretrain_init.pt")
     assert pretrain.run_init_path(os.path.join(run, "finetune_x_step40.pt")) is None  # no finetune_x_init.pt
     ck = data.load_pt(os.path.join(run, "pretrain.pt"))
     torch.manual_seed(5)
