@@ -3828,7 +3828,7 @@ def test_flags_that_do_not_apply_or_are_out_of_range_are_usage_errors(synthetic_
             pretrain.main(syn_flags(data_dir, out, "--device", device))
 
 
-def test_learned_positions_are_a_table_and_swap_to_a_longer_task_unless_inherited(listops_dir, tmp_path):
+def test_learned_positions_are_a_table_and_swap_to_a_longer_task_unless_inherited(listops_dir):
     """pos="learned": a (max_len, d_model) table, group "posenc", N(0, init_std^2) under every scheme; a swap to
     longer sequences refuses it (--inherit all); --inherit qk takes W_Q and W_K only, the table fresh."""
     for scheme in model_lib.INIT_SCHEMES:
@@ -3839,12 +3839,11 @@ def test_learned_positions_are_a_table_and_swap_to_a_longer_task_unless_inherite
     with pytest.raises(ValueError, match="'rope'"):
         analyze.pe_probe(Transformer(tiny_cfg(pos="rope")), 12)
     meta = data.load_split(listops_dir, "listops", "train")["meta"]  # max_len 128
-    path = str(tmp_path / "short.pt")
     short = Transformer(tiny_cfg(pos="learned", vocab_size=meta["vocab_size"], max_len=64, n_rec=meta["vocab_size"]))
-    data.save_atomic(checkpoint_dict(short, stage="pretrain", task="listops", data_meta=dict(meta, max_len=64)), path)
+    ck = checkpoint_dict(short, stage="pretrain", task="listops", data_meta=dict(meta, max_len=64))
     with pytest.raises(RuntimeError, match=r"pos_embed.weight"):
-        finetune.model_from_pretrained(data.load_pt(path), meta, 10, "listops")
-    model = finetune.model_from_pretrained(data.load_pt(path), meta, 10, "listops", inherit="qk")
+        finetune.model_from_pretrained(ck, meta, 10, "listops")
+    model = finetune.model_from_pretrained(ck, meta, 10, "listops", inherit="qk")
     assert model.pos_embed.weight.shape == (128, 16)
     assert torch.equal(model.blocks[0].attn.k_proj.weight, short.blocks[0].attn.k_proj.weight)
     assert not torch.equal(model.blocks[0].attn.v_proj.weight, short.blocks[0].attn.v_proj.weight)
