@@ -308,17 +308,14 @@ def test_lr_schedule_is_linear_warmup_then_constant():
 
 def test_pretrain_then_finetune_end_to_end(listops_dir, tmp_path, monkeypatch):
     """SPT, then finetuning from it and from scratch, never on the explicit attention path: the results record what
-    made them, the optimizer state holds the flags' learning rate and weight decay, and the same seed gives the same
-    losses."""
+    made them, the optimizer state holds the flags' learning rate and weight decay. (The same seed makes the same
+    run: the resume test's uninterrupted and killed runs agree bit for bit.)"""
     monkeypatch.setattr(model_lib.Attention, "explicit_attention", lambda *a, **k: 1 / 0)
-
-    def spt(out, *extra):  # a 6-step SPT run in `out`: its log
-        pretrain.main(["--task", "listops", "--data_dir", listops_dir, "--out_dir", out, "--max_steps", "6",
-                       "--eval_every", "3", "--weight_decay", "0.3", "--lr", "2e-3", "--warmup", "0", *extra] + TINY)
-        return [json.loads(x) for x in open(os.path.join(out, "listops", "pretrain_log.jsonl"))]
     out = str(tmp_path / "out")
     common = ["--task", "listops", "--data_dir", listops_dir, "--out_dir", out] + TINY
-    log = spt(out)
+    pretrain.main(common + ["--max_steps", "6", "--eval_every", "3", "--weight_decay", "0.3", "--lr", "2e-3",
+                            "--warmup", "0"])
+    log = [json.loads(x) for x in open(os.path.join(out, "listops", "pretrain_log.jsonl"))]
     ck = data.load_pt(os.path.join(out, "listops", "pretrain.pt"))
     assert ck["stage"] == "pretrain" and ck["data_meta"]["vocab"] == data.LISTOPS_VOCAB
     assert [e["step"] for e in log if "val_loss" in e] == [0, 3, 6]
@@ -334,12 +331,8 @@ def test_pretrain_then_finetune_end_to_end(listops_dir, tmp_path, monkeypatch):
         assert 0 <= res["test_acc"] <= 1 and res["init"] != "" and [e["step"] for e in res["evals"]] == [0, 2, 4]
     assert res["torch_version"] == str(torch.__version__) and res["threads"] == torch.get_num_threads()
     assert res["data_sha256"] == {s: data.load_split(listops_dir, "listops", s)["tensors_sha256"] for s in data.SPLITS}
-    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                          cwd=HERE).stdout.strip() or None
-    assert res["config"]["seed"] == 0 and res["git_commit"] == head
-    losses = [[e["loss"] for e in run if "loss" in e] for run in (log, spt(str(tmp_path / "b")),
-                                                                  spt(str(tmp_path / "c"), "--seed", "1"))]
-    assert losses[0] == losses[1] != losses[2]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()
+    assert res["config"]["seed"] == 0 and res["git_commit"] == (head or None)
     with pytest.raises(ZeroDivisionError):  # the patch is live
         Transformer(tiny_cfg()).encode(torch.ones(1, 4, dtype=torch.long), need_weights=True)
 
