@@ -1437,7 +1437,8 @@ def test_position_variants_fast_and_explicit_agree_and_ignore_padding(pos):
     assert model_lib.real_positions(torch.tensor([2, 0]), 3, "cpu").tolist() == [[True, True, False], [False] * 3]
 
 
-def test_alibi_slopes_follow_the_published_recipe_and_the_bias_is_minus_slope_times_distance():
+def test_alibi_and_rope_follow_their_published_forms():
+    """ALiBi: the published slopes, a bias of -slope x |i - j|. RoPE: scores depend only on the relative position."""
     assert torch.allclose(model_lib.alibi_slopes(8), torch.tensor([2.0 ** -k for k in range(1, 9)]))
     six = [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8, 2.0 ** -1, 2.0 ** -3]  # 4 of n=4, then odd ones of n=8
     assert torch.allclose(model_lib.alibi_slopes(6), torch.tensor(six))
@@ -1445,9 +1446,6 @@ def test_alibi_slopes_follow_the_published_recipe_and_the_bias_is_minus_slope_ti
     bias, slopes = m.blocks[0].attn._position_bias(5, "cpu"), model_lib.alibi_slopes(2)
     for h, i, j in np.ndindex(2, 5, 5):
         assert bias[h, i, j].item() == pytest.approx(-slopes[h].item() * abs(i - j))
-
-
-def test_rope_scores_depend_only_on_relative_position():
     torch.manual_seed(0)
     q, k = torch.randn(1, 1, 1, 8).expand(1, 1, 12, 8), torch.randn(1, 1, 1, 8).expand(1, 1, 12, 8)
     s = (model_lib.rope(q) @ model_lib.rope(k).transpose(-2, -1))[0, 0]   # (12, 12)
