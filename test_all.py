@@ -243,10 +243,9 @@ def test_heads_run_in_float32_under_bf16_autocast_so_close_outputs_do_not_tie(li
 @pytest.mark.parametrize("task", ["listops", "synthetic", "fashion_mnist"])
 def test_a_whole_optimizer_step_of_either_stage_never_waits_for_the_device(task, listops_dir, synthetic_run, tmp_path,
                                                                            monkeypatch):
-    """pretrain.train's steps (batch, lr, loss, backward, AdamW, the meter) on PyTorch's meta device (shapes, no
-    values), where any read of a device value on the host raises, the data as data.load_splits moves it (lengths
-    stay on the CPU): three steps of the SPT loss (tokens, values, pixels) and of the finetuning loss (tokens) run,
-    and the first value read is the log line's loss."""
+    """pretrain.train's steps (batch, lr, loss, backward, AdamW, the meter) on the meta device, where a host read of
+    a device value raises, the data as load_splits moves it (lengths on the CPU): three steps of the SPT loss (tokens,
+    values, pixels) and of the finetuning loss (tokens) run; the first value read is the log line's loss."""
     data_dir = {"listops": listops_dir, "synthetic": synthetic_run[0], "fashion_mnist": str(tmp_path)}[task]
     if task == "fashion_mnist":
         installed_fashion_mnist(tmp_path, monkeypatch)
@@ -308,8 +307,7 @@ def test_lr_schedule_is_linear_warmup_then_constant():
 
 def test_pretrain_then_finetune_end_to_end(listops_dir, tmp_path, monkeypatch):
     """SPT, then finetuning from it and from scratch, never on the explicit attention path: the results record what
-    made them, the optimizer state holds the flags' learning rate and weight decay. (The same seed makes the same
-    run: the resume test's uninterrupted and killed runs agree bit for bit.)"""
+    made them; the optimizer state holds the flags' learning rate and weight decay."""
     monkeypatch.setattr(model_lib.Attention, "explicit_attention", lambda *a, **k: 1 / 0)
     out = str(tmp_path / "out")
     common = ["--task", "listops", "--data_dir", listops_dir, "--out_dir", out] + TINY
@@ -3084,8 +3082,7 @@ def pathfinder_component(img, seed):
 def test_pathfinder_labels_match_connectivity_and_pixel_statistics_are_at_chance(pathfinder32):
     """From pixels: the markers are in one 8-connected component of image > 0 iff the label is 1, and the origin's
     component is a long target contour (14 paddles: hard), not all the ink. The classes are balanced, another seed
-    gives other images (the same seed the same: the splits' test), and mean, variance and ink fraction do not
-    predict them."""
+    gives other images, and mean, variance and ink fraction do not predict them."""
     for resolution, (images, labels, info) in ((32, pathfinder32), (128, data.generate_pathfinder(
             20, seed=1, resolution=128, return_info=True))):
         assert set(labels[:200].tolist()) == {0, 1}, "need both classes to test both directions"
@@ -3733,8 +3730,7 @@ def test_resume_refuses_a_checkpoint_of_other_flags_or_data(change, synthetic_ru
 
 def test_faults_end_in_one_line_naming_the_last_checkpoint(synthetic_run, tmp_path, monkeypatch, capsys):
     """Ctrl-C and SIGTERM (exit 130, 143), also inside a checkpoint write, an overflowing learning rate, a file size
-    limit hit inside a checkpoint write: each ends in one line naming the last checkpoint and --resume, or the file
-    (bad data: every reader's test names the file; data.run_cli makes any such error one line)."""
+    limit hit inside a checkpoint write: each ends in one line naming the last checkpoint and --resume, or the file."""
     import resource
     def interrupted_save(obj, f):  # torch.save's zip writer, stopped mid-record by Ctrl-C, raises its own error
         try:
