@@ -731,9 +731,11 @@ def test_attention_stats_and_qk_product_closed_forms():
     assert s["entropy"] == pytest.approx(0.0, abs=1e-6) and s["mean_distance"] == 0 and s["band_mass"] == 1
 
 
-def test_analyze_attention_and_curves_write_figures_with_one_colour_scale(synthetic_run, tmp_path, monkeypatch):
+def test_analyze_attention_curves_and_initscale_write_figures_with_one_colour_scale(synthetic_run, tmp_path,
+                                                                                     monkeypatch):
     """attention: every checkpoint's maps and the PE-only probes of those with absolute positions on one scale, 0 to
-    the 99th percentile, one colorbar; W_Q^T W_K on one scale symmetric about 0. curves: stats over snapshots."""
+    the 99th percentile, one colorbar; W_Q^T W_K on one scale symmetric about 0. curves: stats over snapshots.
+    initscale: every panel from 0.5 (or the lowest cell below it) to 1, one colorbar that names it."""
     data_dir, out = synthetic_run
     run = os.path.join(out, "synthetic")
     figures, save = {}, analyze.save_figure
@@ -760,20 +762,13 @@ def test_analyze_attention_and_curves_write_figures_with_one_colour_scale(synthe
     analyze.main(["curves", "--run_dir", run, "--data_dir", data_dir, "--out", str(tmp_path)])
     assert json.load(open(tmp_path / "curves_pretrain.json"))["steps"] == [0, 3, 4, 6]  # every eval, the epoch end
     assert (tmp_path / "curves_pretrain.png").stat().st_size > 1000
-
-
-def test_initscale_panels_share_one_colour_scale(tmp_path, monkeypatch):
-    """analyze.plot_initscale: every panel on one scale, from 0.5 (or the lowest cell below it) to 1, one colorbar
-    that names it."""
-    figures = []
-    monkeypatch.setattr(analyze, "save_figure", lambda fig, *args: figures.append(fig))
     runs = [dict(kind=kind, stage=stage, scale=scale, length=100, best_val_acc=acc)
             for kind in ("reference", "torch") for stage, scale, acc in
             (("scratch", 0.5, 0.42), ("scratch", 1.0, 0.51), ("spt", 0.5, 0.99), ("spt", 1.0, 1.0))]
     analyze.plot_initscale(runs, ["reference", "torch"], [0.5, 1.0], [100], 1, str(tmp_path / "x.png"), "python x")
-    images = [im for ax in figures[0].axes for im in ax.images]
+    images = [im for ax in figures["x.png"].axes for im in ax.images]
     assert len(images) == 4 and {im.get_clim() for im in images} == {(0.42, 1.0)}
-    bars = [ax for ax in figures[0].axes if ax.get_label() == "<colorbar>"]
+    bars = [ax for ax in figures["x.png"].axes if ax.get_label() == "<colorbar>"]
     assert len(bars) == 1 and "0.42 to 1" in bars[0].get_ylabel()
 
 
