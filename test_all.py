@@ -1519,7 +1519,19 @@ def write_aclimdb(root, n=6, long_review=300):
                     f.write(text)
 
 
-def test_text_reads_aclimdb_as_bytes_and_counts_truncations(tmp_path):
+def write_aan(folder, rows_per_split=8):
+    os.makedirs(folder, exist_ok=True)
+    rng = random.Random(0)
+    for split in ("train", "eval", "test"):
+        with open(os.path.join(folder, f"new_aan_pairs.{split}.tsv"), "w", encoding="utf-8") as f:
+            for i in range(rows_per_split):
+                label = f"{i % 2}.0" if i % 3 else str(i % 2)
+                a = "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(5, 60)))
+                b = "".join(rng.choice("xyz\u00fc ") for _ in range(rng.randint(5, 60)))
+                f.write(f"{label}\tdoc{i}a\tdoc{i}b\t{a}\t{b}\n")
+
+
+def test_text_and_retrieval_are_read_as_bytes_each_document_of_a_pair_on_its_own(tmp_path):
     root = str(tmp_path)
     assert _lra_fixture("text", root) == {"train": 12, "val": 12, "test": 12}
     train = data.load_split(root, "text", "train")
@@ -1533,22 +1545,6 @@ def test_text_reads_aclimdb_as_bytes_and_counts_truncations(tmp_path):
     open(path, "w").close()  # an empty review is named
     with pytest.raises(ValueError, match="^" + re.escape(path)):
         data.prepare_text(root, max_len=64, download=False)
-
-
-def write_aan(folder, rows_per_split=8):
-    os.makedirs(folder, exist_ok=True)
-    rng = random.Random(0)
-    for split in ("train", "eval", "test"):
-        with open(os.path.join(folder, f"new_aan_pairs.{split}.tsv"), "w", encoding="utf-8") as f:
-            for i in range(rows_per_split):
-                label = f"{i % 2}.0" if i % 3 else str(i % 2)
-                a = "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(5, 60)))
-                b = "".join(rng.choice("xyz\u00fc ") for _ in range(rng.randint(5, 60)))
-                f.write(f"{label}\tdoc{i}a\tdoc{i}b\t{a}\t{b}\n")
-
-
-def test_retrieval_reads_aan_pairs_and_encodes_each_document_on_its_own(tmp_path):
-    root = str(tmp_path)
     assert _lra_fixture("retrieval", root) == {"train": 8, "val": 8, "test": 8}
     d = data.load_split(root, "retrieval", "val")
     assert d["tokens"].shape == (8, 2, 40) and d["lengths"].shape == (8, 2)
@@ -1558,8 +1554,6 @@ def test_retrieval_reads_aan_pairs_and_encodes_each_document_on_its_own(tmp_path
         for j, doc in enumerate((a, b)):
             assert bytes((d["tokens"][i, j, :d["lengths"][i, j]] - 2).tolist()) == doc.encode("utf-8")[:40]
         assert d["labels"][i] == int(float(label))
-    x, lengths, _ = data.get_batch(d, torch.arange(3), "cpu")  # (B, 2, L) for the dual encoder, 2B for SPT
-    assert x.shape[:2] == (3, 2) and data.single_sequences(x, lengths)[0].shape[0] == 6
     path = tmp_path / "bytes.tsv"  # read as bytes: a bare \r, bytes that are not UTF-8 stay as they are
     path.write_bytes(b"1\ta\tb\tline one\rstill one\tcaf\xc3\xa9 \xff\r\n0.0\tc\td\tx\ty\n")
     assert data.read_aan_tsv(str(path)) == ([b"line one\rstill one", b"x"], [b"caf\xc3\xa9 \xff", b"y"], [1, 0])
