@@ -895,6 +895,9 @@ def test_ablate_synthetic_init_posenc_and_pooling_write_their_tables(synthetic_r
     ablate.main(["pooling", "--data_dir", str(tmp_path / "data")] + argv[:2] + argv[4:])  # on the demo's data
     assert {(r["pooling"], r["name"], r["seed"]) for r in json.load(open(tmp_path / "ablate" / "pooling.json"))[
         "runs"]} == {(p, n, s) for p in model_lib.POOLINGS for n in ("scratch", "spt") for s in (0, 1)}
+    runs = json.load(open(tmp_path / "ablate" / "pooling.json"))["runs"]
+    for grads in [r["gradients"]["L_sup"] for r in runs if r["pooling"] == "cls"]:  # one layer: the token's row only
+        assert grads["seq_along"] == [0.0] and grads["summary_row"][0] > 0 and grads["prop1_share"][0] > 0.99
     table = open(tmp_path / "ablate" / "pooling.md").read()  # a row per pooling and seed; the curves drawn
     assert all(f"| {p} | {s} | " in table for p in model_lib.POOLINGS for s in (0, 1))
     assert os.path.exists(tmp_path / "analysis" / "pooling_curves.png")
