@@ -105,8 +105,7 @@ def model_from_pretrained(ck, meta, n_classes, task, inherit="all", head=None):
         cfg.d_input = meta["d_input"]
         state["embed.weight"] = state["embed.weight"][:, :cfg.d_input]
     model = Transformer(cfg)
-    fresh = model.state_dict()
-    model.load_state_dict(hybrid_state_dict(fresh, state, INHERIT[inherit]), strict=True)
+    model.load_state_dict(hybrid_state_dict(model.state_dict(), state, INHERIT[inherit]), strict=True)
     print(f"--inherit {inherit}: {', '.join(INHERIT[inherit])} from SPT, the other groups fresh")
     return model
 

@@ -604,8 +604,6 @@ def run_paths(out_dir, task, stage, name=None):
     lock = pretrain.lock; "finetune" with a run name: the same for finetune_<name>, and json = finetune_<name>.json.
     ValueError for a run name that is not a plain name (RUN_NAME, not ending like a run's own files): so a run's
     files stay in <out_dir>/<task>/ and are its own."""
-    if (stage == "finetune") != (name is not None):
-        raise ValueError(f"run_paths: stage {stage!r} with name {name!r}: finetuning runs have a name, SPT's not")
     if name is not None and (not RUN_NAME.fullmatch(name) or re.search(r"_(last|init|step\d+)$", name)):
         raise ValueError(f"--name {name!r}: a run name is letters, digits, '_', '.', '+' and '-', not starting with "
                          f"'.' and not ending in _last, _init or _step<N> (the names of a run's own files)")
