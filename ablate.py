@@ -188,9 +188,9 @@ def die_with_parent(parent):
 
 def seeds_here(args, name, *runs):
     """The seeds this process runs: [S] in a --jobs child (--only_seed S). With --jobs N > 1 the parent makes the
-    data of `runs` ((task, flags) each), runs each seed in a child of one thread (N at a time, log in
-    out/ablate/<name>_seed<S>.log), then returns every seed: their runs are read back. ChildProcessError naming the
-    log of a child that fails. Children end with their parent (die_with_parent, and SIGTERM in `finally`)."""
+    data of `runs` ((task, flags) each), runs N seeds at a time in children of one thread (logs in out/ablate/), then
+    returns every seed (their runs are read back). A failed child: ChildProcessError naming its log. Children end
+    with their parent (die_with_parent, and SIGTERM in `finally`)."""
     if args.only_seed is not None:
         return [args.only_seed]
     seeds = list(range(args.seeds))

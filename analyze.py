@@ -382,14 +382,11 @@ def displacement(start, model):
 
 def checkpoint_labels(paths):
     """{label: path}: each path relative to the folder all share, without .pt unless two labels would be the same
-    (x.pt, x.pth). ValueError for one file named twice (out/x.pt, ./out/x.pt)."""
+    (x.pt, x.pth)."""
     root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in paths])
     full = [os.path.relpath(os.path.abspath(p), root) for p in paths]
     bare = [os.path.splitext(f)[0] for f in full]
-    labels = dict(zip(bare if len(set(bare)) == len(bare) else full, paths))
-    if len(labels) < len(paths):
-        raise ValueError(f"--ckpt names one file twice: {' '.join(paths)}")
-    return labels
+    return dict(zip(bare if len(set(bare)) == len(bare) else full, paths))
 
 
 def cmd_attention(args):
