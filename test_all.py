@@ -205,8 +205,7 @@ def test_explicit_attention_matches_a_loop():
 
 
 def test_the_pair_head_by_hand():
-    """The Retrieval head on [u, v, u*v, u-v] of the two documents' mean-pooled encodings (Tay et al. 2021, Sec.
-    3.4), each document encoded alone, through the head's layers."""
+    """The Retrieval head on [u, v, u*v, u-v] of the two documents' mean-pooled encodings, each encoded alone."""
     torch.manual_seed(0)
     pair = Transformer(tiny_cfg(n_classes=2, pair=True)).eval()
     docs, doc_lengths = torch.randint(2, 17, (2, 2, 10)), torch.tensor([[10, 4], [6, 9]])
@@ -297,9 +296,7 @@ def test_torch_compile_captures_the_whole_layer_stack_in_one_graph():
 
 
 def test_lr_schedule_is_linear_warmup_then_constant():
-    assert pretrain.get_lr(0, 1.0, 10) == pytest.approx(0.1)
-    assert pretrain.get_lr(9, 1.0, 10) == pytest.approx(1.0)
-    assert pretrain.get_lr(500, 1.0, 10) == 1.0
+    assert [pretrain.get_lr(step, 1.0, 10) for step in (0, 4, 9, 500)] == pytest.approx([0.1, 0.5, 1.0, 1.0])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -411,8 +408,7 @@ def test_readme_quickstart_matches_ci():
     readme = open(os.path.join(HERE, "README.md")).read()
     block = readme.split("## Quickstart")[1].split("```bash\n")[1].split("```")[0]
     commands = [line for line in block.splitlines() if line.strip()]
-    ci = open(os.path.join(HERE, ".ci", "run")).read().splitlines()
-    assert len(commands) == 2 and [c for c in commands if c in ci] == commands, commands
+    assert len(commands) == 2 and set(commands) <= set(open(os.path.join(HERE, ".ci", "run")).read().splitlines())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -506,8 +502,7 @@ def test_prop1_losses_match_loops_and_their_derivatives_finite_differences_and_t
 
 
 def test_prop1_main_writes_json_and_a_png_that_records_its_command(tmp_path):
-    """The PNG records its command (analyze.save_figure), which report prints under it; a PNG drawn otherwise has
-    none."""
+    """The PNG records its command (analyze.save_figure), which report prints under it; other PNGs have none."""
     import matplotlib.pyplot as plt
     analyze.main(["prop1", "--out", str(tmp_path)])
     assert analyze.figure_command(str(tmp_path / "prop1.png")) == f"python analyze.py prop1 --out {tmp_path}"
@@ -516,15 +511,8 @@ def test_prop1_main_writes_json_and_a_png_that_records_its_command(tmp_path):
     plt.figure().savefig(tmp_path / "plain.png")
     plt.close("all")
     assert analyze.figure_command(str(tmp_path / "plain.png")) is None  # a file not a PNG: the report's test
-    rows = json.loads((tmp_path / "prop1.json").read_text())["rows"]
-    assert len(rows) >= 5
-    for r in rows:
-        if "population" in r["case"]:  # population C: only up to sampling error
-            assert 1e-6 < r["rel_err_paper"] < 0.2
-            continue
-        assert r["rel_err_exact"] < 1e-6
-        assert r["max_abs_col_sum"] > 1e-12 or (r["rel_err_paper"] < 1e-6 and (r["pooling"] == "cls" or
-                                                                              abs(r["dsup"]) < 1e-12))
+    rows = json.loads((tmp_path / "prop1.json").read_text())["rows"]  # the forms themselves: the test before
+    assert len(rows) >= 5 and all(r["rel_err_exact"] < 1e-6 for r in rows if "population" not in r["case"])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -566,8 +554,6 @@ def test_bench_reports_its_ratio_against_the_reference_measured_in_the_same_run(
     table = (tmp_path / "bench" / "tiny_L64_cpu.md").read_text()
     assert f"| torch.nn.TransformerEncoder | {r['reference']['ms_per_step']:.1f} |" in table
     assert f"**{ratio:.2f}**" in table
-    with pytest.raises(SystemExit):  # a size of its own is not one of BENCH_SIZES
-        ablate.main(argv[:1] + ["--size", "64,16,1,2,32,2"])
     monkeypatch.setattr(pretrain, "reconstruction_loss", lambda *a: 1 / 0)  # a variant that fails: a row, named
     ablate.main(argv)
     assert "| ours, fused attention | ZeroDivisionError: division by zero |" in \
