@@ -188,9 +188,9 @@ def die_with_parent(parent):
 
 def seeds_here(args, name, *runs):
     """The seeds this process runs: [S] in a --jobs child (--only_seed S). With --jobs N > 1 the parent makes the
-    data of `runs` ((task, flags) each), runs each seed in a child of one thread (N at a time, log in
-    out/ablate/<name>_seed<S>.log), then returns every seed: their runs are read back. ChildProcessError naming the
-    log of a child that fails. Children end with their parent (die_with_parent, and SIGTERM in `finally`)."""
+    data of `runs` ((task, flags) each), runs N seeds at a time in children of one thread (logs in out/ablate/), then
+    returns every seed (their runs are read back). A failed child: ChildProcessError naming its log. Children end
+    with their parent (die_with_parent, and SIGTERM in `finally`)."""
     if args.only_seed is not None:
         return [args.only_seed]
     seeds = list(range(args.seeds))
@@ -865,7 +865,7 @@ def time_spt_step(variant, size, device, dtype, steps, repeats):
 
 def bench(args):
     """Time both BENCH_VARIANTS on one SPT step (time_spt_step) at a size of BENCH_SIZES, with the speed ratio
-    fused / reference of this run: writes and returns out/bench/<name>.{json,md}'s record."""
+    fused / reference of this run: writes and returns out/bench/<size>_L<L>_<device type>.{json,md}'s record."""
     size = BENCH_SIZES[args.size]
     device = pretrain.pick_device(args.device)
     dtype, _ = pretrain.pick_dtype("auto", device)
@@ -889,8 +889,7 @@ def bench(args):
         out["speed_ratio_fused_vs_reference"] = ms["reference"] / ms["fused"]
         lines += ["", f"Speed ratio, ours fused / torch.nn.TransformerEncoder, same run: "
                       f"**{out['speed_ratio_fused_vs_reference']:.2f}**."]
-    stem = args.name or f"{args.size}_L{size[0]}_{device.type}"
-    save_table(os.path.join(args.out_dir, "bench", stem), "\n".join(lines), out)
+    save_table(os.path.join(args.out_dir, "bench", f"{args.size}_L{size[0]}_{device.type}"), "\n".join(lines), out)
     return out
 
 
@@ -1195,8 +1194,7 @@ SUBCOMMANDS = {  # name: (its function, help, its flags)
     "bench": (bench, "time one SPT step: ours vs torch.nn.TransformerEncoder", OUT + DEVICE + [
         flag("--size", default="cpu", choices=BENCH_SIZES, help="BENCH_SIZES: (L, d_model, layers, heads, MLP, batch)"),
         flag("--steps", type=data.POSITIVE, default=5, help="timed steps per repeat"),
-        flag("--repeats", type=data.POSITIVE, default=5, help="the median over repeats is reported"),
-        flag("--name", help="file name of the result (default: size, L and device type)")]),
+        flag("--repeats", type=data.POSITIVE, default=5, help="the median over repeats is reported")]),
     "gpu": (experiment_gpu, "time every paper preset on one CUDA GPU: ms/step, tokens/s, MFU, memory, hours", OUT + [
         flag("--tasks", nargs="+", default=list(GPU_TASKS), choices=GPU_TASKS, help="the presets to time"),
         flag("--steps", type=data.POSITIVE, default=300, help="steps per stage and task (the first is left out)"),

@@ -343,10 +343,9 @@ def fresh_folder(parent):
 
 
 def _save_splits(task_dir, splits, meta, per_split=None):
-    """Check all three splits (check_split) before any is written, print each one's size and class shares, then
-    write <task_dir>/{train,val,test}.pt, each dict(splits[s], meta=...) with `meta`, the split sizes and
-    per_split[s] (the fields that differ between splits: source, sha256). train.pt goes first out and last in, so a
-    stopped preparation leaves no train.pt (make_data prepares again), never a mixed set. Returns the split sizes."""
+    """Check all three splits (check_split), print their sizes and class shares, then write <task_dir>/<split>.pt,
+    meta: `meta`, the split sizes and per_split[s] (source, sha256). train.pt goes first out and last in: a stopped
+    preparation leaves no train.pt (make_data prepares again), never a mixed set. Returns the split sizes."""
     sizes = {s: len(splits[s]["labels"]) for s in SPLITS}
     metas = {s: dict(meta, split_sizes=sizes, **(per_split or {}).get(s, {})) for s in SPLITS}
     for s in SPLITS:

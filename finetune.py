@@ -65,12 +65,8 @@ def hybrid_state_dict(fresh, pretrained, groups):
 
 
 def check_spt_data(ck, task, hashes):
-    """Check that the SPT checkpoint `ck` was pretrained on the data finetuning uses, compared by the sha256 of the
-    training split's tensors (data.data_hashes: the same data prepared in another folder is the same data).
-
-    Another task is a dataset swap (Coser et al. Sec. 3), said as such. The same task on another training split:
-    ValueError naming both hashes. Returns "same" or "swap".
-    """
+    """"same" when the SPT checkpoint `ck` was pretrained on the training split finetuning uses (by its tensors'
+    sha256, `hashes`: data.data_hashes), "swap" for another task (Coser et al. Sec. 3); else ValueError."""
     spt, ours = ck["data_sha256"]["train"], hashes["train"]
     if ck["task"] != task:
         print(f"dataset swap: SPT on {ck['task']}, finetuning on {task}")
@@ -82,15 +78,10 @@ def check_spt_data(ck, task, hashes):
 
 
 def model_from_pretrained(ck, meta, n_classes, task, inherit="all", head=None):
-    """A classification model whose backbone is copied from the SPT checkpoint `ck` (a loaded pretrain.py dict).
-
-    The checkpoint must be of `task`, or of another task with the same kind of input and width (a dataset swap,
-    e.g. PathFinder -> Image); else ValueError. `inherit` (a key of INHERIT) selects the groups copied; the others
-    keep their fresh initialization (hybrid initialization, Coser et al. Table 3). `head` ({field: value} of
-    FINETUNE_FIELDS; None: the checkpoint's) sets what holds no weights and belongs to the finetuning task; whether
-    the model reads pairs (Retrieval) comes from `meta`. Returns the model on the CPU and prints, per group, what
-    came from SPT.
-    """
+    """A classification model (on the CPU) whose INHERIT[`inherit`] groups come from the SPT checkpoint `ck` (a
+    loaded pretrain.py dict), the others fresh (Coser et al. Table 3). `ck` is of `task` or of a task with the same
+    kind of input (a dataset swap), else ValueError. `head` ({field: value} of FINETUNE_FIELDS; None: the
+    checkpoint's) sets what holds no weights; whether the model reads pairs (Retrieval) comes from `meta`."""
     if ck.get("stage") != "pretrain":
         raise ValueError(f"--init: not a checkpoint written by pretrain.py (stage {ck.get('stage')!r})")
     kind = lambda m: (m["kind"], m.get("vocab_size"), m.get("d_input"), m.get("vocab"))  # noqa: E731
@@ -105,8 +96,7 @@ def model_from_pretrained(ck, meta, n_classes, task, inherit="all", head=None):
         cfg.d_input = meta["d_input"]
         state["embed.weight"] = state["embed.weight"][:, :cfg.d_input]
     model = Transformer(cfg)
-    fresh = model.state_dict()
-    model.load_state_dict(hybrid_state_dict(fresh, state, INHERIT[inherit]), strict=True)
+    model.load_state_dict(hybrid_state_dict(model.state_dict(), state, INHERIT[inherit]), strict=True)
     print(f"--inherit {inherit}: {', '.join(INHERIT[inherit])} from SPT, the other groups fresh")
     return model
 
@@ -210,7 +200,6 @@ def main(argv=None):
         model.load_state_dict(data.load_pt(paths["best"], map_location=args.device)["model"])
         test = evaluate_accuracy(model, splits["test"], args)
         train_acc, n_sub = train_accuracy(model, train_split, len(splits["val"]["labels"]), args)
-        result_keys = ("stage", "task", "init", "data_meta", "same")
         result = dict(task=args.task, init=args.init, name=args.name, seed=args.seed, preset=args.preset,
                       steps_per_epoch=best["n_batches"], init_scheme=model.cfg.init, init_scale=model.cfg.init_scale,
                       init_std=model.cfg.init_std if model.cfg.init == "normal" else None,
@@ -218,7 +207,7 @@ def main(argv=None):
                       test_acc=test["acc"], train_acc=train_acc, train_acc_subset=n_sub, evals=best["evals"],
                       wall_time_s=best["elapsed_s"] + time.time() - t_trained,
                       source_sha256=meta.get("sha256"), label_names=meta.get("label_names"),
-                      **{k: v for k, v in record.items() if k not in result_keys})
+                      **{k: v for k, v in record.items() if k not in ("stage", "task", "init", "data_meta", "same")})
         if args.rank == 0:
             data.save_atomic(result, paths["json"])
     if args.world_size > 1:

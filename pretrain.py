@@ -355,9 +355,8 @@ def train(model, splits, args, loss_fn, eval_fn, paths, record, metric, maximize
     end of every epoch (args.eval_each_epoch) and at the last step. loss_fn(idx (B,) rows, step) -> (the loss summed
     over this rank's items, their count); eval_fn(step) -> {"val_loss": float, ...}; `metric` picks the best
     checkpoint, the higher the better if `maximize` (ties: the lower val_loss, then the later evaluation). record:
-    what every checkpoint stores; record["same"]: what a --resume must share with it. With args.resume the run goes
-    on from paths["last"] as if it had never stopped. Returns the best metrics with "step", "epoch", every
-    evaluation ("evals"), "n_batches" per epoch and "elapsed_s" (seconds over every process of the run)."""
+    what every checkpoint stores, record["same"] what a --resume (exact, from paths["last"]) must share. Returns the
+    best metrics with "step", "epoch", "evals", "n_batches" per epoch and "elapsed_s" (over every process)."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.999),
                             weight_decay=args.weight_decay, fused=args.device.type == "cuda")
     lengths = splits["train"]["lengths"]  # on the CPU: counting tokens never waits for the device
@@ -602,10 +601,7 @@ def run_paths(out_dir, task, stage, name=None):
     """The files of one run under <out_dir>/<task>/: "pretrain": best = pretrain.pt (finetune.py --init), last =
     pretrain_last.pt (--resume), init = pretrain_init.pt, log = pretrain_log.jsonl, snapshot = pretrain_step{step}.pt,
     lock = pretrain.lock; "finetune" with a run name: the same for finetune_<name>, and json = finetune_<name>.json.
-    ValueError for a run name that is not a plain name (RUN_NAME, not ending like a run's own files): so a run's
-    files stay in <out_dir>/<task>/ and are its own."""
-    if (stage == "finetune") != (name is not None):
-        raise ValueError(f"run_paths: stage {stage!r} with name {name!r}: finetuning runs have a name, SPT's not")
+    ValueError for a name not plain (RUN_NAME, not ending like a run's own files): a run's files stay its own."""
     if name is not None and (not RUN_NAME.fullmatch(name) or re.search(r"_(last|init|step\d+)$", name)):
         raise ValueError(f"--name {name!r}: a run name is letters, digits, '_', '.', '+' and '-', not starting with "
                          f"'.' and not ending in _last, _init or _step<N> (the names of a run's own files)")
@@ -623,14 +619,10 @@ def run_init_path(path):
 
 @contextlib.contextmanager
 def own_run(paths, args):
-    """Hold the run whose files are `paths` (run_paths) while a stage writes them: one run per folder.
-
-    Rank 0 locks paths["lock"] (fcntl.flock: the system releases it when the process ends, even killed): a second
-    process on a live run's files gets FileExistsError. Files of an earlier run are refused too, unless args.resume
-    continues them or args.overwrite removes them first, so a new run never leaves files mixed with an old one's;
-    temporaries of killed writes go. A fault inside (not a ValueError: bad input) gets a note naming the last
-    checkpoint and that --resume continues from it: the one line data.run_cli prints.
-    """
+    """Hold the run whose files are `paths` (run_paths) while a stage writes them: one run per folder. Rank 0 locks
+    paths["lock"] (fcntl.flock, released when the process ends, even killed): a live run's files, or an earlier run's
+    without args.resume or args.overwrite (which removes them), are FileExistsError; killed writes' temporaries go.
+    A fault inside (not a ValueError: bad input) gets a note naming the last checkpoint, for data.run_cli's line."""
     if args.resume and args.overwrite:
         raise ValueError("--resume continues the run, --overwrite removes it: give one of them")
     folder, lock, started = os.path.dirname(paths["log"]), None, False

@@ -205,8 +205,7 @@ def test_explicit_attention_matches_a_loop():
 
 
 def test_the_pair_head_by_hand():
-    """The Retrieval head on [u, v, u*v, u-v] of the two documents' mean-pooled encodings (Tay et al. 2021, Sec.
-    3.4), each document encoded alone, through the head's layers."""
+    """The Retrieval head on [u, v, u*v, u-v] of the two documents' mean-pooled encodings, each encoded alone."""
     torch.manual_seed(0)
     pair = Transformer(tiny_cfg(n_classes=2, pair=True)).eval()
     docs, doc_lengths = torch.randint(2, 17, (2, 2, 10)), torch.tensor([[10, 4], [6, 9]])
@@ -297,9 +296,7 @@ def test_torch_compile_captures_the_whole_layer_stack_in_one_graph():
 
 
 def test_lr_schedule_is_linear_warmup_then_constant():
-    assert pretrain.get_lr(0, 1.0, 10) == pytest.approx(0.1)
-    assert pretrain.get_lr(9, 1.0, 10) == pytest.approx(1.0)
-    assert pretrain.get_lr(500, 1.0, 10) == 1.0
+    assert [pretrain.get_lr(step, 1.0, 10) for step in (0, 4, 9, 500)] == pytest.approx([0.1, 0.5, 1.0, 1.0])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -411,8 +408,7 @@ def test_readme_quickstart_matches_ci():
     readme = open(os.path.join(HERE, "README.md")).read()
     block = readme.split("## Quickstart")[1].split("```bash\n")[1].split("```")[0]
     commands = [line for line in block.splitlines() if line.strip()]
-    ci = open(os.path.join(HERE, ".ci", "run")).read().splitlines()
-    assert len(commands) == 2 and [c for c in commands if c in ci] == commands, commands
+    assert len(commands) == 2 and set(commands) <= set(open(os.path.join(HERE, ".ci", "run")).read().splitlines())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -465,39 +461,6 @@ def test_pretrain_reads_spt_first_and_the_engine_after():
     assert len(reached) <= 12 and sum(reached.values()) <= 220, reached
 
 
-DATA_CONTRACT = ("PAD_ID", "MASK_ID", "SPLITS", "save_atomic", "load_pt", "TaskNames",
-                 "TASKS", "task_family", "INPUT_KEYS", "check_split", "load_split", "load_splits", "single_sequences",
-                 "batch_indices", "get_batch")
-
-
-def test_data_py_holds_data_its_contract_on_top_and_no_module_keeps_run_state():
-    """data.py defines DATA_CONTRACT before any source's code and imports none of the engine's modules (DDP, the run
-    lock, signals, git: pretrain.py). No module keeps a run in a global (own_run keeps its own dict)."""
-    tree = ast.parse(open(os.path.join(HERE, "data.py")).read())
-    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | {
-        n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    engine = {"torch.distributed", "torch.nn.parallel", "fcntl", "signal", "subprocess"}
-    assert not imported & engine, imported & engine
-    line = {}
-    for node in tree.body:
-        for target in node.targets if isinstance(node, ast.Assign) else [node]:
-            for name in ast.walk(target):
-                if isinstance(name, (ast.Name, ast.FunctionDef, ast.ClassDef)):
-                    line.setdefault(getattr(name, "id", getattr(name, "name", None)), node.lineno)
-    assert set(DATA_CONTRACT) <= set(line), set(DATA_CONTRACT) - set(line)
-    first_source = min(line[name] for name in ["sha256_of", "download_file"] + [getattr(f, "func", f).__name__ for f
-                                                                                in data.PREPARE.values()])
-    late = {name: line[name] for name in DATA_CONTRACT if line[name] > first_source}
-    assert not late, f"defined after the first source-specific code (line {first_source}): {late}"
-    for name in ("data.py", "model.py", "pretrain.py", "finetune.py"):
-        tree = ast.parse(open(os.path.join(HERE, name)).read())
-        assert not any(isinstance(n, ast.Global) for n in ast.walk(tree)), name
-        empty = [n for n in tree.body if isinstance(n, ast.Assign) and (isinstance(n.value, ast.Dict) and not
-                 n.value.keys or isinstance(n.value, ast.List) and not n.value.elts)]  # filled at run time
-        mutable = [t.id for n in empty for t in n.targets]
-        assert not [m for m in mutable if m not in ("_STAMPS",)], (name, mutable)  # _STAMPS: a cache of geometry
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Proposition 1 (analyze.py prop1)
 # ----------------------------------------------------------------------------------------------------------
@@ -539,8 +502,7 @@ def test_prop1_losses_match_loops_and_their_derivatives_finite_differences_and_t
 
 
 def test_prop1_main_writes_json_and_a_png_that_records_its_command(tmp_path):
-    """The PNG records its command (analyze.save_figure), which report prints under it; a PNG drawn otherwise has
-    none."""
+    """The PNG records its command (analyze.save_figure), which report prints under it; other PNGs have none."""
     import matplotlib.pyplot as plt
     analyze.main(["prop1", "--out", str(tmp_path)])
     assert analyze.figure_command(str(tmp_path / "prop1.png")) == f"python analyze.py prop1 --out {tmp_path}"
@@ -549,15 +511,8 @@ def test_prop1_main_writes_json_and_a_png_that_records_its_command(tmp_path):
     plt.figure().savefig(tmp_path / "plain.png")
     plt.close("all")
     assert analyze.figure_command(str(tmp_path / "plain.png")) is None  # a file not a PNG: the report's test
-    rows = json.loads((tmp_path / "prop1.json").read_text())["rows"]
-    assert len(rows) >= 5
-    for r in rows:
-        if "population" in r["case"]:  # population C: only up to sampling error
-            assert 1e-6 < r["rel_err_paper"] < 0.2
-            continue
-        assert r["rel_err_exact"] < 1e-6
-        assert r["max_abs_col_sum"] > 1e-12 or (r["rel_err_paper"] < 1e-6 and (r["pooling"] == "cls" or
-                                                                              abs(r["dsup"]) < 1e-12))
+    rows = json.loads((tmp_path / "prop1.json").read_text())["rows"]  # the forms themselves: the test before
+    assert len(rows) >= 5 and all(r["rel_err_exact"] < 1e-6 for r in rows if "population" not in r["case"])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -588,24 +543,21 @@ def test_synthetic_label_is_invisible_to_linear_statistics_but_in_neighbour_inte
 
 def test_bench_reports_its_ratio_against_the_reference_measured_in_the_same_run(tmp_path, monkeypatch):
     monkeypatch.setitem(ablate.BENCH_SIZES, "tiny", (64, 16, 1, 2, 32, 2))
-    argv = ["bench", "--size", "tiny", "--steps", "1", "--repeats", "1", "--device", "cpu", "--out_dir", str(tmp_path),
-            "--name", "tiny"]
+    argv = ["bench", "--size", "tiny", "--steps", "1", "--repeats", "1", "--device", "cpu", "--out_dir", str(tmp_path)]
     ablate.main(argv)
-    out = json.load(open(tmp_path / "bench" / "tiny.json"))
+    out = json.load(open(tmp_path / "bench" / "tiny_L64_cpu.json"))
     r = out["results"]
     assert list(r) == ["fused", "reference"] and out["size"]["L"] == 64
     ratio = r["reference"]["ms_per_step"] / r["fused"]["ms_per_step"]
     assert out["speed_ratio_fused_vs_reference"] == pytest.approx(ratio)
     assert all(v["tokens_per_s"] == pytest.approx(64 * 2 / (v["ms_per_step"] / 1000)) for v in r.values())
-    table = (tmp_path / "bench" / "tiny.md").read_text()
+    table = (tmp_path / "bench" / "tiny_L64_cpu.md").read_text()
     assert f"| torch.nn.TransformerEncoder | {r['reference']['ms_per_step']:.1f} |" in table
     assert f"**{ratio:.2f}**" in table
-    with pytest.raises(SystemExit):  # a size of its own is not one of BENCH_SIZES
-        ablate.main(argv[:1] + ["--size", "64,16,1,2,32,2"])
     monkeypatch.setattr(pretrain, "reconstruction_loss", lambda *a: 1 / 0)  # a variant that fails: a row, named
-    ablate.main(argv[:-1] + ["failed"])
+    ablate.main(argv)
     assert "| ours, fused attention | ZeroDivisionError: division by zero |" in \
-        (tmp_path / "bench" / "failed.md").read_text()
+        (tmp_path / "bench" / "tiny_L64_cpu.md").read_text()
 
 
 def test_gpu_command_writes_its_table_after_every_stage_and_goes_on_after_a_failed_one(tmp_path, monkeypatch):
@@ -1228,8 +1180,8 @@ def test_a_task_of_ones_own_runs_after_the_readme_steps(tmp_path, monkeypatch):
 
 
 def test_analyze_names_what_is_wrong_with_a_checkpoint_path_before_any_work(synthetic_run, tmp_path, capsys):
-    """A run folder as --ckpt, a misspelled file, a second --ckpt missing, a log file, one file named twice, a missing
-    --run_dir: refused naming it, before the first checkpoint's work. Checkpoints of one name get two labels."""
+    """A run folder as --ckpt, a misspelled file, a second --ckpt missing, a log file, a missing --run_dir: refused
+    naming it, before the first checkpoint's work. Checkpoints of one name get two labels."""
     data_dir, out = synthetic_run
     run = os.path.join(out, "synthetic")
     good = os.path.join(run, "pretrain.pt")
@@ -1238,7 +1190,6 @@ def test_analyze_names_what_is_wrong_with_a_checkpoint_path_before_any_work(synt
             (["attention", "--ckpt", os.path.join(run, "pretrian.pt")], FileNotFoundError, "pretrian.pt"),
             (["gradients", "--ckpt", good, os.path.join(run, "pretrain_step9.pt")], FileNotFoundError, "step9.pt"),
             (["attention", "--ckpt", os.path.join(run, "pretrain_log.jsonl")], ValueError, "pretrain_log.jsonl"),
-            (["attention", "--ckpt", good, os.path.join(run, ".", "pretrain.pt")], ValueError, "--ckpt"),
             (["curves", "--run_dir", str(tmp_path / "synthtic")], FileNotFoundError, "synthtic")):
         with pytest.raises(error, match=re.escape(named)):
             analyze.main(argv + ["--data_dir", data_dir, "--out", str(tmp_path / "a")])
@@ -1668,12 +1619,14 @@ def _lra_fixture(task, root):
     if task == "retrieval":
         write_aan(os.path.join(root, "retrieval"))
         return data.prepare_retrieval(root, max_len=40, download=False)
+    if task == "pathx":
+        return data.prepare("pathx", root, generate=20)
     write_cifar(os.path.join(root, "image", "cifar-10-batches-py"))
     return data.prepare_image(root, n_val=10, download=False)
 
 
 @pytest.mark.parametrize("task, extra", [("retrieval", []), ("image", ["--rec_loss", "ce"]),
-                                         ("image", ["--rec_loss", "l1"])])
+                                         ("image", ["--rec_loss", "l1"]), ("pathx", [])])
 def test_lra_tasks_pretrain_then_finetune_a_few_steps(tmp_path, task, extra):
     root, out = str(tmp_path / "data"), str(tmp_path / "out")
     _lra_fixture(task, root)
@@ -1682,9 +1635,12 @@ def test_lra_tasks_pretrain_then_finetune_a_few_steps(tmp_path, task, extra):
     ck = data.load_pt(os.path.join(out, task, "pretrain.pt"))
     n_rec = 258 if task == "retrieval" else 256 if "ce" in extra else 1
     assert ck["model_config"]["n_rec"] == n_rec
+    assert (ck["model_config"]["attn_window"] == 256) == (ck["model_config"]["pooling"] == "max") == (task == "pathx")
     finetune.main(common + ["--init", os.path.join(out, task, "pretrain.pt")])
     result = json.load(open(os.path.join(out, task, "finetune_spt.json")))
     assert 0 <= result["test_acc"] <= 1 and len(result["evals"]) >= 2  # Retrieval's head: the swap and pair tests
+    if task == "pathx":  # its maps would be (16384, 16384) per head
+        return
     # the attention analysis reads every task's checkpoints (Retrieval: each document of a pair on its own)
     stats, maps = analyze.analyze_checkpoints({"spt": os.path.join(out, task, "pretrain.pt")}, root, n=5)
     assert 0 < stats["spt"]["band_mass"] <= 1
@@ -3190,17 +3146,6 @@ def test_readers_name_the_file_and_line_of_bad_input(tmp_path, reader, content, 
         else getattr(data, reader)
     with pytest.raises(ValueError, match="^" + re.escape(f"{path}, line {line}: " if line else f"{path}: ")):
         read(str(path))
-
-
-def test_pathx_runs_a_few_steps_with_local_attention(tmp_path):
-    root, out = str(tmp_path / "data"), str(tmp_path / "out")
-    data.prepare("pathx", root, generate=20)
-    assert data.load_split(root, "pathx", "train")["pixels"].shape == (16, 16384)
-    common = ["--task", "pathx", "--data_dir", root, "--out_dir", out, "--max_steps", "1", "--eval_every", "1"] + TINY
-    pretrain.main(common)
-    ck = data.load_pt(os.path.join(out, "pathx", "pretrain.pt"))
-    assert ck["model_config"]["attn_window"] == 256 and ck["model_config"]["pooling"] == "max"
-    finetune.main(common + ["--init", os.path.join(out, "pathx", "pretrain.pt")])
 
 
 def test_ablate_swap_duration_and_main_run_end_to_end(listops_dir, synthetic_run, tmp_path, monkeypatch, capsys):
