@@ -748,7 +748,7 @@ def experiment_pooling(args):
                 f"10 epochs, finetuning {POOLING_EPOCHS}, batch 32; plateau: the epochs before val acc first rises "
                 f"more than {margin:.3f} (3 standard errors of a constant prediction) above the majority rate; score "
                 "gradients on 64 training sequences at SPT's initial weights (L_sup with a class head drawn from seed "
-                "0; L_SPT summed over a sequence's masked positions), per layer (layer 0 / 1); along: the norm along "
+                "0; L_SPT summed over a sequence's masked positions), per layer (layer 0 first); along: the norm along "
                 "Prop. 1's directions, root mean square per sequence")
 
 
